@@ -1,0 +1,109 @@
+"""Host time per decode step: ostinato (dispatch + copy-in + replay) vs a bare graph.replay().
+
+The model is deliberately tiny so that device time stays below host time; each timed
+burst is short enough that the launch queue never fills, so the numbers are host time.
+
+    PYTHONPATH=src python benchmarks/host_overhead.py --out benchmarks/results/FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ostinato import GraphConfig, GraphMode
+from ostinato.demo import TinyModel, TinyRunner
+from ostinato.provenance import Provenance
+
+TARGET_US = 15.0
+
+
+@dataclass
+class HostOverhead:
+    batch_sizes: list[int]
+    bare_replay_us: float
+    dispatch_us: float
+    step_us: float
+    overhead_us: float
+    target_us: float
+    bursts: int
+    burst_len: int
+
+
+def _burst_us(fn, bursts: int, burst_len: int) -> float:
+    """Median over bursts of host microseconds per call; the device drains between bursts."""
+    samples = []
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(burst_len):
+            fn()
+        samples.append((time.perf_counter() - t0) / burst_len * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
+    device = torch.device("cuda")
+    model = TinyModel(vocab=1000, hidden=64, intermediate=128, layers=1)
+    model = model.to(device, torch.bfloat16).eval()
+    runner = TinyRunner(model, GraphConfig(mode=GraphMode.FULL), device, progress=False)
+    runner.capture()
+    manager = runner.manager
+    sizes = [1, 3, 8, 13, 32, 100]
+    # Step inputs arrive on the host, as token ids from a scheduler, in pinned memory.
+    host_ids = torch.randint(0, 1000, (max(sizes),), dtype=torch.long).pin_memory()
+
+    plan = manager.plan(8)
+    bare = _burst_us(manager.graph(plan.descriptor).replay, bursts, burst_len)
+
+    i = 0
+
+    def dispatch_only() -> None:
+        nonlocal i
+        manager.plan(sizes[i % len(sizes)])
+        i += 1
+
+    def step() -> None:
+        nonlocal i
+        n = sizes[i % len(sizes)]
+        i += 1
+        plan = manager.plan(n)
+        runner.input_ids[:n].copy_(host_ids[:n], non_blocking=True)
+        manager.run(plan, n)
+
+    dispatch = _burst_us(dispatch_only, bursts, burst_len)
+    full_step = _burst_us(step, bursts, burst_len)
+    return HostOverhead(
+        sizes, bare, dispatch, full_step, full_step - bare, TARGET_US, bursts, burst_len
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    args = parser.parse_args()
+    result = measure()
+    print(f"bare graph.replay(): {result.bare_replay_us:6.2f} us")
+    print(f"dispatch only:       {result.dispatch_us:6.2f} us")
+    print(f"ostinato step:       {result.step_us:6.2f} us  (dispatch + copy-in + replay + slice)")
+    print(f"overhead vs bare:    {result.overhead_us:6.2f} us; step target <= {TARGET_US} us")
+    if args.out:
+        doc = {
+            "benchmark": "host_overhead",
+            "provenance": asdict(Provenance.collect()),
+            "result": asdict(result),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from ostinato.cli import main
+
+sys.exit(main())

@@ -1,0 +1,24 @@
+"""BatchDescriptor: the key under which one graph is captured and replayed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDescriptor:
+    """The shape of one (padded) step: the key of a graph.
+
+    Frozen and hashable. ``num_reqs`` is set only for uniform decode batches, where the
+    request count is fixed by the token count; mixed batches leave it ``None`` because a
+    mixed graph serves any split of its tokens into requests.
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform_decode: bool = False
+    has_lora: bool = False
+
+    def relaxed(self) -> BatchDescriptor:
+        """The same token count with the uniform-decode specialisation dropped."""
+        return BatchDescriptor(self.num_tokens, None, False, self.has_lora)

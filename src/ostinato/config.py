@@ -1,0 +1,99 @@
+"""GraphConfig: which graphs to capture, for which batch sizes, and how."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ostinato.modes import GraphMode
+
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
+    """The default ladder: 1, 2, 4, multiples of 8 up to 256, multiples of 16 above.
+
+    Guarantees: sorted ascending, no duplicates, every size ``<= max_capture_size``,
+    and ``max_capture_size`` itself is included when it is not already on the ladder,
+    so that every batch up to it has a graph.
+    """
+    if max_capture_size < 1:
+        raise ValueError(
+            f"max_capture_size: must be >= 1, got {max_capture_size}; "
+            "use GraphMode.NONE to run without graphs"
+        )
+    ladder = [1, 2, 4, *range(8, 257, 8), *range(272, max_capture_size + 1, 16)]
+    sizes = [s for s in ladder if s <= max_capture_size]
+    if sizes[-1] != max_capture_size:
+        sizes.append(max_capture_size)
+    return sizes
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """What to capture. Validated on construction; invalid values raise ``ValueError``.
+
+    ``mode``: a ``GraphMode`` or its name. ``capture_sizes``: the token counts to capture
+    (default: the ladder of ``default_capture_sizes`` up to ``max_capture_size``), stored
+    sorted ascending. ``max_num_tokens``: the runner's token budget per step, when known;
+    no capture size may exceed it. ``specialize_lora``: capture separate graphs for
+    batches with and without LoRA. ``num_warmups``: eager runs before each capture.
+    ``debug``: check input addresses on every replay (slower; names the moved input).
+    """
+
+    mode: GraphMode = GraphMode.FULL
+    capture_sizes: tuple[int, ...] | None = None
+    max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
+    max_num_tokens: int | None = None
+    specialize_lora: bool = False
+    num_warmups: int = 1
+    debug: bool = False
+    # Filled in by __post_init__; not an argument.
+    sizes: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", GraphMode.parse(self.mode))
+        if self.max_num_tokens is not None and self.max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens: must be >= 1, got {self.max_num_tokens}")
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
+        if self.capture_sizes is None:
+            limit = self.max_capture_size
+            if self.max_num_tokens is not None:
+                limit = min(limit, self.max_num_tokens)
+            sizes = default_capture_sizes(limit)
+        else:
+            sizes = _validated_sizes(self.capture_sizes, self.max_num_tokens)
+            object.__setattr__(self, "capture_sizes", tuple(self.capture_sizes))
+        object.__setattr__(self, "sizes", tuple(sizes))
+
+    @property
+    def largest_size(self) -> int:
+        """The largest captured token count; larger batches run eagerly."""
+        return self.sizes[-1]
+
+
+def _validated_sizes(sizes: Sequence[int], max_num_tokens: int | None) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise ValueError(f"capture_sizes: expected a sequence of ints, got {type(sizes).__name__}")
+    if not sizes:
+        raise ValueError(
+            "capture_sizes: empty; leave it as None for the default ladder, "
+            "or use GraphMode.NONE to capture nothing"
+        )
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"capture_sizes: {s!r} is not an int")
+        if s < 1:
+            raise ValueError(f"capture_sizes: {s} is not positive; every size must be >= 1")
+    dupes = sorted({s for s in sizes if list(sizes).count(s) > 1})
+    if dupes:
+        raise ValueError(f"capture_sizes: duplicate sizes {dupes}; list each size once")
+    if max_num_tokens is not None:
+        too_big = sorted(s for s in sizes if s > max_num_tokens)
+        if too_big:
+            raise ValueError(
+                f"capture_sizes: {too_big} exceed max_num_tokens={max_num_tokens}; "
+                "drop them or raise the token budget"
+            )
+    return sorted(sizes)

@@ -1,0 +1,129 @@
+"""Dispatcher: the runtime mode and padded batch descriptor for one step, in O(1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ostinato.batch import BatchDescriptor
+from ostinato.config import GraphConfig
+from ostinato.modes import GraphMode
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """What one step runs as: a runtime mode and the descriptor of its (padded) batch.
+
+    For NONE the descriptor carries the real, unpadded token count.
+    """
+
+    mode: GraphMode
+    descriptor: BatchDescriptor
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.descriptor.num_tokens
+
+
+class Dispatcher:
+    """Maps (num_tokens, uniform_decode, has_lora) to a ``Dispatch`` by table lookup.
+
+    Guarantees: ``dispatch`` does no arithmetic proportional to the number of sizes and
+    allocates no new objects for batches up to the largest capture size (every answer is
+    precomputed at construction); for batches above the largest capture size it returns
+    NONE with the real token count, never an error. ``keys(mode)`` is exactly
+    the set of descriptors that can ever be returned with that mode, i.e. what to capture.
+
+    ``mode`` must already be resolved against the attention backend and platform
+    (``support.resolve_mode``). ``uniform_decode_query_len`` is the query length of every
+    request in a uniform decode step (1, or 1 + speculative tokens). ``max_num_reqs``
+    bounds the uniform decode graphs. ``lora_enabled`` says whether the model may run
+    LoRA at all; with ``config.specialize_lora`` graphs are captured with and without it.
+    """
+
+    def __init__(
+        self,
+        config: GraphConfig,
+        mode: GraphMode | None = None,
+        *,
+        uniform_decode_query_len: int = 1,
+        max_num_reqs: int | None = None,
+        lora_enabled: bool = False,
+    ) -> None:
+        if uniform_decode_query_len < 1:
+            raise ValueError(
+                f"uniform_decode_query_len: must be >= 1, got {uniform_decode_query_len}"
+            )
+        self.mode = config.mode if mode is None else GraphMode.parse(mode)
+        self.sizes = config.sizes
+        self.max_size = config.largest_size
+        self.uniform_decode_query_len = uniform_decode_query_len
+        self.lora_enabled = lora_enabled
+        self._lora_cases = (
+            (False, True) if (lora_enabled and config.specialize_lora) else (lora_enabled,)
+        )
+        q = uniform_decode_query_len
+        decode_limit = self.max_size if max_num_reqs is None else max_num_reqs * q
+        mixed = self.mode.mixed_mode()
+        uniform_full = self.mode.separate_routine() and self.mode.decode_mode() is GraphMode.FULL
+
+        # pad_to[n] = smallest captured size >= n, for 1 <= n <= max_size.
+        pad_to = [0] * (self.max_size + 1)
+        j = 0
+        for n in range(1, self.max_size + 1):
+            while self.sizes[j] < n:
+                j += 1
+            pad_to[n] = self.sizes[j]
+
+        self._keys: dict[GraphMode, set[BatchDescriptor]] = {
+            GraphMode.FULL: set(),
+            GraphMode.PIECEWISE: set(),
+        }
+        # _table[(uniform, lora)][n] -> Dispatch, n in 0..max_size.
+        self._table: dict[tuple[bool, bool], list[Dispatch]] = {}
+        for lora in self._lora_cases:
+            for uniform in (False, True):
+                row: list[Dispatch] = [Dispatch(GraphMode.NONE, BatchDescriptor(0, None))]
+                for n in range(1, self.max_size + 1):
+                    p = pad_to[n]
+                    if uniform and uniform_full and p % q == 0 and q <= p <= decode_limit:
+                        d = Dispatch(GraphMode.FULL, BatchDescriptor(p, p // q, True, lora))
+                    elif mixed is not GraphMode.NONE:
+                        d = Dispatch(mixed, BatchDescriptor(p, None, False, lora))
+                    else:
+                        d = Dispatch(GraphMode.NONE, BatchDescriptor(n, None, uniform, lora))
+                    if d.mode is not GraphMode.NONE:
+                        self._keys[d.mode].add(d.descriptor)
+                    row.append(d)
+                self._table[(uniform, lora)] = row
+
+    def dispatch(
+        self, num_tokens: int, uniform_decode: bool = False, has_lora: bool = False
+    ) -> Dispatch:
+        """The mode and padded descriptor for a step of ``num_tokens`` tokens.
+
+        Batches larger than the largest capture size run NONE (eagerly) at their real
+        size. Raises ``ValueError`` for a negative token count, and for ``has_lora``
+        when the dispatcher was built without LoRA.
+        """
+        if has_lora and not self.lora_enabled:
+            raise ValueError(
+                "has_lora=True but the dispatcher was built with lora_enabled=False; "
+                "build it with lora_enabled=True so graphs are captured with LoRA active"
+            )
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
+        if num_tokens > self.max_size:
+            return Dispatch(
+                GraphMode.NONE, BatchDescriptor(num_tokens, None, uniform_decode, has_lora)
+            )
+        lora = has_lora if len(self._lora_cases) == 2 else self._lora_cases[0]
+        return self._table[(uniform_decode, lora)][num_tokens]
+
+    def keys(self, mode: GraphMode) -> list[BatchDescriptor]:
+        """Descriptors dispatched with runtime ``mode`` (FULL or PIECEWISE), largest first.
+
+        Mixed (non-uniform) descriptors come before uniform-decode ones of equal size.
+        """
+        if mode not in self._keys:
+            raise ValueError(f"mode: keys exist only for FULL and PIECEWISE, got {mode.name}")
+        return sorted(self._keys[mode], key=lambda d: (-d.num_tokens, d.uniform_decode, d.has_lora))

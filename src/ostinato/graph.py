@@ -1,0 +1,203 @@
+"""GraphWrapper: capture a callable as a graph on first use per batch, replay after."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ostinato.batch import BatchDescriptor
+from ostinato.context import _current
+from ostinato.errors import GraphCaptureError, InputAddressChangedError
+from ostinato.guard import check_capture_allowed, locate_illegal_op
+from ostinato.modes import GraphMode
+from ostinato.platform import Graph, Platform, current_platform
+from ostinato.pool import CaptureMeter, shared_pool
+from ostinato.weakref import weak_ref_tensors
+
+_ADDRESS_HINT = (
+    "A graph reads its inputs from the addresses they had at capture. Copy new data into "
+    "the captured buffer (buf[:n].copy_(x)) instead of passing a new tensor."
+)
+
+
+@dataclass
+class GraphEntry:
+    """One captured graph, the outputs it writes, and (debug) its input addresses.
+
+    ``output`` holds non-owning views of the graph's outputs: valid after each replay of
+    this graph until any graph sharing its pool is replayed.
+    """
+
+    descriptor: BatchDescriptor
+    graph: Graph
+    output: Any
+    input_addresses: tuple[tuple[str, int], ...] | None = None
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How a ``GraphWrapper`` captures.
+
+    ``weak_ref_output``: return non-owning views even from the capturing call (safe only
+    when nothing captured later reads this output, e.g. the last piece of a model).
+    ``debug``: record input addresses at capture and check them on every replay.
+    ``lazy_capture``: allow capture outside ``capture_phase()``.
+    """
+
+    weak_ref_output: bool = False
+    debug: bool = False
+    lazy_capture: bool = False
+
+
+class GraphWrapper:
+    """Wraps a callable so that, in its runtime mode, it replays a graph per batch shape.
+
+    Behaviour per call, from the forward context (``ostinato.forward_context``):
+    if there is no context or its runtime mode is not this wrapper's ``mode``, the
+    callable runs eagerly (this lets wrappers of different modes nest). Otherwise the
+    graph for the context's batch descriptor is captured on first use (only inside the
+    capture phase unless ``lazy_capture``) and replayed afterwards.
+
+    Guarantees: a replay runs exactly the captured kernels on the captured addresses, so
+    its results are bitwise those of an eager run on those addresses; graphs are never
+    re-captured; a failed capture raises ``GraphCaptureError`` naming the op and source
+    line that broke it, and leaves no entry behind. The wrapper does not copy inputs:
+    the caller keeps them in persistent buffers. Attributes not found on the wrapper are
+    looked up on the wrapped callable.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        mode: GraphMode,
+        *,
+        options: GraphOptions | None = None,
+        pool: Any = None,
+        platform: Platform | None = None,
+        meter: CaptureMeter | None = None,
+        name: str | None = None,
+    ) -> None:
+        if mode not in (GraphMode.FULL, GraphMode.PIECEWISE):
+            raise ValueError(f"mode: a GraphWrapper is FULL or PIECEWISE, got {mode.name}")
+        self.runnable = runnable
+        self.mode = mode
+        self.options = options or GraphOptions()
+        self.platform = platform or current_platform()
+        self.pool = pool if pool is not None else shared_pool(self.platform)
+        self.meter = meter
+        self.name = name or getattr(runnable, "__qualname__", type(runnable).__name__)
+        self.entries: dict[BatchDescriptor, GraphEntry] = {}
+
+    def __getattr__(self, key: str) -> Any:
+        # Only reached for names not found on the wrapper itself.
+        runnable = self.__dict__.get("runnable")
+        if runnable is not None and hasattr(runnable, key):
+            return getattr(runnable, key)
+        raise AttributeError(f"neither the GraphWrapper nor {runnable!r} has attribute {key!r}")
+
+    def unwrap(self) -> Callable[..., Any]:
+        """The wrapped callable."""
+        return self.runnable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = _current.get()
+        if ctx is None or ctx.runtime_mode is not self.mode:
+            return self.runnable(*args, **kwargs)
+        descriptor = ctx.batch_descriptor
+        entry = self.entries.get(descriptor)  # type: ignore[arg-type]
+        if entry is None:
+            return self._capture(descriptor, args, kwargs)
+        if entry.input_addresses is not None:
+            self._check_addresses(entry, args, kwargs)
+        if self.platform.sync_before_replay:
+            self.platform.synchronize()
+        entry.graph.replay()
+        return entry.output
+
+    def _capture(
+        self, descriptor: BatchDescriptor | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        what = f"{self.name} ({self.mode.name}, {descriptor})"
+        if descriptor is None:
+            raise ValueError(
+                f"{what}: the forward context has runtime mode {self.mode.name} but no batch "
+                "descriptor; pass the one Dispatcher.dispatch returned"
+            )
+        check_capture_allowed(what, self.options.lazy_capture)
+        graph = self.platform.new_graph()
+        addresses = _input_addresses(args, kwargs) if self.options.debug else None
+        try:
+            if self.meter is not None:
+                with self.meter.measure(descriptor, self.mode):
+                    output = self._record(graph, args, kwargs)
+            else:
+                output = self._record(graph, args, kwargs)
+        except Exception as exc:
+            raise self._capture_error(what, exc, args, kwargs) from exc
+        self.entries[descriptor] = GraphEntry(
+            descriptor, graph, weak_ref_tensors(output), addresses
+        )
+        # The capturing call returns owning tensors so the pool keeps them alive while
+        # the rest of this step (maybe further captures) still reads them.
+        return weak_ref_tensors(output) if self.options.weak_ref_output else output
+
+    def _record(self, graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self.platform.capture(graph, self.pool):
+            return self.runnable(*args, **kwargs)
+
+    def _capture_error(
+        self, what: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> GraphCaptureError:
+        culprit = locate_illegal_op(self.platform, self.runnable, args, kwargs)
+        where = (
+            f"The op that breaks capture: {culprit}."
+            if culprit
+            else "Running it eagerly with host syncs forbidden raised nothing, so the cause "
+            "is not a host sync; see the chained exception."
+        )
+        return GraphCaptureError(
+            f"capturing {what} failed: {type(exc).__name__}: {exc}\n{where}\n"
+            "Ops that wait for the device (.item(), .tolist(), .cpu(), print(tensor), "
+            "nonzero, boolean-mask indexing, shapes that depend on data) cannot be "
+            "captured: move them out of the captured code, or run this step in NONE mode."
+        )
+
+    def _check_addresses(
+        self, entry: GraphEntry, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        now = _input_addresses(args, kwargs)
+        if now == entry.input_addresses:
+            return
+        before = dict(entry.input_addresses or ())
+        after = dict(now)
+        for name in sorted(before.keys() | after.keys()):
+            if before.get(name) != after.get(name):
+                was = before.get(name)
+                new = after.get(name)
+                raise InputAddressChangedError(
+                    f"{self.name} ({self.mode.name}, {entry.descriptor}): input {name} "
+                    f"was at {_hex(was)} at capture and is at {_hex(new)} now. " + _ADDRESS_HINT
+                )
+
+    def reset(self) -> None:
+        """Drops every captured graph. Only safe when no graph of the pool replays after."""
+        for entry in self.entries.values():
+            entry.graph.reset()
+        self.entries.clear()
+
+
+def _input_addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    found = [(f"argument #{i}", a.data_ptr()) for i, a in enumerate(args) if _is_tensor(a)]
+    found += [(f"argument {k!r}", v.data_ptr()) for k, v in kwargs.items() if _is_tensor(v)]
+    return tuple(found)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _hex(address: int | None) -> str:
+    return "(absent)" if address is None else hex(address)

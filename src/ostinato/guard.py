@@ -1,0 +1,93 @@
+"""The capture phase, and diagnostics for a capture that failed."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from ostinato.errors import CaptureNotAllowedError
+from ostinato.platform import Platform
+
+_in_capture_phase: ContextVar[bool] = ContextVar("ostinato_capture_phase", default=False)
+
+
+@contextlib.contextmanager
+def capture_phase() -> Iterator[None]:
+    """Inside this block graphs may be captured; garbage collection is paused.
+
+    One full collection runs on entry; the collector is re-enabled on exit (only if it
+    was enabled before). Pausing it matters because a capture may be triggered once per
+    piece per size, and a collection between captures costs far more than the capture.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    token = _in_capture_phase.set(True)
+    try:
+        yield
+    finally:
+        _in_capture_phase.reset(token)
+        if was_enabled:
+            gc.enable()
+
+
+def in_capture_phase() -> bool:
+    """True inside ``capture_phase()``."""
+    return _in_capture_phase.get()
+
+
+def check_capture_allowed(what: str, lazy_capture: bool) -> None:
+    """Raises ``CaptureNotAllowedError`` unless capture is allowed now."""
+    if lazy_capture or _in_capture_phase.get():
+        return
+    raise CaptureNotAllowedError(
+        f"{what} has no graph yet and would be captured in the middle of serving. "
+        "Capture every size at start-up (GraphManager.capture, or run a step of each "
+        "size inside `with ostinato.capture_phase():`), or pass lazy_capture=True to "
+        "allow capture on first use."
+    )
+
+
+# Frames in these folders are never the user's op: torch, the stdlib, and ostinato.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (torch.__file__, contextlib.__file__, __file__)
+)
+
+
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame of ``exc`` outside torch, ostinato and the stdlib."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_LIBRARY_DIRS):
+            return frame
+    return frames[-1] if frames else None
+
+
+def locate_illegal_op(
+    platform: Platform, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """Re-runs ``fn`` eagerly with host-device syncs made errors; names the first one.
+
+    Returns ``"file:line in func: source (error)"``, or None if the eager run raised
+    nothing (the capture failed for another reason). The re-run is eager, so it has the
+    same side effects as a warm-up run.
+    """
+    try:
+        with platform.sync_errors():
+            fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any error is the diagnosis we want
+        frame = user_frame(exc)
+        where = f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}" if frame else "?"
+        return f"{where} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    finally:
+        platform.synchronize()
+    return None

@@ -1,0 +1,91 @@
+"""The Platform interface: everything ostinato needs from a device backend."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, Protocol
+
+
+class Graph(Protocol):
+    """A captured graph: replay re-runs the recorded kernels on the same addresses."""
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class Platform(ABC):
+    """A device backend. Subclasses say whether they can capture graphs at all.
+
+    Guarantees of every implementation: ``capture`` records the work issued inside it
+    into ``graph`` without running it eagerly a second time, on a stream of its own,
+    with the device synchronized first; ``memory_reserved`` and ``device_used_memory``
+    are in bytes and cheap to call.
+    """
+
+    name: str = "abstract"
+    device_type: str = "cpu"
+    supports_graphs: bool = False
+    sync_before_replay: bool = False
+    """True where the runtime must be synchronized before each replay (Ascend)."""
+
+    @abstractmethod
+    def new_graph(self) -> Graph:
+        """A fresh, empty graph object."""
+
+    @abstractmethod
+    def graph_pool_handle(self) -> Any:
+        """A new memory-pool handle that several captures can share."""
+
+    @abstractmethod
+    def capture(self, graph: Graph, pool: Any) -> contextlib.AbstractContextManager[None]:
+        """Context in which issued device work is recorded into ``graph``."""
+
+    def synchronize(self) -> None:  # noqa: B027 - a no-op where work is synchronous
+        """Waits for all queued device work."""
+
+    def memory_reserved(self) -> int:
+        """Bytes the framework's caching allocator holds on the device."""
+        return 0
+
+    def device_used_memory(self) -> int:
+        """Bytes in use on the whole device, as the driver sees it."""
+        return 0
+
+    def empty_cache(self) -> None:  # noqa: B027 - a no-op where nothing is cached
+        """Returns cached, unused blocks to the device."""
+
+    @contextlib.contextmanager
+    def sync_errors(self) -> Iterator[None]:
+        """Context in which a host-device synchronising op raises instead of running.
+
+        Used to find the op that broke a capture; a no-op where the platform cannot tell.
+        """
+        yield
+
+
+@contextlib.contextmanager
+def paused_collection(device_module: ModuleType) -> Iterator[None]:
+    """Pauses the garbage collector and ``device_module.empty_cache`` inside the block.
+
+    Releasing cached blocks while a stream is being captured is illegal, and a collection
+    can run finalizers that do exactly that; so neither may run during a capture.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    empty_cache = device_module.empty_cache
+    device_module.empty_cache = _no_op
+    try:
+        yield
+    finally:
+        device_module.empty_cache = empty_cache
+        if was_enabled:
+            gc.enable()
+
+
+def _no_op() -> None:
+    return None

@@ -1,0 +1,70 @@
+"""The CUDA platform (also ROCm/HIP, which PyTorch exposes through the same API)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ostinato.platform.base import Graph, Platform, paused_collection
+
+
+class CudaPlatform(Platform):
+    """CUDA graphs through ``torch.cuda.CUDAGraph`` on the current device."""
+
+    device_type = "cuda"
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        self.name = "rocm" if torch.version.hip else "cuda"
+        self._capture_stream: torch.cuda.Stream | None = None
+
+    def new_graph(self) -> Graph:
+        return torch.cuda.CUDAGraph()
+
+    def graph_pool_handle(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Graph, pool: Any) -> Iterator[None]:
+        # Capture needs a non-default stream; one stream serves every capture so that
+        # graphs sharing a pool are recorded in order.
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        assert isinstance(graph, torch.cuda.CUDAGraph)
+        with paused_collection(torch.cuda), torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=pool)
+            try:
+                yield
+            except BaseException:
+                # The capture is already invalid; ending it may raise again, and that
+                # second error would hide the first, which names the real cause.
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def device_used_memory(self) -> int:
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def sync_errors(self) -> Iterator[None]:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)

@@ -1,0 +1,99 @@
+"""A test double for the graph platform that behaves like a graph, on the CPU.
+
+During 'capture' a TorchDispatchMode records every aten op with the tensors it read and
+wrote; 'replay' re-runs those ops and writes each result into the tensor the op produced
+at capture. So, as with a real graph, replay recomputes on whatever data now sits at the
+captured tensors, writes to the same outputs, and runs no Python of the captured code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ostinato.platform.base import Platform
+
+
+class FakeGraph:
+    def __init__(self) -> None:
+        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.replays = 0
+        self.was_reset = False
+
+    def replay(self) -> None:
+        self.replays += 1
+        # A real replay ignores autograd modes; inference tensors need this to be writable.
+        with torch.inference_mode():
+            for func, args, kwargs, captured in self.ops:
+                fresh = func(*args, **kwargs)
+                for old, new in zip(tree_leaves(captured), tree_leaves(fresh), strict=True):
+                    if isinstance(old, torch.Tensor) and new is not old:
+                        old.copy_(new)
+
+    def reset(self) -> None:
+        self.was_reset = True
+        self.ops.clear()
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: FakeGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        return out
+
+
+class FakePlatform(Platform):
+    name = "fake"
+    device_type = "cpu"
+    supports_graphs = True
+
+    def __init__(self, fail_capture: BaseException | None = None) -> None:
+        self.capturing: FakeGraph | None = None
+        self.graphs: list[FakeGraph] = []
+        self.pools = 0
+        self.fail_capture = fail_capture
+        self.sync_errors_active = False
+        self.reserved = 0
+
+    def new_graph(self) -> FakeGraph:
+        g = FakeGraph()
+        self.graphs.append(g)
+        return g
+
+    def graph_pool_handle(self) -> Any:
+        self.pools += 1
+        return ("pool", self.pools)
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any) -> Iterator[None]:
+        assert self.capturing is None, "nested capture"
+        self.capturing = graph
+        try:
+            with _Recorder(graph):
+                yield
+            if self.fail_capture is not None:
+                raise self.fail_capture
+        finally:
+            self.capturing = None
+        self.reserved += 1024  # each capture 'costs' 1 KiB of pool
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+    @contextlib.contextmanager
+    def sync_errors(self) -> Iterator[None]:
+        self.sync_errors_active = True
+        try:
+            yield
+        finally:
+            self.sync_errors_active = False

@@ -1,0 +1,57 @@
+import pytest
+
+from ostinato import GraphConfig, GraphMode, default_capture_sizes
+
+
+def test_default_ladder_shape():
+    sizes = default_capture_sizes()
+    assert sizes[:4] == [1, 2, 4, 8]
+    assert [s for s in sizes if 8 <= s <= 256] == list(range(8, 257, 8))
+    assert [s for s in sizes if s > 256] == list(range(272, 513, 16))
+    assert sizes[-1] == 512
+    assert GraphConfig().sizes == tuple(sizes)
+
+
+@pytest.mark.parametrize("top", [1, 3, 7, 100, 256, 300, 1000])
+def test_ladder_reaches_max_exactly(top):
+    sizes = default_capture_sizes(top)
+    assert sizes == sorted(set(sizes))
+    assert sizes[-1] == top
+    assert all(s <= top for s in sizes)
+
+
+def test_default_ladder_respects_token_budget():
+    cfg = GraphConfig(max_num_tokens=100)
+    assert cfg.largest_size == 100
+    assert max(cfg.sizes) <= 100
+
+
+def test_explicit_sizes_sorted():
+    cfg = GraphConfig(capture_sizes=(8, 1, 4))
+    assert cfg.sizes == (1, 4, 8)
+    assert cfg.largest_size == 8
+
+
+def test_mode_from_string():
+    assert GraphConfig(mode="full_decode_only").mode is GraphMode.FULL_DECODE_ONLY
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"capture_sizes": (0, 4)}, "capture_sizes: 0 is not positive"),
+        ({"capture_sizes": (-2,)}, "capture_sizes: -2 is not positive"),
+        ({"capture_sizes": (4, 8, 4)}, r"capture_sizes: duplicate sizes \[4\]"),
+        ({"capture_sizes": ()}, "capture_sizes: empty"),
+        ({"capture_sizes": (1.5,)}, "capture_sizes: 1.5 is not an int"),
+        ({"capture_sizes": "8"}, "capture_sizes: expected a sequence"),
+        ({"capture_sizes": (8, 64), "max_num_tokens": 32}, r"\[64\] exceed max_num_tokens=32"),
+        ({"mode": "turbo"}, "mode: unknown graph mode 'turbo'"),
+        ({"max_capture_size": 0}, "max_capture_size: must be >= 1"),
+        ({"max_num_tokens": 0}, "max_num_tokens: must be >= 1"),
+        ({"num_warmups": -1}, "num_warmups: must be >= 0"),
+    ],
+)
+def test_invalid_values_name_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GraphConfig(**kwargs)

@@ -1,0 +1,177 @@
+"""GPU tests of the core runtime: capture, replay, padding, pool, guards, diagnostics."""
+
+import random
+
+import pytest
+import torch
+
+from ostinato import (
+    BatchDescriptor,
+    CaptureNotAllowedError,
+    Dispatcher,
+    GraphCaptureError,
+    GraphConfig,
+    GraphManager,
+    GraphMode,
+    GraphOptions,
+    GraphWrapper,
+    InputAddressChangedError,
+    capture_phase,
+    forward_context,
+)
+from ostinato.demo import TinyModel, TinyRunner
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+VOCAB = 1000
+
+
+@pytest.fixture(scope="module")
+def captured():
+    """A 4-block bf16 model captured at every size of the default ladder (1..512)."""
+    torch.manual_seed(0)
+    model = TinyModel(vocab=VOCAB, hidden=1024, intermediate=2048, layers=4)
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    runner = TinyRunner(model, GraphConfig(mode=GraphMode.FULL), DEVICE, progress=False)
+    runner.capture()
+    return model, runner
+
+
+def test_every_ladder_size_captured_into_one_pool(captured):
+    model, runner = captured
+    report = runner.manager.report
+    assert runner.manager.num_graphs == len(GraphConfig().sizes) >= 50
+    assert report.num_graphs == runner.manager.num_graphs
+    sizes = [r.descriptor.num_tokens for r in report.records]
+    assert sizes == sorted(sizes, reverse=True), "largest first"
+    # Graph memory is real, and bounded: the pool is shared, so 51 graphs cost about
+    # one largest graph's intermediates (512 x 4096 bf16 = 4 MiB each), not 51 of them.
+    assert 0 < report.pool_bytes < 64 * 2**20, report.summary()
+    assert report.device_bytes < 256 * 2**20, report.summary()
+    # The first (largest) capture reserves the pool; the rest mostly reuse it.
+    assert report.records[0].pool_bytes >= max(r.pool_bytes for r in report.records[1:])
+
+
+def test_replay_bitwise_equals_eager_on_padded_input_random_sizes(captured):
+    model, runner = captured
+    rng = random.Random(1234)
+    for n in [1, 2, 3, 511, 512] + [rng.randint(1, 512) for _ in range(40)]:
+        ids = torch.randint(0, VOCAB, (n,), device=DEVICE)
+        with torch.inference_mode():
+            got = runner.forward(ids).clone()
+            plan = runner.manager.plan(n)
+            padded = runner.input_ids[: plan.padded_tokens].clone()
+            want_padded = model(padded)[:n]
+            want = model(ids)
+        assert got.shape == (n, 1024)
+        assert torch.equal(got, want_padded), f"n={n}: replay differs from eager bitwise"
+        # The unpadded eager run may pick other GEMM kernels: equal within bf16 rounding.
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_padding_rows_do_not_leak_into_real_rows(captured):
+    model, runner = captured
+    n = 37
+    ids = torch.randint(0, VOCAB, (n,), device=DEVICE)
+    with torch.inference_mode():
+        first = runner.forward(ids).clone()
+        plan = runner.manager.plan(n)
+        runner.input_ids[n : plan.padded_tokens].random_(0, VOCAB)  # garbage padding
+        runner.input_ids[:n].copy_(ids)
+        second = runner.manager.run(plan, n).clone()
+    assert torch.equal(first, second)
+
+
+def test_above_largest_size_runs_eagerly(captured):
+    model, runner = captured
+    ids = torch.randint(0, VOCAB, (600,), device=DEVICE)
+    with torch.inference_mode():
+        assert runner.manager.plan(600).mode is GraphMode.NONE
+        torch.testing.assert_close(runner.forward(ids), model(ids))
+
+
+def _linear_wrapper(options):
+    lin = torch.nn.Linear(64, 64, device=DEVICE)
+    return lin, GraphWrapper(lin, GraphMode.FULL, options=options)
+
+
+@torch.inference_mode()
+def test_wrapper_capture_replay_and_weak_output():
+    lin, w = _linear_wrapper(GraphOptions(debug=True))
+    x = torch.randn(8, 64, device=DEVICE)
+    d = BatchDescriptor(8)
+    with capture_phase(), forward_context(GraphMode.FULL, d):
+        w(x)
+    x.copy_(torch.randn(8, 64, device=DEVICE))
+    with forward_context(GraphMode.FULL, d):
+        out = w(x)
+    assert torch.equal(out, lin(x))
+    assert out.data_ptr() == w.entries[d].output.data_ptr()
+
+
+@torch.inference_mode()
+def test_wrapper_address_change_error_names_argument():
+    lin, w = _linear_wrapper(GraphOptions(debug=True))
+    x = torch.randn(8, 64, device=DEVICE)
+    with capture_phase(), forward_context(GraphMode.FULL, BatchDescriptor(8)):
+        w(x)
+    with (
+        forward_context(GraphMode.FULL, BatchDescriptor(8)),
+        pytest.raises(InputAddressChangedError, match="input argument #0 was at 0x"),
+    ):
+        w(torch.randn(8, 64, device=DEVICE))
+
+
+@torch.inference_mode()
+def test_capture_outside_capture_phase_is_refused():
+    lin, w = _linear_wrapper(GraphOptions())
+    with forward_context(GraphMode.FULL, BatchDescriptor(8)), pytest.raises(CaptureNotAllowedError):
+        w(torch.randn(8, 64, device=DEVICE))
+    assert w.entries == {}
+
+
+def _syncs_on_the_device(x):
+    y = x * 2
+    if y.sum().item() > 1e9:  # a host sync: illegal while capturing
+        y = y + 1
+    return y
+
+
+@torch.inference_mode()
+def test_capture_error_names_the_syncing_op_and_line_then_device_still_works():
+    w = GraphWrapper(_syncs_on_the_device, GraphMode.FULL, options=GraphOptions(lazy_capture=True))
+    x = torch.randn(16, device=DEVICE)
+    with (
+        forward_context(GraphMode.FULL, BatchDescriptor(16)),
+        pytest.raises(GraphCaptureError) as err,
+    ):
+        w(x)
+    msg = str(err.value)
+    assert "test_gpu_core.py" in msg and "_syncs_on_the_device" in msg and ".item()" in msg
+    assert w.entries == {}
+    # The failed capture left the device usable.
+    torch.testing.assert_close(x * 2, _syncs_on_the_device(x))
+
+
+@torch.inference_mode()
+def test_full_decode_only_separate_uniform_graphs_and_aux_outputs():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 32, device=DEVICE)
+    x = torch.zeros(64, 32, device=DEVICE)
+    cfg = GraphConfig(mode=GraphMode.FULL_DECODE_ONLY, capture_sizes=(1, 2, 4, 8, 16, 32, 64))
+    dispatcher = Dispatcher(cfg, max_num_reqs=32)
+    m = GraphManager(
+        lambda d: (lin(x[: d.num_tokens]), x[: d.num_tokens].sum(-1)), dispatcher, progress=False
+    )
+    m.capture()
+    assert m.num_graphs == 6  # uniform decode sizes 1..32 only
+    x[:5] = torch.randn(5, 32, device=DEVICE)
+    plan = m.plan(5, uniform_decode=True)
+    assert plan.mode is GraphMode.FULL and plan.descriptor == BatchDescriptor(8, 8, True)
+    out, aux = m.run(plan, 5)
+    assert torch.equal(out, lin(x[:8])[:5]) and torch.equal(aux, x[:8].sum(-1)[:5])
+    mixed = m.plan(5, uniform_decode=False)
+    assert mixed.mode is GraphMode.NONE
+    out, aux = m.run(mixed, 5)
+    assert out.shape == (5, 32)

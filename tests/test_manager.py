@@ -1,0 +1,178 @@
+import gc
+
+import pytest
+import torch
+from fakes import FakePlatform
+
+from ostinato import (
+    BatchDescriptor,
+    Dispatcher,
+    GraphConfig,
+    GraphManager,
+    GraphMode,
+    GraphWrapper,
+    current_forward_context,
+    use_platform,
+)
+from ostinato.demo import TinyModel, TinyRunner, run_demo
+
+
+class Runner:
+    """A runner with a persistent input buffer and, optionally, an auxiliary output."""
+
+    def __init__(self, platform, max_tokens=64, aux=False):
+        self.p = platform
+        self.x = torch.zeros(max_tokens, 3)
+        self.w = torch.randn(3, 5)
+        self.aux = aux
+        self.steps: list[tuple[BatchDescriptor, GraphMode, bool]] = []
+        self.prepared: list[BatchDescriptor] = []
+
+    def prepare(self, d):
+        self.prepared.append(d)
+        return f"meta{d.num_tokens}"
+
+    def step(self, d):
+        ctx = current_forward_context()
+        self.steps.append((d, ctx.runtime_mode, gc.isenabled()))
+        assert ctx.attn_metadata in (None, f"meta{d.num_tokens}")
+        n = d.num_tokens
+        out = self.x[:n] @ self.w
+        if self.aux:
+            return out, self.x[:n].sum(1)
+        return out
+
+
+def build(mode, sizes=(1, 2, 4, 8), aux=False, **dispatcher_kwargs):
+    p = FakePlatform()
+    r = Runner(p, aux=aux)
+    d = Dispatcher(GraphConfig(mode=mode, capture_sizes=sizes), **dispatcher_kwargs)
+    m = GraphManager(
+        r.step, d, prepare=r.prepare, num_warmups=2, platform=p, pool="pool", progress=False
+    )
+    return p, r, m
+
+
+def test_capture_plan_order_mixed_then_piecewise_then_uniform_largest_first():
+    p, r, m = build(GraphMode.FULL_AND_PIECEWISE)
+    plan = [
+        (i.mode, i.descriptor.num_tokens, i.descriptor.uniform_decode) for i in m.capture_plan()
+    ]
+    assert plan == [
+        (GraphMode.PIECEWISE, 8, False),
+        (GraphMode.PIECEWISE, 4, False),
+        (GraphMode.PIECEWISE, 2, False),
+        (GraphMode.PIECEWISE, 1, False),
+        (GraphMode.FULL, 8, True),
+        (GraphMode.FULL, 4, True),
+        (GraphMode.FULL, 2, True),
+        (GraphMode.FULL, 1, True),
+    ]
+
+
+def test_capture_warms_up_then_captures_each_size_once_with_gc_paused():
+    p, r, m = build(GraphMode.FULL)
+    report = m.capture()
+    assert m.num_graphs == 4 and len(p.graphs) == 4
+    assert [d.num_tokens for d in r.prepared] == [8, 4, 2, 1]
+    # two eager warm-ups (NONE) then one capture (FULL) per size, largest first
+    modes = [(d.num_tokens, mode) for d, mode, _ in r.steps]
+    assert modes[:3] == [(8, GraphMode.NONE)] * 2 + [(8, GraphMode.FULL)]
+    assert len(modes) == 12
+    assert not any(gc_on for _, _, gc_on in r.steps), "gc must be paused during capture"
+    assert gc.isenabled()
+    assert report.num_graphs == 4 and report.pool_bytes == 4 * 1024
+    assert all(rec.seconds >= 0 for rec in report.records)
+    assert "4 graphs captured" in report.summary()
+
+
+def test_full_replay_returns_static_outputs_sliced_to_real_size():
+    p, r, m = build(GraphMode.FULL, aux=True)
+    m.capture()
+    calls = len(r.steps)
+    r.x[:3] = torch.randn(3, 3)
+    plan = m.plan(3)
+    assert plan.mode is GraphMode.FULL and plan.padded_tokens == 4
+    out, aux = m.run(plan, 3)
+    assert len(r.steps) == calls, "FULL replay must not run the step"
+    assert out.shape == (3, 5) and aux.shape == (3,)
+    torch.testing.assert_close(out, r.x[:3] @ r.w)
+    torch.testing.assert_close(aux, r.x[:3].sum(1))
+
+
+def test_single_output_is_returned_as_tensor():
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    out = m.run(m.plan(5), 5)
+    assert isinstance(out, torch.Tensor) and out.shape == (5, 5)
+
+
+def test_eager_above_largest_size_and_piecewise_sliced():
+    p, r, m = build(GraphMode.FULL_AND_PIECEWISE)
+    m.capture()
+    plan = m.plan(3, uniform_decode=False)
+    assert plan.mode is GraphMode.PIECEWISE
+    out = m.run(plan, 3, attn_metadata=None)
+    assert out.shape == (3, 5)
+    plan = m.plan(40)
+    assert plan.mode is GraphMode.NONE and plan.padded_tokens == 40
+    assert m.run(plan, 40).shape == (40, 5)
+
+
+def test_full_without_capture_is_an_error():
+    p, r, m = build(GraphMode.FULL)
+    with pytest.raises(RuntimeError, match="capture"):
+        m.run(m.plan(2), 2)
+
+
+def test_step_output_must_be_token_major():
+    p = FakePlatform()
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(4,)))
+    m = GraphManager(lambda d: torch.zeros(3), d, platform=p, pool=1, progress=False)
+    with pytest.raises(ValueError, match="must be a tensor with 4 rows"):
+        m.capture()
+
+
+def test_piecewise_wrappers_inside_step_capture_in_their_mode():
+    p = FakePlatform()
+    inner = GraphWrapper(lambda x: x * 2, GraphMode.PIECEWISE, platform=p, pool=1)
+    buf = torch.ones(8)
+    d = Dispatcher(GraphConfig(mode=GraphMode.PIECEWISE, capture_sizes=(2, 8)))
+    m = GraphManager(
+        lambda desc: inner(buf[: desc.num_tokens]), d, platform=p, pool=1, progress=False
+    )
+    report = m.capture()
+    assert len(inner.entries) == 2 and m.num_graphs == 0
+    assert [r.mode for r in report.records] == [GraphMode.PIECEWISE] * 2
+
+
+def test_release_resets_all_graphs():
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    m.release()
+    assert m.num_graphs == 0 and all(g.was_reset for g in p.graphs)
+
+
+def test_cpu_platform_end_to_end_runs_none_with_same_code():
+    from ostinato.platform import CpuPlatform
+
+    with use_platform(CpuPlatform()):
+        model = TinyModel(layers=2).eval()
+        runner = TinyRunner(
+            model, GraphConfig(max_capture_size=32), torch.device("cpu"), progress=False
+        )
+        assert runner.resolution.mode is GraphMode.NONE
+        runner.capture()
+        assert runner.manager.num_graphs == 0
+        for n in (1, 7, 32, 50):
+            ids = torch.randint(0, 1000, (n,))
+            with torch.inference_mode():
+                assert torch.equal(runner.forward(ids), model(ids))
+
+
+def test_demo_on_cpu():
+    from ostinato.platform import CpuPlatform
+
+    with use_platform(CpuPlatform()):
+        r = run_demo(num_steps=5, progress=False)
+    assert r.platform == "cpu" and r.mode is GraphMode.NONE and r.max_abs_error == 0.0

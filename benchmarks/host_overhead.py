@@ -29,6 +29,8 @@ class HostOverhead:
     batch_sizes: list[int]
     bare_replay_us: float
     dispatch_us: float
+    copy_in_us: float
+    plan_and_run_us: float
     step_us: float
     overhead_us: float
     target_us: float
@@ -93,6 +95,8 @@ def main() -> None:
     result = measure()
     print(f"bare graph.replay(): {result.bare_replay_us:6.2f} us")
     print(f"dispatch only:       {result.dispatch_us:6.2f} us")
+    print(f"copy-in only:        {result.copy_in_us:6.2f} us  (pinned host ids -> device buffer)")
+    print(f"plan + replay:       {result.plan_and_run_us:6.2f} us")
     print(f"ostinato step:       {result.step_us:6.2f} us  (dispatch + copy-in + replay + slice)")
     print(f"overhead vs bare:    {result.overhead_us:6.2f} us; step target <= {TARGET_US} us")
     if args.out:

@@ -33,7 +33,8 @@ def captured():
     torch.manual_seed(0)
     model = TinyModel(vocab=VOCAB, hidden=1024, intermediate=2048, layers=4)
     model = model.to(DEVICE, torch.bfloat16).eval()
-    runner = TinyRunner(model, GraphConfig(mode=GraphMode.FULL), DEVICE, progress=False)
+    config = GraphConfig(mode=GraphMode.FULL, debug=True)  # debug: each graph checked vs eager
+    runner = TinyRunner(model, config, DEVICE, progress=False)
     runner.capture()
     return model, runner
 
@@ -150,8 +151,9 @@ def test_capture_error_names_the_syncing_op_and_line_then_device_still_works():
     msg = str(err.value)
     assert "test_gpu_core.py" in msg and "_syncs_on_the_device" in msg and ".item()" in msg
     assert w.entries == {}
-    # The failed capture left the device usable.
+    # The failed capture left the device usable, the RNG included.
     torch.testing.assert_close(x * 2, _syncs_on_the_device(x))
+    assert torch.randn(4, device=DEVICE).isfinite().all()
 
 
 @torch.inference_mode()

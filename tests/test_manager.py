@@ -7,6 +7,7 @@ from fakes import FakePlatform
 from ostinato import (
     BatchDescriptor,
     Dispatcher,
+    GraphCaptureError,
     GraphConfig,
     GraphManager,
     GraphMode,
@@ -176,3 +177,25 @@ def test_demo_on_cpu():
     with use_platform(CpuPlatform()):
         r = run_demo(num_steps=5, progress=False)
     assert r.platform == "cpu" and r.mode is GraphMode.NONE and r.max_abs_error == 0.0
+
+
+def test_debug_check_catches_a_step_that_reads_a_python_number():
+    p = FakePlatform()
+    x = torch.ones(8)
+    calls = [0]
+
+    def step(d):
+        calls[0] += 1
+        return x[: d.num_tokens] * calls[0]  # frozen into the graph at capture
+
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(8,)))
+    m = GraphManager(step, d, debug=True, platform=p, pool=1, progress=False)
+    with pytest.raises(GraphCaptureError, match=r"differs from an eager run.*output #0"):
+        m.capture()
+
+
+def test_debug_check_passes_for_a_well_behaved_step():
+    p, r, m = build(GraphMode.FULL, aux=True)
+    m.debug = True
+    m.capture()
+    assert m.num_graphs == 4

@@ -74,7 +74,11 @@ class TinyRunner:
         self.dispatcher = Dispatcher(config, self.resolution.mode)
         self.input_ids = torch.zeros(max(config.largest_size, 1), dtype=torch.long, device=device)
         self.manager = GraphManager(
-            self._step, self.dispatcher, num_warmups=config.num_warmups, progress=progress
+            self._step,
+            self.dispatcher,
+            num_warmups=config.num_warmups,
+            debug=config.debug,
+            progress=progress,
         )
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from ostinato.batch import BatchDescriptor
 from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch, Dispatcher
+from ostinato.errors import GraphCaptureError
 from ostinato.graph import GraphWrapper
 from ostinato.guard import capture_phase
 from ostinato.modes import GraphMode
@@ -44,7 +45,9 @@ class GraphManager:
     batches first, then uniform decode, each largest first) and runs every PIECEWISE
     descriptor once so its pieces capture, all into one shared pool, each after
     ``num_warmups`` eager runs, with garbage collection paused; graphs stay alive until
-    ``release()``. ``run`` returns views of static output buffers (allocated once,
+    ``release()``. With ``debug``, each FULL graph is replayed once after capture and
+    compared bitwise with an eager run of the same step; a difference raises
+    ``GraphCaptureError``. ``run`` returns views of static output buffers (allocated once,
     outside the pool) sliced to the real token count; they are overwritten by the next
     FULL replay. Replaying a FULL descriptor that was never captured raises.
     """
@@ -56,6 +59,7 @@ class GraphManager:
         *,
         prepare: PrepareFn | None = None,
         num_warmups: int = 1,
+        debug: bool = False,
         progress: bool = True,
         platform: Platform | None = None,
         pool: Any = None,
@@ -64,6 +68,7 @@ class GraphManager:
         self.dispatcher = dispatcher
         self.prepare = prepare
         self.num_warmups = num_warmups
+        self.debug = debug
         self.progress = progress
         self.platform = platform or current_platform()
         self.pool = pool if pool is not None else shared_pool(self.platform)
@@ -71,6 +76,8 @@ class GraphManager:
         self._meter = CaptureMeter(self.report, self.platform)
         self._static: tuple[torch.Tensor, ...] | None = None
         self._returns_tuple = False
+        # _outputs[n]: the static outputs sliced to n rows, built once so replay slices nothing.
+        self._outputs: list[Outputs] = []
         self._full = GraphWrapper(
             self._step_into_static,
             GraphMode.FULL,
@@ -99,7 +106,16 @@ class GraphManager:
                 plan, desc="ostinato: capturing graphs", disable=not self.progress or not plan
             ):
                 self._capture_one(item)
+        if self._static is not None:
+            rows = self._static[0].shape[0]
+            self._outputs = [self._slice_static(n) for n in range(rows + 1)]
         return self.report
+
+    def _slice_static(self, n: int) -> Outputs:
+        assert self._static is not None
+        if self._returns_tuple:
+            return tuple(t[:n] for t in self._static)
+        return self._static[0][:n]
 
     def _capture_one(self, item: CaptureItem) -> None:
         d = item.descriptor
@@ -117,6 +133,25 @@ class GraphManager:
             else:
                 with self._meter.measure(d, item.mode):
                     self.step(d)
+        if self.debug and item.mode is GraphMode.FULL:
+            self._verify(d, attn_metadata)
+
+    def _verify(self, d: BatchDescriptor, attn_metadata: Any) -> None:
+        assert self._static is not None
+        self.graph(d).replay()
+        replayed = [t[: d.num_tokens].clone() for t in self._static]
+        with forward_context(GraphMode.NONE, d, attn_metadata):
+            eager = _as_tuple(self.step(d))
+        for i, (r, e) in enumerate(zip(replayed, eager, strict=True)):
+            if not torch.equal(r, e):
+                diff = (r.double() - e.double()).abs().max().item()
+                raise GraphCaptureError(
+                    f"debug check: the FULL graph for {d} differs from an eager run of the same "
+                    f"step in output #{i} (max |diff| = {diff:.3g}). The step depends on "
+                    "something the graph froze at capture: a Python number, a tensor "
+                    "allocated anew per call, or host data. Keep every input in a persistent "
+                    "device buffer that the step reads."
+                )
 
     def _ensure_static(self, out: Outputs, d: BatchDescriptor) -> None:
         outs = _as_tuple(out)
@@ -158,10 +193,7 @@ class GraphManager:
             if self.platform.sync_before_replay:
                 self.platform.synchronize()
             entry.graph.replay()
-            assert self._static is not None
-            if self._returns_tuple:
-                return tuple(t[:num_tokens] for t in self._static)
-            return self._static[0][:num_tokens]
+            return self._outputs[num_tokens]
         with forward_context(dispatch.mode, d, attn_metadata):
             out = self.step(d)
         if d.num_tokens == num_tokens:

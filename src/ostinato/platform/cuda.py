@@ -44,8 +44,19 @@ class CudaPlatform(Platform):
                 # second error would hide the first, which names the real cause.
                 with contextlib.suppress(Exception):
                     graph.capture_end()
+                self._reset_rng_capture_state()
                 raise
             graph.capture_end()
+
+    def _reset_rng_capture_state(self) -> None:
+        # A failed capture_end leaves the CUDA RNG generator marked as capturing, and
+        # every later random op outside a capture then fails ("Offset increment outside
+        # graph capture"). A throwaway capture that ends cleanly resets that mark.
+        scratch = torch.cuda.CUDAGraph()
+        scratch.capture_begin()
+        torch.empty(1, device="cuda").zero_()
+        scratch.capture_end()
+        scratch.reset()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -81,10 +81,30 @@ def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
         runner.input_ids[:n].copy_(host_ids[:n], non_blocking=True)
         manager.run(plan, n)
 
-    dispatch = _burst_us(dispatch_only, bursts, burst_len)
+    def copy_only() -> None:
+        nonlocal i
+        n = sizes[i % len(sizes)]
+        i += 1
+        runner.input_ids[:n].copy_(host_ids[:n], non_blocking=True)
+
+    def plan_and_run() -> None:
+        nonlocal i
+        n = sizes[i % len(sizes)]
+        i += 1
+        manager.run(manager.plan(n), n)
+
     full_step = _burst_us(step, bursts, burst_len)
     return HostOverhead(
-        sizes, bare, dispatch, full_step, full_step - bare, TARGET_US, bursts, burst_len
+        batch_sizes=sizes,
+        bare_replay_us=bare,
+        dispatch_us=_burst_us(dispatch_only, bursts, burst_len),
+        copy_in_us=_burst_us(copy_only, bursts, burst_len),
+        plan_and_run_us=_burst_us(plan_and_run, bursts, burst_len),
+        step_us=full_step,
+        overhead_us=full_step - bare,
+        target_us=TARGET_US,
+        bursts=bursts,
+        burst_len=burst_len,
     )
 
 

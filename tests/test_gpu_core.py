@@ -151,9 +151,15 @@ def test_capture_error_names_the_syncing_op_and_line_then_device_still_works():
     msg = str(err.value)
     assert "test_gpu_core.py" in msg and "_syncs_on_the_device" in msg and ".item()" in msg
     assert w.entries == {}
-    # The failed capture left the device usable, the RNG included.
+    # The failed capture left the device usable: eager ops, the RNG, and the shared pool,
+    # into which the next capture must still succeed.
     torch.testing.assert_close(x * 2, _syncs_on_the_device(x))
     assert torch.randn(4, device=DEVICE).isfinite().all()
+    lin, ok = _linear_wrapper(GraphOptions(lazy_capture=True))
+    y = torch.randn(8, 64, device=DEVICE)
+    with forward_context(GraphMode.FULL, BatchDescriptor(8)):
+        ok(y)
+        assert torch.equal(ok(y), lin(y))
 
 
 @torch.inference_mode()

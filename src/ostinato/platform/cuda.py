@@ -40,18 +40,24 @@ class CudaPlatform(Platform):
             try:
                 yield
             except BaseException:
-                # The capture is already invalid; ending it may raise again, and that
-                # second error would hide the first, which names the real cause.
-                with contextlib.suppress(Exception):
+                # The capture is already invalid. Ending it raises again; that second error
+                # would hide the first, which names the real cause, so it is swallowed.
+                try:
                     graph.capture_end()
-                self._reset_rng_capture_state()
+                except Exception:  # noqa: BLE001
+                    self._recover_from_failed_capture_end(graph)
                 raise
             graph.capture_end()
 
-    def _reset_rng_capture_state(self) -> None:
-        # A failed capture_end leaves the CUDA RNG generator marked as capturing, and
-        # every later random op outside a capture then fails ("Offset increment outside
-        # graph capture"). A throwaway capture that ends cleanly resets that mark.
+    def _recover_from_failed_capture_end(self, graph: torch.cuda.CUDAGraph) -> None:
+        # A capture_end that fails stops early, leaving two pieces of state behind:
+        # the allocator still routes this thread's allocations into the graph's pool
+        # (the next capture into it fails: "already recording to mempool_id"), and the
+        # RNG generator stays marked as capturing (every later random op fails: "Offset
+        # increment outside graph capture"). Undo the first directly; a throwaway capture
+        # that ends cleanly resets the second.
+        with contextlib.suppress(Exception):
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
         scratch = torch.cuda.CUDAGraph()
         scratch.capture_begin()
         torch.empty(1, device="cuda").zero_()

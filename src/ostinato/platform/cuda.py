@@ -35,29 +35,35 @@ class CudaPlatform(Platform):
             self._capture_stream = torch.cuda.Stream()
         torch.cuda.synchronize()
         assert isinstance(graph, torch.cuda.CUDAGraph)
+        # Name the pool even when none was given: recovery from a failed capture needs
+        # its id, and a graph cannot report it after failing.
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with paused_collection(torch.cuda), torch.cuda.stream(self._capture_stream):
             graph.capture_begin(pool=pool)
+            body_failed = False
             try:
                 yield
             except BaseException:
-                # The capture is already invalid. Ending it raises again; that second error
-                # would hide the first, which names the real cause, so it is swallowed.
+                body_failed = True
+                raise
+            finally:
                 try:
                     graph.capture_end()
-                except Exception:  # noqa: BLE001
-                    self._recover_from_failed_capture_end(graph)
-                raise
-            graph.capture_end()
+                except Exception:
+                    self._recover_from_failed_capture_end(pool)
+                    # After a failed body, ending the invalid capture raises a second,
+                    # vaguer error ("failed due to a previous error"); keep the first.
+                    if not body_failed:
+                        raise
 
-    def _recover_from_failed_capture_end(self, graph: torch.cuda.CUDAGraph) -> None:
+    def _recover_from_failed_capture_end(self, pool: Any) -> None:
         # A capture_end that fails stops early, leaving two pieces of state behind:
         # the allocator still routes this thread's allocations into the graph's pool
         # (the next capture into it fails: "already recording to mempool_id"), and the
         # RNG generator stays marked as capturing (every later random op fails: "Offset
         # increment outside graph capture"). Undo the first directly; a throwaway capture
         # that ends cleanly resets the second.
-        with contextlib.suppress(Exception):
-            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
         scratch = torch.cuda.CUDAGraph()
         scratch.capture_begin()
         torch.empty(1, device="cuda").zero_()

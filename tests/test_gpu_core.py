@@ -183,3 +183,21 @@ def test_full_decode_only_separate_uniform_graphs_and_aux_outputs():
     assert mixed.mode is GraphMode.NONE
     out, aux = m.run(mixed, 5)
     assert out.shape == (5, 32)
+
+
+@torch.inference_mode()
+def test_pool_outlives_its_graphs():
+    # Destroying every graph of a pool must not invalidate the pool for later captures.
+    from ostinato import current_platform
+
+    platform = current_platform()
+    pool = platform.graph_pool_handle()
+    x = torch.randn(32, device=DEVICE)
+    for round_ in range(3):
+        lin = torch.nn.Linear(32, 32, device=DEVICE)
+        w = GraphWrapper(lin, GraphMode.FULL, pool=pool, options=GraphOptions(lazy_capture=True))
+        with forward_context(GraphMode.FULL, BatchDescriptor(1)):
+            w(x[None])
+            assert torch.equal(w(x[None]), lin(x[None])), round_
+        w.reset()
+        del w, lin

@@ -22,12 +22,38 @@ class CudaPlatform(Platform):
         self._capture_stream: torch.cuda.Stream | None = None
         # Pools retired after a failed capture, and the pool that replaces each.
         self._pool_replacements: dict[Any, Any] = {}
+        self._pool_keepers: list[torch.cuda.CUDAGraph] = []
+        self._keeper_buffer: torch.Tensor | None = None
 
     def new_graph(self) -> Graph:
         return torch.cuda.CUDAGraph()
 
     def graph_pool_handle(self) -> Any:
-        return torch.cuda.graph_pool_handle()
+        """A new pool that stays valid for the life of the process.
+
+        PyTorch frees a pool once the last graph captured into it is destroyed, and a
+        later capture into the same handle then fails an internal assert. A keeper graph
+        (one kernel, no allocation) holds every pool we hand out, so graphs may come and
+        go freely.
+        """
+        pool = torch.cuda.graph_pool_handle()
+        if self._keeper_buffer is None:
+            self._keeper_buffer = torch.zeros(1, device="cuda")
+        keeper = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self._stream()):
+            keeper.capture_begin(pool=pool)
+            self._keeper_buffer.zero_()
+            keeper.capture_end()
+        self._pool_keepers.append(keeper)
+        return pool
+
+    def _stream(self) -> torch.cuda.Stream:
+        # Capture needs a non-default stream; one stream serves every capture so that
+        # graphs sharing a pool are recorded in order.
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        return self._capture_stream
 
     @contextlib.contextmanager
     def capture(self, graph: Graph, pool: Any) -> Iterator[None]:
@@ -38,17 +64,13 @@ class CudaPlatform(Platform):
         so later captures asked for ``pool`` go to a fresh pool. The failed pool's
         memory stays reserved until the process ends.
         """
-        # Capture needs a non-default stream; one stream serves every capture so that
-        # graphs sharing a pool are recorded in order.
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream()
-        torch.cuda.synchronize()
         assert isinstance(graph, torch.cuda.CUDAGraph)
         # Name the pool even when none was given: recovery needs its id, and a graph
         # cannot report it after failing.
-        requested = pool if pool is not None else torch.cuda.graph_pool_handle()
+        requested = pool if pool is not None else self.graph_pool_handle()
         pool = self._pool_replacements.get(requested, requested)
-        with paused_collection(torch.cuda), torch.cuda.stream(self._capture_stream):
+        torch.cuda.synchronize()
+        with paused_collection(torch.cuda), torch.cuda.stream(self._stream()):
             try:
                 graph.capture_begin(pool=pool)
             except Exception:
@@ -78,7 +100,7 @@ class CudaPlatform(Platform):
         # into that pool ("already recording to mempool_id"), so it is replaced.
         with contextlib.suppress(Exception):
             torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
-        self._pool_replacements[requested] = torch.cuda.graph_pool_handle()
+        self._pool_replacements[requested] = self.graph_pool_handle()
         self._reset_rng_capture_state()
 
     def _reset_rng_capture_state(self) -> None:

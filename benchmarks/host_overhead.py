@@ -33,7 +33,9 @@ class HostOverhead:
     copy_in_prebuilt_views_us: float
     plan_and_run_us: float
     step_us: float
+    step_kept_views_us: float
     overhead_us: float
+    overhead_kept_views_us: float
     target_us: float
     bursts: int
     burst_len: int
@@ -98,6 +100,14 @@ def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
         i += 1
         dst_views[n].copy_(src_views[n], non_blocking=True)
 
+    def step_with_kept_views() -> None:
+        nonlocal i
+        n = sizes[i % len(sizes)]
+        i += 1
+        plan = manager.plan(n)
+        dst_views[n].copy_(src_views[n], non_blocking=True)
+        manager.run(plan, n)
+
     def plan_and_run() -> None:
         nonlocal i
         n = sizes[i % len(sizes)]
@@ -105,6 +115,7 @@ def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
         manager.run(manager.plan(n), n)
 
     full_step = _burst_us(step, bursts, burst_len)
+    kept_views_step = _burst_us(step_with_kept_views, bursts, burst_len)
     return HostOverhead(
         batch_sizes=sizes,
         bare_replay_us=bare,
@@ -113,7 +124,9 @@ def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
         copy_in_prebuilt_views_us=_burst_us(copy_prebuilt_views, bursts, burst_len),
         plan_and_run_us=_burst_us(plan_and_run, bursts, burst_len),
         step_us=full_step,
+        step_kept_views_us=kept_views_step,
         overhead_us=full_step - bare,
+        overhead_kept_views_us=kept_views_step - bare,
         target_us=TARGET_US,
         bursts=bursts,
         burst_len=burst_len,
@@ -131,6 +144,7 @@ def main() -> None:
     print(f"copy-in, views kept: {result.copy_in_prebuilt_views_us:6.2f} us")
     print(f"plan + replay:       {result.plan_and_run_us:6.2f} us")
     print(f"ostinato step:       {result.step_us:6.2f} us  (dispatch + copy-in + replay + slice)")
+    print(f"step, views kept:    {result.step_kept_views_us:6.2f} us")
     print(f"overhead vs bare:    {result.overhead_us:6.2f} us; step target <= {TARGET_US} us")
     if args.out:
         doc = {

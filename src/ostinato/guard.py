@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -82,8 +83,11 @@ def locate_illegal_op(
     same side effects as a warm-up run.
     """
     try:
-        with platform.sync_errors():
-            fn(*args, **kwargs)
+        with warnings.catch_warnings():
+            # torch calls its sync debug mode a prototype; the warning is noise here.
+            warnings.simplefilter("ignore", UserWarning)
+            with platform.sync_errors():
+                fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any error is the diagnosis we want
         frame = user_frame(exc)
         where = f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}" if frame else "?"

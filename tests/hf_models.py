@@ -1,0 +1,45 @@
+"""Small random Hugging Face checkpoints written to a folder, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+
+def write_checkpoint(arch: str, folder: Path, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Saves a random ``arch`` model (float32) with safetensors; returns the HF model."""
+    import transformers
+
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[arch]
+    kwargs = {**SMALL, **overrides}
+    if arch == "Qwen2ForCausalLM":
+        kwargs.pop("head_dim")
+        kwargs["hidden_size"] = 128  # Qwen2 derives head_dim = hidden / heads = 16
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).float().eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so they are tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model

@@ -1,0 +1,171 @@
+"""The engine on CPU: scheduling, preemption, sampling, bad input, API."""
+
+import pytest
+import torch
+
+from ostinato.engine import LLM, FinishReason, SamplingParams
+from ostinato.engine.config import TINY_LLAMA, ModelConfig
+from ostinato.engine.kv_cache import BlockPool
+from ostinato.engine.sampler import sample
+from ostinato.engine.scheduler import Scheduler
+
+
+def tiny(**kw):
+    base = dict(device="cpu", max_model_len=96, max_num_seqs=4, progress=False)
+    return LLM(**{**base, **kw})
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14], [15, 16], [17, 18, 19, 20, 21]]
+
+
+def test_preemption_loses_nothing_and_changes_nothing():
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    roomy = tiny().generate(PROMPTS, greedy)
+    # 8 usable blocks of 16 tokens for up to 4 sequences of up to ~26 tokens: must preempt.
+    tight = tiny(num_blocks=9)
+    out = tight.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in roomy]
+    assert all(len(o.token_ids) == 20 and o.finish_reason is FinishReason.LENGTH for o in out)
+    assert tight.scheduler.pool.num_free == 8, "every block returned"
+
+
+def test_preemption_happened_with_tight_cache():
+    llm = tiny(num_blocks=5)
+    reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS]
+    while llm.scheduler.has_work:
+        llm.step()
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert all(len(r.output) == 30 for r in reqs)
+
+
+def test_more_requests_than_sequences_wait_their_turn():
+    llm = tiny(max_num_seqs=2)
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out) == len(PROMPTS) and all(len(o.token_ids) == 3 for o in out)
+
+
+def test_generation_stops_at_max_model_len():
+    llm = tiny(max_model_len=24)
+    (o,) = llm.generate([[1] * 20], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert len(o.token_ids) == 4 and o.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token():
+    llm = tiny()
+    (free,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, ignore_eos=True))
+    stop = free.token_ids[3]
+    (o,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))
+    assert o.token_ids == free.token_ids[: free.token_ids.index(stop) + 1]
+    assert o.finish_reason is FinishReason.STOP
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ([[]], "prompt 0: empty"),
+        ([[1, 2], [1] * 96], "prompt 1: 96 tokens leave no room"),
+        ([[5000]], "outside the vocabulary"),
+        (["hello"], "no tokenizer"),
+    ],
+)
+def test_bad_prompts_rejected_before_anything_runs(prompts, message):
+    llm = tiny()
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts)
+    assert not llm.scheduler.has_work, "no prompt half-accepted"
+
+
+def test_prompt_larger_than_whole_cache_is_an_error_not_a_hang():
+    sched = Scheduler(BlockPool(3), 16, 4, 2048, 1024)
+    with pytest.raises(ValueError, match="more KV blocks than the cache has"):
+        sched.add(list(range(40)), SamplingParams())
+
+
+def test_unknown_architecture():
+    with pytest.raises(ValueError, match="architectures: .*GPT2LMHeadModel.* not supported"):
+        ModelConfig.from_hf({**TINY_LLAMA, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="missing field 'vocab_size'"):
+        ModelConfig.from_hf({k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match="rope_scaling: type 'yarn'"):
+        ModelConfig.from_hf({**TINY_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+
+
+def test_sampling_params_validation():
+    for kw, msg in [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
+
+
+def test_sampler_greedy_top_p_and_seeded_temperature():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 2.9]])
+    zero = torch.zeros(2)
+    assert sample(logits, zero, torch.ones(2)).tolist() == [1, 0]
+    hot = torch.full((2,), 5.0)
+    # top_p tiny keeps only the most likely token, whatever the temperature.
+    assert sample(logits, hot, torch.full((2,), 1e-6)).tolist() == [1, 0]
+    a = sample(
+        logits.repeat(50, 1), hot.repeat(50), torch.ones(100), torch.Generator().manual_seed(1)
+    )
+    b = sample(
+        logits.repeat(50, 1), hot.repeat(50), torch.ones(100), torch.Generator().manual_seed(1)
+    )
+    assert torch.equal(a, b) and len(set(a.tolist())) > 1
+
+
+def test_mixed_greedy_and_sampled_requests_in_one_batch():
+    llm = tiny()
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    hot = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], greedy)[0].token_ids
+    mixed = llm.generate([[1, 2, 3], [4, 5]], [greedy, hot])
+    assert mixed[0].token_ids == alone
+
+
+def test_engine_on_cpu_runs_none_mode_with_reason():
+    llm = tiny(mode="full")
+    assert llm.mode.name == "NONE"
+    assert llm.runner.resolution.reasons
+    assert llm.capture_report.num_graphs == 0
+
+
+def test_cli_generate_on_cpu(capsys):
+    from ostinato.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt-ids",
+                "1,2,3",
+                "--prompt-ids",
+                "7 8",
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+                "--quiet",
+                "--max-model-len",
+                "64",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "graph mode: NONE" in out and "prompt [1, 2, 3] -> [" in out and "(length)" in out
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt-ids",
+                "1," + ",".join(["1"] * 70),
+                "--quiet",
+                "--max-model-len",
+                "64",
+            ]
+        )
+        == 2
+    )
+    assert "leave no room" in capsys.readouterr().err

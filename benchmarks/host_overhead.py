@@ -33,6 +33,8 @@ class HostOverhead:
     copy_in_prebuilt_views_us: float
     plan_and_run_us: float
     step_us: float
+    step_p10_us: float
+    step_p90_us: float
     step_kept_views_us: float
     overhead_us: float
     overhead_kept_views_us: float
@@ -43,6 +45,10 @@ class HostOverhead:
 
 def _burst_us(fn, bursts: int, burst_len: int) -> float:
     """Median over bursts of host microseconds per call; the device drains between bursts."""
+    return statistics.median(_burst_samples(fn, bursts, burst_len))
+
+
+def _burst_samples(fn, bursts: int, burst_len: int) -> list[float]:
     samples = []
     for _ in range(bursts):
         torch.cuda.synchronize()
@@ -51,11 +57,11 @@ def _burst_us(fn, bursts: int, burst_len: int) -> float:
             fn()
         samples.append((time.perf_counter() - t0) / burst_len * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(samples)
+    return samples
 
 
 @torch.inference_mode()
-def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
+def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
     device = torch.device("cuda")
     model = TinyModel(vocab=1000, hidden=64, intermediate=128, layers=1)
     model = model.to(device, torch.bfloat16).eval()
@@ -114,7 +120,8 @@ def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
         i += 1
         manager.run(manager.plan(n), n)
 
-    full_step = _burst_us(step, bursts, burst_len)
+    step_samples = sorted(_burst_samples(step, bursts, burst_len))
+    full_step = statistics.median(step_samples)
     kept_views_step = _burst_us(step_with_kept_views, bursts, burst_len)
     return HostOverhead(
         batch_sizes=sizes,
@@ -124,6 +131,8 @@ def measure(bursts: int = 50, burst_len: int = 100) -> HostOverhead:
         copy_in_prebuilt_views_us=_burst_us(copy_prebuilt_views, bursts, burst_len),
         plan_and_run_us=_burst_us(plan_and_run, bursts, burst_len),
         step_us=full_step,
+        step_p10_us=step_samples[len(step_samples) // 10],
+        step_p90_us=step_samples[len(step_samples) * 9 // 10],
         step_kept_views_us=kept_views_step,
         overhead_us=full_step - bare,
         overhead_kept_views_us=kept_views_step - bare,
@@ -143,7 +152,10 @@ def main() -> None:
     print(f"copy-in only:        {result.copy_in_us:6.2f} us  (pinned host ids -> device buffer)")
     print(f"copy-in, views kept: {result.copy_in_prebuilt_views_us:6.2f} us")
     print(f"plan + replay:       {result.plan_and_run_us:6.2f} us")
-    print(f"ostinato step:       {result.step_us:6.2f} us  (dispatch + copy-in + replay + slice)")
+    print(
+        f"ostinato step:       {result.step_us:6.2f} us  (dispatch + copy-in + replay + slice;"
+        f" bursts p10 {result.step_p10_us:.2f}, p90 {result.step_p90_us:.2f})"
+    )
     print(f"step, views kept:    {result.step_kept_views_us:6.2f} us")
     print(f"overhead vs bare:    {result.overhead_us:6.2f} us; step target <= {TARGET_US} us")
     if args.out:

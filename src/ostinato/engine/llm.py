@@ -41,8 +41,11 @@ class LLM:
 
     ``model``: a directory with ``config.json`` (and ``*.safetensors``; without them
     weights are random), a HF config dict, a ``ModelConfig``, or None for the embedded
-    tiny Llama. ``mode``: a ``GraphMode`` or name; ``"auto"`` is FULL on CUDA and NONE on
-    CPU (downgrades are logged with their reason). Graphs are captured at construction.
+    tiny Llama. ``mode``: a ``GraphMode`` or name; ``"auto"`` is FULL_AND_PIECEWISE on CUDA
+    and NONE on CPU (downgrades are logged with their reason). ``compiler``: how pieces are
+    compiled for piecewise graphs: ``"inductor"``, ``"eager"``, None (no compilation, so
+    piecewise modes downgrade), or ``"auto"`` (Inductor when the mode needs pieces, on
+    CUDA). The model is compiled and every graph captured at construction.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class LLM:
         capture_sizes: tuple[int, ...] | None = None,
         max_capture_size: int = 512,
         backend: AttentionBackend | None = None,
+        compiler: str | None = "auto",
         seed: int = 0,
         progress: bool = True,
     ) -> None:
@@ -72,7 +76,7 @@ class LLM:
         max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
         limits = RunnerLimits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
         torch.manual_seed(seed)
-        self.model = DecoderModel(self.config, backend or default_backend(self.device))
+        self.model = DecoderModel(self.config)
         if model_dir is not None and any(model_dir.glob("*.safetensors")):
             load_weights(self.model, model_dir)
         else:
@@ -83,9 +87,9 @@ class LLM:
         self.cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype, self.device
         )
-        self.model.bind_kv_cache(self.cache)
         if mode == "auto":
-            mode = GraphMode.FULL if self.device.type == "cuda" else GraphMode.NONE
+            on_gpu = self.device.type == "cuda"
+            mode = GraphMode.FULL_AND_PIECEWISE if on_gpu else GraphMode.NONE
         graph_config = GraphConfig(
             mode=mode,
             capture_sizes=capture_sizes,
@@ -93,7 +97,14 @@ class LLM:
             max_num_tokens=max_num_batched_tokens,
         )
         self.runner = ModelRunner(
-            self.model, self.cache, limits, graph_config, self.device, progress=progress
+            self.model,
+            self.cache,
+            backend or default_backend(self.device),
+            limits,
+            graph_config,
+            self.device,
+            progress=progress,
+            compiler=_compiler(compiler, graph_config.mode, self.device),
         )
         eos = _eos(model_dir)
         self.scheduler = Scheduler(
@@ -176,6 +187,14 @@ class LLM:
         assert r.finish_reason is not None
         text = self.tokenizer.decode(r.output) if self.tokenizer is not None else None
         return RequestOutput(r.prompt, r.output, r.finish_reason, text)
+
+
+def _compiler(choice: str | None, mode: GraphMode, device: torch.device) -> str | None:
+    if choice != "auto":
+        if choice not in (None, "inductor", "eager"):
+            raise ValueError(f"compiler: 'auto', 'inductor', 'eager' or None, got {choice!r}")
+        return choice
+    return "inductor" if mode.has_piecewise_graphs() and device.type == "cuda" else None
 
 
 def _model_config(model: str | Path | dict[str, Any] | ModelConfig | None) -> ModelConfig:

@@ -2,8 +2,9 @@
 
 Numerics follow Hugging Face transformers' implementations (RMSNorm in float32, RoPE
 with rotate-half, SwiGLU), so logits match theirs on the same weights. The forward pass
-takes flat token rows (``[num_tokens]``) and reads the step's attention metadata from
-the ostinato forward context, so the same module runs eagerly, padded, or captured.
+takes flat token rows (``[num_tokens]``); attention is the custom op
+``ostinato::attention``, which reads the step's metadata and KV cache from the ostinato
+forward context, so the same module runs eagerly, padded, captured, or compiled.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import math
 import torch
 from torch import nn
 
-from ostinato.context import get_forward_context
-from ostinato.engine.attention import AttentionBackend, AttentionMetadata, write_kv
+from ostinato.engine import attention_op  # noqa: F401  (registers torch.ops.ostinato)
 from ostinato.engine.config import ModelConfig
-from ostinato.engine.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +55,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.backend = backend
         self.heads, self.kv_heads, self.head_dim = (
             config.num_heads,
             config.num_kv_heads,
@@ -74,12 +72,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
-        self.cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        meta: AttentionMetadata = get_forward_context().attn_metadata
-        if self.cache is None:
-            raise RuntimeError("no KV cache bound: call DecoderModel.bind_kv_cache first")
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.heads, self.head_dim)
@@ -88,10 +82,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = self.cache.k[self.layer], self.cache.v[self.layer]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.backend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        out = torch.empty_like(q)
+        torch.ops.ostinato.attention(q, k, v.contiguous(), out, self.layer, self.scale)
+        return self.o_proj(out.view(n, self.q_size))
 
 
 class Mlp(nn.Module):
@@ -107,10 +100,10 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, backend)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Mlp(config)
 
@@ -127,22 +120,16 @@ class DecoderModel(nn.Module):
     attention backend), and writes each token's K/V to its slot before attending.
     """
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-
-    def bind_kv_cache(self, cache: KVCache) -> None:
-        for layer in self.layers:
-            layer.self_attn.cache = cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

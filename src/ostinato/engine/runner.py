@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
+from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatcher
-from ostinato.engine.attention import AttentionMetadata
+from ostinato.engine.attention import AttentionBackend, AttentionMetadata
+from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.scheduler import Step
 from ostinato.manager import GraphManager
+from ostinato.modes import GraphMode
+from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import current_platform
 from ostinato.pool import CaptureReport
 from ostinato.support import ModeResolution, resolve_mode
@@ -43,20 +49,22 @@ class ModelRunner:
         self,
         model: DecoderModel,
         cache: KVCache,
+        backend: AttentionBackend,
         limits: RunnerLimits,
         graph_config: GraphConfig,
         device: torch.device,
         progress: bool = True,
+        compiler: str | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
+        self.backend = backend
         self.limits = limits
         self.device = device
-        backend = model.layers[0].self_attn.backend
         self.resolution: ModeResolution = resolve_mode(
             graph_config.mode,
-            backend.graph_support,
-            piecewise_available=False,
+            self.backend.graph_support,
+            piecewise_available=compiler is not None,
             platform_has_graphs=current_platform().supports_graphs and device.type != "cpu",
         )
         self.dispatcher = Dispatcher(
@@ -84,9 +92,20 @@ class ModelRunner:
             debug=graph_config.debug,
             progress=progress,
         )
+        self.piecewise: PiecewiseBackend | None = None
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
+        if compiler is not None:
+            self.piecewise = PiecewiseBackend(
+                compiler=compiler,
+                debug=graph_config.debug,
+                platform=self.manager.platform,
+                pool=self.manager.pool,
+            )
+            self.forward = CompiledModel(model, self.piecewise)
+        self.compile_seconds = 0.0
 
-    def _metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> StepAttention:
+        meta = AttentionMetadata(
             self.positions[:n],
             self.token_req[:n],
             self.slot_mapping[:n],
@@ -94,8 +113,9 @@ class ModelRunner:
             query_lens,
             seq_lens,
         )
+        return StepAttention(meta, self.cache, self.backend)
 
-    def _dummy_metadata(self, d: BatchDescriptor) -> AttentionMetadata:
+    def _dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
         # Captures see all-padding rows: the kernels recorded depend only on the shape.
         n = d.num_tokens
         self.input_ids[:n].zero_()
@@ -106,10 +126,24 @@ class ModelRunner:
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor:
         n = d.num_tokens
-        return self.model(self.input_ids[:n], self.positions[:n])
+        return self.forward(self.input_ids[:n], self.positions[:n])
+
+    @torch.inference_mode()
+    def compile(self) -> float:
+        """Compiles the model (piecewise backend) once, at the largest size; returns seconds."""
+        if self.piecewise is None or self.piecewise.stats.compiles:
+            return 0.0
+        start = time.perf_counter()
+        d = BatchDescriptor(self.limits.max_num_batched_tokens)
+        with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
+            self._step(d)
+        self.manager.platform.synchronize()
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
 
     def capture(self) -> CaptureReport:
-        """Captures every graph of the resolved mode (nothing in NONE mode)."""
+        """Compiles if needed, then captures every graph of the resolved mode."""
+        self.compile()
         return self.manager.capture()
 
     @torch.inference_mode()

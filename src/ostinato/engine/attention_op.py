@@ -1,0 +1,46 @@
+"""Attention as the custom op ``ostinato::attention``, opaque to torch.compile.
+
+The op writes this step's K/V into the layer's cache and the attention output into
+``out`` in place. Everything step-specific (metadata, cache, backend) comes from the
+forward context at run time, so a compiled graph that calls the op stays valid for every
+batch, and the piecewise backend splits the graph exactly here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.context import get_forward_context
+from ostinato.engine.attention import AttentionBackend, AttentionMetadata, write_kv
+from ostinato.engine.kv_cache import KVCache
+
+OP_NAME = "ostinato::attention"
+
+
+@dataclass
+class StepAttention:
+    """The forward context's ``attn_metadata`` for the engine: metadata, cache, backend."""
+
+    metadata: AttentionMetadata
+    cache: KVCache
+    backend: AttentionBackend
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("out",))
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int, scale: float
+) -> None:
+    """``out[:] = attention(q)`` over layer ``layer``'s cache after writing ``k, v`` to it."""
+    step: StepAttention = get_forward_context().attn_metadata
+    k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
+    write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
+    out.copy_(step.backend(q, k_cache, v_cache, step.metadata, scale))
+
+
+@attention.register_fake
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int, scale: float
+) -> None:
+    return None

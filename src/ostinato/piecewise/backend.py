@@ -1,0 +1,177 @@
+"""The ostinato torch.compile backend: split at attention, compile pieces, graph them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from ostinato.graph import GraphOptions, GraphWrapper
+from ostinato.modes import GraphMode
+from ostinato.piecewise.split import NoSplittingOpError, Piece, SplitGraph, split_graph
+from ostinato.platform import Platform, current_platform
+from ostinato.pool import CaptureMeter, shared_pool
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPLITTING_OPS = ("ostinato::attention",)
+
+
+@dataclass
+class CompileStats:
+    """What compiling cost: one entry per Dynamo graph handed to the backend."""
+
+    compiles: int = 0
+    seconds: float = 0.0
+    pieces: list[Piece] = field(default_factory=list)
+
+
+class PiecewiseBackend:
+    """A ``torch.compile`` backend that graphs a model piecewise around its attention.
+
+    Each graph Dynamo hands over is split at ``splitting_ops``; every other piece is
+    compiled (``compiler="inductor"``, or ``"eager"`` to run the FX pieces as they are)
+    and wrapped in ``GraphWrapper(PIECEWISE)``, which captures it per batch descriptor
+    when the forward context says PIECEWISE and runs it plainly otherwise. The last
+    piece returns non-owning views (nothing captured later reads them). Compile the
+    model with a dynamic batch dimension (``mark_dynamic``) so one compilation serves
+    every size; ``stats`` says how many compilations happened and how long they took.
+    """
+
+    def __init__(
+        self,
+        splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS,
+        *,
+        compiler: str = "inductor",
+        debug: bool = False,
+        lazy_capture: bool = False,
+        platform: Platform | None = None,
+        pool: Any = None,
+        meter: CaptureMeter | None = None,
+    ) -> None:
+        if compiler not in ("inductor", "eager"):
+            raise ValueError(f"compiler: 'inductor' or 'eager', got {compiler!r}")
+        self.splitting_ops = tuple(splitting_ops)
+        self.compiler = compiler
+        self.debug = debug
+        self.lazy_capture = lazy_capture
+        self.platform = platform or current_platform()
+        self.pool = pool if pool is not None else shared_pool(self.platform)
+        self.meter = meter
+        self.stats = CompileStats()
+        self.wrappers: list[GraphWrapper] = []
+        self.last_split: SplitGraph | None = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        start = time.perf_counter()
+        split = split_graph(gm, self.splitting_ops)
+        compiled = _compile_pieces(split, example_inputs, self.compiler)
+        graphable = split.graphable
+        for i, piece in enumerate(graphable):
+            options = GraphOptions(
+                weak_ref_output=i == len(graphable) - 1,
+                debug=self.debug,
+                lazy_capture=self.lazy_capture,
+            )
+            wrapper = GraphWrapper(
+                compiled[piece.name],
+                GraphMode.PIECEWISE,
+                options=options,
+                pool=self.pool,
+                platform=self.platform,
+                meter=self.meter,
+                name=f"piece {piece.name} ({piece.source})",
+            )
+            # The generated forward calls self.<piece>; an instance attribute wins over
+            # the registered submodule, and a GraphWrapper is not an nn.Module.
+            split.module.__dict__[piece.name] = wrapper
+            self.wrappers.append(wrapper)
+        self.stats.compiles += 1
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.pieces = split.pieces
+        self.last_split = split
+        logger.info(
+            "ostinato: compiled %d pieces (%d graphable) in %.1f s",
+            len(split.pieces),
+            len(graphable),
+            time.perf_counter() - start,
+        )
+        return split.module
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(w.entries) for w in self.wrappers)
+
+
+class _PieceCompiler(fx.Interpreter):
+    """Walks the split graph on fake inputs, compiling each graphable piece on the way."""
+
+    def __init__(self, split: SplitGraph, compiler: str) -> None:
+        super().__init__(split.module)
+        self.graphable = {p.name for p in split.graphable}
+        self.compiler = compiler
+        self.compiled: dict[str, Callable[..., Any]] = {}
+
+    def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        sub = self.fetch_attr(target)
+        if target in self.graphable:
+            if self.compiler == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                self.compiled[target] = compile_fx(sub, list(args))
+            else:
+                self.compiled[target] = sub
+        return sub(*args, **kwargs)
+
+
+def _compile_pieces(
+    split: SplitGraph, example_inputs: list[Any], compiler: str
+) -> dict[str, Callable[..., Any]]:
+    from torch._guards import detect_fake_mode
+
+    # Dynamo's fake mode maps each real example input to its fake twin with symbolic
+    # sizes, so pieces compile for every batch size, not the example's.
+    fake_mode = detect_fake_mode(example_inputs)
+    fake_inputs = [
+        fake_mode.from_tensor(x) if fake_mode is not None and isinstance(x, torch.Tensor) else x
+        for x in example_inputs
+    ]
+    interpreter = _PieceCompiler(split, compiler)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        interpreter.run(*fake_inputs)
+    return interpreter.compiled
+
+
+class CompiledModel:
+    """``torch.compile(module, backend=backend, fullgraph=True)`` compiled once for all sizes.
+
+    Every tensor argument's dim 0 must be the token dimension: on the first call it is
+    marked unbacked, so Dynamo neither specialises on the first size nor on size 1, and
+    one compilation serves every batch. Errors raised by the backend (no splitting op,
+    a piece that cannot compile) surface as themselves, not wrapped by Dynamo.
+    """
+
+    def __init__(self, module: torch.nn.Module, backend: PiecewiseBackend) -> None:
+        self.module = module
+        self.backend = backend
+        self._compiled = torch.compile(module, backend=backend, fullgraph=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.backend.stats.compiles:
+            return self._compiled(*args)
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.decorators.mark_unbacked(a, 0)
+        try:
+            return self._compiled(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, NoSplittingOpError):
+                raise inner from None
+            raise

@@ -82,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default=None)
     gen.add_argument("--max-model-len", type=int, default=1024)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    sub.add_parser(
+        "bench", help="decode-step benchmark (see `ostinato bench --help`)", add_help=False
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:
+        from ostinato.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ostinato.demo import main as demo_main

@@ -104,7 +104,8 @@ class ModelRunner:
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
 
-    def _metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> StepAttention:
+    def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> StepAttention:
+        """The step's attention context over the first ``n`` rows of the persistent buffers."""
         meta = AttentionMetadata(
             self.positions[:n],
             self.token_req[:n],
@@ -122,7 +123,7 @@ class ModelRunner:
         self.positions[:n].fill_(-1)
         self.token_req[:n].zero_()
         self.slot_mapping[:n].zero_()
-        return self._metadata(n, [], [])
+        return self.metadata(n, [], [])
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor:
         n = d.num_tokens
@@ -155,7 +156,7 @@ class ModelRunner:
         if padded > self.limits.max_num_batched_tokens:
             raise ValueError(f"step of {n} tokens exceeds max_num_batched_tokens")
         last, query_lens, seq_lens = self._write_inputs(step, padded)
-        meta = self._metadata(padded, query_lens, seq_lens)
+        meta = self.metadata(padded, query_lens, seq_lens)
         hidden = self.manager.run(plan, n, attn_metadata=meta)
         return self.model.compute_logits(hidden[last])
 

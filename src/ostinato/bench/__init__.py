@@ -1,0 +1,83 @@
+"""``ostinato bench``: decode-step time of every mode vs eager, reduce-overhead and the floor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ostinato bench", description=__doc__)
+    parser.add_argument("--batch-sizes", default="1,8,32,128")
+    parser.add_argument("--kv-len", type=int, default=512)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="a HF config.json for the model (default: a 1.5 B Llama shape with random weights)",
+    )
+    parser.add_argument("--variants", help="comma-separated subset of the variants")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--out", type=Path, help="write the JSON result here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--plot-from", type=Path, help="plot an earlier JSON result and exit")
+    parser.add_argument(
+        "--quick", action="store_true", help="CPU-sized: the tiny model, eager only"
+    )
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args(argv)
+
+    from ostinato.bench import decode, report
+
+    if args.plot_from:
+        if not args.plot:
+            parser.error("--plot-from needs --plot OUT.png")
+        report.plot(json.loads(args.plot_from.read_text()), args.plot)
+        print(f"wrote {args.plot}")
+        return 0
+    cuda = torch.cuda.is_available()
+    if args.quick or not cuda:
+        cfg = decode.quick_config()
+        why = (
+            "--quick asked for"
+            if cuda
+            else f"no CUDA device (torch {torch.__version__}, cuda available: False)"
+        )
+        print(f"graphs are off: {why}; showing the tiny model in eager mode only")
+        device = torch.device("cuda" if cuda else "cpu")
+    else:
+        cfg = decode.BenchConfig()
+        device = torch.device("cuda")
+    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    cfg = replace(
+        cfg,
+        batch_sizes=sizes if not args.quick and cuda else cfg.batch_sizes,
+        kv_len=args.kv_len if cuda and not args.quick else cfg.kv_len,
+        repeats=args.repeats if cuda and not args.quick else cfg.repeats,
+    )
+    if args.config:
+        cfg = replace(cfg, model=json.loads(args.config.read_text()))
+    if args.variants:
+        names = tuple(v.strip() for v in args.variants.split(","))
+        known = (*decode.OSTINATO_VARIANTS, decode.REDUCE_OVERHEAD)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")
+        cfg = replace(cfg, variants=names)
+    result = decode.run(cfg, device, profile=not args.no_profile)
+    print(report.table(result))
+    if args.out:
+        report.write_json(result, args.out)
+        print(f"wrote {args.out}")
+    if args.plot:
+        report.plot(report.document(result), args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

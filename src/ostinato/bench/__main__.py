@@ -1,0 +1,5 @@
+import sys
+
+from ostinato.bench import main
+
+sys.exit(main())

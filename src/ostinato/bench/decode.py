@@ -1,0 +1,361 @@
+"""The decode-step benchmark: ostinato's modes vs eager, reduce-overhead and the floor."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ostinato.bench.baseline import StaticCacheDecoder
+from ostinato.config import GraphConfig
+from ostinato.engine.attention import default_backend
+from ostinato.engine.config import TINY_LLAMA, ModelConfig
+from ostinato.engine.kv_cache import KVCache
+from ostinato.engine.model import DecoderModel
+from ostinato.engine.runner import ModelRunner, RunnerLimits
+from ostinato.modes import GraphMode
+
+LLAMA_1_5B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+OSTINATO_VARIANTS = {
+    "eager": (GraphMode.NONE, None),
+    "ostinato FULL": (GraphMode.FULL, None),
+    "ostinato PIECEWISE": (GraphMode.PIECEWISE, "inductor"),
+    "ostinato FULL_AND_PIECEWISE": (GraphMode.FULL_AND_PIECEWISE, "inductor"),
+}
+REDUCE_OVERHEAD = "torch.compile reduce-overhead"
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: dict[str, Any] = field(default_factory=lambda: dict(LLAMA_1_5B))
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
+    kv_len: int = 512
+    dtype: str = "bfloat16"
+    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, REDUCE_OVERHEAD)
+    warmup: int = 10
+    repeats: int = 50
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    """One variant at one batch size."""
+
+    variant: str
+    batch: int
+    step_ms: float
+    host_us: float
+    floor_ms: float
+    x_floor: float
+    x_reduce_overhead: float | None = None
+
+
+@dataclass
+class VariantCost:
+    """What a variant costs before its first step."""
+
+    variant: str
+    compile_s: float
+    capture_s: float
+    graph_pool_mib: float
+    graph_device_mib: float
+    num_graphs: int
+    note: str = ""
+
+    @property
+    def startup_s(self) -> float:
+        return self.compile_s + self.capture_s
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    device: str
+    copy_bandwidth_gbps: float
+    weight_bytes_per_step: int
+    kv_bytes_per_token: int
+    rows: list[Row] = field(default_factory=list)
+    costs: list[VariantCost] = field(default_factory=list)
+    profile: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def time_step(
+    step: Callable[[], Any], warmup: int, repeats: int, cuda: bool
+) -> tuple[float, float]:
+    """(median device ms, median host µs) of one step, each step run in isolation."""
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    device_ms, host_us = [], []
+    for _ in range(repeats):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        if cuda:
+            end.record()
+            end.synchronize()
+            device_ms.append(start.elapsed_time(end))
+        else:
+            device_ms.append((t1 - t0) * 1e3)
+        host_us.append((t1 - t0) * 1e6)
+    return statistics.median(device_ms), statistics.median(host_us)
+
+
+class DecodeSetup:
+    """The model, one KV cache, and B requests each holding ``kv_len`` cached tokens."""
+
+    def __init__(self, cfg: BenchConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = getattr(torch, cfg.dtype)
+        torch.manual_seed(cfg.seed)
+        self.config = ModelConfig.from_hf(cfg.model)
+        with torch.device(device):
+            self.model = DecoderModel(self.config).to(self.dtype).eval()
+        c = self.config
+        self.max_b = max(cfg.batch_sizes)
+        self.max_len = cfg.kv_len + BLOCK
+        self.blocks_per_seq = -(-self.max_len // BLOCK)
+        self.cache = KVCache(
+            c.num_layers,
+            self.max_b * self.blocks_per_seq + 1,
+            BLOCK,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            device,
+        )
+        for t in self.cache.k + self.cache.v:
+            t.normal_()  # real data: attention must not read zeros
+        self.backend = default_backend(device)
+
+    def weight_bytes_per_step(self, batch: int) -> int:
+        """Every weight once, except the embedding table, of which only B rows are read."""
+        m = self.model
+        total = sum(p.numel() * p.element_size() for p in m.parameters())
+        embed = m.embed_tokens.weight
+        if not self.config.tie_word_embeddings:
+            total -= embed.numel() * embed.element_size()
+        return total + batch * embed.shape[1] * embed.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def runner(self, mode: GraphMode, compiler: str | None) -> ModelRunner:
+        limits = RunnerLimits(self.max_b, 2048, self.max_len, BLOCK)
+        return ModelRunner(
+            self.model,
+            self.cache,
+            self.backend,
+            limits,
+            GraphConfig(mode=mode),
+            self.device,
+            progress=False,
+            compiler=compiler,
+        )
+
+    def decode_step(self, runner: ModelRunner, batch: int) -> Callable[[], torch.Tensor]:
+        """One decode step of ``batch`` requests at position kv_len: copy-in, run, logits."""
+        pos = self.cfg.kv_len
+        tables = (
+            torch.arange(batch)[:, None] * self.blocks_per_seq
+            + 1
+            + torch.arange(self.blocks_per_seq)[None, :]
+        ).to(torch.int32)
+        runner.block_tables[:batch, : self.blocks_per_seq].copy_(tables)
+        runner.positions[:batch].fill_(pos)
+        runner.token_req[:batch].copy_(torch.arange(batch, dtype=torch.int32))
+        runner.slot_mapping[:batch].copy_(tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK)
+        pin = self.device.type == "cuda"
+        host_ids = (
+            torch.randint(0, self.config.vocab_size, (batch,)).pin_memory()
+            if pin
+            else torch.randint(0, self.config.vocab_size, (batch,))
+        )
+        manager = runner.manager
+        meta = runner.metadata(batch, [1] * batch, [pos + 1] * batch)
+
+        def step() -> torch.Tensor:
+            plan = manager.plan(batch, uniform_decode=True)
+            runner.input_ids[:batch].copy_(host_ids, non_blocking=True)
+            hidden = manager.run(plan, batch, attn_metadata=meta)
+            return self.model.compute_logits(hidden)
+
+        return step
+
+    def reduce_overhead_step(self, batch: int) -> tuple[Callable[[], torch.Tensor], float]:
+        """The baseline's step for ``batch`` and the seconds its first calls took."""
+        dec = StaticCacheDecoder(self.model, batch, self.max_len)
+        for name, buf in dec.named_buffers():
+            if name[0] in "kv" and name[1:].isdigit():
+                buf.normal_()
+        compiled = torch.compile(dec, mode="reduce-overhead", fullgraph=True)
+        ids = torch.randint(0, self.config.vocab_size, (batch, 1), device=self.device)
+        pos = torch.tensor([self.cfg.kv_len], device=self.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(3):  # compile, then the warm-up and recording runs of cudagraphs
+                compiled(ids, pos)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                return compiled(ids, pos)
+
+        return step, first
+
+
+def run(
+    cfg: BenchConfig, device: torch.device, log: Callable[[str], None] = print, profile: bool = True
+) -> BenchResult:
+    """Runs every variant at every batch size; returns all numbers."""
+    cuda = device.type == "cuda"
+    setup = DecodeSetup(cfg, device)
+    bw = copy_bandwidth_gbps(device) if cuda else float("nan")
+    result = BenchResult(
+        cfg,
+        torch.cuda.get_device_name(device) if cuda else "cpu",
+        bw,
+        setup.weight_bytes_per_step(1),
+        setup.kv_bytes_per_token,
+    )
+    log(
+        f"copy bandwidth {bw:.0f} GB/s; weights {setup.weight_bytes_per_step(1) / 1e9:.2f} GB "
+        f"per step; KV {setup.kv_bytes_per_token} B per token"
+    )
+
+    def floor_ms(b: int) -> float:
+        nbytes = setup.weight_bytes_per_step(b) + b * cfg.kv_len * setup.kv_bytes_per_token
+        return nbytes / (bw * 1e9) * 1e3 if cuda else float("nan")
+
+    with torch.inference_mode():
+        for name in cfg.variants:
+            if name == REDUCE_OVERHEAD:
+                continue
+            mode, compiler = OSTINATO_VARIANTS[name]
+            runner = setup.runner(mode, compiler)
+            start = time.perf_counter()
+            report = runner.capture()
+            if cuda:
+                torch.cuda.synchronize()
+            capture_s = time.perf_counter() - start - runner.compile_seconds
+            result.costs.append(
+                VariantCost(
+                    name,
+                    runner.compile_seconds,
+                    capture_s,
+                    report.pool_bytes / 2**20,
+                    report.device_bytes / 2**20,
+                    report.num_graphs,
+                    "; ".join(runner.resolution.reasons),
+                )
+            )
+            for b in cfg.batch_sizes:
+                step = setup.decode_step(runner, b)
+                ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
+                result.rows.append(Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+                log(f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
+                if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
+                    result.profile[f"{name} B={b}"] = top_kernels(step)
+            runner.manager.release()
+            if runner.piecewise is not None:
+                for w in runner.piecewise.wrappers:
+                    w.reset()
+    if REDUCE_OVERHEAD in cfg.variants and cuda:
+        total_first = 0.0
+        for b in cfg.batch_sizes:
+            step, first = setup.reduce_overhead_step(b)
+            total_first += first
+            ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
+            result.rows.append(Row(REDUCE_OVERHEAD, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+            log(
+                f"{REDUCE_OVERHEAD:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us "
+                f"(first calls {first:.1f} s)"
+            )
+        result.costs.append(
+            VariantCost(
+                REDUCE_OVERHEAD,
+                total_first,
+                0.0,
+                float("nan"),
+                float("nan"),
+                len(cfg.batch_sizes),
+                "compile + record per batch size; graph memory not separable from its compile",
+            )
+        )
+    ro = {r.batch: r.step_ms for r in result.rows if r.variant == REDUCE_OVERHEAD}
+    for r in result.rows:
+        if r.batch in ro:
+            r.x_reduce_overhead = r.step_ms / ro[r.batch]
+    return result
+
+
+def top_kernels(step: Callable[[], Any], n: int = 6) -> list[tuple[str, float]]:
+    """The ``n`` device kernels with the most time over 5 steps, with their share in %."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [(e.key[:90], round(100 * e.device_time_total / total, 1)) for e in events[:n]]
+
+
+def quick_config() -> BenchConfig:
+    """A CPU-sized run: the tiny model, eager only."""
+    return BenchConfig(
+        model=dict(TINY_LLAMA),
+        batch_sizes=(1, 8),
+        kv_len=64,
+        dtype="float32",
+        variants=("eager",),
+        warmup=2,
+        repeats=5,
+    )

@@ -1,0 +1,92 @@
+"""Bench output: the table, the JSON document, and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ostinato.bench.decode import BenchResult
+from ostinato.provenance import Provenance
+
+
+def table(result: BenchResult) -> str:
+    """Rows per batch size: step ms, host µs, ratio to the floor and to reduce-overhead."""
+    lines = [
+        f"device: {result.device}; copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s; "
+        f"KV length {result.config.kv_len}; {result.config.dtype}",
+        f"{'variant':32s} {'B':>4s} {'step ms':>9s} {'host us':>9s} {'floor ms':>9s} "
+        f"{'x floor':>8s} {'x r-o':>7s}",
+    ]
+    for b in result.config.batch_sizes:
+        for r in (r for r in result.rows if r.batch == b):
+            ro = f"{r.x_reduce_overhead:7.2f}" if r.x_reduce_overhead is not None else "      -"
+            lines.append(
+                f"{r.variant:32s} {b:4d} {r.step_ms:9.3f} {r.host_us:9.1f} "
+                f"{r.floor_ms:9.3f} {r.x_floor:8.2f} {ro}"
+            )
+    lines.append("")
+    lines.append(
+        f"{'variant':32s} {'compile s':>9s} {'capture s':>9s} {'start-up s':>10s} "
+        f"{'pool MiB':>9s} {'graphs':>7s}"
+    )
+    for c in result.costs:
+        lines.append(
+            f"{c.variant:32s} {c.compile_s:9.2f} {c.capture_s:9.2f} {c.startup_s:10.2f} "
+            f"{c.graph_pool_mib:9.1f} {c.num_graphs:7d}" + (f"  ({c.note})" if c.note else "")
+        )
+    for key, kernels in result.profile.items():
+        lines.append(f"top kernels, {key}: " + "; ".join(f"{k} {p}%" for k, p in kernels))
+    lines += result.notes
+    return "\n".join(lines)
+
+
+def document(result: BenchResult) -> dict[str, Any]:
+    """The JSON document: provenance, configuration and every number."""
+    doc = asdict(result)
+    doc["costs"] = [{**asdict(c), "startup_s": c.startup_s} for c in result.costs]
+    return {"benchmark": "decode_step", "provenance": asdict(Provenance.collect()), **doc}
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document(result), indent=2, allow_nan=True) + "\n")
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Step time vs batch size per variant, with the floor; needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(
+            "--plot needs matplotlib (pip install matplotlib); the JSON can be "
+            "plotted later with `ostinato bench --plot-from FILE --plot OUT`"
+        ) from exc
+    rows = doc["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        pts = sorted((r["batch"], r["step_ms"]) for r in rows if r["variant"] == variant)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+    floor = {r["batch"]: r["floor_ms"] for r in rows}
+    if not any(math.isnan(v) for v in floor.values()):
+        ax.plot(batches, [floor[b] for b in batches], "k--", label="floor (bytes / copy bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel(f"batch size (decode, KV length {doc['config']['kv_len']})")
+    ax.set_ylabel("step time (ms)")
+    prov = doc.get("provenance", {})
+    ax.set_title(
+        f"decode step, {prov.get('device', doc.get('device'))}, torch {prov.get('torch', '')}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

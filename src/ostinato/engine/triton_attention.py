@@ -35,6 +35,7 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -44,7 +45,6 @@ def _paged_attention_kernel(
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    s_off = tl.arange(0, BLOCK_SIZE)
     g_mask = g < GROUP
     heads = kvh * GROUP + g
     q = tl.load(
@@ -56,10 +56,18 @@ def _paged_attention_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, ctx, BLOCK_SIZE):
-        block = tl.load(tables_ptr + req * stride_tr + start // BLOCK_SIZE).to(tl.int64)
-        kv_off = block * stride_kb + s_off[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        live = (start + s_off) < ctx
+    n_off = tl.arange(0, BLOCK_N)
+    # Each iteration takes BLOCK_N keys spanning several pages: fewer, wider loads in flight.
+    for start in range(0, ctx, BLOCK_N):
+        keys = start + n_off
+        live = keys < ctx
+        page = tl.load(tables_ptr + req * stride_tr + keys // BLOCK_SIZE, mask=live, other=0)
+        kv_off = (
+            page.to(tl.int64) * stride_kb
+            + (keys % BLOCK_SIZE)[:, None] * stride_ks
+            + kvh * stride_kh
+            + d[None, :]
+        )
         k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
@@ -120,6 +128,7 @@ def paged_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        BLOCK_N=64,
         num_warps=4,
     )
     return out

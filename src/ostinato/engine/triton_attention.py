@@ -41,7 +41,7 @@ def _paged_attention_kernel(
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int32)
     req = tl.load(req_ptr + tok).to(tl.int32)
-    ctx = tl.maximum(pos + 1, 0)
+    ctx = pos + 1  # padding rows have position -1: no keys
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -63,7 +63,7 @@ def _paged_attention_kernel(
         live = keys < ctx
         page = tl.load(tables_ptr + req * stride_tr + keys // BLOCK_SIZE, mask=live, other=0)
         kv_off = (
-            page.to(tl.int64) * stride_kb
+            page.to(tl.int64)[:, None] * stride_kb
             + (keys % BLOCK_SIZE)[:, None] * stride_ks
             + kvh * stride_kh
             + d[None, :]

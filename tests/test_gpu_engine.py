@@ -17,8 +17,9 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("splits", [None, 1, 4, 16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 32), (32, 8, 128), (4, 4, 64)])
-def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim):
+def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, splits):
     from ostinato.engine.triton_attention import paged_attention
 
     rng = random.Random(heads * 7 + head_dim)
@@ -48,7 +49,7 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim):
     req_t = torch.tensor(token_req, device=DEVICE, dtype=torch.int32)
     tables = tables.to(DEVICE)
     scale = head_dim**-0.5
-    got = paged_attention(q, k_cache, v_cache, pos_t, req_t, tables, scale)
+    got = paged_attention(q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits)
     meta = AttentionMetadata(
         pos_t[:n_real], req_t[:n_real], pos_t[:n_real], tables, query_lens, seq_lens
     )

@@ -1,16 +1,24 @@
 """A paged attention kernel for any mix of prefill and decode tokens, graph-safe.
 
-One program per (query token, KV head) handles the query heads of that KV head's group:
-it reads the token's position and request from device memory and walks that request's
-block table over keys ``0..position`` only (the live KV), with an online softmax in
-float32. No host-side lengths are used, so a captured graph replays on new metadata.
+Each program handles one query token and the query heads of one KV head's group: it reads
+the token's position and request from device memory and walks that request's block table
+over keys ``0..position`` only (the live KV), with an online softmax in float32. When
+tokens x KV heads are too few to fill the GPU (small decode batches), the keys of each
+token are split across ``splits`` programs whose partial results a second kernel merges
+(flash-decoding). The split count depends only on the token count, never on lengths read
+from the host, so a captured graph replays correctly on new metadata.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+BLOCK_N = 64  # keys per iteration, spanning several pages
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -19,6 +27,8 @@ def _paged_attention_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    m_ptr,
+    l_ptr,
     pos_ptr,
     req_ptr,
     tables_ptr,
@@ -36,12 +46,18 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     pos = tl.load(pos_ptr + tok).to(tl.int32)
     req = tl.load(req_ptr + tok).to(tl.int32)
     ctx = pos + 1  # padding rows have position -1: no keys
+    # This program's share of the keys, in whole BLOCK_N tiles.
+    chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx, lo + chunk)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -57,10 +73,9 @@ def _paged_attention_kernel(
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     n_off = tl.arange(0, BLOCK_N)
-    # Each iteration takes BLOCK_N keys spanning several pages: fewer, wider loads in flight.
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         keys = start + n_off
-        live = keys < ctx
+        live = keys < hi
         page = tl.load(tables_ptr + req * stride_tr + keys // BLOCK_SIZE, mask=live, other=0)
         kv_off = (
             page.to(tl.int64)[:, None] * stride_kb
@@ -78,12 +93,60 @@ def _paged_attention_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None],
-    )
+    if SPLITS == 1:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None],
+        )
+    else:
+        # Unnormalised partials, float32, laid out [token, head, split, (d)].
+        row = (tok * GROUP * tl.num_programs(1) + heads) * SPLITS + split
+        tl.store(m_ptr + row, m, mask=g_mask)
+        tl.store(l_ptr + row, l_sum, mask=g_mask)
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    row = (tok * HEADS + head) * SPLITS + s
+    m = tl.load(m_ptr + row)
+    l_sum = tl.load(l_ptr + row)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: padding row
+    w = tl.exp(m - m_max)
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :])
+    total = tl.sum(acc * w[:, None], axis=0)
+    norm = tl.sum(l_sum * w, axis=0)
+    out = total / tl.where(norm > 0, norm, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(num_tokens: int, kv_heads: int, device: torch.device) -> int:
+    """Programs per (token, KV head): enough for about two waves over the GPU's SMs."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    want = (2 * sms) // max(1, num_tokens * kv_heads)
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
 
 
 def paged_attention(
@@ -94,24 +157,37 @@ def paged_attention(
     token_req: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``) over the paged cache; returns ``[n, heads, d]``.
 
     Token i attends to keys ``0..positions[i]`` of request ``token_req[i]``; a row with
     position -1 outputs zeros. The cache must already hold this step's keys and values.
+    ``splits`` (a power of two) overrides the automatic split of each token's keys.
     """
     n, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     out = torch.empty_like(q)
     if n == 0:
         return out
     q = q.contiguous()
-    _paged_attention_kernel[(n, kv_heads)](
+    splits = splits or num_splits(n, kv_heads, q.device)
+    if splits > 1:
+        partial = torch.empty((n, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        target, so_t, so_h = partial, 0, 0
+    else:
+        m = l_sum = out  # unused by the single-split kernel
+        target, so_t, so_h = out, out.stride(0), out.stride(1)
+    _paged_attention_kernel[(n, kv_heads, splits)](
         q,
         k_cache,
         v_cache,
-        out,
+        target,
+        m,
+        l_sum,
         positions,
         token_req,
         block_tables,
@@ -121,14 +197,28 @@ def paged_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
+        so_t,
+        so_h,
         block_tables.stride(0),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=64,
+        BLOCK_N=BLOCK_N,
+        SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        _merge_splits_kernel[(n, heads)](
+            partial,
+            m,
+            l_sum,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEADS=heads,
+            HEAD_DIM=head_dim,
+            SPLITS=splits,
+            num_warps=4,
+        )
     return out

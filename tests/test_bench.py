@@ -32,3 +32,49 @@ def test_unknown_variant_is_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["--variants", "turbo"])
     assert "unknown" in capsys.readouterr().err
+
+
+def test_reduce_overhead_baseline_computes_the_engine_models_function():
+    # Same weights, same cached K/V: the static-cache decoder and the paged-cache model
+    # must give the same logits for a decode step (CPU, float32, eager).
+    import torch
+
+    from ostinato import BatchDescriptor, GraphMode, forward_context
+    from ostinato.bench.baseline import StaticCacheDecoder
+    from ostinato.engine.attention import AttentionMetadata, TorchAttention
+    from ostinato.engine.attention_op import StepAttention
+    from ostinato.engine.config import TINY_LLAMA, ModelConfig
+    from ostinato.engine.kv_cache import KVCache
+    from ostinato.engine.model import DecoderModel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf(TINY_LLAMA)
+    model = DecoderModel(cfg).eval()
+    cached, max_len = 20, 48
+    paged = KVCache(
+        cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")
+    )
+    static = StaticCacheDecoder(model, 1, max_len)
+    for layer in range(cfg.num_layers):
+        for kind in "kv":
+            data = torch.randn(cached, cfg.num_kv_heads, cfg.head_dim)
+            getattr(paged, kind)[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)[16:36] = data
+            getattr(static, f"{kind}{layer}")[0, :, :cached] = data.transpose(0, 1)
+    ids = torch.tensor([123])
+    pos = torch.tensor([cached])
+    tables = torch.tensor([[1, 2, 0]], dtype=torch.int32)
+    meta = AttentionMetadata(
+        pos,
+        torch.zeros(1, dtype=torch.int32),
+        torch.tensor([16 + cached]),
+        tables,
+        [1],
+        [cached + 1],
+    )
+    with torch.inference_mode():
+        with forward_context(
+            GraphMode.NONE, BatchDescriptor(1), StepAttention(meta, paged, TorchAttention())
+        ):
+            want = model.compute_logits(model(ids, pos))
+        got = static(ids[:, None], pos)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ostinato.engine.model import DecoderModel, apply_rope
+from ostinato.engine.model import DecoderModel
 
 
 class StaticCacheDecoder(nn.Module):
@@ -32,7 +32,6 @@ class StaticCacheDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         m = self.model
-        c = m.config
         b = input_ids.shape[0]
         x = m.embed_tokens(input_ids[:, 0])
         freqs = input_pos.float()[:, None] * m.inv_freq[None, :]
@@ -42,13 +41,7 @@ class StaticCacheDecoder(nn.Module):
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
-            q = q.view(b, c.num_heads, c.head_dim)
-            k = k.view(b, c.num_kv_heads, c.head_dim)
-            v = v.view(b, c.num_kv_heads, c.head_dim)
-            if attn.q_norm is not None and attn.k_norm is not None:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = attn.project(h, cos, sin)
             kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
             kc.index_copy_(2, input_pos, k[:, :, None, :])
             vc.index_copy_(2, input_pos, v[:, :, None, :])

@@ -73,7 +73,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[n, heads, d]``, k and v ``[n, kv_heads, d]`` for rows ``x``: QK-normed
+        (Qwen3) and rotated."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.heads, self.head_dim)
@@ -81,10 +85,13 @@ class Attention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         out = torch.empty_like(q)
         torch.ops.ostinato.attention(q, k, v.contiguous(), out, self.layer, self.scale)
-        return self.o_proj(out.view(n, self.q_size))
+        return self.o_proj(out.view(x.shape[0], self.q_size))
 
 
 class Mlp(nn.Module):

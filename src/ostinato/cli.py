@@ -53,6 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the ``ostinato`` command with ``argv``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="ostinato")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="capture a tiny model's ladder and check replay against eager")

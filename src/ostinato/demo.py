@@ -85,6 +85,7 @@ class TinyRunner:
         return self.model(self.input_ids[: d.num_tokens])
 
     def capture(self) -> None:
+        """Captures every size of the ladder (nothing on a platform without graphs)."""
         self.manager.capture()
 
     @torch.inference_mode()
@@ -100,6 +101,8 @@ class TinyRunner:
 
 @dataclass
 class DemoResult:
+    """What the demo did and the largest difference it saw between graph and eager."""
+
     platform: str
     mode: GraphMode
     reasons: tuple[str, ...]
@@ -140,6 +143,7 @@ def run_demo(num_steps: int = 20, seed: int = 0, progress: bool = True) -> DemoR
 
 
 def main() -> int:
+    """Runs the demo and prints its result."""
     start = time.perf_counter()
     r = run_demo()
     print(f"platform: {r.platform}; graph mode: {r.mode.name}")

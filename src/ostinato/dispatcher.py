@@ -21,6 +21,7 @@ class Dispatch:
 
     @property
     def padded_tokens(self) -> int:
+        """Rows the step runs: the captured size, or the real count for NONE."""
         return self.descriptor.num_tokens
 
 

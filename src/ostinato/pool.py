@@ -51,18 +51,22 @@ class CaptureReport:
 
     @property
     def num_graphs(self) -> int:
+        """Graphs recorded."""
         return len(self.records)
 
     @property
     def pool_bytes(self) -> int:
+        """Total pool growth over all captures."""
         return sum(r.pool_bytes for r in self.records)
 
     @property
     def device_bytes(self) -> int:
+        """Total device-memory growth over all captures."""
         return sum(r.device_bytes for r in self.records)
 
     @property
     def seconds(self) -> float:
+        """Total capture time."""
         return sum(r.seconds for r in self.records)
 
     def summary(self) -> str:
@@ -85,6 +89,7 @@ class CaptureMeter:
         self.platform = platform or current_platform()
 
     def measure(self, descriptor: BatchDescriptor, mode: GraphMode) -> _Measurement:
+        """A context that records one capture of ``descriptor`` into the report."""
         return _Measurement(self, descriptor, mode)
 
 

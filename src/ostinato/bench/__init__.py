@@ -12,6 +12,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``ostinato bench`` with ``argv``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="ostinato bench", description=__doc__)
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--kv-len", type=int, default=512)

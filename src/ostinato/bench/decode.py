@@ -45,6 +45,8 @@ BLOCK = 16
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """What to measure: the model (HF config dict), batch sizes, KV length, dtype, variants."""
+
     model: dict[str, Any] = field(default_factory=lambda: dict(LLAMA_1_5B))
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     kv_len: int = 512
@@ -82,11 +84,14 @@ class VariantCost:
 
     @property
     def startup_s(self) -> float:
+        """Compile plus capture seconds."""
         return self.compile_s + self.capture_s
 
 
 @dataclass
 class BenchResult:
+    """Every number of one run, with what it was measured against."""
+
     config: BenchConfig
     device: str
     copy_bandwidth_gbps: float
@@ -181,10 +186,12 @@ class DecodeSetup:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """K and V bytes one cached token occupies over all layers."""
         c = self.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def runner(self, mode: GraphMode, compiler: str | None) -> ModelRunner:
+        """A ModelRunner over the shared model and cache in ``mode``."""
         limits = RunnerLimits(self.max_b, 2048, self.max_len, BLOCK)
         return ModelRunner(
             self.model,

@@ -51,6 +51,7 @@ def document(result: BenchResult) -> dict[str, Any]:
 
 
 def write_json(result: BenchResult, path: Path) -> None:
+    """Writes ``document(result)`` to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document(result), indent=2, allow_nan=True) + "\n")
 

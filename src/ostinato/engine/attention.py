@@ -37,6 +37,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    """Attention over the paged cache for one step; ``graph_support`` says what can be captured."""
+
     graph_support: AttentionGraphSupport
 
     def __call__(

@@ -53,6 +53,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Reads a Hugging Face ``config.json`` dict."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -94,10 +95,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Reads ``config.json`` from a model directory."""
         p = Path(path) / "config.json"
         if not p.is_file():
             raise ValueError(f"model directory {path}: no config.json found")
         return cls.from_hf(json.loads(p.read_text()))
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (for reports)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

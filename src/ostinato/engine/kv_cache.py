@@ -28,14 +28,17 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks not owned by any request."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """Exactly ``n`` free block ids, or ``MemoryError`` and none taken."""
         if n > len(self._free):
             raise MemoryError(f"KV cache: asked for {n} blocks, {len(self._free)} free")
         return [self._free.popleft() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
+        """Returns ``blocks`` to the pool."""
         self._free.extend(blocks)
 
 
@@ -63,6 +66,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Device bytes of all key and value tensors."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 

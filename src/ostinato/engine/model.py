@@ -19,6 +19,8 @@ from ostinato.engine.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -49,12 +51,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention (Llama / Qwen)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
+    """QKV projection, RoPE, the ``ostinato::attention`` op, output projection."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -95,6 +100,8 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
+    """SwiGLU feed-forward with fused gate and up projections."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
@@ -107,6 +114,8 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -148,4 +157,5 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for hidden-state rows."""
         return self.lm_head(hidden).float()

@@ -12,6 +12,8 @@ from ostinato.engine.sampler import SamplingParams
 
 
 class FinishReason(enum.Enum):
+    """Why a request stopped: a stop or EOS token, or a length limit."""
+
     STOP = "stop"
     LENGTH = "length"
 
@@ -31,10 +33,12 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt followed by the tokens generated so far."""
         return self.prompt + self.output
 
     @property
     def finished(self) -> bool:
+        """True once a finish reason is set."""
         return self.finish_reason is not None
 
 
@@ -55,10 +59,12 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the step runs, over all requests."""
         return sum(len(s.tokens) for s in self.scheduled)
 
     @property
     def uniform_decode(self) -> bool:
+        """True when every request decodes exactly one token."""
         return all(len(s.tokens) == 1 for s in self.scheduled)
 
 
@@ -93,6 +99,7 @@ class Scheduler:
         self._ids = itertools.count()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
+        """Queues a request; raises ``ValueError`` if it could never run."""
         if not prompt:
             raise ValueError("prompt: empty; give at least one token")
         if len(prompt) >= self.max_model_len:
@@ -116,9 +123,11 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
+        """The next step: every running decode that fits, then new prefills."""
         scheduled: list[ScheduledRequest] = []
         budget = self.max_num_batched_tokens
         # Decodes first: each running request needs room for one more token.

@@ -106,6 +106,7 @@ class PiecewiseBackend:
 
     @property
     def num_graphs(self) -> int:
+        """Piecewise graphs captured so far, over all pieces."""
         return sum(len(w.entries) for w in self.wrappers)
 
 

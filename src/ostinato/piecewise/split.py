@@ -30,11 +30,14 @@ class Piece:
 
 @dataclass
 class SplitGraph:
+    """The split module and its pieces in execution order."""
+
     module: fx.GraphModule
     pieces: list[Piece]
 
     @property
     def graphable(self) -> list[Piece]:
+        """The pieces that are not splitting ops."""
         return [p for p in self.pieces if not p.is_splitting_op]
 
 
@@ -47,6 +50,7 @@ def normalize_op_name(name: str) -> str:
 
 
 def op_name(node: fx.Node) -> str:
+    """The normalised op name of a call_function node, else ''."""
     return normalize_op_name(str(node.target)) if node.op == "call_function" else ""
 
 

@@ -75,6 +75,13 @@ def test_bad_prompts_rejected_before_anything_runs(prompts, message):
     assert not llm.scheduler.has_work, "no prompt half-accepted"
 
 
+def test_a_later_prompt_over_the_token_budget_queues_nothing():
+    llm = tiny(max_model_len=4096, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="prompt 1: 100 tokens exceed max_num_batched_tokens"):
+        llm.generate([[1, 2], [1] * 100])
+    assert not llm.scheduler.has_work, "prompt 0 must not be left queued"
+
+
 def test_prompt_larger_than_whole_cache_is_an_error_not_a_hang():
     sched = Scheduler(BlockPool(3), 16, 4, 2048, 1024)
     with pytest.raises(ValueError, match="more KV blocks than the cache has"):

@@ -174,14 +174,10 @@ class LLM:
                 f"prompt {i}: token ids {bad[:5]} outside the vocabulary "
                 f"[0, {self.config.vocab_size})"
             )
-        s = self.scheduler
-        if not tokens:
-            raise ValueError(f"prompt {i}: empty; give at least one token")
-        if len(tokens) >= s.max_model_len:
-            raise ValueError(
-                f"prompt {i}: {len(tokens)} tokens leave no room to generate "
-                f"within max_model_len={s.max_model_len}"
-            )
+        try:
+            self.scheduler.check(tokens)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("prompt:", f"prompt {i}:", 1)) from None
 
     def _output(self, r: Request) -> RequestOutput:
         assert r.finish_reason is not None

@@ -99,7 +99,14 @@ class Scheduler:
         self._ids = itertools.count()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        """Queues a request; raises ``ValueError`` if it could never run."""
+        """Queues a request; raises ``ValueError`` (see ``check``) if it could never run."""
+        self.check(prompt)
+        req = Request(next(self._ids), list(prompt), params)
+        self.waiting.append(req)
+        return req
+
+    def check(self, prompt: list[int]) -> None:
+        """Raises ``ValueError`` naming the limit if ``prompt`` could never be scheduled."""
         if not prompt:
             raise ValueError("prompt: empty; give at least one token")
         if len(prompt) >= self.max_model_len:
@@ -117,9 +124,6 @@ class Scheduler:
                 f"prompt: needs more KV blocks than the cache has ({self.pool.num_blocks - 1}); "
                 "give the engine more blocks"
             )
-        req = Request(next(self._ids), list(prompt), params)
-        self.waiting.append(req)
-        return req
 
     @property
     def has_work(self) -> bool:

@@ -7,10 +7,10 @@ import sys
 import torch
 
 from ostinato.bench.decode import BenchConfig, DecodeSetup
-from ostinato.engine.config import TINY_LLAMA
+from ostinato.engine.presets import shape
 from ostinato.modes import GraphMode
 
-cfg = BenchConfig(model=dict(TINY_LLAMA), batch_sizes=(1,))
+cfg = BenchConfig(model=shape("tiny"), batch_sizes=(1,))
 setup = DecodeSetup(cfg, torch.device("cuda"))
 for mode, compiler in ((GraphMode.NONE, None), (GraphMode.PIECEWISE, "inductor")):
     runner = setup.runner(mode, compiler)

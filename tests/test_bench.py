@@ -43,12 +43,13 @@ def test_reduce_overhead_baseline_computes_the_engine_models_function():
     from ostinato.bench.baseline import StaticCacheDecoder
     from ostinato.engine.attention import AttentionMetadata, TorchAttention
     from ostinato.engine.attention_op import StepAttention
-    from ostinato.engine.config import TINY_LLAMA, ModelConfig
+    from ostinato.engine.config import ModelConfig
+    from ostinato.engine.presets import shape
     from ostinato.engine.kv_cache import KVCache
     from ostinato.engine.model import DecoderModel
 
     torch.manual_seed(0)
-    cfg = ModelConfig.from_hf(TINY_LLAMA)
+    cfg = ModelConfig.from_hf(shape("tiny"))
     model = DecoderModel(cfg).eval()
     cached, max_len = 20, 48
     paged = KVCache(

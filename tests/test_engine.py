@@ -4,14 +4,16 @@ import pytest
 import torch
 
 from ostinato.engine import LLM, FinishReason, SamplingParams
-from ostinato.engine.config import TINY_LLAMA, ModelConfig
+from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import BlockPool
+from ostinato.engine.limits import EngineLimits
+from ostinato.engine.presets import shape
 from ostinato.engine.sampler import sample
 from ostinato.engine.scheduler import Scheduler
 
 
 def tiny(**kw):
-    base = dict(device="cpu", max_model_len=96, max_num_seqs=4, progress=False)
+    base = dict(model="tiny", device="cpu", max_model_len=96, max_num_seqs=4, progress=False)
     return LLM(**{**base, **kw})
 
 
@@ -30,7 +32,7 @@ def test_preemption_loses_nothing_and_changes_nothing():
 
 
 def test_preemption_happened_with_tight_cache():
-    llm = tiny(num_blocks=5)
+    llm = tiny(num_blocks=5, max_model_len=64)
     reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS]
     while llm.scheduler.has_work:
         llm.step()
@@ -47,7 +49,7 @@ def test_more_requests_than_sequences_wait_their_turn():
 def test_generation_stops_at_max_model_len():
     llm = tiny(max_model_len=24)
     (o,) = llm.generate([[1] * 20], SamplingParams(max_tokens=50, ignore_eos=True))
-    assert len(o.token_ids) == 4 and o.finish_reason is FinishReason.LENGTH
+    assert len(o.token_ids) == 4 and o.finish_reason is FinishReason.MAX_MODEL_LEN
 
 
 def test_stop_token():
@@ -75,26 +77,37 @@ def test_bad_prompts_rejected_before_anything_runs(prompts, message):
     assert not llm.scheduler.has_work, "no prompt half-accepted"
 
 
-def test_a_later_prompt_over_the_token_budget_queues_nothing():
-    llm = tiny(max_model_len=4096, max_num_batched_tokens=64)
-    with pytest.raises(ValueError, match="prompt 1: 100 tokens exceed max_num_batched_tokens"):
-        llm.generate([[1, 2], [1] * 100])
-    assert not llm.scheduler.has_work, "prompt 0 must not be left queued"
+def test_a_prompt_over_the_token_budget_is_prefilled_in_chunks():
+    prompts = [[1, 2], [(7 * i) % 1000 for i in range(100)]]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    roomy = tiny(max_model_len=256).generate(prompts, greedy)
+    llm = tiny(max_model_len=256, max_num_batched_tokens=24)
+    steps = []
+    real_step = llm.runner.execute
+
+    def spy(step):
+        steps.append(step.num_tokens)
+        return real_step(step)
+
+    llm.runner.execute = spy
+    chunked = llm.generate(prompts, greedy)
+    assert max(steps) <= 24 and sum(steps) > 100
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in roomy]
 
 
 def test_prompt_larger_than_whole_cache_is_an_error_not_a_hang():
-    sched = Scheduler(BlockPool(3), 16, 4, 2048, 1024)
+    sched = Scheduler(BlockPool(3), EngineLimits(4, 2048, 1024, 16))
     with pytest.raises(ValueError, match="more KV blocks than the cache has"):
         sched.add(list(range(40)), SamplingParams())
 
 
 def test_unknown_architecture():
     with pytest.raises(ValueError, match="architectures: .*GPT2LMHeadModel.* not supported"):
-        ModelConfig.from_hf({**TINY_LLAMA, "architectures": ["GPT2LMHeadModel"]})
+        ModelConfig.from_hf({**shape("tiny"), "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="missing field 'vocab_size'"):
-        ModelConfig.from_hf({k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"})
-    with pytest.raises(ValueError, match="rope_scaling: type 'yarn'"):
-        ModelConfig.from_hf({**TINY_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+        ModelConfig.from_hf({k: v for k, v in shape("tiny").items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match="rope_type: 'yarn' not supported"):
+        ModelConfig.from_hf({**shape("tiny"), "rope_scaling": {"rope_type": "yarn", "factor": 2}})
 
 
 def test_sampling_params_validation():
@@ -146,6 +159,8 @@ def test_cli_generate_on_cpu(capsys):
         main(
             [
                 "generate",
+                "--model",
+                "tiny",
                 "--prompt-ids",
                 "1,2,3",
                 "--prompt-ids",
@@ -161,11 +176,13 @@ def test_cli_generate_on_cpu(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "graph mode: NONE" in out and "prompt [1, 2, 3] -> [" in out and "(length)" in out
+    assert "graph mode: NONE" in out and "prompt [1, 2, 3] -> [" in out and "finish: length" in out
     assert (
         main(
             [
                 "generate",
+                "--model",
+                "tiny",
                 "--prompt-ids",
                 "1," + ",".join(["1"] * 70),
                 "--quiet",

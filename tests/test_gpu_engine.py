@@ -127,8 +127,8 @@ def test_padded_rows_never_touch_real_kv():
 
 def test_random_request_mixes_graph_logits_equal_eager():
     rng = random.Random(5)
-    eager = LLM(None, mode="none", dtype=torch.float32, max_model_len=256, progress=False)
-    full = LLM(None, mode="full", dtype=torch.float32, max_model_len=256, progress=False)
+    eager = LLM("tiny", mode="none", dtype=torch.float32, max_model_len=256, progress=False)
+    full = LLM("tiny", mode="full", dtype=torch.float32, max_model_len=256, progress=False)
     for llm in (eager, full):
         r = random.Random(11)
         for _ in range(12):

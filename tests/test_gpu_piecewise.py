@@ -67,7 +67,7 @@ def test_logits_match_eager_bf16_random_mixes(mode):
 
 
 def test_default_engine_mode_on_cuda_is_full_and_piecewise():
-    llm = LLM(None, max_model_len=128, max_num_seqs=4, max_capture_size=16, progress=False)
+    llm = LLM("tiny", max_model_len=128, max_num_seqs=4, max_capture_size=16, progress=False)
     assert llm.mode.name == "FULL_AND_PIECEWISE"
     assert llm.runner.compile_seconds > 0
     report = llm.capture_report

@@ -8,7 +8,8 @@ from ostinato import BatchDescriptor, GraphMode, capture_phase, forward_context
 from ostinato.demo import TinyModel
 from ostinato.engine.attention import AttentionMetadata, TorchAttention
 from ostinato.engine.attention_op import StepAttention
-from ostinato.engine.config import TINY_LLAMA, ModelConfig
+from ostinato.engine.config import ModelConfig
+from ostinato.engine.presets import shape
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.model import DecoderModel
 from ostinato.piecewise import CompiledModel, NoSplittingOpError, PiecewiseBackend
@@ -18,7 +19,7 @@ LAYERS = 3
 
 def model():
     torch.manual_seed(0)
-    cfg = ModelConfig.from_hf({**TINY_LLAMA, "num_hidden_layers": LAYERS})
+    cfg = ModelConfig.from_hf({**shape("tiny"), "num_hidden_layers": LAYERS})
     return DecoderModel(cfg).eval()
 
 

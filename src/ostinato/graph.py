@@ -151,18 +151,30 @@ class GraphWrapper:
     def _capture_error(
         self, what: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> GraphCaptureError:
+        underlying = f"Underlying error: {type(exc).__name__}: {exc}"
+        if isinstance(exc, torch.OutOfMemoryError):
+            free = self.platform.device_memory()
+            room = f" ({free[0] / 2**20:.0f} MiB free)" if free else ""
+            return GraphCaptureError(
+                f"capturing {what} ran out of device memory{room}: the graph pool needs "
+                "more than is left after the weights and caches. Capture fewer or smaller "
+                "sizes (max_capture_size, capture_sizes), leave more room (a lower "
+                "gpu_memory_utilization or a smaller KV cache), or run in NONE mode.\n"
+                + underlying
+            )
         culprit = locate_illegal_op(self.platform, self.runnable, args, kwargs)
-        where = (
-            f"The op that breaks capture: {culprit}."
-            if culprit
-            else "Running it eagerly with host syncs forbidden raised nothing, so the cause "
-            "is not a host sync; see the chained exception."
-        )
+        if culprit is None:
+            return GraphCaptureError(
+                f"capturing {what} failed, and running it eagerly with host syncs forbidden "
+                "raised nothing, so the cause is not a host sync; see the underlying error "
+                "and the chained exception.\n" + underlying
+            )
         return GraphCaptureError(
-            f"capturing {what} failed: {type(exc).__name__}: {exc}\n{where}\n"
-            "Ops that wait for the device (.item(), .tolist(), .cpu(), print(tensor), "
-            "nonzero, boolean-mask indexing, shapes that depend on data) cannot be "
-            "captured: move them out of the captured code, or run this step in NONE mode."
+            f"capturing {what} failed at {culprit.where}: `{culprit.source}` waits for the "
+            f"device ({culprit.error}), which a graph cannot hold because it replays device "
+            "work without the host. Move it out of the captured code (ops like .item(), "
+            ".tolist(), .cpu(), print(tensor), nonzero, boolean masks, data-dependent "
+            "shapes), or run this step in NONE mode.\n" + underlying
         )
 
     def _check_addresses(

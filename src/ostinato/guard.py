@@ -9,6 +9,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,14 +74,22 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
+@dataclass(frozen=True)
+class IllegalOp:
+    """Where a host-device synchronisation happened: ``where`` is ``file:line in func``."""
+
+    where: str
+    source: str
+    error: str
+
+
 def locate_illegal_op(
     platform: Platform, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> str | None:
+) -> IllegalOp | None:
     """Re-runs ``fn`` eagerly with host-device syncs made errors; names the first one.
 
-    Returns ``"file:line in func: source (error)"``, or None if the eager run raised
-    nothing (the capture failed for another reason). The re-run is eager, so it has the
-    same side effects as a warm-up run.
+    Returns None if the eager run raised nothing (the capture failed for another
+    reason). The re-run is eager, so it has the same side effects as a warm-up run.
     """
     try:
         with warnings.catch_warnings():
@@ -90,8 +99,11 @@ def locate_illegal_op(
                 fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any error is the diagnosis we want
         frame = user_frame(exc)
-        where = f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}" if frame else "?"
-        return f"{where} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        error = f"{type(exc).__name__}: {message}"
+        if frame is None:
+            return IllegalOp("an unknown place", "?", error)
+        return IllegalOp(f"{frame.filename}:{frame.lineno} in {frame.name}", frame.line or "?", error)
     finally:
         platform.synchronize()
     return None

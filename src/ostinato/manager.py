@@ -105,7 +105,20 @@ class GraphManager:
             for item in tqdm(
                 plan, desc="ostinato: capturing graphs", disable=not self.progress or not plan
             ):
-                self._capture_one(item)
+                try:
+                    self._capture_one(item)
+                except torch.OutOfMemoryError as exc:
+                    # Out of memory in a warm-up run, outside the graph wrapper.
+                    self.release()
+                    raise GraphCaptureError(
+                        f"capture of {item.descriptor} ({item.mode.name}) ran out of device "
+                        "memory in its eager warm-up. Capture fewer or smaller sizes "
+                        "(max_capture_size), leave more room (a lower gpu_memory_utilization "
+                        f"or a smaller KV cache), or run in NONE mode.\nUnderlying error: {exc}"
+                    ) from exc
+                except GraphCaptureError:
+                    self.release()  # all or nothing: no half-captured ladder survives
+                    raise
         if self._static is not None:
             rows = self._static[0].shape[0]
             self._outputs = [self._slice_static(n) for n in range(rows + 1)]
@@ -181,8 +194,18 @@ class GraphManager:
         return self.dispatcher.dispatch(num_tokens, uniform_decode, has_lora)
 
     def run(self, dispatch: Dispatch, num_tokens: int, attn_metadata: Any = None) -> Outputs:
-        """Runs one step as ``dispatch`` says; outputs are sliced to ``num_tokens`` rows."""
+        """Runs one step as ``dispatch`` says; outputs are sliced to ``num_tokens`` rows.
+
+        Raises ``ValueError`` if ``num_tokens`` is negative or larger than the dispatch's
+        padded size: those rows were never computed.
+        """
         d = dispatch.descriptor
+        if not 0 <= num_tokens <= d.num_tokens:
+            raise ValueError(
+                f"num_tokens: {num_tokens} rows asked of a step dispatched for "
+                f"{d.num_tokens} padded tokens; pass the count given to plan() "
+                "(0 <= num_tokens <= plan.padded_tokens)"
+            )
         if dispatch.mode is GraphMode.FULL:
             entry = self._full.entries.get(d)
             if entry is None:
@@ -212,7 +235,8 @@ class GraphManager:
         return len(self._full.entries)
 
     def release(self) -> None:
-        """Destroys every FULL graph at once; the manager must not replay afterwards."""
+        """Destroys every FULL graph at once; the manager must not replay afterwards.
+        Safe to call more than once."""
         self.platform.synchronize()
         self._full.reset()
 

@@ -10,34 +10,55 @@ from pathlib import Path
 
 import torch
 
+from ostinato.cliargs import OneLineParser, int_list, positive_int
+from ostinato.engine.config import ModelConfig
+
 
 def main(argv: list[str] | None = None) -> int:
     """Runs ``ostinato bench`` with ``argv``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="ostinato bench", description=__doc__)
-    parser.add_argument("--batch-sizes", default="1,8,32,128")
-    parser.add_argument("--kv-len", type=int, default=512)
+    parser = OneLineParser(
+        prog="ostinato bench",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--batch-sizes", type=int_list, default=[1, 8, 32, 128], help="batch sizes to time"
+    )
+    parser.add_argument(
+        "--kv-len", type=positive_int, default=512, help="cached tokens per sequence"
+    )
     parser.add_argument(
         "--config",
         type=Path,
         help="a HF config.json for the model (default: a 1.5 B Llama shape with random weights)",
     )
     parser.add_argument("--variants", help="comma-separated subset of the variants")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=positive_int, default=50, help="timed steps per size")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--plot-from", type=Path, help="plot an earlier JSON result and exit")
     parser.add_argument(
         "--quick", action="store_true", help="CPU-sized: the tiny model, eager only"
     )
-    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile")
     args = parser.parse_args(argv)
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
+    if args.plot_from is not None and not args.plot_from.is_file():
+        parser.error(f"argument --plot-from: {args.plot_from} is not a file")
+    if args.config is not None and not args.config.is_file():
+        parser.error(f"argument --config: {args.config} is not a file")
 
     from ostinato.bench import decode, report
 
     if args.plot_from:
         if not args.plot:
             parser.error("--plot-from needs --plot OUT.png")
-        report.plot(json.loads(args.plot_from.read_text()), args.plot)
+        try:
+            document = json.loads(args.plot_from.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            parser.error(f"argument --plot-from: {args.plot_from} is not JSON ({exc})")
+        report.plot(document, args.plot)
         print(f"wrote {args.plot}")
         return 0
     cuda = torch.cuda.is_available()
@@ -53,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = decode.BenchConfig()
         device = torch.device("cuda")
-    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    sizes = tuple(args.batch_sizes)
     cfg = replace(
         cfg,
         batch_sizes=sizes if not args.quick and cuda else cfg.batch_sizes,
@@ -61,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats if cuda and not args.quick else cfg.repeats,
     )
     if args.config:
-        cfg = replace(cfg, model=json.loads(args.config.read_text()))
+        try:
+            model = json.loads(args.config.read_text())
+            ModelConfig.from_hf(model)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+            parser.error(f"argument --config: {args.config}: {exc}")
+        cfg = replace(cfg, model=model)
     if args.variants:
         names = tuple(v.strip() for v in args.variants.split(","))
         known = (*decode.OSTINATO_VARIANTS, decode.REDUCE_OVERHEAD)

@@ -13,25 +13,14 @@ import torch
 from ostinato.bench.baseline import StaticCacheDecoder
 from ostinato.config import GraphConfig
 from ostinato.engine.attention import default_backend
-from ostinato.engine.config import TINY_LLAMA, ModelConfig
+from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import KVCache
+from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
-from ostinato.engine.runner import ModelRunner, RunnerLimits
+from ostinato.engine.presets import shape
+from ostinato.engine.runner import ModelRunner
+from ostinato.mathutil import ceil_div
 from ostinato.modes import GraphMode
-
-LLAMA_1_5B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-}
 
 OSTINATO_VARIANTS = {
     "eager": (GraphMode.NONE, None),
@@ -47,7 +36,7 @@ BLOCK = 16
 class BenchConfig:
     """What to measure: the model (HF config dict), batch sizes, KV length, dtype, variants."""
 
-    model: dict[str, Any] = field(default_factory=lambda: dict(LLAMA_1_5B))
+    model: dict[str, Any] = field(default_factory=lambda: shape("llama-1.5b"))
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     kv_len: int = 512
     dtype: str = "bfloat16"
@@ -161,7 +150,7 @@ class DecodeSetup:
         c = self.config
         self.max_b = max(cfg.batch_sizes)
         self.max_len = cfg.kv_len + BLOCK
-        self.blocks_per_seq = -(-self.max_len // BLOCK)
+        self.blocks_per_seq = ceil_div(self.max_len, BLOCK)
         self.cache = KVCache(
             c.num_layers,
             self.max_b * self.blocks_per_seq + 1,
@@ -192,7 +181,7 @@ class DecodeSetup:
 
     def runner(self, mode: GraphMode, compiler: str | None) -> ModelRunner:
         """A ModelRunner over the shared model and cache in ``mode``."""
-        limits = RunnerLimits(self.max_b, 2048, self.max_len, BLOCK)
+        limits = EngineLimits(self.max_b, 2048, self.max_len, BLOCK)
         return ModelRunner(
             self.model,
             self.cache,
@@ -308,10 +297,7 @@ def run(
                 log(f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
                 if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
                     result.profile[f"{name} B={b}"] = top_kernels(step)
-            runner.manager.release()
-            if runner.piecewise is not None:
-                for w in runner.piecewise.wrappers:
-                    w.reset()
+            runner.release()
     if REDUCE_OVERHEAD in cfg.variants and cuda:
         total_first = 0.0
         for b in cfg.batch_sizes:
@@ -358,7 +344,7 @@ def top_kernels(step: Callable[[], Any], n: int = 6) -> list[tuple[str, float]]:
 def quick_config() -> BenchConfig:
     """A CPU-sized run: the tiny model, eager only."""
     return BenchConfig(
-        model=dict(TINY_LLAMA),
+        model=shape("tiny"),
         batch_sizes=(1, 8),
         kv_len=64,
         dtype="float32",

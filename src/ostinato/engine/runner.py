@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +14,7 @@ from ostinato.dispatcher import Dispatcher
 from ostinato.engine.attention import AttentionBackend, AttentionMetadata
 from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.kv_cache import KVCache
+from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.scheduler import Step
 from ostinato.manager import GraphManager
@@ -23,16 +23,6 @@ from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import current_platform
 from ostinato.pool import CaptureReport
 from ostinato.support import ModeResolution, resolve_mode
-
-
-@dataclass(frozen=True)
-class RunnerLimits:
-    """Sizes fixed at start-up: they size the persistent buffers."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
 
 
 class ModelRunner:
@@ -50,7 +40,7 @@ class ModelRunner:
         model: DecoderModel,
         cache: KVCache,
         backend: AttentionBackend,
-        limits: RunnerLimits,
+        limits: EngineLimits,
         graph_config: GraphConfig,
         device: torch.device,
         progress: bool = True,
@@ -71,7 +61,7 @@ class ModelRunner:
             graph_config, self.resolution.mode, max_num_reqs=limits.max_num_seqs
         )
         t = limits.max_num_batched_tokens
-        max_blocks = -(-limits.max_model_len // limits.block_size)
+        max_blocks = limits.blocks_per_seq
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
         self.positions = torch.full((t,), -1, dtype=torch.long, device=device)
         self.token_req = torch.zeros(t, dtype=torch.int32, device=device)
@@ -147,6 +137,13 @@ class ModelRunner:
         self.compile()
         return self.manager.capture()
 
+    def release(self) -> None:
+        """Destroys every graph this runner captured (FULL and piecewise); it must not run
+        a graph mode afterwards. Safe to call more than once."""
+        self.manager.release()
+        if self.piecewise is not None:
+            self.piecewise.release()
+
     @torch.inference_mode()
     def execute(self, step: Step) -> torch.Tensor:
         """Runs ``step``; returns float32 logits, one row per scheduled request."""
@@ -191,9 +188,3 @@ class ModelRunner:
         num_reqs = len(step.scheduled)
         self.block_tables[:num_reqs].copy_(self._tables_staging[:num_reqs], non_blocking=True)
         return torch.tensor(last, device=self.device), query_lens, seq_lens
-
-
-def num_blocks_for(limits: RunnerLimits) -> int:
-    """Blocks so that every sequence can reach max_model_len at once, plus the null block."""
-    per_seq = -(-limits.max_model_len // limits.block_size)
-    return limits.max_num_seqs * per_seq + 1

@@ -1,4 +1,5 @@
-"""Continuous batching: admit prefills, run decodes, preempt when KV blocks run out."""
+"""Continuous batching: admit prefills (in chunks when the token budget is short), run
+decodes, preempt when KV blocks run out."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ostinato.engine.kv_cache import BlockPool, blocks_needed
+from ostinato.engine.limits import EngineLimits
 from ostinato.engine.sampler import SamplingParams
 
 
 class FinishReason(enum.Enum):
-    """Why a request stopped: a stop or EOS token, or a length limit."""
+    """Why a request stopped: an EOS or stop token, ``max_tokens``, or ``max_model_len``."""
 
     STOP = "stop"
     LENGTH = "length"
+    MAX_MODEL_LEN = "max_model_len"
 
 
 @dataclass
@@ -44,11 +47,16 @@ class Request:
 
 @dataclass
 class ScheduledRequest:
-    """One request's part of a step: ``tokens`` at positions ``start ..``."""
+    """One request's part of a step: ``tokens`` at positions ``start ..``.
+
+    ``samples`` is False for a chunk that ends before the request's last token (a prefill
+    split over steps): its logits are computed but no token is drawn.
+    """
 
     request: Request
     tokens: list[int]
     start: int
+    samples: bool = True
 
 
 @dataclass
@@ -71,29 +79,30 @@ class Step:
 class Scheduler:
     """First-come-first-served continuous batching over a paged KV cache.
 
-    Guarantees: a request is never lost: it is waiting, running or finished. Prompts
-    are prefilled whole; running requests decode one token per step; when a decode needs
-    a block and none is free, the most recently admitted running request is preempted
-    (its blocks freed, to be recomputed later from prompt + output so far). Requests
-    that could never fit raise ``ValueError`` at ``add``; requests that merely do not
-    fit now wait.
+    Guarantees: a request is never lost: it is waiting, running or finished (or
+    aborted, which frees it). A request is admitted when the KV blocks for all its tokens
+    are free; its tokens are computed in chunks of at most the step's remaining token
+    budget, so a prompt, or a preempted request's prompt + output, longer than
+    ``max_num_batched_tokens`` still runs. Running requests decode one token per step;
+    when a request needs a block and none is free, the most recently admitted running
+    request is preempted (its blocks freed, to be recomputed later from prompt + output
+    so far). Requests that could never fit raise ``ValueError`` at ``add``; requests
+    that merely do not fit now wait.
     """
 
     def __init__(
         self,
         pool: BlockPool,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        eos_token_id: int | None = None,
+        limits: EngineLimits,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.pool = pool
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.limits = limits
+        self.block_size = limits.block_size
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.max_model_len = limits.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -114,11 +123,6 @@ class Scheduler:
                 f"prompt: {len(prompt)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}; shorten it or raise max_model_len"
             )
-        if len(prompt) > self.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt: {len(prompt)} tokens exceed max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}; raise the token budget"
-            )
         if blocks_needed(len(prompt) + 1, self.block_size) > self.pool.num_blocks - 1:
             raise ValueError(
                 f"prompt: needs more KV blocks than the cache has ({self.pool.num_blocks - 1}); "
@@ -131,32 +135,42 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
-        """The next step: every running decode that fits, then new prefills."""
+        """The next step: every running request that fits (decodes, then unfinished
+        prefill chunks), then new admissions while tokens, sequences and blocks allow."""
         scheduled: list[ScheduledRequest] = []
         budget = self.max_num_batched_tokens
-        # Decodes first: each running request needs room for one more token.
         for req in list(self.running):
+            if budget == 0:
+                break
             if req not in self.running:
                 continue  # preempted below to make room for an earlier request
-            if not self._reserve(req, req.num_cached + 1):
+            chunk = min(len(req.prompt) + len(req.output) - req.num_cached, budget)
+            if not self._reserve(req, req.num_cached + chunk):
                 continue
-            scheduled.append(ScheduledRequest(req, [req.tokens[-1]], req.num_cached))
-            budget -= 1
-        # Then admit waiting requests while tokens, sequences and blocks allow.
-        while self.waiting and len(self.running) < self.max_num_seqs:
+            scheduled.append(self._chunk(req, chunk))
+            budget -= chunk
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            tokens = req.tokens
-            if len(tokens) > budget:
-                break
-            need = blocks_needed(len(tokens), self.block_size)
+            need = blocks_needed(len(req.prompt) + len(req.output), self.block_size)
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
             req.blocks = self.pool.allocate(need)
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, tokens, 0))
-            budget -= len(tokens)
+            chunk = min(len(req.prompt) + len(req.output), budget)
+            scheduled.append(self._chunk(req, chunk))
+            budget -= chunk
         return Step(scheduled)
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> ScheduledRequest:
+        start = req.num_cached
+        total = len(req.prompt) + len(req.output)
+        if n == 1 and start == total - 1 and req.output:
+            tokens = [req.output[-1]]  # a decode: no need to rebuild prompt + output
+        else:
+            tokens = req.tokens[start : start + n]
+        return ScheduledRequest(req, tokens, start, samples=start + n == total)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Makes ``req`` hold blocks for ``num_tokens``, preempting others if needed.
@@ -174,27 +188,44 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.pool.free(req.blocks)
-        req.blocks, req.num_cached = [], 0
+        self._release(req)
+        req.num_cached = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update(self, step: Step, sampled: list[int]) -> list[Request]:
-        """Records one sampled token per scheduled request; returns those that finished."""
+        """Records the sampled token of each scheduled request that samples (one entry
+        per scheduled request; others' entries are ignored); returns those that finished."""
         done = []
         for s, token in zip(step.scheduled, sampled, strict=True):
             req = s.request
             req.num_cached = s.start + len(s.tokens)
+            if not s.samples:
+                continue
             req.output.append(token)
             p = req.params
-            if (not p.ignore_eos and token == self.eos_token_id) or token in p.stop_token_ids:
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 req.finish_reason = FinishReason.STOP
-            elif len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            elif len(req.output) >= p.max_tokens:
                 req.finish_reason = FinishReason.LENGTH
+            elif len(req.prompt) + len(req.output) >= self.max_model_len:
+                req.finish_reason = FinishReason.MAX_MODEL_LEN
             if req.finished:
-                self.running.remove(req)
-                self.pool.free(req.blocks)
-                req.blocks = []
+                self._release(req)
                 done.append(req)
         return done
+
+    def abort(self, requests: list[Request]) -> None:
+        """Drops ``requests`` wherever they are and frees their KV blocks; finished ones
+        are left alone. Used when a call that added them fails or is interrupted."""
+        ids = {r.id for r in requests if not r.finished}
+        if not ids:
+            return
+        self.waiting = deque(r for r in self.waiting if r.id not in ids)
+        for req in [r for r in self.running if r.id in ids]:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free(req.blocks)
+        req.blocks = []

@@ -1,8 +1,17 @@
-"""Loading Hugging Face safetensors checkpoints into ``DecoderModel`` (local files only)."""
+"""Loading checkpoint tensors into ``DecoderModel``: Hugging Face folders (safetensors,
+sharded or not, or ``pytorch_model.bin``) and the shared name mapping GGUF uses too.
+
+Every loader ends in ``assign_tensors``, which guarantees: each model parameter is
+written exactly once from the checkpoint or the load fails naming what is missing; a
+checkpoint tensor with no place in the model fails the load (it would change the
+function) unless it is known to be derived data (rotary caches, a tied LM head).
+"""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,20 +27,90 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Derived data some checkpoints carry: recomputed by the model, safe to skip.
+_DERIVED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def load_weights(model: DecoderModel, model_dir: str | Path) -> list[str]:
-    """Copies every tensor of ``model_dir/*.safetensors`` into ``model``.
+class WeightsError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
-    Returns the names of checkpoint tensors that were not used (e.g. rotary caches).
-    Raises ``ValueError`` naming any model parameter the checkpoint did not provide,
-    and on any shape mismatch.
+
+def has_weights(model_dir: Path) -> bool:
+    """True if ``model_dir`` holds checkpoint files ``load_weights`` reads."""
+    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("pytorch_model*.bin"))
+
+
+def load_weights(model: DecoderModel, model_dir: str | Path) -> None:
+    """Copies the checkpoint in ``model_dir`` into ``model``.
+
+    Reads ``*.safetensors`` (the files an index names, when there is one), else
+    ``pytorch_model*.bin`` with ``weights_only=True``. Raises ``WeightsError`` naming a
+    missing or unreadable file, a missing parameter, a shape mismatch or an unknown tensor.
     """
-    from safetensors import safe_open
+    folder = Path(model_dir)
+    files = checkpoint_files(folder)
+    assign_tensors(model, _read_all(files), str(folder))
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The checkpoint files of ``folder``, safetensors first; ``WeightsError`` if none."""
+    for index_name in _INDEXES:
+        index = folder / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise WeightsError(f"{index}: not a valid checkpoint index ({exc})") from None
+            files = [folder / name for name in sorted(set(weight_map.values()))]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise WeightsError(f"{index} names files that are missing: {absent}")
+            return files
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     if not files:
-        raise ValueError(f"model directory {model_dir}: no *.safetensors files")
+        raise WeightsError(
+            f"model directory {folder}: no *.safetensors or pytorch_model*.bin files; "
+            "add the weights, or ask for random weights explicitly (random_weights=True, "
+            "--random-weights)"
+        )
+    return files
+
+
+def _read_all(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        yield from _read_file(f)
+
+
+def _read_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # safe_open has no __iter__
+                    yield name, st.get_tensor(name)
+        except WeightsError:
+            raise
+        except Exception as exc:  # safetensors raises several error types for bad files
+            raise WeightsError(f"{f}: cannot be read as safetensors ({exc}); re-download it") from None
+        return
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # a corrupt or non-tensor pickle
+        raise WeightsError(
+            f"{f}: cannot be read with torch.load(weights_only=True) ({exc}); re-download it "
+            "or convert it to safetensors"
+        ) from None
+    if not isinstance(state, dict):
+        raise WeightsError(f"{f}: holds a {type(state).__name__}, not a state dict")
+    yield from state.items()
+
+
+def assign_tensors(
+    model: DecoderModel, tensors: Iterable[tuple[str, torch.Tensor]], source: str
+) -> None:
+    """Writes HF-named ``tensors`` into ``model`` (see the module docstring)."""
     params = dict(model.named_parameters())
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -40,28 +119,33 @@ def load_weights(model: DecoderModel, model_dir: str | Path) -> list[str]:
         "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
     }
     loaded: set[str] = set()
-    unused: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                target, shard = _target(name)
-                if target not in params:
-                    unused.append(name)
-                    continue
-                tensor = st.get_tensor(name)
-                param = params[target]
-                dest = param.data
-                if shard is not None:
-                    sizes = fused_splits[_layer_module(target)]
-                    dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if dest.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} does not match "
-                        f"model shape {tuple(dest.shape)} (is config.json from this checkpoint?)"
-                    )
-                with torch.no_grad():
-                    dest.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
+    unknown: list[str] = []
+    for name, tensor in tensors:
+        target, shard = _target(name)
+        if target not in params:
+            if not _DERIVED.search(name) and not (
+                cfg.tie_word_embeddings and target == "lm_head.weight"
+            ):
+                unknown.append(name)
+            continue
+        dest = params[target].data
+        if shard is not None:
+            sizes = fused_splits[_layer_module(target)]
+            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dest.shape != tensor.shape:
+            raise WeightsError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)} but the model "
+                f"expects {tuple(dest.shape)} (is the config from this checkpoint?)"
+            )
+        with torch.no_grad():
+            dest.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+    if unknown:
+        raise WeightsError(
+            f"{source}: tensors {unknown[:5]} have no place in the model "
+            f"({len(unknown)} in all); the checkpoint and its config disagree, or it holds "
+            "layers the engine does not implement"
+        )
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight#None")
     missing = []
@@ -69,16 +153,13 @@ def load_weights(model: DecoderModel, model_dir: str | Path) -> list[str]:
         module = _layer_module(pname)
         shards = range(len(fused_splits[module])) if module in fused_splits else [None]
         missing += [
-            f"{pname}[{s}]" if s is not None else pname
-            for s in shards
-            if f"{pname}#{s}" not in loaded
+            f"{pname}[{s}]" if s is not None else pname for s in shards if f"{pname}#{s}" not in loaded
         ]
     if missing:
-        raise ValueError(
-            f"checkpoint in {model_dir} lacks {missing[:8]}"
+        raise WeightsError(
+            f"{source}: checkpoint lacks {missing[:8]}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
-    return unused
 
 
 def _target(hf_name: str) -> tuple[str, int | None]:

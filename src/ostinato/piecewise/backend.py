@@ -66,7 +66,6 @@ class PiecewiseBackend:
         self.meter = meter
         self.stats = CompileStats()
         self.wrappers: list[GraphWrapper] = []
-        self.last_split: SplitGraph | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -95,7 +94,6 @@ class PiecewiseBackend:
         self.stats.compiles += 1
         self.stats.seconds += time.perf_counter() - start
         self.stats.pieces = split.pieces
-        self.last_split = split
         logger.info(
             "ostinato: compiled %d pieces (%d graphable) in %.1f s",
             len(split.pieces),
@@ -108,6 +106,13 @@ class PiecewiseBackend:
     def num_graphs(self) -> int:
         """Piecewise graphs captured so far, over all pieces."""
         return sum(len(w.entries) for w in self.wrappers)
+
+    def release(self) -> None:
+        """Destroys every piecewise graph (the compiled pieces stay, and run eagerly or
+        capture anew). The device is synchronized first so no replay is in flight."""
+        self.platform.synchronize()
+        for wrapper in self.wrappers:
+            wrapper.reset()
 
 
 class _PieceCompiler(fx.Interpreter):

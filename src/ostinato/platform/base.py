@@ -56,6 +56,10 @@ class Platform(ABC):
         """Bytes in use on the whole device, as the driver sees it."""
         return 0
 
+    def device_memory(self) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of the device, or None where there is no device memory."""
+        return None
+
     def empty_cache(self) -> None:  # noqa: B027 - a no-op where nothing is cached
         """Returns cached, unused blocks to the device."""
 

@@ -121,6 +121,10 @@ class CudaPlatform(Platform):
         free, total = torch.cuda.mem_get_info()
         return total - free
 
+    def device_memory(self) -> tuple[int, int] | None:
+        free, total = torch.cuda.mem_get_info()
+        return free, total
+
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 

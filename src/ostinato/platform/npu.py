@@ -53,5 +53,9 @@ class NpuPlatform(Platform):
         free, total = torch.npu.mem_get_info()
         return total - free
 
+    def device_memory(self) -> tuple[int, int] | None:
+        free, total = torch.npu.mem_get_info()
+        return free, total
+
     def empty_cache(self) -> None:
         torch.npu.empty_cache()

@@ -1,0 +1,136 @@
+"""Sizing the KV cache from device memory, before anything large is allocated.
+
+vLLM's convention: the engine may use ``gpu_memory_utilization`` of the device's total
+memory, less what other processes already hold. From that budget come the weights
+(counted exactly from the model's parameter shapes), the activations of one step and the
+graph pool (estimated), and the rest goes to KV blocks, never more than the scheduler
+could ever use (every sequence at ``max_model_len``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.engine.config import ModelConfig
+from ostinato.engine.model import DecoderModel
+from ostinato.mathutil import ceil_div
+
+logger = logging.getLogger(__name__)
+MiB = 2**20
+
+
+class EngineMemoryError(MemoryError):
+    """The model, its KV cache and its graphs do not fit; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per use and the KV blocks chosen. ``budget`` is what the engine may use."""
+
+    budget: int
+    weights: int
+    activations: int
+    graphs: int
+    kv_block: int
+    num_blocks: int
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"weights {self.weights / MiB:.0f} MiB, KV cache {self.num_blocks} blocks "
+            f"({self.num_blocks * self.kv_block / MiB:.0f} MiB), activations "
+            f"~{self.activations / MiB:.0f} MiB, graphs ~{self.graphs / MiB:.0f} MiB, of a "
+            f"budget of {self.budget / MiB:.0f} MiB"
+        )
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Exact parameter bytes of ``DecoderModel(config)`` in ``dtype``."""
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers (keys and values)."""
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
+    """An upper estimate of the live tensors of one forward pass over ``num_tokens`` rows
+    plus the float32 logits of ``num_seqs`` rows (hidden, residual, qkv, gate/up, SiLU
+    product, attention output, twice over for temporaries)."""
+    c = config
+    per_token = 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_token += 3 * c.intermediate_size + c.num_heads * c.head_dim
+    return 2 * num_tokens * per_token * dtype.itemsize + 2 * num_seqs * c.vocab_size * 4
+
+
+def graph_pool_bytes(config: ModelConfig, max_capture_tokens: int, dtype: torch.dtype) -> int:
+    """Estimate of the shared graph pool: graphs are captured largest first and share
+    one pool, so it holds about one forward pass at the largest size, plus a margin."""
+    if max_capture_tokens <= 0:
+        return 0
+    return activation_bytes(config, max_capture_tokens, 0, dtype) + 32 * MiB
+
+
+def plan_memory(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    free: int,
+    total: int,
+    utilization: float,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    max_capture_tokens: int,
+    num_blocks: int | None = None,
+) -> MemoryPlan:
+    """Chooses the KV block count, or raises ``EngineMemoryError``.
+
+    ``num_blocks`` given: it must fit. Otherwise as many blocks as fit in the budget, up
+    to every sequence at ``max_model_len``, and at least one such sequence.
+    """
+    budget = int(utilization * total) - (total - free)
+    weights = weight_bytes(config, dtype)
+    acts = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype)
+    graphs = graph_pool_bytes(config, max_capture_tokens, dtype)
+    block = kv_block_bytes(config, block_size, dtype)
+    per_seq = ceil_div(max_model_len, block_size)
+    wanted = num_blocks if num_blocks is not None else max_num_seqs * per_seq + 1
+    least = num_blocks if num_blocks is not None else per_seq + 1
+    room = budget - weights - acts - graphs
+    fits = max(0, room // block) if room > 0 else 0
+    if fits < least:
+        others = total - free
+        raise EngineMemoryError(
+            f"device memory: the model needs {weights / MiB:.0f} MiB of weights + "
+            f"{least * block / MiB:.0f} MiB of KV cache ({least} blocks) + ~"
+            f"{(graphs + acts) / MiB:.0f} MiB for graphs and activations, but only "
+            f"{max(budget, 0) / MiB:.0f} MiB may be used (gpu_memory_utilization={utilization} "
+            f"of {total / MiB:.0f} MiB, {others / MiB:.0f} MiB already in use). Lower "
+            "max_model_len, max_num_batched_tokens or max_capture_size, use a smaller dtype, "
+            "raise gpu_memory_utilization, or free device memory."
+        )
+    chosen = min(wanted, fits)
+    if chosen < wanted:
+        logger.warning(
+            "ostinato: KV cache holds %d blocks, %d would let every sequence reach "
+            "max_model_len at once; requests will be preempted when it is full",
+            chosen,
+            wanted,
+        )
+    return MemoryPlan(budget, weights, acts, graphs, block, chosen)
+
+
+def check_utilization(value: float) -> float:
+    """``value`` if it is a fraction in (0, 1]; else ``ValueError`` naming the option."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {value!r}")
+    return float(value)

@@ -199,3 +199,32 @@ def test_debug_check_passes_for_a_well_behaved_step():
     m.debug = True
     m.capture()
     assert m.num_graphs == 4
+
+
+@pytest.mark.parametrize("mode", [GraphMode.FULL, GraphMode.NONE])
+def test_run_refuses_rows_nobody_computed(mode):
+    p, r, m = build(mode)
+    with use_platform(p):
+        m.capture()
+        plan = m.plan(3)
+        padded = plan.padded_tokens
+        assert padded == (4 if mode is GraphMode.FULL else 3)
+        assert m.run(plan, padded).shape[0] == padded  # padding rows were computed
+        for bad in (padded + 1, -1):
+            with pytest.raises(ValueError, match=f"num_tokens: {bad} rows asked of a step"):
+                m.run(plan, bad)
+
+
+def test_out_of_memory_in_warm_up_releases_every_graph():
+    p, r, m = build(GraphMode.FULL)
+    real = r.step
+
+    def step(d):
+        if d.num_tokens == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(d)
+
+    m.step = step
+    with use_platform(p), pytest.raises(GraphCaptureError, match="ran out of device memory"):
+        m.capture()
+    assert m.num_graphs == 0

@@ -7,9 +7,11 @@ option, what was wrong and the fix; options are checked before any model is load
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ostinato.cliargs import OneLineParser, bounded_float, fail, int_list, positive_int
@@ -21,15 +23,26 @@ DEFAULT_QUESTION = "What is the capital of France?"
 def _parse_mode(text: str) -> str:
     from ostinato.engine.options import parse_mode
 
-    parse_mode(text)
+    with _as_argument_error():
+        parse_mode(text)
     return text
 
 
 def _parse_device(text: str) -> str:
     from ostinato.engine.options import resolve_device
 
-    resolve_device(text)
+    with _as_argument_error():
+        resolve_device(text)
     return text
+
+
+@contextlib.contextmanager
+def _as_argument_error() -> Iterator[None]:
+    """The engine's ``ValueError("option: why")`` as argparse's error for that option."""
+    try:
+        yield
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
 
 def _generate_parser(sub: Any) -> argparse.ArgumentParser:

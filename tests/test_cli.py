@@ -1,0 +1,128 @@
+"""Every bad command-line input: exit status 2, one line on stderr, no traceback."""
+
+import json
+
+import pytest
+
+from ostinato.cli import main
+
+
+def run(args, capsys):
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+GEN = ["generate", "--model", "tiny", "--quiet", "--max-model-len", "64"]
+
+
+@pytest.fixture
+def bad_folders(tmp_path):
+    from hf_models import SMALL
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({**SMALL, "architectures": ["GPT2LMHeadModel"]}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text(
+        json.dumps({**SMALL, "architectures": ["LlamaForCausalLM"]})
+    )
+    (corrupt / "model.safetensors").write_bytes(b"junk" * 8)
+    return tmp_path
+
+
+BAD = [
+    (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["--max-tokens", "-1"], "--max-tokens: must be >= 1"),
+    (["--max-tokens", "x"], "--max-tokens: 'x' is not an integer"),
+    (["--temperature", "-1"], "--temperature: must be in [0.0"),
+    (["--top-p", "0"], "--top-p: must be in (0.0, 1.0]"),
+    (["--top-p", "2"], "--top-p: must be in (0.0, 1.0]"),
+    (["--top-p", "nan"], "--top-p: must be in (0.0, 1.0]"),
+    (["--mode", "bogus"], "--mode: unknown graph mode 'bogus'"),
+    (["--device", "tpu"], "--device: 'tpu' is not a device PyTorch knows"),
+    (["--device", "cuda"], "--device: 'cuda' asked for, but CUDA is not available"),
+    (["--max-model-len", "0"], "--max-model-len: must be >= 1"),
+    (["--max-model-len", "4096"], "max_model_len: 4096 exceeds the 2048 positions"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be in"),
+    (["--prompt-ids", "1,a"], "--prompt-ids: '1,a' is not a list of integers"),
+    (["--prompt-ids", "1,5000"], "token ids [5000] outside the vocabulary"),
+    (["--prompt", "hi"], "text given but the model has no tokenizer"),
+    (["--prompt", "hi", "--prompt-ids", "1"], "give --prompt-ids or --prompt, not both"),
+    (["--chat"], "--chat: the model has no chat template"),
+    (["--prompt-ids", ",".join(["1"] * 70)], "prompt 0: 70 tokens leave no room"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_generate_options(extra, message, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, out, err = run(GEN + extra, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "folder, message",
+    [
+        ("absent", "no such file or folder"),
+        ("empty", "no config.json and no .gguf file"),
+        ("gpt2", "GPT2LMHeadModel"),
+        ("broken", "config.json: not valid JSON"),
+        ("corrupt", "model.safetensors: cannot be read"),
+    ],
+)
+def test_bad_model_folders(folder, message, bad_folders, capsys):
+    code, out, err = run(["generate", "--quiet", "--model", str(bad_folders / folder)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert message in err, err
+
+
+def test_options_are_checked_before_the_model_loads(bad_folders, capsys):
+    # A bad option wins over a model that would fail to load (and is never opened).
+    code, _, err = run(["generate", "--model", str(bad_folders / "corrupt"), "--top-p", "2"], capsys)
+    assert code == 2 and "--top-p" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--batch-sizes", "abc"], "--batch-sizes: 'abc' is not a list of integers"),
+        (["bench", "--batch-sizes", "0,1"], "--batch-sizes: sizes must be >= 1"),
+        (["bench", "--plot-from", "/no/such.json", "--plot", "x.png"], "--plot-from"),
+        (["bench", "--kv-len", "-3"], "--kv-len: must be >= 1"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_bench_and_command_options(args, message, capsys):
+    code, _, err = run(args, capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert message in err, err
+
+
+def test_generate_with_token_ids(capsys):
+    code, out, err = run(
+        GEN + ["--prompt-ids", "1,2,3", "--prompt-ids", "7 8", "--max-tokens", "5", "--ignore-eos"],
+        capsys,
+    )
+    assert code == 0, err
+    assert "graph mode: NONE" in out and "prompt [1, 2, 3] -> [" in out
+    assert out.count("[5 tokens, finish: length]") == 2 and "tokens/s" in out
+
+
+def test_every_option_has_help_and_shows_its_default(capsys):
+    code, out, _ = run(["generate", "--help"], capsys)
+    assert code == 0
+    for option in ("--max-tokens", "--temperature", "--top-p", "--mode", "--max-model-len"):
+        assert option in out
+    assert out.count("(default:") >= 8

@@ -1,0 +1,132 @@
+"""LLM.generate is all or nothing: every bad call raises before queuing anything, an
+interrupted call leaves nothing behind, and a good call afterwards just works."""
+
+import pytest
+
+from ostinato.engine import LLM, FinishReason, SamplingParams
+from ostinato.engine.presets import shape
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", device="cpu", max_model_len=64, max_num_seqs=4, progress=False)
+
+
+def assert_clean_and_working(llm):
+    assert not llm.scheduler.has_work
+    assert llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks - 1
+    (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.token_ids) == 2
+
+
+BAD_CALLS = [
+    (([[1, 2]], {"max_tokens": 3}), TypeError, "params: expected SamplingParams"),
+    (([[1, 2]], [None]), TypeError, r"params\[0\]: expected SamplingParams"),
+    (([[1, 2], [3]], [SamplingParams()]), ValueError, "params: 1 given for 2 prompts"),
+    (([1, 2, 3],), TypeError, "flat list of ints; wrap"),
+    (("hello",), TypeError, "expected a list of prompts"),
+    (([[1, 2.5]],), TypeError, "prompt 0: token 1 is 2.5, not an int"),
+    (([[1, "2"]],), TypeError, "prompt 0: token 1 is '2', not an int"),
+    (([[1], [True]],), TypeError, "prompt 1: token 0 is True, not an int"),
+    (([[1], 7],), TypeError, "prompt 1: expected a list of token ids"),
+    (([[1], [-1]],), ValueError, r"prompt 1: token ids \[-1\] outside the vocabulary"),
+    (([[1], [1] * 64],), ValueError, "prompt 1: 64 tokens leave no room"),
+    (([[1], []],), ValueError, "prompt 1: empty"),
+]
+
+
+@pytest.mark.parametrize("args, error, message", BAD_CALLS, ids=[b[2][:30] for b in BAD_CALLS])
+def test_bad_call_raises_queues_nothing_and_engine_still_works(llm, args, error, message):
+    with pytest.raises(error, match=message):
+        llm.generate(*args)
+    assert_clean_and_working(llm)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_p": 2}, "top_p"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_sampling_params_refuse_bad_values(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_interrupted_generate_leaves_nothing_queued(llm):
+    def interrupt(index, token):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=40, ignore_eos=True),
+                     on_token=interrupt)
+    assert_clean_and_working(llm)
+
+
+def test_exception_in_the_middle_of_a_step_aborts_the_call(llm, monkeypatch):
+    calls = []
+
+    def failing(step):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fell over")
+        return real(step)
+
+    real = llm.runner.execute
+    monkeypatch.setattr(llm.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="fell over"):
+        llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=10, ignore_eos=True))
+    monkeypatch.setattr(llm.runner, "execute", real)
+    assert_clean_and_working(llm)
+
+
+def test_finish_reasons_name_the_limit(llm):
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert free.finish_reason is FinishReason.LENGTH
+    stop = free.token_ids[2]
+    stopped = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))[0]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.token_ids[-1] == stop
+    long = llm.generate([[1] * 60], SamplingParams(max_tokens=5000, ignore_eos=True))[0]
+    assert long.finish_reason is FinishReason.MAX_MODEL_LEN and len(long.token_ids) == 4
+
+
+def test_on_token_streams_every_token_in_order(llm):
+    seen = {0: [], 1: []}
+    outs = llm.generate(
+        [[1, 2], [3, 4, 5]],
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        on_token=lambda i, t: seen[i].append(t),
+    )
+    assert [seen[0], seen[1]] == [o.token_ids for o in outs]
+
+
+def test_max_model_len_beyond_the_models_positions():
+    with pytest.raises(ValueError, match="max_model_len: 4096 exceeds the 2048 positions"):
+        LLM("tiny", device="cpu", max_model_len=4096, progress=False)
+    scaled = {
+        **shape("tiny"),
+        "max_position_embeddings": 1024,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+    }
+    llm = LLM(scaled, device="cpu", max_model_len=4096, max_num_seqs=1, progress=False)
+    assert llm.scheduler.max_model_len == 4096
+
+
+def test_num_blocks_too_small_for_one_sequence():
+    with pytest.raises(ValueError, match="num_blocks: 3 blocks .* cannot hold one sequence"):
+        LLM("tiny", device="cpu", max_model_len=64, num_blocks=3, progress=False)

@@ -148,7 +148,7 @@ class GGUFCheckpoint:
                     "installed gguf package cannot dequantize; upgrade gguf or use another "
                     "quantization"
                 ) from None
-            tensor = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 tensor = unpermute_rope_rows(tensor, cfg.num_heads)
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):

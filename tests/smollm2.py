@@ -10,7 +10,7 @@ from ostinato.engine.presets import smollm2_path
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [
     "The history of the Roman Empire begins with",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "A recipe for pancakes: first, take two eggs and",
     "Photosynthesis is the process by which plants",
 ]

@@ -44,9 +44,9 @@ def test_reduce_overhead_baseline_computes_the_engine_models_function():
     from ostinato.engine.attention import AttentionMetadata, TorchAttention
     from ostinato.engine.attention_op import StepAttention
     from ostinato.engine.config import ModelConfig
-    from ostinato.engine.presets import shape
     from ostinato.engine.kv_cache import KVCache
     from ostinato.engine.model import DecoderModel
+    from ostinato.engine.presets import shape
 
     torch.manual_seed(0)
     cfg = ModelConfig.from_hf(shape("tiny"))

@@ -90,7 +90,9 @@ def test_bad_model_folders(folder, message, bad_folders, capsys):
 
 def test_options_are_checked_before_the_model_loads(bad_folders, capsys):
     # A bad option wins over a model that would fail to load (and is never opened).
-    code, _, err = run(["generate", "--model", str(bad_folders / "corrupt"), "--top-p", "2"], capsys)
+    code, _, err = run(
+        ["generate", "--model", str(bad_folders / "corrupt"), "--top-p", "2"], capsys
+    )
     assert code == 2 and "--top-p" in err
 
 

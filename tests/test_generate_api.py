@@ -67,8 +67,9 @@ def test_interrupted_generate_leaves_nothing_queued(llm):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=40, ignore_eos=True),
-                     on_token=interrupt)
+        llm.generate(
+            [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=40, ignore_eos=True), on_token=interrupt
+        )
     assert_clean_and_working(llm)
 
 

@@ -46,9 +46,14 @@ def test_greedy_tokens_match_transformers_generate(ours, theirs):
     outs = ours.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for p, o in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = theirs.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                                  eos_token_id=None, pad_token_id=2)
-        assert o.token_ids == ref[0, len(p):].tolist()
+            ref = theirs.generate(
+                torch.tensor([p]),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
+        assert o.token_ids == ref[0, len(p) :].tolist()
 
 
 def test_chat_answers_the_capital_of_france(ours):

@@ -14,7 +14,7 @@ PROMPTS = [[1 + i, 2 + 3 * i, 3, 4 + i * i % 97] * (1 + i % 3) for i in range(8)
 
 def _engine(mode, dtype, **kw):
     return LLM(
-        None,
+        "tiny",
         mode=mode,
         dtype=dtype,
         max_model_len=256,

@@ -9,9 +9,9 @@ from ostinato.demo import TinyModel
 from ostinato.engine.attention import AttentionMetadata, TorchAttention
 from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.config import ModelConfig
-from ostinato.engine.presets import shape
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.model import DecoderModel
+from ostinato.engine.presets import shape
 from ostinato.piecewise import CompiledModel, NoSplittingOpError, PiecewiseBackend
 
 LAYERS = 3

@@ -159,8 +159,7 @@ class GraphWrapper:
                 f"capturing {what} ran out of device memory{room}: the graph pool needs "
                 "more than is left after the weights and caches. Capture fewer or smaller "
                 "sizes (max_capture_size, capture_sizes), leave more room (a lower "
-                "gpu_memory_utilization or a smaller KV cache), or run in NONE mode.\n"
-                + underlying
+                "gpu_memory_utilization or a smaller KV cache), or run in NONE mode.\n" + underlying
             )
         culprit = locate_illegal_op(self.platform, self.runnable, args, kwargs)
         if culprit is None:

@@ -103,7 +103,9 @@ def locate_illegal_op(
         error = f"{type(exc).__name__}: {message}"
         if frame is None:
             return IllegalOp("an unknown place", "?", error)
-        return IllegalOp(f"{frame.filename}:{frame.lineno} in {frame.name}", frame.line or "?", error)
+        return IllegalOp(
+            f"{frame.filename}:{frame.lineno} in {frame.name}", frame.line or "?", error
+        )
     finally:
         platform.synchronize()
     return None

@@ -133,7 +133,9 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
-            raise ModelConfigError(f"config: a field has a value of the wrong type: {exc}") from None
+            raise ModelConfigError(
+                f"config: a field has a value of the wrong type: {exc}"
+            ) from None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

@@ -152,8 +152,9 @@ class LLM:
             max_num_seqs=limits.max_num_seqs,
             max_model_len=limits.max_model_len,
             max_num_batched_tokens=limits.max_num_batched_tokens,
-            max_capture_tokens=graph_config.largest_size if graph_config.mode.has_full_graphs()
-            or graph_config.mode.has_piecewise_graphs() else 0,
+            max_capture_tokens=graph_config.largest_size
+            if graph_config.mode.has_full_graphs() or graph_config.mode.has_piecewise_graphs()
+            else 0,
             num_blocks=num_blocks,
         )
         logger.info("ostinato: memory plan: %s", plan.summary())
@@ -184,7 +185,12 @@ class LLM:
         self.model = model.to(self.device, dtype).eval()
         c = self.config
         self.cache = KVCache(
-            c.num_layers, num_blocks, limits.block_size, c.num_kv_heads, c.head_dim, dtype,
+            c.num_layers,
+            num_blocks,
+            limits.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype,
             self.device,
         )
         self.runner = ModelRunner(
@@ -335,8 +341,7 @@ class LLM:
             return list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(
-                f"prompt {i}: expected a list of token ids or a string, got "
-                f"{type(prompt).__name__}"
+                f"prompt {i}: expected a list of token ids or a string, got {type(prompt).__name__}"
             )
         for j, t in enumerate(prompt):
             if not is_int(t):

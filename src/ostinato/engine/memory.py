@@ -57,10 +57,14 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block over all layers (keys and values)."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return (
+        2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    )
 
 
-def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
+def activation_bytes(
+    config: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype
+) -> int:
     """An upper estimate of the live tensors of one forward pass over ``num_tokens`` rows
     plus the float32 logits of ``num_seqs`` rows (hidden, residual, qkv, gate/up, SiLU
     product, attention output, twice over for temporaries)."""

@@ -31,7 +31,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
             is_int(t) for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids: must be a tuple of ints, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids: must be a tuple of ints, got {self.stop_token_ids!r}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")

@@ -122,4 +122,3 @@ def _hf_eos(path: Path) -> tuple[int, ...]:
             raise ModelConfigError(f"{f}: eos_token_id must be an int or a list of ints")
         return tuple(ids)
     return ()
-

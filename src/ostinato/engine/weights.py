@@ -93,7 +93,9 @@ def _read_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
         except WeightsError:
             raise
         except Exception as exc:  # safetensors raises several error types for bad files
-            raise WeightsError(f"{f}: cannot be read as safetensors ({exc}); re-download it") from None
+            raise WeightsError(
+                f"{f}: cannot be read as safetensors ({exc}); re-download it"
+            ) from None
         return
     try:
         state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
@@ -153,7 +155,9 @@ def assign_tensors(
         module = _layer_module(pname)
         shards = range(len(fused_splits[module])) if module in fused_splits else [None]
         missing += [
-            f"{pname}[{s}]" if s is not None else pname for s in shards if f"{pname}#{s}" not in loaded
+            f"{pname}[{s}]" if s is not None else pname
+            for s in shards
+            if f"{pname}#{s}" not in loaded
         ]
     if missing:
         raise WeightsError(

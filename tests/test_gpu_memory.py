@@ -1,0 +1,101 @@
+"""GPU tests of memory: the KV cache sized from free memory, a named error when the model
+does not fit, and an out-of-memory capture that leaves the process and device usable."""
+
+import pytest
+import torch
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.memory import EngineMemoryError
+from ostinato.errors import GraphCaptureError
+from ostinato.platform.cuda import CudaPlatform
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+
+
+def small(**kw):
+    base = dict(max_model_len=128, max_num_seqs=4, max_capture_size=16, progress=False)
+    return LLM("tiny", **{**base, **kw})
+
+
+def hog_all_but(keep_bytes):
+    free, _ = torch.cuda.mem_get_info()
+    return torch.empty(max(free - keep_bytes, 0), dtype=torch.uint8, device="cuda")
+
+
+def test_kv_cache_is_sized_from_free_memory_and_capped_at_what_can_be_used():
+    llm = small(mode="full")
+    plan = llm.memory
+    assert plan is not None and plan.num_blocks == llm.cache.num_blocks
+    assert plan.num_blocks == 4 * 8 + 1  # every sequence at max_model_len, no more
+    torch.cuda.empty_cache()
+    hog = hog_all_but(512 * MiB)
+    try:
+        # llama-1.5b needs ~3 GiB of weights: refused before anything is allocated.
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(EngineMemoryError) as info:
+            LLM("llama-1.5b", max_model_len=128, gpu_memory_utilization=1.0, progress=False)
+        assert torch.cuda.memory_allocated() == before
+        message = str(info.value)
+        for part in (
+            "MiB of weights",
+            "MiB of KV cache",
+            "for graphs and activations",
+            "gpu_memory_utilization",
+            "Lower max_model_len",
+        ):
+            assert part in message, message
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+def test_out_of_memory_during_capture_is_named_and_everything_recovers(monkeypatch):
+    real_capture = CudaPlatform.capture
+    hog = []
+
+    def starved_capture(self, graph, pool):
+        if not hog:  # take every free byte just before the first capture begins
+            torch.cuda.empty_cache()
+            hog.append(hog_all_but(2 * MiB))
+        return real_capture(self, graph, pool)
+
+    monkeypatch.setattr(CudaPlatform, "capture", starved_capture)
+    with pytest.raises(GraphCaptureError, match="ran out of device memory") as info:
+        small(mode="full", max_capture_size=512, max_num_batched_tokens=2048)
+    assert "Underlying error: OutOfMemoryError" in str(info.value)
+    monkeypatch.setattr(CudaPlatform, "capture", real_capture)
+    hog.clear()
+    del info
+    torch.cuda.empty_cache()
+    eager = small(mode="none")
+    (a,) = eager.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
+    graphed = small(mode="full", max_capture_size=8)
+    assert graphed.capture_report.num_graphs > 0
+    (b,) = graphed.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert a.token_ids == b.token_ids
+
+
+def test_capture_error_leads_with_the_cause():
+    from ostinato import BatchDescriptor, GraphMode, GraphWrapper, capture_phase, forward_context
+
+    x = torch.ones(4, device="cuda")
+
+    def bad():
+        y = x * 2
+        if y.sum().item() > 0:  # a host sync: cannot be captured
+            return y
+        return -y
+
+    wrapper = GraphWrapper(bad, GraphMode.FULL)
+    d = BatchDescriptor(4)
+    with (
+        capture_phase(),
+        forward_context(GraphMode.FULL, d),
+        pytest.raises(GraphCaptureError) as info,
+    ):
+        wrapper()
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("capturing ") and "test_gpu_memory.py" in first
+    assert "y.sum().item()" in first and "waits for the device" in first
+    assert "operation not permitted" not in first

@@ -138,7 +138,12 @@ class LLM:
         graph_config: GraphConfig,
         num_blocks: int | None,
     ) -> MemoryPlan | None:
-        info = current_platform().device_memory() if self.device.type != "cpu" else None
+        if self.device.type == "cpu":
+            return None
+        platform = current_platform()
+        # Memory this process cached but does not use is free for our purposes.
+        platform.empty_cache()
+        info = platform.device_memory()
         if info is None:
             return None
         free, total = info

@@ -29,9 +29,9 @@ def test_kv_cache_is_sized_from_free_memory_and_capped_at_what_can_be_used():
     assert plan is not None and plan.num_blocks == llm.cache.num_blocks
     assert plan.num_blocks == 4 * 8 + 1  # every sequence at max_model_len, no more
     torch.cuda.empty_cache()
-    hog = None
+    hog = []
     try:
-        hog = hog_all_but(512 * MiB)
+        hog.append(hog_all_but(512 * MiB))
         # llama-1.5b needs ~3 GiB of weights: refused before anything is allocated.
         before = torch.cuda.memory_allocated()
         with pytest.raises(EngineMemoryError) as info:
@@ -47,7 +47,7 @@ def test_kv_cache_is_sized_from_free_memory_and_capped_at_what_can_be_used():
         ):
             assert part in message, message
     finally:
-        hog = None
+        hog.clear()
         torch.cuda.empty_cache()
 
 

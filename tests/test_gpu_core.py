@@ -33,7 +33,7 @@ def captured():
     torch.manual_seed(0)
     model = TinyModel(vocab=VOCAB, hidden=1024, intermediate=2048, layers=4)
     model = model.to(DEVICE, torch.bfloat16).eval()
-    config = GraphConfig(mode=GraphMode.FULL, debug=True)  # debug: each graph checked vs eager
+    config = GraphConfig(mode=GraphMode.FULL, verify_graphs=True)  # each graph checked vs eager
     runner = TinyRunner(model, config, DEVICE, progress=False)
     runner.capture()
     return model, runner
@@ -41,9 +41,9 @@ def captured():
 
 def test_every_ladder_size_captured_into_one_pool(captured):
     model, runner = captured
-    report = runner.manager.report
-    assert runner.manager.num_graphs == len(GraphConfig().sizes) >= 50
-    assert report.num_graphs == runner.manager.num_graphs
+    report = runner.graphs.manager.report
+    assert runner.graphs.manager.num_graphs == len(GraphConfig().sizes) >= 50
+    assert report.num_graphs == runner.graphs.manager.num_graphs
     sizes = [r.descriptor.num_tokens for r in report.records]
     assert sizes == sorted(sizes, reverse=True), "largest first"
     # Graph memory is real, and bounded: the pool is shared, so 51 graphs cost about
@@ -61,7 +61,7 @@ def test_replay_bitwise_equals_eager_on_padded_input_random_sizes(captured):
         ids = torch.randint(0, VOCAB, (n,), device=DEVICE)
         with torch.inference_mode():
             got = runner.forward(ids).clone()
-            plan = runner.manager.plan(n)
+            plan = runner.graphs.dispatch(n)
             padded = runner.input_ids[: plan.padded_tokens].clone()
             want_padded = model(padded)[:n]
             want = model(ids)
@@ -77,10 +77,10 @@ def test_padding_rows_do_not_leak_into_real_rows(captured):
     ids = torch.randint(0, VOCAB, (n,), device=DEVICE)
     with torch.inference_mode():
         first = runner.forward(ids).clone()
-        plan = runner.manager.plan(n)
+        plan = runner.graphs.dispatch(n)
         runner.input_ids[n : plan.padded_tokens].random_(0, VOCAB)  # garbage padding
         runner.input_ids[:n].copy_(ids)
-        second = runner.manager.run(plan, n).clone()
+        second = runner.graphs.manager.run(plan, n).clone()
     assert torch.equal(first, second)
 
 
@@ -88,7 +88,7 @@ def test_above_largest_size_runs_eagerly(captured):
     model, runner = captured
     ids = torch.randint(0, VOCAB, (600,), device=DEVICE)
     with torch.inference_mode():
-        assert runner.manager.plan(600).mode is GraphMode.NONE
+        assert runner.graphs.dispatch(600).mode is GraphMode.NONE
         torch.testing.assert_close(runner.forward(ids), model(ids))
 
 
@@ -99,7 +99,7 @@ def _linear_wrapper(options):
 
 @torch.inference_mode()
 def test_wrapper_capture_replay_and_weak_output():
-    lin, w = _linear_wrapper(GraphOptions(debug=True))
+    lin, w = _linear_wrapper(GraphOptions(check_addresses=True))
     x = torch.randn(8, 64, device=DEVICE)
     d = BatchDescriptor(8)
     with capture_phase(), forward_context(GraphMode.FULL, d):
@@ -113,7 +113,7 @@ def test_wrapper_capture_replay_and_weak_output():
 
 @torch.inference_mode()
 def test_wrapper_address_change_error_names_argument():
-    lin, w = _linear_wrapper(GraphOptions(debug=True))
+    lin, w = _linear_wrapper(GraphOptions(check_addresses=True))
     x = torch.randn(8, 64, device=DEVICE)
     with capture_phase(), forward_context(GraphMode.FULL, BatchDescriptor(8)):
         w(x)
@@ -175,11 +175,11 @@ def test_full_decode_only_separate_uniform_graphs_and_aux_outputs():
     m.capture()
     assert m.num_graphs == 6  # uniform decode sizes 1..32 only
     x[:5] = torch.randn(5, 32, device=DEVICE)
-    plan = m.plan(5, uniform_decode=True)
+    plan = m.dispatcher.dispatch(5, uniform_decode=True)
     assert plan.mode is GraphMode.FULL and plan.descriptor == BatchDescriptor(8, 8, True)
     out, aux = m.run(plan, 5)
     assert torch.equal(out, lin(x[:8])[:5]) and torch.equal(aux, x[:8].sum(-1)[:5])
-    mixed = m.plan(5, uniform_decode=False)
+    mixed = m.dispatcher.dispatch(5, uniform_decode=False)
     assert mixed.mode is GraphMode.NONE
     out, aux = m.run(mixed, 5)
     assert out.shape == (5, 32)

@@ -54,7 +54,7 @@ def test_logits_match_eager_bf16_random_mixes(mode):
     modes_seen = set()
     while eager.scheduler.has_work:
         se, sg = eager.scheduler.schedule(), graphs.scheduler.schedule()
-        plan = graphs.runner.manager.plan(sg.num_tokens, sg.uniform_decode)
+        plan = graphs.runner.graphs.dispatch(sg.num_tokens, sg.uniform_decode)
         modes_seen.add(plan.mode.name)
         le, lg = eager.runner.execute(se), graphs.runner.execute(sg)
         err = ((lg - le).norm() / le.norm()).item()

@@ -90,8 +90,8 @@ def test_lazy_capture_allows_first_use_capture():
     assert len(w.entries) == 1
 
 
-def test_debug_names_the_moved_argument():
-    p, fn, w = make(GraphOptions(debug=True, lazy_capture=True))
+def test_check_addresses_names_the_moved_argument():
+    p, fn, w = make(GraphOptions(check_addresses=True, lazy_capture=True))
     x = torch.ones(4)
     d = BatchDescriptor(4)
     with forward_context(GraphMode.FULL, d):
@@ -108,7 +108,7 @@ def test_debug_names_moved_keyword_argument():
         GraphMode.FULL,
         platform=p,
         pool=1,
-        options=GraphOptions(debug=True, lazy_capture=True),
+        options=GraphOptions(check_addresses=True, lazy_capture=True),
     )
     a, b = torch.ones(2), torch.ones(2)
     with forward_context(GraphMode.FULL, BatchDescriptor(2)):
@@ -172,13 +172,6 @@ def test_weak_ref_output_option_returns_view_on_capture():
     with forward_context(GraphMode.FULL, BatchDescriptor(4)):
         out = w(torch.ones(4))
     assert out.data_ptr() == fn.out.data_ptr()
-
-
-def test_wrapper_forwards_attributes_and_unwraps():
-    p, fn, w = make()
-    assert w.label == "scale" and w.unwrap() is fn
-    with pytest.raises(AttributeError, match="nope"):
-        _ = w.nope
 
 
 def test_reset_drops_graphs():

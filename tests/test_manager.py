@@ -83,7 +83,8 @@ def test_capture_warms_up_then_captures_each_size_once_with_gc_paused():
     assert not any(gc_on for _, _, gc_on in r.steps), "gc must be paused during capture"
     assert gc.isenabled()
     assert report.num_graphs == 4 and report.pool_bytes == 4 * 1024
-    assert all(rec.seconds >= 0 for rec in report.records)
+    assert [rec.descriptor.num_tokens for rec in report.records] == [8, 4, 2, 1]
+    assert all(rec.seconds > 0 for rec in report.records)
     assert "4 graphs captured" in report.summary()
 
 
@@ -92,7 +93,7 @@ def test_full_replay_returns_static_outputs_sliced_to_real_size():
     m.capture()
     calls = len(r.steps)
     r.x[:3] = torch.randn(3, 3)
-    plan = m.plan(3)
+    plan = m.dispatcher.dispatch(3)
     assert plan.mode is GraphMode.FULL and plan.padded_tokens == 4
     out, aux = m.run(plan, 3)
     assert len(r.steps) == calls, "FULL replay must not run the step"
@@ -104,26 +105,26 @@ def test_full_replay_returns_static_outputs_sliced_to_real_size():
 def test_single_output_is_returned_as_tensor():
     p, r, m = build(GraphMode.FULL)
     m.capture()
-    out = m.run(m.plan(5), 5)
+    out = m.run(m.dispatcher.dispatch(5), 5)
     assert isinstance(out, torch.Tensor) and out.shape == (5, 5)
 
 
 def test_eager_above_largest_size_and_piecewise_sliced():
     p, r, m = build(GraphMode.FULL_AND_PIECEWISE)
     m.capture()
-    plan = m.plan(3, uniform_decode=False)
+    plan = m.dispatcher.dispatch(3, uniform_decode=False)
     assert plan.mode is GraphMode.PIECEWISE
     out = m.run(plan, 3, attn_metadata=None)
     assert out.shape == (3, 5)
-    plan = m.plan(40)
+    plan = m.dispatcher.dispatch(40)
     assert plan.mode is GraphMode.NONE and plan.padded_tokens == 40
     assert m.run(plan, 40).shape == (40, 5)
 
 
 def test_full_without_capture_is_an_error():
     p, r, m = build(GraphMode.FULL)
-    with pytest.raises(RuntimeError, match="capture"):
-        m.run(m.plan(2), 2)
+    with pytest.raises(KeyError, match="no FULL graph was captured"):
+        m.run(m.dispatcher.dispatch(2), 2)
 
 
 def test_step_output_must_be_token_major():
@@ -162,9 +163,9 @@ def test_cpu_platform_end_to_end_runs_none_with_same_code():
         runner = TinyRunner(
             model, GraphConfig(max_capture_size=32), torch.device("cpu"), progress=False
         )
-        assert runner.resolution.mode is GraphMode.NONE
+        assert runner.graphs.mode is GraphMode.NONE
         runner.capture()
-        assert runner.manager.num_graphs == 0
+        assert runner.graphs.manager.num_graphs == 0
         for n in (1, 7, 32, 50):
             ids = torch.randint(0, 1000, (n,))
             with torch.inference_mode():
@@ -179,7 +180,7 @@ def test_demo_on_cpu():
     assert r.platform == "cpu" and r.mode is GraphMode.NONE and r.max_abs_error == 0.0
 
 
-def test_debug_check_catches_a_step_that_reads_a_python_number():
+def test_verify_graphs_catches_a_step_that_reads_a_python_number():
     p = FakePlatform()
     x = torch.ones(8)
     calls = [0]
@@ -189,14 +190,14 @@ def test_debug_check_catches_a_step_that_reads_a_python_number():
         return x[: d.num_tokens] * calls[0]  # frozen into the graph at capture
 
     d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(8,)))
-    m = GraphManager(step, d, debug=True, platform=p, pool=1, progress=False)
+    m = GraphManager(step, d, verify_graphs=True, platform=p, pool=1, progress=False)
     with pytest.raises(GraphCaptureError, match=r"differs from an eager run.*output #0"):
         m.capture()
 
 
-def test_debug_check_passes_for_a_well_behaved_step():
+def test_verify_graphs_passes_for_a_well_behaved_step():
     p, r, m = build(GraphMode.FULL, aux=True)
-    m.debug = True
+    m.verify_graphs = True
     m.capture()
     assert m.num_graphs == 4
 
@@ -206,7 +207,7 @@ def test_run_refuses_rows_nobody_computed(mode):
     p, r, m = build(mode)
     with use_platform(p):
         m.capture()
-        plan = m.plan(3)
+        plan = m.dispatcher.dispatch(3)
         padded = plan.padded_tokens
         assert padded == (4 if mode is GraphMode.FULL else 3)
         assert m.run(plan, padded).shape[0] == padded  # padding rows were computed

@@ -1,12 +1,13 @@
 """ostinato: capture PyTorch models as CUDA graphs and replay them for any batch size.
 
-The public API, by layer (see DESIGN.md): modes and configuration (``GraphMode``,
+The public API, by layer (see docs/design.md): modes and configuration (``GraphMode``,
 ``GraphConfig``, ``BatchDescriptor``, ``Dispatcher``, ``forward_context``), graphs
 (``GraphWrapper``, ``capture_phase``, ``shared_pool``), and runner pieces
-(``GraphManager``).
+(``GraphManager``, and ``build_graph_runtime``, the one entry point that wires them).
 """
 
 from ostinato.batch import BatchDescriptor
+from ostinato.capture_report import CaptureReport, GraphRecord
 from ostinato.config import GraphConfig, default_capture_sizes
 from ostinato.context import (
     ForwardContext,
@@ -27,8 +28,9 @@ from ostinato.guard import capture_phase, in_capture_phase
 from ostinato.manager import CaptureItem, GraphManager
 from ostinato.modes import GraphMode
 from ostinato.platform import current_platform, use_platform
-from ostinato.pool import CaptureReport, GraphRecord, shared_pool
-from ostinato.support import AttentionGraphSupport, ModeResolution, resolve_mode
+from ostinato.pool import shared_pool
+from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
+from ostinato.runtime import GraphRuntime, auto_mode, build_graph_runtime, choose_compiler
 
 __version__ = "0.1.0"
 
@@ -48,12 +50,16 @@ __all__ = [
     "GraphMode",
     "GraphOptions",
     "GraphRecord",
+    "GraphRuntime",
     "GraphWrapper",
     "InputAddressChangedError",
     "ModeResolution",
     "OstinatoError",
     "PlatformError",
+    "auto_mode",
+    "build_graph_runtime",
     "capture_phase",
+    "choose_compiler",
     "current_forward_context",
     "current_platform",
     "default_capture_sizes",

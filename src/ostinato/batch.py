@@ -18,7 +18,3 @@ class BatchDescriptor:
     num_reqs: int | None = None
     uniform_decode: bool = False
     has_lora: bool = False
-
-    def relaxed(self) -> BatchDescriptor:
-        """The same token count with the uniform-decode specialisation dropped."""
-        return BatchDescriptor(self.num_tokens, None, False, self.has_lora)

@@ -33,26 +33,38 @@ def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> l
 class GraphConfig:
     """What to capture. Validated on construction; invalid values raise ``ValueError``.
 
-    ``mode``: a ``GraphMode`` or its name. ``capture_sizes``: the token counts to capture
-    (default: the ladder of ``default_capture_sizes`` up to ``max_capture_size``), stored
-    sorted ascending. ``max_num_tokens``: the runner's token budget per step, when known;
-    no capture size may exceed it. ``specialize_lora``: capture separate graphs for
-    batches with and without LoRA. ``num_warmups``: eager runs before each capture.
-    ``debug``: check input addresses on every replay (slower; names the moved input).
+    ``mode``: a ``GraphMode``, its name, or ``"auto"`` (stored as None): the strongest mode
+    the platform and the caller allow, chosen by ``build_graph_runtime``.
+    ``capture_sizes``: the token counts to capture (default: the ladder of
+    ``default_capture_sizes`` up to ``max_capture_size``), stored sorted ascending.
+    ``max_num_tokens``: the runner's token budget per step, when known; no capture size may
+    exceed it. ``specialize_lora``: capture separate graphs for batches with and without
+    LoRA. ``num_warmups``: eager runs before each capture.
+
+    Two checks, both off by default because they cost time:
+    ``verify_graphs``: after capturing each FULL graph, replay it once and compare its
+    outputs bitwise with an eager run of the same step (start-up cost; names a step that
+    depends on something the graph froze). ``check_addresses``: on every replay, check that
+    each tensor argument still sits at its captured address (per-step cost; names the
+    input that moved).
     """
 
-    mode: GraphMode = GraphMode.FULL
+    mode: GraphMode | None = GraphMode.FULL
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
     max_num_tokens: int | None = None
     specialize_lora: bool = False
     num_warmups: int = 1
-    debug: bool = False
+    verify_graphs: bool = False
+    check_addresses: bool = False
     # Filled in by __post_init__; not an argument.
     sizes: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", GraphMode.parse(self.mode))
+        if isinstance(self.mode, str) and self.mode.strip().lower() == "auto":
+            object.__setattr__(self, "mode", None)
+        elif self.mode is not None:
+            object.__setattr__(self, "mode", GraphMode.parse(self.mode))
         if self.max_num_tokens is not None and self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be >= 1, got {self.max_num_tokens}")
         if self.num_warmups < 0:

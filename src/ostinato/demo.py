@@ -15,11 +15,9 @@ from torch import nn
 
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
-from ostinato.dispatcher import Dispatcher
-from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.platform import current_platform
-from ostinato.support import AttentionGraphSupport, resolve_mode
+from ostinato.runtime import build_graph_runtime
 
 
 class MlpBlock(nn.Module):
@@ -55,7 +53,7 @@ class TinyModel(nn.Module):
 
 
 class TinyRunner:
-    """A model runner: persistent input buffer, dispatcher, and a ``GraphManager``.
+    """A model runner: a persistent input buffer and graphs from ``build_graph_runtime``.
 
     ``forward(ids)`` copies ids into the buffer, pads with token 0 up to the dispatched
     size, and returns hidden states for exactly ``len(ids)`` tokens.
@@ -64,40 +62,26 @@ class TinyRunner:
     def __init__(
         self, model: nn.Module, config: GraphConfig, device: torch.device, progress: bool = True
     ) -> None:
-        platform = current_platform()
-        self.resolution = resolve_mode(
-            config.mode,
-            AttentionGraphSupport.ALWAYS,
-            piecewise_available=False,
-            platform_has_graphs=platform.supports_graphs,
-        )
         self.model = model
-        self.dispatcher = Dispatcher(config, self.resolution.mode)
         self.input_ids = torch.zeros(max(config.largest_size, 1), dtype=torch.long, device=device)
-        self.manager = GraphManager(
-            self._step,
-            self.dispatcher,
-            num_warmups=config.num_warmups,
-            debug=config.debug,
-            progress=progress,
-        )
+        self.graphs = build_graph_runtime(self._step, config, progress=progress)
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor:
         return self.model(self.input_ids[: d.num_tokens])
 
     def capture(self) -> None:
         """Captures every size of the ladder (nothing on a platform without graphs)."""
-        self.manager.capture()
+        self.graphs.manager.capture()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[0]
-        plan = self.manager.plan(n)
-        if plan.padded_tokens > self.input_ids.shape[0]:
+        dispatch = self.graphs.dispatch(n)
+        if dispatch.padded_tokens > self.input_ids.shape[0]:
             return self.model(ids)  # larger than any graph: eager on the caller's tensor
         self.input_ids[:n].copy_(ids)
-        self.input_ids[n : plan.padded_tokens].zero_()
-        return self.manager.run(plan, n)
+        self.input_ids[n : dispatch.padded_tokens].zero_()
+        return self.graphs.manager.run(dispatch, n)
 
 
 @dataclass
@@ -134,10 +118,10 @@ def run_demo(num_steps: int = 20, seed: int = 0, progress: bool = True) -> DemoR
         worst = max(worst, (got.float() - want.float()).abs().max().item())
     return DemoResult(
         platform.name,
-        runner.resolution.mode,
-        runner.resolution.reasons,
-        runner.manager.num_graphs,
-        runner.manager.report.summary(),
+        runner.graphs.mode,
+        runner.graphs.resolution.reasons,
+        runner.graphs.manager.num_graphs,
+        runner.graphs.manager.report.summary(),
         worst,
         num_steps,
     )

@@ -34,8 +34,9 @@ class Dispatcher:
     NONE with the real token count, never an error. ``keys(mode)`` is exactly
     the set of descriptors that can ever be returned with that mode, i.e. what to capture.
 
-    ``mode`` must already be resolved against the attention backend and platform
-    (``support.resolve_mode``). ``uniform_decode_query_len`` is the query length of every
+    ``mode`` (default: the config's) must already be resolved against the attention backend
+    and platform; ``build_graph_runtime`` does that and is the one caller that passes it.
+    ``uniform_decode_query_len`` is the query length of every
     request in a uniform decode step (1, or 1 + speculative tokens). ``max_num_reqs``
     bounds the uniform decode graphs. ``lora_enabled`` says whether the model may run
     LoRA at all; with ``config.specialize_lora`` graphs are captured with and without it.
@@ -54,7 +55,12 @@ class Dispatcher:
             raise ValueError(
                 f"uniform_decode_query_len: must be >= 1, got {uniform_decode_query_len}"
             )
-        self.mode = config.mode if mode is None else GraphMode.parse(mode)
+        resolved = config.mode if mode is None else GraphMode.parse(mode)
+        if resolved is None:
+            raise ValueError(
+                "mode: the config says 'auto'; resolve it first (build_graph_runtime does)"
+            )
+        self.mode = resolved
         self.sizes = config.sizes
         self.max_size = config.largest_size
         self.uniform_decode_query_len = uniform_decode_query_len

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from ostinato.batch import BatchDescriptor
-from ostinato.context import _current
+from ostinato.capture_report import CaptureMeter
+from ostinato.context import current_forward_context
 from ostinato.errors import GraphCaptureError, InputAddressChangedError
 from ostinato.guard import check_capture_allowed, locate_illegal_op
 from ostinato.modes import GraphMode
 from ostinato.platform import Graph, Platform, current_platform
-from ostinato.pool import CaptureMeter, shared_pool
-from ostinato.weakref import weak_ref_tensors
+from ostinato.pool import shared_pool
+from ostinato.tensor_views import weak_ref_tensors
 
 _ADDRESS_HINT = (
     "A graph reads its inputs from the addresses they had at capture. Copy new data into "
@@ -25,7 +26,7 @@ _ADDRESS_HINT = (
 
 @dataclass
 class GraphEntry:
-    """One captured graph, the outputs it writes, and (debug) its input addresses.
+    """One captured graph, the outputs it writes, and (if checked) its input addresses.
 
     ``output`` holds non-owning views of the graph's outputs: valid after each replay of
     this graph until any graph sharing its pool is replayed.
@@ -43,12 +44,13 @@ class GraphOptions:
 
     ``weak_ref_output``: return non-owning views even from the capturing call (safe only
     when nothing captured later reads this output, e.g. the last piece of a model).
-    ``debug``: record input addresses at capture and check them on every replay.
+    ``check_addresses``: record input addresses at capture and check them on every
+    replay (``InputAddressChangedError`` names the input that moved).
     ``lazy_capture``: allow capture outside ``capture_phase()``.
     """
 
     weak_ref_output: bool = False
-    debug: bool = False
+    check_addresses: bool = False
     lazy_capture: bool = False
 
 
@@ -65,8 +67,7 @@ class GraphWrapper:
     its results are bitwise those of an eager run on those addresses; graphs are never
     re-captured; a failed capture raises ``GraphCaptureError`` naming the op and source
     line that broke it, and leaves no entry behind. The wrapper does not copy inputs:
-    the caller keeps them in persistent buffers. Attributes not found on the wrapper are
-    looked up on the wrapped callable.
+    the caller keeps them in persistent buffers.
     """
 
     def __init__(
@@ -91,19 +92,8 @@ class GraphWrapper:
         self.name = name or getattr(runnable, "__qualname__", type(runnable).__name__)
         self.entries: dict[BatchDescriptor, GraphEntry] = {}
 
-    def __getattr__(self, key: str) -> Any:
-        # Only reached for names not found on the wrapper itself.
-        runnable = self.__dict__.get("runnable")
-        if runnable is not None and hasattr(runnable, key):
-            return getattr(runnable, key)
-        raise AttributeError(f"neither the GraphWrapper nor {runnable!r} has attribute {key!r}")
-
-    def unwrap(self) -> Callable[..., Any]:
-        """The wrapped callable."""
-        return self.runnable
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = _current.get()
+        ctx = current_forward_context()
         if ctx is None or ctx.runtime_mode is not self.mode:
             return self.runnable(*args, **kwargs)
         descriptor = ctx.batch_descriptor
@@ -112,10 +102,26 @@ class GraphWrapper:
             return self._capture(descriptor, args, kwargs)
         if entry.input_addresses is not None:
             self._check_addresses(entry, args, kwargs)
+        self._replay(entry)
+        return entry.output
+
+    def replay(self, descriptor: BatchDescriptor) -> Any:
+        """Replays the graph captured for ``descriptor`` (no address check) and returns its
+        outputs as non-owning views; ``KeyError`` names a descriptor never captured."""
+        entry = self.entries.get(descriptor)
+        if entry is None:
+            raise KeyError(
+                f"{self.name}: no {self.mode.name} graph was captured for {descriptor}; "
+                "capture every size at start-up, before the first step"
+            )
+        self._replay(entry)
+        return entry.output
+
+    def _replay(self, entry: GraphEntry) -> None:
+        # Ascend needs the runtime synchronized before a replay; CUDA does not.
         if self.platform.sync_before_replay:
             self.platform.synchronize()
         entry.graph.replay()
-        return entry.output
 
     def _capture(
         self, descriptor: BatchDescriptor | None, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -128,7 +134,7 @@ class GraphWrapper:
             )
         check_capture_allowed(what, self.options.lazy_capture)
         graph = self.platform.new_graph()
-        addresses = _input_addresses(args, kwargs) if self.options.debug else None
+        addresses = _input_addresses(args, kwargs) if self.options.check_addresses else None
         try:
             if self.meter is not None:
                 with self.meter.measure(descriptor, self.mode):

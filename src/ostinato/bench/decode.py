@@ -201,10 +201,12 @@ class DecodeSetup:
             + 1
             + torch.arange(self.blocks_per_seq)[None, :]
         ).to(torch.int32)
-        runner.block_tables[:batch, : self.blocks_per_seq].copy_(tables)
-        runner.positions[:batch].fill_(pos)
-        runner.token_req[:batch].copy_(torch.arange(batch, dtype=torch.int32))
-        runner.slot_mapping[:batch].copy_(tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK)
+        inputs = runner.inputs
+        inputs.staging[1, :batch] = pos
+        inputs.staging[2, :batch] = torch.arange(batch)
+        inputs.staging[3, :batch] = tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        inputs.tables_staging[:batch, : self.blocks_per_seq] = tables
+        inputs.copy_staged(batch, batch)
         pin = self.device.type == "cuda"
         host_ids = (
             torch.randint(0, self.config.vocab_size, (batch,)).pin_memory()
@@ -215,9 +217,9 @@ class DecodeSetup:
         meta = runner.metadata(batch, [1] * batch, [pos + 1] * batch)
 
         def step() -> torch.Tensor:
-            plan = manager.plan(batch, uniform_decode=True)
-            runner.input_ids[:batch].copy_(host_ids, non_blocking=True)
-            hidden = manager.run(plan, batch, attn_metadata=meta)
+            dispatch = runner.graphs.dispatch(batch, uniform_decode=True)
+            inputs.input_ids[:batch].copy_(host_ids, non_blocking=True)
+            hidden = manager.run(dispatch, batch, attn_metadata=meta)
             return self.model.compute_logits(hidden)
 
         return step

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ostinato.support import AttentionGraphSupport
+from ostinato.resolution import AttentionGraphSupport
 
 
 @dataclass

@@ -16,8 +16,6 @@ from ostinato.context import get_forward_context
 from ostinato.engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from ostinato.engine.kv_cache import KVCache
 
-OP_NAME = "ostinato::attention"
-
 
 @dataclass
 class StepAttention:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
@@ -24,8 +25,8 @@ from ostinato.engine.scheduler import FinishReason, Request, Scheduler
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
-from ostinato.platform import current_platform
-from ostinato.pool import CaptureReport
+from ostinato.platform import CpuPlatform, current_platform
+from ostinato.runtime import choose_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +107,14 @@ class LLM:
             max_model_len,
             block_size,
         )
-        on_gpu = self.device.type == "cuda"
-        if requested is None:
-            requested = GraphMode.FULL_AND_PIECEWISE if on_gpu else GraphMode.NONE
         graph_config = GraphConfig(
             mode=requested,
             capture_sizes=capture_sizes,
             max_capture_size=max_capture_size,
             max_num_tokens=limits.max_num_batched_tokens,
         )
-        compiler = _compiler(compiler, graph_config.mode, self.device)
+        platform = CpuPlatform() if self.device.type == "cpu" else current_platform()
+        compiler = choose_compiler(compiler, graph_config.mode, platform)
         if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
             raise ValueError(
                 f"num_blocks: {num_blocks} blocks (one is the null block) cannot hold one "
@@ -162,9 +161,9 @@ class LLM:
             max_num_seqs=limits.max_num_seqs,
             max_model_len=limits.max_model_len,
             max_num_batched_tokens=limits.max_num_batched_tokens,
-            max_capture_tokens=graph_config.largest_size
-            if graph_config.mode.has_full_graphs() or graph_config.mode.has_piecewise_graphs()
-            else 0,
+            max_capture_tokens=(
+                0 if graph_config.mode is GraphMode.NONE else graph_config.largest_size
+            ),
             num_blocks=num_blocks,
         )
         logger.info("ostinato: memory plan: %s", plan.summary())
@@ -399,11 +398,3 @@ def _model_len(requested: int | None, config: ModelConfig) -> int:
             "(max_position_embeddings and RoPE scaling); lower it"
         )
     return requested
-
-
-def _compiler(choice: str | None, mode: GraphMode, device: torch.device) -> str | None:
-    if choice != "auto":
-        if choice not in (None, "inductor", "eager"):
-            raise ValueError(f"compiler: 'auto', 'inductor', 'eager' or None, got {choice!r}")
-        return choice
-    return "inductor" if mode.has_piecewise_graphs() and device.type == "cuda" else None

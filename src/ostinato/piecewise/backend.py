@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from ostinato.capture_report import CaptureMeter
 from ostinato.graph import GraphOptions, GraphWrapper
 from ostinato.modes import GraphMode
 from ostinato.piecewise.split import NoSplittingOpError, Piece, SplitGraph, split_graph
 from ostinato.platform import Platform, current_platform
-from ostinato.pool import CaptureMeter, shared_pool
+from ostinato.pool import shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class PiecewiseBackend:
         splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS,
         *,
         compiler: str = "inductor",
-        debug: bool = False,
+        check_addresses: bool = False,
         lazy_capture: bool = False,
         platform: Platform | None = None,
         pool: Any = None,
@@ -59,7 +60,7 @@ class PiecewiseBackend:
             raise ValueError(f"compiler: 'inductor' or 'eager', got {compiler!r}")
         self.splitting_ops = tuple(splitting_ops)
         self.compiler = compiler
-        self.debug = debug
+        self.check_addresses = check_addresses
         self.lazy_capture = lazy_capture
         self.platform = platform or current_platform()
         self.pool = pool if pool is not None else shared_pool(self.platform)
@@ -75,7 +76,7 @@ class PiecewiseBackend:
         for i, piece in enumerate(graphable):
             options = GraphOptions(
                 weak_ref_output=i == len(graphable) - 1,
-                debug=self.debug,
+                check_addresses=self.check_addresses,
                 lazy_capture=self.lazy_capture,
             )
             wrapper = GraphWrapper(

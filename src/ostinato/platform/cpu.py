@@ -19,7 +19,7 @@ class CpuPlatform(Platform):
     def _no_graphs(self) -> NoReturn:
         raise PlatformError(
             "the cpu platform cannot capture graphs; resolve the mode with "
-            "support.resolve_mode(..., platform_has_graphs=False) so steps run as NONE"
+            "resolution.resolve_mode(..., platform_has_graphs=False) so steps run as NONE"
         )
 
     def new_graph(self) -> Graph:

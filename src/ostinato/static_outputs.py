@@ -1,0 +1,57 @@
+"""Static output buffers of FULL graphs: where every graph writes, and what callers read."""
+
+from __future__ import annotations
+
+import torch
+
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def as_tuple(out: Outputs) -> tuple[torch.Tensor, ...]:
+    """``out`` as a tuple of tensors."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+class StaticOutputs:
+    """One buffer per step output, ``[rows, *shape]``, allocated once from the first output.
+
+    Guarantees: the buffers never move (graphs capture writes into them); ``view(n)``
+    returns the first ``n`` rows in the step's own form (a tensor, or a tuple when the step
+    returns several) without allocating on the hot path, since every view is built once.
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.buffers: tuple[torch.Tensor, ...] | None = None
+        self.is_tuple = False
+        self._views: list[Outputs] = []
+
+    @property
+    def allocated(self) -> bool:
+        """True once the buffers exist."""
+        return self.buffers is not None
+
+    def allocate(self, out: Outputs) -> None:
+        """Allocates buffers shaped like ``out`` (tokens on dim 0) with ``rows`` rows."""
+        outs = as_tuple(out)
+        self.is_tuple = isinstance(out, (tuple, list))
+        self.buffers = tuple(
+            torch.empty((self.rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in outs
+        )
+        self._views = [self._slice(n) for n in range(self.rows + 1)]
+
+    def write(self, out: Outputs, n: int) -> None:
+        """Copies the ``n`` rows of ``out`` into the buffers (inside a capture: recorded)."""
+        assert self.buffers is not None
+        for buf, t in zip(self.buffers, as_tuple(out), strict=True):
+            buf[:n].copy_(t)
+
+    def view(self, n: int) -> Outputs:
+        """The first ``n`` rows, valid until the next replay writes them."""
+        return self._views[n]
+
+    def _slice(self, n: int) -> Outputs:
+        assert self.buffers is not None
+        if self.is_tuple:
+            return tuple(t[:n] for t in self.buffers)
+        return self.buffers[0][:n]

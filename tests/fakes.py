@@ -45,7 +45,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.graph.ops.append((func, args, kwargs, out))

@@ -4,10 +4,12 @@ import random
 
 import pytest
 import torch
+from gpu_harness import greedy_tokens, lockstep, tiny_engine
 from hf_models import write_checkpoint
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.attention import AttentionMetadata, TorchAttention
+from ostinato.mathutil import ceil_div
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -34,7 +36,7 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
     tables = torch.zeros(len(shapes), 16, dtype=torch.int32)
     for r, (q, cached) in enumerate(shapes):
         total = q + cached
-        nb = -(-total // bs)
+        nb = ceil_div(total, bs)
         tables[r, :nb] = torch.tensor([free.pop() for _ in range(nb)])
         positions += range(cached, total)
         token_req += [r] * q
@@ -83,22 +85,9 @@ def test_logits_match_hf_in_bf16(llama_dir, mode):
         assert rel_err(ours[i], want) < 2e-2, (mode, i)
 
 
-PROMPTS = [[1 + i, 2 + 3 * i, 3, 4 + i * i % 97] * (1 + i % 3) for i in range(8)]
-
-
-def _tokens(mode, dtype, **kw):
-    llm = LLM(
-        "tiny",
-        mode=mode,
-        dtype=dtype,
-        max_model_len=256,
-        max_num_seqs=8,
-        progress=False,
-        seed=3,
-        **kw,
-    )
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
-    return llm, [o.token_ids for o in outs]
+def _tokens(mode, dtype):
+    llm = tiny_engine(mode, dtype)
+    return llm, greedy_tokens(llm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,23 +115,6 @@ def test_padded_rows_never_touch_real_kv():
 
 
 def test_random_request_mixes_graph_logits_equal_eager():
-    eager = LLM("tiny", mode="none", dtype=torch.float32, max_model_len=256, progress=False)
-    full = LLM("tiny", mode="full", dtype=torch.float32, max_model_len=256, progress=False)
-    for llm in (eager, full):
-        r = random.Random(11)
-        for _ in range(12):
-            llm.scheduler.add(
-                [r.randrange(1, 1000) for _ in range(r.randint(1, 40))],
-                SamplingParams(max_tokens=r.randint(1, 20), ignore_eos=True),
-            )
-    steps = 0
-    while eager.scheduler.has_work:
-        se, sf = eager.scheduler.schedule(), full.scheduler.schedule()
-        assert [s.request.id for s in se.scheduled] == [s.request.id for s in sf.scheduled]
-        le, lf = eager.runner.execute(se), full.runner.execute(sf)
-        torch.testing.assert_close(lf, le, atol=1e-4, rtol=1e-4)
-        tokens = le.argmax(-1).tolist()
-        eager.scheduler.update(se, tokens)
-        full.scheduler.update(sf, tokens)
-        steps += 1
-    assert steps > 10
+    eager = tiny_engine("none", torch.float32)
+    full = tiny_engine("full", torch.float32)
+    assert lockstep(eager, full, tolerance=1e-4) >= {"FULL"}

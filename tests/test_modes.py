@@ -30,9 +30,19 @@ def test_full_and_piecewise_queries():
     assert not GraphMode.PIECEWISE.has_full_graphs()
 
 
-@pytest.mark.parametrize("text", ["full", "FULL", " Full_And_Piecewise ", "full-decode-only"])
-def test_parse_accepts_names(text):
-    assert GraphMode.parse(text).name == text.strip().upper().replace("-", "_")
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("full", GraphMode.FULL),
+        ("FULL", GraphMode.FULL),
+        (" Full_And_Piecewise ", GraphMode.FULL_AND_PIECEWISE),
+        ("full-decode-only", GraphMode.FULL_DECODE_ONLY),
+        ("none", GraphMode.NONE),
+        (GraphMode.PIECEWISE, GraphMode.PIECEWISE),
+    ],
+)
+def test_parse_accepts_names(text, mode):
+    assert GraphMode.parse(text) is mode
 
 
 @pytest.mark.parametrize("bad", ["fulll", "", 3, None])

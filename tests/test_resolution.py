@@ -34,12 +34,14 @@ def test_downgrade_rules(requested, support, piecewise, q, expected):
 
 
 def test_never_upgrades_and_reasons_logged(caplog):
-    order = {M.NONE: 0, M.PIECEWISE: 1, M.FULL_DECODE_ONLY: 1, M.FULL_AND_PIECEWISE: 2, M.FULL: 3}
+    # A mode is a pair (decode mode, mixed mode); neither part may ever get stronger.
+    rank = {M.NONE: 0, M.PIECEWISE: 1, M.FULL: 2}
     for requested in M:
         for support in S:
             for pw in (True, False):
                 r = resolve_mode(requested, support, piecewise_available=pw)
-                assert order[r.mode] <= order[requested]
+                assert rank[r.mode.decode_mode()] <= rank[requested.decode_mode()]
+                assert rank[r.mode.mixed_mode()] <= rank[requested.mixed_mode()]
                 if not pw:
                     assert not r.mode.has_piecewise_graphs()
                 if support is S.NEVER:

@@ -7,6 +7,7 @@ from ostinato.engine import FinishReason, SamplingParams
 from ostinato.engine.kv_cache import BlockPool
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.scheduler import Scheduler
+from ostinato.mathutil import ceil_div
 
 
 def drive(sched, rng, steps=10_000):
@@ -47,7 +48,7 @@ def test_random_workloads_always_finish_and_return_every_block():
         block = rng.choice([2, 4, 16])
         max_len = rng.randrange(16, 80)
         limits = EngineLimits(rng.randrange(1, 6), rng.randrange(1, 40), max_len, block)
-        blocks = -(-max_len // block) + 1 + rng.randrange(0, 20)
+        blocks = ceil_div(max_len, block) + 1 + rng.randrange(0, 20)
         sched = Scheduler(BlockPool(blocks), limits, eos_token_ids=(3,))
         reqs = [
             sched.add(

@@ -22,7 +22,7 @@ class ForwardContext:
 _current: ContextVar[ForwardContext | None] = ContextVar("ostinato_forward_context", default=None)
 
 
-class forward_context:  # noqa: N801 - used as a `with` statement, like a function
+class forward_context:  # lower case: used as a `with` statement, like a function
     """``with forward_context(mode, descriptor, attn_metadata) as ctx:`` sets the step.
 
     Guarantees: the previous context (or none) is restored on exit, also on error;

@@ -97,7 +97,7 @@ def locate_illegal_op(
             warnings.simplefilter("ignore", UserWarning)
             with platform.sync_errors():
                 fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - any error is the diagnosis we want
+    except Exception as exc:  # any error is the diagnosis we want
         frame = user_frame(exc)
         message = str(exc).splitlines()[0] if str(exc) else ""
         error = f"{type(exc).__name__}: {message}"

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ostinato.mathutil import ceil_div
 from ostinato.resolution import AttentionGraphSupport
 
 
@@ -83,7 +84,7 @@ class TorchAttention:
         tables = meta.block_tables.tolist()
         start = 0
         for r, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
-            blocks = torch.tensor(tables[r][: -(-slen // block_size)], device=q.device)
+            blocks = torch.tensor(tables[r][: ceil_div(slen, block_size)], device=q.device)
             k = k_cache[blocks].flatten(0, 1)[:slen]  # [slen, kv_heads, d]
             v = v_cache[blocks].flatten(0, 1)[:slen]
             qr = q[start : start + qlen].transpose(0, 1)  # [heads, qlen, d]

@@ -43,3 +43,20 @@ def write_checkpoint(arch: str, folder: Path, seed: int = 0, **overrides) -> tor
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def assert_greedy_matches_hf(llm, hf, prompts, max_tokens, pad_token_id=0):
+    """Greedy tokens of our engine equal ``hf.generate``'s for each prompt (EOS ignored)."""
+    from ostinato.engine import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad_token_id,
+            )
+        assert o.token_ids == ref[0, len(p) :].tolist()

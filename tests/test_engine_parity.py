@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from hf_models import write_checkpoint
+from hf_models import assert_greedy_matches_hf, write_checkpoint
 
 from ostinato.engine import LLM, ModelConfig, SamplingParams
 
@@ -97,16 +97,5 @@ def test_last_token_logits_match_hf(checkpoint):
 
 def test_greedy_generation_matches_hf_generate(checkpoint):
     arch, hf, path = checkpoint
-    llm = _llm(path)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [(11 * i + 2) % 512 for i in range(90)]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    for p, o in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert o.token_ids == ref[0, len(p) :].tolist()
+    assert_greedy_matches_hf(_llm(path), hf, prompts, max_tokens=12)

@@ -3,6 +3,7 @@ loading the same file, float32 on CPU; and the pieces of the loader on their own
 
 import pytest
 import torch
+from hf_models import assert_greedy_matches_hf
 from smollm2 import PROMPTS, QUESTION, gguf_path, hf_model
 
 from ostinato.engine import LLM, SamplingParams
@@ -43,17 +44,7 @@ def test_logits_match_transformers_on_the_same_file(ours, theirs):
 
 def test_greedy_tokens_match_transformers_generate(ours, theirs):
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
-    outs = ours.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
-    for p, o in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = theirs.generate(
-                torch.tensor([p]),
-                max_new_tokens=32,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=2,
-            )
-        assert o.token_ids == ref[0, len(p) :].tolist()
+    assert_greedy_matches_hf(ours, theirs, prompts, max_tokens=32, pad_token_id=2)
 
 
 def test_chat_answers_the_capital_of_france(ours):

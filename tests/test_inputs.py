@@ -5,7 +5,7 @@ import torch
 from ostinato.engine import SamplingParams
 from ostinato.engine.inputs import PADDING, StepInputs
 from ostinato.engine.limits import EngineLimits
-from ostinato.engine.scheduler import Request, ScheduledRequest, Step
+from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
 
 LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 
@@ -14,7 +14,7 @@ def test_rows_of_a_mixed_step_and_its_padding():
     inputs = StepInputs(LIMITS, torch.device("cpu"))
     a = Request(0, [11, 12, 13, 14, 15, 16, 17], SamplingParams(), blocks=[5, 2])
     b = Request(1, [21, 22], SamplingParams(), output=[23], blocks=[7], num_cached=2)
-    step = Step(
+    step = ScheduledBatch(
         [
             ScheduledRequest(a, [15, 16, 17], start=4),  # a chunk continuing a prefill
             ScheduledRequest(b, [23], start=2),  # a decode
@@ -51,6 +51,6 @@ def test_buffers_never_move():
     before = [t.data_ptr() for t in (inputs.input_ids, inputs.positions, inputs.block_tables)]
     r = Request(0, [1, 2, 3], SamplingParams(), blocks=[1])
     for _ in range(3):
-        inputs.write(Step([ScheduledRequest(r, [1, 2, 3], 0)]), padded=4)
+        inputs.write(ScheduledBatch([ScheduledRequest(r, [1, 2, 3], 0)]), padded=4)
     after = [t.data_ptr() for t in (inputs.input_ids, inputs.positions, inputs.block_tables)]
     assert before == after

@@ -14,7 +14,7 @@ import torch
 
 from ostinato.engine.attention import AttentionMetadata
 from ostinato.engine.limits import EngineLimits
-from ostinato.engine.scheduler import Step
+from ostinato.engine.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class StepInputs:
         self.token_req[:n].fill_(PADDING.request)
         self.slot_mapping[:n].fill_(PADDING.slot)
 
-    def write(self, step: Step, padded: int) -> StepLayout:
+    def write(self, step: ScheduledBatch, padded: int) -> StepLayout:
         """Stages ``step``'s rows, pads them to ``padded`` rows, and copies them to the
         device buffers (asynchronously from pinned memory)."""
         bs = self.limits.block_size

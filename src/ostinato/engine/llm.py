@@ -12,6 +12,7 @@ import torch
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
+from ostinato.distributed.groups import ParallelConfig, TensorParallel, init_parallel
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import BlockPool, KVCache
@@ -47,6 +48,10 @@ class RequestOutput:
 
 class LLM:
     """A compact inference engine over ostinato's graphs.
+
+    ``tensor_parallel_size``: shard the model over that many processes started by
+    ``torchrun`` (SPMD: every rank constructs the same ``LLM`` and makes the same calls;
+    each holds its shard of the weights, its KV heads, its KV cache and graph pool).
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
@@ -84,6 +89,7 @@ class LLM:
         max_capture_size: int = 512,
         gpu_memory_utilization: float = 0.9,
         random_weights: bool = False,
+        tensor_parallel_size: int = 1,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
@@ -92,6 +98,7 @@ class LLM:
         start = time.perf_counter()
         self.device = resolve_device(device)
         resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
+        parallel_config = ParallelConfig(tensor_parallel_size)
         requested = parse_mode(mode)
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)
@@ -100,6 +107,11 @@ class LLM:
         self.source_name = source.name
         self.config = source.config
         self.tokenizer = source.tokenizer
+        with torch.device("meta"):  # names a size tp does not divide, before anything starts
+            DecoderModel(self.config, TensorParallel(0, parallel_config.tensor_parallel_size))
+        self.parallel = init_parallel(parallel_config, self.device.type)
+        if self.parallel.world_size > 1:
+            self.device = self.parallel.device
         max_model_len = _model_len(max_model_len, self.config)
         limits = EngineLimits(
             max_num_seqs,
@@ -165,6 +177,7 @@ class LLM:
                 0 if graph_config.mode is GraphMode.NONE else graph_config.largest_size
             ),
             num_blocks=num_blocks,
+            tp=self.parallel.tp,
         )
         logger.info("ostinato: memory plan: %s", plan.summary())
         return plan
@@ -185,10 +198,10 @@ class LLM:
         if source.load is None:
             logger.warning("ostinato: %s: random weights (seed %d)", source.name, seed)
             # Random weights are drawn on the CPU so a seed gives the same model anywhere.
-            model = DecoderModel(self.config)
+            model = DecoderModel(self.config, self.parallel.tp)
         else:
             with torch.device("meta"):
-                model = DecoderModel(self.config)
+                model = DecoderModel(self.config, self.parallel.tp)
             model = model.to_empty(device="cpu")
             source.load(model)
         self.model = model.to(self.device, dtype).eval()
@@ -197,7 +210,7 @@ class LLM:
             c.num_layers,
             num_blocks,
             limits.block_size,
-            c.num_kv_heads,
+            c.num_kv_heads // self.parallel.tp.size,
             c.head_dim,
             dtype,
             self.device,

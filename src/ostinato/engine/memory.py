@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.model import DecoderModel
 from ostinato.mathutil import ceil_div
@@ -48,18 +49,19 @@ class MemoryPlan:
         )
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Exact parameter bytes of ``DecoderModel(config)`` in ``dtype``."""
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel | None = None) -> int:
+    """Exact parameter bytes of ``DecoderModel(config, tp)`` (this rank's shard) in ``dtype``."""
     with torch.device("meta"):
-        model = DecoderModel(config)
+        model = DecoderModel(config, tp)
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (keys and values)."""
-    return (
-        2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-    )
+def kv_block_bytes(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+) -> int:
+    """Bytes of one KV block over all layers (keys and values), on one of ``tp_size`` ranks."""
+    heads = config.num_kv_heads // tp_size
+    return 2 * config.num_layers * block_size * heads * config.head_dim * dtype.itemsize
 
 
 def activation_bytes(
@@ -95,6 +97,7 @@ def plan_memory(
     max_num_batched_tokens: int,
     max_capture_tokens: int,
     num_blocks: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> MemoryPlan:
     """Chooses the KV block count, or raises ``EngineMemoryError``.
 
@@ -102,10 +105,11 @@ def plan_memory(
     to every sequence at ``max_model_len``, and at least one such sequence.
     """
     budget = int(utilization * total) - (total - free)
-    weights = weight_bytes(config, dtype)
+    tp = tp or TensorParallel()
+    weights = weight_bytes(config, dtype, tp)
     acts = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype)
-    block = kv_block_bytes(config, block_size, dtype)
+    block = kv_block_bytes(config, block_size, dtype, tp.size)
     per_seq = ceil_div(max_model_len, block_size)
     wanted = num_blocks if num_blocks is not None else max_num_seqs * per_seq + 1
     least = num_blocks if num_blocks is not None else per_seq + 1

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ostinato.distributed.collectives import all_gather_last_dim, all_reduce_sum
+from ostinato.distributed.groups import TensorParallel
 from ostinato.engine import attention_op  # noqa: F401  (registers torch.ops.ostinato)
 from ostinato.engine.config import ModelConfig
 
@@ -61,20 +63,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """QKV projection, RoPE, the ``ostinato::attention`` op, output projection."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer = layer
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-        )
+        self.tp = tp
+        # Column-parallel q/k/v (whole heads per rank), row-parallel o with an all-reduce.
+        self.heads = tp.split(config.num_heads, "num_attention_heads")
+        self.kv_heads = tp.split(config.num_kv_heads, "num_key_value_heads")
+        self.head_dim = config.head_dim
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # The o bias lives on rank 0 only, so the all-reduce adds it once.
+        self.o_proj = nn.Linear(
+            self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -97,32 +102,33 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         out = torch.empty_like(q)
         torch.ops.ostinato.attention(q, k, v.contiguous(), out, self.layer, self.scale)
-        return self.o_proj(out.view(x.shape[0], self.q_size))
+        return all_reduce_sum(self.o_proj(out.view(x.shape[0], self.q_size)), self.tp.group)
 
 
 class Mlp(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
+        self.tp = tp
+        self.inter = tp.split(config.intermediate_size, "intermediate_size")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return all_reduce_sum(self.down_proj(nn.functional.silu(gate) * up), self.tp.group)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Mlp(config)
+        self.mlp = Mlp(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -137,13 +143,19 @@ class DecoderModel(nn.Module):
     attention backend), and writes each token's K/V to its slot before attending.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp
+        # Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, ...).
+        self.vocab_local = tp.split(config.vocab_size, "vocab_size")
+        self.vocab_start = tp.rank * self.vocab_local
+        self.embed_tokens = nn.Embedding(self.vocab_local, config.hidden_size)
+        layers = (DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_local, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -158,8 +170,18 @@ class DecoderModel(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         return self
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ``input_ids`` (each rank looks up its own rows, then a sum)."""
+        if self.tp.group is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_local)
+        x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
+        x = x * mine[:, None].to(x.dtype)
+        return all_reduce_sum(x, self.tp.group)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -168,5 +190,5 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for hidden-state rows."""
-        return self.lm_head(hidden).float()
+        """Float32 logits over the whole vocabulary for hidden-state rows."""
+        return all_gather_last_dim(self.lm_head(hidden), self.tp.group).float()

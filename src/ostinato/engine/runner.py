@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
@@ -17,7 +18,7 @@ from ostinato.engine.inputs import StepInputs
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
-from ostinato.engine.scheduler import Step
+from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
@@ -114,9 +115,17 @@ class ModelRunner:
         return self.compile_seconds
 
     def capture(self) -> CaptureReport:
-        """Compiles if needed, then captures every graph of the resolved mode."""
+        """Compiles if needed, then captures every graph of the resolved mode. Under tensor
+        parallelism every rank captures the same descriptors in the same order, between
+        two barriers, so the collectives recorded in the graphs pair up across ranks."""
+        group = self.model.tp.group
+        if group is not None:
+            dist.barrier(group=group)
         self.compile()
-        return self.manager.capture()
+        report = self.manager.capture()
+        if group is not None:
+            dist.barrier(group=group)
+        return report
 
     def release(self) -> None:
         """Destroys every graph this runner captured (FULL and piecewise); it must not run
@@ -126,7 +135,7 @@ class ModelRunner:
             self.piecewise.release()
 
     @torch.inference_mode()
-    def execute(self, step: Step) -> torch.Tensor:
+    def execute(self, step: ScheduledBatch) -> torch.Tensor:
         """Runs ``step``; returns float32 logits, one row per scheduled request."""
         n = step.num_tokens
         dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)

@@ -60,7 +60,7 @@ class ScheduledRequest:
 
 
 @dataclass
-class Step:
+class ScheduledBatch:
     """What one model step runs. ``uniform_decode``: every request decodes one token."""
 
     scheduled: list[ScheduledRequest]
@@ -134,7 +134,7 @@ class Scheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Step:
+    def schedule(self) -> ScheduledBatch:
         """The next step: every running request that fits (decodes, then unfinished
         prefill chunks), then new admissions while tokens, sequences and blocks allow."""
         scheduled: list[ScheduledRequest] = []
@@ -160,7 +160,7 @@ class Scheduler:
             chunk = min(len(req.prompt) + len(req.output), budget)
             scheduled.append(self._chunk(req, chunk))
             budget -= chunk
-        return Step(scheduled)
+        return ScheduledBatch(scheduled)
 
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledRequest:
@@ -193,7 +193,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, step: Step, sampled: list[int]) -> list[Request]:
+    def update(self, step: ScheduledBatch, sampled: list[int]) -> list[Request]:
         """Records the sampled token of each scheduled request that samples (one entry
         per scheduled request; others' entries are ignored); returns those that finished."""
         done = []

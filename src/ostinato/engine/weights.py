@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.model import DecoderModel
 
 # HF name suffix -> (our parameter suffix, shard index within a fused parameter)
@@ -112,18 +113,23 @@ def _read_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def assign_tensors(
     model: DecoderModel, tensors: Iterable[tuple[str, torch.Tensor]], source: str
 ) -> None:
-    """Writes HF-named ``tensors`` into ``model`` (see the module docstring)."""
+    """Writes HF-named ``tensors`` into ``model`` (see the module docstring). Under tensor
+    parallelism (``model.tp``) each rank keeps only its shard of every full tensor."""
     params = dict(model.named_parameters())
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    cfg, tp = model.config, model.tp
+    q = cfg.num_heads // tp.size * cfg.head_dim
+    kv = cfg.num_kv_heads // tp.size * cfg.head_dim
     fused_splits = {
         "self_attn.qkv_proj": [q, kv, kv],
-        "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
+        "mlp.gate_up_proj": [cfg.intermediate_size // tp.size] * 2,
     }
     loaded: set[str] = set()
     unknown: list[str] = []
     for name, tensor in tensors:
         target, shard = _target(name)
+        tensor = _tp_shard(target, tensor, tp)
+        if tensor is None:
+            continue  # a row-parallel bias: rank 0 holds it, the all-reduce adds it once
         if target not in params:
             if not _DERIVED.search(name) and not (
                 cfg.tie_word_embeddings and target == "lm_head.weight"
@@ -164,6 +170,24 @@ def assign_tensors(
             f"{source}: checkpoint lacks {missing[:8]}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
+
+
+def _tp_shard(target: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor | None:
+    """This rank's part of the full checkpoint ``tensor`` for parameter ``target``."""
+    if tp.size == 1:
+        return tensor
+    module, kind = _layer_module(target), target.rsplit(".", 1)[-1]
+    column_parallel = module in ("self_attn.qkv_proj", "mlp.gate_up_proj") or target in (
+        "embed_tokens.weight",
+        "lm_head.weight",
+    )
+    if column_parallel:  # output rows split: whole heads, intermediate rows, vocab rows
+        return tensor.chunk(tp.size, dim=0)[tp.rank]
+    if module in ("self_attn.o_proj", "mlp.down_proj"):  # row parallel: input columns split
+        if kind == "weight":
+            return tensor.chunk(tp.size, dim=1)[tp.rank]
+        return tensor if tp.rank == 0 else None
+    return tensor  # norms: replicated
 
 
 def _target(hf_name: str) -> tuple[str, int | None]:

@@ -1,0 +1,27 @@
+"""Tensor-parallel collectives that run eagerly, inside captured CUDA graphs, and inside
+``torch.compile``d pieces (functional collectives: Dynamo traces them; they are not
+splitting points of the piecewise backend)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of ``x`` over ``group`` (``x`` itself without a group)."""
+    if group is None:
+        return x
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
+def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along the last dimension, in rank
+    order (``x`` itself without a group)."""
+    if group is None:
+        return x
+    size = dist.get_world_size(group)
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    # [size * rows, cols] -> [rows, size * cols]
+    return torch.cat(gathered.chunk(size, dim=0), dim=-1)

@@ -1,0 +1,169 @@
+"""Process groups for tensor and data parallelism, started the way ``torchrun`` starts them.
+
+Every process runs the same program (SPMD): ``torchrun --nproc-per-node N script.py`` (or
+``--nnodes``/``--rdzv-endpoint`` across hosts) sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
+and the rendezvous address; ``init_parallel`` reads them. Ranks ``[d * tp, (d + 1) * tp)``
+form tensor-parallel group ``d``; ranks with the same position in their TP group form a
+data-parallel group. NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ostinato.errors import OstinatoError
+
+logger = logging.getLogger(__name__)
+
+
+class ParallelError(OstinatoError):
+    """A parallel configuration that cannot run, or a rank that failed; names which."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """``tensor_parallel_size`` ranks share one model; ``data_parallel_size`` replicas."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes needed: ``tensor_parallel_size * data_parallel_size``."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its tensor-parallel group (``group`` None when ``size`` is 1)."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def split(self, total: int, what: str) -> int:
+        """``total / size``; ``ValueError`` naming ``what`` when it does not divide."""
+        if total % self.size:
+            raise ValueError(
+                f"tensor_parallel_size: {self.size} does not divide {what} ({total}); "
+                "choose a size that divides it"
+            )
+        return total // self.size
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This process's rank, device and groups."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    tp: TensorParallel
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
+
+
+def single_process(device: torch.device | None = None) -> ParallelGroups:
+    """The groups of a run without parallelism."""
+    return ParallelGroups(0, 1, device or torch.device("cpu"), TensorParallel())
+
+
+def init_parallel(
+    config: ParallelConfig, device_type: str | None = None, timeout_s: float = 120.0
+) -> ParallelGroups:
+    """Joins the process group ``torchrun`` described and builds the TP and DP groups.
+
+    Raises ``ParallelError`` before anything starts when the world size is not
+    ``tp * dp``, or a CUDA run has more local ranks than GPUs. ``timeout_s`` bounds every
+    collective: a rank that dies makes the others fail within it instead of hanging.
+    """
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    if config.world_size == 1 and env["WORLD_SIZE"] in (None, "1"):
+        return single_process(torch.device(device_type or "cpu"))
+    missing = [k for k, v in env.items() if v is None]
+    if missing:
+        raise ParallelError(
+            f"parallel run (tp={config.tensor_parallel_size}, dp={config.data_parallel_size}) "
+            f"but {missing} are not set; start it with torchrun --nproc-per-node "
+            f"{config.world_size} (or set them as torchrun does)"
+        )
+    rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    if world != config.world_size:
+        raise ParallelError(
+            f"world size {world} (from torchrun) is not tensor_parallel_size * "
+            f"data_parallel_size = {config.world_size}; launch {config.world_size} processes"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        count = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local_world > count:
+            raise ParallelError(
+                f"{local_world} ranks on this host but only {count} GPU(s); launch at most "
+                f"{count} processes per host"
+            )
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    tp_size = config.tensor_parallel_size
+    tp_group = dp_group = None
+    # Every rank must create every group, in the same order.
+    for d in range(config.data_parallel_size):
+        ranks = list(range(d * tp_size, (d + 1) * tp_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = group
+    for t in range(tp_size):
+        ranks = list(range(t, world, tp_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    tp = TensorParallel(rank % tp_size, tp_size, tp_group if tp_size > 1 else None)
+    dp_size = config.data_parallel_size
+    return ParallelGroups(
+        rank, world, device, tp, rank // tp_size, dp_size, dp_group if dp_size > 1 else None
+    )
+
+
+def shutdown_parallel(timeout_s: float = 30.0) -> bool:
+    """Destroys the process group, giving up after ``timeout_s`` (PyTorch's teardown can
+    hang, e.g. after symmetric-memory use). Returns True if it finished in time."""
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, daemon=True, name="ostinato-shutdown").start()
+    if not done.wait(timeout_s):
+        logger.warning("ostinato: destroy_process_group did not finish in %.0f s", timeout_s)
+        return False
+    return True

@@ -1,0 +1,94 @@
+"""Worker functions for the two-process CPU tests (gloo): importable, so spawn can pickle
+them. Each writes its result to ``out/<rank>.pt``."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.modes import GraphMode
+
+PROMPTS = [[1, 5, 9, 200, 3], [7], [(13 * i + 5) % 512 for i in range(60)]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def tp_logits_and_tokens(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """Last-token logits of PROMPTS and 8 greedy tokens each, under tensor parallelism."""
+    set_env(rank, world, port)
+    from ostinato.distributed import shutdown_parallel
+
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype=torch.float32,
+        max_model_len=128,
+        max_num_seqs=4,
+        tensor_parallel_size=world,
+        progress=False,
+    )
+    reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
+    logits = llm.runner.execute(llm.scheduler.schedule())
+    llm.scheduler.abort(reqs)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    torch.save({"logits": logits, "tokens": [o.token_ids for o in outs]}, Path(out) / f"{rank}.pt")
+    shutdown_parallel()
+
+
+def dp_agreement(rank: int, world: int, port: int, out: str) -> None:
+    """Agree on 20 random steps; record what each rank proposed and what came back."""
+    set_env(rank, world, port)
+    from ostinato.distributed import ParallelConfig, agree_on_step, init_parallel
+
+    groups = init_parallel(ParallelConfig(data_parallel_size=world), "cpu")
+    rng = random.Random(rank)
+    modes = [GraphMode.NONE, GraphMode.PIECEWISE, GraphMode.FULL]
+    rows = []
+    for _ in range(20):
+        mine = (rng.choice(modes), rng.choice([0, 1, 3, 8, 17, 64]))
+        got = agree_on_step(*mine, groups.dp_group)
+        rows.append((mine[0].name, mine[1], got.mode.name, got.num_tokens, got.tokens_per_rank))
+    torch.save(rows, Path(out) / f"{rank}.pt")
+
+
+def one_rank_raises(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 fails before a collective; rank 0 records what its collective raised and when."""
+    set_env(rank, world, port)
+    import torch.distributed as dist
+
+    from ostinato.distributed import ParallelConfig, all_reduce_sum, init_parallel
+
+    torch.set_num_threads(1)
+
+    groups = init_parallel(ParallelConfig(tensor_parallel_size=world), "cpu", timeout_s=10)
+    dist.barrier()
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    start = time.perf_counter()
+    try:
+        all_reduce_sum(torch.ones(4), groups.tp.group)
+        result = "no error"
+    except Exception as exc:  # the point: it raises instead of hanging
+        result = f"{type(exc).__name__}: {exc}"
+    torch.save((result, time.perf_counter() - start), Path(out) / f"{rank}.pt")

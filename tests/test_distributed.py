@@ -1,0 +1,96 @@
+"""Two processes on the CPU (gloo): tensor-parallel shards compute the unsharded model's
+function, data-parallel replicas agree on every step, and a failing rank does not hang
+the other."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dist_workers import (
+    PROMPTS,
+    dp_agreement,
+    free_port,
+    one_rank_raises,
+    tp_logits_and_tokens,
+)
+from hf_models import write_checkpoint
+
+from ostinato.distributed import ParallelConfig, TensorParallel, init_parallel
+from ostinato.distributed.groups import ParallelError
+from ostinato.engine import LLM, SamplingParams
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("LlamaForCausalLM", dict(rope_theta=500000.0, attention_bias=True)),
+        ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+        ("Qwen3ForCausalLM", dict(rope_theta=1000000.0)),
+    ],
+)
+def test_tensor_parallel_shards_compute_the_unsharded_model(arch, overrides, tmp_path):
+    model_dir = tmp_path / "model"
+    write_checkpoint(arch, model_dir, **overrides)
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(tp_logits_and_tokens, args=(2, free_port(), str(model_dir), str(out)), nprocs=2)
+    single = LLM(model_dir, device="cpu", max_model_len=128, max_num_seqs=4, progress=False)
+    reqs = [single.scheduler.add(p, SamplingParams()) for p in PROMPTS]
+    want = single.runner.execute(single.scheduler.schedule())
+    single.scheduler.abort(reqs)
+    tokens = [
+        o.token_ids for o in single.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    ]
+    for rank in (0, 1):
+        got = torch.load(out / f"{rank}.pt")
+        torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+        assert got["tokens"] == tokens
+
+
+def test_data_parallel_replicas_agree_on_mode_and_size(tmp_path):
+    mp.spawn(dp_agreement, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    a, b = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")
+    order = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}
+    for ra, rb in zip(a, b, strict=True):
+        assert ra[2:] == rb[2:], "every rank gets the same answer"
+        assert order[ra[2]] == min(order[ra[0]], order[rb[0]])
+        assert ra[3] == max(ra[1], rb[1]) and ra[4] == (ra[1], rb[1])
+    assert len({r[2] for r in a}) > 1, "the random steps exercised several modes"
+
+
+def test_a_failing_rank_does_not_hang_the_other(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=one_rank_raises, args=(rank, 2, port, str(tmp_path))) for rank in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    assert procs[1].exitcode != 0
+    result, seconds = torch.load(tmp_path / "0.pt")
+    assert result != "no error" and seconds < 30, (result, seconds)
+
+
+def test_bad_parallel_sizes_are_named_before_anything_starts(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ParallelError, match="start it with torchrun --nproc-per-node 2"):
+        init_parallel(ParallelConfig(tensor_parallel_size=2), "cpu")
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be a positive"):
+        ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
+        LLM("tiny", device="cpu", tensor_parallel_size=3, progress=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ParallelError, match="world size 4 .* is not tensor_parallel_size"):
+        init_parallel(ParallelConfig(tensor_parallel_size=2), "cpu")
+    assert TensorParallel(1, 2).split(8, "heads") == 4

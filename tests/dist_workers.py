@@ -34,20 +34,21 @@ def set_env(rank: int, world: int, port: int) -> None:
     )
 
 
-def tp_logits_and_tokens(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def tp_logits_and_tokens(
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    out: str,
+    device: str = "cpu",
+    mode: str = "none",
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Last-token logits of PROMPTS and 8 greedy tokens each, under tensor parallelism."""
     set_env(rank, world, port)
     from ostinato.distributed import shutdown_parallel
 
-    llm = LLM(
-        model_dir,
-        device="cpu",
-        dtype=torch.float32,
-        max_model_len=128,
-        max_num_seqs=4,
-        tensor_parallel_size=world,
-        progress=False,
-    )
+    llm = tp_engine(model_dir, device, mode, dtype, world)
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
     logits = llm.runner.execute(llm.scheduler.schedule())
     llm.scheduler.abort(reqs)
@@ -56,10 +57,30 @@ def tp_logits_and_tokens(rank: int, world: int, port: int, model_dir: str, out: 
     shutdown_parallel()
 
 
+def tp_engine(model_dir: str, device: str, mode: str, dtype: torch.dtype, tp: int) -> LLM:
+    """The engine every tensor-parallel test builds (tp=1 for the reference)."""
+    return LLM(
+        model_dir,
+        device=device,
+        mode=mode,
+        dtype=dtype,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_capture_size=32,
+        tensor_parallel_size=tp,
+        progress=False,
+    )
+
+
 def dp_agreement(rank: int, world: int, port: int, out: str) -> None:
     """Agree on 20 random steps; record what each rank proposed and what came back."""
     set_env(rank, world, port)
-    from ostinato.distributed import ParallelConfig, agree_on_step, init_parallel
+    from ostinato.distributed import (
+        ParallelConfig,
+        agree_on_step,
+        init_parallel,
+        shutdown_parallel,
+    )
 
     groups = init_parallel(ParallelConfig(data_parallel_size=world), "cpu")
     rng = random.Random(rank)
@@ -70,6 +91,7 @@ def dp_agreement(rank: int, world: int, port: int, out: str) -> None:
         got = agree_on_step(*mine, groups.dp_group)
         rows.append((mine[0].name, mine[1], got.mode.name, got.num_tokens, got.tokens_per_rank))
     torch.save(rows, Path(out) / f"{rank}.pt")
+    shutdown_parallel()
 
 
 def one_rank_raises(rank: int, world: int, port: int, out: str) -> None:

@@ -46,15 +46,14 @@ def tp_logits_and_tokens(
 ) -> None:
     """Last-token logits of PROMPTS and 8 greedy tokens each, under tensor parallelism."""
     set_env(rank, world, port)
-    from ostinato.distributed import shutdown_parallel
-
     llm = tp_engine(model_dir, device, mode, dtype, world)
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
     logits = llm.runner.execute(llm.scheduler.schedule())
     llm.scheduler.abort(reqs)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     torch.save({"logits": logits, "tokens": [o.token_ids for o in outs]}, Path(out) / f"{rank}.pt")
-    shutdown_parallel()
+    if not llm.close():
+        os._exit(0)  # the result is saved; do not wait in a hung teardown
 
 
 def tp_engine(model_dir: str, device: str, mode: str, dtype: torch.dtype, tp: int) -> LLM:

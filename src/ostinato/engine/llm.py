@@ -12,7 +12,12 @@ import torch
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
-from ostinato.distributed.groups import ParallelConfig, TensorParallel, init_parallel
+from ostinato.distributed.groups import (
+    ParallelConfig,
+    TensorParallel,
+    init_parallel,
+    shutdown_parallel,
+)
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import BlockPool, KVCache
@@ -240,6 +245,17 @@ class LLM:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Releases every graph and, under tensor parallelism, leaves the process group
+        (bounded by ``timeout_s``: PyTorch's teardown can hang). Returns False if the
+        process group did not shut down in time; the process should then exit at once
+        (``os._exit``) rather than wait in the interpreter's teardown. The engine cannot
+        be used afterwards."""
+        self._teardown()
+        if self.parallel.world_size == 1:
+            return True
+        return shutdown_parallel(timeout_s)
 
     @property
     def mode(self) -> GraphMode:

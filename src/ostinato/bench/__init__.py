@@ -12,6 +12,7 @@ import torch
 
 from ostinato.cliargs import OneLineParser, int_list, positive_int
 from ostinato.engine.config import ModelConfig
+from ostinato.engine.presets import shape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +42,18 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="CPU-sized: the tiny model, eager only"
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile")
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks (one process per local GPU, NCCL)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=("llama-1.5b", "llama-8b"),
+        default="llama-1.5b",
+        help="random-weight model shape (ignored with --config)",
+    )
     args = parser.parse_args(argv)
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
@@ -72,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graphs are off: {why}; showing the tiny model in eager mode only")
         device = torch.device("cuda" if cuda else "cpu")
     else:
-        cfg = decode.BenchConfig()
+        cfg = decode.BenchConfig(model=shape(args.shape))
         device = torch.device("cuda")
     sizes = tuple(args.batch_sizes)
     cfg = replace(
@@ -95,7 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")
         cfg = replace(cfg, variants=names)
-    result = decode.run(cfg, device, profile=not args.no_profile)
+    if args.tp > 1:
+        if not cuda or args.quick:
+            parser.error("argument --tp: tensor parallelism needs CUDA GPUs (and no --quick)")
+        from ostinato.bench.parallel import run_parallel
+
+        try:
+            result = run_parallel(cfg, args.tp, profile=not args.no_profile)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        result = decode.run(cfg, device, profile=not args.no_profile)
     print(report.table(result))
     if args.out:
         report.write_json(result, args.out)

@@ -12,6 +12,7 @@ import torch
 
 from ostinato.bench.baseline import StaticCacheDecoder
 from ostinato.config import GraphConfig
+from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.attention import default_backend
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import KVCache
@@ -86,6 +87,7 @@ class BenchResult:
     copy_bandwidth_gbps: float
     weight_bytes_per_step: int
     kv_bytes_per_token: int
+    tensor_parallel_size: int = 1
     rows: list[Row] = field(default_factory=list)
     costs: list[VariantCost] = field(default_factory=list)
     profile: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
@@ -139,14 +141,17 @@ def time_step(
 class DecodeSetup:
     """The model, one KV cache, and B requests each holding ``kv_len`` cached tokens."""
 
-    def __init__(self, cfg: BenchConfig, device: torch.device) -> None:
+    def __init__(
+        self, cfg: BenchConfig, device: torch.device, tp: TensorParallel | None = None
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = getattr(torch, cfg.dtype)
+        self.tp = tp or TensorParallel()
         torch.manual_seed(cfg.seed)
         self.config = ModelConfig.from_hf(cfg.model)
         with torch.device(device):
-            self.model = DecoderModel(self.config).to(self.dtype).eval()
+            self.model = DecoderModel(self.config, self.tp).to(self.dtype).eval()
         c = self.config
         self.max_b = max(cfg.batch_sizes)
         self.max_len = cfg.kv_len + BLOCK
@@ -155,7 +160,7 @@ class DecodeSetup:
             c.num_layers,
             self.max_b * self.blocks_per_seq + 1,
             BLOCK,
-            c.num_kv_heads,
+            c.num_kv_heads // self.tp.size,
             c.head_dim,
             self.dtype,
             device,
@@ -175,9 +180,10 @@ class DecodeSetup:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V bytes one cached token occupies over all layers."""
+        """K and V bytes one cached token occupies over all layers (on this rank)."""
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        heads = c.num_kv_heads // self.tp.size
+        return 2 * c.num_layers * heads * c.head_dim * self.dtype.itemsize
 
     def runner(self, mode: GraphMode, compiler: str | None) -> ModelRunner:
         """A ModelRunner over the shared model and cache in ``mode``."""
@@ -248,11 +254,17 @@ class DecodeSetup:
 
 
 def run(
-    cfg: BenchConfig, device: torch.device, log: Callable[[str], None] = print, profile: bool = True
+    cfg: BenchConfig,
+    device: torch.device,
+    log: Callable[[str], None] = print,
+    profile: bool = True,
+    tp: TensorParallel | None = None,
 ) -> BenchResult:
-    """Runs every variant at every batch size; returns all numbers."""
+    """Runs every variant at every batch size; returns all numbers. Under tensor
+    parallelism every rank runs this in lock-step; the floor is this rank's shard of the
+    weights and KV cache, and the reduce-overhead baseline (single-GPU) is skipped."""
     cuda = device.type == "cuda"
-    setup = DecodeSetup(cfg, device)
+    setup = DecodeSetup(cfg, device, tp)
     bw = copy_bandwidth_gbps(device) if cuda else float("nan")
     result = BenchResult(
         cfg,
@@ -260,6 +272,7 @@ def run(
         bw,
         setup.weight_bytes_per_step(1),
         setup.kv_bytes_per_token,
+        setup.tp.size,
     )
     log(
         f"copy bandwidth {bw:.0f} GB/s; weights {setup.weight_bytes_per_step(1) / 1e9:.2f} GB "
@@ -300,7 +313,7 @@ def run(
                 if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
                     result.profile[f"{name} B={b}"] = top_kernels(step)
             runner.release()
-    if REDUCE_OVERHEAD in cfg.variants and cuda:
+    if REDUCE_OVERHEAD in cfg.variants and cuda and setup.tp.size == 1:
         total_first = 0.0
         for b in cfg.batch_sizes:
             step, first = setup.reduce_overhead_step(b)

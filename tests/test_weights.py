@@ -112,3 +112,13 @@ def test_missing_and_empty_folders(tmp_path):
         logits(tmp_path / "absent")
     with pytest.raises(ModelConfigError, match="no config.json and no .gguf"):
         logits(tmp_path)
+
+
+def test_legacy_non_zip_pytorch_model_bin(reference, tmp_path):
+    hf, _, want = reference
+    folder = tmp_path / "legacy"
+    hf.save_pretrained(folder)
+    for f in folder.glob("*.safetensors*"):
+        f.unlink()
+    torch.save(hf.state_dict(), folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert logits(folder)[1] == want

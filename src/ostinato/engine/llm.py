@@ -201,7 +201,8 @@ class LLM:
     ) -> None:
         torch.manual_seed(seed)
         if source.load is None:
-            logger.warning("ostinato: %s: random weights (seed %d)", source.name, seed)
+            # Asked for (a preset, a config, or random_weights=True), so not a warning.
+            logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
             # Random weights are drawn on the CPU so a seed gives the same model anywhere.
             model = DecoderModel(self.config, self.parallel.tp)
         else:

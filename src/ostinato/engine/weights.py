@@ -99,7 +99,8 @@ def _read_file(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
             ) from None
         return
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        # No mmap: it refuses the legacy (non-zip) pickles older checkpoints use.
+        state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # a corrupt or non-tensor pickle
         raise WeightsError(
             f"{f}: cannot be read with torch.load(weights_only=True) ({exc}); re-download it "

@@ -113,3 +113,33 @@ def one_rank_raises(rank: int, world: int, port: int, out: str) -> None:
     except Exception as exc:  # the point: it raises instead of hanging
         result = f"{type(exc).__name__}: {exc}"
     torch.save((result, time.perf_counter() - start), Path(out) / f"{rank}.pt")
+
+
+def dp_prompts(rank: int) -> list[list[int]]:
+    """Different work per replica: rank 1 has fewer, shorter prompts and finishes first."""
+    rng = random.Random(100 + rank)
+    count = 5 if rank == 0 else 2
+    return [[rng.randrange(1, 500) for _ in range(rng.randint(3, 30))] for _ in range(count)]
+
+
+def dp_generate(
+    rank: int, world: int, port: int, model_dir: str, out: str, device: str, mode: str
+) -> None:
+    """Greedy tokens of this replica's prompts under data parallelism."""
+    set_env(rank, world, port)
+    llm = LLM(
+        model_dir,
+        device=device,
+        mode=mode,
+        dtype=torch.float32,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_capture_size=32,
+        data_parallel_size=world,
+        progress=False,
+    )
+    max_tokens = 12 if rank == 0 else 4
+    outs = llm.generate(dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    torch.save([o.token_ids for o in outs], Path(out) / f"{rank}.pt")
+    if not llm.close():
+        os._exit(0)

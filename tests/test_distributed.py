@@ -8,6 +8,8 @@ import torch.multiprocessing as mp
 from dist_workers import (
     PROMPTS,
     dp_agreement,
+    dp_generate,
+    dp_prompts,
     free_port,
     one_rank_raises,
     tp_logits_and_tokens,
@@ -57,6 +59,20 @@ def test_data_parallel_replicas_agree_on_mode_and_size(tmp_path):
         assert order[ra[2]] == min(order[ra[0]], order[rb[0]])
         assert ra[3] == max(ra[1], rb[1]) and ra[4] == (ra[1], rb[1])
     assert len({r[2] for r in a}) > 1, "the random steps exercised several modes"
+
+
+def test_data_parallel_replicas_with_different_work_match_running_alone(tmp_path):
+    model_dir = tmp_path / "model"
+    write_checkpoint("LlamaForCausalLM", model_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(dp_generate, args=(2, free_port(), str(model_dir), str(out), "cpu", "none"), nprocs=2)
+    alone = LLM(model_dir, device="cpu", max_model_len=128, max_num_seqs=4, progress=False)
+    for rank, max_tokens in ((0, 12), (1, 4)):
+        want = alone.generate(
+            dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
+        assert torch.load(out / f"{rank}.pt") == [o.token_ids for o in want]
 
 
 def test_a_failing_rank_does_not_hang_the_other(tmp_path):

@@ -85,9 +85,9 @@ def test_a_prompt_over_the_token_budget_is_prefilled_in_chunks():
     steps = []
     real_step = llm.runner.execute
 
-    def spy(step):
+    def spy(step, *rest):
         steps.append(step.num_tokens)
-        return real_step(step)
+        return real_step(step, *rest)
 
     llm.runner.execute = spy
     chunked = llm.generate(prompts, greedy)

@@ -76,11 +76,11 @@ def test_interrupted_generate_leaves_nothing_queued(llm):
 def test_exception_in_the_middle_of_a_step_aborts_the_call(llm, monkeypatch):
     calls = []
 
-    def failing(step):
+    def failing(step, *rest):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device fell over")
-        return real(step)
+        return real(step, *rest)
 
     real = llm.runner.execute
     monkeypatch.setattr(llm.runner, "execute", failing)

@@ -4,10 +4,17 @@ graphs and inside the compiled pieces of FULL_AND_PIECEWISE, compute what one GP
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_workers import PROMPTS, free_port, tp_engine, tp_logits_and_tokens
+from dist_workers import (
+    PROMPTS,
+    dp_generate,
+    dp_prompts,
+    free_port,
+    tp_engine,
+    tp_logits_and_tokens,
+)
 from hf_models import write_checkpoint
 
-from ostinato.engine import SamplingParams
+from ostinato.engine import LLM, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,3 +53,24 @@ def test_tp2_matches_one_gpu(model_dir, tmp_path, mode, dtype):
         assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
         if dtype == torch.float32:
             assert got["tokens"] == want_tokens
+
+
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+def test_dp2_with_different_batches_matches_running_alone(model_dir, tmp_path, mode):
+    mp.spawn(
+        dp_generate, args=(2, free_port(), str(model_dir), str(tmp_path), "cuda", mode), nprocs=2
+    )
+    alone = LLM(
+        model_dir,
+        mode=mode,
+        dtype=torch.float32,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_capture_size=32,
+        progress=False,
+    )
+    for rank, max_tokens in ((0, 12), (1, 4)):
+        want = alone.generate(
+            dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
+        assert torch.load(tmp_path / f"{rank}.pt") == [o.token_ids for o in want]

@@ -1,7 +1,7 @@
 """Several processes, one model: process groups, tensor-parallel collectives, graph capture
 across ranks, and the data-parallel agreement on each step's mode and size."""
 
-from ostinato.distributed.agreement import StepAgreement, agree_on_step
+from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_proposal
 from ostinato.distributed.collectives import all_gather_last_dim, all_reduce_sum
 from ostinato.distributed.groups import (
     ParallelConfig,
@@ -20,6 +20,7 @@ __all__ = [
     "agree_on_step",
     "all_gather_last_dim",
     "all_reduce_sum",
+    "idle_proposal",
     "init_parallel",
     "shutdown_parallel",
     "single_process",

@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
+from ostinato.distributed.agreement import agree_on_step, idle_proposal
 from ostinato.distributed.groups import (
     ParallelConfig,
     TensorParallel,
@@ -27,7 +29,7 @@ from ostinato.engine.model import DecoderModel
 from ostinato.engine.options import parse_mode, resolve_device, resolve_dtype
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import SamplingParams, sample
-from ostinato.engine.scheduler import FinishReason, Request, Scheduler
+from ostinato.engine.scheduler import FinishReason, Request, ScheduledBatch, Scheduler
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -57,6 +59,9 @@ class LLM:
     ``tensor_parallel_size``: shard the model over that many processes started by
     ``torchrun`` (SPMD: every rank constructs the same ``LLM`` and makes the same calls;
     each holds its shard of the weights, its KV heads, its KV cache and graph pool).
+    ``data_parallel_size``: that many replicas (of ``tensor_parallel_size`` ranks each),
+    each with its own prompts; they call ``generate`` together and agree before every
+    step on its mode and padded size, so graphs replay in lock-step.
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
@@ -95,6 +100,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         random_weights: bool = False,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
@@ -103,7 +109,7 @@ class LLM:
         start = time.perf_counter()
         self.device = resolve_device(device)
         resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
-        parallel_config = ParallelConfig(tensor_parallel_size)
+        parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
         requested = parse_mode(mode)
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)
@@ -285,7 +291,7 @@ class LLM:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
-            while self.scheduler.has_work:
+            while self._has_work():
                 self.step()
                 if on_token is not None:
                     for i, r in enumerate(requests):
@@ -332,12 +338,38 @@ class LLM:
             raise ValueError("decode: the model has no tokenizer")
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def _has_work(self) -> bool:
+        if self.parallel.dp_group is None:
+            return self.scheduler.has_work
+        # Replicas stop together: one that is done runs dummy steps until all are.
+        flag = torch.tensor([int(self.scheduler.has_work)], device=self._dp_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.dp_group)
+        return bool(flag.item())
+
+    @property
+    def _dp_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
     def step(self) -> list[Request]:
-        """Runs one scheduled step; returns the requests that finished in it."""
-        step = self.scheduler.schedule()
+        """Runs one scheduled step; returns the requests that finished in it. Under data
+        parallelism every replica calls it together; one without work runs a dummy step."""
+        agreement = None
+        if self.parallel.dp_group is None or self.scheduler.has_work:
+            step = self.scheduler.schedule()
+            if not step.scheduled:
+                raise RuntimeError("scheduler produced an empty step with work pending")
+        else:
+            step = ScheduledBatch([])
+        if self.parallel.dp_group is not None:
+            if step.scheduled:
+                local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
+                proposal = (local.mode, local.padded_tokens, step.uniform_decode)
+            else:
+                proposal = idle_proposal()
+            agreement = agree_on_step(proposal[0], proposal[1], self.parallel.dp_group, proposal[2])
+        logits = self.runner.execute(step, agreement)
         if not step.scheduled:
-            raise RuntimeError("scheduler produced an empty step with work pending")
-        logits = self.runner.execute(step)
+            return []
         reqs = [s.request for s in step.scheduled]
         temps = torch.tensor([r.params.temperature for r in reqs], device=self.device)
         top_ps = torch.tensor([r.params.top_p for r in reqs], device=self.device)

@@ -12,6 +12,7 @@ from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
 from ostinato.context import forward_context
+from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.attention import AttentionBackend
 from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.inputs import StepInputs
@@ -135,16 +136,33 @@ class ModelRunner:
             self.piecewise.release()
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledBatch) -> torch.Tensor:
-        """Runs ``step``; returns float32 logits, one row per scheduled request."""
+    def execute(self, step: ScheduledBatch, agreement: StepAgreement | None = None) -> torch.Tensor:
+        """Runs ``step``; returns float32 logits, one row per scheduled request.
+
+        With a data-parallel ``agreement`` the step runs at the agreed padded size and
+        uniformity, which every replica's identical dispatcher maps to the same mode; an
+        empty ``step`` then runs as a dummy step of padding rows.
+        """
         n = step.num_tokens
-        dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)
+        if agreement is None:
+            dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)
+        else:
+            dispatch = self.graphs.dispatch(agreement.num_tokens, agreement.uniform_decode)
+            if dispatch.mode is not agreement.mode or dispatch.padded_tokens < n:
+                raise RuntimeError(
+                    f"data-parallel step: the agreed {agreement} dispatches to {dispatch} "
+                    f"here, for {n} local tokens; the replicas' graph configs differ"
+                )
         padded = dispatch.padded_tokens
         if padded > self.limits.max_num_batched_tokens:
             raise ValueError(
                 f"step of {n} tokens exceeds max_num_batched_tokens="
                 f"{self.limits.max_num_batched_tokens}"
             )
+        if not step.scheduled:
+            self.inputs.write_padding(padded)
+            self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
+            return torch.empty((0, self.model.config.vocab_size), device=self.device)
         layout = self.inputs.write(step, padded)
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         hidden = self.manager.run(dispatch, n, attn_metadata=meta)

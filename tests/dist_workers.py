@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ostinato.distributed.groups import local_launch_env
 from ostinato.engine import LLM, SamplingParams
 from ostinato.modes import GraphMode
 
@@ -24,14 +25,7 @@ def free_port() -> int:
 
 
 def set_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(local_launch_env(rank, world, port))
 
 
 def tp_logits_and_tokens(

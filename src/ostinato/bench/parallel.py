@@ -34,16 +34,11 @@ def run_parallel(cfg: BenchConfig, tp: int, profile: bool) -> BenchResult:
 
 
 def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(tp),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(tp),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
     from ostinato.bench import decode
     from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
+    from ostinato.distributed.groups import local_launch_env
+
+    os.environ.update(local_launch_env(rank, tp, port))
 
     groups = init_parallel(ParallelConfig(tensor_parallel_size=tp), "cuda")
 

@@ -82,6 +82,19 @@ def single_process(device: torch.device | None = None) -> ParallelGroups:
     return ParallelGroups(0, 1, device or torch.device("cpu"), TensorParallel())
 
 
+def local_launch_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment ``torchrun --nproc-per-node world_size`` gives local rank ``rank``
+    (rendezvous on 127.0.0.1:``port``), for launching workers without torchrun."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def init_parallel(
     config: ParallelConfig, device_type: str | None = None, timeout_s: float = 120.0
 ) -> ParallelGroups:

@@ -40,7 +40,7 @@ def tp_logits_and_tokens(
 ) -> None:
     """Last-token logits of PROMPTS and 8 greedy tokens each, under tensor parallelism."""
     set_env(rank, world, port)
-    llm = tp_engine(model_dir, device, mode, dtype, world)
+    llm = engine(model_dir, device, mode, dtype, tp=world)
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
     logits = llm.runner.execute(llm.scheduler.schedule())
     llm.scheduler.abort(reqs)
@@ -50,8 +50,10 @@ def tp_logits_and_tokens(
         os._exit(0)  # the result is saved; do not wait in a hung teardown
 
 
-def tp_engine(model_dir: str, device: str, mode: str, dtype: torch.dtype, tp: int) -> LLM:
-    """The engine every tensor-parallel test builds (tp=1 for the reference)."""
+def engine(
+    model_dir: str, device: str, mode: str, dtype: torch.dtype, tp: int = 1, dp: int = 1
+) -> LLM:
+    """The engine every parallel test builds (tp = dp = 1 for the reference)."""
     return LLM(
         model_dir,
         device=device,
@@ -61,6 +63,7 @@ def tp_engine(model_dir: str, device: str, mode: str, dtype: torch.dtype, tp: in
         max_num_seqs=4,
         max_capture_size=32,
         tensor_parallel_size=tp,
+        data_parallel_size=dp,
         progress=False,
     )
 
@@ -121,17 +124,7 @@ def dp_generate(
 ) -> None:
     """Greedy tokens of this replica's prompts under data parallelism."""
     set_env(rank, world, port)
-    llm = LLM(
-        model_dir,
-        device=device,
-        mode=mode,
-        dtype=torch.float32,
-        max_model_len=128,
-        max_num_seqs=4,
-        max_capture_size=32,
-        data_parallel_size=world,
-        progress=False,
-    )
+    llm = engine(model_dir, device, mode, torch.float32, dp=world)
     max_tokens = 12 if rank == 0 else 4
     outs = llm.generate(dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     torch.save([o.token_ids for o in outs], Path(out) / f"{rank}.pt")

@@ -10,6 +10,7 @@ from dist_workers import (
     dp_agreement,
     dp_generate,
     dp_prompts,
+    engine,
     free_port,
     one_rank_raises,
     tp_logits_and_tokens,
@@ -37,7 +38,7 @@ def test_tensor_parallel_shards_compute_the_unsharded_model(arch, overrides, tmp
     out = tmp_path / "out"
     out.mkdir()
     mp.spawn(tp_logits_and_tokens, args=(2, free_port(), str(model_dir), str(out)), nprocs=2)
-    single = LLM(model_dir, device="cpu", max_model_len=128, max_num_seqs=4, progress=False)
+    single = engine(str(model_dir), "cpu", "none", torch.float32)
     reqs = [single.scheduler.add(p, SamplingParams()) for p in PROMPTS]
     want = single.runner.execute(single.scheduler.schedule())
     single.scheduler.abort(reqs)
@@ -67,7 +68,7 @@ def test_data_parallel_replicas_with_different_work_match_running_alone(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     mp.spawn(dp_generate, args=(2, free_port(), str(model_dir), str(out), "cpu", "none"), nprocs=2)
-    alone = LLM(model_dir, device="cpu", max_model_len=128, max_num_seqs=4, progress=False)
+    alone = engine(str(model_dir), "cpu", "none", torch.float32)
     for rank, max_tokens in ((0, 12), (1, 4)):
         want = alone.generate(
             dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True)

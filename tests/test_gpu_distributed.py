@@ -8,13 +8,13 @@ from dist_workers import (
     PROMPTS,
     dp_generate,
     dp_prompts,
+    engine,
     free_port,
-    tp_engine,
     tp_logits_and_tokens,
 )
 from hf_models import write_checkpoint
 
-from ostinato.engine import LLM, SamplingParams
+from ostinato.engine import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 
 def one_gpu(model_dir, mode, dtype):
-    llm = tp_engine(str(model_dir), "cuda", mode, dtype, 1)
+    llm = engine(str(model_dir), "cuda", mode, dtype)
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
     logits = llm.runner.execute(llm.scheduler.schedule())
     llm.scheduler.abort(reqs)
@@ -60,15 +60,7 @@ def test_dp2_with_different_batches_matches_running_alone(model_dir, tmp_path, m
     mp.spawn(
         dp_generate, args=(2, free_port(), str(model_dir), str(tmp_path), "cuda", mode), nprocs=2
     )
-    alone = LLM(
-        model_dir,
-        mode=mode,
-        dtype=torch.float32,
-        max_model_len=128,
-        max_num_seqs=4,
-        max_capture_size=32,
-        progress=False,
-    )
+    alone = engine(str(model_dir), "cuda", mode, torch.float32)
     for rank, max_tokens in ((0, 12), (1, 4)):
         want = alone.generate(
             dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
@@ -33,7 +32,7 @@ from ostinato.engine.scheduler import FinishReason, Request, ScheduledBatch, Sch
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
-from ostinato.platform import CpuPlatform, current_platform
+from ostinato.platform import Platform, platform_for_device
 from ostinato.runtime import choose_compiler
 
 logger = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ class LLM:
             max_capture_size=max_capture_size,
             max_num_tokens=limits.max_num_batched_tokens,
         )
-        platform = CpuPlatform() if self.device.type == "cpu" else current_platform()
+        platform = platform_for_device(self.device)
         compiler = choose_compiler(compiler, graph_config.mode, platform)
         if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
             raise ValueError(
@@ -145,7 +144,7 @@ class LLM:
                 "raise num_blocks or lower max_model_len"
             )
         self.memory: MemoryPlan | None = self._plan_memory(
-            dtype, utilization, limits, graph_config, num_blocks
+            platform, dtype, utilization, limits, graph_config, num_blocks
         )
         num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
         try:
@@ -159,31 +158,26 @@ class LLM:
 
     def _plan_memory(
         self,
+        platform: Platform,
         dtype: torch.dtype,
         utilization: float,
         limits: EngineLimits,
         graph_config: GraphConfig,
         num_blocks: int | None,
     ) -> MemoryPlan | None:
-        if self.device.type == "cpu":
-            return None
-        platform = current_platform()
         # Memory this process cached but does not use is free for our purposes.
         platform.empty_cache()
         info = platform.device_memory()
-        if info is None:
+        if info is None:  # the CPU: no device memory to plan
             return None
         free, total = info
         plan = plan_memory(
             self.config,
             dtype,
+            limits,
             free=free,
             total=total,
             utilization=utilization,
-            block_size=limits.block_size,
-            max_num_seqs=limits.max_num_seqs,
-            max_model_len=limits.max_model_len,
-            max_num_batched_tokens=limits.max_num_batched_tokens,
             max_capture_tokens=(
                 0 if graph_config.mode is GraphMode.NONE else graph_config.largest_size
             ),
@@ -291,8 +285,9 @@ class LLM:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
-            while self._has_work():
-                self.step()
+            while self.scheduler.has_work or self.parallel.dp_group is not None:
+                if self._step() is None:
+                    break  # every data-parallel replica is out of work
                 if on_token is not None:
                     for i, r in enumerate(requests):
                         for token in r.output[emitted[i] :]:
@@ -338,35 +333,31 @@ class LLM:
             raise ValueError("decode: the model has no tokenizer")
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def _has_work(self) -> bool:
-        if self.parallel.dp_group is None:
-            return self.scheduler.has_work
-        # Replicas stop together: one that is done runs dummy steps until all are.
-        flag = torch.tensor([int(self.scheduler.has_work)], device=self._dp_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.dp_group)
-        return bool(flag.item())
-
-    @property
-    def _dp_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
     def step(self) -> list[Request]:
         """Runs one scheduled step; returns the requests that finished in it. Under data
         parallelism every replica calls it together; one without work runs a dummy step."""
-        agreement = None
-        if self.parallel.dp_group is None or self.scheduler.has_work:
+        return self._step() or []
+
+    def _step(self) -> list[Request] | None:
+        """``step``; None when, under data parallelism, no replica had work. The step's
+        one collective, the agreement, also tells the replicas when all are done."""
+        group = self.parallel.dp_group
+        if group is None or self.scheduler.has_work:
             step = self.scheduler.schedule()
             if not step.scheduled:
                 raise RuntimeError("scheduler produced an empty step with work pending")
         else:
             step = ScheduledBatch([])
-        if self.parallel.dp_group is not None:
+        agreement = None
+        if group is not None:
             if step.scheduled:
                 local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
-                proposal = (local.mode, local.padded_tokens, step.uniform_decode)
+                mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
             else:
-                proposal = idle_proposal()
-            agreement = agree_on_step(proposal[0], proposal[1], self.parallel.dp_group, proposal[2])
+                mode, padded, uniform = idle_proposal()
+            agreement = agree_on_step(mode, padded, group, uniform_decode=uniform)
+            if agreement.num_tokens == 0:
+                return None
         logits = self.runner.execute(step, agreement)
         if not step.scheduled:
             return []

@@ -17,8 +17,8 @@ import torch
 
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.config import ModelConfig
+from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
-from ostinato.mathutil import ceil_div
 
 logger = logging.getLogger(__name__)
 MiB = 2**20
@@ -87,14 +87,11 @@ def graph_pool_bytes(config: ModelConfig, max_capture_tokens: int, dtype: torch.
 def plan_memory(
     config: ModelConfig,
     dtype: torch.dtype,
+    limits: EngineLimits,
     *,
     free: int,
     total: int,
     utilization: float,
-    block_size: int,
-    max_num_seqs: int,
-    max_model_len: int,
-    max_num_batched_tokens: int,
     max_capture_tokens: int,
     num_blocks: int | None = None,
     tp: TensorParallel | None = None,
@@ -107,12 +104,11 @@ def plan_memory(
     budget = int(utilization * total) - (total - free)
     tp = tp or TensorParallel()
     weights = weight_bytes(config, dtype, tp)
-    acts = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype)
+    acts = activation_bytes(config, limits.max_num_batched_tokens, limits.max_num_seqs, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype)
-    block = kv_block_bytes(config, block_size, dtype, tp.size)
-    per_seq = ceil_div(max_model_len, block_size)
-    wanted = num_blocks if num_blocks is not None else max_num_seqs * per_seq + 1
-    least = num_blocks if num_blocks is not None else per_seq + 1
+    block = kv_block_bytes(config, limits.block_size, dtype, tp.size)
+    wanted = num_blocks if num_blocks is not None else limits.full_blocks
+    least = num_blocks if num_blocks is not None else limits.blocks_per_seq + 1
     room = budget - weights - acts - graphs
     fits = max(0, room // block) if room > 0 else 0
     if fits < least:

@@ -23,7 +23,7 @@ from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
-from ostinato.platform import CpuPlatform, current_platform
+from ostinato.platform import platform_for_device
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
 
@@ -55,7 +55,7 @@ class ModelRunner:
         self.limits = limits
         self.device = device
         self.inputs = StepInputs(limits, device)
-        platform = CpuPlatform() if device.type == "cpu" else current_platform()
+        platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
             self._step,
             graph_config,

@@ -35,6 +35,11 @@ class Request:
     num_preemptions: int = 0
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens, without building the list."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def tokens(self) -> list[int]:
         """Prompt followed by the tokens generated so far."""
         return self.prompt + self.output
@@ -144,20 +149,20 @@ class Scheduler:
                 break
             if req not in self.running:
                 continue  # preempted below to make room for an earlier request
-            chunk = min(len(req.prompt) + len(req.output) - req.num_cached, budget)
+            chunk = min(req.num_tokens - req.num_cached, budget)
             if not self._reserve(req, req.num_cached + chunk):
                 continue
             scheduled.append(self._chunk(req, chunk))
             budget -= chunk
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            need = blocks_needed(len(req.prompt) + len(req.output), self.block_size)
+            need = blocks_needed(req.num_tokens, self.block_size)
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
             req.blocks = self.pool.allocate(need)
             self.running.append(req)
-            chunk = min(len(req.prompt) + len(req.output), budget)
+            chunk = min(req.num_tokens, budget)
             scheduled.append(self._chunk(req, chunk))
             budget -= chunk
         return ScheduledBatch(scheduled)
@@ -165,7 +170,7 @@ class Scheduler:
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledRequest:
         start = req.num_cached
-        total = len(req.prompt) + len(req.output)
+        total = req.num_tokens
         if n == 1 and start == total - 1 and req.output:
             tokens = [req.output[-1]]  # a decode: no need to rebuild prompt + output
         else:
@@ -208,7 +213,7 @@ class Scheduler:
                 req.finish_reason = FinishReason.STOP
             elif len(req.output) >= p.max_tokens:
                 req.finish_reason = FinishReason.LENGTH
-            elif len(req.prompt) + len(req.output) >= self.max_model_len:
+            elif req.num_tokens >= self.max_model_len:
                 req.finish_reason = FinishReason.MAX_MODEL_LEN
             if req.finished:
                 self._release(req)

@@ -18,7 +18,15 @@ from ostinato.errors import PlatformError
 from ostinato.platform.base import Graph, Platform
 from ostinato.platform.cpu import CpuPlatform
 
-__all__ = ["Graph", "Platform", "CpuPlatform", "current_platform", "load_platform", "use_platform"]
+__all__ = [
+    "Graph",
+    "Platform",
+    "CpuPlatform",
+    "current_platform",
+    "load_platform",
+    "platform_for_device",
+    "use_platform",
+]
 
 _platform: Platform | None = None
 
@@ -64,6 +72,12 @@ def current_platform() -> Platform:
     if _platform is None:
         _platform = _detect()
     return _platform
+
+
+def platform_for_device(device: torch.device) -> Platform:
+    """The platform that runs tensors on ``device``: the CPU platform (no graphs) for a
+    CPU device even on a GPU host, else the current platform."""
+    return CpuPlatform() if device.type == "cpu" else current_platform()
 
 
 @contextlib.contextmanager

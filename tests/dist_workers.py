@@ -37,10 +37,11 @@ def tp_logits_and_tokens(
     device: str = "cpu",
     mode: str = "none",
     dtype: torch.dtype = torch.float32,
+    all_reduce: str = "auto",
 ) -> None:
     """Last-token logits of PROMPTS and 8 greedy tokens each, under tensor parallelism."""
     set_env(rank, world, port)
-    llm = engine(model_dir, device, mode, dtype, tp=world)
+    llm = engine(model_dir, device, mode, dtype, tp=world, all_reduce=all_reduce)
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
     logits = llm.runner.execute(llm.scheduler.schedule())
     llm.scheduler.abort(reqs)
@@ -51,7 +52,14 @@ def tp_logits_and_tokens(
 
 
 def engine(
-    model_dir: str, device: str, mode: str, dtype: torch.dtype, tp: int = 1, dp: int = 1
+    model_dir: str,
+    device: str,
+    mode: str,
+    dtype: torch.dtype,
+    tp: int = 1,
+    dp: int = 1,
+    all_reduce: str = "auto",
+    backend: object = None,
 ) -> LLM:
     """The engine every parallel test builds (tp = dp = 1 for the reference)."""
     return LLM(
@@ -64,6 +72,8 @@ def engine(
         max_capture_size=32,
         tensor_parallel_size=tp,
         data_parallel_size=dp,
+        all_reduce=all_reduce,
+        backend=backend,
         progress=False,
     )
 
@@ -130,3 +140,128 @@ def dp_generate(
     torch.save([o.token_ids for o in outs], Path(out) / f"{rank}.pt")
     if not llm.close():
         os._exit(0)
+
+
+class FailingAttention:
+    """The default attention backend, except that on rank ``rank`` its ``after``-th call
+    on a step holding a sequence of ``min_seq_len`` tokens or more (only real requests
+    do; start-up's dummy steps do not) raises, or with ``exit_code`` kills the process:
+    a rank failing mid-generate."""
+
+    def __init__(
+        self,
+        device: str,
+        rank: int,
+        after: int,
+        exit_code: int | None = None,
+        min_seq_len: int = 0,
+    ):
+        from ostinato.engine.attention import default_backend
+
+        self.inner = default_backend(torch.device(device))
+        self.graph_support = self.inner.graph_support
+        self.rank, self.after, self.exit_code = rank, after, exit_code
+        self.min_seq_len = min_seq_len
+        self.calls = 0
+
+    def __call__(self, q, k_cache, v_cache, meta, scale):
+        import torch.distributed as dist
+
+        real = max(meta.seq_lens, default=0) >= self.min_seq_len
+        if real and dist.is_initialized() and dist.get_rank() == self.rank:
+            self.calls += 1
+            if self.calls == self.after:
+                if self.exit_code is not None:
+                    os._exit(self.exit_code)
+                raise RuntimeError("injected failure")
+        return self.inner(q, k_cache, v_cache, meta, scale)
+
+
+def torchrun_rank_fails(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """Ranks started like torchrun's; rank 1 raises mid-generate; each records its error."""
+    set_env(rank, world, port)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        max_model_len=128,
+        max_num_seqs=4,
+        tensor_parallel_size=world,
+        backend=FailingAttention("cpu", rank=1, after=5),
+        progress=False,
+    )
+    start = time.perf_counter()
+    try:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        result = "no error"
+    except Exception as exc:
+        result = f"{type(exc).__name__}: {exc}"
+    torch.save((result, time.perf_counter() - start), Path(out) / f"{rank}.pt")
+    os._exit(0)
+
+
+def symmetric_all_reduce_checks(rank: int, world: int, port: int, out: str) -> None:
+    """Each symmetric-memory algorithm against NCCL: eager, replayed from a captured graph
+    with new inputs, and inside torch.compile; then a measured plan."""
+    set_env(rank, world, port)
+    from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
+    from ostinato.distributed.all_reduce_plan import AllReduceAlgo, AllReducePlan
+    from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, measure, tp_all_reduce
+
+    groups = init_parallel(ParallelConfig(tensor_parallel_size=world), "cuda")
+    dev = groups.device
+    reducer = SymmetricAllReduce(groups.tp.group, dev, torch.bfloat16, 1 << 20)
+    errors = []
+    for algo in (AllReduceAlgo.ONE_SHOT, AllReduceAlgo.TWO_SHOT, AllReduceAlgo.NCCL):
+        reducer.plan = AllReducePlan.only(algo, 1 << 20)
+        for shape in [(1, 4096), (7, 2048), (128, 4096), (3, 5)]:  # (3, 5): NCCL (misaligned)
+            gen = torch.Generator(device=dev).manual_seed(rank * 100 + shape[0])
+            x = torch.randint(-8, 8, shape, generator=gen, device=dev).to(torch.bfloat16)
+            want = x.clone()
+            torch.distributed.all_reduce(want, group=groups.tp.group)
+            got = tp_all_reduce(x, reducer.group_name)
+            errors.append((algo.value, shape, "eager", torch.equal(got, want)))
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                a = tp_all_reduce(static, reducer.group_name)
+                b = tp_all_reduce(a * 2, reducer.group_name)
+            static.copy_(x + 1)
+            graph.replay()
+            w1 = (x + 1).clone()
+            torch.distributed.all_reduce(w1, group=groups.tp.group)
+            w2 = (w1 * 2).clone()
+            torch.distributed.all_reduce(w2, group=groups.tp.group)
+            ok = torch.equal(a, w1) and torch.equal(b, w2)
+            errors.append((algo.value, shape, "graph", ok))
+        compiled = torch.compile(lambda t: tp_all_reduce(t * 3, reducer.group_name) + 1)
+        y = torch.full((16, 256), rank + 1.0, device=dev, dtype=torch.bfloat16)
+        ok = torch.equal(compiled(y), torch.full_like(y, 3.0 * (1 + 2) + 1))
+        errors.append((algo.value, (16, 256), "compiled", ok))
+    timings = measure(reducer, [4096, 65536, 1 << 20])
+    reducer.release()
+    torch.save(
+        {"checks": errors, "plan": timings.plan().describe(), "us": timings.us},
+        Path(out) / f"{rank}.pt",
+    )
+    if not shutdown_parallel():
+        os._exit(0)
+
+
+def spawned_engine_run(model_dir: str, out: str, mode: str, fail: bool) -> None:
+    """In a process of its own (a stuck NCCL kernel must not outlive it): an LLM with
+    tensor_parallel_size=2 that starts its own worker; with ``fail``, rank 1's process
+    dies mid-generate. Records the tokens or the error and how long it took."""
+    backend = (
+        FailingAttention("cuda", rank=1, after=1, exit_code=3, min_seq_len=50) if fail else None
+    )
+    llm = engine(model_dir, "cuda", mode, torch.float32, tp=2, backend=backend)
+    start = time.perf_counter()
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        result = [o.token_ids for o in outs]
+    except Exception as exc:
+        result = f"{type(exc).__name__}: {exc}"
+    torch.save((result, time.perf_counter() - start), Path(out) / "driver.pt")
+    if not fail:
+        llm.close()
+    os._exit(0)

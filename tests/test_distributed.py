@@ -2,17 +2,21 @@
 function, data-parallel replicas agree on every step, and a failing rank does not hang
 the other."""
 
+import time
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 from dist_workers import (
     PROMPTS,
+    FailingAttention,
     dp_agreement,
     dp_generate,
     dp_prompts,
     engine,
     free_port,
     one_rank_raises,
+    torchrun_rank_fails,
     tp_logits_and_tokens,
 )
 from hf_models import write_checkpoint
@@ -76,20 +80,24 @@ def test_data_parallel_replicas_with_different_work_match_running_alone(tmp_path
         assert torch.load(out / f"{rank}.pt") == [o.token_ids for o in want]
 
 
-def test_a_failing_rank_does_not_hang_the_other(tmp_path):
+def run_two_ranks(target, *args, timeout_s=60):
+    """Runs ``target(rank, 2, port, *args)`` in two processes; fails if either hangs."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=one_rank_raises, args=(rank, 2, port, str(tmp_path))) for rank in (0, 1)
-    ]
+    procs = [ctx.Process(target=target, args=(rank, 2, port, *args)) for rank in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=timeout_s)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
     assert not alive, "a rank hung"
+    return procs
+
+
+def test_a_failing_rank_does_not_hang_the_other(tmp_path):
+    procs = run_two_ranks(one_rank_raises, str(tmp_path))
     assert procs[1].exitcode != 0
     result, seconds = torch.load(tmp_path / "0.pt")
     assert result != "no error" and seconds < 30, (result, seconds)
@@ -111,3 +119,63 @@ def test_bad_parallel_sizes_are_named_before_anything_starts(monkeypatch):
     with pytest.raises(ParallelError, match="world size 4 .* is not tensor_parallel_size"):
         init_parallel(ParallelConfig(tensor_parallel_size=2), "cpu")
     assert TensorParallel(1, 2).split(8, "heads") == 4
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_checkpoint("LlamaForCausalLM", path, rope_theta=500000.0)
+    return str(path)
+
+
+def spawned(model_dir, tp=1, dp=1, backend=None):
+    return engine(model_dir, "cpu", "none", torch.float32, tp, dp, backend=backend)
+
+
+def test_llm_starts_and_drives_its_own_workers(llama_dir):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in spawned(llama_dir).generate(PROMPTS, params)]
+    llm = spawned(llama_dir, tp=2)
+    workers = list(llm.workers.procs.values())
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert [o.token_ids for o in llm.generate(PROMPTS[::-1], params)] == want[::-1]
+    with pytest.raises(ParallelError, match="use generate"):
+        llm.step()
+    assert llm.close()
+    assert not any(p.is_alive() for p in workers)
+
+
+def test_llm_spreads_prompts_over_its_data_parallel_replicas(llama_dir):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = dp_prompts(0) + dp_prompts(1)
+    want = [o.token_ids for o in spawned(llama_dir).generate(prompts, params)]
+    llm = spawned(llama_dir, dp=2)
+    streamed: dict[int, list[int]] = {}
+    outs = llm.generate(prompts, params, on_token=lambda i, t: streamed.setdefault(i, []).append(t))
+    assert [o.token_ids for o in outs] == want
+    assert [streamed[i] for i in range(len(prompts))] == want  # nothing lost from replica 1
+    assert llm.close()
+
+
+@pytest.mark.parametrize(
+    "exit_code, cause", [(None, "RuntimeError: injected failure"), (3, "exited with code 3")]
+)
+def test_a_worker_that_fails_is_named_and_nothing_hangs(llama_dir, exit_code, cause):
+    backend = FailingAttention("cpu", rank=1, after=5, exit_code=exit_code)
+    llm = spawned(llama_dir, tp=2, backend=backend)
+    start = time.perf_counter()
+    with pytest.raises(ParallelError, match=f"rank 1 failed: .*{cause}"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert time.perf_counter() - start < 60
+    with pytest.raises(ParallelError, match="rank 1 failed"):  # the engine stays stopped
+        llm.generate(PROMPTS)
+    llm.close(timeout_s=5)
+
+
+def test_a_torchrun_rank_that_raises_is_named_by_the_others(llama_dir, tmp_path):
+    run_two_ranks(torchrun_rank_fails, llama_dir, str(tmp_path), timeout_s=120)
+    own, _ = torch.load(tmp_path / "1.pt")
+    assert own == "RuntimeError: injected failure"
+    named, seconds = torch.load(tmp_path / "0.pt")
+    assert named.startswith("ParallelError: rank 1 failed: RuntimeError: injected failure")
+    assert seconds < 60

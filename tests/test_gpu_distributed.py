@@ -10,6 +10,8 @@ from dist_workers import (
     dp_prompts,
     engine,
     free_port,
+    spawned_engine_run,
+    symmetric_all_reduce_checks,
     tp_logits_and_tokens,
 )
 from hf_models import write_checkpoint
@@ -38,12 +40,25 @@ def one_gpu(model_dir, mode, dtype):
     return logits.cpu(), [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["none", "full", "full_and_piecewise"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tp2_matches_one_gpu(model_dir, tmp_path, mode, dtype):
+@pytest.mark.parametrize(
+    "mode, dtype, all_reduce",
+    [
+        (mode, dtype, "nccl")
+        for mode in ("none", "full", "full_and_piecewise")
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    + [  # each symmetric-memory algorithm in each graph mode and dtype at least once
+        ("full", torch.float32, "one-shot"),
+        ("full_and_piecewise", torch.float32, "two-shot"),
+        ("full", torch.bfloat16, "two-shot"),
+        ("full_and_piecewise", torch.bfloat16, "one-shot"),
+        ("full_and_piecewise", torch.bfloat16, "auto"),
+    ],
+)
+def test_tp2_matches_one_gpu(model_dir, tmp_path, mode, dtype, all_reduce):
     mp.spawn(
         tp_logits_and_tokens,
-        args=(2, free_port(), str(model_dir), str(tmp_path), "cuda", mode, dtype),
+        args=(2, free_port(), str(model_dir), str(tmp_path), "cuda", mode, dtype, all_reduce),
         nprocs=2,
     )
     want_logits, want_tokens = one_gpu(model_dir, mode, dtype)
@@ -66,3 +81,39 @@ def test_dp2_with_different_batches_matches_running_alone(model_dir, tmp_path, m
             dp_prompts(rank), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         )
         assert torch.load(tmp_path / f"{rank}.pt") == [o.token_ids for o in want]
+
+
+def test_symmetric_all_reduce_equals_nccl_eager_in_graphs_and_compiled(tmp_path):
+    mp.spawn(symmetric_all_reduce_checks, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        bad = [c for c in got["checks"] if not c[-1]]
+        assert not bad, bad
+        assert len(got["checks"]) == 3 * (4 * 2 + 1)
+    print("measured plan:", got["plan"], got["us"])
+
+
+def run_driver(model_dir, tmp_path, mode, fail):
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=spawned_engine_run, args=(str(model_dir), str(tmp_path), mode, fail))
+    proc.start()
+    proc.join(timeout=400)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the driver process hung")
+    return torch.load(tmp_path / "driver.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+def test_llm_started_alone_drives_a_second_gpu(model_dir, tmp_path, mode):
+    tokens, _ = run_driver(model_dir, tmp_path, mode, fail=False)
+    _, want = one_gpu(model_dir, mode, torch.float32)
+    assert tokens == want
+
+
+def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
+    # Piecewise: attention runs between the graphs, so the worker dies mid-step while
+    # rank 0's graphs wait in an all-reduce that will never complete.
+    error, seconds = run_driver(model_dir, tmp_path, "full_and_piecewise", fail=True)
+    assert isinstance(error, str) and "rank 1 failed" in error, error
+    assert "exited with code 3" in error and seconds < 60, (error, seconds)

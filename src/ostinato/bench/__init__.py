@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ostinato.cliargs import OneLineParser, int_list, positive_int
+from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.presets import shape
 
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         type=positive_int,
         default=1,
         help="tensor-parallel ranks (one process per local GPU, NCCL)",
+    )
+    parser.add_argument(
+        "--all-reduce",
+        default="nccl",
+        help="with --tp: comma-separated all-reduce choices to compare, each a full run "
+        "(nccl, auto = measured NCCL vs symmetric-memory per size, one-shot, two-shot)",
     )
     parser.add_argument(
         "--shape",
@@ -108,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")
         cfg = replace(cfg, variants=names)
+    choices = tuple(c.strip() for c in args.all_reduce.split(","))
+    for c in choices:
+        try:
+            parse_all_reduce(c)
+        except ValueError as exc:
+            parser.error(f"argument --all-reduce: {exc}")
+    cfg = replace(cfg, all_reduce=choices)
     if args.tp > 1:
         if not cuda or args.quick:
             parser.error("argument --tp: tensor parallelism needs CUDA GPUs (and no --quick)")

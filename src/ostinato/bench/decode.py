@@ -45,6 +45,7 @@ class BenchConfig:
     warmup: int = 10
     repeats: int = 50
     seed: int = 0
+    all_reduce: tuple[str, ...] = ("nccl",)  # under --tp: each choice is a separate run
 
 
 @dataclass
@@ -92,6 +93,9 @@ class BenchResult:
     costs: list[VariantCost] = field(default_factory=list)
     profile: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Under --tp with "auto": per-call µs of each all-reduce algorithm in a captured graph,
+    # by message size in bytes ({"sizes": [...], "nccl": [...], "one-shot": [...], ...}).
+    all_reduce_us: dict[str, list[float]] = field(default_factory=dict)
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:

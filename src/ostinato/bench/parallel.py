@@ -2,7 +2,8 @@
 
 Starts N worker processes on this host the way ``torchrun`` would (one per GPU), runs the
 same benchmark on every rank in lock-step, and returns rank 0's result: the step time of
-the sharded model, all-reduces included.
+the sharded model, all-reduces included. With several ``all_reduce`` choices the whole
+benchmark runs once per choice; variant names carry the choice (``eager [nccl]``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,17 +39,52 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
     from ostinato.bench import decode
     from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
     from ostinato.distributed.groups import local_launch_env
+    from ostinato.distributed.symm_all_reduce import setup_symmetric_all_reduce
 
     os.environ.update(local_launch_env(rank, tp, port))
 
     groups = init_parallel(ParallelConfig(tensor_parallel_size=tp), "cuda")
+    assert groups.tp.group is not None
+    dtype = getattr(torch, cfg.dtype)
+    max_bytes = max(cfg.batch_sizes) * cfg.model["hidden_size"] * dtype.itemsize
+    merged: BenchResult | None = None
+    for choice in cfg.all_reduce:
 
-    def log(line: str) -> None:
-        if rank == 0:
-            print(f"[tp={tp}] {line}", flush=True)
+        def log(line: str, choice: str = choice) -> None:
+            if rank == 0:
+                print(f"[tp={tp} {choice}] {line}", flush=True)
 
-    result = decode.run(cfg, groups.device, log, profile=profile and rank == 0, tp=groups.tp)
+        reducer = setup_symmetric_all_reduce(
+            groups.tp.group, groups.device, dtype, choice, max_bytes
+        )
+        tp_info = replace(groups.tp, symmetric_group=reducer and reducer.group_name)
+        plan = reducer.plan.describe() if reducer else "nccl"
+        log(f"all-reduce plan: {plan}")
+        result = decode.run(cfg, groups.device, log, profile=profile and rank == 0, tp=tp_info)
+        for row in result.rows:
+            row.variant = f"{row.variant} [{choice}]"
+        for cost in result.costs:
+            cost.variant = f"{cost.variant} [{choice}]"
+        result.profile = {f"{k} [{choice}]": v for k, v in result.profile.items()}
+        result.notes.append(f"all_reduce={choice}: plan {plan}")
+        if reducer is not None and reducer.timings is not None:
+            t = reducer.timings
+            result.all_reduce_us = {
+                "sizes": [float(s) for s in t.sizes],
+                **{a.value: us for a, us in t.us.items()},
+            }
+        if reducer is not None:
+            reducer.release()
+        if merged is None:
+            merged = result
+        else:
+            merged.rows += result.rows
+            merged.costs += result.costs
+            merged.profile.update(result.profile)
+            merged.notes += result.notes
+            merged.all_reduce_us = merged.all_reduce_us or result.all_reduce_us
+        torch.cuda.empty_cache()
     if rank == 0:
-        torch.save(result, out)
+        torch.save(merged, out)
     if not shutdown_parallel():
         os._exit(0)  # rank 0's result is saved; do not wait in a hung teardown

@@ -40,6 +40,13 @@ def table(result: BenchResult) -> str:
     for key, kernels in result.profile.items():
         lines.append(f"top kernels, {key}: " + "; ".join(f"{k} {p}%" for k, p in kernels))
     lines += result.notes
+    if result.all_reduce_us:
+        us = result.all_reduce_us
+        lines.append("all-reduce per call in a captured graph (us), slowest rank:")
+        lines.append(f"{'bytes':>10s} " + " ".join(f"{k:>9s}" for k in us if k != "sizes"))
+        for i, size in enumerate(us["sizes"]):
+            row = " ".join(f"{v[i]:9.1f}" for k, v in us.items() if k != "sizes")
+            lines.append(f"{int(size):10d} {row}")
     return "\n".join(lines)
 
 

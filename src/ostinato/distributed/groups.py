@@ -18,13 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ostinato.errors import OstinatoError
+from ostinato.distributed.collectives import all_reduce_sum
+from ostinato.distributed.failure import FailureBoard, ParallelError
+from ostinato.distributed.symm_all_reduce import tp_all_reduce
 
 logger = logging.getLogger(__name__)
-
-
-class ParallelError(OstinatoError):
-    """A parallel configuration that cannot run, or a rank that failed; names which."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +46,22 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in its tensor-parallel group (``group`` None when ``size`` is 1)."""
+    """This rank's place in its tensor-parallel group (``group`` None when ``size`` is 1).
+    ``symmetric_group`` names the group's ``SymmetricAllReduce`` when one is set up."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    symmetric_group: str | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group: through the symmetric-memory reducer when set
+        up (it routes each size to the faster algorithm), else NCCL; ``x`` alone."""
+        if self.group is None:
+            return x
+        if self.symmetric_group is not None:
+            return tp_all_reduce(x, self.symmetric_group)
+        return all_reduce_sum(x, self.group)
 
     def split(self, total: int, what: str) -> int:
         """``total / size``; ``ValueError`` naming ``what`` when it does not divide."""
@@ -75,6 +84,8 @@ class ParallelGroups:
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: dist.ProcessGroup | None = None
+    failures: FailureBoard | None = None  # where a failing rank names itself
+    timeout_s: float = 120.0  # bound on every collective and device wait
 
 
 def single_process(device: torch.device | None = None) -> ParallelGroups:
@@ -95,16 +106,28 @@ def local_launch_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process carries a rank from ``torchrun`` (or an equivalent launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def init_parallel(
-    config: ParallelConfig, device_type: str | None = None, timeout_s: float = 120.0
+    config: ParallelConfig,
+    device_type: str | None = None,
+    timeout_s: float = 120.0,
+    launch_env: dict[str, str] | None = None,
 ) -> ParallelGroups:
-    """Joins the process group ``torchrun`` described and builds the TP and DP groups.
+    """Joins the process group ``torchrun`` described (or ``launch_env``, a
+    ``local_launch_env`` for a process the engine started itself) and builds the TP and
+    DP groups.
 
     Raises ``ParallelError`` before anything starts when the world size is not
     ``tp * dp``, or a CUDA run has more local ranks than GPUs. ``timeout_s`` bounds every
     collective: a rank that dies makes the others fail within it instead of hanging.
     """
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    source = os.environ if launch_env is None else launch_env
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    env = {k: source.get(k) for k in keys}
     if config.world_size == 1 and env["WORLD_SIZE"] in (None, "1"):
         return single_process(torch.device(device_type or "cpu"))
     missing = [k for k, v in env.items() if v is None]
@@ -123,7 +146,7 @@ def init_parallel(
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         count = torch.cuda.device_count()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_world = int(source.get("LOCAL_WORLD_SIZE", world))
         if local_world > count:
             raise ParallelError(
                 f"{local_world} ranks on this host but only {count} GPU(s); launch at most "
@@ -134,12 +157,25 @@ def init_parallel(
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    failures = None
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Our own rendezvous (the one init_process_group would do) so the store is ours
+        # to share: the failure board lives in it.
+        url = (
+            "env://"
+            if launch_env is None
+            else f"tcp://{launch_env['MASTER_ADDR']}:{launch_env['MASTER_PORT']}"
+        )
+        store, _, _ = next(dist.rendezvous(url, rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        failures = FailureBoard(dist.PrefixStore("ostinato", store))
         dist.init_process_group(
             backend,
+            store=dist.PrefixStore("default_pg", store),
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
     tp_size = config.tensor_parallel_size
@@ -158,7 +194,15 @@ def init_parallel(
     tp = TensorParallel(rank % tp_size, tp_size, tp_group if tp_size > 1 else None)
     dp_size = config.data_parallel_size
     return ParallelGroups(
-        rank, world, device, tp, rank // tp_size, dp_size, dp_group if dp_size > 1 else None
+        rank,
+        world,
+        device,
+        tp,
+        rank // tp_size,
+        dp_size,
+        dp_group if dp_size > 1 else None,
+        failures,
+        timeout_s,
     )
 
 

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
 from ostinato.distributed.agreement import agree_on_step, idle_proposal
+from ostinato.distributed.all_reduce_plan import parse_all_reduce
+from ostinato.distributed.failure import ParallelError, RankFailure, describe, wait_for_device
 from ostinato.distributed.groups import (
     ParallelConfig,
     TensorParallel,
     init_parallel,
+    launched_by_torchrun,
     shutdown_parallel,
 )
+from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import BlockPool, KVCache
@@ -30,6 +36,7 @@ from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import SamplingParams, sample
 from ostinato.engine.scheduler import FinishReason, Request, ScheduledBatch, Scheduler
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
+from ostinato.engine.workers import Command, WorkerPool
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, platform_for_device
@@ -61,6 +68,11 @@ class LLM:
     ``data_parallel_size``: that many replicas (of ``tensor_parallel_size`` ranks each),
     each with its own prompts; they call ``generate`` together and agree before every
     step on its mode and padded size, so graphs replay in lock-step.
+
+    ``all_reduce`` (tensor parallelism on CUDA): ``"auto"`` times NCCL and PyTorch's
+    symmetric-memory one-shot and two-shot all-reduce inside graphs at start-up and routes
+    each message size to the fastest (NCCL alone if never beaten); ``"nccl"``,
+    ``"one-shot"`` or ``"two-shot"`` force one (the symmetric ones up to their 8 MiB buffer).
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
@@ -100,15 +112,19 @@ class LLM:
         random_weights: bool = False,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        all_reduce: str = "auto",
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
         progress: bool = True,
     ) -> None:
+        # Every argument as given: the engine's own worker processes get the same.
+        engine_kwargs = {k: v for k, v in locals().items() if k != "self"}
         start = time.perf_counter()
         self.device = resolve_device(device)
         resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
         parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
+        parse_all_reduce(all_reduce)
         requested = parse_mode(mode)
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)
@@ -119,9 +135,6 @@ class LLM:
         self.tokenizer = source.tokenizer
         with torch.device("meta"):  # names a size tp does not divide, before anything starts
             DecoderModel(self.config, TensorParallel(0, parallel_config.tensor_parallel_size))
-        self.parallel = init_parallel(parallel_config, self.device.type)
-        if self.parallel.world_size > 1:
-            self.device = self.parallel.device
         max_model_len = _model_len(max_model_len, self.config)
         limits = EngineLimits(
             max_num_seqs,
@@ -135,26 +148,81 @@ class LLM:
             max_capture_size=max_capture_size,
             max_num_tokens=limits.max_num_batched_tokens,
         )
-        platform = platform_for_device(self.device)
-        compiler = choose_compiler(compiler, graph_config.mode, platform)
         if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
             raise ValueError(
                 f"num_blocks: {num_blocks} blocks (one is the null block) cannot hold one "
                 f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
                 "raise num_blocks or lower max_model_len"
             )
-        self.memory: MemoryPlan | None = self._plan_memory(
-            platform, dtype, utilization, limits, graph_config, num_blocks
-        )
-        num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
+        self.failure: RankFailure | None = None
+        self.workers = self._start_workers(parallel_config, engine_kwargs)
         try:
+            self.parallel = init_parallel(
+                parallel_config,
+                self.device.type,
+                launch_env=self.workers.driver_env if self.workers else None,
+            )
+            if self.parallel.world_size > 1:
+                self.device = self.parallel.device
+            self.all_reduce: SymmetricAllReduce | None = self._setup_all_reduce(
+                all_reduce, dtype, limits
+            )
+            platform = platform_for_device(self.device)
+            compiler = choose_compiler(compiler, graph_config.mode, platform)
+            self.memory: MemoryPlan | None = self._plan_memory(
+                platform, dtype, utilization, limits, graph_config, num_blocks
+            )
+            num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
             self._build(
                 source, dtype, seed, limits, graph_config, num_blocks, backend, compiler, progress
             )
-        except BaseException:
+            if self.workers is not None:
+                self.workers.collect(self.parallel.timeout_s)  # every rank is ready
+        except BaseException as exc:
+            failure = self._peer_failure()
             self._teardown()
+            if self.workers is not None:
+                self.workers.close(timeout_s=5.0)
+            if failure is not None and not isinstance(exc, ParallelError):
+                raise failure.error(0) from exc
             raise
         self.startup_seconds = time.perf_counter() - start
+
+    def _start_workers(
+        self, config: ParallelConfig, engine_kwargs: dict[str, Any]
+    ) -> WorkerPool | None:
+        # Under torchrun every rank builds its own engine; otherwise this process is
+        # rank 0 and starts the others.
+        if config.world_size == 1 or launched_by_torchrun():
+            return None
+        if self.device.type == "cuda" and torch.cuda.device_count() < config.world_size:
+            raise ParallelError(
+                f"tensor_parallel_size * data_parallel_size = {config.world_size} ranks, but "
+                f"this host has {torch.cuda.device_count()} GPU(s); lower them or use "
+                "torchrun across hosts"
+            )
+        return WorkerPool(config.world_size, {**engine_kwargs, "progress": False})
+
+    def _setup_all_reduce(
+        self, choice: str, dtype: torch.dtype, limits: EngineLimits
+    ) -> SymmetricAllReduce | None:
+        tp = self.parallel.tp
+        if tp.group is None:
+            return None
+        if self.device.type != "cuda":
+            if choice in ("one-shot", "two-shot"):
+                raise ValueError(
+                    f"all_reduce={choice!r}: symmetric memory needs CUDA; this run is on "
+                    f"{self.device.type}; use 'auto' or 'nccl'"
+                )
+            return None
+        max_bytes = limits.max_num_batched_tokens * self.config.hidden_size * dtype.itemsize
+        reducer = setup_symmetric_all_reduce(tp.group, self.device, dtype, choice, max_bytes)
+        if reducer is not None:
+            self.parallel = replace(
+                self.parallel, tp=replace(tp, symmetric_group=reducer.group_name)
+            )
+        return reducer
 
     def _plan_memory(
         self,
@@ -243,20 +311,27 @@ class LLM:
             runner.release()
         for name in ("runner", "cache", "model", "scheduler", "generator"):
             self.__dict__.pop(name, None)
+        reducer = self.__dict__.pop("all_reduce", None)
+        if reducer is not None:
+            reducer.release()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Releases every graph and, under tensor parallelism, leaves the process group
-        (bounded by ``timeout_s``: PyTorch's teardown can hang). Returns False if the
-        process group did not shut down in time; the process should then exit at once
-        (``os._exit``) rather than wait in the interpreter's teardown. The engine cannot
-        be used afterwards."""
+        (bounded by ``timeout_s``: PyTorch's teardown can hang) and stops the engine's
+        own worker processes. Returns False if the process group did not shut down in
+        time; the process should then exit at once (``os._exit``) rather than wait in the
+        interpreter's teardown. The engine cannot be used afterwards."""
+        if self.workers is not None:
+            self.workers.request_close()
         self._teardown()
-        if self.parallel.world_size == 1:
-            return True
-        return shutdown_parallel(timeout_s)
+        done = self.parallel.world_size == 1 or shutdown_parallel(timeout_s)
+        if self.workers is not None:
+            self.workers.close(timeout_s)
+            self.workers = None
+        return done
 
     @property
     def mode(self) -> GraphMode:
@@ -280,6 +355,44 @@ class LLM:
         """
         token_prompts = self._check_prompts(prompts)
         plist = _check_params(params, len(token_prompts))
+        if self.failure is not None:
+            raise self.failure.error(self.parallel.rank)
+        if self.workers is None:
+            return self._generate(token_prompts, plist, on_token)
+        # This process drives the engine's own workers: replica d (ranks [d*tp, (d+1)*tp))
+        # takes prompts d, d + dp, d + 2*dp, ...
+        tp, dp = self.parallel.tp.size, self.parallel.dp_size
+        shares = [list(range(d, len(token_prompts), dp)) for d in range(dp)]
+
+        def share(d: int) -> tuple[list[list[int]], list[SamplingParams]]:
+            return [token_prompts[i] for i in shares[d]], [plist[i] for i in shares[d]]
+
+        self.workers.send({r: Command("generate", share(r // tp)) for r in self.workers.conns})
+        mine = self._generate(
+            *share(0),
+            None if on_token is None else lambda i, t: on_token(shares[0][i], t),
+        )
+        try:
+            replies = self.workers.collect(self.parallel.timeout_s)
+        except ParallelError as exc:
+            self.failure = RankFailure(-1, str(exc))
+            raise
+        outputs: list[RequestOutput | None] = [None] * len(token_prompts)
+        for d in range(dp):
+            got = mine if d == 0 else replies[d * tp]
+            for i, out in zip(shares[d], got, strict=True):
+                outputs[i] = out
+                if d and on_token is not None:  # other replicas' tokens, once they are done
+                    for t in out.token_ids:
+                        on_token(i, t)
+        return outputs  # type: ignore[return-value]
+
+    def _generate(
+        self,
+        token_prompts: list[list[int]],
+        plist: list[SamplingParams],
+        on_token: TokenCallback | None,
+    ) -> list[RequestOutput]:
         requests: list[Request] = []
         try:
             for tokens, p in zip(token_prompts, plist, strict=True):
@@ -293,10 +406,48 @@ class LLM:
                         for token in r.output[emitted[i] :]:
                             on_token(i, token)
                         emitted[i] = len(r.output)
-        except BaseException:
+        except BaseException as exc:
             self.scheduler.abort(requests)
+            if self.parallel.world_size > 1:
+                self._stop_after(exc)
             raise
         return [self._output(r) for r in requests]
+
+    def _stop_after(self, exc: BaseException) -> None:
+        """A parallel engine that raised is out of step with its peers: it stops. Raises
+        ``ParallelError`` naming the peer when a peer's failure caused ``exc``; otherwise
+        this rank is the cause, says so on the failure board, and leaves the group so
+        the peers' collectives fail now rather than at their timeout."""
+        rank = self.parallel.rank
+        peer = self._peer_failure()
+        if peer is not None and peer.rank != rank:
+            self.failure = peer
+            raise peer.error(rank) from exc
+        self.failure = RankFailure(rank, describe(exc))
+        if self.parallel.failures is not None:
+            self.parallel.failures.report(rank, self.failure.cause)
+        if self.workers is not None:
+            self.workers.close(timeout_s=5.0)
+            self.workers = None
+        else:
+            shutdown_parallel(5.0)
+
+    def _peer_failure(self) -> RankFailure | None:
+        """A failed peer rank, if one is known: a worker of ours that failed or exited,
+        a report on the failure board, or (in a worker) rank 0's process gone."""
+        if self.__dict__.get("workers") is not None:
+            failure = self.workers.failure()
+            if failure is not None:
+                return failure
+        parallel = self.__dict__.get("parallel")
+        if parallel is not None and parallel.failures is not None:
+            failure = parallel.failures.read()
+            if failure is not None:
+                return failure
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            return RankFailure(0, "its process exited")
+        return None
 
     def chat(
         self,
@@ -336,6 +487,11 @@ class LLM:
     def step(self) -> list[Request]:
         """Runs one scheduled step; returns the requests that finished in it. Under data
         parallelism every replica calls it together; one without work runs a dummy step."""
+        if self.workers is not None:
+            raise ParallelError(
+                "step: this engine drives its own worker processes; use generate (or "
+                "launch every rank with torchrun and call step on each)"
+            )
         return self._step() or []
 
     def _step(self) -> list[Request] | None:
@@ -364,8 +520,20 @@ class LLM:
         reqs = [s.request for s in step.scheduled]
         temps = torch.tensor([r.params.temperature for r in reqs], device=self.device)
         top_ps = torch.tensor([r.params.top_p for r in reqs], device=self.device)
-        tokens = sample(logits, temps, top_ps, self.generator).tolist()
+        tokens = self._read_back(sample(logits, temps, top_ps, self.generator))
         return self.scheduler.update(step, tokens)
+
+    def _read_back(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled tokens on the host: the step's one synchronisation. Under tensor or
+        data parallelism on CUDA the wait is bounded and watches the peers (a collective
+        inside a graph waits forever for a dead peer)."""
+        if self.parallel.world_size == 1 or self.device.type != "cuda":
+            return tokens.tolist()
+        host = tokens.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        wait_for_device(done, self._peer_failure, self.parallel.rank, self.parallel.timeout_s)
+        return host.tolist()
 
     def _check_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ostinato.distributed.collectives import all_gather_last_dim, all_reduce_sum
+from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine import attention_op  # noqa: F401  (registers torch.ops.ostinato)
 from ostinato.engine.config import ModelConfig
@@ -102,7 +102,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         out = torch.empty_like(q)
         torch.ops.ostinato.attention(q, k, v.contiguous(), out, self.layer, self.scale)
-        return all_reduce_sum(self.o_proj(out.view(x.shape[0], self.q_size)), self.tp.group)
+        return self.tp.all_reduce(self.o_proj(out.view(x.shape[0], self.q_size)))
 
 
 class Mlp(nn.Module):
@@ -117,7 +117,7 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return all_reduce_sum(self.down_proj(nn.functional.silu(gate) * up), self.tp.group)
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -178,7 +178,7 @@ class DecoderModel(nn.Module):
         mine = (local >= 0) & (local < self.vocab_local)
         x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
         x = x * mine[:, None].to(x.dtype)
-        return all_reduce_sum(x, self.tp.group)
+        return self.tp.all_reduce(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)

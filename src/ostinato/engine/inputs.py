@@ -112,7 +112,7 @@ class StepInputs:
             staging[row, :n] = torch.tensor(values)
             staging[row, n:padded] = pad
         self.copy_staged(padded, len(step.scheduled))
-        return StepLayout(torch.tensor(last, device=self.device), query_lens, seq_lens)
+        return StepLayout(to_device(last, torch.long, self.device), query_lens, seq_lens)
 
     def copy_staged(self, rows: int, num_reqs: int) -> None:
         """Copies the first ``rows`` staged rows and ``num_reqs`` staged block-table rows
@@ -123,3 +123,15 @@ class StepInputs:
         self.token_req[:rows].copy_(staging[2, :rows], non_blocking=True)
         self.slot_mapping[:rows].copy_(staging[3, :rows], non_blocking=True)
         self.block_tables[:num_reqs].copy_(self.tables_staging[:num_reqs], non_blocking=True)
+
+
+def to_device(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``values`` as a tensor on ``device``. On CUDA the copy is asynchronous (through
+    pinned memory), so the host never waits here for the device's queued work: a step's
+    only wait is reading back its tokens, which is where a dead peer is noticed."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

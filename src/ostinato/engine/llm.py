@@ -27,6 +27,7 @@ from ostinato.distributed.groups import (
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
+from ostinato.engine.inputs import to_device
 from ostinato.engine.kv_cache import BlockPool, KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.memory import MemoryPlan, check_utilization, plan_memory
@@ -518,9 +519,10 @@ class LLM:
         if not step.scheduled:
             return []
         reqs = [s.request for s in step.scheduled]
-        temps = torch.tensor([r.params.temperature for r in reqs], device=self.device)
-        top_ps = torch.tensor([r.params.top_p for r in reqs], device=self.device)
-        tokens = self._read_back(sample(logits, temps, top_ps, self.generator))
+        temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
+        top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
+        all_greedy = all(r.params.temperature == 0 for r in reqs)
+        tokens = self._read_back(sample(logits, temps, top_ps, self.generator, all_greedy))
         return self.scheduler.update(step, tokens)
 
     def _read_back(self, tokens: torch.Tensor) -> list[int]:

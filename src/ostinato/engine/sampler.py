@@ -48,14 +48,19 @@ def sample(
     temperatures: torch.Tensor,
     top_ps: torch.Tensor,
     generator: torch.Generator | None = None,
+    all_greedy: bool | None = None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (``[rows, vocab]``, float32).
 
     Rows with temperature 0 take the argmax; others sample from the softmax at that
     temperature restricted to the smallest set of tokens whose probability reaches top_p.
+    ``all_greedy``: whether every temperature is 0, when the caller knows (else it is
+    read from the device, which waits for it).
     """
     greedy = logits.argmax(dim=-1)
-    if not bool((temperatures > 0).any()):
+    if all_greedy is None:
+        all_greedy = not bool((temperatures > 0).any())
+    if all_greedy:
         return greedy
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits / t[:, None], dim=-1)

@@ -116,4 +116,6 @@ def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
     # rank 0's graphs wait in an all-reduce that will never complete.
     error, seconds = run_driver(model_dir, tmp_path, "full_and_piecewise", fail=True)
     assert isinstance(error, str) and "rank 1 failed" in error, error
-    assert "exited with code 3" in error and seconds < 60, (error, seconds)
+    # The pipe closes before a process with NCCL kernels in flight has fully exited, so
+    # the exit code may not be known yet.
+    assert "its process exited" in error and seconds < 60, (error, seconds)

@@ -43,6 +43,9 @@ class Reply:
     error: str | None = None
 
 
+_EXITED = "its process exited"
+
+
 class WorkerPool:
     """Ranks 1..world-1 of a local parallel run, started with ``spawn``.
 
@@ -80,19 +83,23 @@ class WorkerPool:
                 pass  # the worker is gone; ``failure`` names it
 
     def failure(self) -> RankFailure | None:
-        """A worker that answered with an error, or exited; None if all are healthy."""
+        """A worker that answered with an error, or exited (or closed its pipe, which a
+        dying process does before a CUDA context with kernels in flight lets it finish);
+        None if all are healthy."""
         for rank, conn in self.conns.items():
             if rank not in self.pending and _poll(conn):
                 try:
                     self.pending[rank] = conn.recv()
                 except (EOFError, OSError):
-                    pass
+                    self.pending[rank] = Reply(rank, error=_EXITED)
             reply = self.pending.get(rank)
+            code = self.procs[rank].exitcode
+            if reply is not None and reply.error == _EXITED and code is not None:
+                return RankFailure(rank, f"{_EXITED} with code {code}")
             if reply is not None and reply.error is not None:
                 return RankFailure(rank, reply.error)
-        for rank, proc in self.procs.items():
-            if not proc.is_alive() and (rank not in self.pending or proc.exitcode != 0):
-                return RankFailure(rank, f"its process exited with code {proc.exitcode}")
+            if code is not None and (reply is None or code != 0):
+                return RankFailure(rank, f"{_EXITED} with code {code}")
         return None
 
     def collect(self, timeout_s: float) -> dict[int, Any]:
@@ -136,7 +143,7 @@ def _poll(conn: multiprocessing.connection.Connection) -> bool:
     try:
         return conn.poll()
     except (EOFError, OSError):
-        return False
+        return True  # closed: ``recv`` says so
 
 
 def worker_main(

@@ -116,6 +116,7 @@ def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
     # rank 0's graphs wait in an all-reduce that will never complete.
     error, seconds = run_driver(model_dir, tmp_path, "full_and_piecewise", fail=True)
     assert isinstance(error, str) and "rank 1 failed" in error, error
-    # The pipe closes before a process with NCCL kernels in flight has fully exited, so
-    # the exit code may not be known yet.
-    assert "its process exited" in error and seconds < 60, (error, seconds)
+    # A process that dies with NCCL kernels in flight can hang in its exit (pipe open, no
+    # exit code): then the silence of its heartbeat names it.
+    assert "its process exited" in error or "no sign of life" in error, error
+    assert seconds < 60, (error, seconds)

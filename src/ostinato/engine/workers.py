@@ -16,6 +16,7 @@ import multiprocessing.connection
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -53,7 +54,9 @@ class WorkerPool:
     exit in time); ``failure`` names a worker that reported an error or exited.
     """
 
-    def __init__(self, world_size: int, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, world_size: int, engine_kwargs: dict[str, Any], stale_s: float = 15.0
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -62,11 +65,18 @@ class WorkerPool:
         self.conns: dict[int, multiprocessing.connection.Connection] = {}
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.pending: dict[int, Reply] = {}
+        # Each worker stamps its beat every second; a process that dies with kernels in
+        # flight can hang in its exit with its pipe still open, and only the silence of
+        # its beat shows it is gone.
+        self.stale_s = stale_s
+        self.beats: dict[int, Any] = {}
         for rank in range(1, world_size):
             ours, theirs = ctx.Pipe()
+            self.beats[rank] = beat = ctx.Value("d", time.monotonic(), lock=False)
+            env = local_launch_env(rank, world_size, port)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, local_launch_env(rank, world_size, port), engine_kwargs, theirs),
+                args=(rank, env, engine_kwargs, theirs, beat),
                 name=f"ostinato-rank{rank}",
                 daemon=True,
             )
@@ -100,6 +110,11 @@ class WorkerPool:
                 return RankFailure(rank, reply.error)
             if code is not None and (reply is None or code != 0):
                 return RankFailure(rank, f"{_EXITED} with code {code}")
+            silent = time.monotonic() - self.beats[rank].value
+            if code is None and silent > self.stale_s:
+                return RankFailure(
+                    rank, f"no sign of life for {silent:.0f} s (its process hung or is dying)"
+                )
         return None
 
     def collect(self, timeout_s: float) -> dict[int, Any]:
@@ -151,12 +166,20 @@ def worker_main(
     launch_env: dict[str, str],
     engine_kwargs: dict[str, Any],
     conn: multiprocessing.connection.Connection,
+    beat: Any,
 ) -> None:
     """One worker: builds its engine (which joins the process group from
-    ``launch_env``), answers ``Reply(rank, ...)`` to each command, and exits after
-    ``close``, after a failure (so its peers' collectives fail fast), or when rank 0's
-    pipe closes."""
+    ``launch_env``), stamps ``beat`` every second, answers ``Reply(rank, ...)`` to each
+    command, and exits after ``close``, after a failure (so its peers' collectives fail
+    fast), or when rank 0's pipe closes."""
     os.environ.update(launch_env)  # this process's own environment: it is rank ``rank``
+
+    def stamp() -> None:
+        while True:
+            beat.value = time.monotonic()
+            time.sleep(1.0)
+
+    threading.Thread(target=stamp, daemon=True, name="ostinato-beat").start()
     from ostinato.engine.llm import LLM
 
     try:

@@ -97,7 +97,7 @@ def run_driver(model_dir, tmp_path, mode, fail):
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=spawned_engine_run, args=(str(model_dir), str(tmp_path), mode, fail))
     proc.start()
-    proc.join(timeout=400)
+    proc.join(timeout=150)
     if proc.is_alive():
         proc.kill()
         pytest.fail("the driver process hung")

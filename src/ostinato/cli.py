@@ -142,7 +142,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     print(
         f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
-        f"start-up {llm.startup_seconds:.1f} s; {llm.capture_report.summary()}"
+        f"{llm.startup.summary()}; {llm.capture_report.summary()}"
     )
     for why in llm.runner.resolution.reasons:
         print(f"  downgraded: {why}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ostinato.engine.attention import AttentionMetadata
@@ -41,6 +42,15 @@ class StepLayout:
     seq_lens: list[int]
 
 
+@dataclass(frozen=True)
+class PreviousSample:
+    """A launched step's sampled tokens, still on the device: request ``id``'s token is
+    ``tokens[index[id]]`` (``tokens``: ``[num scheduled requests]``, long)."""
+
+    tokens: torch.Tensor
+    index: dict[int, int]
+
+
 class StepInputs:
     """Input ids, positions, token-to-request map, slot mapping (``[max_num_batched_tokens]``
     each) and block tables (``[max_num_seqs, blocks_per_seq]``), plus pinned staging."""
@@ -56,11 +66,32 @@ class StepInputs:
         self.block_tables = torch.zeros(  # [S, blocks_per_seq]
             (limits.max_num_seqs, limits.blocks_per_seq), dtype=torch.int32, device=device
         )
-        # Pinned host staging, reused each step: safe because every step ends by reading the
-        # sampled tokens back, which waits for these copies.
+        # Pinned host staging, two sets used in turn: the host fills one for step N+1 while
+        # step N's copies from the other may still be queued (asynchronous scheduling); by
+        # then step N-1, the other set's last reader, has been read back.
         pin = device.type == "cuda"
-        self.staging = torch.zeros((4, t), dtype=torch.long, pin_memory=pin)  # ids,pos,req,slot
-        self.tables_staging = torch.zeros_like(self.block_tables, device="cpu", pin_memory=pin)
+        self.stagings = [
+            torch.zeros((4, t), dtype=torch.long, pin_memory=pin)  # ids, pos, req, slot
+            for _ in range(2)
+        ]
+        self.tables_stagings = [
+            torch.zeros_like(self.block_tables, device="cpu", pin_memory=pin) for _ in range(2)
+        ]
+        self.turn = 0
+        # numpy views of the same pinned memory: per-step writes without tensor objects.
+        self.staging_np = [st.numpy() for st in self.stagings]
+        self.tables_np = [tb.numpy() for tb in self.tables_stagings]
+
+    @property
+    def staging(self) -> torch.Tensor:
+        """The staging set ``copy_staged`` copies from now: ``[4, T]`` ids, positions,
+        request rows, slots."""
+        return self.stagings[self.turn]
+
+    @property
+    def tables_staging(self) -> torch.Tensor:
+        """The block-table staging ``copy_staged`` copies from now."""
+        return self.tables_stagings[self.turn]
 
     def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         """Attention metadata over the first ``n`` rows of the buffers."""
@@ -81,37 +112,56 @@ class StepInputs:
         self.token_req[:n].fill_(PADDING.request)
         self.slot_mapping[:n].fill_(PADDING.slot)
 
-    def write(self, step: ScheduledBatch, padded: int) -> StepLayout:
+    def write(
+        self, step: ScheduledBatch, padded: int, previous: PreviousSample | None = None
+    ) -> StepLayout:
         """Stages ``step``'s rows, pads them to ``padded`` rows, and copies them to the
-        device buffers (asynchronously from pinned memory)."""
+        device buffers (asynchronously from pinned memory). Decodes whose token is still
+        on the device (``from_previous``) take it from ``previous`` by a device gather.
+
+        Host cost: numpy writes into the pinned staging (through views made once), with
+        a fixed number of tensor operations per step whatever the batch size.
+        """
+        self.turn ^= 1
+        ids, pos, req_of, slots = self.staging_np[self.turn]
+        tables = self.tables_np[self.turn]
         bs = self.limits.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        req_of: list[int] = []
-        slots: list[int] = []
+        gather_rows: list[int] = []
+        gather_from: list[int] = []
         last, query_lens, seq_lens = [], [], []
+        n = 0
         for r, s in enumerate(step.scheduled):
             k = len(s.tokens)
             blocks = s.request.blocks
-            ids += s.tokens
-            pos += range(s.start, s.start + k)
-            req_of += [r] * k
-            slots += [blocks[p // bs] * bs + p % bs for p in range(s.start, s.start + k)]
-            last.append(len(ids) - 1)
+            if s.from_previous:
+                if previous is None or s.request.id not in previous.index:
+                    raise RuntimeError(
+                        f"request {s.request.id}: its input token is the previous step's "
+                        "sample, but no previous step sampled it"
+                    )
+                gather_rows.append(n)
+                gather_from.append(previous.index[s.request.id])
+            ids[n : n + k] = s.tokens
+            p = np.arange(s.start, s.start + k)
+            pos[n : n + k] = p
+            req_of[n : n + k] = r
+            table = tables[r]
+            table[: len(blocks)] = blocks
+            slots[n : n + k] = table[p // bs] * bs + p % bs
+            n += k
+            last.append(n - 1)
             query_lens.append(k)
             seq_lens.append(s.start + k)
-            self.tables_staging[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        n = len(ids)
-        staging = self.staging
-        for row, values, pad in (
-            (0, ids, PADDING.token),
-            (1, pos, PADDING.position),
-            (2, req_of, PADDING.request),
-            (3, slots, PADDING.slot),
-        ):
-            staging[row, :n] = torch.tensor(values)
-            staging[row, n:padded] = pad
+        ids[n:padded] = PADDING.token
+        pos[n:padded] = PADDING.position
+        req_of[n:padded] = PADDING.request
+        slots[n:padded] = PADDING.slot
         self.copy_staged(padded, len(step.scheduled))
+        if gather_rows:
+            assert previous is not None
+            source = to_device(gather_from, torch.long, self.device)
+            rows = to_device(gather_rows, torch.long, self.device)
+            self.input_ids.index_copy_(0, rows, previous.tokens.index_select(0, source))
         return StepLayout(to_device(last, torch.long, self.device), query_lens, seq_lens)
 
     def copy_staged(self, rows: int, num_reqs: int) -> None:

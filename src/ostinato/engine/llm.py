@@ -6,7 +6,7 @@ import gc
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
-from ostinato.distributed.agreement import agree_on_step, idle_proposal
+from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_proposal
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.distributed.failure import ParallelError, RankFailure, describe, wait_for_device
 from ostinato.distributed.groups import (
@@ -27,7 +27,7 @@ from ostinato.distributed.groups import (
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
-from ostinato.engine.inputs import to_device
+from ostinato.engine.inputs import PreviousSample, to_device
 from ostinato.engine.kv_cache import BlockPool, KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.memory import MemoryPlan, check_utilization, plan_memory
@@ -48,6 +48,37 @@ logger = logging.getLogger(__name__)
 Prompt = Sequence[int] | str
 TokenCallback = Callable[[int, int], None]
 """``on_token(prompt_index, token_id)``: called for each token as it is produced."""
+
+
+@dataclass
+class StartupTimes:
+    """Where the construction's seconds went: making or loading the weights on the
+    device, compiling the model's pieces (Inductor), capturing the graphs, and the total
+    (which adds opening the model: config, tokenizer, GGUF dequantization)."""
+
+    weights_s: float
+    compile_s: float
+    capture_s: float
+    total_s: float = 0.0
+
+    def summary(self) -> str:
+        """One line: ``start-up 12.3 s (weights 1.0, compile 8.0, capture 2.0)``."""
+        return (
+            f"start-up {self.total_s:.1f} s (weights {self.weights_s:.1f}, compile "
+            f"{self.compile_s:.1f}, capture {self.capture_s:.1f})"
+        )
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step on the device: its batch, its sampled tokens (device), their host copy
+    (pinned, filled asynchronously) and the event that marks the copy done (None on
+    the CPU, where it is done already)."""
+
+    step: ScheduledBatch
+    sampled: PreviousSample
+    host: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 @dataclass
@@ -74,6 +105,9 @@ class LLM:
     symmetric-memory one-shot and two-shot all-reduce inside graphs at start-up and routes
     each message size to the fastest (NCCL alone if never beaten); ``"nccl"``,
     ``"one-shot"`` or ``"two-shot"`` force one (the symmetric ones up to their 8 MiB buffer).
+
+    ``async_scheduling``: schedule and stage step N+1 while step N runs (outputs are the
+    same as without it); off under data parallelism.
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
@@ -114,6 +148,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         all_reduce: str = "auto",
+        async_scheduling: bool = True,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
@@ -155,6 +190,8 @@ class LLM:
                 f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
                 "raise num_blocks or lower max_model_len"
             )
+        # Data-parallel replicas agree on each step before it runs, so they step in turn.
+        self.async_scheduling = async_scheduling and data_parallel_size == 1
         self.failure: RankFailure | None = None
         self.workers = self._start_workers(parallel_config, engine_kwargs)
         try:
@@ -188,6 +225,7 @@ class LLM:
                 raise failure.error(0) from exc
             raise
         self.startup_seconds = time.perf_counter() - start
+        self.startup.total_s = self.startup_seconds
 
     def _start_workers(
         self, config: ParallelConfig, engine_kwargs: dict[str, Any]
@@ -269,17 +307,22 @@ class LLM:
         progress: bool,
     ) -> None:
         torch.manual_seed(seed)
+        weights_start = time.perf_counter()
+        # Weights are made in place on the device, in their dtype: no CPU copy, no
+        # float32 detour.
+        with torch.device("meta"):
+            model = DecoderModel(self.config, self.parallel.tp)
+        model = model.to(dtype).to_empty(device=self.device)
         if source.load is None:
             # Asked for (a preset, a config, or random_weights=True), so not a warning.
             logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
-            # Random weights are drawn on the CPU so a seed gives the same model anywhere.
-            model = DecoderModel(self.config, self.parallel.tp)
+            model.reset_parameters()  # drawn on the device: a seed gives one model per device type
         else:
-            with torch.device("meta"):
-                model = DecoderModel(self.config, self.parallel.tp)
-            model = model.to_empty(device="cpu")
             source.load(model)
-        self.model = model.to(self.device, dtype).eval()
+        self.model = model.eval()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        weights_s = time.perf_counter() - weights_start
         c = self.config
         self.cache = KVCache(
             c.num_layers,
@@ -302,7 +345,12 @@ class LLM:
         )
         self.scheduler = Scheduler(BlockPool(num_blocks), limits, source.eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        capture_start = time.perf_counter()
         self.capture_report: CaptureReport = self.runner.capture()
+        compile_s = self.runner.compile_seconds
+        self.startup = StartupTimes(
+            weights_s, compile_s, time.perf_counter() - capture_start - compile_s
+        )
 
     def _teardown(self) -> None:
         # Drop every device tensor this object holds so a failed start-up leaves the
@@ -399,9 +447,8 @@ class LLM:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
-            while self.scheduler.has_work or self.parallel.dp_group is not None:
-                if self._step() is None:
-                    break  # every data-parallel replica is out of work
+            steps = self._async_steps() if self.async_scheduling else self._sync_steps()
+            for _ in steps:
                 if on_token is not None:
                     for i, r in enumerate(requests):
                         for token in r.output[emitted[i] :]:
@@ -413,6 +460,29 @@ class LLM:
                 self._stop_after(exc)
             raise
         return [self._output(r) for r in requests]
+
+    def _sync_steps(self) -> Iterator[None]:
+        """One step at a time: schedule, run, wait for its tokens. Yields after each."""
+        while self.scheduler.has_work or self.parallel.dp_group is not None:
+            if self._step() is None:
+                return  # every data-parallel replica is out of work
+            yield
+
+    def _async_steps(self) -> Iterator[None]:
+        """Asynchronous scheduling: step N+1 is scheduled, staged and queued while step N
+        runs on the device, then step N's tokens are read back, so a decode token costs
+        the longer of host and device time rather than their sum. Decodes of step N+1
+        take step N's samples on the device. Yields after each step's tokens are in."""
+        inflight: InFlight | None = None
+        while self.scheduler.has_work or inflight is not None:
+            step = self.scheduler.schedule() if self.scheduler.has_work else ScheduledBatch([])
+            launched = self._launch(step, previous=inflight) if step.scheduled else None
+            if inflight is None and launched is None:
+                raise RuntimeError("scheduler produced an empty step with work pending")
+            if inflight is not None:
+                self._resolve(inflight)
+            inflight = launched
+            yield
 
     def _stop_after(self, exc: BaseException) -> None:
         """A parallel engine that raised is out of step with its peers: it stops. Raises
@@ -515,27 +585,48 @@ class LLM:
             agreement = agree_on_step(mode, padded, group, uniform_decode=uniform)
             if agreement.num_tokens == 0:
                 return None
-        logits = self.runner.execute(step, agreement)
+        launched = self._launch(step, agreement)
+        return [] if launched is None else self._resolve(launched)
+
+    def _launch(
+        self,
+        step: ScheduledBatch,
+        agreement: StepAgreement | None = None,
+        previous: InFlight | None = None,
+    ) -> InFlight | None:
+        """Queues ``step`` and its sampling on the device and starts copying the tokens
+        back; returns without waiting (None for a dummy step, which samples nothing)."""
+        logits = self.runner.execute(step, agreement, previous and previous.sampled)
         if not step.scheduled:
-            return []
+            return None
         reqs = [s.request for s in step.scheduled]
         temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
         top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
         all_greedy = all(r.params.temperature == 0 for r in reqs)
-        tokens = self._read_back(sample(logits, temps, top_ps, self.generator, all_greedy))
-        return self.scheduler.update(step, tokens)
+        tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
+        self.scheduler.launched(step)
+        index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
+        done = None
+        host = tokens
+        if self.device.type == "cuda":
+            host = tokens.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return InFlight(step, PreviousSample(tokens, index), host, done)
 
-    def _read_back(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled tokens on the host: the step's one synchronisation. Under tensor or
-        data parallelism on CUDA the wait is bounded and watches the peers (a collective
-        inside a graph waits forever for a dead peer)."""
-        if self.parallel.world_size == 1 or self.device.type != "cuda":
-            return tokens.tolist()
-        host = tokens.to("cpu", non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        wait_for_device(done, self._peer_failure, self.parallel.rank, self.parallel.timeout_s)
-        return host.tolist()
+    def _resolve(self, launched: InFlight) -> list[Request]:
+        """Waits for ``launched``'s tokens (the step's one synchronisation), records them
+        and returns the requests that finished. Under tensor or data parallelism the
+        wait is bounded and watches the peers (a collective inside a graph waits forever
+        for a dead peer)."""
+        if launched.done is not None:
+            if self.parallel.world_size > 1:
+                wait_for_device(
+                    launched.done, self._peer_failure, self.parallel.rank, self.parallel.timeout_s
+                )
+            else:
+                launched.done.synchronize()
+        return self.scheduler.resolve(launched.step, launched.host.tolist())
 
     def _check_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

@@ -29,6 +29,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def reset_parameters(self) -> None:
+        """Ones, as at construction."""
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
@@ -169,6 +173,13 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         return self
+
+    def reset_parameters(self) -> None:
+        """Draws every parameter anew, in place (on whatever device and dtype they are),
+        with each module's own initialisation; ties stay tied."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``input_ids`` (each rank looks up its own rows, then a sum)."""

@@ -15,7 +15,7 @@ from ostinato.context import forward_context
 from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.attention import AttentionBackend
 from ostinato.engine.attention_op import StepAttention
-from ostinato.engine.inputs import StepInputs
+from ostinato.engine.inputs import PreviousSample, StepInputs
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
@@ -136,8 +136,15 @@ class ModelRunner:
             self.piecewise.release()
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledBatch, agreement: StepAgreement | None = None) -> torch.Tensor:
+    def execute(
+        self,
+        step: ScheduledBatch,
+        agreement: StepAgreement | None = None,
+        previous: PreviousSample | None = None,
+    ) -> torch.Tensor:
         """Runs ``step``; returns float32 logits, one row per scheduled request.
+        ``previous``: the last launched step's samples, for decodes whose input token is
+        still on the device.
 
         With a data-parallel ``agreement`` the step runs at the agreed padded size and
         uniformity, which every replica's identical dispatcher maps to the same mode; an
@@ -163,7 +170,7 @@ class ModelRunner:
             self.inputs.write_padding(padded)
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
-        layout = self.inputs.write(step, padded)
+        layout = self.inputs.write(step, padded, previous)
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         hidden = self.manager.run(dispatch, n, attn_metadata=meta)
         return self.model.compute_logits(hidden[layout.last_rows])

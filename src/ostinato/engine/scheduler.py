@@ -21,9 +21,11 @@ class FinishReason(enum.Enum):
     MAX_MODEL_LEN = "max_model_len"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's lists hold each request once
 class Request:
-    """A prompt and its generation so far. ``num_cached`` tokens have K/V in ``blocks``."""
+    """A prompt and its generation so far. ``num_cached`` tokens have K/V in ``blocks``.
+    ``num_pending`` (0 or 1): a token sampled by a step still on the device, counted in
+    ``num_tokens`` but not yet in ``output`` (asynchronous scheduling)."""
 
     id: int
     prompt: list[int]
@@ -33,11 +35,22 @@ class Request:
     num_cached: int = 0
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_pending: int = 0
+    max_len: int = 1 << 62  # the engine's max_model_len, set by the scheduler
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens, without building the list."""
-        return len(self.prompt) + len(self.output)
+        """Prompt plus generated tokens (pending included), without building the list."""
+        return len(self.prompt) + len(self.output) + self.num_pending
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """True when its pending token is its last one by count (``max_tokens`` or
+        ``max_model_len``): nothing more to schedule until it is resolved."""
+        generated = len(self.output) + self.num_pending
+        return self.num_pending > 0 and (
+            generated >= self.params.max_tokens or self.num_tokens >= self.max_len
+        )
 
     @property
     def tokens(self) -> list[int]:
@@ -50,18 +63,25 @@ class Request:
         return self.finish_reason is not None
 
 
+PENDING_TOKEN = 0
+"""Stands in ``ScheduledRequest.tokens`` for a token still on the device."""
+
+
 @dataclass
 class ScheduledRequest:
     """One request's part of a step: ``tokens`` at positions ``start ..``.
 
     ``samples`` is False for a chunk that ends before the request's last token (a prefill
     split over steps): its logits are computed but no token is drawn.
+    ``from_previous``: a decode whose one input token is the previous step's sample for
+    this request, still on the device (``tokens`` holds ``PENDING_TOKEN``).
     """
 
     request: Request
     tokens: list[int]
     start: int
     samples: bool = True
+    from_previous: bool = False
 
 
 @dataclass
@@ -110,12 +130,13 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # over the scheduler's life
         self._ids = itertools.count()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         """Queues a request; raises ``ValueError`` (see ``check``) if it could never run."""
         self.check(prompt)
-        req = Request(next(self._ids), list(prompt), params)
+        req = Request(next(self._ids), list(prompt), params, max_len=self.max_model_len)
         self.waiting.append(req)
         return req
 
@@ -147,8 +168,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:
-                continue  # preempted below to make room for an earlier request
+            if req not in self.running or req.awaits_last_token:
+                continue  # preempted below to make room, or done once its token resolves
             chunk = min(req.num_tokens - req.num_cached, budget)
             if not self._reserve(req, req.num_cached + chunk):
                 continue
@@ -156,6 +177,8 @@ class Scheduler:
             budget -= chunk
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted with a token on the device: recompute it once known
             need = blocks_needed(req.num_tokens, self.block_size)
             if need > self.pool.num_free:
                 break
@@ -171,6 +194,8 @@ class Scheduler:
     def _chunk(req: Request, n: int) -> ScheduledRequest:
         start = req.num_cached
         total = req.num_tokens
+        if n == 1 and start == total - 1 and req.num_pending:
+            return ScheduledRequest(req, [PENDING_TOKEN], start, from_previous=True)
         if n == 1 and start == total - 1 and req.output:
             tokens = [req.output[-1]]  # a decode: no need to rebuild prompt + output
         else:
@@ -196,16 +221,36 @@ class Scheduler:
         self._release(req)
         req.num_cached = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update(self, step: ScheduledBatch, sampled: list[int]) -> list[Request]:
         """Records the sampled token of each scheduled request that samples (one entry
-        per scheduled request; others' entries are ignored); returns those that finished."""
+        per scheduled request; others' entries are ignored); returns those that finished.
+        The synchronous engine's ``launched`` then ``resolve``."""
+        self.launched(step)
+        return self.resolve(step, sampled)
+
+    def launched(self, step: ScheduledBatch) -> None:
+        """``step`` is on the device: its tokens count as cached, and each request that
+        samples holds a pending token until ``resolve``."""
+        for s in step.scheduled:
+            s.request.num_cached = s.start + len(s.tokens)
+            if s.samples:
+                s.request.num_pending += 1
+
+    def resolve(self, step: ScheduledBatch, sampled: list[int]) -> list[Request]:
+        """Replaces ``step``'s pending tokens by ``sampled`` (one entry per scheduled
+        request) and applies the stop conditions; returns the requests that finished.
+        A token sampled for a request that finished meanwhile (an asynchronous step
+        launched before its stop token was known) is dropped."""
         done = []
         for s, token in zip(step.scheduled, sampled, strict=True):
             req = s.request
-            req.num_cached = s.start + len(s.tokens)
             if not s.samples:
+                continue
+            req.num_pending -= 1
+            if req.finished:
                 continue
             req.output.append(token)
             p = req.params
@@ -213,7 +258,8 @@ class Scheduler:
                 req.finish_reason = FinishReason.STOP
             elif len(req.output) >= p.max_tokens:
                 req.finish_reason = FinishReason.LENGTH
-            elif req.num_tokens >= self.max_model_len:
+            elif len(req.prompt) + len(req.output) >= self.max_model_len:
+                # Resolved tokens only: a later step's token may already be pending.
                 req.finish_reason = FinishReason.MAX_MODEL_LEN
             if req.finished:
                 self._release(req)
@@ -231,6 +277,11 @@ class Scheduler:
             self._release(req)
 
     def _release(self, req: Request) -> None:
-        self.running.remove(req)
+        # Blocks freed here may still be written by a step already on the device; a
+        # later step that reuses them runs after it on the same stream.
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)  # preempted while its last token was on the device
         self.pool.free(req.blocks)
         req.blocks = []

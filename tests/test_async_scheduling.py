@@ -1,0 +1,107 @@
+"""Asynchronous scheduling (step N+1 prepared while step N runs) changes nothing in the
+outputs, with preemption, chunked prefill and stop tokens; the host path of a step does a
+fixed amount of tensor work whatever the batch size."""
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.inputs import PreviousSample, StepInputs
+from ostinato.engine.limits import EngineLimits
+from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+
+
+def engine(async_scheduling, **kw):
+    base = dict(model="tiny", device="cpu", max_model_len=64, max_num_seqs=4, progress=False)
+    return LLM(async_scheduling=async_scheduling, **{**base, **kw})
+
+
+def mix(seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(1, 40))] for _ in range(9)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 24),
+            ignore_eos=True,
+            stop_token_ids=tuple(rng.sample(range(1, 500), 40)),  # some stop early
+        )
+        for _ in prompts
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "limits",
+    [
+        dict(num_blocks=6),  # 5 usable blocks of 16 for 4 sequences: preemption
+        dict(num_blocks=6, max_num_batched_tokens=64),  # and chunked prefills
+        dict(),
+    ],
+)
+def test_async_and_sync_engines_give_identical_outputs(seed, limits):
+    prompts, params = mix(seed)
+    sync, asyn = engine(False, **limits), engine(True, **limits)
+    want = sync.generate(prompts, params)
+    got = asyn.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [
+        (o.token_ids, o.finish_reason) for o in want
+    ]
+    assert asyn.scheduler.num_preemptions > 0 or "num_blocks" not in limits
+    assert asyn.scheduler.pool.num_free == sync.scheduler.pool.num_free, "every block returned"
+    assert not asyn.scheduler.has_work
+
+
+def test_async_engine_streams_every_token_and_stays_usable_after_an_error():
+    prompts, params = mix(3)
+    llm = engine(True, num_blocks=6)
+    seen = {}
+    outs = llm.generate(prompts, params, on_token=lambda i, t: seen.setdefault(i, []).append(t))
+    assert [seen.get(i, []) for i in range(len(prompts))] == [o.token_ids for o in outs]
+
+    def boom(i, t):
+        raise KeyError("stop")
+
+    with pytest.raises(KeyError):
+        llm.generate(prompts, params, on_token=boom)
+    assert not llm.scheduler.has_work and llm.scheduler.pool.num_free == 5
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_to_stage(batch, from_previous):
+    limits = EngineLimits(32, 256, 64, 16)
+    inputs = StepInputs(limits, torch.device("cpu"))
+    step = ScheduledBatch(
+        [
+            ScheduledRequest(
+                Request(i, [5] * 10, SamplingParams(), blocks=[i + 1]),
+                [7],
+                10,
+                from_previous=from_previous,
+            )
+            for i in range(batch)
+        ]
+    )
+    previous = PreviousSample(torch.arange(batch), {i: i for i in range(batch)})
+    with OpCounter() as counter:
+        inputs.write(step, batch, previous)
+    return counter.ops
+
+
+@pytest.mark.parametrize("from_previous", [False, True])
+def test_staging_a_step_does_fixed_tensor_work_whatever_the_batch(from_previous):
+    assert ops_to_stage(2, from_previous) == ops_to_stage(32, from_previous)

@@ -79,3 +79,29 @@ def test_reduce_overhead_baseline_computes_the_engine_models_function():
             want = model.compute_logits(model(ids, pos))
         got = static(ids[:, None], pos)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_e2e_quick_compares_with_transformers_on_the_same_weights(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e2e.json"
+    assert main(["e2e", "--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "e2e_generate" and doc["transformers"]
+    assert {"device", "torch", "commit", "date"} <= set(doc["provenance"])
+    systems = {r["system"] for r in doc["rows"]}
+    assert systems == {
+        "ostinato none",
+        "transformers dynamic cache",
+        "transformers static cache (not compiled: CPU)",
+    }
+    # Same weights, same prompts, greedy: every system produces the same tokens.
+    assert all(r["same_tokens_as_first"] for r in doc["rows"])
+    assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
+    assert set(doc["startup"]["ostinato none"]) >= {"weights_s", "compile_s", "capture_s"}
+
+
+def test_e2e_bad_options_exit_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["e2e", "--modes", "fastest"])
+    assert exc.value.code == 2
+    assert "argument --modes" in capsys.readouterr().err

@@ -17,7 +17,14 @@ from ostinato.engine.presets import shape
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``ostinato bench`` with ``argv``; returns the exit status."""
+    """Runs ``ostinato bench`` with ``argv``; returns the exit status. ``ostinato bench
+    e2e ...`` runs the end-to-end ``generate`` benchmark instead."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["e2e"]:
+        from ostinato.bench import e2e
+
+        return e2e.main(argv[1:])
     parser = OneLineParser(
         prog="ostinato bench",
         description=__doc__,

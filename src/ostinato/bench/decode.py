@@ -20,6 +20,8 @@ from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.presets import shape
 from ostinato.engine.runner import ModelRunner
+from ostinato.engine.sampler import SamplingParams, sample
+from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
 from ostinato.mathutil import ceil_div
 from ostinato.modes import GraphMode
 
@@ -30,6 +32,8 @@ OSTINATO_VARIANTS = {
     "ostinato FULL_AND_PIECEWISE": (GraphMode.FULL_AND_PIECEWISE, "inductor"),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
+# Variants also timed through the engine's whole step (staging, sampling, read-back).
+ENGINE_STEP_VARIANTS = ("eager", "ostinato FULL_AND_PIECEWISE")
 BLOCK = 16
 
 
@@ -234,6 +238,26 @@ class DecodeSetup:
 
         return step
 
+    def engine_step(self, runner: ModelRunner, batch: int) -> Callable[[], list[int]]:
+        """The engine's real step for a uniform decode of ``batch`` requests at position
+        kv_len: ``ModelRunner.execute`` (staging, dispatch, replay, logits), greedy
+        sampling and the read-back of the tokens, as ``LLM`` runs it synchronously."""
+        rng = torch.Generator().manual_seed(self.cfg.seed)
+        step = ScheduledBatch([])
+        for r in range(batch):
+            blocks = list(range(1 + r * self.blocks_per_seq, 1 + (r + 1) * self.blocks_per_seq))
+            token = int(torch.randint(0, self.config.vocab_size, (1,), generator=rng))
+            req = Request(r, [1] * self.cfg.kv_len, SamplingParams(), output=[token])
+            req.blocks, req.num_cached = blocks, self.cfg.kv_len
+            step.scheduled.append(ScheduledRequest(req, [token], self.cfg.kv_len))
+        zeros = torch.zeros(batch, device=self.device)
+
+        def run() -> list[int]:
+            logits = runner.execute(step)
+            return sample(logits, zeros, zeros, all_greedy=True).tolist()
+
+        return run
+
     def reduce_overhead_step(self, batch: int) -> tuple[Callable[[], torch.Tensor], float]:
         """The baseline's step for ``batch`` and the seconds its first calls took."""
         dec = StaticCacheDecoder(self.model, batch, self.max_len)
@@ -314,6 +338,13 @@ def run(
                 ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
                 result.rows.append(Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b)))
                 log(f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
+                if name in ENGINE_STEP_VARIANTS:
+                    label = f"{name} engine step"
+                    ms, host = time_step(
+                        setup.engine_step(runner, b), cfg.warmup, cfg.repeats, cuda
+                    )
+                    result.rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+                    log(f"{label:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
                 if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
                     result.profile[f"{name} B={b}"] = top_kernels(step)
             runner.release()

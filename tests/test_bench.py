@@ -16,7 +16,13 @@ def test_quick_bench_on_cpu_writes_json_and_says_why_graphs_are_off(tmp_path, ca
     assert doc["benchmark"] == "decode_step"
     assert {"device", "torch", "commit", "date"} <= set(doc["provenance"])
     rows = doc["rows"]
-    assert [r["batch"] for r in rows] == [1, 8] and all(r["step_ms"] > 0 for r in rows)
+    assert [(r["variant"], r["batch"]) for r in rows] == [
+        ("eager", 1),
+        ("eager engine step", 1),
+        ("eager", 8),
+        ("eager engine step", 8),
+    ]
+    assert all(r["step_ms"] > 0 for r in rows)
 
 
 def test_plot_from_json(tmp_path):

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The single-GPU checks of the engine on nvidia-h100-x1, one stage per device call:
+#   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
+#   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
+#   benchmarks/h100_checks.sh bench    # decode step (with engine-step rows) and bench e2e
+# Writes logs and JSON under $OUT (or ./out).
+set -uo pipefail
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+case "${1:-}" in
+tests)
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+        --ignore=tests/test_gpu_smollm2.py --ignore=tests/test_gpu_distributed.py tests \
+        2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+smollm2)
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_smollm2.py \
+        2>&1 | tee "$OUT/gpu_smollm2.log"
+    ;;
+bench)
+    timeout 250 python3 -m ostinato.bench --no-profile --repeats 30 \
+        --out "$OUT/decode_h100.json" --plot "$OUT/decode_h100.png" 2>&1 | tee "$OUT/bench.log"
+    timeout 300 python3 -m ostinato.bench e2e --out "$OUT/e2e_h100.json" \
+        --plot "$OUT/e2e_h100.png" 2>&1 | tee -a "$OUT/bench.log"
+    ;;
+*)
+    echo "usage: $0 tests|smollm2|bench" >&2
+    exit 2
+    ;;
+esac

@@ -111,3 +111,13 @@ def test_e2e_bad_options_exit_2_with_one_line(capsys):
         main(["e2e", "--modes", "fastest"])
     assert exc.value.code == 2
     assert "argument --modes" in capsys.readouterr().err
+
+
+def test_spec_quick_runs_every_proposer_and_keeps_the_plain_tokens(tmp_path):
+    out = tmp_path / "spec.json"
+    assert main(["spec", "--quick", "--k", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["proposer"] for r in doc["rows"]} == {"none", "ngram", "self:2", "oracle"}
+    assert all(r["same_tokens_as_plain"] for r in doc["rows"])
+    oracle = [r for r in doc["rows"] if r["proposer"] == "oracle"]
+    assert all(r["acceptance_rate"] == 1.0 and r["target_steps_per_token"] < 0.5 for r in oracle)

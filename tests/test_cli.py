@@ -60,6 +60,11 @@ BAD = [
     (["--prompt", "hi", "--prompt-ids", "1"], "give --prompt-ids or --prompt, not both"),
     (["--chat"], "--chat: the model has no chat template"),
     (["--prompt-ids", ",".join(["1"] * 70)], "prompt 0: 70 tokens leave no room"),
+    (["--speculative", "medusa"], "--speculative: method 'medusa' is not one of"),
+    (["--speculative", "self:x"], "--speculative: 'self:x': write self:N"),
+    (["--num-speculative-tokens", "17"], "--num-speculative-tokens: must be in [1, 16]"),
+    (["--speculative", "self:9"], "self:9 must use fewer layers than the model's 4"),
+    (["--speculative", "oracle", "--temperature", "1"], "oracle: needs greedy decoding"),
 ]
 
 
@@ -120,6 +125,22 @@ def test_generate_with_token_ids(capsys):
     assert code == 0, err
     assert "graph mode: NONE" in out and "prompt [1, 2, 3] -> [" in out
     assert out.count("[5 tokens, finish: length]") == 2 and "tokens/s" in out
+
+
+@pytest.mark.parametrize("method", ["ngram", "self:2", "oracle"])
+def test_generate_with_speculation_reports_acceptance(method, capsys):
+    args = ["--prompt-ids", "1,2,3,1,2,3", "--max-tokens", "12", "--ignore-eos"]
+    code, plain, err = run(GEN + args, capsys)
+    assert code == 0, err
+    code, out, err = run(
+        GEN + args + ["--speculative", method, "--num-speculative-tokens", "3"], capsys
+    )
+    assert code == 0, err
+    result = [line for line in out.splitlines() if line.startswith("prompt ")]
+    assert result == [line for line in plain.splitlines() if line.startswith("prompt ")]
+    assert f"speculative {method}, k=3: acceptance" in out
+    if method == "oracle":
+        assert "acceptance 100%" in out
 
 
 def test_every_option_has_help_and_shows_its_default(capsys):

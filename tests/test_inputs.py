@@ -27,7 +27,7 @@ def test_rows_of_a_mixed_step_and_its_padding():
     # Position p of a request lives in slot blocks[p // 4] * 4 + p % 4.
     assert inputs.slot_mapping[:8].tolist() == [8, 9, 10, 30] + [PADDING.slot] * 4
     assert inputs.block_tables[0, :2].tolist() == [5, 2] and inputs.block_tables[1, 0] == 7
-    assert layout.last_rows.tolist() == [2, 3]
+    assert layout.logit_rows.tolist() == [2, 3]
     assert layout.query_lens == [3, 1] and layout.seq_lens == [7, 3]
     # The padding slot is in the null block, which the pool never hands out.
     assert PADDING.slot // LIMITS.block_size == 0
@@ -54,3 +54,20 @@ def test_buffers_never_move():
         inputs.write(ScheduledBatch([ScheduledRequest(r, [1, 2, 3], 0)]), padded=4)
     after = [t.data_ptr() for t in (inputs.input_ids, inputs.positions, inputs.block_tables)]
     assert before == after
+
+
+def test_a_drafting_request_needs_the_logits_of_its_last_token_and_each_draft():
+    limits = EngineLimits(4, 64, 64, 16)
+    inputs = StepInputs(limits, torch.device("cpu"))
+    a = Request(0, [1, 2, 3], SamplingParams(), output=[4], blocks=[1], num_cached=3)
+    b = Request(1, [5], SamplingParams(), output=[6], blocks=[2], num_cached=1)
+    step = ScheduledBatch(
+        [
+            ScheduledRequest(a, [4, 7, 8], 3, draft=[7, 8]),
+            ScheduledRequest(b, [6], 1),
+        ]
+    )
+    layout = inputs.write(step, 8)
+    assert layout.logit_rows.tolist() == [0, 1, 2, 3]
+    assert inputs.input_ids[:4].tolist() == [4, 7, 8, 6]
+    assert inputs.positions[:5].tolist() == [3, 4, 5, 1, -1]

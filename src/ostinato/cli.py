@@ -14,7 +14,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ostinato.cliargs import OneLineParser, bounded_float, fail, int_list, positive_int
+from ostinato.cliargs import (
+    OneLineParser,
+    bounded_float,
+    bounded_int,
+    fail,
+    int_list,
+    positive_int,
+)
 from ostinato.errors import OstinatoError
 
 DEFAULT_QUESTION = "What is the capital of France?"
@@ -116,9 +123,33 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="use the model's config with random weights (for shape tests)",
     )
+    gen.add_argument(
+        "--speculative",
+        type=_speculative,
+        default=None,
+        help="speculative decoding: ngram (prompt lookup), self:N (the first N layers "
+        "draft) or oracle (a plain greedy run first, then its tokens are the drafts)",
+    )
+    gen.add_argument(
+        "--num-speculative-tokens",
+        type=bounded_int(1, 16),
+        default=2,
+        help="draft tokens verified per step (with --speculative)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     return gen
+
+
+def _speculative(text: str) -> str:
+    from ostinato.engine.speculative import SpeculativeConfig
+
+    if text != "oracle":
+        try:
+            SpeculativeConfig.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("speculative: ")) from None
+    return text
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -130,8 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(
-        args.model,
+    engine_args = dict(
         mode=args.mode,
         device=args.device,
         max_model_len=args.max_model_len,
@@ -139,7 +169,10 @@ def _generate(args: argparse.Namespace) -> int:
         random_weights=args.random_weights,
         seed=args.seed,
         progress=not args.quiet,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
+    spec = args.speculative if args.speculative != "oracle" else None
+    llm = LLM(args.model, speculative=spec, **engine_args)
     print(
         f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
         f"{llm.startup.summary()}; {llm.capture_report.summary()}"
@@ -157,6 +190,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if chat and args.prompt_ids is None:
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    if args.speculative == "oracle":
+        llm = _oracle_engine(llm, args.model, prompts, params, engine_args)
     stream = _Stream(llm, len(prompts))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_token=stream if stream.enabled else None)
@@ -169,7 +204,28 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"  [{len(out.token_ids)} tokens, finish: {out.finish_reason.value}]")
     produced = sum(len(o.token_ids) for o in outputs)
     print(f"{produced} tokens in {seconds:.2f} s: {produced / seconds:.1f} tokens/s")
+    if llm.speculative is not None:
+        st = llm.spec_stats
+        print(
+            f"speculative {args.speculative}, k={args.num_speculative_tokens}: acceptance "
+            f"{st.acceptance_rate:.0%}, {st.tokens_per_verification:.2f} tokens per target step"
+        )
     return 0
+
+
+def _oracle_engine(llm: Any, model: Any, prompts: list[Any], params: Any, kw: dict) -> Any:
+    """An engine whose drafts are a plain greedy run's tokens (to measure verification
+    alone): runs ``prompts`` on ``llm`` first, then builds the speculative engine."""
+    from ostinato.engine import LLM
+    from ostinato.engine.speculative import SpeculativeConfig
+
+    if params.temperature != 0:
+        fail("--speculative oracle: needs greedy decoding (--temperature 0)")
+    known = {tuple(o.prompt_token_ids): o.token_ids for o in llm.generate(prompts, params)}
+    llm.close()
+    spec = SpeculativeConfig("oracle", kw["num_speculative_tokens"], oracle=known)
+    print("oracle drafts: the plain greedy run's tokens")
+    return LLM(model, speculative=spec, **kw)
 
 
 class _Stream:

@@ -18,13 +18,18 @@ from ostinato.engine.presets import shape
 
 def main(argv: list[str] | None = None) -> int:
     """Runs ``ostinato bench`` with ``argv``; returns the exit status. ``ostinato bench
-    e2e ...`` runs the end-to-end ``generate`` benchmark instead."""
+    e2e ...`` runs the end-to-end ``generate`` benchmark instead, ``ostinato bench spec
+    ...`` the speculative-decoding one."""
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["e2e"]:
         from ostinato.bench import e2e
 
         return e2e.main(argv[1:])
+    if argv[:1] == ["spec"]:
+        from ostinato.bench import spec
+
+        return spec.main(argv[1:])
     parser = OneLineParser(
         prog="ostinato bench",
         description=__doc__,

@@ -34,10 +34,12 @@ PADDING = Padding()
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each scheduled request's rows are: ``last_rows`` (device, one per request:
-    the row of its last token) and the host lengths the torch attention backend reads."""
+    """Where each scheduled request's rows are: ``logit_rows`` (device: the rows whose
+    logits the step needs, in request order: each request's last row, preceded by the
+    rows of its draft tokens' predecessors when it verifies a draft) and the host lengths
+    the torch attention backend reads."""
 
-    last_rows: torch.Tensor
+    logit_rows: torch.Tensor
     query_lens: list[int]
     seq_lens: list[int]
 
@@ -149,7 +151,7 @@ class StepInputs:
             table[: len(blocks)] = blocks
             slots[n : n + k] = table[p // bs] * bs + p % bs
             n += k
-            last.append(n - 1)
+            last.extend(range(n - 1 - len(s.draft), n))
             query_lens.append(k)
             seq_lens.append(s.start + k)
         ids[n:padded] = PADDING.token

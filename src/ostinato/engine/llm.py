@@ -36,7 +36,15 @@ from ostinato.engine.options import parse_mode, resolve_device, resolve_dtype
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import SamplingParams, sample
 from ostinato.engine.scheduler import FinishReason, Request, ScheduledBatch, Scheduler
+from ostinato.engine.self_draft import SelfDraftProposer
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
+from ostinato.engine.speculative import (
+    NgramProposer,
+    OracleProposer,
+    SpeculativeConfig,
+    SpeculativeStats,
+    verify,
+)
 from ostinato.engine.workers import Command, WorkerPool
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -79,6 +87,7 @@ class InFlight:
     sampled: PreviousSample
     host: torch.Tensor
     done: torch.cuda.Event | None
+    resolved: list[int | list[int]] | None = None  # a verify step's tokens, already known
 
 
 @dataclass
@@ -107,7 +116,13 @@ class LLM:
     ``"one-shot"`` or ``"two-shot"`` force one (the symmetric ones up to their 8 MiB buffer).
 
     ``async_scheduling``: schedule and stage step N+1 while step N runs (outputs are the
-    same as without it); off under data parallelism.
+    same as without it); off under data parallelism and speculative decoding.
+
+    ``speculative``: draft tokens verified in one target step: ``"ngram"`` (prompt
+    lookup), ``"self:N"`` (the model's first N layers draft), or a ``SpeculativeConfig``
+    (also ``"oracle"`` with known tokens); ``num_speculative_tokens`` drafts per step
+    for the string forms. Greedy outputs equal decoding without it; sampled outputs have
+    the same distribution. ``llm.spec_stats`` counts proposals and acceptances.
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
@@ -149,6 +164,8 @@ class LLM:
         data_parallel_size: int = 1,
         all_reduce: str = "auto",
         async_scheduling: bool = True,
+        speculative: SpeculativeConfig | str | None = None,
+        num_speculative_tokens: int = 2,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
@@ -161,6 +178,12 @@ class LLM:
         resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
         parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
         parse_all_reduce(all_reduce)
+        self.speculative = (
+            SpeculativeConfig.parse(speculative, num_speculative_tokens)
+            if isinstance(speculative, str)
+            else speculative
+        )
+        self.spec_stats = SpeculativeStats()
         requested = parse_mode(mode)
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)
@@ -190,8 +213,11 @@ class LLM:
                 f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
                 "raise num_blocks or lower max_model_len"
             )
-        # Data-parallel replicas agree on each step before it runs, so they step in turn.
-        self.async_scheduling = async_scheduling and data_parallel_size == 1
+        # Data-parallel replicas agree on each step before it runs, and a verify step's
+        # outcome decides the next draft: both step in turn.
+        self.async_scheduling = (
+            async_scheduling and data_parallel_size == 1 and self.speculative is None
+        )
         self.failure: RankFailure | None = None
         self.workers = self._start_workers(parallel_config, engine_kwargs)
         try:
@@ -333,17 +359,37 @@ class LLM:
             dtype,
             self.device,
         )
+        spec = self.speculative
+        backend = backend or default_backend(self.device)
         self.runner = ModelRunner(
             self.model,
             self.cache,
-            backend or default_backend(self.device),
+            backend,
             limits,
             graph_config,
             self.device,
             progress=progress,
             compiler=compiler,
+            uniform_decode_query_len=1 + spec.k if spec else 1,
         )
-        self.scheduler = Scheduler(BlockPool(num_blocks), limits, source.eos_token_ids)
+        propose = None
+        if spec is not None:
+            propose = (
+                NgramProposer(spec.ngram_max)
+                if spec.method == "ngram"
+                else OracleProposer(spec.oracle or {})
+                if spec.method == "oracle"
+                else SelfDraftProposer(
+                    self.model, self.cache, backend, limits, self.device, spec.draft_layers
+                )
+            )
+        self.scheduler = Scheduler(
+            BlockPool(num_blocks),
+            limits,
+            source.eos_token_ids,
+            propose=propose,
+            num_speculative=spec.k if spec else 0,
+        )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         capture_start = time.perf_counter()
         self.capture_report: CaptureReport = self.runner.capture()
@@ -599,6 +645,8 @@ class LLM:
         logits = self.runner.execute(step, agreement, previous and previous.sampled)
         if not step.scheduled:
             return None
+        if self.speculative is not None:
+            return self._verified(step, logits)
         reqs = [s.request for s in step.scheduled]
         temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
         top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
@@ -614,11 +662,27 @@ class LLM:
             done.record()
         return InFlight(step, PreviousSample(tokens, index), host, done)
 
+    def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:
+        """A speculative engine's step, resolved at once: drafts verified, tokens kept."""
+        got = verify(logits, step, self.generator)
+        self.scheduler.launched(step)
+        stats = self.spec_stats
+        for s, tokens in zip(step.scheduled, got, strict=True):
+            if s.draft and isinstance(tokens, list):
+                stats.drafted += len(s.draft)
+                stats.accepted += len(tokens) - 1
+                stats.verifications += 1
+                stats.tokens += len(tokens)
+        empty = torch.empty(0, dtype=torch.long)
+        return InFlight(step, PreviousSample(empty, {}), empty, None, got)
+
     def _resolve(self, launched: InFlight) -> list[Request]:
         """Waits for ``launched``'s tokens (the step's one synchronisation), records them
         and returns the requests that finished. Under tensor or data parallelism the
         wait is bounded and watches the peers (a collective inside a graph waits forever
         for a dead peer)."""
+        if launched.resolved is not None:
+            return self.scheduler.resolve(launched.step, launched.resolved)
         if launched.done is not None:
             if self.parallel.world_size > 1:
                 wait_for_device(

@@ -191,12 +191,16 @@ class DecoderModel(nn.Module):
         x = x * mine[:, None].to(x.dtype)
         return self.tp.all_reduce(x)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states; ``num_layers`` runs only the first layers (a
+        self-draft: the truncated model with the same final norm and LM head)."""
         x = self.embed(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin)
         return self.norm(x)
 

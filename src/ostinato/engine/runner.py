@@ -48,6 +48,7 @@ class ModelRunner:
         device: torch.device,
         progress: bool = True,
         compiler: str | None = None,
+        uniform_decode_query_len: int = 1,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -63,6 +64,7 @@ class ModelRunner:
             piecewise_available=compiler is not None,
             prepare=self._dummy_metadata,
             max_num_reqs=limits.max_num_seqs,
+            uniform_decode_query_len=uniform_decode_query_len,
             platform=platform,
             progress=progress,
         )
@@ -142,7 +144,9 @@ class ModelRunner:
         agreement: StepAgreement | None = None,
         previous: PreviousSample | None = None,
     ) -> torch.Tensor:
-        """Runs ``step``; returns float32 logits, one row per scheduled request.
+        """Runs ``step``; returns float32 logits, one row per scheduled request (or, for a
+        request verifying a draft, ``1 + len(draft)`` rows: its last token's and each
+        draft token's).
         ``previous``: the last launched step's samples, for decodes whose input token is
         still on the device.
 
@@ -173,4 +177,4 @@ class ModelRunner:
         layout = self.inputs.write(step, padded, previous)
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         hidden = self.manager.run(dispatch, n, attn_metadata=meta)
-        return self.model.compute_logits(hidden[layout.last_rows])
+        return self.model.compute_logits(hidden[layout.logit_rows])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ostinato.engine.kv_cache import BlockPool, blocks_needed
@@ -63,6 +64,10 @@ class Request:
         return self.finish_reason is not None
 
 
+Proposal = Callable[[list["Request"], list[int]], Sequence[Sequence[int]]]
+"""Speculative decoding's proposer: for each request, up to ``n[i]`` tokens likely to
+follow it (all requests of a step in one call, so a draft model runs them as a batch)."""
+
 PENDING_TOKEN = 0
 """Stands in ``ScheduledRequest.tokens`` for a token still on the device."""
 
@@ -75,6 +80,8 @@ class ScheduledRequest:
     split over steps): its logits are computed but no token is drawn.
     ``from_previous``: a decode whose one input token is the previous step's sample for
     this request, still on the device (``tokens`` holds ``PENDING_TOKEN``).
+    ``draft``: proposed next tokens (speculative decoding): ``tokens`` is the request's
+    last token followed by ``draft``, and the step verifies them.
     """
 
     request: Request
@@ -82,6 +89,7 @@ class ScheduledRequest:
     start: int
     samples: bool = True
     from_previous: bool = False
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -97,8 +105,15 @@ class ScheduledBatch:
 
     @property
     def uniform_decode(self) -> bool:
-        """True when every request decodes exactly one token."""
-        return all(len(s.tokens) == 1 for s in self.scheduled)
+        """True when every request decodes (its last token, plus its draft when
+        speculating) and all have the same query length."""
+        lens = {len(s.tokens) for s in self.scheduled}
+        return len(lens) <= 1 and all(len(s.tokens) == 1 + len(s.draft) for s in self.scheduled)
+
+    @property
+    def speculative(self) -> bool:
+        """True when some request verifies a draft."""
+        return any(s.draft for s in self.scheduled)
 
 
 class Scheduler:
@@ -120,6 +135,8 @@ class Scheduler:
         pool: BlockPool,
         limits: EngineLimits,
         eos_token_ids: tuple[int, ...] = (),
+        propose: Proposal | None = None,
+        num_speculative: int = 0,
     ) -> None:
         self.pool = pool
         self.limits = limits
@@ -131,6 +148,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # over the scheduler's life
+        self.propose = propose
+        self.num_speculative = num_speculative if propose is not None else 0
         self._ids = itertools.count()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -164,6 +183,7 @@ class Scheduler:
         """The next step: every running request that fits (decodes, then unfinished
         prefill chunks), then new admissions while tokens, sequences and blocks allow."""
         scheduled: list[ScheduledRequest] = []
+        drafting: list[tuple[ScheduledRequest, int]] = []
         budget = self.max_num_batched_tokens
         for req in list(self.running):
             if budget == 0:
@@ -171,10 +191,13 @@ class Scheduler:
             if req not in self.running or req.awaits_last_token:
                 continue  # preempted below to make room, or done once its token resolves
             chunk = min(req.num_tokens - req.num_cached, budget)
-            if not self._reserve(req, req.num_cached + chunk):
+            room = self._draft_room(req, budget) if chunk == 1 else 0
+            if not self._reserve(req, req.num_cached + chunk + room):
                 continue
             scheduled.append(self._chunk(req, chunk))
-            budget -= chunk
+            if room:
+                drafting.append((scheduled[-1], room))
+            budget -= chunk + room
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if req.num_pending:
@@ -188,7 +211,36 @@ class Scheduler:
             chunk = min(req.num_tokens, budget)
             scheduled.append(self._chunk(req, chunk))
             budget -= chunk
+        if drafting:
+            self._add_drafts(drafting)
         return ScheduledBatch(scheduled)
+
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """How many tokens to propose after ``req``'s last one: at most
+        ``num_speculative``, none past its ``max_tokens`` or ``max_model_len``, and within
+        the step's token budget (0: decode without a draft)."""
+        if not self.num_speculative or req.num_pending or not req.output:
+            return 0
+        return max(
+            0,
+            min(
+                self.num_speculative,
+                req.params.max_tokens - len(req.output) - 1,
+                self.max_model_len - req.num_tokens - 1,
+                budget - 1,
+            ),
+        )
+
+    def _add_drafts(self, drafting: list[tuple[ScheduledRequest, int]]) -> None:
+        """Asks the proposer for every drafting request at once; a short proposal is
+        padded with its last token (or the request's) so verify batches stay uniform."""
+        assert self.propose is not None
+        proposals = self.propose([e.request for e, _ in drafting], [n for _, n in drafting])
+        for (entry, room), proposal in zip(drafting, proposals, strict=True):
+            draft = list(proposal)[:room]
+            fill = draft[-1] if draft else entry.tokens[-1]
+            entry.draft = draft + [fill] * (room - len(draft))
+            entry.tokens = entry.tokens + entry.draft
 
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledRequest:
@@ -224,7 +276,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, step: ScheduledBatch, sampled: list[int]) -> list[Request]:
+    def update(self, step: ScheduledBatch, sampled: Sequence[int | Sequence[int]]) -> list[Request]:
         """Records the sampled token of each scheduled request that samples (one entry
         per scheduled request; others' entries are ignored); returns those that finished.
         The synchronous engine's ``launched`` then ``resolve``."""
@@ -239,32 +291,46 @@ class Scheduler:
             if s.samples:
                 s.request.num_pending += 1
 
-    def resolve(self, step: ScheduledBatch, sampled: list[int]) -> list[Request]:
+    def resolve(
+        self, step: ScheduledBatch, sampled: Sequence[int | Sequence[int]]
+    ) -> list[Request]:
         """Replaces ``step``'s pending tokens by ``sampled`` (one entry per scheduled
-        request) and applies the stop conditions; returns the requests that finished.
+        request: a token, or for a request that verified a draft the tokens it accepted
+        plus the one after) and applies the stop conditions to each token in turn;
+        returns the requests that finished.
         A token sampled for a request that finished meanwhile (an asynchronous step
         launched before its stop token was known) is dropped."""
         done = []
-        for s, token in zip(step.scheduled, sampled, strict=True):
+        for s, got in zip(step.scheduled, sampled, strict=True):
             req = s.request
             if not s.samples:
                 continue
             req.num_pending -= 1
             if req.finished:
                 continue
-            req.output.append(token)
-            p = req.params
-            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-                req.finish_reason = FinishReason.STOP
-            elif len(req.output) >= p.max_tokens:
-                req.finish_reason = FinishReason.LENGTH
-            elif len(req.prompt) + len(req.output) >= self.max_model_len:
-                # Resolved tokens only: a later step's token may already be pending.
-                req.finish_reason = FinishReason.MAX_MODEL_LEN
-            if req.finished:
-                self._release(req)
-                done.append(req)
+            tokens = [got] if isinstance(got, int) else list(got)
+            if s.draft:
+                # Accepted drafts and one more: K/V is valid for the inputs up to the last
+                # accepted draft; the rejected drafts' slots are written again later.
+                req.num_cached = s.start + len(tokens)
+            for token in tokens:
+                req.output.append(token)
+                if self._finish(req, token):
+                    self._release(req)
+                    done.append(req)
+                    break
         return done
+
+    def _finish(self, req: Request, token: int) -> bool:
+        p = req.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif len(req.output) >= p.max_tokens:
+            req.finish_reason = FinishReason.LENGTH
+        elif len(req.prompt) + len(req.output) >= self.max_model_len:
+            # Resolved tokens only: a later step's token may already be pending.
+            req.finish_reason = FinishReason.MAX_MODEL_LEN
+        return req.finished
 
     def abort(self, requests: list[Request]) -> None:
         """Drops ``requests`` wherever they are and frees their KV blocks; finished ones

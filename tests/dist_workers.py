@@ -60,6 +60,7 @@ def engine(
     dp: int = 1,
     all_reduce: str = "auto",
     backend: object = None,
+    **kw: object,
 ) -> LLM:
     """The engine every parallel test builds (tp = dp = 1 for the reference)."""
     return LLM(
@@ -75,6 +76,7 @@ def engine(
         all_reduce=all_reduce,
         backend=backend,
         progress=False,
+        **kw,
     )
 
 
@@ -264,4 +266,24 @@ def spawned_engine_run(model_dir: str, out: str, mode: str, fail: bool) -> None:
     torch.save((result, time.perf_counter() - start), Path(out) / "driver.pt")
     if not fail:
         llm.close()
+    os._exit(0)
+
+
+def spawned_ubatch_run(model_dir: str, out: str, dtype: torch.dtype) -> None:
+    """In a process of its own: TP=2 (a spawned worker) eagerly, plain and then with
+    micro-batching; records both runs' step logits and greedy tokens."""
+    from ostinato.ubatch.policy import MicroBatching
+
+    prompts = PROMPTS + dp_prompts(0)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    results = {}
+    for name, policy in (("plain", None), ("ubatch", MicroBatching(4, 8))):
+        llm = engine(model_dir, "cuda", "none", dtype, tp=2, micro_batching=policy or False)
+        reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
+        logits = llm.runner.execute(llm.scheduler.schedule()).cpu()
+        llm.scheduler.abort(reqs)
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        results[name] = {"logits": logits, "tokens": tokens, "ubatched": llm.runner.ubatched_steps}
+        llm.close()
+    torch.save(results, Path(out) / "ubatch.pt")
     os._exit(0)

@@ -179,3 +179,25 @@ def test_a_torchrun_rank_that_raises_is_named_by_the_others(llama_dir, tmp_path)
     named, seconds = torch.load(tmp_path / "0.pt")
     assert named.startswith("ParallelError: rank 1 failed: RuntimeError: injected failure")
     assert seconds < 60
+
+
+def test_micro_batched_tensor_parallel_steps_equal_plain_ones(llama_dir):
+    from ostinato.ubatch.policy import MicroBatching
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS + dp_prompts(0)  # a straddling prefill, then decodes of 8 requests
+    plain = engine(llama_dir, "cpu", "none", torch.float32, tp=2)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    plain.close()
+    policy = MicroBatching(decode_threshold=4, prefill_threshold=8)
+    llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, micro_batching=policy)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.runner.ubatched_steps > 0
+    llm.close()
+
+
+def test_micro_batching_is_refused_where_it_cannot_run(llama_dir):
+    with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
+        engine(llama_dir, "cpu", "none", torch.float32, micro_batching=True)
+    with pytest.raises(ValueError, match="run eagerly for now; pass mode='none'"):
+        engine(llama_dir, "cpu", "full", torch.float32, tp=2, micro_batching=True)

@@ -11,6 +11,7 @@ from dist_workers import (
     engine,
     free_port,
     spawned_engine_run,
+    spawned_ubatch_run,
     symmetric_all_reduce_checks,
     tp_logits_and_tokens,
 )
@@ -120,3 +121,21 @@ def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
     # exit code): then the silence of its heartbeat names it.
     assert "its process exited" in error or "no sign of life" in error, error
     assert seconds < 60, (error, seconds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, dtype):
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=spawned_ubatch_run, args=(str(model_dir), str(tmp_path), dtype))
+    proc.start()
+    proc.join(timeout=300)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the micro-batched run hung")
+    got = torch.load(tmp_path / "ubatch.pt")
+    plain, ub = got["plain"], got["ubatch"]
+    assert ub["ubatched"] > 0 and plain["ubatched"] == 0
+    err = ((ub["logits"] - plain["logits"]).norm() / plain["logits"].norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+    if dtype == torch.float32:
+        assert ub["tokens"] == plain["tokens"]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ostinato.distributed.collectives import all_reduce_sum
 from ostinato.distributed.failure import FailureBoard, ParallelError
 from ostinato.distributed.symm_all_reduce import tp_all_reduce
+from ostinato.ubatch.handoff import current as current_ubatch
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,16 @@ class TensorParallel:
         up (it routes each size to the faster algorithm), else NCCL; ``x`` alone."""
         if self.group is None:
             return x
+        # Micro-batches never run inside compiled code; the check stays out of its trace.
+        turn = None if torch.compiler.is_compiling() else current_ubatch()
+        if turn is not None:  # a micro-batch: the collective runs while the other computes
+            turn.begin_collective()
+            out = self._all_reduce(x)
+            turn.end_collective()
+            return out
+        return self._all_reduce(x)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.symmetric_group is not None:
             return tp_all_reduce(x, self.symmetric_group)
         return all_reduce_sum(x, self.group)

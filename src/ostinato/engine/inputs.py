@@ -8,6 +8,7 @@ write their K/V only to the null block, which no request reads.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from ostinato.engine.attention import AttentionMetadata
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.ubatch.slicing import UbatchSlice, local_query_lens
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,28 @@ class StepInputs:
             self.block_tables,
             query_lens,
             seq_lens,
+        )
+
+    def ubatch_metadata(
+        self, s: UbatchSlice, query_lens: list[int], seq_lens: list[int]
+    ) -> AttentionMetadata:
+        """Attention metadata of micro-batch ``s`` of a step whose requests have
+        ``query_lens`` / ``seq_lens``: its rows, its requests' block-table rows (request
+        indices made local), and a straddling request's share of its query (its first
+        part ends before the request's last token)."""
+        rows = s.tokens
+        ends = list(itertools.accumulate(query_lens))
+        requests = range(s.requests.start, s.requests.stop)
+        # A request cut by the end of this micro-batch has seen only its tokens up to it.
+        local_s = [seq_lens[r] - max(0, ends[r] - rows.stop) for r in requests]
+        return AttentionMetadata(
+            self.positions[rows],
+            # Padding rows point at request row 0 (they attend to nothing).
+            (self.token_req[rows] - s.requests.start).clamp_(min=0),
+            self.slot_mapping[rows],
+            self.block_tables[s.requests],
+            local_query_lens(query_lens, s),
+            local_s,
         )
 
     def write_padding(self, n: int) -> None:

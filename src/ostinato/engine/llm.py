@@ -50,6 +50,7 @@ from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, platform_for_device
 from ostinato.runtime import choose_compiler
+from ostinato.ubatch.policy import MicroBatching
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,11 @@ class LLM:
     for the string forms. Greedy outputs equal decoding without it; sampled outputs have
     the same distribution. ``llm.spec_stats`` counts proposals and acceptances.
 
+    ``micro_batching`` (tensor parallelism): split large steps into two micro-batches on
+    two threads that take turns at every all-reduce, so one's communication overlaps the
+    other's compute; ``True`` for the default thresholds or a ``MicroBatching``. For now
+    only eagerly (``mode="none"``); other modes are refused.
+
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
 
@@ -166,6 +172,7 @@ class LLM:
         async_scheduling: bool = True,
         speculative: SpeculativeConfig | str | None = None,
         num_speculative_tokens: int = 2,
+        micro_batching: MicroBatching | bool = False,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
@@ -178,13 +185,25 @@ class LLM:
         resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
         parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
         parse_all_reduce(all_reduce)
+        requested = parse_mode(mode)
         self.speculative = (
             SpeculativeConfig.parse(speculative, num_speculative_tokens)
             if isinstance(speculative, str)
             else speculative
         )
         self.spec_stats = SpeculativeStats()
-        requested = parse_mode(mode)
+        ubatching = MicroBatching() if micro_batching is True else micro_batching or None
+        self.micro_batching: MicroBatching | None = ubatching
+        if ubatching is not None and tensor_parallel_size == 1:
+            raise ValueError(
+                "micro_batching: needs tensor_parallel_size > 1 (there are no collectives "
+                "to overlap on one GPU)"
+            )
+        if ubatching is not None and requested is not GraphMode.NONE:
+            raise ValueError(
+                "micro_batching: overlapped micro-batches run eagerly for now; pass "
+                "mode='none' (captured overlapped graphs are not built yet)"
+            )
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)
         dtype = resolve_dtype(dtype, self.device, source.dtype)
@@ -371,6 +390,7 @@ class LLM:
             progress=progress,
             compiler=compiler,
             uniform_decode_query_len=1 + spec.k if spec else 1,
+            micro_batching=self.micro_batching,
         )
         propose = None
         if spec is not None:

@@ -26,6 +26,9 @@ from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
+from ostinato.ubatch.handoff import CudaStreamOps, run_ubatches
+from ostinato.ubatch.policy import MicroBatching, NoStreams
+from ostinato.ubatch.slicing import split_step
 
 
 class ModelRunner:
@@ -49,6 +52,7 @@ class ModelRunner:
         progress: bool = True,
         compiler: str | None = None,
         uniform_decode_query_len: int = 1,
+        micro_batching: MicroBatching | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -79,6 +83,9 @@ class ModelRunner:
             )
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
+        self.micro_batching = micro_batching
+        self.ubatched_steps = 0
+        self._comm_stream: torch.cuda.Stream | None = None
 
     @property
     def resolution(self) -> ModeResolution:
@@ -175,6 +182,50 @@ class ModelRunner:
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
         layout = self.inputs.write(step, padded, previous)
-        meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
-        hidden = self.manager.run(dispatch, n, attn_metadata=meta)
+        if self._micro_batched(dispatch.mode, padded, step):
+            hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
+        else:
+            meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
+            hidden = self.manager.run(dispatch, n, attn_metadata=meta)
         return self.model.compute_logits(hidden[layout.logit_rows])
+
+    def _micro_batched(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
+        # Only where there are collectives to overlap, and (for now) only eagerly.
+        policy = self.micro_batching
+        if policy is None or self.model.tp.group is None or mode is not GraphMode.NONE:
+            return False
+        if not policy.applies(padded, step.uniform_decode) or padded % 2:
+            return False
+        return step.num_tokens > padded // 2  # the second micro-batch has real tokens
+
+    def _run_ubatches(
+        self, padded: int, query_lens: list[int], seq_lens: list[int]
+    ) -> torch.Tensor:
+        """The step's hidden states, computed as two micro-batches on two threads that
+        take turns at every collective (``ostinato.ubatch``)."""
+        slices = split_step(query_lens, padded)
+        ids, pos = self.inputs.input_ids, self.inputs.positions
+
+        def run(i: int) -> torch.Tensor:
+            s = slices[i]
+            meta = StepAttention(
+                self.inputs.ubatch_metadata(s, query_lens, seq_lens), self.cache, self.backend
+            )
+            with torch.inference_mode():
+                with forward_context(GraphMode.NONE, BatchDescriptor(s.num_tokens), meta):
+                    return self.model(ids[s.tokens], pos[s.tokens])
+
+        if self.device.type == "cuda":
+            if self._comm_stream is None:
+                self._comm_stream = torch.cuda.Stream(self.device)
+            ops, compute, comm = CudaStreamOps(), torch.cuda.current_stream(), self._comm_stream
+            device = self.device
+
+            def prepare() -> None:
+                torch.cuda.set_device(device)
+                torch.cuda.current_blas_handle()
+        else:
+            ops, compute, comm, prepare = NoStreams(), None, None, None
+        outs = run_ubatches(run, len(slices), ops, compute, comm, prepare=prepare)
+        self.ubatched_steps += 1
+        return torch.cat(outs)

@@ -3,6 +3,7 @@
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
 #   benchmarks/h100_checks.sh bench    # decode step (with engine-step rows) and bench e2e
+#   benchmarks/h100_checks.sh spec     # bench spec on SmolLM2 (needs the GGUF on PYTHONPATH)
 # Writes logs and JSON under $OUT (or ./out).
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -24,8 +25,11 @@ bench)
     timeout 300 python3 -m ostinato.bench e2e --out "$OUT/e2e_h100.json" \
         --plot "$OUT/e2e_h100.png" 2>&1 | tee -a "$OUT/bench.log"
     ;;
+spec)
+    timeout 560 python3 -m ostinato.bench spec --out "$OUT/spec_h100.json" 2>&1 | tee "$OUT/spec.log"
+    ;;
 *)
-    echo "usage: $0 tests|smollm2|bench" >&2
+    echo "usage: $0 tests|smollm2|bench|spec" >&2
     exit 2
     ;;
 esac

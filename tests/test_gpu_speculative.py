@@ -61,3 +61,15 @@ def test_verify_steps_from_graphs_equal_eager_verify():
         eager.scheduler.update(se, got)
         graphs.scheduler.update(sg, got)
     assert uniform_steps > 3
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_draft_graph_replay_equals_step_by_step_eager_drafting(k):
+    from draft_reference import StepByStepDraft, check_drafts_against
+
+    prompts, params = workload()
+    llm = tiny_engine("full", torch.float32, speculative="self:2", num_speculative_tokens=k)
+    assert llm.draft_report is not None and llm.draft_report.num_graphs > 0
+    compared = check_drafts_against(StepByStepDraft(llm, 2), llm)
+    llm.generate(prompts, params)
+    assert sum(compared) > 20

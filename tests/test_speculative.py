@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+from draft_reference import StepByStepDraft, check_drafts_against
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
@@ -130,3 +131,12 @@ def test_sampled_requests_with_speculation_run_and_stay_in_the_vocabulary():
     assert all(len(o.token_ids) == 12 for o in outs)
     assert all(0 <= t < llm.config.vocab_size for o in outs for t in o.token_ids)
     assert llm.spec_stats.accepted > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_device_side_draft_loop_drafts_what_step_by_step_drafting_does(k):
+    prompts, params = prompts_and_params()
+    llm = engine(speculative="self:2", num_speculative_tokens=k)
+    compared = check_drafts_against(StepByStepDraft(llm, 2), llm)
+    llm.generate(prompts, params)
+    assert sum(compared) > 20 and llm.spec_stats.accepted > 0

@@ -400,7 +400,15 @@ class LLM:
                 else OracleProposer(spec.oracle or {})
                 if spec.method == "oracle"
                 else SelfDraftProposer(
-                    self.model, self.cache, backend, limits, self.device, spec.draft_layers
+                    self.model,
+                    self.cache,
+                    backend,
+                    limits,
+                    self.device,
+                    spec.draft_layers,
+                    spec.k,
+                    pool=self.runner.manager.pool,
+                    graphs=spec.draft_graphs,
                 )
             )
         self.scheduler = Scheduler(
@@ -413,6 +421,11 @@ class LLM:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         capture_start = time.perf_counter()
         self.capture_report: CaptureReport = self.runner.capture()
+        self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
+        if self.drafter is not None:
+            # The k-step draft loop, one graph per batch size, in the same pool; every
+            # rank captures them in the same order (they hold the LM head's all-gather).
+            self.draft_report: CaptureReport | None = self.drafter.capture()
         compile_s = self.runner.compile_seconds
         self.startup = StartupTimes(
             weights_s, compile_s, time.perf_counter() - capture_start - compile_s
@@ -424,6 +437,9 @@ class LLM:
         runner = self.__dict__.get("runner")
         if runner is not None:
             runner.release()
+        drafter = self.__dict__.pop("drafter", None)
+        if drafter is not None:
+            drafter.release()
         for name in ("runner", "cache", "model", "scheduler", "generator"):
             self.__dict__.pop(name, None)
         reducer = self.__dict__.pop("all_reduce", None)

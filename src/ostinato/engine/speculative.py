@@ -33,13 +33,14 @@ METHODS = ("ngram", "self", "oracle")
 class SpeculativeConfig:
     """``method``: ``"ngram"``, ``"self"`` (with ``draft_layers``) or ``"oracle"`` (with
     ``oracle``: prompt token ids -> the tokens known to follow); ``k`` draft tokens per
-    step."""
+    step; ``draft_graphs=False`` runs the self-draft's loop eagerly (for comparison)."""
 
     method: str
     k: int = 2
     draft_layers: int = 0
     oracle: Mapping[tuple[int, ...], Sequence[int]] | None = field(default=None, repr=False)
     ngram_max: int = 3
+    draft_graphs: bool = True  # self-draft: replay the k-step loop from graphs (on CUDA)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

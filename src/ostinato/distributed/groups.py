@@ -65,6 +65,11 @@ class TensorParallel:
         if turn is not None:  # a micro-batch: the collective runs while the other computes
             turn.begin_collective()
             out = self._all_reduce(x)
+            if x.is_cuda:
+                # Made on one stream, used on the other: keep the allocator from handing
+                # their memory out again before the other stream is done with them.
+                x.record_stream(turn.comm)
+                out.record_stream(turn.compute)
             turn.end_collective()
             return out
         return self._all_reduce(x)

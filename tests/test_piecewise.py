@@ -125,3 +125,22 @@ def test_model_without_splitting_op_is_a_clear_error():
 def test_bad_compiler_name():
     with pytest.raises(ValueError, match="compiler"):
         PiecewiseBackend(compiler="tvm", platform=FakePlatform(), pool=1)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_identical_layers_are_compiled_once(compiler):
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf({**shape("tiny"), "num_hidden_layers": 5})
+    m = DecoderModel(cfg).eval()
+    backend = PiecewiseBackend(compiler=compiler, platform=FakePlatform(), pool=1)
+    compiled = CompiledModel(m, backend)
+    step = Step(cache_layers=5)
+    for n in (9, 3):
+        step.fill(n, n)
+        want = step.run(m, GraphMode.NONE, n)
+        got = step.run(compiled, GraphMode.NONE, n)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # 6 graphable pieces: the first (embedding + layer 0 up to attention), four identical
+    # middle ones (a layer's rest + the next layer up to attention), and the last.
+    assert len(backend.wrappers) == 6
+    assert (backend.stats.piece_compiles, backend.stats.piece_reuses) == (3, 3)

@@ -31,6 +31,10 @@ class CompileStats:
     compiles: int = 0
     seconds: float = 0.0
     pieces: list[Piece] = field(default_factory=list)
+    # Graphable pieces compiled, and how many of them reused an identical piece's code
+    # (a model's middle layers split into identical pieces: compiled once).
+    piece_compiles: int = 0
+    piece_reuses: int = 0
 
 
 class PiecewiseBackend:
@@ -71,7 +75,7 @@ class PiecewiseBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         split = split_graph(gm, self.splitting_ops)
-        compiled = _compile_pieces(split, example_inputs, self.compiler)
+        compiled = _compile_pieces(split, example_inputs, self.compiler, self.stats)
         graphable = split.graphable
         for i, piece in enumerate(graphable):
             options = GraphOptions(
@@ -117,28 +121,61 @@ class PiecewiseBackend:
 
 
 class _PieceCompiler(fx.Interpreter):
-    """Walks the split graph on fake inputs, compiling each graphable piece on the way."""
+    """Walks the split graph on fake inputs, compiling each graphable piece on the way;
+    a piece with the same structure and input metadata as one already compiled (the
+    model's identical layers: their weights are inputs, not constants) reuses its code."""
 
-    def __init__(self, split: SplitGraph, compiler: str) -> None:
+    def __init__(self, split: SplitGraph, compiler: str, stats: CompileStats) -> None:
         super().__init__(split.module)
         self.graphable = {p.name for p in split.graphable}
         self.compiler = compiler
+        self.stats = stats
         self.compiled: dict[str, Callable[..., Any]] = {}
+        self.by_structure: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         sub = self.fetch_attr(target)
         if target in self.graphable:
-            if self.compiler == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-
-                self.compiled[target] = compile_fx(sub, list(args))
+            key = _structure_key(sub, args)
+            if key is not None and key in self.by_structure:
+                self.compiled[target] = self.by_structure[key]
+                self.stats.piece_reuses += 1
             else:
-                self.compiled[target] = sub
+                if self.compiler == "inductor":
+                    from torch._inductor.compile_fx import compile_fx
+
+                    self.compiled[target] = compile_fx(sub, list(args))
+                else:
+                    self.compiled[target] = sub
+                self.stats.piece_compiles += 1
+                if key is not None:
+                    self.by_structure[key] = self.compiled[target]
         return sub(*args, **kwargs)
 
 
+def _structure_key(gm: fx.GraphModule, args: tuple[Any, ...]) -> str | None:
+    """A text that is equal for two pieces exactly when they compute the same function of
+    their inputs: their nodes with names replaced by positions, and their inputs' shapes,
+    strides and dtypes. None for a piece that reads module state (``get_attr``,
+    ``call_module``), which never shares code."""
+    index: dict[fx.Node, int] = {}
+    nodes = []
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op in ("get_attr", "call_module"):
+            return None
+        index[node] = i
+        target = None if node.op in ("placeholder", "output") else node.target
+        refs = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        nodes.append((node.op, target, refs))
+    inputs = [
+        (tuple(a.shape), a.stride(), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    return repr((nodes, inputs))
+
+
 def _compile_pieces(
-    split: SplitGraph, example_inputs: list[Any], compiler: str
+    split: SplitGraph, example_inputs: list[Any], compiler: str, stats: CompileStats
 ) -> dict[str, Callable[..., Any]]:
     from torch._guards import detect_fake_mode
 
@@ -149,7 +186,7 @@ def _compile_pieces(
         fake_mode.from_tensor(x) if fake_mode is not None and isinstance(x, torch.Tensor) else x
         for x in example_inputs
     ]
-    interpreter = _PieceCompiler(split, compiler)
+    interpreter = _PieceCompiler(split, compiler, stats)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         interpreter.run(*fake_inputs)
     return interpreter.compiled

@@ -55,10 +55,16 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
     meta = AttentionMetadata(
         pos_t[:n_real], req_t[:n_real], pos_t[:n_real], tables, query_lens, seq_lens
     )
-    want = TorchAttention()(q[:n_real].float(), k_cache.float(), v_cache.float(), meta, scale)
+    want = torch.empty_like(q[:n_real], dtype=torch.float32)
+    TorchAttention()(q[:n_real].float(), k_cache.float(), v_cache.float(), meta, scale, want)
     assert got.isfinite().all()
     assert rel_err(got[:n_real], want) < 1e-2
     assert torch.equal(got[n_real:], torch.zeros_like(got[n_real:])), "padding rows are zero"
+    into = torch.full_like(q, float("nan"))  # written in place, every row, no second buffer
+    same = paged_attention(
+        q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits, out=into
+    )
+    assert same.data_ptr() == into.data_ptr() and torch.equal(into, got)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Attention over the paged cache for one step; ``graph_support`` says what can be captured."""
+    """Attention over the paged cache for one step, written into ``out`` (``q``'s shape);
+    ``graph_support`` says what can be captured."""
 
     graph_support: AttentionGraphSupport
 
@@ -49,7 +50,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        out: torch.Tensor,
+    ) -> None: ...
 
 
 def write_kv(
@@ -77,8 +79,9 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
-        out = torch.zeros_like(q)
+        out: torch.Tensor,
+    ) -> None:
+        out.zero_()  # padding rows, and rows of no request, output zeros
         block_size = k_cache.shape[1]
         heads, kv_heads = q.shape[1], k_cache.shape[2]
         tables = meta.block_tables.tolist()
@@ -95,7 +98,6 @@ class TorchAttention:
             o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale)
             out[start : start + qlen] = o.transpose(0, 1)
             start += qlen
-        return out
 
 
 class TritonAttention:
@@ -110,11 +112,12 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+        out: torch.Tensor,
+    ) -> None:
         from ostinato.engine.triton_attention import paged_attention
 
-        return paged_attention(
-            q, k_cache, v_cache, meta.positions, meta.token_req, meta.block_tables, scale
+        paged_attention(
+            q, k_cache, v_cache, meta.positions, meta.token_req, meta.block_tables, scale, out=out
         )
 
 

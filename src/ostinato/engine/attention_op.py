@@ -40,7 +40,7 @@ def attention(
     step: StepAttention = get_forward_context().attn_metadata
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
     write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
-    out.copy_(step.backend(q, k_cache, v_cache, step.metadata, scale))
+    step.backend(q, k_cache, v_cache, step.metadata, scale, out)  # straight into out
 
 
 _lib.impl("attention", attention, "CompositeExplicitAutograd")

@@ -158,8 +158,11 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` (``[n, heads, d]``) over the paged cache; returns ``[n, heads, d]``.
+    """Attention of ``q`` (``[n, heads, d]``) over the paged cache; returns ``[n, heads, d]``,
+    written into ``out`` when given (any strides with a contiguous last dimension: no
+    second buffer, no copy).
 
     Token i attends to keys ``0..positions[i]`` of request ``token_req[i]``; a row with
     position -1 outputs zeros. The cache must already hold this step's keys and values.
@@ -168,7 +171,12 @@ def paged_attention(
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(
+            f"paged_attention: out must be {tuple(q.shape)} with a contiguous last dim"
+        )
     if n == 0:
         return out
     q = q.contiguous()

@@ -162,6 +162,7 @@ class FailingAttention:
 
         self.inner = default_backend(torch.device(device))
         self.graph_support = self.inner.graph_support
+        self.write_kv = self.inner.write_kv
         self.rank, self.after, self.exit_code = rank, after, exit_code
         self.min_seq_len = min_seq_len
         self.calls = 0

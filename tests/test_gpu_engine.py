@@ -146,3 +146,30 @@ def test_async_scheduling_equals_sync_with_graphs_and_preemption(mode):
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.pool.num_free == 9
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kv_write_equals_two_index_copies_bitwise(dtype):
+    from ostinato.engine.attention import write_kv
+    from ostinato.engine.triton_attention import write_kv_fused
+
+    n, kv_heads, head_dim, blocks, bs = 37, 4, 64, 12, 16
+    qkv = torch.randn(n, (8 + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    # Strided views, as the model's QKV split gives them.
+    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    v = qkv[:, (8 + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+    slots = torch.randperm((blocks - 1) * bs, device=DEVICE)[:n] + bs
+    slots[-5:] = 0  # padding rows write to the null block's first slot
+    caches = [
+        torch.randn(blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2)
+    ]
+    ref = [c.clone() for c in caches]
+    write_kv(k, v, ref[0], ref[1], slots)
+    write_kv_fused(k, v, caches[0], caches[1], slots)
+    # Every slot but slot 0 bitwise (real rows' slots and untouched ones); slot 0 holds one
+    # of the padding rows' values in both paths (which one is unspecified), never read.
+    pads = {tuple(r.tolist()) for r in k[-5:].reshape(5, -1).float()}
+    for got, want in zip(caches, ref, strict=True):
+        flat_g, flat_w = got.view(-1, kv_heads, head_dim), want.view(-1, kv_heads, head_dim)
+        assert torch.equal(flat_g[1:], flat_w[1:])
+    assert tuple(caches[0].view(-1, kv_heads, head_dim)[0].reshape(-1).float().tolist()) in pads

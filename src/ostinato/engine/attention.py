@@ -53,6 +53,16 @@ class AttentionBackend(Protocol):
         out: torch.Tensor,
     ) -> None: ...
 
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Stores the step's keys and values at their slots (before ``__call__``)."""
+
 
 def write_kv(
     k: torch.Tensor,
@@ -71,6 +81,7 @@ class TorchAttention:
     """Per-request SDPA over KV gathered from the paged cache (host-side lengths)."""
 
     graph_support = AttentionGraphSupport.NEVER
+    write_kv = staticmethod(write_kv)
 
     def __call__(
         self,
@@ -101,9 +112,30 @@ class TorchAttention:
 
 
 class TritonAttention:
-    """The graph-safe paged attention kernel (``triton_attention.paged_attention``)."""
+    """The graph-safe paged attention kernel (``triton_attention.paged_attention``).
+    ``fused_kv_write``: store K and V in one Triton kernel instead of two ``index_copy_``
+    (off until measured on a GPU)."""
 
     graph_support = AttentionGraphSupport.ALWAYS
+
+    def __init__(self, fused_kv_write: bool = False) -> None:
+        self.fused_kv_write = fused_kv_write
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Stores the step's keys and values at their slots (one kernel when fused)."""
+        if self.fused_kv_write:
+            from ostinato.engine.triton_attention import write_kv_fused
+
+            write_kv_fused(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def __call__(
         self,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.context import get_forward_context
-from ostinato.engine.attention import AttentionBackend, AttentionMetadata, write_kv
+from ostinato.engine.attention import AttentionBackend, AttentionMetadata
 from ostinato.engine.kv_cache import KVCache
 
 
@@ -39,7 +39,7 @@ def attention(
     """``out[:] = attention(q)`` over layer ``layer``'s cache after writing ``k, v`` to it."""
     step: StepAttention = get_forward_context().attn_metadata
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
-    write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
+    step.backend.write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
     step.backend(q, k_cache, v_cache, step.metadata, scale, out)  # straight into out
 
 

@@ -230,3 +230,62 @@ def paged_attention(
             num_warps=4,
         )
     return out
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + d)
+    v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + d)
+    tl.store(kc_ptr + slot * stride_cs + head * stride_ch + d, k)
+    tl.store(vc_ptr + slot * stride_cs + head * stride_ch + d, v)
+
+
+def write_kv_fused(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores this step's keys and values (``[n, kv_heads, head_dim]``, any token and head
+    strides) at their flat slots in one kernel launch; the same bytes as two
+    ``index_copy_`` calls. ``head_dim`` must be a power of two."""
+    n, kv_heads, head_dim = k.shape
+    if n == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or head_dim & (head_dim - 1):
+        raise ValueError("write_kv_fused: needs a contiguous, power-of-two head dim")
+    kc = k_cache.view(-1, kv_heads, head_dim)
+    vc = v_cache.view(-1, kv_heads, head_dim)
+    _write_kv_kernel[(n, kv_heads)](
+        k,
+        v,
+        kc,
+        vc,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        HEAD_DIM=head_dim,
+        num_warps=1,
+    )

@@ -208,7 +208,8 @@ class DecodeSetup:
         )
 
     def decode_step(self, runner: ModelRunner, batch: int) -> Callable[[], torch.Tensor]:
-        """One decode step of ``batch`` requests at position kv_len: copy-in, run, logits."""
+        """One decode step of ``batch`` requests at position kv_len: copy-in, run, logits
+        (inside the graph where the decode graph covers the LM head)."""
         pos = self.cfg.kv_len
         tables = (
             torch.arange(batch)[:, None] * self.blocks_per_seq
@@ -227,14 +228,13 @@ class DecodeSetup:
             if pin
             else torch.randint(0, self.config.vocab_size, (batch,))
         )
-        manager = runner.manager
         meta = runner.metadata(batch, [1] * batch, [pos + 1] * batch)
+        rows = torch.arange(batch, device=self.device)
 
         def step() -> torch.Tensor:
             dispatch = runner.graphs.dispatch(batch, uniform_decode=True)
             inputs.input_ids[:batch].copy_(host_ids, non_blocking=True)
-            hidden = manager.run(dispatch, batch, attn_metadata=meta)
-            return self.model.compute_logits(hidden)
+            return runner.run_logits(dispatch, batch, meta, rows)
 
         return step
 

@@ -12,6 +12,7 @@ from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
 from ostinato.context import forward_context
+from ostinato.dispatcher import Dispatch
 from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.attention import AttentionBackend
 from ostinato.engine.attention_op import StepAttention
@@ -108,8 +109,22 @@ class ModelRunner:
         return self.metadata(d.num_tokens, [], [])
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor:
+        """Hidden states of the first ``d.num_tokens`` rows; for a uniform decode, where
+        every row is one whose logits are needed, their float32 logits instead, so the
+        decode graph covers the LM head (and its all-gather under TP)."""
         n = d.num_tokens
-        return self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
+        hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
+        return self.model.compute_logits(hidden) if d.uniform_decode else hidden
+
+    def run_logits(
+        self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Runs the step as dispatched; float32 logits of ``rows`` (for a uniform decode:
+        all ``n`` rows, whose logits the step itself computed)."""
+        out = self.manager.run(dispatch, n, attn_metadata=meta)
+        if dispatch.descriptor.uniform_decode:
+            return out
+        return self.model.compute_logits(out[rows])
 
     @torch.inference_mode()
     def compile(self) -> float:
@@ -184,10 +199,9 @@ class ModelRunner:
         layout = self.inputs.write(step, padded, previous)
         if self._micro_batched(dispatch.mode, padded, step):
             hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
-        else:
-            meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
-            hidden = self.manager.run(dispatch, n, attn_metadata=meta)
-        return self.model.compute_logits(hidden[layout.logit_rows])
+            return self.model.compute_logits(hidden[layout.logit_rows])
+        meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
+        return self.run_logits(dispatch, n, meta, layout.logit_rows)
 
     def _micro_batched(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
         # Only where there are collectives to overlap, and (for now) only eagerly.

@@ -76,12 +76,17 @@ def activation_bytes(
     return 2 * num_tokens * per_token * dtype.itemsize + 2 * num_seqs * c.vocab_size * 4
 
 
-def graph_pool_bytes(config: ModelConfig, max_capture_tokens: int, dtype: torch.dtype) -> int:
+def graph_pool_bytes(
+    config: ModelConfig, max_capture_tokens: int, dtype: torch.dtype, decode_rows: int = 0
+) -> int:
     """Estimate of the shared graph pool: graphs are captured largest first and share
-    one pool, so it holds about one forward pass at the largest size, plus a margin."""
+    one pool, so it holds about one forward pass at the largest size, plus the float32
+    logits of the largest decode graph (decode graphs end in the LM head; ``decode_rows``
+    of them), plus a margin."""
     if max_capture_tokens <= 0:
         return 0
-    return activation_bytes(config, max_capture_tokens, 0, dtype) + 32 * MiB
+    rows = min(decode_rows, max_capture_tokens)
+    return activation_bytes(config, max_capture_tokens, rows, dtype) + 32 * MiB
 
 
 def plan_memory(
@@ -105,7 +110,7 @@ def plan_memory(
     tp = tp or TensorParallel()
     weights = weight_bytes(config, dtype, tp)
     acts = activation_bytes(config, limits.max_num_batched_tokens, limits.max_num_seqs, dtype)
-    graphs = graph_pool_bytes(config, max_capture_tokens, dtype)
+    graphs = graph_pool_bytes(config, max_capture_tokens, dtype, limits.max_num_seqs)
     block = kv_block_bytes(config, limits.block_size, dtype, tp.size)
     wanted = num_blocks if num_blocks is not None else limits.full_blocks
     least = num_blocks if num_blocks is not None else limits.blocks_per_seq + 1

@@ -6,7 +6,7 @@ import gc
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,9 +14,8 @@ import torch
 
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
-from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_proposal
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
-from ostinato.distributed.failure import ParallelError, RankFailure, describe, wait_for_device
+from ostinato.distributed.failure import ParallelError, RankFailure, describe
 from ostinato.distributed.groups import (
     ParallelConfig,
     TensorParallel,
@@ -27,15 +26,14 @@ from ostinato.distributed.groups import (
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.config import ModelConfig
-from ostinato.engine.inputs import PreviousSample, to_device
 from ostinato.engine.kv_cache import BlockPool, KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.memory import MemoryPlan, check_utilization, plan_memory
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.options import parse_mode, resolve_device, resolve_dtype
 from ostinato.engine.runner import ModelRunner
-from ostinato.engine.sampler import SamplingParams, sample
-from ostinato.engine.scheduler import FinishReason, Request, ScheduledBatch, Scheduler
+from ostinato.engine.sampler import SamplingParams
+from ostinato.engine.scheduler import FinishReason, Request, Scheduler
 from ostinato.engine.self_draft import SelfDraftProposer
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
 from ostinato.engine.speculative import (
@@ -43,8 +41,8 @@ from ostinato.engine.speculative import (
     OracleProposer,
     SpeculativeConfig,
     SpeculativeStats,
-    verify,
 )
+from ostinato.engine.step_loop import StepLoop
 from ostinato.engine.workers import Command, WorkerPool
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -76,19 +74,6 @@ class StartupTimes:
             f"start-up {self.total_s:.1f} s (weights {self.weights_s:.1f}, compile "
             f"{self.compile_s:.1f}, capture {self.capture_s:.1f})"
         )
-
-
-@dataclass(frozen=True)
-class InFlight:
-    """A step on the device: its batch, its sampled tokens (device), their host copy
-    (pinned, filled asynchronously) and the event that marks the copy done (None on
-    the CPU, where it is done already)."""
-
-    step: ScheduledBatch
-    sampled: PreviousSample
-    host: torch.Tensor
-    done: torch.cuda.Event | None
-    resolved: list[int | list[int]] | None = None  # a verify step's tokens, already known
 
 
 @dataclass
@@ -419,6 +404,15 @@ class LLM:
             num_speculative=spec.k if spec else 0,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.loop = StepLoop(
+            self.runner,
+            self.scheduler,
+            self.generator,
+            self.parallel,
+            self.speculative is not None,
+            self.spec_stats,
+            self._peer_failure,
+        )
         capture_start = time.perf_counter()
         self.capture_report: CaptureReport = self.runner.capture()
         self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
@@ -440,7 +434,7 @@ class LLM:
         drafter = self.__dict__.pop("drafter", None)
         if drafter is not None:
             drafter.release()
-        for name in ("runner", "cache", "model", "scheduler", "generator"):
+        for name in ("loop", "runner", "cache", "model", "scheduler", "generator"):
             self.__dict__.pop(name, None)
         reducer = self.__dict__.pop("all_reduce", None)
         if reducer is not None:
@@ -529,7 +523,7 @@ class LLM:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
-            steps = self._async_steps() if self.async_scheduling else self._sync_steps()
+            steps = self.loop.async_steps() if self.async_scheduling else self.loop.sync_steps()
             for _ in steps:
                 if on_token is not None:
                     for i, r in enumerate(requests):
@@ -542,29 +536,6 @@ class LLM:
                 self._stop_after(exc)
             raise
         return [self._output(r) for r in requests]
-
-    def _sync_steps(self) -> Iterator[None]:
-        """One step at a time: schedule, run, wait for its tokens. Yields after each."""
-        while self.scheduler.has_work or self.parallel.dp_group is not None:
-            if self._step() is None:
-                return  # every data-parallel replica is out of work
-            yield
-
-    def _async_steps(self) -> Iterator[None]:
-        """Asynchronous scheduling: step N+1 is scheduled, staged and queued while step N
-        runs on the device, then step N's tokens are read back, so a decode token costs
-        the longer of host and device time rather than their sum. Decodes of step N+1
-        take step N's samples on the device. Yields after each step's tokens are in."""
-        inflight: InFlight | None = None
-        while self.scheduler.has_work or inflight is not None:
-            step = self.scheduler.schedule() if self.scheduler.has_work else ScheduledBatch([])
-            launched = self._launch(step, previous=inflight) if step.scheduled else None
-            if inflight is None and launched is None:
-                raise RuntimeError("scheduler produced an empty step with work pending")
-            if inflight is not None:
-                self._resolve(inflight)
-            inflight = launched
-            yield
 
     def _stop_after(self, exc: BaseException) -> None:
         """A parallel engine that raised is out of step with its peers: it stops. Raises
@@ -645,88 +616,7 @@ class LLM:
                 "step: this engine drives its own worker processes; use generate (or "
                 "launch every rank with torchrun and call step on each)"
             )
-        return self._step() or []
-
-    def _step(self) -> list[Request] | None:
-        """``step``; None when, under data parallelism, no replica had work. The step's
-        one collective, the agreement, also tells the replicas when all are done."""
-        group = self.parallel.dp_group
-        if group is None or self.scheduler.has_work:
-            step = self.scheduler.schedule()
-            if not step.scheduled:
-                raise RuntimeError("scheduler produced an empty step with work pending")
-        else:
-            step = ScheduledBatch([])
-        agreement = None
-        if group is not None:
-            if step.scheduled:
-                local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
-                mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
-            else:
-                mode, padded, uniform = idle_proposal()
-            agreement = agree_on_step(mode, padded, group, uniform_decode=uniform)
-            if agreement.num_tokens == 0:
-                return None
-        launched = self._launch(step, agreement)
-        return [] if launched is None else self._resolve(launched)
-
-    def _launch(
-        self,
-        step: ScheduledBatch,
-        agreement: StepAgreement | None = None,
-        previous: InFlight | None = None,
-    ) -> InFlight | None:
-        """Queues ``step`` and its sampling on the device and starts copying the tokens
-        back; returns without waiting (None for a dummy step, which samples nothing)."""
-        logits = self.runner.execute(step, agreement, previous and previous.sampled)
-        if not step.scheduled:
-            return None
-        if self.speculative is not None:
-            return self._verified(step, logits)
-        reqs = [s.request for s in step.scheduled]
-        temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
-        top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
-        all_greedy = all(r.params.temperature == 0 for r in reqs)
-        tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
-        self.scheduler.launched(step)
-        index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
-        done = None
-        host = tokens
-        if self.device.type == "cuda":
-            host = tokens.to("cpu", non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return InFlight(step, PreviousSample(tokens, index), host, done)
-
-    def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:
-        """A speculative engine's step, resolved at once: drafts verified, tokens kept."""
-        got = verify(logits, step, self.generator)
-        self.scheduler.launched(step)
-        stats = self.spec_stats
-        for s, tokens in zip(step.scheduled, got, strict=True):
-            if s.draft and isinstance(tokens, list):
-                stats.drafted += len(s.draft)
-                stats.accepted += len(tokens) - 1
-                stats.verifications += 1
-                stats.tokens += len(tokens)
-        empty = torch.empty(0, dtype=torch.long)
-        return InFlight(step, PreviousSample(empty, {}), empty, None, got)
-
-    def _resolve(self, launched: InFlight) -> list[Request]:
-        """Waits for ``launched``'s tokens (the step's one synchronisation), records them
-        and returns the requests that finished. Under tensor or data parallelism the
-        wait is bounded and watches the peers (a collective inside a graph waits forever
-        for a dead peer)."""
-        if launched.resolved is not None:
-            return self.scheduler.resolve(launched.step, launched.resolved)
-        if launched.done is not None:
-            if self.parallel.world_size > 1:
-                wait_for_device(
-                    launched.done, self._peer_failure, self.parallel.rank, self.parallel.timeout_s
-                )
-            else:
-                launched.done.synchronize()
-        return self.scheduler.resolve(launched.step, launched.host.tolist())
+        return self.loop.step() or []
 
     def _check_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

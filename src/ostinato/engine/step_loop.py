@@ -1,0 +1,162 @@
+"""The engine's step loop: schedule, launch on the device, read the tokens back, record
+them; synchronously (one step at a time, data-parallel agreement included) or
+asynchronously (step N+1 prepared while step N runs), with speculative verification."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_proposal
+from ostinato.distributed.failure import RankFailure, wait_for_device
+from ostinato.distributed.groups import ParallelGroups
+from ostinato.engine.inputs import PreviousSample, to_device
+from ostinato.engine.runner import ModelRunner
+from ostinato.engine.sampler import sample
+from ostinato.engine.scheduler import Request, ScheduledBatch, Scheduler
+from ostinato.engine.speculative import SpeculativeStats, verify
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step on the device: its batch, its sampled tokens (device), their host copy
+    (pinned, filled asynchronously) and the event that marks the copy done (None on
+    the CPU, where it is done already)."""
+
+    step: ScheduledBatch
+    sampled: PreviousSample
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    resolved: list[int | list[int]] | None = None  # a verify step's tokens, already known
+
+
+class StepLoop:
+    """Drives ``scheduler`` and ``runner`` step by step (the ``LLM``'s engine room).
+
+    Guarantees: the host waits on the device once per step, to read the sampled tokens;
+    under tensor or data parallelism that wait is bounded and watches ``peer_failure``.
+    ``speculative``: steps verify drafts (and counts go to ``spec_stats``).
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        generator: torch.Generator,
+        parallel: ParallelGroups,
+        speculative: bool,
+        spec_stats: SpeculativeStats,
+        peer_failure: Callable[[], RankFailure | None],
+    ) -> None:
+        self.runner, self.scheduler, self.generator = runner, scheduler, generator
+        self.parallel, self.device = parallel, runner.device
+        self.speculative, self.spec_stats = speculative, spec_stats
+        self.peer_failure = peer_failure
+
+    def sync_steps(self) -> Iterator[None]:
+        """One step at a time: schedule, run, wait for its tokens. Yields after each."""
+        while self.scheduler.has_work or self.parallel.dp_group is not None:
+            if self.step() is None:
+                return  # every data-parallel replica is out of work
+            yield
+
+    def async_steps(self) -> Iterator[None]:
+        """Asynchronous scheduling: step N+1 is scheduled, staged and queued while step N
+        runs on the device, then step N's tokens are read back, so a decode token costs
+        the longer of host and device time rather than their sum. Decodes of step N+1
+        take step N's samples on the device. Yields after each step's tokens are in."""
+        inflight: InFlight | None = None
+        while self.scheduler.has_work or inflight is not None:
+            step = self.scheduler.schedule() if self.scheduler.has_work else ScheduledBatch([])
+            launched = self.launch(step, previous=inflight) if step.scheduled else None
+            if inflight is None and launched is None:
+                raise RuntimeError("scheduler produced an empty step with work pending")
+            if inflight is not None:
+                self.resolve(inflight)
+            inflight = launched
+            yield
+
+    def step(self) -> list[Request] | None:
+        """Runs one scheduled step and waits for its tokens; returns the requests that
+        finished. None when, under data parallelism, no replica had work: the step's one
+        collective, the agreement, also tells the replicas when all are done; a replica
+        without work runs a dummy step."""
+        group = self.parallel.dp_group
+        if group is None or self.scheduler.has_work:
+            step = self.scheduler.schedule()
+            if not step.scheduled:
+                raise RuntimeError("scheduler produced an empty step with work pending")
+        else:
+            step = ScheduledBatch([])
+        agreement = None
+        if group is not None:
+            if step.scheduled:
+                local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
+                mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
+            else:
+                mode, padded, uniform = idle_proposal()
+            agreement = agree_on_step(mode, padded, group, uniform_decode=uniform)
+            if agreement.num_tokens == 0:
+                return None
+        launched = self.launch(step, agreement)
+        return [] if launched is None else self.resolve(launched)
+
+    def launch(
+        self,
+        step: ScheduledBatch,
+        agreement: StepAgreement | None = None,
+        previous: InFlight | None = None,
+    ) -> InFlight | None:
+        """Queues ``step`` and its sampling on the device and starts copying the tokens
+        back; returns without waiting (None for a dummy step, which samples nothing)."""
+        logits = self.runner.execute(step, agreement, previous and previous.sampled)
+        if not step.scheduled:
+            return None
+        if self.speculative:
+            return self._verified(step, logits)
+        reqs = [s.request for s in step.scheduled]
+        temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
+        top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
+        all_greedy = all(r.params.temperature == 0 for r in reqs)
+        tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
+        self.scheduler.launched(step)
+        index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
+        done = None
+        host = tokens
+        if self.device.type == "cuda":
+            host = tokens.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return InFlight(step, PreviousSample(tokens, index), host, done)
+
+    def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:
+        """A speculative engine's step, resolved at once: drafts verified, tokens kept."""
+        got = verify(logits, step, self.generator)
+        self.scheduler.launched(step)
+        stats = self.spec_stats
+        for s, tokens in zip(step.scheduled, got, strict=True):
+            if s.draft and isinstance(tokens, list):
+                stats.drafted += len(s.draft)
+                stats.accepted += len(tokens) - 1
+                stats.verifications += 1
+                stats.tokens += len(tokens)
+        empty = torch.empty(0, dtype=torch.long)
+        return InFlight(step, PreviousSample(empty, {}), empty, None, got)
+
+    def resolve(self, launched: InFlight) -> list[Request]:
+        """Waits for ``launched``'s tokens (the step's one synchronisation), records them
+        and returns the requests that finished. Under tensor or data parallelism the
+        wait is bounded and watches the peers (a collective inside a graph waits forever
+        for a dead peer)."""
+        if launched.resolved is not None:
+            return self.scheduler.resolve(launched.step, launched.resolved)
+        if launched.done is not None:
+            if self.parallel.world_size > 1:
+                wait_for_device(
+                    launched.done, self.peer_failure, self.parallel.rank, self.parallel.timeout_s
+                )
+            else:
+                launched.done.synchronize()
+        return self.scheduler.resolve(launched.step, launched.host.tolist())

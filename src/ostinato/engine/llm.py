@@ -25,12 +25,12 @@ from ostinato.distributed.groups import (
 )
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.attention import AttentionBackend, default_backend
-from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import BlockPool, KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.memory import MemoryPlan, check_utilization, plan_memory
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.options import parse_mode, resolve_device, resolve_dtype
+from ostinato.engine.prompts import Prompt, check_params, check_prompts, model_len
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import SamplingParams
 from ostinato.engine.scheduler import FinishReason, Request, Scheduler
@@ -44,7 +44,6 @@ from ostinato.engine.speculative import (
 )
 from ostinato.engine.step_loop import StepLoop
 from ostinato.engine.workers import Command, WorkerPool
-from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, platform_for_device
 from ostinato.runtime import choose_compiler
@@ -52,7 +51,6 @@ from ostinato.ubatch.policy import MicroBatching
 
 logger = logging.getLogger(__name__)
 
-Prompt = Sequence[int] | str
 TokenCallback = Callable[[int, int], None]
 """``on_token(prompt_index, token_id)``: called for each token as it is produced."""
 
@@ -198,7 +196,7 @@ class LLM:
         self.tokenizer = source.tokenizer
         with torch.device("meta"):  # names a size tp does not divide, before anything starts
             DecoderModel(self.config, TensorParallel(0, parallel_config.tensor_parallel_size))
-        max_model_len = _model_len(max_model_len, self.config)
+        max_model_len = model_len(max_model_len, self.config)
         limits = EngineLimits(
             max_num_seqs,
             max_num_batched_tokens or max(max_model_len, 2048),
@@ -478,8 +476,10 @@ class LLM:
         call raises or is interrupted (Ctrl-C) its requests are aborted and their KV
         blocks freed, so the engine stays usable and no later call finishes old work.
         """
-        token_prompts = self._check_prompts(prompts)
-        plist = _check_params(params, len(token_prompts))
+        token_prompts = check_prompts(
+            prompts, self.tokenizer, self.config.vocab_size, self.scheduler.check
+        )
+        plist = check_params(params, len(token_prompts))
         if self.failure is not None:
             raise self.failure.error(self.parallel.rank)
         if self.workers is None:
@@ -618,87 +618,7 @@ class LLM:
             )
         return self.loop.step() or []
 
-    def _check_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError(
-                f"prompts: expected a list of prompts, got {type(prompts).__name__}; "
-                "wrap a single prompt in a list: generate([prompt])"
-            )
-        if prompts and all(is_int(t) for t in prompts):
-            raise TypeError(
-                "prompts: got a flat list of ints; wrap one prompt's token ids in a list: "
-                "generate([[1, 2, 3]])"
-            )
-        out = []
-        for i, p in enumerate(prompts):
-            tokens = self._encode(i, p)
-            bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i}: token ids {bad[:5]} outside the vocabulary "
-                    f"[0, {self.config.vocab_size})"
-                )
-            try:
-                self.scheduler.check(tokens)
-            except ValueError as exc:
-                raise ValueError(str(exc).replace("prompt:", f"prompt {i}:", 1)) from None
-            out.append(tokens)
-        return out
-
-    def _encode(self, i: int, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"prompt {i}: text given but the model has no tokenizer; pass token ids"
-                )
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)):
-            raise TypeError(
-                f"prompt {i}: expected a list of token ids or a string, got {type(prompt).__name__}"
-            )
-        for j, t in enumerate(prompt):
-            if not is_int(t):
-                raise TypeError(f"prompt {i}: token {j} is {t!r}, not an int")
-        return [int(t) for t in prompt]
-
     def _output(self, r: Request) -> RequestOutput:
         assert r.finish_reason is not None
         text = self.decode(r.output) if self.tokenizer is not None else None
         return RequestOutput(r.prompt, r.output, r.finish_reason, text)
-
-
-def _check_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if isinstance(params, (list, tuple)):
-        if len(params) != n:
-            raise ValueError(f"params: {len(params)} given for {n} prompts")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"params[{i}]: expected SamplingParams, got {type(p).__name__}")
-        return list(params)
-    raise TypeError(
-        f"params: expected SamplingParams or a list of them, got {type(params).__name__}; "
-        "build one with SamplingParams(max_tokens=...)"
-    )
-
-
-def _model_len(requested: int | None, config: ModelConfig) -> int:
-    limit = config.max_position_embeddings
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        limit = max(limit, int(s.factor * s.original_max_position_embeddings))
-    if requested is None:
-        return min(1024, limit)
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"max_model_len: must be a positive integer, got {requested!r}")
-    if requested > limit:
-        raise ValueError(
-            f"max_model_len: {requested} exceeds the {limit} positions the model supports "
-            "(max_position_embeddings and RoPE scaling); lower it"
-        )
-    return requested

@@ -201,3 +201,14 @@ def test_micro_batching_is_refused_where_it_cannot_run(llama_dir):
         engine(llama_dir, "cpu", "none", torch.float32, micro_batching=True)
     with pytest.raises(ValueError, match="run eagerly for now; pass mode='none'"):
         engine(llama_dir, "cpu", "full", torch.float32, tp=2, micro_batching=True)
+
+
+def test_speculative_decoding_under_tensor_parallelism_equals_plain(llama_dir):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS + dp_prompts(1)
+    alone = engine(llama_dir, "cpu", "none", torch.float32)
+    want = [o.token_ids for o in alone.generate(prompts, params)]
+    llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, speculative="self:1")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.spec_stats.verifications > 0
+    assert llm.close()

@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+# ``all_gather_single`` is the newer name (``all_gather_tensor`` warns in torch 2.13).
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of ``x`` over ``group`` (``x`` itself without a group)."""
@@ -22,6 +25,6 @@ def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     if group is None:
         return x
     size = dist.get_world_size(group)
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    gathered = funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
     # [size * rows, cols] -> [rows, size * cols]
     return torch.cat(gathered.chunk(size, dim=0), dim=-1)

@@ -150,3 +150,18 @@ def test_engine_on_cpu_runs_none_mode_with_reason():
     assert llm.mode.name == "NONE"
     assert llm.runner.resolution.reasons
     assert llm.capture_report.num_graphs == 0
+
+
+def test_decode_steps_compute_logits_and_greedy_tokens_in_the_step_itself():
+    llm = tiny()
+    reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS]
+    prefill = llm.scheduler.schedule()
+    logits = llm.runner.execute(prefill)
+    assert llm.runner.greedy is None  # a mixed step: the LM head runs after it
+    llm.scheduler.update(prefill, logits.argmax(-1).tolist())
+    decode = llm.scheduler.schedule()
+    assert decode.uniform_decode
+    logits = llm.runner.execute(decode)
+    assert logits.shape == (len(decode.scheduled), llm.config.vocab_size)
+    assert torch.equal(llm.runner.greedy, logits.argmax(-1))
+    llm.scheduler.abort(reqs)

@@ -85,6 +85,7 @@ class ModelRunner:
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
         self.micro_batching = micro_batching
+        self.greedy: torch.Tensor | None = None  # the last decode step's argmax tokens
         self.ubatched_steps = 0
         self._comm_stream: torch.cuda.Stream | None = None
 
@@ -108,22 +109,29 @@ class ModelRunner:
         self.inputs.write_padding(d.num_tokens)
         return self.metadata(d.num_tokens, [], [])
 
-    def _step(self, d: BatchDescriptor) -> torch.Tensor:
+    def _step(self, d: BatchDescriptor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the first ``d.num_tokens`` rows; for a uniform decode, where
-        every row is one whose logits are needed, their float32 logits instead, so the
-        decode graph covers the LM head (and its all-gather under TP)."""
+        every row is one whose logits are needed, their float32 logits and greedy tokens
+        instead, so the decode graph covers the LM head (and its all-gather under TP) and
+        greedy sampling."""
         n = d.num_tokens
         hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
-        return self.model.compute_logits(hidden) if d.uniform_decode else hidden
+        if not d.uniform_decode:
+            return hidden
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
 
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
     ) -> torch.Tensor:
         """Runs the step as dispatched; float32 logits of ``rows`` (for a uniform decode:
-        all ``n`` rows, whose logits the step itself computed)."""
+        all ``n`` rows, whose logits the step itself computed, and ``greedy`` is set to
+        their argmax, valid until the next step runs; else ``greedy`` is None)."""
         out = self.manager.run(dispatch, n, attn_metadata=meta)
         if dispatch.descriptor.uniform_decode:
-            return out
+            logits, self.greedy = out
+            return logits
+        self.greedy = None
         return self.model.compute_logits(out[rows])
 
     @torch.inference_mode()
@@ -199,6 +207,7 @@ class ModelRunner:
         layout = self.inputs.write(step, padded, previous)
         if self._micro_batched(dispatch.mode, padded, step):
             hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
+            self.greedy = None
             return self.model.compute_logits(hidden[layout.logit_rows])
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_rows)

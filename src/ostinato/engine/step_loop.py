@@ -117,10 +117,14 @@ class StepLoop:
         if self.speculative:
             return self._verified(step, logits)
         reqs = [s.request for s in step.scheduled]
-        temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
-        top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
         all_greedy = all(r.params.temperature == 0 for r in reqs)
-        tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
+        greedy = self.runner.greedy  # the decode graph's own argmax, when it ran one
+        if all_greedy and greedy is not None:
+            tokens = greedy
+        else:
+            temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
+            top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
+            tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
         self.scheduler.launched(step)
         index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
         done = None

@@ -24,7 +24,7 @@ def workload():
 
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 4])
 def test_greedy_with_speculation_equals_plain_in_graph_modes(mode, k):
     prompts, params = workload()
     plain = [o.token_ids for o in tiny_engine(mode, torch.float32).generate(prompts, params)]

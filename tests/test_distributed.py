@@ -199,6 +199,8 @@ def test_micro_batched_tensor_parallel_steps_equal_plain_ones(llama_dir):
 def test_micro_batching_is_refused_where_it_cannot_run(llama_dir):
     with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
         engine(llama_dir, "cpu", "none", torch.float32, micro_batching=True)
+    with pytest.raises(TypeError, match="micro_batching: expected a bool or a MicroBatching"):
+        engine(llama_dir, "cpu", "none", torch.float32, micro_batching="yes")
     with pytest.raises(ValueError, match="run eagerly for now; pass mode='none'"):
         engine(llama_dir, "cpu", "full", torch.float32, tp=2, micro_batching=True)
 

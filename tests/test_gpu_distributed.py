@@ -94,14 +94,20 @@ def test_symmetric_all_reduce_equals_nccl_eager_in_graphs_and_compiled(tmp_path)
     print("measured plan:", got["plan"], got["us"])
 
 
-def run_driver(model_dir, tmp_path, mode, fail):
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=spawned_engine_run, args=(str(model_dir), str(tmp_path), mode, fail))
+def in_own_process(target, args, timeout_s, what):
+    """Runs ``target(*args)`` in a process of its own (a stuck NCCL kernel must not
+    outlive it); fails the test if it does not end within ``timeout_s``."""
+    proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
-    proc.join(timeout=150)
+    proc.join(timeout=timeout_s)
     if proc.is_alive():
         proc.kill()
-        pytest.fail("the driver process hung")
+        pytest.fail(f"{what} hung")
+
+
+def run_driver(model_dir, tmp_path, mode, fail):
+    args = (str(model_dir), str(tmp_path), mode, fail)
+    in_own_process(spawned_engine_run, args, 150, "the driver process")
     return torch.load(tmp_path / "driver.pt", weights_only=False)
 
 
@@ -125,13 +131,8 @@ def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, dtype):
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=spawned_ubatch_run, args=(str(model_dir), str(tmp_path), dtype))
-    proc.start()
-    proc.join(timeout=300)
-    if proc.is_alive():
-        proc.kill()
-        pytest.fail("the micro-batched run hung")
+    args = (str(model_dir), str(tmp_path), dtype)
+    in_own_process(spawned_ubatch_run, args, 300, "the micro-batched run")
     got = torch.load(tmp_path / "ubatch.pt")
     plain, ub = got["plain"], got["ubatch"]
     assert ub["ubatched"] > 0 and plain["ubatched"] == 0

@@ -94,6 +94,8 @@ def test_bad_speculative_settings_are_named():
         SpeculativeConfig("oracle", 2)
     with pytest.raises(ValueError, match="fewer layers than the model's 4"):
         engine(speculative="self:4")
+    with pytest.raises(TypeError, match="speculative: expected 'ngram', 'self:N' or a"):
+        engine(speculative=3)
 
 
 def one_verify(logits, draft, params, gen):

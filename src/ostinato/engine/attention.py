@@ -120,22 +120,12 @@ class TritonAttention:
 
     def __init__(self, fused_kv_write: bool = False) -> None:
         self.fused_kv_write = fused_kv_write
-
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Stores the step's keys and values at their slots (one kernel when fused)."""
-        if self.fused_kv_write:
+        if fused_kv_write:
             from ostinato.engine.triton_attention import write_kv_fused
 
-            write_kv_fused(k, v, k_cache, v_cache, slot_mapping)
+            self.write_kv = write_kv_fused
         else:
-            write_kv(k, v, k_cache, v_cache, slot_mapping)
+            self.write_kv = write_kv
 
     def __call__(
         self,

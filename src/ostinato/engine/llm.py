@@ -33,7 +33,7 @@ from ostinato.engine.options import parse_mode, resolve_device, resolve_dtype
 from ostinato.engine.prompts import Prompt, check_params, check_prompts, model_len
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import SamplingParams
-from ostinato.engine.scheduler import FinishReason, Request, Scheduler
+from ostinato.engine.scheduler import FinishReason, Proposal, Request, Scheduler
 from ostinato.engine.self_draft import SelfDraftProposer
 from ostinato.engine.source import ModelSource, ModelSpec, open_model
 from ostinato.engine.speculative import (
@@ -169,6 +169,16 @@ class LLM:
         parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
         parse_all_reduce(all_reduce)
         requested = parse_mode(mode)
+        if not isinstance(speculative, (str, SpeculativeConfig, type(None))):
+            raise TypeError(
+                f"speculative: expected 'ngram', 'self:N' or a SpeculativeConfig, got "
+                f"{type(speculative).__name__}"
+            )
+        if not isinstance(micro_batching, (bool, MicroBatching)):
+            raise TypeError(
+                f"micro_batching: expected a bool or a MicroBatching, got "
+                f"{type(micro_batching).__name__}"
+            )
         self.speculative = (
             SpeculativeConfig.parse(speculative, num_speculative_tokens)
             if isinstance(speculative, str)
@@ -375,25 +385,7 @@ class LLM:
             uniform_decode_query_len=1 + spec.k if spec else 1,
             micro_batching=self.micro_batching,
         )
-        propose = None
-        if spec is not None:
-            propose = (
-                NgramProposer(spec.ngram_max)
-                if spec.method == "ngram"
-                else OracleProposer(spec.oracle or {})
-                if spec.method == "oracle"
-                else SelfDraftProposer(
-                    self.model,
-                    self.cache,
-                    backend,
-                    limits,
-                    self.device,
-                    spec.draft_layers,
-                    spec.k,
-                    pool=self.runner.manager.pool,
-                    graphs=spec.draft_graphs,
-                )
-            )
+        propose = self._proposer(backend, limits)
         self.scheduler = Scheduler(
             BlockPool(num_blocks),
             limits,
@@ -414,13 +406,32 @@ class LLM:
         capture_start = time.perf_counter()
         self.capture_report: CaptureReport = self.runner.capture()
         self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
-        if self.drafter is not None:
-            # The k-step draft loop, one graph per batch size, in the same pool; every
-            # rank captures them in the same order (they hold the LM head's all-gather).
-            self.draft_report: CaptureReport | None = self.drafter.capture()
+        # The k-step draft loop, one graph per batch size, in the same pool; every rank
+        # captures them in the same order (they hold the LM head's all-gather).
+        self.draft_report: CaptureReport | None = self.drafter and self.drafter.capture()
         compile_s = self.runner.compile_seconds
         self.startup = StartupTimes(
             weights_s, compile_s, time.perf_counter() - capture_start - compile_s
+        )
+
+    def _proposer(self, backend: AttentionBackend, limits: EngineLimits) -> Proposal | None:
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.ngram_max)
+        if spec.method == "oracle":
+            return OracleProposer(spec.oracle or {})
+        return SelfDraftProposer(
+            self.model,
+            self.cache,
+            backend,
+            limits,
+            self.device,
+            spec.draft_layers,
+            spec.k,
+            pool=self.runner.manager.pool,
+            graphs=spec.draft_graphs,
         )
 
     def _teardown(self) -> None:

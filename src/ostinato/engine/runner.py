@@ -27,8 +27,8 @@ from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
-from ostinato.ubatch.handoff import CudaStreamOps, run_ubatches
-from ostinato.ubatch.policy import MicroBatching, NoStreams
+from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, run_ubatches
+from ostinato.ubatch.policy import MicroBatching
 from ostinato.ubatch.slicing import split_step
 
 

@@ -37,21 +37,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_pending: int = 0
-    max_len: int = 1 << 62  # the engine's max_model_len, set by the scheduler
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens (pending included), without building the list."""
         return len(self.prompt) + len(self.output) + self.num_pending
-
-    @property
-    def awaits_last_token(self) -> bool:
-        """True when its pending token is its last one by count (``max_tokens`` or
-        ``max_model_len``): nothing more to schedule until it is resolved."""
-        generated = len(self.output) + self.num_pending
-        return self.num_pending > 0 and (
-            generated >= self.params.max_tokens or self.num_tokens >= self.max_len
-        )
 
     @property
     def tokens(self) -> list[int]:
@@ -155,7 +145,7 @@ class Scheduler:
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         """Queues a request; raises ``ValueError`` (see ``check``) if it could never run."""
         self.check(prompt)
-        req = Request(next(self._ids), list(prompt), params, max_len=self.max_model_len)
+        req = Request(next(self._ids), list(prompt), params)
         self.waiting.append(req)
         return req
 
@@ -188,7 +178,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running or req.awaits_last_token:
+            if req not in self.running or self._awaits_last_token(req):
                 continue  # preempted below to make room, or done once its token resolves
             chunk = min(req.num_tokens - req.num_cached, budget)
             room = self._draft_room(req, budget) if chunk == 1 else 0
@@ -214,6 +204,14 @@ class Scheduler:
         if drafting:
             self._add_drafts(drafting)
         return ScheduledBatch(scheduled)
+
+    def _awaits_last_token(self, req: Request) -> bool:
+        """True when ``req``'s pending token is its last one by count (``max_tokens`` or
+        ``max_model_len``): nothing more to schedule until it is resolved."""
+        generated = len(req.output) + req.num_pending
+        return req.num_pending > 0 and (
+            generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        )
 
     def _draft_room(self, req: Request, budget: int) -> int:
         """How many tokens to propose after ``req``'s last one: at most

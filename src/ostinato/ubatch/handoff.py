@@ -16,6 +16,7 @@ thread's exception (its traceback attached) in the caller.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 from collections.abc import Callable
@@ -42,6 +43,19 @@ class StreamOps(Protocol):
 
     def wait(self, stream: Any, event: Any) -> None:
         """Makes ``stream`` wait for ``event``."""
+
+
+class NoStreams:
+    """``StreamOps`` for the CPU, where work is synchronous: nothing to order."""
+
+    def use(self, stream: Any) -> None:
+        return None
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        return None
 
 
 class CudaStreamOps:
@@ -163,7 +177,7 @@ def run_ubatches(
         shared.ready.wait()
     except threading.BrokenBarrierError:
         pass  # a thread failed in prepare; its error is reported below
-    with start() if start is not None else _null():
+    with start() if start is not None else contextlib.nullcontext():
         shared.turns[0].set()
         for t in threads:
             t.join()
@@ -172,11 +186,3 @@ def run_ubatches(
         reactions = (UbatchAborted, threading.BrokenBarrierError)
         raise min(errors, key=lambda e: isinstance(e[1], reactions))[1]
     return results
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

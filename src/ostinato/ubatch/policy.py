@@ -23,16 +23,3 @@ class MicroBatching:
     def applies(self, num_tokens: int, uniform_decode: bool) -> bool:
         """Whether a step of ``num_tokens`` (padded) tokens is micro-batched."""
         return num_tokens >= (self.decode_threshold if uniform_decode else self.prefill_threshold)
-
-
-class NoStreams:
-    """``StreamOps`` for the CPU, where work is synchronous: nothing to order."""
-
-    def use(self, stream: object) -> None:
-        return None
-
-    def record(self, stream: object) -> None:
-        return None
-
-    def wait(self, stream: object, event: object) -> None:
-        return None

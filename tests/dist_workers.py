@@ -3,6 +3,7 @@ them. Each writes its result to ``out/<rank>.pt``."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import socket
@@ -250,14 +251,25 @@ def symmetric_all_reduce_checks(rank: int, world: int, port: int, out: str) -> N
         os._exit(0)
 
 
-def spawned_engine_run(model_dir: str, out: str, mode: str, fail: bool) -> None:
+def dump_stacks_after(out: str, seconds: float) -> None:
+    """Writes every thread's stack to ``out/stacks.txt`` if this process still runs
+    after ``seconds``: a hung GPU test then shows where it waits."""
+    faulthandler.dump_traceback_later(seconds, file=open(Path(out) / "stacks.txt", "w"))
+
+
+def spawned_engine_run(
+    model_dir: str, out: str, mode: str, fail: bool, all_reduce: str = "auto"
+) -> None:
     """In a process of its own (a stuck NCCL kernel must not outlive it): an LLM with
     tensor_parallel_size=2 that starts its own worker; with ``fail``, rank 1's process
     dies mid-generate. Records the tokens or the error and how long it took."""
+    dump_stacks_after(out, 100)
     backend = (
         FailingAttention("cuda", rank=1, after=1, exit_code=3, min_seq_len=50) if fail else None
     )
-    llm = engine(model_dir, "cuda", mode, torch.float32, tp=2, backend=backend)
+    llm = engine(
+        model_dir, "cuda", mode, torch.float32, tp=2, all_reduce=all_reduce, backend=backend
+    )
     start = time.perf_counter()
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -270,21 +282,23 @@ def spawned_engine_run(model_dir: str, out: str, mode: str, fail: bool) -> None:
     os._exit(0)
 
 
-def spawned_ubatch_run(model_dir: str, out: str, dtype: torch.dtype) -> None:
-    """In a process of its own: TP=2 (a spawned worker) eagerly, plain and then with
-    micro-batching; records both runs' step logits and greedy tokens."""
+def spawned_ubatch_run(model_dir: str, out: str, dtype: torch.dtype, ubatch: bool) -> None:
+    """In a process of its own (one parallel engine per process: PyTorch's teardown
+    after symmetric memory can hang): TP=2 (a spawned worker) eagerly, with or without
+    micro-batching; records the step logits and greedy tokens."""
     from ostinato.ubatch.policy import MicroBatching
 
+    name = "ubatch" if ubatch else "plain"
+    dump_stacks_after(out, 120)
     prompts = PROMPTS + dp_prompts(0)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    results = {}
-    for name, policy in (("plain", None), ("ubatch", MicroBatching(4, 8))):
-        llm = engine(model_dir, "cuda", "none", dtype, tp=2, micro_batching=policy or False)
-        reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-        logits = llm.runner.execute(llm.scheduler.schedule()).cpu()
-        llm.scheduler.abort(reqs)
-        tokens = [o.token_ids for o in llm.generate(prompts, params)]
-        results[name] = {"logits": logits, "tokens": tokens, "ubatched": llm.runner.ubatched_steps}
-        llm.close()
-    torch.save(results, Path(out) / "ubatch.pt")
+    policy = MicroBatching(4, 8) if ubatch else False
+    llm = engine(model_dir, "cuda", "none", dtype, tp=2, micro_batching=policy)
+    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
+    logits = llm.runner.execute(llm.scheduler.schedule()).cpu()
+    llm.scheduler.abort(reqs)
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    result = {"logits": logits, "tokens": tokens, "ubatched": llm.runner.ubatched_steps}
+    torch.save(result, Path(out) / f"{name}.pt")
+    llm.close()
     os._exit(0)

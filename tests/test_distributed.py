@@ -121,6 +121,23 @@ def test_bad_parallel_sizes_are_named_before_anything_starts(monkeypatch):
     assert TensorParallel(1, 2).split(8, "heads") == 4
 
 
+def test_a_group_left_by_an_earlier_engine_is_named_not_joined():
+    import torch.distributed as dist
+
+    from ostinato.distributed.groups import local_launch_env
+
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )  # what a close() that timed out leaves behind
+    try:
+        with pytest.raises(ParallelError, match="start the new engine in a fresh process"):
+            init_parallel(
+                ParallelConfig(tensor_parallel_size=2), "cpu", launch_env=local_launch_env(0, 2, 1)
+            )
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")

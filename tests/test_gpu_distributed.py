@@ -94,20 +94,24 @@ def test_symmetric_all_reduce_equals_nccl_eager_in_graphs_and_compiled(tmp_path)
     print("measured plan:", got["plan"], got["us"])
 
 
-def in_own_process(target, args, timeout_s, what):
+def in_own_process(target, args, timeout_s, what, out):
     """Runs ``target(*args)`` in a process of its own (a stuck NCCL kernel must not
-    outlive it); fails the test if it does not end within ``timeout_s``."""
+    outlive it); fails the test if it does not end within ``timeout_s``, with the
+    stacks the process dumped and the files it wrote to ``out`` by then."""
     proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
     proc.join(timeout=timeout_s)
     if proc.is_alive():
         proc.kill()
-        pytest.fail(f"{what} hung")
+        stacks = out / "stacks.txt"
+        dumped = stacks.read_text() if stacks.exists() else "(no stacks dumped)"
+        wrote = sorted(p.name for p in out.iterdir())
+        pytest.fail(f"{what} hung; it wrote {wrote}; its stacks:\n{dumped}")
 
 
-def run_driver(model_dir, tmp_path, mode, fail):
-    args = (str(model_dir), str(tmp_path), mode, fail)
-    in_own_process(spawned_engine_run, args, 150, "the driver process")
+def run_driver(model_dir, tmp_path, mode, fail, all_reduce="auto"):
+    args = (str(model_dir), str(tmp_path), mode, fail, all_reduce)
+    in_own_process(spawned_engine_run, args, 150, "the driver process", tmp_path)
     return torch.load(tmp_path / "driver.pt", weights_only=False)
 
 
@@ -118,10 +122,11 @@ def test_llm_started_alone_drives_a_second_gpu(model_dir, tmp_path, mode):
     assert tokens == want
 
 
-def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
+@pytest.mark.parametrize("all_reduce", ["nccl", "auto"])
+def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path, all_reduce):
     # Piecewise: attention runs between the graphs, so the worker dies mid-step while
     # rank 0's graphs wait in an all-reduce that will never complete.
-    error, seconds = run_driver(model_dir, tmp_path, "full_and_piecewise", fail=True)
+    error, seconds = run_driver(model_dir, tmp_path, "full_and_piecewise", True, all_reduce)
     assert isinstance(error, str) and "rank 1 failed" in error, error
     # A process that dies with NCCL kernels in flight can hang in its exit (pipe open, no
     # exit code): then the silence of its heartbeat names it.
@@ -131,10 +136,10 @@ def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, dtype):
-    args = (str(model_dir), str(tmp_path), dtype)
-    in_own_process(spawned_ubatch_run, args, 300, "the micro-batched run")
-    got = torch.load(tmp_path / "ubatch.pt")
-    plain, ub = got["plain"], got["ubatch"]
+    for ubatch in (False, True):
+        args = (str(model_dir), str(tmp_path), dtype, ubatch)
+        in_own_process(spawned_ubatch_run, args, 150, "the micro-batched run", tmp_path)
+    plain, ub = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "ubatch.pt")
     assert ub["ubatched"] > 0 and plain["ubatched"] == 0
     err = ((ub["logits"] - plain["logits"]).norm() / plain["logits"].norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err

@@ -9,6 +9,7 @@ data-parallel group. NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -173,6 +174,13 @@ def init_parallel(
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if launch_env is not None and dist.is_initialized():
+        # Its workers would wait at a rendezvous this process never joins.
+        raise ParallelError(
+            "this process still holds the process group of an earlier parallel engine "
+            "(its close() returned False: PyTorch's teardown did not finish); start the "
+            "new engine in a fresh process"
+        )
     failures = None
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -220,6 +228,32 @@ def init_parallel(
         failures,
         timeout_s,
     )
+
+
+def abort_parallel(groups: ParallelGroups, timeout_s: float = 10.0) -> bool:
+    """Aborts this process's communicators without a collective (a dead peer cannot
+    join one): NCCL kernels still waiting on that peer end, so this process can go on
+    or exit instead of hanging in them. The groups are unusable afterwards. Returns
+    False if the backend has no abort or it did not finish within ``timeout_s``."""
+    if not dist.is_initialized():
+        return True
+    pgs = [g for g in (groups.tp.group, groups.dp_group) if g is not None]
+    pgs.append(dist.group.WORLD)
+    aborts = [getattr(g, "abort", None) for g in pgs]
+    if not all(callable(a) for a in aborts):
+        return False
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            for a in aborts:
+                with contextlib.suppress(Exception):  # one already aborted, say
+                    a()
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, daemon=True, name="ostinato-abort").start()
+    return done.wait(timeout_s)
 
 
 def shutdown_parallel(timeout_s: float = 30.0) -> bool:

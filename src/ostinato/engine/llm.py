@@ -19,6 +19,7 @@ from ostinato.distributed.failure import ParallelError, RankFailure, describe
 from ostinato.distributed.groups import (
     ParallelConfig,
     TensorParallel,
+    abort_parallel,
     init_parallel,
     launched_by_torchrun,
     shutdown_parallel,
@@ -557,6 +558,10 @@ class LLM:
         peer = self._peer_failure()
         if peer is not None and peer.rank != rank:
             self.failure = peer
+            if self.device.type == "cuda":
+                # This rank's kernels may still wait on the dead peer in a collective;
+                # aborting the communicators ends NCCL's, so the process can exit.
+                abort_parallel(self.parallel)
             raise peer.error(rank) from exc
         self.failure = RankFailure(rank, describe(exc))
         if self.parallel.failures is not None:

@@ -34,7 +34,10 @@ def captured():
     model = TinyModel(vocab=VOCAB, hidden=1024, intermediate=2048, layers=4)
     model = model.to(DEVICE, torch.bfloat16).eval()
     config = GraphConfig(mode=GraphMode.FULL, verify_graphs=True)  # each graph checked vs eager
-    runner = TinyRunner(model, config, DEVICE, progress=False)
+    # A pool of its own: the shared one may already hold memory from earlier tests, and
+    # the pool-size checks below measure what this capture reserves.
+    pool = torch.cuda.graph_pool_handle()
+    runner = TinyRunner(model, config, DEVICE, progress=False, pool=pool)
     runner.capture()
     return model, runner
 

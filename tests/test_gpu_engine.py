@@ -141,7 +141,9 @@ def test_async_scheduling_equals_sync_with_graphs_and_preemption(mode):
     ]
     outs = {}
     for asyn in (False, True):
-        llm = tiny_engine(mode, torch.float32, num_blocks=10, async_scheduling=asyn)
+        llm = tiny_engine(
+            mode, torch.float32, num_blocks=10, max_model_len=128, async_scheduling=asyn
+        )
         outs[asyn] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.pool.num_free == 9
@@ -166,10 +168,11 @@ def test_fused_kv_write_equals_two_index_copies_bitwise(dtype):
     ref = [c.clone() for c in caches]
     write_kv(k, v, ref[0], ref[1], slots)
     write_kv_fused(k, v, caches[0], caches[1], slots)
-    # Every slot but slot 0 bitwise (real rows' slots and untouched ones); slot 0 holds one
-    # of the padding rows' values in both paths (which one is unspecified), never read.
-    pads = {tuple(r.tolist()) for r in k[-5:].reshape(5, -1).float()}
-    for got, want in zip(caches, ref, strict=True):
+    # Every slot but slot 0 bitwise (real rows' slots and untouched ones); in slot 0 each
+    # head holds that head of one of the padding rows (which one is unspecified, and may
+    # differ per head: the kernel writes heads independently), never read.
+    for got, want, src in zip(caches, ref, (k, v), strict=True):
         flat_g, flat_w = got.view(-1, kv_heads, head_dim), want.view(-1, kv_heads, head_dim)
         assert torch.equal(flat_g[1:], flat_w[1:])
-    assert tuple(caches[0].view(-1, kv_heads, head_dim)[0].reshape(-1).float().tolist()) in pads
+        for h in range(kv_heads):
+            assert any(torch.equal(flat_g[0, h], src[i, h]) for i in range(n - 5, n)), h

@@ -144,3 +144,18 @@ def test_identical_layers_are_compiled_once(compiler):
     # middle ones (a layer's rest + the next layer up to attention), and the last.
     assert len(backend.wrappers) == 6
     assert (backend.stats.piece_compiles, backend.stats.piece_reuses) == (3, 3)
+
+
+def test_more_compiled_models_than_dynamo_keeps_variants_all_compile():
+    # Dynamo keeps at most 8 compiled variants per code object; a process that builds
+    # engine after engine (tests, benchmarks, a server reloading) must never reach it.
+    step = Step()
+    step.fill(4, 0)
+    for i in range(10):
+        backend = PiecewiseBackend(compiler="eager", platform=FakePlatform(), pool=1)
+        m = model().to(torch.float64 if i % 2 else torch.float32)
+        step.cache = KVCache(
+            LAYERS, 16, 16, 2, 32, m.embed_tokens.weight.dtype, torch.device("cpu")
+        )
+        step.run(CompiledModel(m, backend), GraphMode.NONE, 4)
+        assert backend.stats.compiles == 1

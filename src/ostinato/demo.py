@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,11 +61,17 @@ class TinyRunner:
     """
 
     def __init__(
-        self, model: nn.Module, config: GraphConfig, device: torch.device, progress: bool = True
+        self,
+        model: nn.Module,
+        config: GraphConfig,
+        device: torch.device,
+        progress: bool = True,
+        pool: Any = None,
     ) -> None:
         self.model = model
         self.input_ids = torch.zeros(max(config.largest_size, 1), dtype=torch.long, device=device)
-        self.graphs = build_graph_runtime(self._step, config, progress=progress)
+        # ``pool``: a graph memory pool of the caller's; the process's shared one if None.
+        self.graphs = build_graph_runtime(self._step, config, progress=progress, pool=pool)
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor:
         return self.model(self.input_ids[: d.num_tokens])

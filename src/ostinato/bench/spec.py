@@ -85,7 +85,9 @@ def run(args: argparse.Namespace) -> SpecResult:
         max_num_seqs=max(args.batch_sizes),
         progress=False,
     )
-    params = SamplingParams(max_tokens=args.new_tokens)
+    # EOS ignored: chat answers to short questions end after a few tokens, and tokens/s
+    # would then measure the prefill, not decoding.
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     plain_llm = LLM(args.model, **kw)
     result = SpecResult(
         plain_llm.source_name,
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> SpecResult:
                 row.draft_ms_per_call = drafter.seconds / drafter.calls * 1e3
                 drafter.calls, drafter.seconds = 0, 0.0
             result.rows.append(row)
+            if args.out:  # after every row: a run cut short keeps what it measured
+                write_result(args.out, result)
             print(
                 f"{proposer:10s} k={k} B={b:3d} {row.tokens_per_s:9.1f} tok/s  acceptance "
                 f"{row.acceptance_rate:5.0%}  target steps/token {row.target_steps_per_token:5.2f}"
@@ -166,6 +170,10 @@ def run(args: argparse.Namespace) -> SpecResult:
         "self:N replays its k-step draft loop from one graph per batch size on CUDA; "
         "'self:N eager' runs the same loop eagerly; draft_ms_per_call compares them"
     )
+    result.notes.append(
+        "EOS ignored: every request generates new_tokens tokens (short chat answers would "
+        "otherwise make tokens/s measure the prefill)"
+    )
     return result
 
 
@@ -193,8 +201,13 @@ def main(argv: list[str]) -> int:
         print("CPU form (--quick or no CUDA): the tiny random model, B = 1, 2")
     result = run(args)
     if args.out:
-        doc = {"benchmark": "speculative", "provenance": asdict(Provenance.collect())}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**doc, **asdict(result)}, indent=2) + "\n")
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     return 0
+
+
+def write_result(path: Path, result: SpecResult) -> None:
+    """Writes ``result`` as JSON with the run's provenance."""
+    doc = {"benchmark": "speculative", "provenance": asdict(Provenance.collect())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**doc, **asdict(result)}, indent=2) + "\n")

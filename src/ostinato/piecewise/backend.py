@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,6 +194,26 @@ def _compile_pieces(
     return interpreter.compiled
 
 
+_entries = itertools.count()
+
+
+def _entry_template(*args: Any) -> Any:
+    return module(*args)  # noqa: F821  (``module`` is each copy's own global)
+
+
+def _own_entry(module: torch.nn.Module) -> Callable[..., Any]:
+    """A function that calls ``module``, with a code object of its own. Dynamo keeps
+    compiled code per code object, with a limit of 8 variants: compiling ``module``
+    itself would put every engine of the process (each new backend, dtype or shape a
+    variant) in the one cache of the model class's ``forward``, and the ninth engine
+    would fail to compile."""
+    n = next(_entries)
+    code = _entry_template.__code__.replace(
+        co_name=f"ostinato_entry_{n}", co_qualname=f"ostinato_entry_{n}"
+    )
+    return types.FunctionType(code, {"module": module, "__builtins__": __builtins__})
+
+
 class CompiledModel:
     """``torch.compile(module, backend=backend, fullgraph=True)`` compiled once for all sizes.
 
@@ -204,7 +226,7 @@ class CompiledModel:
     def __init__(self, module: torch.nn.Module, backend: PiecewiseBackend) -> None:
         self.module = module
         self.backend = backend
-        self._compiled = torch.compile(module, backend=backend, fullgraph=True)
+        self._compiled = torch.compile(_own_entry(module), backend=backend, fullgraph=True)
 
     def __call__(self, *args: Any) -> Any:
         if self.backend.stats.compiles:

@@ -11,12 +11,16 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 case "${1:-}" in
 tests)
-    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+    # -v/-rfE with a per-test timeout: a hung test fails alone, and every failure's cause
+    # is printed before the call's limit.
+    timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        --timeout=150 --durations=15 \
         --ignore=tests/test_gpu_smollm2.py --ignore=tests/test_gpu_distributed.py tests \
         2>&1 | tee "$OUT/gpu_tests.log"
     ;;
 smollm2)
-    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_smollm2.py \
+    timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        --timeout=150 tests/test_gpu_smollm2.py \
         2>&1 | tee "$OUT/gpu_smollm2.log"
     ;;
 bench)

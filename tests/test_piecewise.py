@@ -159,3 +159,25 @@ def test_more_compiled_models_than_dynamo_keeps_variants_all_compile():
         )
         step.run(CompiledModel(m, backend), GraphMode.NONE, 4)
         assert backend.stats.compiles == 1
+
+
+def test_a_dropped_compiled_model_frees_its_module_and_backend():
+    # Dynamo keeps every backend it is given and its compiled code in a cycle the garbage
+    # collector cannot see; an engine's weights and graphs must still go with the engine.
+    import gc
+    import weakref
+
+    step = Step()
+    step.fill(4, 0)
+    refs = []
+    for release in (False, True):
+        backend = PiecewiseBackend(compiler="eager", platform=FakePlatform(), pool=1)
+        m = model()
+        compiled = CompiledModel(m, backend)
+        step.run(compiled, GraphMode.NONE, 4)
+        if release:
+            compiled.release()
+        refs.append((weakref.ref(m), weakref.ref(backend)))
+        del compiled, m, backend
+    gc.collect()
+    assert all(r() is None for pair in refs for r in pair)

@@ -166,6 +166,8 @@ class ModelRunner:
         self.manager.release()
         if self.piecewise is not None:
             self.piecewise.release()
+        if isinstance(self.forward, CompiledModel):
+            self.forward.release()
 
     @torch.inference_mode()
     def execute(

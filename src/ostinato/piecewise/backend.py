@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,6 +215,26 @@ def _own_entry(module: torch.nn.Module) -> Callable[..., Any]:
     return types.FunctionType(code, {"module": module, "__builtins__": __builtins__})
 
 
+class _WeakBackend:
+    """What Dynamo is handed as the backend. Dynamo keeps every backend it was given for
+    the life of the process; this holds the real one weakly, so an engine's pieces and
+    graphs are freed with the engine."""
+
+    def __init__(self, backend: PiecewiseBackend) -> None:
+        self.ref = weakref.ref(backend)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        backend = self.ref()
+        if backend is None:
+            raise RuntimeError("ostinato: this compiled model's backend was released")
+        return backend(gm, example_inputs)
+
+
+def _forget_entry(code: types.CodeType, entry_globals: dict[str, Any]) -> None:
+    torch._dynamo.reset_code(code)
+    entry_globals.clear()
+
+
 class CompiledModel:
     """``torch.compile(module, backend=backend, fullgraph=True)`` compiled once for all sizes.
 
@@ -226,7 +247,20 @@ class CompiledModel:
     def __init__(self, module: torch.nn.Module, backend: PiecewiseBackend) -> None:
         self.module = module
         self.backend = backend
-        self._compiled = torch.compile(_own_entry(module), backend=backend, fullgraph=True)
+        self._entry = _own_entry(module)
+        self._compiled = torch.compile(self._entry, backend=_WeakBackend(backend), fullgraph=True)
+        # Dynamo's compiled code for the entry holds the module (and the backend, with
+        # its graphs) in a reference cycle through the code object that the garbage
+        # collector cannot see: it is dropped by hand when this object is released.
+        self._forget = weakref.finalize(
+            self, _forget_entry, self._entry.__code__, self._entry.__globals__
+        )
+
+    def release(self) -> None:
+        """Drops Dynamo's compiled code for this model, so the module and the backend
+        can be freed; also done when this object is garbage collected. It must not be
+        called afterwards."""
+        self._forget()
 
     def __call__(self, *args: Any) -> Any:
         if self.backend.stats.compiles:

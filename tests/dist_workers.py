@@ -95,10 +95,14 @@ def dp_agreement(rank: int, world: int, port: int, out: str) -> None:
     rng = random.Random(rank)
     modes = [GraphMode.NONE, GraphMode.PIECEWISE, GraphMode.FULL]
     rows = []
-    for _ in range(20):
-        mine = (rng.choice(modes), rng.choice([0, 1, 3, 8, 17, 64]))
-        got = agree_on_step(*mine, groups.dp_group)
-        rows.append((mine[0].name, mine[1], got.mode.name, got.num_tokens, got.tokens_per_rank))
+    for _ in range(40):
+        mode, padded = rng.choice(modes), rng.choice([0, 1, 3, 8, 17, 64])
+        micro, real = rng.random() < 0.7, rng.randint(1, padded) if padded else 0
+        got = agree_on_step(mode, padded, groups.dp_group, micro_batch=micro, real_tokens=real)
+        rows.append(
+            (mode.name, padded, got.mode.name, got.num_tokens, got.tokens_per_rank)
+            + (micro, real, got.micro_batch)
+        )
     torch.save(rows, Path(out) / f"{rank}.pt")
     shutdown_parallel()
 

@@ -60,10 +60,16 @@ def test_data_parallel_replicas_agree_on_mode_and_size(tmp_path):
     a, b = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")
     order = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}
     for ra, rb in zip(a, b, strict=True):
-        assert ra[2:] == rb[2:], "every rank gets the same answer"
+        assert ra[2:5] == rb[2:5] and ra[7] == rb[7], "every rank gets the same answer"
         assert order[ra[2]] == min(order[ra[0]], order[rb[0]])
         assert ra[3] == max(ra[1], rb[1]) and ra[4] == (ra[1], rb[1])
+        # Micro-batched only if every replica with work proposed it and keeps real tokens
+        # in the second half of the agreed size.
+        padded, busy = ra[3], [r for r in (ra, rb) if r[1] > 0]
+        want = bool(busy) and all(r[5] and padded % 2 == 0 and r[6] > padded // 2 for r in busy)
+        assert ra[7] == want, (ra, rb)
     assert len({r[2] for r in a}) > 1, "the random steps exercised several modes"
+    assert {r[7] for r in a} == {False, True}, "some steps were split, some not"
 
 
 def test_data_parallel_replicas_with_different_work_match_running_alone(tmp_path):
@@ -208,6 +214,22 @@ def test_micro_batched_tensor_parallel_steps_equal_plain_ones(llama_dir):
     plain.close()
     policy = MicroBatching(decode_threshold=4, prefill_threshold=8)
     llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, micro_batching=policy)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.runner.ubatched_steps > 0
+    llm.close()
+
+
+def test_micro_batching_under_data_parallelism_equals_plain(llama_dir):
+    # Two replicas of TP=2 with different shares of the prompts: every step the replicas
+    # agree whether to split it, so both (or neither) run their all-reduces micro-batched.
+    from ostinato.ubatch.policy import MicroBatching
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = PROMPTS + dp_prompts(0) + dp_prompts(1)
+    alone = engine(llama_dir, "cpu", "none", torch.float32)
+    want = [o.token_ids for o in alone.generate(prompts, params)]
+    policy = MicroBatching(decode_threshold=2, prefill_threshold=8)
+    llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, dp=2, micro_batching=policy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.runner.ubatched_steps > 0
     llm.close()

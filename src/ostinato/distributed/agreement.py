@@ -2,6 +2,9 @@
 the runtime mode (the lowest of theirs), the padded size (the largest of theirs) and
 whether the step is a uniform decode (only if it is on every replica), so graphs that hold
 collectives replay in lock-step; a replica without work runs a dummy step of that size.
+They also agree on whether the step is split into micro-batches: either every replica with
+work splits it (each proposed it and keeps real tokens in both halves of the agreed size)
+or none does.
 
 A replica with no work proposes ``idle_proposal()``, which constrains nothing; when every
 replica is idle the agreed size is 0 and the replicas stop together."""
@@ -22,12 +25,15 @@ _MODE = {v: k for k, v in _RANK.items()}
 @dataclass(frozen=True)
 class StepAgreement:
     """What every replica runs this step: ``mode``, ``num_tokens`` (padded),
-    ``uniform_decode``, and the padded token count each replica proposed (0: no work)."""
+    ``uniform_decode``, the padded token count each replica proposed (0: no work), and
+    ``micro_batch``: whether every replica with work splits the step into two
+    micro-batches."""
 
     mode: GraphMode
     num_tokens: int
     uniform_decode: bool
     tokens_per_rank: tuple[int, ...]
+    micro_batch: bool = False
 
 
 def idle_proposal() -> tuple[GraphMode, int, bool]:
@@ -35,19 +41,30 @@ def idle_proposal() -> tuple[GraphMode, int, bool]:
     return GraphMode.FULL, 0, True
 
 
+def _splits(padded: int, real_tokens: int) -> bool:
+    # Two micro-batches of padded / 2 rows, the second holding real tokens.
+    return padded % 2 == 0 and real_tokens > padded // 2
+
+
 def agree_on_step(
     mode: GraphMode,
     num_tokens: int,
     group: dist.ProcessGroup | None,
     uniform_decode: bool = False,
+    micro_batch: bool = False,
+    real_tokens: int = 0,
 ) -> StepAgreement:
-    """One all-gather of ``(mode, num_tokens, uniform_decode)`` over ``group``; every rank
-    gets the same answer. ``mode`` must be a runtime mode (NONE, PIECEWISE, FULL)."""
+    """One all-gather of ``(mode, num_tokens, uniform_decode, micro_batch, real_tokens)``
+    over ``group``; every rank gets the same answer. ``mode`` must be a runtime mode
+    (NONE, PIECEWISE, FULL); ``micro_batch`` is whether this replica would split its step
+    and ``real_tokens`` its unpadded token count."""
     if mode not in _RANK:
         raise ValueError(f"mode: {mode.name} is not a runtime mode")
     if group is None:
-        return StepAgreement(mode, num_tokens, uniform_decode, (num_tokens,))
-    mine = torch.tensor([_RANK[mode], num_tokens, int(uniform_decode)], dtype=torch.long)
+        split = micro_batch and _splits(num_tokens, real_tokens)
+        return StepAgreement(mode, num_tokens, uniform_decode, (num_tokens,), split)
+    row = [_RANK[mode], num_tokens, int(uniform_decode), int(micro_batch), real_tokens]
+    mine = torch.tensor(row, dtype=torch.long)
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -55,4 +72,7 @@ def agree_on_step(
     rows = [t.tolist() for t in gathered]
     lowest = min(r[0] for r in rows)
     uniform = all(r[2] for r in rows)
-    return StepAgreement(_MODE[lowest], max(r[1] for r in rows), uniform, tuple(r[1] for r in rows))
+    padded = max(r[1] for r in rows)
+    busy = [r for r in rows if r[1] > 0]
+    split = bool(busy) and all(r[3] and _splits(padded, r[4]) for r in busy)
+    return StepAgreement(_MODE[lowest], padded, uniform, tuple(r[1] for r in rows), split)

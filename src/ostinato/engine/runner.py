@@ -207,14 +207,21 @@ class ModelRunner:
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
         layout = self.inputs.write(step, padded, previous)
-        if self._micro_batched(dispatch.mode, padded, step):
+        ubatch = (
+            self.would_micro_batch(dispatch.mode, padded, step)
+            if agreement is None
+            else agreement.micro_batch
+        )
+        if ubatch:
             hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
             self.greedy = None
             return self.model.compute_logits(hidden[layout.logit_rows])
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_rows)
 
-    def _micro_batched(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
+    def would_micro_batch(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
+        """Whether ``step``, dispatched to ``mode`` at ``padded`` rows, runs as two
+        micro-batches (under data parallelism the replicas then agree on it)."""
         # Only where there are collectives to overlap, and (for now) only eagerly.
         policy = self.micro_batching
         if policy is None or self.model.tp.group is None or mode is not GraphMode.NONE:

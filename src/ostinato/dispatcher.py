@@ -74,12 +74,12 @@ class Dispatcher:
         uniform_full = self.mode.separate_routine() and self.mode.decode_mode() is GraphMode.FULL
 
         # pad_to[n] = smallest captured size >= n, for 1 <= n <= max_size.
-        pad_to = [0] * (self.max_size + 1)
-        j = 0
-        for n in range(1, self.max_size + 1):
-            while self.sizes[j] < n:
-                j += 1
-            pad_to[n] = self.sizes[j]
+        pad_to = _padding_table(self.sizes, self.max_size)
+        # Uniform decode graphs hold q tokens per request, so their sizes are q times a
+        # request count of the ladder (q = 1: the ladder itself); upad[n] = 0: no graph.
+        limit = min(decode_limit, self.max_size)
+        uniform_sizes = sorted({q * r for r in self.sizes if q * r <= limit})
+        upad = _padding_table(uniform_sizes, self.max_size) if uniform_full else []
 
         self._keys: dict[GraphMode, set[BatchDescriptor]] = {
             GraphMode.FULL: set(),
@@ -92,8 +92,9 @@ class Dispatcher:
                 row: list[Dispatch] = [Dispatch(GraphMode.NONE, BatchDescriptor(0, None))]
                 for n in range(1, self.max_size + 1):
                     p = pad_to[n]
-                    if uniform and uniform_full and p % q == 0 and q <= p <= decode_limit:
-                        d = Dispatch(GraphMode.FULL, BatchDescriptor(p, p // q, True, lora))
+                    if uniform and uniform_full and upad[n]:
+                        u = upad[n]
+                        d = Dispatch(GraphMode.FULL, BatchDescriptor(u, u // q, True, lora))
                     elif mixed is not GraphMode.NONE:
                         d = Dispatch(mixed, BatchDescriptor(p, None, False, lora))
                     else:
@@ -134,3 +135,17 @@ class Dispatcher:
         if mode not in self._keys:
             raise ValueError(f"mode: keys exist only for FULL and PIECEWISE, got {mode.name}")
         return sorted(self._keys[mode], key=lambda d: (-d.num_tokens, d.uniform_decode, d.has_lora))
+
+
+def _padding_table(sizes: list[int], max_size: int) -> list[int]:
+    """``table[n]`` = the smallest of ``sizes`` (ascending) that is >= n, for 0 < n <=
+    ``max_size``; 0 where none is."""
+    table = [0] * (max_size + 1)
+    j = 0
+    for n in range(1, max_size + 1):
+        while j < len(sizes) and sizes[j] < n:
+            j += 1
+        if j == len(sizes):
+            break
+        table[n] = sizes[j]
+    return table

@@ -422,7 +422,7 @@ class LLM:
         if spec.method == "ngram":
             return NgramProposer(spec.ngram_max)
         if spec.method == "oracle":
-            return OracleProposer(spec.oracle or {})
+            return OracleProposer(spec.oracle if spec.oracle is not None else {})
         return SelfDraftProposer(
             self.model,
             self.cache,

@@ -88,16 +88,20 @@ class NgramProposer:
 
 
 class OracleProposer:
-    """Proposes the tokens known to follow each prompt (a benchmark's reference run)."""
+    """Proposes the tokens known to follow each prompt (a benchmark's reference run).
+
+    ``known`` is kept by reference and read at every call, so a caller may update it
+    between ``generate`` calls (a benchmark swaps in the reference run of each batch size:
+    on a GPU, plain decoding's rounding, and so its tokens, can depend on the batch)."""
 
     def __init__(self, known: Mapping[tuple[int, ...], Sequence[int]]) -> None:
-        self.known = {tuple(p): list(t) for p, t in known.items()}
+        self.known = known
 
     def __call__(self, requests: list[Request], n: list[int]) -> list[list[int]]:
         out = []
         for r, k in zip(requests, n, strict=True):
-            future = self.known.get(tuple(r.prompt), [])
-            out.append(future[len(r.output) : len(r.output) + k])
+            future = self.known.get(tuple(r.prompt), ())
+            out.append(list(future[len(r.output) : len(r.output) + k]))
         return out
 
 

@@ -329,6 +329,7 @@ class LLM:
             ),
             num_blocks=num_blocks,
             tp=self.parallel.tp,
+            decode_query_len=1 + self.speculative.k if self.speculative else 1,
         )
         logger.info("ostinato: memory plan: %s", plan.summary())
         return plan

@@ -100,17 +100,20 @@ def plan_memory(
     max_capture_tokens: int,
     num_blocks: int | None = None,
     tp: TensorParallel | None = None,
+    decode_query_len: int = 1,
 ) -> MemoryPlan:
     """Chooses the KV block count, or raises ``EngineMemoryError``.
 
     ``num_blocks`` given: it must fit. Otherwise as many blocks as fit in the budget, up
     to every sequence at ``max_model_len``, and at least one such sequence.
+    ``decode_query_len``: rows of logits per decoding request (1 + k when speculating).
     """
     budget = int(utilization * total) - (total - free)
     tp = tp or TensorParallel()
     weights = weight_bytes(config, dtype, tp)
-    acts = activation_bytes(config, limits.max_num_batched_tokens, limits.max_num_seqs, dtype)
-    graphs = graph_pool_bytes(config, max_capture_tokens, dtype, limits.max_num_seqs)
+    logit_rows = limits.max_num_seqs * decode_query_len
+    acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
+    graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)
     block = kv_block_bytes(config, limits.block_size, dtype, tp.size)
     wanted = num_blocks if num_blocks is not None else limits.full_blocks
     least = num_blocks if num_blocks is not None else limits.blocks_per_seq + 1

@@ -231,7 +231,9 @@ class _WeakBackend:
 
 
 def _forget_entry(code: types.CodeType, entry_globals: dict[str, Any]) -> None:
-    torch._dynamo.reset_code(code)
+    reset_code = getattr(torch._dynamo, "reset_code", None)
+    if reset_code is not None:  # without it the module still goes, with the globals
+        reset_code(code)
     entry_globals.clear()
 
 

@@ -232,9 +232,9 @@ class _WeakBackend:
 
 def _forget_entry(code: types.CodeType, entry_globals: dict[str, Any]) -> None:
     reset_code = getattr(torch._dynamo, "reset_code", None)
-    if reset_code is not None:  # without it the module still goes, with the globals
+    if reset_code is not None:  # without it the module still goes with its global
         reset_code(code)
-    entry_globals.clear()
+    entry_globals.pop("module", None)
 
 
 class CompiledModel:

@@ -47,6 +47,13 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.ostinato.attention.default:
+            # The attention op runs Python (it reads the forward context): a real graph
+            # holds the kernels it launches, so record those instead.
+            from ostinato.engine.attention_op import attention
+
+            with _Recorder(self.graph):
+                return attention(*args, **kwargs)
         out = func(*args, **kwargs)
         self.graph.ops.append((func, args, kwargs, out))
         return out
@@ -97,3 +104,34 @@ class FakePlatform(Platform):
             yield
         finally:
             self.sync_errors_active = False
+
+
+class DenseGraphAttention:
+    """A capturable attention backend for the CPU (test double of the Triton one): only
+    tensor ops on the step's device tensors (no host lists), so a ``FakeGraph`` replays it
+    on whatever the persistent metadata buffers hold. Each token attends to every slot of
+    its request's block table up to its own position, densely."""
+
+    from ostinato.resolution import AttentionGraphSupport as _Support
+
+    graph_support = _Support.ALWAYS
+
+    def __init__(self) -> None:
+        from ostinato.engine.attention import write_kv
+
+        self.write_kv = write_kv
+
+    def __call__(self, q, k_cache, v_cache, meta, scale, out):
+        n, heads, d = q.shape
+        _, bs, kv_heads, _ = k_cache.shape
+        tables = meta.block_tables[meta.token_req.long()].long()  # [n, max_blocks]
+        ctx = tables.shape[1] * bs
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(n, ctx)
+        group = heads // kv_heads
+        k = k_cache.reshape(-1, kv_heads, d)[slots].repeat_interleave(group, dim=2)
+        v = v_cache.reshape(-1, kv_heads, d)[slots].repeat_interleave(group, dim=2)
+        s = torch.einsum("nhd,nchd->nhc", q.float(), k.float()) * scale
+        live = torch.arange(ctx)[None, :] <= meta.positions[:, None]  # [n, ctx]
+        s = s.masked_fill(~live[:, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # padding rows: no keys, zero output
+        out.copy_(torch.einsum("nhc,nchd->nhd", p, v.float()).to(out.dtype))

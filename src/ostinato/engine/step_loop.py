@@ -132,11 +132,14 @@ class StepLoop:
         self.scheduler.launched(step)
         index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
         done = None
-        host = tokens
         if self.device.type == "cuda":
             host = tokens.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record()
+        else:
+            # A copy, always: ``tokens`` may be a view of a graph's static output, which
+            # the next step's replay overwrites before this step is resolved.
+            host = tokens.to("cpu", copy=True)
         return InFlight(step, PreviousSample(tokens, index), host, done)
 
     def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:

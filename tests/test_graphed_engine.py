@@ -63,7 +63,7 @@ def test_fake_graphs_replay_decode_steps_and_match_eager(fake_graphs):
 
 # Not the piecewise modes: Dynamo cannot trace under the fake graph's recorder.
 @pytest.mark.parametrize("mode", ["full_decode_only", "full"])
-@pytest.mark.parametrize("method", ["oracle", "ngram"])
+@pytest.mark.parametrize("method", ["oracle", "ngram", "self:2"])
 def test_speculative_verify_graphs_equal_plain_decoding_at_several_batch_sizes(
     fake_graphs, method, mode
 ):
@@ -73,7 +73,7 @@ def test_speculative_verify_graphs_equal_plain_decoding_at_several_batch_sizes(
     spec = (
         SpeculativeConfig("oracle", 4, oracle=known)
         if method == "oracle"
-        else SpeculativeConfig("ngram", 4)
+        else SpeculativeConfig.parse(method, 4)
     )
     llm = engine(mode, speculative=spec)
     assert llm.mode.name == mode.upper()
@@ -83,3 +83,29 @@ def test_speculative_verify_graphs_equal_plain_decoding_at_several_batch_sizes(
         assert sum(g.replays for g in fake_graphs.graphs) > before
     if method == "oracle":
         assert llm.spec_stats.acceptance_rate == 1.0
+    if method.startswith("self"):  # the draft's k-step loop replayed from its own graphs
+        assert llm.draft_report is not None and llm.draft_report.num_graphs > 0
+
+
+@pytest.mark.parametrize("mode", ["full_decode_only", "full"])
+def test_async_scheduling_with_graphs_and_preemption_equals_sync(fake_graphs, mode):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(1, 60))] for _ in range(12)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 40),
+            ignore_eos=True,
+            stop_token_ids=tuple(rng.sample(range(1, 1000), 30)),
+        )
+        for _ in prompts
+    ]
+    outs = {}
+    for asyn in (False, True):
+        # 9 usable blocks of 16 for 8 sequences of up to 100 tokens: preemption.
+        llm = engine(mode, num_blocks=10, async_scheduling=asyn)
+        outs[asyn] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.pool.num_free == 9
+    assert outs[True] == outs[False]
+    eager = engine("none", backend=None, num_blocks=10)
+    assert [(o.token_ids, o.finish_reason) for o in eager.generate(prompts, params)] == outs[True]

@@ -136,6 +136,27 @@ def test_sampler_greedy_top_p_and_seeded_temperature():
     assert torch.equal(a, b) and len(set(a.tolist())) > 1
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_tokens_follow_the_softmax_restricted_to_top_p(top_p):
+    # 20000 draws of 4 tokens whose probabilities at temperature 2 are known; with
+    # top_p = 0.8 the least likely tokens outside the nucleus are never drawn.
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    p = torch.softmax(logits / 2.0, dim=0)
+    n = 20000
+    got = sample(
+        logits.repeat(n, 1),
+        torch.full((n,), 2.0),
+        torch.full((n,), top_p),
+        torch.Generator().manual_seed(7),
+    )
+    counts = torch.bincount(got, minlength=4).double() / n
+    kept = (torch.cumsum(p, 0) - p) < top_p
+    want = torch.where(kept, p, torch.zeros_like(p)).double()
+    want /= want.sum()
+    assert torch.all(counts[~kept] == 0)
+    assert torch.allclose(counts, want, atol=0.015), (counts, want)
+
+
 def test_mixed_greedy_and_sampled_requests_in_one_batch():
     llm = tiny()
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -68,6 +68,10 @@ def sample(
     # Keep a token if the mass before it is still below top_p (the first is always kept).
     keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_ps[:, None]
     sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    choice = torch.multinomial(sorted_p, 1, generator=generator).squeeze(1)
+    # The exponential race: argmax of p / E, E ~ Exp(1) i.i.d., picks token i with
+    # probability p_i / sum(p). Unlike torch.multinomial it never waits for the device,
+    # and it is made of ops a graph can hold.
+    race = torch.empty_like(sorted_p).exponential_(generator=generator)
+    choice = (sorted_p / race).argmax(dim=-1)
     sampled = order.gather(1, choice[:, None]).squeeze(1)
     return torch.where(temperatures > 0, sampled, greedy)

@@ -260,8 +260,8 @@ class CompiledModel:
 
     def release(self) -> None:
         """Drops Dynamo's compiled code for this model, so the module and the backend
-        can be freed; also done when this object is garbage collected. It must not be
-        called afterwards."""
+        can be freed (also done when this object is garbage collected). This compiled
+        model must not be called afterwards; releasing twice is harmless."""
         self._forget()
 
     def __call__(self, *args: Any) -> Any:

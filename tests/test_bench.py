@@ -134,5 +134,6 @@ def test_spec_quick_runs_every_proposer_and_keeps_the_plain_tokens(tmp_path):
     assert proposers == {"none", "ngram", "self:2", "self:2 eager", "oracle"}
     assert all(r["draft_ms_per_call"] > 0 for r in doc["rows"] if r["proposer"].startswith("self"))
     assert all(r["same_tokens_as_plain"] for r in doc["rows"])
+    assert all(r["first_difference"] == [-1] * r["batch"] for r in doc["rows"])
     oracle = [r for r in doc["rows"] if r["proposer"] == "oracle"]
     assert all(r["acceptance_rate"] == 1.0 and r["target_steps_per_token"] < 0.5 for r in oracle)

@@ -50,6 +50,9 @@ class SpecRow:
     target_steps_per_token: float
     same_tokens_as_plain: bool
     draft_ms_per_call: float = float("nan")  # self-draft: one k-token proposal, wall time
+    # Per request, the index of its first token that differs from plain decoding's (-1:
+    # none): late, isolated divergences point at rounding near-ties, early ones at a bug.
+    first_difference: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +73,13 @@ def _prompts(llm: Any, batch: int) -> list[Any]:
         return [[1 + (i * 7 + j) % 50 for j in range(12)] for i in range(batch)]
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(batch)]
     return [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return i
+    return -1 if len(got) == len(want) else min(len(got), len(want))
 
 
 def run(args: argparse.Namespace) -> SpecResult:
@@ -135,6 +145,9 @@ def run(args: argparse.Namespace) -> SpecResult:
                 accepted / drafted if drafted else 0.0,
                 steps / produced,
                 tokens == plain[b],
+                first_difference=[
+                    _first_difference(a, p) for a, p in zip(tokens, plain[b], strict=True)
+                ],
             )
             drafter = getattr(llm, "drafter", None)
             if drafter is not None and drafter.calls:
@@ -151,7 +164,11 @@ def run(args: argparse.Namespace) -> SpecResult:
                     if math.isnan(row.draft_ms_per_call)
                     else f"  draft {row.draft_ms_per_call:.2f} ms"
                 )
-                + ("" if row.same_tokens_as_plain else "  (tokens differ from plain)"),
+                + (
+                    ""
+                    if row.same_tokens_as_plain
+                    else f"  (tokens differ from plain; first at {row.first_difference})"
+                ),
                 flush=True,
             )
 

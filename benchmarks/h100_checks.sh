@@ -2,7 +2,7 @@
 # The single-GPU checks of the engine on nvidia-h100-x1, one stage per device call:
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
-#   benchmarks/h100_checks.sh bench    # decode step (with engine-step rows) and bench e2e
+#   benchmarks/h100_checks.sh bench    # decode step (engine-step rows, kernel counts) and bench e2e
 #   benchmarks/h100_checks.sh spec     # bench spec (k=4) and bench e2e on SmolLM2 (needs the GGUF)
 # Writes logs and JSON under $OUT (or ./out).
 set -uo pipefail
@@ -24,9 +24,9 @@ smollm2)
         2>&1 | tee "$OUT/gpu_smollm2.log"
     ;;
 bench)
-    timeout 250 python3 -m ostinato.bench --no-profile --repeats 30 \
+    timeout 300 python3 -m ostinato.bench --repeats 30 \
         --out "$OUT/decode_h100.json" --plot "$OUT/decode_h100.png" 2>&1 | tee "$OUT/bench.log"
-    timeout 300 python3 -m ostinato.bench e2e --out "$OUT/e2e_h100.json" \
+    timeout 250 python3 -m ostinato.bench e2e --out "$OUT/e2e_h100.json" \
         --plot "$OUT/e2e_h100.png" 2>&1 | tee -a "$OUT/bench.log"
     ;;
 spec)

@@ -137,3 +137,30 @@ def test_spec_quick_runs_every_proposer_and_keeps_the_plain_tokens(tmp_path):
     assert all(r["first_difference"] == [-1] * r["batch"] for r in doc["rows"])
     oracle = [r for r in doc["rows"] if r["proposer"] == "oracle"]
     assert all(r["acceptance_rate"] == 1.0 and r["target_steps_per_token"] < 0.5 for r in oracle)
+
+
+def test_kernel_census_counts_every_launch_and_its_device_time():
+    from types import SimpleNamespace as Avg
+
+    from ostinato.bench.kernels import census
+
+    averages = [  # two kernels launched 10 and 5 times, and a host-side entry
+        Avg(count=10, device_time_total=30.0),
+        Avg(count=5, device_time_total=5.0),
+        Avg(count=3, device_time_total=0.0),
+    ]
+    c = census(averages, steps=5)
+    assert (c.kernels, c.busy_us, c.per_layer(3)) == (3.0, 7.0, 1.0)
+
+
+def test_table_shows_kernel_columns_only_where_profiled():
+    from ostinato.bench.decode import BenchResult, Row, quick_config
+    from ostinato.bench.report import table
+
+    result = BenchResult(quick_config(), "cpu", 1.0, 1, 1)
+    result.rows.append(Row("eager", 1, 2.0, 3.0, 1.0, 2.0))
+    assert "kernels" not in table(result)
+    result.rows.append(Row("ostinato FULL", 1, 1.0, 1.0, 1.0, 1.0, None, 577.0, 19.2, 1002.0))
+    text = table(result)
+    assert "kernels" in text and "/layer" in text
+    assert text.split("\n")[3].split()[-3:] == ["577", "19.2", "1002.0"]

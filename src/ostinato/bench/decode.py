@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ostinato.bench.baseline import StaticCacheDecoder
+from ostinato.bench.kernels import kernel_census
 from ostinato.config import GraphConfig
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.attention import default_backend
@@ -63,6 +64,9 @@ class Row:
     floor_ms: float
     x_floor: float
     x_reduce_overhead: float | None = None
+    kernels: float | None = None  # device kernels per step (CUDA, when profiled)
+    kernels_per_layer: float | None = None
+    busy_us: float | None = None  # their summed device time per step
 
 
 @dataclass
@@ -336,8 +340,16 @@ def run(
             for b in cfg.batch_sizes:
                 step = setup.decode_step(runner, b)
                 ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
-                result.rows.append(Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b)))
-                log(f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
+                row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
+                if profile and cuda:
+                    c = kernel_census(step)
+                    row.kernels, row.busy_us = c.kernels, c.busy_us
+                    row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
+                result.rows.append(row)
+                log(
+                    f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us"
+                    + ("" if row.kernels is None else f"  {row.kernels:.0f} kernels")
+                )
                 if name in ENGINE_STEP_VARIANTS:
                     label = f"{name} engine step"
                     ms, host = time_step(

@@ -13,19 +13,29 @@ from ostinato.provenance import Provenance
 
 
 def table(result: BenchResult) -> str:
-    """Rows per batch size: step ms, host µs, ratio to the floor and to reduce-overhead."""
+    """Rows per batch size: step ms, host µs, ratio to the floor and to reduce-overhead,
+    and, where the run profiled them, kernels per step and per layer and their busy µs."""
+    census = any(r.kernels is not None for r in result.rows)
     lines = [
         f"device: {result.device}; copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s; "
         f"KV length {result.config.kv_len}; {result.config.dtype}",
         f"{'variant':32s} {'B':>4s} {'step ms':>9s} {'host us':>9s} {'floor ms':>9s} "
-        f"{'x floor':>8s} {'x r-o':>7s}",
+        f"{'x floor':>8s} {'x r-o':>7s}"
+        + (f" {'kernels':>8s} {'/layer':>7s} {'busy us':>9s}" if census else ""),
     ]
     for b in result.config.batch_sizes:
         for r in (r for r in result.rows if r.batch == b):
             ro = f"{r.x_reduce_overhead:7.2f}" if r.x_reduce_overhead is not None else "      -"
+            kernels = ""
+            if census:
+                kernels = (
+                    f" {'-':>8s} {'-':>7s} {'-':>9s}"
+                    if r.kernels is None
+                    else f" {r.kernels:8.0f} {r.kernels_per_layer:7.1f} {r.busy_us:9.1f}"
+                )
             lines.append(
                 f"{r.variant:32s} {b:4d} {r.step_ms:9.3f} {r.host_us:9.1f} "
-                f"{r.floor_ms:9.3f} {r.x_floor:8.2f} {ro}"
+                f"{r.floor_ms:9.3f} {r.x_floor:8.2f} {ro}{kernels}"
             )
     lines.append("")
     lines.append(

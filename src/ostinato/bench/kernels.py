@@ -1,0 +1,45 @@
+"""How many device kernels one step launches and how long the device is busy in them:
+a graph removes launch cost, not the per-kernel minimum, so the count is what a decode
+graph's length comes down to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelCensus:
+    """Per step: device kernels (copies and fills included) and their summed time, µs."""
+
+    kernels: float
+    busy_us: float
+
+    def per_layer(self, layers: int) -> float:
+        """Kernels per decoder layer (the step's kernels over ``layers``)."""
+        return self.kernels / layers
+
+
+def census(averages: Iterable[Any], steps: int) -> KernelCensus:
+    """From a device-only profile's ``key_averages()`` over ``steps`` steps: every entry
+    with device time is one kernel name, ``count`` launches of it."""
+    kernels = [e for e in averages if e.device_time_total > 0]
+    count = sum(e.count for e in kernels)
+    busy = sum(e.device_time_total for e in kernels)
+    return KernelCensus(count / steps, busy / steps)
+
+
+def kernel_census(step: Callable[[], Any], steps: int = 5) -> KernelCensus:
+    """Profiles ``steps`` calls of ``step`` on the device (CUDA, kernels inside graph
+    replays included) and counts their kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return census(prof.key_averages(), steps)

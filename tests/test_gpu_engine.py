@@ -6,6 +6,7 @@ import pytest
 import torch
 from gpu_harness import greedy_tokens, lockstep, tiny_engine
 from hf_models import write_checkpoint
+from workloads import sync_and_async_outputs
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.attention import AttentionMetadata, TorchAttention
@@ -128,25 +129,12 @@ def test_random_request_mixes_graph_logits_equal_eager():
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
 def test_async_scheduling_equals_sync_with_graphs_and_preemption(mode):
-    # float32 so equal logits mean equal tokens; 9 blocks of 16 for 8 sequences: preemption.
-    rng = random.Random(5)
-    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(1, 60))] for _ in range(12)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(1, 40),
-            ignore_eos=True,
-            stop_token_ids=tuple(rng.sample(range(1, 1000), 30)),
+    # float32 so equal logits mean equal tokens.
+    outs = sync_and_async_outputs(
+        lambda a: tiny_engine(
+            mode, torch.float32, num_blocks=10, max_model_len=128, async_scheduling=a
         )
-        for _ in prompts
-    ]
-    outs = {}
-    for asyn in (False, True):
-        llm = tiny_engine(
-            mode, torch.float32, num_blocks=10, max_model_len=128, async_scheduling=asyn
-        )
-        outs[asyn] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
-        assert llm.scheduler.num_preemptions > 0
-        assert llm.scheduler.pool.num_free == 9
+    )
     assert outs[True] == outs[False]
 
 

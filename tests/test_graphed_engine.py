@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from fakes import DenseGraphAttention, FakePlatform
+from workloads import preempting_mix, sync_and_async_outputs
 
 import ostinato.engine.llm as llm_module
 import ostinato.engine.runner as runner_module
@@ -89,23 +90,8 @@ def test_speculative_verify_graphs_equal_plain_decoding_at_several_batch_sizes(
 
 @pytest.mark.parametrize("mode", ["full_decode_only", "full"])
 def test_async_scheduling_with_graphs_and_preemption_equals_sync(fake_graphs, mode):
-    rng = random.Random(5)
-    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(1, 60))] for _ in range(12)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(1, 40),
-            ignore_eos=True,
-            stop_token_ids=tuple(rng.sample(range(1, 1000), 30)),
-        )
-        for _ in prompts
-    ]
-    outs = {}
-    for asyn in (False, True):
-        # 9 usable blocks of 16 for 8 sequences of up to 100 tokens: preemption.
-        llm = engine(mode, num_blocks=10, async_scheduling=asyn)
-        outs[asyn] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
-        assert llm.scheduler.num_preemptions > 0
-        assert llm.scheduler.pool.num_free == 9
+    outs = sync_and_async_outputs(lambda a: engine(mode, num_blocks=10, async_scheduling=a))
     assert outs[True] == outs[False]
+    prompts, params = preempting_mix()
     eager = engine("none", backend=None, num_blocks=10)
     assert [(o.token_ids, o.finish_reason) for o in eager.generate(prompts, params)] == outs[True]

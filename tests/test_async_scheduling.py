@@ -2,11 +2,10 @@
 outputs, with preemption, chunked prefill and stop tokens; the host path of a step does a
 fixed amount of tensor work whatever the batch size."""
 
-import random
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from workloads import random_mix
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.inputs import PreviousSample, StepInputs
@@ -20,17 +19,7 @@ def engine(async_scheduling, **kw):
 
 
 def mix(seed):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(1, 40))] for _ in range(9)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(1, 24),
-            ignore_eos=True,
-            stop_token_ids=tuple(rng.sample(range(1, 500), 40)),  # some stop early
-        )
-        for _ in prompts
-    ]
-    return prompts, params
+    return random_mix(seed, n=9, max_prompt=40, max_new=24, vocab=500, stops=40)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -8,20 +8,31 @@ from collections.abc import Callable
 from ostinato.engine import LLM, SamplingParams
 
 
-def preempting_mix(seed: int = 5) -> tuple[list[list[int]], list[SamplingParams]]:
-    """12 random prompts of 1 to 60 tokens, 1 to 40 new tokens each and 30 random stop
-    tokens: with 9 usable KV blocks of 16 for 8 sequences, requests get preempted."""
+def random_mix(
+    seed: int, n: int, max_prompt: int, max_new: int, vocab: int, stops: int
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """``n`` random prompts of 1 to ``max_prompt`` tokens below ``vocab``, 1 to
+    ``max_new`` new tokens each, EOS ignored, and ``stops`` random stop tokens (some
+    requests stop early)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(1, 60))] for _ in range(12)]
+    prompts = [
+        [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)
+    ]
     params = [
         SamplingParams(
-            max_tokens=rng.randint(1, 40),
+            max_tokens=rng.randint(1, max_new),
             ignore_eos=True,
-            stop_token_ids=tuple(rng.sample(range(1, 1000), 30)),
+            stop_token_ids=tuple(rng.sample(range(1, vocab), stops)),
         )
         for _ in prompts
     ]
     return prompts, params
+
+
+def preempting_mix(seed: int = 5) -> tuple[list[list[int]], list[SamplingParams]]:
+    """12 requests of up to 60 + 40 tokens: with 9 usable KV blocks of 16 for 8
+    sequences, requests get preempted."""
+    return random_mix(seed, 12, 60, 40, 1000, 30)
 
 
 def sync_and_async_outputs(make: Callable[[bool], LLM]) -> dict[bool, list[tuple]]:

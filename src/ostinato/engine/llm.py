@@ -424,7 +424,7 @@ class LLM:
         if spec.method == "ngram":
             return NgramProposer(spec.ngram_max)
         if spec.method == "oracle":
-            return OracleProposer(spec.oracle if spec.oracle is not None else {})
+            return OracleProposer(spec.oracle)  # SpeculativeConfig requires it for "oracle"
         return SelfDraftProposer(
             self.model,
             self.cache,

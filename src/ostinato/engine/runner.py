@@ -29,7 +29,7 @@ from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, run_ubatches
 from ostinato.ubatch.policy import MicroBatching
-from ostinato.ubatch.slicing import split_step
+from ostinato.ubatch.slicing import can_split, split_step
 
 
 class ModelRunner:
@@ -226,9 +226,7 @@ class ModelRunner:
         policy = self.micro_batching
         if policy is None or self.model.tp.group is None or mode is not GraphMode.NONE:
             return False
-        if not policy.applies(padded, step.uniform_decode) or padded % 2:
-            return False
-        return step.num_tokens > padded // 2  # the second micro-batch has real tokens
+        return policy.applies(padded, step.uniform_decode) and can_split(step.num_tokens, padded)
 
     def _run_ubatches(
         self, padded: int, query_lens: list[int], seq_lens: list[int]

@@ -29,6 +29,13 @@ class UbatchSlice:
         return self.tokens.stop - self.tokens.start
 
 
+def can_split(num_tokens: int, padded: int, num_ubatches: int = 2) -> bool:
+    """Whether a step of ``num_tokens`` real tokens padded to ``padded`` rows splits into
+    ``num_ubatches`` equal micro-batches whose last holds a real token (``split_step``'s
+    condition)."""
+    return padded % num_ubatches == 0 and num_tokens > padded // num_ubatches * (num_ubatches - 1)
+
+
 def split_step(query_lens: list[int], padded: int, num_ubatches: int = 2) -> list[UbatchSlice]:
     """The ``num_ubatches`` micro-batches of a step whose requests have ``query_lens``
     tokens, padded to ``padded`` rows. Raises ``ValueError`` when ``padded`` is not a
@@ -45,7 +52,7 @@ def split_step(query_lens: list[int], padded: int, num_ubatches: int = 2) -> lis
             f"{num_ubatches} micro-batches"
         )
     size = padded // num_ubatches
-    if total <= size * (num_ubatches - 1):
+    if not can_split(total, padded, num_ubatches):
         raise ValueError(
             f"{total} tokens leave micro-batch {num_ubatches - 1} of {size} rows empty; "
             "run this step without micro-batching"

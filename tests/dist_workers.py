@@ -39,15 +39,33 @@ def tp_logits_and_tokens(
     mode: str = "none",
     dtype: torch.dtype = torch.float32,
     all_reduce: str = "auto",
+    micro_batching: object = False,
+    prompts: list[str] = PROMPTS,
+    tag: str = "",
 ) -> None:
-    """Last-token logits of PROMPTS and 8 greedy tokens each, under tensor parallelism."""
+    """Step logits of ``prompts`` (their first, prefill step) and 8 greedy tokens each,
+    under tensor parallelism, saved to ``out/{tag}{rank}.pt`` with the count of steps
+    run as micro-batches. Every rank runs this (as ``torchrun`` would start them)."""
     set_env(rank, world, port)
-    llm = engine(model_dir, device, mode, dtype, tp=world, all_reduce=all_reduce)
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
+    llm = engine(
+        model_dir,
+        device,
+        mode,
+        dtype,
+        tp=world,
+        all_reduce=all_reduce,
+        micro_batching=micro_batching,
+    )
+    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
     logits = llm.runner.execute(llm.scheduler.schedule())
     llm.scheduler.abort(reqs)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
-    torch.save({"logits": logits, "tokens": [o.token_ids for o in outs]}, Path(out) / f"{rank}.pt")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    result = {
+        "logits": logits.cpu(),
+        "tokens": [o.token_ids for o in outs],
+        "ubatched": llm.runner.ubatched_steps,
+    }
+    torch.save(result, Path(out) / f"{tag}{rank}.pt")
     if not llm.close():
         os._exit(0)  # the result is saved; do not wait in a hung teardown
 
@@ -266,7 +284,11 @@ def spawned_engine_run(
 ) -> None:
     """In a process of its own (a stuck NCCL kernel must not outlive it): an LLM with
     tensor_parallel_size=2 that starts its own worker; with ``fail``, rank 1's process
-    dies mid-generate. Records the tokens or the error and how long it took."""
+    dies mid-generate. Records the tokens or the error and how long it took in
+    ``driver.pt``; its stderr goes to ``stderr.txt`` and the wall time at which
+    ``generate`` began to ``began.txt`` (the watchdog may end the process instead)."""
+    stderr = os.open(Path(out) / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(stderr, 2)
     dump_stacks_after(out, 100)
     backend = (
         FailingAttention("cuda", rank=1, after=1, exit_code=3, min_seq_len=50) if fail else None
@@ -274,6 +296,7 @@ def spawned_engine_run(
     llm = engine(
         model_dir, "cuda", mode, torch.float32, tp=2, all_reduce=all_reduce, backend=backend
     )
+    (Path(out) / "began.txt").write_text(repr(time.time()))
     start = time.perf_counter()
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -283,26 +306,4 @@ def spawned_engine_run(
     torch.save((result, time.perf_counter() - start), Path(out) / "driver.pt")
     if not fail:
         llm.close()
-    os._exit(0)
-
-
-def spawned_ubatch_run(model_dir: str, out: str, dtype: torch.dtype, ubatch: bool) -> None:
-    """In a process of its own (one parallel engine per process: PyTorch's teardown
-    after symmetric memory can hang): TP=2 (a spawned worker) eagerly, with or without
-    micro-batching; records the step logits and greedy tokens."""
-    from ostinato.ubatch.policy import MicroBatching
-
-    name = "ubatch" if ubatch else "plain"
-    dump_stacks_after(out, 120)
-    prompts = PROMPTS + dp_prompts(0)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    policy = MicroBatching(4, 8) if ubatch else False
-    llm = engine(model_dir, "cuda", "none", dtype, tp=2, micro_batching=policy)
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule()).cpu()
-    llm.scheduler.abort(reqs)
-    tokens = [o.token_ids for o in llm.generate(prompts, params)]
-    result = {"logits": logits, "tokens": tokens, "ubatched": llm.runner.ubatched_steps}
-    torch.save(result, Path(out) / f"{name}.pt")
-    llm.close()
     os._exit(0)

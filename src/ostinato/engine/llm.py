@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -25,6 +26,7 @@ from ostinato.distributed.groups import (
     shutdown_parallel,
 )
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
+from ostinato.distributed.watchdog import PeerWatchdog
 from ostinato.engine.attention import AttentionBackend, default_backend
 from ostinato.engine.kv_cache import BlockPool, KVCache
 from ostinato.engine.limits import EngineLimits
@@ -538,12 +540,19 @@ class LLM:
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
             steps = self.loop.async_steps() if self.async_scheduling else self.loop.sync_steps()
-            for _ in steps:
-                if on_token is not None:
-                    for i, r in enumerate(requests):
-                        for token in r.output[emitted[i] :]:
-                            on_token(i, token)
-                        emitted[i] = len(r.output)
+            watchdog = self._watchdog()
+            with watchdog.watching() if watchdog else contextlib.nullcontext():
+                for _ in steps:
+                    if watchdog is not None and watchdog.failure is not None:
+                        # The step ran after the abort: nothing it computed is valid.
+                        raise watchdog.failure.error(self.parallel.rank)
+                    if on_token is not None:
+                        for i, r in enumerate(requests):
+                            for token in r.output[emitted[i] :]:
+                                on_token(i, token)
+                            emitted[i] = len(r.output)
+            if watchdog is not None and watchdog.failure is not None:
+                raise watchdog.failure.error(self.parallel.rank)
         except BaseException as exc:
             self.scheduler.abort(requests)
             if self.parallel.world_size > 1:
@@ -573,6 +582,15 @@ class LLM:
             self.workers = None
         else:
             shutdown_parallel(5.0)
+
+    def _watchdog(self) -> PeerWatchdog | None:
+        """A watchdog over the peers for a parallel engine on a GPU, where this thread can
+        hang inside a device call behind a dead peer's collective (on the CPU the
+        collective itself fails)."""
+        if self.parallel.world_size == 1 or self.device.type != "cuda":
+            return None
+        parallel = self.parallel
+        return PeerWatchdog(self._peer_failure, lambda: abort_parallel(parallel), parallel.rank)
 
     def _peer_failure(self) -> RankFailure | None:
         """A failed peer rank, if one is known: a worker of ours that failed or exited,

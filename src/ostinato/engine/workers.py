@@ -70,6 +70,9 @@ class WorkerPool:
         self.conns: dict[int, multiprocessing.connection.Connection] = {}
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.pending: dict[int, Reply] = {}
+        # ``failure`` is also called from the engine's watchdog thread: one reader of the
+        # pipes at a time.
+        self._lock = threading.Lock()
         self.started = False  # every worker has answered once (its engine is up)
         # Each worker stamps its beat every second; a process that dies with kernels in
         # flight can hang in its exit with its pipe still open, and only the silence of
@@ -102,6 +105,10 @@ class WorkerPool:
         """A worker that answered with an error, or exited (or closed its pipe, which a
         dying process does before a CUDA context with kernels in flight lets it finish);
         None if all are healthy."""
+        with self._lock:
+            return self._failure()
+
+    def _failure(self) -> RankFailure | None:
         for rank, conn in self.conns.items():
             if rank not in self.pending and _poll(conn):
                 try:
@@ -139,7 +146,8 @@ class WorkerPool:
         failure = self.failure()
         if failure is not None:
             raise failure.error(0)
-        replies, self.pending = self.pending, {}
+        with self._lock:
+            replies, self.pending = self.pending, {}
         self.started = True
         return {rank: reply.value for rank, reply in replies.items()}
 

@@ -10,15 +10,19 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 case "${1:-}" in
 tests)
-    # -v/-rfE with a per-test timeout (pytest-timeout is on the device): a hung test fails
-    # alone and the summary with every failure's cause is printed before the call's limit.
-    # The dead-worker tests run last: a process killed with NCCL kernels in flight can
-    # leave its GPU busy for the tests after it.
-    args=(-v -rfE --tb=short -m gpu -p no:cacheprovider --timeout=200 --durations=15)
-    timeout 400 python3 -m pytest "${args[@]}" tests/test_gpu_distributed.py \
-        -k "not dead_worker" 2>&1 | tee "$OUT/gpu_tests.log"
-    timeout 150 python3 -m pytest "${args[@]}" tests/test_gpu_distributed.py \
-        -k dead_worker 2>&1 | tee -a "$OUT/gpu_tests.log"
+    # One pytest per test, each under its own limit: a hung test is killed alone and
+    # every other test's result (and failure details, -rfE) still comes back. The
+    # dead-worker tests run last: a process killed with NCCL kernels in flight can
+    # leave its GPU busy for the tests after it. ``tests K`` runs those matching K.
+    args=(-v -rfE --tb=short -m gpu -p no:cacheprovider --timeout=180)
+    ids=$(python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider \
+        tests/test_gpu_distributed.py -k "${2:-not dead_worker}" | grep ::)
+    [ -z "${2:-}" ] && ids="$ids $(python3 -m pytest -q --collect-only -m gpu \
+        -p no:cacheprovider tests/test_gpu_distributed.py -k dead_worker | grep ::)"
+    for id in $ids; do
+        timeout 200 python3 -m pytest "${args[@]}" "$id" 2>&1 | tee -a "$OUT/gpu_tests.log" \
+            | grep -E "PASSED|FAILED|ERROR|^E |Timeout|rank [0-9]"
+    done
     ;;
 bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"

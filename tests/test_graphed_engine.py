@@ -95,3 +95,37 @@ def test_async_scheduling_with_graphs_and_preemption_equals_sync(fake_graphs, mo
     prompts, params = preempting_mix()
     eager = engine("none", backend=None, num_blocks=10)
     assert [(o.token_ids, o.finish_reason) for o in eager.generate(prompts, params)] == outs[True]
+
+
+def sampled_tokens(llm, b, temperature=0.8, top_p=0.9):
+    prompts, _ = workload(n=b, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=temperature, top_p=top_p, ignore_eos=True)
+    return tokens(llm, prompts, params)
+
+
+def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(fake_graphs):
+    mode = "full_decode_only"  # (FULL_AND_PIECEWISE has the same decode graphs; the
+    # fake graph's recorder cannot run under Dynamo)
+    eager = sampled_tokens(engine("none", seed=11), 8)
+    llm = engine(mode, seed=11)
+    sampler = llm.runner.sampler
+    assert sampler is not None and sorted(sampler.graphs) == [1, 2, 4, 8]
+    # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
+    assert sampled_tokens(llm, 8) == eager
+    assert sampler.graphs[8][0].replays == 11  # every decode step after the prefill
+    # 3 requests replay size 4: the padding row draws too, so the real rows' draws differ
+    # from an eager run at 3 rows (same distribution, other tokens).
+    eager3 = sampled_tokens(engine("none", seed=11), 3)
+    graphed3 = sampled_tokens(engine(mode, seed=11), 3)
+    assert graphed3 != eager3
+    assert all(0 <= t < llm.config.vocab_size for out in graphed3 for t in out)
+
+
+def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs):
+    llm = engine("full_decode_only")
+    prompts, params = workload(n=4)
+    tokens(llm, prompts, params)  # greedy: the decode graph's argmax, no second replay
+    assert all(g.replays == 0 for g, _ in llm.runner.sampler.graphs.values())
+    spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
+    assert spec.runner.sampler is None  # verification samples its 1 + k rows itself
+    assert engine("full").runner.sampler is None  # no uniform decode graphs

@@ -409,7 +409,7 @@ class LLM:
             self._peer_failure,
         )
         capture_start = time.perf_counter()
-        self.capture_report: CaptureReport = self.runner.capture()
+        self.capture_report: CaptureReport = self.runner.capture(self.generator)
         self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
         # captures them in the same order (they hold the LM head's all-gather).

@@ -16,6 +16,7 @@ from ostinato.dispatcher import Dispatch
 from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.attention import AttentionBackend
 from ostinato.engine.attention_op import StepAttention
+from ostinato.engine.graph_sampler import GraphSampler
 from ostinato.engine.inputs import PreviousSample, StepInputs
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
@@ -86,6 +87,10 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.micro_batching = micro_batching
         self.greedy: torch.Tensor | None = None  # the last decode step's argmax tokens
+        # The padded size of the last step when it replayed a uniform decode graph, whose
+        # logits the sampler's graph for that size then reads.
+        self.decode_padded: int | None = None
+        self.sampler: GraphSampler | None = None
         self.ubatched_steps = 0
         self._comm_stream: torch.cuda.Stream | None = None
 
@@ -128,7 +133,9 @@ class ModelRunner:
         all ``n`` rows, whose logits the step itself computed, and ``greedy`` is set to
         their argmax, valid until the next step runs; else ``greedy`` is None)."""
         out = self.manager.run(dispatch, n, attn_metadata=meta)
-        if dispatch.descriptor.uniform_decode:
+        d = dispatch.descriptor
+        if d.uniform_decode:
+            self.decode_padded = d.num_tokens if dispatch.mode is GraphMode.FULL else None
             logits, self.greedy = out
             return logits
         self.greedy = None
@@ -147,18 +154,49 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
-    def capture(self) -> CaptureReport:
-        """Compiles if needed, then captures every graph of the resolved mode. Under tensor
-        parallelism every rank captures the same descriptors in the same order, between
-        two barriers, so the collectives recorded in the graphs pair up across ranks."""
+    def capture(self, generator: torch.Generator | None = None) -> CaptureReport:
+        """Compiles if needed, then captures every graph of the resolved mode, and with
+        ``generator`` a sampling graph per uniform decode size of one token per request
+        (``GraphSampler``). Under tensor parallelism every rank captures the same
+        descriptors in the same order, between two barriers, so the collectives recorded
+        in the graphs pair up across ranks."""
         group = self.model.tp.group
         if group is not None:
             dist.barrier(group=group)
         self.compile()
         report = self.manager.capture()
+        if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:
+            self._capture_sampler(generator)
         if group is not None:
             dist.barrier(group=group)
         return report
+
+    def _capture_sampler(self, generator: torch.Generator) -> None:
+        try:
+            full = self.graphs.dispatcher.keys(GraphMode.FULL)
+        except ValueError:  # no FULL graphs in this mode
+            return
+        decode_sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
+        if decode_sizes:
+            self.sampler = GraphSampler(
+                self.manager.platform,
+                self.manager.pool,
+                generator,
+                lambda n: self.manager.outputs.view(n)[0],
+                decode_sizes[-1],
+                self.device,
+            )
+            self.sampler.capture(decode_sizes)
+
+    def sample_in_graph(
+        self, temperatures: list[float], top_ps: list[float]
+    ) -> torch.Tensor | None:
+        """The last step's tokens sampled by the sampling graph of its size, if the step
+        replayed a uniform decode graph and one was captured; else None (sample
+        eagerly). A view, valid until that size's next sampled step."""
+        if self.sampler is None or self.decode_padded is None:
+            return None
+        return self.sampler.sample(self.decode_padded, temperatures, top_ps)
 
     def release(self) -> None:
         """Destroys every graph this runner captured (FULL and piecewise); it must not run
@@ -187,6 +225,7 @@ class ModelRunner:
         empty ``step`` then runs as a dummy step of padding rows.
         """
         n = step.num_tokens
+        self.decode_padded = None
         if agreement is None:
             dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)
         else:

@@ -126,9 +126,16 @@ class StepLoop:
         if all_greedy and greedy is not None:
             tokens = greedy
         else:
-            temps = to_device([r.params.temperature for r in reqs], torch.float32, self.device)
-            top_ps = to_device([r.params.top_p for r in reqs], torch.float32, self.device)
-            tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
+            temp_list = [r.params.temperature for r in reqs]
+            top_p_list = [r.params.top_p for r in reqs]
+            # A uniform decode step replayed from a graph samples in a graph too.
+            in_graph = None if all_greedy else self.runner.sample_in_graph(temp_list, top_p_list)
+            if in_graph is not None:
+                tokens = in_graph
+            else:
+                temps = to_device(temp_list, torch.float32, self.device)
+                top_ps = to_device(top_p_list, torch.float32, self.device)
+                tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
         self.scheduler.launched(step)
         index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
         done = None

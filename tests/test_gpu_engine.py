@@ -196,10 +196,6 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     in_graph = count_graph_samples(llm)
     assert sampled(llm, 8) == eager
     assert in_graph == [8] * 23  # every decode step after the prefill
-    # 3 requests replay size 4: the padding row draws too (documented): other tokens.
-    assert sampled(tiny_engine("full_decode_only", torch.float32, seed=11), 3) != sampled(
-        tiny_engine("none", torch.float32, seed=11), 3
-    )
     # FULL_AND_PIECEWISE samples its decode steps in the same graphs.
     fp = tiny_engine("full_and_piecewise", torch.bfloat16, seed=11)
     in_graph = count_graph_samples(fp)

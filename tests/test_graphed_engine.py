@@ -113,8 +113,9 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
     assert sampler.graphs[8][0].replays == 11  # every decode step after the prefill
-    # 3 requests replay size 4: the padding row draws too, so the real rows' draws differ
-    # from an eager run at 3 rows (same distribution, other tokens).
+    # 3 requests replay size 4: the padding row draws too, and the CPU generator draws in
+    # sequence, so the real rows' later draws differ from an eager run at 3 rows (same
+    # distribution, other tokens; on CUDA, Philox can leave them equal).
     eager3 = sampled_tokens(engine("none", seed=11), 3)
     graphed3 = sampled_tokens(engine(mode, seed=11), 3)
     assert graphed3 != eager3

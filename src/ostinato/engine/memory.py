@@ -89,6 +89,17 @@ def graph_pool_bytes(
     return activation_bytes(config, max_capture_tokens, rows, dtype) + 32 * MiB
 
 
+# Peak bytes per logit element of ``sample`` (softmax, the sort's values and int64
+# indices, the top-p mask's temporaries, the exponential race): 25, rounded up.
+SAMPLING_BYTES_PER_LOGIT = 28
+
+
+def sampling_graph_bytes(config: ModelConfig, decode_rows: int) -> int:
+    """Estimate of what the sampling graphs add to the pool: their largest size samples
+    ``decode_rows`` rows of the full vocabulary (``GraphSampler``)."""
+    return decode_rows * config.vocab_size * SAMPLING_BYTES_PER_LOGIT
+
+
 def plan_memory(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -114,6 +125,8 @@ def plan_memory(
     logit_rows = limits.max_num_seqs * decode_query_len
     acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)
+    if max_capture_tokens > 0 and decode_query_len == 1:  # the sampling graphs
+        graphs += sampling_graph_bytes(config, min(logit_rows, max_capture_tokens))
     block = kv_block_bytes(config, limits.block_size, dtype, tp.size)
     wanted = num_blocks if num_blocks is not None else limits.full_blocks
     least = num_blocks if num_blocks is not None else limits.blocks_per_seq + 1

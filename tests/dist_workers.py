@@ -64,6 +64,7 @@ def tp_logits_and_tokens(
         "logits": logits.cpu(),
         "tokens": [o.token_ids for o in outs],
         "ubatched": llm.runner.ubatched_steps,
+        "ubatched_replays": llm.runner.ubatched_replays,
     }
     torch.save(result, Path(out) / f"{tag}{rank}.pt")
     if not llm.close():
@@ -307,3 +308,44 @@ def spawned_engine_run(
     if not fail:
         llm.close()
     os._exit(0)
+
+
+def static_ubatch_logits(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """One prefill step with a straddling request, computed plainly and then as the two
+    static micro-batches a captured FULL graph holds (views of the persistent buffers
+    only, with the capturable dense attention), on every rank like torchrun's; saves both
+    logits to ``out/static{rank}.pt``."""
+    from fakes import DenseGraphAttention
+
+    from ostinato.ubatch.policy import MicroBatching
+
+    set_env(rank, world, port)
+    never = MicroBatching(10**6, 10**6)  # the eager split never applies
+    llm = engine(
+        model_dir,
+        "cpu",
+        "none",
+        torch.float32,
+        tp=world,
+        backend=DenseGraphAttention(),
+        micro_batching=never,
+    )
+    # 74 tokens (a captured size splits into equal halves): the 60-token prompt, rows 6
+    # to 65, straddles the split at row 37.
+    prompts = [*PROMPTS, [(7 * i + 3) % 500 + 1 for i in range(8)]]
+    for p in prompts:
+        llm.scheduler.add(p, SamplingParams())
+    step = llm.scheduler.schedule()
+    descriptor = llm.runner.graphs.dispatch(step.num_tokens).descriptor
+    plain = llm.runner.execute(step).clone()
+    llm.runner.ubatched_graphs = frozenset({descriptor})
+    split = llm.runner.execute(step).clone()
+    result = {
+        "n": step.num_tokens,
+        "plain": plain,
+        "split": split,
+        "ubatched": llm.runner.ubatched_steps,
+        "ubatched_replays": llm.runner.ubatched_replays,
+    }
+    torch.save(result, Path(out) / f"static{rank}.pt")
+    llm.close()

@@ -16,6 +16,7 @@ from dist_workers import (
     engine,
     free_port,
     one_rank_raises,
+    static_ubatch_logits,
     torchrun_rank_fails,
     tp_logits_and_tokens,
 )
@@ -273,8 +274,20 @@ def test_micro_batching_is_refused_where_it_cannot_run(llama_dir):
         engine(llama_dir, "cpu", "none", torch.float32, micro_batching=True)
     with pytest.raises(TypeError, match="micro_batching: expected a bool or a MicroBatching"):
         engine(llama_dir, "cpu", "none", torch.float32, micro_batching="yes")
-    with pytest.raises(ValueError, match="run eagerly for now; pass mode='none'"):
-        engine(llama_dir, "cpu", "full", torch.float32, tp=2, micro_batching=True)
+    for mode in ("full_and_piecewise", "piecewise", "auto"):
+        with pytest.raises(ValueError, match=f"not with mode='{mode}': it may compile"):
+            engine(llama_dir, "cpu", mode, torch.float32, tp=2, micro_batching=True)
+
+
+def test_static_micro_batches_of_a_captured_step_equal_the_plain_step(llama_dir, tmp_path):
+    # What a micro-batched FULL graph holds, run eagerly: two halves of the padded rows,
+    # attention metadata made only of views of the persistent buffers (each row finds its
+    # request through token_req in the whole block table), a request straddling the split.
+    mp.spawn(static_ubatch_logits, args=(2, free_port(), str(llama_dir), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"static{rank}.pt")
+        assert got["n"] == 74 and got["ubatched"] == 0  # (a FULL replay would count)
+        torch.testing.assert_close(got["split"], got["plain"], rtol=1e-5, atol=1e-5)
 
 
 def test_speculative_decoding_under_tensor_parallelism_equals_plain(llama_dir):

@@ -148,19 +148,24 @@ def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path, all_redu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, dtype):
-    # Eager (micro-batches do not run in graphs yet), every rank started like torchrun's:
-    # a straddling prefill, then decodes of 8 requests, split where above the thresholds.
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, mode, dtype):
+    # Every rank started like torchrun's: a straddling prefill (eager: above the largest
+    # capture size), then decodes of 4 requests. With mode="full" the FULL sizes of 4
+    # tokens and up are captured micro-batched, both micro-batches and both streams in
+    # one graph, and the decodes replay them.
     from ostinato.ubatch.policy import MicroBatching
 
     prompts = PROMPTS + dp_prompts(0)
-    for tag, policy in (("plain", False), ("ubatch", MicroBatching(4, 8))):
-        args = (2, free_port(), str(model_dir), str(tmp_path), "cuda", "none", dtype, "auto")
+    for tag, policy in (("plain", False), ("ubatch", MicroBatching(2, 4))):
+        args = (2, free_port(), str(model_dir), str(tmp_path), "cuda", mode, dtype, "auto")
         mp.spawn(tp_logits_and_tokens, args=args + (policy, prompts, tag), nprocs=2)
     for rank in (0, 1):
         plain = torch.load(tmp_path / f"plain{rank}.pt")
         ub = torch.load(tmp_path / f"ubatch{rank}.pt")
         assert ub["ubatched"] > 0 and plain["ubatched"] == 0
+        if mode == "full":
+            assert ub["ubatched_replays"] > 0
         err = ((ub["logits"] - plain["logits"]).norm() / plain["logits"].norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
         if dtype == torch.float32:

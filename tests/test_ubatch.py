@@ -131,3 +131,35 @@ def test_a_failure_before_the_turns_start_does_not_hang():
 
     with pytest.raises(RuntimeError, match="no CUDA state"):
         run_ubatches(layers(ops), 2, ops, "compute", "comm", prepare=prepare)
+
+
+def test_threads_started_once_serve_every_step_and_outlive_a_failure():
+    # The runner keeps its micro-batch threads: their set-up (CUDA state) runs once, long
+    # before any graph capture, and a failed step leaves them serving the next one.
+    from contextlib import contextmanager
+
+    from ostinato.ubatch.handoff import UbatchThreads
+
+    ops, prepared, entered = FakeOps(), [], []
+
+    @contextmanager
+    def capture():
+        entered.append(sorted(prepared))  # every thread was ready before this began
+        yield
+
+    threads = UbatchThreads(
+        2, ops, prepare=lambda: prepared.append(threading.current_thread().name)
+    )
+    try:
+        assert threads.run(layers(ops), "compute", "comm", start=capture) == ["out0", "out1"]
+        with pytest.raises(ValueError, match="micro-batch 1 failed at layer 2"):
+            threads.run(layers(ops, fail_at=(1, 2)), "compute", "comm")
+        assert threads.run(layers(ops), "compute", "comm") == ["out0", "out1"]
+        assert sorted(prepared) == ["ostinato-ubatch0", "ostinato-ubatch1"]
+        assert entered == [["ostinato-ubatch0", "ostinato-ubatch1"]]
+        assert current() is None  # the caller's thread never holds a turn
+    finally:
+        threads.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ostinato-ubatch")]
+    with pytest.raises(RuntimeError, match="closed"):
+        threads.run(layers(ops), "compute", "comm")

@@ -108,6 +108,14 @@ class StepInputs:
             seq_lens,
         )
 
+    def rows_metadata(self, rows: slice) -> AttentionMetadata:
+        """Attention metadata of the buffer rows ``rows`` alone, made only of views of the
+        persistent buffers (rows find their requests through ``token_req`` in the whole
+        block table), so a graph can hold it: a micro-batch of a captured step."""
+        return AttentionMetadata(
+            self.positions[rows], self.token_req[rows], self.slot_mapping[rows], self.block_tables
+        )
+
     def ubatch_metadata(
         self, s: UbatchSlice, query_lens: list[int], seq_lens: list[int]
     ) -> AttentionMetadata:

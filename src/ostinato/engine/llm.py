@@ -87,6 +87,11 @@ class RequestOutput:
     text: str | None = None
 
 
+# Modes whose micro-batched steps run without compiled code (eagerly, or in FULL graphs
+# of the eager kernels).
+_MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+
+
 class LLM:
     """A compact inference engine over ostinato's graphs.
 
@@ -113,8 +118,10 @@ class LLM:
 
     ``micro_batching`` (tensor parallelism): split large steps into two micro-batches on
     two threads that take turns at every all-reduce, so one's communication overlaps the
-    other's compute; ``True`` for the default thresholds or a ``MicroBatching``. For now
-    only eagerly (``mode="none"``); other modes are refused.
+    other's compute; ``True`` for the default thresholds or a ``MicroBatching``. With
+    ``mode="full"`` or ``"full_decode_only"`` each FULL size the policy covers is captured
+    micro-batched (both threads and both streams in one graph, replayed with one call);
+    with ``"none"`` the split runs eagerly; modes with compiled pieces are refused.
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
@@ -195,10 +202,13 @@ class LLM:
                 "micro_batching: needs tensor_parallel_size > 1 (there are no collectives "
                 "to overlap on one GPU)"
             )
-        if ubatching is not None and requested is not GraphMode.NONE:
+        if ubatching is not None and requested not in _MICRO_BATCH_MODES:
+            asked = requested.name.lower() if requested else "auto"
             raise ValueError(
-                "micro_batching: overlapped micro-batches run eagerly for now; pass "
-                "mode='none' (captured overlapped graphs are not built yet)"
+                f"micro_batching: not with mode={asked!r}: it may compile pieces, which "
+                "trace the all-reduce where the micro-batches must hand over; use "
+                "mode='full' or 'full_decode_only' (the overlapped step captured as one "
+                "graph per size) or 'none'"
             )
         utilization = check_utilization(gpu_memory_utilization)
         source = open_model(model, random_weights)

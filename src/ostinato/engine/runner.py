@@ -28,7 +28,7 @@ from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
-from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, run_ubatches
+from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, UbatchThreads
 from ostinato.ubatch.policy import MicroBatching
 from ostinato.ubatch.slicing import can_split, split_step
 
@@ -91,8 +91,13 @@ class ModelRunner:
         # logits the sampler's graph for that size then reads.
         self.decode_padded: int | None = None
         self.sampler: GraphSampler | None = None
-        self.ubatched_steps = 0
+        self.ubatched_steps = 0  # steps run as two micro-batches (eagerly or replayed)
+        self.ubatched_replays = 0  # of which replays of micro-batched FULL graphs
         self._comm_stream: torch.cuda.Stream | None = None
+        self._ubatch_threads: UbatchThreads | None = None
+        # FULL graphs captured as two overlapped micro-batches (one graph holds both and
+        # both streams); a size captured so has no plain FULL graph, and the reverse.
+        self.ubatched_graphs: frozenset[BatchDescriptor] = self._ubatched_graph_keys()
 
     @property
     def resolution(self) -> ModeResolution:
@@ -114,13 +119,28 @@ class ModelRunner:
         self.inputs.write_padding(d.num_tokens)
         return self.metadata(d.num_tokens, [], [])
 
+    def _ubatched_graph_keys(self) -> frozenset[BatchDescriptor]:
+        policy = self.micro_batching
+        full_modes = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+        if policy is None or self.model.tp.group is None or self.graphs.mode not in full_modes:
+            return frozenset()
+        return frozenset(
+            d
+            for d in self.graphs.dispatcher.keys(GraphMode.FULL)
+            if d.num_tokens % 2 == 0 and policy.applies(d.num_tokens, d.uniform_decode)
+        )
+
     def _step(self, d: BatchDescriptor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the first ``d.num_tokens`` rows; for a uniform decode, where
         every row is one whose logits are needed, their float32 logits and greedy tokens
         instead, so the decode graph covers the LM head (and its all-gather under TP) and
-        greedy sampling."""
+        greedy sampling. A descriptor in ``ubatched_graphs`` runs as two micro-batches
+        over the two halves of its rows (its warm-up, capture and replays alike)."""
         n = d.num_tokens
-        hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
+        if d in self.ubatched_graphs:
+            hidden = self._run_static_ubatches(n)
+        else:
+            hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
         if not d.uniform_decode:
             return hidden
         logits = self.model.compute_logits(hidden)
@@ -134,6 +154,9 @@ class ModelRunner:
         their argmax, valid until the next step runs; else ``greedy`` is None)."""
         out = self.manager.run(dispatch, n, attn_metadata=meta)
         d = dispatch.descriptor
+        if dispatch.mode is GraphMode.FULL and d in self.ubatched_graphs:
+            self.ubatched_steps += 1
+            self.ubatched_replays += 1
         if d.uniform_decode:
             self.decode_padded = d.num_tokens if dispatch.mode is GraphMode.FULL else None
             logits, self.greedy = out
@@ -199,8 +222,12 @@ class ModelRunner:
         return self.sampler.sample(self.decode_padded, temperatures, top_ps)
 
     def release(self) -> None:
-        """Destroys every graph this runner captured (FULL and piecewise); it must not run
-        a graph mode afterwards. Safe to call more than once."""
+        """Destroys every graph this runner captured (FULL and piecewise) and ends its
+        micro-batch threads; it must not run a graph mode afterwards. Safe to call more
+        than once."""
+        if self._ubatch_threads is not None:
+            self._ubatch_threads.close()
+            self._ubatch_threads = None
         self.manager.release()
         if self.piecewise is not None:
             self.piecewise.release()
@@ -251,7 +278,7 @@ class ModelRunner:
             if agreement is None
             else agreement.micro_batch
         )
-        if ubatch:
+        if ubatch and dispatch.mode is GraphMode.NONE:  # (a FULL graph holds its split)
             hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
             self.greedy = None
             return self.model.compute_logits(hidden[layout.logit_rows])
@@ -260,18 +287,23 @@ class ModelRunner:
 
     def would_micro_batch(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
         """Whether ``step``, dispatched to ``mode`` at ``padded`` rows, runs as two
-        micro-batches (under data parallelism the replicas then agree on it)."""
-        # Only where there are collectives to overlap, and (for now) only eagerly.
+        micro-batches (under data parallelism the replicas then agree on it): a FULL
+        graph if it was captured so; eagerly, if the policy applies and both halves hold
+        real tokens."""
         policy = self.micro_batching
-        if policy is None or self.model.tp.group is None or mode is not GraphMode.NONE:
-            return False
+        if policy is None or self.model.tp.group is None:
+            return False  # only where there are collectives to overlap
+        if mode is GraphMode.FULL:
+            return BatchDescriptor(padded, None, step.uniform_decode) in self.ubatched_graphs
+        if mode is not GraphMode.NONE:
+            return False  # compiled pieces trace the all-reduce: no hand-off inside them
         return policy.applies(padded, step.uniform_decode) and can_split(step.num_tokens, padded)
 
     def _run_ubatches(
         self, padded: int, query_lens: list[int], seq_lens: list[int]
     ) -> torch.Tensor:
-        """The step's hidden states, computed as two micro-batches on two threads that
-        take turns at every collective (``ostinato.ubatch``)."""
+        """The step's hidden states, computed eagerly as two micro-batches on two threads
+        that take turns at every collective (``ostinato.ubatch``)."""
         slices = split_step(query_lens, padded)
         ids, pos = self.inputs.input_ids, self.inputs.positions
 
@@ -284,17 +316,45 @@ class ModelRunner:
                 with forward_context(GraphMode.NONE, BatchDescriptor(s.num_tokens), meta):
                     return self.model(ids[s.tokens], pos[s.tokens])
 
-        if self.device.type == "cuda":
-            if self._comm_stream is None:
-                self._comm_stream = torch.cuda.Stream(self.device)
-            ops, compute, comm = CudaStreamOps(), torch.cuda.current_stream(), self._comm_stream
-            device = self.device
-
-            def prepare() -> None:
-                torch.cuda.set_device(device)
-                torch.cuda.current_blas_handle()
-        else:
-            ops, compute, comm, prepare = NoStreams(), None, None, None
-        outs = run_ubatches(run, len(slices), ops, compute, comm, prepare=prepare)
+        outs = self._in_ubatch_threads(run)
         self.ubatched_steps += 1
         return torch.cat(outs)
+
+    def _run_static_ubatches(self, n: int) -> torch.Tensor:
+        """Hidden states of the first ``n`` rows as two micro-batches of ``n / 2`` rows
+        whose attention reads only persistent buffers (each row finds its request through
+        ``token_req`` in the whole block table), so the run can be captured in one graph
+        and replayed for any step of ``n`` padded rows."""
+        half = n // 2
+        ids, pos = self.inputs.input_ids, self.inputs.positions
+
+        def run(i: int) -> torch.Tensor:
+            rows = slice(i * half, (i + 1) * half)
+            meta = StepAttention(self.inputs.rows_metadata(rows), self.cache, self.backend)
+            with torch.inference_mode():
+                with forward_context(GraphMode.NONE, BatchDescriptor(half), meta):
+                    return self.model(ids[rows], pos[rows])
+
+        return torch.cat(self._in_ubatch_threads(run))
+
+    def _in_ubatch_threads(self, run: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+        # The threads (and on CUDA the communication stream) are made at the first
+        # micro-batched run, an eager warm-up before any capture: nothing of theirs is
+        # initialised while a graph is being captured.
+        if self._ubatch_threads is None:
+            if self.device.type == "cuda":
+                self._comm_stream = torch.cuda.Stream(self.device)
+                device = self.device
+
+                def prepare() -> None:
+                    torch.cuda.set_device(device)
+                    torch.cuda.current_blas_handle()
+
+                self._ubatch_threads = UbatchThreads(2, CudaStreamOps(), prepare)
+            else:
+                self._ubatch_threads = UbatchThreads(2, NoStreams())
+        if self.device.type == "cuda":
+            compute, comm = torch.cuda.current_stream(), self._comm_stream
+        else:
+            compute = comm = None
+        return self._ubatch_threads.run(run, compute, comm)

@@ -79,7 +79,7 @@ class CudaStreamOps:
 
 @dataclass
 class _Shared:
-    ready: threading.Barrier
+    ready: threading.Barrier  # (unused by UbatchThreads: its threads are ready at start)
     turns: list[threading.Event]
     aborted: threading.Event = field(default_factory=threading.Event)
 
@@ -127,6 +127,127 @@ def current() -> UbatchTurn | None:
     return _CURRENT.get()
 
 
+class UbatchThreads:
+    """``n`` threads, started once, that run the micro-batches of every step given to
+    ``run``. ``prepare`` runs once in each thread when it starts (CUDA state such as the
+    device and the BLAS handle), so a step captured in a graph later finds them ready:
+    nothing is initialised while the capture runs.
+
+    Guarantees: ``run`` returns the results in micro-batch order or raises the first
+    exception of any thread (its traceback attached), with no thread left waiting; the
+    threads serve the next ``run`` either way. ``close`` ends them.
+    """
+
+    def __init__(self, n: int, ops: StreamOps, prepare: Callable[[], None] | None = None) -> None:
+        self.n, self.ops = n, ops
+        self._jobs = [threading.Event() for _ in range(n)]
+        self._done = threading.Barrier(n + 1)
+        self._job: tuple[Callable[[int], Any], Any, Any, _Shared] | None = None
+        self._results: list[Any] = [None] * n
+        self._errors: list[tuple[int, BaseException]] = []
+        self._closed = False
+        started = threading.Barrier(n + 1)
+        self._threads = [
+            threading.Thread(
+                target=self._serve,
+                args=(i, prepare, started),
+                name=f"ostinato-ubatch{i}",
+                daemon=True,
+            )
+            for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+        try:
+            started.wait()
+        except threading.BrokenBarrierError:
+            pass
+        if self._errors:
+            self.close()
+            raise self._errors[0][1]
+
+    def _serve(
+        self, i: int, prepare: Callable[[], None] | None, started: threading.Barrier
+    ) -> None:
+        try:
+            if prepare is not None:
+                prepare()
+        except BaseException as exc:  # noqa: BLE001  (reported by __init__)
+            self._errors.append((i, exc))
+            started.abort()
+            return
+        try:
+            started.wait()
+        except threading.BrokenBarrierError:
+            return  # another thread's prepare failed; __init__ reports it
+        while True:
+            self._jobs[i].wait()
+            self._jobs[i].clear()
+            if self._closed:
+                return
+            assert self._job is not None
+            step, compute, comm, shared = self._job
+            self._run_one(i, step, compute, comm, shared)
+            try:
+                self._done.wait()
+            except threading.BrokenBarrierError:
+                return
+
+    def _run_one(
+        self, i: int, step: Callable[[int], Any], compute: Any, comm: Any, shared: _Shared
+    ) -> None:
+        turn = UbatchTurn(i, shared, self.ops, compute, comm)
+        token = _CURRENT.set(turn)
+        try:
+            self.ops.use(compute)
+            turn._wait()
+            self._results[i] = step(i)
+            shared.turns[(i + 1) % self.n].set()  # done: the next one may finish too
+        except BaseException as exc:  # noqa: BLE001  (reported to the caller by run)
+            self._errors.append((i, exc))
+            shared.aborted.set()
+            for event in shared.turns:
+                event.set()
+        finally:
+            _CURRENT.reset(token)
+
+    def run(
+        self,
+        step: Callable[[int], Any],
+        compute: Any,
+        comm: Any,
+        start: Callable[[], Any] | None = None,
+    ) -> list[Any]:
+        """Runs ``step(i)`` for micro-batches ``0..n-1``, taking turns in order
+        (micro-batch 0 first); returns their results in order. ``start``, if given, is
+        entered around the run (a graph capture, after every thread is ready)."""
+        if self._closed:
+            raise RuntimeError("UbatchThreads: closed")
+        shared = _Shared(threading.Barrier(1), [threading.Event() for _ in range(self.n)])
+        self._job, self._results, self._errors = (step, compute, comm, shared), [None] * self.n, []
+        with start() if start is not None else contextlib.nullcontext():
+            shared.turns[0].set()
+            for job in self._jobs:
+                job.set()
+            self._done.wait()
+        self._job = None
+        if self._errors:
+            # The cause, not the other thread's reaction to it.
+            errors = self._errors
+            raise min(errors, key=lambda e: isinstance(e[1], UbatchAborted))[1]
+        return list(self._results)
+
+    def close(self) -> None:
+        """Ends the threads (they are daemons: a process may also just exit)."""
+        self._closed = True
+        for job in self._jobs:
+            job.set()
+        self._done.abort()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=1.0)
+
+
 def run_ubatches(
     step: Callable[[int], Any],
     n: int,
@@ -136,8 +257,9 @@ def run_ubatches(
     prepare: Callable[[], None] | None = None,
     start: Callable[[], Any] | None = None,
 ) -> list[Any]:
-    """Runs ``step(i)`` for micro-batches ``0..n-1`` on ``n`` threads taking turns in
-    order (micro-batch 0 first); returns their results in order.
+    """Runs ``step(i)`` for micro-batches ``0..n-1`` on ``n`` fresh threads taking turns
+    in order (micro-batch 0 first); returns their results in order (``UbatchThreads``
+    for one run).
 
     ``prepare`` runs in each thread before the turn-taking starts (CUDA state such as
     the BLAS handle must exist before a graph capture begins). ``start``, if given, is
@@ -145,44 +267,8 @@ def run_ubatches(
     capture). Raises the first exception of any thread, with its traceback; no thread is
     left waiting.
     """
-    shared = _Shared(threading.Barrier(n + 1), [threading.Event() for _ in range(n)])
-    results: list[Any] = [None] * n
-    errors: list[tuple[int, BaseException]] = []
-
-    def body(i: int) -> None:
-        turn = UbatchTurn(i, shared, ops, compute, comm)
-        try:
-            if prepare is not None:
-                prepare()
-            shared.ready.wait()
-            _CURRENT.set(turn)
-            ops.use(compute)
-            turn._wait()
-            results[i] = step(i)
-            shared.turns[(i + 1) % n].set()  # done: the next one may finish too
-        except BaseException as exc:  # noqa: BLE001  (reported to the caller below)
-            errors.append((i, exc))
-            shared.aborted.set()
-            shared.ready.abort()  # the caller and the others stop waiting for this thread
-            for event in shared.turns:
-                event.set()
-
-    threads = [
-        threading.Thread(target=body, args=(i,), name=f"ostinato-ubatch{i}", daemon=True)
-        for i in range(n)
-    ]
-    for t in threads:
-        t.start()
+    threads = UbatchThreads(n, ops, prepare)
     try:
-        shared.ready.wait()
-    except threading.BrokenBarrierError:
-        pass  # a thread failed in prepare; its error is reported below
-    with start() if start is not None else contextlib.nullcontext():
-        shared.turns[0].set()
-        for t in threads:
-            t.join()
-    if errors:
-        # The cause, not the other thread's reaction to it.
-        reactions = (UbatchAborted, threading.BrokenBarrierError)
-        raise min(errors, key=lambda e: isinstance(e[1], reactions))[1]
-    return results
+        return threads.run(step, compute, comm, start)
+    finally:
+        threads.close()

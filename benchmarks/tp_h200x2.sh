@@ -2,6 +2,7 @@
 # The tensor-parallel GPU checks on nvidia-h200-x2, in three device calls (10 minutes each):
 #   benchmarks/tp_h200x2.sh tests   # the 2-GPU tests (the single-GPU suite: h100_checks.sh)
 #   benchmarks/tp_h200x2.sh bench-llama-8b   # (and bench-llama-1.5b) decode step, TP=1 vs TP=2, NCCL vs measured symmetric
+#   benchmarks/tp_h200x2.sh bench-ubatch     # TP=2 steps with and without micro-batch overlap
 # Writes logs and JSON under $OUT (or ./out). NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -24,6 +25,12 @@ tests)
             | grep -E "PASSED|FAILED|ERROR|^E |Timeout|rank [0-9]"
     done
     ;;
+bench-ubatch)
+    # Micro-batch overlap: TP=2 steps of the 8 B shape with and without it, graphs on.
+    timeout 560 python3 -m ostinato.bench ubatch --tp 2 --shape llama-8b \
+        --out "$OUT/ubatch_llama-8b_tp2_h200.json" --plot "$OUT/ubatch_llama-8b_tp2_h200.png" \
+        2>&1 | tee -a "$OUT/bench.log"
+    ;;
 bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"
     for shape in "${1#bench-}"; do
@@ -37,7 +44,7 @@ bench-*)
     done
     ;;
 *)
-    echo "usage: $0 tests|bench-llama-8b|bench-llama-1.5b" >&2
+    echo "usage: $0 tests [K]|bench-llama-8b|bench-llama-1.5b|bench-ubatch" >&2
     exit 2
     ;;
 esac

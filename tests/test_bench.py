@@ -164,3 +164,18 @@ def test_table_shows_kernel_columns_only_where_profiled():
     text = table(result)
     assert "kernels" in text and "/layer" in text
     assert text.split("\n")[3].split()[-3:] == ["577", "19.2", "1002.0"]
+
+
+def test_bench_ubatch_quick_runs_both_ways_on_two_cpu_ranks(tmp_path):
+    # Two gloo ranks, the tiny model, eagerly: every step once plain and once split into
+    # two overlapped micro-batches, with the all-reduces alone timed beside it.
+    from ostinato.bench import ubatch
+
+    out = tmp_path / "ubatch.json"
+    assert ubatch.main(["--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert len(rows) == 8 and {r["kind"] for r in rows} == {"prefill", "decode"}
+    assert all(r["ubatched"] == r["overlap"] for r in rows)
+    assert all(r["step_ms"] > 0 and r["comm_ms"] > 0 for r in rows)
+    assert len(doc["speedups"]) == 4 and doc["tp"] == 2

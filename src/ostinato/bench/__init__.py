@@ -19,13 +19,18 @@ from ostinato.engine.presets import shape
 def main(argv: list[str] | None = None) -> int:
     """Runs ``ostinato bench`` with ``argv``; returns the exit status. ``ostinato bench
     e2e ...`` runs the end-to-end ``generate`` benchmark instead, ``ostinato bench spec
-    ...`` the speculative-decoding one."""
+    ...`` the speculative-decoding one, ``ostinato bench ubatch ...`` the micro-batch
+    overlap one."""
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["e2e"]:
         from ostinato.bench import e2e
 
         return e2e.main(argv[1:])
+    if argv[:1] == ["ubatch"]:
+        from ostinato.bench import ubatch
+
+        return ubatch.main(argv[1:])
     if argv[:1] == ["spec"]:
         from ostinato.bench import spec
 

@@ -1,0 +1,320 @@
+"""``ostinato bench ubatch``: a tensor-parallel step with and without micro-batch overlap.
+
+Every rank (one process per local GPU, started as ``torchrun`` would) runs the engine's
+whole step (``ModelRunner.execute``: staging, dispatch, replay, logits) on random weights
+of ``--shape``: prefill steps of 512, 2048 and 8192 tokens (requests of 512 tokens, FULL
+graphs) and decode steps of B = 128 and 256 requests at KV length 512 (FULL_DECODE_ONLY
+graphs), each once with plain graphs and once with graphs captured as two overlapped
+micro-batches (``micro_batching``). Beside each step it times the step's all-reduces
+alone (two per layer of the step's hidden-state size, in one graph, or eagerly without
+graphs), so the table says what share of the step is communication: where that share is
+small there is little to hide. ``--quick`` runs the tiny model on the CPU with two gloo
+ranks, eagerly (no graphs there), to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from ostinato.cliargs import OneLineParser, int_list
+from ostinato.provenance import Provenance
+
+PREFILL_REQUEST = 512  # tokens per request of a prefill step
+KV_LEN = 512  # cached tokens per request of a decode step
+
+
+@dataclass
+class UbatchRow:
+    """One step: ``kind`` "prefill" or "decode", ``tokens`` rows, with or without
+    ``overlap``; device ms of the step and of its all-reduces alone."""
+
+    kind: str
+    tokens: int
+    overlap: bool
+    step_ms: float
+    comm_ms: float
+    ubatched: bool  # the step really ran as micro-batches (the policy covered its size)
+
+    @property
+    def comm_share(self) -> float:
+        """The all-reduces' time over the step's (without overlap)."""
+        return self.comm_ms / self.step_ms if self.step_ms else float("nan")
+
+
+@dataclass
+class UbatchResult:
+    """Every number of one run."""
+
+    provenance: Provenance
+    shape: str
+    tp: int
+    dtype: str
+    rows: list[UbatchRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UbatchConfig:
+    """What to measure."""
+
+    shape: str
+    tp: int
+    prefill_tokens: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    dtype: str
+    repeats: int
+    quick: bool
+
+
+def _steps(setup: Any, kind: str, tokens: int) -> Any:
+    """The ``ScheduledBatch`` of a prefill of ``tokens`` tokens (requests of 512) or of
+    a decode of ``tokens`` requests at position KV_LEN."""
+    from ostinato.engine.sampler import SamplingParams
+    from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+
+    step = ScheduledBatch([])
+    per = setup.blocks_per_seq
+    if kind == "prefill":
+        length = min(PREFILL_REQUEST, tokens)
+        for r in range(tokens // length):
+            req = Request(r, [1 + r] * length, SamplingParams())
+            req.blocks = list(range(1 + r * per, 1 + (r + 1) * per))
+            step.scheduled.append(ScheduledRequest(req, req.prompt, 0))
+        return step
+    for r in range(tokens):
+        req = Request(r, [1] * KV_LEN, SamplingParams(), output=[7])
+        req.blocks, req.num_cached = list(range(1 + r * per, 1 + (r + 1) * per)), KV_LEN
+        step.scheduled.append(ScheduledRequest(req, [7], KV_LEN))
+    return step
+
+
+def _comm_ms(setup: Any, rows: int, repeats: int, cuda: bool) -> float:
+    """Device ms of the step's all-reduces alone: two per layer of ``[rows, hidden]``."""
+    from ostinato.bench.decode import time_step
+
+    x = torch.zeros(rows, setup.config.hidden_size, dtype=setup.dtype, device=setup.device)
+    count = 2 * setup.config.num_layers
+
+    def reduce_all() -> None:
+        for _ in range(count):
+            setup.tp.all_reduce(x)
+
+    if not cuda:
+        return time_step(reduce_all, 1, repeats, False)[0]
+    reduce_all()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reduce_all()
+    return time_step(graph.replay, 2, repeats, True)[0]
+
+
+def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> UbatchResult:
+    """Every row, on this rank (all ranks run this in lock-step)."""
+    from ostinato.bench.decode import BenchConfig, DecodeSetup, time_step
+    from ostinato.config import GraphConfig
+    from ostinato.engine.limits import EngineLimits
+    from ostinato.engine.presets import shape
+    from ostinato.engine.runner import ModelRunner
+    from ostinato.modes import GraphMode
+    from ostinato.ubatch.policy import MicroBatching
+
+    cuda = device.type == "cuda"
+    model = shape("tiny" if cfg.quick else cfg.shape)
+    bench = replace(
+        BenchConfig(model=model), batch_sizes=cfg.decode_batches, kv_len=KV_LEN, dtype=cfg.dtype
+    )
+    setup = DecodeSetup(bench, device, tp)
+    max_tokens = max(max(cfg.prefill_tokens), max(cfg.decode_batches))
+    limits = EngineLimits(setup.max_b, max_tokens, setup.max_len, 16)
+    result = UbatchResult(
+        Provenance.collect(), "tiny" if cfg.quick else cfg.shape, cfg.tp, cfg.dtype
+    )
+    # The default policy (32 decode, 512 prefill tokens) splits every size measured on the
+    # GPU; the quick sizes are smaller.
+    policy = MicroBatching(2, 2) if cfg.quick else MicroBatching()
+    kinds = (
+        ("prefill", GraphMode.FULL, cfg.prefill_tokens),
+        ("decode", GraphMode.FULL_DECODE_ONLY, cfg.decode_batches),
+    )
+    with torch.inference_mode():
+        for kind, mode, sizes in kinds:
+            graphs = GraphConfig(
+                mode=mode if cuda else GraphMode.NONE,
+                capture_sizes=tuple(sizes),
+                max_capture_size=max(sizes),
+            )
+            for overlap in (False, True):
+                runner = ModelRunner(
+                    setup.model,
+                    setup.cache,
+                    setup.backend,
+                    limits,
+                    graphs,
+                    device,
+                    progress=False,
+                    micro_batching=policy if overlap else None,
+                )
+                runner.capture()
+                for n in sizes:
+                    step = _steps(setup, kind, n)
+                    before = runner.ubatched_steps
+                    ms, _ = time_step(lambda: runner.execute(step), 2, cfg.repeats, cuda)  # noqa: B023
+                    comm = _comm_ms(setup, n, cfg.repeats, cuda)
+                    row = UbatchRow(kind, n, overlap, ms, comm, runner.ubatched_steps > before)
+                    result.rows.append(row)
+                    log(
+                        f"{kind:7s} {n:5d} tokens  overlap {'on ' if overlap else 'off'} "
+                        f"{ms:8.3f} ms  all-reduces alone {row.comm_ms:7.3f} ms "
+                        f"({row.comm_share:4.0%})"
+                        + ("" if row.ubatched or not overlap else "  (not split)")
+                    )
+                runner.release()
+    return result
+
+
+def _worker(rank: int, cfg: UbatchConfig, port: int, out: str) -> None:
+    from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
+    from ostinato.distributed.groups import local_launch_env
+
+    os.environ.update(local_launch_env(rank, cfg.tp, port))
+    kind = "cpu" if cfg.quick else "cuda"
+    groups = init_parallel(ParallelConfig(tensor_parallel_size=cfg.tp), kind)
+
+    def log(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    result = run_rank(cfg, groups.device, groups.tp, log)
+    if rank == 0:
+        torch.save(result, out)
+    if not shutdown_parallel():
+        os._exit(0)  # rank 0's result is saved; do not wait in a hung teardown
+
+
+def run(cfg: UbatchConfig) -> UbatchResult:
+    """Rank 0's result, the ranks spawned on this host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.pt")
+        mp.spawn(_worker, args=(cfg, port, out), nprocs=cfg.tp)
+        return torch.load(out, weights_only=False)
+
+
+def speedups(result: UbatchResult) -> list[tuple[str, int, float, float]]:
+    """Per (kind, tokens): (kind, tokens, plain ms / overlapped ms, communication share
+    of the plain step)."""
+    plain = {(r.kind, r.tokens): r for r in result.rows if not r.overlap}
+    out = []
+    for r in result.rows:
+        if r.overlap and (r.kind, r.tokens) in plain:
+            p = plain[(r.kind, r.tokens)]
+            out.append((r.kind, r.tokens, p.step_ms / r.step_ms, p.comm_share))
+    return out
+
+
+def document(result: UbatchResult) -> dict[str, Any]:
+    """The JSON document of ``result``."""
+    doc = asdict(result)
+    for row, r in zip(doc["rows"], result.rows, strict=True):
+        row["comm_share"] = r.comm_share
+    doc["speedups"] = [
+        {"kind": k, "tokens": n, "plain_over_overlap": s, "comm_share": c}
+        for k, n, s, c in speedups(result)
+    ]
+    return doc
+
+
+def plot(result: UbatchResult, path: Path) -> None:
+    """Bars of plain and overlapped step time per step, communication share above."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{k} {n}" for k, n, _, _ in speedups(result)]
+    plain = [r.step_ms for r in result.rows if not r.overlap]
+    over = [r.step_ms for r in result.rows if r.overlap]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], plain, 0.4, label="plain graphs")
+    ax.bar([x + 0.2 for x in xs], over, 0.4, label="overlapped micro-batches")
+    for x, (_, _, s, c) in zip(xs, speedups(result), strict=True):
+        ax.annotate(
+            f"{s:.2f}x, comm {c:.0%}",
+            (x, max(plain[x], over[x])),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("step ms")
+    p = result.provenance
+    ax.set_title(
+        f"{result.shape} TP={result.tp} {result.dtype}\n{p.device}, torch {p.torch}, "
+        f"{p.commit[:7]}",
+        fontsize=9,
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    """``ostinato bench ubatch ...``; returns the exit status."""
+    parser = OneLineParser(
+        prog="ostinato bench ubatch",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (>= 2)")
+    parser.add_argument("--shape", choices=("llama-1.5b", "llama-8b"), default="llama-8b")
+    parser.add_argument("--prefill-tokens", type=int_list, default=[512, 2048, 8192])
+    parser.add_argument("--decode-batches", type=int_list, default=[128, 256])
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="tiny model, CPU, gloo, eager")
+    parser.add_argument("--out", type=Path, help="write the JSON result here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.tp < 2:
+        parser.error("argument --tp: micro-batch overlap needs >= 2 ranks")
+    quick = args.quick or not torch.cuda.is_available()
+    if not quick and torch.cuda.device_count() < args.tp:
+        parser.error(f"argument --tp: {args.tp} ranks, {torch.cuda.device_count()} GPU(s)")
+    if any(n < 2 or n % 2 for n in args.prefill_tokens + args.decode_batches):
+        parser.error("sizes: every step size must be even and >= 2 (it splits in halves)")
+    cfg = UbatchConfig(
+        args.shape,
+        args.tp,
+        tuple(args.prefill_tokens) if not quick else (32, 64),
+        tuple(args.decode_batches) if not quick else (8, 16),
+        args.dtype if not quick else "float32",
+        args.repeats if not quick else 3,
+        quick,
+    )
+    if quick:
+        print("ostinato bench ubatch: --quick (or no CUDA): the tiny model, CPU, eager")
+    result = run(cfg)
+    for kind, n, s, c in speedups(result):
+        print(f"{kind:7s} {n:5d}: plain / overlapped {s:5.2f}x, communication {c:4.0%} of the step")
+    if args.out:
+        args.out.write_text(json.dumps(document(result), indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

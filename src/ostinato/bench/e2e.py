@@ -25,6 +25,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ class E2EResult:
     rows: list[E2ERow] = field(default_factory=list)
     startup: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # A system that failed: its one-line error (the other systems still ran).
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -190,8 +193,10 @@ def _measure(
         )
 
 
-def run(args: argparse.Namespace) -> E2EResult:
-    """Runs every system at every batch size; returns all numbers."""
+def run(args: argparse.Namespace, save: Callable[[E2EResult], None] | None = None) -> E2EResult:
+    """Runs every system at every batch size; returns all numbers. A system that raises
+    is recorded in ``errors`` and the next one runs; ``save`` gets the result so far
+    after each system (a later crash loses nothing measured)."""
     import transformers
 
     cuda = torch.cuda.is_available() and not args.quick
@@ -206,19 +211,32 @@ def run(args: argparse.Namespace) -> E2EResult:
         reference: dict[int, list[list[int]]] = {}
         systems = [f"ostinato {m}" for m in args.modes] + hf_systems
         for system in systems:
-            if system.startswith("ostinato "):
-                mode = system.removeprefix("ostinato ")
-                start = time.perf_counter()
-                call, startup = _ostinato_system(folder, mode, dtype, device, args)
-                startup["constructor_s"] = time.perf_counter() - start
-                result.startup[system] = startup
-            else:
-                call = _hf_system(folder, system, dtype, device, args.new_tokens)
-            _measure(result, system, call, args, vocab, cuda, reference)
+            call = None
+            try:
+                if system.startswith("ostinato "):
+                    mode = system.removeprefix("ostinato ")
+                    start = time.perf_counter()
+                    call, startup = _ostinato_system(folder, mode, dtype, device, args)
+                    startup["constructor_s"] = time.perf_counter() - start
+                    result.startup[system] = startup
+                    print(
+                        f"{system}: start-up "
+                        + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()),
+                        flush=True,
+                    )
+                else:
+                    call = _hf_system(folder, system, dtype, device, args.new_tokens)
+                _measure(result, system, call, args, vocab, cuda, reference)
+            except Exception as exc:  # noqa: BLE001  (recorded; the other systems still run)
+                text = str(exc).strip().splitlines()
+                result.errors[system] = f"{type(exc).__name__}: {text[0] if text else ''}"
+                print(f"{system}: FAILED: {result.errors[system]}", flush=True)
             del call
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+            if save is not None:
+                save(result)
     return result
 
 
@@ -239,6 +257,8 @@ def table(result: E2EResult) -> str:
         )
     for system, s in result.startup.items():
         lines.append(f"{system}: " + ", ".join(f"{k} {v:.1f}" for k, v in s.items()))
+    for system, error in result.errors.items():
+        lines.append(f"{system}: FAILED: {error}")
     return "\n".join(lines)
 
 
@@ -315,16 +335,19 @@ def main(argv: list[str]) -> int:
         args.modes, args.dtype = ["none"], "float32"
         what = "SmolLM2" if args.model == REAL_MODEL else "the tiny shape"
         print(f"CPU form (--quick or no CUDA): {what} in float32, eager only")
-    result = run(args)
+    provenance = asdict(Provenance.collect())
+
+    def save(result: E2EResult) -> None:
+        if args.out:
+            doc = {"benchmark": "e2e_generate", "provenance": provenance, **asdict(result)}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
+
+    result = run(args, save)
     print(table(result))
-    doc = {
-        "benchmark": "e2e_generate",
-        "provenance": asdict(Provenance.collect()),
-        **asdict(result),
-    }
+    doc = {"benchmark": "e2e_generate", "provenance": provenance, **asdict(result)}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
+        save(result)
         print(f"wrote {args.out}")
     if args.plot:
         plot(doc, args.plot)

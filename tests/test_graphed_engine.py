@@ -130,3 +130,27 @@ def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs
     spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
     assert spec.runner.sampler is None  # verification samples its 1 + k rows itself
     assert engine("full").runner.sampler is None  # no uniform decode graphs
+
+
+def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_graphs):
+    # Half the requests sample, half are greedy rows of the same steps, so every decode
+    # step runs the sampling graph with per-row temperatures staged through two pinned
+    # sets in turn while asynchronous scheduling stages step N+1 during step N. A row
+    # given another row's temperature would sample: the greedy requests must come out as
+    # they do alone in an eager engine. (Sampled outputs themselves differ between sync
+    # and async scheduling, graphs or not: the two schedule different steps around
+    # preemption, so the draws fall to other rows; only the distribution is the same.)
+    from dataclasses import replace
+
+    prompts, params = preempting_mix()
+    sampled = [replace(p, temperature=0.9, top_p=0.8) for p in params]
+    mixed = [s if i % 2 else p for i, (p, s) in enumerate(zip(params, sampled, strict=True))]
+    greedy = [i for i in range(len(params)) if i % 2 == 0]
+    alone = engine("none", backend=None, num_blocks=10, seed=4)  # (the seed draws weights)
+    want = [alone.generate([prompts[i]], [params[i]])[0].token_ids for i in greedy]
+    for asyn in (False, True):
+        llm = engine("full_decode_only", num_blocks=10, async_scheduling=asyn, seed=4)
+        outs = llm.generate(prompts, mixed)
+        assert llm.scheduler.num_preemptions > 0
+        assert sum(g.replays for g, _ in llm.runner.sampler.graphs.values()) > 0
+        assert [outs[i].token_ids for i in greedy] == want

@@ -137,13 +137,17 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def verify(
-    logits: torch.Tensor, step: ScheduledBatch, generator: torch.Generator | None
+    logits: torch.Tensor,
+    step: ScheduledBatch,
+    generator: torch.Generator | None,
+    greedy: torch.Tensor | None = None,
 ) -> list[int | list[int]]:
     """Per scheduled request: its sampled token, or for a drafting request the draft
     tokens it keeps followed by one more. ``logits`` has ``1 + len(draft)`` rows per
-    request, in order (``ModelRunner.execute``)."""
+    request, in order (``ModelRunner.execute``); ``greedy``, if given, is their argmax
+    already computed (the verify graph's own)."""
     counts = [1 + len(s.draft) for s in step.scheduled]
-    argmax = logits.argmax(dim=-1).tolist()
+    argmax = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
     out: list[int | list[int]] = []
     row = 0
     for s, count in zip(step.scheduled, counts, strict=True):

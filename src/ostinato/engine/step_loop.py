@@ -151,7 +151,8 @@ class StepLoop:
 
     def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:
         """A speculative engine's step, resolved at once: drafts verified, tokens kept."""
-        got = verify(logits, step, self.generator)
+        # A uniform verify step's graph ends in the argmax: no second pass over the logits.
+        got = verify(logits, step, self.generator, self.runner.greedy)
         self.scheduler.launched(step)
         stats = self.spec_stats
         for s, tokens in zip(step.scheduled, got, strict=True):

@@ -105,7 +105,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         out = torch.empty_like(q)
-        torch.ops.ostinato.attention(q, k, v.contiguous(), out, self.layer, self.scale)
+        # v stays a strided view of the QKV projection: the K/V writes take any token and
+        # head strides, and a copy to make it contiguous would be a kernel per layer.
+        torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         return self.tp.all_reduce(self.o_proj(out.view(x.shape[0], self.q_size)))
 
 

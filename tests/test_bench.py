@@ -201,3 +201,21 @@ def test_bench_ubatch_quick_runs_both_ways_on_two_cpu_ranks(tmp_path):
     assert all(r["ubatched"] == r["overlap"] for r in rows)
     assert all(r["step_ms"] > 0 and r["comm_ms"] > 0 for r in rows)
     assert len(doc["speedups"]) == 4 and doc["tp"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tp", "1"], "--tp: micro-batch overlap needs >= 2 ranks"),
+        (["--repeats", "0"], "--repeats: must be >= 1"),
+        (["--prefill-tokens", "3"], "every step size must be even"),
+    ],
+)
+def test_bench_ubatch_bad_options_exit_2_with_one_line(argv, message, capsys):
+    from ostinato.bench import ubatch
+
+    with pytest.raises(SystemExit) as info:
+        ubatch.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]

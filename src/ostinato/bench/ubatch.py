@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ostinato.cliargs import OneLineParser, int_list
+from ostinato.cliargs import OneLineParser, int_list, positive_int
 from ostinato.provenance import Provenance
 
 PREFILL_REQUEST = 512  # tokens per request of a prefill step
@@ -285,7 +285,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prefill-tokens", type=int_list, default=[512, 2048, 8192])
     parser.add_argument("--decode-batches", type=int_list, default=[128, 256])
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--quick", action="store_true", help="tiny model, CPU, gloo, eager")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")

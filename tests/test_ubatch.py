@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ostinato.ubatch.handoff import current, run_ubatches
+from ostinato.ubatch.handoff import UbatchThreads, current
 from ostinato.ubatch.slicing import UbatchSlice, local_query_lens, split_step
 
 
@@ -78,9 +78,18 @@ def layers(ops, layers=3, fail_at=None):
     return step
 
 
+def run_once(step, ops, prepare=None):
+    """One step on two threads made for it, then ended (the runner keeps its own)."""
+    threads = UbatchThreads(2, ops, prepare)
+    try:
+        return threads.run(step, "compute", "comm")
+    finally:
+        threads.close()
+
+
 def test_micro_batches_take_turns_at_every_collective():
     ops = FakeOps()
-    out = run_ubatches(layers(ops), 2, ops, "compute", "comm")
+    out = run_once(layers(ops), ops)
     assert out == ["out0", "out1"]
     work = [
         (t, what, layer)
@@ -114,7 +123,7 @@ def test_a_failing_micro_batch_releases_the_other_and_reaches_the_caller(failing
     ops = FakeOps()
     start = time.perf_counter()
     with pytest.raises(ValueError, match=f"micro-batch {failing} failed at layer 1") as info:
-        run_ubatches(layers(ops, fail_at=(failing, 1)), 2, ops, "compute", "comm")
+        run_once(layers(ops, fail_at=(failing, 1)), ops)
     assert time.perf_counter() - start < 5
     assert "in step" in "".join(__import__("traceback").format_tb(info.value.__traceback__))
     assert not [t for t in threading.enumerate() if t.name.startswith("ostinato-ubatch")]
@@ -130,15 +139,13 @@ def test_a_failure_before_the_turns_start_does_not_hang():
             raise RuntimeError("no CUDA state")
 
     with pytest.raises(RuntimeError, match="no CUDA state"):
-        run_ubatches(layers(ops), 2, ops, "compute", "comm", prepare=prepare)
+        run_once(layers(ops), ops, prepare=prepare)
 
 
 def test_threads_started_once_serve_every_step_and_outlive_a_failure():
     # The runner keeps its micro-batch threads: their set-up (CUDA state) runs once, long
     # before any graph capture, and a failed step leaves them serving the next one.
     from contextlib import contextmanager
-
-    from ostinato.ubatch.handoff import UbatchThreads
 
     ops, prepared, entered = FakeOps(), [], []
 

@@ -10,7 +10,7 @@ whole dance can be captured in one graph (both streams join the capture through 
 events).
 
 Guarantees: no deadlock on error. A thread that raises marks the pair aborted and wakes
-the other, whose next wait raises ``UbatchAborted``; ``run_ubatches`` re-raises the first
+the other, whose next wait raises ``UbatchAborted``; ``UbatchThreads.run`` re-raises the first
 thread's exception (its traceback attached) in the caller.
 """
 
@@ -79,7 +79,6 @@ class CudaStreamOps:
 
 @dataclass
 class _Shared:
-    ready: threading.Barrier  # (unused by UbatchThreads: its threads are ready at start)
     turns: list[threading.Event]
     aborted: threading.Event = field(default_factory=threading.Event)
 
@@ -223,7 +222,7 @@ class UbatchThreads:
         entered around the run (a graph capture, after every thread is ready)."""
         if self._closed:
             raise RuntimeError("UbatchThreads: closed")
-        shared = _Shared(threading.Barrier(1), [threading.Event() for _ in range(self.n)])
+        shared = _Shared([threading.Event() for _ in range(self.n)])
         self._job, self._results, self._errors = (step, compute, comm, shared), [None] * self.n, []
         with start() if start is not None else contextlib.nullcontext():
             shared.turns[0].set()
@@ -246,29 +245,3 @@ class UbatchThreads:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=1.0)
-
-
-def run_ubatches(
-    step: Callable[[int], Any],
-    n: int,
-    ops: StreamOps,
-    compute: Any,
-    comm: Any,
-    prepare: Callable[[], None] | None = None,
-    start: Callable[[], Any] | None = None,
-) -> list[Any]:
-    """Runs ``step(i)`` for micro-batches ``0..n-1`` on ``n`` fresh threads taking turns
-    in order (micro-batch 0 first); returns their results in order (``UbatchThreads``
-    for one run).
-
-    ``prepare`` runs in each thread before the turn-taking starts (CUDA state such as
-    the BLAS handle must exist before a graph capture begins). ``start``, if given, is
-    entered by the caller after every thread is ready and held while they run (the graph
-    capture). Raises the first exception of any thread, with its traceback; no thread is
-    left waiting.
-    """
-    threads = UbatchThreads(n, ops, prepare)
-    try:
-        return threads.run(step, compute, comm, start)
-    finally:
-        threads.close()

@@ -4,7 +4,9 @@ and ends the process only if the engine stays stuck past the grace period."""
 import threading
 import time
 
-from ostinato.distributed.failure import RankFailure
+import pytest
+
+from ostinato.distributed.failure import ParallelError, RankFailure
 from ostinato.distributed.watchdog import EXIT_CODE, PeerWatchdog
 
 
@@ -37,6 +39,7 @@ def test_healthy_peers_are_left_alone():
     with fakes.watchdog(grace_s=0.05).watching() as watchdog:
         time.sleep(0.2)
     assert watchdog.failure is None and fakes.aborts == 0 and not fakes.exits
+    watchdog.check()  # nothing seen: no error
 
 
 def test_a_failed_peer_is_aborted_once_and_named_for_the_engine():
@@ -47,6 +50,8 @@ def test_a_failed_peer_is_aborted_once_and_named_for_the_engine():
         time.sleep(0.1)  # health keeps failing: still one abort
     assert fakes.aborts == 1 and not fakes.exits
     assert "rank 1 failed" in str(watchdog.failure.error(0))
+    with pytest.raises(ParallelError, match="rank 1 failed: its process exited with code 3"):
+        watchdog.check()
     time.sleep(0.1)
     assert not fakes.exits  # left in time: no exit later either
 

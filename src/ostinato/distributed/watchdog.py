@@ -48,6 +48,11 @@ class PeerWatchdog:
         self.failure: RankFailure | None = None
         self.aborted = False
 
+    def check(self) -> None:
+        """Raises the ``ParallelError`` naming the failed peer, if one was seen."""
+        if self.failure is not None:
+            raise self.failure.error(self.here)
+
     @contextmanager
     def watching(self) -> Iterator[PeerWatchdog]:
         """Watches the peers until the block is left (however it is left)."""

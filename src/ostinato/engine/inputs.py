@@ -99,21 +99,25 @@ class StepInputs:
 
     def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         """Attention metadata over the first ``n`` rows of the buffers."""
-        return AttentionMetadata(
-            self.positions[:n],
-            self.token_req[:n],
-            self.slot_mapping[:n],
-            self.block_tables,
-            query_lens,
-            seq_lens,
-        )
+        return self.rows_metadata(slice(0, n), query_lens, seq_lens)
 
-    def rows_metadata(self, rows: slice) -> AttentionMetadata:
-        """Attention metadata of the buffer rows ``rows`` alone, made only of views of the
-        persistent buffers (rows find their requests through ``token_req`` in the whole
-        block table), so a graph can hold it: a micro-batch of a captured step."""
+    def rows_metadata(
+        self,
+        rows: slice,
+        query_lens: list[int] | None = None,
+        seq_lens: list[int] | None = None,
+    ) -> AttentionMetadata:
+        """Attention metadata of the buffer rows ``rows``: views of the persistent buffers
+        (rows find their requests through ``token_req`` in the whole block table), so a
+        graph can hold it, whatever rows it covers (a micro-batch of a captured step
+        too); the host lengths only for the torch backend."""
         return AttentionMetadata(
-            self.positions[rows], self.token_req[rows], self.slot_mapping[rows], self.block_tables
+            self.positions[rows],
+            self.token_req[rows],
+            self.slot_mapping[rows],
+            self.block_tables,
+            query_lens if query_lens is not None else [],
+            seq_lens if seq_lens is not None else [],
         )
 
     def ubatch_metadata(

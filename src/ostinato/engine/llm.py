@@ -553,16 +553,15 @@ class LLM:
             watchdog = self._watchdog()
             with watchdog.watching() if watchdog else contextlib.nullcontext():
                 for _ in steps:
-                    if watchdog is not None and watchdog.failure is not None:
-                        # The step ran after the abort: nothing it computed is valid.
-                        raise watchdog.failure.error(self.parallel.rank)
+                    if watchdog is not None:
+                        watchdog.check()  # a step run after the abort computed nothing valid
                     if on_token is not None:
                         for i, r in enumerate(requests):
                             for token in r.output[emitted[i] :]:
                                 on_token(i, token)
                             emitted[i] = len(r.output)
-            if watchdog is not None and watchdog.failure is not None:
-                raise watchdog.failure.error(self.parallel.rank)
+            if watchdog is not None:
+                watchdog.check()
         except BaseException as exc:
             self.scheduler.abort(requests)
             if self.parallel.world_size > 1:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ostinato.cliargs import OneLineParser, int_list, positive_int
+from ostinato.distributed.failure import describe
 from ostinato.engine.presets import shape, smollm2_path
 from ostinato.provenance import Provenance
 
@@ -228,8 +229,7 @@ def run(args: argparse.Namespace, save: Callable[[E2EResult], None] | None = Non
                     call = _hf_system(folder, system, dtype, device, args.new_tokens)
                 _measure(result, system, call, args, vocab, cuda, reference)
             except Exception as exc:  # noqa: BLE001  (recorded; the other systems still run)
-                text = str(exc).strip().splitlines()
-                result.errors[system] = f"{type(exc).__name__}: {text[0] if text else ''}"
+                result.errors[system] = describe(exc)
                 print(f"{system}: FAILED: {result.errors[system]}", flush=True)
             del call
             gc.collect()

@@ -130,16 +130,14 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
     from ostinato.ubatch.policy import MicroBatching
 
     cuda = device.type == "cuda"
-    model = shape("tiny" if cfg.quick else cfg.shape)
+    model = shape(cfg.shape)
     bench = replace(
         BenchConfig(model=model), batch_sizes=cfg.decode_batches, kv_len=KV_LEN, dtype=cfg.dtype
     )
     setup = DecodeSetup(bench, device, tp)
     max_tokens = max(max(cfg.prefill_tokens), max(cfg.decode_batches))
     limits = EngineLimits(setup.max_b, max_tokens, setup.max_len, 16)
-    result = UbatchResult(
-        Provenance.collect(), "tiny" if cfg.quick else cfg.shape, cfg.tp, cfg.dtype
-    )
+    result = UbatchResult(Provenance.collect(), cfg.shape, cfg.tp, cfg.dtype)
     # The default policy (32 decode, 512 prefill tokens) splits every size measured on the
     # GPU; the quick sizes are smaller.
     policy = MicroBatching(2, 2) if cfg.quick else MicroBatching()
@@ -297,15 +295,18 @@ def main(argv: list[str]) -> int:
         parser.error(f"argument --tp: {args.tp} ranks, {torch.cuda.device_count()} GPU(s)")
     if any(n < 2 or n % 2 for n in args.prefill_tokens + args.decode_batches):
         parser.error("sizes: every step size must be even and >= 2 (it splits in halves)")
-    cfg = UbatchConfig(
-        args.shape,
-        args.tp,
-        tuple(args.prefill_tokens) if not quick else (32, 64),
-        tuple(args.decode_batches) if not quick else (8, 16),
-        args.dtype if not quick else "float32",
-        args.repeats if not quick else 3,
-        quick,
-    )
+    if quick:
+        cfg = UbatchConfig("tiny", args.tp, (32, 64), (8, 16), "float32", 3, True)
+    else:
+        cfg = UbatchConfig(
+            args.shape,
+            args.tp,
+            tuple(args.prefill_tokens),
+            tuple(args.decode_batches),
+            args.dtype,
+            args.repeats,
+            False,
+        )
     if quick:
         print("ostinato bench ubatch: --quick (or no CUDA): the tiny model, CPU, eager")
     result = run(cfg)

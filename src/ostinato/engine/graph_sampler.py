@@ -59,6 +59,7 @@ class GraphSampler:
         self.stagings = [
             torch.zeros((2, max_rows), dtype=torch.float32, pin_memory=pin) for _ in range(2)
         ]
+        self.hosts = [t.numpy() for t in self.stagings]  # views, made once
         self.turn = 0
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, tokens [n])
 
@@ -91,9 +92,8 @@ class GraphSampler:
             return None
         graph, tokens = entry
         n = len(temperatures)
-        staging = self.stagings[self.turn]
+        staging, host = self.stagings[self.turn], self.hosts[self.turn]
         self.turn ^= 1
-        host = staging.numpy()  # a view: no allocation per step
         host[0, :n] = temperatures
         host[1, :n] = top_ps
         host[0, n:padded] = 0.0

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -267,17 +268,27 @@ def abort_parallel(groups: ParallelGroups, timeout_s: float = 10.0) -> bool:
     aborts = [getattr(g, "abort", None) for g in pgs]
     if not all(callable(a) for a in aborts):
         return False
-    done = threading.Event()
 
     def abort() -> None:
+        for a in aborts:
+            with contextlib.suppress(Exception):  # one already aborted, say
+                a()
+
+    return _finishes_within(abort, timeout_s, "ostinato-abort")
+
+
+def _finishes_within(work: Callable[[], None], timeout_s: float, name: str) -> bool:
+    """Runs ``work`` on a daemon thread; whether it finished within ``timeout_s`` (a
+    teardown that hangs is left behind, not waited on)."""
+    done = threading.Event()
+
+    def run() -> None:
         try:
-            for a in aborts:
-                with contextlib.suppress(Exception):  # one already aborted, say
-                    a()
+            work()
         finally:
             done.set()
 
-    threading.Thread(target=abort, daemon=True, name="ostinato-abort").start()
+    threading.Thread(target=run, daemon=True, name=name).start()
     return done.wait(timeout_s)
 
 
@@ -286,16 +297,7 @@ def shutdown_parallel(timeout_s: float = 30.0) -> bool:
     hang, e.g. after symmetric-memory use). Returns True if it finished in time."""
     if not dist.is_initialized():
         return True
-    done = threading.Event()
-
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        finally:
-            done.set()
-
-    threading.Thread(target=destroy, daemon=True, name="ostinato-shutdown").start()
-    if not done.wait(timeout_s):
+    if not _finishes_within(dist.destroy_process_group, timeout_s, "ostinato-shutdown"):
         logger.warning("ostinato: destroy_process_group did not finish in %.0f s", timeout_s)
         return False
     return True

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> SpecResult:
     # The oracle replays plain decoding's tokens of the same batch size (filled in per
     # batch size below; the proposer reads this dict at every step).
     known: dict[tuple[int, ...], list[int]] = {}
+    provenance = Provenance.collect()  # once: it runs git
 
     def measure(llm: Any, proposer: str, k: int) -> None:
         for b in args.batch_sizes:
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> SpecResult:
                 drafter.calls, drafter.seconds = 0, 0.0
             result.rows.append(row)
             if args.out:  # after every row: a run cut short keeps what it measured
-                write_result(args.out, result)
+                write_result(args.out, result, provenance)
             print(
                 f"{proposer:10s} k={k} B={b:3d} {row.tokens_per_s:9.1f} tok/s  acceptance "
                 f"{row.acceptance_rate:5.0%}  target steps/token {row.target_steps_per_token:5.2f}"
@@ -226,13 +227,13 @@ def main(argv: list[str]) -> int:
         print("CPU form (--quick or no CUDA): the tiny random model, B = 1, 2")
     result = run(args)
     if args.out:
-        write_result(args.out, result)
+        write_result(args.out, result, Provenance.collect())
         print(f"wrote {args.out}")
     return 0
 
 
-def write_result(path: Path, result: SpecResult) -> None:
+def write_result(path: Path, result: SpecResult, provenance: Provenance) -> None:
     """Writes ``result`` as JSON with the run's provenance."""
-    doc = {"benchmark": "speculative", "provenance": asdict(Provenance.collect())}
+    doc = {"benchmark": "speculative", "provenance": asdict(provenance)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**doc, **asdict(result)}, indent=2) + "\n")

@@ -242,18 +242,27 @@ class DecodeSetup:
 
         return step
 
+    def blocks(self, r: int) -> list[int]:
+        """The KV blocks of request ``r`` (block 0 is the null block)."""
+        return list(range(1 + r * self.blocks_per_seq, 1 + (r + 1) * self.blocks_per_seq))
+
+    def decode_batch(self, tokens: list[int]) -> ScheduledBatch:
+        """A uniform decode of ``len(tokens)`` requests at position kv_len, request ``r``
+        in ``blocks(r)`` taking ``tokens[r]``."""
+        step = ScheduledBatch([])
+        for r, token in enumerate(tokens):
+            req = Request(r, [1] * self.cfg.kv_len, SamplingParams(), output=[token])
+            req.blocks, req.num_cached = self.blocks(r), self.cfg.kv_len
+            step.scheduled.append(ScheduledRequest(req, [token], self.cfg.kv_len))
+        return step
+
     def engine_step(self, runner: ModelRunner, batch: int) -> Callable[[], list[int]]:
         """The engine's real step for a uniform decode of ``batch`` requests at position
         kv_len: ``ModelRunner.execute`` (staging, dispatch, replay, logits), greedy
         sampling and the read-back of the tokens, as ``LLM`` runs it synchronously."""
         rng = torch.Generator().manual_seed(self.cfg.seed)
-        step = ScheduledBatch([])
-        for r in range(batch):
-            blocks = list(range(1 + r * self.blocks_per_seq, 1 + (r + 1) * self.blocks_per_seq))
-            token = int(torch.randint(0, self.config.vocab_size, (1,), generator=rng))
-            req = Request(r, [1] * self.cfg.kv_len, SamplingParams(), output=[token])
-            req.blocks, req.num_cached = blocks, self.cfg.kv_len
-            step.scheduled.append(ScheduledRequest(req, [token], self.cfg.kv_len))
+        tokens = torch.randint(0, self.config.vocab_size, (batch,), generator=rng).tolist()
+        step = self.decode_batch(tokens)
         zeros = torch.zeros(batch, device=self.device)
 
         def run() -> list[int]:

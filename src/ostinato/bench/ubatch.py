@@ -82,19 +82,14 @@ def _steps(setup: Any, kind: str, tokens: int) -> Any:
     from ostinato.engine.sampler import SamplingParams
     from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
 
+    if kind == "decode":
+        return setup.decode_batch([7] * tokens)
     step = ScheduledBatch([])
-    per = setup.blocks_per_seq
-    if kind == "prefill":
-        length = min(PREFILL_REQUEST, tokens)
-        for r in range(tokens // length):
-            req = Request(r, [1 + r] * length, SamplingParams())
-            req.blocks = list(range(1 + r * per, 1 + (r + 1) * per))
-            step.scheduled.append(ScheduledRequest(req, req.prompt, 0))
-        return step
-    for r in range(tokens):
-        req = Request(r, [1] * KV_LEN, SamplingParams(), output=[7])
-        req.blocks, req.num_cached = list(range(1 + r * per, 1 + (r + 1) * per)), KV_LEN
-        step.scheduled.append(ScheduledRequest(req, [7], KV_LEN))
+    length = min(PREFILL_REQUEST, tokens)
+    for r in range(tokens // length):
+        req = Request(r, [1 + r] * length, SamplingParams())
+        req.blocks = setup.blocks(r)
+        step.scheduled.append(ScheduledRequest(req, req.prompt, 0))
     return step
 
 

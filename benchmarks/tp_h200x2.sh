@@ -26,10 +26,15 @@ tests)
     done
     ;;
 bench-ubatch)
-    # Micro-batch overlap: TP=2 steps of the 8 B shape with and without it, graphs on.
-    timeout 560 python3 -m ostinato.bench ubatch --tp 2 --shape llama-8b \
+    # Micro-batch overlap: TP=2 steps of the 8 B shape with and without it, graphs on;
+    # over NVLink, then with the all-reduces moved off it (NCCL_P2P_DISABLE=1: through
+    # host shared memory, as between GPUs without NVLink), where communication weighs more.
+    timeout 250 python3 -m ostinato.bench ubatch --tp 2 --shape llama-8b \
         --out "$OUT/ubatch_llama-8b_tp2_h200.json" --plot "$OUT/ubatch_llama-8b_tp2_h200.png" \
         2>&1 | tee -a "$OUT/bench.log"
+    NCCL_P2P_DISABLE=1 timeout 320 python3 -m ostinato.bench ubatch --tp 2 --shape llama-8b \
+        --out "$OUT/ubatch_llama-8b_tp2_nop2p_h200.json" \
+        --plot "$OUT/ubatch_llama-8b_tp2_nop2p_h200.png" 2>&1 | tee -a "$OUT/bench.log"
     ;;
 bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"

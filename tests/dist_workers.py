@@ -65,6 +65,11 @@ def tp_logits_and_tokens(
         "tokens": [o.token_ids for o in outs],
         "ubatched": llm.runner.ubatched_steps,
         "ubatched_replays": llm.runner.ubatched_replays,
+        "timings": [
+            (t.descriptor.num_tokens, t.plain_ms, t.ubatched_ms) for t in llm.runner.ubatch_timings
+        ],
+        "candidates": sorted(d.num_tokens for d in llm.runner.ubatch_candidates),
+        "ubatched_graphs": sorted(d.num_tokens for d in llm.runner.ubatched_graphs),
     }
     torch.save(result, Path(out) / f"{tag}{rank}.pt")
     if not llm.close():
@@ -349,3 +354,26 @@ def static_ubatch_logits(rank: int, world: int, port: int, model_dir: str, out: 
     }
     torch.save(result, Path(out) / f"static{rank}.pt")
     llm.close()
+
+
+def ubatch_timings_agree(rank: int, world: int, port: int, out: str) -> None:
+    """``ubatch.tuning.measure`` over a gloo group where each rank times its own numbers
+    (rank 1 is slower at the first size, rank 0 at the second); saves the agreed timings
+    and choice to ``out/timings{rank}.pt``."""
+    import torch.distributed as dist
+
+    from ostinato.batch import BatchDescriptor
+    from ostinato.ubatch.tuning import chosen, measure
+
+    set_env(rank, world, port)
+    dist.init_process_group("gloo")
+    own = {
+        (64, False): 10.0 + rank,
+        (64, True): 9.0 + 3 * rank,  # 9 on rank 0 (faster), 12 on rank 1 (slower)
+        (128, False): 20.0 - rank,
+        (128, True): 15.0 - rank,
+    }
+    sizes = [BatchDescriptor(64), BatchDescriptor(128, 128, True)]
+    timings = measure(sizes, lambda d, ub: own[(d.num_tokens, ub)], dist.group.WORLD)
+    torch.save((timings, chosen(timings, 1.03)), Path(out) / f"timings{rank}.pt")
+    dist.destroy_process_group()

@@ -157,11 +157,13 @@ def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, mode, dtype):
     from ostinato.ubatch.policy import MicroBatching
 
     # With graphs, the overlapped graph is also checked against the same overlapped
-    # micro-batches run eagerly ("ubatch_eager").
+    # micro-batches run eagerly ("ubatch_eager"). The graphed run measures every
+    # candidate size both ways at capture and (min_speedup ~0) keeps every split.
     prompts = PROMPTS + dp_prompts(0)
-    runs = [("plain", mode, False), ("ubatch", mode, MicroBatching(2, 4))]
+    policy = MicroBatching(2, 4, min_speedup=1e-9)
+    runs = [("plain", mode, False), ("ubatch", mode, policy)]
     if mode != "none":
-        runs.append(("ubatch_eager", "none", MicroBatching(2, 4)))
+        runs.append(("ubatch_eager", "none", policy))
     for tag, run_mode, policy in runs:
         args = (2, free_port(), str(model_dir), str(tmp_path), "cuda", run_mode, dtype, "auto")
         mp.spawn(tp_logits_and_tokens, args=args + (policy, prompts, tag), nprocs=2)
@@ -173,6 +175,11 @@ def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, mode, dtype):
             assert ub["ubatched"] > 0 and plain["ubatched"] == 0
             if tag == "ubatch" and mode == "full":
                 assert ub["ubatched_replays"] > 0
+                # Timed on each rank, agreed (the slower rank's) on both: same choice.
+                assert ub["candidates"] and ub["ubatched_graphs"] == ub["candidates"]
+                assert [t[0] for t in ub["timings"]] == ub["candidates"]
+                assert all(t[1] > 0 and t[2] > 0 for t in ub["timings"])
+                assert ub["timings"] == torch.load(tmp_path / "ubatch0.pt")["timings"]
             err = ((ub["logits"] - plain["logits"]).norm() / plain["logits"].norm()).item()
             assert err < tol, (tag, err)
             if dtype == torch.float32:

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from ostinato.ubatch.handoff import UbatchThreads, current
 from ostinato.ubatch.slicing import UbatchSlice, local_query_lens, split_step
@@ -170,3 +171,54 @@ def test_threads_started_once_serve_every_step_and_outlive_a_failure():
     assert not [t for t in threading.enumerate() if t.name.startswith("ostinato-ubatch")]
     with pytest.raises(RuntimeError, match="closed"):
         threads.run(layers(ops), "compute", "comm")
+
+
+def test_the_policy_refuses_bad_settings_by_name():
+    from ostinato.ubatch.policy import MicroBatching
+
+    for kw, name in (
+        ({"decode_threshold": 1}, "decode_threshold"),
+        ({"prefill_threshold": True}, "prefill_threshold"),
+        ({"measure": "yes"}, "measure"),
+        ({"min_speedup": 0}, "min_speedup"),
+        ({"min_speedup": True}, "min_speedup"),
+        ({"measure_repeats": 0}, "measure_repeats"),
+    ):
+        with pytest.raises(ValueError, match=f"micro_batching.{name}"):
+            MicroBatching(**kw)
+    assert MicroBatching().measure  # captured sizes are split only where measured faster
+
+
+def test_a_split_is_kept_only_where_measured_faster_by_the_margin():
+    from ostinato.batch import BatchDescriptor
+    from ostinato.ubatch.tuning import UbatchTiming, chosen, measure
+
+    sizes = [BatchDescriptor(n) for n in (512, 2048, 8192)]
+    own = {512: (15.6, 18.4), 2048: (44.2, 43.9), 8192: (160.7, 154.0)}
+    calls = []
+
+    def time_ms(d, ubatched):
+        calls.append((d.num_tokens, ubatched))
+        return own[d.num_tokens][ubatched]
+
+    timings = measure(sizes, time_ms)
+    # Each size timed plainly, then split, in the given order (collectives pair up).
+    assert calls == [(n, ub) for n in (512, 2048, 8192) for ub in (False, True)]
+    assert [t.descriptor.num_tokens for t in timings] == [512, 2048, 8192]
+    assert chosen(timings, 1.03) == {BatchDescriptor(8192)}  # 1.04x: kept
+    assert chosen(timings, 1.0) == {BatchDescriptor(2048), BatchDescriptor(8192)}
+    assert chosen(timings, 1.05) == frozenset()
+    assert UbatchTiming(sizes[0], 10.0, 8.0).speedup == pytest.approx(1.25)
+
+
+def test_ranks_agree_on_the_slower_ranks_times(tmp_path):
+    from dist_workers import ubatch_timings_agree
+    from test_distributed import run_two_ranks
+
+    run_two_ranks(ubatch_timings_agree, str(tmp_path), timeout_s=60)
+    t0, c0 = torch.load(tmp_path / "timings0.pt", weights_only=False)
+    t1, c1 = torch.load(tmp_path / "timings1.pt", weights_only=False)
+    assert t0 == t1 and c0 == c1
+    assert [(t.plain_ms, t.ubatched_ms) for t in t0] == [(11.0, 12.0), (20.0, 15.0)]
+    # Rank 0 alone would have split 64 (10 vs 9); the slower rank says no.
+    assert [d.num_tokens for d in c0] == [128]

@@ -4,12 +4,16 @@ Every rank (one process per local GPU, started as ``torchrun`` would) runs the e
 whole step (``ModelRunner.execute``: staging, dispatch, replay, logits) on random weights
 of ``--shape``: prefill steps of 512, 2048 and 8192 tokens (requests of 512 tokens, FULL
 graphs) and decode steps of B = 128 and 256 requests at KV length 512 (FULL_DECODE_ONLY
-graphs), each once with plain graphs and once with graphs captured as two overlapped
-micro-batches (``micro_batching``). Beside each step it times the step's all-reduces
-alone (two per layer of the step's hidden-state size, in one graph, or eagerly without
-graphs), so the table says what share of the step is communication: where that share is
-small there is little to hide. ``--quick`` runs the tiny model on the CPU with two gloo
-ranks, eagerly (no graphs there), to check the harness.
+graphs), each three ways: plain graphs ("off"); every size captured as two overlapped
+micro-batches ("on", ``MicroBatching(measure=False)``); and the default policy ("auto"),
+which times both graphs of each size at capture and keeps the split only where it is
+measurably faster, so "auto" is what the dispatcher really runs. Beside each step it
+times the step's all-reduces alone (two per layer of the step's hidden-state size, in
+one graph, or eagerly without graphs), so the table says what share of the step is
+communication: where that share is small there is little to hide. The NCCL settings in
+the environment (``NCCL_P2P_DISABLE=1`` moves the all-reduces off NVLink, as between GPUs
+without it) are recorded. ``--quick`` runs the tiny model on the CPU with two gloo ranks,
+eagerly (no graphs there), to check the harness.
 """
 
 from __future__ import annotations
@@ -33,17 +37,20 @@ PREFILL_REQUEST = 512  # tokens per request of a prefill step
 KV_LEN = 512  # cached tokens per request of a decode step
 
 
+VARIANTS = ("off", "on", "auto")  # plain; always split; split where measured faster
+
+
 @dataclass
 class UbatchRow:
-    """One step: ``kind`` "prefill" or "decode", ``tokens`` rows, with or without
-    ``overlap``; device ms of the step and of its all-reduces alone."""
+    """One step: ``kind`` "prefill" or "decode", ``tokens`` rows, ``variant`` one of
+    ``VARIANTS``; device ms of the step and of its all-reduces alone."""
 
     kind: str
     tokens: int
-    overlap: bool
+    variant: str
     step_ms: float
     comm_ms: float
-    ubatched: bool  # the step really ran as micro-batches (the policy covered its size)
+    ubatched: bool  # the step really ran as micro-batches
 
     @property
     def comm_share(self) -> float:
@@ -60,6 +67,10 @@ class UbatchResult:
     tp: int
     dtype: str
     rows: list[UbatchRow] = field(default_factory=list)
+    # The "auto" runner's capture-time measurement: kind, tokens, plain and split replay
+    # ms, whether the split was kept.
+    measured: list[tuple[str, int, float, float, bool]] = field(default_factory=list)
+    nccl_env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -133,9 +144,11 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
     max_tokens = max(max(cfg.prefill_tokens), max(cfg.decode_batches))
     limits = EngineLimits(setup.max_b, max_tokens, setup.max_len, 16)
     result = UbatchResult(Provenance.collect(), cfg.shape, cfg.tp, cfg.dtype)
-    # The default policy (32 decode, 512 prefill tokens) splits every size measured on the
-    # GPU; the quick sizes are smaller.
-    policy = MicroBatching(2, 2) if cfg.quick else MicroBatching()
+    result.nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    # The default thresholds (32 decode, 512 prefill tokens) select every size measured
+    # on the GPU; the quick sizes are smaller.
+    auto = MicroBatching(2, 2) if cfg.quick else MicroBatching()
+    policies = {"off": None, "on": replace(auto, measure=False), "auto": auto}
     kinds = (
         ("prefill", GraphMode.FULL, cfg.prefill_tokens),
         ("decode", GraphMode.FULL_DECODE_ONLY, cfg.decode_batches),
@@ -147,7 +160,7 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
                 capture_sizes=tuple(sizes),
                 max_capture_size=max(sizes),
             )
-            for overlap in (False, True):
+            for variant, policy in policies.items():
                 runner = ModelRunner(
                     setup.model,
                     setup.cache,
@@ -156,21 +169,28 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
                     graphs,
                     device,
                     progress=False,
-                    micro_batching=policy if overlap else None,
+                    micro_batching=policy,
                 )
                 runner.capture()
+                for t in runner.ubatch_timings:
+                    kept = t.descriptor in runner.ubatched_graphs
+                    n = t.descriptor.num_tokens
+                    result.measured.append((kind, n, t.plain_ms, t.ubatched_ms, kept))
+                    log(
+                        f"{kind:7s} {n:5d} tokens  measured at capture: plain {t.plain_ms:.3f}"
+                        f" ms, split {t.ubatched_ms:.3f} ms -> {'split' if kept else 'plain'}"
+                    )
                 for n in sizes:
                     step = _steps(setup, kind, n)
                     before = runner.ubatched_steps
                     ms, _ = time_step(lambda: runner.execute(step), 2, cfg.repeats, cuda)  # noqa: B023
                     comm = _comm_ms(setup, n, cfg.repeats, cuda)
-                    row = UbatchRow(kind, n, overlap, ms, comm, runner.ubatched_steps > before)
+                    row = UbatchRow(kind, n, variant, ms, comm, runner.ubatched_steps > before)
                     result.rows.append(row)
                     log(
-                        f"{kind:7s} {n:5d} tokens  overlap {'on ' if overlap else 'off'} "
-                        f"{ms:8.3f} ms  all-reduces alone {row.comm_ms:7.3f} ms "
-                        f"({row.comm_share:4.0%})"
-                        + ("" if row.ubatched or not overlap else "  (not split)")
+                        f"{kind:7s} {n:5d} tokens  overlap {variant:4s} {ms:8.3f} ms  "
+                        f"all-reduces alone {row.comm_ms:7.3f} ms ({row.comm_share:4.0%})"
+                        f"  {'split' if row.ubatched else 'plain'}"
                     )
                 runner.release()
     return result
@@ -206,15 +226,38 @@ def run(cfg: UbatchConfig) -> UbatchResult:
         return torch.load(out, weights_only=False)
 
 
-def speedups(result: UbatchResult) -> list[tuple[str, int, float, float]]:
-    """Per (kind, tokens): (kind, tokens, plain ms / overlapped ms, communication share
-    of the plain step)."""
-    plain = {(r.kind, r.tokens): r for r in result.rows if not r.overlap}
+@dataclass(frozen=True)
+class Speedup:
+    """One step size: plain ms over the always-split ("on") and the measured-policy
+    ("auto") ms, the communication share of the plain step, and whether "auto" split."""
+
+    kind: str
+    tokens: int
+    on: float
+    auto: float
+    comm_share: float
+    auto_split: bool
+
+
+def speedups(result: UbatchResult) -> list[Speedup]:
+    """One ``Speedup`` per step size that has all three variants."""
+    by = {(r.kind, r.tokens, r.variant): r for r in result.rows}
     out = []
     for r in result.rows:
-        if r.overlap and (r.kind, r.tokens) in plain:
-            p = plain[(r.kind, r.tokens)]
-            out.append((r.kind, r.tokens, p.step_ms / r.step_ms, p.comm_share))
+        if r.variant != "off":
+            continue
+        on, auto = by.get((r.kind, r.tokens, "on")), by.get((r.kind, r.tokens, "auto"))
+        if on and auto:
+            share = r.comm_share
+            s = Speedup(
+                r.kind,
+                r.tokens,
+                r.step_ms / on.step_ms,
+                r.step_ms / auto.step_ms,
+                share,
+                auto.ubatched,
+            )
+            out.append(s)
     return out
 
 
@@ -223,10 +266,7 @@ def document(result: UbatchResult) -> dict[str, Any]:
     doc = asdict(result)
     for row, r in zip(doc["rows"], result.rows, strict=True):
         row["comm_share"] = r.comm_share
-    doc["speedups"] = [
-        {"kind": k, "tokens": n, "plain_over_overlap": s, "comm_share": c}
-        for k, n, s, c in speedups(result)
-    ]
+    doc["speedups"] = [asdict(s) for s in speedups(result)]
     return doc
 
 
@@ -237,27 +277,30 @@ def plot(result: UbatchResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{k} {n}" for k, n, _, _ in speedups(result)]
-    plain = [r.step_ms for r in result.rows if not r.overlap]
-    over = [r.step_ms for r in result.rows if r.overlap]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ups = speedups(result)
+    by = {(r.kind, r.tokens, r.variant): r.step_ms for r in result.rows}
+    labels = [f"{s.kind} {s.tokens}" for s in ups]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], plain, 0.4, label="plain graphs")
-    ax.bar([x + 0.2 for x in xs], over, 0.4, label="overlapped micro-batches")
-    for x, (_, _, s, c) in zip(xs, speedups(result), strict=True):
+    names = {"off": "plain graphs", "on": "always split", "auto": "split where measured faster"}
+    for i, variant in enumerate(VARIANTS):
+        ms = [by[(s.kind, s.tokens, variant)] / by[(s.kind, s.tokens, "off")] for s in ups]
+        ax.bar([x + (i - 1) * 0.27 for x in xs], ms, 0.27, label=names[variant])
+    for x, s in zip(xs, ups, strict=True):
         ax.annotate(
-            f"{s:.2f}x, comm {c:.0%}",
-            (x, max(plain[x], over[x])),
+            f"on {s.on:.2f}x\nauto {s.auto:.2f}x\ncomm {s.comm_share:.0%}",
+            (x, 1.0),
             ha="center",
             va="bottom",
-            fontsize=8,
+            fontsize=7,
         )
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels)
-    ax.set_ylabel("step ms")
+    ax.set_ylabel("step time / plain step time")
     p = result.provenance
+    env = " ".join(f"{k}={v}" for k, v in sorted(result.nccl_env.items()))
     ax.set_title(
-        f"{result.shape} TP={result.tp} {result.dtype}\n{p.device}, torch {p.torch}, "
+        f"{result.shape} TP={result.tp} {result.dtype} {env}\n{p.device}, torch {p.torch}, "
         f"{p.commit[:7]}",
         fontsize=9,
     )
@@ -305,8 +348,12 @@ def main(argv: list[str]) -> int:
     if quick:
         print("ostinato bench ubatch: --quick (or no CUDA): the tiny model, CPU, eager")
     result = run(cfg)
-    for kind, n, s, c in speedups(result):
-        print(f"{kind:7s} {n:5d}: plain / overlapped {s:5.2f}x, communication {c:4.0%} of the step")
+    for s in speedups(result):
+        print(
+            f"{s.kind:7s} {s.tokens:5d}: plain / always split {s.on:5.2f}x, plain / auto "
+            f"{s.auto:5.2f}x ({'split' if s.auto_split else 'plain'}), communication "
+            f"{s.comm_share:4.0%} of the step"
+        )
     if args.out:
         args.out.write_text(json.dumps(document(result), indent=2) + "\n")
         print(f"wrote {args.out}")

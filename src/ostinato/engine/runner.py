@@ -22,6 +22,7 @@ from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.guard import capture_phase
 from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
@@ -31,6 +32,7 @@ from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, UbatchThreads
 from ostinato.ubatch.policy import MicroBatching
 from ostinato.ubatch.slicing import can_split, split_step
+from ostinato.ubatch.tuning import UbatchTiming, chosen, measure
 
 
 class ModelRunner:
@@ -95,9 +97,17 @@ class ModelRunner:
         self.ubatched_replays = 0  # of which replays of micro-batched FULL graphs
         self._comm_stream: torch.cuda.Stream | None = None
         self._ubatch_threads: UbatchThreads | None = None
+        # FULL sizes the policy's thresholds select for micro-batching; with
+        # ``policy.measure`` capture() keeps those measured faster split (``ubatch_timings``).
+        self.ubatch_candidates: tuple[BatchDescriptor, ...] = self._ubatch_candidates()
+        self.ubatch_timings: list[UbatchTiming] = []
         # FULL graphs captured as two overlapped micro-batches (one graph holds both and
         # both streams); a size captured so has no plain FULL graph, and the reverse.
-        self.ubatched_graphs: frozenset[BatchDescriptor] = self._ubatched_graph_keys()
+        self.ubatched_graphs: frozenset[BatchDescriptor] = (
+            frozenset()
+            if micro_batching is None or micro_batching.measure
+            else frozenset(self.ubatch_candidates)
+        )
 
     @property
     def resolution(self) -> ModeResolution:
@@ -119,12 +129,12 @@ class ModelRunner:
         self.inputs.write_padding(d.num_tokens)
         return self.metadata(d.num_tokens, [], [])
 
-    def _ubatched_graph_keys(self) -> frozenset[BatchDescriptor]:
+    def _ubatch_candidates(self) -> tuple[BatchDescriptor, ...]:
         policy = self.micro_batching
         full_modes = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
         if policy is None or self.model.tp.group is None or self.graphs.mode not in full_modes:
-            return frozenset()
-        return frozenset(
+            return ()
+        return tuple(
             d
             for d in self.graphs.dispatcher.keys(GraphMode.FULL)
             if d.num_tokens % 2 == 0 and policy.applies(d.num_tokens, d.uniform_decode)
@@ -136,8 +146,13 @@ class ModelRunner:
         instead, so the decode graph covers the LM head (and its all-gather under TP) and
         greedy sampling. A descriptor in ``ubatched_graphs`` runs as two micro-batches
         over the two halves of its rows (its warm-up, capture and replays alike)."""
+        return self._step_as(d, d in self.ubatched_graphs)
+
+    def _step_as(
+        self, d: BatchDescriptor, ubatched: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = d.num_tokens
-        if d in self.ubatched_graphs:
+        if ubatched:
             hidden = self._run_static_ubatches(n)
         else:
             hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
@@ -187,12 +202,40 @@ class ModelRunner:
         if group is not None:
             dist.barrier(group=group)
         self.compile()
+        policy = self.micro_batching
+        if policy is not None and policy.measure and self.ubatch_candidates:
+            self.ubatch_timings = measure(self.ubatch_candidates, self._replay_ms, group)
+            self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
         report = self.manager.capture()
         if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:
             self._capture_sampler(generator)
         if group is not None:
             dist.barrier(group=group)
         return report
+
+    @torch.inference_mode()
+    def _replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:
+        """Mean ms of a replay of ``d``'s step captured plainly or as two micro-batches
+        (a throwaway graph in the shared pool, on padding rows)."""
+        assert self.micro_batching is not None
+        platform = self.manager.platform
+        meta = self._dummy_metadata(d)
+        with forward_context(GraphMode.NONE, d, meta):
+            self._step_as(d, ubatched)  # warm-up; starts the micro-batch threads uncaptured
+        graph = platform.new_graph()
+        with capture_phase(), forward_context(GraphMode.FULL, d, meta):
+            with platform.capture(graph, self.manager.pool):
+                self._step_as(d, ubatched)
+        try:
+            graph.replay()
+            platform.synchronize()
+            start = time.perf_counter()
+            for _ in range(self.micro_batching.measure_repeats):
+                graph.replay()
+            platform.synchronize()
+            return (time.perf_counter() - start) * 1e3 / self.micro_batching.measure_repeats
+        finally:
+            graph.reset()
 
     def _capture_sampler(self, generator: torch.Generator) -> None:
         try:

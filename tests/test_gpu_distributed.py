@@ -177,7 +177,7 @@ def test_micro_batched_tp2_equals_plain(model_dir, tmp_path, mode, dtype):
                 assert ub["ubatched_replays"] > 0
                 # Timed on each rank, agreed (the slower rank's) on both: same choice.
                 assert ub["candidates"] and ub["ubatched_graphs"] == ub["candidates"]
-                assert [t[0] for t in ub["timings"]] == ub["candidates"]
+                assert sorted(t[0] for t in ub["timings"]) == ub["candidates"]
                 assert all(t[1] > 0 and t[2] > 0 for t in ub["timings"])
                 assert ub["timings"] == torch.load(tmp_path / "ubatch0.pt")["timings"]
             err = ((ub["logits"] - plain["logits"]).norm() / plain["logits"].norm()).item()

@@ -188,19 +188,23 @@ def test_table_shows_kernel_columns_only_where_profiled():
     assert text.split("\n")[3].split()[-3:] == ["577", "19.2", "1002.0"]
 
 
-def test_bench_ubatch_quick_runs_both_ways_on_two_cpu_ranks(tmp_path):
-    # Two gloo ranks, the tiny model, eagerly: every step once plain and once split into
-    # two overlapped micro-batches, with the all-reduces alone timed beside it.
+def test_bench_ubatch_quick_runs_every_way_on_two_cpu_ranks(tmp_path):
+    # Two gloo ranks, the tiny model, eagerly: every step plain, split into two
+    # overlapped micro-batches, and under the default policy (eagerly: its thresholds),
+    # with the all-reduces alone timed beside it; the JSON plots again from itself.
     from ostinato.bench import ubatch
 
-    out = tmp_path / "ubatch.json"
+    out, png = tmp_path / "ubatch.json", tmp_path / "ubatch.png"
     assert ubatch.main(["--quick", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert len(rows) == 8 and {r["kind"] for r in rows} == {"prefill", "decode"}
-    assert all(r["ubatched"] == r["overlap"] for r in rows)
+    assert len(rows) == 12 and {r["kind"] for r in rows} == {"prefill", "decode"}
+    assert all(r["ubatched"] == (r["variant"] != "off") for r in rows)
     assert all(r["step_ms"] > 0 and r["comm_ms"] > 0 for r in rows)
     assert len(doc["speedups"]) == 4 and doc["tp"] == 2
+    assert doc["measured"] == []  # nothing captured on the CPU, so nothing timed
+    assert ubatch.main(["--from-json", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0
 
 
 @pytest.mark.parametrize(
@@ -209,6 +213,7 @@ def test_bench_ubatch_quick_runs_both_ways_on_two_cpu_ranks(tmp_path):
         (["--tp", "1"], "--tp: micro-batch overlap needs >= 2 ranks"),
         (["--repeats", "0"], "--repeats: must be >= 1"),
         (["--prefill-tokens", "3"], "every step size must be even"),
+        (["--from-json", "x.json"], "--from-json: needs --plot"),
     ],
 )
 def test_bench_ubatch_bad_options_exit_2_with_one_line(argv, message, capsys):

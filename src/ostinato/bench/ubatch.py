@@ -270,6 +270,22 @@ def document(result: UbatchResult) -> dict[str, Any]:
     return doc
 
 
+def load(path: Path) -> UbatchResult:
+    """The result a JSON document of ``document`` holds (to plot it again)."""
+    doc = json.loads(path.read_text())
+    result = UbatchResult(
+        Provenance(**doc["provenance"]),
+        doc["shape"],
+        doc["tp"],
+        doc["dtype"],
+        [UbatchRow(**{k: v for k, v in r.items() if k != "comm_share"}) for r in doc["rows"]],
+        [tuple(m) for m in doc["measured"]],
+        doc["nccl_env"],
+        doc["notes"],
+    )
+    return result
+
+
 def plot(result: UbatchResult, path: Path) -> None:
     """Bars of plain and overlapped step time per step, communication share above."""
     import matplotlib
@@ -283,13 +299,15 @@ def plot(result: UbatchResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     xs = range(len(labels))
     names = {"off": "plain graphs", "on": "always split", "auto": "split where measured faster"}
+    tops = [0.0] * len(ups)
     for i, variant in enumerate(VARIANTS):
         ms = [by[(s.kind, s.tokens, variant)] / by[(s.kind, s.tokens, "off")] for s in ups]
+        tops = [max(t, m) for t, m in zip(tops, ms, strict=True)]
         ax.bar([x + (i - 1) * 0.27 for x in xs], ms, 0.27, label=names[variant])
     for x, s in zip(xs, ups, strict=True):
         ax.annotate(
             f"on {s.on:.2f}x\nauto {s.auto:.2f}x\ncomm {s.comm_share:.0%}",
-            (x, 1.0),
+            (x, tops[x] + 0.02),
             ha="center",
             va="bottom",
             fontsize=7,
@@ -297,6 +315,8 @@ def plot(result: UbatchResult, path: Path) -> None:
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels)
     ax.set_ylabel("step time / plain step time")
+    ax.set_ylim(0, max(tops, default=1.0) + 0.35)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
     p = result.provenance
     env = " ".join(f"{k}={v}" for k, v in sorted(result.nccl_env.items()))
     ax.set_title(
@@ -304,7 +324,7 @@ def plot(result: UbatchResult, path: Path) -> None:
         f"{p.commit[:7]}",
         fontsize=9,
     )
-    ax.legend()
+    ax.legend(loc="upper right", fontsize=8, ncols=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -325,7 +345,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model, CPU, gloo, eager")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument(
+        "--from-json", type=Path, help="measure nothing: plot this earlier --out to --plot"
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        if not args.plot:
+            parser.error("argument --from-json: needs --plot")
+        plot(load(args.from_json), args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     if args.tp < 2:
         parser.error("argument --tp: micro-batch overlap needs >= 2 ranks")
     quick = args.quick or not torch.cuda.is_available()

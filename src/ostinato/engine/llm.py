@@ -119,8 +119,10 @@ class LLM:
     ``micro_batching`` (tensor parallelism): split large steps into two micro-batches on
     two threads that take turns at every all-reduce, so one's communication overlaps the
     other's compute; ``True`` for the default thresholds or a ``MicroBatching``. With
-    ``mode="full"`` or ``"full_decode_only"`` each FULL size the policy covers is captured
-    micro-batched (both threads and both streams in one graph, replayed with one call);
+    ``mode="full"`` or ``"full_decode_only"`` each FULL size the policy's thresholds cover
+    is timed both ways at start-up and captured micro-batched where that is faster (both
+    threads and both streams in one graph, replayed with one call; ``MicroBatching
+    (measure=False)`` splits every covered size);
     with ``"none"`` the split runs eagerly; modes with compiled pieces are refused.
 
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU checks of the engine on nvidia-h100-x1, one stage per device call:
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
+#   benchmarks/h100_checks.sh kernels  # FULL_AND_PIECEWISE decode kernels per step, by name
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
 #   benchmarks/h100_checks.sh bench    # decode step (engine-step rows, kernel counts) and bench e2e
 #   benchmarks/h100_checks.sh spec     # bench spec (k=4) and bench e2e on SmolLM2 (needs the GGUF)
@@ -17,6 +18,11 @@ tests)
         --timeout=150 --durations=15 \
         --ignore=tests/test_gpu_smollm2.py --ignore=tests/test_gpu_distributed.py tests \
         2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+kernels)
+    timeout 200 python3 -m ostinato.bench --variants "ostinato FULL_AND_PIECEWISE" \
+        --batch-sizes 1,32 --repeats 10 --out "$OUT/kernels_h100.json" 2>&1 \
+        | tee "$OUT/kernels.log"
     ;;
 smollm2)
     timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
@@ -37,7 +43,7 @@ spec)
         | tee -a "$OUT/spec.log"
     ;;
 *)
-    echo "usage: $0 tests|smollm2|bench|spec" >&2
+    echo "usage: $0 tests|kernels|smollm2|bench|spec" >&2
     exit 2
     ;;
 esac

@@ -166,13 +166,18 @@ def test_kernel_census_counts_every_launch_and_its_device_time():
 
     from ostinato.bench.kernels import census
 
-    averages = [  # two kernels launched 10 and 5 times, and a host-side entry
-        Avg(count=10, device_time_total=30.0),
-        Avg(count=5, device_time_total=5.0),
-        Avg(count=3, device_time_total=0.0),
+    averages = [  # two kernels launched 5 and 10 times, and a host-side entry
+        Avg(key="copy", count=5, device_time_total=5.0),
+        Avg(key="gemm", count=10, device_time_total=30.0),
+        Avg(key="host", count=3, device_time_total=0.0),
     ]
     c = census(averages, steps=5)
     assert (c.kernels, c.busy_us, c.per_layer(3)) == (3.0, 7.0, 1.0)
+    # Per name, most launched first; the host-side entry is no kernel.
+    assert [(k.name, k.per_step, k.us_per_step) for k in c.by_name] == [
+        ("gemm", 2.0, 6.0),
+        ("copy", 1.0, 1.0),
+    ]
 
 
 def test_table_shows_kernel_columns_only_where_profiled():

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ostinato.bench.baseline import StaticCacheDecoder
-from ostinato.bench.kernels import kernel_census
+from ostinato.bench.kernels import KernelLaunches, kernel_census
 from ostinato.config import GraphConfig
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.attention import default_backend
@@ -100,6 +100,8 @@ class BenchResult:
     rows: list[Row] = field(default_factory=list)
     costs: list[VariantCost] = field(default_factory=list)
     profile: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # Per "variant B=b" (B = 1 and the largest): every kernel name's launches per step.
+    kernels_by_name: dict[str, list[KernelLaunches]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # Under --tp with "auto": per-call µs of each all-reduce algorithm in a captured graph,
     # by message size in bytes ({"sizes": [...], "nccl": [...], "one-shot": [...], ...}).
@@ -354,6 +356,8 @@ def run(
                     c = kernel_census(step)
                     row.kernels, row.busy_us = c.kernels, c.busy_us
                     row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
+                    if b in (1, max(cfg.batch_sizes)) and name != "eager":
+                        result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
                 result.rows.append(row)
                 log(
                     f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us"

@@ -12,11 +12,22 @@ import torch
 
 
 @dataclass(frozen=True)
+class KernelLaunches:
+    """One kernel name's launches and device µs per step."""
+
+    name: str
+    per_step: float
+    us_per_step: float
+
+
+@dataclass(frozen=True)
 class KernelCensus:
-    """Per step: device kernels (copies and fills included) and their summed time, µs."""
+    """Per step: device kernels (copies and fills included) and their summed time, µs;
+    ``by_name`` the same per kernel name, most launched first."""
 
     kernels: float
     busy_us: float
+    by_name: tuple[KernelLaunches, ...] = ()
 
     def per_layer(self, layers: int) -> float:
         """Kernels per decoder layer (the step's kernels over ``layers``)."""
@@ -29,7 +40,14 @@ def census(averages: Iterable[Any], steps: int) -> KernelCensus:
     kernels = [e for e in averages if e.device_time_total > 0]
     count = sum(e.count for e in kernels)
     busy = sum(e.device_time_total for e in kernels)
-    return KernelCensus(count / steps, busy / steps)
+    names = sorted(
+        (
+            KernelLaunches(e.key[:120], e.count / steps, e.device_time_total / steps)
+            for e in kernels
+        ),
+        key=lambda k: (-k.per_step, -k.us_per_step),
+    )
+    return KernelCensus(count / steps, busy / steps, tuple(names))
 
 
 def kernel_census(step: Callable[[], Any], steps: int = 5) -> KernelCensus:

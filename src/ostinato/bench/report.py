@@ -49,6 +49,15 @@ def table(result: BenchResult) -> str:
         )
     for key, kernels in result.profile.items():
         lines.append(f"top kernels, {key}: " + "; ".join(f"{k} {p}%" for k, p in kernels))
+    layers = result.config.model["num_hidden_layers"]
+    for key, names in result.kernels_by_name.items():
+        if key.endswith(" B=1"):
+            lines.append(f"kernels per step by name, {key} (/layer: over {layers} layers):")
+            lines += [
+                f"  {k.per_step:6.1f} {k.per_step / layers:5.2f}/layer {k.us_per_step:8.1f} us  "
+                f"{k.name[:90]}"
+                for k in names
+            ]
     lines += result.notes
     if result.all_reduce_us:
         us = result.all_reduce_us

@@ -191,12 +191,13 @@ class FailingAttention:
 
         self.inner = default_backend(torch.device(device))
         self.graph_support = self.inner.graph_support
+        self.applies_rope = self.inner.applies_rope
         self.write_kv = self.inner.write_kv
         self.rank, self.after, self.exit_code = rank, after, exit_code
         self.min_seq_len = min_seq_len
         self.calls = 0
 
-    def __call__(self, q, k_cache, v_cache, meta, scale, out):
+    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None):
         import torch.distributed as dist
 
         real = max(meta.seq_lens, default=0) >= self.min_seq_len
@@ -206,7 +207,7 @@ class FailingAttention:
                 if self.exit_code is not None:
                     os._exit(self.exit_code)
                 raise RuntimeError("injected failure")
-        return self.inner(q, k_cache, v_cache, meta, scale, out)
+        return self.inner(q, k_cache, v_cache, meta, scale, out, rope)
 
 
 def torchrun_rank_fails(rank: int, world: int, port: int, model_dir: str, out: str) -> None:

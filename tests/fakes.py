@@ -115,13 +115,15 @@ class DenseGraphAttention:
     from ostinato.resolution import AttentionGraphSupport as _Support
 
     graph_support = _Support.ALWAYS
+    applies_rope = False
 
     def __init__(self) -> None:
         from ostinato.engine.attention import write_kv
 
         self.write_kv = write_kv
 
-    def __call__(self, q, k_cache, v_cache, meta, scale, out):
+    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None):
+        assert rope is None  # applies_rope is False: the model rotates q and k
         n, heads, d = q.shape
         _, bs, kv_heads, _ = k_cache.shape
         tables = meta.block_tables[meta.token_req.long()].long()  # [n, max_blocks]

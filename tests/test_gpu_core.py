@@ -204,3 +204,23 @@ def test_pool_outlives_its_graphs():
             assert torch.equal(w(x[None]), lin(x[None])), round_
         w.reset()
         del w, lin
+
+
+def test_a_pool_made_in_inference_mode_survives_a_failed_capture_outside_it():
+    # The pool's keeper buffer is made at the first pool; the recovery from a failed
+    # capture makes another pool, here outside inference mode.
+    from ostinato.platform.cuda import CudaPlatform
+
+    platform = CudaPlatform()
+    with torch.inference_mode():
+        pool = platform.graph_pool_handle()
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError):
+        with platform.capture(platform.new_graph(), pool):
+            (x * 2).sum().item()  # a host sync: the capture fails
+    graph = platform.new_graph()
+    with platform.capture(graph, pool):  # the retired pool's replacement
+        y = x * 3
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 3.0))

@@ -66,6 +66,68 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
         q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits, out=into
     )
     assert same.data_ptr() == into.data_ptr() and torch.equal(into, got)
+    # RoPE inside the kernel: q unrotated and strided (a view of a wider QKV row), rotated
+    # as it is loaded, equals the kernel on q rotated beforehand in float32 and rounded
+    # once; rows of position -1 stay zero.
+    qkv = torch.randn(n, (heads + 2) * head_dim, device=DEVICE, dtype=torch.bfloat16)
+    raw = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    cos, sin = rope_tables(pos_t, head_dim, torch.bfloat16)
+    rotated = rotate_once(raw, cos, sin)
+    fused = paged_attention(
+        raw, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits, rope=(cos, sin)
+    )
+    plain = paged_attention(rotated, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits)
+    torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2)
+    assert rel_err(fused[:n_real], plain[:n_real]) < 2e-3
+    assert torch.equal(fused[n_real:], torch.zeros_like(fused[n_real:]))
+
+
+def rope_tables(positions, head_dim, dtype):
+    """``cos, sin`` (``[n, 1, head_dim]``) for ``positions``, as the model makes them."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_once(x, cos, sin):
+    """Rotate-half RoPE in float32, rounded once to ``x``'s dtype (what the compiled
+    model's rotation kernel computes)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos.float() + rot.float() * sin.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kv_write_with_rope_rotates_keys_as_the_compiled_model_does(dtype):
+    from ostinato.engine.attention import write_kv
+    from ostinato.engine.triton_attention import write_kv_fused
+
+    n, kv_heads, head_dim, blocks, bs = 37, 4, 64, 12, 16
+    qkv = torch.randn(n, (8 + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    v = qkv[:, (8 + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+    positions = torch.randint(0, 4000, (n,), device=DEVICE)
+    positions[-5:] = -1
+    cos, sin = rope_tables(positions, head_dim, dtype)
+    slots = torch.randperm((blocks - 1) * bs, device=DEVICE)[:n] + bs
+    slots[-5:] = 0
+    caches = [
+        torch.randn(blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2)
+    ]
+    ref = [c.clone() for c in caches]
+    write_kv(rotate_once(k, cos, sin), v, ref[0], ref[1], slots)
+    write_kv_fused(k, v, caches[0], caches[1], slots, (cos, sin))
+    got_k, want_k = caches[0].view(-1, kv_heads, head_dim), ref[0].view(-1, kv_heads, head_dim)
+    # Every slot but the null one (padding rows): values bitwise; keys are the same
+    # float32 formula rounded once, where a fused multiply-add may move a rounding
+    # boundary: at most one unit in the last place, rarely.
+    assert torch.equal(
+        caches[1].view(-1, kv_heads, head_dim)[1:], ref[1].view(-1, kv_heads, head_dim)[1:]
+    )
+    ulp = torch.finfo(dtype).eps * want_k[1:].float().abs().clamp_min(1e-3)
+    assert ((got_k[1:].float() - want_k[1:].float()).abs() <= ulp).all()
+    assert (got_k[1:] == want_k[1:]).float().mean() > 0.99
 
 
 @pytest.fixture(scope="module")

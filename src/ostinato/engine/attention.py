@@ -5,6 +5,10 @@ takes every piece of metadata from device buffers, so it can be captured in a FU
 graph for any batch (support level ALWAYS). ``TorchAttention`` gathers each request's
 KV and runs SDPA per request: the CPU path and the reference; it reads host-side lengths,
 so it is never captured (support level NEVER).
+
+A backend with ``applies_rope`` receives q and k unrotated with ``rope = (cos, sin)`` and
+rotates them itself; every backend accepts ``rope`` (the torch backend rotates with the
+model's own ``apply_rope``, so both placements compute the same).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ostinato.engine.rope import apply_rope
 from ostinato.mathutil import ceil_div
 from ostinato.resolution import AttentionGraphSupport
 
@@ -37,11 +42,16 @@ class AttentionMetadata:
     seq_lens: list[int] = field(default_factory=list)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [n, 1, head_dim], the step's rows
+
+
 class AttentionBackend(Protocol):
     """Attention over the paged cache for one step, written into ``out`` (``q``'s shape);
-    ``graph_support`` says what can be captured."""
+    ``graph_support`` says what can be captured; ``applies_rope`` whether the model
+    should hand q and k over unrotated (with ``rope``)."""
 
     graph_support: AttentionGraphSupport
+    applies_rope: bool
 
     def __call__(
         self,
@@ -51,6 +61,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        rope: Rope | None = None,
     ) -> None: ...
 
     def write_kv(
@@ -60,8 +71,10 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        rope: Rope | None = None,
     ) -> None:
-        """Stores the step's keys and values at their slots (before ``__call__``)."""
+        """Stores the step's keys (rotated by ``rope`` if given) and values at their slots
+        (before ``__call__``)."""
 
 
 def write_kv(
@@ -70,18 +83,27 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    rope: Rope | None = None,
 ) -> None:
-    """Stores this step's keys and values (``[n, kv_heads, head_dim]``) at their slots."""
+    """Stores this step's keys (rotated by ``rope`` if given) and values
+    (``[n, kv_heads, head_dim]``) at their slots."""
+    if rope is not None:
+        k = apply_rope(k, *rope)
     kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 class TorchAttention:
-    """Per-request SDPA over KV gathered from the paged cache (host-side lengths)."""
+    """Per-request SDPA over KV gathered from the paged cache (host-side lengths).
+    ``applies_rope``: ask the model for unrotated q and k (the same numbers either way;
+    the CPU tests use it to run the model's side of the fused path)."""
 
     graph_support = AttentionGraphSupport.NEVER
     write_kv = staticmethod(write_kv)
+
+    def __init__(self, applies_rope: bool = False) -> None:
+        self.applies_rope = applies_rope
 
     def __call__(
         self,
@@ -91,7 +113,10 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        rope: Rope | None = None,
     ) -> None:
+        if rope is not None:
+            q = apply_rope(q, *rope)
         out.zero_()  # padding rows, and rows of no request, output zeros
         block_size = k_cache.shape[1]
         heads, kv_heads = q.shape[1], k_cache.shape[2]
@@ -113,14 +138,17 @@ class TorchAttention:
 
 class TritonAttention:
     """The graph-safe paged attention kernel (``triton_attention.paged_attention``).
-    ``fused_kv_write``: store K and V in one Triton kernel instead of two ``index_copy_``
-    (off until measured on a GPU)."""
+
+    ``fused`` (the default): K and V are stored by one Triton kernel that also rotates K,
+    and the attention kernel rotates q as it loads it (``applies_rope``), so a layer has
+    no RoPE kernels and no copies; without it, RoPE runs in the model and the K/V writes
+    are two ``index_copy_`` (kept to measure the difference)."""
 
     graph_support = AttentionGraphSupport.ALWAYS
 
-    def __init__(self, fused_kv_write: bool = False) -> None:
-        self.fused_kv_write = fused_kv_write
-        if fused_kv_write:
+    def __init__(self, fused: bool = True) -> None:
+        self.applies_rope = fused
+        if fused:
             from ostinato.engine.triton_attention import write_kv_fused
 
             self.write_kv = write_kv_fused
@@ -135,11 +163,20 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        rope: Rope | None = None,
     ) -> None:
         from ostinato.engine.triton_attention import paged_attention
 
         paged_attention(
-            q, k_cache, v_cache, meta.positions, meta.token_req, meta.block_tables, scale, out=out
+            q,
+            k_cache,
+            v_cache,
+            meta.positions,
+            meta.token_req,
+            meta.block_tables,
+            scale,
+            out=out,
+            rope=rope,
         )
 
 

@@ -9,7 +9,6 @@ forward context, so the same module runs eagerly, padded, captured, or compiled.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine import attention_op  # noqa: F401  (registers torch.ops.ostinato)
 from ostinato.engine.config import ModelConfig
+from ostinato.engine.rope import apply_rope, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -40,32 +40,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies for RoPE, with Llama 3 frequency scaling when configured."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if config.rope_scaling is None:
-        return inv
-    s = config.rope_scaling
-    factor, low, high = s.factor, s.low_freq_factor, s.high_freq_factor
-    old_len = s.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention (Llama / Qwen)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
-    """QKV projection, RoPE, the ``ostinato::attention`` op, output projection."""
+    """QKV projection, RoPE, the ``ostinato::attention`` op, output projection.
+
+    With ``rope_in_attention`` the op gets q and k unrotated, with ``cos`` and ``sin``,
+    and the attention backend rotates them (k as it is written to the cache, q as the
+    kernel loads it): no rotation kernels, and q, k and v stay views of the QKV output.
+    """
 
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -87,12 +68,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.rope_in_attention = False  # set by the runner from its attention backend
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[n, heads, d]``, k and v ``[n, kv_heads, d]`` for rows ``x``: QK-normed
-        (Qwen3) and rotated."""
+        (Qwen3) and rotated (unless ``cos`` is None)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.heads, self.head_dim)
@@ -100,14 +82,22 @@ class Attention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cos is None or sin is None:
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        out = torch.empty_like(q)
-        # v stays a strided view of the QKV projection: the K/V writes take any token and
-        # head strides, and a copy to make it contiguous would be a kernel per layer.
-        torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
+        # v (and with rope_in_attention q and k) stay strided views of the QKV
+        # projection: the backend takes any token and head strides, and a copy to make
+        # them contiguous would be a kernel per layer. ``out`` is contiguous.
+        if self.rope_in_attention:
+            q, k, v = self.project(x, None, None)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale, cos, sin)
+        else:
+            q, k, v = self.project(x, cos, sin)
+            out = torch.empty_like(q)
+            torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         return self.tp.all_reduce(self.o_proj(out.view(x.shape[0], self.q_size)))
 
 
@@ -182,6 +172,16 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+
+    @property
+    def rope_in_attention(self) -> bool:
+        """Whether the attention backend applies RoPE (see ``Attention``)."""
+        return self.layers[0].self_attn.rope_in_attention if len(self.layers) else False
+
+    @rope_in_attention.setter
+    def rope_in_attention(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.self_attn.rope_in_attention = value
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``input_ids`` (each rank looks up its own rows, then a sum)."""

@@ -42,7 +42,8 @@ class ModelRunner:
     one padding convention), so captured graphs replay on new data; graphs are wired by
     ``build_graph_runtime`` from ``graph_config`` and the attention backend's support;
     ``compiler`` (None, ``"inductor"`` or ``"eager"``) compiles the model with the
-    piecewise backend, which makes piecewise modes available.
+    piecewise backend, which makes piecewise modes available. The model's
+    ``rope_in_attention`` is set from ``backend.applies_rope``.
     """
 
     def __init__(
@@ -59,6 +60,8 @@ class ModelRunner:
         micro_batching: MicroBatching | None = None,
     ) -> None:
         self.model = model
+        # RoPE goes where the backend says: in the model, or inside the attention op.
+        model.rope_in_attention = getattr(backend, "applies_rope", False)
         self.cache = cache
         self.backend = backend
         self.limits = limits

@@ -7,6 +7,11 @@ tokens x KV heads are too few to fill the GPU (small decode batches), the keys o
 token are split across ``splits`` programs whose partial results a second kernel merges
 (flash-decoding). The split count depends only on the token count, never on lengths read
 from the host, so a captured graph replays correctly on new metadata.
+
+RoPE can be applied here instead of in the model (``rope``): the attention kernel rotates
+each query as it loads it and the K/V write rotates each key as it stores it, both in
+float32 and rounded once to the cache's dtype, as the compiled model's rotation kernel
+does. That removes a layer's rotation kernels and lets q, k, v stay strided views.
 """
 
 from __future__ import annotations
@@ -22,6 +27,21 @@ MAX_SPLITS = 16
 
 
 @triton.jit
+def _rotated(ptr, rows, d, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, mask):
+    """Rows ``ptr + rows[:, None] + d[None, :]`` rotated rotate-half style by this row
+    block's ``cos``/``sin`` (``[HEAD_DIM]`` at ``cos_ptr``, ``sin_ptr``), in float32."""
+    half = HEAD_DIM // 2
+    x = tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(
+        ptr + rows[:, None] + ((d + half) % HEAD_DIM)[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    rot = tl.where(d[None, :] < half, -partner, partner)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    s = tl.load(sin_ptr + d).to(tl.float32)
+    return x * c[None, :] + rot * s[None, :]
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -32,7 +52,10 @@ def _paged_attention_kernel(
     pos_ptr,
     req_ptr,
     tables_ptr,
+    cos_ptr,
+    sin_ptr,
     scale,
+    stride_rt,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -47,6 +70,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,11 +87,17 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     g_mask = g < GROUP
     heads = kvh * GROUP + g
-    q = tl.load(
-        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    )
+    if ROPE:
+        rows = tok * stride_qt + heads * stride_qh
+        r = tok * stride_rt
+        q = _rotated(q_ptr, rows, d, cos_ptr + r, sin_ptr + r, HEAD_DIM, g_mask[:, None])
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(
+            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None],
+            other=0.0,
+        )
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -159,14 +189,17 @@ def paged_attention(
     scale: float,
     splits: int | None = None,
     out: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` (``[n, heads, d]``) over the paged cache; returns ``[n, heads, d]``,
-    written into ``out`` when given (any strides with a contiguous last dimension: no
-    second buffer, no copy).
+    """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
+    cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
+    contiguous last dimension: no second buffer, no copy).
 
     Token i attends to keys ``0..positions[i]`` of request ``token_req[i]``; a row with
     position -1 outputs zeros. The cache must already hold this step's keys and values.
     ``splits`` (a power of two) overrides the automatic split of each token's keys.
+    ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
+    it is loaded (float32, rounded once to q's dtype).
     """
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -179,7 +212,9 @@ def paged_attention(
         )
     if n == 0:
         return out
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = splits or num_splits(n, kv_heads, q.device)
     if splits > 1:
         partial = torch.empty((n, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -199,7 +234,10 @@ def paged_attention(
         positions,
         token_req,
         block_tables,
+        cos,
+        sin,
         scale,
+        stride_rt,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -214,6 +252,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
         SPLITS=splits,
+        ROPE=rope is not None,
         num_warps=4,
     )
     if splits > 1:
@@ -232,6 +271,31 @@ def paged_attention(
     return out
 
 
+def _rope_args(
+    rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, n: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``cos, sin`` and their row stride for a kernel (``x`` as a placeholder without
+    rope); checks their shape."""
+    if rope is None:
+        return x, x, 0
+    cos, sin = rope
+    if (
+        cos.shape[0] != n
+        or cos.shape[-1] != head_dim
+        or cos.numel() != n * head_dim
+        or cos.stride() != sin.stride()
+        or cos.shape != sin.shape
+        or cos.stride(-1) != 1
+        or head_dim % 2
+    ):
+        raise ValueError(
+            f"rope: cos and sin must be [{n}, 1, {head_dim}] with one layout and a "
+            f"contiguous last dim (an even head dim), got {tuple(cos.shape)} strides "
+            f"{cos.stride()} and {tuple(sin.shape)} strides {sin.stride()}"
+        )
+    return cos, sin, cos.stride(0)
+
+
 @triton.jit
 def _write_kv_kernel(
     k_ptr,
@@ -239,6 +303,9 @@ def _write_kv_kernel(
     kc_ptr,
     vc_ptr,
     slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_rt,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -246,12 +313,20 @@ def _write_kv_kernel(
     stride_cs,
     stride_ch,
     HEAD_DIM: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + d)
+    if ROPE:
+        rows = tl.zeros([1], tl.int64) + tok * stride_kt + head * stride_kh
+        r = tok * stride_rt
+        every = (d < HEAD_DIM)[None, :]
+        k = _rotated(k_ptr, rows, d, cos_ptr + r, sin_ptr + r, HEAD_DIM, every)
+        k = tl.reshape(k, [HEAD_DIM]).to(kc_ptr.dtype.element_ty)
+    else:
+        k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + d)
     v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + d)
     tl.store(kc_ptr + slot * stride_cs + head * stride_ch + d, k)
     tl.store(vc_ptr + slot * stride_cs + head * stride_ch + d, v)
@@ -263,10 +338,13 @@ def write_kv_fused(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Stores this step's keys and values (``[n, kv_heads, head_dim]``, any token and head
     strides) at their flat slots in one kernel launch; the same bytes as two
-    ``index_copy_`` calls. ``head_dim`` must be a power of two."""
+    ``index_copy_`` calls. ``head_dim`` must be a power of two. ``rope = (cos, sin)``:
+    the keys are unrotated; each is rotated as it is stored (float32, rounded once to
+    the cache's dtype)."""
     n, kv_heads, head_dim = k.shape
     if n == 0:
         return
@@ -274,12 +352,16 @@ def write_kv_fused(
         raise ValueError("write_kv_fused: needs a contiguous, power-of-two head dim")
     kc = k_cache.view(-1, kv_heads, head_dim)
     vc = v_cache.view(-1, kv_heads, head_dim)
+    cos, sin, stride_rt = _rope_args(rope, k, n, head_dim)
     _write_kv_kernel[(n, kv_heads)](
         k,
         v,
         kc,
         vc,
         slot_mapping,
+        cos,
+        sin,
+        stride_rt,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -287,5 +369,6 @@ def write_kv_fused(
         kc.stride(0),
         kc.stride(1),
         HEAD_DIM=head_dim,
+        ROPE=rope is not None,
         num_warps=1,
     )

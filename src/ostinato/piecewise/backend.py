@@ -147,7 +147,13 @@ class _PieceCompiler(fx.Interpreter):
                 if self.compiler == "inductor":
                     from torch._inductor.compile_fx import compile_fx
 
-                    self.compiled[target] = compile_fx(sub, list(args))
+                    # A piece is replayed mostly at small token counts (decode), where
+                    # Inductor would split each row reduction (RMSNorm) into a partial
+                    # and a final kernel to fill the GPU: two launches where one block
+                    # does the row in about the time of one.
+                    self.compiled[target] = compile_fx(
+                        sub, list(args), config_patches={"split_reductions": False}
+                    )
                 else:
                     self.compiled[target] = sub
                 self.stats.piece_compiles += 1

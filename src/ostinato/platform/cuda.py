@@ -37,14 +37,18 @@ class CudaPlatform(Platform):
         go freely.
         """
         pool = torch.cuda.graph_pool_handle()
-        if self._keeper_buffer is None:
-            self._keeper_buffer = torch.zeros(1, device="cuda")
-        keeper = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.stream(self._stream()):
-            keeper.capture_begin(pool=pool)
-            self._keeper_buffer.zero_()
-            keeper.capture_end()
+        # Outside inference mode: a buffer made inside it is an inference tensor, which
+        # a later call outside inference mode (the pool recovery after a failed capture)
+        # may not write to.
+        with torch.inference_mode(False):
+            if self._keeper_buffer is None:
+                self._keeper_buffer = torch.zeros(1, device="cuda")
+            keeper = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(self._stream()):
+                keeper.capture_begin(pool=pool)
+                self._keeper_buffer.zero_()
+                keeper.capture_end()
         self._pool_keepers.append(keeper)
         return pool
 

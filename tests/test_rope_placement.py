@@ -1,0 +1,62 @@
+"""RoPE in the model or inside the attention op (``backend.applies_rope``): the model
+hands q and k over unrotated with cos and sin, and the backend rotates them. On the CPU
+the torch backend rotates with the model's own function, so both placements must give
+the same numbers, eagerly and through the piecewise-compiled model (the GPU kernels'
+rotation: tests/test_gpu_engine.py)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ostinato.bench.decode import BenchConfig, DecodeSetup
+from ostinato.config import GraphConfig
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.attention import TorchAttention
+from ostinato.engine.limits import EngineLimits
+from ostinato.engine.presets import shape
+from ostinato.engine.runner import ModelRunner
+from ostinato.modes import GraphMode
+
+PROMPTS = [[(5 * i + 1) % 97 + 3 for i in range(40)], [7, 8, 9]]
+
+
+def test_the_engine_generates_the_same_with_rope_in_the_attention_backend():
+    kw = dict(device="cpu", dtype=torch.float32, max_model_len=96, progress=False)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = LLM("tiny", **kw)
+    fused = LLM("tiny", backend=TorchAttention(applies_rope=True), **kw)
+    assert not plain.model.rope_in_attention and fused.model.rope_in_attention
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in fused.generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("compiler", [None, "inductor"])
+def test_a_decode_step_is_bitwise_the_same_with_rope_in_the_backend(compiler):
+    # The piecewise-compiled model traces the op with its cos/sin arguments and splits
+    # there; the compiled rotation may round differently from the eager one, so the
+    # compiled model is compared with itself across placements only to a tolerance.
+    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
+    setup = DecodeSetup(cfg, torch.device("cpu"))
+    step = setup.decode_batch([3, 5, 7, 11])
+    limits = EngineLimits(4, 64, setup.max_len, 16)
+    outs = []
+    for backend in (TorchAttention(), TorchAttention(applies_rope=True)):
+        runner = ModelRunner(
+            setup.model,
+            setup.cache,
+            backend,
+            limits,
+            GraphConfig(mode=GraphMode.NONE),
+            torch.device("cpu"),
+            progress=False,
+            compiler=compiler,
+        )
+        with torch.inference_mode():
+            runner.compile()
+            outs.append(runner.execute(step).clone())
+        runner.release()
+    if compiler is None:
+        assert torch.equal(outs[0], outs[1])
+    else:
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from ostinato.bench.baseline import StaticCacheDecoder
 from ostinato.bench.kernels import KernelLaunches, kernel_census
 from ostinato.config import GraphConfig
 from ostinato.distributed.groups import TensorParallel
-from ostinato.engine.attention import default_backend
+from ostinato.engine.attention import AttentionBackend, TritonAttention, default_backend
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
@@ -32,6 +32,11 @@ OSTINATO_VARIANTS = {
     "ostinato PIECEWISE": (GraphMode.PIECEWISE, "inductor"),
     "ostinato FULL_AND_PIECEWISE": (GraphMode.FULL_AND_PIECEWISE, "inductor"),
 }
+# Variants on CUDA with the attention fusions off (TritonAttention(fused=False): RoPE in
+# the model, two index_copy_ K/V writes), to measure what they save.
+UNFUSED_VARIANTS = {
+    "ostinato FULL_AND_PIECEWISE unfused": (GraphMode.FULL_AND_PIECEWISE, "inductor")
+}
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
 ENGINE_STEP_VARIANTS = ("eager", "ostinato FULL_AND_PIECEWISE")
@@ -46,7 +51,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     kv_len: int = 512
     dtype: str = "bfloat16"
-    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, REDUCE_OVERHEAD)
+    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, *UNFUSED_VARIANTS, REDUCE_OVERHEAD)
     warmup: int = 10
     repeats: int = 50
     seed: int = 0
@@ -199,13 +204,16 @@ class DecodeSetup:
         heads = c.num_kv_heads // self.tp.size
         return 2 * c.num_layers * heads * c.head_dim * self.dtype.itemsize
 
-    def runner(self, mode: GraphMode, compiler: str | None) -> ModelRunner:
-        """A ModelRunner over the shared model and cache in ``mode``."""
+    def runner(
+        self, mode: GraphMode, compiler: str | None, backend: AttentionBackend | None = None
+    ) -> ModelRunner:
+        """A ModelRunner over the shared model and cache in ``mode`` (with the default
+        attention backend unless ``backend``)."""
         limits = EngineLimits(self.max_b, 2048, self.max_len, BLOCK)
         return ModelRunner(
             self.model,
             self.cache,
-            self.backend,
+            backend or self.backend,
             limits,
             GraphConfig(mode=mode),
             self.device,
@@ -330,8 +338,14 @@ def run(
         for name in cfg.variants:
             if name == REDUCE_OVERHEAD:
                 continue
-            mode, compiler = OSTINATO_VARIANTS[name]
-            runner = setup.runner(mode, compiler)
+            if name in UNFUSED_VARIANTS:
+                if not cuda:
+                    continue  # the CPU's attention has nothing fused to turn off
+                mode, compiler = UNFUSED_VARIANTS[name]
+                runner = setup.runner(mode, compiler, TritonAttention(fused=False))
+            else:
+                mode, compiler = OSTINATO_VARIANTS[name]
+                runner = setup.runner(mode, compiler)
             start = time.perf_counter()
             report = runner.capture()
             if cuda:

@@ -240,14 +240,12 @@ def test_fused_kv_write_equals_two_index_copies_bitwise(dtype):
     ref = [c.clone() for c in caches]
     write_kv(k, v, ref[0], ref[1], slots)
     write_kv_fused(k, v, caches[0], caches[1], slots)
-    # Every slot but slot 0 bitwise (real rows' slots and untouched ones); in slot 0 each
-    # head holds that head of one of the padding rows (which one is unspecified, and may
-    # differ per head: the kernel writes heads independently), never read.
-    for got, want, src in zip(caches, ref, (k, v), strict=True):
+    # Every slot but slot 0 bitwise (real rows' slots and untouched ones). Slot 0, the
+    # null block's, is written by every padding row at once: its contents are a race
+    # between them (on an H100 once a mix of two rows' elements), and never read.
+    for got, want in zip(caches, ref, strict=True):
         flat_g, flat_w = got.view(-1, kv_heads, head_dim), want.view(-1, kv_heads, head_dim)
         assert torch.equal(flat_g[1:], flat_w[1:])
-        for h in range(kv_heads):
-            assert any(torch.equal(flat_g[0, h], src[i, h]) for i in range(n - 5, n)), h
 
 
 def sampled(llm: LLM, b: int) -> list[list[int]]:

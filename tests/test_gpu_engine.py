@@ -139,7 +139,7 @@ def test_fused_kv_write_with_rope_rotates_keys_as_the_compiled_model_does(dtype)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, dim", [(1, 2048), (33, 576), (7, 4096), (0, 64)])
 def test_rms_norm_kernel_equals_the_torch_arithmetic(dtype, rows, dim):
-    from ostinato.engine.norm_op import rms_norm_reference
+    from ostinato.engine.norm_op import add_rms_norm_reference, rms_norm_reference
 
     x = torch.randn(rows, dim + 16, device=DEVICE, dtype=dtype)[:, :dim] * 3  # strided rows
     w = torch.randn(dim, device=DEVICE, dtype=dtype)
@@ -150,6 +150,13 @@ def test_rms_norm_kernel_equals_the_torch_arithmetic(dtype, rows, dim):
     # Padding rows (zeros) normalise to zeros, not NaN.
     zeros = torch.ops.ostinato.rms_norm(torch.zeros(3, dim, device=DEVICE, dtype=dtype), w, 1e-5)
     assert torch.equal(zeros, torch.zeros_like(zeros))
+    # With the residual add: the sum bitwise (one rounding, as ``x + residual``), the norm
+    # of that sum as above.
+    residual = torch.randn(rows, dim, device=DEVICE, dtype=dtype)
+    got, total = torch.ops.ostinato.add_rms_norm(x, residual, w, 1e-5)
+    want, want_total = add_rms_norm_reference(x, residual, w, 1e-5)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(got, want)
 
 
 @pytest.fixture(scope="module")

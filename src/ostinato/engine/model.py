@@ -37,6 +37,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.ostinato.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of ``x + residual``, ``x + residual``), in one kernel on CUDA."""
+        return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     """QKV projection, RoPE, the ``ostinato::attention`` op, output projection.
@@ -115,7 +119,10 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections."""
+    """Pre-norm attention and MLP blocks with residual connections. The residual sum is
+    carried beside the hidden states and each add happens inside the next norm (as
+    vLLM's layers do): ``forward(x, residual)`` returns the MLP's output and the sum
+    before it, which the next layer's (or the final) norm adds."""
 
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -124,9 +131,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Mlp(config, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: x is the embedding
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -200,9 +213,10 @@ class DecoderModel(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        residual = None
         for layer in self.layers[:num_layers]:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin)
+        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary for hidden-state rows."""

@@ -1,11 +1,15 @@
-"""RMSNorm as the custom op ``ostinato::rms_norm``: on CUDA one Triton kernel per call
-(a program per row), elsewhere the same float32 arithmetic in torch.
+"""RMSNorm as the custom ops ``ostinato::rms_norm`` and ``ostinato::add_rms_norm`` (the
+residual add first: returns the norm of ``x + residual`` and that sum): on CUDA one
+Triton kernel per call (a program per row), elsewhere the same arithmetic in torch.
 
 Why an op: Inductor reduces a row wider than 1024 elements in two kernels (a looped
 reduction, then the pointwise normalisation that re-reads the row), so every norm of a
 decode graph cost two launches; one program holding the whole row does both.
-Numerics follow transformers: the row in float32, ``x * rsqrt(mean(x^2) + eps)`` cast
-back to the input's dtype, then times the weight in the promoted dtype.
+The add inside the norm matters as much: left to Inductor, ``residual + mm(x, W)``
+becomes cuBLAS ``addmm``, which first copies the residual into its output (a memcpy per
+projection). Numerics follow transformers: the sum rounded to the input's dtype, the row
+in float32, ``x * rsqrt(mean(x^2) + eps)`` cast back to the input's dtype, then times the
+weight in the promoted dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_lib.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -28,18 +33,55 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch arithmetic: (norm of ``x + residual``, ``x + residual``)."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
 def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     from ostinato.engine.triton_norm import rms_norm_rows
 
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
-    rms_norm_rows(x.reshape(-1, x.shape[-1]), weight, eps, out.view(-1, x.shape[-1]))
+    dim = x.shape[-1]
+    rms_norm_rows(x.reshape(-1, dim), None, weight, eps, out.view(-1, dim), None)
     return out
+
+
+def _add_rms_norm_cuda(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ostinato.engine.triton_norm import rms_norm_rows
+
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual "
+            f"{tuple(residual.shape)} {residual.dtype} must match"
+        )
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dim = x.shape[-1]
+    rows = (t.reshape(-1, dim) for t in (x, residual))
+    rms_norm_rows(*rows, weight, eps, out.view(-1, dim), total.view(-1, dim))
+    return out, total
 
 
 _lib.impl("rms_norm", rms_norm_reference, "CompositeExplicitAutograd")
 _lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
+_lib.impl("add_rms_norm", add_rms_norm_reference, "CompositeExplicitAutograd")
+_lib.impl("add_rms_norm", _add_rms_norm_cuda, "CUDA")
 
 
 @torch.library.register_fake("ostinato::rms_norm", lib=_lib)
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+
+
+@torch.library.register_fake("ostinato::add_rms_norm", lib=_lib)
+def _(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    return out, torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -198,9 +198,12 @@ class ModelRunner:
     def capture(self, generator: torch.Generator | None = None) -> CaptureReport:
         """Compiles if needed, then captures every graph of the resolved mode, and with
         ``generator`` a sampling graph per uniform decode size of one token per request
-        (``GraphSampler``). Under tensor parallelism every rank captures the same
-        descriptors in the same order, between two barriers, so the collectives recorded
-        in the graphs pair up across ranks."""
+        (``GraphSampler``). With a measuring micro-batching policy, each candidate size
+        is first timed plainly and split (``ubatch_timings``), and ``ubatched_graphs``
+        becomes the sizes whose split was faster by the policy's margin. Under tensor
+        parallelism every rank captures (and times) the same descriptors in the same
+        order, between two barriers, so the collectives recorded in the graphs pair up
+        across ranks."""
         group = self.model.tp.group
         if group is not None:
             dist.barrier(group=group)

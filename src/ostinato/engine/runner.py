@@ -200,7 +200,8 @@ class ModelRunner:
         ``generator`` a sampling graph per uniform decode size of one token per request
         (``GraphSampler``). With a measuring micro-batching policy, each candidate size
         is first timed plainly and split (``ubatch_timings``), and ``ubatched_graphs``
-        becomes the sizes whose split was faster by the policy's margin. Under tensor
+        becomes the sizes whose split was faster by the policy's margin, the same on
+        every rank of every replica (the slowest rank's times decide). Under tensor
         parallelism every rank captures (and times) the same descriptors in the same
         order, between two barriers, so the collectives recorded in the graphs pair up
         across ranks."""
@@ -210,7 +211,10 @@ class ModelRunner:
         self.compile()
         policy = self.micro_batching
         if policy is not None and policy.measure and self.ubatch_candidates:
-            self.ubatch_timings = measure(self.ubatch_candidates, self._replay_ms, group)
+            # Agreed over every rank, data-parallel replicas included (their configs, so
+            # their candidates, are identical): all replicas split the same sizes.
+            everyone = dist.group.WORLD if dist.is_initialized() else group
+            self.ubatch_timings = measure(self.ubatch_candidates, self._replay_ms, everyone)
             self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
         report = self.manager.capture()
         if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:

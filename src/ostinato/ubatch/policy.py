@@ -15,7 +15,8 @@ class MicroBatching:
     ``measure`` (the default): every FULL size the thresholds select is captured both
     ways at start-up and replayed ``measure_repeats`` times each; it keeps its
     micro-batched graph only if that is at least ``min_speedup`` times faster than the
-    plain one (under tensor parallelism on every rank: the slower rank's times decide).
+    plain one (on every rank of every data-parallel replica: the slowest rank's times
+    decide, so all replicas split the same sizes).
     Without ``measure`` the thresholds alone decide. Eager steps (NONE mode) follow the
     thresholds either way: there is nothing captured to time.
     """

@@ -378,3 +378,46 @@ def ubatch_timings_agree(rank: int, world: int, port: int, out: str) -> None:
     timings = measure(sizes, lambda d, ub: own[(d.num_tokens, ub)], dist.group.WORLD)
     torch.save((timings, chosen(timings, 1.03)), Path(out) / f"timings{rank}.pt")
     dist.destroy_process_group()
+
+
+def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """DP=2 × TP=2 ranks started like torchrun's, each timing the split graphs its own
+    way at capture (graphs of the fake platform; the split is twice as fast on replica
+    0 and twice as slow on replica 1); saves every rank's agreed timings and chosen
+    sizes to ``out/agree{rank}.pt``."""
+    from fakes import DenseGraphAttention, FakePlatform
+
+    import ostinato.engine.llm as llm_module
+    import ostinato.engine.runner as runner_module
+    from ostinato.engine.runner import ModelRunner
+    from ostinato.ubatch.policy import MicroBatching
+
+    set_env(rank, world, port)
+    platform = FakePlatform()
+    for module in (llm_module, runner_module):
+        module.platform_for_device = lambda device: platform
+    replica = rank // 2
+
+    def replay_ms(self, d, ubatched):
+        return (0.5 if replica == 0 else 2.0) if ubatched else 1.0
+
+    ModelRunner._replay_ms = replay_ms
+    llm = engine(
+        model_dir,
+        "cpu",
+        "full",
+        torch.float32,
+        tp=2,
+        dp=2,
+        backend=DenseGraphAttention(),
+        micro_batching=MicroBatching(2, 4),
+    )
+    runner = llm.runner
+    result = {
+        "timings": [(t.descriptor, t.plain_ms, t.ubatched_ms) for t in runner.ubatch_timings],
+        "candidates": runner.ubatch_candidates,
+        "chosen": runner.ubatched_graphs,
+    }
+    torch.save(result, Path(out) / f"agree{rank}.pt")
+    if not llm.close():
+        os._exit(0)

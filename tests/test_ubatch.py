@@ -222,3 +222,31 @@ def test_ranks_agree_on_the_slower_ranks_times(tmp_path):
     assert [(t.plain_ms, t.ubatched_ms) for t in t0] == [(11.0, 12.0), (20.0, 15.0)]
     # Rank 0 alone would have split 64 (10 vs 9); the slower rank says no.
     assert [d.num_tokens for d in c0] == [128]
+
+
+def test_data_parallel_replicas_agree_on_the_measured_split(tmp_path):
+    # DP=2 × TP=2 on the CPU with fake graphs: replica 0 measures the split faster, replica
+    # 1 slower; every rank takes the slowest times, so no replica splits any size (with a
+    # TP-only agreement replica 0 would split and replica 1 not).
+    import torch.multiprocessing as mp
+    from dist_workers import free_port, ubatch_measure_agreement
+    from hf_models import write_checkpoint
+
+    write_checkpoint("LlamaForCausalLM", tmp_path / "llama", rope_theta=500000.0)
+    ctx, port = mp.get_context("spawn"), free_port()
+    args = (4, port, str(tmp_path / "llama"), str(tmp_path))
+    procs = [ctx.Process(target=ubatch_measure_agreement, args=(r, *args)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = [torch.load(tmp_path / f"agree{r}.pt", weights_only=False) for r in range(4)]
+    assert results[0]["candidates"], "the thresholds select some captured sizes"
+    for r in results:
+        assert r["timings"] == results[0]["timings"]
+        assert [(p, u) for _, p, u in r["timings"]] == [(1.0, 2.0)] * len(r["candidates"])
+        assert r["chosen"] == frozenset()

@@ -401,7 +401,7 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
     def replay_ms(self, d, ubatched):
         return (0.5 if replica == 0 else 2.0) if ubatched else 1.0
 
-    ModelRunner._replay_ms = replay_ms
+    ModelRunner.replay_ms = replay_ms
     llm = engine(
         model_dir,
         "cpu",

@@ -214,7 +214,7 @@ class ModelRunner:
             # Agreed over every rank, data-parallel replicas included (their configs, so
             # their candidates, are identical): all replicas split the same sizes.
             everyone = dist.group.WORLD if dist.is_initialized() else group
-            self.ubatch_timings = measure(self.ubatch_candidates, self._replay_ms, everyone)
+            self.ubatch_timings = measure(self.ubatch_candidates, self.replay_ms, everyone)
             self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
         report = self.manager.capture()
         if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:
@@ -224,10 +224,13 @@ class ModelRunner:
         return report
 
     @torch.inference_mode()
-    def _replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:
+    def replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:
         """Mean ms of a replay of ``d``'s step captured plainly or as two micro-batches
-        (a throwaway graph in the shared pool, on padding rows)."""
-        assert self.micro_batching is not None
+        (a throwaway graph in the shared pool, on padding rows): what the measuring
+        micro-batching policy compares at capture. Needs a micro-batching policy."""
+        policy = self.micro_batching
+        if policy is None:
+            raise ValueError("replay_ms: this runner has no micro-batching policy")
         platform = self.manager.platform
         meta = self._dummy_metadata(d)
         with forward_context(GraphMode.NONE, d, meta):
@@ -240,10 +243,10 @@ class ModelRunner:
             graph.replay()
             platform.synchronize()
             start = time.perf_counter()
-            for _ in range(self.micro_batching.measure_repeats):
+            for _ in range(policy.measure_repeats):
                 graph.replay()
             platform.synchronize()
-            return (time.perf_counter() - start) * 1e3 / self.micro_batching.measure_repeats
+            return (time.perf_counter() - start) * 1e3 / policy.measure_repeats
         finally:
             graph.reset()
 

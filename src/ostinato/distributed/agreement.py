@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ostinato.distributed.collectives import on_group_device
 from ostinato.modes import GraphMode
 from ostinato.ubatch.slicing import can_split
 
@@ -60,9 +61,7 @@ def agree_on_step(
         split = micro_batch and can_split(real_tokens, num_tokens)
         return StepAgreement(mode, num_tokens, uniform_decode, (num_tokens,), split)
     row = [_RANK[mode], num_tokens, int(uniform_decode), int(micro_batch), real_tokens]
-    mine = torch.tensor(row, dtype=torch.long)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
+    mine = on_group_device(torch.tensor(row, dtype=torch.long), group)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     rows = [t.tolist() for t in gathered]

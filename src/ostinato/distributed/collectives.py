@@ -12,6 +12,12 @@ import torch.distributed._functional_collectives as funcol
 _all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
+def on_group_device(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` (a small host tensor to exchange) where ``group``'s backend communicates
+    from: the current CUDA device for NCCL, else where it is."""
+    return t.cuda() if dist.get_backend(group) == "nccl" else t
+
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of ``x`` over ``group`` (``x`` itself without a group)."""
     if group is None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ostinato.batch import BatchDescriptor
+from ostinato.distributed.collectives import on_group_device
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,7 @@ def measure(
     over its ranks, so every rank gets the same timings and makes the same choice."""
     times = [(time_ms(d, False), time_ms(d, True)) for d in candidates]
     if group is not None and times:
-        backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        t = torch.tensor(times, dtype=torch.float64, device=device)
+        t = on_group_device(torch.tensor(times, dtype=torch.float64), group)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         times = [(float(p), float(u)) for p, u in t.tolist()]
     return [UbatchTiming(d, p, u) for d, (p, u) in zip(candidates, times, strict=True)]

@@ -214,7 +214,8 @@ class ModelRunner:
             # Agreed over every rank, data-parallel replicas included (their configs, so
             # their candidates, are identical): all replicas split the same sizes.
             everyone = dist.group.WORLD if dist.is_initialized() else group
-            self.ubatch_timings = measure(self.ubatch_candidates, self.replay_ms, everyone)
+            with capture_phase():  # one collection for all the timed captures
+                self.ubatch_timings = measure(self.ubatch_candidates, self.replay_ms, everyone)
             self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
         report = self.manager.capture()
         if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:
@@ -227,7 +228,8 @@ class ModelRunner:
     def replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:
         """Mean ms of a replay of ``d``'s step captured plainly or as two micro-batches
         (a throwaway graph in the shared pool, on padding rows): what the measuring
-        micro-batching policy compares at capture. Needs a micro-batching policy."""
+        micro-batching policy compares at capture. Needs a micro-batching policy; call
+        it inside ``capture_phase()`` (as ``capture`` does) to keep collection paused."""
         policy = self.micro_batching
         if policy is None:
             raise ValueError("replay_ms: this runner has no micro-batching policy")
@@ -236,9 +238,8 @@ class ModelRunner:
         with forward_context(GraphMode.NONE, d, meta):
             self._step_as(d, ubatched)  # warm-up; starts the micro-batch threads uncaptured
         graph = platform.new_graph()
-        with capture_phase(), forward_context(GraphMode.FULL, d, meta):
-            with platform.capture(graph, self.manager.pool):
-                self._step_as(d, ubatched)
+        with forward_context(GraphMode.FULL, d, meta), platform.capture(graph, self.manager.pool):
+            self._step_as(d, ubatched)
         try:
             graph.replay()
             platform.synchronize()

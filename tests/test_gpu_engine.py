@@ -98,24 +98,31 @@ def rotate_once(x, cos, sin):
     return (x.float() * cos.float() + rot.float() * sin.float()).to(x.dtype)
 
 
+def kv_write_case(dtype, device=DEVICE):
+    """37 rows of K and V as the strided views the model's QKV split gives (4 KV heads of
+    64), their slots (the last 5 rows padding, writing to the null block's slot 0), and a
+    random K and V cache of 12 blocks of 16 slots with a clone of each for the reference."""
+    n, kv_heads, head_dim, blocks, bs = 37, 4, 64, 12, 16
+    qkv = torch.randn(n, (8 + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    v = qkv[:, (8 + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+    slots = torch.randperm((blocks - 1) * bs, device=device)[:n] + bs
+    slots[-5:] = 0
+    shape = (blocks, bs, kv_heads, head_dim)
+    caches = [torch.randn(shape, device=device, dtype=dtype) for _ in range(2)]
+    return k, v, slots, caches, [c.clone() for c in caches]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_kv_write_with_rope_rotates_keys_as_the_compiled_model_does(dtype):
     from ostinato.engine.attention import write_kv
     from ostinato.engine.triton_attention import write_kv_fused
 
-    n, kv_heads, head_dim, blocks, bs = 37, 4, 64, 12, 16
-    qkv = torch.randn(n, (8 + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
-    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(n, kv_heads, head_dim)
-    v = qkv[:, (8 + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+    k, v, slots, caches, ref = kv_write_case(dtype)
+    n, kv_heads, head_dim = k.shape
     positions = torch.randint(0, 4000, (n,), device=DEVICE)
     positions[-5:] = -1
     cos, sin = rope_tables(positions, head_dim, dtype)
-    slots = torch.randperm((blocks - 1) * bs, device=DEVICE)[:n] + bs
-    slots[-5:] = 0
-    caches = [
-        torch.randn(blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2)
-    ]
-    ref = [c.clone() for c in caches]
     write_kv(rotate_once(k, cos, sin), v, ref[0], ref[1], slots)
     write_kv_fused(k, v, caches[0], caches[1], slots, (cos, sin))
     got_k, want_k = caches[0].view(-1, kv_heads, head_dim), ref[0].view(-1, kv_heads, head_dim)
@@ -234,17 +241,8 @@ def test_fused_kv_write_equals_two_index_copies_bitwise(dtype):
     from ostinato.engine.attention import write_kv
     from ostinato.engine.triton_attention import write_kv_fused
 
-    n, kv_heads, head_dim, blocks, bs = 37, 4, 64, 12, 16
-    qkv = torch.randn(n, (8 + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
-    # Strided views, as the model's QKV split gives them.
-    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(n, kv_heads, head_dim)
-    v = qkv[:, (8 + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
-    slots = torch.randperm((blocks - 1) * bs, device=DEVICE)[:n] + bs
-    slots[-5:] = 0  # padding rows write to the null block's first slot
-    caches = [
-        torch.randn(blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2)
-    ]
-    ref = [c.clone() for c in caches]
+    k, v, slots, caches, ref = kv_write_case(dtype)
+    kv_heads, head_dim = k.shape[1:]
     write_kv(k, v, ref[0], ref[1], slots)
     write_kv_fused(k, v, caches[0], caches[1], slots)
     # Every slot but slot 0 bitwise (real rows' slots and untouched ones). Slot 0, the

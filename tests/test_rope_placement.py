@@ -60,3 +60,18 @@ def test_a_decode_step_is_bitwise_the_same_with_rope_in_the_backend(compiler):
         assert torch.equal(outs[0], outs[1])
     else:
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_norm_ops_compute_transformers_arithmetic_and_refuse_a_mismatched_residual():
+    from ostinato.engine.norm_op import add_rms_norm_reference
+
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    total = x + r
+    want = w * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got, got_total = torch.ops.ostinato.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(got_total, total)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.ops.ostinato.rms_norm(total, w, 1e-5), want)
+    for bad in (torch.randn(1, 8), torch.randn(3, 8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="add_rms_norm: x .* and residual .* must match"):
+            add_rms_norm_reference(x, bad, w, 1e-5)

@@ -33,10 +33,20 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    # Both implementations: torch's add would broadcast a mismatched residual silently.
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual "
+            f"{tuple(residual.shape)} {residual.dtype} must match"
+        )
+
+
 def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch arithmetic: (norm of ``x + residual``, ``x + residual``)."""
+    _check_residual(x, residual)
     total = x + residual
     return rms_norm_reference(total, weight, eps), total
 
@@ -55,11 +65,7 @@ def _add_rms_norm_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from ostinato.engine.triton_norm import rms_norm_rows
 
-    if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(
-            f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual "
-            f"{tuple(residual.shape)} {residual.dtype} must match"
-        )
+    _check_residual(x, residual)
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
     dim = x.shape[-1]

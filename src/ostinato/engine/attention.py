@@ -142,18 +142,33 @@ class TritonAttention:
     ``fused`` (the default): K and V are stored by one Triton kernel that also rotates K,
     and the attention kernel rotates q as it loads it (``applies_rope``), so a layer has
     no RoPE kernels and no copies; without it, RoPE runs in the model and the K/V writes
-    are two ``index_copy_`` (kept to measure the difference)."""
+    are two ``index_copy_`` (kept to measure the difference). ``pdl``: both kernels are
+    launched with programmatic dependent launch (``KernelOptions.pdl``)."""
 
     graph_support = AttentionGraphSupport.ALWAYS
 
-    def __init__(self, fused: bool = True) -> None:
+    def __init__(self, fused: bool = True, pdl: bool = False) -> None:
         self.applies_rope = fused
-        if fused:
-            from ostinato.engine.triton_attention import write_kv_fused
+        # Programmatic dependent launch for both kernels (compute capability 9.0+); the
+        # runner sets it from its KernelOptions.
+        self.pdl = pdl
 
-            self.write_kv = write_kv_fused
-        else:
-            self.write_kv = write_kv
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        rope: Rope | None = None,
+    ) -> None:
+        """One Triton kernel (rotating K) when fused, else two ``index_copy_``."""
+        if not self.applies_rope:
+            write_kv(k, v, k_cache, v_cache, slot_mapping, rope)
+            return
+        from ostinato.engine.triton_attention import write_kv_fused
+
+        write_kv_fused(k, v, k_cache, v_cache, slot_mapping, rope, pdl=self.pdl)
 
     def __call__(
         self,
@@ -177,6 +192,7 @@ class TritonAttention:
             scale,
             out=out,
             rope=rope,
+            pdl=self.pdl,
         )
 
 

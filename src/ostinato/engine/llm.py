@@ -28,6 +28,7 @@ from ostinato.distributed.groups import (
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.distributed.watchdog import PeerWatchdog
 from ostinato.engine.attention import AttentionBackend, default_backend
+from ostinato.engine.kernel_options import KernelOptions
 from ostinato.engine.kv_cache import BlockPool, KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.memory import MemoryPlan, check_utilization, plan_memory
@@ -125,6 +126,9 @@ class LLM:
     (measure=False)`` splits every covered size);
     with ``"none"`` the split runs eagerly; modes with compiled pieces are refused.
 
+    ``kernels``: launch options of the engine's own CUDA kernels (``KernelOptions``:
+    programmatic dependent launch, the start-up-tuned small GEMMs); default off.
+
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
 
@@ -168,6 +172,7 @@ class LLM:
         speculative: SpeculativeConfig | str | None = None,
         num_speculative_tokens: int = 2,
         micro_batching: MicroBatching | bool = False,
+        kernels: KernelOptions | None = None,
         backend: AttentionBackend | None = None,
         compiler: str | None = "auto",
         seed: int = 0,
@@ -197,6 +202,9 @@ class LLM:
             else speculative
         )
         self.spec_stats = SpeculativeStats()
+        if not isinstance(kernels, (KernelOptions, type(None))):
+            raise TypeError(f"kernels: expected a KernelOptions, got {type(kernels).__name__}")
+        self.kernels = kernels or KernelOptions()
         ubatching = MicroBatching() if micro_batching is True else micro_batching or None
         self.micro_batching: MicroBatching | None = ubatching
         if ubatching is not None and tensor_parallel_size == 1:
@@ -401,6 +409,7 @@ class LLM:
             compiler=compiler,
             uniform_decode_query_len=1 + spec.k if spec else 1,
             micro_batching=self.micro_batching,
+            kernels=self.kernels,
         )
         propose = self._proposer(backend, limits)
         self.scheduler = Scheduler(

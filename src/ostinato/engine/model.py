@@ -18,6 +18,7 @@ from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine import attention_op, norm_op  # noqa: F401  (register torch.ops.ostinato)
 from ostinato.engine.config import ModelConfig
+from ostinato.engine.linear import Linear
 from ostinato.engine.rope import apply_rope, rope_inv_freq
 
 
@@ -29,17 +30,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.pdl = False  # launch option of the CUDA kernel (KernelOptions.pdl)
 
     def reset_parameters(self) -> None:
         """Ones, as at construction."""
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ostinato.rms_norm(x, self.weight, self.eps)
+        return torch.ops.ostinato.rms_norm(x, self.weight, self.eps, self.pdl)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the norm of ``x + residual``, ``x + residual``), in one kernel on CUDA."""
-        return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps)
+        return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps, self.pdl)
 
 
 class Attention(nn.Module):
@@ -60,13 +62,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         # The o bias lives on rank 0 only, so the all-reduce adds it once.
-        self.o_proj = nn.Linear(
-            self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0
-        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -110,12 +110,13 @@ class Mlp(nn.Module):
         super().__init__()
         self.tp = tp
         self.inter = tp.split(config.intermediate_size, "intermediate_size")
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+        # silu(gate) * up happens inside the down projection: fused into its load where
+        # its plan picks the small Triton GEMM.
+        return self.tp.all_reduce(self.down_proj.forward_silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -162,7 +163,7 @@ class DecoderModel(nn.Module):
         layers = (DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab_local, bias=False)
+        self.lm_head = Linear(config.hidden_size, self.vocab_local, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -193,6 +194,24 @@ class DecoderModel(nn.Module):
     def rope_in_attention(self, value: bool) -> None:
         for layer in self.layers:
             layer.self_attn.rope_in_attention = value
+
+    def use_pdl(self, enabled: bool) -> None:
+        """Launches the norms' kernels with programmatic dependent launch (the small
+        GEMMs take it with their plans, ``gemm_tuning.plan_small_gemms``)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.pdl = enabled
+
+    def linears(self) -> list[tuple[Linear, bool]]:
+        """Every projection with whether it takes SiLU·mul input (the down projections):
+        what the small-GEMM plan covers."""
+        found: list[tuple[Linear, bool]] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            found += [(attn.qkv_proj, False), (attn.o_proj, False)]
+            found += [(mlp.gate_up_proj, False), (mlp.down_proj, True)]
+        found.append((self.lm_head, False))
+        return found
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``input_ids`` (each rank looks up its own rows, then a sum)."""

@@ -17,16 +17,22 @@ from __future__ import annotations
 import torch
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
-_lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
-_lib.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
+_lib.define("rms_norm(Tensor x, Tensor weight, float eps, bool pdl=False) -> Tensor")
+_lib.define(
+    "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool pdl=False) "
+    "-> (Tensor, Tensor)"
+)
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.result_type(weight, x)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch arithmetic (CPU and any device without the kernel)."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+) -> torch.Tensor:
+    """The torch arithmetic (CPU and any device without the kernel; ``pdl`` is a launch
+    option of the kernel, ignored here)."""
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -43,7 +49,7 @@ def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch arithmetic: (norm of ``x + residual``, ``x + residual``)."""
     _check_residual(x, residual)
@@ -51,17 +57,19 @@ def add_rms_norm_reference(
     return rms_norm_reference(total, weight, eps), total
 
 
-def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_cuda(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+) -> torch.Tensor:
     from ostinato.engine.triton_norm import rms_norm_rows
 
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     dim = x.shape[-1]
-    rms_norm_rows(x.reshape(-1, dim), None, weight, eps, out.view(-1, dim), None)
+    rms_norm_rows(x.reshape(-1, dim), None, weight, eps, out.view(-1, dim), None, pdl)
     return out
 
 
 def _add_rms_norm_cuda(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from ostinato.engine.triton_norm import rms_norm_rows
 
@@ -70,7 +78,7 @@ def _add_rms_norm_cuda(
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
     dim = x.shape[-1]
     rows = (t.reshape(-1, dim) for t in (x, residual))
-    rms_norm_rows(*rows, weight, eps, out.view(-1, dim), total.view(-1, dim))
+    rms_norm_rows(*rows, weight, eps, out.view(-1, dim), total.view(-1, dim), pdl)
     return out, total
 
 
@@ -81,13 +89,13 @@ _lib.impl("add_rms_norm", _add_rms_norm_cuda, "CUDA")
 
 
 @torch.library.register_fake("ostinato::rms_norm", lib=_lib)
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     return torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
 
 
 @torch.library.register_fake("ostinato::add_rms_norm", lib=_lib)
 def _(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     return out, torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -14,10 +14,12 @@ from ostinato.config import GraphConfig
 from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch
 from ostinato.distributed.agreement import StepAgreement
-from ostinato.engine.attention import AttentionBackend
+from ostinato.engine.attention import AttentionBackend, TritonAttention
 from ostinato.engine.attention_op import StepAttention
+from ostinato.engine.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.graph_sampler import GraphSampler
 from ostinato.engine.inputs import PreviousSample, StepInputs
+from ostinato.engine.kernel_options import KernelOptions
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
@@ -43,7 +45,10 @@ class ModelRunner:
     ``build_graph_runtime`` from ``graph_config`` and the attention backend's support;
     ``compiler`` (None, ``"inductor"`` or ``"eager"``) compiles the model with the
     piecewise backend, which makes piecewise modes available. The model's
-    ``rope_in_attention`` is set from ``backend.applies_rope``.
+    ``rope_in_attention`` is set from ``backend.applies_rope``. ``kernels``
+    (``KernelOptions``, what the device supports of it) is applied to the model's norms,
+    a Triton attention backend and the compiled pieces; with ``small_gemm`` the
+    projections' plans are measured at start-up, before compiling (``gemm_timings``).
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class ModelRunner:
         compiler: str | None = None,
         uniform_decode_query_len: int = 1,
         micro_batching: MicroBatching | None = None,
+        kernels: KernelOptions | None = None,
     ) -> None:
         self.model = model
         # RoPE goes where the backend says: in the model, or inside the attention op.
@@ -79,6 +85,18 @@ class ModelRunner:
             platform=platform,
             progress=progress,
         )
+        self.kernels = (kernels or KernelOptions()).resolved(device)
+        model.use_pdl(self.kernels.pdl)
+        if isinstance(backend, TritonAttention):
+            backend.pdl = self.kernels.pdl
+        # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
+        # kernel's fixed cost shows); none in NONE mode.
+        self.small_gemm_rows = (
+            tuple(graph_config.capture_sizes or ())
+            if self.kernels.small_gemm and self.graphs.mode is not GraphMode.NONE
+            else ()
+        )
+        self.gemm_timings: list[GemmTiming] | None = None  # measured by plan_kernels()
         self.piecewise: PiecewiseBackend | None = None
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
         if compiler is not None:
@@ -87,6 +105,7 @@ class ModelRunner:
                 check_addresses=graph_config.check_addresses,
                 platform=self.manager.platform,
                 pool=self.manager.pool,
+                inductor_patches=_inductor_pdl() if self.kernels.pdl else None,
             )
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
@@ -183,8 +202,22 @@ class ModelRunner:
         return self.model.compute_logits(out[rows])
 
     @torch.inference_mode()
+    def plan_kernels(self) -> list[GemmTiming]:
+        """Measures and sets the small-GEMM plans once (``KernelOptions.small_gemm``);
+        ``compile`` and ``capture`` call it first, since the plans are constants of the
+        compiled graph. Returns the measurements (empty when not asked for)."""
+        if self.gemm_timings is None:
+            self.gemm_timings = (
+                plan_small_gemms(self.model.linears(), self.small_gemm_rows, self.kernels.pdl)
+                if self.small_gemm_rows
+                else []
+            )
+        return self.gemm_timings
+
+    @torch.inference_mode()
     def compile(self) -> float:
         """Compiles the model (piecewise backend) once, at the largest size; returns seconds."""
+        self.plan_kernels()
         if self.piecewise is None or self.piecewise.stats.compiles:
             return 0.0
         start = time.perf_counter()
@@ -208,7 +241,7 @@ class ModelRunner:
         group = self.model.tp.group
         if group is not None:
             dist.barrier(group=group)
-        self.compile()
+        self.compile()  # plans the kernels first
         policy = self.micro_batching
         if policy is not None and policy.measure and self.ubatch_candidates:
             # Agreed over every rank, data-parallel replicas included (their configs, so
@@ -415,3 +448,10 @@ class ModelRunner:
         else:
             compute = comm = None
         return self._ubatch_threads.run(run, compute, comm)
+
+
+def _inductor_pdl() -> dict[str, bool]:
+    """Inductor's own switch for programmatic dependent launch, where this torch has it."""
+    from torch._inductor import config
+
+    return {"triton.enable_pdl": True} if hasattr(config.triton, "enable_pdl") else {}

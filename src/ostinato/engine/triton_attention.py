@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.triton_pdl import pdl_enter
+
 BLOCK_N = 64  # keys per iteration, spanning several pages
 MAX_SPLITS = 16
 
@@ -71,7 +73,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,7 +153,9 @@ def _merge_splits_kernel(
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -190,6 +196,7 @@ def paged_attention(
     splits: int | None = None,
     out: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -199,7 +206,8 @@ def paged_attention(
     position -1 outputs zeros. The cache must already hold this step's keys and values.
     ``splits`` (a power of two) overrides the automatic split of each token's keys.
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
-    it is loaded (float32, rounded once to q's dtype).
+    it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
+    programmatic dependent launch (compute capability 9.0 or newer).
     """
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -253,7 +261,9 @@ def paged_attention(
         BLOCK_N=BLOCK_N,
         SPLITS=splits,
         ROPE=rope is not None,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     if splits > 1:
         _merge_splits_kernel[(n, heads)](
@@ -266,7 +276,9 @@ def paged_attention(
             HEADS=heads,
             HEAD_DIM=head_dim,
             SPLITS=splits,
+            USE_PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 
@@ -314,7 +326,9 @@ def _write_kv_kernel(
     stride_ch,
     HEAD_DIM: tl.constexpr,
     ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -339,12 +353,13 @@ def write_kv_fused(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> None:
     """Stores this step's keys and values (``[n, kv_heads, head_dim]``, any token and head
     strides) at their flat slots in one kernel launch; the same bytes as two
     ``index_copy_`` calls. ``head_dim`` must be a power of two. ``rope = (cos, sin)``:
     the keys are unrotated; each is rotated as it is stored (float32, rounded once to
-    the cache's dtype)."""
+    the cache's dtype). ``pdl``: launch with programmatic dependent launch."""
     n, kv_heads, head_dim = k.shape
     if n == 0:
         return
@@ -370,5 +385,7 @@ def write_kv_fused(
         kc.stride(1),
         HEAD_DIM=head_dim,
         ROPE=rope is not None,
+        USE_PDL=pdl,
         num_warps=1,
+        launch_pdl=pdl,
     )

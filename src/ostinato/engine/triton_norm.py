@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.triton_pdl import pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -24,7 +26,9 @@ def _rms_norm_kernel(
     eps,
     ADD: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -48,9 +52,11 @@ def rms_norm_rows(
     eps: float,
     out: torch.Tensor,
     total: torch.Tensor | None,
+    pdl: bool = False,
 ) -> None:
     """``out[r] = weight * rms_norm(x[r] (+ residual[r]))`` for every row of the 2-D
-    ``x`` (any row stride); with ``residual``, ``total[r] = x[r] + residual[r]`` too."""
+    ``x`` (any row stride); with ``residual``, ``total[r] = x[r] + residual[r]`` too.
+    ``pdl``: launch with programmatic dependent launch (compute capability 9.0+)."""
     rows, dim = x.shape
     if rows == 0:
         return
@@ -76,5 +82,7 @@ def rms_norm_rows(
         eps,
         ADD=add,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        launch_pdl=pdl,
     )

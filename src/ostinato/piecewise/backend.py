@@ -8,7 +8,7 @@ import logging
 import time
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class PiecewiseBackend:
     piece returns non-owning views (nothing captured later reads them). Compile the
     model with a dynamic batch dimension (``mark_dynamic``) so one compilation serves
     every size; ``stats`` says how many compilations happened and how long they took.
+    ``inductor_patches``: Inductor config overrides for every piece (for example
+    ``{"triton.enable_pdl": True}``).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class PiecewiseBackend:
         platform: Platform | None = None,
         pool: Any = None,
         meter: CaptureMeter | None = None,
+        inductor_patches: Mapping[str, Any] | None = None,
     ) -> None:
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"compiler: 'inductor' or 'eager', got {compiler!r}")
@@ -72,13 +75,16 @@ class PiecewiseBackend:
         self.platform = platform or current_platform()
         self.pool = pool if pool is not None else shared_pool(self.platform)
         self.meter = meter
+        self.inductor_patches = dict(inductor_patches or {})
         self.stats = CompileStats()
         self.wrappers: list[GraphWrapper] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         split = split_graph(gm, self.splitting_ops)
-        compiled = _compile_pieces(split, example_inputs, self.compiler, self.stats)
+        compiled = _compile_pieces(
+            split, example_inputs, self.compiler, self.stats, self.inductor_patches
+        )
         graphable = split.graphable
         for i, piece in enumerate(graphable):
             options = GraphOptions(
@@ -128,8 +134,15 @@ class _PieceCompiler(fx.Interpreter):
     a piece with the same structure and input metadata as one already compiled (the
     model's identical layers: their weights are inputs, not constants) reuses its code."""
 
-    def __init__(self, split: SplitGraph, compiler: str, stats: CompileStats) -> None:
+    def __init__(
+        self,
+        split: SplitGraph,
+        compiler: str,
+        stats: CompileStats,
+        patches: Mapping[str, Any],
+    ) -> None:
         super().__init__(split.module)
+        self.patches = patches
         self.graphable = {p.name for p in split.graphable}
         self.compiler = compiler
         self.stats = stats
@@ -152,7 +165,7 @@ class _PieceCompiler(fx.Interpreter):
                     # and a final kernel to fill the GPU: two launches where one block
                     # does the row in about the time of one.
                     self.compiled[target] = compile_fx(
-                        sub, list(args), config_patches={"split_reductions": False}
+                        sub, list(args), config_patches={"split_reductions": False, **self.patches}
                     )
                 else:
                     self.compiled[target] = sub
@@ -184,7 +197,11 @@ def _structure_key(gm: fx.GraphModule, args: tuple[Any, ...]) -> str | None:
 
 
 def _compile_pieces(
-    split: SplitGraph, example_inputs: list[Any], compiler: str, stats: CompileStats
+    split: SplitGraph,
+    example_inputs: list[Any],
+    compiler: str,
+    stats: CompileStats,
+    patches: Mapping[str, Any],
 ) -> dict[str, Callable[..., Any]]:
     from torch._guards import detect_fake_mode
 
@@ -195,7 +212,7 @@ def _compile_pieces(
         fake_mode.from_tensor(x) if fake_mode is not None and isinstance(x, torch.Tensor) else x
         for x in example_inputs
     ]
-    interpreter = _PieceCompiler(split, compiler, stats)
+    interpreter = _PieceCompiler(split, compiler, stats, patches)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         interpreter.run(*fake_inputs)
     return interpreter.compiled

@@ -1,0 +1,39 @@
+"""How the engine's own CUDA kernels are launched inside a step: one small dataclass
+the runner applies to the model, its attention backend and its compiled pieces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Launch choices for the engine's kernels.
+
+    ``pdl``: programmatic dependent launch (Hopper and newer). ostinato's Triton kernels
+    (norms, K/V write, attention, small GEMMs) and Inductor's are launched so that each
+    may start while its predecessor drains; each waits (``griddepcontrol.wait``) before
+    touching memory, so results are unchanged. Ignored on devices without it.
+
+    ``small_gemm``: projections whose row count is at most ``SMALL_GEMM_MAX_ROWS`` use a
+    Triton GEMM (the down projection with SiLU·mul fused into its load) wherever a
+    start-up measurement on this device found it faster than cuBLAS for that shape and
+    row count; elsewhere cuBLAS, so never slower than it as measured.
+    """
+
+    pdl: bool = False
+    small_gemm: bool = False
+
+    def resolved(self, device: torch.device) -> KernelOptions:
+        """These options with what ``device`` cannot do turned off (PDL needs compute
+        capability 9.0; both need CUDA and Triton)."""
+        if device.type != "cuda":
+            return KernelOptions()
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return KernelOptions()
+        major, _ = torch.cuda.get_device_capability(device)
+        return KernelOptions(pdl=self.pdl and major >= 9, small_gemm=self.small_gemm)

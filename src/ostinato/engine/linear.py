@@ -1,0 +1,121 @@
+"""Projections that can run small row counts through the tuned Triton GEMM.
+
+``Linear`` is ``nn.Linear`` (same parameters, same state dict) plus a *plan*: for each
+row count ``m <= MAX_ROWS`` (``plan[m]``), 0 for cuBLAS or ``i`` for
+``triton_gemm.CONFIGS[i - 1]``, chosen at start-up by ``gemm_tuning`` from measurements
+on this device. Without a plan it is exactly ``nn.Linear``. With one, it calls the custom
+op ``ostinato::linear``, opaque to torch.compile, which picks per call from the row
+count: the plan is a constant of the compiled graph, so one compilation serves every
+size, and a captured graph holds whichever kernel the plan named for its size.
+``forward_silu_mul`` is the SwiGLU down projection: ``linear(silu(gate) * up)`` of the
+``[m, 2K]`` gate|up rows, fused into the GEMM's load where the plan picks Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_lib = torch.library.Library("ostinato", "FRAGMENT")
+_lib.define(
+    "linear(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
+    "bool silu_mul=False, bool pdl=False) -> Tensor"
+)
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :K]) * x[..., K:]`` in torch (what the model computes unplanned)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    silu_mul: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    return F.linear(silu_mul_reference(x) if silu_mul else x, weight, bias)
+
+
+def _linear_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    silu_mul: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    from ostinato.engine import triton_gemm
+
+    m = x.shape[0]
+    choice = plan[m] if m < len(plan) else 0
+    if choice:
+        return triton_gemm.small_gemm(
+            x, weight, bias, counters, triton_gemm.CONFIGS[choice - 1], silu_mul, pdl
+        )
+    if silu_mul:
+        x = triton_gemm.silu_mul(x, pdl)  # one kernel, as Inductor's fused one was
+    return F.linear(x, weight, bias)
+
+
+_lib.impl("linear", _linear_reference, "CompositeExplicitAutograd")
+_lib.impl("linear", _linear_cuda, "CUDA")
+
+
+@torch.library.register_fake("ostinato::linear", lib=_lib)
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    silu_mul: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with an optional small-row plan (see the module docstring).
+
+    Guarantees: without a plan, ``forward`` is ``nn.Linear.forward`` and
+    ``forward_silu_mul`` is ``silu(gate) * up`` then ``nn.Linear.forward``; with one,
+    the same function (to the GEMM's rounding) through ``ostinato::linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.plan: tuple[int, ...] = ()
+        self.pdl = False
+
+    def use_plan(self, plan: tuple[int, ...], counters: int, pdl: bool) -> None:
+        """Routes row counts through ``plan`` (empty: plain ``nn.Linear`` again), with
+        ``counters`` zeroed split-K counters on the weight's device."""
+        self.plan = tuple(plan)
+        self.pdl = pdl
+        device = self.weight.device
+        # Not persistent: scratch, not state; the kernel leaves them zero after each call.
+        self.register_buffer(
+            "counters", torch.zeros(counters, dtype=torch.int32, device=device), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.plan:
+            return super().forward(x)
+        return torch.ops.ostinato.linear(
+            x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
+        )
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This projection of ``silu(gate) * up`` for rows ``gate_up`` ``[m, 2 * in]``."""
+        if not self.plan:
+            return super().forward(silu_mul_reference(gate_up))
+        return torch.ops.ostinato.linear(
+            gate_up, self.weight, self.bias, self.counters, list(self.plan), True, self.pdl
+        )

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, model=model)
     if args.variants:
         names = tuple(v.strip() for v in args.variants.split(","))
-        known = (*decode.OSTINATO_VARIANTS, *decode.UNFUSED_VARIANTS, decode.REDUCE_OVERHEAD)
+        known = (*decode.OSTINATO_VARIANTS, *decode.KERNEL_VARIANTS, decode.REDUCE_OVERHEAD)
         unknown = [n for n in names if n not in known]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")

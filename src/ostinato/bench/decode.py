@@ -16,6 +16,8 @@ from ostinato.config import GraphConfig
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.attention import AttentionBackend, TritonAttention, default_backend
 from ostinato.engine.config import ModelConfig
+from ostinato.engine.gemm_tuning import GemmTiming
+from ostinato.engine.kernel_options import KernelOptions
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
 from ostinato.engine.model import DecoderModel
@@ -32,10 +34,25 @@ OSTINATO_VARIANTS = {
     "ostinato PIECEWISE": (GraphMode.PIECEWISE, "inductor"),
     "ostinato FULL_AND_PIECEWISE": (GraphMode.FULL_AND_PIECEWISE, "inductor"),
 }
-# Variants on CUDA with the attention fusions off (TritonAttention(fused=False): RoPE in
-# the model, two index_copy_ K/V writes), to measure what they save.
-UNFUSED_VARIANTS = {
-    "ostinato FULL_AND_PIECEWISE unfused": (GraphMode.FULL_AND_PIECEWISE, "inductor")
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """A CUDA-only FULL_AND_PIECEWISE variant with other kernels: the attention fusions
+    off (``TritonAttention(fused=False)``: RoPE in the model, two ``index_copy_`` K/V
+    writes) or ``KernelOptions`` on, to measure what each changes."""
+
+    fused: bool = True
+    kernels: KernelOptions = KernelOptions()
+
+
+KERNEL_VARIANTS = {
+    "ostinato FULL_AND_PIECEWISE unfused": KernelVariant(fused=False),
+    "ostinato FULL_AND_PIECEWISE pdl": KernelVariant(kernels=KernelOptions(pdl=True)),
+    "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
+    "ostinato FULL_AND_PIECEWISE pdl+small-gemm": KernelVariant(
+        kernels=KernelOptions(pdl=True, small_gemm=True)
+    ),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
@@ -51,7 +68,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     kv_len: int = 512
     dtype: str = "bfloat16"
-    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, *UNFUSED_VARIANTS, REDUCE_OVERHEAD)
+    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, *KERNEL_VARIANTS, REDUCE_OVERHEAD)
     warmup: int = 10
     repeats: int = 50
     seed: int = 0
@@ -108,6 +125,8 @@ class BenchResult:
     # Per "variant B=b" (B = 1 and the largest): every kernel name's launches per step.
     kernels_by_name: dict[str, list[KernelLaunches]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Per variant with small_gemm: the start-up measurement of cuBLAS vs the Triton GEMM.
+    small_gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)
     # Under --tp with "auto": per-call µs of each all-reduce algorithm in a captured graph,
     # by message size in bytes ({"sizes": [...], "nccl": [...], "one-shot": [...], ...}).
     all_reduce_us: dict[str, list[float]] = field(default_factory=dict)
@@ -205,10 +224,14 @@ class DecodeSetup:
         return 2 * c.num_layers * heads * c.head_dim * self.dtype.itemsize
 
     def runner(
-        self, mode: GraphMode, compiler: str | None, backend: AttentionBackend | None = None
+        self,
+        mode: GraphMode,
+        compiler: str | None,
+        backend: AttentionBackend | None = None,
+        kernels: KernelOptions | None = None,
     ) -> ModelRunner:
         """A ModelRunner over the shared model and cache in ``mode`` (with the default
-        attention backend unless ``backend``)."""
+        attention backend unless ``backend``, and ``kernels``)."""
         limits = EngineLimits(self.max_b, 2048, self.max_len, BLOCK)
         return ModelRunner(
             self.model,
@@ -219,6 +242,7 @@ class DecodeSetup:
             self.device,
             progress=False,
             compiler=compiler,
+            kernels=kernels,
         )
 
     def decode_step(self, runner: ModelRunner, batch: int) -> Callable[[], torch.Tensor]:
@@ -338,11 +362,16 @@ def run(
         for name in cfg.variants:
             if name == REDUCE_OVERHEAD:
                 continue
-            if name in UNFUSED_VARIANTS:
+            if name in KERNEL_VARIANTS:
                 if not cuda:
-                    continue  # the CPU's attention has nothing fused to turn off
-                mode, compiler = UNFUSED_VARIANTS[name]
-                runner = setup.runner(mode, compiler, TritonAttention(fused=False))
+                    continue  # variants of CUDA kernels
+                variant = KERNEL_VARIANTS[name]
+                runner = setup.runner(
+                    GraphMode.FULL_AND_PIECEWISE,
+                    "inductor",
+                    TritonAttention(fused=variant.fused),
+                    variant.kernels,
+                )
             else:
                 mode, compiler = OSTINATO_VARIANTS[name]
                 runner = setup.runner(mode, compiler)
@@ -351,6 +380,8 @@ def run(
             if cuda:
                 torch.cuda.synchronize()
             capture_s = time.perf_counter() - start - runner.compile_seconds
+            if runner.gemm_timings:
+                result.small_gemm[name] = runner.gemm_timings
             result.costs.append(
                 VariantCost(
                     name,

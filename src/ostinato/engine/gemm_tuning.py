@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.engine.linear import Linear
+from ostinato.engine.linear import MAX_ROWS, Linear
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +101,11 @@ def plan_small_gemms(
     min_gain: float = 0.03,
 ) -> list[GemmTiming]:
     """Measures every distinct projection shape of ``linears`` (``(linear, silu_mul)``)
-    at each row count in ``rows`` (those above ``triton_gemm.MAX_ROWS`` are skipped) and
+    at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and
     gives each linear its plan (``Linear.use_plan``): Triton where it was at least
     ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements. Linears
     with 32-bit weights, or off CUDA, get an empty plan (plain ``nn.Linear``)."""
-    from ostinato.engine import triton_gemm
-
-    sizes = sorted({r for r in rows if 1 <= r <= triton_gemm.MAX_ROWS})
+    sizes = sorted({r for r in rows if 1 <= r <= MAX_ROWS})
     timings: list[GemmTiming] = []
     plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
     for linear, silu_mul in linears:
@@ -125,6 +123,8 @@ def plan_small_gemms(
                     plan[r] = t.config
             plans[key] = tuple(plan)
             logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
+        from ostinato.engine.triton_gemm import counters_needed
+
         plan = plans[key]
-        linear.use_plan(plan if any(plan) else (), triton_gemm.counters_needed(w.shape[0]), pdl)
+        linear.use_plan(plan if any(plan) else (), counters_needed(w.shape[0]), pdl)
     return timings

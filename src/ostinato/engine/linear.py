@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+MAX_ROWS = 16  # the small GEMM's one row tile (tl.dot's smallest M)
+
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
     "linear(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "

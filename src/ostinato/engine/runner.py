@@ -87,6 +87,8 @@ class ModelRunner:
         )
         self.kernels = (kernels or KernelOptions()).resolved(device)
         model.use_pdl(self.kernels.pdl)
+        for linear, _ in model.linears():  # no plan left by an earlier runner of the model
+            linear.use_plan((), 0, False)
         if isinstance(backend, TritonAttention):
             backend.pdl = self.kernels.pdl
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a

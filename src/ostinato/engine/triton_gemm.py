@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.linear import MAX_ROWS
 from ostinato.engine.triton_pdl import pdl_enter
 
-MAX_ROWS = 16  # one BLOCK_M tile: tl.dot's smallest M
 BLOCK_K = 128
 
 

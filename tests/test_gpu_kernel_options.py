@@ -1,0 +1,176 @@
+"""GPU tests of KernelOptions: the small Triton GEMM (split-K, SiLU·mul, in graphs), the
+start-up plan, programmatic dependent launch (bitwise the same results), and the engine
+with both on against the engine with both off."""
+
+import pytest
+import torch
+from gpu_harness import lockstep, tiny_engine
+
+from ostinato.engine import KernelOptions
+from ostinato.engine.gemm_tuning import plan_small_gemms
+from ostinato.engine.linear import Linear
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def needs_pdl():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_small_gemm_every_config_as_close_to_float32_as_cublas(rows, bias, silu_mul):
+    from ostinato.engine import triton_gemm as tg
+
+    torch.manual_seed(rows)
+    n, k = 1000, 1536  # n not a multiple of any tile, k not of BLOCK_K * split
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
+    b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, 2 * k if silu_mul else k, device=DEVICE, dtype=torch.bfloat16)
+    h = x.float()
+    if silu_mul:
+        h = (torch.nn.functional.silu(h[:, :k]) * h[:, k:]).bfloat16().float()
+    want = h @ w.float().T + (b.float() if bias else 0)
+    hb = tg.silu_mul(x) if silu_mul else x
+    cublas = rel_err(torch.nn.functional.linear(hb, w, b), want)
+    counters = torch.zeros(tg.counters_needed(n), dtype=torch.int32, device=DEVICE)
+    for config in tg.CONFIGS:
+        got = tg.small_gemm(x, w, b, counters, config, silu_mul)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < max(2 * cublas, 4e-3), config
+        assert int(counters.abs().sum()) == 0, config  # the last program reset them
+
+
+def test_split_k_gemm_replays_in_a_graph_on_new_inputs():
+    from ostinato.engine import triton_gemm as tg
+
+    n, k = 576, 1536
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(4, k, device=DEVICE, dtype=torch.bfloat16)
+    counters = torch.zeros(tg.counters_needed(n), dtype=torch.int32, device=DEVICE)
+    config = tg.GemmConfig(16, 4)
+    tg.small_gemm(x, w, None, counters, config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tg.small_gemm(x, w, None, counters, config, pdl=False)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, tg.small_gemm(x, w, None, counters, config))
+        assert int(counters.abs().sum()) == 0
+
+
+def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
+    # A decode-like chain of our kernels launched with PDL inside one graph: each waits
+    # for its predecessor, so the results are the plain launches' bit for bit.
+    needs_pdl()
+    from ostinato.engine import triton_gemm as tg
+    from ostinato.engine.triton_attention import paged_attention, write_kv_fused
+    from ostinato.engine.triton_norm import rms_norm_rows
+
+    torch.manual_seed(0)
+    bf = dict(device=DEVICE, dtype=torch.bfloat16)
+    rows, hidden, heads, kv_heads, d, bs = 8, 512, 8, 2, 64, 16
+    x = torch.randn(rows, hidden, **bf)
+    norm_w = torch.randn(hidden, **bf)
+    w_qkv = torch.randn((heads + 2 * kv_heads) * d, hidden, **bf) / hidden**0.5
+    w_o = torch.randn(hidden, heads * d, **bf) / hidden**0.5
+    w_gu = torch.randn(2 * 1024, hidden, **bf) / hidden**0.5
+    w_down = torch.randn(hidden, 1024, **bf) / 1024**0.5
+    k_cache = torch.randn(40, bs, kv_heads, d, **bf)
+    pos = torch.arange(rows, device=DEVICE) * 37 + 5
+    req = torch.arange(rows, device=DEVICE, dtype=torch.int32)
+    tables = (torch.arange(rows * 4, device=DEVICE, dtype=torch.int32) + 1).view(rows, 4)
+    slots = tables[req, pos // bs].long() * bs + pos % bs
+    angle = pos[:, None, None].float() * torch.linspace(0, 1, d, device=DEVICE)
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    counters = torch.zeros(tg.counters_needed(2048), dtype=torch.int32, device=DEVICE)
+    config = tg.GemmConfig(16, 2)
+
+    def chain(pdl, kc, vc):
+        h = torch.empty_like(x)
+        rms_norm_rows(x, None, norm_w, 1e-6, h, None, pdl)
+        qkv = tg.small_gemm(h, w_qkv, None, counters, config, pdl=pdl)
+        q, k, v = qkv.view(rows, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+        write_kv_fused(k, v, kc, vc, slots, (cos, sin), pdl=pdl)
+        att = paged_attention(q, kc, vc, pos, req, tables, d**-0.5, rope=(cos, sin), pdl=pdl)
+        o = tg.small_gemm(att.view(rows, -1), w_o, None, counters, config, pdl=pdl)
+        h2, total = torch.empty_like(o), torch.empty_like(o)
+        rms_norm_rows(o, x, norm_w, 1e-6, h2, total, pdl)
+        gu = tg.small_gemm(h2, w_gu, None, counters, config, pdl=pdl)
+        return tg.small_gemm(gu, w_down, None, counters, config, silu_mul=True, pdl=pdl), kc
+
+    plain, kc_plain = chain(False, k_cache.clone(), k_cache.clone())
+    kc, vc = k_cache.clone(), k_cache.clone()
+    chain(True, kc.clone(), vc.clone())  # compiles the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, kc_out = chain(True, kc, vc)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+        assert torch.equal(kc_out, kc_plain)
+
+
+def test_plan_picks_triton_only_where_it_measured_faster():
+    linear = Linear(1536, 1000, bias=False).to(DEVICE, torch.bfloat16)
+    down = Linear(1536, 576, bias=False).to(DEVICE, torch.bfloat16)
+    fp32 = Linear(64, 64).to(DEVICE)
+    timings = plan_small_gemms([(linear, False), (down, True), (fp32, False)], [1, 8, 64], True)
+    assert {(t.shape.n, t.rows) for t in timings} == {(1000, 1), (1000, 8), (576, 1), (576, 8)}
+    for t in timings:
+        assert t.cublas_us > 0 and t.triton_us > 0
+        owner = linear if t.shape.n == 1000 else down
+        choice = owner.plan[t.rows] if owner.plan else 0
+        assert (choice > 0) == (t.triton_us * 1.03 <= t.cublas_us), t
+        if choice:
+            assert choice == t.config
+    assert fp32.plan == ()  # 32-bit weights stay on cuBLAS
+    print([(t.shape.n, t.shape.silu_mul, t.rows, t.cublas_us, t.triton_us) for t in timings])
+
+
+def test_model_projections_with_forced_triton_plans_match_float32():
+    # Every projection of a model through the Triton GEMM (SiLU·mul fused into the down
+    # projection), whatever the timing says: as close to float32 as cuBLAS in bf16.
+    from ostinato.engine import triton_gemm as tg
+    from ostinato.engine.config import ModelConfig
+    from ostinato.engine.model import DecoderModel
+    from ostinato.engine.presets import shape
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_hf(shape("tiny"))
+    model32 = DecoderModel(config).to(DEVICE).eval()
+    model = DecoderModel(config).to(DEVICE, torch.bfloat16).eval()
+    model.load_state_dict(model32.state_dict())
+    pairs = list(zip(model.linears(), model32.linears(), strict=True))
+    assert sum(silu for (_, silu), _ in pairs) == config.num_layers
+    with torch.no_grad():
+        for (linear, silu), (ref32, _) in pairs:
+            x = torch.randn(
+                4, 2 * linear.in_features if silu else linear.in_features, device=DEVICE
+            )
+            want = ref32.forward_silu_mul(x) if silu else ref32(x)
+            xb = x.bfloat16()
+            base = linear.forward_silu_mul(xb) if silu else linear(xb)
+            linear.use_plan((0, 2, 2, 2, 3), tg.counters_needed(linear.out_features), True)
+            got = linear.forward_silu_mul(xb) if silu else linear(xb)
+            assert rel_err(got, want) < max(2 * rel_err(base, want), 4e-3), silu
+
+
+def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():
+    # bf16: the GEMM kernels differ, so logits agree to rounding, not bitwise.
+    plain = tiny_engine("full_and_piecewise", torch.bfloat16)
+    tuned = tiny_engine(
+        "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(pdl=True, small_gemm=True)
+    )
+    assert tuned.runner.kernels.small_gemm and tuned.runner.gemm_timings
+    assert lockstep(plain, tuned, tolerance=2e-2) >= {"FULL", "PIECEWISE"}

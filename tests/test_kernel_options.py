@@ -1,0 +1,70 @@
+"""KernelOptions on the CPU: the options resolve to off, the planned projections compute
+exactly what nn.Linear computes, and the engine and the benchmark take the options."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ostinato.engine import LLM, KernelOptions
+from ostinato.engine.config import ModelConfig
+from ostinato.engine.gemm_tuning import plan_small_gemms
+from ostinato.engine.linear import Linear
+from ostinato.engine.model import DecoderModel
+from ostinato.engine.presets import shape
+
+
+def test_options_resolve_to_off_without_cuda():
+    on = KernelOptions(pdl=True, small_gemm=True)
+    assert on.resolved(torch.device("cpu")) == KernelOptions()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_planned_linear_computes_what_nn_linear_computes(bias):
+    torch.manual_seed(0)
+    linear = Linear(24, 10, bias=bias)
+    plain = torch.nn.Linear(24, 10, bias=bias)
+    plain.load_state_dict(linear.state_dict())
+    x, gate_up = torch.randn(5, 24), torch.randn(5, 48)
+    want = plain(x)
+    want_silu = plain(F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+    assert torch.equal(linear(x), want)
+    assert torch.equal(linear.forward_silu_mul(gate_up), want_silu)
+    linear.use_plan((0, 1, 2, 3, 4, 5, 6), 4, pdl=True)  # through ostinato::linear
+    assert torch.equal(linear(x), want)
+    assert torch.equal(linear.forward_silu_mul(gate_up), want_silu)
+    assert "counters" not in linear.state_dict()  # scratch, not state
+
+
+def test_model_through_planned_projections_is_unchanged():
+    torch.manual_seed(0)
+    model = DecoderModel(ModelConfig.from_hf(shape("tiny"))).eval()
+    linears = model.linears()
+    assert len(linears) == 4 * model.config.num_layers + 1
+    assert [s for _, s in linears].count(True) == model.config.num_layers
+    outs = []
+    for linear, silu in linears:
+        inp = torch.randn(3, 2 * linear.in_features if silu else linear.in_features)
+        outs.append((linear, silu, inp, linear.forward_silu_mul(inp) if silu else linear(inp)))
+    for linear, _ in linears:
+        linear.use_plan((0, 1, 1, 1), 8, pdl=False)
+    for linear, silu, inp, want in outs:
+        assert torch.equal(linear.forward_silu_mul(inp) if silu else linear(inp), want)
+
+
+def test_plan_on_cpu_is_empty_and_measures_nothing():
+    linear = Linear(16, 16)
+    linear.use_plan((0, 1), 4, pdl=False)
+    assert plan_small_gemms([(linear, False)], [1, 2, 4], pdl=True) == []
+    assert linear.plan == ()
+
+
+def test_engine_refuses_kernels_of_the_wrong_type():
+    with pytest.raises(TypeError, match="kernels: expected a KernelOptions"):
+        LLM("tiny", kernels={"pdl": True}, progress=False)
+
+
+def test_engine_on_cpu_accepts_options_and_turns_them_off():
+    llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
+    assert llm.runner.kernels == KernelOptions()
+    assert llm.runner.gemm_timings == []
+    assert all(linear.plan == () for linear, _ in llm.model.linears())

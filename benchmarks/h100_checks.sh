@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU checks of the engine on nvidia-h100-x1, one stage per device call:
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
-#   benchmarks/h100_checks.sh kernels  # FULL_AND_PIECEWISE decode kernels per step, by name
+#   benchmarks/h100_checks.sh kernels  # FULL_AND_PIECEWISE with PDL / small GEMMs, two shapes
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
 #   benchmarks/h100_checks.sh bench    # decode step (engine-step rows, kernel counts) and bench e2e
 #   benchmarks/h100_checks.sh spec     # bench spec (k=4) and bench e2e on SmolLM2 (needs the GGUF)
@@ -24,9 +24,15 @@ tests)
     done
     ;;
 kernels)
-    timeout 200 python3 -m ostinato.bench --batch-sizes 1,32 --repeats 10 \
-        --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE unfused" \
-        --out "$OUT/kernels_h100.json" 2>&1 | tee "$OUT/kernels.log"
+    # FULL_AND_PIECEWISE with each KernelOptions switch, on the 1.5 B and SmolLM2 shapes.
+    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl"
+    v="$v,ostinato FULL_AND_PIECEWISE small-gemm,ostinato FULL_AND_PIECEWISE pdl+small-gemm"
+    timeout 280 python3 -m ostinato.bench --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
+        --out "$OUT/kernels_h100.json" --plot "$OUT/kernels_h100.png" 2>&1 \
+        | tee "$OUT/kernels.log"
+    timeout 250 python3 -m ostinato.bench --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
+        --config benchmarks/configs/smollm2_135m.json --out "$OUT/kernels_smollm2_h100.json" \
+        --plot "$OUT/kernels_smollm2_h100.png" 2>&1 | tee -a "$OUT/kernels.log"
     ;;
 smollm2)
     timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \

@@ -85,10 +85,11 @@ def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
     w_o = torch.randn(hidden, heads * d, **bf) / hidden**0.5
     w_gu = torch.randn(2 * 1024, hidden, **bf) / hidden**0.5
     w_down = torch.randn(hidden, 1024, **bf) / 1024**0.5
-    k_cache = torch.randn(40, bs, kv_heads, d, **bf)
-    pos = torch.arange(rows, device=DEVICE) * 37 + 5
+    pos = torch.arange(rows, device=DEVICE) * 37 + 5  # up to 264: 17 blocks
+    per_seq = 20
+    k_cache = torch.randn(rows * per_seq + 1, bs, kv_heads, d, **bf)
     req = torch.arange(rows, device=DEVICE, dtype=torch.int32)
-    tables = (torch.arange(rows * 4, device=DEVICE, dtype=torch.int32) + 1).view(rows, 4)
+    tables = torch.arange(rows * per_seq, device=DEVICE, dtype=torch.int32).view(rows, -1) + 1
     slots = tables[req, pos // bs].long() * bs + pos % bs
     angle = pos[:, None, None].float() * torch.linspace(0, 1, d, device=DEVICE)
     cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()

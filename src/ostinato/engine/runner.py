@@ -94,7 +94,7 @@ class ModelRunner:
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
         # kernel's fixed cost shows); none in NONE mode.
         self.small_gemm_rows = (
-            tuple(graph_config.capture_sizes or ())
+            graph_config.sizes
             if self.kernels.small_gemm and self.graphs.mode is not GraphMode.NONE
             else ()
         )

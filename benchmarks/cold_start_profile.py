@@ -1,0 +1,86 @@
+"""Where a cold start-up goes: ``LLM`` of the 1.5 B shape in FULL_AND_PIECEWISE (the e2e
+benchmark's settings) with empty Inductor and Triton caches, optionally under cProfile.
+
+    python benchmarks/cold_start_profile.py --out OUT/cold.json [--profile OUT/cold.prof.txt]
+
+Writes the start-up split (weights, compile, capture, total) as JSON; with ``--profile``
+also the functions with the most cumulative and own time (cProfile slows Python-heavy
+phases such as Dynamo's tracing, so read its shares, not its seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--shape", default="llama-1.5b")
+    parser.add_argument("--mode", default="full_and_piecewise")
+    args = parser.parse_args()
+    caches = tempfile.mkdtemp(prefix="ostinato-cold-")
+    # Before torch is imported: both compilers read these once.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{caches}/inductor"
+    os.environ["TRITON_CACHE_DIR"] = f"{caches}/triton"
+    start = time.perf_counter()
+    import torch
+
+    from ostinato.engine import LLM
+
+    imported = time.perf_counter() - start
+    profiler = cProfile.Profile() if args.profile else None
+    start = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    llm = LLM(
+        args.shape,
+        mode=args.mode,
+        max_num_seqs=128,
+        max_model_len=272,
+        max_capture_size=512,
+        progress=False,
+    )
+    torch.cuda.synchronize()
+    if profiler:
+        profiler.disable()
+    total = time.perf_counter() - start
+    doc = {
+        "shape": args.shape,
+        "mode": args.mode,
+        "profiled": profiler is not None,
+        "import_s": imported,
+        "constructor_s": total,
+        "startup": asdict(llm.startup),
+        "graphs": llm.capture_report.num_graphs,
+        "piece_compiles": llm.runner.piecewise.stats.piece_compiles if llm.runner.piecewise else 0,
+        "piece_reuses": llm.runner.piecewise.stats.piece_reuses if llm.runner.piecewise else 0,
+        "backend_s": llm.runner.piecewise.stats.seconds if llm.runner.piecewise else 0.0,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    if profiler and args.profile:
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(30)
+        args.profile.write_text(text.getvalue())
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -289,3 +289,15 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     out = sampled(fp, 8)
     assert in_graph == [8] * 23 and all(len(o) == 24 for o in out)
     assert all(0 <= t < fp.config.vocab_size for o in out for t in o)
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256])
+def test_chunked_greedy_equals_argmax_on_gpu_with_ties(vocab):
+    from ostinato.engine.greedy import greedy_tokens
+
+    g = torch.Generator(device=DEVICE).manual_seed(vocab)
+    logits = torch.randint(0, 5, (33, vocab), generator=g, device=DEVICE).float()
+    logits[3] = 0.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    smooth = torch.randn(33, vocab, generator=g, device=DEVICE)
+    assert torch.equal(greedy_tokens(smooth), smooth.argmax(dim=-1))

@@ -23,27 +23,32 @@ def needs_pdl():
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
 
 
-@pytest.mark.parametrize("silu_mul", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("swiglu, bias", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_small_gemm_every_config_as_close_to_float32_as_cublas(rows, bias, silu_mul):
+def test_small_gemm_every_config_as_close_to_float32_as_cublas(rows, swiglu, bias, pdl):
     from ostinato.engine import triton_gemm as tg
 
+    if pdl:
+        needs_pdl()
     torch.manual_seed(rows)
-    n, k = 1000, 1536  # n not a multiple of any tile, k not of BLOCK_K * split
+    n, k = 1000, 1536  # n/2 and n not multiples of any tile, k not of BLOCK_K * split
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
     b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16) if bias else None
-    x = torch.randn(rows, 2 * k if silu_mul else k, device=DEVICE, dtype=torch.bfloat16)
-    h = x.float()
-    if silu_mul:
-        h = (torch.nn.functional.silu(h[:, :k]) * h[:, k:]).bfloat16().float()
-    want = h @ w.float().T + (b.float() if bias else 0)
-    hb = tg.silu_mul(x) if silu_mul else x
-    cublas = rel_err(torch.nn.functional.linear(hb, w, b), want)
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+
+    def act(y):  # the unfused model: GEMM rounded to bf16, then SiLU·mul
+        return tg.silu_mul(y.bfloat16()) if swiglu else y
+
+    want = x.float() @ w.float().T + (b.float() if bias else 0)
+    if swiglu:
+        g, u = want.bfloat16().float().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(g) * u
+    cublas = rel_err(act(torch.nn.functional.linear(x, w, b)), want)
     counters = torch.zeros(tg.counters_needed(n), dtype=torch.int32, device=DEVICE)
     for config in tg.CONFIGS:
-        got = tg.small_gemm(x, w, b, counters, config, silu_mul)
-        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        got = tg.small_gemm(x, w, b, counters, config, swiglu, pdl)
+        assert got.shape == (rows, n // 2 if swiglu else n) and got.dtype == torch.bfloat16
         assert rel_err(got, want) < max(2 * cublas, 4e-3), config
         assert int(counters.abs().sum()) == 0, config  # the last program reset them
 
@@ -55,7 +60,7 @@ def test_split_k_gemm_replays_in_a_graph_on_new_inputs():
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
     x = torch.randn(4, k, device=DEVICE, dtype=torch.bfloat16)
     counters = torch.zeros(tg.counters_needed(n), dtype=torch.int32, device=DEVICE)
-    config = tg.GemmConfig(16, 4)
+    config = tg.GemmConfig(32, 4)
     tg.small_gemm(x, w, None, counters, config)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -94,7 +99,7 @@ def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
     angle = pos[:, None, None].float() * torch.linspace(0, 1, d, device=DEVICE)
     cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
     counters = torch.zeros(tg.counters_needed(2048), dtype=torch.int32, device=DEVICE)
-    config = tg.GemmConfig(16, 2)
+    config = tg.GemmConfig(32, 2)
 
     def chain(pdl, kc, vc):
         h = torch.empty_like(x)
@@ -106,8 +111,8 @@ def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
         o = tg.small_gemm(att.view(rows, -1), w_o, None, counters, config, pdl=pdl)
         h2, total = torch.empty_like(o), torch.empty_like(o)
         rms_norm_rows(o, x, norm_w, 1e-6, h2, total, pdl)
-        gu = tg.small_gemm(h2, w_gu, None, counters, config, pdl=pdl)
-        return tg.small_gemm(gu, w_down, None, counters, config, silu_mul=True, pdl=pdl), kc
+        act = tg.small_gemm(h2, w_gu, None, counters, config, swiglu=True, pdl=pdl)
+        return tg.small_gemm(act, w_down, None, counters, config, pdl=pdl), kc
 
     plain, kc_plain = chain(False, k_cache.clone(), k_cache.clone())
     kc, vc = k_cache.clone(), k_cache.clone()
@@ -124,24 +129,24 @@ def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
 
 def test_plan_picks_triton_only_where_it_measured_faster():
     linear = Linear(1536, 1000, bias=False).to(DEVICE, torch.bfloat16)
-    down = Linear(1536, 576, bias=False).to(DEVICE, torch.bfloat16)
+    gate_up = Linear(576, 3072, bias=False).to(DEVICE, torch.bfloat16)
     fp32 = Linear(64, 64).to(DEVICE)
-    timings = plan_small_gemms([(linear, False), (down, True), (fp32, False)], [1, 8, 64], True)
-    assert {(t.shape.n, t.rows) for t in timings} == {(1000, 1), (1000, 8), (576, 1), (576, 8)}
+    timings = plan_small_gemms([(linear, False), (gate_up, True), (fp32, False)], [1, 8, 64], True)
+    assert {(t.shape.n, t.rows) for t in timings} == {(1000, 1), (1000, 8), (3072, 1), (3072, 8)}
     for t in timings:
         assert t.cublas_us > 0 and t.triton_us > 0
-        owner = linear if t.shape.n == 1000 else down
+        owner = linear if t.shape.n == 1000 else gate_up
         choice = owner.plan[t.rows] if owner.plan else 0
         assert (choice > 0) == (t.triton_us * 1.03 <= t.cublas_us), t
         if choice:
             assert choice == t.config
     assert fp32.plan == ()  # 32-bit weights stay on cuBLAS
-    print([(t.shape.n, t.shape.silu_mul, t.rows, t.cublas_us, t.triton_us) for t in timings])
+    print([(t.shape.n, t.shape.swiglu, t.rows, t.cublas_us, t.triton_us) for t in timings])
 
 
 def test_model_projections_with_forced_triton_plans_match_float32():
-    # Every projection of a model through the Triton GEMM (SiLU·mul fused into the down
-    # projection), whatever the timing says: as close to float32 as cuBLAS in bf16.
+    # Every projection of a model through the Triton GEMM (SiLU·mul fused into the
+    # gate/up projection), whatever the timing says: as close to float32 as cuBLAS.
     from ostinato.engine import triton_gemm as tg
     from ostinato.engine.config import ModelConfig
     from ostinato.engine.model import DecoderModel
@@ -153,18 +158,16 @@ def test_model_projections_with_forced_triton_plans_match_float32():
     model = DecoderModel(config).to(DEVICE, torch.bfloat16).eval()
     model.load_state_dict(model32.state_dict())
     pairs = list(zip(model.linears(), model32.linears(), strict=True))
-    assert sum(silu for (_, silu), _ in pairs) == config.num_layers
+    assert sum(swiglu for (_, swiglu), _ in pairs) == config.num_layers
     with torch.no_grad():
-        for (linear, silu), (ref32, _) in pairs:
-            x = torch.randn(
-                4, 2 * linear.in_features if silu else linear.in_features, device=DEVICE
-            )
-            want = ref32.forward_silu_mul(x) if silu else ref32(x)
+        for (linear, swiglu), (ref32, _) in pairs:
+            x = torch.randn(4, linear.in_features, device=DEVICE)
+            want = ref32.forward_swiglu(x) if swiglu else ref32(x)
             xb = x.bfloat16()
-            base = linear.forward_silu_mul(xb) if silu else linear(xb)
-            linear.use_plan((0, 2, 2, 2, 3), tg.counters_needed(linear.out_features), True)
-            got = linear.forward_silu_mul(xb) if silu else linear(xb)
-            assert rel_err(got, want) < max(2 * rel_err(base, want), 4e-3), silu
+            base = linear.forward_swiglu(xb) if swiglu else linear(xb)
+            linear.use_plan((0, 2, 2, 2, 4), tg.counters_needed(linear.out_features), True)
+            got = linear.forward_swiglu(xb) if swiglu else linear(xb)
+            assert rel_err(got, want) < max(2 * rel_err(base, want), 4e-3), swiglu
 
 
 def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():

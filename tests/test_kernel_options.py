@@ -24,14 +24,14 @@ def test_planned_linear_computes_what_nn_linear_computes(bias):
     linear = Linear(24, 10, bias=bias)
     plain = torch.nn.Linear(24, 10, bias=bias)
     plain.load_state_dict(linear.state_dict())
-    x, gate_up = torch.randn(5, 24), torch.randn(5, 48)
+    x = torch.randn(5, 24)
     want = plain(x)
-    want_silu = plain(F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+    want_swiglu = F.silu(want[:, :5]) * want[:, 5:]
     assert torch.equal(linear(x), want)
-    assert torch.equal(linear.forward_silu_mul(gate_up), want_silu)
-    linear.use_plan((0, 1, 2, 3, 4, 5, 6), 4, pdl=True)  # through ostinato::linear
+    assert torch.equal(linear.forward_swiglu(x), want_swiglu)
+    linear.use_plan((0, 1, 2, 3, 4, 1, 2), 4, pdl=True)  # through ostinato::linear
     assert torch.equal(linear(x), want)
-    assert torch.equal(linear.forward_silu_mul(gate_up), want_silu)
+    assert torch.equal(linear.forward_swiglu(x), want_swiglu)
     assert "counters" not in linear.state_dict()  # scratch, not state
 
 
@@ -42,13 +42,13 @@ def test_model_through_planned_projections_is_unchanged():
     assert len(linears) == 4 * model.config.num_layers + 1
     assert [s for _, s in linears].count(True) == model.config.num_layers
     outs = []
-    for linear, silu in linears:
-        inp = torch.randn(3, 2 * linear.in_features if silu else linear.in_features)
-        outs.append((linear, silu, inp, linear.forward_silu_mul(inp) if silu else linear(inp)))
+    for linear, swiglu in linears:
+        inp = torch.randn(3, linear.in_features)
+        outs.append((linear, swiglu, inp, linear.forward_swiglu(inp) if swiglu else linear(inp)))
     for linear, _ in linears:
         linear.use_plan((0, 1, 1, 1), 8, pdl=False)
-    for linear, silu, inp, want in outs:
-        assert torch.equal(linear.forward_silu_mul(inp) if silu else linear(inp), want)
+    for linear, swiglu, inp, want in outs:
+        assert torch.equal(linear.forward_swiglu(inp) if swiglu else linear(inp), want)
 
 
 def test_plan_on_cpu_is_empty_and_measures_nothing():

@@ -5,8 +5,9 @@ Each candidate (cuBLAS, and each of ``triton_gemm.CONFIGS``) is captured as a CU
 of ``REPEATS`` back-to-back calls and replayed; its time per call is the replay time
 over ``REPEATS``, so host launch cost is out of it and cuBLAS's split-K reduce kernel is
 in it. The Triton GEMM is chosen for a (shape, rows) only when it beats cuBLAS by
-``min_gain`` (noise margin): never slower than cuBLAS as measured. SiLU·mul projections
-compare the fused Triton GEMM with cuBLAS after the one-kernel SiLU·mul. Only 16-bit
+``min_gain`` (noise margin): never slower than cuBLAS as measured. SwiGLU gate/up
+projections compare the Triton GEMM with the activation in its epilogue against cuBLAS
+followed by the one-kernel SiLU·mul. Only 16-bit
 weights are tried (the Triton GEMM's dot would round float32 inputs to tf32).
 """
 
@@ -27,12 +28,13 @@ REPEATS = 20
 
 @dataclass(frozen=True)
 class GemmShape:
-    """A projection as the GEMM sees it: ``[rows, k] x [n, k]^T``."""
+    """A projection as the GEMM sees it: ``[rows, k] x [n, k]^T`` (with ``swiglu``,
+    followed by SiLU·mul of the two output halves)."""
 
     n: int
     k: int
     dtype: str
-    silu_mul: bool
+    swiglu: bool
     bias: bool
 
 
@@ -69,28 +71,28 @@ def _graph_us(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def _measure(
-    linear: Linear, silu_mul: bool, rows: int, pdl: bool, device: torch.device
+    linear: Linear, swiglu: bool, rows: int, pdl: bool, device: torch.device
 ) -> GemmTiming:
     from ostinato.engine import triton_gemm
 
     w, b = linear.weight, linear.bias
     n, k = w.shape
-    x = torch.randn(rows, 2 * k if silu_mul else k, device=device, dtype=w.dtype)
+    x = torch.randn(rows, k, device=device, dtype=w.dtype)
     counters = torch.zeros(triton_gemm.counters_needed(n), dtype=torch.int32, device=device)
 
     def cublas() -> object:
-        h = triton_gemm.silu_mul(x, pdl) if silu_mul else x
-        return torch.nn.functional.linear(h, w, b)
+        y = torch.nn.functional.linear(x, w, b)
+        return triton_gemm.silu_mul(y, pdl) if swiglu else y
 
     cublas_us = _graph_us(cublas, device)
     best_us, best = float("inf"), 0
     for i, config in enumerate(triton_gemm.CONFIGS, start=1):
         us = _graph_us(
-            lambda c=config: triton_gemm.small_gemm(x, w, b, counters, c, silu_mul, pdl), device
+            lambda c=config: triton_gemm.small_gemm(x, w, b, counters, c, swiglu, pdl), device
         )
         if us < best_us:
             best_us, best = us, i
-    shape = GemmShape(n, k, str(w.dtype).removeprefix("torch."), silu_mul, b is not None)
+    shape = GemmShape(n, k, str(w.dtype).removeprefix("torch."), swiglu, b is not None)
     return GemmTiming(shape, rows, cublas_us, best_us, best)
 
 
@@ -100,7 +102,7 @@ def plan_small_gemms(
     pdl: bool,
     min_gain: float = 0.03,
 ) -> list[GemmTiming]:
-    """Measures every distinct projection shape of ``linears`` (``(linear, silu_mul)``)
+    """Measures every distinct projection shape of ``linears`` (``(linear, swiglu)``)
     at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and
     gives each linear its plan (``Linear.use_plan``): Triton where it was at least
     ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements. Linears
@@ -108,16 +110,16 @@ def plan_small_gemms(
     sizes = sorted({r for r in rows if 1 <= r <= MAX_ROWS})
     timings: list[GemmTiming] = []
     plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
-    for linear, silu_mul in linears:
+    for linear, swiglu in linears:
         w = linear.weight
         if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
             linear.use_plan((), 0, pdl)
             continue
-        key = (*w.shape, w.dtype, silu_mul, linear.bias is not None)
+        key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
         if key not in plans:
             plan = [0] * (sizes[-1] + 1)
             for r in sizes:
-                t = _measure(linear, silu_mul, r, pdl, w.device)
+                t = _measure(linear, swiglu, r, pdl, w.device)
                 timings.append(t)
                 if t.triton_us * (1 + min_gain) <= t.cublas_us:
                     plan[r] = t.config

@@ -7,8 +7,9 @@ on this device. Without a plan it is exactly ``nn.Linear``. With one, it calls t
 op ``ostinato::linear``, opaque to torch.compile, which picks per call from the row
 count: the plan is a constant of the compiled graph, so one compilation serves every
 size, and a captured graph holds whichever kernel the plan named for its size.
-``forward_silu_mul`` is the SwiGLU down projection: ``linear(silu(gate) * up)`` of the
-``[m, 2K]`` gate|up rows, fused into the GEMM's load where the plan picks Triton.
+``forward_swiglu`` is a SwiGLU's gate/up projection with its activation: ``silu(g) * u``
+of the two output halves ``[g | u]``, fused into the GEMM's epilogue where the plan picks
+Triton (one kernel instead of the GEMM and Inductor's SiLU·mul).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ MAX_ROWS = 16  # the small GEMM's one row tile (tl.dot's smallest M)
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
     "linear(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
-    "bool silu_mul=False, bool pdl=False) -> Tensor"
+    "bool swiglu=False, bool pdl=False) -> Tensor"
 )
 
 
 def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :K]) * x[..., K:]`` in torch (what the model computes unplanned)."""
+    """``silu(x[..., :K]) * x[..., K:]`` in torch (what the model computes unplanned;
+    Inductor fuses it into one kernel)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -38,10 +40,11 @@ def _linear_reference(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     plan: list[int],
-    silu_mul: bool = False,
+    swiglu: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    return F.linear(silu_mul_reference(x) if silu_mul else x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return silu_mul_reference(y) if swiglu else y
 
 
 def _linear_cuda(
@@ -50,7 +53,7 @@ def _linear_cuda(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     plan: list[int],
-    silu_mul: bool = False,
+    swiglu: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     from ostinato.engine import triton_gemm
@@ -59,11 +62,11 @@ def _linear_cuda(
     choice = plan[m] if m < len(plan) else 0
     if choice:
         return triton_gemm.small_gemm(
-            x, weight, bias, counters, triton_gemm.CONFIGS[choice - 1], silu_mul, pdl
+            x, weight, bias, counters, triton_gemm.CONFIGS[choice - 1], swiglu, pdl
         )
-    if silu_mul:
-        x = triton_gemm.silu_mul(x, pdl)  # one kernel, as Inductor's fused one was
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    # The activation in one kernel, as Inductor's fused one was.
+    return triton_gemm.silu_mul(y, pdl) if swiglu else y
 
 
 _lib.impl("linear", _linear_reference, "CompositeExplicitAutograd")
@@ -77,18 +80,19 @@ def _(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     plan: list[int],
-    silu_mul: bool = False,
+    swiglu: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return x.new_empty((x.shape[0], n), dtype=weight.dtype)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` with an optional small-row plan (see the module docstring).
 
     Guarantees: without a plan, ``forward`` is ``nn.Linear.forward`` and
-    ``forward_silu_mul`` is ``silu(gate) * up`` then ``nn.Linear.forward``; with one,
-    the same function (to the GEMM's rounding) through ``ostinato::linear``.
+    ``forward_swiglu`` is ``nn.Linear.forward`` then ``silu(g) * u`` of its halves; with
+    one, the same function (to the GEMM's summation order) through ``ostinato::linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -114,10 +118,10 @@ class Linear(nn.Linear):
             x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
         )
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """This projection of ``silu(gate) * up`` for rows ``gate_up`` ``[m, 2 * in]``."""
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(g) * u`` where ``[g | u]`` is this projection of ``x`` (``[m, out / 2]``)."""
         if not self.plan:
-            return super().forward(silu_mul_reference(gate_up))
+            return silu_mul_reference(super().forward(x))
         return torch.ops.ostinato.linear(
-            gate_up, self.weight, self.bias, self.counters, list(self.plan), True, self.pdl
+            x, self.weight, self.bias, self.counters, list(self.plan), True, self.pdl
         )

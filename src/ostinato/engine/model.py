@@ -114,9 +114,9 @@ class Mlp(nn.Module):
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up happens inside the down projection: fused into its load where
+        # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
         # its plan picks the small Triton GEMM.
-        return self.tp.all_reduce(self.down_proj.forward_silu_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_swiglu(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -203,13 +203,13 @@ class DecoderModel(nn.Module):
                 module.pdl = enabled
 
     def linears(self) -> list[tuple[Linear, bool]]:
-        """Every projection with whether it takes SiLU·mul input (the down projections):
-        what the small-GEMM plan covers."""
+        """Every projection with whether its output goes through SiLU·mul (the gate/up
+        projections): what the small-GEMM plans cover."""
         found: list[tuple[Linear, bool]] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             found += [(attn.qkv_proj, False), (attn.o_proj, False)]
-            found += [(mlp.gate_up_proj, False), (mlp.down_proj, True)]
+            found += [(mlp.gate_up_proj, True), (mlp.down_proj, False)]
         found.append((self.lm_head, False))
         return found
 

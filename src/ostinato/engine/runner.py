@@ -18,6 +18,7 @@ from ostinato.engine.attention import AttentionBackend, TritonAttention
 from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.graph_sampler import GraphSampler
+from ostinato.engine.greedy import greedy_tokens
 from ostinato.engine.inputs import PreviousSample, StepInputs
 from ostinato.engine.kernel_options import KernelOptions
 from ostinato.engine.kv_cache import KVCache
@@ -183,7 +184,7 @@ class ModelRunner:
         if not d.uniform_decode:
             return hidden
         logits = self.model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        return logits, greedy_tokens(logits)
 
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.engine.greedy import greedy_tokens
 from ostinato.mathutil import is_int
 
 
@@ -57,7 +58,7 @@ def sample(
     ``all_greedy``: whether every temperature is 0, when the caller knows (else it is
     read from the device, which waits for it).
     """
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if all_greedy is None:
         all_greedy = not bool((temperatures > 0).any())
     if all_greedy:

@@ -21,6 +21,7 @@ from ostinato.config import GraphConfig
 from ostinato.context import forward_context, get_forward_context
 from ostinato.engine.attention import AttentionBackend
 from ostinato.engine.attention_op import StepAttention
+from ostinato.engine.greedy import greedy_tokens
 from ostinato.engine.inputs import PADDING, StepInputs, to_device
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
@@ -147,5 +148,5 @@ class SelfDraftProposer:
                 slots.copy_(torch.where(real & (room > i), slot, PADDING.slot))
             with forward_context(mode, d, self._metadata(rows, seq_lens, i)):
                 hidden = self.model(ids, pos, self.layers)
-            out.append(self.model.compute_logits(hidden).argmax(dim=-1))
+            out.append(greedy_tokens(self.model.compute_logits(hidden)))
         return torch.stack(out, dim=1)

@@ -6,10 +6,17 @@ GPU. With ``SPLIT_K > 1`` each program stores its float32 partial tile, bumps a 
 per column tile, and the program that arrives last sums the partials, adds the bias,
 writes the output and resets the counter to zero: the reduction needs no second kernel
 (cuBLAS's split-K launches one) and the counters are zero again after every call, so a
-captured graph replays on them. ``SILU_MUL``: ``x`` is ``[M, 2K]`` (gate | up) and the
-kernel multiplies ``silu(gate) * up`` as it loads, in float32, rounded once to the
-weight's dtype (as Inductor's fused SiLU·mul does), so the down projection of a SwiGLU
-needs no kernel before it.
+captured graph replays on them.
+
+``SWIGLU``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and each program accumulates
+its gate and up columns side by side and writes ``silu(gate) * up`` (both rounded to
+the output dtype first, then the product in float32 rounded once, as the unfused
+GEMM-then-Inductor-kernel does): a SwiGLU's gate/up projection and its activation in
+one kernel.
+
+With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the first
+``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
+kernel: weights do not depend on it, so their read overlaps its tail.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from ostinato.engine.linear import MAX_ROWS
 from ostinato.engine.triton_pdl import pdl_enter
 
 BLOCK_K = 128
+PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
+LINE = 64  # 16-bit elements per 128-byte cache line
 
 
 @dataclass(frozen=True)
@@ -36,15 +45,26 @@ class GemmConfig:
 
 
 # The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
-# names ``CONFIGS[i - 1]``, 0 names cuBLAS.
+# names ``CONFIGS[i - 1]``, 0 names cuBLAS. On the H100 the narrow 16-column tiles never
+# won, so they are not tried.
 CONFIGS: tuple[GemmConfig, ...] = (
-    GemmConfig(16, 1),
-    GemmConfig(16, 2),
-    GemmConfig(16, 4),
     GemmConfig(32, 1),
     GemmConfig(32, 4),
     GemmConfig(64, 1),
+    GemmConfig(64, 2),
 )
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -64,14 +84,15 @@ def _small_gemm_kernel(
     N_PAD,
     K_PER,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -79,39 +100,61 @@ def _small_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
+    if USE_PDL:
+        # Before the wait: start this program's weight read (rows clamped into range).
+        lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
+        rows = tl.minimum(rn, N - 1)
+        pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
+        _prefetch_l2(pre)
+        if SWIGLU:
+            _prefetch_l2(pre + N * stride_wn)
+    pdl_enter(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
         ks = k_lo + k0 + rk
         x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        if SILU_MUL:
-            u = tl.load(x_ptr + rm[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0)
-            g = x.to(tl.float32)
-            x = (g * tl.sigmoid(g) * u.to(tl.float32)).to(w_ptr.dtype.element_ty)
         w_mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
-        w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(x, w, acc)
+        w_ptrs = w_ptr + rn[None, :] * stride_wn + ks[:, None]
+        acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        if SWIGLU:
+            up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, up, acc_up)
     out_mask = (rm[:, None] < M) & (rn[None, :] < N)
     out_offs = rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # Partials laid out [SPLIT_K, BLOCK_M, N_PAD]: every tile is whole, no mask.
+    dtype = out_ptr.dtype.element_ty
+    if SPLIT_K > 1:
+        # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
         tile = rm[:, None] * N_PAD + rn[None, :]
-        tl.store(part_ptr + pid_k * BLOCK_M * N_PAD + tile, acc)
+        mine = part_ptr + pid_k * 2 * BLOCK_M * N_PAD + tile
+        tl.store(mine, acc)
+        if SWIGLU:
+            tl.store(mine + BLOCK_M * N_PAD, acc_up)
         # acq_rel: this program's partial is visible before its count, and the last
         # program sees every other partial after reading the count.
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        last = arrived == SPLIT_K - 1
+        if last:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + s * BLOCK_M * N_PAD + tile, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                theirs = part_ptr + s * 2 * BLOCK_M * N_PAD + tile
+                acc += tl.load(theirs, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_up += tl.load(theirs + BLOCK_M * N_PAD, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
+    else:
+        last = True
+    if last:
+        if SWIGLU:
+            g = acc.to(dtype).to(tl.float32)
+            y = g * tl.sigmoid(g) * acc_up.to(dtype).to(tl.float32)
+        else:
+            y = acc
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, y.to(dtype), mask=out_mask)
 
 
 @triton.jit
@@ -138,22 +181,25 @@ def small_gemm(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     config: GemmConfig,
-    silu_mul: bool = False,
+    swiglu: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` (with ``silu_mul``: of ``silu(x[:, :K]) * x[:, K:]``) for
-    a 2-D ``x`` of at most ``MAX_ROWS`` rows with a contiguous last dimension.
-    ``counters``: int32 zeros, at least ``counters_needed(N)``, not shared with a call
-    that may run at the same time; they are zero again when the kernel ends."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if m > MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous():
+    """``x @ weight.T (+ bias)`` for a 2-D ``x`` of at most ``MAX_ROWS`` rows with a
+    contiguous last dimension; with ``swiglu`` (no bias), ``silu(g) * u`` of its two
+    halves ``[g | u]``. ``counters``: int32 zeros, at least ``counters_needed(N)``, not
+    shared with a call that may run at the same time; zero again when the kernel ends."""
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError(
             f"small_gemm: needs x [<= {MAX_ROWS}, K] with a contiguous last dim and a "
             f"contiguous weight, got x {tuple(x.shape)} strides {x.stride()}"
         )
-    if x.shape[1] != (2 * k if silu_mul else k):
-        raise ValueError(f"small_gemm: x {tuple(x.shape)} does not fit weight {(n, k)}")
+    m, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if weight.shape[1] != k or (swiglu and (bias is not None or weight.shape[0] % 2)):
+        raise ValueError(
+            f"small_gemm: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
+            + (" (swiglu: an even row count, no bias)" if swiglu else "")
+        )
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
@@ -162,7 +208,9 @@ def small_gemm(
     if config.split_k > 1:
         if counters.numel() < tiles:
             raise ValueError(f"small_gemm: {counters.numel()} counters for {tiles} tiles")
-        part = torch.empty((config.split_k, MAX_ROWS, n_pad), dtype=torch.float32, device=x.device)
+        part = torch.empty(
+            (config.split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=x.device
+        )
     else:
         part = out
     _small_gemm_kernel[(tiles, config.split_k)](
@@ -181,11 +229,13 @@ def small_gemm(
         n_pad,
         triton.cdiv(triton.cdiv(k, config.split_k), BLOCK_K) * BLOCK_K,
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
+        SWIGLU=swiglu,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=BLOCK_K,
         SPLIT_K=config.split_k,
+        PREFETCH_K=PREFETCH_K,
+        LINE=LINE,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         launch_pdl=pdl,
@@ -195,7 +245,7 @@ def small_gemm(
 
 def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``silu(x[:, :K]) * x[:, K:]`` for a 2-D ``x`` ``[M, 2K]`` in one kernel (float32
-    inside, rounded once)."""
+    inside, rounded once): the activation after a cuBLAS gate/up projection."""
     m, two_k = x.shape
     k = two_k // 2
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)

@@ -23,6 +23,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 
+def _triton_census(cache: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for meta in cache.rglob("*.json"):
+        if meta.name.startswith("__grp__"):
+            continue
+        try:
+            name = json.loads(meta.read_text()).get("name")
+        except (OSError, ValueError):
+            continue
+        if name:
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -69,6 +83,8 @@ def main() -> None:
         "backend_s": llm.runner.piecewise.stats.seconds if llm.runner.piecewise else 0.0,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
+        # Every Triton compilation of the start-up (ours and Inductor's), by kernel name.
+        "triton_compiles": _triton_census(Path(caches) / "triton"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -76,6 +92,7 @@ def main() -> None:
     if profiler and args.profile:
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats("ostinato", 50)
         stats.sort_stats("cumulative").print_stats(60)
         stats.sort_stats("tottime").print_stats(30)
         args.profile.write_text(text.getvalue())

@@ -43,7 +43,10 @@ def _rotated(ptr, rows, d, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, mask):
     return x * c[None, :] + rot * s[None, :]
 
 
-@triton.jit
+# ``splits`` is a runtime argument and never specialised (Triton would otherwise compile
+# separately for 1 and for multiples of 16): one compiled kernel per layout, not per split
+# count, which cut a cold start-up's Triton compilations of this file from 10 to 4.
+@triton.jit(do_not_specialize=["splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -66,12 +69,13 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_tr,
+    splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     ROPE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -83,7 +87,7 @@ def _paged_attention_kernel(
     req = tl.load(req_ptr + tok).to(tl.int32)
     ctx = pos + 1  # padding rows have position -1: no keys
     # This program's share of the keys, in whole BLOCK_N tiles.
-    chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
 
@@ -127,7 +131,7 @@ def _paged_attention_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(
             out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -136,13 +140,13 @@ def _paged_attention_kernel(
         )
     else:
         # Unnormalised partials, float32, laid out [token, head, split, (d)].
-        row = (tok * GROUP * tl.num_programs(1) + heads) * SPLITS + split
+        row = (tok * GROUP * tl.num_programs(1) + heads) * splits + split
         tl.store(m_ptr + row, m, mask=g_mask)
         tl.store(l_ptr + row, l_sum, mask=g_mask)
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(
     part_ptr,
     m_ptr,
@@ -150,23 +154,25 @@ def _merge_splits_kernel(
     out_ptr,
     stride_ot,
     stride_oh,
+    splits,
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
+    live = s < splits
     d = tl.arange(0, HEAD_DIM)
-    row = (tok * HEADS + head) * SPLITS + s
-    m = tl.load(m_ptr + row)
-    l_sum = tl.load(l_ptr + row)
+    row = (tok * HEADS + head) * splits + s
+    m = tl.load(m_ptr + row, mask=live, other=float("-inf"))
+    l_sum = tl.load(l_ptr + row, mask=live, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: padding row
     w = tl.exp(m - m_max)
-    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :])
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
     total = tl.sum(acc * w[:, None], axis=0)
     norm = tl.sum(l_sum * w, axis=0)
     out = total / tl.where(norm > 0, norm, 1.0)
@@ -224,6 +230,8 @@ def paged_attention(
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = splits or num_splits(n, kv_heads, q.device)
+    if splits > MAX_SPLITS:
+        raise ValueError(f"paged_attention: splits={splits} exceeds MAX_SPLITS={MAX_SPLITS}")
     if splits > 1:
         partial = torch.empty((n, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
@@ -254,12 +262,13 @@ def paged_attention(
         so_t,
         so_h,
         block_tables.stride(0),
+        splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
-        SPLITS=splits,
+        SPLIT=splits > 1,
         ROPE=rope is not None,
         USE_PDL=pdl,
         num_warps=4,
@@ -273,9 +282,10 @@ def paged_attention(
             out,
             out.stride(0),
             out.stride(1),
+            splits,
             HEADS=heads,
             HEAD_DIM=head_dim,
-            SPLITS=splits,
+            MAX_SPLITS=MAX_SPLITS,
             USE_PDL=pdl,
             num_warps=4,
             launch_pdl=pdl,

@@ -25,6 +25,13 @@ from ostinato.pool import shared_pool
 logger = logging.getLogger(__name__)
 
 DEFAULT_SPLITTING_OPS = ("ostinato::attention",)
+# Inductor settings for every piece. A piece is replayed mostly at small token counts
+# (decode), where Inductor would split each row reduction into a partial and a final
+# kernel to fill the GPU: two launches where one block does the row in about the time of
+# one. And it would compile every pointwise kernel in several launch configs and time
+# them at the first call: four Triton compilations per kernel at start-up, to choose
+# among configs that differ little on kernels this small.
+PIECE_PATCHES = {"split_reductions": False, "triton.autotune_pointwise": False}
 
 
 @dataclass
@@ -160,12 +167,8 @@ class _PieceCompiler(fx.Interpreter):
                 if self.compiler == "inductor":
                     from torch._inductor.compile_fx import compile_fx
 
-                    # A piece is replayed mostly at small token counts (decode), where
-                    # Inductor would split each row reduction (RMSNorm) into a partial
-                    # and a final kernel to fill the GPU: two launches where one block
-                    # does the row in about the time of one.
                     self.compiled[target] = compile_fx(
-                        sub, list(args), config_patches={"split_reductions": False, **self.patches}
+                        sub, list(args), config_patches={**PIECE_PATCHES, **self.patches}
                     )
                 else:
                     self.compiled[target] = sub

@@ -190,7 +190,9 @@ def test_table_shows_kernel_columns_only_where_profiled():
     result.rows.append(Row("ostinato FULL", 1, 1.0, 1.0, 1.0, 1.0, None, 577.0, 19.2, 1002.0))
     text = table(result)
     assert "kernels" in text and "/layer" in text
-    assert text.split("\n")[3].split()[-3:] == ["577", "19.2", "1002.0"]
+    assert text.split("\n")[3].split()[-4:] == ["577", "19.2", "-", "1002.0"]
+    result.rows[-1].kernels_in_layer = 17
+    assert table(result).split("\n")[3].split()[-4:] == ["577", "19.2", "17", "1002.0"]
 
 
 def test_bench_ubatch_quick_runs_every_way_on_two_cpu_ranks(tmp_path):
@@ -229,3 +231,19 @@ def test_bench_ubatch_bad_options_exit_2_with_one_line(argv, message, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_kernels_in_a_layer_leave_out_what_runs_once_per_step():
+    from types import SimpleNamespace as Avg
+
+    from ostinato.bench.kernels import census
+
+    layers, steps = 4, 2
+    averages = [  # per step: norms 2L + 1 (the final one), a GEMM L, the LM head once
+        Avg(key="norm", count=(2 * layers + 1) * steps, device_time_total=1.0),
+        Avg(key="gemm", count=layers * steps, device_time_total=1.0),
+        Avg(key="lm_head", count=steps, device_time_total=1.0),
+    ]
+    c = census(averages, steps)
+    assert c.in_layer(layers) == 3
+    assert c.per_layer(layers) == (3 * layers + 2) / layers

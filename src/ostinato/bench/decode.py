@@ -89,6 +89,7 @@ class Row:
     kernels: float | None = None  # device kernels per step (CUDA, when profiled)
     kernels_per_layer: float | None = None
     busy_us: float | None = None  # their summed device time per step
+    kernels_in_layer: int | None = None  # inside one decoder layer (KernelCensus.in_layer)
 
 
 @dataclass
@@ -401,6 +402,7 @@ def run(
                     c = kernel_census(step)
                     row.kernels, row.busy_us = c.kernels, c.busy_us
                     row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
+                    row.kernels_in_layer = c.in_layer(cfg.model["num_hidden_layers"])
                     if b in (1, max(cfg.batch_sizes)) and name != "eager":
                         result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
                 result.rows.append(row)

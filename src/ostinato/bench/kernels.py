@@ -30,8 +30,15 @@ class KernelCensus:
     by_name: tuple[KernelLaunches, ...] = ()
 
     def per_layer(self, layers: int) -> float:
-        """Kernels per decoder layer (the step's kernels over ``layers``)."""
+        """Kernels per decoder layer (the step's kernels over ``layers``, so the
+        embedding, RoPE tables, final norm, LM head and sampling are spread over them)."""
         return self.kernels / layers
+
+    def in_layer(self, layers: int) -> int:
+        """Kernels inside one decoder layer: each name's whole multiples of ``layers``
+        launches per step (a name launched 2L + 1 times, the norms with the final one,
+        counts 2); what runs once per step outside the layers is left out."""
+        return sum(int(k.per_step + 1e-6) // layers for k in self.by_name)
 
 
 def census(averages: Iterable[Any], steps: int) -> KernelCensus:

@@ -21,7 +21,7 @@ def table(result: BenchResult) -> str:
         f"KV length {result.config.kv_len}; {result.config.dtype}",
         f"{'variant':32s} {'B':>4s} {'step ms':>9s} {'host us':>9s} {'floor ms':>9s} "
         f"{'x floor':>8s} {'x r-o':>7s}"
-        + (f" {'kernels':>8s} {'/layer':>7s} {'busy us':>9s}" if census else ""),
+        + (f" {'kernels':>8s} {'/layer':>7s} {'in layer':>8s} {'busy us':>9s}" if census else ""),
     ]
     for b in result.config.batch_sizes:
         for r in (r for r in result.rows if r.batch == b):
@@ -29,9 +29,11 @@ def table(result: BenchResult) -> str:
             kernels = ""
             if census:
                 kernels = (
-                    f" {'-':>8s} {'-':>7s} {'-':>9s}"
+                    f" {'-':>8s} {'-':>7s} {'-':>8s} {'-':>9s}"
                     if r.kernels is None
-                    else f" {r.kernels:8.0f} {r.kernels_per_layer:7.1f} {r.busy_us:9.1f}"
+                    else f" {r.kernels:8.0f} {r.kernels_per_layer:7.1f} "
+                    f"{'-' if r.kernels_in_layer is None else r.kernels_in_layer:>8} "
+                    f"{r.busy_us:9.1f}"
                 )
             lines.append(
                 f"{r.variant:32s} {b:4d} {r.step_ms:9.3f} {r.host_us:9.1f} "

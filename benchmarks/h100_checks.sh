@@ -2,6 +2,7 @@
 # The single-GPU checks of the engine on nvidia-h100-x1, one stage per device call:
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
 #   benchmarks/h100_checks.sh kernels  # FULL_AND_PIECEWISE with PDL / small GEMMs, two shapes
+#   benchmarks/h100_checks.sh cold     # cold start-up of the 1.5 B shape (empty compiler caches)
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
 #   benchmarks/h100_checks.sh bench    # decode step (engine-step rows, kernel counts) and bench e2e
 #   benchmarks/h100_checks.sh spec     # bench spec (k=4) and bench e2e on SmolLM2 (needs the GGUF)
@@ -25,14 +26,28 @@ tests)
     ;;
 kernels)
     # FULL_AND_PIECEWISE with each KernelOptions switch, on the 1.5 B and SmolLM2 shapes.
-    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl"
-    v="$v,ostinato FULL_AND_PIECEWISE small-gemm,ostinato FULL_AND_PIECEWISE pdl+small-gemm"
+    # The two most compared variants first and side by side (the machine drifts).
+    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm"
+    v="$v,ostinato FULL_AND_PIECEWISE small-gemm,ostinato FULL_AND_PIECEWISE pdl"
     timeout 280 python3 -m ostinato.bench --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
         --out "$OUT/kernels_h100.json" --plot "$OUT/kernels_h100.png" 2>&1 \
         | tee "$OUT/kernels.log"
     timeout 250 python3 -m ostinato.bench --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
         --config benchmarks/configs/smollm2_135m.json --out "$OUT/kernels_smollm2_h100.json" \
         --plot "$OUT/kernels_smollm2_h100.png" 2>&1 | tee -a "$OUT/kernels.log"
+    ;;
+cold)
+    # Byte-compile the libraries first (into a cache prefix: the venv may be read-only),
+    # as any installed environment is; otherwise each fresh machine spends ~6 s of the
+    # first start-up compiling torch's sources. Then two cold start-ups, each with empty
+    # Inductor and Triton caches.
+    export PYTHONPYCACHEPREFIX=/tmp/pyc
+    site=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
+    for i in 1 2; do
+        timeout 90 python3 benchmarks/cold_start_profile.py --out "$OUT/cold_start_$i.json" \
+            2>&1 | tail -25
+    done
     ;;
 smollm2)
     timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
@@ -53,7 +68,7 @@ spec)
         | tee -a "$OUT/spec.log"
     ;;
 *)
-    echo "usage: $0 tests|kernels|smollm2|bench|spec" >&2
+    echo "usage: $0 tests|kernels|cold|smollm2|bench|spec" >&2
     exit 2
     ;;
 esac

@@ -90,6 +90,7 @@ class Row:
     kernels_per_layer: float | None = None
     busy_us: float | None = None  # their summed device time per step
     kernels_in_layer: int | None = None  # inside one decoder layer (KernelCensus.in_layer)
+    pipelined_ms: float | None = None  # per step, steps back to back (CUDA; pipelined_ms())
 
 
 @dataclass
@@ -148,6 +149,25 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def pipelined_ms(step: Callable[[], Any], steps: int = 20, rounds: int = 5) -> float:
+    """Median device ms per step over ``rounds`` runs of ``steps`` back-to-back steps
+    (no synchronisation between them): while the host issues a step faster than the
+    device runs one, the device never waits for it, so this is the replay's own time,
+    free of the host's jitter that the isolated timing includes."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
 
 
 def time_step(
@@ -398,6 +418,8 @@ def run(
                 step = setup.decode_step(runner, b)
                 ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
                 row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
+                if cuda:
+                    row.pipelined_ms = pipelined_ms(step)
                 if profile and cuda:
                     c = kernel_census(step)
                     row.kernels, row.busy_us = c.kernels, c.busy_us

@@ -14,18 +14,20 @@ from ostinato.provenance import Provenance
 
 def table(result: BenchResult) -> str:
     """Rows per batch size: step ms, host µs, ratio to the floor and to reduce-overhead,
+    ms per step run back to back (CUDA: the replay without host jitter),
     and, where the run profiled them, kernels per step and per layer and their busy µs."""
     census = any(r.kernels is not None for r in result.rows)
     lines = [
         f"device: {result.device}; copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s; "
         f"KV length {result.config.kv_len}; {result.config.dtype}",
         f"{'variant':32s} {'B':>4s} {'step ms':>9s} {'host us':>9s} {'floor ms':>9s} "
-        f"{'x floor':>8s} {'x r-o':>7s}"
+        f"{'x floor':>8s} {'x r-o':>7s} {'piped ms':>8s}"
         + (f" {'kernels':>8s} {'/layer':>7s} {'in layer':>8s} {'busy us':>9s}" if census else ""),
     ]
     for b in result.config.batch_sizes:
         for r in (r for r in result.rows if r.batch == b):
             ro = f"{r.x_reduce_overhead:7.2f}" if r.x_reduce_overhead is not None else "      -"
+            ro += f" {r.pipelined_ms:8.3f}" if r.pipelined_ms is not None else f" {'-':>8s}"
             kernels = ""
             if census:
                 kernels = (

@@ -87,7 +87,9 @@ def write_json(result: BenchResult, path: Path) -> None:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """Step time vs batch size per variant, with the floor; needs matplotlib."""
+    """Step time vs batch size per variant, with the floor; needs matplotlib. Where the
+    rows have it, the time of steps run back to back (free of host jitter), else the
+    isolated step time."""
     try:
         import matplotlib
 
@@ -100,9 +102,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ) from exc
     rows = doc["rows"]
     batches = sorted({r["batch"] for r in rows})
+    piped = any(r.get("pipelined_ms") is not None for r in rows)
+
+    def ms(r: dict[str, Any]) -> float:
+        return r["pipelined_ms"] if piped and r.get("pipelined_ms") is not None else r["step_ms"]
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for variant in dict.fromkeys(r["variant"] for r in rows):
-        pts = sorted((r["batch"], r["step_ms"]) for r in rows if r["variant"] == variant)
+        pts = sorted((r["batch"], ms(r)) for r in rows if r["variant"] == variant)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
     floor = {r["batch"]: r["floor_ms"] for r in rows}
     if not any(math.isnan(v) for v in floor.values()):
@@ -111,7 +118,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel(f"batch size (decode, KV length {doc['config']['kv_len']})")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel(
+        "step time (ms; steps back to back where measured)" if piped else "step time (ms)"
+    )
     prov = doc.get("provenance", {})
     ax.set_title(
         f"decode step, {prov.get('device', doc.get('device'))}, torch {prov.get('torch', '')}"

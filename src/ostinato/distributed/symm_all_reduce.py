@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ostinato.distributed.all_reduce_plan import AllReduceAlgo, AllReducePlan
+from ostinato.platform.cuda import graph_call_us
 
 logger = logging.getLogger(__name__)
 
@@ -159,21 +160,7 @@ def _time_in_graph(reducer: SymmetricAllReduce, nbytes: int, calls: int, replays
         nbytes // reducer.dtype.itemsize, dtype=reducer.dtype, device=reducer.buffer.device
     )
     reducer.all_reduce(x)  # eager first: lazy communicator set-up is not capturable
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            reducer.all_reduce(x)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    per_call_us = start.elapsed_time(end) * 1000.0 / (replays * calls)
-    del graph
-    return per_call_us
+    return graph_call_us(lambda: reducer.all_reduce(x), calls, replays)
 
 
 def setup_symmetric_all_reduce(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine.linear import MAX_ROWS, Linear
+from ostinato.platform.cuda import graph_call_us
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +53,8 @@ class GemmTiming:
 
 def _graph_us(fn: Callable[[], object], device: torch.device) -> float:
     fn()  # compiles the Triton kernel, warms cuBLAS's handle
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEATS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = 5
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    us = start.elapsed_time(end) * 1e3 / (replays * REPEATS)
-    del graph
-    return us
+    with torch.cuda.device(device):
+        return graph_call_us(fn, REPEATS)
 
 
 def _measure(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -140,3 +140,25 @@ class CudaPlatform(Platform):
             yield
         finally:
             torch.cuda.set_sync_debug_mode(previous)
+
+
+def graph_call_us(fn: Callable[[], object], calls: int, replays: int = 5) -> float:
+    """Device µs per call of ``fn``, captured ``calls`` times back to back in one CUDA
+    graph, replayed once untimed and then ``replays`` times under events: launch cost on
+    the host is out of it, every kernel ``fn`` launches (and the gaps between them) is
+    in it. Run ``fn`` once eagerly first where lazy set-up must not be captured."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    us = start.elapsed_time(end) * 1e3 / (replays * calls)
+    del graph
+    return us

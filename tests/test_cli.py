@@ -127,6 +127,28 @@ def test_generate_with_token_ids(capsys):
     assert out.count("[5 tokens, finish: length]") == 2 and "tokens/s" in out
 
 
+def test_generate_takes_the_kernel_options(capsys, monkeypatch):
+    # On the CPU they resolve to off: the same tokens as without them.
+    from ostinato.engine import LLM
+
+    seen = []
+    build = LLM.__init__
+
+    def spy(self, *args, **kw):
+        seen.append(kw["kernels"])
+        build(self, *args, **kw)
+
+    monkeypatch.setattr(LLM, "__init__", spy)
+    args = ["--prompt-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos"]
+    code, plain, err = run(GEN + args, capsys)
+    assert code == 0, err
+    code, out, err = run(GEN + args + ["--pdl", "--small-gemm"], capsys)
+    assert code == 0, err
+    assert [(k.pdl, k.small_gemm) for k in seen] == [(False, False), (True, True)]
+    result = [line for line in out.splitlines() if line.startswith("prompt ")]
+    assert result == [line for line in plain.splitlines() if line.startswith("prompt ")]
+
+
 @pytest.mark.parametrize("method", ["ngram", "self:2", "oracle"])
 def test_generate_with_speculation_reports_acceptance(method, capsys):
     args = ["--prompt-ids", "1,2,3,1,2,3", "--max-tokens", "12", "--ignore-eos"]

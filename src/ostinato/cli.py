@@ -136,6 +136,19 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
         default=2,
         help="draft tokens verified per step (with --speculative)",
     )
+    gen.add_argument(
+        "--pdl",
+        action="store_true",
+        help="launch the engine's Triton kernels with programmatic dependent launch "
+        "(Hopper; ignored elsewhere)",
+    )
+    gen.add_argument(
+        "--small-gemm",
+        action="store_true",
+        help="measure cuBLAS against a Triton GEMM for projections of <= 16 rows at "
+        "start-up and use the faster (CUDA, 16-bit weights); see the README's kernel "
+        "options for what it saved on an H100",
+    )
     gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     return gen
@@ -153,7 +166,7 @@ def _speculative(text: str) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ostinato.engine import LLM, SamplingParams
+    from ostinato.engine import LLM, KernelOptions, SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -170,6 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.quiet,
         num_speculative_tokens=args.num_speculative_tokens,
+        kernels=KernelOptions(pdl=args.pdl, small_gemm=args.small_gemm),
     )
     spec = args.speculative if args.speculative != "oracle" else None
     llm = LLM(args.model, speculative=spec, **engine_args)

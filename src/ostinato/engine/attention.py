@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ostinato.engine.kernel_options import triton_runs_on
 from ostinato.engine.rope import apply_rope
 from ostinato.mathutil import ceil_div
 from ostinato.resolution import AttentionGraphSupport
@@ -198,10 +199,4 @@ class TritonAttention:
 
 def default_backend(device: torch.device) -> AttentionBackend:
     """Triton on CUDA when Triton is installed, else the torch backend."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return TorchAttention()
-        return TritonAttention()
-    return TorchAttention()
+    return TritonAttention() if triton_runs_on(device) else TorchAttention()

@@ -112,8 +112,11 @@ def plan_small_gemms(
                     plan[r] = t.config
             plans[key] = tuple(plan)
             logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
-        from ostinato.engine.triton_gemm import counters_needed
-
         plan = plans[key]
-        linear.use_plan(plan if any(plan) else (), counters_needed(w.shape[0]), pdl)
+        if any(plan):
+            from ostinato.engine.triton_gemm import counters_needed
+
+            linear.use_plan(plan, counters_needed(w.shape[0]), pdl)
+        else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
+            linear.use_plan((), 0, pdl)
     return timings

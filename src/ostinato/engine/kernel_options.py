@@ -8,6 +8,18 @@ from dataclasses import dataclass
 import torch
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the engine's Triton kernels can run on ``device``: a CUDA device, with
+    Triton installed."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """Launch choices for the engine's kernels.
@@ -29,11 +41,7 @@ class KernelOptions:
     def resolved(self, device: torch.device) -> KernelOptions:
         """These options with what ``device`` cannot do turned off (PDL needs compute
         capability 9.0; both need CUDA and Triton)."""
-        if device.type != "cuda":
-            return KernelOptions()
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if not triton_runs_on(device):
             return KernelOptions()
         major, _ = torch.cuda.get_device_capability(device)
         return KernelOptions(pdl=self.pdl and major >= 9, small_gemm=self.small_gemm)

@@ -13,6 +13,12 @@ from ostinato.engine.model import DecoderModel
 from ostinato.engine.presets import shape
 
 
+@pytest.mark.parametrize("field", ["pdl", "small_gemm"])
+def test_options_refuse_what_is_not_a_bool(field):
+    with pytest.raises(TypeError, match=f"KernelOptions.{field}: expected True or False"):
+        KernelOptions(**{field: "yes"})
+
+
 def test_options_resolve_to_off_without_cuda():
     on = KernelOptions(pdl=True, small_gemm=True)
     assert on.resolved(torch.device("cpu")) == KernelOptions()

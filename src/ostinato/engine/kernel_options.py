@@ -38,6 +38,13 @@ class KernelOptions:
     pdl: bool = False
     small_gemm: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("pdl", "small_gemm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"KernelOptions.{name}: expected True or False, got {getattr(self, name)!r}"
+                )
+
     def resolved(self, device: torch.device) -> KernelOptions:
         """These options with what ``device`` cannot do turned off (PDL needs compute
         capability 9.0; both need CUDA and Triton)."""

@@ -67,8 +67,23 @@ spec)
         --out "$OUT/e2e_smollm2_h100.json" --plot "$OUT/e2e_smollm2_h100.png" 2>&1 \
         | tee -a "$OUT/spec.log"
     ;;
+spec-ahead)
+    # The GPU speculative tests, then plain vs the oracle with and without lookahead on
+    # SmolLM2-135M in both dtypes (k = 4), then every proposer at k = 4 and 2 in ${SPEC_DTYPE}.
+    timeout 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        --timeout=150 tests/test_gpu_speculative.py 2>&1 | tee "$OUT/gpu_spec.log" | tail -15
+    for dt in bfloat16 float32; do
+        timeout 150 python3 -m ostinato.bench spec --k 4 --dtype "$dt" \
+            --proposers "oracle,oracle in turn" --out "$OUT/spec_oracle_${dt}_h100.json" \
+            2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
+    done
+    ;;
+spec-all)
+    timeout 560 python3 -m ostinato.bench spec --k 4,2 --dtype "${SPEC_DTYPE:-bfloat16}" \
+        --out "$OUT/spec_smollm2_h100.json" 2>&1 | grep -v -i warn | tee "$OUT/spec_all.log"
+    ;;
 *)
-    echo "usage: $0 tests|kernels|cold|smollm2|bench|spec" >&2
+    echo "usage: $0 tests|kernels|cold|smollm2|bench|spec|spec-ahead|spec-all" >&2
     exit 2
     ;;
 esac

@@ -73,3 +73,46 @@ def test_draft_graph_replay_equals_step_by_step_eager_drafting(k):
     compared = check_drafts_against(StepByStepDraft(llm, 2), llm)
     llm.generate(prompts, params)
     assert sum(compared) > 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+def test_verify_steps_scheduled_ahead_equal_synchronous_ones_on_the_gpu(mode, dtype):
+    # Longer answers (lookahead needs room for two full drafts) and an oracle wrong at
+    # every fifth token, so the device picks different inputs per request for each
+    # step queued ahead; those steps replay the same FULL graphs as synchronous ones.
+    prompts, _ = workload()
+    rng = random.Random(5)
+    params = [SamplingParams(max_tokens=rng.randint(40, 60), ignore_eos=True) for _ in prompts]
+    plain = [o.token_ids for o in tiny_engine(mode, dtype).generate(prompts, params)]
+    known = {
+        tuple(p): [(t + 1) % 1000 if i % 5 == 3 else t for i, t in enumerate(out)]
+        for p, out in zip(prompts, plain, strict=True)
+    }
+    runs = []
+    for ahead in (True, False):
+        spec = SpeculativeConfig("oracle", 3, oracle=known)
+        llm = tiny_engine(mode, dtype, speculative=spec, async_scheduling=ahead)
+        modes = []
+        execute = llm.runner.execute
+
+        def recording(step, *a, _execute=execute, _llm=llm, _modes=modes, **kw):
+            out = _execute(step, *a, **kw)
+            if kw.get("ahead") is not None:  # replayed from a FULL graph: decode_padded set
+                _modes.append(_llm.runner.decode_padded is not None)
+            return out
+
+        llm.runner.execute = recording
+        runs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.spec_stats, modes))
+    (got, st, full), (sync_got, sync_st, _) = runs
+    assert full and all(full), "every step scheduled ahead replays a FULL graph"
+    assert got == sync_got
+    if dtype is torch.float32:
+        assert got == plain
+    assert st.ahead_steps > 10 and sync_st.ahead_steps == 0
+    assert 0 < st.acceptance_rate < 1
+    assert (st.drafted, st.accepted, st.tokens) == (
+        sync_st.drafted,
+        sync_st.accepted,
+        sync_st.tokens,
+    )

@@ -83,3 +83,73 @@ def test_abort_frees_waiting_and_running_requests():
     assert a in sched.running and b in sched.waiting
     sched.abort([a, b])
     assert not sched.has_work and sched.pool.num_free == 19
+
+
+def test_schedule_ahead_only_when_the_next_step_can_be_scheduled_blind():
+    from ostinato.engine.scheduler import PENDING_TOKEN
+
+    limits = EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, block_size=4)
+
+    def window(requests, k):
+        return [[100 + i for i in range(2 * k)] for _ in requests]
+
+    def verifying(params, blocks=20, prompt_len=5, k=2):
+        sched = Scheduler(
+            BlockPool(blocks),
+            limits,
+            propose=lambda reqs, n: [[7] * m for m in n],
+            num_speculative=k,
+            lookahead=window,
+        )
+        reqs = [sched.add(list(range(1, prompt_len + 1)), p) for p in params]
+        sched.update(sched.schedule(), [9] * len(reqs))  # the prefill; then a verify step
+        step = sched.schedule()
+        assert all(len(s.draft) == k for s in step.scheduled)
+        sched.launched(step)
+        return sched, step
+
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    sched, step = verifying([greedy, greedy])
+    ahead = sched.schedule_ahead(step)
+    assert ahead is not None and all(s.ahead for s in ahead.scheduled)
+    assert [s.start for s in ahead.scheduled] == [s.start + 1 for s in step.scheduled]
+    assert ahead.scheduled[0].tokens == [PENDING_TOKEN] * 3
+    # Blocks for the worst case: both drafts kept, then three more tokens.
+    assert all(len(s.request.blocks) * 4 >= s.start + 6 for s in step.scheduled)
+    # The first request keeps one draft, the second none: starts, drafts and tokens
+    # follow, picked from each window.
+    sched.resolve(step, [[7, 11], [12]])
+    sched.settle_ahead(ahead, step, [[7, 11], [12]])
+    first, second = ahead.scheduled
+    assert (first.start, first.draft, first.tokens) == (
+        step.scheduled[0].start + 2,
+        [101, 102],
+        [11, 101, 102],
+    )
+    assert (second.start, second.draft, second.tokens) == (
+        step.scheduled[1].start + 1,
+        [100, 101],
+        [12, 100, 101],
+    )
+    assert first.request.num_pending == 1 and first.request.num_cached == first.start + 3
+
+    # Not blind: a sampled request, a waiting one, too little room, no free block.
+    sampled = SamplingParams(max_tokens=20, temperature=0.7)
+    assert sched.schedule_ahead(verifying([greedy, sampled])[1]) is None
+    s2, st2 = verifying([greedy])
+    s2.add([1, 2, 3], greedy)
+    assert s2.schedule_ahead(st2) is None
+    short = SamplingParams(max_tokens=6, ignore_eos=True)  # 1 + 2 + 3 > 6 - 1
+    assert sched.schedule_ahead(verifying([short])[1]) is None
+    s3, st3 = verifying([greedy], prompt_len=34)  # 34 + 2 * 2 + 3 > 40
+    assert s3.schedule_ahead(st3) is None
+    s4, st4 = verifying([greedy, greedy], blocks=7, prompt_len=7)
+    assert s4.schedule_ahead(st4) is None
+    no_lookahead = Scheduler(
+        BlockPool(20), limits, propose=lambda r, n: [[7] * m for m in n], num_speculative=2
+    )
+    no_lookahead.add([1, 2, 3], greedy)
+    no_lookahead.update(no_lookahead.schedule(), [9])
+    st5 = no_lookahead.schedule()
+    no_lookahead.launched(st5)
+    assert no_lookahead.schedule_ahead(st5) is None

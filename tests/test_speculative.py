@@ -142,3 +142,65 @@ def test_the_device_side_draft_loop_drafts_what_step_by_step_drafting_does(k):
     compared = check_drafts_against(StepByStepDraft(llm, 2), llm)
     llm.generate(prompts, params)
     assert sum(compared) > 20 and llm.spec_stats.accepted > 0
+
+
+def wrong_every(tokens, every, offset=3):
+    """``tokens`` with every ``every``-th one changed: an oracle that is sometimes wrong."""
+    return [(t + 1) % 1000 if i % every == offset else t for i, t in enumerate(tokens)]
+
+
+@pytest.fixture(scope="module")
+def longer():
+    """Longer answers (30 to 50 tokens): lookahead needs room for two full drafts."""
+    prompts, _ = prompts_and_params()
+    rng = random.Random(11)
+    params = [SamplingParams(max_tokens=rng.randint(30, 50), ignore_eos=True) for _ in prompts]
+    plain = [o.token_ids for o in engine(max_num_seqs=8).generate(prompts, params)]
+    return prompts, params, plain
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_verify_steps_scheduled_ahead_equal_synchronous_ones(longer, k):
+    # An oracle wrong at every fifth token: some verify steps keep every draft, others
+    # few, so the device picks different inputs per request for the step queued ahead.
+    prompts, params, plain = longer
+    known = {tuple(p): wrong_every(out, 5) for p, out in zip(prompts, plain, strict=True)}
+    runs = {}
+    for ahead in (True, False):
+        llm = engine(
+            speculative=SpeculativeConfig("oracle", k, oracle=known),
+            async_scheduling=ahead,
+            max_num_seqs=8,
+        )
+        runs[ahead] = ([o.token_ids for o in llm.generate(prompts, params)], llm.spec_stats)
+    (got, st), (sync_got, sync_st) = runs[True], runs[False]
+    assert got == sync_got == plain
+    assert st.ahead_steps > 0 and sync_st.ahead_steps == 0
+    assert 0 < st.acceptance_rate < 1
+    # The same drafts, verified and accepted alike: the drafts chosen on the device are
+    # the ones the synchronous engine proposes after each outcome.
+    counts = (st.drafted, st.accepted, st.verifications, st.tokens)
+    assert counts == (sync_st.drafted, sync_st.accepted, sync_st.verifications, sync_st.tokens)
+
+
+def test_steps_scheduled_ahead_with_stop_tokens_waiting_requests_and_sampling(plain):
+    prompts, params = prompts_and_params()
+    # Stop tokens met inside accepted drafts end a request while the step after it is
+    # already queued; four sequences at most, so requests wait and lookahead pauses; a
+    # sampled request makes its steps synchronous. Greedy outputs still equal plain's.
+    stops = [
+        SamplingParams(
+            max_tokens=p.max_tokens, ignore_eos=True, stop_token_ids=(out[len(out) // 2],)
+        )
+        for p, out in zip(params, plain, strict=True)
+    ]
+    want = [o.token_ids for o in engine().generate(prompts, stops)]
+    known = {tuple(p): wrong_every(out, 7) for p, out in zip(prompts, plain, strict=True)}
+    llm = engine(speculative=SpeculativeConfig("oracle", 3, oracle=known))
+    assert [o.token_ids for o in llm.generate(prompts, stops)] == want
+    assert llm.spec_stats.ahead_steps > 0
+    assert llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks - 1, "blocks returned"
+    sampled = SamplingParams(max_tokens=20, temperature=0.8)
+    outs = llm.generate(prompts[:2] + prompts[:1], [stops[0], stops[1], sampled])
+    assert [o.token_ids for o in outs[:2]] == want[:2]
+    assert all(0 <= t < 1024 for t in outs[2].token_ids)

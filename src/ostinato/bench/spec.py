@@ -50,6 +50,9 @@ class SpecRow:
     target_steps_per_token: float
     same_tokens_as_plain: bool
     draft_ms_per_call: float = float("nan")  # self-draft: one k-token proposal, wall time
+    # Verify steps queued while the one before ran (the oracle's lookahead; "oracle in
+    # turn" is the same proposer with each step waiting for the one before).
+    ahead_steps: int = 0
     # Per request, the index of its first token that differs from plain decoding's (-1:
     # none): late, isolated divergences point at rounding near-ties, early ones at a bug.
     first_difference: list[int] = field(default_factory=list)
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> SpecResult:
                     _first_difference(a, p) for a, p in zip(tokens, plain[b], strict=True)
                 ],
             )
+            row.ahead_steps = st.ahead_steps - stats0["ahead_steps"]
             drafter = getattr(llm, "drafter", None)
             if drafter is not None and drafter.calls:
                 row.draft_ms_per_call = drafter.seconds / drafter.calls * 1e3
@@ -176,16 +180,21 @@ def run(args: argparse.Namespace) -> SpecResult:
     measure(plain_llm, "none", 0)
     plain_llm.close()
     for k in args.k:
-        proposers = {
-            "ngram": SpeculativeConfig("ngram", k),
-            f"self:{args.draft_layers}": SpeculativeConfig("self", k, args.draft_layers),
-            f"self:{args.draft_layers} eager": SpeculativeConfig(
-                "self", k, args.draft_layers, draft_graphs=False
+        oracle = SpeculativeConfig("oracle", k, oracle=known)
+        proposers: dict[str, tuple[SpeculativeConfig, bool]] = {
+            "ngram": (SpeculativeConfig("ngram", k), True),
+            f"self:{args.draft_layers}": (SpeculativeConfig("self", k, args.draft_layers), True),
+            f"self:{args.draft_layers} eager": (
+                SpeculativeConfig("self", k, args.draft_layers, draft_graphs=False),
+                True,
             ),
-            "oracle": SpeculativeConfig("oracle", k, oracle=known),
+            "oracle": (oracle, True),
+            "oracle in turn": (oracle, False),
         }
-        for name, spec in proposers.items():
-            llm = LLM(args.model, speculative=spec, **kw)
+        for name, (spec, ahead) in proposers.items():
+            if args.proposers and name not in args.proposers:
+                continue
+            llm = LLM(args.model, speculative=spec, async_scheduling=ahead, **kw)
             measure(llm, name, k)
             llm.close()
     result.notes.append(
@@ -218,6 +227,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mode", default="auto")
     parser.add_argument("--dtype", default=None, help="default: the engine's for the model")
     parser.add_argument("--quick", action="store_true", help="the tiny model on the CPU")
+    parser.add_argument(
+        "--proposers",
+        type=lambda t: [p.strip() for p in t.split(",") if p.strip()],
+        default=[],
+        help="only these (comma-separated names as printed, e.g. 'oracle,oracle in turn')",
+    )
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args(argv)
     if any(k < 1 or k > 16 for k in args.k):
@@ -225,6 +240,14 @@ def main(argv: list[str]) -> int:
     if args.quick or not torch.cuda.is_available():
         args.model, args.batch_sizes, args.new_tokens, args.draft_layers = "tiny", [1, 2], 16, 2
         print("CPU form (--quick or no CUDA): the tiny random model, B = 1, 2")
+    names = {"ngram", "self", "self eager", "oracle", "oracle in turn"}
+    unknown = [p for p in args.proposers if p.replace(f":{args.draft_layers}", "") not in names]
+    if unknown:
+        parser.error(
+            f"argument --proposers: {', '.join(map(repr, unknown))} not among "
+            f"ngram, self:{args.draft_layers}, self:{args.draft_layers} eager, oracle, "
+            "oracle in turn"
+        )
     result = run(args)
     if args.out:
         write_result(args.out, result, Provenance.collect())

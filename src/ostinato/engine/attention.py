@@ -29,6 +29,8 @@ from ostinato.resolution import AttentionGraphSupport
 class AttentionMetadata:
     """What attention needs for one step. Device tensors are views of the runner's
     persistent buffers (fixed addresses); host lists are for the torch backend only.
+    ``seq_lens`` are lower bounds for a verify step scheduled ahead (the device adds the
+    previous step's accepted counts to its positions): the positions are the truth.
 
     Per token: ``positions`` (absolute; -1 marks a padding row, which attends to nothing
     and whose output is zero), ``token_req`` (row of ``block_tables``), ``slot_mapping``
@@ -122,8 +124,12 @@ class TorchAttention:
         block_size = k_cache.shape[1]
         heads, kv_heads = q.shape[1], k_cache.shape[2]
         tables = meta.block_tables.tolist()
+        # Each request's length from its last row's position, which the device may have
+        # moved on (a step scheduled ahead); the host's seq_lens can lag it.
+        positions = meta.positions.tolist()
         start = 0
-        for r, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
+        for r, qlen in enumerate(meta.query_lens):
+            slen = positions[start + qlen - 1] + 1
             blocks = torch.tensor(tables[r][: ceil_div(slen, block_size)], device=q.device)
             k = k_cache[blocks].flatten(0, 1)[:slen]  # [slen, kv_heads, d]
             v = v_cache[blocks].flatten(0, 1)[:slen]

@@ -109,7 +109,10 @@ class LLM:
     ``"one-shot"`` or ``"two-shot"`` force one (the symmetric ones up to their 8 MiB buffer).
 
     ``async_scheduling``: schedule and stage step N+1 while step N runs (outputs are the
-    same as without it); off under data parallelism and speculative decoding.
+    same as without it); off under data parallelism. With speculative decoding it applies
+    to greedy verify steps whose proposer can draft before the previous step's outcome
+    is known (the oracle): the next step's input ids and positions are picked on the
+    device by the accepted counts; other steps run in turn.
 
     ``speculative``: draft tokens verified in one target step: ``"ngram"`` (prompt
     lookup), ``"self:N"`` (the model's first N layers draft), or a ``SpeculativeConfig``
@@ -253,6 +256,9 @@ class LLM:
         self.async_scheduling = (
             async_scheduling and data_parallel_size == 1 and self.speculative is None
         )
+        # A verify step's outcome decides the next draft: only a lookahead proposer
+        # lets speculative steps overlap (StepLoop.speculative_steps).
+        self.verify_ahead = async_scheduling and data_parallel_size == 1
         self.failure: RankFailure | None = None
         self.workers = self._start_workers(parallel_config, engine_kwargs)
         try:
@@ -418,6 +424,7 @@ class LLM:
             source.eos_token_ids,
             propose=propose,
             num_speculative=spec.k if spec else 0,
+            lookahead=propose.window if isinstance(propose, OracleProposer) else None,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.loop = StepLoop(
@@ -560,7 +567,12 @@ class LLM:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
-            steps = self.loop.async_steps() if self.async_scheduling else self.loop.sync_steps()
+            if self.async_scheduling:
+                steps = self.loop.async_steps()
+            elif self.speculative is not None and self.verify_ahead:
+                steps = self.loop.speculative_steps()
+            else:
+                steps = self.loop.sync_steps()
             watchdog = self._watchdog()
             with watchdog.watching() if watchdog else contextlib.nullcontext():
                 for _ in steps:

@@ -19,7 +19,7 @@ from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.graph_sampler import GraphSampler
 from ostinato.engine.greedy import greedy_tokens
-from ostinato.engine.inputs import PreviousSample, StepInputs
+from ostinato.engine.inputs import AheadInputs, PreviousSample, StepInputs
 from ostinato.engine.kernel_options import KernelOptions
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
@@ -333,12 +333,13 @@ class ModelRunner:
         step: ScheduledBatch,
         agreement: StepAgreement | None = None,
         previous: PreviousSample | None = None,
+        ahead: AheadInputs | None = None,
     ) -> torch.Tensor:
         """Runs ``step``; returns float32 logits, one row per scheduled request (or, for a
         request verifying a draft, ``1 + len(draft)`` rows: its last token's and each
         draft token's).
         ``previous``: the last launched step's samples, for decodes whose input token is
-        still on the device.
+        still on the device; ``ahead``: a verify step scheduled ahead's device inputs.
 
         With a data-parallel ``agreement`` the step runs at the agreed padded size and
         uniformity, which every replica's identical dispatcher maps to the same mode; an
@@ -365,7 +366,7 @@ class ModelRunner:
             self.inputs.write_padding(padded)
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
-        layout = self.inputs.write(step, padded, previous)
+        layout = self.inputs.write(step, padded, previous, ahead)
         ubatch = (
             self.would_micro_batch(dispatch.mode, padded, step)
             if agreement is None

@@ -104,16 +104,31 @@ class OracleProposer:
             out.append(list(future[len(r.output) : len(r.output) + k]))
         return out
 
+    def window(self, requests: list[Request], k: int) -> list[list[int]]:
+        """For requests whose verify step (drafts from ``len(output)``) is still on the
+        device: the ``2k`` known tokens after its first, so that the next draft, if that
+        step accepts ``a`` drafts, is ``window[a : a + k]`` (padded with the last one)."""
+        out = []
+        for r in requests:
+            future = self.known.get(tuple(r.prompt), ())
+            start = len(r.output) + 1
+            w = list(future[start : start + 2 * k])
+            fill = w[-1] if w else (r.output[-1] if r.output else r.prompt[-1])
+            out.append(w + [fill] * (2 * k - len(w)))
+        return out
+
 
 @dataclass
 class SpeculativeStats:
     """Counts over the engine's life: draft tokens proposed and accepted, verify
-    (target) steps per request, and the tokens those steps produced."""
+    (target) steps per request, the tokens those steps produced, and the verify steps
+    scheduled ahead (``StepLoop.speculative_steps``)."""
 
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0
     tokens: int = 0
+    ahead_steps: int = 0  # verify steps queued while the one before was on the device
 
     @property
     def acceptance_rate(self) -> float:
@@ -162,6 +177,24 @@ def verify(
         else:
             out.append(_accept_sampled(s.draft, filtered_probs(rows, p), generator))
     return out
+
+
+def accept_greedy(step: ScheduledBatch, targets: Sequence[int]) -> list[list[int]]:
+    """``verify`` for a step whose requests are all greedy and all carry drafts, from
+    the host copy of its argmax (``1 + len(draft)`` entries per request, in order)."""
+    out, row = [], 0
+    for s in step.scheduled:
+        count = 1 + len(s.draft)
+        out.append(_accept_greedy(s.draft, list(targets[row : row + count])))
+        row += count
+    return out
+
+
+def accepted_on_device(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per request, how many leading drafts equal the target's argmax, on the device
+    (``drafts``: ``[R, k]``, ``targets``: ``[R, k + 1]``; returns ``[R]`` long): the rule
+    of ``accept_greedy``, with no synchronisation."""
+    return (drafts == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1)
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -12,11 +12,17 @@ import torch
 from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_proposal
 from ostinato.distributed.failure import RankFailure, wait_for_device
 from ostinato.distributed.groups import ParallelGroups
-from ostinato.engine.inputs import PreviousSample, to_device
+from ostinato.engine.greedy import greedy_tokens
+from ostinato.engine.inputs import AheadInputs, PreviousSample, to_device
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import sample
 from ostinato.engine.scheduler import Request, ScheduledBatch, Scheduler
-from ostinato.engine.speculative import SpeculativeStats, verify
+from ostinato.engine.speculative import (
+    SpeculativeStats,
+    accept_greedy,
+    accepted_on_device,
+    verify,
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,20 @@ class InFlight:
     host: torch.Tensor
     done: torch.cuda.Event | None
     resolved: list[int | list[int]] | None = None  # a verify step's tokens, already known
+
+
+@dataclass(frozen=True)
+class VerifyOnDevice:
+    """A greedy verify step on the device, acceptance included: per request, the count
+    of drafts kept (``accepted``, ``[R]``) and the token after them (``bonus``, ``[R]``),
+    on the device; the host copy of its argmax (``host``, ``[R * (1 + k)]``) and the
+    event that marks that copy done (None on the CPU)."""
+
+    step: ScheduledBatch
+    accepted: torch.Tensor
+    bonus: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 class StepLoop:
@@ -77,6 +97,118 @@ class StepLoop:
                 self.resolve(inflight)
             inflight = launched
             yield
+
+    def speculative_steps(self) -> Iterator[None]:
+        """Speculative decoding with lookahead: while verify step N runs, step N+1 (the
+        same requests, each drafting after whatever N accepts) is scheduled, staged and
+        queued; the device picks its input ids and positions by N's accepted counts, so
+        the host's work hides behind the device's as in ``async_steps``, and outputs are
+        the synchronous engine's. A step that cannot be scheduled blind
+        (``Scheduler.schedule_ahead``: a request arriving, a sampled request, a short
+        draft, no free block for the worst case) runs synchronously, and lookahead
+        resumes at the next greedy verify step. Yields after each step's tokens are in."""
+        inflight: VerifyOnDevice | None = None
+        while self.scheduler.has_work or inflight is not None:
+            if inflight is None:
+                step = self.scheduler.schedule()
+                if not step.scheduled:
+                    raise RuntimeError("scheduler produced an empty step with work pending")
+                if self._verifies_ahead(step):
+                    inflight = self._launch_verify(step, None)
+                else:
+                    launched = self.launch(step)
+                    if launched is not None:
+                        self.resolve(launched)
+                yield
+                continue
+            ahead = self.scheduler.schedule_ahead(inflight.step)
+            following = self._launch_verify(ahead, inflight) if ahead is not None else None
+            self._settle(inflight, following)
+            inflight = following
+            yield
+
+    def _verifies_ahead(self, step: ScheduledBatch) -> bool:
+        """Whether ``step`` can be verified on the device (and the next one scheduled
+        while it runs): every request greedy with a full draft, a lookahead proposer."""
+        k = self.scheduler.num_speculative
+        return (
+            self.scheduler.lookahead is not None
+            and step.uniform_decode
+            and all(len(s.draft) == k and s.request.params.temperature == 0 for s in step.scheduled)
+        )
+
+    def _launch_verify(
+        self, step: ScheduledBatch, previous: VerifyOnDevice | None
+    ) -> VerifyOnDevice:
+        """Queues greedy verify ``step`` and its acceptance on the device. ``previous``:
+        the verify step ``step`` was scheduled ahead of, whose accepted counts pick this
+        step's input token and draft (from each request's window)."""
+        r, k = len(step.scheduled), self.scheduler.num_speculative
+        ahead = None
+        if previous is None:
+            drafts = to_device(
+                [d for s in step.scheduled for d in s.draft], torch.long, self.device
+            )
+            drafts = drafts.view(r, k)
+        else:
+            windows = to_device(
+                [t for s in step.scheduled for t in s.window], torch.long, self.device
+            ).view(r, 2 * k)
+            picks = previous.accepted[:, None] + torch.arange(k, device=self.device)
+            drafts = windows.gather(1, picks)
+            ahead = AheadInputs(previous.accepted, torch.cat([previous.bonus[:, None], drafts], 1))
+            self.spec_stats.ahead_steps += 1
+        logits = self.runner.execute(step, ahead=ahead)
+        n = r * (k + 1)
+        greedy = self.runner.greedy
+        targets = (greedy[:n] if greedy is not None else greedy_tokens(logits)).view(r, k + 1)
+        accepted = accepted_on_device(drafts, targets)
+        bonus = targets.gather(1, accepted[:, None]).squeeze(1)
+        if previous is None:
+            self.scheduler.launched(step)
+        host, done = self._copy_back(targets.reshape(-1))
+        return VerifyOnDevice(step, accepted, bonus, host, done)
+
+    def _settle(self, launched: VerifyOnDevice, following: VerifyOnDevice | None) -> None:
+        """Waits for ``launched``'s tokens, records them, and fills in ``following`` (the
+        step scheduled ahead of it, already on the device)."""
+        self._wait(launched.done)
+        got = accept_greedy(launched.step, launched.host.tolist())
+        self._count(launched.step, got)
+        self.scheduler.resolve(launched.step, got)
+        if following is not None:
+            self.scheduler.settle_ahead(following.step, launched.step, got)
+
+    def _copy_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Starts copying ``tokens`` to the host; the event marks it done (None: done)."""
+        if self.device.type == "cuda":
+            host = tokens.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return host, done
+        # A copy, always: ``tokens`` may be a view of a graph's static output, which
+        # the next step's replay overwrites before this step is resolved.
+        return tokens.to("cpu", copy=True), None
+
+    def _wait(self, done: torch.cuda.Event | None) -> None:
+        """Waits for a copy back; under tensor or data parallelism the wait is bounded
+        and watches the peers (a collective inside a graph waits forever for a dead
+        peer)."""
+        if done is None:
+            return
+        if self.parallel.world_size > 1:
+            wait_for_device(done, self.peer_failure, self.parallel.rank, self.parallel.timeout_s)
+        else:
+            done.synchronize()
+
+    def _count(self, step: ScheduledBatch, got: list[int | list[int]]) -> None:
+        stats = self.spec_stats
+        for s, tokens in zip(step.scheduled, got, strict=True):
+            if s.draft and isinstance(tokens, list):
+                stats.drafted += len(s.draft)
+                stats.accepted += len(tokens) - 1
+                stats.verifications += 1
+                stats.tokens += len(tokens)
 
     def step(self) -> list[Request] | None:
         """Runs one scheduled step and waits for its tokens; returns the requests that
@@ -138,15 +270,7 @@ class StepLoop:
                 tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
         self.scheduler.launched(step)
         index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
-        done = None
-        if self.device.type == "cuda":
-            host = tokens.to("cpu", non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            # A copy, always: ``tokens`` may be a view of a graph's static output, which
-            # the next step's replay overwrites before this step is resolved.
-            host = tokens.to("cpu", copy=True)
+        host, done = self._copy_back(tokens)
         return InFlight(step, PreviousSample(tokens, index), host, done)
 
     def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:
@@ -154,13 +278,7 @@ class StepLoop:
         # A uniform verify step's graph ends in the argmax: no second pass over the logits.
         got = verify(logits, step, self.generator, self.runner.greedy)
         self.scheduler.launched(step)
-        stats = self.spec_stats
-        for s, tokens in zip(step.scheduled, got, strict=True):
-            if s.draft and isinstance(tokens, list):
-                stats.drafted += len(s.draft)
-                stats.accepted += len(tokens) - 1
-                stats.verifications += 1
-                stats.tokens += len(tokens)
+        self._count(step, got)
         empty = torch.empty(0, dtype=torch.long)
         return InFlight(step, PreviousSample(empty, {}), empty, None, got)
 
@@ -171,11 +289,5 @@ class StepLoop:
         for a dead peer)."""
         if launched.resolved is not None:
             return self.scheduler.resolve(launched.step, launched.resolved)
-        if launched.done is not None:
-            if self.parallel.world_size > 1:
-                wait_for_device(
-                    launched.done, self.peer_failure, self.parallel.rank, self.parallel.timeout_s
-                )
-            else:
-                launched.done.synchronize()
+        self._wait(launched.done)
         return self.scheduler.resolve(launched.step, launched.host.tolist())

@@ -1,0 +1,164 @@
+"""Where a speculative step's time goes, against a plain decode step.
+
+For plain decoding and the oracle proposer (k drafts, all accepted) at batch size B, one
+``generate`` of ``new_tokens`` tokens after a warm-up, with every step's phases timed:
+the host's scheduling (drafts included), ``execute`` (staging and launch), the wait for the
+sampled tokens, acceptance and bookkeeping, and the device time of the step's forward pass
+(CUDA events around the graph replay). Random weights of SmolLM2-135M's shape unless
+``--model`` names another.
+
+    PYTHONPATH=src python benchmarks/spec_step_profile.py --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine import step_loop as step_loop_module
+from ostinato.engine.speculative import SpeculativeConfig
+from ostinato.provenance import Provenance
+
+SMOLLM2_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass
+class PhaseRow:
+    """Median microseconds per step of each phase, and the step's wall time."""
+
+    system: str
+    dtype: str
+    batch: int
+    steps: int
+    tokens_per_s: float
+    wall_us_per_step: float
+    phases_us: dict[str, float] = field(default_factory=dict)
+
+
+class Timers:
+    """Wraps callables so each call's wall time lands in ``spans[name]``."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[float]] = defaultdict(list)
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wrap(self, obj: object, attr: str, name: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.spans[name].append((time.perf_counter() - t) * 1e6)
+
+        setattr(obj, attr, timed)
+
+    def wrap_device(self, obj: object, attr: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(*a, **kw)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        setattr(obj, attr, timed)
+
+
+def profile(model, dtype: str, batch: int, spec: SpeculativeConfig | None, new_tokens, device):
+    kw = dict(mode="auto", device=device, dtype=dtype, max_num_seqs=max(batch, 1), progress=False)
+    llm = LLM(model, speculative=spec, **kw)
+    prompts = [[1 + (i * 7 + j) % 400 for j in range(64)] for i in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up
+    timers = Timers()
+    timers.wrap(llm.scheduler, "schedule", "schedule")
+    timers.wrap(llm.scheduler, "resolve", "resolve")
+    timers.wrap(llm.runner, "execute", "execute")
+    timers.wrap(step_loop_module, "verify", "verify (waits)")
+    cuda = device == "cuda"
+    if cuda:
+        timers.wrap_device(llm.runner, "run_logits")
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    steps = len(timers.spans["execute"])
+    phases = {k: statistics.median(v) for k, v in timers.spans.items()}
+    if cuda:
+        torch.cuda.synchronize()
+        fwd = [s.elapsed_time(e) * 1e3 for s, e in timers.events]
+        phases["device forward (median)"] = statistics.median(fwd)
+    produced = sum(len(o.token_ids) for o in outs)
+    llm.close()
+    return outs, PhaseRow(
+        "plain" if spec is None else f"oracle k={spec.k}",
+        dtype,
+        batch,
+        steps,
+        produced / seconds,
+        seconds * 1e6 / steps,
+        phases,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from ostinato.engine.config import ModelConfig
+
+    model = args.model or ModelConfig.from_hf(SMOLLM2_SHAPE)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for b in map(int, args.batch_sizes.split(",")):
+            outs, row = profile(model, dtype, b, None, args.new_tokens, args.device)
+            rows.append(row)
+            known = {tuple(o.prompt_token_ids): o.token_ids for o in outs}
+            spec = SpeculativeConfig("oracle", args.k, oracle=known)
+            _, srow = profile(model, dtype, b, spec, args.new_tokens, args.device)
+            rows.append(srow)
+            for r in (row, srow):
+                print(json.dumps(asdict(r)), flush=True)
+            print(f"ratio {dtype} B={b}: {srow.tokens_per_s / row.tokens_per_s:.2f}x", flush=True)
+    if args.out:
+        out = {
+            "benchmark": "spec_step_profile",
+            "provenance": asdict(Provenance.collect()),
+            "rows": [asdict(r) for r in rows],
+        }
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

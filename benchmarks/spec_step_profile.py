@@ -54,6 +54,7 @@ class PhaseRow:
     tokens_per_s: float
     wall_us_per_step: float
     phases_us: dict[str, float] = field(default_factory=dict)
+    ahead_steps: int = 0
 
 
 class Timers:
@@ -89,21 +90,27 @@ class Timers:
         setattr(obj, attr, timed)
 
 
-def profile(model, dtype: str, batch: int, spec: SpeculativeConfig | None, new_tokens, device):
+def profile(model, dtype, batch, spec, ahead, new_tokens, device):
     kw = dict(mode="auto", device=device, dtype=dtype, max_num_seqs=max(batch, 1), progress=False)
-    llm = LLM(model, speculative=spec, **kw)
+    llm = LLM(model, speculative=spec, async_scheduling=ahead, **kw)
     prompts = [[1 + (i * 7 + j) % 400 for j in range(64)] for i in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up
     timers = Timers()
+    loop = llm.loop
     timers.wrap(llm.scheduler, "schedule", "schedule")
+    timers.wrap(llm.scheduler, "schedule_ahead", "schedule_ahead")
     timers.wrap(llm.scheduler, "resolve", "resolve")
     timers.wrap(llm.runner, "execute", "execute")
+    timers.wrap(loop, "launch_verify", "launch_verify (execute inside)")
+    timers.wrap(loop, "settle", "settle (wait inside)")
+    timers.wrap(loop, "wait_copy", "wait for tokens")
     timers.wrap(step_loop_module, "verify", "verify (waits)")
     cuda = device == "cuda"
     if cuda:
         timers.wrap_device(llm.runner, "run_logits")
         torch.cuda.synchronize()
+    ahead_before = llm.spec_stats.ahead_steps
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -114,16 +121,19 @@ def profile(model, dtype: str, batch: int, spec: SpeculativeConfig | None, new_t
         fwd = [s.elapsed_time(e) * 1e3 for s, e in timers.events]
         phases["device forward (median)"] = statistics.median(fwd)
     produced = sum(len(o.token_ids) for o in outs)
-    llm.close()
-    return outs, PhaseRow(
-        "plain" if spec is None else f"oracle k={spec.k}",
+    name = "plain" if spec is None else f"oracle k={spec.k}" + (" ahead" if ahead else " in turn")
+    row = PhaseRow(
+        name,
         dtype,
         batch,
         steps,
         produced / seconds,
         seconds * 1e6 / steps,
         phases,
+        ahead_steps=llm.spec_stats.ahead_steps - ahead_before,
     )
+    llm.close()
+    return outs, row
 
 
 def main() -> None:
@@ -142,15 +152,17 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         for b in map(int, args.batch_sizes.split(",")):
-            outs, row = profile(model, dtype, b, None, args.new_tokens, args.device)
+            outs, row = profile(model, dtype, b, None, True, args.new_tokens, args.device)
+            print(json.dumps(asdict(row)), flush=True)
             rows.append(row)
             known = {tuple(o.prompt_token_ids): o.token_ids for o in outs}
             spec = SpeculativeConfig("oracle", args.k, oracle=known)
-            _, srow = profile(model, dtype, b, spec, args.new_tokens, args.device)
-            rows.append(srow)
-            for r in (row, srow):
-                print(json.dumps(asdict(r)), flush=True)
-            print(f"ratio {dtype} B={b}: {srow.tokens_per_s / row.tokens_per_s:.2f}x", flush=True)
+            for ahead in (True, False):
+                _, srow = profile(model, dtype, b, spec, ahead, args.new_tokens, args.device)
+                rows.append(srow)
+                print(json.dumps(asdict(srow)), flush=True)
+                ratio = srow.tokens_per_s / row.tokens_per_s
+                print(f"{srow.system} {dtype} B={b}: {ratio:.2f}x plain", flush=True)
     if args.out:
         out = {
             "benchmark": "spec_step_profile",

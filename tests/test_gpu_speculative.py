@@ -97,10 +97,10 @@ def test_verify_steps_scheduled_ahead_equal_synchronous_ones_on_the_gpu(mode, dt
         execute = llm.runner.execute
 
         def recording(step, *a, _execute=execute, _llm=llm, _modes=modes, **kw):
-            out = _execute(step, *a, **kw)
-            if kw.get("ahead") is not None:  # replayed from a FULL graph: decode_padded set
-                _modes.append(_llm.runner.decode_padded is not None)
-            return out
+            if kw.get("ahead") is not None:  # the dispatch execute makes
+                d = _llm.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
+                _modes.append(d.mode.name == "FULL")
+            return _execute(step, *a, **kw)
 
         llm.runner.execute = recording
         runs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.spec_stats, modes))

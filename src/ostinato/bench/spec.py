@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> SpecResult:
 
     def measure(llm: Any, proposer: str, k: int) -> None:
         for b in args.batch_sizes:
-            if proposer == "oracle":
+            if proposer.startswith("oracle"):
                 known.clear()
                 known.update({tuple(p): t for p, t in zip(prompts[b], plain[b], strict=True)})
             llm.generate(prompts[b], params)  # warm-up

@@ -114,7 +114,7 @@ class StepLoop:
                 if not step.scheduled:
                     raise RuntimeError("scheduler produced an empty step with work pending")
                 if self._verifies_ahead(step):
-                    inflight = self._launch_verify(step, None)
+                    inflight = self.launch_verify(step, None)
                 else:
                     launched = self.launch(step)
                     if launched is not None:
@@ -122,8 +122,8 @@ class StepLoop:
                 yield
                 continue
             ahead = self.scheduler.schedule_ahead(inflight.step)
-            following = self._launch_verify(ahead, inflight) if ahead is not None else None
-            self._settle(inflight, following)
+            following = self.launch_verify(ahead, inflight) if ahead is not None else None
+            self.settle(inflight, following)
             inflight = following
             yield
 
@@ -137,7 +137,7 @@ class StepLoop:
             and all(len(s.draft) == k and s.request.params.temperature == 0 for s in step.scheduled)
         )
 
-    def _launch_verify(
+    def launch_verify(
         self, step: ScheduledBatch, previous: VerifyOnDevice | None
     ) -> VerifyOnDevice:
         """Queues greedy verify ``step`` and its acceptance on the device. ``previous``:
@@ -169,10 +169,10 @@ class StepLoop:
         host, done = self._copy_back(targets.reshape(-1))
         return VerifyOnDevice(step, accepted, bonus, host, done)
 
-    def _settle(self, launched: VerifyOnDevice, following: VerifyOnDevice | None) -> None:
+    def settle(self, launched: VerifyOnDevice, following: VerifyOnDevice | None) -> None:
         """Waits for ``launched``'s tokens, records them, and fills in ``following`` (the
         step scheduled ahead of it, already on the device)."""
-        self._wait(launched.done)
+        self.wait_copy(launched.done)
         got = accept_greedy(launched.step, launched.host.tolist())
         self._count(launched.step, got)
         self.scheduler.resolve(launched.step, got)
@@ -190,7 +190,7 @@ class StepLoop:
         # the next step's replay overwrites before this step is resolved.
         return tokens.to("cpu", copy=True), None
 
-    def _wait(self, done: torch.cuda.Event | None) -> None:
+    def wait_copy(self, done: torch.cuda.Event | None) -> None:
         """Waits for a copy back; under tensor or data parallelism the wait is bounded
         and watches the peers (a collective inside a graph waits forever for a dead
         peer)."""
@@ -289,5 +289,5 @@ class StepLoop:
         for a dead peer)."""
         if launched.resolved is not None:
             return self.scheduler.resolve(launched.step, launched.resolved)
-        self._wait(launched.done)
+        self.wait_copy(launched.done)
         return self.scheduler.resolve(launched.step, launched.host.tolist())

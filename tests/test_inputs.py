@@ -1,6 +1,5 @@
 """The runner's persistent inputs: the row layout of a step and the padding convention."""
 
-import pytest
 import torch
 
 from ostinato.engine import SamplingParams
@@ -72,29 +71,3 @@ def test_a_drafting_request_needs_the_logits_of_its_last_token_and_each_draft():
     assert layout.logit_rows.tolist() == [0, 1, 2, 3]
     assert inputs.input_ids[:4].tolist() == [4, 7, 8, 6]
     assert inputs.positions[:5].tolist() == [3, 4, 5, 1, -1]
-
-
-def test_a_step_scheduled_ahead_is_completed_on_the_device():
-    from ostinato.engine.inputs import AheadInputs
-    from ostinato.engine.scheduler import PENDING_TOKEN
-
-    inputs = StepInputs(LIMITS, torch.device("cpu"))
-    a = Request(0, [1, 2, 3], SamplingParams(), blocks=[5, 2, 9])
-    b = Request(1, [4, 5], SamplingParams(), blocks=[7, 3])
-    pending = [PENDING_TOKEN] * 3
-    step = ScheduledBatch(
-        [
-            ScheduledRequest(a, list(pending), start=3, draft=[0, 0], ahead=True),
-            ScheduledRequest(b, list(pending), start=2, draft=[0, 0], ahead=True),
-        ]
-    )
-    ids = torch.tensor([[31, 32, 33], [41, 42, 43]])
-    # The step before kept two of a's drafts and none of b's.
-    inputs.write(step, padded=8, ahead=AheadInputs(torch.tensor([2, 0]), ids))
-    assert inputs.input_ids[:6].tolist() == [31, 32, 33, 41, 42, 43]
-    assert inputs.positions[:8].tolist() == [5, 6, 7, 2, 3, 4] + [PADDING.position] * 2
-    assert inputs.slot_mapping[:8].tolist() == [9, 10, 11, 30, 31, 12] + [PADDING.slot] * 2
-    with pytest.raises(RuntimeError, match="needs its AheadInputs"):
-        inputs.write(step, padded=8)
-    with pytest.raises(RuntimeError, match="ahead inputs hold 3 ids for 6 rows"):
-        inputs.write(step, padded=8, ahead=AheadInputs(torch.tensor([0, 0]), ids[:1]))

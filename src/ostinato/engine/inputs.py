@@ -39,7 +39,8 @@ class StepLayout:
     """Where each scheduled request's rows are: ``logit_rows`` (device: the rows whose
     logits the step needs, in request order: each request's last row, preceded by the
     rows of its draft tokens' predecessors when it verifies a draft) and the host lengths
-    (for a step scheduled ahead, ``seq_lens`` are lower bounds: see ``AheadInputs``)."""
+    (for a step scheduled ahead, ``seq_lens`` are lower bounds: its positions are moved
+    on in the step itself, ``engine.lookahead``)."""
 
     logit_rows: torch.Tensor
     query_lens: list[int]
@@ -53,17 +54,6 @@ class PreviousSample:
 
     tokens: torch.Tensor
     index: dict[int, int]
-
-
-@dataclass(frozen=True)
-class AheadInputs:
-    """A verify step scheduled ahead (``ScheduledRequest.ahead``): per request, the
-    count of drafts the previous step accepted (``accepted``: ``[R]`` long), added to the
-    staged positions, and the input ids (``ids``: ``[R, 1 + k]`` long), both on the
-    device, so the step is staged without waiting for the previous one's tokens."""
-
-    accepted: torch.Tensor
-    ids: torch.Tensor
 
 
 class StepInputs:
@@ -162,17 +152,11 @@ class StepInputs:
         self.slot_mapping[:n].fill_(PADDING.slot)
 
     def write(
-        self,
-        step: ScheduledBatch,
-        padded: int,
-        previous: PreviousSample | None = None,
-        ahead: AheadInputs | None = None,
+        self, step: ScheduledBatch, padded: int, previous: PreviousSample | None = None
     ) -> StepLayout:
         """Stages ``step``'s rows, pads them to ``padded`` rows, and copies them to the
         device buffers (asynchronously from pinned memory). Decodes whose token is still
-        on the device (``from_previous``) take it from ``previous`` by a device gather;
-        a step scheduled ahead takes its ids, and its positions' shift, from ``ahead``
-        (its slots are then computed on the device).
+        on the device (``from_previous``) take it from ``previous`` by a device gather.
 
         Host cost: numpy writes into the pinned staging (through views made once), with
         a fixed number of tensor operations per step whatever the batch size.
@@ -217,25 +201,7 @@ class StepInputs:
             source = to_device(gather_from, torch.long, self.device)
             rows = to_device(gather_rows, torch.long, self.device)
             self.input_ids.index_copy_(0, rows, previous.tokens.index_select(0, source))
-        if ahead is not None:
-            self.shift_ahead(n, ahead)
-        elif any(s.ahead for s in step.scheduled):
-            raise RuntimeError("a step scheduled ahead needs its AheadInputs")
         return StepLayout(to_device(last, torch.long, self.device), query_lens, seq_lens)
-
-    def shift_ahead(self, n: int, ahead: AheadInputs) -> None:
-        """Device-side completion of an ahead step's first ``n`` rows: ids from
-        ``ahead.ids``, positions moved on by each request's accepted count, slots
-        recomputed from the block table (which holds the worst case's blocks)."""
-        per_request = ahead.ids.shape[1]
-        if ahead.ids.numel() != n:
-            raise RuntimeError(f"ahead inputs hold {ahead.ids.numel()} ids for {n} rows")
-        bs = self.limits.block_size
-        pos = self.positions[:n]
-        pos.add_(ahead.accepted.repeat_interleave(per_request))
-        blocks = self.block_tables[self.token_req[:n].long(), pos // bs]
-        self.slot_mapping[:n].copy_(blocks.long() * bs + pos % bs)
-        self.input_ids[:n].copy_(ahead.ids.reshape(-1))
 
     def copy_staged(self, rows: int, num_reqs: int) -> None:
         """Copies the first ``rows`` staged rows and ``num_reqs`` staged block-table rows

@@ -416,6 +416,8 @@ class LLM:
             uniform_decode_query_len=1 + spec.k if spec else 1,
             micro_batching=self.micro_batching,
             kernels=self.kernels,
+            # Only the oracle drafts before a verify step's outcome is known.
+            lookahead=self.verify_ahead and spec is not None and spec.method == "oracle",
         )
         propose = self._proposer(backend, limits)
         self.scheduler = Scheduler(
@@ -424,7 +426,11 @@ class LLM:
             source.eos_token_ids,
             propose=propose,
             num_speculative=spec.k if spec else 0,
-            lookahead=propose.window if isinstance(propose, OracleProposer) else None,
+            lookahead=(
+                propose.window
+                if isinstance(propose, OracleProposer) and self.runner.lookahead
+                else None
+            ),
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.loop = StepLoop(

@@ -19,10 +19,11 @@ from ostinato.engine.attention_op import StepAttention
 from ostinato.engine.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.graph_sampler import GraphSampler
 from ostinato.engine.greedy import greedy_tokens
-from ostinato.engine.inputs import AheadInputs, PreviousSample, StepInputs
+from ostinato.engine.inputs import PreviousSample, StepInputs
 from ostinato.engine.kernel_options import KernelOptions
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.limits import EngineLimits
+from ostinato.engine.lookahead import VerifyLookahead
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.guard import capture_phase
@@ -65,6 +66,7 @@ class ModelRunner:
         uniform_decode_query_len: int = 1,
         micro_batching: MicroBatching | None = None,
         kernels: KernelOptions | None = None,
+        lookahead: bool = False,
     ) -> None:
         self.model = model
         # RoPE goes where the backend says: in the model, or inside the attention op.
@@ -74,6 +76,13 @@ class ModelRunner:
         self.limits = limits
         self.device = device
         self.inputs = StepInputs(limits, device)
+        # Verify steps scheduled ahead complete their inputs, and keep their acceptance
+        # for the next one, inside uniform decode steps (engine.lookahead).
+        self.lookahead = (
+            VerifyLookahead(self.inputs, uniform_decode_query_len - 1)
+            if lookahead and uniform_decode_query_len > 1
+            else None
+        )
         platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
             self._step,
@@ -177,6 +186,9 @@ class ModelRunner:
         self, d: BatchDescriptor, ubatched: bool
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = d.num_tokens
+        ahead = self.lookahead if d.uniform_decode else None
+        if ahead is not None:
+            ahead.prepare(n)
         if ubatched:
             hidden = self._run_static_ubatches(n)
         else:
@@ -184,7 +196,10 @@ class ModelRunner:
         if not d.uniform_decode:
             return hidden
         logits = self.model.compute_logits(hidden)
-        return logits, greedy_tokens(logits)
+        greedy = greedy_tokens(logits)
+        if ahead is not None:
+            ahead.accept(n, greedy)
+        return logits, greedy
 
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
@@ -333,13 +348,13 @@ class ModelRunner:
         step: ScheduledBatch,
         agreement: StepAgreement | None = None,
         previous: PreviousSample | None = None,
-        ahead: AheadInputs | None = None,
     ) -> torch.Tensor:
         """Runs ``step``; returns float32 logits, one row per scheduled request (or, for a
         request verifying a draft, ``1 + len(draft)`` rows: its last token's and each
         draft token's).
         ``previous``: the last launched step's samples, for decodes whose input token is
-        still on the device; ``ahead``: a verify step scheduled ahead's device inputs.
+        still on the device. A step scheduled ahead (``ScheduledRequest.ahead``) needs
+        ``verifies_ahead``: its ids, positions and slots are completed in the step.
 
         With a data-parallel ``agreement`` the step runs at the agreed padded size and
         uniformity, which every replica's identical dispatcher maps to the same mode; an
@@ -366,7 +381,14 @@ class ModelRunner:
             self.inputs.write_padding(padded)
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
-        layout = self.inputs.write(step, padded, previous, ahead)
+        layout = self.inputs.write(step, padded, previous)
+        if self.lookahead is not None and dispatch.descriptor.uniform_decode:
+            self.lookahead.stage(step, padded)
+        elif step.scheduled[0].ahead:
+            raise RuntimeError(
+                f"a step scheduled ahead dispatched to {dispatch}: only uniform decode "
+                "steps of a runner made with lookahead=True complete such a step"
+            )
         ubatch = (
             self.would_micro_batch(dispatch.mode, padded, step)
             if agreement is None
@@ -378,6 +400,15 @@ class ModelRunner:
             return self.model.compute_logits(hidden[layout.logit_rows])
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_rows)
+
+    def verifies_ahead(self, num_tokens: int) -> bool:
+        """Whether a uniform verify step of ``num_tokens`` rows can be one scheduled
+        ahead: this runner keeps lookahead state, and the step dispatches to a uniform
+        decode step (FULL_AND_PIECEWISE's and FULL_DECODE_ONLY's graphs, or eagerly in
+        NONE mode), which completes it and argmaxes its logits."""
+        if self.lookahead is None:
+            return False
+        return self.graphs.dispatch(num_tokens, uniform_decode=True).descriptor.uniform_decode
 
     def would_micro_batch(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
         """Whether ``step``, dispatched to ``mode`` at ``padded`` rows, runs as two

@@ -190,13 +190,6 @@ def accept_greedy(step: ScheduledBatch, targets: Sequence[int]) -> list[list[int
     return out
 
 
-def accepted_on_device(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per request, how many leading drafts equal the target's argmax, on the device
-    (``drafts``: ``[R, k]``, ``targets``: ``[R, k + 1]``; returns ``[R]`` long): the rule
-    of ``accept_greedy``, with no synchronisation."""
-    return (drafts == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-
-
 def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     t = torch.tensor([p.temperature], device=row.device)
     top = torch.tensor([p.top_p], device=row.device)

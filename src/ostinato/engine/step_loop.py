@@ -12,15 +12,13 @@ import torch
 from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_proposal
 from ostinato.distributed.failure import RankFailure, wait_for_device
 from ostinato.distributed.groups import ParallelGroups
-from ostinato.engine.greedy import greedy_tokens
-from ostinato.engine.inputs import AheadInputs, PreviousSample, to_device
+from ostinato.engine.inputs import PreviousSample, to_device
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampler import sample
 from ostinato.engine.scheduler import Request, ScheduledBatch, Scheduler
 from ostinato.engine.speculative import (
     SpeculativeStats,
     accept_greedy,
-    accepted_on_device,
     verify,
 )
 
@@ -40,14 +38,11 @@ class InFlight:
 
 @dataclass(frozen=True)
 class VerifyOnDevice:
-    """A greedy verify step on the device, acceptance included: per request, the count
-    of drafts kept (``accepted``, ``[R]``) and the token after them (``bonus``, ``[R]``),
-    on the device; the host copy of its argmax (``host``, ``[R * (1 + k)]``) and the
-    event that marks that copy done (None on the CPU)."""
+    """A greedy verify step on the device, its acceptance kept there for the step
+    scheduled ahead of it (``engine.lookahead``): the host copy of its argmax (``host``,
+    one per row) and the event that marks that copy done (None on the CPU)."""
 
     step: ScheduledBatch
-    accepted: torch.Tensor
-    bonus: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None
 
@@ -114,7 +109,7 @@ class StepLoop:
                 if not step.scheduled:
                     raise RuntimeError("scheduler produced an empty step with work pending")
                 if self._verifies_ahead(step):
-                    inflight = self.launch_verify(step, None)
+                    inflight = self.launch_verify(step, scheduled_ahead=False)
                 else:
                     launched = self.launch(step)
                     if launched is not None:
@@ -122,52 +117,39 @@ class StepLoop:
                 yield
                 continue
             ahead = self.scheduler.schedule_ahead(inflight.step)
-            following = self.launch_verify(ahead, inflight) if ahead is not None else None
+            following = (
+                self.launch_verify(ahead, scheduled_ahead=True) if ahead is not None else None
+            )
             self.settle(inflight, following)
             inflight = following
             yield
 
     def _verifies_ahead(self, step: ScheduledBatch) -> bool:
         """Whether ``step`` can be verified on the device (and the next one scheduled
-        while it runs): every request greedy with a full draft, a lookahead proposer."""
+        while it runs): a lookahead proposer, every request greedy with a full draft,
+        and a runner that completes such steps at this size."""
         k = self.scheduler.num_speculative
         return (
             self.scheduler.lookahead is not None
             and step.uniform_decode
             and all(len(s.draft) == k and s.request.params.temperature == 0 for s in step.scheduled)
+            and self.runner.verifies_ahead(step.num_tokens)
         )
 
-    def launch_verify(
-        self, step: ScheduledBatch, previous: VerifyOnDevice | None
-    ) -> VerifyOnDevice:
-        """Queues greedy verify ``step`` and its acceptance on the device. ``previous``:
-        the verify step ``step`` was scheduled ahead of, whose accepted counts pick this
-        step's input token and draft (from each request's window)."""
-        r, k = len(step.scheduled), self.scheduler.num_speculative
-        ahead = None
-        if previous is None:
-            drafts = to_device(
-                [d for s in step.scheduled for d in s.draft], torch.long, self.device
-            )
-            drafts = drafts.view(r, k)
-        else:
-            windows = to_device(
-                [t for s in step.scheduled for t in s.window], torch.long, self.device
-            ).view(r, 2 * k)
-            picks = previous.accepted[:, None] + torch.arange(k, device=self.device)
-            drafts = windows.gather(1, picks)
-            ahead = AheadInputs(previous.accepted, torch.cat([previous.bonus[:, None], drafts], 1))
-            self.spec_stats.ahead_steps += 1
-        logits = self.runner.execute(step, ahead=ahead)
-        n = r * (k + 1)
+    def launch_verify(self, step: ScheduledBatch, scheduled_ahead: bool) -> VerifyOnDevice:
+        """Queues greedy verify ``step`` and starts copying its argmax back. A step
+        ``scheduled_ahead`` is completed on the device by the outcome of the verify step
+        before it, and marked launched when that one is settled."""
+        self.runner.execute(step)
         greedy = self.runner.greedy
-        targets = (greedy[:n] if greedy is not None else greedy_tokens(logits)).view(r, k + 1)
-        accepted = accepted_on_device(drafts, targets)
-        bonus = targets.gather(1, accepted[:, None]).squeeze(1)
-        if previous is None:
+        if greedy is None:
+            raise RuntimeError("a verify step ran without its argmax: not a uniform decode step")
+        if not scheduled_ahead:
             self.scheduler.launched(step)
-        host, done = self._copy_back(targets.reshape(-1))
-        return VerifyOnDevice(step, accepted, bonus, host, done)
+        host, done = self._copy_back(greedy[: step.num_tokens])
+        if scheduled_ahead:
+            self.spec_stats.ahead_steps += 1
+        return VerifyOnDevice(step, host, done)
 
     def settle(self, launched: VerifyOnDevice, following: VerifyOnDevice | None) -> None:
         """Waits for ``launched``'s tokens, records them, and fills in ``following`` (the

@@ -77,6 +77,8 @@ spec-ahead)
             --proposers "oracle,oracle in turn" --out "$OUT/spec_oracle_${dt}_h100.json" \
             2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     done
+    timeout 120 python3 benchmarks/spec_step_profile.py --dtypes bfloat16 --batch-sizes 1 \
+        --out "$OUT/spec_step_profile_h100.json" 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     ;;
 spec-all)
     timeout 560 python3 -m ostinato.bench spec --k 4,2 --dtype "${SPEC_DTYPE:-bfloat16}" \

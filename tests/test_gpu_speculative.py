@@ -116,3 +116,50 @@ def test_verify_steps_scheduled_ahead_equal_synchronous_ones_on_the_gpu(mode, dt
         assert all(full), "every step scheduled ahead replays a uniform FULL graph"
     counts = (st.drafted, st.accepted, st.tokens)
     assert counts == (sync_st.drafted, sync_st.accepted, sync_st.tokens)
+
+
+def test_fused_lookahead_ops_equal_the_torch_reference():
+    # Random steps (uniform or not, scheduled ahead or not, with padding rows): the
+    # Triton prepare and accept leave every buffer as the torch ops do.
+    from ostinato.engine.inputs import StepInputs
+    from ostinato.engine.limits import EngineLimits
+    from ostinato.engine.lookahead import VerifyLookahead
+    from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+
+    rng, k, cuda = random.Random(0), 3, torch.device("cuda")
+    limits = EngineLimits(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=96, block_size=4)
+    for _ in range(40):
+        r, length = rng.randint(1, 6), rng.randint(1, k + 1)
+        ahead = length == k + 1 and rng.random() < 0.5
+        scheduled = []
+        for i in range(r):
+            start = rng.randint(1, 60)
+            req = Request(i, [1] * start, SamplingParams(), blocks=rng.sample(range(1, 40), 24))
+            tokens = [rng.randrange(100) for _ in range(length)]
+            window = [rng.randrange(100) for _ in range(2 * k)] if ahead else []
+            scheduled.append(
+                ScheduledRequest(req, tokens, start, draft=tokens[1:], ahead=ahead, window=window)
+            )
+        step, padded = ScheduledBatch(scheduled), r * length + rng.randint(0, 5)
+        carried = torch.tensor(
+            [[rng.randint(0, k) for _ in range(6)], [rng.randrange(100) for _ in range(6)]]
+        )
+        runs = []
+        for fused in (True, False):
+            inputs = StepInputs(limits, cuda)
+            lookahead = VerifyLookahead(inputs, k)
+            assert lookahead.fused
+            lookahead.fused = fused
+            inputs.write(step, padded)
+            lookahead.stage(step, padded)
+            if ahead:
+                lookahead.carried.copy_(carried)
+            lookahead.prepare(padded)
+            ids = inputs.input_ids[:padded].tolist()
+            greedy = torch.tensor(
+                [ids[i + 1] if i + 1 < padded and i % 3 else 7 for i in range(padded)], device=cuda
+            )
+            lookahead.accept(padded, greedy)
+            buffers = (inputs.input_ids, inputs.positions, inputs.slot_mapping, lookahead.carried)
+            runs.append([b.tolist() for b in buffers])
+        assert runs[0] == runs[1]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ostinato.engine.inputs import StepInputs
+from ostinato.engine.kernel_options import triton_runs_on
 from ostinato.engine.scheduler import ScheduledBatch
 
 # Above any row offset: "no mismatch in this request's rows" before the minimum.
@@ -58,6 +59,8 @@ class VerifyLookahead:
         self.staging_np = [tuple(x.numpy() for x in st) for st in self.stagings]
         self.turn = 0
         self.ranges = np.arange(t)
+        # One Triton launch per op on CUDA (engine.triton_lookahead); torch ops elsewhere.
+        self.fused = triton_runs_on(device)
 
     def stage(self, step: ScheduledBatch, rows: int) -> None:
         """Stages ``step`` (a uniform decode step; all of it scheduled ahead or none of
@@ -88,6 +91,11 @@ class VerifyLookahead:
     def prepare(self, n: int) -> None:
         """Completes the first ``n`` rows from ``carried`` (device ops; padding rows,
         position -1, are left as they are)."""
+        if self.fused:
+            from ostinato.engine.triton_lookahead import prepare_rows
+
+            prepare_rows(self.inputs, n, self.offsets, self.carried, self.windows)
+            return
         inp = self.inputs
         pos, req = inp.positions[:n], inp.token_req[:n].long()
         offsets = self.offsets[:n]
@@ -108,6 +116,11 @@ class VerifyLookahead:
         """From the first ``n`` rows' argmax ``greedy``: per request, the drafts kept
         (those its previous rows' argmax confirm, in order) and the token after them,
         into ``carried`` (device ops; requests without rows get garbage, never read)."""
+        if self.fused:
+            from ostinato.engine.triton_lookahead import accept_rows
+
+            accept_rows(self.inputs, n, self.offsets, greedy, self.carried, 2 * self.k)
+            return
         inp = self.inputs
         ids, req = inp.input_ids[:n], inp.token_req[:n].long()
         offsets, real = self.offsets[:n], inp.positions[:n] >= 0

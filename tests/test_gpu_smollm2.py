@@ -39,6 +39,7 @@ def greedy_outputs():
         prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
         outs = llm.generate(prompts, SamplingParams(max_tokens=48))
         outputs[mode] = (llm.mode.name, [o.token_ids for o in outs], outs[-1].text)
+        outputs["prompts"] = prompts
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -97,3 +98,42 @@ def test_greedy_text_identical_in_every_mode(greedy_outputs, mode):
 def test_chat_answer_on_gpu(greedy_outputs):
     for mode in MODES:
         assert "Paris" in greedy_outputs[mode][2]
+
+
+SPEC_CASES = (
+    [("oracle", k, "full_and_piecewise") for k in (1, 2, 3, 4)]
+    + [(p, k, "full_and_piecewise") for p in ("ngram", "self:8") for k in (1, 4)]
+    + [(p, 4, "none") for p in ("ngram", "self:8", "oracle")]
+)
+
+
+@pytest.mark.parametrize(("proposer", "k", "mode"), SPEC_CASES)
+def test_greedy_with_speculation_equals_plain_on_smollm2(greedy_outputs, proposer, k, mode):
+    # float32, the fixture's prompts and plain outputs; the oracle knows those outputs,
+    # and in FULL_AND_PIECEWISE schedules verify steps ahead.
+    from ostinato.engine.speculative import SpeculativeConfig
+
+    _, plain, _ = greedy_outputs[mode]
+    prompts = greedy_outputs["prompts"]
+    if proposer == "oracle":
+        known = dict(zip(map(tuple, prompts), plain, strict=True))
+        spec = SpeculativeConfig("oracle", k, oracle=known)
+    else:
+        spec = SpeculativeConfig.parse(proposer, k)
+    llm = LLM(
+        mode=mode,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_capture_size=64,
+        progress=False,
+        speculative=spec,
+    )
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48))]
+    assert got == plain
+    assert llm.spec_stats.verifications > 0
+    if proposer == "oracle":
+        assert llm.spec_stats.acceptance_rate == 1.0
+        assert (llm.spec_stats.ahead_steps > 0) == (mode == "full_and_piecewise")
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -18,7 +18,7 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def engine(mode, dtype=None):
+def engine(mode, dtype=None, **kw):
     gguf_path()
     return LLM(
         mode=mode,
@@ -27,6 +27,7 @@ def engine(mode, dtype=None):
         max_num_seqs=8,
         max_capture_size=64,
         progress=False,
+        **kw,
     )
 
 
@@ -121,14 +122,7 @@ def test_greedy_with_speculation_equals_plain_on_smollm2(greedy_outputs, propose
         spec = SpeculativeConfig("oracle", k, oracle=known)
     else:
         spec = SpeculativeConfig.parse(proposer, k)
-    llm = LLM(
-        mode=mode,
-        max_model_len=512,
-        max_num_seqs=8,
-        max_capture_size=64,
-        progress=False,
-        speculative=spec,
-    )
+    llm = engine(mode, speculative=spec)
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48))]
     assert got == plain
     assert llm.spec_stats.verifications > 0

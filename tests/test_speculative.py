@@ -30,6 +30,16 @@ def engine(**kw):
     return LLM(**{**base, **kw})
 
 
+def stopping_midway(params, outputs):
+    """``params`` with each request stopped at the token its output holds midway."""
+    return [
+        SamplingParams(
+            max_tokens=p.max_tokens, ignore_eos=True, stop_token_ids=(out[len(out) // 2],)
+        )
+        for p, out in zip(params, outputs, strict=True)
+    ]
+
+
 @pytest.fixture(scope="module")
 def plain():
     prompts, params = prompts_and_params()
@@ -58,12 +68,7 @@ def test_greedy_outputs_equal_plain_decoding(plain, method, k):
 def test_speculation_with_preemption_chunked_prefill_and_stop_tokens(plain):
     prompts, params = prompts_and_params()
     # Stop each request at a token it produces midway (often inside an accepted draft).
-    stops = [
-        SamplingParams(
-            max_tokens=p.max_tokens, ignore_eos=True, stop_token_ids=(out[len(out) // 2],)
-        )
-        for p, out in zip(params, plain, strict=True)
-    ]
+    stops = stopping_midway(params, plain)
     want = [o.token_ids for o in engine(num_blocks=5, max_model_len=64).generate(prompts, stops)]
     oracle = SpeculativeConfig(
         "oracle", 4, oracle=dict(zip(map(tuple, prompts), plain, strict=True))
@@ -188,12 +193,7 @@ def test_steps_scheduled_ahead_with_stop_tokens_waiting_requests_and_sampling(pl
     # Stop tokens met inside accepted drafts end a request while the step after it is
     # already queued; four sequences at most, so requests wait and lookahead pauses; a
     # sampled request makes its steps synchronous. Greedy outputs still equal plain's.
-    stops = [
-        SamplingParams(
-            max_tokens=p.max_tokens, ignore_eos=True, stop_token_ids=(out[len(out) // 2],)
-        )
-        for p, out in zip(params, plain, strict=True)
-    ]
+    stops = stopping_midway(params, plain)
     want = [o.token_ids for o in engine().generate(prompts, stops)]
     known = {tuple(p): wrong_every(out, 7) for p, out in zip(prompts, plain, strict=True)}
     llm = engine(speculative=SpeculativeConfig("oracle", 3, oracle=known))

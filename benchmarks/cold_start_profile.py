@@ -2,6 +2,7 @@
 benchmark's settings) with empty Inductor and Triton caches, optionally under cProfile.
 
     python benchmarks/cold_start_profile.py --out OUT/cold.json [--profile OUT/cold.prof.txt]
+        [--compiler eager] [--max-capture-size N]
 
 Writes the start-up split (weights, compile, capture, total) as JSON; with ``--profile``
 also the functions with the most cumulative and own time (cProfile slows Python-heavy
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--shape", default="llama-1.5b")
     parser.add_argument("--mode", default="full_and_piecewise")
+    parser.add_argument("--compiler", default="auto", help="auto (Inductor), inductor, eager")
+    parser.add_argument("--max-capture-size", type=int, default=512)
     args = parser.parse_args()
     caches = tempfile.mkdtemp(prefix="ostinato-cold-")
     # Before torch is imported: both compilers read these once.
@@ -63,7 +66,8 @@ def main() -> None:
         mode=args.mode,
         max_num_seqs=128,
         max_model_len=272,
-        max_capture_size=512,
+        max_capture_size=args.max_capture_size,
+        compiler=args.compiler,
         progress=False,
     )
     torch.cuda.synchronize()
@@ -73,6 +77,8 @@ def main() -> None:
     doc = {
         "shape": args.shape,
         "mode": args.mode,
+        "compiler": args.compiler,
+        "max_capture_size": args.max_capture_size,
         "profiled": profiler is not None,
         "import_s": imported,
         "constructor_s": total,

@@ -49,6 +49,19 @@ cold)
             2>&1 | tail -25
     done
     ;;
+cold-options)
+    # Cold start-ups with the piece compiler and the capture ladder varied (interleaved,
+    # same machine): Inductor pieces, eager pieces, eager pieces up to 256 tokens.
+    export PYTHONPYCACHEPREFIX=/tmp/pyc
+    site=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
+    for run in "inductor 512 1" "eager 512 1" "eager 256 1" "inductor 512 2" "eager 512 2"; do
+        set -- $run
+        timeout 90 python3 benchmarks/cold_start_profile.py --compiler "$1" \
+            --max-capture-size "$2" --out "$OUT/cold_${1}_${2}_$3.json" 2>&1 \
+            | grep -E '"(compiler|max_capture_size|constructor_s|weights_s|compile_s|capture_s|backend_s|graphs)"'
+    done
+    ;;
 smollm2)
     timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
         --timeout=150 tests/test_gpu_smollm2.py \

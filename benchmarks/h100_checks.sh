@@ -62,6 +62,17 @@ cold-options)
             | grep -E '"(compiler|max_capture_size|constructor_s|weights_s|compile_s|capture_s|backend_s|graphs)"'
     done
     ;;
+pieces)
+    # generate with Inductor-compiled vs eager pieces (FULL_AND_PIECEWISE, 1.5 B shape):
+    # decode-heavy (prompt 128, 128 new) and prefill-heavy (prompt 1024, 8 new).
+    for c in inductor eager; do
+        timeout 150 python3 -m ostinato.bench e2e --modes full_and_piecewise --no-transformers \
+            --piece-compiler "$c" --out "$OUT/e2e_pieces_${c}_decode.json" 2>&1 | grep -v -i warn
+        timeout 150 python3 -m ostinato.bench e2e --modes full_and_piecewise --no-transformers \
+            --piece-compiler "$c" --batch-sizes 1,8,32 --prompt-len 1024 --new-tokens 8 \
+            --out "$OUT/e2e_pieces_${c}_prefill.json" 2>&1 | grep -v -i warn
+    done
+    ;;
 smollm2)
     timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
         --timeout=150 tests/test_gpu_smollm2.py \

@@ -257,3 +257,12 @@ def test_spec_refuses_an_unknown_proposer(capsys):
         main(["spec", "--quick", "--proposers", "oracle,magic"])
     assert exc.value.code == 2
     assert "argument --proposers: 'magic' not among" in capsys.readouterr().err
+
+
+def test_e2e_without_transformers_and_with_eager_pieces(tmp_path):
+    out = tmp_path / "e2e.json"
+    argv = ["e2e", "--quick", "--no-transformers", "--piece-compiler", "eager", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert {r["system"] for r in doc["rows"]} == {"ostinato none"}
+    assert "ostinato's piecewise pieces: compiler='eager'" in doc["notes"]

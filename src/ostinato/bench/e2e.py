@@ -124,6 +124,7 @@ def _ostinato_system(
         max_num_seqs=max(args.batch_sizes),
         max_model_len=args.prompt_len + args.new_tokens + 16,
         max_capture_size=max(512, max(args.batch_sizes)),
+        compiler=args.piece_compiler,
         progress=False,
     )
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
@@ -205,7 +206,8 @@ def run(args: argparse.Namespace, save: Callable[[E2EResult], None] | None = Non
     dtype = getattr(torch, args.dtype)
     name = args.model if args.model == REAL_MODEL else args.shape
     result = E2EResult(name, args.dtype, args.prompt_len, args.new_tokens, transformers.__version__)
-    hf_systems = [HF_DYNAMIC, HF_STATIC if cuda else HF_STATIC_EAGER]
+    result.notes.append(f"ostinato's piecewise pieces: compiler={args.piece_compiler!r}")
+    hf_systems = [HF_DYNAMIC, HF_STATIC if cuda else HF_STATIC_EAGER] if args.transformers else []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         vocab = _write_checkpoint(args, folder)
@@ -308,6 +310,18 @@ def main(argv: list[str]) -> int:
         help="ostinato graph modes to run (comma-separated)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--piece-compiler",
+        choices=("auto", "inductor", "eager"),
+        default="auto",
+        help="how ostinato compiles the pieces of its piecewise graphs",
+    )
+    parser.add_argument(
+        "--no-transformers",
+        dest="transformers",
+        action="store_false",
+        help="ostinato's systems only (no transformers baselines)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--quick", action="store_true", help="CPU-sized: the tiny shape, B=1,2, 16+8 tokens"

@@ -86,6 +86,7 @@ class StepInputs:
         # numpy views of the same pinned memory: per-step writes without tensor objects.
         self.staging_np = [st.numpy() for st in self.stagings]
         self.tables_np = [tb.numpy() for tb in self.tables_stagings]
+        self.ranges = np.arange(max(t, limits.max_num_seqs * limits.blocks_per_seq))
 
     @property
     def staging(self) -> torch.Tensor:
@@ -165,32 +166,49 @@ class StepInputs:
         ids, pos, req_of, slots = self.staging_np[self.turn]
         tables = self.tables_np[self.turn]
         bs = self.limits.block_size
+        scheduled = step.scheduled
+        # Whole-step numpy writes from a few per-request lists (no numpy call per
+        # request: at B = 128 a per-request loop of slice writes cost ~0.6 ms).
+        lens = [len(s.tokens) for s in scheduled]
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        counts = np.array(lens, dtype=np.int64)
+        n = int(counts.sum())
+        if n == len(scheduled):  # one row per request (decodes): row r is request r's
+            firsts = rows = self.ranges[:n]
+            pos[:n] = starts
+        else:
+            firsts = np.cumsum(counts) - counts  # each request's first row
+            rows = np.repeat(self.ranges[: len(scheduled)], counts)
+            pos[:n] = np.repeat(starts - firsts, counts) + self.ranges[:n]
+        ids[:n] = list(itertools.chain.from_iterable(s.tokens for s in scheduled))
+        req_of[:n] = rows
+        blocks = [s.request.blocks for s in scheduled]
+        held = np.array([len(b) for b in blocks], dtype=np.int64)
+        total = int(held.sum())
+        if total:
+            table_rows = np.repeat(self.ranges[: len(scheduled)], held)
+            table_cols = self.ranges[:total] - np.repeat(np.cumsum(held) - held, held)
+            tables[table_rows, table_cols] = list(itertools.chain.from_iterable(blocks))
+        p = pos[:n]
+        slots[:n] = tables[rows, p // bs] * bs + p % bs
+        ends = (firsts + counts).tolist()
+        last = [
+            i
+            for s, end in zip(scheduled, ends, strict=True)
+            for i in range(end - 1 - len(s.draft), end)
+        ]
+        query_lens, seq_lens = lens, (starts + counts).tolist()
         gather_rows: list[int] = []
         gather_from: list[int] = []
-        last, query_lens, seq_lens = [], [], []
-        n = 0
-        for r, s in enumerate(step.scheduled):
-            k = len(s.tokens)
-            blocks = s.request.blocks
+        for s, first in zip(scheduled, firsts.tolist(), strict=True):
             if s.from_previous:
                 if previous is None or s.request.id not in previous.index:
                     raise RuntimeError(
                         f"request {s.request.id}: its input token is the previous step's "
                         "sample, but no previous step sampled it"
                     )
-                gather_rows.append(n)
+                gather_rows.append(first)
                 gather_from.append(previous.index[s.request.id])
-            ids[n : n + k] = s.tokens
-            p = np.arange(s.start, s.start + k)
-            pos[n : n + k] = p
-            req_of[n : n + k] = r
-            table = tables[r]
-            table[: len(blocks)] = blocks
-            slots[n : n + k] = table[p // bs] * bs + p % bs
-            n += k
-            last.extend(range(n - 1 - len(s.draft), n))
-            query_lens.append(k)
-            seq_lens.append(s.start + k)
         ids[n:padded] = PADDING.token
         pos[n:padded] = PADDING.position
         req_of[n:padded] = PADDING.request

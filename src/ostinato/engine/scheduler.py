@@ -274,7 +274,9 @@ class Scheduler:
                 return None
             if s.start + 2 * k + 3 > self.max_model_len:
                 return None
-        if not all(self._reserve_free(s.request, s.start + 2 * (k + 1)) for s in step.scheduled):
+        if not all(
+            self._reserve(s.request, s.start + 2 * (k + 1), preempt=False) for s in step.scheduled
+        ):
             return None
         requests = [s.request for s in step.scheduled]
         windows = self.lookahead(requests, k)
@@ -307,15 +309,6 @@ class Scheduler:
             s.tokens = [got[-1], *s.draft]
         self.launched(ahead)
 
-    def _reserve_free(self, req: Request, num_tokens: int) -> bool:
-        """Makes ``req`` hold blocks for ``num_tokens`` from free blocks only."""
-        need = blocks_needed(num_tokens, self.block_size) - len(req.blocks)
-        if need > self.pool.num_free:
-            return False
-        if need > 0:
-            req.blocks += self.pool.allocate(need)
-        return True
-
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledRequest:
         start = req.num_cached
@@ -328,12 +321,16 @@ class Scheduler:
             tokens = req.tokens[start : start + n]
         return ScheduledRequest(req, tokens, start, samples=start + n == total)
 
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Makes ``req`` hold blocks for ``num_tokens``, preempting others if needed.
+    def _reserve(self, req: Request, num_tokens: int, preempt: bool = True) -> bool:
+        """Makes ``req`` hold blocks for ``num_tokens``, preempting others if needed
+        (with ``preempt=False``, from free blocks only).
 
-        Returns False if ``req`` itself had to be preempted.
+        Returns False if ``req`` itself had to be preempted, or the free blocks do not
+        suffice and preemption is off.
         """
         need = blocks_needed(num_tokens, self.block_size) - len(req.blocks)
+        if not preempt and need > self.pool.num_free:
+            return False
         while need > self.pool.num_free:
             victim = self.running[-1]
             self._preempt(victim)

@@ -71,3 +71,33 @@ def test_a_step_scheduled_ahead_is_completed_from_the_previous_acceptance():
     # Position p of a request lives in slot blocks[p // 4] * 4 + p % 4.
     assert inputs.slot_mapping[:8].tolist() == [10, 11, 36, 31, 12, 13] + [PADDING.slot] * 2
     assert inputs.input_ids[6:8].tolist() == [PADDING.token] * 2
+
+
+def test_bad_steps_are_refused_by_name():
+    import pytest
+
+    from ostinato.engine import LLM
+
+    a, b = requests()
+    mixed = ScheduledBatch(
+        [
+            ScheduledRequest(a, [PENDING_TOKEN] * 3, 4, draft=[0, 0], ahead=True, window=[1] * 4),
+            ScheduledRequest(b, [8, 60, 61], start=2, draft=[60, 61]),
+        ]
+    )
+    with pytest.raises(RuntimeError, match="scheduled ahead as a whole or not at all"):
+        staged(mixed)
+    uneven = ScheduledBatch(
+        [ScheduledRequest(a, [4, 50, 51], 3, draft=[50, 51]), ScheduledRequest(b, [8], 2)]
+    )
+    with pytest.raises(RuntimeError, match="uniform decode steps only"):
+        staged(uneven)
+    # A runner made without lookahead (here: no oracle) refuses a step scheduled ahead.
+    llm = LLM("tiny", device="cpu", max_model_len=64, progress=False, speculative="ngram")
+    assert llm.runner.lookahead is None and not llm.runner.verifies_ahead(6)
+    a.blocks, b.blocks = [1], [2]
+    ahead = ScheduledBatch(
+        [ScheduledRequest(r, [PENDING_TOKEN] * 3, 1, draft=[0, 0], ahead=True) for r in (a, b)]
+    )
+    with pytest.raises(RuntimeError, match="only uniform decode steps of a runner made with"):
+        llm.runner.execute(ahead)

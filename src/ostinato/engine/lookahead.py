@@ -19,15 +19,14 @@ which the rule here equals.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ostinato.engine.inputs import StepInputs
 from ostinato.engine.kernel_options import triton_runs_on
 from ostinato.engine.scheduler import ScheduledBatch
 
-# Above any row offset: "no mismatch in this request's rows" before the minimum.
-_NONE = 1 << 30
+NO_MISS = 1 << 30
+"""Above any row offset: "no mismatch in this request's rows" before the minimum."""
 
 
 class VerifyLookahead:
@@ -58,7 +57,6 @@ class VerifyLookahead:
         ]
         self.staging_np = [tuple(x.numpy() for x in st) for st in self.stagings]
         self.turn = 0
-        self.ranges = np.arange(t)
         # One Triton launch per op on CUDA (engine.triton_lookahead); torch ops elsewhere.
         self.fused = triton_runs_on(device)
 
@@ -67,20 +65,27 @@ class VerifyLookahead:
         it) and copies it to the device buffers, ``rows`` rows padded."""
         self.turn ^= 1
         carried, windows, offsets = self.staging_np[self.turn]
-        ahead = step.scheduled[0].ahead if step.scheduled else False
-        n = 0
-        for r, s in enumerate(step.scheduled):
-            if s.ahead is not ahead:
-                raise RuntimeError("a step is scheduled ahead as a whole or not at all")
-            length = len(s.tokens)
-            offsets[n : n + length] = self.ranges[:length]
-            n += length
-            if ahead:
-                windows[r] = s.window
-            else:
-                carried[0, r], carried[1, r] = 0, s.tokens[0]
-                windows[r, : length - 1] = s.tokens[1:]
+        scheduled = step.scheduled
+        ahead = scheduled[0].ahead if scheduled else False
+        if any(s.ahead is not ahead for s in scheduled):
+            raise RuntimeError("a step is scheduled ahead as a whole or not at all")
+        # Whole-step numpy writes, as in StepInputs.write: every request has the same
+        # number of rows in a uniform decode step.
+        length = len(scheduled[0].tokens) if scheduled else 0
+        if any(len(s.tokens) != length for s in scheduled):
+            raise RuntimeError(
+                "lookahead stages uniform decode steps only (every request the same number "
+                "of tokens)"
+            )
+        n = length * len(scheduled)
+        offsets[:n] = self.inputs.ranges[:n] % max(length, 1)
         offsets[n:rows] = 0
+        if ahead:
+            windows[: len(scheduled)] = [s.window for s in scheduled]
+        elif scheduled:
+            carried[0, : len(scheduled)] = 0
+            carried[1, : len(scheduled)] = [s.tokens[0] for s in scheduled]
+            windows[: len(scheduled), : length - 1] = [s.tokens[1:] for s in scheduled]
         host_carried, host_windows, host_offsets = self.stagings[self.turn]
         reqs = len(step.scheduled)
         self.offsets[:rows].copy_(host_offsets[:rows], non_blocking=True)
@@ -128,8 +133,8 @@ class VerifyLookahead:
         # draft row i's argmax predicts.
         confirms = torch.zeros_like(real)
         confirms[:-1] = (offsets[1:] == offsets[:-1] + 1) & real[1:] & (ids[1:] == greedy[:-1])
-        first_miss = torch.where(confirms | ~real, _NONE, offsets)
-        kept = torch.full_like(self.carried[0], _NONE).scatter_reduce_(0, req, first_miss, "amin")
+        first_miss = torch.where(confirms | ~real, NO_MISS, offsets)
+        kept = torch.full_like(self.carried[0], NO_MISS).scatter_reduce_(0, req, first_miss, "amin")
         at_kept = real & (offsets == kept.index_select(0, req))
         after = torch.full_like(self.carried[1], -1).scatter_reduce_(
             0, req, torch.where(at_kept, greedy, -1), "amax"

@@ -384,7 +384,7 @@ class ModelRunner:
         layout = self.inputs.write(step, padded, previous)
         if self.lookahead is not None and dispatch.descriptor.uniform_decode:
             self.lookahead.stage(step, padded)
-        elif step.scheduled[0].ahead:
+        elif any(s.ahead for s in step.scheduled):
             raise RuntimeError(
                 f"a step scheduled ahead dispatched to {dispatch}: only uniform decode "
                 "steps of a runner made with lookahead=True complete such a step"

@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from ostinato.engine.inputs import StepInputs
+from ostinato.engine.lookahead import NO_MISS
 
-NONE = 1 << 30  # above any row offset (as in engine.lookahead)
 ROWS = 256  # rows per program of the prepare kernel
 
 
@@ -138,6 +138,6 @@ def accept_rows(
         WINDOW=window,
         BLOCK=triton.next_power_of_2(max(n, 16)),
         SEQS=triton.next_power_of_2(max(seqs, 16)),
-        NONE=NONE,
+        NONE=NO_MISS,
         num_warps=8,
     )

@@ -71,6 +71,13 @@ class SpecResult:
     notes: list[str] = field(default_factory=list)
 
 
+def proposer_names(draft_layers: int) -> list[str]:
+    """The speculative rows of a run, in order, as printed and as ``--proposers`` takes
+    them ("oracle in turn": the oracle with lookahead off)."""
+    self_draft = f"self:{draft_layers}"
+    return ["ngram", self_draft, f"{self_draft} eager", "oracle", "oracle in turn"]
+
+
 def _prompts(llm: Any, batch: int) -> list[Any]:
     if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         return [[1 + (i * 7 + j) % 50 for j in range(12)] for i in range(batch)]
@@ -181,17 +188,15 @@ def run(args: argparse.Namespace) -> SpecResult:
     plain_llm.close()
     for k in args.k:
         oracle = SpeculativeConfig("oracle", k, oracle=known)
-        proposers: dict[str, tuple[SpeculativeConfig, bool]] = {
-            "ngram": (SpeculativeConfig("ngram", k), True),
-            f"self:{args.draft_layers}": (SpeculativeConfig("self", k, args.draft_layers), True),
-            f"self:{args.draft_layers} eager": (
-                SpeculativeConfig("self", k, args.draft_layers, draft_graphs=False),
-                True,
-            ),
-            "oracle": (oracle, True),
-            "oracle in turn": (oracle, False),
-        }
-        for name, (spec, ahead) in proposers.items():
+        configs = [
+            (SpeculativeConfig("ngram", k), True),
+            (SpeculativeConfig("self", k, args.draft_layers), True),
+            (SpeculativeConfig("self", k, args.draft_layers, draft_graphs=False), True),
+            (oracle, True),
+            (oracle, False),
+        ]
+        names = proposer_names(args.draft_layers)
+        for name, (spec, ahead) in zip(names, configs, strict=True):
             if args.proposers and name not in args.proposers:
                 continue
             llm = LLM(args.model, speculative=spec, async_scheduling=ahead, **kw)
@@ -240,13 +245,11 @@ def main(argv: list[str]) -> int:
     if args.quick or not torch.cuda.is_available():
         args.model, args.batch_sizes, args.new_tokens, args.draft_layers = "tiny", [1, 2], 16, 2
         print("CPU form (--quick or no CUDA): the tiny random model, B = 1, 2")
-    names = {"ngram", "self", "self eager", "oracle", "oracle in turn"}
-    unknown = [p for p in args.proposers if p.replace(f":{args.draft_layers}", "") not in names]
+    names = proposer_names(args.draft_layers)
+    unknown = [p for p in args.proposers if p not in names]
     if unknown:
         parser.error(
-            f"argument --proposers: {', '.join(map(repr, unknown))} not among "
-            f"ngram, self:{args.draft_layers}, self:{args.draft_layers} eager, oracle, "
-            "oracle in turn"
+            f"argument --proposers: {', '.join(map(repr, unknown))} not among {', '.join(names)}"
         )
     result = run(args)
     if args.out:

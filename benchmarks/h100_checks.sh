@@ -3,6 +3,8 @@
 #   benchmarks/h100_checks.sh tests    # the GPU suite without the 2-GPU and SmolLM2 files
 #   benchmarks/h100_checks.sh kernels  # FULL_AND_PIECEWISE with PDL / small GEMMs, two shapes
 #   benchmarks/h100_checks.sh cold     # cold start-up of the 1.5 B shape (empty compiler caches)
+#   benchmarks/h100_checks.sh cold-phases  # the same, split by phase and Triton compilation
+#   benchmarks/h100_checks.sh attention    # the attention kernel over launch configurations
 #   benchmarks/h100_checks.sh smollm2  # the SmolLM2 parity file (needs the GGUF on PYTHONPATH)
 #   benchmarks/h100_checks.sh bench    # decode step (engine-step rows, kernel counts) and bench e2e
 #   benchmarks/h100_checks.sh spec     # bench spec (k=4) and bench e2e on SmolLM2 (needs the GGUF)
@@ -61,6 +63,24 @@ cold-options)
             --max-capture-size "$2" --out "$OUT/cold_${1}_${2}_$3.json" 2>&1 \
             | grep -E '"(compiler|max_capture_size|constructor_s|weights_s|compile_s|capture_s|backend_s|graphs)"'
     done
+    ;;
+cold-phases)
+    # Where a cold start-up goes, by phase and by Triton compilation: Inductor pieces,
+    # eager pieces, then Inductor pieces under cProfile (its shares, not its seconds).
+    export PYTHONPYCACHEPREFIX=/tmp/pyc
+    site=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
+    for c in inductor eager; do
+        timeout 90 python3 benchmarks/cold_start_profile.py --compiler "$c" --phases \
+            --out "$OUT/cold_phases_$c.json" 2>&1 | grep -v -i warn | tail -60
+    done
+    timeout 120 python3 benchmarks/cold_start_profile.py --profile "$OUT/cold_profile.txt" \
+        --out "$OUT/cold_profiled.json" >/dev/null 2>&1
+    ;;
+attention)
+    # The paged-attention kernel's decode time over launch configurations.
+    timeout 400 python3 benchmarks/attention_sweep.py --out "$OUT/attention_sweep_h100.json" \
+        2>&1 | grep -v -i warn
     ;;
 pieces)
     # generate with Inductor-compiled vs eager pieces (FULL_AND_PIECEWISE, 1.5 B shape):

@@ -17,6 +17,7 @@ does. That removes a layer's rotation kernels and lets q, k, v stay strided view
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,6 +27,16 @@ from ostinato.engine.triton_pdl import pdl_enter
 
 BLOCK_N = 64  # keys per iteration, spanning several pages
 MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How the attention kernel is compiled and launched: keys per loop iteration
+    (``block_n``, a power of two >= 16), warps per program, software-pipeline stages."""
+
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -203,6 +214,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
+    launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -213,7 +225,8 @@ def paged_attention(
     ``splits`` (a power of two) overrides the automatic split of each token's keys.
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
-    programmatic dependent launch (compute capability 9.0 or newer).
+    programmatic dependent launch (compute capability 9.0 or newer). ``launch`` overrides
+    the kernel's launch configuration (for tuning).
     """
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -230,6 +243,7 @@ def paged_attention(
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = splits or num_splits(n, kv_heads, q.device)
+    launch = launch or AttentionLaunch()
     if splits > MAX_SPLITS:
         raise ValueError(f"paged_attention: splits={splits} exceeds MAX_SPLITS={MAX_SPLITS}")
     if splits > 1:
@@ -267,11 +281,12 @@ def paged_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=launch.block_n,
         SPLIT=splits > 1,
         ROPE=rope is not None,
         USE_PDL=pdl,
-        num_warps=4,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
         launch_pdl=pdl,
     )
     if splits > 1:

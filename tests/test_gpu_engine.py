@@ -166,6 +166,26 @@ def test_rms_norm_kernel_equals_the_torch_arithmetic(dtype, rows, dim):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2 * 8192), (33, 2 * 1536), (2, 5, 2 * 1000), (0, 64)])
+def test_silu_mul_kernel_equals_the_torch_arithmetic(dtype, shape):
+    from ostinato.engine.silu_mul_op import silu_mul_reference
+
+    # Strided rows (a view of a wider buffer), as a projection's output slice may be.
+    x = torch.randn(*shape[:-1], shape[-1] + 32, device=DEVICE, dtype=dtype)[..., : shape[-1]]
+    x = x * 4
+    got = torch.ops.ostinato.silu_mul(x)
+    want = silu_mul_reference(x)  # float32 inside, rounded once
+    assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
+    # The kernel's sigmoid is Triton's (an approximate exp): float32 results agree to a
+    # few ulps, so a rounded result differs from torch's by at most one ulp, rarely.
+    torch.testing.assert_close(got, want)
+    if got.numel() and dtype != torch.float32:
+        assert (got == want).float().mean() > 0.99
+    with pytest.raises(ValueError, match="must be even"):
+        torch.ops.ostinato.silu_mul(torch.ones(2, 7, device=DEVICE, dtype=dtype))
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")

@@ -61,6 +61,7 @@ def _measure(
     linear: Linear, swiglu: bool, rows: int, pdl: bool, device: torch.device
 ) -> GemmTiming:
     from ostinato.engine import triton_gemm
+    from ostinato.engine.triton_silu_mul import silu_mul
 
     w, b = linear.weight, linear.bias
     n, k = w.shape
@@ -69,7 +70,7 @@ def _measure(
 
     def cublas() -> object:
         y = torch.nn.functional.linear(x, w, b)
-        return triton_gemm.silu_mul(y, pdl) if swiglu else y
+        return silu_mul(y, pdl) if swiglu else y
 
     cublas_us = _graph_us(cublas, device)
     best_us, best = float("inf"), 0

@@ -9,7 +9,7 @@ count: the plan is a constant of the compiled graph, so one compilation serves e
 size, and a captured graph holds whichever kernel the plan named for its size.
 ``forward_swiglu`` is a SwiGLU's gate/up projection with its activation: ``silu(g) * u``
 of the two output halves ``[g | u]``, fused into the GEMM's epilogue where the plan picks
-Triton (one kernel instead of the GEMM and Inductor's SiLU·mul).
+Triton (one kernel instead of the GEMM and the ``ostinato::silu_mul`` kernel).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ostinato.engine.silu_mul_op import silu_mul_reference
+
 MAX_ROWS = 16  # the small GEMM's one row tile (tl.dot's smallest M)
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
@@ -25,13 +27,6 @@ _lib.define(
     "linear(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
     "bool swiglu=False, bool pdl=False) -> Tensor"
 )
-
-
-def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :K]) * x[..., K:]`` in torch (what the model computes unplanned;
-    Inductor fuses it into one kernel)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _linear(
@@ -47,6 +42,7 @@ def _linear(
         y = F.linear(x, weight, bias)
         return silu_mul_reference(y) if swiglu else y
     from ostinato.engine import triton_gemm
+    from ostinato.engine.triton_silu_mul import silu_mul
 
     choice = plan[x.shape[0]] if x.shape[0] < len(plan) else 0
     if choice:
@@ -54,8 +50,7 @@ def _linear(
             x, weight, bias, counters, triton_gemm.CONFIGS[choice - 1], swiglu, pdl
         )
     y = F.linear(x, weight, bias)
-    # The activation in one kernel, as Inductor's fused one was.
-    return triton_gemm.silu_mul(y, pdl) if swiglu else y
+    return silu_mul(y, pdl) if swiglu else y
 
 
 _lib.impl("linear", _linear, "CompositeExplicitAutograd")
@@ -79,7 +74,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` with an optional small-row plan (see the module docstring).
 
     Guarantees: without a plan, ``forward`` is ``nn.Linear.forward`` and
-    ``forward_swiglu`` is ``nn.Linear.forward`` then ``silu(g) * u`` of its halves; with
+    ``forward_swiglu`` is ``nn.Linear.forward`` then ``ostinato::silu_mul``; with
     one, the same function (to the GEMM's summation order) through ``ostinato::linear``.
     """
 
@@ -106,10 +101,11 @@ class Linear(nn.Linear):
             x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
         )
 
-    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(g) * u`` where ``[g | u]`` is this projection of ``x`` (``[m, out / 2]``)."""
+    def forward_swiglu(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """``silu(g) * u`` where ``[g | u]`` is this projection of ``x`` (``[m, out / 2]``);
+        unplanned, the activation is ``ostinato::silu_mul``, launched with ``pdl``."""
         if not self.plan:
-            return silu_mul_reference(super().forward(x))
+            return torch.ops.ostinato.silu_mul(super().forward(x), pdl)
         return torch.ops.ostinato.linear(
             x, self.weight, self.bias, self.counters, list(self.plan), True, self.pdl
         )

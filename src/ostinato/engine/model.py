@@ -112,11 +112,12 @@ class Mlp(nn.Module):
         self.inter = tp.split(config.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
+        self.pdl = False  # launch option of the SiLU·mul kernel (KernelOptions.pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
-        # its plan picks the small Triton GEMM.
-        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_swiglu(x)))
+        # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel.
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_swiglu(x, self.pdl)))
 
 
 class DecoderLayer(nn.Module):
@@ -196,10 +197,10 @@ class DecoderModel(nn.Module):
             layer.self_attn.rope_in_attention = value
 
     def use_pdl(self, enabled: bool) -> None:
-        """Launches the norms' kernels with programmatic dependent launch (the small
-        GEMMs take it with their plans, ``gemm_tuning.plan_small_gemms``)."""
+        """Launches the norms' and SiLU·mul's kernels with programmatic dependent launch
+        (the small GEMMs take it with their plans, ``gemm_tuning.plan_small_gemms``)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, Mlp)):
                 module.pdl = enabled
 
     def linears(self) -> list[tuple[Linear, bool]]:

@@ -157,18 +157,6 @@ def _small_gemm_kernel(
         tl.store(out_ptr + out_offs, y.to(dtype), mask=out_mask)
 
 
-@triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, K, stride_xm, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < K
-    g = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
-    tl.store(out_ptr + row * K + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def counters_needed(n: int) -> int:
     """Counter entries a projection with ``n`` output columns needs (one per column tile
     of the narrowest config)."""
@@ -239,22 +227,5 @@ def small_gemm(
         USE_PDL=pdl,
         num_warps=config.num_warps,
         launch_pdl=pdl,
-    )
-    return out
-
-
-def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """``silu(x[:, :K]) * x[:, K:]`` for a 2-D ``x`` ``[M, 2K]`` in one kernel (float32
-    inside, rounded once): the activation after a cuBLAS gate/up projection."""
-    m, two_k = x.shape
-    k = two_k // 2
-    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    block = min(1024, triton.next_power_of_2(k))
-    _silu_mul_kernel[(m, triton.cdiv(k, block))](
-        x, out, k, x.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl
     )
     return out

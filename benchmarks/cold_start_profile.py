@@ -2,7 +2,7 @@
 benchmark's settings) with empty Inductor and Triton caches, optionally under cProfile.
 
     python benchmarks/cold_start_profile.py --out OUT/cold.json [--profile OUT/cold.prof.txt]
-        [--compiler eager] [--max-capture-size N] [--phases]
+        [--compiler eager] [--max-capture-size N] [--phases] [--compile-ahead]
 
 Writes the start-up split (weights, compile, capture, total) as JSON; with ``--profile``
 also the functions with the most cumulative and own time (cProfile slows Python-heavy
@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--compiler", default="auto", help="auto (Inductor), inductor, eager")
     parser.add_argument("--max-capture-size", type=int, default=512)
     parser.add_argument("--phases", action="store_true")
+    parser.add_argument(
+        "--compile-ahead", action="store_true", help="KernelOptions(compile_ahead=True)"
+    )
     args = parser.parse_args()
     caches = tempfile.mkdtemp(prefix="ostinato-cold-")
     # Before torch is imported: both compilers read these once.
@@ -133,7 +136,7 @@ def main() -> None:
     start = time.perf_counter()
     import torch
 
-    from ostinato.engine import LLM
+    from ostinato.engine import LLM, KernelOptions
 
     imported = time.perf_counter() - start
     phases = Phases() if args.phases else None
@@ -150,6 +153,7 @@ def main() -> None:
         max_model_len=272,
         max_capture_size=args.max_capture_size,
         compiler=args.compiler,
+        kernels=KernelOptions(compile_ahead=args.compile_ahead),
         progress=False,
     )
     torch.cuda.synchronize()
@@ -160,6 +164,7 @@ def main() -> None:
         "shape": args.shape,
         "mode": args.mode,
         "compiler": args.compiler,
+        "compile_ahead": args.compile_ahead,
         "max_capture_size": args.max_capture_size,
         "profiled": profiler is not None,
         "import_s": imported,

@@ -65,14 +65,17 @@ cold-options)
     done
     ;;
 cold-phases)
-    # Where a cold start-up goes, by phase and by Triton compilation: Inductor pieces,
-    # eager pieces, then Inductor pieces under cProfile (its shares, not its seconds).
+    # Where a cold start-up goes, by phase and by Triton compilation, then Inductor pieces
+    # under cProfile (its shares, not its seconds).
     export PYTHONPYCACHEPREFIX=/tmp/pyc
     site=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
     python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
-    for c in inductor eager; do
-        timeout 90 python3 benchmarks/cold_start_profile.py --compiler "$c" --phases \
-            --out "$OUT/cold_phases_$c.json" 2>&1 | grep -v -i warn | tail -60
+    # Each piece compiler without and with KernelOptions(compile_ahead=True), interleaved.
+    for run in "inductor" "inductor --compile-ahead" "eager" "eager --compile-ahead"; do
+        set -- $run
+        tag=$1${2:+_ahead}
+        timeout 90 python3 benchmarks/cold_start_profile.py --compiler $run --phases \
+            --out "$OUT/cold_phases_$tag.json" 2>&1 | grep -v -i warn | tail -60
     done
     timeout 120 python3 benchmarks/cold_start_profile.py --profile "$OUT/cold_profile.txt" \
         --out "$OUT/cold_profiled.json" >/dev/null 2>&1

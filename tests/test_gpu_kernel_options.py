@@ -180,3 +180,59 @@ def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():
     )
     assert tuned.runner.kernels.small_gemm and tuned.runner.gemm_timings
     assert lockstep(plain, tuned, tolerance=2e-2) >= {"FULL", "PIECEWISE"}
+
+
+_AHEAD_CHILD = """
+import json, sys
+import torch, triton
+from gpu_harness import greedy_tokens, tiny_engine
+from ostinato.engine import KernelOptions
+
+compiled = []  # (kernel, compiled by a warm-up rather than at a launch)
+
+def hook(*, fn, is_manual_warmup, **_):
+    if fn.module.startswith("ostinato"):
+        compiled.append((fn.name, is_manual_warmup))
+    return None  # compile as usual
+
+triton.knobs.runtime.jit_cache_hook = hook
+llm = tiny_engine("full_and_piecewise", torch.float32, kernels=KernelOptions(compile_ahead=True))
+tokens = greedy_tokens(llm, 16)
+print(json.dumps({"compiled": compiled, "tokens": tokens}))
+"""
+
+
+def test_compile_ahead_compiles_every_kernel_before_its_first_launch(tmp_path):
+    # A fresh process and Triton cache: nothing of ours is compiled yet.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    from gpu_harness import greedy_tokens
+
+    if not hasattr(triton, "knobs") or not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip("needs Triton's knobs and AsyncCompileMode (3.4 or newer)")
+    tests = str(Path(__file__).parent)
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", _AHEAD_CHILD], env=env, capture_output=True, text=True,
+        timeout=240, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    doc = json.loads(child.stdout.strip().splitlines()[-1])
+    ahead = {name for name, warm in doc["compiled"] if warm}
+    at_launch = sorted({name for name, warm in doc["compiled"] if not warm})
+    # The norms, SiLU·mul, the K/V write, attention and its split merge, all ahead.
+    assert {"_rms_norm_kernel", "_silu_mul_kernel", "_write_kv_kernel"} <= ahead
+    assert {"_paged_attention_kernel", "_merge_splits_kernel"} <= ahead
+    assert at_launch == [], f"compiled at a launch, not ahead (specialisation missed): {at_launch}"
+    plain = tiny_engine("full_and_piecewise", torch.float32)
+    assert doc["tokens"] == greedy_tokens(plain, 16)

@@ -1,11 +1,13 @@
 """KernelOptions on the CPU: the options resolve to off, the planned projections compute
 exactly what nn.Linear computes, and the engine and the benchmark take the options."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ostinato.engine import LLM, KernelOptions
+from ostinato.engine import LLM, KernelOptions, SamplingParams
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.gemm_tuning import plan_small_gemms
 from ostinato.engine.linear import Linear
@@ -13,14 +15,14 @@ from ostinato.engine.model import DecoderModel
 from ostinato.engine.presets import shape
 
 
-@pytest.mark.parametrize("field", ["pdl", "small_gemm"])
+@pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead"])
 def test_options_refuse_what_is_not_a_bool(field):
     with pytest.raises(TypeError, match=f"KernelOptions.{field}: expected True or False"):
         KernelOptions(**{field: "yes"})
 
 
 def test_options_resolve_to_off_without_cuda():
-    on = KernelOptions(pdl=True, small_gemm=True)
+    on = KernelOptions(pdl=True, small_gemm=True, compile_ahead=True)
     assert on.resolved(torch.device("cpu")) == KernelOptions()
 
 
@@ -74,3 +76,31 @@ def test_engine_on_cpu_accepts_options_and_turns_them_off():
     assert llm.runner.kernels == KernelOptions()
     assert llm.runner.gemm_timings == []
     assert all(linear.plan == () for linear, _ in llm.model.linears())
+
+
+def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
+    # On the CPU the ops run their torch arithmetic, so nothing is launched; what runs is
+    # the runner's part: the eager passes and the compiled first pass inside
+    # compile_ahead, once, with the engine's outputs unchanged.
+    from ostinato.engine import runner as runner_module
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording_ahead():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(runner_module, "compile_ahead", recording_ahead)
+    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    prompts = [[5, 6, 7, 8, 9], [3, 1]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(mode="none", compiler="eager", progress=False, seed=1)
+    ahead = LLM("tiny", kernels=KernelOptions(compile_ahead=True), **kw)
+    assert entered == [True] and ahead.runner.compile_seconds > 0
+    assert ahead.runner.compile() == 0.0 and entered == [True]  # once per runner
+    plain = LLM("tiny", **kw)
+    assert entered == [True]
+    assert [o.token_ids for o in ahead.generate(prompts, params)] == [
+        o.token_ids for o in plain.generate(prompts, params)
+    ]

@@ -149,6 +149,12 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
         "start-up and use the faster (CUDA, 16-bit weights); see the README's kernel "
         "options for what it saved on an H100",
     )
+    gen.add_argument(
+        "--compile-ahead",
+        action="store_true",
+        help="compile the engine's Triton kernels together on a thread pool at start-up, "
+        "before their first launches (CUDA)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     return gen
@@ -183,7 +189,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.quiet,
         num_speculative_tokens=args.num_speculative_tokens,
-        kernels=KernelOptions(pdl=args.pdl, small_gemm=args.small_gemm),
+        kernels=KernelOptions(
+            pdl=args.pdl, small_gemm=args.small_gemm, compile_ahead=args.compile_ahead
+        ),
     )
     spec = args.speculative if args.speculative != "oracle" else None
     llm = LLM(args.model, speculative=spec, **engine_args)

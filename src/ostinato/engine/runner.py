@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from ostinato.engine.limits import EngineLimits
 from ostinato.engine.lookahead import VerifyLookahead
 from ostinato.engine.model import DecoderModel
 from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.engine.triton_launch import compile_ahead
 from ostinato.guard import capture_phase
 from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
@@ -121,6 +123,7 @@ class ModelRunner:
             )
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
+        self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
         self.micro_batching = micro_batching
         self.greedy: torch.Tensor | None = None  # the last decode step's argmax tokens
         # The padded size of the last step when it replayed a uniform decode graph, whose
@@ -234,17 +237,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile(self) -> float:
-        """Compiles the model (piecewise backend) once, at the largest size; returns seconds."""
+        """Compiles the model (piecewise backend) once, at the largest size, and with
+        ``KernelOptions.compile_ahead`` the engine's Triton kernels first, together;
+        returns seconds (0.0 when there was nothing left to compile)."""
         self.plan_kernels()
-        if self.piecewise is None or self.piecewise.stats.compiles:
+        pieces = self.piecewise is not None and not self.piecewise.stats.compiles
+        if not pieces and not self._kernels_pending:
             return 0.0
         start = time.perf_counter()
-        d = BatchDescriptor(self.limits.max_num_batched_tokens)
-        with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
-            self._step(d)
+        with self._kernels_ahead():
+            if pieces:
+                d = BatchDescriptor(self.limits.max_num_batched_tokens)
+                with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
+                    self._step(d)
         self.manager.platform.synchronize()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    @contextlib.contextmanager
+    def _kernels_ahead(self) -> Iterator[None]:
+        """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
+        thread pool (``triton_launch.compile_ahead``), queued first by one eager pass of
+        the model per layout the steps launch: a prefill at the largest size, and a
+        one-token step, whose attention splits its keys. Nothing launched inside runs,
+        so the caller's compiled first pass (Dynamo, Inductor) overlaps the compilations
+        and its output is not to be read."""
+        if not self._kernels_pending:
+            yield
+            return
+        self._kernels_pending = False
+        with compile_ahead():
+            for n in (self.limits.max_num_batched_tokens, 1):
+                d = BatchDescriptor(n)
+                with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
+                    self.model(self.inputs.input_ids[:n], self.inputs.positions[:n])
+            yield
 
     def capture(self, generator: torch.Generator | None = None) -> CaptureReport:
         """Compiles if needed, then captures every graph of the resolved mode, and with

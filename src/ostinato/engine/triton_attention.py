@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.triton_launch import launch
 from ostinato.engine.triton_pdl import pdl_enter
 
 BLOCK_N = 64  # keys per iteration, spanning several pages
@@ -254,7 +255,9 @@ def paged_attention(
     else:
         m = l_sum = out  # unused by the single-split kernel
         target, so_t, so_h = out, out.stride(0), out.stride(1)
-    _paged_attention_kernel[(n, kv_heads, splits)](
+    launch(
+        _paged_attention_kernel,
+        (n, kv_heads, splits),
         q,
         k_cache,
         v_cache,
@@ -290,7 +293,9 @@ def paged_attention(
         launch_pdl=pdl,
     )
     if splits > 1:
-        _merge_splits_kernel[(n, heads)](
+        launch(
+            _merge_splits_kernel,
+            (n, heads),
             partial,
             m,
             l_sum,
@@ -393,7 +398,9 @@ def write_kv_fused(
     kc = k_cache.view(-1, kv_heads, head_dim)
     vc = v_cache.view(-1, kv_heads, head_dim)
     cos, sin, stride_rt = _rope_args(rope, k, n, head_dim)
-    _write_kv_kernel[(n, kv_heads)](
+    launch(
+        _write_kv_kernel,
+        (n, kv_heads),
         k,
         v,
         kc,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ostinato.engine.linear import MAX_ROWS
+from ostinato.engine.triton_launch import launch
 from ostinato.engine.triton_pdl import pdl_enter
 
 BLOCK_K = 128
@@ -201,7 +202,9 @@ def small_gemm(
         )
     else:
         part = out
-    _small_gemm_kernel[(tiles, config.split_k)](
+    launch(
+        _small_gemm_kernel,
+        (tiles, config.split_k),
         x,
         weight,
         bias if bias is not None else weight,

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ostinato.engine.inputs import StepInputs
 from ostinato.engine.lookahead import NO_MISS
+from ostinato.engine.triton_launch import launch
 
 ROWS = 256  # rows per program of the prepare kernel
 
@@ -96,7 +97,9 @@ def prepare_rows(
     inputs: StepInputs, n: int, offsets: torch.Tensor, carried: torch.Tensor, windows: torch.Tensor
 ) -> None:
     """``VerifyLookahead.prepare`` in one launch."""
-    _prepare_kernel[(triton.cdiv(n, ROWS),)](
+    launch(
+        _prepare_kernel,
+        (triton.cdiv(n, ROWS),),
         inputs.input_ids,
         inputs.positions,
         inputs.token_req,
@@ -125,7 +128,9 @@ def accept_rows(
 ) -> None:
     """``VerifyLookahead.accept`` in one launch (one program over all ``n`` rows)."""
     seqs = carried.shape[1]
-    _accept_kernel[(1,)](
+    launch(
+        _accept_kernel,
+        (1,),
         inputs.input_ids,
         inputs.positions,
         inputs.token_req,

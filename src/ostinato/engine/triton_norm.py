@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.triton_launch import launch
 from ostinato.engine.triton_pdl import pdl_enter
 
 
@@ -68,7 +69,9 @@ def rms_norm_rows(
     r = residual if add else x
     t = total if add else out
     block = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows,)](
+    launch(
+        _rms_norm_kernel,
+        (rows,),
         x,
         r,
         weight,

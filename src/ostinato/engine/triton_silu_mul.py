@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.triton_launch import launch
 from ostinato.engine.triton_pdl import pdl_enter
 
 
@@ -39,7 +40,9 @@ def silu_mul(x: torch.Tensor, pdl: bool = False, out: torch.Tensor | None = None
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(1024, triton.next_power_of_2(k))
-    _silu_mul_kernel[(m, triton.cdiv(k, block))](
+    launch(
+_silu_mul_kernel,
+(m, triton.cdiv(k, block)),
         x, out, k, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4,
         launch_pdl=pdl,
     )  # fmt: skip

@@ -1,0 +1,68 @@
+"""Launching ostinato's Triton kernels, or only compiling them, on a thread pool, ahead.
+
+A cold start-up compiles each of the engine's kernels at its first launch, one after the
+other, in the middle of the first forward pass. Inside ``compile_ahead()`` a launch
+through ``launch`` starts its kernel's compilation for those arguments on a pool of
+threads instead (``triton.AsyncCompileMode``; Triton's compiler passes and ``ptxas``
+release the GIL) and runs nothing, so an eager pass over the model queues every
+kernel's compilation in a few milliseconds and the compilations proceed together, and
+beside whatever the caller does next in the block (Dynamo's trace, Inductor). Leaving
+the block waits for all of them; each then sits in its kernel's cache, and a later
+launch with arguments of the same layout (dtypes, alignment, the integers Triton
+specialises on) compiles nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from typing import Any
+
+_ahead: ContextVar[bool] = ContextVar("ostinato_triton_compile_ahead", default=False)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``; inside ``compile_ahead()`` only the kernel's
+    compilation for these arguments starts, and nothing runs (outputs stay unwritten)."""
+    if _ahead.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def compiling_ahead() -> bool:
+    """True inside ``compile_ahead()``: launches only compile."""
+    return _ahead.get()
+
+
+def default_workers() -> int:
+    """Compile threads: one per core, at most 8 (the engine has fewer kernels)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def compile_ahead(workers: int | None = None) -> Iterator[None]:
+    """Inside, ``launch`` compiles instead of running (see the module docstring); on exit
+    every compilation started inside has finished (a failed one raises here). With a
+    Triton older than ``AsyncCompileMode`` (3.4) each compiles where it is launched,
+    one after the other, still without running. Not re-entrant."""
+    if _ahead.get():
+        raise RuntimeError("compile_ahead: already inside compile_ahead()")
+    token = _ahead.set(True)
+    try:
+        import triton
+
+        mode = getattr(triton, "AsyncCompileMode", None)
+        if mode is None:
+            yield
+            return
+        with (
+            ThreadPoolExecutor(workers or default_workers(), "ostinato-triton") as pool,
+            mode(pool),
+        ):
+            yield
+    finally:
+        _ahead.reset(token)

@@ -1,0 +1,83 @@
+"""triton_launch on the CPU, with a stand-in for Triton: ``launch`` runs a kernel, or
+inside ``compile_ahead()`` only starts its compilation, under Triton's
+AsyncCompileMode when there is one. The real kernels compiled ahead are tested on the GPU
+(test_gpu_kernel_options.py)."""
+
+import sys
+import types
+
+import pytest
+
+from ostinato.engine.triton_launch import compile_ahead, compiling_ahead, launch
+
+
+class Kernel:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("run", grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("compile", grid, args, kwargs))
+
+
+class AsyncMode:
+    entered = []
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def __enter__(self):
+        AsyncMode.entered.append(self.executor)
+
+    def __exit__(self, *exc):
+        AsyncMode.entered.append("exit")
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    module = types.ModuleType("triton")
+    module.AsyncCompileMode = AsyncMode
+    AsyncMode.entered.clear()
+    monkeypatch.setitem(sys.modules, "triton", module)
+    return module
+
+
+def test_launch_runs_the_kernel_outside_compile_ahead():
+    k = Kernel()
+    launch(k, (3, 1), "x", 2, BLOCK=64, num_warps=4)
+    assert k.calls == [("run", (3, 1), ("x", 2), {"BLOCK": 64, "num_warps": 4})]
+    assert not compiling_ahead()
+
+
+def test_inside_compile_ahead_launches_only_compile_under_async_compile_mode(fake_triton):
+    k = Kernel()
+    with compile_ahead(workers=2):
+        assert compiling_ahead()
+        launch(k, (5,), "y", BLOCK=32)
+        assert len(AsyncMode.entered) == 1  # the mode is active with a thread pool
+    assert AsyncMode.entered[-1] == "exit"
+    assert k.calls == [("compile", (5,), ("y",), {"BLOCK": 32})]
+    assert not compiling_ahead()
+    launch(k, (5,), "y", BLOCK=32)  # afterwards it runs again
+    assert k.calls[-1][0] == "run"
+
+
+def test_without_async_compile_mode_launches_still_only_compile(fake_triton):
+    del fake_triton.AsyncCompileMode
+    k = Kernel()
+    with compile_ahead():
+        launch(k, (1,), BLOCK=16)
+    assert k.calls == [("compile", (1,), (), {"BLOCK": 16})]
+
+
+def test_compile_ahead_is_not_reentrant_and_resets_after_an_error(fake_triton):
+    with pytest.raises(RuntimeError, match="already inside compile_ahead"):
+        with compile_ahead(), compile_ahead():
+            pass
+    assert not compiling_ahead()
+    with pytest.raises(ValueError, match="boom"):
+        with compile_ahead():
+            raise ValueError("boom")
+    assert not compiling_ahead()

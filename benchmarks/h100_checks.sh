@@ -70,12 +70,15 @@ cold-phases)
     export PYTHONPYCACHEPREFIX=/tmp/pyc
     site=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
     python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
-    # Each piece compiler without and with KernelOptions(compile_ahead=True), interleaved.
-    for run in "inductor" "inductor --compile-ahead" "eager" "eager --compile-ahead"; do
-        set -- $run
-        tag=$1${2:+_ahead}
-        timeout 90 python3 benchmarks/cold_start_profile.py --compiler $run --phases \
-            --out "$OUT/cold_phases_$tag.json" 2>&1 | grep -v -i warn | tail -60
+    # Each piece compiler without and with KernelOptions(compile_ahead=True), interleaved,
+    # then eager pieces compiled ahead without the warm-up run before each capture.
+    for run in "inductor:" "inductor_ahead:--compile-ahead" "eager:" \
+        "eager_ahead:--compile-ahead" "inductor_ahead_nowarm:--compile-ahead --num-warmups 0" \
+        "eager_ahead_nowarm:--compile-ahead --num-warmups 0"; do
+        tag=${run%%:*}
+        timeout 90 python3 benchmarks/cold_start_profile.py --compiler "${tag%%_*}" \
+            ${run#*:} --phases --out "$OUT/cold_phases_$tag.json" 2>&1 | grep -v -i warn \
+            | grep -E '"(compiler|compile_ahead|num_warmups|constructor_s|weights_s|compile_s|capture_s|backend_s|triton_in_process_s)"'
     done
     timeout 120 python3 benchmarks/cold_start_profile.py --profile "$OUT/cold_profile.txt" \
         --out "$OUT/cold_profiled.json" >/dev/null 2>&1

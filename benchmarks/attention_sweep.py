@@ -101,7 +101,7 @@ class Case:
             paged_attention(
                 self.q, self.k_cache, self.v_cache, self.positions, self.token_req,
                 self.pages, self.scale, splits=splits, out=self.out, rope=self.rope,
-                launch=launch,
+                config=launch,
             )  # fmt: skip
 
         try:

@@ -191,7 +191,7 @@ from ostinato.engine import KernelOptions
 compiled = []  # (kernel, compiled by a warm-up rather than at a launch)
 
 def hook(*, fn, is_manual_warmup, **_):
-    if fn.module.startswith("ostinato"):
+    if str(getattr(fn.module, "__name__", fn.module)).startswith("ostinato"):
         compiled.append((fn.name, is_manual_warmup))
     return None  # compile as usual
 

@@ -215,7 +215,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
-    launch: AttentionLaunch | None = None,
+    config: AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -226,8 +226,8 @@ def paged_attention(
     ``splits`` (a power of two) overrides the automatic split of each token's keys.
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
-    programmatic dependent launch (compute capability 9.0 or newer). ``launch`` overrides
-    the kernel's launch configuration (for tuning).
+    programmatic dependent launch (compute capability 9.0 or newer). ``config``
+    overrides the kernel's launch configuration (for tuning).
     """
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -244,7 +244,7 @@ def paged_attention(
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = splits or num_splits(n, kv_heads, q.device)
-    launch = launch or AttentionLaunch()
+    config = config or AttentionLaunch()
     if splits > MAX_SPLITS:
         raise ValueError(f"paged_attention: splits={splits} exceeds MAX_SPLITS={MAX_SPLITS}")
     if splits > 1:
@@ -284,12 +284,12 @@ def paged_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=launch.block_n,
+        BLOCK_N=config.block_n,
         SPLIT=splits > 1,
         ROPE=rope is not None,
         USE_PDL=pdl,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         launch_pdl=pdl,
     )
     if splits > 1:

@@ -7,8 +7,8 @@ For each batch size B and KV length L (B decode tokens, one per request, each at
 L + 1 cached keys, RoPE applied in the kernel as the engine does): the time of one
 ``paged_attention`` call (with its split merge) for every split count, keys per
 iteration, warps and pipeline stages in the grid, and the default choice's time. Each
-time is the median of CUDA-event timings over back-to-back launches, with the share of
-the copy bandwidth that the KV bytes read would take.
+time is ``bench.decode.pipelined_ms``'s (the median over rounds of back-to-back
+launches), with the share of the copy bandwidth that the KV bytes read would take.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ostinato.bench.decode import copy_bandwidth_gbps
+from ostinato.bench.decode import copy_bandwidth_gbps, pipelined_ms
+from ostinato.engine.attention_launch import AttentionLaunch
 from ostinato.engine.config import ModelConfig
 from ostinato.engine.presets import SHAPES
-from ostinato.engine.triton_attention import AttentionLaunch, num_splits, paged_attention
+from ostinato.engine.triton_attention import num_splits, paged_attention
 from ostinato.provenance import Provenance
 
 BLOCK = 16
@@ -47,26 +47,9 @@ class Timing:
 @dataclass
 class Sweep:
     shape: str
-    device: str
-    torch: str
     copy_bandwidth_gbps: float
-    provenance: Provenance
+    provenance: Provenance  # device, torch, commit, date
     timings: list[Timing] = field(default_factory=list)
-
-
-def _time_us(fn, launches: int = 50, rounds: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(launches):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
 
 
 class Case:
@@ -105,7 +88,8 @@ class Case:
             )  # fmt: skip
 
         try:
-            us = _time_us(call)
+            call()  # compiles this configuration outside the timing
+            us = pipelined_ms(call, steps=50) * 1e3
         except Exception as exc:  # e.g. out of shared memory for this tile and stages
             print(f"B={self.b} L={self.kv_len} splits={splits} {launch}: {exc!r:.200}")
             return None
@@ -133,9 +117,7 @@ def main() -> None:
     kv_heads = config.num_kv_heads
     dtype = torch.bfloat16
     bandwidth = copy_bandwidth_gbps(device)
-    sweep = Sweep(
-        args.shape, torch.cuda.get_device_name(), torch.__version__, bandwidth, Provenance.collect()
-    )
+    sweep = Sweep(args.shape, bandwidth, Provenance.collect())
     for b, kv_len in itertools.product(ints(args.batch_sizes), ints(args.kv_lens)):
         case = Case(config, b, kv_len, dtype, device)
         rows = [case.timing(num_splits(b, kv_heads, device), None, bandwidth)]

@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from wall_timers import WallTimers
+
 
 def _triton_census(cache: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
@@ -45,22 +47,9 @@ class Phases:
     """Wall seconds and calls of wrapped functions (inclusive: nested calls count in both)."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
+        self.timers = WallTimers()
+        self.wrap = self.timers.wrap
         self.triton: list[tuple[str, float]] = []
-
-    def wrap(self, owner: object, attr: str, label: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
-                self.calls[label] = self.calls.get(label, 0) + 1
-
-        setattr(owner, attr, timed)
 
     def wrap_triton(self) -> None:
         import triton.compiler
@@ -110,8 +99,8 @@ class Phases:
         for name, seconds in self.triton:
             by_kernel[name] = by_kernel.get(name, 0.0) + seconds
         return {
-            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
-            "calls": self.calls,
+            "seconds": {k: round(sum(v), 3) for k, v in self.timers.spans.items()},
+            "calls": {k: len(v) for k, v in self.timers.spans.items()},
             "triton_in_process_s": round(sum(s for _, s in self.triton), 3),
             "triton_in_process": {k: round(v, 3) for k, v in by_kernel.items()},
         }

@@ -16,11 +16,11 @@ import argparse
 import json
 import statistics
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from wall_timers import WallTimers
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine import step_loop as step_loop_module
@@ -57,24 +57,12 @@ class PhaseRow:
     ahead_steps: int = 0
 
 
-class Timers:
-    """Wraps callables so each call's wall time lands in ``spans[name]``."""
+class Timers(WallTimers):
+    """Wall seconds of wrapped calls (``spans``), and device time of wrapped forwards."""
 
     def __init__(self) -> None:
-        self.spans: dict[str, list[float]] = defaultdict(list)
+        super().__init__()
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def wrap(self, obj: object, attr: str, name: str) -> None:
-        inner = getattr(obj, attr)
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                self.spans[name].append((time.perf_counter() - t) * 1e6)
-
-        setattr(obj, attr, timed)
 
     def wrap_device(self, obj: object, attr: str) -> None:
         inner = getattr(obj, attr)
@@ -115,7 +103,7 @@ def profile(model, dtype, batch, spec, ahead, new_tokens, device):
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     steps = len(timers.spans["execute"])
-    phases = {k: statistics.median(v) for k, v in timers.spans.items()}
+    phases = {k: statistics.median(v) * 1e6 for k, v in timers.spans.items()}
     if cuda:
         torch.cuda.synchronize()
         fwd = [s.elapsed_time(e) * 1e3 for s, e in timers.events]

@@ -17,27 +17,16 @@ does. That removes a layer's rotation kernels and lets q, k, v stay strided view
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.attention_launch import AttentionLaunch
 from ostinato.engine.triton_launch import launch
 from ostinato.engine.triton_pdl import pdl_enter
 
-BLOCK_N = 64  # keys per iteration, spanning several pages
 MAX_SPLITS = 16
-
-
-@dataclass(frozen=True)
-class AttentionLaunch:
-    """How the attention kernel is compiled and launched: keys per loop iteration
-    (``block_n``, a power of two >= 16), warps per program, software-pipeline stages."""
-
-    block_n: int = BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 @triton.jit

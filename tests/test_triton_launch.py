@@ -81,3 +81,10 @@ def test_compile_ahead_is_not_reentrant_and_resets_after_an_error(fake_triton):
         with compile_ahead():
             raise ValueError("boom")
     assert not compiling_ahead()
+
+
+def test_a_pool_without_threads_is_refused_by_name_before_anything_starts(fake_triton):
+    with pytest.raises(ValueError, match="compile_ahead: workers must be >= 1, got 0"):
+        with compile_ahead(workers=0):
+            pass
+    assert not compiling_ahead() and AsyncMode.entered == []

@@ -49,6 +49,8 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
     every compilation started inside has finished (a failed one raises here). With a
     Triton older than ``AsyncCompileMode`` (3.4) each compiles where it is launched,
     one after the other, still without running. Not re-entrant."""
+    if workers is not None and workers < 1:
+        raise ValueError(f"compile_ahead: workers must be >= 1, got {workers}")
     if _ahead.get():
         raise RuntimeError("compile_ahead: already inside compile_ahead()")
     token = _ahead.set(True)

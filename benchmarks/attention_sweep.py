@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from ostinato.bench.decode import copy_bandwidth_gbps, pipelined_ms
-from ostinato.engine.attention_launch import AttentionLaunch
-from ostinato.engine.config import ModelConfig
-from ostinato.engine.presets import SHAPES
-from ostinato.engine.triton_attention import num_splits, paged_attention
+from benchmarks.decode import copy_bandwidth_gbps, pipelined_ms
+from ostinato.engine.kernels.attention_launch import AttentionLaunch
+from ostinato.engine.kernels.paged_attention import num_splits, paged_attention
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.presets import SHAPES
 from ostinato.provenance import Provenance
 
 BLOCK = 16

@@ -1,5 +1,5 @@
 """How close to a tie each greedy choice is: SmolLM2-135M answers one chat question of
-``ostinato bench spec`` greedily (ostinato, float32, CPU), and transformers, on the same
+``python -m benchmarks spec`` greedily (ostinato, float32, CPU), and transformers, on the same
 GGUF weights, scores prompt + answer in one pass; prints, per answer position, the gap
 between the two largest logits. A gap of a few 1e-3 is within what a different batch
 shape's rounding on a GPU moves, so the greedy continuation may fork there.
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from ostinato.bench.spec import QUESTIONS
+from benchmarks.spec import QUESTIONS
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.presets import smollm2_path
+from ostinato.engine.model.presets import smollm2_path
 
 
 def main(question: int = 1, new_tokens: int = 128) -> None:

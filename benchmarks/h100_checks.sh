@@ -31,10 +31,10 @@ kernels)
     # The two most compared variants first and side by side (the machine drifts).
     v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm"
     v="$v,ostinato FULL_AND_PIECEWISE small-gemm,ostinato FULL_AND_PIECEWISE pdl"
-    timeout 280 python3 -m ostinato.bench --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
+    timeout 280 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
         --out "$OUT/kernels_h100.json" --plot "$OUT/kernels_h100.png" 2>&1 \
         | tee "$OUT/kernels.log"
-    timeout 250 python3 -m ostinato.bench --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
+    timeout 250 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
         --config benchmarks/configs/smollm2_135m.json --out "$OUT/kernels_smollm2_h100.json" \
         --plot "$OUT/kernels_smollm2_h100.png" 2>&1 | tee -a "$OUT/kernels.log"
     ;;
@@ -92,9 +92,9 @@ pieces)
     # generate with Inductor-compiled vs eager pieces (FULL_AND_PIECEWISE, 1.5 B shape):
     # decode-heavy (prompt 128, 128 new) and prefill-heavy (prompt 1024, 8 new).
     for c in inductor eager; do
-        timeout 150 python3 -m ostinato.bench e2e --modes full_and_piecewise --no-transformers \
+        timeout 150 python3 -m benchmarks e2e --modes full_and_piecewise --no-transformers \
             --piece-compiler "$c" --out "$OUT/e2e_pieces_${c}_decode.json" 2>&1 | grep -v -i warn
-        timeout 150 python3 -m ostinato.bench e2e --modes full_and_piecewise --no-transformers \
+        timeout 150 python3 -m benchmarks e2e --modes full_and_piecewise --no-transformers \
             --piece-compiler "$c" --batch-sizes 1,8,32 --prompt-len 1024 --new-tokens 8 \
             --out "$OUT/e2e_pieces_${c}_prefill.json" 2>&1 | grep -v -i warn
     done
@@ -105,15 +105,15 @@ smollm2)
         2>&1 | tee "$OUT/gpu_smollm2.log"
     ;;
 bench)
-    timeout 300 python3 -m ostinato.bench --repeats 30 \
+    timeout 300 python3 -m benchmarks --repeats 30 \
         --out "$OUT/decode_h100.json" --plot "$OUT/decode_h100.png" 2>&1 | tee "$OUT/bench.log"
-    timeout 250 python3 -m ostinato.bench e2e --out "$OUT/e2e_h100.json" \
+    timeout 250 python3 -m benchmarks e2e --out "$OUT/e2e_h100.json" \
         --plot "$OUT/e2e_h100.png" 2>&1 | tee -a "$OUT/bench.log"
     ;;
 spec)
-    timeout 330 python3 -m ostinato.bench spec --k 4 --out "$OUT/spec_h100.json" 2>&1 \
+    timeout 330 python3 -m benchmarks spec --k 4 --out "$OUT/spec_h100.json" 2>&1 \
         | tee "$OUT/spec.log"
-    timeout 220 python3 -m ostinato.bench e2e --model smollm2 --batch-sizes 1,8,32 \
+    timeout 220 python3 -m benchmarks e2e --model smollm2 --batch-sizes 1,8,32 \
         --out "$OUT/e2e_smollm2_h100.json" --plot "$OUT/e2e_smollm2_h100.png" 2>&1 \
         | tee -a "$OUT/spec.log"
     ;;
@@ -123,7 +123,7 @@ spec-ahead)
     timeout 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
         --timeout=150 tests/test_gpu_speculative.py 2>&1 | tee "$OUT/gpu_spec.log" | tail -15
     for dt in bfloat16 float32; do
-        timeout 150 python3 -m ostinato.bench spec --k 4 --dtype "$dt" \
+        timeout 150 python3 -m benchmarks spec --k 4 --dtype "$dt" \
             --proposers "oracle,oracle in turn" --out "$OUT/spec_oracle_${dt}_h100.json" \
             2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     done
@@ -131,7 +131,7 @@ spec-ahead)
         --out "$OUT/spec_step_profile_h100.json" 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     ;;
 spec-all)
-    timeout 560 python3 -m ostinato.bench spec --k 4,2 --dtype "${SPEC_DTYPE:-bfloat16}" \
+    timeout 560 python3 -m benchmarks spec --k 4,2 --dtype "${SPEC_DTYPE:-bfloat16}" \
         --out "$OUT/spec_smollm2_h100.json" 2>&1 | grep -v -i warn | tee "$OUT/spec_all.log"
     ;;
 *)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ostinato import GraphConfig, GraphMode
-from ostinato.demo import TinyModel, TinyRunner
+from ostinato.engine.cli.demo import TinyModel, TinyRunner
 from ostinato.provenance import Provenance
 
 TARGET_US = 15.0

@@ -1,4 +1,4 @@
-"""Plots an ``ostinato bench spec`` result: tokens/s per proposer at each batch size
+"""Plots an ``python -m benchmarks spec`` result: tokens/s per proposer at each batch size
 (one panel per k), with each bar's acceptance rate above it and draft-graph timings in
 the title. Usage: python benchmarks/plot_spec.py OUT.png RESULT.json"""
 

@@ -23,8 +23,8 @@ import torch
 from wall_timers import WallTimers
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine import step_loop as step_loop_module
-from ostinato.engine.speculative import SpeculativeConfig
+from ostinato.engine.spec.speculative import SpeculativeConfig
+from ostinato.engine.worker import step_loop as step_loop_module
 from ostinato.provenance import Provenance
 
 SMOLLM2_SHAPE = {
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from ostinato.engine.config import ModelConfig
+    from ostinato.engine.model.config import ModelConfig
 
     model = args.model or ModelConfig.from_hf(SMOLLM2_SHAPE)
     rows = []

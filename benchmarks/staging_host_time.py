@@ -11,9 +11,9 @@ import time
 import torch
 
 from ostinato.engine import SamplingParams
-from ostinato.engine.inputs import StepInputs
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.worker.inputs import StepInputs
 
 
 def main() -> None:

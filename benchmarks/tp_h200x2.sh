@@ -29,10 +29,10 @@ bench-ubatch)
     # Micro-batch overlap: TP=2 steps of the 8 B shape with and without it, graphs on;
     # over NVLink, then with the all-reduces moved off it (NCCL_P2P_DISABLE=1: through
     # host shared memory, as between GPUs without NVLink), where communication weighs more.
-    timeout 250 python3 -m ostinato.bench ubatch --tp 2 --shape llama-8b \
+    timeout 250 python3 -m benchmarks ubatch --tp 2 --shape llama-8b \
         --out "$OUT/ubatch_llama-8b_tp2_h200.json" --plot "$OUT/ubatch_llama-8b_tp2_h200.png" \
         2>&1 | tee -a "$OUT/bench.log"
-    NCCL_P2P_DISABLE=1 timeout 320 python3 -m ostinato.bench ubatch --tp 2 --shape llama-8b \
+    NCCL_P2P_DISABLE=1 timeout 320 python3 -m benchmarks ubatch --tp 2 --shape llama-8b \
         --out "$OUT/ubatch_llama-8b_tp2_nop2p_h200.json" \
         --plot "$OUT/ubatch_llama-8b_tp2_nop2p_h200.png" 2>&1 | tee -a "$OUT/bench.log"
     ;;
@@ -42,7 +42,7 @@ bench-*)
         for tp in 1 2; do
             ar=nccl
             [ "$tp" = 2 ] && ar=nccl,auto
-            timeout 280 python3 -m ostinato.bench --tp "$tp" --shape "$shape" --no-profile \
+            timeout 280 python3 -m benchmarks --tp "$tp" --shape "$shape" --no-profile \
                 --variants "$variants" --all-reduce "$ar" --repeats 30 \
                 --out "$OUT/decode_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log"
         done

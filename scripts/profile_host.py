@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from ostinato.bench.decode import BenchConfig, DecodeSetup
-from ostinato.engine.presets import shape
+from benchmarks.decode import BenchConfig, DecodeSetup
+from ostinato.engine.model.presets import shape
 from ostinato.modes import GraphMode
 
 cfg = BenchConfig(model=shape("tiny"), batch_sizes=(1,))

@@ -187,7 +187,7 @@ class FailingAttention:
         exit_code: int | None = None,
         min_seq_len: int = 0,
     ):
-        from ostinato.engine.attention import default_backend
+        from ostinato.engine.model.attention import default_backend
 
         self.inner = default_backend(torch.device(device))
         self.graph_support = self.inner.graph_support
@@ -364,7 +364,7 @@ def ubatch_timings_agree(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from ostinato.batch import BatchDescriptor
-    from ostinato.ubatch.tuning import chosen, measure
+    from ostinato.engine.worker.ubatch_tuning import chosen, measure
 
     set_env(rank, world, port)
     dist.init_process_group("gloo")
@@ -387,9 +387,9 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
     sizes to ``out/agree{rank}.pt``."""
     from fakes import DenseGraphAttention, FakePlatform
 
-    import ostinato.engine.llm as llm_module
-    import ostinato.engine.runner as runner_module
-    from ostinato.engine.runner import ModelRunner
+    import ostinato.engine.api.llm as llm_module
+    import ostinato.engine.worker.runner as runner_module
+    from ostinato.engine.worker.runner import ModelRunner
     from ostinato.ubatch.policy import MicroBatching
 
     set_env(rank, world, port)

@@ -5,9 +5,9 @@ import torch
 
 from ostinato.batch import BatchDescriptor
 from ostinato.context import forward_context
-from ostinato.engine.attention_op import StepAttention
-from ostinato.engine.inputs import StepInputs
-from ostinato.engine.scheduler import ScheduledBatch, ScheduledRequest
+from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
+from ostinato.engine.model.attention_op import StepAttention
+from ostinato.engine.worker.inputs import StepInputs
 from ostinato.modes import GraphMode
 
 

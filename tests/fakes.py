@@ -50,7 +50,7 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.ostinato.attention.default:
             # The attention op runs Python (it reads the forward context): a real graph
             # holds the kernels it launches, so record those instead.
-            from ostinato.engine.attention_op import attention
+            from ostinato.engine.model.attention_op import attention
 
             with _Recorder(self.graph):
                 return attention(*args, **kwargs)
@@ -118,7 +118,7 @@ class DenseGraphAttention:
     applies_rope = False
 
     def __init__(self) -> None:
-        from ostinato.engine.attention import write_kv
+        from ostinato.engine.model.attention import write_kv
 
         self.write_kv = write_kv
 

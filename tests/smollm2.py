@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ostinato.engine.presets import smollm2_path
+from ostinato.engine.model.presets import smollm2_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [

@@ -8,9 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workloads import random_mix
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.inputs import PreviousSample, StepInputs
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 
 
 def engine(async_scheduling, **kw):

@@ -3,7 +3,7 @@ before Triton would fail to compile them."""
 
 import pytest
 
-from ostinato.engine.attention_launch import BLOCK_N, AttentionLaunch
+from ostinato.engine.kernels.attention_launch import BLOCK_N, AttentionLaunch
 
 
 def test_the_defaults_are_the_kernel_s_settings():

@@ -1,10 +1,10 @@
-"""`ostinato bench` on CPU: the quick eager table, the JSON document, the plot."""
+"""`python -m benchmarks` on CPU: the quick eager table, the JSON document, the plot."""
 
 import json
 
 import pytest
 
-from ostinato.bench import main
+from benchmarks.cli import main
 
 
 def test_quick_bench_on_cpu_writes_json_and_says_why_graphs_are_off(tmp_path, capsys):
@@ -45,14 +45,14 @@ def test_reduce_overhead_baseline_computes_the_engine_models_function():
     # must give the same logits for a decode step (CPU, float32, eager).
     import torch
 
+    from benchmarks.baseline import StaticCacheDecoder
     from ostinato import BatchDescriptor, GraphMode, forward_context
-    from ostinato.bench.baseline import StaticCacheDecoder
-    from ostinato.engine.attention import AttentionMetadata, TorchAttention
-    from ostinato.engine.attention_op import StepAttention
-    from ostinato.engine.config import ModelConfig
-    from ostinato.engine.kv_cache import KVCache
-    from ostinato.engine.model import DecoderModel
-    from ostinato.engine.presets import shape
+    from ostinato.engine.core.kv_cache import KVCache
+    from ostinato.engine.model.attention import AttentionMetadata, TorchAttention
+    from ostinato.engine.model.attention_op import StepAttention
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import shape
 
     torch.manual_seed(0)
     cfg = ModelConfig.from_hf(shape("tiny"))
@@ -123,7 +123,7 @@ def test_e2e_a_failing_system_is_recorded_and_the_others_still_run(tmp_path, mon
     # (On the H100 transformers' static-cache path once crashed after ostinato and the
     # dynamic cache had been measured; nothing of theirs may be lost with it.)
     pytest.importorskip("transformers")
-    from ostinato.bench import e2e
+    from benchmarks import e2e
 
     real = e2e._hf_system
 
@@ -167,7 +167,7 @@ def test_spec_quick_runs_every_proposer_and_keeps_the_plain_tokens(tmp_path):
 def test_kernel_census_counts_every_launch_and_its_device_time():
     from types import SimpleNamespace as Avg
 
-    from ostinato.bench.kernels import census
+    from benchmarks.census import census
 
     averages = [  # two kernels launched 5 and 10 times, and a host-side entry
         Avg(key="copy", count=5, device_time_total=5.0),
@@ -184,8 +184,8 @@ def test_kernel_census_counts_every_launch_and_its_device_time():
 
 
 def test_table_shows_kernel_columns_only_where_profiled():
-    from ostinato.bench.decode import BenchResult, Row, quick_config
-    from ostinato.bench.report import table
+    from benchmarks.decode import BenchResult, Row, quick_config
+    from benchmarks.report import table
 
     result = BenchResult(quick_config(), "cpu", 1.0, 1, 1)
     result.rows.append(Row("eager", 1, 2.0, 3.0, 1.0, 2.0))
@@ -202,7 +202,7 @@ def test_bench_ubatch_quick_runs_every_way_on_two_cpu_ranks(tmp_path):
     # Two gloo ranks, the tiny model, eagerly: every step plain, split into two
     # overlapped micro-batches, and under the default policy (eagerly: its thresholds),
     # with the all-reduces alone timed beside it; the JSON plots again from itself.
-    from ostinato.bench import ubatch
+    from benchmarks import ubatch
 
     out, png = tmp_path / "ubatch.json", tmp_path / "ubatch.png"
     assert ubatch.main(["--quick", "--out", str(out)]) == 0
@@ -227,7 +227,7 @@ def test_bench_ubatch_quick_runs_every_way_on_two_cpu_ranks(tmp_path):
     ],
 )
 def test_bench_ubatch_bad_options_exit_2_with_one_line(argv, message, capsys):
-    from ostinato.bench import ubatch
+    from benchmarks import ubatch
 
     with pytest.raises(SystemExit) as info:
         ubatch.main(argv)
@@ -239,7 +239,7 @@ def test_bench_ubatch_bad_options_exit_2_with_one_line(argv, message, capsys):
 def test_kernels_in_a_layer_leave_out_what_runs_once_per_step():
     from types import SimpleNamespace as Avg
 
-    from ostinato.bench.kernels import census
+    from benchmarks.census import census
 
     layers, steps = 4, 2
     averages = [  # per step: norms 2L + 1 (the final one), a GEMM L, the LM head once

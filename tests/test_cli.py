@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from ostinato.cli import main
+from ostinato.engine.cli.main import main
 
 
-def run(args, capsys):
+def run(args, capsys, entry=main):
     try:
-        code = main(args)
+        code = entry(args)
     except SystemExit as exc:
         code = exc.code
     captured = capsys.readouterr()
@@ -109,10 +109,16 @@ def test_options_are_checked_before_the_model_loads(bad_folders, capsys):
         (["bench", "--plot-from", "/no/such.json", "--plot", "x.png"], "--plot-from"),
         (["bench", "--kv-len", "-3"], "--kv-len: must be >= 1"),
         (["frobnicate"], "invalid choice"),
+        (["bench"], "invalid choice: 'bench'"),  # benchmarks are not part of the package
     ],
 )
 def test_bad_bench_and_command_options(args, message, capsys):
-    code, _, err = run(args, capsys)
+    from benchmarks.cli import main as bench_main
+
+    entry = main
+    if args[:1] == ["bench"] and len(args) > 1:
+        args, entry = args[1:], bench_main  # python -m benchmarks ...
+    code, _, err = run(args, capsys, entry)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert message in err, err
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from ostinato.engine import LLM, FinishReason, SamplingParams
-from ostinato.engine.config import ModelConfig
-from ostinato.engine.kv_cache import BlockPool
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.presets import shape
-from ostinato.engine.sampler import sample
-from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.core.kv_cache import BlockPool
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Scheduler
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.presets import shape
+from ostinato.engine.sample.sampler import sample
 
 
 def tiny(**kw):

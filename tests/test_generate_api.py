@@ -4,7 +4,7 @@ interrupted call leaves nothing behind, and a good call afterwards just works.""
 import pytest
 
 from ostinato.engine import LLM, FinishReason, SamplingParams
-from ostinato.engine.presets import shape
+from ostinato.engine.model.presets import shape
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from hf_models import assert_greedy_matches_hf
 from smollm2 import PROMPTS, QUESTION, gguf_path, hf_model
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.config import ModelConfigError
-from ostinato.engine.gguf_file import GGUFCheckpoint, permute_rope_rows, unpermute_rope_rows
-from ostinato.engine.weights import WeightsError
+from ostinato.engine.loading.gguf_file import GGUFCheckpoint, permute_rope_rows, unpermute_rope_rows
+from ostinato.engine.loading.weights import WeightsError
+from ostinato.engine.model.config import ModelConfigError
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_unsupported_tensor_type_is_named(monkeypatch):
 
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
     with torch.device("meta"):
-        from ostinato.engine.model import DecoderModel
+        from ostinato.engine.model.decoder import DecoderModel
 
         model = DecoderModel(ckpt.config)
     with pytest.raises(WeightsError, match="token_embd.weight has type Q8_0"):

@@ -19,7 +19,7 @@ from ostinato import (
     capture_phase,
     forward_context,
 )
-from ostinato.demo import TinyModel, TinyRunner
+from ostinato.engine.cli.demo import TinyModel, TinyRunner
 
 pytestmark = pytest.mark.gpu
 

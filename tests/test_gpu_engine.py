@@ -9,7 +9,7 @@ from hf_models import write_checkpoint
 from workloads import sync_and_async_outputs
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.attention import AttentionMetadata, TorchAttention
+from ostinato.engine.model.attention import AttentionMetadata, TorchAttention
 from ostinato.mathutil import ceil_div
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ def rel_err(a, b):
 @pytest.mark.parametrize("splits", [None, 1, 4, 16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 32), (32, 8, 128), (4, 4, 64)])
 def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, splits):
-    from ostinato.engine.triton_attention import paged_attention
+    from ostinato.engine.kernels.paged_attention import paged_attention
 
     rng = random.Random(heads * 7 + head_dim)
     bs, num_blocks = 16, 64
@@ -115,8 +115,8 @@ def kv_write_case(dtype, device=DEVICE):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_kv_write_with_rope_rotates_keys_as_the_compiled_model_does(dtype):
-    from ostinato.engine.attention import write_kv
-    from ostinato.engine.triton_attention import write_kv_fused
+    from ostinato.engine.kernels.paged_attention import write_kv_fused
+    from ostinato.engine.model.attention import write_kv
 
     k, v, slots, caches, ref = kv_write_case(dtype)
     n, kv_heads, head_dim = k.shape
@@ -146,7 +146,7 @@ def test_fused_kv_write_with_rope_rotates_keys_as_the_compiled_model_does(dtype)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, dim", [(1, 2048), (33, 576), (7, 4096), (0, 64)])
 def test_rms_norm_kernel_equals_the_torch_arithmetic(dtype, rows, dim):
-    from ostinato.engine.norm_op import add_rms_norm_reference, rms_norm_reference
+    from ostinato.engine.model.norm_op import add_rms_norm_reference, rms_norm_reference
 
     x = torch.randn(rows, dim + 16, device=DEVICE, dtype=dtype)[:, :dim] * 3  # strided rows
     w = torch.randn(dim, device=DEVICE, dtype=dtype)
@@ -169,7 +169,7 @@ def test_rms_norm_kernel_equals_the_torch_arithmetic(dtype, rows, dim):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 2 * 8192), (33, 2 * 1536), (2, 5, 2 * 1000), (0, 64)])
 def test_silu_mul_kernel_equals_the_torch_arithmetic(dtype, shape):
-    from ostinato.engine.silu_mul_op import silu_mul_reference
+    from ostinato.engine.model.silu_mul_op import silu_mul_reference
 
     # Strided rows (a view of a wider buffer), as a projection's output slice may be.
     x = torch.randn(*shape[:-1], shape[-1] + 32, device=DEVICE, dtype=dtype)[..., : shape[-1]]
@@ -258,8 +258,8 @@ def test_async_scheduling_equals_sync_with_graphs_and_preemption(mode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_kv_write_equals_two_index_copies_bitwise(dtype):
-    from ostinato.engine.attention import write_kv
-    from ostinato.engine.triton_attention import write_kv_fused
+    from ostinato.engine.kernels.paged_attention import write_kv_fused
+    from ostinato.engine.model.attention import write_kv
 
     k, v, slots, caches, ref = kv_write_case(dtype)
     kv_heads, head_dim = k.shape[1:]
@@ -313,7 +313,7 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
 
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_chunked_greedy_equals_argmax_on_gpu_with_ties(vocab):
-    from ostinato.engine.greedy import greedy_tokens
+    from ostinato.engine.sample.greedy import greedy_tokens
 
     g = torch.Generator(device=DEVICE).manual_seed(vocab)
     logits = torch.randint(0, 5, (33, vocab), generator=g, device=DEVICE).float()

@@ -7,8 +7,8 @@ import torch
 from gpu_harness import lockstep, tiny_engine
 
 from ostinato.engine import KernelOptions
-from ostinato.engine.gemm_tuning import plan_small_gemms
-from ostinato.engine.linear import Linear
+from ostinato.engine.model.linear import Linear
+from ostinato.engine.worker.gemm_tuning import plan_small_gemms
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -27,7 +27,7 @@ def needs_pdl():
 @pytest.mark.parametrize("swiglu, bias", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_small_gemm_every_config_as_close_to_float32_as_cublas(rows, swiglu, bias, pdl):
-    from ostinato.engine import triton_gemm as tg
+    from ostinato.engine.kernels import small_gemm as tg
 
     if pdl:
         needs_pdl()
@@ -37,7 +37,7 @@ def test_small_gemm_every_config_as_close_to_float32_as_cublas(rows, swiglu, bia
     b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16) if bias else None
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
 
-    from ostinato.engine.triton_silu_mul import silu_mul
+    from ostinato.engine.kernels.silu_mul import silu_mul
 
     def act(y):  # the unfused model: GEMM rounded to bf16, then SiLU·mul
         return silu_mul(y.bfloat16()) if swiglu else y
@@ -56,7 +56,7 @@ def test_small_gemm_every_config_as_close_to_float32_as_cublas(rows, swiglu, bia
 
 
 def test_split_k_gemm_replays_in_a_graph_on_new_inputs():
-    from ostinato.engine import triton_gemm as tg
+    from ostinato.engine.kernels import small_gemm as tg
 
     n, k = 576, 1536
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
@@ -79,9 +79,9 @@ def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
     # A decode-like chain of our kernels launched with PDL inside one graph: each waits
     # for its predecessor, so the results are the plain launches' bit for bit.
     needs_pdl()
-    from ostinato.engine import triton_gemm as tg
-    from ostinato.engine.triton_attention import paged_attention, write_kv_fused
-    from ostinato.engine.triton_norm import rms_norm_rows
+    from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.kernels.paged_attention import paged_attention, write_kv_fused
+    from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
     torch.manual_seed(0)
     bf = dict(device=DEVICE, dtype=torch.bfloat16)
@@ -149,10 +149,10 @@ def test_plan_picks_triton_only_where_it_measured_faster():
 def test_model_projections_with_forced_triton_plans_match_float32():
     # Every projection of a model through the Triton GEMM (SiLU·mul fused into the
     # gate/up projection), whatever the timing says: as close to float32 as cuBLAS.
-    from ostinato.engine import triton_gemm as tg
-    from ostinato.engine.config import ModelConfig
-    from ostinato.engine.model import DecoderModel
-    from ostinato.engine.presets import shape
+    from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import shape
 
     torch.manual_seed(0)
     config = ModelConfig.from_hf(shape("tiny"))

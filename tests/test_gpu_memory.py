@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.memory import EngineMemoryError
+from ostinato.engine.worker.memory import EngineMemoryError
 from ostinato.errors import GraphCaptureError
 from ostinato.platform.cuda import CudaPlatform
 

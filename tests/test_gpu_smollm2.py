@@ -113,7 +113,7 @@ def test_greedy_with_speculation_equals_plain_on_smollm2(greedy_outputs, propose
     # float32, the fixture's prompts and plain outputs (answers end at EOS); the oracle
     # knows those outputs and schedules verify steps ahead (FULL_AND_PIECEWISE replays
     # them from uniform FULL graphs; NONE mode completes them eagerly).
-    from ostinato.engine.speculative import SpeculativeConfig
+    from ostinato.engine.spec.speculative import SpeculativeConfig
 
     _, plain, _ = greedy_outputs[mode]
     prompts = greedy_outputs["prompts"]

@@ -9,7 +9,7 @@ import torch
 from gpu_harness import tiny_engine
 
 from ostinato.engine import SamplingParams
-from ostinato.engine.speculative import SpeculativeConfig, verify
+from ostinato.engine.spec.speculative import SpeculativeConfig, verify
 
 pytestmark = pytest.mark.gpu
 
@@ -121,10 +121,10 @@ def test_verify_steps_scheduled_ahead_equal_synchronous_ones_on_the_gpu(mode, dt
 def test_fused_lookahead_ops_equal_the_torch_reference():
     # Random steps (uniform or not, scheduled ahead or not, with padding rows): the
     # Triton prepare and accept leave every buffer as the torch ops do.
-    from ostinato.engine.inputs import StepInputs
-    from ostinato.engine.limits import EngineLimits
-    from ostinato.engine.lookahead import VerifyLookahead
-    from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+    from ostinato.engine.core.limits import EngineLimits
+    from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+    from ostinato.engine.spec.lookahead import VerifyLookahead
+    from ostinato.engine.worker.inputs import StepInputs
 
     rng, k, cuda = random.Random(0), 3, torch.device("cuda")
     limits = EngineLimits(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=96, block_size=4)

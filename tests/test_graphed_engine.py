@@ -10,12 +10,12 @@ import torch
 from fakes import DenseGraphAttention, FakePlatform
 from workloads import preempting_mix, sync_and_async_outputs
 
-import ostinato.engine.llm as llm_module
-import ostinato.engine.runner as runner_module
-import ostinato.engine.self_draft as self_draft_module
+import ostinato.engine.api.llm as llm_module
+import ostinato.engine.spec.self_draft as self_draft_module
+import ostinato.engine.worker.runner as runner_module
 from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.speculative import SpeculativeConfig
+from ostinato.engine.spec.speculative import SpeculativeConfig
 
 
 @pytest.fixture

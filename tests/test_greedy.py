@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ostinato.engine.greedy import chunks_for, greedy_tokens
+from ostinato.engine.sample.greedy import chunks_for, greedy_tokens
 
 
 def test_chunks_divide_the_vocabulary_and_stay_long():

@@ -3,9 +3,9 @@
 import torch
 
 from ostinato.engine import SamplingParams
-from ostinato.engine.inputs import PADDING, StepInputs
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.worker.inputs import PADDING, StepInputs
 
 LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 

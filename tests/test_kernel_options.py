@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.engine import LLM, KernelOptions, SamplingParams
-from ostinato.engine.config import ModelConfig
-from ostinato.engine.gemm_tuning import plan_small_gemms
-from ostinato.engine.linear import Linear
-from ostinato.engine.model import DecoderModel
-from ostinato.engine.presets import shape
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.linear import Linear
+from ostinato.engine.model.presets import shape
+from ostinato.engine.worker.gemm_tuning import plan_small_gemms
 
 
 @pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead"])
@@ -82,7 +82,7 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     # On the CPU the ops run their torch arithmetic, so nothing is launched; what runs is
     # the runner's part: the eager passes and the compiled first pass inside
     # compile_ahead, once, with the engine's outputs unchanged.
-    from ostinato.engine import runner as runner_module
+    from ostinato.engine.worker import runner as runner_module
 
     entered = []
 

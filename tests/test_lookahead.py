@@ -5,11 +5,11 @@ step's acceptance; acceptance follows the host's rule; padding rows are never to
 import torch
 
 from ostinato.engine import SamplingParams
-from ostinato.engine.inputs import PADDING, StepInputs
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.lookahead import VerifyLookahead
-from ostinato.engine.scheduler import PENDING_TOKEN, Request, ScheduledBatch, ScheduledRequest
-from ostinato.engine.speculative import accept_greedy
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import PENDING_TOKEN, Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.spec.lookahead import VerifyLookahead
+from ostinato.engine.spec.speculative import accept_greedy
+from ostinato.engine.worker.inputs import PADDING, StepInputs
 
 LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 K = 2

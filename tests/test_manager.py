@@ -15,7 +15,7 @@ from ostinato import (
     current_forward_context,
     use_platform,
 )
-from ostinato.demo import TinyModel, TinyRunner, run_demo
+from ostinato.engine.cli.demo import TinyModel, TinyRunner, run_demo
 
 
 class Runner:

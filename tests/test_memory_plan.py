@@ -3,10 +3,10 @@ decoding requests carry draft tokens, and for the sampling graphs."""
 
 import torch
 
-from ostinato.engine.config import ModelConfig
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.memory import SAMPLING_BYTES_PER_LOGIT, plan_memory
-from ostinato.engine.presets import shape
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.presets import shape
+from ostinato.engine.worker.memory import SAMPLING_BYTES_PER_LOGIT, plan_memory
 
 GIB = 2**30
 

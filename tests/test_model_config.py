@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from ostinato.engine.config import ModelConfig, ModelConfigError
-from ostinato.engine.presets import shape
+from ostinato.engine.model.config import ModelConfig, ModelConfigError
+from ostinato.engine.model.presets import shape
 
 BASE = shape("tiny")
 

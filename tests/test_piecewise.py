@@ -5,13 +5,13 @@ import torch
 from fakes import FakePlatform
 
 from ostinato import BatchDescriptor, GraphMode, capture_phase, forward_context
-from ostinato.demo import TinyModel
-from ostinato.engine.attention import AttentionMetadata, TorchAttention
-from ostinato.engine.attention_op import StepAttention
-from ostinato.engine.config import ModelConfig
-from ostinato.engine.kv_cache import KVCache
-from ostinato.engine.model import DecoderModel
-from ostinato.engine.presets import shape
+from ostinato.engine.cli.demo import TinyModel
+from ostinato.engine.core.kv_cache import KVCache
+from ostinato.engine.model.attention import AttentionMetadata, TorchAttention
+from ostinato.engine.model.attention_op import StepAttention
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.presets import shape
 from ostinato.piecewise import CompiledModel, NoSplittingOpError, PiecewiseBackend
 
 LAYERS = 3
@@ -61,7 +61,7 @@ def test_split_at_every_attention_call():
     assert len(pieces) == 2 * LAYERS + 1
     assert [p.is_splitting_op for p in pieces] == [i % 2 == 1 for i in range(2 * LAYERS + 1)]
     assert all(p.ops == ("ostinato.attention",) for p in pieces if p.is_splitting_op)
-    assert "model.py" in pieces[0].source and "embed_tokens" in pieces[0].source
+    assert "decoder.py" in pieces[0].source and "embed_tokens" in pieces[0].source
     assert len(backend.wrappers) == LAYERS + 1
     assert backend.wrappers[-1].options.weak_ref_output
     assert not any(w.options.weak_ref_output for w in backend.wrappers[:-1])

@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ostinato.bench.decode import BenchConfig, DecodeSetup
+from benchmarks.decode import BenchConfig, DecodeSetup
 from ostinato.config import GraphConfig
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.attention import TorchAttention
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.presets import shape
-from ostinato.engine.runner import ModelRunner
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.model.attention import TorchAttention
+from ostinato.engine.model.presets import shape
+from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 
 PROMPTS = [[(5 * i + 1) % 97 + 3 for i in range(40)], [7, 8, 9]]
@@ -63,7 +63,7 @@ def test_a_decode_step_is_bitwise_the_same_with_rope_in_the_backend(compiler):
 
 
 def test_the_norm_ops_compute_transformers_arithmetic_and_refuse_a_mismatched_residual():
-    from ostinato.engine.norm_op import add_rms_norm_reference
+    from ostinato.engine.model.norm_op import add_rms_norm_reference
 
     x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
     total = x + r

@@ -4,9 +4,9 @@ budget, abort, and the bookkeeping of blocks."""
 import random
 
 from ostinato.engine import FinishReason, SamplingParams
-from ostinato.engine.kv_cache import BlockPool
-from ostinato.engine.limits import EngineLimits
-from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.core.kv_cache import BlockPool
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Scheduler
 from ostinato.mathutil import ceil_div
 
 
@@ -86,7 +86,7 @@ def test_abort_frees_waiting_and_running_requests():
 
 
 def test_schedule_ahead_only_when_the_next_step_can_be_scheduled_blind():
-    from ostinato.engine.scheduler import PENDING_TOKEN
+    from ostinato.engine.core.scheduler import PENDING_TOKEN
 
     limits = EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, block_size=4)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ostinato.engine.silu_mul_op import silu_mul_reference
+from ostinato.engine.model.silu_mul_op import silu_mul_reference
 
 
 def test_float32_equals_silu_of_the_gate_times_the_up_half():

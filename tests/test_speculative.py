@@ -10,8 +10,8 @@ import torch
 from draft_reference import StepByStepDraft, check_drafts_against
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.scheduler import Request, ScheduledBatch, ScheduledRequest
-from ostinato.engine.speculative import NgramProposer, SpeculativeConfig, verify
+from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig, verify
 
 
 def prompts_and_params():

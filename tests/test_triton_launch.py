@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from ostinato.engine.triton_launch import compile_ahead, compiling_ahead, launch
+from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead, launch
 
 
 class Kernel:

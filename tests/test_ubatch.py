@@ -191,7 +191,7 @@ def test_the_policy_refuses_bad_settings_by_name():
 
 def test_a_split_is_kept_only_where_measured_faster_by_the_margin():
     from ostinato.batch import BatchDescriptor
-    from ostinato.ubatch.tuning import UbatchTiming, chosen, measure
+    from ostinato.engine.worker.ubatch_tuning import UbatchTiming, chosen, measure
 
     sizes = [BatchDescriptor(n) for n in (512, 2048, 8192)]
     own = {512: (15.6, 18.4), 2048: (44.2, 43.9), 8192: (160.7, 154.0)}

@@ -7,8 +7,8 @@ import torch
 from hf_models import write_checkpoint
 
 from ostinato.engine import LLM
-from ostinato.engine.config import ModelConfigError
-from ostinato.engine.weights import WeightsError
+from ostinato.engine.loading.weights import WeightsError
+from ostinato.engine.model.config import ModelConfigError
 
 pytest.importorskip("transformers")
 

@@ -1,0 +1,165 @@
+"""``python -m benchmarks``: decode-step time of every mode against eager, reduce-overhead
+and the bandwidth floor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ostinato.distributed.all_reduce_plan import parse_all_reduce
+from ostinato.engine.cli.args import OneLineParser, int_list, positive_int
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.presets import shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``python -m benchmarks`` with ``argv``; returns the exit status. ``python -m benchmarks
+    e2e ...`` runs the end-to-end ``generate`` benchmark instead, ``python -m benchmarks spec
+    ...`` the speculative-decoding one, ``python -m benchmarks ubatch ...`` the micro-batch
+    overlap one."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["e2e"]:
+        from benchmarks import e2e
+
+        return e2e.main(argv[1:])
+    if argv[:1] == ["ubatch"]:
+        from benchmarks import ubatch
+
+        return ubatch.main(argv[1:])
+    if argv[:1] == ["spec"]:
+        from benchmarks import spec
+
+        return spec.main(argv[1:])
+    parser = OneLineParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--batch-sizes", type=int_list, default=[1, 8, 32, 128], help="batch sizes to time"
+    )
+    parser.add_argument(
+        "--kv-len", type=positive_int, default=512, help="cached tokens per sequence"
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="a HF config.json for the model (default: a 1.5 B Llama shape with random weights)",
+    )
+    parser.add_argument("--variants", help="comma-separated subset of the variants")
+    parser.add_argument("--repeats", type=positive_int, default=50, help="timed steps per size")
+    parser.add_argument("--out", type=Path, help="write the JSON result here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--plot-from", type=Path, help="plot an earlier JSON result and exit")
+    parser.add_argument(
+        "--quick", action="store_true", help="CPU-sized: the tiny model, eager only"
+    )
+    parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile")
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks (one process per local GPU, NCCL)",
+    )
+    parser.add_argument(
+        "--all-reduce",
+        default="nccl",
+        help="with --tp: comma-separated all-reduce choices to compare, each a full run "
+        "(nccl, auto = measured NCCL vs symmetric-memory per size, one-shot, two-shot)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=("llama-1.5b", "llama-8b"),
+        default="llama-1.5b",
+        help="random-weight model shape (ignored with --config)",
+    )
+    args = parser.parse_args(argv)
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
+    if args.plot_from is not None and not args.plot_from.is_file():
+        parser.error(f"argument --plot-from: {args.plot_from} is not a file")
+    if args.config is not None and not args.config.is_file():
+        parser.error(f"argument --config: {args.config} is not a file")
+
+    from benchmarks import decode, report
+
+    if args.plot_from:
+        if not args.plot:
+            parser.error("--plot-from needs --plot OUT.png")
+        try:
+            document = json.loads(args.plot_from.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            parser.error(f"argument --plot-from: {args.plot_from} is not JSON ({exc})")
+        report.plot(document, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
+    cuda = torch.cuda.is_available()
+    if args.quick or not cuda:
+        cfg = decode.quick_config()
+        why = (
+            "--quick asked for"
+            if cuda
+            else f"no CUDA device (torch {torch.__version__}, cuda available: False)"
+        )
+        print(f"graphs are off: {why}; showing the tiny model in eager mode only")
+        device = torch.device("cuda" if cuda else "cpu")
+    else:
+        cfg = decode.BenchConfig(model=shape(args.shape))
+        device = torch.device("cuda")
+    sizes = tuple(args.batch_sizes)
+    cfg = replace(
+        cfg,
+        batch_sizes=sizes if not args.quick and cuda else cfg.batch_sizes,
+        kv_len=args.kv_len if cuda and not args.quick else cfg.kv_len,
+        repeats=args.repeats if cuda and not args.quick else cfg.repeats,
+    )
+    if args.config:
+        try:
+            model = json.loads(args.config.read_text())
+            ModelConfig.from_hf(model)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+            parser.error(f"argument --config: {args.config}: {exc}")
+        cfg = replace(cfg, model=model)
+    if args.variants:
+        names = tuple(v.strip() for v in args.variants.split(","))
+        known = (*decode.OSTINATO_VARIANTS, *decode.KERNEL_VARIANTS, decode.REDUCE_OVERHEAD)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")
+        cfg = replace(cfg, variants=names)
+    choices = tuple(c.strip() for c in args.all_reduce.split(","))
+    for c in choices:
+        try:
+            parse_all_reduce(c)
+        except ValueError as exc:
+            parser.error(f"argument --all-reduce: {exc}")
+    cfg = replace(cfg, all_reduce=choices)
+    if args.tp > 1:
+        if not cuda or args.quick:
+            parser.error("argument --tp: tensor parallelism needs CUDA GPUs (and no --quick)")
+        from benchmarks.parallel import run_parallel
+
+        try:
+            result = run_parallel(cfg, args.tp, profile=not args.no_profile)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        result = decode.run(cfg, device, profile=not args.no_profile)
+    print(report.table(result))
+    if args.out:
+        report.write_json(result, args.out)
+        print(f"wrote {args.out}")
+    if args.plot:
+        report.plot(report.document(result), args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,498 @@
+"""The decode-step benchmark: ostinato's modes vs eager, reduce-overhead and the floor."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.baseline import StaticCacheDecoder
+from benchmarks.census import KernelLaunches, kernel_census
+from ostinato.config import GraphConfig
+from ostinato.distributed.groups import TensorParallel
+from ostinato.engine.core.kv_cache import KVCache
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.model.attention import AttentionBackend, TritonAttention, default_backend
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.presets import shape
+from ostinato.engine.sample.sampler import SamplingParams, sample
+from ostinato.engine.worker.gemm_tuning import GemmTiming
+from ostinato.engine.worker.runner import ModelRunner
+from ostinato.mathutil import ceil_div
+from ostinato.modes import GraphMode
+
+OSTINATO_VARIANTS = {
+    "eager": (GraphMode.NONE, None),
+    "ostinato FULL": (GraphMode.FULL, None),
+    "ostinato PIECEWISE": (GraphMode.PIECEWISE, "inductor"),
+    "ostinato FULL_AND_PIECEWISE": (GraphMode.FULL_AND_PIECEWISE, "inductor"),
+}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """A CUDA-only FULL_AND_PIECEWISE variant with other kernels: the attention fusions
+    off (``TritonAttention(fused=False)``: RoPE in the model, two ``index_copy_`` K/V
+    writes) or ``KernelOptions`` on, to measure what each changes."""
+
+    fused: bool = True
+    kernels: KernelOptions = KernelOptions()
+
+
+KERNEL_VARIANTS = {
+    "ostinato FULL_AND_PIECEWISE unfused": KernelVariant(fused=False),
+    "ostinato FULL_AND_PIECEWISE pdl": KernelVariant(kernels=KernelOptions(pdl=True)),
+    "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
+    "ostinato FULL_AND_PIECEWISE pdl+small-gemm": KernelVariant(
+        kernels=KernelOptions(pdl=True, small_gemm=True)
+    ),
+}
+REDUCE_OVERHEAD = "torch.compile reduce-overhead"
+# Variants also timed through the engine's whole step (staging, sampling, read-back).
+ENGINE_STEP_VARIANTS = ("eager", "ostinato FULL_AND_PIECEWISE")
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure: the model (HF config dict), batch sizes, KV length, dtype, variants."""
+
+    model: dict[str, Any] = field(default_factory=lambda: shape("llama-1.5b"))
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
+    kv_len: int = 512
+    dtype: str = "bfloat16"
+    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, *KERNEL_VARIANTS, REDUCE_OVERHEAD)
+    warmup: int = 10
+    repeats: int = 50
+    seed: int = 0
+    all_reduce: tuple[str, ...] = ("nccl",)  # under --tp: each choice is a separate run
+
+
+@dataclass
+class Row:
+    """One variant at one batch size."""
+
+    variant: str
+    batch: int
+    step_ms: float
+    host_us: float
+    floor_ms: float
+    x_floor: float
+    x_reduce_overhead: float | None = None
+    kernels: float | None = None  # device kernels per step (CUDA, when profiled)
+    kernels_per_layer: float | None = None
+    busy_us: float | None = None  # their summed device time per step
+    kernels_in_layer: int | None = None  # inside one decoder layer (KernelCensus.in_layer)
+    pipelined_ms: float | None = None  # per step, steps back to back (CUDA; pipelined_ms())
+
+
+@dataclass
+class VariantCost:
+    """What a variant costs before its first step."""
+
+    variant: str
+    compile_s: float
+    capture_s: float
+    graph_pool_mib: float
+    graph_device_mib: float
+    num_graphs: int
+    note: str = ""
+
+    @property
+    def startup_s(self) -> float:
+        """Compile plus capture seconds."""
+        return self.compile_s + self.capture_s
+
+
+@dataclass
+class BenchResult:
+    """Every number of one run, with what it was measured against."""
+
+    config: BenchConfig
+    device: str
+    copy_bandwidth_gbps: float
+    weight_bytes_per_step: int
+    kv_bytes_per_token: int
+    tensor_parallel_size: int = 1
+    rows: list[Row] = field(default_factory=list)
+    costs: list[VariantCost] = field(default_factory=list)
+    profile: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # Per "variant B=b" (B = 1 and the largest): every kernel name's launches per step.
+    kernels_by_name: dict[str, list[KernelLaunches]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Per variant with small_gemm: the start-up measurement of cuBLAS vs the Triton GEMM.
+    small_gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)
+    # Under --tp with "auto": per-call µs of each all-reduce algorithm in a captured graph,
+    # by message size in bytes ({"sizes": [...], "nccl": [...], "one-shot": [...], ...}).
+    all_reduce_us: dict[str, list[float]] = field(default_factory=dict)
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def pipelined_ms(step: Callable[[], Any], steps: int = 20, rounds: int = 5) -> float:
+    """Median device ms per step over ``rounds`` runs of ``steps`` back-to-back steps
+    (no synchronisation between them): while the host issues a step faster than the
+    device runs one, the device never waits for it, so this is the replay's own time,
+    free of the host's jitter that the isolated timing includes."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
+
+
+def time_step(
+    step: Callable[[], Any], warmup: int, repeats: int, cuda: bool
+) -> tuple[float, float]:
+    """(median device ms, median host µs) of one step, each step run in isolation."""
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    device_ms, host_us = [], []
+    for _ in range(repeats):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        if cuda:
+            end.record()
+            end.synchronize()
+            device_ms.append(start.elapsed_time(end))
+        else:
+            device_ms.append((t1 - t0) * 1e3)
+        host_us.append((t1 - t0) * 1e6)
+    return statistics.median(device_ms), statistics.median(host_us)
+
+
+class DecodeSetup:
+    """The model, one KV cache, and B requests each holding ``kv_len`` cached tokens."""
+
+    def __init__(
+        self, cfg: BenchConfig, device: torch.device, tp: TensorParallel | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = getattr(torch, cfg.dtype)
+        self.tp = tp or TensorParallel()
+        torch.manual_seed(cfg.seed)
+        self.config = ModelConfig.from_hf(cfg.model)
+        with torch.device(device):
+            self.model = DecoderModel(self.config, self.tp).to(self.dtype).eval()
+        c = self.config
+        self.max_b = max(cfg.batch_sizes)
+        self.max_len = cfg.kv_len + BLOCK
+        self.blocks_per_seq = ceil_div(self.max_len, BLOCK)
+        self.cache = KVCache(
+            c.num_layers,
+            self.max_b * self.blocks_per_seq + 1,
+            BLOCK,
+            c.num_kv_heads // self.tp.size,
+            c.head_dim,
+            self.dtype,
+            device,
+        )
+        for t in self.cache.k + self.cache.v:
+            t.normal_()  # real data: attention must not read zeros
+        self.backend = default_backend(device)
+
+    def weight_bytes_per_step(self, batch: int) -> int:
+        """Every weight once, except the embedding table, of which only B rows are read."""
+        m = self.model
+        total = sum(p.numel() * p.element_size() for p in m.parameters())
+        embed = m.embed_tokens.weight
+        if not self.config.tie_word_embeddings:
+            total -= embed.numel() * embed.element_size()
+        return total + batch * embed.shape[1] * embed.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one cached token occupies over all layers (on this rank)."""
+        c = self.config
+        heads = c.num_kv_heads // self.tp.size
+        return 2 * c.num_layers * heads * c.head_dim * self.dtype.itemsize
+
+    def runner(
+        self,
+        mode: GraphMode,
+        compiler: str | None,
+        backend: AttentionBackend | None = None,
+        kernels: KernelOptions | None = None,
+    ) -> ModelRunner:
+        """A ModelRunner over the shared model and cache in ``mode`` (with the default
+        attention backend unless ``backend``, and ``kernels``)."""
+        limits = EngineLimits(self.max_b, 2048, self.max_len, BLOCK)
+        return ModelRunner(
+            self.model,
+            self.cache,
+            backend or self.backend,
+            limits,
+            GraphConfig(mode=mode),
+            self.device,
+            progress=False,
+            compiler=compiler,
+            kernels=kernels,
+        )
+
+    def decode_step(self, runner: ModelRunner, batch: int) -> Callable[[], torch.Tensor]:
+        """One decode step of ``batch`` requests at position kv_len: copy-in, run, logits
+        (inside the graph where the decode graph covers the LM head)."""
+        pos = self.cfg.kv_len
+        tables = (
+            torch.arange(batch)[:, None] * self.blocks_per_seq
+            + 1
+            + torch.arange(self.blocks_per_seq)[None, :]
+        ).to(torch.int32)
+        inputs = runner.inputs
+        inputs.staging[1, :batch] = pos
+        inputs.staging[2, :batch] = torch.arange(batch)
+        inputs.staging[3, :batch] = tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        inputs.tables_staging[:batch, : self.blocks_per_seq] = tables
+        inputs.copy_staged(batch, batch)
+        pin = self.device.type == "cuda"
+        host_ids = (
+            torch.randint(0, self.config.vocab_size, (batch,)).pin_memory()
+            if pin
+            else torch.randint(0, self.config.vocab_size, (batch,))
+        )
+        meta = runner.metadata(batch, [1] * batch, [pos + 1] * batch)
+        rows = torch.arange(batch, device=self.device)
+
+        def step() -> torch.Tensor:
+            dispatch = runner.graphs.dispatch(batch, uniform_decode=True)
+            inputs.input_ids[:batch].copy_(host_ids, non_blocking=True)
+            return runner.run_logits(dispatch, batch, meta, rows)
+
+        return step
+
+    def blocks(self, r: int) -> list[int]:
+        """The KV blocks of request ``r`` (block 0 is the null block)."""
+        return list(range(1 + r * self.blocks_per_seq, 1 + (r + 1) * self.blocks_per_seq))
+
+    def decode_batch(self, tokens: list[int]) -> ScheduledBatch:
+        """A uniform decode of ``len(tokens)`` requests at position kv_len, request ``r``
+        in ``blocks(r)`` taking ``tokens[r]``."""
+        step = ScheduledBatch([])
+        for r, token in enumerate(tokens):
+            req = Request(r, [1] * self.cfg.kv_len, SamplingParams(), output=[token])
+            req.blocks, req.num_cached = self.blocks(r), self.cfg.kv_len
+            step.scheduled.append(ScheduledRequest(req, [token], self.cfg.kv_len))
+        return step
+
+    def engine_step(self, runner: ModelRunner, batch: int) -> Callable[[], list[int]]:
+        """The engine's real step for a uniform decode of ``batch`` requests at position
+        kv_len: ``ModelRunner.execute`` (staging, dispatch, replay, logits), greedy
+        sampling and the read-back of the tokens, as ``LLM`` runs it synchronously."""
+        rng = torch.Generator().manual_seed(self.cfg.seed)
+        tokens = torch.randint(0, self.config.vocab_size, (batch,), generator=rng).tolist()
+        step = self.decode_batch(tokens)
+        zeros = torch.zeros(batch, device=self.device)
+
+        def run() -> list[int]:
+            logits = runner.execute(step)
+            return sample(logits, zeros, zeros, all_greedy=True).tolist()
+
+        return run
+
+    def reduce_overhead_step(self, batch: int) -> tuple[Callable[[], torch.Tensor], float]:
+        """The baseline's step for ``batch`` and the seconds its first calls took."""
+        dec = StaticCacheDecoder(self.model, batch, self.max_len)
+        for name, buf in dec.named_buffers():
+            if name[0] in "kv" and name[1:].isdigit():
+                buf.normal_()
+        compiled = torch.compile(dec, mode="reduce-overhead", fullgraph=True)
+        ids = torch.randint(0, self.config.vocab_size, (batch, 1), device=self.device)
+        pos = torch.tensor([self.cfg.kv_len], device=self.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(3):  # compile, then the warm-up and recording runs of cudagraphs
+                compiled(ids, pos)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                return compiled(ids, pos)
+
+        return step, first
+
+
+def run(
+    cfg: BenchConfig,
+    device: torch.device,
+    log: Callable[[str], None] = print,
+    profile: bool = True,
+    tp: TensorParallel | None = None,
+) -> BenchResult:
+    """Runs every variant at every batch size; returns all numbers. Under tensor
+    parallelism every rank runs this in lock-step; the floor is this rank's shard of the
+    weights and KV cache, and the reduce-overhead baseline (single-GPU) is skipped."""
+    cuda = device.type == "cuda"
+    setup = DecodeSetup(cfg, device, tp)
+    bw = copy_bandwidth_gbps(device) if cuda else float("nan")
+    result = BenchResult(
+        cfg,
+        torch.cuda.get_device_name(device) if cuda else "cpu",
+        bw,
+        setup.weight_bytes_per_step(1),
+        setup.kv_bytes_per_token,
+        setup.tp.size,
+    )
+    log(
+        f"copy bandwidth {bw:.0f} GB/s; weights {setup.weight_bytes_per_step(1) / 1e9:.2f} GB "
+        f"per step; KV {setup.kv_bytes_per_token} B per token"
+    )
+
+    def floor_ms(b: int) -> float:
+        nbytes = setup.weight_bytes_per_step(b) + b * cfg.kv_len * setup.kv_bytes_per_token
+        return nbytes / (bw * 1e9) * 1e3 if cuda else float("nan")
+
+    with torch.inference_mode():
+        for name in cfg.variants:
+            if name == REDUCE_OVERHEAD:
+                continue
+            if name in KERNEL_VARIANTS:
+                if not cuda:
+                    continue  # variants of CUDA kernels
+                variant = KERNEL_VARIANTS[name]
+                runner = setup.runner(
+                    GraphMode.FULL_AND_PIECEWISE,
+                    "inductor",
+                    TritonAttention(fused=variant.fused),
+                    variant.kernels,
+                )
+            else:
+                mode, compiler = OSTINATO_VARIANTS[name]
+                runner = setup.runner(mode, compiler)
+            start = time.perf_counter()
+            report = runner.capture()
+            if cuda:
+                torch.cuda.synchronize()
+            capture_s = time.perf_counter() - start - runner.compile_seconds
+            if runner.gemm_timings:
+                result.small_gemm[name] = runner.gemm_timings
+            result.costs.append(
+                VariantCost(
+                    name,
+                    runner.compile_seconds,
+                    capture_s,
+                    report.pool_bytes / 2**20,
+                    report.device_bytes / 2**20,
+                    report.num_graphs,
+                    "; ".join(runner.resolution.reasons),
+                )
+            )
+            for b in cfg.batch_sizes:
+                step = setup.decode_step(runner, b)
+                ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
+                row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
+                if cuda:
+                    row.pipelined_ms = pipelined_ms(step)
+                if profile and cuda:
+                    c = kernel_census(step)
+                    row.kernels, row.busy_us = c.kernels, c.busy_us
+                    row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
+                    row.kernels_in_layer = c.in_layer(cfg.model["num_hidden_layers"])
+                    if b in (1, max(cfg.batch_sizes)) and name != "eager":
+                        result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
+                result.rows.append(row)
+                log(
+                    f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us"
+                    + ("" if row.kernels is None else f"  {row.kernels:.0f} kernels")
+                )
+                if name in ENGINE_STEP_VARIANTS:
+                    label = f"{name} engine step"
+                    ms, host = time_step(
+                        setup.engine_step(runner, b), cfg.warmup, cfg.repeats, cuda
+                    )
+                    result.rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+                    log(f"{label:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
+                if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
+                    result.profile[f"{name} B={b}"] = top_kernels(step)
+            runner.release()
+    if REDUCE_OVERHEAD in cfg.variants and cuda and setup.tp.size == 1:
+        total_first = 0.0
+        for b in cfg.batch_sizes:
+            step, first = setup.reduce_overhead_step(b)
+            total_first += first
+            ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
+            result.rows.append(Row(REDUCE_OVERHEAD, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+            log(
+                f"{REDUCE_OVERHEAD:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us "
+                f"(first calls {first:.1f} s)"
+            )
+        result.costs.append(
+            VariantCost(
+                REDUCE_OVERHEAD,
+                total_first,
+                0.0,
+                float("nan"),
+                float("nan"),
+                len(cfg.batch_sizes),
+                "compile + record per batch size; graph memory not separable from its compile",
+            )
+        )
+    ro = {r.batch: r.step_ms for r in result.rows if r.variant == REDUCE_OVERHEAD}
+    for r in result.rows:
+        if r.batch in ro:
+            r.x_reduce_overhead = r.step_ms / ro[r.batch]
+    return result
+
+
+def top_kernels(step: Callable[[], Any], n: int = 6) -> list[tuple[str, float]]:
+    """The ``n`` device kernels with the most time over 5 steps, with their share in %."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [(e.key[:90], round(100 * e.device_time_total / total, 1)) for e in events[:n]]
+
+
+def quick_config() -> BenchConfig:
+    """A CPU-sized run: the tiny model, eager only."""
+    return BenchConfig(
+        model=shape("tiny"),
+        batch_sizes=(1, 8),
+        kv_len=64,
+        dtype="float32",
+        variants=("eager",),
+        warmup=2,
+        repeats=5,
+    )

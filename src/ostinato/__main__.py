@@ -1,5 +1,0 @@
-import sys
-
-from ostinato.cli import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from ostinato.bench import main
-
-sys.exit(main())

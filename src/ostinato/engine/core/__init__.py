@@ -1,0 +1,1 @@
+"""What the engine decides on the host: requests, the scheduler, KV blocks, limits."""

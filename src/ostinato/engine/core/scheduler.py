@@ -1,0 +1,424 @@
+"""Continuous batching: admit prefills (in chunks when the token budget is short), run
+decodes, preempt when KV blocks run out."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ostinato.engine.core.kv_cache import BlockPool, blocks_needed
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.sample.sampler import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped: an EOS or stop token, ``max_tokens``, or ``max_model_len``."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    MAX_MODEL_LEN = "max_model_len"
+
+
+@dataclass(eq=False)  # identity: the scheduler's lists hold each request once
+class Request:
+    """A prompt and its generation so far. ``num_cached`` tokens have K/V in ``blocks``.
+    ``num_pending`` (0 or 1): a token sampled by a step still on the device, counted in
+    ``num_tokens`` but not yet in ``output`` (asynchronous scheduling)."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    num_pending: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (pending included), without building the list."""
+        return len(self.prompt) + len(self.output) + self.num_pending
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt followed by the tokens generated so far."""
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+
+Proposal = Callable[[list["Request"], list[int]], Sequence[Sequence[int]]]
+"""Speculative decoding's proposer: for each request, up to ``n[i]`` tokens likely to
+follow it (all requests of a step in one call, so a draft model runs them as a batch)."""
+
+Lookahead = Callable[[list["Request"], int], Sequence[Sequence[int]]]
+"""A proposer that can draft before the previous verify step's outcome is known: for each
+request (its verify step, drafts from ``len(output)``, still on the device) and ``k``,
+``2k`` tokens such that the next draft, if that step accepts ``a`` drafts, is tokens
+``a .. a + k - 1`` (``OracleProposer.window``)."""
+
+PENDING_TOKEN = 0
+"""Stands in ``ScheduledRequest.tokens`` for a token still on the device."""
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's part of a step: ``tokens`` at positions ``start ..``.
+
+    ``samples`` is False for a chunk that ends before the request's last token (a prefill
+    split over steps): its logits are computed but no token is drawn.
+    ``from_previous``: a decode whose one input token is the previous step's sample for
+    this request, still on the device (``tokens`` holds ``PENDING_TOKEN``).
+    ``draft``: proposed next tokens (speculative decoding): ``tokens`` is the request's
+    last token followed by ``draft``, and the step verifies them.
+    """
+
+    request: Request
+    tokens: list[int]
+    start: int
+    samples: bool = True
+    from_previous: bool = False
+    draft: list[int] = field(default_factory=list)
+    ahead: bool = False
+    window: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledBatch:
+    """What one model step runs. ``uniform_decode``: every request decodes one token."""
+
+    scheduled: list[ScheduledRequest]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the step runs, over all requests."""
+        return sum(len(s.tokens) for s in self.scheduled)
+
+    @property
+    def uniform_decode(self) -> bool:
+        """True when every request decodes (its last token, plus its draft when
+        speculating) and all have the same query length."""
+        lens = {len(s.tokens) for s in self.scheduled}
+        return len(lens) <= 1 and all(len(s.tokens) == 1 + len(s.draft) for s in self.scheduled)
+
+    @property
+    def speculative(self) -> bool:
+        """True when some request verifies a draft."""
+        return any(s.draft for s in self.scheduled)
+
+
+class Scheduler:
+    """First-come-first-served continuous batching over a paged KV cache.
+
+    Guarantees: a request is never lost: it is waiting, running or finished (or
+    aborted, which frees it). A request is admitted when the KV blocks for all its tokens
+    are free; its tokens are computed in chunks of at most the step's remaining token
+    budget, so a prompt, or a preempted request's prompt + output, longer than
+    ``max_num_batched_tokens`` still runs. Running requests decode one token per step;
+    when a request needs a block and none is free, the most recently admitted running
+    request is preempted (its blocks freed, to be recomputed later from prompt + output
+    so far). Requests that could never fit raise ``ValueError`` at ``add``; requests
+    that merely do not fit now wait.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        limits: EngineLimits,
+        eos_token_ids: tuple[int, ...] = (),
+        propose: Proposal | None = None,
+        num_speculative: int = 0,
+        lookahead: Lookahead | None = None,
+    ) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.block_size = limits.block_size
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.max_model_len = limits.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0  # over the scheduler's life
+        self.propose = propose
+        self.num_speculative = num_speculative if propose is not None else 0
+        self.lookahead = lookahead if self.num_speculative else None
+        self._ids = itertools.count()
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Request:
+        """Queues a request; raises ``ValueError`` (see ``check``) if it could never run."""
+        self.check(prompt)
+        req = Request(next(self._ids), list(prompt), params)
+        self.waiting.append(req)
+        return req
+
+    def check(self, prompt: list[int]) -> None:
+        """Raises ``ValueError`` naming the limit if ``prompt`` could never be scheduled."""
+        if not prompt:
+            raise ValueError("prompt: empty; give at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}; shorten it or raise max_model_len"
+            )
+        if blocks_needed(len(prompt) + 1, self.block_size) > self.pool.num_blocks - 1:
+            raise ValueError(
+                f"prompt: needs more KV blocks than the cache has ({self.pool.num_blocks - 1}); "
+                "give the engine more blocks"
+            )
+
+    @property
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step: every running request that fits (decodes, then unfinished
+        prefill chunks), then new admissions while tokens, sequences and blocks allow."""
+        scheduled: list[ScheduledRequest] = []
+        drafting: list[tuple[ScheduledRequest, int]] = []
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running or self._awaits_last_token(req):
+                continue  # preempted below to make room, or done once its token resolves
+            chunk = min(req.num_tokens - req.num_cached, budget)
+            room = self._draft_room(req, budget) if chunk == 1 else 0
+            if not self._reserve(req, req.num_cached + chunk + room):
+                continue
+            scheduled.append(self._chunk(req, chunk))
+            if room:
+                drafting.append((scheduled[-1], room))
+            budget -= chunk + room
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted with a token on the device: recompute it once known
+            need = blocks_needed(req.num_tokens, self.block_size)
+            if need > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            req.blocks = self.pool.allocate(need)
+            self.running.append(req)
+            chunk = min(req.num_tokens, budget)
+            scheduled.append(self._chunk(req, chunk))
+            budget -= chunk
+        if drafting:
+            self._add_drafts(drafting)
+        return ScheduledBatch(scheduled)
+
+    def _awaits_last_token(self, req: Request) -> bool:
+        """True when ``req``'s pending token is its last one by count (``max_tokens`` or
+        ``max_model_len``): nothing more to schedule until it is resolved."""
+        generated = len(req.output) + req.num_pending
+        return req.num_pending > 0 and (
+            generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        )
+
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """How many tokens to propose after ``req``'s last one: at most
+        ``num_speculative``, none past its ``max_tokens`` or ``max_model_len``, and within
+        the step's token budget (0: decode without a draft)."""
+        if not self.num_speculative or req.num_pending or not req.output:
+            return 0
+        return max(
+            0,
+            min(
+                self.num_speculative,
+                req.params.max_tokens - len(req.output) - 1,
+                self.max_model_len - req.num_tokens - 1,
+                budget - 1,
+            ),
+        )
+
+    def _add_drafts(self, drafting: list[tuple[ScheduledRequest, int]]) -> None:
+        """Asks the proposer for every drafting request at once; a short proposal is
+        padded with its last token (or the request's) so verify batches stay uniform."""
+        assert self.propose is not None
+        proposals = self.propose([e.request for e, _ in drafting], [n for _, n in drafting])
+        for (entry, room), proposal in zip(drafting, proposals, strict=True):
+            draft = list(proposal)[:room]
+            fill = draft[-1] if draft else entry.tokens[-1]
+            entry.draft = draft + [fill] * (room - len(draft))
+            entry.tokens = entry.tokens + entry.draft
+
+    def schedule_ahead(self, step: ScheduledBatch) -> ScheduledBatch | None:
+        """The verify step after ``step``, scheduled while ``step`` (launched, a verify
+        step of greedy requests) is unresolved: the same requests, each verifying ``k``
+        more drafts after whatever ``step`` accepts (``ScheduledRequest.ahead``). Blocks
+        are reserved for the case where it accepts everything.
+
+        None when that cannot be done blind (then resolve ``step`` and ``schedule``): no
+        lookahead proposer, a request waits or runs outside ``step``, one of ``step``'s
+        requests did not verify a full draft or samples, or in the worst case it would
+        lack room for a full draft (``max_tokens``, ``max_model_len``) or need a block
+        that is not free (no preemption here)."""
+        k = self.num_speculative
+        if self.lookahead is None or self.waiting or len(step.scheduled) != len(self.running):
+            return None
+        for s in step.scheduled:
+            req = s.request
+            if len(s.draft) != k or req.params.temperature != 0 or req not in self.running:
+                return None
+            # Room for k drafts after a fully accepted ``step``, as ``_draft_room`` sees
+            # it: then the drafts are the synchronous engine's whatever ``step`` accepts.
+            if len(req.output) + 2 * k + 2 > req.params.max_tokens:
+                return None
+            if s.start + 2 * k + 3 > self.max_model_len:
+                return None
+        if not all(
+            self._reserve(s.request, s.start + 2 * (k + 1), preempt=False) for s in step.scheduled
+        ):
+            return None
+        requests = [s.request for s in step.scheduled]
+        windows = self.lookahead(requests, k)
+        placeholder = [PENDING_TOKEN] * k
+        return ScheduledBatch(
+            [
+                ScheduledRequest(
+                    s.request,
+                    [PENDING_TOKEN, *placeholder],
+                    s.start + 1,
+                    draft=list(placeholder),
+                    ahead=True,
+                    window=list(w),
+                )
+                for s, w in zip(step.scheduled, windows, strict=True)
+            ]
+        )
+
+    def settle_ahead(
+        self, ahead: ScheduledBatch, before: ScheduledBatch, accepted: Sequence[Sequence[int]]
+    ) -> None:
+        """Fills in ``ahead`` (scheduled by ``schedule_ahead(before)``) once ``before``'s
+        tokens are known (``accepted``, per request: kept drafts and one more), then
+        marks it launched: real starts, the drafts the device chose from each window,
+        and the input token."""
+        for s, prev, got in zip(ahead.scheduled, before.scheduled, accepted, strict=True):
+            a = len(got) - 1
+            s.start = prev.start + len(got)
+            s.draft = s.window[a : a + len(s.draft)]
+            s.tokens = [got[-1], *s.draft]
+        self.launched(ahead)
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> ScheduledRequest:
+        start = req.num_cached
+        total = req.num_tokens
+        if n == 1 and start == total - 1 and req.num_pending:
+            return ScheduledRequest(req, [PENDING_TOKEN], start, from_previous=True)
+        if n == 1 and start == total - 1 and req.output:
+            tokens = [req.output[-1]]  # a decode: no need to rebuild prompt + output
+        else:
+            tokens = req.tokens[start : start + n]
+        return ScheduledRequest(req, tokens, start, samples=start + n == total)
+
+    def _reserve(self, req: Request, num_tokens: int, preempt: bool = True) -> bool:
+        """Makes ``req`` hold blocks for ``num_tokens``, preempting others if needed
+        (with ``preempt=False``, from free blocks only).
+
+        Returns False if ``req`` itself had to be preempted, or the free blocks do not
+        suffice and preemption is off.
+        """
+        need = blocks_needed(num_tokens, self.block_size) - len(req.blocks)
+        if not preempt and need > self.pool.num_free:
+            return False
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.blocks += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_cached = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, step: ScheduledBatch, sampled: Sequence[int | Sequence[int]]) -> list[Request]:
+        """Records the sampled token of each scheduled request that samples (one entry
+        per scheduled request; others' entries are ignored); returns those that finished.
+        The synchronous engine's ``launched`` then ``resolve``."""
+        self.launched(step)
+        return self.resolve(step, sampled)
+
+    def launched(self, step: ScheduledBatch) -> None:
+        """``step`` is on the device: its tokens count as cached, and each request that
+        samples holds a pending token until ``resolve``."""
+        for s in step.scheduled:
+            s.request.num_cached = s.start + len(s.tokens)
+            if s.samples:
+                s.request.num_pending += 1
+
+    def resolve(
+        self, step: ScheduledBatch, sampled: Sequence[int | Sequence[int]]
+    ) -> list[Request]:
+        """Replaces ``step``'s pending tokens by ``sampled`` (one entry per scheduled
+        request: a token, or for a request that verified a draft the tokens it accepted
+        plus the one after) and applies the stop conditions to each token in turn;
+        returns the requests that finished.
+        A token sampled for a request that finished meanwhile (an asynchronous step
+        launched before its stop token was known) is dropped."""
+        done = []
+        for s, got in zip(step.scheduled, sampled, strict=True):
+            req = s.request
+            if not s.samples:
+                continue
+            req.num_pending -= 1
+            if req.finished:
+                continue
+            tokens = [got] if isinstance(got, int) else list(got)
+            if s.draft:
+                # Accepted drafts and one more: K/V is valid for the inputs up to the last
+                # accepted draft; the rejected drafts' slots are written again later.
+                req.num_cached = s.start + len(tokens)
+            for token in tokens:
+                req.output.append(token)
+                if self._finish(req, token):
+                    self._release(req)
+                    done.append(req)
+                    break
+        return done
+
+    def _finish(self, req: Request, token: int) -> bool:
+        p = req.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif len(req.output) >= p.max_tokens:
+            req.finish_reason = FinishReason.LENGTH
+        elif len(req.prompt) + len(req.output) >= self.max_model_len:
+            # Resolved tokens only: a later step's token may already be pending.
+            req.finish_reason = FinishReason.MAX_MODEL_LEN
+        return req.finished
+
+    def abort(self, requests: list[Request]) -> None:
+        """Drops ``requests`` wherever they are and frees their KV blocks; finished ones
+        are left alone. Used when a call that added them fails or is interrupted."""
+        ids = {r.id for r in requests if not r.finished}
+        if not ids:
+            return
+        self.waiting = deque(r for r in self.waiting if r.id not in ids)
+        for req in [r for r in self.running if r.id in ids]:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        # Blocks freed here may still be written by a step already on the device; a
+        # later step that reuses them runs after it on the same stream.
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)  # preempted while its last token was on the device
+        self.pool.free(req.blocks)
+        req.blocks = []

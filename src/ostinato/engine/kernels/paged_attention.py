@@ -1,0 +1,412 @@
+"""A paged attention kernel for any mix of prefill and decode tokens, graph-safe.
+
+Each program handles one query token and the query heads of one KV head's group: it reads
+the token's position and request from device memory and walks that request's block table
+over keys ``0..position`` only (the live KV), with an online softmax in float32. When
+tokens x KV heads are too few to fill the GPU (small decode batches), the keys of each
+token are split across ``splits`` programs whose partial results a second kernel merges
+(flash-decoding). The split count depends only on the token count, never on lengths read
+from the host, so a captured graph replays correctly on new metadata.
+
+RoPE can be applied here instead of in the model (``rope``): the attention kernel rotates
+each query as it loads it and the K/V write rotates each key as it stores it, both in
+float32 and rounded once to the cache's dtype, as the compiled model's rotation kernel
+does. That removes a layer's rotation kernels and lets q, k, v stay strided views.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ostinato.engine.kernels.attention_launch import AttentionLaunch
+from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.pdl import pdl_enter
+
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _rotated(ptr, rows, d, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, mask):
+    """Rows ``ptr + rows[:, None] + d[None, :]`` rotated rotate-half style by this row
+    block's ``cos``/``sin`` (``[HEAD_DIM]`` at ``cos_ptr``, ``sin_ptr``), in float32."""
+    half = HEAD_DIM // 2
+    x = tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(
+        ptr + rows[:, None] + ((d + half) % HEAD_DIM)[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    rot = tl.where(d[None, :] < half, -partner, partner)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    s = tl.load(sin_ptr + d).to(tl.float32)
+    return x * c[None, :] + rot * s[None, :]
+
+
+# ``splits`` is a runtime argument and never specialised (Triton would otherwise compile
+# separately for 1 and for multiples of 16): one compiled kernel per layout, not per split
+# count, which cut a cold start-up's Triton compilations of this file from 10 to 4.
+@triton.jit(do_not_specialize=["splits"])
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    pos_ptr,
+    req_ptr,
+    tables_ptr,
+    cos_ptr,
+    sin_ptr,
+    scale,
+    stride_rt,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_tr,
+    splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    tok = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(pos_ptr + tok).to(tl.int32)
+    req = tl.load(req_ptr + tok).to(tl.int32)
+    ctx = pos + 1  # padding rows have position -1: no keys
+    # This program's share of the keys, in whole BLOCK_N tiles.
+    chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx, lo + chunk)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    if ROPE:
+        rows = tok * stride_qt + heads * stride_qh
+        r = tok * stride_rt
+        q = _rotated(q_ptr, rows, d, cos_ptr + r, sin_ptr + r, HEAD_DIM, g_mask[:, None])
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(
+            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None],
+            other=0.0,
+        )
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + n_off
+        live = keys < hi
+        page = tl.load(tables_ptr + req * stride_tr + keys // BLOCK_SIZE, mask=live, other=0)
+        kv_off = (
+            page.to(tl.int64)[:, None] * stride_kb
+            + (keys % BLOCK_SIZE)[:, None] * stride_ks
+            + kvh * stride_kh
+            + d[None, :]
+        )
+        k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+    if not SPLIT:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None],
+        )
+    else:
+        # Unnormalised partials, float32, laid out [token, head, split, (d)].
+        row = (tok * GROUP * tl.num_programs(1) + heads) * splits + split
+        tl.store(m_ptr + row, m, mask=g_mask)
+        tl.store(l_ptr + row, l_sum, mask=g_mask)
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits_kernel(
+    part_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    splits,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
+    live = s < splits
+    d = tl.arange(0, HEAD_DIM)
+    row = (tok * HEADS + head) * splits + s
+    m = tl.load(m_ptr + row, mask=live, other=float("-inf"))
+    l_sum = tl.load(l_ptr + row, mask=live, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: padding row
+    w = tl.exp(m - m_max)
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(acc * w[:, None], axis=0)
+    norm = tl.sum(l_sum * w, axis=0)
+    out = total / tl.where(norm > 0, norm, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(num_tokens: int, kv_heads: int, device: torch.device) -> int:
+    """Programs per (token, KV head): enough for about two waves over the GPU's SMs."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    want = (2 * sms) // max(1, num_tokens * kv_heads)
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+    out: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
+    config: AttentionLaunch | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
+    cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
+    contiguous last dimension: no second buffer, no copy).
+
+    Token i attends to keys ``0..positions[i]`` of request ``token_req[i]``; a row with
+    position -1 outputs zeros. The cache must already hold this step's keys and values.
+    ``splits`` (a power of two) overrides the automatic split of each token's keys.
+    ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
+    it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
+    programmatic dependent launch (compute capability 9.0 or newer). ``config``
+    overrides the kernel's launch configuration (for tuning).
+    """
+    n, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(
+            f"paged_attention: out must be {tuple(q.shape)} with a contiguous last dim"
+        )
+    if n == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
+    splits = splits or num_splits(n, kv_heads, q.device)
+    config = config or AttentionLaunch()
+    if splits > MAX_SPLITS:
+        raise ValueError(f"paged_attention: splits={splits} exceeds MAX_SPLITS={MAX_SPLITS}")
+    if splits > 1:
+        partial = torch.empty((n, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        target, so_t, so_h = partial, 0, 0
+    else:
+        m = l_sum = out  # unused by the single-split kernel
+        target, so_t, so_h = out, out.stride(0), out.stride(1)
+    launch(
+        _paged_attention_kernel,
+        (n, kv_heads, splits),
+        q,
+        k_cache,
+        v_cache,
+        target,
+        m,
+        l_sum,
+        positions,
+        token_req,
+        block_tables,
+        cos,
+        sin,
+        scale,
+        stride_rt,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        so_t,
+        so_h,
+        block_tables.stride(0),
+        splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        SPLIT=splits > 1,
+        ROPE=rope is not None,
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        launch_pdl=pdl,
+    )
+    if splits > 1:
+        launch(
+            _merge_splits_kernel,
+            (n, heads),
+            partial,
+            m,
+            l_sum,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEADS=heads,
+            HEAD_DIM=head_dim,
+            MAX_SPLITS=MAX_SPLITS,
+            USE_PDL=pdl,
+            num_warps=4,
+            launch_pdl=pdl,
+        )
+    return out
+
+
+def _rope_args(
+    rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, n: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``cos, sin`` and their row stride for a kernel (``x`` as a placeholder without
+    rope); checks their shape."""
+    if rope is None:
+        return x, x, 0
+    cos, sin = rope
+    if (
+        cos.shape[0] != n
+        or cos.shape[-1] != head_dim
+        or cos.numel() != n * head_dim
+        or cos.stride() != sin.stride()
+        or cos.shape != sin.shape
+        or cos.stride(-1) != 1
+        or head_dim % 2
+    ):
+        raise ValueError(
+            f"rope: cos and sin must be [{n}, 1, {head_dim}] with one layout and a "
+            f"contiguous last dim (an even head dim), got {tuple(cos.shape)} strides "
+            f"{cos.stride()} and {tuple(sin.shape)} strides {sin.stride()}"
+        )
+    return cos, sin, cos.stride(0)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_rt,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    if ROPE:
+        rows = tl.zeros([1], tl.int64) + tok * stride_kt + head * stride_kh
+        r = tok * stride_rt
+        every = (d < HEAD_DIM)[None, :]
+        k = _rotated(k_ptr, rows, d, cos_ptr + r, sin_ptr + r, HEAD_DIM, every)
+        k = tl.reshape(k, [HEAD_DIM]).to(kc_ptr.dtype.element_ty)
+    else:
+        k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + d)
+    v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + d)
+    tl.store(kc_ptr + slot * stride_cs + head * stride_ch + d, k)
+    tl.store(vc_ptr + slot * stride_cs + head * stride_ch + d, v)
+
+
+def write_kv_fused(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
+) -> None:
+    """Stores this step's keys and values (``[n, kv_heads, head_dim]``, any token and head
+    strides) at their flat slots in one kernel launch; the same bytes as two
+    ``index_copy_`` calls. ``head_dim`` must be a power of two. ``rope = (cos, sin)``:
+    the keys are unrotated; each is rotated as it is stored (float32, rounded once to
+    the cache's dtype). ``pdl``: launch with programmatic dependent launch."""
+    n, kv_heads, head_dim = k.shape
+    if n == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or head_dim & (head_dim - 1):
+        raise ValueError("write_kv_fused: needs a contiguous, power-of-two head dim")
+    kc = k_cache.view(-1, kv_heads, head_dim)
+    vc = v_cache.view(-1, kv_heads, head_dim)
+    cos, sin, stride_rt = _rope_args(rope, k, n, head_dim)
+    launch(
+        _write_kv_kernel,
+        (n, kv_heads),
+        k,
+        v,
+        kc,
+        vc,
+        slot_mapping,
+        cos,
+        sin,
+        stride_rt,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        HEAD_DIM=head_dim,
+        ROPE=rope is not None,
+        USE_PDL=pdl,
+        num_warps=1,
+        launch_pdl=pdl,
+    )

@@ -1,0 +1,1 @@
+"""Where a model comes from: presets, Hugging Face folders, GGUF files, safetensors."""

@@ -1,0 +1,246 @@
+"""A Llama-family decoder (Llama 3, Qwen2, Qwen3) over a paged KV cache.
+
+Numerics follow Hugging Face transformers' implementations (RMSNorm in float32, RoPE
+with rotate-half, SwiGLU), so logits match theirs on the same weights. The forward pass
+takes flat token rows (``[num_tokens]``); attention is the custom op
+``ostinato::attention``, which reads the step's metadata and KV cache from the ostinato
+forward context, so the same module runs eagerly, padded, captured, or compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ostinato.distributed.collectives import all_gather_last_dim
+from ostinato.distributed.groups import TensorParallel
+from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
+    attention_op,
+    norm_op,
+)
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.linear import Linear
+from ostinato.engine.model.rope import apply_rope, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does (the op ``ostinato::rms_norm``:
+    one kernel per norm on CUDA)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.pdl = False  # launch option of the CUDA kernel (KernelOptions.pdl)
+
+    def reset_parameters(self) -> None:
+        """Ones, as at construction."""
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ostinato.rms_norm(x, self.weight, self.eps, self.pdl)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of ``x + residual``, ``x + residual``), in one kernel on CUDA."""
+        return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps, self.pdl)
+
+
+class Attention(nn.Module):
+    """QKV projection, RoPE, the ``ostinato::attention`` op, output projection.
+
+    With ``rope_in_attention`` the op gets q and k unrotated, with ``cos`` and ``sin``,
+    and the attention backend rotates them (k as it is written to the cache, q as the
+    kernel loads it): no rotation kernels, and q, k and v stay views of the QKV output.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.layer = layer
+        self.tp = tp
+        # Column-parallel q/k/v (whole heads per rank), row-parallel o with an all-reduce.
+        self.heads = tp.split(config.num_heads, "num_attention_heads")
+        self.kv_heads = tp.split(config.num_kv_heads, "num_key_value_heads")
+        self.head_dim = config.head_dim
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        # The o bias lives on rank 0 only, so the all-reduce adds it once.
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+        self.rope_in_attention = False  # set by the runner from its attention backend
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[n, heads, d]``, k and v ``[n, kv_heads, d]`` for rows ``x``: QK-normed
+        (Qwen3) and rotated (unless ``cos`` is None)."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is None or sin is None:
+            return q, k, v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # v (and with rope_in_attention q and k) stay strided views of the QKV
+        # projection: the backend takes any token and head strides, and a copy to make
+        # them contiguous would be a kernel per layer. ``out`` is contiguous.
+        if self.rope_in_attention:
+            q, k, v = self.project(x, None, None)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale, cos, sin)
+        else:
+            q, k, v = self.project(x, cos, sin)
+            out = torch.empty_like(q)
+            torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
+        return self.tp.all_reduce(self.o_proj(out.view(x.shape[0], self.q_size)))
+
+
+class Mlp(nn.Module):
+    """SwiGLU feed-forward with fused gate and up projections."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.inter = tp.split(config.intermediate_size, "intermediate_size")
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
+        self.pdl = False  # launch option of the SiLU·mul kernel (KernelOptions.pdl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
+        # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel.
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_swiglu(x, self.pdl)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections. The residual sum is
+    carried beside the hidden states and each add happens inside the next norm (as
+    vLLM's layers do): ``forward(x, residual)`` returns the MLP's output and the sum
+    before it, which the next layer's (or the final) norm adds."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Mlp(config, tp)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: x is the embedding
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin), residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    """``forward(input_ids, positions) -> hidden states``; ``compute_logits(hidden)``.
+
+    Guarantees: the forward pass allocates only through PyTorch ops whose shapes depend
+    on the token count alone, performs no host-device synchronisation (with a graph-safe
+    attention backend), and writes each token's K/V to its slot before attending.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.config = config
+        self.tp = tp
+        # Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, ...).
+        self.vocab_local = tp.split(config.vocab_size, "vocab_size")
+        self.vocab_start = tp.rank * self.vocab_local
+        self.embed_tokens = nn.Embedding(self.vocab_local, config.hidden_size)
+        layers = (DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, self.vocab_local, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DecoderModel:
+        # Module.to(dtype) would round the RoPE frequencies to bf16, which shifts the
+        # angles of late positions by whole radians; keep them float32 like transformers.
+        super()._apply(fn, recurse)
+        if self.config.tie_word_embeddings:
+            # A conversion that makes new parameters (to_empty from meta) unties them.
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
+    def reset_parameters(self) -> None:
+        """Draws every parameter anew, in place (on whatever device and dtype they are),
+        with each module's own initialisation; ties stay tied."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    @property
+    def rope_in_attention(self) -> bool:
+        """Whether the attention backend applies RoPE (see ``Attention``)."""
+        return self.layers[0].self_attn.rope_in_attention if len(self.layers) else False
+
+    @rope_in_attention.setter
+    def rope_in_attention(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.self_attn.rope_in_attention = value
+
+    def use_pdl(self, enabled: bool) -> None:
+        """Launches the norms' and SiLU·mul's kernels with programmatic dependent launch
+        (the small GEMMs take it with their plans, ``gemm_tuning.plan_small_gemms``)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Mlp)):
+                module.pdl = enabled
+
+    def linears(self) -> list[tuple[Linear, bool]]:
+        """Every projection with whether its output goes through SiLU·mul (the gate/up
+        projections): what the small-GEMM plans cover."""
+        found: list[tuple[Linear, bool]] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            found += [(attn.qkv_proj, False), (attn.o_proj, False)]
+            found += [(mlp.gate_up_proj, True), (mlp.down_proj, False)]
+        found.append((self.lm_head, False))
+        return found
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ``input_ids`` (each rank looks up its own rows, then a sum)."""
+        if self.tp.group is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_local)
+        x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
+        x = x * mine[:, None].to(x.dtype)
+        return self.tp.all_reduce(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states; ``num_layers`` runs only the first layers (a
+        self-draft: the truncated model with the same final norm and LM head)."""
+        x = self.embed(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        residual = None
+        for layer in self.layers[:num_layers]:
+            x, residual = layer(x, residual, cos, sin)
+        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary for hidden-state rows."""
+        return all_gather_last_dim(self.lm_head(hidden), self.tp.group).float()

@@ -1,0 +1,111 @@
+"""Projections that can run small row counts through the tuned Triton GEMM.
+
+``Linear`` is ``nn.Linear`` (same parameters, same state dict) plus a *plan*: for each
+row count ``m <= MAX_ROWS`` (``plan[m]``), 0 for cuBLAS or ``i`` for
+``triton_gemm.CONFIGS[i - 1]``, chosen at start-up by ``gemm_tuning`` from measurements
+on this device. Without a plan it is exactly ``nn.Linear``. With one, it calls the custom
+op ``ostinato::linear``, opaque to torch.compile, which picks per call from the row
+count: the plan is a constant of the compiled graph, so one compilation serves every
+size, and a captured graph holds whichever kernel the plan named for its size.
+``forward_swiglu`` is a SwiGLU's gate/up projection with its activation: ``silu(g) * u``
+of the two output halves ``[g | u]``, fused into the GEMM's epilogue where the plan picks
+Triton (one kernel instead of the GEMM and the ``ostinato::silu_mul`` kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ostinato.engine.model.silu_mul_op import silu_mul_reference
+
+MAX_ROWS = 16  # the small GEMM's one row tile (tl.dot's smallest M)
+
+_lib = torch.library.Library("ostinato", "FRAGMENT")
+_lib.define(
+    "linear(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
+    "bool swiglu=False, bool pdl=False) -> Tensor"
+)
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    swiglu: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    if not x.is_cuda:  # the arithmetic the plan must reproduce; counters and pdl unused
+        y = F.linear(x, weight, bias)
+        return silu_mul_reference(y) if swiglu else y
+    from ostinato.engine.kernels import small_gemm as triton_gemm
+    from ostinato.engine.kernels.silu_mul import silu_mul
+
+    choice = plan[x.shape[0]] if x.shape[0] < len(plan) else 0
+    if choice:
+        return triton_gemm.small_gemm(
+            x, weight, bias, counters, triton_gemm.CONFIGS[choice - 1], swiglu, pdl
+        )
+    y = F.linear(x, weight, bias)
+    return silu_mul(y, pdl) if swiglu else y
+
+
+_lib.impl("linear", _linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ostinato::linear", lib=_lib)
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    swiglu: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return x.new_empty((x.shape[0], n), dtype=weight.dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with an optional small-row plan (see the module docstring).
+
+    Guarantees: without a plan, ``forward`` is ``nn.Linear.forward`` and
+    ``forward_swiglu`` is ``nn.Linear.forward`` then ``ostinato::silu_mul``; with
+    one, the same function (to the GEMM's summation order) through ``ostinato::linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.plan: tuple[int, ...] = ()
+        self.pdl = False
+
+    def use_plan(self, plan: tuple[int, ...], counters: int, pdl: bool) -> None:
+        """Routes row counts through ``plan`` (empty: plain ``nn.Linear`` again), with
+        ``counters`` zeroed split-K counters on the weight's device."""
+        self.plan = tuple(plan)
+        self.pdl = pdl
+        device = self.weight.device
+        # Not persistent: scratch, not state; the kernel leaves them zero after each call.
+        self.register_buffer(
+            "counters", torch.zeros(counters, dtype=torch.int32, device=device), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.plan:
+            return super().forward(x)
+        return torch.ops.ostinato.linear(
+            x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
+        )
+
+    def forward_swiglu(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """``silu(g) * u`` where ``[g | u]`` is this projection of ``x`` (``[m, out / 2]``);
+        unplanned, the activation is ``ostinato::silu_mul``, launched with ``pdl``."""
+        if not self.plan:
+            return torch.ops.ostinato.silu_mul(super().forward(x), pdl)
+        return torch.ops.ostinato.linear(
+            x, self.weight, self.bias, self.counters, list(self.plan), True, self.pdl
+        )

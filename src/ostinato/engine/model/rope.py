@@ -1,0 +1,34 @@
+"""Rotary position embedding (RoPE): the frequencies, with Llama 3 scaling, and the
+rotation in the rotate-half convention of Llama and Qwen, as transformers computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ostinato.engine.model.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for RoPE, with Llama 3 frequency scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if config.rope_scaling is None:
+        return inv
+    s = config.rope_scaling
+    factor, low, high = s.factor, s.low_freq_factor, s.high_freq_factor
+    old_len = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention (Llama / Qwen)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,1 @@
+"""Engine worker processes and replicas for tensor and data parallelism."""

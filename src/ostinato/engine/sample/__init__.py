@@ -1,0 +1,2 @@
+"""Sampling: the one owner of how a step's tokens are chosen (greedy in the graph, sampling
+graphs, eager sampling)."""

@@ -1,0 +1,123 @@
+"""The start-up measurement behind the small-GEMM plans: cuBLAS against the Triton GEMM,
+per projection shape and row count, timed the way a decode graph runs them.
+
+Each candidate (cuBLAS, and each of ``triton_gemm.CONFIGS``) is captured as a CUDA graph
+of ``REPEATS`` back-to-back calls and replayed; its time per call is the replay time
+over ``REPEATS``, so host launch cost is out of it and cuBLAS's split-K reduce kernel is
+in it. The Triton GEMM is chosen for a (shape, rows) only when it beats cuBLAS by
+``min_gain`` (noise margin): never slower than cuBLAS as measured. SwiGLU gate/up
+projections compare the Triton GEMM with the activation in its epilogue against cuBLAS
+followed by the one-kernel SiLU·mul. Only 16-bit
+weights are tried (the Triton GEMM's dot would round float32 inputs to tf32).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.engine.model.linear import MAX_ROWS, Linear
+from ostinato.platform.cuda import graph_call_us
+
+logger = logging.getLogger(__name__)
+
+REPEATS = 20
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """A projection as the GEMM sees it: ``[rows, k] x [n, k]^T`` (with ``swiglu``,
+    followed by SiLU·mul of the two output halves)."""
+
+    n: int
+    k: int
+    dtype: str
+    swiglu: bool
+    bias: bool
+
+
+@dataclass(frozen=True)
+class GemmTiming:
+    """One (shape, rows) measured: µs per call for cuBLAS and the best Triton config,
+    and the choice (``config`` is the 1-based index into ``CONFIGS``, 0 for cuBLAS)."""
+
+    shape: GemmShape
+    rows: int
+    cublas_us: float
+    triton_us: float
+    config: int
+
+
+def _graph_us(fn: Callable[[], object], device: torch.device) -> float:
+    fn()  # compiles the Triton kernel, warms cuBLAS's handle
+    with torch.cuda.device(device):
+        return graph_call_us(fn, REPEATS)
+
+
+def _measure(
+    linear: Linear, swiglu: bool, rows: int, pdl: bool, device: torch.device
+) -> GemmTiming:
+    from ostinato.engine.kernels import small_gemm as triton_gemm
+    from ostinato.engine.kernels.silu_mul import silu_mul
+
+    w, b = linear.weight, linear.bias
+    n, k = w.shape
+    x = torch.randn(rows, k, device=device, dtype=w.dtype)
+    counters = torch.zeros(triton_gemm.counters_needed(n), dtype=torch.int32, device=device)
+
+    def cublas() -> object:
+        y = torch.nn.functional.linear(x, w, b)
+        return silu_mul(y, pdl) if swiglu else y
+
+    cublas_us = _graph_us(cublas, device)
+    best_us, best = float("inf"), 0
+    for i, config in enumerate(triton_gemm.CONFIGS, start=1):
+        us = _graph_us(
+            lambda c=config: triton_gemm.small_gemm(x, w, b, counters, c, swiglu, pdl), device
+        )
+        if us < best_us:
+            best_us, best = us, i
+    shape = GemmShape(n, k, str(w.dtype).removeprefix("torch."), swiglu, b is not None)
+    return GemmTiming(shape, rows, cublas_us, best_us, best)
+
+
+def plan_small_gemms(
+    linears: Sequence[tuple[Linear, bool]],
+    rows: Sequence[int],
+    pdl: bool,
+    min_gain: float = 0.03,
+) -> list[GemmTiming]:
+    """Measures every distinct projection shape of ``linears`` (``(linear, swiglu)``)
+    at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and
+    gives each linear its plan (``Linear.use_plan``): Triton where it was at least
+    ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements. Linears
+    with 32-bit weights, or off CUDA, get an empty plan (plain ``nn.Linear``)."""
+    sizes = sorted({r for r in rows if 1 <= r <= MAX_ROWS})
+    timings: list[GemmTiming] = []
+    plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
+    for linear, swiglu in linears:
+        w = linear.weight
+        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
+            linear.use_plan((), 0, pdl)
+            continue
+        key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
+        if key not in plans:
+            plan = [0] * (sizes[-1] + 1)
+            for r in sizes:
+                t = _measure(linear, swiglu, r, pdl, w.device)
+                timings.append(t)
+                if t.triton_us * (1 + min_gain) <= t.cublas_us:
+                    plan[r] = t.config
+            plans[key] = tuple(plan)
+            logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
+        plan = plans[key]
+        if any(plan):
+            from ostinato.engine.kernels.small_gemm import counters_needed
+
+            linear.use_plan(plan, counters_needed(w.shape[0]), pdl)
+        else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
+            linear.use_plan((), 0, pdl)
+    return timings

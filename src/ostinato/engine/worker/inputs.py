@@ -1,0 +1,244 @@
+"""The engine's persistent step inputs: device buffers graphs read, and their staging.
+
+Guarantees: every device input of a step lives in a buffer allocated here once, so
+captured graphs replay on new data; rows between the real and the padded token count
+are padding rows, written the one way ``PADDING`` says, so they attend to nothing and
+write their K/V only to the null block, which no request reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.model.attention import AttentionMetadata
+from ostinato.ubatch.slicing import UbatchSlice, local_query_lens
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What a padding row holds: token 0, position -1 (attends to nothing, output zero),
+    request row 0, and slot 0 (the first slot of the null block, block 0)."""
+
+    token: int = 0
+    position: int = -1
+    request: int = 0
+    slot: int = 0
+
+
+PADDING = Padding()
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each scheduled request's rows are: ``logit_rows`` (device: the rows whose
+    logits the step needs, in request order: each request's last row, preceded by the
+    rows of its draft tokens' predecessors when it verifies a draft) and the host lengths
+    (for a step scheduled ahead, ``seq_lens`` are lower bounds: its positions are moved
+    on in the step itself, ``engine.lookahead``)."""
+
+    logit_rows: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+
+
+@dataclass(frozen=True)
+class PreviousSample:
+    """A launched step's sampled tokens, still on the device: request ``id``'s token is
+    ``tokens[index[id]]`` (``tokens``: ``[num scheduled requests]``, long)."""
+
+    tokens: torch.Tensor
+    index: dict[int, int]
+
+
+class StepInputs:
+    """Input ids, positions, token-to-request map, slot mapping (``[max_num_batched_tokens]``
+    each) and block tables (``[max_num_seqs, blocks_per_seq]``), plus pinned staging."""
+
+    def __init__(self, limits: EngineLimits, device: torch.device) -> None:
+        self.limits = limits
+        self.device = device
+        t = limits.max_num_batched_tokens
+        self.input_ids = torch.zeros(t, dtype=torch.long, device=device)  # [T]
+        self.positions = torch.full((t,), PADDING.position, dtype=torch.long, device=device)
+        self.token_req = torch.zeros(t, dtype=torch.int32, device=device)  # [T] -> table row
+        self.slot_mapping = torch.zeros(t, dtype=torch.long, device=device)  # [T] flat slot
+        self.block_tables = torch.zeros(  # [S, blocks_per_seq]
+            (limits.max_num_seqs, limits.blocks_per_seq), dtype=torch.int32, device=device
+        )
+        # Pinned host staging, two sets used in turn: the host fills one for step N+1 while
+        # step N's copies from the other may still be queued (asynchronous scheduling); by
+        # then step N-1, the other set's last reader, has been read back.
+        pin = device.type == "cuda"
+        self.stagings = [
+            torch.zeros((4, t), dtype=torch.long, pin_memory=pin)  # ids, pos, req, slot
+            for _ in range(2)
+        ]
+        self.tables_stagings = [
+            torch.zeros_like(self.block_tables, device="cpu", pin_memory=pin) for _ in range(2)
+        ]
+        self.turn = 0
+        # numpy views of the same pinned memory: per-step writes without tensor objects.
+        self.staging_np = [st.numpy() for st in self.stagings]
+        self.tables_np = [tb.numpy() for tb in self.tables_stagings]
+        self.ranges = np.arange(max(t, limits.max_num_seqs * limits.blocks_per_seq))
+
+    @property
+    def staging(self) -> torch.Tensor:
+        """The staging set ``copy_staged`` copies from now: ``[4, T]`` ids, positions,
+        request rows, slots."""
+        return self.stagings[self.turn]
+
+    @property
+    def tables_staging(self) -> torch.Tensor:
+        """The block-table staging ``copy_staged`` copies from now."""
+        return self.tables_stagings[self.turn]
+
+    def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        """Attention metadata over the first ``n`` rows of the buffers."""
+        return self.rows_metadata(slice(0, n), query_lens, seq_lens)
+
+    def rows_metadata(
+        self,
+        rows: slice,
+        query_lens: list[int] | None = None,
+        seq_lens: list[int] | None = None,
+    ) -> AttentionMetadata:
+        """Attention metadata of the buffer rows ``rows``: views of the persistent buffers
+        (rows find their requests through ``token_req`` in the whole block table), so a
+        graph can hold it, whatever rows it covers (a micro-batch of a captured step
+        too); the host lengths only for the torch backend."""
+        return AttentionMetadata(
+            self.positions[rows],
+            self.token_req[rows],
+            self.slot_mapping[rows],
+            self.block_tables,
+            query_lens if query_lens is not None else [],
+            seq_lens if seq_lens is not None else [],
+        )
+
+    def ubatch_metadata(
+        self, s: UbatchSlice, query_lens: list[int], seq_lens: list[int]
+    ) -> AttentionMetadata:
+        """Attention metadata of micro-batch ``s`` of a step whose requests have
+        ``query_lens`` / ``seq_lens``: its rows, its requests' block-table rows (request
+        indices made local), and a straddling request's share of its query (its first
+        part ends before the request's last token)."""
+        rows = s.tokens
+        ends = list(itertools.accumulate(query_lens))
+        requests = range(s.requests.start, s.requests.stop)
+        # A request cut by the end of this micro-batch has seen only its tokens up to it.
+        local_s = [seq_lens[r] - max(0, ends[r] - rows.stop) for r in requests]
+        return AttentionMetadata(
+            self.positions[rows],
+            # Padding rows point at request row 0 (they attend to nothing).
+            (self.token_req[rows] - s.requests.start).clamp_(min=0),
+            self.slot_mapping[rows],
+            self.block_tables[s.requests],
+            local_query_lens(query_lens, s),
+            local_s,
+        )
+
+    def write_padding(self, n: int) -> None:
+        """Makes the first ``n`` rows padding rows (a dummy batch for capture: the kernels
+        recorded depend only on the shape)."""
+        self.input_ids[:n].fill_(PADDING.token)
+        self.positions[:n].fill_(PADDING.position)
+        self.token_req[:n].fill_(PADDING.request)
+        self.slot_mapping[:n].fill_(PADDING.slot)
+
+    def write(
+        self, step: ScheduledBatch, padded: int, previous: PreviousSample | None = None
+    ) -> StepLayout:
+        """Stages ``step``'s rows, pads them to ``padded`` rows, and copies them to the
+        device buffers (asynchronously from pinned memory). Decodes whose token is still
+        on the device (``from_previous``) take it from ``previous`` by a device gather.
+
+        Host cost: numpy writes into the pinned staging (through views made once), with
+        a fixed number of tensor operations per step whatever the batch size.
+        """
+        self.turn ^= 1
+        ids, pos, req_of, slots = self.staging_np[self.turn]
+        tables = self.tables_np[self.turn]
+        bs = self.limits.block_size
+        scheduled = step.scheduled
+        # Whole-step numpy writes from a few per-request lists (no numpy call per
+        # request: at B = 128 a per-request loop of slice writes cost ~0.6 ms).
+        lens = [len(s.tokens) for s in scheduled]
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        counts = np.array(lens, dtype=np.int64)
+        n = int(counts.sum())
+        if n == len(scheduled):  # one row per request (decodes): row r is request r's
+            firsts = rows = self.ranges[:n]
+            pos[:n] = starts
+        else:
+            firsts = np.cumsum(counts) - counts  # each request's first row
+            rows = np.repeat(self.ranges[: len(scheduled)], counts)
+            pos[:n] = np.repeat(starts - firsts, counts) + self.ranges[:n]
+        ids[:n] = list(itertools.chain.from_iterable(s.tokens for s in scheduled))
+        req_of[:n] = rows
+        blocks = [s.request.blocks for s in scheduled]
+        held = np.array([len(b) for b in blocks], dtype=np.int64)
+        total = int(held.sum())
+        if total:
+            table_rows = np.repeat(self.ranges[: len(scheduled)], held)
+            table_cols = self.ranges[:total] - np.repeat(np.cumsum(held) - held, held)
+            tables[table_rows, table_cols] = list(itertools.chain.from_iterable(blocks))
+        p = pos[:n]
+        slots[:n] = tables[rows, p // bs] * bs + p % bs
+        ends = (firsts + counts).tolist()
+        last = [
+            i
+            for s, end in zip(scheduled, ends, strict=True)
+            for i in range(end - 1 - len(s.draft), end)
+        ]
+        query_lens, seq_lens = lens, (starts + counts).tolist()
+        gather_rows: list[int] = []
+        gather_from: list[int] = []
+        for s, first in zip(scheduled, firsts.tolist(), strict=True):
+            if s.from_previous:
+                if previous is None or s.request.id not in previous.index:
+                    raise RuntimeError(
+                        f"request {s.request.id}: its input token is the previous step's "
+                        "sample, but no previous step sampled it"
+                    )
+                gather_rows.append(first)
+                gather_from.append(previous.index[s.request.id])
+        ids[n:padded] = PADDING.token
+        pos[n:padded] = PADDING.position
+        req_of[n:padded] = PADDING.request
+        slots[n:padded] = PADDING.slot
+        self.copy_staged(padded, len(step.scheduled))
+        if gather_rows:
+            assert previous is not None
+            source = to_device(gather_from, torch.long, self.device)
+            rows = to_device(gather_rows, torch.long, self.device)
+            self.input_ids.index_copy_(0, rows, previous.tokens.index_select(0, source))
+        return StepLayout(to_device(last, torch.long, self.device), query_lens, seq_lens)
+
+    def copy_staged(self, rows: int, num_reqs: int) -> None:
+        """Copies the first ``rows`` staged rows and ``num_reqs`` staged block-table rows
+        to the device buffers."""
+        staging = self.staging
+        self.input_ids[:rows].copy_(staging[0, :rows], non_blocking=True)
+        self.positions[:rows].copy_(staging[1, :rows], non_blocking=True)
+        self.token_req[:rows].copy_(staging[2, :rows], non_blocking=True)
+        self.slot_mapping[:rows].copy_(staging[3, :rows], non_blocking=True)
+        self.block_tables[:num_reqs].copy_(self.tables_staging[:num_reqs], non_blocking=True)
+
+
+def to_device(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``values`` as a tensor on ``device``. On CUDA the copy is asynchronous (through
+    pinned memory), so the host never waits here for the device's queued work: a step's
+    only wait is reading back its tokens, which is where a dead peer is noticed."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,519 @@
+"""ModelRunner: a model over its persistent inputs, with graphs from the one entry point."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ostinato.batch import BatchDescriptor
+from ostinato.capture_report import CaptureReport
+from ostinato.config import GraphConfig
+from ostinato.context import forward_context
+from ostinato.dispatcher import Dispatch
+from ostinato.distributed.agreement import StepAgreement
+from ostinato.engine.core.kv_cache import KVCache
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.kernels.launch import compile_ahead
+from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.model.attention import AttentionBackend, TritonAttention
+from ostinato.engine.model.attention_op import StepAttention
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.sample.graph_sampler import GraphSampler
+from ostinato.engine.sample.greedy import greedy_tokens
+from ostinato.engine.spec.lookahead import VerifyLookahead
+from ostinato.engine.worker.gemm_tuning import GemmTiming, plan_small_gemms
+from ostinato.engine.worker.inputs import PreviousSample, StepInputs
+from ostinato.engine.worker.ubatch_tuning import UbatchTiming, chosen, measure
+from ostinato.guard import capture_phase
+from ostinato.manager import GraphManager
+from ostinato.modes import GraphMode
+from ostinato.piecewise import CompiledModel, PiecewiseBackend
+from ostinato.platform import platform_for_device
+from ostinato.resolution import ModeResolution
+from ostinato.runtime import GraphRuntime, build_graph_runtime
+from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, UbatchThreads
+from ostinato.ubatch.policy import MicroBatching
+from ostinato.ubatch.slicing import can_split, split_step
+
+
+class ModelRunner:
+    """Runs one scheduled step of ``DecoderModel`` and returns the last-token logits.
+
+    Guarantees: the step's inputs live in ``inputs`` (``StepInputs``: fixed addresses,
+    one padding convention), so captured graphs replay on new data; graphs are wired by
+    ``build_graph_runtime`` from ``graph_config`` and the attention backend's support;
+    ``compiler`` (None, ``"inductor"`` or ``"eager"``) compiles the model with the
+    piecewise backend, which makes piecewise modes available. The model's
+    ``rope_in_attention`` is set from ``backend.applies_rope``. ``kernels``
+    (``KernelOptions``, what the device supports of it) is applied to the model's norms,
+    a Triton attention backend and the compiled pieces; with ``small_gemm`` the
+    projections' plans are measured at start-up, before compiling (``gemm_timings``).
+    """
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        backend: AttentionBackend,
+        limits: EngineLimits,
+        graph_config: GraphConfig,
+        device: torch.device,
+        progress: bool = True,
+        compiler: str | None = None,
+        uniform_decode_query_len: int = 1,
+        micro_batching: MicroBatching | None = None,
+        kernels: KernelOptions | None = None,
+        lookahead: bool = False,
+    ) -> None:
+        self.model = model
+        # RoPE goes where the backend says: in the model, or inside the attention op.
+        model.rope_in_attention = getattr(backend, "applies_rope", False)
+        self.cache = cache
+        self.backend = backend
+        self.limits = limits
+        self.device = device
+        self.inputs = StepInputs(limits, device)
+        # Verify steps scheduled ahead complete their inputs, and keep their acceptance
+        # for the next one, inside uniform decode steps (engine.lookahead).
+        self.lookahead = (
+            VerifyLookahead(self.inputs, uniform_decode_query_len - 1)
+            if lookahead and uniform_decode_query_len > 1
+            else None
+        )
+        platform = platform_for_device(device)
+        self.graphs: GraphRuntime = build_graph_runtime(
+            self._step,
+            graph_config,
+            attention=backend.graph_support,
+            piecewise_available=compiler is not None,
+            prepare=self._dummy_metadata,
+            max_num_reqs=limits.max_num_seqs,
+            uniform_decode_query_len=uniform_decode_query_len,
+            platform=platform,
+            progress=progress,
+        )
+        self.kernels = (kernels or KernelOptions()).resolved(device)
+        model.use_pdl(self.kernels.pdl)
+        for linear, _ in model.linears():  # no plan left by an earlier runner of the model
+            linear.use_plan((), 0, False)
+        if isinstance(backend, TritonAttention):
+            backend.pdl = self.kernels.pdl
+        # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
+        # kernel's fixed cost shows); none in NONE mode.
+        self.small_gemm_rows = (
+            graph_config.sizes
+            if self.kernels.small_gemm and self.graphs.mode is not GraphMode.NONE
+            else ()
+        )
+        self.gemm_timings: list[GemmTiming] | None = None  # measured by plan_kernels()
+        self.piecewise: PiecewiseBackend | None = None
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
+        if compiler is not None:
+            self.piecewise = PiecewiseBackend(
+                compiler=compiler,
+                check_addresses=graph_config.check_addresses,
+                platform=self.manager.platform,
+                pool=self.manager.pool,
+                inductor_patches=_inductor_pdl() if self.kernels.pdl else None,
+            )
+            self.forward = CompiledModel(model, self.piecewise)
+        self.compile_seconds = 0.0
+        self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
+        self.micro_batching = micro_batching
+        self.greedy: torch.Tensor | None = None  # the last decode step's argmax tokens
+        # The padded size of the last step when it replayed a uniform decode graph, whose
+        # logits the sampler's graph for that size then reads.
+        self.decode_padded: int | None = None
+        self.sampler: GraphSampler | None = None
+        self.ubatched_steps = 0  # steps run as two micro-batches (eagerly or replayed)
+        self.ubatched_replays = 0  # of which replays of micro-batched FULL graphs
+        self._comm_stream: torch.cuda.Stream | None = None
+        self._ubatch_threads: UbatchThreads | None = None
+        # FULL sizes the policy's thresholds select for micro-batching; with
+        # ``policy.measure`` capture() keeps those measured faster split (``ubatch_timings``).
+        self.ubatch_candidates: tuple[BatchDescriptor, ...] = self._ubatch_candidates()
+        self.ubatch_timings: list[UbatchTiming] = []
+        # FULL graphs captured as two overlapped micro-batches (one graph holds both and
+        # both streams); a size captured so has no plain FULL graph, and the reverse.
+        self.ubatched_graphs: frozenset[BatchDescriptor] = (
+            frozenset()
+            if micro_batching is None or micro_batching.measure
+            else frozenset(self.ubatch_candidates)
+        )
+
+    @property
+    def resolution(self) -> ModeResolution:
+        """The graph mode in use and the reasons it differs from the one asked for."""
+        return self.graphs.resolution
+
+    @property
+    def manager(self) -> GraphManager:
+        """The graph manager (capture, replay)."""
+        return self.graphs.manager
+
+    def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> StepAttention:
+        """The step's attention context over the first ``n`` rows of the persistent buffers."""
+        return StepAttention(
+            self.inputs.metadata(n, query_lens, seq_lens), self.cache, self.backend
+        )
+
+    def _dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
+        self.inputs.write_padding(d.num_tokens)
+        return self.metadata(d.num_tokens, [], [])
+
+    def _ubatch_candidates(self) -> tuple[BatchDescriptor, ...]:
+        policy = self.micro_batching
+        full_modes = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+        if policy is None or self.model.tp.group is None or self.graphs.mode not in full_modes:
+            return ()
+        return tuple(
+            d
+            for d in self.graphs.dispatcher.keys(GraphMode.FULL)
+            if d.num_tokens % 2 == 0 and policy.applies(d.num_tokens, d.uniform_decode)
+        )
+
+    def _step(self, d: BatchDescriptor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the first ``d.num_tokens`` rows; for a uniform decode, where
+        every row is one whose logits are needed, their float32 logits and greedy tokens
+        instead, so the decode graph covers the LM head (and its all-gather under TP) and
+        greedy sampling. A descriptor in ``ubatched_graphs`` runs as two micro-batches
+        over the two halves of its rows (its warm-up, capture and replays alike)."""
+        return self._step_as(d, d in self.ubatched_graphs)
+
+    def _step_as(
+        self, d: BatchDescriptor, ubatched: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        n = d.num_tokens
+        ahead = self.lookahead if d.uniform_decode else None
+        if ahead is not None:
+            ahead.prepare(n)
+        if ubatched:
+            hidden = self._run_static_ubatches(n)
+        else:
+            hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
+        if not d.uniform_decode:
+            return hidden
+        logits = self.model.compute_logits(hidden)
+        greedy = greedy_tokens(logits)
+        if ahead is not None:
+            ahead.accept(n, greedy)
+        return logits, greedy
+
+    def run_logits(
+        self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Runs the step as dispatched; float32 logits of ``rows`` (for a uniform decode:
+        all ``n`` rows, whose logits the step itself computed, and ``greedy`` is set to
+        their argmax, valid until the next step runs; else ``greedy`` is None)."""
+        out = self.manager.run(dispatch, n, attn_metadata=meta)
+        d = dispatch.descriptor
+        if dispatch.mode is GraphMode.FULL and d in self.ubatched_graphs:
+            self.ubatched_steps += 1
+            self.ubatched_replays += 1
+        if d.uniform_decode:
+            self.decode_padded = d.num_tokens if dispatch.mode is GraphMode.FULL else None
+            logits, self.greedy = out
+            return logits
+        self.greedy = None
+        return self.model.compute_logits(out[rows])
+
+    @torch.inference_mode()
+    def plan_kernels(self) -> list[GemmTiming]:
+        """Measures and sets the small-GEMM plans once (``KernelOptions.small_gemm``);
+        ``compile`` and ``capture`` call it first, since the plans are constants of the
+        compiled graph. Returns the measurements (empty when not asked for)."""
+        if self.gemm_timings is None:
+            self.gemm_timings = (
+                plan_small_gemms(self.model.linears(), self.small_gemm_rows, self.kernels.pdl)
+                if self.small_gemm_rows
+                else []
+            )
+        return self.gemm_timings
+
+    @torch.inference_mode()
+    def compile(self) -> float:
+        """Compiles the model (piecewise backend) once, at the largest size, and with
+        ``KernelOptions.compile_ahead`` the engine's Triton kernels first, together;
+        returns seconds (0.0 when there was nothing left to compile)."""
+        self.plan_kernels()
+        pieces = self.piecewise is not None and not self.piecewise.stats.compiles
+        if not pieces and not self._kernels_pending:
+            return 0.0
+        start = time.perf_counter()
+        with self._kernels_ahead():
+            if pieces:
+                d = BatchDescriptor(self.limits.max_num_batched_tokens)
+                with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
+                    self._step(d)
+        self.manager.platform.synchronize()
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+    @contextlib.contextmanager
+    def _kernels_ahead(self) -> Iterator[None]:
+        """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
+        thread pool (``triton_launch.compile_ahead``), queued first by one eager pass of
+        the model per layout the steps launch: a prefill at the largest size, and a
+        one-token step, whose attention splits its keys. Nothing launched inside runs,
+        so the caller's compiled first pass (Dynamo, Inductor) overlaps the compilations
+        and its output is not to be read."""
+        if not self._kernels_pending:
+            yield
+            return
+        self._kernels_pending = False
+        with compile_ahead():
+            for n in (self.limits.max_num_batched_tokens, 1):
+                d = BatchDescriptor(n)
+                with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
+                    self.model(self.inputs.input_ids[:n], self.inputs.positions[:n])
+            yield
+
+    def capture(self, generator: torch.Generator | None = None) -> CaptureReport:
+        """Compiles if needed, then captures every graph of the resolved mode, and with
+        ``generator`` a sampling graph per uniform decode size of one token per request
+        (``GraphSampler``). With a measuring micro-batching policy, each candidate size
+        is first timed plainly and split (``ubatch_timings``), and ``ubatched_graphs``
+        becomes the sizes whose split was faster by the policy's margin, the same on
+        every rank of every replica (the slowest rank's times decide). Under tensor
+        parallelism every rank captures (and times) the same descriptors in the same
+        order, between two barriers, so the collectives recorded in the graphs pair up
+        across ranks."""
+        group = self.model.tp.group
+        if group is not None:
+            dist.barrier(group=group)
+        self.compile()  # plans the kernels first
+        policy = self.micro_batching
+        if policy is not None and policy.measure and self.ubatch_candidates:
+            # Agreed over every rank, data-parallel replicas included (their configs, so
+            # their candidates, are identical): all replicas split the same sizes.
+            everyone = dist.group.WORLD if dist.is_initialized() else group
+            with capture_phase():  # one collection for all the timed captures
+                self.ubatch_timings = measure(self.ubatch_candidates, self.replay_ms, everyone)
+            self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
+        report = self.manager.capture()
+        if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:
+            self._capture_sampler(generator)
+        if group is not None:
+            dist.barrier(group=group)
+        return report
+
+    @torch.inference_mode()
+    def replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:
+        """Mean ms of a replay of ``d``'s step captured plainly or as two micro-batches
+        (a throwaway graph in the shared pool, on padding rows): what the measuring
+        micro-batching policy compares at capture. Needs a micro-batching policy; call
+        it inside ``capture_phase()`` (as ``capture`` does) to keep collection paused."""
+        policy = self.micro_batching
+        if policy is None:
+            raise ValueError("replay_ms: this runner has no micro-batching policy")
+        platform = self.manager.platform
+        meta = self._dummy_metadata(d)
+        with forward_context(GraphMode.NONE, d, meta):
+            self._step_as(d, ubatched)  # warm-up; starts the micro-batch threads uncaptured
+        graph = platform.new_graph()
+        with forward_context(GraphMode.FULL, d, meta), platform.capture(graph, self.manager.pool):
+            self._step_as(d, ubatched)
+        try:
+            graph.replay()
+            platform.synchronize()
+            start = time.perf_counter()
+            for _ in range(policy.measure_repeats):
+                graph.replay()
+            platform.synchronize()
+            return (time.perf_counter() - start) * 1e3 / policy.measure_repeats
+        finally:
+            graph.reset()
+
+    def _capture_sampler(self, generator: torch.Generator) -> None:
+        try:
+            full = self.graphs.dispatcher.keys(GraphMode.FULL)
+        except ValueError:  # no FULL graphs in this mode
+            return
+        decode_sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
+        if decode_sizes:
+            self.sampler = GraphSampler(
+                self.manager.platform,
+                self.manager.pool,
+                generator,
+                lambda n: self.manager.outputs.view(n)[0],
+                decode_sizes[-1],
+                self.device,
+            )
+            self.sampler.capture(decode_sizes)
+
+    def sample_in_graph(
+        self, temperatures: list[float], top_ps: list[float]
+    ) -> torch.Tensor | None:
+        """The last step's tokens sampled by the sampling graph of its size, if the step
+        replayed a uniform decode graph and one was captured; else None (sample
+        eagerly). A view, valid until that size's next sampled step."""
+        if self.sampler is None or self.decode_padded is None:
+            return None
+        return self.sampler.sample(self.decode_padded, temperatures, top_ps)
+
+    def release(self) -> None:
+        """Destroys every graph this runner captured (FULL and piecewise) and ends its
+        micro-batch threads; it must not run a graph mode afterwards. Safe to call more
+        than once."""
+        if self._ubatch_threads is not None:
+            self._ubatch_threads.close()
+            self._ubatch_threads = None
+        self.manager.release()
+        if self.piecewise is not None:
+            self.piecewise.release()
+        if isinstance(self.forward, CompiledModel):
+            self.forward.release()
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        step: ScheduledBatch,
+        agreement: StepAgreement | None = None,
+        previous: PreviousSample | None = None,
+    ) -> torch.Tensor:
+        """Runs ``step``; returns float32 logits, one row per scheduled request (or, for a
+        request verifying a draft, ``1 + len(draft)`` rows: its last token's and each
+        draft token's).
+        ``previous``: the last launched step's samples, for decodes whose input token is
+        still on the device. A step scheduled ahead (``ScheduledRequest.ahead``) needs
+        ``verifies_ahead``: its ids, positions and slots are completed in the step.
+
+        With a data-parallel ``agreement`` the step runs at the agreed padded size and
+        uniformity, which every replica's identical dispatcher maps to the same mode; an
+        empty ``step`` then runs as a dummy step of padding rows.
+        """
+        n = step.num_tokens
+        self.decode_padded = None
+        if agreement is None:
+            dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)
+        else:
+            dispatch = self.graphs.dispatch(agreement.num_tokens, agreement.uniform_decode)
+            if dispatch.mode is not agreement.mode or dispatch.padded_tokens < n:
+                raise RuntimeError(
+                    f"data-parallel step: the agreed {agreement} dispatches to {dispatch} "
+                    f"here, for {n} local tokens; the replicas' graph configs differ"
+                )
+        padded = dispatch.padded_tokens
+        if padded > self.limits.max_num_batched_tokens:
+            raise ValueError(
+                f"step of {n} tokens exceeds max_num_batched_tokens="
+                f"{self.limits.max_num_batched_tokens}"
+            )
+        if not step.scheduled:
+            self.inputs.write_padding(padded)
+            self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
+            return torch.empty((0, self.model.config.vocab_size), device=self.device)
+        layout = self.inputs.write(step, padded, previous)
+        if self.lookahead is not None and dispatch.descriptor.uniform_decode:
+            self.lookahead.stage(step, padded)
+        elif any(s.ahead for s in step.scheduled):
+            raise RuntimeError(
+                f"a step scheduled ahead dispatched to {dispatch}: only uniform decode "
+                "steps of a runner made with lookahead=True complete such a step"
+            )
+        ubatch = (
+            self.would_micro_batch(dispatch.mode, padded, step)
+            if agreement is None
+            else agreement.micro_batch
+        )
+        if ubatch and dispatch.mode is GraphMode.NONE:  # (a FULL graph holds its split)
+            hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
+            self.greedy = None
+            return self.model.compute_logits(hidden[layout.logit_rows])
+        meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
+        return self.run_logits(dispatch, n, meta, layout.logit_rows)
+
+    def verifies_ahead(self, num_tokens: int) -> bool:
+        """Whether a uniform verify step of ``num_tokens`` rows can be one scheduled
+        ahead: this runner keeps lookahead state, and the step dispatches to a uniform
+        decode step (FULL_AND_PIECEWISE's and FULL_DECODE_ONLY's graphs, or eagerly in
+        NONE mode), which completes it and argmaxes its logits."""
+        if self.lookahead is None:
+            return False
+        return self.graphs.dispatch(num_tokens, uniform_decode=True).descriptor.uniform_decode
+
+    def would_micro_batch(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
+        """Whether ``step``, dispatched to ``mode`` at ``padded`` rows, runs as two
+        micro-batches (under data parallelism the replicas then agree on it): a FULL
+        graph if it was captured so; eagerly, if the policy applies and both halves hold
+        real tokens."""
+        policy = self.micro_batching
+        if policy is None or self.model.tp.group is None:
+            return False  # only where there are collectives to overlap
+        if mode is GraphMode.FULL:
+            return BatchDescriptor(padded, None, step.uniform_decode) in self.ubatched_graphs
+        if mode is not GraphMode.NONE:
+            return False  # compiled pieces trace the all-reduce: no hand-off inside them
+        return policy.applies(padded, step.uniform_decode) and can_split(step.num_tokens, padded)
+
+    def _run_ubatches(
+        self, padded: int, query_lens: list[int], seq_lens: list[int]
+    ) -> torch.Tensor:
+        """The step's hidden states, computed eagerly as two micro-batches on two threads
+        that take turns at every collective (``ostinato.ubatch``)."""
+        slices = split_step(query_lens, padded)
+        ids, pos = self.inputs.input_ids, self.inputs.positions
+
+        def run(i: int) -> torch.Tensor:
+            s = slices[i]
+            meta = StepAttention(
+                self.inputs.ubatch_metadata(s, query_lens, seq_lens), self.cache, self.backend
+            )
+            with torch.inference_mode():
+                with forward_context(GraphMode.NONE, BatchDescriptor(s.num_tokens), meta):
+                    return self.model(ids[s.tokens], pos[s.tokens])
+
+        outs = self._in_ubatch_threads(run)
+        self.ubatched_steps += 1
+        return torch.cat(outs)
+
+    def _run_static_ubatches(self, n: int) -> torch.Tensor:
+        """Hidden states of the first ``n`` rows as two micro-batches of ``n / 2`` rows
+        whose attention reads only persistent buffers (each row finds its request through
+        ``token_req`` in the whole block table), so the run can be captured in one graph
+        and replayed for any step of ``n`` padded rows."""
+        half = n // 2
+        ids, pos = self.inputs.input_ids, self.inputs.positions
+
+        def run(i: int) -> torch.Tensor:
+            rows = slice(i * half, (i + 1) * half)
+            meta = StepAttention(self.inputs.rows_metadata(rows), self.cache, self.backend)
+            with torch.inference_mode():
+                with forward_context(GraphMode.NONE, BatchDescriptor(half), meta):
+                    return self.model(ids[rows], pos[rows])
+
+        return torch.cat(self._in_ubatch_threads(run))
+
+    def _in_ubatch_threads(self, run: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+        # The threads (and on CUDA the communication stream) are made at the first
+        # micro-batched run, an eager warm-up before any capture: nothing of theirs is
+        # initialised while a graph is being captured.
+        if self._ubatch_threads is None:
+            if self.device.type == "cuda":
+                self._comm_stream = torch.cuda.Stream(self.device)
+                device = self.device
+
+                def prepare() -> None:
+                    torch.cuda.set_device(device)
+                    torch.cuda.current_blas_handle()
+
+                self._ubatch_threads = UbatchThreads(2, CudaStreamOps(), prepare)
+            else:
+                self._ubatch_threads = UbatchThreads(2, NoStreams())
+        if self.device.type == "cuda":
+            compute, comm = torch.cuda.current_stream(), self._comm_stream
+        else:
+            compute = comm = None
+        return self._ubatch_threads.run(run, compute, comm)
+
+
+def _inductor_pdl() -> dict[str, bool]:
+    """Inductor's own switch for programmatic dependent launch, where this torch has it."""
+    from torch._inductor import config
+
+    return {"triton.enable_pdl": True} if hasattr(config.triton, "enable_pdl") else {}

@@ -114,6 +114,7 @@ def dp_agreement(rank: int, world: int, port: int, out: str) -> None:
         init_parallel,
         shutdown_parallel,
     )
+    from ostinato.ubatch.slicing import can_split
 
     groups = init_parallel(ParallelConfig(data_parallel_size=world), "cpu")
     rng = random.Random(rank)
@@ -122,7 +123,9 @@ def dp_agreement(rank: int, world: int, port: int, out: str) -> None:
     for _ in range(40):
         mode, padded = rng.choice(modes), rng.choice([0, 1, 3, 8, 17, 64])
         micro, real = rng.random() < 0.7, rng.randint(1, padded) if padded else 0
-        got = agree_on_step(mode, padded, groups.dp_group, micro_batch=micro, real_tokens=real)
+        got = agree_on_step(
+            mode, padded, groups.dp_group, micro_batch=micro, real_tokens=real, can_split=can_split
+        )
         rows.append(
             (mode.name, padded, got.mode.name, got.num_tokens, got.tokens_per_rank)
             + (micro, real, got.micro_batch)

@@ -11,6 +11,7 @@ replica is idle the agreed size is 0 and the replicas stop together."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,6 @@ import torch.distributed as dist
 
 from ostinato.distributed.collectives import on_group_device
 from ostinato.modes import GraphMode
-from ostinato.ubatch.slicing import can_split
 
 _RANK = {GraphMode.NONE: 0, GraphMode.PIECEWISE: 1, GraphMode.FULL: 2}
 _MODE = {v: k for k, v in _RANK.items()}
@@ -50,15 +50,20 @@ def agree_on_step(
     uniform_decode: bool = False,
     micro_batch: bool = False,
     real_tokens: int = 0,
+    can_split: Callable[[int, int], bool] | None = None,
 ) -> StepAgreement:
     """One all-gather of ``(mode, num_tokens, uniform_decode, micro_batch, real_tokens)``
     over ``group``; every rank gets the same answer. ``mode`` must be a runtime mode
     (NONE, PIECEWISE, FULL); ``micro_batch`` is whether this replica would split its step
-    and ``real_tokens`` its unpadded token count."""
+    and ``real_tokens`` its unpadded token count; ``can_split(real_tokens, padded)`` says
+    whether a replica's step can be split at the agreed padded size (needed with
+    ``micro_batch``; the same function on every replica)."""
     if mode not in _RANK:
         raise ValueError(f"mode: {mode.name} is not a runtime mode")
+    if micro_batch and can_split is None:
+        raise ValueError("micro_batch: needs can_split, the rule every replica splits by")
     if group is None:
-        split = micro_batch and can_split(real_tokens, num_tokens)
+        split = micro_batch and can_split is not None and can_split(real_tokens, num_tokens)
         return StepAgreement(mode, num_tokens, uniform_decode, (num_tokens,), split)
     row = [_RANK[mode], num_tokens, int(uniform_decode), int(micro_batch), real_tokens]
     mine = on_group_device(torch.tensor(row, dtype=torch.long), group)
@@ -69,5 +74,5 @@ def agree_on_step(
     uniform = all(r[2] for r in rows)
     padded = max(r[1] for r in rows)
     busy = [r for r in rows if r[1] > 0]
-    split = bool(busy) and all(r[3] and can_split(r[4], padded) for r in busy)
+    split = bool(busy) and all(r[3] and can_split and can_split(r[4], padded) for r in busy)
     return StepAgreement(_MODE[lowest], padded, uniform, tuple(r[1] for r in rows), split)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ostinato.distributed.collectives import all_reduce_sum
 from ostinato.distributed.failure import FailureBoard, HealthCheck, ParallelError
 from ostinato.distributed.symm_all_reduce import tp_all_reduce
-from ostinato.ubatch.handoff import current as current_ubatch
+from ostinato.turns import current_turn
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class TensorParallel:
         if self.group is None:
             return x
         # Micro-batches never run inside compiled code; the check stays out of its trace.
-        turn = None if torch.compiler.is_compiling() else current_ubatch()
+        turn = None if torch.compiler.is_compiling() else current_turn()
         if turn is not None:  # a micro-batch: the collective runs while the other computes
             turn.begin_collective()
             out = self._all_reduce(x)

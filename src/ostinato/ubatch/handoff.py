@@ -17,15 +17,12 @@ thread's exception (its traceback attached) in the caller.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-_CURRENT: contextvars.ContextVar[UbatchTurn | None] = contextvars.ContextVar(
-    "ostinato_ubatch", default=None
-)
+from ostinato.turns import current_turn, taking_turns
 
 
 class UbatchAborted(RuntimeError):
@@ -123,7 +120,8 @@ class UbatchTurn:
 
 def current() -> UbatchTurn | None:
     """The micro-batch turn of this thread, if it runs one."""
-    return _CURRENT.get()
+    turn = current_turn()
+    return turn if isinstance(turn, UbatchTurn) else None
 
 
 class UbatchThreads:
@@ -196,19 +194,17 @@ class UbatchThreads:
         self, i: int, step: Callable[[int], Any], compute: Any, comm: Any, shared: _Shared
     ) -> None:
         turn = UbatchTurn(i, shared, self.ops, compute, comm)
-        token = _CURRENT.set(turn)
         try:
-            self.ops.use(compute)
-            turn._wait()
-            self._results[i] = step(i)
+            with taking_turns(turn):
+                self.ops.use(compute)
+                turn._wait()
+                self._results[i] = step(i)
             shared.turns[(i + 1) % self.n].set()  # done: the next one may finish too
         except BaseException as exc:  # noqa: BLE001  (reported to the caller by run)
             self._errors.append((i, exc))
             shared.aborted.set()
             for event in shared.turns:
                 event.set()
-        finally:
-            _CURRENT.reset(token)
 
     def run(
         self,

@@ -308,7 +308,7 @@ class LLM:
                 f"this host has {torch.cuda.device_count()} GPU(s); lower them or use "
                 "torchrun across hosts"
             )
-        return WorkerPool(config.world_size, {**engine_kwargs, "progress": False})
+        return WorkerPool(config.world_size, LLM, {**engine_kwargs, "progress": False})
 
     def _setup_all_reduce(
         self, choice: str, dtype: torch.dtype, limits: EngineLimits

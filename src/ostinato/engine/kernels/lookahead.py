@@ -1,18 +1,28 @@
-"""Lookahead's two device ops (``engine.lookahead``) as one Triton launch each on CUDA,
+"""Lookahead's two device ops (``engine.spec.lookahead``) as one Triton launch each on CUDA,
 instead of about twenty small torch kernels inside every uniform verify step: the same
 numbers as the torch reference there (integer arithmetic only)."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
 from ostinato.engine.kernels.launch import launch
-from ostinato.engine.spec.lookahead import NO_MISS
-from ostinato.engine.worker.inputs import StepInputs
 
 ROWS = 256  # rows per program of the prepare kernel
+
+
+class StepRows(Protocol):
+    """The persistent step buffers the two kernels read and complete in place."""
+
+    input_ids: torch.Tensor  # [max_tokens]
+    positions: torch.Tensor  # [max_tokens], -1 on padding rows
+    token_req: torch.Tensor  # [max_tokens], each row's request
+    slot_mapping: torch.Tensor  # [max_tokens]
+    block_tables: torch.Tensor  # [max_seqs, blocks_per_seq]
 
 
 @triton.jit
@@ -94,7 +104,12 @@ def _accept_kernel(
 
 
 def prepare_rows(
-    inputs: StepInputs, n: int, offsets: torch.Tensor, carried: torch.Tensor, windows: torch.Tensor
+    inputs: StepRows,
+    n: int,
+    offsets: torch.Tensor,
+    carried: torch.Tensor,
+    windows: torch.Tensor,
+    block_size: int,
 ) -> None:
     """``VerifyLookahead.prepare`` in one launch."""
     launch(
@@ -112,21 +127,23 @@ def prepare_rows(
         windows,
         windows.stride(0),
         n,
-        BLOCK_SIZE=inputs.limits.block_size,
+        BLOCK_SIZE=block_size,
         WINDOW=windows.shape[1],
         ROWS=ROWS,
     )
 
 
 def accept_rows(
-    inputs: StepInputs,
+    inputs: StepRows,
     n: int,
     offsets: torch.Tensor,
     greedy: torch.Tensor,
     carried: torch.Tensor,
     window: int,
+    no_miss: int,
 ) -> None:
-    """``VerifyLookahead.accept`` in one launch (one program over all ``n`` rows)."""
+    """``VerifyLookahead.accept`` in one launch (one program over all ``n`` rows);
+    ``no_miss`` is the caller's sentinel for "every draft confirmed"."""
     seqs = carried.shape[1]
     launch(
         _accept_kernel,
@@ -143,6 +160,6 @@ def accept_rows(
         WINDOW=window,
         BLOCK=triton.next_power_of_2(max(n, 16)),
         SEQS=triton.next_power_of_2(max(seqs, 16)),
-        NONE=NO_MISS,
+        NONE=no_miss,
         num_warps=8,
     )

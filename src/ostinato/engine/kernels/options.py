@@ -29,7 +29,7 @@ class KernelOptions:
     may start while its predecessor drains; each waits (``griddepcontrol.wait``) before
     touching memory, so results are unchanged. Ignored on devices without it.
 
-    ``small_gemm``: projections whose row count is at most ``linear.MAX_ROWS`` (16) use a
+    ``small_gemm``: projections whose row count is at most ``small_gemm.MAX_ROWS`` (16) use a
     Triton GEMM (the down projection with SiLU·mul fused into its load) wherever a
     start-up measurement on this device found it faster than cuBLAS for that shape and
     row count; elsewhere cuBLAS, so never slower than it as measured.

@@ -29,7 +29,8 @@ import triton.language as tl
 
 from ostinato.engine.kernels.launch import launch
 from ostinato.engine.kernels.pdl import pdl_enter
-from ostinato.engine.model.linear import MAX_ROWS
+
+MAX_ROWS = 16  # the one row tile of this GEMM (tl.dot's smallest M)
 
 BLOCK_K = 128
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait

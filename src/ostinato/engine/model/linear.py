@@ -1,7 +1,7 @@
 """Projections that can run small row counts through the tuned Triton GEMM.
 
 ``Linear`` is ``nn.Linear`` (same parameters, same state dict) plus a *plan*: for each
-row count ``m <= MAX_ROWS`` (``plan[m]``), 0 for cuBLAS or ``i`` for
+row count ``m`` up to the kernel's row tile (``plan[m]``), 0 for cuBLAS or ``i`` for
 ``triton_gemm.CONFIGS[i - 1]``, chosen at start-up by ``gemm_tuning`` from measurements
 on this device. Without a plan it is exactly ``nn.Linear``. With one, it calls the custom
 op ``ostinato::linear``, opaque to torch.compile, which picks per call from the row
@@ -19,8 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.engine.model.silu_mul_op import silu_mul_reference
-
-MAX_ROWS = 16  # the small GEMM's one row tile (tl.dot's smallest M)
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,11 @@ class WorkerPool:
     """
 
     def __init__(
-        self, world_size: int, engine_kwargs: dict[str, Any], stale_s: float = 15.0
+        self,
+        world_size: int,
+        engine: Callable[..., Any],
+        engine_kwargs: dict[str, Any],
+        stale_s: float = 15.0,
     ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -81,11 +86,11 @@ class WorkerPool:
         self.beats: dict[int, Any] = {}
         for rank in range(1, world_size):
             ours, theirs = ctx.Pipe()
-            self.beats[rank] = beat = ctx.Value("d", time.monotonic(), lock=False)
+            self.beats[rank] = beat = ctx.Value("d", 0.0, lock=False)  # 0: not beating yet
             env = local_launch_env(rank, world_size, port)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, env, engine_kwargs, theirs, beat),
+                args=(rank, env, engine, engine_kwargs, theirs, beat),
                 name=f"ostinato-rank{rank}",
                 daemon=True,
             )
@@ -124,8 +129,8 @@ class WorkerPool:
                 return RankFailure(rank, reply.error)
             if code is not None and (reply is None or code != 0):
                 return RankFailure(rank, f"{_EXITED} with code {code}{hint}")
-            silent = time.monotonic() - self.beats[rank].value
-            if code is None and silent > self.stale_s:
+            silent = silent_for(self.beats[rank].value, time.monotonic(), self.stale_s)
+            if code is None and silent is not None:
                 return RankFailure(
                     rank, f"no sign of life for {silent:.0f} s (its process hung or is dying)"
                 )
@@ -177,15 +182,27 @@ def _poll(conn: multiprocessing.connection.Connection) -> bool:
         return True  # closed: ``recv`` says so
 
 
+def silent_for(last_beat: float, now: float, stale_s: float) -> float | None:
+    """Seconds a worker has been silent, when that is more than ``stale_s``; None while it
+    beats, and before its first beat: a worker still starting (importing torch can take
+    longer than ``stale_s`` on a busy machine) is bounded by the start-up timeout instead,
+    and a worker that dies while starting is named by its exit, with the start-up hint."""
+    if last_beat <= 0.0:
+        return None
+    silent = now - last_beat
+    return silent if silent > stale_s else None
+
+
 def worker_main(
     rank: int,
     launch_env: dict[str, str],
+    engine: Callable[..., Any],
     engine_kwargs: dict[str, Any],
     conn: multiprocessing.connection.Connection,
     beat: Any,
 ) -> None:
-    """One worker: builds its engine (which joins the process group from
-    ``launch_env``), stamps ``beat`` every second, answers ``Reply(rank, ...)`` to each
+    """One worker: builds its engine, ``engine(**engine_kwargs)`` (which joins the process
+    group from ``launch_env``), stamps ``beat`` every second, answers ``Reply(rank, ...)`` to each
     command, and exits after ``close``, after a failure (so its peers' collectives fail
     fast), or when rank 0's pipe closes."""
     os.environ.update(launch_env)  # this process's own environment: it is rank ``rank``
@@ -196,10 +213,8 @@ def worker_main(
             time.sleep(1.0)
 
     threading.Thread(target=stamp, daemon=True, name="ostinato-beat").start()
-    from ostinato.engine.api.llm import LLM
-
     try:
-        llm = LLM(**engine_kwargs)
+        llm = engine(**engine_kwargs)
         conn.send(Reply(rank, "ready"))
         while True:
             try:

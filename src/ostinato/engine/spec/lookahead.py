@@ -99,7 +99,14 @@ class VerifyLookahead:
         if self.fused:
             from ostinato.engine.kernels.lookahead import prepare_rows
 
-            prepare_rows(self.inputs, n, self.offsets, self.carried, self.windows)
+            prepare_rows(
+                self.inputs,
+                n,
+                self.offsets,
+                self.carried,
+                self.windows,
+                self.inputs.limits.block_size,
+            )
             return
         inp = self.inputs
         pos, req = inp.positions[:n], inp.token_req[:n].long()
@@ -124,7 +131,7 @@ class VerifyLookahead:
         if self.fused:
             from ostinato.engine.kernels.lookahead import accept_rows
 
-            accept_rows(self.inputs, n, self.offsets, greedy, self.carried, 2 * self.k)
+            accept_rows(self.inputs, n, self.offsets, greedy, self.carried, 2 * self.k, NO_MISS)
             return
         inp = self.inputs
         ids, req = inp.input_ids[:n], inp.token_req[:n].long()

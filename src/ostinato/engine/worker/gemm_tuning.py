@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.engine.model.linear import MAX_ROWS, Linear
+from ostinato.engine.model.linear import Linear
 from ostinato.platform.cuda import graph_call_us
 
 logger = logging.getLogger(__name__)
@@ -95,12 +95,12 @@ def plan_small_gemms(
     gives each linear its plan (``Linear.use_plan``): Triton where it was at least
     ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements. Linears
     with 32-bit weights, or off CUDA, get an empty plan (plain ``nn.Linear``)."""
-    sizes = sorted({r for r in rows if 1 <= r <= MAX_ROWS})
     timings: list[GemmTiming] = []
     plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
     for linear, swiglu in linears:
         w = linear.weight
-        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
+        sizes = _plan_sizes(rows) if w.device.type == "cuda" else []
+        if w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
             linear.use_plan((), 0, pdl)
             continue
         key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
@@ -121,3 +121,10 @@ def plan_small_gemms(
         else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
             linear.use_plan((), 0, pdl)
     return timings
+
+
+def _plan_sizes(rows: Sequence[int]) -> list[int]:
+    """The row counts of ``rows`` the small GEMM's one row tile covers (needs Triton)."""
+    from ostinato.engine.kernels.small_gemm import MAX_ROWS
+
+    return sorted({r for r in rows if 1 <= r <= MAX_ROWS})

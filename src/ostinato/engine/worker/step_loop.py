@@ -21,6 +21,7 @@ from ostinato.engine.spec.speculative import (
 )
 from ostinato.engine.worker.inputs import PreviousSample, to_device
 from ostinato.engine.worker.runner import ModelRunner
+from ostinato.ubatch.slicing import can_split
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,13 @@ class StepLoop:
             else:
                 mode, padded, uniform = idle_proposal()
             agreement = agree_on_step(
-                mode, padded, group, uniform, micro_batch=micro, real_tokens=step.num_tokens
+                mode,
+                padded,
+                group,
+                uniform,
+                micro_batch=micro,
+                real_tokens=step.num_tokens,
+                can_split=can_split,
             )
             if agreement.num_tokens == 0:
                 return None

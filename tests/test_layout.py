@@ -1,0 +1,129 @@
+"""The house: the import graph of the package, drawn from the source (every import,
+including those inside functions), has no cycle and respects the layers."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# The library's layers, lowest first: a module may import its own layer and lower ones.
+LIBRARY_LAYERS = [
+    {"modes", "batch", "context", "errors", "mathutil", "turns", "provenance"},
+    {"platform"},
+    {"graph", "pool", "capture_report", "guard", "tensor_views"},
+    {"config", "resolution", "dispatcher"},
+    {"runtime", "manager", "static_outputs", "piecewise", "distributed", "ubatch", ""},
+]
+# Side by side, neither imports the other.
+SIBLINGS = [
+    (
+        {"graph", "pool", "capture_report", "guard", "tensor_views"},
+        {"config", "resolution", "dispatcher"},
+    ),
+    ({"distributed"}, {"ubatch"}),
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / "ostinato").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    edges[name].add(target if target in mods else base)
+            elif isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names)
+    return {k: {t for t in v if t in mods and t != k} for k, v in edges.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def top(name: str) -> str:
+    """The library part a module belongs to: ``graph`` for ``ostinato.graph``,
+    ``distributed`` for ``ostinato.distributed.groups``, ``""`` for the package itself."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_the_library_never_imports_the_engine():
+    for name, targets in import_graph().items():
+        if not name.startswith("ostinato.engine"):
+            engine = sorted(t for t in targets if t.startswith("ostinato.engine"))
+            assert not engine, f"{name} imports {engine}"
+
+
+def test_library_layers_import_only_downwards():
+    rank = {part: i for i, layer in enumerate(LIBRARY_LAYERS) for part in layer}
+    for name, targets in import_graph().items():
+        if name.startswith("ostinato.engine"):
+            continue
+        assert top(name) in rank, f"{name}: place it in a layer of LIBRARY_LAYERS"
+        for t in targets:
+            assert rank[top(t)] <= rank[top(name)], f"{name} imports the higher {t}"
+
+
+def test_siblings_do_not_import_each_other():
+    for name, targets in import_graph().items():
+        for left, right in SIBLINGS:
+            for mine, other in ((left, right), (right, left)):
+                if top(name) in mine and not name.startswith("ostinato.engine"):
+                    bad = sorted(t for t in targets if top(t) in other)
+                    assert not bad, f"{name} imports its sibling {bad}"
+
+
+def test_kernels_are_leaves():
+    # A kernel owns its constants: it imports other kernels, never its callers.
+    for name, targets in import_graph().items():
+        if name.startswith("ostinato.engine.kernels"):
+            callers = sorted(
+                t
+                for t in targets
+                if t.startswith("ostinato.engine") and not t.startswith("ostinato.engine.kernels")
+            )
+            assert not callers, f"{name} imports {callers}"

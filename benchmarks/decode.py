@@ -321,7 +321,7 @@ class DecodeSetup:
         zeros = torch.zeros(batch, device=self.device)
 
         def run() -> list[int]:
-            logits = runner.execute(step)
+            logits = runner.execute(step).logits
             return sample(logits, zeros, zeros, all_greedy=True).tolist()
 
         return run

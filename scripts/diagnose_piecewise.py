@@ -24,7 +24,7 @@ def logits(mode, dtype, compiler="auto", model=None):
     )
     p = llm.chat_prompt(QUESTION)
     reqs = [llm.scheduler.add(p, SamplingParams()), llm.scheduler.add(p[:7], SamplingParams())]
-    out = llm.runner.execute(llm.scheduler.schedule()).clone()
+    out = llm.runner.execute(llm.scheduler.schedule()).logits.clone()
     llm.scheduler.abort(reqs)
     (ans,) = llm.chat(QUESTION, SamplingParams(max_tokens=12))
     del llm

@@ -57,7 +57,7 @@ def tp_logits_and_tokens(
         micro_batching=micro_batching,
     )
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule())
+    logits = llm.runner.execute(llm.scheduler.schedule()).logits
     llm.scheduler.abort(reqs)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     result = {
@@ -346,9 +346,9 @@ def static_ubatch_logits(rank: int, world: int, port: int, model_dir: str, out: 
         llm.scheduler.add(p, SamplingParams())
     step = llm.scheduler.schedule()
     descriptor = llm.runner.graphs.dispatch(step.num_tokens).descriptor
-    plain = llm.runner.execute(step).clone()
+    plain = llm.runner.execute(step).logits.clone()
     llm.runner.ubatched_graphs = frozenset({descriptor})
-    split = llm.runner.execute(step).clone()
+    split = llm.runner.execute(step).logits.clone()
     result = {
         "n": step.num_tokens,
         "plain": plain,

@@ -45,7 +45,7 @@ def test_tensor_parallel_shards_compute_the_unsharded_model(arch, overrides, tmp
     mp.spawn(tp_logits_and_tokens, args=(2, free_port(), str(model_dir), str(out)), nprocs=2)
     single = engine(str(model_dir), "cpu", "none", torch.float32)
     reqs = [single.scheduler.add(p, SamplingParams()) for p in PROMPTS]
-    want = single.runner.execute(single.scheduler.schedule())
+    want = single.runner.execute(single.scheduler.schedule()).logits
     single.scheduler.abort(reqs)
     tokens = [
         o.token_ids for o in single.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))

@@ -177,12 +177,14 @@ def test_decode_steps_compute_logits_and_greedy_tokens_in_the_step_itself():
     llm = tiny()
     reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS]
     prefill = llm.scheduler.schedule()
-    logits = llm.runner.execute(prefill)
-    assert llm.runner.greedy is None  # a mixed step: the LM head runs after it
+    out = llm.runner.execute(prefill)
+    assert out.greedy is None  # a mixed step: the LM head runs after it
+    logits = out.logits
     llm.scheduler.update(prefill, logits.argmax(-1).tolist())
     decode = llm.scheduler.schedule()
     assert decode.uniform_decode
-    logits = llm.runner.execute(decode)
+    out = llm.runner.execute(decode)
+    logits = out.logits
     assert logits.shape == (len(decode.scheduled), llm.config.vocab_size)
-    assert torch.equal(llm.runner.greedy, logits.argmax(-1))
+    assert torch.equal(out.greedy, logits.argmax(-1))
     llm.scheduler.abort(reqs)

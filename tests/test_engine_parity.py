@@ -88,7 +88,7 @@ def test_last_token_logits_match_hf(checkpoint):
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
     step = llm.scheduler.schedule()
     assert [s.request for s in step.scheduled] == reqs
-    ours = llm.runner.execute(step)
+    ours = llm.runner.execute(step).logits
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0, -1].float()

@@ -34,7 +34,7 @@ def test_logits_match_transformers_on_the_same_file(ours, theirs):
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS] + [ours.chat_prompt(QUESTION)]
     reqs = [ours.scheduler.add(p, SamplingParams()) for p in prompts]
     step = ours.scheduler.schedule()
-    logits = ours.runner.execute(step)
+    logits = ours.runner.execute(step).logits
     ours.scheduler.abort(reqs)
     for i, p in enumerate(prompts):
         with torch.no_grad():

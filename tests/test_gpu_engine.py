@@ -203,7 +203,7 @@ def test_logits_match_hf_in_bf16(llama_dir, mode):
     prompts = [[1, 5, 9, 200, 3], [7], list(range(10, 60))]
     for p in prompts:
         llm.scheduler.add(p, SamplingParams())
-    ours = llm.runner.execute(llm.scheduler.schedule())
+    ours = llm.runner.execute(llm.scheduler.schedule()).logits
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = hf(torch.tensor([p], device=DEVICE)).logits[0, -1].float()
@@ -282,15 +282,15 @@ def sampled(llm: LLM, b: int) -> list[list[int]]:
 
 def count_graph_samples(llm: LLM) -> list[int]:
     """The rows of each step sampled inside a graph, appended as ``llm`` runs."""
-    rows, inner = [], llm.runner.sample_in_graph
+    rows, inner = [], llm.sampler.graph_sampler.sample
 
-    def counting(temperatures, top_ps):
-        tokens = inner(temperatures, top_ps)
+    def counting(padded, temperatures, top_ps):
+        tokens = inner(padded, temperatures, top_ps)
         if tokens is not None:
             rows.append(len(tokens))
         return tokens
 
-    llm.runner.sample_in_graph = counting
+    llm.sampler.graph_sampler.sample = counting
     return rows
 
 

@@ -57,7 +57,7 @@ def test_bf16_logits_as_close_to_float32_as_transformers_bf16(mode):
     llm = engine(mode, torch.bfloat16)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule())
+    logits = llm.runner.execute(llm.scheduler.schedule()).logits
     llm.scheduler.abort(reqs)
     ours, hf = [], []
     for i, p in enumerate(prompts):
@@ -79,7 +79,7 @@ def test_float32_logits_match_transformers(mode):
     assert llm.dtype == torch.float32  # the default for GGUF files
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
     reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule())
+    logits = llm.runner.execute(llm.scheduler.schedule()).logits
     llm.scheduler.abort(reqs)
     for i, p in enumerate(prompts):
         with torch.no_grad():

@@ -108,7 +108,7 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     # fake graph's recorder cannot run under Dynamo)
     eager = sampled_tokens(engine("none", seed=11), 8)
     llm = engine(mode, seed=11)
-    sampler = llm.runner.sampler
+    sampler = llm.sampler.graph_sampler
     assert sampler is not None and sorted(sampler.graphs) == [1, 2, 4, 8]
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
@@ -126,10 +126,10 @@ def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs
     llm = engine("full_decode_only")
     prompts, params = workload(n=4)
     tokens(llm, prompts, params)  # greedy: the decode graph's argmax, no second replay
-    assert all(g.replays == 0 for g, _ in llm.runner.sampler.graphs.values())
+    assert all(g.replays == 0 for g, _ in llm.sampler.graph_sampler.graphs.values())
     spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
-    assert spec.runner.sampler is None  # verification samples its 1 + k rows itself
-    assert engine("full").runner.sampler is None  # no uniform decode graphs
+    assert spec.sampler.graph_sampler is None  # verification samples its 1 + k rows itself
+    assert engine("full").sampler.graph_sampler is None  # no uniform decode graphs
 
 
 def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_graphs):
@@ -152,5 +152,5 @@ def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_gr
         llm = engine("full_decode_only", num_blocks=10, async_scheduling=asyn, seed=4)
         outs = llm.generate(prompts, mixed)
         assert llm.scheduler.num_preemptions > 0
-        assert sum(g.replays for g, _ in llm.runner.sampler.graphs.values()) > 0
+        assert sum(g.replays for g, _ in llm.sampler.graph_sampler.graphs.values()) > 0
         assert [outs[i].token_ids for i in greedy] == want

@@ -7,8 +7,8 @@ import torch
 from ostinato.engine import SamplingParams
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import PENDING_TOKEN, Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.sample.verify import accept_greedy
 from ostinato.engine.spec.lookahead import VerifyLookahead
-from ostinato.engine.spec.speculative import accept_greedy
 from ostinato.engine.worker.inputs import PADDING, StepInputs
 
 LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)

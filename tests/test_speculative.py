@@ -11,7 +11,8 @@ from draft_reference import StepByStepDraft, check_drafts_against
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
-from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig, verify
+from ostinato.engine.sample.verify import verify
+from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig
 
 
 def prompts_and_params():

@@ -1,10 +1,51 @@
 """The reference LLM engine: a Llama-family model over a paged KV cache, continuous
-batching, and ostinato graphs. It uses only ostinato's public API."""
+batching, and ostinato graphs. It uses only ostinato's public API.
 
-from ostinato.engine.api.llm import LLM, RequestOutput
-from ostinato.engine.core.scheduler import FinishReason
-from ostinato.engine.kernels.options import KernelOptions
-from ostinato.engine.model.config import ModelConfig
-from ostinato.engine.sample.sampler import SamplingParams
+The names below are loaded on first use, so importing one sub-package (``core``,
+``model``, ...) does not import the whole engine."""
 
-__all__ = ["LLM", "FinishReason", "KernelOptions", "ModelConfig", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "LLM": "ostinato.engine.api.llm",
+    "RequestOutput": "ostinato.engine.api.llm",
+    "CacheArgs": "ostinato.engine.api.arguments",
+    "GraphArgs": "ostinato.engine.api.arguments",
+    "ParallelArgs": "ostinato.engine.api.arguments",
+    "KernelOptions": "ostinato.engine.kernels.options",
+    "ModelConfig": "ostinato.engine.model.config",
+    "SamplingParams": "ostinato.engine.sample.sampler",
+    "FinishReason": "ostinato.engine.core.scheduler",
+    "SpeculativeConfig": "ostinato.engine.spec.speculative",
+}
+
+__all__ = [
+    "LLM",
+    "CacheArgs",
+    "FinishReason",
+    "GraphArgs",
+    "KernelOptions",
+    "ModelConfig",
+    "ParallelArgs",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculativeConfig",
+]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
+    from ostinato.engine.api.arguments import CacheArgs, GraphArgs, ParallelArgs
+    from ostinato.engine.api.llm import LLM, RequestOutput
+    from ostinato.engine.core.scheduler import FinishReason
+    from ostinato.engine.kernels.options import KernelOptions
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.sample.sampler import SamplingParams
+    from ostinato.engine.spec.speculative import SpeculativeConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ostinato.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -1,11 +1,23 @@
-"""Checks of the engine's scalar options, shared by ``LLM`` and the command line, so that
-a bad value is refused with the option's name before anything is loaded."""
+"""The engine's arguments: the groups ``LLM`` takes (``CacheArgs``, ``GraphArgs``,
+``ParallelArgs``; speculation and kernels travel as ``SpeculativeConfig`` and
+``KernelOptions``), and the checks of each value, shared by ``LLM`` and the command line,
+so that a bad value is refused with the option's name before anything is loaded."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
 import torch
 
+from ostinato.engine.api.prompts import model_len
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.spec.speculative import SpeculativeConfig
 from ostinato.modes import GraphMode
+from ostinato.ubatch.policy import MicroBatching
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,3 +78,167 @@ def parse_mode(spec: GraphMode | str) -> GraphMode | None:
     except ValueError:
         names = ", ".join(m.lower() for m in GraphMode.__members__)
         raise ValueError(f"mode: unknown graph mode {spec!r}; use auto, {names}") from None
+
+
+@dataclass(frozen=True)
+class CacheArgs:
+    """How much the engine holds at once: sequences per step, tokens per step, the longest
+    sequence (default: the model's positions), the KV cache's block size and block count
+    (default on CUDA: sized from free memory, using at most ``gpu_memory_utilization`` of
+    the device)."""
+
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class GraphArgs:
+    """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL_AND_PIECEWISE
+    on CUDA, NONE on the CPU), the capture sizes (default: the ladder up to
+    ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
+    None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA)."""
+
+    mode: GraphMode | str = "auto"
+    capture_sizes: tuple[int, ...] | None = None
+    max_capture_size: int = 512
+    compiler: str | None = "auto"
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """Tensor and data parallelism: the sizes, the all-reduce (``"auto"``, ``"nccl"``,
+    ``"one-shot"``, ``"two-shot"``), and micro-batch overlap (``True`` for the default
+    policy, or a ``MicroBatching``)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    all_reduce: str = "auto"
+    micro_batching: MicroBatching | bool = False
+
+
+GROUPS: tuple[type, ...] = (CacheArgs, GraphArgs, ParallelArgs)
+
+
+def group_arguments(
+    cache: CacheArgs | None,
+    graphs: GraphArgs | None,
+    parallel: ParallelArgs | None,
+    keywords: dict[str, Any],
+) -> tuple[CacheArgs, GraphArgs, ParallelArgs]:
+    """The three groups, each field given as a plain keyword (``max_model_len=``,
+    ``mode=``, ``tensor_parallel_size=``, ...) put into its group. ``TypeError`` names a
+    group of the wrong type, a keyword no group has, and a field given both ways."""
+    given = [cache, graphs, parallel]
+    for i, (group, cls) in enumerate(zip(given, GROUPS, strict=True)):
+        if group is None:
+            given[i] = cls()
+        elif not isinstance(group, cls):
+            raise TypeError(f"expected a {cls.__name__}, got {type(group).__name__}")
+    owner = {f.name: i for i, cls in enumerate(GROUPS) for f in fields(cls)}
+    updates: list[dict[str, Any]] = [{}, {}, {}]
+    for name, value in keywords.items():
+        if name not in owner:
+            known = ", ".join(sorted(owner))
+            raise TypeError(f"LLM: unexpected keyword argument {name!r}; the grouped ones: {known}")
+        i = owner[name]
+        cls = GROUPS[i]
+        if (cache, graphs, parallel)[i] is not None:
+            raise TypeError(f"{name}: given as a keyword and in a {cls.__name__} too; give it once")
+        updates[i][name] = value
+    return tuple(replace(g, **u) for g, u in zip(given, updates, strict=True))  # type: ignore[return-value]
+
+
+def parse_speculative(
+    speculative: SpeculativeConfig | str | None, num_speculative_tokens: int
+) -> SpeculativeConfig | None:
+    """The speculation asked for: a ``SpeculativeConfig``, or its string form
+    (``"ngram"``, ``"self:N"``) with ``num_speculative_tokens`` drafts per step."""
+    if isinstance(speculative, str):
+        return SpeculativeConfig.parse(speculative, num_speculative_tokens)
+    if not isinstance(speculative, (SpeculativeConfig, type(None))):
+        raise TypeError(
+            f"speculative: expected 'ngram', 'self:N' or a SpeculativeConfig, got "
+            f"{type(speculative).__name__}"
+        )
+    return speculative
+
+
+def kernel_options(kernels: KernelOptions | None) -> KernelOptions:
+    """``kernels``, or the defaults; ``TypeError`` for anything else."""
+    if not isinstance(kernels, (KernelOptions, type(None))):
+        raise TypeError(f"kernels: expected a KernelOptions, got {type(kernels).__name__}")
+    return kernels or KernelOptions()
+
+
+# Modes whose micro-batched steps run without compiled code (eagerly, or in FULL graphs
+# of the eager kernels).
+_MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+
+
+def micro_batching_policy(
+    parallel: ParallelArgs, requested: GraphMode | None
+) -> MicroBatching | None:
+    """The micro-batching policy asked for (None: off); refuses it, naming why, on one
+    GPU and with modes that may compile pieces."""
+    asked = parallel.micro_batching
+    if not isinstance(asked, (bool, MicroBatching)):
+        raise TypeError(
+            f"micro_batching: expected a bool or a MicroBatching, got {type(asked).__name__}"
+        )
+    policy = MicroBatching() if asked is True else asked or None
+    if policy is not None and parallel.tensor_parallel_size == 1:
+        raise ValueError(
+            "micro_batching: needs tensor_parallel_size > 1 (there are no collectives "
+            "to overlap on one GPU)"
+        )
+    if policy is not None and requested not in _MICRO_BATCH_MODES:
+        mode = requested.name.lower() if requested else "auto"
+        raise ValueError(
+            f"micro_batching: not with mode={mode!r}: it may compile pieces, which "
+            "trace the all-reduce where the micro-batches must hand over; use "
+            "mode='full' or 'full_decode_only' (the overlapped step captured as one "
+            "graph per size) or 'none'"
+        )
+    return policy
+
+
+MAX_CPU_THREADS = 4
+
+
+def limit_cpu_threads(world_size: int) -> int | None:
+    """On the CPU, torch's default of one thread per core oversubscribes a machine that
+    runs other work, or this engine's own ranks: unless ``OMP_NUM_THREADS`` names a count,
+    each rank uses at most ``MAX_CPU_THREADS`` and at most its share of the cores. Returns
+    the count set, or None where the user chose."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, min(MAX_CPU_THREADS, (cores or 1) // max(1, world_size)))
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
+def engine_limits(cache: CacheArgs, config: ModelConfig) -> EngineLimits:
+    """The step and sequence limits of ``cache`` for a model of ``config`` (``max_model_len``
+    checked against its positions); ``ValueError`` names a ``num_blocks`` too small for one
+    sequence of ``max_model_len``."""
+    max_model_len = model_len(cache.max_model_len, config)
+    limits = EngineLimits(
+        cache.max_num_seqs,
+        cache.max_num_batched_tokens or max(max_model_len, 2048),
+        max_model_len,
+        cache.block_size,
+    )
+    num_blocks = cache.num_blocks
+    if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
+        raise ValueError(
+            f"num_blocks: {num_blocks} blocks (one is the null block) cannot hold one "
+            f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
+            "raise num_blocks or lower max_model_len"
+        )
+    return limits

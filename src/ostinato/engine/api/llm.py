@@ -27,8 +27,21 @@ from ostinato.distributed.groups import (
 )
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.distributed.watchdog import PeerWatchdog
-from ostinato.engine.api.arguments import parse_mode, resolve_device, resolve_dtype
-from ostinato.engine.api.prompts import Prompt, check_params, check_prompts, model_len
+from ostinato.engine.api.arguments import (
+    CacheArgs,
+    GraphArgs,
+    ParallelArgs,
+    engine_limits,
+    group_arguments,
+    kernel_options,
+    limit_cpu_threads,
+    micro_batching_policy,
+    parse_mode,
+    parse_speculative,
+    resolve_device,
+    resolve_dtype,
+)
+from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import FinishReason, Proposal, Request, Scheduler
@@ -38,6 +51,7 @@ from ostinato.engine.model.attention import AttentionBackend, default_backend
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.parallel.workers import Command, WorkerPool
 from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.spec.self_draft import SelfDraftProposer
 from ostinato.engine.spec.speculative import (
     NgramProposer,
@@ -51,7 +65,6 @@ from ostinato.engine.worker.step_loop import StepLoop
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, platform_for_device
 from ostinato.runtime import choose_compiler
-from ostinato.ubatch.policy import MicroBatching
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +101,17 @@ class RequestOutput:
     text: str | None = None
 
 
-# Modes whose micro-batched steps run without compiled code (eagerly, or in FULL graphs
-# of the eager kernels).
-_MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
-
-
 class LLM:
     """A compact inference engine over ostinato's graphs.
+
+    Arguments travel in groups: ``cache`` (``CacheArgs``: limits and the KV cache),
+    ``graphs`` (``GraphArgs``: mode, capture sizes, compiler), ``parallel``
+    (``ParallelArgs``), ``speculative`` (``SpeculativeConfig``) and ``kernels``
+    (``KernelOptions``). Every field of the first three is also accepted as a plain
+    keyword (``LLM(mode="full", max_model_len=512, tensor_parallel_size=2)``); a field
+    given both ways, or a keyword no group has, is a ``TypeError``. On the CPU the engine
+    uses at most ``arguments.MAX_CPU_THREADS`` threads per rank unless ``OMP_NUM_THREADS``
+    is set.
 
     ``tensor_parallel_size``: shard the model over that many processes started by
     ``torchrun`` (SPMD: every rank constructs the same ``LLM`` and makes the same calls;
@@ -156,134 +173,69 @@ class LLM:
         self,
         model: ModelSpec = None,
         *,
-        mode: GraphMode | str = "auto",
-        dtype: torch.dtype | str | None = None,
-        device: str | torch.device | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 32,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        num_blocks: int | None = None,
-        capture_sizes: tuple[int, ...] | None = None,
-        max_capture_size: int = 512,
-        gpu_memory_utilization: float = 0.9,
-        random_weights: bool = False,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        all_reduce: str = "auto",
-        async_scheduling: bool = True,
+        cache: CacheArgs | None = None,
+        graphs: GraphArgs | None = None,
+        parallel: ParallelArgs | None = None,
         speculative: SpeculativeConfig | str | None = None,
         num_speculative_tokens: int = 2,
-        micro_batching: MicroBatching | bool = False,
         kernels: KernelOptions | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device | None = None,
+        random_weights: bool = False,
+        async_scheduling: bool = True,
         backend: AttentionBackend | None = None,
-        compiler: str | None = "auto",
         seed: int = 0,
         progress: bool = True,
+        **keywords: Any,
     ) -> None:
-        # Every argument as given: the engine's own worker processes get the same.
-        engine_kwargs = {k: v for k, v in locals().items() if k != "self"}
         start = time.perf_counter()
+        cache, graphs, parallel = group_arguments(cache, graphs, parallel, keywords)
+        # Every argument, grouped: the engine's own worker processes get the same.
+        engine_kwargs = dict(
+            model=model, cache=cache, graphs=graphs, parallel=parallel, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens, kernels=kernels, dtype=dtype,
+            device=device, random_weights=random_weights, async_scheduling=async_scheduling,
+            backend=backend, seed=seed, progress=False,
+        )  # fmt: skip
         self.device = resolve_device(device)
         resolve_dtype(dtype, self.device)  # refuse a bad dtype before loading anything
-        parallel_config = ParallelConfig(tensor_parallel_size, data_parallel_size)
-        parse_all_reduce(all_reduce)
-        requested = parse_mode(mode)
-        if not isinstance(speculative, (str, SpeculativeConfig, type(None))):
-            raise TypeError(
-                f"speculative: expected 'ngram', 'self:N' or a SpeculativeConfig, got "
-                f"{type(speculative).__name__}"
-            )
-        if not isinstance(micro_batching, (bool, MicroBatching)):
-            raise TypeError(
-                f"micro_batching: expected a bool or a MicroBatching, got "
-                f"{type(micro_batching).__name__}"
-            )
-        self.speculative = (
-            SpeculativeConfig.parse(speculative, num_speculative_tokens)
-            if isinstance(speculative, str)
-            else speculative
-        )
+        parallel_config = ParallelConfig(parallel.tensor_parallel_size, parallel.data_parallel_size)
+        parse_all_reduce(parallel.all_reduce)
+        requested = parse_mode(graphs.mode)
+        self.speculative = parse_speculative(speculative, num_speculative_tokens)
         self.spec_stats = SpeculativeStats()
-        if not isinstance(kernels, (KernelOptions, type(None))):
-            raise TypeError(f"kernels: expected a KernelOptions, got {type(kernels).__name__}")
-        self.kernels = kernels or KernelOptions()
-        ubatching = MicroBatching() if micro_batching is True else micro_batching or None
-        self.micro_batching: MicroBatching | None = ubatching
-        if ubatching is not None and tensor_parallel_size == 1:
-            raise ValueError(
-                "micro_batching: needs tensor_parallel_size > 1 (there are no collectives "
-                "to overlap on one GPU)"
-            )
-        if ubatching is not None and requested not in _MICRO_BATCH_MODES:
-            asked = requested.name.lower() if requested else "auto"
-            raise ValueError(
-                f"micro_batching: not with mode={asked!r}: it may compile pieces, which "
-                "trace the all-reduce where the micro-batches must hand over; use "
-                "mode='full' or 'full_decode_only' (the overlapped step captured as one "
-                "graph per size) or 'none'"
-            )
-        utilization = check_utilization(gpu_memory_utilization)
+        self.kernels = kernel_options(kernels)
+        self.micro_batching = micro_batching_policy(parallel, requested)
+        utilization = check_utilization(cache.gpu_memory_utilization)
+        if self.device.type == "cpu":
+            limit_cpu_threads(parallel_config.world_size)
         source = open_model(model, random_weights)
-        dtype = resolve_dtype(dtype, self.device, source.dtype)
-        self.dtype = dtype
+        self.dtype = resolve_dtype(dtype, self.device, source.dtype)
         self.source_name = source.name
         self.config = source.config
         self.tokenizer = source.tokenizer
         with torch.device("meta"):  # names a size tp does not divide, before anything starts
             DecoderModel(self.config, TensorParallel(0, parallel_config.tensor_parallel_size))
-        max_model_len = model_len(max_model_len, self.config)
-        limits = EngineLimits(
-            max_num_seqs,
-            max_num_batched_tokens or max(max_model_len, 2048),
-            max_model_len,
-            block_size,
-        )
+        limits = engine_limits(cache, self.config)
         graph_config = GraphConfig(
             mode=requested,
-            capture_sizes=capture_sizes,
-            max_capture_size=max_capture_size,
+            capture_sizes=graphs.capture_sizes,
+            max_capture_size=graphs.max_capture_size,
             max_num_tokens=limits.max_num_batched_tokens,
         )
-        if num_blocks is not None and num_blocks - 1 < limits.blocks_per_seq:
-            raise ValueError(
-                f"num_blocks: {num_blocks} blocks (one is the null block) cannot hold one "
-                f"sequence of max_model_len={max_model_len} ({limits.blocks_per_seq} blocks); "
-                "raise num_blocks or lower max_model_len"
-            )
         # Data-parallel replicas agree on each step before it runs, and a verify step's
-        # outcome decides the next draft: both step in turn.
-        self.async_scheduling = (
-            async_scheduling and data_parallel_size == 1 and self.speculative is None
-        )
-        # A verify step's outcome decides the next draft: only a lookahead proposer
-        # lets speculative steps overlap (StepLoop.speculative_steps).
-        self.verify_ahead = async_scheduling and data_parallel_size == 1
+        # outcome decides the next draft: both step in turn, except verify steps of a
+        # proposer that drafts ahead (spec.ahead).
+        alone = parallel.data_parallel_size == 1
+        self.async_scheduling = async_scheduling and alone and self.speculative is None
+        self.verify_ahead = async_scheduling and alone
         self.failure: RankFailure | None = None
         self.workers = self._start_workers(parallel_config, engine_kwargs)
         try:
-            self.parallel = init_parallel(
-                parallel_config,
-                self.device.type,
-                launch_env=self.workers.driver_env if self.workers else None,
-                health=self.workers.failure if self.workers else None,
-            )
-            if self.parallel.world_size > 1:
-                self.device = self.parallel.device
-            self.all_reduce: SymmetricAllReduce | None = self._setup_all_reduce(
-                all_reduce, dtype, limits
-            )
-            platform = platform_for_device(self.device)
-            compiler = choose_compiler(compiler, graph_config.mode, platform)
-            self.memory: MemoryPlan | None = self._plan_memory(
-                platform, dtype, utilization, limits, graph_config, num_blocks
-            )
-            num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
-            self._build(
-                source, dtype, seed, limits, graph_config, num_blocks, backend, compiler, progress
-            )
-            if self.workers is not None:
-                self.workers.collect(self.parallel.timeout_s)  # every rank is ready
+            self._start(
+                source, parallel_config, parallel.all_reduce, limits, graph_config, utilization,
+                cache.num_blocks, graphs.compiler, backend, seed, progress,
+            )  # fmt: skip
         except BaseException as exc:
             failure = self._peer_failure()
             self._teardown()
@@ -294,6 +246,45 @@ class LLM:
             raise
         self.startup_seconds = time.perf_counter() - start
         self.startup.total_s = self.startup_seconds
+
+    def _start(
+        self,
+        source: ModelSource,
+        parallel_config: ParallelConfig,
+        all_reduce: str,
+        limits: EngineLimits,
+        graph_config: GraphConfig,
+        utilization: float,
+        num_blocks: int | None,
+        compiler: str | None,
+        backend: AttentionBackend | None,
+        seed: int,
+        progress: bool,
+    ) -> None:
+        """Joins the process group, sizes the KV cache, loads the weights, compiles and
+        captures; every rank is ready when it returns."""
+        self.parallel = init_parallel(
+            parallel_config,
+            self.device.type,
+            launch_env=self.workers.driver_env if self.workers else None,
+            health=self.workers.failure if self.workers else None,
+        )
+        if self.parallel.world_size > 1:
+            self.device = self.parallel.device
+        self.all_reduce: SymmetricAllReduce | None = self._setup_all_reduce(
+            all_reduce, self.dtype, limits
+        )
+        platform = platform_for_device(self.device)
+        compiler = choose_compiler(compiler, graph_config.mode, platform)
+        self.memory: MemoryPlan | None = self._plan_memory(
+            platform, self.dtype, utilization, limits, graph_config, num_blocks
+        )
+        num_blocks = self.memory.num_blocks if self.memory else num_blocks or limits.full_blocks
+        self._build(
+            source, self.dtype, seed, limits, graph_config, num_blocks, backend, compiler, progress
+        )
+        if self.workers is not None:
+            self.workers.collect(self.parallel.timeout_s)  # every rank is ready
 
     def _start_workers(
         self, config: ParallelConfig, engine_kwargs: dict[str, Any]
@@ -308,7 +299,7 @@ class LLM:
                 f"this host has {torch.cuda.device_count()} GPU(s); lower them or use "
                 "torchrun across hosts"
             )
-        return WorkerPool(config.world_size, LLM, {**engine_kwargs, "progress": False})
+        return WorkerPool(config.world_size, LLM, engine_kwargs)
 
     def _setup_all_reduce(
         self, choice: str, dtype: torch.dtype, limits: EngineLimits
@@ -432,18 +423,19 @@ class LLM:
                 else None
             ),
         )
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        capture_start = time.perf_counter()
+        self.capture_report: CaptureReport = self.runner.capture()
+        self.sampler = StepSampler(generator, self.device, self.runner.capture_sampling(generator))
         self.loop = StepLoop(
             self.runner,
             self.scheduler,
-            self.generator,
+            self.sampler,
             self.parallel,
             self.speculative is not None,
             self.spec_stats,
             self._peer_failure,
         )
-        capture_start = time.perf_counter()
-        self.capture_report: CaptureReport = self.runner.capture(self.generator)
         self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
         # captures them in the same order (they hold the LM head's all-gather).
@@ -482,7 +474,7 @@ class LLM:
         drafter = self.__dict__.pop("drafter", None)
         if drafter is not None:
             drafter.release()
-        for name in ("loop", "runner", "cache", "model", "scheduler", "generator"):
+        for name in ("loop", "runner", "cache", "model", "scheduler", "sampler"):
             self.__dict__.pop(name, None)
         reducer = self.__dict__.pop("all_reduce", None)
         if reducer is not None:

@@ -242,7 +242,7 @@ def _oracle_engine(llm: Any, model: Any, prompts: list[Any], params: Any, kw: di
     from ostinato.engine import LLM
     from ostinato.engine.spec.speculative import SpeculativeConfig
 
-    if params.temperature != 0:
+    if not params.greedy:
         fail("--speculative oracle: needs greedy decoding (--temperature 0)")
     known = {tuple(o.prompt_token_ids): o.token_ids for o in llm.generate(prompts, params)}
     llm.close()

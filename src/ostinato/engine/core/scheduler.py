@@ -266,7 +266,7 @@ class Scheduler:
             return None
         for s in step.scheduled:
             req = s.request
-            if len(s.draft) != k or req.params.temperature != 0 or req not in self.running:
+            if len(s.draft) != k or not req.params.greedy or req not in self.running:
                 return None
             # Room for k drafts after a fully accepted ``step``, as ``_draft_room`` sees
             # it: then the drafts are the synchronous engine's whatever ``step`` accepts.

@@ -39,6 +39,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
 
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are the argmax (temperature 0): the one place that says so."""
+        return self.temperature == 0
+
 
 def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)

@@ -22,11 +22,12 @@ from ostinato.context import forward_context, get_forward_context
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.core.transfer import to_device
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.greedy import greedy_tokens
-from ostinato.engine.worker.inputs import PADDING, StepInputs, to_device
+from ostinato.engine.worker.inputs import PADDING, StepInputs
 from ostinato.modes import GraphMode
 from ostinato.platform import platform_for_device
 from ostinato.runtime import GraphRuntime, build_graph_runtime

@@ -16,6 +16,7 @@ import torch
 
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.core.transfer import to_device
 from ostinato.engine.model.attention import AttentionMetadata
 from ostinato.ubatch.slicing import UbatchSlice, local_query_lens
 
@@ -230,15 +231,3 @@ class StepInputs:
         self.token_req[:rows].copy_(staging[2, :rows], non_blocking=True)
         self.slot_mapping[:rows].copy_(staging[3, :rows], non_blocking=True)
         self.block_tables[:num_reqs].copy_(self.tables_staging[:num_reqs], non_blocking=True)
-
-
-def to_device(
-    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``values`` as a tensor on ``device``. On CUDA the copy is asynchronous (through
-    pinned memory), so the host never waits here for the device's queued work: a step's
-    only wait is reading back its tokens, which is where a dead peer is noticed."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

@@ -25,6 +25,7 @@ from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
+from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.spec.lookahead import VerifyLookahead
 from ostinato.engine.worker.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
@@ -125,11 +126,6 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
         self.micro_batching = micro_batching
-        self.greedy: torch.Tensor | None = None  # the last decode step's argmax tokens
-        # The padded size of the last step when it replayed a uniform decode graph, whose
-        # logits the sampler's graph for that size then reads.
-        self.decode_padded: int | None = None
-        self.sampler: GraphSampler | None = None
         self.ubatched_steps = 0  # steps run as two micro-batches (eagerly or replayed)
         self.ubatched_replays = 0  # of which replays of micro-batched FULL graphs
         self._comm_stream: torch.cuda.Stream | None = None
@@ -206,21 +202,19 @@ class ModelRunner:
 
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """Runs the step as dispatched; float32 logits of ``rows`` (for a uniform decode:
-        all ``n`` rows, whose logits the step itself computed, and ``greedy`` is set to
-        their argmax, valid until the next step runs; else ``greedy`` is None)."""
+    ) -> StepOutput:
+        """Runs the step as dispatched: float32 logits of ``rows`` (for a uniform decode,
+        all ``n`` rows, whose logits and argmax the step itself computed)."""
         out = self.manager.run(dispatch, n, attn_metadata=meta)
         d = dispatch.descriptor
         if dispatch.mode is GraphMode.FULL and d in self.ubatched_graphs:
             self.ubatched_steps += 1
             self.ubatched_replays += 1
         if d.uniform_decode:
-            self.decode_padded = d.num_tokens if dispatch.mode is GraphMode.FULL else None
-            logits, self.greedy = out
-            return logits
-        self.greedy = None
-        return self.model.compute_logits(out[rows])
+            logits, greedy = out
+            size = d.num_tokens if dispatch.mode is GraphMode.FULL else None
+            return StepOutput(logits, greedy, size)
+        return StepOutput(self.model.compute_logits(out[rows]))
 
     @torch.inference_mode()
     def plan_kernels(self) -> list[GemmTiming]:
@@ -273,13 +267,12 @@ class ModelRunner:
                     self.model(self.inputs.input_ids[:n], self.inputs.positions[:n])
             yield
 
-    def capture(self, generator: torch.Generator | None = None) -> CaptureReport:
-        """Compiles if needed, then captures every graph of the resolved mode, and with
-        ``generator`` a sampling graph per uniform decode size of one token per request
-        (``GraphSampler``). With a measuring micro-batching policy, each candidate size
-        is first timed plainly and split (``ubatch_timings``), and ``ubatched_graphs``
-        becomes the sizes whose split was faster by the policy's margin, the same on
-        every rank of every replica (the slowest rank's times decide). Under tensor
+    def capture(self) -> CaptureReport:
+        """Compiles if needed, then captures every graph of the resolved mode. With a
+        measuring micro-batching policy, each candidate size is first timed plainly and
+        split (``ubatch_timings``), and ``ubatched_graphs`` becomes the sizes whose split
+        was faster by the policy's margin, the same on every rank of every replica (the
+        slowest rank's times decide). Under tensor
         parallelism every rank captures (and times) the same descriptors in the same
         order, between two barriers, so the collectives recorded in the graphs pair up
         across ranks."""
@@ -296,8 +289,6 @@ class ModelRunner:
                 self.ubatch_timings = measure(self.ubatch_candidates, self.replay_ms, everyone)
             self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
         report = self.manager.capture()
-        if generator is not None and self.graphs.dispatcher.uniform_decode_query_len == 1:
-            self._capture_sampler(generator)
         if group is not None:
             dist.barrier(group=group)
         return report
@@ -329,32 +320,30 @@ class ModelRunner:
         finally:
             graph.reset()
 
-    def _capture_sampler(self, generator: torch.Generator) -> None:
+    def capture_sampling(self, generator: torch.Generator) -> GraphSampler | None:
+        """A sampling graph per uniform decode size of one token per request, reading
+        that size's static logits (``GraphSampler``), in the shared pool; None where
+        there are no such graphs (no FULL graphs, or verify steps of several tokens per
+        request, which verification samples)."""
+        if self.graphs.dispatcher.uniform_decode_query_len != 1:
+            return None
         try:
             full = self.graphs.dispatcher.keys(GraphMode.FULL)
         except ValueError:  # no FULL graphs in this mode
-            return
-        decode_sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
-        if decode_sizes:
-            self.sampler = GraphSampler(
-                self.manager.platform,
-                self.manager.pool,
-                generator,
-                lambda n: self.manager.outputs.view(n)[0],
-                decode_sizes[-1],
-                self.device,
-            )
-            self.sampler.capture(decode_sizes)
-
-    def sample_in_graph(
-        self, temperatures: list[float], top_ps: list[float]
-    ) -> torch.Tensor | None:
-        """The last step's tokens sampled by the sampling graph of its size, if the step
-        replayed a uniform decode graph and one was captured; else None (sample
-        eagerly). A view, valid until that size's next sampled step."""
-        if self.sampler is None or self.decode_padded is None:
             return None
-        return self.sampler.sample(self.decode_padded, temperatures, top_ps)
+        decode_sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
+        if not decode_sizes:
+            return None
+        sampler = GraphSampler(
+            self.manager.platform,
+            self.manager.pool,
+            generator,
+            lambda n: self.manager.outputs.view(n)[0],
+            decode_sizes[-1],
+            self.device,
+        )
+        sampler.capture(decode_sizes)
+        return sampler
 
     def release(self) -> None:
         """Destroys every graph this runner captured (FULL and piecewise) and ends its
@@ -375,10 +364,10 @@ class ModelRunner:
         step: ScheduledBatch,
         agreement: StepAgreement | None = None,
         previous: PreviousSample | None = None,
-    ) -> torch.Tensor:
-        """Runs ``step``; returns float32 logits, one row per scheduled request (or, for a
-        request verifying a draft, ``1 + len(draft)`` rows: its last token's and each
-        draft token's).
+    ) -> StepOutput:
+        """Runs ``step``; returns its ``StepOutput``: float32 logits, one row per scheduled
+        request (or, for a request verifying a draft, ``1 + len(draft)`` rows: its last
+        token's and each draft token's), and the argmax where the step computed it.
         ``previous``: the last launched step's samples, for decodes whose input token is
         still on the device. A step scheduled ahead (``ScheduledRequest.ahead``) needs
         ``verifies_ahead``: its ids, positions and slots are completed in the step.
@@ -388,7 +377,6 @@ class ModelRunner:
         empty ``step`` then runs as a dummy step of padding rows.
         """
         n = step.num_tokens
-        self.decode_padded = None
         if agreement is None:
             dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)
         else:
@@ -407,7 +395,7 @@ class ModelRunner:
         if not step.scheduled:
             self.inputs.write_padding(padded)
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
-            return torch.empty((0, self.model.config.vocab_size), device=self.device)
+            return StepOutput(torch.empty((0, self.model.config.vocab_size), device=self.device))
         layout = self.inputs.write(step, padded, previous)
         if self.lookahead is not None and dispatch.descriptor.uniform_decode:
             self.lookahead.stage(step, padded)
@@ -423,8 +411,7 @@ class ModelRunner:
         )
         if ubatch and dispatch.mode is GraphMode.NONE:  # (a FULL graph holds its split)
             hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
-            self.greedy = None
-            return self.model.compute_logits(hidden[layout.logit_rows])
+            return StepOutput(self.model.compute_logits(hidden[layout.logit_rows]))
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_rows)
 

@@ -13,13 +13,10 @@ from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_pr
 from ostinato.distributed.failure import RankFailure, wait_for_device
 from ostinato.distributed.groups import ParallelGroups
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, Scheduler
-from ostinato.engine.sample.sampler import sample
-from ostinato.engine.spec.speculative import (
-    SpeculativeStats,
-    accept_greedy,
-    verify,
-)
-from ostinato.engine.worker.inputs import PreviousSample, to_device
+from ostinato.engine.sample.step_sampler import StepOutput, StepSampler
+from ostinato.engine.sample.verify import accept_greedy
+from ostinato.engine.spec.speculative import SpeculativeStats
+from ostinato.engine.worker.inputs import PreviousSample
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.ubatch.slicing import can_split
 
@@ -60,13 +57,13 @@ class StepLoop:
         self,
         runner: ModelRunner,
         scheduler: Scheduler,
-        generator: torch.Generator,
+        sampler: StepSampler,
         parallel: ParallelGroups,
         speculative: bool,
         spec_stats: SpeculativeStats,
         peer_failure: Callable[[], RankFailure | None],
     ) -> None:
-        self.runner, self.scheduler, self.generator = runner, scheduler, generator
+        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
         self.parallel, self.device = parallel, runner.device
         self.speculative, self.spec_stats = speculative, spec_stats
         self.peer_failure = peer_failure
@@ -133,7 +130,7 @@ class StepLoop:
         return (
             self.scheduler.lookahead is not None
             and step.uniform_decode
-            and all(len(s.draft) == k and s.request.params.temperature == 0 for s in step.scheduled)
+            and all(len(s.draft) == k and s.request.params.greedy for s in step.scheduled)
             and self.runner.verifies_ahead(step.num_tokens)
         )
 
@@ -141,8 +138,7 @@ class StepLoop:
         """Queues greedy verify ``step`` and starts copying its argmax back. A step
         ``scheduled_ahead`` is completed on the device by the outcome of the verify step
         before it, and marked launched when that one is settled."""
-        self.runner.execute(step)
-        greedy = self.runner.greedy
+        greedy = self.runner.execute(step).greedy
         if greedy is None:
             raise RuntimeError("a verify step ran without its argmax: not a uniform decode step")
         if not scheduled_ahead:
@@ -236,36 +232,20 @@ class StepLoop:
     ) -> InFlight | None:
         """Queues ``step`` and its sampling on the device and starts copying the tokens
         back; returns without waiting (None for a dummy step, which samples nothing)."""
-        logits = self.runner.execute(step, agreement, previous and previous.sampled)
+        out = self.runner.execute(step, agreement, previous and previous.sampled)
         if not step.scheduled:
             return None
         if self.speculative:
-            return self._verified(step, logits)
-        reqs = [s.request for s in step.scheduled]
-        all_greedy = all(r.params.temperature == 0 for r in reqs)
-        greedy = self.runner.greedy  # the decode graph's own argmax, when it ran one
-        if all_greedy and greedy is not None:
-            tokens = greedy
-        else:
-            temp_list = [r.params.temperature for r in reqs]
-            top_p_list = [r.params.top_p for r in reqs]
-            # A uniform decode step replayed from a graph samples in a graph too.
-            in_graph = None if all_greedy else self.runner.sample_in_graph(temp_list, top_p_list)
-            if in_graph is not None:
-                tokens = in_graph
-            else:
-                temps = to_device(temp_list, torch.float32, self.device)
-                top_ps = to_device(top_p_list, torch.float32, self.device)
-                tokens = sample(logits, temps, top_ps, self.generator, all_greedy)
+            return self._verified(step, out)
+        tokens = self.sampler.tokens([s.request.params for s in step.scheduled], out)
         self.scheduler.launched(step)
         index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
         host, done = self._copy_back(tokens)
         return InFlight(step, PreviousSample(tokens, index), host, done)
 
-    def _verified(self, step: ScheduledBatch, logits: torch.Tensor) -> InFlight:
+    def _verified(self, step: ScheduledBatch, out: StepOutput) -> InFlight:
         """A speculative engine's step, resolved at once: drafts verified, tokens kept."""
-        # A uniform verify step's graph ends in the argmax: no second pass over the logits.
-        got = verify(logits, step, self.generator, self.runner.greedy)
+        got = self.sampler.verify(step, out)
         self.scheduler.launched(step)
         self._count(step, got)
         empty = torch.empty(0, dtype=torch.long)

@@ -1,0 +1,70 @@
+"""The one owner of how a step's tokens are chosen, decided once per step from what the
+step produced (``StepOutput``): the decode graph's own argmax when every request is
+greedy, the sampling graph of the step's size when one was captured, eager sampling
+otherwise, and verification when the step checks drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.core.transfer import to_device
+from ostinato.engine.sample.graph_sampler import GraphSampler
+from ostinato.engine.sample.sampler import SamplingParams, sample
+from ostinato.engine.sample.verify import verify
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step of ``ModelRunner.execute`` produced, valid until the next step runs.
+
+    ``logits``: float32, one row per scheduled request, or ``1 + len(draft)`` rows for a
+    request verifying a draft (``[rows, vocab]``). ``greedy``: their argmax computed inside
+    a uniform decode step (``[padded]``, padding rows last), else None. ``graph_size``:
+    the padded size of the uniform decode graph the step replayed (its logits are what a
+    sampling graph of that size reads), else None."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None = None
+    graph_size: int | None = None
+
+
+class StepSampler:
+    """Turns a ``StepOutput`` into tokens. Guarantees: an all-greedy step returns the
+    argmax (the graph's own where it has one, no second pass over the logits); a
+    sampled uniform decode step replayed from a graph samples in its sampling graph
+    when one was captured for its size; every other step samples eagerly from
+    ``generator``; nothing here waits for the device."""
+
+    def __init__(
+        self,
+        generator: torch.Generator,
+        device: torch.device,
+        graph_sampler: GraphSampler | None = None,
+    ) -> None:
+        self.generator, self.device = generator, device
+        self.graph_sampler = graph_sampler  # the sampling graphs, one per decode size
+
+    def tokens(self, params: Sequence[SamplingParams], out: StepOutput) -> torch.Tensor:
+        """One token per request of the step (``params`` in the step's order); a view of
+        a static buffer where a graph chose them, so copy it before the next step."""
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy and out.greedy is not None:
+            return out.greedy
+        temperatures = [p.temperature for p in params]
+        top_ps = [p.top_p for p in params]
+        if not all_greedy and self.graph_sampler is not None and out.graph_size is not None:
+            in_graph = self.graph_sampler.sample(out.graph_size, temperatures, top_ps)
+            if in_graph is not None:
+                return in_graph
+        temps = to_device(temperatures, torch.float32, self.device)
+        tops = to_device(top_ps, torch.float32, self.device)
+        return sample(out.logits, temps, tops, self.generator, all_greedy)
+
+    def verify(self, step: ScheduledBatch, out: StepOutput) -> list[int | list[int]]:
+        """Per request of a verify step: its sampled token, or the draft tokens it keeps
+        followed by one more (``sample.verify``)."""
+        return verify(out.logits, step, self.generator, out.greedy)

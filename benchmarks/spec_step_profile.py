@@ -24,7 +24,6 @@ from wall_timers import WallTimers
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.spec.speculative import SpeculativeConfig
-from ostinato.engine.worker import step_loop as step_loop_module
 from ostinato.provenance import Provenance
 
 SMOLLM2_SHAPE = {
@@ -85,15 +84,16 @@ def profile(model, dtype, batch, spec, ahead, new_tokens, device):
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up
     timers = Timers()
-    loop = llm.loop
+    ahead = llm.verify_ahead_loop
     timers.wrap(llm.scheduler, "schedule", "schedule")
     timers.wrap(llm.scheduler, "schedule_ahead", "schedule_ahead")
     timers.wrap(llm.scheduler, "resolve", "resolve")
     timers.wrap(llm.runner, "execute", "execute")
-    timers.wrap(loop, "launch_verify", "launch_verify (execute inside)")
-    timers.wrap(loop, "settle", "settle (wait inside)")
-    timers.wrap(loop, "wait_copy", "wait for tokens")
-    timers.wrap(step_loop_module, "verify", "verify (waits)")
+    if ahead is not None:
+        timers.wrap(ahead, "launch_verify", "launch_verify (execute inside)")
+        timers.wrap(ahead, "settle", "settle (wait inside)")
+    timers.wrap(llm.loop, "wait_copy", "wait for tokens")
+    timers.wrap(llm.sampler, "verify", "verify (waits)")
     cuda = device == "cuda"
     if cuda:
         timers.wrap_device(llm.runner, "run_logits")

@@ -1,5 +1,15 @@
+import os
+
 import pytest
 import torch
+
+# The suite runs beside other work on small machines: torch's default of a thread per
+# core then oversubscribes them and every test slows down many times over. Half the
+# cores (at most 4), unless OMP_NUM_THREADS says otherwise; the engine's own worker
+# processes limit themselves (ostinato.engine.api.arguments.limit_cpu_threads).
+if not os.environ.get("OMP_NUM_THREADS"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, min(4, (_cores or 2) // 2)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,7 +37,7 @@ def lockstep(eager: LLM, graphs: LLM, tolerance: float, seed: int = 11) -> set[s
             )
     modes_seen: set[str] = set()
     steps = 0
-    while eager.scheduler.has_work:
+    while eager.has_work:
         se, sg = eager.scheduler.schedule(), graphs.scheduler.schedule()
         assert [s.request.id for s in se.scheduled] == [s.request.id for s in sg.scheduled]
         dispatch = graphs.runner.graphs.dispatch(sg.num_tokens, sg.uniform_decode)

@@ -39,9 +39,9 @@ def test_async_and_sync_engines_give_identical_outputs(seed, limits):
     assert [(o.token_ids, o.finish_reason) for o in got] == [
         (o.token_ids, o.finish_reason) for o in want
     ]
-    assert asyn.scheduler.num_preemptions > 0 or "num_blocks" not in limits
-    assert asyn.scheduler.pool.num_free == sync.scheduler.pool.num_free, "every block returned"
-    assert not asyn.scheduler.has_work
+    assert asyn.num_preemptions > 0 or "num_blocks" not in limits
+    assert asyn.free_kv_blocks == sync.free_kv_blocks, "every block returned"
+    assert not asyn.has_work
 
 
 def test_async_engine_streams_every_token_and_stays_usable_after_an_error():
@@ -56,7 +56,7 @@ def test_async_engine_streams_every_token_and_stays_usable_after_an_error():
 
     with pytest.raises(KeyError):
         llm.generate(prompts, params, on_token=boom)
-    assert not llm.scheduler.has_work and llm.scheduler.pool.num_free == 5
+    assert not llm.has_work and llm.free_kv_blocks == 5
     again = llm.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
 

@@ -28,13 +28,13 @@ def test_preemption_loses_nothing_and_changes_nothing():
     out = tight.generate(PROMPTS, greedy)
     assert [o.token_ids for o in out] == [o.token_ids for o in roomy]
     assert all(len(o.token_ids) == 20 and o.finish_reason is FinishReason.LENGTH for o in out)
-    assert tight.scheduler.pool.num_free == 8, "every block returned"
+    assert tight.free_kv_blocks == 8, "every block returned"
 
 
 def test_preemption_happened_with_tight_cache():
     llm = tiny(num_blocks=5, max_model_len=64)
     reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS]
-    while llm.scheduler.has_work:
+    while llm.has_work:
         llm.step()
     assert sum(r.num_preemptions for r in reqs) > 0
     assert all(len(r.output) == 30 for r in reqs)
@@ -74,7 +74,7 @@ def test_bad_prompts_rejected_before_anything_runs(prompts, message):
     llm = tiny()
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts)
-    assert not llm.scheduler.has_work, "no prompt half-accepted"
+    assert not llm.has_work, "no prompt half-accepted"
 
 
 def test_a_prompt_over_the_token_budget_is_prefilled_in_chunks():
@@ -169,7 +169,7 @@ def test_mixed_greedy_and_sampled_requests_in_one_batch():
 def test_engine_on_cpu_runs_none_mode_with_reason():
     llm = tiny(mode="full")
     assert llm.mode.name == "NONE"
-    assert llm.runner.resolution.reasons
+    assert llm.resolution.reasons
     assert llm.capture_report.num_graphs == 0
 
 

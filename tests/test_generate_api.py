@@ -13,8 +13,8 @@ def llm():
 
 
 def assert_clean_and_working(llm):
-    assert not llm.scheduler.has_work
-    assert llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks - 1
+    assert not llm.has_work
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1
     (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.token_ids) == 2
 

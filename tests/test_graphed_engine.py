@@ -151,6 +151,6 @@ def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_gr
     for asyn in (False, True):
         llm = engine("full_decode_only", num_blocks=10, async_scheduling=asyn, seed=4)
         outs = llm.generate(prompts, mixed)
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.num_preemptions > 0
         assert sum(g.replays for g, _ in llm.sampler.graph_sampler.graphs.values()) > 0
         assert [outs[i].token_ids for i in greedy] == want

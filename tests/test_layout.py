@@ -127,3 +127,38 @@ def test_kernels_are_leaves():
                 if t.startswith("ostinato.engine") and not t.startswith("ostinato.engine.kernels")
             )
             assert not callers, f"{name} imports {callers}"
+
+
+def test_the_library_needs_only_torch_and_tqdm():
+    # numpy, safetensors, gguf and transformers are the engine's (the `engine` extra);
+    # torch_npu is imported only on Ascend machines, behind a guard.
+    import sys
+
+    allowed = {"torch", "tqdm", "torch_npu", "ostinato"} | set(sys.stdlib_module_names)
+    for name, path in modules().items():
+        if name.startswith("ostinato.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert roots <= allowed, f"{name} imports {sorted(roots - allowed)}"
+
+
+def test_importing_the_library_loads_no_engine_dependency():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import torch; before = set(sys.modules); import ostinato, "
+        "ostinato.piecewise, ostinato.distributed, ostinato.ubatch; "
+        "new = set(sys.modules) - before; "
+        "roots = {m.split('.')[0] for m in new}; "
+        "print(sorted(roots & {'transformers', 'gguf', 'safetensors', 'numpy'}) "
+        "+ sorted(m for m in new if m.startswith('ostinato.engine')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -94,10 +94,12 @@ def test_bad_steps_are_refused_by_name():
         staged(uneven)
     # A runner made without lookahead (here: no oracle) refuses a step scheduled ahead.
     llm = LLM("tiny", device="cpu", max_model_len=64, progress=False, speculative="ngram")
-    assert llm.runner.lookahead is None and not llm.runner.verifies_ahead(6)
+    assert llm.runner.decode_hook is None and not llm.runner.verifies_ahead(6)
     a.blocks, b.blocks = [1], [2]
     ahead = ScheduledBatch(
         [ScheduledRequest(r, [PENDING_TOKEN] * 3, 1, draft=[0, 0], ahead=True) for r in (a, b)]
     )
-    with pytest.raises(RuntimeError, match="only uniform decode steps of a runner made with"):
+    with pytest.raises(
+        RuntimeError, match="only uniform decode steps of a runner with a decode hook"
+    ):
         llm.runner.execute(ahead)

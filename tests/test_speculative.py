@@ -78,8 +78,8 @@ def test_speculation_with_preemption_chunked_prefill_and_stop_tokens(plain):
         llm = engine(num_blocks=5, max_model_len=64, max_num_batched_tokens=48, speculative=spec)
         got = llm.generate(prompts, stops)
         assert [o.token_ids for o in got] == want
-        assert llm.scheduler.num_preemptions > 0
-        assert llm.scheduler.pool.num_free == 4, "every block returned"
+        assert llm.num_preemptions > 0
+        assert llm.free_kv_blocks == 4, "every block returned"
 
 
 def test_ngram_proposer_finds_the_latest_repeat():
@@ -200,7 +200,7 @@ def test_steps_scheduled_ahead_with_stop_tokens_waiting_requests_and_sampling(pl
     llm = engine(speculative=SpeculativeConfig("oracle", 3, oracle=known))
     assert [o.token_ids for o in llm.generate(prompts, stops)] == want
     assert llm.spec_stats.ahead_steps > 0
-    assert llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks - 1, "blocks returned"
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1, "blocks returned"
     sampled = SamplingParams(max_tokens=20, temperature=0.8)
     outs = llm.generate(prompts[:2] + prompts[:1], [stops[0], stops[1], sampled])
     assert [o.token_ids for o in outs[:2]] == want[:2]

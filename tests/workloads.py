@@ -44,6 +44,6 @@ def sync_and_async_outputs(make: Callable[[bool], LLM]) -> dict[bool, list[tuple
     for asyn in (False, True):
         llm = make(asyn)
         outs[asyn] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
-        assert llm.scheduler.num_preemptions > 0
-        assert llm.scheduler.pool.num_free == 9
+        assert llm.num_preemptions > 0
+        assert llm.free_kv_blocks == 9
     return outs

@@ -46,7 +46,9 @@ class GraphConfig:
     outputs bitwise with an eager run of the same step (start-up cost; names a step that
     depends on something the graph froze). ``check_addresses``: on every replay, check that
     each tensor argument still sits at its captured address (per-step cost; names the
-    input that moved).
+    input that moved); it applies to graphs whose inputs are arguments, the pieces of a
+    ``PiecewiseBackend`` made with this flag (as the engine does), not to a FULL step,
+    which reads its inputs from the caller's persistent buffers.
     """
 
     mode: GraphMode | None = GraphMode.FULL

@@ -15,7 +15,6 @@ from typing import Any
 
 from ostinato.config import GraphConfig
 from ostinato.dispatcher import Dispatch, Dispatcher
-from ostinato.graph import GraphOptions
 from ostinato.manager import GraphManager, PrepareFn, StepFn
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
@@ -33,7 +32,6 @@ class GraphRuntime:
     resolution: ModeResolution
     dispatcher: Dispatcher
     manager: GraphManager
-    options: GraphOptions
 
     @property
     def mode(self) -> GraphMode:
@@ -114,5 +112,4 @@ def build_graph_runtime(
         platform=platform,
         pool=pool,
     )
-    options = GraphOptions(check_addresses=config.check_addresses)
-    return GraphRuntime(resolution, dispatcher, manager, options)
+    return GraphRuntime(resolution, dispatcher, manager)

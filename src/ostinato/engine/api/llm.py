@@ -7,7 +7,7 @@ import gc
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,6 +52,8 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.parallel.workers import Command, WorkerPool
 from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.engine.sample.step_sampler import StepSampler
+from ostinato.engine.spec.ahead import VerifyAheadLoop
+from ostinato.engine.spec.lookahead import VerifyLookahead
 from ostinato.engine.spec.self_draft import SelfDraftProposer
 from ostinato.engine.spec.speculative import (
     NgramProposer,
@@ -64,6 +66,7 @@ from ostinato.engine.worker.runner import ModelRunner
 from ostinato.engine.worker.step_loop import StepLoop
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, platform_for_device
+from ostinato.resolution import ModeResolution
 from ostinato.runtime import choose_compiler
 
 logger = logging.getLogger(__name__)
@@ -394,6 +397,8 @@ class LLM:
             self.device,
         )
         spec = self.speculative
+        # Only the oracle drafts before a verify step's outcome is known (spec.ahead).
+        ahead = self.verify_ahead and spec is not None and spec.method == "oracle"
         backend = backend or default_backend(self.device)
         self.runner = ModelRunner(
             self.model,
@@ -407,8 +412,7 @@ class LLM:
             uniform_decode_query_len=1 + spec.k if spec else 1,
             micro_batching=self.micro_batching,
             kernels=self.kernels,
-            # Only the oracle drafts before a verify step's outcome is known.
-            lookahead=self.verify_ahead and spec is not None and spec.method == "oracle",
+            decode_hook=(lambda inputs: VerifyLookahead(inputs, spec.k)) if ahead else None,
         )
         propose = self._proposer(backend, limits)
         self.scheduler = Scheduler(
@@ -417,11 +421,7 @@ class LLM:
             source.eos_token_ids,
             propose=propose,
             num_speculative=spec.k if spec else 0,
-            lookahead=(
-                propose.window
-                if isinstance(propose, OracleProposer) and self.runner.lookahead
-                else None
-            ),
+            lookahead=propose.window if ahead and isinstance(propose, OracleProposer) else None,
         )
         generator = torch.Generator(device=self.device).manual_seed(seed)
         capture_start = time.perf_counter()
@@ -435,6 +435,16 @@ class LLM:
             self.speculative is not None,
             self.spec_stats,
             self._peer_failure,
+        )
+        # How generate steps, decided once: asynchronously, verify steps scheduled ahead
+        # (their own loop), or one step at a time.
+        self.verify_ahead_loop = VerifyAheadLoop(self.loop) if spec and self.verify_ahead else None
+        self._steps: Callable[[], Iterator[None]] = (
+            self.loop.async_steps
+            if self.async_scheduling
+            else self.verify_ahead_loop.steps
+            if self.verify_ahead_loop is not None
+            else self.loop.sync_steps
         )
         self.drafter = propose if isinstance(propose, SelfDraftProposer) else None
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
@@ -503,6 +513,31 @@ class LLM:
         """The graph mode in use after downgrades."""
         return self.runner.resolution.mode
 
+    @property
+    def resolution(self) -> ModeResolution:
+        """The graph mode in use and each reason it differs from the one asked for."""
+        return self.runner.resolution
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV cache, the null block included."""
+        return self.scheduler.pool.num_blocks
+
+    @property
+    def free_kv_blocks(self) -> int:
+        """KV blocks free now: ``num_kv_blocks - 1`` whenever no request is in flight."""
+        return self.scheduler.pool.num_free
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted (their KV blocks freed, recomputed later) so far."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def has_work(self) -> bool:
+        """Whether requests are queued or running (never after ``generate`` returns)."""
+        return self.scheduler.has_work
+
     def generate(
         self,
         prompts: Sequence[Prompt],
@@ -565,12 +600,7 @@ class LLM:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
             emitted = [0] * len(requests)
-            if self.async_scheduling:
-                steps = self.loop.async_steps()
-            elif self.speculative is not None and self.verify_ahead:
-                steps = self.loop.speculative_steps()
-            else:
-                steps = self.loop.sync_steps()
+            steps = self._steps()
             watchdog = self._watchdog()
             with watchdog.watching() if watchdog else contextlib.nullcontext():
                 for _ in steps:

@@ -200,7 +200,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
         f"{llm.startup.summary()}; {llm.capture_report.summary()}"
     )
-    for why in llm.runner.resolution.reasons:
+    for why in llm.resolution.reasons:
         print(f"  downgraded: {why}")
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))
     if args.chat and not has_template:

@@ -108,11 +108,6 @@ class ScheduledBatch:
         lens = {len(s.tokens) for s in self.scheduled}
         return len(lens) <= 1 and all(len(s.tokens) == 1 + len(s.draft) for s in self.scheduled)
 
-    @property
-    def speculative(self) -> bool:
-        """True when some request verifies a draft."""
-        return any(s.draft for s in self.scheduled)
-
 
 class Scheduler:
     """First-come-first-served continuous batching over a paged KV cache.

@@ -37,11 +37,6 @@ class WeightsError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
-def has_weights(model_dir: Path) -> bool:
-    """True if ``model_dir`` holds checkpoint files ``load_weights`` reads."""
-    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("pytorch_model*.bin"))
-
-
 def load_weights(model: DecoderModel, model_dir: str | Path) -> None:
     """Copies the checkpoint in ``model_dir`` into ``model``.
 

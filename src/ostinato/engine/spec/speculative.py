@@ -119,7 +119,7 @@ class OracleProposer:
 class SpeculativeStats:
     """Counts over the engine's life: draft tokens proposed and accepted, verify
     (target) steps per request, the tokens those steps produced, and the verify steps
-    scheduled ahead (``StepLoop.speculative_steps``)."""
+    scheduled ahead (``spec.ahead.VerifyAheadLoop``)."""
 
     drafted: int = 0
     accepted: int = 0

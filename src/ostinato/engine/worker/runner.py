@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,6 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
-from ostinato.engine.spec.lookahead import VerifyLookahead
 from ostinato.engine.worker.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.ubatch_tuning import UbatchTiming, chosen, measure
@@ -40,6 +40,18 @@ from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, UbatchThreads
 from ostinato.ubatch.policy import MicroBatching
 from ostinato.ubatch.slicing import can_split, split_step
+
+
+class DecodeStepHook(Protocol):
+    """Work a uniform decode step does on the device around the model, inside its graph:
+    ``stage`` (host, before the step's inputs are copied in), ``prepare`` (completes the
+    first ``n`` rows' inputs before the model), ``accept`` (reads their argmax after it)."""
+
+    def stage(self, step: ScheduledBatch, padded: int) -> None: ...
+
+    def prepare(self, n: int) -> None: ...
+
+    def accept(self, n: int, greedy: torch.Tensor) -> None: ...
 
 
 class ModelRunner:
@@ -69,7 +81,7 @@ class ModelRunner:
         uniform_decode_query_len: int = 1,
         micro_batching: MicroBatching | None = None,
         kernels: KernelOptions | None = None,
-        lookahead: bool = False,
+        decode_hook: Callable[[StepInputs], DecodeStepHook] | None = None,
     ) -> None:
         self.model = model
         # RoPE goes where the backend says: in the model, or inside the attention op.
@@ -79,13 +91,9 @@ class ModelRunner:
         self.limits = limits
         self.device = device
         self.inputs = StepInputs(limits, device)
-        # Verify steps scheduled ahead complete their inputs, and keep their acceptance
-        # for the next one, inside uniform decode steps (engine.lookahead).
-        self.lookahead = (
-            VerifyLookahead(self.inputs, uniform_decode_query_len - 1)
-            if lookahead and uniform_decode_query_len > 1
-            else None
-        )
+        # Work inside every uniform decode step, around the model (spec.lookahead: verify
+        # steps scheduled ahead complete their inputs and keep their acceptance there).
+        self.decode_hook = decode_hook(self.inputs) if decode_hook is not None else None
         platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
             self._step,
@@ -185,7 +193,7 @@ class ModelRunner:
         self, d: BatchDescriptor, ubatched: bool
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = d.num_tokens
-        ahead = self.lookahead if d.uniform_decode else None
+        ahead = self.decode_hook if d.uniform_decode else None
         if ahead is not None:
             ahead.prepare(n)
         if ubatched:
@@ -397,12 +405,12 @@ class ModelRunner:
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return StepOutput(torch.empty((0, self.model.config.vocab_size), device=self.device))
         layout = self.inputs.write(step, padded, previous)
-        if self.lookahead is not None and dispatch.descriptor.uniform_decode:
-            self.lookahead.stage(step, padded)
+        if self.decode_hook is not None and dispatch.descriptor.uniform_decode:
+            self.decode_hook.stage(step, padded)
         elif any(s.ahead for s in step.scheduled):
             raise RuntimeError(
                 f"a step scheduled ahead dispatched to {dispatch}: only uniform decode "
-                "steps of a runner made with lookahead=True complete such a step"
+                "steps of a runner with a decode hook (spec.lookahead) complete such a step"
             )
         ubatch = (
             self.would_micro_batch(dispatch.mode, padded, step)
@@ -420,7 +428,7 @@ class ModelRunner:
         ahead: this runner keeps lookahead state, and the step dispatches to a uniform
         decode step (FULL_AND_PIECEWISE's and FULL_DECODE_ONLY's graphs, or eagerly in
         NONE mode), which completes it and argmaxes its logits."""
-        if self.lookahead is None:
+        if self.decode_hook is None:
             return False
         return self.graphs.dispatch(num_tokens, uniform_decode=True).descriptor.uniform_decode
 

@@ -14,7 +14,6 @@ from ostinato.distributed.failure import RankFailure, wait_for_device
 from ostinato.distributed.groups import ParallelGroups
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, Scheduler
 from ostinato.engine.sample.step_sampler import StepOutput, StepSampler
-from ostinato.engine.sample.verify import accept_greedy
 from ostinato.engine.spec.speculative import SpeculativeStats
 from ostinato.engine.worker.inputs import PreviousSample
 from ostinato.engine.worker.runner import ModelRunner
@@ -32,17 +31,6 @@ class InFlight:
     host: torch.Tensor
     done: torch.cuda.Event | None
     resolved: list[int | list[int]] | None = None  # a verify step's tokens, already known
-
-
-@dataclass(frozen=True)
-class VerifyOnDevice:
-    """A greedy verify step on the device, its acceptance kept there for the step
-    scheduled ahead of it (``engine.lookahead``): the host copy of its argmax (``host``,
-    one per row) and the event that marks that copy done (None on the CPU)."""
-
-    step: ScheduledBatch
-    host: torch.Tensor
-    done: torch.cuda.Event | None
 
 
 class StepLoop:
@@ -91,74 +79,7 @@ class StepLoop:
             inflight = launched
             yield
 
-    def speculative_steps(self) -> Iterator[None]:
-        """Speculative decoding with lookahead: while verify step N runs, step N+1 (the
-        same requests, each drafting after whatever N accepts) is scheduled, staged and
-        queued; the device picks its input ids and positions by N's accepted counts, so
-        the host's work hides behind the device's as in ``async_steps``, and outputs are
-        the synchronous engine's. A step that cannot be scheduled blind
-        (``Scheduler.schedule_ahead``: a request arriving, a sampled request, a short
-        draft, no free block for the worst case) runs synchronously, and lookahead
-        resumes at the next greedy verify step. Yields after each step's tokens are in."""
-        inflight: VerifyOnDevice | None = None
-        while self.scheduler.has_work or inflight is not None:
-            if inflight is None:
-                step = self.scheduler.schedule()
-                if not step.scheduled:
-                    raise RuntimeError("scheduler produced an empty step with work pending")
-                if self._verifies_ahead(step):
-                    inflight = self.launch_verify(step, scheduled_ahead=False)
-                else:
-                    launched = self.launch(step)
-                    if launched is not None:
-                        self.resolve(launched)
-                yield
-                continue
-            ahead = self.scheduler.schedule_ahead(inflight.step)
-            following = (
-                self.launch_verify(ahead, scheduled_ahead=True) if ahead is not None else None
-            )
-            self.settle(inflight, following)
-            inflight = following
-            yield
-
-    def _verifies_ahead(self, step: ScheduledBatch) -> bool:
-        """Whether ``step`` can be verified on the device (and the next one scheduled
-        while it runs): a lookahead proposer, every request greedy with a full draft,
-        and a runner that completes such steps at this size."""
-        k = self.scheduler.num_speculative
-        return (
-            self.scheduler.lookahead is not None
-            and step.uniform_decode
-            and all(len(s.draft) == k and s.request.params.greedy for s in step.scheduled)
-            and self.runner.verifies_ahead(step.num_tokens)
-        )
-
-    def launch_verify(self, step: ScheduledBatch, scheduled_ahead: bool) -> VerifyOnDevice:
-        """Queues greedy verify ``step`` and starts copying its argmax back. A step
-        ``scheduled_ahead`` is completed on the device by the outcome of the verify step
-        before it, and marked launched when that one is settled."""
-        greedy = self.runner.execute(step).greedy
-        if greedy is None:
-            raise RuntimeError("a verify step ran without its argmax: not a uniform decode step")
-        if not scheduled_ahead:
-            self.scheduler.launched(step)
-        host, done = self._copy_back(greedy[: step.num_tokens])
-        if scheduled_ahead:
-            self.spec_stats.ahead_steps += 1
-        return VerifyOnDevice(step, host, done)
-
-    def settle(self, launched: VerifyOnDevice, following: VerifyOnDevice | None) -> None:
-        """Waits for ``launched``'s tokens, records them, and fills in ``following`` (the
-        step scheduled ahead of it, already on the device)."""
-        self.wait_copy(launched.done)
-        got = accept_greedy(launched.step, launched.host.tolist())
-        self._count(launched.step, got)
-        self.scheduler.resolve(launched.step, got)
-        if following is not None:
-            self.scheduler.settle_ahead(following.step, launched.step, got)
-
-    def _copy_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def copy_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Starts copying ``tokens`` to the host; the event marks it done (None: done)."""
         if self.device.type == "cuda":
             host = tokens.to("cpu", non_blocking=True)
@@ -180,7 +101,7 @@ class StepLoop:
         else:
             done.synchronize()
 
-    def _count(self, step: ScheduledBatch, got: list[int | list[int]]) -> None:
+    def count(self, step: ScheduledBatch, got: list[int | list[int]]) -> None:
         stats = self.spec_stats
         for s, tokens in zip(step.scheduled, got, strict=True):
             if s.draft and isinstance(tokens, list):
@@ -240,14 +161,14 @@ class StepLoop:
         tokens = self.sampler.tokens([s.request.params for s in step.scheduled], out)
         self.scheduler.launched(step)
         index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
-        host, done = self._copy_back(tokens)
+        host, done = self.copy_back(tokens)
         return InFlight(step, PreviousSample(tokens, index), host, done)
 
     def _verified(self, step: ScheduledBatch, out: StepOutput) -> InFlight:
         """A speculative engine's step, resolved at once: drafts verified, tokens kept."""
         got = self.sampler.verify(step, out)
         self.scheduler.launched(step)
-        self._count(step, got)
+        self.count(step, got)
         empty = torch.empty(0, dtype=torch.long)
         return InFlight(step, PreviousSample(empty, {}), empty, None, got)
 

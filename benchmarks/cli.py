@@ -8,6 +8,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +37,51 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import spec
 
         return spec.main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
+    if args.plot_from is not None and not args.plot_from.is_file():
+        parser.error(f"argument --plot-from: {args.plot_from} is not a file")
+    if args.config is not None and not args.config.is_file():
+        parser.error(f"argument --config: {args.config} is not a file")
+
+    from benchmarks import decode, report
+
+    if args.plot_from:
+        if not args.plot:
+            parser.error("--plot-from needs --plot OUT.png")
+        try:
+            document = json.loads(args.plot_from.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            parser.error(f"argument --plot-from: {args.plot_from} is not JSON ({exc})")
+        report.plot(document, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
+    cuda = torch.cuda.is_available()
+    cfg, device = _config(args, parser)
+    if args.tp > 1:
+        if not cuda or args.quick:
+            parser.error("argument --tp: tensor parallelism needs CUDA GPUs (and no --quick)")
+        from benchmarks.parallel import run_parallel
+
+        try:
+            result = run_parallel(cfg, args.tp, profile=not args.no_profile)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        result = decode.run(cfg, device, profile=not args.no_profile)
+    print(report.table(result))
+    if args.out:
+        report.write_json(result, args.out)
+        print(f"wrote {args.out}")
+    if args.plot:
+        report.plot(report.document(result), args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m benchmarks",
         description=__doc__,
@@ -79,26 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         default="llama-1.5b",
         help="random-weight model shape (ignored with --config)",
     )
-    args = parser.parse_args(argv)
-    if any(b < 1 for b in args.batch_sizes):
-        parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
-    if args.plot_from is not None and not args.plot_from.is_file():
-        parser.error(f"argument --plot-from: {args.plot_from} is not a file")
-    if args.config is not None and not args.config.is_file():
-        parser.error(f"argument --config: {args.config} is not a file")
+    return parser
 
-    from benchmarks import decode, report
 
-    if args.plot_from:
-        if not args.plot:
-            parser.error("--plot-from needs --plot OUT.png")
-        try:
-            document = json.loads(args.plot_from.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            parser.error(f"argument --plot-from: {args.plot_from} is not JSON ({exc})")
-        report.plot(document, args.plot)
-        print(f"wrote {args.plot}")
-        return 0
+def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch.device]:
+    """The benchmark's configuration and device from the options (``parser.error`` names
+    a bad one)."""
+    from benchmarks import decode
+
     cuda = torch.cuda.is_available()
     if args.quick or not cuda:
         cfg = decode.quick_config()
@@ -140,25 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(f"argument --all-reduce: {exc}")
     cfg = replace(cfg, all_reduce=choices)
-    if args.tp > 1:
-        if not cuda or args.quick:
-            parser.error("argument --tp: tensor parallelism needs CUDA GPUs (and no --quick)")
-        from benchmarks.parallel import run_parallel
-
-        try:
-            result = run_parallel(cfg, args.tp, profile=not args.no_profile)
-        except ValueError as exc:
-            parser.error(str(exc))
-    else:
-        result = decode.run(cfg, device, profile=not args.no_profile)
-    print(report.table(result))
-    if args.out:
-        report.write_json(result, args.out)
-        print(f"wrote {args.out}")
-    if args.plot:
-        report.plot(report.document(result), args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    return cfg, device
 
 
 if __name__ == "__main__":

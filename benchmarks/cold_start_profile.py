@@ -106,7 +106,7 @@ class Phases:
         }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--profile", type=Path)
@@ -121,7 +121,11 @@ def main() -> None:
     parser.add_argument(
         "--num-warmups", type=int, help="eager runs before each capture (GraphConfig; 1)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     caches = tempfile.mkdtemp(prefix="ostinato-cold-")
     # Before torch is imported: both compilers read these once.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{caches}/inductor"
@@ -187,13 +191,17 @@ def main() -> None:
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
     if profiler and args.profile:
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("cumulative").print_stats("ostinato", 50)
-        stats.sort_stats("cumulative").print_stats(60)
-        stats.sort_stats("tottime").print_stats(30)
-        args.profile.write_text(text.getvalue())
+        _write_profile(profiler, args.profile)
     sys.stdout.flush()
+
+
+def _write_profile(profiler: cProfile.Profile, path: Path) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats("ostinato", 50)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(30)
+    path.write_text(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -276,11 +276,8 @@ class DecodeSetup:
             + torch.arange(self.blocks_per_seq)[None, :]
         ).to(torch.int32)
         inputs = runner.inputs
-        inputs.staging[1, :batch] = pos
-        inputs.staging[2, :batch] = torch.arange(batch)
-        inputs.staging[3, :batch] = tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        inputs.tables_staging[:batch, : self.blocks_per_seq] = tables
-        inputs.copy_staged(batch, batch)
+        slots = tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        inputs.write_rows(torch.full((batch,), pos), torch.arange(batch), slots, tables)
         pin = self.device.type == "cuda"
         host_ids = (
             torch.randint(0, self.config.vocab_size, (batch,)).pin_memory()
@@ -381,94 +378,124 @@ def run(
 
     with torch.inference_mode():
         for name in cfg.variants:
-            if name == REDUCE_OVERHEAD:
+            runner = _variant_runner(setup, name, cuda)
+            if runner is None:
                 continue
-            if name in KERNEL_VARIANTS:
-                if not cuda:
-                    continue  # variants of CUDA kernels
-                variant = KERNEL_VARIANTS[name]
-                runner = setup.runner(
-                    GraphMode.FULL_AND_PIECEWISE,
-                    "inductor",
-                    TritonAttention(fused=variant.fused),
-                    variant.kernels,
-                )
-            else:
-                mode, compiler = OSTINATO_VARIANTS[name]
-                runner = setup.runner(mode, compiler)
-            start = time.perf_counter()
-            report = runner.capture()
-            if cuda:
-                torch.cuda.synchronize()
-            capture_s = time.perf_counter() - start - runner.compile_seconds
-            if runner.gemm_timings:
-                result.small_gemm[name] = runner.gemm_timings
-            result.costs.append(
-                VariantCost(
-                    name,
-                    runner.compile_seconds,
-                    capture_s,
-                    report.pool_bytes / 2**20,
-                    report.device_bytes / 2**20,
-                    report.num_graphs,
-                    "; ".join(runner.resolution.reasons),
-                )
-            )
-            for b in cfg.batch_sizes:
-                step = setup.decode_step(runner, b)
-                ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
-                row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
-                if cuda:
-                    row.pipelined_ms = pipelined_ms(step)
-                if profile and cuda:
-                    c = kernel_census(step)
-                    row.kernels, row.busy_us = c.kernels, c.busy_us
-                    row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
-                    row.kernels_in_layer = c.in_layer(cfg.model["num_hidden_layers"])
-                    if b in (1, max(cfg.batch_sizes)) and name != "eager":
-                        result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
-                result.rows.append(row)
-                log(
-                    f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us"
-                    + ("" if row.kernels is None else f"  {row.kernels:.0f} kernels")
-                )
-                if name in ENGINE_STEP_VARIANTS:
-                    label = f"{name} engine step"
-                    ms, host = time_step(
-                        setup.engine_step(runner, b), cfg.warmup, cfg.repeats, cuda
-                    )
-                    result.rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
-                    log(f"{label:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
-                if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
-                    result.profile[f"{name} B={b}"] = top_kernels(step)
+            _time_variant(setup, runner, name, result, floor_ms, profile, log)
             runner.release()
     if REDUCE_OVERHEAD in cfg.variants and cuda and setup.tp.size == 1:
-        total_first = 0.0
-        for b in cfg.batch_sizes:
-            step, first = setup.reduce_overhead_step(b)
-            total_first += first
-            ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
-            result.rows.append(Row(REDUCE_OVERHEAD, b, ms, host, floor_ms(b), ms / floor_ms(b)))
-            log(
-                f"{REDUCE_OVERHEAD:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us "
-                f"(first calls {first:.1f} s)"
-            )
-        result.costs.append(
-            VariantCost(
-                REDUCE_OVERHEAD,
-                total_first,
-                0.0,
-                float("nan"),
-                float("nan"),
-                len(cfg.batch_sizes),
-                "compile + record per batch size; graph memory not separable from its compile",
-            )
-        )
+        _time_reduce_overhead(setup, result, floor_ms, log)
     ro = {r.batch: r.step_ms for r in result.rows if r.variant == REDUCE_OVERHEAD}
     for r in result.rows:
         if r.batch in ro:
             r.x_reduce_overhead = r.step_ms / ro[r.batch]
     return result
+
+
+def _variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | None:
+    """The runner of variant ``name``; None for reduce-overhead (timed apart) and for
+    variants of CUDA kernels off CUDA."""
+    if name == REDUCE_OVERHEAD:
+        return None
+    if name in KERNEL_VARIANTS:
+        if not cuda:
+            return None  # variants of CUDA kernels
+        variant = KERNEL_VARIANTS[name]
+        return setup.runner(
+            GraphMode.FULL_AND_PIECEWISE,
+            "inductor",
+            TritonAttention(fused=variant.fused),
+            variant.kernels,
+        )
+    mode, compiler = OSTINATO_VARIANTS[name]
+    return setup.runner(mode, compiler)
+
+
+def _time_variant(
+    setup: DecodeSetup,
+    runner: ModelRunner,
+    name: str,
+    result: BenchResult,
+    floor_ms: Callable[[int], float],
+    profile: bool,
+    log: Callable[[str], None],
+) -> None:
+    """Captures ``runner``'s graphs, then times (and profiles) its step at every size."""
+    cfg, cuda = setup.cfg, setup.device.type == "cuda"
+    start = time.perf_counter()
+    report = runner.capture()
+    if cuda:
+        torch.cuda.synchronize()
+    capture_s = time.perf_counter() - start - runner.compile_seconds
+    if runner.gemm_timings:
+        result.small_gemm[name] = runner.gemm_timings
+    result.costs.append(
+        VariantCost(
+            name,
+            runner.compile_seconds,
+            capture_s,
+            report.pool_bytes / 2**20,
+            report.device_bytes / 2**20,
+            report.num_graphs,
+            "; ".join(runner.resolution.reasons),
+        )
+    )
+    for b in cfg.batch_sizes:
+        step = setup.decode_step(runner, b)
+        ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
+        row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
+        if cuda:
+            row.pipelined_ms = pipelined_ms(step)
+        if profile and cuda:
+            c = kernel_census(step)
+            row.kernels, row.busy_us = c.kernels, c.busy_us
+            row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
+            row.kernels_in_layer = c.in_layer(cfg.model["num_hidden_layers"])
+            if b in (1, max(cfg.batch_sizes)) and name != "eager":
+                result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
+        result.rows.append(row)
+        log(
+            f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us"
+            + ("" if row.kernels is None else f"  {row.kernels:.0f} kernels")
+        )
+        if name in ENGINE_STEP_VARIANTS:
+            label = f"{name} engine step"
+            ms, host = time_step(setup.engine_step(runner, b), cfg.warmup, cfg.repeats, cuda)
+            result.rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+            log(f"{label:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
+        if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
+            result.profile[f"{name} B={b}"] = top_kernels(step)
+
+
+def _time_reduce_overhead(
+    setup: DecodeSetup,
+    result: BenchResult,
+    floor_ms: Callable[[int], float],
+    log: Callable[[str], None],
+) -> None:
+    """Times torch.compile(mode="reduce-overhead") at every size (compiled per size)."""
+    cfg = setup.cfg
+    total_first = 0.0
+    for b in cfg.batch_sizes:
+        step, first = setup.reduce_overhead_step(b)
+        total_first += first
+        ms, host = time_step(step, cfg.warmup, cfg.repeats, True)
+        result.rows.append(Row(REDUCE_OVERHEAD, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+        log(
+            f"{REDUCE_OVERHEAD:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us "
+            f"(first calls {first:.1f} s)"
+        )
+    result.costs.append(
+        VariantCost(
+            REDUCE_OVERHEAD,
+            total_first,
+            0.0,
+            float("nan"),
+            float("nan"),
+            len(cfg.batch_sizes),
+            "compile + record per batch size; graph memory not separable from its compile",
+        )
+    )
 
 
 def top_kernels(step: Callable[[], Any], n: int = 6) -> list[tuple[str, float]]:

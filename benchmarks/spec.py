@@ -92,6 +92,85 @@ def _first_difference(got: list[int], want: list[int]) -> int:
     return -1 if len(got) == len(want) else min(len(got), len(want))
 
 
+@dataclass
+class _Run:
+    """What every measurement of one benchmark run shares."""
+
+    args: argparse.Namespace
+    prompts: dict[int, list[Any]]
+    params: Any
+    result: SpecResult
+    provenance: Provenance
+    # Plain decoding's tokens per batch size, and the oracle's drafts (the proposer reads
+    # this dict at every step; filled per batch size from ``plain``).
+    plain: dict[int, list[list[int]]] = field(default_factory=dict)
+    known: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+
+def _measure(run: _Run, llm: Any, proposer: str, k: int) -> None:
+    """Times ``llm`` at every batch size and appends its rows (written after each)."""
+    for b in run.args.batch_sizes:
+        if proposer.startswith("oracle"):
+            run.known.clear()
+            run.known.update(
+                {tuple(p): t for p, t in zip(run.prompts[b], run.plain[b], strict=True)}
+            )
+        llm.generate(run.prompts[b], run.params)  # warm-up
+        before = (llm.spec_stats.verifications, llm.spec_stats.tokens)
+        stats0 = asdict(llm.spec_stats)
+        start = time.perf_counter()
+        outs = llm.generate(run.prompts[b], run.params)
+        seconds = time.perf_counter() - start
+        tokens = [o.token_ids for o in outs]
+        run.plain.setdefault(b, tokens)
+        produced = sum(len(t) for t in tokens)
+        st = llm.spec_stats
+        drafted = st.drafted - stats0["drafted"]
+        accepted = st.accepted - stats0["accepted"]
+        verifications = st.verifications - before[0]
+        # Target steps per request: one per verification, one per plain decode, one
+        # for the prefill; per generated token.
+        plain_tokens = produced - (st.tokens - before[1])
+        steps = verifications + plain_tokens
+        row = SpecRow(
+            proposer,
+            k,
+            b,
+            produced,
+            seconds,
+            produced / seconds,
+            accepted / drafted if drafted else 0.0,
+            steps / produced,
+            tokens == run.plain[b],
+            first_difference=[
+                _first_difference(a, p) for a, p in zip(tokens, run.plain[b], strict=True)
+            ],
+        )
+        row.ahead_steps = st.ahead_steps - stats0["ahead_steps"]
+        drafter = getattr(llm, "drafter", None)
+        if drafter is not None and drafter.calls:
+            row.draft_ms_per_call = drafter.seconds / drafter.calls * 1e3
+            drafter.calls, drafter.seconds = 0, 0.0
+        run.result.rows.append(row)
+        if run.args.out:  # after every row: a run cut short keeps what it measured
+            write_result(run.args.out, run.result, run.provenance)
+        _print_row(row)
+
+
+def _print_row(row: SpecRow) -> None:
+    print(
+        f"{row.proposer:10s} k={row.k} B={row.batch:3d} {row.tokens_per_s:9.1f} tok/s  acceptance "
+        f"{row.acceptance_rate:5.0%}  target steps/token {row.target_steps_per_token:5.2f}"
+        + ("" if math.isnan(row.draft_ms_per_call) else f"  draft {row.draft_ms_per_call:.2f} ms")
+        + (
+            ""
+            if row.same_tokens_as_plain
+            else f"  (tokens differ from plain; first at {row.first_difference})"
+        ),
+        flush=True,
+    )
+
+
 def run(args: argparse.Namespace) -> SpecResult:
     """Runs every proposer, k and batch size; returns all numbers."""
     from ostinato.engine import LLM, SamplingParams
@@ -124,67 +203,8 @@ def run(args: argparse.Namespace) -> SpecResult:
     known: dict[tuple[int, ...], list[int]] = {}
     provenance = Provenance.collect()  # once: it runs git
 
-    def measure(llm: Any, proposer: str, k: int) -> None:
-        for b in args.batch_sizes:
-            if proposer.startswith("oracle"):
-                known.clear()
-                known.update({tuple(p): t for p, t in zip(prompts[b], plain[b], strict=True)})
-            llm.generate(prompts[b], params)  # warm-up
-            before = (llm.spec_stats.verifications, llm.spec_stats.tokens)
-            stats0 = asdict(llm.spec_stats)
-            start = time.perf_counter()
-            outs = llm.generate(prompts[b], params)
-            seconds = time.perf_counter() - start
-            tokens = [o.token_ids for o in outs]
-            plain.setdefault(b, tokens)
-            produced = sum(len(t) for t in tokens)
-            st = llm.spec_stats
-            drafted = st.drafted - stats0["drafted"]
-            accepted = st.accepted - stats0["accepted"]
-            verifications = st.verifications - before[0]
-            # Target steps per request: one per verification, one per plain decode, one
-            # for the prefill; per generated token.
-            plain_tokens = produced - (st.tokens - before[1])
-            steps = verifications + plain_tokens
-            row = SpecRow(
-                proposer,
-                k,
-                b,
-                produced,
-                seconds,
-                produced / seconds,
-                accepted / drafted if drafted else 0.0,
-                steps / produced,
-                tokens == plain[b],
-                first_difference=[
-                    _first_difference(a, p) for a, p in zip(tokens, plain[b], strict=True)
-                ],
-            )
-            row.ahead_steps = st.ahead_steps - stats0["ahead_steps"]
-            drafter = getattr(llm, "drafter", None)
-            if drafter is not None and drafter.calls:
-                row.draft_ms_per_call = drafter.seconds / drafter.calls * 1e3
-                drafter.calls, drafter.seconds = 0, 0.0
-            result.rows.append(row)
-            if args.out:  # after every row: a run cut short keeps what it measured
-                write_result(args.out, result, provenance)
-            print(
-                f"{proposer:10s} k={k} B={b:3d} {row.tokens_per_s:9.1f} tok/s  acceptance "
-                f"{row.acceptance_rate:5.0%}  target steps/token {row.target_steps_per_token:5.2f}"
-                + (
-                    ""
-                    if math.isnan(row.draft_ms_per_call)
-                    else f"  draft {row.draft_ms_per_call:.2f} ms"
-                )
-                + (
-                    ""
-                    if row.same_tokens_as_plain
-                    else f"  (tokens differ from plain; first at {row.first_difference})"
-                ),
-                flush=True,
-            )
-
-    measure(plain_llm, "none", 0)
+    run = _Run(args, prompts, params, result, provenance, plain, known)
+    _measure(run, plain_llm, "none", 0)
     plain_llm.close()
     for k in args.k:
         oracle = SpeculativeConfig("oracle", k, oracle=known)
@@ -200,7 +220,7 @@ def run(args: argparse.Namespace) -> SpecResult:
             if args.proposers and name not in args.proposers:
                 continue
             llm = LLM(args.model, speculative=spec, async_scheduling=ahead, **kw)
-            measure(llm, name, k)
+            _measure(run, llm, name, k)
             llm.close()
     result.notes.append(
         "self:N replays its k-step draft loop from one graph per batch size on CUDA; "

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -147,10 +147,41 @@ def init_parallel(
     collective: a rank that dies makes the others fail within it instead of hanging.
     """
     source = os.environ if launch_env is None else launch_env
+    if config.world_size == 1 and source.get("WORLD_SIZE") in (None, "1"):
+        return single_process(torch.device(device_type or "cpu"))
+    rank, world, local_rank = _launch_ranks(config, source)
+    device = _rank_device(device_type, source, local_rank, world)
+    if launch_env is not None and dist.is_initialized():
+        # Its workers would wait at a rendezvous this process never joins.
+        raise ParallelError(
+            "this process still holds the process group of an earlier parallel engine "
+            "(its close() returned False: PyTorch's teardown did not finish); start the "
+            "new engine in a fresh process"
+        )
+    failures = None
+    if not dist.is_initialized():
+        failures = _join(rank, world, device, timeout_s, launch_env, health)
+    tp_group, dp_group = _new_groups(config, rank, world)
+    tp_size, dp_size = config.tensor_parallel_size, config.data_parallel_size
+    tp = TensorParallel(rank % tp_size, tp_size, tp_group if tp_size > 1 else None)
+    return ParallelGroups(
+        rank,
+        world,
+        device,
+        tp,
+        rank // tp_size,
+        dp_size,
+        dp_group if dp_size > 1 else None,
+        failures,
+        timeout_s,
+    )
+
+
+def _launch_ranks(config: ParallelConfig, source: Mapping[str, str]) -> tuple[int, int, int]:
+    """This process's rank, the world size and its local rank, as torchrun set them;
+    ``ParallelError`` names what is missing or does not add up."""
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     env = {k: source.get(k) for k in keys}
-    if config.world_size == 1 and env["WORLD_SIZE"] in (None, "1"):
-        return single_process(torch.device(device_type or "cpu"))
     missing = [k for k, v in env.items() if v is None]
     if missing:
         raise ParallelError(
@@ -164,54 +195,70 @@ def init_parallel(
             f"world size {world} (from torchrun) is not tensor_parallel_size * "
             f"data_parallel_size = {config.world_size}; launch {config.world_size} processes"
         )
+    return rank, world, local_rank
+
+
+def _rank_device(
+    device_type: str | None, source: Mapping[str, str], local_rank: int, world: int
+) -> torch.device:
+    """The device of this rank (its GPU, made current, or the CPU); ``ParallelError``
+    when this host runs more ranks than it has GPUs."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device_type == "cuda":
-        count = torch.cuda.device_count()
-        local_world = int(source.get("LOCAL_WORLD_SIZE", world))
-        if local_world > count:
-            raise ParallelError(
-                f"{local_world} ranks on this host but only {count} GPU(s); launch at most "
-                f"{count} processes per host"
-            )
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if launch_env is not None and dist.is_initialized():
-        # Its workers would wait at a rendezvous this process never joins.
+    if device_type != "cuda":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    local_world = int(source.get("LOCAL_WORLD_SIZE", world))
+    if local_world > count:
         raise ParallelError(
-            "this process still holds the process group of an earlier parallel engine "
-            "(its close() returned False: PyTorch's teardown did not finish); start the "
-            "new engine in a fresh process"
+            f"{local_world} ranks on this host but only {count} GPU(s); launch at most "
+            f"{count} processes per host"
         )
-    failures = None
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # Our own rendezvous (the one init_process_group would do) so the store is ours
-        # to share: the failure board lives in it.
-        if launch_env is None:
-            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        else:
-            # Rank 0 hosts the store and does not block in it: it waits for the ranks it
-            # started below, watching ``health``, so one that dies while starting is named
-            # at once instead of after the timeout.
-            host, port = launch_env["MASTER_ADDR"], int(launch_env["MASTER_PORT"])
-            store = dist.TCPStore(host, port, world, rank == 0, timeout, wait_for_workers=False)
-        store.set_timeout(timeout)
-        _wait_for_ranks(store, rank, world, timeout_s, health)
-        failures = FailureBoard(dist.PrefixStore("ostinato", store))
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("default_pg", store),
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _join(
+    rank: int,
+    world: int,
+    device: torch.device,
+    timeout_s: float,
+    launch_env: dict[str, str] | None,
+    health: HealthCheck | None,
+) -> FailureBoard:
+    """Joins the default process group (NCCL on CUDA, gloo on the CPU) through a store of
+    our own, whose failure board is returned."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Our own rendezvous (the one init_process_group would do) so the store is ours to
+    # share: the failure board lives in it.
+    if launch_env is None:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    else:
+        # Rank 0 hosts the store and does not block in it: it waits for the ranks it
+        # started below, watching ``health``, so one that dies while starting is named at
+        # once instead of after the timeout.
+        host, port = launch_env["MASTER_ADDR"], int(launch_env["MASTER_PORT"])
+        store = dist.TCPStore(host, port, world, rank == 0, timeout, wait_for_workers=False)
+    store.set_timeout(timeout)
+    _wait_for_ranks(store, rank, world, timeout_s, health)
+    nccl = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if nccl else "gloo",
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device if nccl else None,
+    )
+    return FailureBoard(dist.PrefixStore("ostinato", store))
+
+
+def _new_groups(
+    config: ParallelConfig, rank: int, world: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's TP group (consecutive ranks) and DP group (ranks a TP size apart).
+    Every rank creates every group, in the same order, as PyTorch requires."""
     tp_size = config.tensor_parallel_size
     tp_group = dp_group = None
-    # Every rank must create every group, in the same order.
     for d in range(config.data_parallel_size):
         ranks = list(range(d * tp_size, (d + 1) * tp_size))
         group = dist.new_group(ranks)
@@ -222,19 +269,7 @@ def init_parallel(
         group = dist.new_group(ranks)
         if rank in ranks:
             dp_group = group
-    tp = TensorParallel(rank % tp_size, tp_size, tp_group if tp_size > 1 else None)
-    dp_size = config.data_parallel_size
-    return ParallelGroups(
-        rank,
-        world,
-        device,
-        tp,
-        rank // tp_size,
-        dp_size,
-        dp_group if dp_size > 1 else None,
-        failures,
-        timeout_s,
-    )
+    return tp_group, dp_group
 
 
 def _wait_for_ranks(

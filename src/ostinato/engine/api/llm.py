@@ -369,23 +369,7 @@ class LLM:
         compiler: str | None,
         progress: bool,
     ) -> None:
-        torch.manual_seed(seed)
-        weights_start = time.perf_counter()
-        # Weights are made in place on the device, in their dtype: no CPU copy, no
-        # float32 detour.
-        with torch.device("meta"):
-            model = DecoderModel(self.config, self.parallel.tp)
-        model = model.to(dtype).to_empty(device=self.device)
-        if source.load is None:
-            # Asked for (a preset, a config, or random_weights=True), so not a warning.
-            logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
-            model.reset_parameters()  # drawn on the device: a seed gives one model per device type
-        else:
-            source.load(model)
-        self.model = model.eval()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        weights_s = time.perf_counter() - weights_start
+        weights_s = self._load_weights(source, dtype, seed)
         c = self.config
         self.cache = KVCache(
             c.num_layers,
@@ -423,8 +407,38 @@ class LLM:
             num_speculative=spec.k if spec else 0,
             lookahead=propose.window if ahead and isinstance(propose, OracleProposer) else None,
         )
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         capture_start = time.perf_counter()
+        self._capture(propose, seed)
+        compile_s = self.runner.compile_seconds
+        self.startup = StartupTimes(
+            weights_s, compile_s, time.perf_counter() - capture_start - compile_s
+        )
+
+    def _load_weights(self, source: ModelSource, dtype: torch.dtype, seed: int) -> float:
+        """Makes the model on the device and loads (or draws) its weights; seconds."""
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        # Weights are made in place on the device, in their dtype: no CPU copy, no
+        # float32 detour.
+        with torch.device("meta"):
+            model = DecoderModel(self.config, self.parallel.tp)
+        model = model.to(dtype).to_empty(device=self.device)
+        if source.load is None:
+            # Asked for (a preset, a config, or random_weights=True), so not a warning.
+            logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
+            model.reset_parameters()  # drawn on the device: a seed gives one model per device type
+        else:
+            source.load(model)
+        self.model = model.eval()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def _capture(self, propose: Proposal | None, seed: int) -> None:
+        """Captures the runner's graphs, the sampling graphs and the draft graphs, and
+        builds the loop ``generate`` steps with."""
+        spec = self.speculative
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         self.capture_report: CaptureReport = self.runner.capture()
         self.sampler = StepSampler(generator, self.device, self.runner.capture_sampling(generator))
         self.loop = StepLoop(
@@ -450,10 +464,6 @@ class LLM:
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
         # captures them in the same order (they hold the LM head's all-gather).
         self.draft_report: CaptureReport | None = self.drafter and self.drafter.capture()
-        compile_s = self.runner.compile_seconds
-        self.startup = StartupTimes(
-            weights_s, compile_s, time.perf_counter() - capture_start - compile_s
-        )
 
     def _proposer(self, backend: AttentionBackend, limits: EngineLimits) -> Proposal | None:
         spec = self.speculative

@@ -94,6 +94,13 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
         "--top-p", type=bounded_float(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass"
     )
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
+    _engine_options(gen)
+    return gen
+
+
+def _engine_options(gen: argparse.ArgumentParser) -> None:
+    """The engine's options of ``generate``: graphs, device and dtype, limits, speculation,
+    kernels, seed and progress."""
     gen.add_argument(
         "--mode",
         type=_parse_mode,
@@ -158,7 +165,6 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    return gen
 
 
 def _speculative(text: str) -> str:

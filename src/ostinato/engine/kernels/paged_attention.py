@@ -221,29 +221,16 @@ def paged_attention(
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(
-            f"paged_attention: out must be {tuple(q.shape)} with a contiguous last dim"
-        )
+    out = _output(q, out)
     if n == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
-    splits = splits or num_splits(n, kv_heads, q.device)
+    splits = _splits(splits or num_splits(n, kv_heads, q.device))
     config = config or AttentionLaunch()
-    if splits > MAX_SPLITS:
-        raise ValueError(f"paged_attention: splits={splits} exceeds MAX_SPLITS={MAX_SPLITS}")
-    if splits > 1:
-        partial = torch.empty((n, heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
-        l_sum = torch.empty_like(m)
-        target, so_t, so_h = partial, 0, 0
-    else:
-        m = l_sum = out  # unused by the single-split kernel
-        target, so_t, so_h = out, out.stride(0), out.stride(1)
+    target, m, l_sum = _split_scratch(out, splits)
+    so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(
         _paged_attention_kernel,
         (n, kv_heads, splits),
@@ -282,24 +269,63 @@ def paged_attention(
         launch_pdl=pdl,
     )
     if splits > 1:
-        launch(
-            _merge_splits_kernel,
-            (n, heads),
-            partial,
-            m,
-            l_sum,
-            out,
-            out.stride(0),
-            out.stride(1),
-            splits,
-            HEADS=heads,
-            HEAD_DIM=head_dim,
-            MAX_SPLITS=MAX_SPLITS,
-            USE_PDL=pdl,
-            num_warps=4,
-            launch_pdl=pdl,
+        _merge_splits(target, m, l_sum, out, pdl)
+    return out
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, checked, or a new tensor like ``q``."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(
+            f"paged_attention: out must be {tuple(q.shape)} with a contiguous last dim"
         )
     return out
+
+
+def _splits(splits: int) -> int:
+    if splits > MAX_SPLITS:
+        raise ValueError(f"paged_attention: splits={splits} exceeds MAX_SPLITS={MAX_SPLITS}")
+    return splits
+
+
+def _split_scratch(
+    out: torch.Tensor, splits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the attention kernel writes: with one split, ``out`` itself (the running max
+    and sum are unused); with several, float32 partial outputs ``[n, heads, splits, d]``
+    and their running max and sum ``[n, heads, splits]``, merged afterwards."""
+    if splits == 1:
+        return out, out, out
+    n, heads, head_dim = out.shape
+    partial = torch.empty((n, heads, splits, head_dim), dtype=torch.float32, device=out.device)
+    m = torch.empty((n, heads, splits), dtype=torch.float32, device=out.device)
+    return partial, m, torch.empty_like(m)
+
+
+def _merge_splits(
+    partial: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor, out: torch.Tensor, pdl: bool
+) -> None:
+    """Merges the splits' partial outputs into ``out`` (one program per token and head)."""
+    n, heads, splits, head_dim = partial.shape
+    launch(
+        _merge_splits_kernel,
+        (n, heads),
+        partial,
+        m,
+        l_sum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        MAX_SPLITS=MAX_SPLITS,
+        USE_PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
 
 
 def _rope_args(

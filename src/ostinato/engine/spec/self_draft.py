@@ -117,10 +117,7 @@ class SelfDraftProposer:
         )
 
     def _pad_rows(self, start: int, stop: int) -> None:
-        self.inputs.input_ids[start:stop].fill_(PADDING.token)
-        self.inputs.positions[start:stop].fill_(PADDING.position)
-        self.inputs.token_req[start:stop].fill_(PADDING.request)
-        self.inputs.slot_mapping[start:stop].fill_(PADDING.slot)
+        self.inputs.write_padding(stop, start)
         self.room[start:stop].zero_()
 
     def _dummy(self, d: BatchDescriptor) -> StepAttention:

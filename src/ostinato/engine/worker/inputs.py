@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,14 @@ class Padding:
     position: int = -1
     request: int = 0
     slot: int = 0
+
+    def fill(self, ids: Any, positions: Any, requests: Any, slots: Any, rows: slice) -> None:
+        """Makes ``rows`` of the four per-row buffers (device tensors or the numpy views of
+        their staging) padding rows: the one place padding is written."""
+        ids[rows] = self.token
+        positions[rows] = self.position
+        requests[rows] = self.request
+        slots[rows] = self.slot
 
 
 PADDING = Padding()
@@ -145,13 +154,30 @@ class StepInputs:
             local_s,
         )
 
-    def write_padding(self, n: int) -> None:
-        """Makes the first ``n`` rows padding rows (a dummy batch for capture: the kernels
-        recorded depend only on the shape)."""
-        self.input_ids[:n].fill_(PADDING.token)
-        self.positions[:n].fill_(PADDING.position)
-        self.token_req[:n].fill_(PADDING.request)
-        self.slot_mapping[:n].fill_(PADDING.slot)
+    def write_rows(
+        self,
+        positions: torch.Tensor,
+        token_req: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> None:
+        """Stages and copies in a hand-made step of one row per request, without a
+        scheduler (benchmarks, tests): each row's position, request and KV slot
+        (``[rows]``), and the requests' block tables (``[rows, blocks]``). Input ids are
+        the caller's to write into ``input_ids``."""
+        rows = len(positions)
+        staging = self.staging
+        staging[1, :rows] = positions
+        staging[2, :rows] = token_req
+        staging[3, :rows] = slots
+        self.tables_staging[:rows, : tables.shape[1]] = tables
+        self.copy_staged(rows, rows)
+
+    def write_padding(self, stop: int, start: int = 0) -> None:
+        """Makes rows ``start..stop`` padding rows on the device (a dummy batch for capture:
+        the kernels recorded depend only on the shape)."""
+        rows = slice(start, stop)
+        PADDING.fill(self.input_ids, self.positions, self.token_req, self.slot_mapping, rows)
 
     def write(
         self, step: ScheduledBatch, padded: int, previous: PreviousSample | None = None
@@ -210,10 +236,7 @@ class StepInputs:
                     )
                 gather_rows.append(first)
                 gather_from.append(previous.index[s.request.id])
-        ids[n:padded] = PADDING.token
-        pos[n:padded] = PADDING.position
-        req_of[n:padded] = PADDING.request
-        slots[n:padded] = PADDING.slot
+        PADDING.fill(ids, pos, req_of, slots, slice(n, padded))
         self.copy_staged(padded, len(step.scheduled))
         if gather_rows:
             assert previous is not None

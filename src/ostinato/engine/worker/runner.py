@@ -133,7 +133,10 @@ class ModelRunner:
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
         self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
-        self.micro_batching = micro_batching
+        self._init_micro_batching(micro_batching)
+
+    def _init_micro_batching(self, policy: MicroBatching | None) -> None:
+        self.micro_batching = policy
         self.ubatched_steps = 0  # steps run as two micro-batches (eagerly or replayed)
         self.ubatched_replays = 0  # of which replays of micro-batched FULL graphs
         self._comm_stream: torch.cuda.Stream | None = None
@@ -145,9 +148,7 @@ class ModelRunner:
         # FULL graphs captured as two overlapped micro-batches (one graph holds both and
         # both streams); a size captured so has no plain FULL graph, and the reverse.
         self.ubatched_graphs: frozenset[BatchDescriptor] = (
-            frozenset()
-            if micro_batching is None or micro_batching.measure
-            else frozenset(self.ubatch_candidates)
+            frozenset() if policy is None or policy.measure else frozenset(self.ubatch_candidates)
         )
 
     @property

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_suite.sh first    # part 1 copied aside; every file but SmolLM2's
 #   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only
 #   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
+#   bash scripts/gpu_suite.sh bench    # a short decode-step benchmark (JSON under $OUT)
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -39,8 +40,13 @@ second)
     run_file tests/test_gpu_smollm2.py 400
     timeout 120 python3 -m ostinato.engine demo 2>&1 | tee "$OUT/demo.log"
     ;;
+bench)
+    timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
+        --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
+        --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
+    ;;
 *)
-    echo "usage: $0 first|second" >&2
+    echo "usage: $0 first|readme|second|bench" >&2
     exit 2
     ;;
 esac

@@ -251,11 +251,12 @@ class DecodeSetup:
         backend: AttentionBackend | None = None,
         kernels: KernelOptions | None = None,
     ) -> ModelRunner:
-        """A ModelRunner over the shared model and cache in ``mode`` (with the default
-        attention backend unless ``backend``, and ``kernels``)."""
+        """A ModelRunner over the shared weights and cache in ``mode`` (with the default
+        attention backend unless ``backend``, and the model's kernels launched as
+        ``kernels`` say)."""
         limits = EngineLimits(self.max_b, 2048, self.max_len, BLOCK)
         return ModelRunner(
-            self.model,
+            self.model_with(kernels or KernelOptions()),
             self.cache,
             backend or self.backend,
             limits,
@@ -263,8 +264,21 @@ class DecodeSetup:
             self.device,
             progress=False,
             compiler=compiler,
-            kernels=kernels,
         )
+
+    def model_with(self, kernels: KernelOptions) -> DecoderModel:
+        """The model built with ``kernels`` (resolved for the device), holding the same
+        weights as ``model``: no second copy."""
+        kernels = kernels.resolved(self.device)
+        if kernels == self.model.kernels:
+            return self.model
+        with torch.device("meta"):
+            model = DecoderModel(self.config, self.tp, kernels)
+        model.load_state_dict(self.model.state_dict(), assign=True)
+        model.inv_freq = self.model.inv_freq  # not in the state dict
+        if self.config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.eval()
 
     def decode_step(self, runner: ModelRunner, batch: int) -> Callable[[], torch.Tensor]:
         """One decode step of ``batch`` requests at position kv_len: copy-in, run, logits
@@ -404,7 +418,7 @@ def _variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | 
         return setup.runner(
             GraphMode.FULL_AND_PIECEWISE,
             "inductor",
-            TritonAttention(fused=variant.fused),
+            TritonAttention(fused=variant.fused, pdl=variant.kernels.resolved(setup.device).pdl),
             variant.kernels,
         )
     mode, compiler = OSTINATO_VARIANTS[name]

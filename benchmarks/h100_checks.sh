@@ -18,7 +18,7 @@ tests)
     # One pytest per file, each under its own limit and in its own process: a failed
     # capture that leaves the device unusable takes down only its own file, and every
     # failure's cause is printed (-rfE). ``tests K`` runs the files matching K.
-    files=$(ls tests/test_gpu_*.py tests/test_readme.py | grep -v -e smollm2 -e distributed \
+    files=$(ls tests/*/test_gpu_*.py tests/test_readme.py | grep -v -e smollm2 -e distributed \
         | grep -e "${2:-.}")
     for f in $files; do
         timeout 300 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
@@ -101,7 +101,7 @@ pieces)
     ;;
 smollm2)
     timeout 560 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
-        --timeout=150 tests/test_gpu_smollm2.py \
+        --timeout=150 tests/engine/test_gpu_smollm2.py \
         2>&1 | tee "$OUT/gpu_smollm2.log"
     ;;
 bench)
@@ -121,7 +121,7 @@ spec-ahead)
     # The GPU speculative tests, then plain vs the oracle with and without lookahead on
     # SmolLM2-135M in both dtypes (k = 4), then every proposer at k = 4 and 2 in ${SPEC_DTYPE}.
     timeout 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
-        --timeout=150 tests/test_gpu_speculative.py 2>&1 | tee "$OUT/gpu_spec.log" | tail -15
+        --timeout=150 tests/engine/test_gpu_speculative.py 2>&1 | tee "$OUT/gpu_spec.log" | tail -15
     for dt in bfloat16 float32; do
         timeout 150 python3 -m benchmarks spec --k 4 --dtype "$dt" \
             --proposers "oracle,oracle in turn" --out "$OUT/spec_oracle_${dt}_h100.json" \

@@ -17,9 +17,9 @@ tests)
     # leave its GPU busy for the tests after it. ``tests K`` runs those matching K.
     args=(-v -rfE --tb=short -m gpu -p no:cacheprovider --timeout=180)
     ids=$(python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider \
-        tests/test_gpu_distributed.py -k "${2:-not dead_worker}" | grep ::)
+        tests/engine/test_gpu_distributed.py -k "${2:-not dead_worker}" | grep ::)
     [ -z "${2:-}" ] && ids="$ids $(python3 -m pytest -q --collect-only -m gpu \
-        -p no:cacheprovider tests/test_gpu_distributed.py -k dead_worker | grep ::)"
+        -p no:cacheprovider tests/engine/test_gpu_distributed.py -k dead_worker | grep ::)"
     for id in $ids; do
         timeout 200 python3 -m pytest "${args[@]}" "$id" 2>&1 | tee -a "$OUT/gpu_tests.log" \
             | grep -E "PASSED|FAILED|ERROR|^E |Timeout|rank [0-9]"

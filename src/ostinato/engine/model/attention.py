@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ostinato.engine.kernels.options import triton_runs_on
+from ostinato.engine.kernels.options import KernelOptions, triton_runs_on
 from ostinato.engine.model.rope import apply_rope
 from ostinato.mathutil import ceil_div
 from ostinato.resolution import AttentionGraphSupport
@@ -203,6 +203,9 @@ class TritonAttention:
         )
 
 
-def default_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA when Triton is installed, else the torch backend."""
-    return TritonAttention() if triton_runs_on(device) else TorchAttention()
+def default_backend(device: torch.device, kernels: KernelOptions | None = None) -> AttentionBackend:
+    """Triton on CUDA when Triton is installed (launched as ``kernels`` say), else the
+    torch backend."""
+    if not triton_runs_on(device):
+        return TorchAttention()
+    return TritonAttention(pdl=(kernels or KernelOptions()).pdl)

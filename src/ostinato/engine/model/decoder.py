@@ -16,6 +16,7 @@ from torch import nn
 
 from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
+from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
     attention_op,
     norm_op,
@@ -29,22 +30,23 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as transformers does (the op ``ostinato::rms_norm``:
     one kernel per norm on CUDA)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: KernelOptions | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.pdl = False  # launch option of the CUDA kernel (KernelOptions.pdl)
+        self.kernels = kernels or KernelOptions()  # read where the kernel launches
 
     def reset_parameters(self) -> None:
         """Ones, as at construction."""
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ostinato.rms_norm(x, self.weight, self.eps, self.pdl)
+        return torch.ops.ostinato.rms_norm(x, self.weight, self.eps, self.kernels.pdl)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the norm of ``x + residual``, ``x + residual``), in one kernel on CUDA."""
-        return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps, self.pdl)
+        pdl = self.kernels.pdl
+        return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps, pdl)
 
 
 class Attention(nn.Module):
@@ -109,18 +111,21 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallel, kernels: KernelOptions | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.inter = tp.split(config.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
-        self.pdl = False  # launch option of the SiLU·mul kernel (KernelOptions.pdl)
+        self.kernels = kernels or KernelOptions()  # read where SiLU·mul launches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
         # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel.
-        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_swiglu(x, self.pdl)))
+        up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
+        return self.tp.all_reduce(self.down_proj(up))
 
 
 class DecoderLayer(nn.Module):
@@ -129,12 +134,14 @@ class DecoderLayer(nn.Module):
     vLLM's layers do): ``forward(x, residual)`` returns the MLP's output and the sum
     before it, which the next layer's (or the final) norm adds."""
 
-    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelOptions
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Mlp(config, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = Mlp(config, tp, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
@@ -155,18 +162,26 @@ class DecoderModel(nn.Module):
     attention backend), and writes each token's K/V to its slot before attending.
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel | None = None,
+        kernels: KernelOptions | None = None,
+    ) -> None:
         super().__init__()
         tp = tp or TensorParallel()
         self.config = config
         self.tp = tp
+        # How its own kernels launch, one object every module that launches one reads
+        # (resolve it against the device first: ``KernelOptions.resolved``).
+        self.kernels = kernels = kernels or KernelOptions()
         # Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, ...).
         self.vocab_local = tp.split(config.vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
         self.embed_tokens = nn.Embedding(self.vocab_local, config.hidden_size)
-        layers = (DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        layers = (DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = Linear(config.hidden_size, self.vocab_local, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -198,13 +213,6 @@ class DecoderModel(nn.Module):
     def rope_in_attention(self, value: bool) -> None:
         for layer in self.layers:
             layer.self_attn.rope_in_attention = value
-
-    def use_pdl(self, enabled: bool) -> None:
-        """Launches the norms' and SiLU·mul's kernels with programmatic dependent launch
-        (the small GEMMs take it with their plans, ``gemm_tuning.plan_small_gemms``)."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Mlp)):
-                module.pdl = enabled
 
     def linears(self) -> list[tuple[Linear, bool]]:
         """Every projection with whether its output goes through SiLU·mul (the gate/up

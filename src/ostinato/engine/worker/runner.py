@@ -20,8 +20,7 @@ from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.kernels.launch import compile_ahead
-from ostinato.engine.kernels.options import KernelOptions
-from ostinato.engine.model.attention import AttentionBackend, TritonAttention
+from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.graph_sampler import GraphSampler
@@ -62,10 +61,11 @@ class ModelRunner:
     ``build_graph_runtime`` from ``graph_config`` and the attention backend's support;
     ``compiler`` (None, ``"inductor"`` or ``"eager"``) compiles the model with the
     piecewise backend, which makes piecewise modes available. The model's
-    ``rope_in_attention`` is set from ``backend.applies_rope``. ``kernels``
-    (``KernelOptions``, what the device supports of it) is applied to the model's norms,
-    a Triton attention backend and the compiled pieces; with ``small_gemm`` the
-    projections' plans are measured at start-up, before compiling (``gemm_timings``).
+    ``rope_in_attention`` is set from ``backend.applies_rope``. The model's
+    ``KernelOptions`` (it is built with them; the attention backend with
+    ``default_backend(device, kernels)``) also decide Inductor's PDL in the compiled
+    pieces, and with ``small_gemm`` the projections' plans are measured at start-up,
+    before compiling (``gemm_timings``).
     """
 
     def __init__(
@@ -80,7 +80,6 @@ class ModelRunner:
         compiler: str | None = None,
         uniform_decode_query_len: int = 1,
         micro_batching: MicroBatching | None = None,
-        kernels: KernelOptions | None = None,
         decode_hook: Callable[[StepInputs], DecodeStepHook] | None = None,
     ) -> None:
         self.model = model
@@ -106,12 +105,16 @@ class ModelRunner:
             platform=platform,
             progress=progress,
         )
-        self.kernels = (kernels or KernelOptions()).resolved(device)
-        model.use_pdl(self.kernels.pdl)
+        # The model's own kernel options (it was built with them): what the compiled
+        # pieces, the small-GEMM plans and compile-ahead follow here too.
+        self.kernels = model.kernels
+        if self.kernels != self.kernels.resolved(device):
+            raise ValueError(
+                f"kernels: the model was built with {self.kernels}, which {device} cannot "
+                "run; build it with KernelOptions.resolved(device)"
+            )
         for linear, _ in model.linears():  # no plan left by an earlier runner of the model
             linear.use_plan((), 0, False)
-        if isinstance(backend, TritonAttention):
-            backend.pdl = self.kernels.pdl
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
         # kernel's fixed cost shows); none in NONE mode.
         self.small_gemm_rows = (

@@ -179,6 +179,12 @@ def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():
         "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(pdl=True, small_gemm=True)
     )
     assert tuned.runner.kernels.small_gemm and tuned.runner.gemm_timings
+    # One options object reaches every module that launches a kernel, and the backend.
+    from ostinato.engine.model.decoder import Mlp, RMSNorm
+
+    launching = [m for m in tuned.model.modules() if isinstance(m, (RMSNorm, Mlp))]
+    assert tuned.model.kernels.pdl and all(m.kernels is tuned.model.kernels for m in launching)
+    assert tuned.runner.backend.pdl and not plain.runner.backend.pdl
     assert lockstep(plain, tuned, tolerance=2e-2) >= {"FULL", "PIECEWISE"}
 
 
@@ -215,7 +221,7 @@ def test_compile_ahead_compiles_every_kernel_before_its_first_launch(tmp_path):
 
     if not hasattr(triton, "knobs") or not hasattr(triton, "AsyncCompileMode"):
         pytest.skip("needs Triton's knobs and AsyncCompileMode (3.4 or newer)")
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[1])  # the helpers (gpu_harness) live there
     env = {
         **os.environ,
         "TRITON_CACHE_DIR": str(tmp_path / "triton"),

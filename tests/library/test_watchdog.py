@@ -64,15 +64,3 @@ def test_an_engine_stuck_past_the_grace_period_ends_the_process(capsys):
     err = capsys.readouterr().err
     assert "rank 1 failed: its process exited with code 3" in err
     assert f"exits with code {EXIT_CODE}" in err
-
-
-def test_a_worker_is_silent_only_after_its_first_beat():
-    # Injected times, no sleeping: a worker still importing torch on a busy machine has not
-    # beaten yet and is not called silent however long that takes; one that beat and
-    # stopped is, once past the bound.
-    from ostinato.engine.parallel.workers import silent_for
-
-    assert silent_for(0.0, now=1e6, stale_s=15.0) is None
-    assert silent_for(100.0, now=110.0, stale_s=15.0) is None
-    assert silent_for(100.0, now=115.0, stale_s=15.0) is None
-    assert silent_for(100.0, now=116.5, stale_s=15.0) == 16.5

@@ -104,3 +104,34 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     assert [o.token_ids for o in ahead.generate(prompts, params)] == [
         o.token_ids for o in plain.generate(prompts, params)
     ]
+
+
+def test_the_model_carries_one_kernel_options_object_to_every_launching_module():
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel, Mlp, RMSNorm
+    from ostinato.engine.model.presets import shape
+
+    options = KernelOptions(pdl=True)
+    model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=options)
+    launching = [m for m in model.modules() if isinstance(m, (RMSNorm, Mlp))]
+    assert launching and all(m.kernels is options for m in launching)
+
+
+def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks():
+    from ostinato.config import GraphConfig
+    from ostinato.engine.core.kv_cache import KVCache
+    from ostinato.engine.core.limits import EngineLimits
+    from ostinato.engine.model.attention import TorchAttention
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import shape
+    from ostinato.engine.worker.runner import ModelRunner
+
+    config = ModelConfig.from_hf(shape("tiny"))
+    model = DecoderModel(config, kernels=KernelOptions(pdl=True))
+    cache = KVCache(config.num_layers, 8, 16, config.num_kv_heads, config.head_dim,
+                    torch.float32, torch.device("cpu"))  # fmt: skip
+    limits = EngineLimits(4, 64, 64, 16)
+    with pytest.raises(ValueError, match="build it with KernelOptions.resolved"):
+        ModelRunner(model, cache, TorchAttention(), limits, GraphConfig(mode=None),
+                    torch.device("cpu"), progress=False)  # fmt: skip

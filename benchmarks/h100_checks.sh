@@ -47,7 +47,7 @@ cold)
     site=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
     python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
     for i in 1 2; do
-        timeout 90 python3 benchmarks/cold_start_profile.py --out "$OUT/cold_start_$i.json" \
+        timeout 90 python3 -m benchmarks.cold_start_profile --out "$OUT/cold_start_$i.json" \
             2>&1 | tail -25
     done
     ;;
@@ -59,7 +59,7 @@ cold-options)
     python3 -m compileall -q -j 16 "$site/torch" "$site/triton" "$site/sympy" >/dev/null 2>&1
     for run in "inductor 512 1" "eager 512 1" "eager 256 1" "inductor 512 2" "eager 512 2"; do
         set -- $run
-        timeout 90 python3 benchmarks/cold_start_profile.py --compiler "$1" \
+        timeout 90 python3 -m benchmarks.cold_start_profile --compiler "$1" \
             --max-capture-size "$2" --out "$OUT/cold_${1}_${2}_$3.json" 2>&1 \
             | grep -E '"(compiler|max_capture_size|constructor_s|weights_s|compile_s|capture_s|backend_s|graphs)"'
     done
@@ -76,16 +76,16 @@ cold-phases)
         "eager_ahead:--compile-ahead" "inductor_ahead_nowarm:--compile-ahead --num-warmups 0" \
         "eager_ahead_nowarm:--compile-ahead --num-warmups 0"; do
         tag=${run%%:*}
-        timeout 90 python3 benchmarks/cold_start_profile.py --compiler "${tag%%_*}" \
+        timeout 90 python3 -m benchmarks.cold_start_profile --compiler "${tag%%_*}" \
             ${run#*:} --phases --out "$OUT/cold_phases_$tag.json" 2>&1 | grep -v -i warn \
             | grep -E '"(compiler|compile_ahead|num_warmups|constructor_s|weights_s|compile_s|capture_s|backend_s|triton_in_process_s)"'
     done
-    timeout 120 python3 benchmarks/cold_start_profile.py --profile "$OUT/cold_profile.txt" \
+    timeout 120 python3 -m benchmarks.cold_start_profile --profile "$OUT/cold_profile.txt" \
         --out "$OUT/cold_profiled.json" >/dev/null 2>&1
     ;;
 attention)
     # The paged-attention kernel's decode time over launch configurations.
-    timeout 400 python3 benchmarks/attention_sweep.py --out "$OUT/attention_sweep_h100.json" \
+    timeout 400 python3 -m benchmarks.attention_sweep --out "$OUT/attention_sweep_h100.json" \
         2>&1 | grep -v -i warn
     ;;
 pieces)
@@ -127,7 +127,7 @@ spec-ahead)
             --proposers "oracle,oracle in turn" --out "$OUT/spec_oracle_${dt}_h100.json" \
             2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     done
-    timeout 120 python3 benchmarks/spec_step_profile.py --dtypes bfloat16 --batch-sizes 1 \
+    timeout 120 python3 -m benchmarks.spec_step_profile --dtypes bfloat16 --batch-sizes 1 \
         --out "$OUT/spec_step_profile_h100.json" 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     ;;
 spec-all)

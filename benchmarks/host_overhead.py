@@ -3,7 +3,7 @@
 The model is deliberately tiny so that device time stays below host time; each timed
 burst is short enough that the launch queue never fills, so the numbers are host time.
 
-    PYTHONPATH=src python benchmarks/host_overhead.py --out benchmarks/results/FILE.json
+    PYTHONPATH=src python -m benchmarks.host_overhead --out benchmarks/results/FILE.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plots an ``python -m benchmarks spec`` result: tokens/s per proposer at each batch size
 (one panel per k), with each bar's acceptance rate above it and draft-graph timings in
-the title. Usage: python benchmarks/plot_spec.py OUT.png RESULT.json"""
+the title. Usage: python -m benchmarks.plot_spec OUT.png RESULT.json"""
 
 from __future__ import annotations
 

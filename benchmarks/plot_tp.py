@@ -1,6 +1,6 @@
 """Plots decode step time vs batch size for TP=1 and TP=2, every variant a result holds
 (``eager``, ``ostinato FULL``, ... with the all-reduce in brackets under TP=2), from the
-``decode_tp_*`` JSON results. Usage: python benchmarks/plot_tp.py OUT.png JSON..."""
+``decode_tp_*`` JSON results. Usage: python -m benchmarks.plot_tp OUT.png JSON..."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ B prompts (distinct text, ~20 tokens each), 128 new tokens each, greedy, EOS ign
 the wall time of ``generate`` after one warm-up call. Also checks that every mode's
 greedy tokens equal eager's. Writes JSON (device, torch, commit, date) with ``--out``.
 
-Usage: python benchmarks/smollm2_generate.py --out results.json [--batch-sizes 1,32]
+Usage: python -m benchmarks.smollm2_generate --out results.json [--batch-sizes 1,32]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ sampled tokens, acceptance and bookkeeping, and the device time of the step's fo
 (CUDA events around the graph replay). Random weights of SmolLM2-135M's shape unless
 ``--model`` names another.
 
-    PYTHONPATH=src python benchmarks/spec_step_profile.py --out FILE.json
+    PYTHONPATH=src python -m benchmarks.spec_step_profile --out FILE.json
 """
 
 from __future__ import annotations

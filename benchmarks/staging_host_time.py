@@ -1,7 +1,7 @@
 """Host time of staging one decode step (``StepInputs.write``) on the CPU, at B = 1, 8,
 32 and 128 requests of 17 KV blocks each: the best of 5 bursts of 300 writes.
 
-    PYTHONPATH=src python benchmarks/staging_host_time.py
+    PYTHONPATH=src python -m benchmarks.staging_host_time
 """
 
 from __future__ import annotations

@@ -10,6 +10,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -3 | tee "$OUT/pytest_all.log" || status=1
-python3 -m ostinato demo 2>&1 | tee "$OUT/demo.log" || status=1
-python3 benchmarks/host_overhead.py --out "$OUT/host_overhead_h100.json" 2>&1 | tee "$OUT/host_overhead.log" || status=1
+python3 -m ostinato.engine demo 2>&1 | tee "$OUT/demo.log" || status=1
+python3 -m benchmarks.host_overhead --out "$OUT/host_overhead_h100.json" 2>&1 | tee "$OUT/host_overhead.log" || status=1
 exit $status

@@ -5,9 +5,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 
 DEFAULT_MAX_CAPTURE_SIZE = 512
+# More sizes than this is a mistake, not a ladder: each is a graph to capture and hold.
+MAX_CAPTURE_SIZES = 1024
+
+
+def ladder_length(max_capture_size: int) -> int:
+    """How many sizes ``default_capture_sizes(max_capture_size)`` has (``>= 1``), without
+    building the ladder."""
+    below = [s for s in (1, 2, 4, *range(8, 257, 8)) if s <= max_capture_size]
+    count, last = len(below), below[-1]
+    if max_capture_size >= 272:
+        above = (max_capture_size - 272) // 16 + 1
+        count, last = count + above, 272 + 16 * (above - 1)
+    return count + (last != max_capture_size)
 
 
 def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
@@ -63,6 +77,7 @@ class GraphConfig:
     sizes: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.mode, str) and self.mode.strip().lower() == "auto":
             object.__setattr__(self, "mode", None)
         elif self.mode is not None:
@@ -75,11 +90,29 @@ class GraphConfig:
             limit = self.max_capture_size
             if self.max_num_tokens is not None:
                 limit = min(limit, self.max_num_tokens)
+            if limit >= 1 and ladder_length(limit) > MAX_CAPTURE_SIZES:
+                raise ValueError(
+                    f"max_capture_size: {limit} makes a ladder of {ladder_length(limit)} sizes, "
+                    f"more than {MAX_CAPTURE_SIZES} graphs to capture and hold; lower it "
+                    "(larger batches run eagerly) or give capture_sizes"
+                )
             sizes = default_capture_sizes(limit)
         else:
             sizes = _validated_sizes(self.capture_sizes, self.max_num_tokens)
             object.__setattr__(self, "capture_sizes", tuple(self.capture_sizes))
         object.__setattr__(self, "sizes", tuple(sizes))
+
+    def _check_types(self) -> None:
+        """``TypeError`` naming a field of the wrong type (a string where a number goes
+        would otherwise fail later, in a comparison, naming nothing)."""
+        for name in ("max_capture_size", "num_warmups"):
+            if not is_int(getattr(self, name)):
+                raise TypeError(f"{name}: expected an int, got {getattr(self, name)!r}")
+        if self.max_num_tokens is not None and not is_int(self.max_num_tokens):
+            raise TypeError(f"max_num_tokens: expected an int or None, got {self.max_num_tokens!r}")
+        for name in ("specialize_lora", "verify_graphs", "check_addresses"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 
     @property
     def largest_size(self) -> int:
@@ -103,6 +136,11 @@ def _validated_sizes(sizes: Sequence[int], max_num_tokens: int | None) -> list[i
     dupes = sorted({s for s in sizes if list(sizes).count(s) > 1})
     if dupes:
         raise ValueError(f"capture_sizes: duplicate sizes {dupes}; list each size once")
+    if len(sizes) > MAX_CAPTURE_SIZES:
+        raise ValueError(
+            f"capture_sizes: {len(sizes)} sizes, more than {MAX_CAPTURE_SIZES} graphs to capture "
+            "and hold; keep a ladder (padding to the next size costs little)"
+        )
     if max_num_tokens is not None:
         too_big = sorted(s for s in sizes if s > max_num_tokens)
         if too_big:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
+from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 
 
@@ -118,14 +119,17 @@ class Dispatcher:
                 "has_lora=True but the dispatcher was built with lora_enabled=False; "
                 "build it with lora_enabled=True so graphs are captured with LoRA active"
             )
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
-        if num_tokens > self.max_size:
-            return Dispatch(
-                GraphMode.NONE, BatchDescriptor(num_tokens, None, uniform_decode, has_lora)
-            )
-        lora = has_lora if len(self._lora_cases) == 2 else self._lora_cases[0]
-        return self._table[(uniform_decode, lora)][num_tokens]
+        try:
+            if num_tokens < 0:
+                raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
+            if num_tokens > self.max_size:
+                return Dispatch(
+                    GraphMode.NONE, BatchDescriptor(num_tokens, None, uniform_decode, has_lora)
+                )
+            lora = has_lora if len(self._lora_cases) == 2 else self._lora_cases[0]
+            return self._table[(uniform_decode, lora)][num_tokens]
+        except (TypeError, KeyError) as exc:  # checked only when the lookup fails
+            raise _bad_arguments(num_tokens, uniform_decode, has_lora) from exc
 
     def keys(self, mode: GraphMode) -> list[BatchDescriptor]:
         """Descriptors dispatched with runtime ``mode`` (FULL or PIECEWISE), largest first.
@@ -135,6 +139,20 @@ class Dispatcher:
         if mode not in self._keys:
             raise ValueError(f"mode: keys exist only for FULL and PIECEWISE, got {mode.name}")
         return sorted(self._keys[mode], key=lambda d: (-d.num_tokens, d.uniform_decode, d.has_lora))
+
+
+def _bad_arguments(num_tokens: object, uniform_decode: object, has_lora: object) -> TypeError:
+    """The named error for arguments of the wrong type (``dispatch`` checks types only
+    after its table lookup failed, so a correct call pays nothing for it)."""
+    if not is_int(num_tokens):
+        return TypeError(
+            f"num_tokens: expected an int (the step's real token count), got "
+            f"{num_tokens!r} ({type(num_tokens).__name__})"
+        )
+    for name, value in (("uniform_decode", uniform_decode), ("has_lora", has_lora)):
+        if not isinstance(value, bool):
+            return TypeError(f"{name}: expected True or False, got {value!r}")
+    return TypeError(f"dispatch({num_tokens!r}, {uniform_decode!r}, {has_lora!r}): bad arguments")
 
 
 def _padding_table(sizes: list[int], max_size: int) -> list[int]:

@@ -16,6 +16,7 @@ from ostinato.dispatcher import Dispatch, Dispatcher
 from ostinato.errors import GraphCaptureError
 from ostinato.graph import GraphWrapper
 from ostinato.guard import capture_phase
+from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Graph, Platform, current_platform
 from ostinato.pool import shared_pool
@@ -171,7 +172,14 @@ class GraphManager:
         padded size: those rows were never computed; ``KeyError`` for a FULL dispatch
         whose graph was never captured.
         """
+        if not isinstance(dispatch, Dispatch):
+            raise TypeError(
+                f"run: expected the Dispatch that dispatch(num_tokens) returns, got "
+                f"{type(dispatch).__name__}; call graphs.dispatch(num_tokens) and pass its result"
+            )
         d = dispatch.descriptor
+        if not is_int(num_tokens):
+            raise TypeError(f"num_tokens: expected an int, got {num_tokens!r}")
         if not 0 <= num_tokens <= d.num_tokens:
             raise ValueError(
                 f"num_tokens: {num_tokens} rows asked of a step dispatched for "

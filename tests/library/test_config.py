@@ -55,3 +55,27 @@ def test_mode_from_string():
 def test_invalid_values_name_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GraphConfig(**kwargs)
+
+
+def test_ladder_length_equals_the_built_ladder():
+    from ostinato.config import ladder_length
+
+    for m in [*range(1, 1200), 4096, 16127, 16128, 16129, 16143, 16144]:
+        assert ladder_length(m) == len(default_capture_sizes(m)), m
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(max_capture_size="128"), TypeError, "max_capture_size: expected an int, got '128'"),
+        (dict(max_capture_size=10**9), ValueError, "makes a ladder of 62500019 sizes"),
+        (dict(capture_sizes=tuple(range(1, 2000))), ValueError, "1999 sizes, more than 1024"),
+        (dict(num_warmups=1.5), TypeError, "num_warmups: expected an int"),
+        (dict(max_num_tokens="64"), TypeError, "max_num_tokens: expected an int or None"),
+        (dict(verify_graphs=1), TypeError, "verify_graphs: expected True or False"),
+        (dict(check_addresses="yes"), TypeError, "check_addresses: expected True or False"),
+    ],
+)
+def test_wrong_types_and_absurd_ladders_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        GraphConfig(**kwargs)

@@ -127,3 +127,17 @@ def test_keys_cover_every_dispatch_and_are_largest_first():
             assert r.descriptor in (full if r.mode is M.FULL else pw)
     sizes = [k.num_tokens for k in d.keys(M.FULL)]
     assert sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((2.5,), r"num_tokens: expected an int .* got 2.5 \(float\)"),
+        (("3",), r"num_tokens: expected an int .* got '3' \(str\)"),
+        ((3, "yes"), "uniform_decode: expected True or False, got 'yes'"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(args, message):
+    d = Dispatcher(GraphConfig(max_capture_size=16), M.FULL)
+    with pytest.raises(TypeError, match=message):
+        d.dispatch(*args)

@@ -229,3 +229,12 @@ def test_out_of_memory_in_warm_up_releases_every_graph():
     with use_platform(p), pytest.raises(GraphCaptureError, match="ran out of device memory"):
         m.capture()
     assert m.num_graphs == 0
+
+
+def test_run_names_a_descriptor_passed_where_the_dispatch_goes():
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    with pytest.raises(TypeError, match="expected the Dispatch that dispatch.num_tokens. returns"):
+        m.run(BatchDescriptor(8), 8)
+    with pytest.raises(TypeError, match="num_tokens: expected an int, got 2.5"):
+        m.run(m.dispatcher.dispatch(3), 2.5)

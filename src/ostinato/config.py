@@ -45,7 +45,9 @@ def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> l
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """What to capture. Validated on construction; invalid values raise ``ValueError``.
+    """What to capture. Validated on construction: a field of the wrong type raises
+    ``TypeError``, a bad value ``ValueError`` (so does a ladder of more than
+    ``MAX_CAPTURE_SIZES`` sizes), each naming the field.
 
     ``mode``: a ``GraphMode``, its name, or ``"auto"`` (stored as None): the strongest mode
     the platform and the caller allow, chosen by ``build_graph_runtime``.

@@ -8,8 +8,9 @@ import torch
 # cores (at most 4), unless OMP_NUM_THREADS says otherwise; the engine's own worker
 # processes limit themselves (ostinato.engine.api.arguments.limit_cpu_threads).
 if not os.environ.get("OMP_NUM_THREADS"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, min(4, (_cores or 2) // 2)))
+    from ostinato.engine.api.arguments import MAX_CPU_THREADS, available_cores
+
+    torch.set_num_threads(max(1, min(MAX_CPU_THREADS, available_cores() // 2)))
 
 
 def pytest_collection_modifyitems(config, items):

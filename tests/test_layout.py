@@ -2,6 +2,7 @@
 including those inside functions), has no cycle and respects the layers."""
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,6 +26,7 @@ SIBLINGS = [
 ]
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     found = {}
     for path in (SRC / "ostinato").rglob("*.py"):
@@ -34,6 +36,7 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache  # parsed once for every test (read-only)
 def import_graph() -> dict[str, set[str]]:
     mods = modules()
     edges: dict[str, set[str]] = defaultdict(set)

@@ -13,14 +13,19 @@ DEFAULT_MAX_CAPTURE_SIZE = 512
 MAX_CAPTURE_SIZES = 1024
 
 
+# The ladder: these small sizes, then every ``_STEP`` from ``_FIRST_ABOVE``.
+_SMALL = (1, 2, 4, *range(8, 257, 8))
+_FIRST_ABOVE, _STEP = 272, 16
+
+
 def ladder_length(max_capture_size: int) -> int:
     """How many sizes ``default_capture_sizes(max_capture_size)`` has (``>= 1``), without
     building the ladder."""
-    below = [s for s in (1, 2, 4, *range(8, 257, 8)) if s <= max_capture_size]
+    below = [s for s in _SMALL if s <= max_capture_size]
     count, last = len(below), below[-1]
-    if max_capture_size >= 272:
-        above = (max_capture_size - 272) // 16 + 1
-        count, last = count + above, 272 + 16 * (above - 1)
+    if max_capture_size >= _FIRST_ABOVE:
+        above = (max_capture_size - _FIRST_ABOVE) // _STEP + 1
+        count, last = count + above, _FIRST_ABOVE + _STEP * (above - 1)
     return count + (last != max_capture_size)
 
 
@@ -36,7 +41,7 @@ def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> l
             f"max_capture_size: must be >= 1, got {max_capture_size}; "
             "use GraphMode.NONE to run without graphs"
         )
-    ladder = [1, 2, 4, *range(8, 257, 8), *range(272, max_capture_size + 1, 16)]
+    ladder = [*_SMALL, *range(_FIRST_ABOVE, max_capture_size + 1, _STEP)]
     sizes = [s for s in ladder if s <= max_capture_size]
     if sizes[-1] != max_capture_size:
         sizes.append(max_capture_size)

@@ -34,6 +34,18 @@ class CaptureItem:
     mode: GraphMode
 
 
+def _check_run_arguments(dispatch: object, num_tokens: object) -> None:
+    """``TypeError`` naming a ``run`` argument of the wrong type (a subclass of
+    ``Dispatch`` and any integer type pass)."""
+    if not isinstance(dispatch, Dispatch):
+        raise TypeError(
+            f"run: expected the Dispatch that dispatch(num_tokens) returns, got "
+            f"{type(dispatch).__name__}; call graphs.dispatch(num_tokens) and pass its result"
+        )
+    if not is_int(num_tokens):
+        raise TypeError(f"num_tokens: expected an int, got {num_tokens!r}")
+
+
 class GraphManager:
     """Runs a model runner's step as FULL graphs, PIECEWISE graphs or eagerly, per batch.
 
@@ -172,14 +184,12 @@ class GraphManager:
         padded size: those rows were never computed; ``KeyError`` for a FULL dispatch
         whose graph was never captured.
         """
-        if not isinstance(dispatch, Dispatch):
-            raise TypeError(
-                f"run: expected the Dispatch that dispatch(num_tokens) returns, got "
-                f"{type(dispatch).__name__}; call graphs.dispatch(num_tokens) and pass its result"
-            )
+        # The type checks run only where a cheap test fails: this is the replay path.
+        if type(dispatch) is not Dispatch or (
+            type(num_tokens) is not int and not is_int(num_tokens)
+        ):
+            _check_run_arguments(dispatch, num_tokens)
         d = dispatch.descriptor
-        if not is_int(num_tokens):
-            raise TypeError(f"num_tokens: expected an int, got {num_tokens!r}")
         if not 0 <= num_tokens <= d.num_tokens:
             raise ValueError(
                 f"num_tokens: {num_tokens} rows asked of a step dispatched for "

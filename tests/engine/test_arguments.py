@@ -1,12 +1,15 @@
 """LLM's grouped arguments and the CPU thread limit (no model is built here)."""
 
-import os
-
 import pytest
 import torch
 
 from ostinato.engine import CacheArgs, GraphArgs, ParallelArgs
-from ostinato.engine.api.arguments import MAX_CPU_THREADS, group_arguments, limit_cpu_threads
+from ostinato.engine.api.arguments import (
+    MAX_CPU_THREADS,
+    available_cores,
+    group_arguments,
+    limit_cpu_threads,
+)
 
 
 def test_plain_keywords_land_in_their_group():
@@ -53,7 +56,7 @@ def test_cpu_threads_are_limited_unless_the_user_chose(monkeypatch):
         assert limit_cpu_threads(1) is None and torch.get_num_threads() == before
         monkeypatch.delenv("OMP_NUM_THREADS")
         torch.set_num_threads(64)
-        cores = len(os.sched_getaffinity(0))
+        cores = available_cores()
         for world in (1, 2, 64):
             got = limit_cpu_threads(world)
             assert got == max(1, min(MAX_CPU_THREADS, cores // world))

@@ -209,6 +209,13 @@ def micro_batching_policy(
 MAX_CPU_THREADS = 4
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def limit_cpu_threads(world_size: int) -> int | None:
     """On the CPU, torch's default of one thread per core oversubscribes a machine that
     runs other work, or this engine's own ranks: unless ``OMP_NUM_THREADS`` names a count,
@@ -216,8 +223,7 @@ def limit_cpu_threads(world_size: int) -> int | None:
     the count set, or None where the user chose."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, min(MAX_CPU_THREADS, (cores or 1) // max(1, world_size)))
+    threads = max(1, min(MAX_CPU_THREADS, available_cores() // max(1, world_size)))
     if torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
     return threads

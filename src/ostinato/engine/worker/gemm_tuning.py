@@ -97,10 +97,12 @@ def plan_small_gemms(
     with 32-bit weights, or off CUDA, get an empty plan (plain ``nn.Linear``)."""
     timings: list[GemmTiming] = []
     plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
+    sizes: list[int] | None = None  # found at the first CUDA linear (the kernel needs Triton)
     for linear, swiglu in linears:
         w = linear.weight
-        sizes = _plan_sizes(rows) if w.device.type == "cuda" else []
-        if w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
+        if w.device.type == "cuda" and sizes is None:
+            sizes = _plan_sizes(rows)
+        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
             linear.use_plan((), 0, pdl)
             continue
         key = (*w.shape, w.dtype, swiglu, linear.bias is not None)

@@ -4,35 +4,55 @@ The public API, by layer (see docs/design.md): modes and configuration (``GraphM
 ``GraphConfig``, ``BatchDescriptor``, ``Dispatcher``, ``forward_context``), graphs
 (``GraphWrapper``, ``capture_phase``, ``shared_pool``), and runner pieces
 (``GraphManager``, and ``build_graph_runtime``, the one entry point that wires them).
+
+The names are loaded on first use: ``import ostinato`` imports neither torch nor any of
+its modules, so a command line that only parses its arguments starts at once.
 """
 
-from ostinato.batch import BatchDescriptor
-from ostinato.capture_report import CaptureReport, GraphRecord
-from ostinato.config import GraphConfig, default_capture_sizes
-from ostinato.context import (
-    ForwardContext,
-    current_forward_context,
-    forward_context,
-    get_forward_context,
-)
-from ostinato.dispatcher import Dispatch, Dispatcher
-from ostinato.errors import (
-    CaptureNotAllowedError,
-    GraphCaptureError,
-    InputAddressChangedError,
-    OstinatoError,
-    PlatformError,
-)
-from ostinato.graph import GraphEntry, GraphOptions, GraphWrapper
-from ostinato.guard import capture_phase, in_capture_phase
-from ostinato.manager import CaptureItem, GraphManager
-from ostinato.modes import GraphMode
-from ostinato.platform import current_platform, use_platform
-from ostinato.pool import shared_pool
-from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
-from ostinato.runtime import GraphRuntime, auto_mode, build_graph_runtime, choose_compiler
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_HOMES = {
+    "AttentionGraphSupport": "ostinato.resolution",
+    "BatchDescriptor": "ostinato.batch",
+    "CaptureItem": "ostinato.manager",
+    "CaptureNotAllowedError": "ostinato.errors",
+    "CaptureReport": "ostinato.capture_report",
+    "Dispatch": "ostinato.dispatcher",
+    "Dispatcher": "ostinato.dispatcher",
+    "ForwardContext": "ostinato.context",
+    "GraphCaptureError": "ostinato.errors",
+    "GraphConfig": "ostinato.config",
+    "GraphEntry": "ostinato.graph",
+    "GraphManager": "ostinato.manager",
+    "GraphMode": "ostinato.modes",
+    "GraphOptions": "ostinato.graph",
+    "GraphRecord": "ostinato.capture_report",
+    "GraphRuntime": "ostinato.runtime",
+    "GraphWrapper": "ostinato.graph",
+    "InputAddressChangedError": "ostinato.errors",
+    "ModeResolution": "ostinato.resolution",
+    "OstinatoError": "ostinato.errors",
+    "PlatformError": "ostinato.errors",
+    "auto_mode": "ostinato.runtime",
+    "build_graph_runtime": "ostinato.runtime",
+    "capture_phase": "ostinato.guard",
+    "choose_compiler": "ostinato.runtime",
+    "current_forward_context": "ostinato.context",
+    "current_platform": "ostinato.platform",
+    "default_capture_sizes": "ostinato.config",
+    "forward_context": "ostinato.context",
+    "get_forward_context": "ostinato.context",
+    "in_capture_phase": "ostinato.guard",
+    "resolve_mode": "ostinato.resolution",
+    "shared_pool": "ostinato.pool",
+    "use_platform": "ostinato.platform",
+}
+
 
 __all__ = [
     "AttentionGraphSupport",
@@ -70,3 +90,36 @@ __all__ = [
     "shared_pool",
     "use_platform",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
+    from ostinato.batch import BatchDescriptor
+    from ostinato.capture_report import CaptureReport, GraphRecord
+    from ostinato.config import GraphConfig, default_capture_sizes
+    from ostinato.context import (
+        ForwardContext,
+        current_forward_context,
+        forward_context,
+        get_forward_context,
+    )
+    from ostinato.dispatcher import Dispatch, Dispatcher
+    from ostinato.errors import (
+        CaptureNotAllowedError,
+        GraphCaptureError,
+        InputAddressChangedError,
+        OstinatoError,
+        PlatformError,
+    )
+    from ostinato.graph import GraphEntry, GraphOptions, GraphWrapper
+    from ostinato.guard import capture_phase, in_capture_phase
+    from ostinato.manager import CaptureItem, GraphManager
+    from ostinato.modes import GraphMode
+    from ostinato.platform import current_platform, use_platform
+    from ostinato.pool import shared_pool
+    from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
+    from ostinato.runtime import GraphRuntime, auto_mode, build_graph_runtime, choose_compiler
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ostinato' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

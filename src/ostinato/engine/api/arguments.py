@@ -100,12 +100,16 @@ class GraphArgs:
     """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL_AND_PIECEWISE
     on CUDA, NONE on the CPU), the capture sizes (default: the ladder up to
     ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
-    None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA)."""
+    None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
+    and when to ``capture``: ``"blocking"`` (every graph before the engine returns) or
+    ``"background"`` (the engine returns once its weights and KV cache are ready; steps
+    run eagerly, or replay what is ready, while a thread compiles and captures)."""
 
     mode: GraphMode | str = "auto"
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int = 512
     compiler: str | None = "auto"
+    capture: str = "blocking"
 
 
 @dataclass(frozen=True)

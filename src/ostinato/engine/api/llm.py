@@ -46,6 +46,7 @@ from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import FinishReason, Proposal, Request, Scheduler
 from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.loading.model_cache import CacheDirArg, ModelCache
 from ostinato.engine.loading.source import ModelSource, ModelSpec, open_model
 from ostinato.engine.model.attention import AttentionBackend, default_backend
 from ostinato.engine.model.decoder import DecoderModel
@@ -77,20 +78,22 @@ TokenCallback = Callable[[int, int], None]
 
 @dataclass
 class StartupTimes:
-    """Where the construction's seconds went: making or loading the weights on the
-    device, compiling the model's pieces (Inductor), capturing the graphs, and the total
-    (which adds opening the model: config, tokenizer, GGUF dequantization)."""
+    """Where the construction's seconds went: opening the model (config, tokenizer, and
+    on a model-cache miss the conversion), making or loading the weights on the device,
+    compiling the model's pieces (Inductor), capturing the graphs, and the total (the
+    rest: process groups, the KV cache, the memory plan)."""
 
+    open_s: float
     weights_s: float
     compile_s: float
     capture_s: float
     total_s: float = 0.0
 
     def summary(self) -> str:
-        """One line: ``start-up 12.3 s (weights 1.0, compile 8.0, capture 2.0)``."""
+        """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0)``."""
         return (
-            f"start-up {self.total_s:.1f} s (weights {self.weights_s:.1f}, compile "
-            f"{self.compile_s:.1f}, capture {self.capture_s:.1f})"
+            f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights "
+            f"{self.weights_s:.1f}, compile {self.compile_s:.1f}, capture {self.capture_s:.1f})"
         )
 
 
@@ -152,6 +155,10 @@ class LLM:
     ``kernels``: launch options of the engine's own CUDA kernels (``KernelOptions``:
     programmatic dependent launch, the start-up-tuned small GEMMs); default off.
 
+    ``cache_dir``: where converted checkpoints (GGUF files) are kept so later starts map
+    them instead of converting (``loading.model_cache``): None for the default
+    (``$OSTINATO_CACHE_DIR`` or the user cache folder), a path, or False for no cache.
+
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
 
@@ -185,6 +192,7 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         device: str | torch.device | None = None,
         random_weights: bool = False,
+        cache_dir: CacheDirArg = None,
         async_scheduling: bool = True,
         backend: AttentionBackend | None = None,
         seed: int = 0,
@@ -197,7 +205,8 @@ class LLM:
         engine_kwargs = dict(
             model=model, cache=cache, graphs=graphs, parallel=parallel, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens, kernels=kernels, dtype=dtype,
-            device=device, random_weights=random_weights, async_scheduling=async_scheduling,
+            device=device, random_weights=random_weights, cache_dir=cache_dir,
+            async_scheduling=async_scheduling,
             backend=backend, seed=seed, progress=False,
         )  # fmt: skip
         self.device = resolve_device(device)
@@ -212,7 +221,14 @@ class LLM:
         utilization = check_utilization(cache.gpu_memory_utilization)
         if self.device.type == "cpu":
             limit_cpu_threads(parallel_config.world_size)
-        source = open_model(model, random_weights)
+        opened = time.perf_counter()
+        source = open_model(
+            model,
+            random_weights,
+            ModelCache.from_arg(cache_dir),
+            resolve_dtype(dtype, self.device, torch.float32),  # a converted source's dtype
+        )
+        self._open_s = time.perf_counter() - opened
         self.dtype = resolve_dtype(dtype, self.device, source.dtype)
         self.source_name = source.name
         self.config = source.config
@@ -410,7 +426,7 @@ class LLM:
         self._capture(propose, seed)
         compile_s = self.runner.compile_seconds
         self.startup = StartupTimes(
-            weights_s, compile_s, time.perf_counter() - capture_start - compile_s
+            self._open_s, weights_s, compile_s, time.perf_counter() - capture_start - compile_s
         )
 
     def _load_weights(self, source: ModelSource, dtype: torch.dtype, seed: int) -> float:

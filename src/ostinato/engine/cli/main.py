@@ -3,6 +3,8 @@ repository: ``python -m benchmarks``).
 
 Every bad option or input exits with status 2 and one line on stderr that names the
 option, what was wrong and the fix; options are checked before any model is loaded.
+Parsing imports nothing heavy (torch, transformers, Triton load only when a command
+runs), so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from ostinato.engine.cli.args import (
     int_list,
     positive_int,
 )
-from ostinato.errors import OstinatoError
 
 DEFAULT_QUESTION = "What is the capital of France?"
 
@@ -163,6 +164,20 @@ def _engine_options(gen: argparse.ArgumentParser) -> None:
         help="compile the engine's Triton kernels together on a thread pool at start-up, "
         "before their first launches (CUDA)",
     )
+    gen.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where converted checkpoints and compiled kernels are kept across runs "
+        "(default: $OSTINATO_CACHE_DIR, else the user cache folder, ~/.cache/ostinato)",
+    )
+    gen.add_argument("--no-cache", action="store_true", help="neither read nor write the caches")
+    gen.add_argument(
+        "--capture",
+        choices=("blocking", "background"),
+        default="blocking",
+        help="capture every graph before the first step (blocking), or start at once and "
+        "capture while steps run eagerly (background)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -193,6 +208,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         random_weights=args.random_weights,
+        cache_dir=False if args.no_cache else args.cache_dir,
+        capture=args.capture,
         seed=args.seed,
         progress=not args.quiet,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -300,11 +317,16 @@ def main(argv: list[str] | None = None) -> int:
             return demo_main()
         if args.prompt_ids and args.prompt:
             parser.error("give --prompt-ids or --prompt, not both")
+        if args.no_cache and args.cache_dir is not None:
+            parser.error("give --cache-dir or --no-cache, not both")
         return _generate(args)
     except KeyboardInterrupt:
         fail("interrupted")
-    except (ValueError, TypeError, MemoryError, OSError, OstinatoError) as exc:
-        if os.environ.get("OSTINATO_TRACEBACK"):
+    except Exception as exc:
+        from ostinato.errors import OstinatoError
+
+        expected = (ValueError, TypeError, MemoryError, OSError, OstinatoError)
+        if not isinstance(exc, expected) or os.environ.get("OSTINATO_TRACEBACK"):
             raise
         # Engine errors name their cause and fix; a traceback would add nothing for a user.
         fail(f"error: {exc} (set OSTINATO_TRACEBACK=1 for the traceback)")

@@ -5,11 +5,13 @@ dequantizes every tensor to float32 (any type ``gguf.quants`` implements: Q4_0, 
 Q8_0, F16, BF16, F32, the K-quants, ...), maps llama.cpp's tensor names to Hugging Face
 names, undoes the row permutation llama.cpp's converter applies to the q and k
 projections, and hands the result to ``weights.assign_tensors``. The tokenizer and chat
-template come from the same file through transformers.
+template come from the same file through transformers, which reads the reader this
+class already built (the file's metadata is parsed once per load, not three times).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,9 +134,10 @@ class GGUFCheckpoint:
 
     def load_into(self, model: DecoderModel) -> None:
         """Dequantizes every tensor into ``model``; ``WeightsError`` names a bad one."""
-        assign_tensors(model, self._tensors(), str(self.path))
+        assign_tensors(model, self.tensors(), str(self.path))
 
-    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, dequantized to float32, under its Hugging Face name."""
         from gguf.quants import dequantize
 
         cfg = self.config
@@ -162,9 +165,36 @@ class GGUFCheckpoint:
             from transformers import AutoTokenizer
         except ImportError:
             return None
-        return AutoTokenizer.from_pretrained(
-            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
-        )
+        with self._reader_reused():
+            return AutoTokenizer.from_pretrained(
+                str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+            )
+
+    @contextlib.contextmanager
+    def _reader_reused(self) -> Iterator[None]:
+        """Inside, ``gguf.GGUFReader`` of this file returns the reader already built.
+
+        transformers builds the tokenizer's config and vocabulary from two readers of its
+        own (``load_gguf_checkpoint`` imports ``GGUFReader`` from ``gguf`` on each call);
+        parsing the 442k metadata parts of SmolLM2's file costs seconds each time. The
+        reader is read-only (a memory map), so sharing it changes nothing else.
+        """
+        import gguf
+
+        original = gguf.GGUFReader
+        mine = self.reader
+        path = str(self.path.resolve())
+
+        def reader(file: Any, *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs and str(Path(file).resolve()) == path:
+                return mine
+            return original(file, *args, **kwargs)
+
+        gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -4,6 +4,10 @@
 model: its config, how to load its weights (None only when random weights were asked
 for: a config, a shape preset, or ``random_weights=True``), its tokenizer and EOS tokens.
 Anything it cannot use raises ``ModelConfigError`` or ``WeightsError`` naming the path.
+
+A GGUF file goes through the model cache (``model_cache``) unless ``cache`` is None: the
+first load converts it and writes an entry; later loads read the entry (safetensors,
+``tokenizer.json``) and never parse the GGUF file.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 import torch
 
 from ostinato.engine.loading.gguf_file import GGUFCheckpoint
-from ostinato.engine.loading.weights import checkpoint_files, load_weights
+from ostinato.engine.loading.model_cache import CachedModel, ModelCache
+from ostinato.engine.loading.weights import assign_tensors, checkpoint_files, load_weights
 from ostinato.engine.model.config import ModelConfig, ModelConfigError
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.presets import PRESETS, SHAPES, SMOLLM2, smollm2_path
@@ -41,8 +46,15 @@ class ModelSource:
     dtype: torch.dtype | None = None
 
 
-def open_model(model: ModelSpec, random_weights: bool = False) -> ModelSource:
-    """Resolves ``model`` (see the module docstring). ``None`` is SmolLM2-135M-Instruct."""
+def open_model(
+    model: ModelSpec,
+    random_weights: bool = False,
+    cache: ModelCache | None = None,
+    dtype: torch.dtype | None = None,
+) -> ModelSource:
+    """Resolves ``model`` (see the module docstring). ``None`` is SmolLM2-135M-Instruct.
+    ``dtype``: the dtype the engine will run, if the caller chose one (a converted
+    source is cached in it; GGUF's default is float32)."""
     if model is None:
         model = SMOLLM2
     if isinstance(model, ModelConfig):
@@ -58,13 +70,13 @@ def open_model(model: ModelSpec, random_weights: bool = False) -> ModelSource:
         return ModelSource(f"{model} (random weights)", ModelConfig.from_hf(SHAPES[model]), None)
     path = smollm2_path() if model == SMOLLM2 and not Path(model).exists() else Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf(path, random_weights)
+        return _gguf(path, random_weights, cache, dtype)
     if path.is_dir():
         if (path / "config.json").is_file():
             return _hf_folder(path, random_weights)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _gguf(ggufs[0], random_weights)
+            return _gguf(ggufs[0], random_weights, cache, dtype)
         if ggufs:
             raise ModelConfigError(
                 f"model directory {path}: holds several GGUF files "
@@ -81,14 +93,43 @@ def open_model(model: ModelSpec, random_weights: bool = False) -> ModelSource:
     )
 
 
-def _gguf(path: Path, random_weights: bool) -> ModelSource:
-    ckpt = GGUFCheckpoint(path)
-    load = None if random_weights else ckpt.load_into
+def _gguf(
+    path: Path, random_weights: bool, cache: ModelCache | None, dtype: torch.dtype | None
+) -> ModelSource:
     # Dequantized GGUF weights are float32 (llama.cpp computes in float32 too); rounding
     # them again to bfloat16 on top of 4-bit quantization flips near-tied tokens.
+    run_dtype = dtype or torch.float32
+    if cache is not None and not random_weights:
+        hit = cache.lookup(path, run_dtype)
+        if hit is not None:
+            return _cached(str(path), hit)
+    ckpt = GGUFCheckpoint(path)
+    tokenizer = ckpt.tokenizer()
+    if random_weights or cache is None:
+        load = None if random_weights else ckpt.load_into
+        return ModelSource(
+            str(path), ckpt.config, load, tokenizer, ckpt.eos_token_ids, torch.float32
+        )
+    tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}
+    folder = cache.store(path, run_dtype, ckpt.config, ckpt.eos_token_ids, tensors, tokenizer)
+    if folder is not None:
+        logger.info("ostinato: %s converted once into the model cache at %s", path, folder)
     return ModelSource(
-        str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
+        str(path),
+        ckpt.config,
+        lambda model: assign_tensors(model, tensors.items(), str(path)),
+        tokenizer,
+        ckpt.eos_token_ids,
+        torch.float32,
     )
+
+
+def _cached(name: str, entry: CachedModel) -> ModelSource:
+    def load(model: DecoderModel) -> None:
+        load_weights(model, entry.folder)
+
+    tokenizer = _hf_tokenizer(entry.tokenizer_dir) if entry.tokenizer_dir else None
+    return ModelSource(name, entry.config, load, tokenizer, entry.eos_token_ids, torch.float32)
 
 
 def _hf_folder(path: Path, random_weights: bool) -> ModelSource:

@@ -1,0 +1,202 @@
+"""The model cache: a GGUF file converted once, then mapped; and every way an entry can
+go bad (corrupt, truncated, stale, unwritable, two writers at once)."""
+
+import json
+import logging
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+from smollm2 import gguf_path
+
+from ostinato.engine.loading import source as source_module
+from ostinato.engine.loading.model_cache import (
+    ENV_VAR,
+    MANIFEST,
+    WEIGHTS,
+    ModelCache,
+    default_cache_root,
+)
+from ostinato.engine.loading.source import open_model
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.presets import SHAPES
+
+CONFIG = ModelConfig.from_hf(SHAPES["tiny"])
+
+
+def _fake_source(tmp_path, name="model.gguf", payload=b"GGUF" + b"\0" * 64):
+    path = tmp_path / name
+    path.write_bytes(payload)
+    return path
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(8, 4, generator=g), "b.bias": torch.randn(3, generator=g)}
+
+
+def _store(cache, src, dtype=torch.float32, tokenizer=None):
+    return cache.store(src, dtype, CONFIG, (2,), _tensors(), tokenizer)
+
+
+def _entries(cache):
+    return sorted(p.name for p in (cache.root / "models").iterdir())
+
+
+def test_miss_then_hit_returns_what_was_stored(tmp_path):
+    cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
+    assert cache.lookup(src, torch.float32) is None
+    folder = _store(cache, src)
+    hit = cache.lookup(src, torch.float32)
+    assert hit is not None and hit.folder == folder
+    assert hit.config == CONFIG and hit.eos_token_ids == (2,)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(hit.weights))
+    for name, t in _tensors().items():
+        assert torch.equal(stored[name], t)
+    assert cache.lookup(src, torch.bfloat16) is None  # another dtype is another entry
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("flip", "corrupt"),
+        ("truncate", "truncated"),
+        ("version", "stale"),
+        ("manifest", "incomplete"),
+    ],
+)
+def test_a_bad_entry_is_named_removed_and_rebuilt(tmp_path, caplog, damage, named):
+    cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
+    folder = _store(cache, src)
+    weights, manifest = folder / WEIGHTS, folder / MANIFEST
+    if damage == "flip":
+        data = bytearray(weights.read_bytes())
+        data[-3] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:-10])
+    elif damage == "version":
+        doc = json.loads(manifest.read_text())
+        doc["key"]["ostinato"] = "0.0.0-old"
+        manifest.write_text(json.dumps(doc))
+    else:
+        manifest.unlink()
+    with caplog.at_level(logging.WARNING):
+        assert cache.lookup(src, torch.float32) is None
+    assert named in caplog.text and str(folder) in caplog.text
+    assert not folder.exists()
+    assert _store(cache, src) == folder and cache.lookup(src, torch.float32) is not None
+
+
+def test_a_changed_source_misses_and_its_old_entry_is_pruned(tmp_path):
+    cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
+    old = _store(cache, src)
+    src.write_bytes(b"GGUF" + b"\1" * 64)  # same size, new content and mtime
+    os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 10**9))
+    assert cache.lookup(src, torch.float32) is None
+    new = _store(cache, src)
+    assert new != old and _entries(cache) == [new.name]
+
+
+def test_an_unwritable_cache_warns_and_leaves_nothing_behind(tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    src = _fake_source(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert _store(ModelCache(blocker), src) is None
+    assert "cannot write the model cache" in caplog.text
+
+
+def test_a_full_disk_warns_and_removes_the_partial_entry(tmp_path, caplog, monkeypatch):
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert _store(cache, src) is None
+    assert "No space left" in caplog.text and _entries(cache) == []
+
+
+def _write_once(root, src, barrier):
+    barrier.wait()
+    ModelCache(root).store(src, torch.float32, CONFIG, (2,), _tensors(), None)
+
+
+def test_concurrent_writers_leave_one_valid_entry(tmp_path):
+    root, src = tmp_path / "cache", _fake_source(tmp_path)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    procs = [ctx.Process(target=_write_once, args=(root, src, barrier)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    cache = ModelCache(root)
+    assert len(_entries(cache)) == 1  # no temporary folder left either
+    assert cache.lookup(src, torch.float32) is not None
+
+
+def test_where_the_cache_lives(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
+    assert default_cache_root() == tmp_path / "env"
+    assert ModelCache.from_arg(None).root == tmp_path / "env"
+    assert ModelCache.from_arg(tmp_path / "arg").root == tmp_path / "arg"
+    assert ModelCache.from_arg(False) is None
+    monkeypatch.delenv(ENV_VAR)
+    assert default_cache_root().name == "ostinato"
+    with pytest.raises(TypeError, match="cache_dir"):
+        ModelCache.from_arg(3)
+
+
+def _weights(source):
+    with torch.device("meta"):
+        model = DecoderModel(source.config)
+    model = model.to_empty(device="cpu")
+    source.load(model)
+    return model.state_dict()
+
+
+def test_smollm2_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    path = gguf_path()
+    cache = ModelCache(tmp_path / "cache")
+    converted = open_model(path, cache=cache)
+    assert cache.lookup(path, torch.float32) is not None
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("a cache hit parsed the GGUF file")
+
+    monkeypatch.setattr(source_module, "GGUFCheckpoint", no_parsing)
+    cached = open_model(path, cache=cache)
+    assert cached.config == converted.config
+    assert cached.eos_token_ids == converted.eos_token_ids == (2,)
+    text = "The capital of France is Paris. <|im_end|>"
+    assert cached.tokenizer.encode(text) == converted.tokenizer.encode(text)
+    assert cached.tokenizer.chat_template == converted.tokenizer.chat_template
+    ours, theirs = _weights(cached), _weights(converted)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_the_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
+    import gguf
+
+    path = gguf_path()
+    made = []
+    original = gguf.GGUFReader
+
+    class Counting(original):
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    source = open_model(path, cache=None)
+    assert source.tokenizer is not None and len(made) == 1

@@ -47,7 +47,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.ostinato.attention.default:
+        if func.name() == "ostinato::attention":
             # The attention op runs Python (it reads the forward context): a real graph
             # holds the kernels it launches, so record those instead.
             from ostinato.engine.model.attention_op import attention

@@ -14,7 +14,8 @@ LIBRARY_LAYERS = [
     {"platform"},
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher"},
-    {"runtime", "manager", "static_outputs", "piecewise", "distributed", "ubatch", ""},
+    {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
+    | {""},
 ]
 # Side by side, neither imports the other.
 SIBLINGS = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ostinato.background import BackgroundCapture, Turn
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureMeter, CaptureReport
 from ostinato.context import forward_context
@@ -22,6 +24,7 @@ from ostinato.platform import Graph, Platform, current_platform
 from ostinato.pool import shared_pool
 from ostinato.static_outputs import Outputs, StaticOutputs, as_tuple
 
+_NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
 PrepareFn = Callable[[BatchDescriptor], Any]
 
@@ -66,6 +69,11 @@ class GraphManager:
     static output buffers (allocated once, outside the pool) sliced to the real token
     count; they are overwritten by the next FULL replay. Replaying a FULL descriptor that
     was never captured raises.
+
+    ``capture_in_background()`` instead returns at once and captures on a thread; until a
+    size is ready (``ready``), ``run`` runs it eagerly. Callers that write a step's
+    inputs into persistent buffers do it inside ``with manager.stepping():``, together
+    with the ``run`` and anything that reads its outputs.
     """
 
     def __init__(
@@ -100,6 +108,11 @@ class GraphManager:
             name="GraphManager.step",
         )
         self._meter = self._full.meter
+        self._pieces_ready: set[BatchDescriptor] = set()  # PIECEWISE sizes captured
+        # Held by a step (inputs written, work queued, outputs read) and by each item a
+        # background capture records: the two never interleave.
+        self._turn = Turn()
+        self.background: BackgroundCapture | None = None
 
     def capture_plan(self) -> list[CaptureItem]:
         """What ``capture()`` will capture, in order."""
@@ -119,21 +132,61 @@ class GraphManager:
             for item in tqdm(
                 plan, desc="ostinato: capturing graphs", disable=not self.progress or not plan
             ):
-                try:
-                    self._capture_one(item)
-                except torch.OutOfMemoryError as exc:
-                    # Out of memory in a warm-up run, outside the graph wrapper.
-                    self.release()
-                    raise GraphCaptureError(
-                        f"capture of {item.descriptor} ({item.mode.name}) ran out of device "
-                        "memory in its eager warm-up. Capture fewer or smaller sizes "
-                        "(max_capture_size), leave more room (a lower gpu_memory_utilization "
-                        f"or a smaller KV cache), or run in NONE mode.\nUnderlying error: {exc}"
-                    ) from exc
-                except GraphCaptureError:
-                    self.release()  # all or nothing: no half-captured ladder survives
-                    raise
+                self._capture_item(item)
         return self.report
+
+    def capture_in_background(
+        self, prologue: Callable[[], None] | None = None
+    ) -> BackgroundCapture:
+        """Starts capturing ``capture_plan()`` on a thread and returns at once (see
+        ``ostinato.background``); ``prologue`` runs on the thread first. The report
+        fills as graphs are captured; a failure releases every graph and leaves the
+        steps eager. ``verify_graphs`` is refused: its replays would overwrite the
+        static outputs of a step in flight."""
+        if self.background is not None:
+            raise RuntimeError("capture_in_background: this manager already captures")
+        if self.verify_graphs:
+            raise ValueError(
+                "verify_graphs: each check replays a graph, which would overwrite the "
+                "outputs of a step running meanwhile; verify with a blocking capture()"
+            )
+        self.background = BackgroundCapture(
+            self.capture_plan(), self._capture_item, self._release_graphs, self._turn, prologue
+        )
+        return self.background
+
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        """The step's turn: hold it (``with manager.stepping():``) from writing a step's
+        inputs until its outputs are read or queued for reading, so that a background
+        capture never writes dummy inputs in between. Re-entrant; a no-op without a
+        background capture."""
+        return self._turn if self.background is not None else _NO_TURN
+
+    def ready(self, dispatch: Dispatch) -> bool:
+        """Whether ``run(dispatch, ...)`` runs as dispatched (NONE; a captured FULL graph;
+        PIECEWISE pieces captured at that size) rather than eagerly."""
+        mode, d = dispatch.mode, dispatch.descriptor
+        if mode is GraphMode.FULL:
+            return d in self._full.entries
+        return mode is GraphMode.NONE or d in self._pieces_ready
+
+    def _capture_item(self, item: CaptureItem) -> None:
+        try:
+            self._capture_one(item)
+        except torch.OutOfMemoryError as exc:
+            # Out of memory in a warm-up run, outside the graph wrapper.
+            self.release()
+            raise GraphCaptureError(
+                f"capture of {item.descriptor} ({item.mode.name}) ran out of device "
+                "memory in its eager warm-up. Capture fewer or smaller sizes "
+                "(max_capture_size), leave more room (a lower gpu_memory_utilization "
+                f"or a smaller KV cache), or run in NONE mode.\nUnderlying error: {exc}"
+            ) from exc
+        except GraphCaptureError:
+            self.release()  # all or nothing: no half-captured ladder survives
+            raise
+        if item.mode is GraphMode.PIECEWISE:
+            self._pieces_ready.add(item.descriptor)
 
     def _capture_one(self, item: CaptureItem) -> None:
         d = item.descriptor
@@ -196,10 +249,16 @@ class GraphManager:
                 f"{d.num_tokens} padded tokens; pass the count given to dispatch() "
                 "(0 <= num_tokens <= padded_tokens)"
             )
-        if dispatch.mode is GraphMode.FULL:
+        mode = dispatch.mode
+        if self.background is not None and not self.ready(dispatch):
+            with self._turn:  # (the caller holds it too: re-entrant)
+                if not self.ready(dispatch):
+                    self.background.want(d)
+                    mode = GraphMode.NONE
+        if mode is GraphMode.FULL:
             self._full.replay(d)
             return self.outputs.view(num_tokens)
-        with forward_context(dispatch.mode, d, attn_metadata):
+        with forward_context(mode, d, attn_metadata):
             out = self.step(d)
         if d.num_tokens == num_tokens:
             return out
@@ -217,10 +276,16 @@ class GraphManager:
         return len(self._full.entries)
 
     def release(self) -> None:
-        """Destroys every FULL graph at once; the manager must not replay afterwards.
-        Safe to call more than once."""
+        """Stops a background capture, then destroys every FULL graph at once; the
+        manager must not replay afterwards. Safe to call more than once."""
+        if self.background is not None:
+            self.background.stop()
+        self._release_graphs()
+
+    def _release_graphs(self) -> None:
         self.platform.synchronize()
         self._full.reset()
+        self._pieces_ready.clear()
 
 
 def _check_rows(out: Outputs, d: BatchDescriptor) -> None:

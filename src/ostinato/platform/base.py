@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from types import ModuleType
@@ -70,6 +71,28 @@ class Platform(ABC):
         Used to find the op that broke a capture; a no-op where the platform cannot tell.
         """
         yield
+
+
+_capture_thread = threading.local()
+
+
+@contextlib.contextmanager
+def isolated_capture() -> Iterator[None]:
+    """Inside, this thread's captures forbid unsafe calls (syncs, allocations outside the
+    pool) from this thread only: other threads go on running steps while it captures
+    (CUDA's ``thread_local`` capture mode). Outside, a capture forbids them process-wide,
+    which catches a helper thread's unsafe call in the graph it helps to record."""
+    before = getattr(_capture_thread, "isolated", False)
+    _capture_thread.isolated = True
+    try:
+        yield
+    finally:
+        _capture_thread.isolated = before
+
+
+def capture_is_isolated() -> bool:
+    """True inside ``isolated_capture()`` on this thread."""
+    return getattr(_capture_thread, "isolated", False)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ostinato.platform.base import Graph, Platform, paused_collection
+from ostinato.platform.base import Graph, Platform, capture_is_isolated, paused_collection
 
 
 class CudaPlatform(Platform):
@@ -75,8 +75,9 @@ class CudaPlatform(Platform):
         pool = self._pool_replacements.get(requested, requested)
         torch.cuda.synchronize()
         with paused_collection(torch.cuda), torch.cuda.stream(self._stream()):
+            mode = "thread_local" if capture_is_isolated() else "global"
             try:
-                graph.capture_begin(pool=pool)
+                graph.capture_begin(pool=pool, capture_error_mode=mode)
             except Exception:
                 self._reset_rng_capture_state()
                 raise

@@ -1,0 +1,160 @@
+"""Capture in the background: graphs are recorded on a thread while steps already run.
+
+``BackgroundCapture`` captures a plan item by item on a thread of its own. Each item
+(its dummy inputs, warm-ups and capture) runs while it holds the manager's turn, the lock
+a step holds from writing its inputs to queueing its work, so a capture never writes a
+step's inputs and a step never reads a capture's. Between items the steps run: eagerly
+for a size whose graph is not ready, replayed once it is. Sizes that steps asked for are
+captured before the rest of the plan.
+
+The turn is handed over: after each item, a step waiting for the turn gets it before the
+next item starts, so steps and captures alternate rather than a capture running the
+whole plan while steps wait.
+
+Guarantees: the thread stops after the item in progress when asked (``stop``); a
+failure of any item releases every graph of the manager, is logged with its reason and
+kept in ``error``, and the steps go on eagerly; ``done`` is set once the plan is
+exhausted, stopped or failed, and ``seconds`` then says how long it took.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ostinato.batch import BatchDescriptor
+from ostinato.guard import capture_phase
+from ostinato.platform.base import isolated_capture
+
+if TYPE_CHECKING:
+    from ostinato.manager import CaptureItem
+
+logger = logging.getLogger(__name__)
+
+
+class Turn:
+    """A re-entrant lock held by a step or a capture item, which knows whether a step is
+    waiting for it (so the capture thread can hand it over between items)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._waiting = 0
+        self._changed = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self._changed:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._changed:
+            self._waiting -= 1
+            self._changed.notify_all()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def hand_over(self, timeout: float) -> None:
+        """Waits (at most ``timeout``) until no thread is waiting for the turn."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._waiting == 0, timeout)
+
+
+class BackgroundCapture:
+    """The capture thread of one ``GraphManager`` (``GraphManager.capture_in_background``).
+
+    ``capture_one(item)`` captures one item (raising on failure); ``release()`` destroys
+    every graph; ``turn`` is the manager's step lock; ``prologue``, if given, runs on the
+    thread first, without the turn (the engine compiles its model there, on scratch
+    inputs of its own).
+    """
+
+    def __init__(
+        self,
+        plan: list[CaptureItem],
+        capture_one: Callable[[CaptureItem], None],
+        release: Callable[[], None],
+        turn: Turn,
+        prologue: Callable[[], None] | None = None,
+    ) -> None:
+        self.total = len(plan)
+        self.captured = 0
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._pending = list(plan)
+        self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
+        self._capture_one, self._release, self._turn = capture_one, release, turn
+        self._prologue = prologue
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="ostinato-capture", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        """True once the thread has finished (every item captured, stopped or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until ``done`` (at most ``timeout`` seconds); returns ``done``."""
+        return self._done.wait(timeout)
+
+    def want(self, descriptor: BatchDescriptor) -> None:
+        """Asks for ``descriptor``'s item before the rest (a step ran it eagerly). Called
+        with the turn held."""
+        self._wanted.setdefault(descriptor)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stops after the item in progress; returns True if the thread has ended (from
+        the thread itself, only asks)."""
+        self._stop.set()
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def summary(self) -> str:
+        """One line: how many graphs are ready, and the error if capture failed."""
+        if self.error is not None:
+            return f"background capture failed, steps run eagerly: {self.error}"
+        if not self.done:
+            return f"graphs capturing in the background: {self.captured} of {self.total} ready"
+        return f"graphs ready in {self.seconds:.1f} s ({self.captured} of {self.total})"
+
+    def _next(self) -> CaptureItem | None:
+        for d in list(self._wanted):
+            del self._wanted[d]
+            for i, item in enumerate(self._pending):
+                if item.descriptor == d:
+                    return self._pending.pop(i)
+        return self._pending.pop(0) if self._pending else None
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode(), isolated_capture():
+                if self._prologue is not None:
+                    self._prologue()
+                with capture_phase():
+                    self._capture_all()
+        except BaseException as exc:  # the thread's end: nothing above it would see it
+            self.error = exc
+            with self._turn:
+                self._release()
+            logger.warning("ostinato: background capture failed; steps run eagerly: %s", exc)
+        finally:
+            self.seconds = time.perf_counter() - self._start
+            self._done.set()
+
+    def _capture_all(self) -> None:
+        while not self._stop.is_set():
+            with self._turn:
+                item = self._next()
+                if item is None:
+                    return
+                self._capture_one(item)
+                self.captured += 1
+            self._turn.hand_over(timeout=1.0)

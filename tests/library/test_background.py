@@ -1,0 +1,140 @@
+"""Background capture: graphs recorded on a thread while steps run, on the CPU with the
+test double for graphs. Steps see correct outputs whether they ran eagerly or replayed,
+sizes asked for are captured first, and a failure leaves the steps eager."""
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from fakes import FakePlatform
+
+from ostinato import Dispatcher, GraphCaptureError, GraphConfig, GraphManager, GraphMode
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+class Runner:
+    """Inputs in one persistent buffer; ``prepare`` writes dummy inputs into it, as a
+    real runner's capture does, so a capture interleaved inside a step would show."""
+
+    def __init__(self, capture_delay_s=0.0):
+        self.x = torch.zeros(16, 4)  # [max_tokens, 4]
+        self.w = torch.randn(4, 3)
+        self.delay = capture_delay_s
+        self.prepared: list[int] = []
+
+    def prepare(self, d):
+        self.prepared.append(d.num_tokens)
+        self.x[: d.num_tokens] = 1e6  # dummy inputs
+        time.sleep(self.delay)  # widen the window a race would need
+
+    def step(self, d):
+        return self.x[: d.num_tokens] @ self.w
+
+
+def build(mode=GraphMode.FULL, delay=0.0, fail=None, verify=False):
+    p = FakePlatform(fail_capture=fail)
+    r = Runner(delay)
+    dispatcher = Dispatcher(GraphConfig(mode=mode, capture_sizes=SIZES))
+    m = GraphManager(
+        r.step, dispatcher, prepare=r.prepare, platform=p, progress=False, verify_graphs=verify
+    )
+    return p, r, m, dispatcher
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_imports():
+    # The test double's first capture imports torch's tracing modules (a second or so,
+    # with the import lock held); done here, it does not stall the first test's steps.
+    build()[2].capture()
+
+
+def serve(r, m, dispatcher, steps, seed=0, seen=None):
+    """Steps of random sizes: each writes fresh inputs, runs, and checks the output
+    against the same product computed by hand (replayed or eager alike). Returns, per
+    step, whether it ran as dispatched; ``seen`` collects the graphs ready at each."""
+    g = torch.Generator().manual_seed(seed)
+    modes = []
+    for _ in range(steps):
+        n = int(torch.randint(1, 17, (1,), generator=g))
+        x = torch.randn(n, 4, generator=g)
+        with m.stepping():
+            dispatch = dispatcher.dispatch(n)
+            r.x[:n] = x
+            modes.append(m.ready(dispatch))
+            if seen is not None and m.background is not None:
+                seen.add(m.background.captured)
+            out = m.run(dispatch, n)
+            torch.testing.assert_close(out, x @ r.w)
+    return modes
+
+
+def test_steps_run_correctly_while_the_graphs_are_captured():
+    p, r, m, dispatcher = build(delay=0.002)
+    go = threading.Event()
+    capture = m.capture_in_background(prologue=lambda: go.wait(10))
+    assert not any(serve(r, m, dispatcher, steps=20))  # nothing ready yet: all eager
+    go.set()
+    seen: set[int] = set()
+    serve(r, m, dispatcher, steps=300, seed=1, seen=seen)
+    assert capture.wait(10) and capture.error is None
+    assert m.num_graphs == len(SIZES) and capture.captured == capture.total == len(SIZES)
+    # Steps took turns with the capture: some ran with part of the ladder ready.
+    assert any(0 < k < len(SIZES) for k in seen)
+    replays = sum(g.replays for g in p.graphs)
+    assert all(serve(r, m, dispatcher, steps=50, seed=2))
+    assert sum(g.replays for g in p.graphs) == replays + 50
+    assert "graphs ready" in capture.summary()
+
+
+def test_sizes_a_step_asked_for_are_captured_first():
+    p, r, m, dispatcher = build()
+    go = threading.Event()
+    capture = m.capture_in_background(prologue=lambda: go.wait(10))
+    for n in (3, 1):  # pads to 4, then 1: neither is ready, both run eagerly
+        with m.stepping():
+            dispatch = dispatcher.dispatch(n)
+            assert not m.ready(dispatch)
+            m.run(dispatch, n)
+    go.set()
+    assert capture.wait(10)
+    assert r.prepared[:2] == [4, 1] and sorted(r.prepared) == sorted(SIZES)
+
+
+def test_a_failed_capture_leaves_the_steps_eager_and_says_why(caplog):
+    p, r, m, dispatcher = build(fail=GraphCaptureError("device said no"))
+    with caplog.at_level(logging.WARNING):
+        capture = m.capture_in_background()
+        assert capture.wait(10)
+    assert isinstance(capture.error, GraphCaptureError) and m.num_graphs == 0
+    assert "background capture failed" in caplog.text and "device said no" in caplog.text
+    assert not any(serve(r, m, dispatcher, steps=20))  # every step eager, and correct
+    assert "steps run eagerly" in capture.summary()
+
+
+def test_release_stops_the_capture_thread():
+    p, r, m, dispatcher = build(delay=0.05)
+    capture = m.capture_in_background()
+    time.sleep(0.06)
+    m.release()
+    assert capture.done and capture.captured < len(SIZES) and m.num_graphs == 0
+    assert not any(serve(r, m, dispatcher, steps=5))
+
+
+def test_piecewise_sizes_become_ready_as_they_are_captured():
+    p, r, m, dispatcher = build(GraphMode.PIECEWISE)
+    capture = m.capture_in_background()
+    assert capture.wait(10) and capture.error is None
+    assert all(m.ready(dispatcher.dispatch(n)) for n in (1, 5, 16))
+
+
+def test_refused_twice_and_with_verify_graphs():
+    _, _, m, _ = build(verify=True)
+    with pytest.raises(ValueError, match="verify_graphs"):
+        m.capture_in_background()
+    _, _, m, _ = build()
+    m.capture_in_background().wait(10)
+    with pytest.raises(RuntimeError, match="already captures"):
+        m.capture_in_background()

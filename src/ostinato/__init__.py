@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "AttentionGraphSupport": "ostinato.resolution",
     "BatchDescriptor": "ostinato.batch",
-    "CaptureItem": "ostinato.manager",
+    "CaptureItem": "ostinato.batch",
     "CaptureNotAllowedError": "ostinato.errors",
     "CaptureReport": "ostinato.capture_report",
     "Dispatch": "ostinato.dispatcher",
@@ -92,7 +92,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
-    from ostinato.batch import BatchDescriptor
+    from ostinato.batch import BatchDescriptor, CaptureItem
     from ostinato.capture_report import CaptureReport, GraphRecord
     from ostinato.config import GraphConfig, default_capture_sizes
     from ostinato.context import (
@@ -111,7 +111,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     )
     from ostinato.graph import GraphEntry, GraphOptions, GraphWrapper
     from ostinato.guard import capture_phase, in_capture_phase
-    from ostinato.manager import CaptureItem, GraphManager
+    from ostinato.manager import GraphManager
     from ostinato.modes import GraphMode
     from ostinato.platform import current_platform, use_platform
     from ostinato.pool import shared_pool

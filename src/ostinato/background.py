@@ -23,16 +23,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from ostinato.batch import BatchDescriptor
+from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.guard import capture_phase
 from ostinato.platform.base import isolated_capture
-
-if TYPE_CHECKING:
-    from ostinato.manager import CaptureItem
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,11 @@
-"""BatchDescriptor: the key under which one graph is captured and replayed."""
+"""BatchDescriptor: the key under which one graph is captured and replayed; CaptureItem:
+a descriptor with the mode to capture it in."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ostinato.modes import GraphMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,3 +21,11 @@ class BatchDescriptor:
     num_reqs: int | None = None
     uniform_decode: bool = False
     has_lora: bool = False
+
+
+@dataclass(frozen=True)
+class CaptureItem:
+    """One unit of capture: a descriptor and the runtime mode to capture it in."""
+
+    descriptor: BatchDescriptor
+    mode: GraphMode

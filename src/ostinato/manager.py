@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from ostinato.background import BackgroundCapture, Turn
-from ostinato.batch import BatchDescriptor
+from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.capture_report import CaptureMeter, CaptureReport
 from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch, Dispatcher
@@ -27,14 +26,6 @@ from ostinato.static_outputs import Outputs, StaticOutputs, as_tuple
 _NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
 PrepareFn = Callable[[BatchDescriptor], Any]
-
-
-@dataclass(frozen=True)
-class CaptureItem:
-    """One unit of start-up capture: a descriptor and the runtime mode to capture it in."""
-
-    descriptor: BatchDescriptor
-    mode: GraphMode
 
 
 def _check_run_arguments(dispatch: object, num_tokens: object) -> None:

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _HOMES = {
     "AttentionGraphSupport": "ostinato.resolution",
+    "BackgroundCapture": "ostinato.background",
     "BatchDescriptor": "ostinato.batch",
     "CaptureItem": "ostinato.batch",
     "CaptureNotAllowedError": "ostinato.errors",
@@ -56,6 +57,7 @@ _HOMES = {
 
 __all__ = [
     "AttentionGraphSupport",
+    "BackgroundCapture",
     "BatchDescriptor",
     "CaptureItem",
     "CaptureNotAllowedError",
@@ -92,6 +94,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
+    from ostinato.background import BackgroundCapture
     from ostinato.batch import BatchDescriptor, CaptureItem
     from ostinato.capture_report import CaptureReport, GraphRecord
     from ostinato.config import GraphConfig, default_capture_sizes

@@ -144,6 +144,8 @@ class BackgroundCapture:
         finally:
             self.seconds = time.perf_counter() - self._start
             self._done.set()
+        if self.error is None and not self._stop.is_set():
+            logger.info("ostinato: %s", self.summary())
 
     def _capture_all(self) -> None:
         while not self._stop.is_set():

@@ -154,3 +154,33 @@ def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_gr
         assert llm.num_preemptions > 0
         assert sum(g.replays for g, _ in llm.sampler.graph_sampler.graphs.values()) > 0
         assert [outs[i].token_ids for i in greedy] == want
+
+
+@pytest.mark.parametrize("mode", ["full_decode_only", "full", "piecewise"])
+def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, mode):
+    """Steps start before any graph is ready (eager), go on while the thread captures,
+    and end replaying; greedy tokens equal the blocking engine's. One step at a time:
+    the test double's capture runs the ops it records (a real one runs nothing), so it
+    overwrites static outputs that an asynchronous step in flight still reads; the GPU
+    test covers asynchronous scheduling."""
+    compiler = "eager" if mode == "piecewise" else None
+    prompts, params = workload(n=6, seed=5)
+    blocking = engine(mode, compiler=compiler)
+    want = tokens(blocking, prompts, params)
+    blocking.close()
+    llm = engine(mode, compiler=compiler, capture="background", async_scheduling=False)
+    assert llm.background is not None
+    assert tokens(llm, prompts, params) == want
+    assert llm.wait_for_graphs(timeout=60), llm.background.summary()
+    assert llm.capture_report.num_graphs == blocking.capture_report.num_graphs
+    replays = sum(g.replays for g in fake_graphs.graphs)
+    assert tokens(llm, prompts, params) == want
+    assert sum(g.replays for g in fake_graphs.graphs) > replays  # now they replay
+    llm.close()
+
+
+def test_background_capture_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="'blocking' or 'background'"):
+        engine("full", capture="lazy")
+    with pytest.raises(ValueError, match="speculative='self'"):
+        engine("full", capture="background", speculative="self:1")

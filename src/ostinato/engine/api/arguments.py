@@ -183,6 +183,36 @@ def kernel_options(kernels: KernelOptions | None) -> KernelOptions:
 _MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
 
 
+CAPTURE_WHEN = ("blocking", "background")
+
+
+def check_capture(
+    capture: str, parallel: ParallelArgs, speculative: SpeculativeConfig | None
+) -> bool:
+    """Whether graphs are captured in the background (``GraphArgs.capture``); refuses,
+    naming why, an unknown value and what background capture does not cover: several
+    ranks (each would capture in its own order, and graphs holding collectives must be
+    captured in step), micro-batching (it times its captures), and self-drafting or
+    oracle speculation (their graphs and lookahead state are captured at start-up)."""
+    if capture not in CAPTURE_WHEN:
+        raise ValueError(f"capture: 'blocking' or 'background', got {capture!r}")
+    if capture == "blocking":
+        return False
+    if parallel.tensor_parallel_size * parallel.data_parallel_size > 1 or (
+        parallel.micro_batching is not False
+    ):
+        raise ValueError(
+            "capture='background': not with tensor or data parallelism or micro-batching "
+            "(every rank must capture the same graphs in the same order); use 'blocking'"
+        )
+    if speculative is not None and speculative.method in ("self", "oracle"):
+        raise ValueError(
+            f"capture='background': not with speculative={speculative.method!r}, whose "
+            "draft graphs and lookahead are set up at start-up; use 'blocking' or 'ngram'"
+        )
+    return True
+
+
 def micro_batching_policy(
     parallel: ParallelArgs, requested: GraphMode | None
 ) -> MicroBatching | None:

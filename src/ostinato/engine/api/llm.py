@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ostinato.background import BackgroundCapture
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
@@ -31,6 +32,7 @@ from ostinato.engine.api.arguments import (
     CacheArgs,
     GraphArgs,
     ParallelArgs,
+    check_capture,
     engine_limits,
     group_arguments,
     kernel_options,
@@ -159,6 +161,12 @@ class LLM:
     them instead of converting (``loading.model_cache``): None for the default
     (``$OSTINATO_CACHE_DIR`` or the user cache folder), a path, or False for no cache.
 
+    ``capture`` (``GraphArgs``): ``"background"`` returns as soon as the weights and the
+    KV cache are ready; a thread compiles and captures while steps run (eagerly, or
+    replaying the sizes already captured, those steps asked for first); the memory of
+    the graphs is reserved by the memory plan beforehand, and a failed capture leaves
+    the steps eager with a warning. ``wait_for_graphs`` waits for it.
+
     ``dtype``: default float32 on CPU; on CUDA bfloat16, or float32 for GGUF files (their
     dequantized weights are float32).
 
@@ -215,6 +223,7 @@ class LLM:
         parse_all_reduce(parallel.all_reduce)
         requested = parse_mode(graphs.mode)
         self.speculative = parse_speculative(speculative, num_speculative_tokens)
+        self._background_capture = check_capture(graphs.capture, parallel, self.speculative)
         self.spec_stats = SpeculativeStats()
         self.kernels = kernel_options(kernels)
         self.micro_batching = micro_batching_policy(parallel, requested)
@@ -454,8 +463,17 @@ class LLM:
         builds the loop ``generate`` steps with."""
         spec = self.speculative
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.capture_report: CaptureReport = self.runner.capture()
-        self.sampler = StepSampler(generator, self.device, self.runner.capture_sampling(generator))
+        # In the background the sampling graphs are not captured (they read the FULL
+        # graphs' static outputs, which do not exist yet): sampling runs eagerly.
+        self.background: BackgroundCapture | None = None
+        if self._background_capture:
+            self.background = self.runner.capture_in_background()
+            sampling_graphs = None
+        else:
+            self.runner.capture()
+            sampling_graphs = self.runner.capture_sampling(generator)
+        self.capture_report: CaptureReport = self.runner.manager.report
+        self.sampler = StepSampler(generator, self.device, sampling_graphs)
         self.loop = StepLoop(
             self.runner,
             self.scheduler,
@@ -532,6 +550,14 @@ class LLM:
             self.workers.close(timeout_s)
             self.workers = None
         return done
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Waits (at most ``timeout`` seconds) for a background capture to end; True when
+        every graph is ready (at once after a blocking capture), False on a timeout or
+        when the capture failed (``background.error`` says why; steps run eagerly)."""
+        if self.background is None:
+            return True
+        return self.background.wait(timeout) and self.background.error is None
 
     @property
     def mode(self) -> GraphMode:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ostinato.background import BackgroundCapture
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
@@ -217,14 +218,17 @@ class ModelRunner:
     ) -> StepOutput:
         """Runs the step as dispatched: float32 logits of ``rows`` (for a uniform decode,
         all ``n`` rows, whose logits and argmax the step itself computed)."""
+        # Asked before the run, under the step's turn: a FULL dispatch whose graph is not
+        # ready yet (background capture) runs eagerly, and its logits are no static output.
+        replayed = dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
         out = self.manager.run(dispatch, n, attn_metadata=meta)
         d = dispatch.descriptor
-        if dispatch.mode is GraphMode.FULL and d in self.ubatched_graphs:
+        if replayed and d in self.ubatched_graphs:
             self.ubatched_steps += 1
             self.ubatched_replays += 1
         if d.uniform_decode:
             logits, greedy = out
-            size = d.num_tokens if dispatch.mode is GraphMode.FULL else None
+            size = d.num_tokens if replayed else None
             return StepOutput(logits, greedy, size)
         return StepOutput(self.model.compute_logits(out[rows]))
 
@@ -247,21 +251,33 @@ class ModelRunner:
         ``KernelOptions.compile_ahead`` the engine's Triton kernels first, together;
         returns seconds (0.0 when there was nothing left to compile)."""
         self.plan_kernels()
+        return self._compile_on(self.inputs, self.forward)
+
+    def _compile_on(
+        self, inputs: StepInputs, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> float:
+        """``compile``'s work on padding rows of ``inputs`` through ``forward``."""
         pieces = self.piecewise is not None and not self.piecewise.stats.compiles
         if not pieces and not self._kernels_pending:
             return 0.0
         start = time.perf_counter()
-        with self._kernels_ahead():
+        with self._kernels_ahead(inputs):
             if pieces:
-                d = BatchDescriptor(self.limits.max_num_batched_tokens)
-                with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
-                    self._step(d)
+                n = self.limits.max_num_batched_tokens
+                with self._padding_context(inputs, n):
+                    forward(inputs.input_ids[:n], inputs.positions[:n])
         self.manager.platform.synchronize()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
+    def _padding_context(self, inputs: StepInputs, n: int) -> contextlib.AbstractContextManager:
+        """An eager step's context over ``n`` padding rows of ``inputs``."""
+        inputs.write_padding(n)
+        meta = StepAttention(inputs.metadata(n, [], []), self.cache, self.backend)
+        return forward_context(GraphMode.NONE, BatchDescriptor(n), meta)
+
     @contextlib.contextmanager
-    def _kernels_ahead(self) -> Iterator[None]:
+    def _kernels_ahead(self, inputs: StepInputs) -> Iterator[None]:
         """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
         thread pool (``triton_launch.compile_ahead``), queued first by one eager pass of
         the model per layout the steps launch: a prefill at the largest size, and a
@@ -274,9 +290,8 @@ class ModelRunner:
         self._kernels_pending = False
         with compile_ahead():
             for n in (self.limits.max_num_batched_tokens, 1):
-                d = BatchDescriptor(n)
-                with forward_context(GraphMode.NONE, d, self._dummy_metadata(d)):
-                    self.model(self.inputs.input_ids[:n], self.inputs.positions[:n])
+                with self._padding_context(inputs, n):
+                    self.model(inputs.input_ids[:n], inputs.positions[:n])
             yield
 
     def capture(self) -> CaptureReport:
@@ -304,6 +319,31 @@ class ModelRunner:
         if group is not None:
             dist.barrier(group=group)
         return report
+
+    def capture_in_background(self) -> BackgroundCapture:
+        """What ``capture`` does, on a thread (``ostinato.background``): returns at once.
+        The thread compiles first, on scratch inputs of its own; until it is done, steps
+        run the uncompiled model (the same function; Inductor's fused kernels may round
+        differently), then the compiled one, eagerly until their size's graph is ready.
+        Not with tensor parallelism (every rank would have to capture in step) or a
+        measuring micro-batching policy (it times captures)."""
+        if self.model.tp.group is not None or self.ubatch_candidates:
+            raise ValueError(
+                "capture='background': not with tensor parallelism or micro-batching, whose "
+                "graphs every rank captures in the same order; use capture='blocking'"
+            )
+        self.plan_kernels()  # sets the projections' plans: before any step runs
+        compiled = self.forward
+        if compiled is self.model and not self._kernels_pending:
+            return self.manager.capture_in_background()
+        self.forward = self.model
+
+        def compile_first() -> None:
+            self._compile_on(StepInputs(self.limits, self.device), compiled)
+            with self.manager.stepping():
+                self.forward = compiled
+
+        return self.manager.capture_in_background(prologue=compile_first)
 
     @torch.inference_mode()
     def replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:

@@ -152,16 +152,19 @@ class StepLoop:
         previous: InFlight | None = None,
     ) -> InFlight | None:
         """Queues ``step`` and its sampling on the device and starts copying the tokens
-        back; returns without waiting (None for a dummy step, which samples nothing)."""
-        out = self.runner.execute(step, agreement, previous and previous.sampled)
-        if not step.scheduled:
-            return None
-        if self.speculative:
-            return self._verified(step, out)
-        tokens = self.sampler.tokens([s.request.params for s in step.scheduled], out)
-        self.scheduler.launched(step)
-        index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
-        host, done = self.copy_back(tokens)
+        back; returns without waiting (None for a dummy step, which samples nothing).
+        Holds the step's turn throughout: a background capture writes dummy inputs into
+        the same buffers, and the sampler reads the step's outputs."""
+        with self.runner.manager.stepping():
+            out = self.runner.execute(step, agreement, previous and previous.sampled)
+            if not step.scheduled:
+                return None
+            if self.speculative:
+                return self._verified(step, out)
+            tokens = self.sampler.tokens([s.request.params for s in step.scheduled], out)
+            self.scheduler.launched(step)
+            index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
+            host, done = self.copy_back(tokens)
         return InFlight(step, PreviousSample(tokens, index), host, done)
 
     def _verified(self, step: ScheduledBatch, out: StepOutput) -> InFlight:

@@ -146,6 +146,20 @@ def test_plan_picks_triton_only_where_it_measured_faster():
     print([(t.shape.n, t.shape.swiglu, t.rows, t.cublas_us, t.triton_us) for t in timings])
 
 
+def test_plans_measured_once_are_read_from_the_compile_cache(tmp_path):
+    from ostinato.engine.worker.compile_cache import CompileCache
+
+    cache = CompileCache(tmp_path)
+    first = Linear(1536, 1000, bias=False).to(DEVICE, torch.bfloat16)
+    timings = plan_small_gemms([(first, False)], [1, 8], True, cache=cache)
+    assert timings and len(cache.load_plans()) == 1
+    second = Linear(1536, 1000, bias=False).to(DEVICE, torch.bfloat16)
+    assert plan_small_gemms([(second, False)], [1, 8], True, cache=cache) == []  # no timing
+    assert second.plan == first.plan
+    other_rows = Linear(1536, 1000, bias=False).to(DEVICE, torch.bfloat16)
+    assert plan_small_gemms([(other_rows, False)], [1, 4], True, cache=cache)  # new key
+
+
 def test_model_projections_with_forced_triton_plans_match_float32():
     # Every projection of a model through the Triton GEMM (SiLU·mul fused into the
     # gate/up projection), whatever the timing says: as close to float32 as cuBLAS.

@@ -64,6 +64,7 @@ from ostinato.engine.spec.speculative import (
     SpeculativeConfig,
     SpeculativeStats,
 )
+from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.memory import MemoryPlan, check_utilization, plan_memory
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.engine.worker.step_loop import StepLoop
@@ -158,8 +159,9 @@ class LLM:
     programmatic dependent launch, the start-up-tuned small GEMMs); default off.
 
     ``cache_dir``: where converted checkpoints (GGUF files) are kept so later starts map
-    them instead of converting (``loading.model_cache``): None for the default
-    (``$OSTINATO_CACHE_DIR`` or the user cache folder), a path, or False for no cache.
+    them instead of converting (``loading.model_cache``), and compiled pieces, Triton
+    kernels and small-GEMM plans (``worker.compile_cache``): None for the default
+    (``$OSTINATO_CACHE_DIR`` or the user cache folder), a path, or False for neither.
 
     ``capture`` (``GraphArgs``): ``"background"`` returns as soon as the weights and the
     KV cache are ready; a thread compiles and captures while steps run (eagerly, or
@@ -231,10 +233,14 @@ class LLM:
         if self.device.type == "cpu":
             limit_cpu_threads(parallel_config.world_size)
         opened = time.perf_counter()
+        model_cache = ModelCache.from_arg(cache_dir)
+        self.compile_cache = model_cache and CompileCache(model_cache.root)
+        if self.compile_cache is not None:
+            self.compile_cache.point_compilers_here()  # before anything compiles
         source = open_model(
             model,
             random_weights,
-            ModelCache.from_arg(cache_dir),
+            model_cache,
             resolve_dtype(dtype, self.device, torch.float32),  # a converted source's dtype
         )
         self._open_s = time.perf_counter() - opened
@@ -421,6 +427,7 @@ class LLM:
             uniform_decode_query_len=1 + spec.k if spec else 1,
             micro_batching=self.micro_batching,
             decode_hook=(lambda inputs: VerifyLookahead(inputs, spec.k)) if ahead else None,
+            compile_cache=self.compile_cache,
         )
         propose = self._proposer(backend, limits)
         self.scheduler = Scheduler(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine.model.linear import Linear
+from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.cuda import graph_call_us
 
 logger = logging.getLogger(__name__)
@@ -89,14 +90,18 @@ def plan_small_gemms(
     rows: Sequence[int],
     pdl: bool,
     min_gain: float = 0.03,
+    cache: CompileCache | None = None,
 ) -> list[GemmTiming]:
     """Measures every distinct projection shape of ``linears`` (``(linear, swiglu)``)
     at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and
     gives each linear its plan (``Linear.use_plan``): Triton where it was at least
-    ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements. Linears
-    with 32-bit weights, or off CUDA, get an empty plan (plain ``nn.Linear``)."""
+    ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements (none for a
+    plan found in ``cache``, where new plans are stored). Linears with 32-bit weights,
+    or off CUDA, get an empty plan (plain ``nn.Linear``)."""
     timings: list[GemmTiming] = []
     plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
+    stored = cache.load_plans() if cache is not None else {}
+    measured: dict[str, list[int]] = {}
     sizes: list[int] | None = None  # found at the first CUDA linear (the kernel needs Triton)
     for linear, swiglu in linears:
         w = linear.weight
@@ -106,6 +111,9 @@ def plan_small_gemms(
             linear.use_plan((), 0, pdl)
             continue
         key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
+        cache_key = cache and cache.plan_key(w.device, key, sizes, f"pdl={pdl} gain={min_gain}")
+        if key not in plans and cache_key in stored:
+            plans[key] = tuple(stored[cache_key])
         if key not in plans:
             plan = [0] * (sizes[-1] + 1)
             for r in sizes:
@@ -114,6 +122,8 @@ def plan_small_gemms(
                 if t.triton_us * (1 + min_gain) <= t.cublas_us:
                     plan[r] = t.config
             plans[key] = tuple(plan)
+            if cache_key:
+                measured[cache_key] = plan
             logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
         plan = plans[key]
         if any(plan):
@@ -122,6 +132,8 @@ def plan_small_gemms(
             linear.use_plan(plan, counters_needed(w.shape[0]), pdl)
         else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
             linear.use_plan((), 0, pdl)
+    if cache is not None and measured:
+        cache.store_plans(measured)
     return timings
 
 

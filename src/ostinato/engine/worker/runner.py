@@ -27,6 +27,7 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
+from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import GemmTiming, plan_small_gemms
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.ubatch_tuning import UbatchTiming, chosen, measure
@@ -66,7 +67,7 @@ class ModelRunner:
     ``KernelOptions`` (it is built with them; the attention backend with
     ``default_backend(device, kernels)``) also decide Inductor's PDL in the compiled
     pieces, and with ``small_gemm`` the projections' plans are measured at start-up,
-    before compiling (``gemm_timings``).
+    before compiling (``gemm_timings``), or read from ``compile_cache``.
     """
 
     def __init__(
@@ -82,8 +83,10 @@ class ModelRunner:
         uniform_decode_query_len: int = 1,
         micro_batching: MicroBatching | None = None,
         decode_hook: Callable[[StepInputs], DecodeStepHook] | None = None,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         self.model = model
+        self.compile_cache = compile_cache
         # RoPE goes where the backend says: in the model, or inside the attention op.
         model.rope_in_attention = getattr(backend, "applies_rope", False)
         self.cache = cache
@@ -239,7 +242,12 @@ class ModelRunner:
         compiled graph. Returns the measurements (empty when not asked for)."""
         if self.gemm_timings is None:
             self.gemm_timings = (
-                plan_small_gemms(self.model.linears(), self.small_gemm_rows, self.kernels.pdl)
+                plan_small_gemms(
+                    self.model.linears(),
+                    self.small_gemm_rows,
+                    self.kernels.pdl,
+                    cache=self.compile_cache,
+                )
                 if self.small_gemm_rows
                 else []
             )

@@ -91,9 +91,17 @@ class StartupTimes:
     compile_s: float
     capture_s: float
     total_s: float = 0.0
+    background: bool = False
 
     def summary(self) -> str:
-        """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0)``."""
+        """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0)``;
+        with background capture, ``start-up 2.1 s (open 0.4, weights 1.0; compile and
+        capture in the background)``."""
+        if self.background:
+            return (
+                f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights "
+                f"{self.weights_s:.1f}; compile and capture in the background)"
+            )
         return (
             f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights "
             f"{self.weights_s:.1f}, compile {self.compile_s:.1f}, capture {self.capture_s:.1f})"
@@ -442,7 +450,11 @@ class LLM:
         self._capture(propose, seed)
         compile_s = self.runner.compile_seconds
         self.startup = StartupTimes(
-            self._open_s, weights_s, compile_s, time.perf_counter() - capture_start - compile_s
+            self._open_s,
+            weights_s,
+            compile_s,
+            time.perf_counter() - capture_start - compile_s,
+            background=self.background is not None,
         )
 
     def _load_weights(self, source: ModelSource, dtype: torch.dtype, seed: int) -> float:

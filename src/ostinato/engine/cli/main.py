@@ -219,9 +219,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     spec = args.speculative if args.speculative != "oracle" else None
     llm = LLM(args.model, speculative=spec, **engine_args)
+    graphs = llm.capture_report.summary() if llm.background is None else "graphs: background"
     print(
         f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
-        f"{llm.startup.summary()}; {llm.capture_report.summary()}"
+        f"{llm.startup.summary()}; {graphs}",
+        flush=True,
     )
     for why in llm.resolution.reasons:
         print(f"  downgraded: {why}")
@@ -256,6 +258,14 @@ def _generate(args: argparse.Namespace) -> int:
             f"speculative {args.speculative}, k={args.num_speculative_tokens}: acceptance "
             f"{st.acceptance_rate:.0%}, {st.tokens_per_verification:.2f} tokens per target step"
         )
+    if llm.background is not None:
+        print(llm.background.summary(), flush=True)
+        if not llm.background.done:
+            # The answer is out; waiting for a compilation in progress to end would only
+            # delay the exit (caches are written by renames: nothing is left half-made).
+            sys.stderr.flush()
+            os._exit(0)
+    llm.close()
     return 0
 
 

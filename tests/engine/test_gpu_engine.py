@@ -321,3 +321,14 @@ def test_chunked_greedy_equals_argmax_on_gpu_with_ties(vocab):
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     smooth = torch.randn(33, vocab, generator=g, device=DEVICE)
     assert torch.equal(greedy_tokens(smooth), smooth.argmax(dim=-1))
+
+
+def test_a_model_made_inside_a_cuda_device_context_keeps_its_rope_there():
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import SHAPES
+
+    with torch.device("cuda"):
+        model = DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]))
+    assert model.inv_freq.device.type == "cuda"
+    assert all(p.device.type == "cuda" for p in model.parameters())

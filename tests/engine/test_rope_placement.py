@@ -75,3 +75,16 @@ def test_the_norm_ops_compute_transformers_arithmetic_and_refuse_a_mismatched_re
     for bad in (torch.randn(1, 8), torch.randn(3, 8, dtype=torch.float64)):
         with pytest.raises(ValueError, match="add_rms_norm: x .* and residual .* must match"):
             add_rms_norm_reference(x, bad, w, 1e-5)
+
+
+def test_rope_frequencies_are_made_where_the_model_is():
+    # Computed on the CPU (no torch._refs import), then placed on the model's device,
+    # a torch.device context included.
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import SHAPES
+
+    with torch.device("meta"):
+        model = DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]))
+    assert model.inv_freq.device.type == "meta"
+    assert DecoderModel(ModelConfig.from_hf(SHAPES["tiny"])).inv_freq.device.type == "cpu"

@@ -191,7 +191,9 @@ class DecoderModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, self.vocab_local, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # On the device the model is made on (a ``torch.device`` context included).
+        inv_freq = rope_inv_freq(config).to(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> DecoderModel:
         # Module.to(dtype) would round the RoPE frequencies to bf16, which shifts the

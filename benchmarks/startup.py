@@ -142,13 +142,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--only", default=None, help="run the scenarios whose name has this")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated: run the scenarios whose name has one"
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ostinato-startup-"))
     runs = []
     for name, command, key in scenarios(args):
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
                                                               "TRITON_CACHE_DIR")}  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 
 from ostinato.engine.loading.gguf_file import GGUFCheckpoint
 from ostinato.engine.loading.model_cache import CachedModel, ModelCache
+from ostinato.engine.loading.tokenizer_file import load_tokenizer
 from ostinato.engine.loading.weights import assign_tensors, checkpoint_files, load_weights
 from ostinato.engine.model.config import ModelConfig, ModelConfigError
 from ostinato.engine.model.decoder import DecoderModel
@@ -128,7 +129,9 @@ def _cached(name: str, entry: CachedModel) -> ModelSource:
     def load(model: DecoderModel) -> None:
         load_weights(model, entry.folder)
 
-    tokenizer = _hf_tokenizer(entry.tokenizer_dir) if entry.tokenizer_dir else None
+    folder = entry.tokenizer_dir
+    # Without importing transformers where the entry allows it (seconds: tokenizer_file).
+    tokenizer = folder and (load_tokenizer(folder) or _hf_tokenizer(folder))
     return ModelSource(name, entry.config, load, tokenizer, entry.eos_token_ids, torch.float32)
 
 

@@ -5,8 +5,8 @@ chat template rendered by jinja2; importing transformers to get them costs secon
 a development machine, about 8 s on the H200 host: it imports ``torch.distributed.fsdp``
 and Dynamo). ``load_tokenizer`` builds ``TokenizerFile`` from those two libraries where
 the entry is one it reproduces exactly, and otherwise (no ``tokenizer.json``, a template
-jinja2 alone cannot parse, clean-up of decoded spaces asked for) returns None so that the
-caller uses transformers.
+jinja2 alone cannot parse, clean-up of decoded spaces that the installed transformers
+would apply) returns None so that the caller uses transformers.
 
 Guarantees, for the entries it accepts: ``encode`` and ``decode`` give the ids and text
 transformers gives for the same folder (``tokenizers`` does the work in both), and
@@ -81,7 +81,7 @@ def load_tokenizer(folder: Path) -> TokenizerFile | None:
         config = json.loads((folder / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return None
-    if config.get("clean_up_tokenization_spaces"):
+    if config.get("clean_up_tokenization_spaces") and _cleans_up(path):
         return None  # transformers would rewrite decoded text; leave that to it
     special = {k: _token_text(config.get(k)) for k in _SPECIAL if config.get(k) is not None}
     chat_template = config.get("chat_template")
@@ -98,6 +98,25 @@ def load_tokenizer(folder: Path) -> TokenizerFile | None:
     except Exception:  # an unreadable file or a template needing transformers' extensions
         return None
     return TokenizerFile(tokenizer, template, chat_template, special)
+
+
+def _cleans_up(tokenizer_json: Path) -> bool:
+    """Whether the installed transformers applies ``clean_up_tokenization_spaces`` to this
+    tokenizer's decoded text: always before version 5; from 5 on, not for BPE models
+    (it says it ignores the flag there). Read without importing transformers."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return True
+    if major < 5:
+        return True
+    try:
+        model = json.loads(tokenizer_json.read_text()).get("model", {})
+    except (OSError, ValueError):
+        return True
+    return model.get("type") != "BPE"
 
 
 def _token_text(value: Any) -> str:

@@ -59,7 +59,7 @@ BAD = [
     (["--prompt", "hi"], "text given but the model has no tokenizer"),
     (["--prompt", "hi", "--prompt-ids", "1"], "give --prompt-ids or --prompt, not both"),
     (["--chat"], "--chat: the model has no chat template"),
-    (["--prompt-ids", ",".join(["1"] * 70)], "prompt 0: 70 tokens leave no room"),
+    (["--prompt-ids", ",".join(["1"] * 70)], "--prompt-ids 0: 70 tokens leave no room"),
     (["--speculative", "medusa"], "--speculative: method 'medusa' is not one of"),
     (["--speculative", "self:x"], "--speculative: 'self:x': write self:N"),
     (["--num-speculative-tokens", "17"], "--num-speculative-tokens: must be in [1, 16]"),
@@ -216,3 +216,39 @@ def test_no_cache_and_cache_dir_together_are_refused(capsys):
         main(["generate", "--no-cache", "--cache-dir", "/tmp/x", "--random-weights"])
     assert exc.value.code == 2
     assert "--cache-dir or --no-cache" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130_after_one_line(capsys, monkeypatch):
+    import ostinato.engine.cli.main as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    assert main(["generate", "--random-weights", "--model", "tiny"]) == 130
+    assert capsys.readouterr().err.strip() == "ostinato: interrupted"
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("", False), ("off", False), ("1", True)])
+def test_ostinato_traceback_zero_means_off(value, on, monkeypatch):
+    from ostinato.engine.cli.main import tracebacks_on
+
+    monkeypatch.setenv("OSTINATO_TRACEBACK", value)
+    assert tracebacks_on() is on
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", "  "], "--prompt 0: empty"),
+        (["--prompt-ids", "1,-2,3"], "--prompt-ids 0: token ids must be >= 0"),
+        (["--prompt-ids", "1,2,3,4", "--max-model-len", "4"], "leave no room to generate"),
+    ],
+)
+def test_prompt_checks_that_need_no_model_come_first(extra, message, capsys, monkeypatch):
+    import ostinato.engine.cli.main as cli
+
+    monkeypatch.setattr(cli, "_generate", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", "tiny", *extra])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -131,3 +131,60 @@ def test_max_model_len_beyond_the_models_positions():
 def test_num_blocks_too_small_for_one_sequence():
     with pytest.raises(ValueError, match="num_blocks: 3 blocks .* cannot hold one sequence"):
         LLM("tiny", device="cpu", max_model_len=64, num_blocks=3, progress=False)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(llm):
+    tiny = SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True)
+    assert tiny.temperature == 0.0 and tiny.greedy
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert (
+        llm.generate([[5, 6, 7]], tiny)[0].token_ids
+        == llm.generate([[5, 6, 7]], greedy)[0].token_ids
+    )
+
+
+def test_text_that_is_not_valid_unicode_names_its_prompt():
+    from ostinato.engine.api.prompts import check_prompts
+
+    class Letters:
+        def encode(self, text):
+            return [ord(c) % 100 for c in text]
+
+    with pytest.raises(ValueError, match=r"prompt 1: text that is not valid Unicode"):
+        check_prompts(["fine", "bad \udc80 byte"], Letters(), 100, lambda tokens: None)
+
+
+def test_generate_from_several_threads_gives_each_its_solo_tokens(llm):
+    import threading
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [[i + 1, 2 * i + 3, 7] for i in range(6)]
+    solo = [llm.generate([p], params)[0].token_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def call(i: int) -> None:
+        got[i] = llm.generate([prompts[i]], params)[0].token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(len(prompts))] == solo
+    assert_clean_and_working(llm)
+
+
+def test_generate_inside_its_own_callback_is_refused(llm):
+    def again(index, token):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1))
+
+    with pytest.raises(RuntimeError, match="inside its own on_token callback"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2), on_token=again)
+    assert_clean_and_working(llm)
+
+
+def test_a_closed_engine_says_it_is_closed():
+    closed = LLM("tiny", device="cpu", max_model_len=32, max_num_seqs=2, progress=False)
+    closed.close()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        closed.generate([[1, 2]])

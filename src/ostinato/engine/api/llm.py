@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import multiprocessing
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -218,6 +219,9 @@ class LLM:
         **keywords: Any,
     ) -> None:
         start = time.perf_counter()
+        # One generate at a time: the scheduler and the step buffers have one owner.
+        self._one_call = threading.Lock()
+        self._generating_thread: int | None = None
         cache, graphs, parallel = group_arguments(cache, graphs, parallel, keywords)
         # Every argument, grouped: the engine's own worker processes get the same.
         engine_kwargs = dict(
@@ -622,7 +626,31 @@ class LLM:
         (``ValueError`` / ``TypeError`` naming the prompt and the problem), and if the
         call raises or is interrupted (Ctrl-C) its requests are aborted and their KV
         blocks freed, so the engine stays usable and no later call finishes old work.
+
+        Calls from several threads run one after the other (each gets exactly what it
+        gets alone); a call from inside an ``on_token`` callback is refused; a closed
+        engine says so (``RuntimeError``).
         """
+        if "scheduler" not in self.__dict__:
+            raise RuntimeError("generate: this LLM is closed; make a new one")
+        if self._generating_thread == threading.get_ident():
+            raise RuntimeError(
+                "generate: called again from inside its own on_token callback; collect the "
+                "tokens and call generate after it returns"
+            )
+        with self._one_call:
+            self._generating_thread = threading.get_ident()
+            try:
+                return self._checked_generate(prompts, params, on_token)
+            finally:
+                self._generating_thread = None
+
+    def _checked_generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        on_token: TokenCallback | None,
+    ) -> list[RequestOutput]:
         token_prompts = check_prompts(
             prompts, self.tokenizer, self.config.vocab_size, self.scheduler.check
         )

@@ -54,6 +54,14 @@ def _encode(i: int, prompt: Prompt, tokenizer: Any) -> list[int]:
             raise ValueError(
                 f"prompt {i}: text given but the model has no tokenizer; pass token ids"
             )
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"prompt {i}: text that is not valid Unicode ({exc.reason} at character "
+                f"{exc.start}: {prompt[exc.start : exc.end]!r}); decode the bytes it came from "
+                "with errors='replace', or pass token ids"
+            ) from None
         return list(tokenizer.encode(prompt))
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(

@@ -332,6 +332,28 @@ class _Stream:
             print(self.llm.decode(self.tokens)[len(self.shown) :], flush=True)
 
 
+def tracebacks_on() -> bool:
+    """``OSTINATO_TRACEBACK`` set to anything but empty, 0, false, no or off."""
+    value = os.environ.get("OSTINATO_TRACEBACK", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+def _check_prompts_early(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The prompt checks that need no model, before one is loaded: empty text, empty or
+    negative token ids, and ids longer than ``--max-model-len`` allows."""
+    for i, text in enumerate(args.prompt or []):
+        if not text.strip():
+            parser.error(f"--prompt {i}: empty; give some text")
+    for i, ids in enumerate(args.prompt_ids or []):
+        if any(t < 0 for t in ids):
+            parser.error(f"--prompt-ids {i}: token ids must be >= 0, got {min(ids)}")
+        if args.max_model_len is not None and len(ids) >= args.max_model_len:
+            parser.error(
+                f"--prompt-ids {i}: {len(ids)} tokens leave no room to generate within "
+                f"--max-model-len {args.max_model_len}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the ``ostinato`` command with ``argv``; returns the exit status."""
     parser = OneLineParser(prog="ostinato", description="CUDA graphs for PyTorch inference.")
@@ -354,14 +376,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give --prompt-ids or --prompt, not both")
         if args.no_cache and args.cache_dir is not None:
             parser.error("give --cache-dir or --no-cache, not both")
+        _check_prompts_early(parser, args)
         return _generate(args)
     except KeyboardInterrupt:
-        fail("interrupted")
+        print("ostinato: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, the shell's convention
     except Exception as exc:
         from ostinato.errors import OstinatoError
 
         expected = (ValueError, TypeError, MemoryError, OSError, OstinatoError)
-        if not isinstance(exc, expected) or os.environ.get("OSTINATO_TRACEBACK"):
+        if not isinstance(exc, expected) or tracebacks_on():
             raise
         # Engine errors name their cause and fix; a traceback would add nothing for a user.
         fail(f"error: {exc} (set OSTINATO_TRACEBACK=1 for the traceback)")

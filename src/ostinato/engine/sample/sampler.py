@@ -11,10 +11,15 @@ import torch
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.mathutil import is_int
 
+MIN_TEMPERATURE = 1e-5
+"""Below this a temperature means greedy (logits of ~100 over it still fit in float32)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy. Validated on construction."""
+    """How to pick tokens. ``temperature == 0`` is greedy, and so is any temperature below
+    ``MIN_TEMPERATURE`` (it is stored as 0: dividing logits by it would overflow float32
+    and turn the softmax into NaN). Validated on construction."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -27,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature: must be a number >= 0, got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(

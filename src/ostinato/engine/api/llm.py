@@ -222,6 +222,7 @@ class LLM:
         # One generate at a time: the scheduler and the step buffers have one owner.
         self._one_call = threading.Lock()
         self._generating_thread: int | None = None
+        self._needs_reset = False  # a failed call's reset was itself interrupted
         cache, graphs, parallel = group_arguments(cache, graphs, parallel, keywords)
         # Every argument, grouped: the engine's own worker processes get the same.
         engine_kwargs = dict(
@@ -694,6 +695,9 @@ class LLM:
         on_token: TokenCallback | None,
     ) -> list[RequestOutput]:
         requests: list[Request] = []
+        if self._needs_reset:
+            self.scheduler.reset()
+            self._needs_reset = False
         try:
             for tokens, p in zip(token_prompts, plist, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
@@ -712,7 +716,12 @@ class LLM:
             if watchdog is not None:
                 watchdog.check()
         except BaseException as exc:
-            self.scheduler.abort(requests)
+            # Everything queued was this call's (calls run one at a time); a reset holds
+            # wherever an interrupt stopped the scheduler's or the pool's host code. A
+            # second interrupt inside it leaves the flag up: the next call resets first.
+            self._needs_reset = True
+            self.scheduler.reset()
+            self._needs_reset = False
             if self.parallel.world_size > 1:
                 self._stop_after(exc)
             raise

@@ -41,6 +41,10 @@ class BlockPool:
         """Returns ``blocks`` to the pool."""
         self._free.extend(blocks)
 
+    def reset(self) -> None:
+        """Every block (but the null block) free again, whoever held it."""
+        self._free = deque(range(1, self.num_blocks))
+
 
 class KVCache:
     """Per-layer key and value tensors, ``[num_blocks, block_size, num_kv_heads, head_dim]``.

@@ -408,6 +408,18 @@ class Scheduler:
         for req in [r for r in self.running if r.id in ids]:
             self._release(req)
 
+    def reset(self) -> None:
+        """Drops every request and frees every block: the state after a call that failed
+        or was interrupted (calls run one at a time, so everything queued was that
+        call's). Derived, not repaired: whatever line an interrupt stopped (a block taken
+        from the pool but not yet given to its request, a finished request not yet out
+        of ``running``), nothing is owned afterwards. Safe to call again."""
+        for req in [*self.running, *self.waiting]:
+            req.blocks = []
+        self.running = []
+        self.waiting = deque()
+        self.pool.reset()
+
     def _release(self, req: Request) -> None:
         # Blocks freed here may still be written by a step already on the device; a
         # later step that reuses them runs after it on the same stream.

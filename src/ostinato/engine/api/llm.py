@@ -575,6 +575,19 @@ class LLM:
             self.workers = None
         return done
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Inside, this thread owns the engine: ``generate`` from other threads waits
+        (``serve.loop.EngineLoop`` holds it while it serves). Refused on a closed engine."""
+        if "scheduler" not in self.__dict__:
+            raise RuntimeError("exclusive: this LLM is closed; make a new one")
+        with self._one_call:
+            self._generating_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._generating_thread = None
+
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Waits (at most ``timeout`` seconds) for a background capture to end; True when
         every graph is ready (at once after a blocking capture), False on a timeout or

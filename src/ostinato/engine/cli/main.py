@@ -1,5 +1,5 @@
-"""The ``ostinato`` command line: ``demo`` and ``generate`` (benchmarks run from the
-repository: ``python -m benchmarks``).
+"""The ``ostinato`` command line: ``demo``, ``generate`` and ``serve`` (benchmarks run from
+the repository: ``python -m benchmarks``).
 
 Every bad option or input exits with status 2 and one line on stderr that names the
 option, what was wrong and the fix; options are checked before any model is loaded.
@@ -99,6 +99,19 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
     _engine_options(gen)
     return gen
+
+
+def _serve_parser(sub: Any) -> argparse.ArgumentParser:
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    srv.add_argument("--model", help="as for generate; default: SmolLM2-135M-Instruct")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=bounded_int(1, 65535), default=8000, help="TCP port")
+    _engine_options(srv)
+    return srv
 
 
 def _engine_options(gen: argparse.ArgumentParser) -> None:
@@ -216,18 +229,11 @@ def keep_bytecode(cache_dir: str | None) -> str | None:
     return folder
 
 
-def _generate(args: argparse.Namespace) -> int:
-    if not args.no_cache:
-        keep_bytecode(args.cache_dir)
-    from ostinato.engine import LLM, KernelOptions, SamplingParams
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` keywords from the engine options ``generate`` and ``serve`` share."""
+    from ostinato.engine import KernelOptions
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        ignore_eos=args.ignore_eos,
-    )
-    engine_args = dict(
+    return dict(
         mode=args.mode,
         device=args.device,
         max_model_len=args.max_model_len,
@@ -242,14 +248,49 @@ def _generate(args: argparse.Namespace) -> int:
             pdl=args.pdl, small_gemm=args.small_gemm, compile_ahead=args.compile_ahead
         ),
     )
-    spec = args.speculative if args.speculative != "oracle" else None
-    llm = LLM(args.model, speculative=spec, **engine_args)
+
+
+def _start_engine(args: argparse.Namespace, speculative: str | None) -> Any:
+    """The engine the options ask for, after the start-up line is printed."""
+    if not args.no_cache:
+        keep_bytecode(args.cache_dir)
+    from ostinato.engine import LLM
+
+    llm = LLM(args.model, speculative=speculative, **_engine_args(args))
     graphs = llm.capture_report.summary() if llm.background is None else "graphs: background"
     print(
         f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
         f"{llm.startup.summary()}; {graphs}",
         flush=True,
     )
+    return llm
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from ostinato.engine.serve.app import serve
+    except ImportError as exc:
+        fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
+    llm = _start_engine(args, args.speculative if args.speculative != "oracle" else None)
+    name = args.model or "smollm2-135m"
+    print(f"serving {name} at http://{args.host}:{args.port}/v1", flush=True)
+    serve(llm, name, args.host, args.port)
+    llm.close()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ostinato.engine import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
+    )
+    engine_args = _engine_args(args)
+    spec = args.speculative if args.speculative != "oracle" else None
+    llm = _start_engine(args, spec)
     for why in llm.resolution.reasons:
         print(f"  downgraded: {why}")
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))
@@ -364,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "question with SmolLM2-135M",
     )
     _generate_parser(sub)
+    _serve_parser(sub)
     if argv is None:
         argv = sys.argv[1:]
     try:
@@ -372,10 +414,12 @@ def main(argv: list[str] | None = None) -> int:
             from ostinato.engine.cli.demo import main as demo_main
 
             return demo_main()
-        if args.prompt_ids and args.prompt:
-            parser.error("give --prompt-ids or --prompt, not both")
         if args.no_cache and args.cache_dir is not None:
             parser.error("give --cache-dir or --no-cache, not both")
+        if args.command == "serve":
+            return _serve(args)
+        if args.prompt_ids and args.prompt:
+            parser.error("give --prompt-ids or --prompt, not both")
         _check_prompts_early(parser, args)
         return _generate(args)
     except KeyboardInterrupt:

@@ -15,11 +15,13 @@ from ostinato.engine.sample.sampler import SamplingParams
 
 
 class FinishReason(enum.Enum):
-    """Why a request stopped: an EOS or stop token, ``max_tokens``, or ``max_model_len``."""
+    """Why a request stopped: an EOS or stop token, ``max_tokens``, ``max_model_len``, or
+    an abort by its caller (``serve.loop.EngineLoop.abort``)."""
 
     STOP = "stop"
     LENGTH = "length"
     MAX_MODEL_LEN = "max_model_len"
+    ABORT = "abort"
 
 
 @dataclass(eq=False)  # identity: the scheduler's lists hold each request once

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP server over an ``EngineLoop`` (FastAPI; run by uvicorn).
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream`` for
+server-sent events), ``GET /v1/models``, ``GET /health`` (ready once the engine answers;
+says whether graphs are still being captured) and ``GET /metrics`` (Prometheus text).
+
+Guarantees: a bad request is a 400 with OpenAI's error body naming the field
+(``param``); a streaming client that disconnects, or a waiting one that goes away,
+aborts its request (its KV blocks are freed at the next step); one choice per request
+(``n`` other than 1 is refused by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.serve.loop import EngineLoop, RequestHandle
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class BadRequest(Exception):
+    """A request the engine refuses: ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _error(message: str, param: str | None, status: int = 400) -> JSONResponse:
+    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+class Metrics:
+    """The Prometheus series of one server."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ostinato_requests", "Requests received", ["route"], registry=r)
+        self.tokens = Counter("ostinato_generated_tokens", "Tokens streamed out", registry=r)
+        self.aborted = Counter("ostinato_aborted_requests", "Requests aborted", registry=r)
+        self.ttft = Histogram("ostinato_time_to_first_token_seconds", "TTFT", registry=r)
+        queue = Gauge("ostinato_queue_depth", "Requests waiting to run", registry=r)
+        queue.set_function(lambda: loop.queue_depth)
+        running = Gauge("ostinato_running_requests", "Requests running", registry=r)
+        running.set_function(lambda: loop.running)
+        steps = Gauge("ostinato_engine_steps", "Engine steps run", registry=r)
+        steps.set_function(lambda: loop.stats.steps)
+        step = Gauge("ostinato_step_seconds_mean", "Mean of the last steps", registry=r)
+        step.set_function(
+            lambda: sum(loop.stats.step_seconds) / max(1, len(loop.stats.step_seconds))
+        )
+
+
+def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
+    """The server's app over ``loop``, answering as model ``model_name``."""
+    app = FastAPI(title="ostinato")
+    metrics = Metrics(loop)
+    llm = loop.llm
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(f"{param}: {first['msg']}", param or None)
+
+    @app.exception_handler(BadRequest)
+    async def refused(request: Request, exc: BadRequest) -> JSONResponse:
+        return _error(str(exc), exc.param)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        background = llm.background
+        graphs = "ready" if background is None or background.done else "capturing"
+        return {"status": "ok", "graphs": graphs, "free_kv_blocks": llm.free_kv_blocks}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "ostinato"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        metrics.requests.labels("completions").inc()
+        return await _answer(body, body.prompt, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request) -> Response:
+        metrics.requests.labels("chat").inc()
+        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+            raise BadRequest("messages: the model has no chat template", "messages")
+        prompt = llm.chat_prompt([m.model_dump() for m in body.messages])
+        return await _answer(body, prompt, request, chat=True)
+
+    async def _answer(body: _Body, prompt: Any, request: Request, chat: bool) -> Response:
+        handle = await _submit(body, prompt)
+        meta = _Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}", model_name)
+        if body.stream:
+            events = _stream(handle, meta, chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+        try:
+            tokens = [t async for t in _timed(handle)]
+        finally:
+            watcher.cancel()
+        text = llm.decode(tokens) if llm.tokenizer is not None else ""
+        return JSONResponse(meta.whole(text, tokens, handle, chat))
+
+    async def _submit(body: _Body, prompt: Any) -> RequestHandle:
+        if body.n != 1:
+            raise BadRequest("n: only n=1 is supported", "n")
+        if isinstance(prompt, str) and llm.tokenizer is None:
+            raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
+        try:
+            params = SamplingParams(
+                max_tokens=body.max_tokens or 16, temperature=body.temperature, top_p=body.top_p
+            )
+            return await loop.asubmit(prompt, params)
+        except (ValueError, TypeError) as exc:
+            field = str(exc).split(":", 1)[0].split()[0]
+            raise BadRequest(str(exc), "prompt" if field == "prompt" else field) from None
+
+    async def _timed(handle: RequestHandle) -> AsyncIterator[int]:
+        start, first = time.perf_counter(), True
+        async for token in handle:
+            if first:
+                metrics.ttft.observe(time.perf_counter() - start)
+                first = False
+            metrics.tokens.inc()
+            yield token
+
+    async def _abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.1)
+        loop.abort(handle.id)
+        metrics.aborted.inc()
+
+    async def _stream(handle: RequestHandle, meta: _Meta, chat: bool) -> AsyncIterator[str]:
+        tokens: list[int] = []
+        shown = ""
+        finished = False
+        try:
+            async for token in _timed(handle):
+                tokens.append(token)
+                text = llm.decode(tokens) if llm.tokenizer is not None else ""
+                if text.endswith("\ufffd"):
+                    continue  # the rest of a multi-byte character comes with a later token
+                delta, shown = text[len(shown) :], text
+                yield _sse(meta.chunk(delta, [token], None, chat))
+            finished = True
+            yield _sse(meta.chunk("", [], _finish(handle), chat))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream
+                loop.abort(handle.id)
+                metrics.aborted.inc()
+
+    return app
+
+
+class _Meta:
+    """The id, creation time and model of one response, and its JSON bodies."""
+
+    def __init__(self, response_id: str, model: str) -> None:
+        self.id, self.model, self.created = response_id, model, int(time.time())
+
+    def _head(self, chat: bool, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": f"{kind}.chunk" if chat and chunk else kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def chunk(self, text: str, tokens: list[int], finish: str | None, chat: bool) -> dict:
+        if chat:
+            choice = {"index": 0, "delta": {"content": text} if text else {}}
+        else:
+            choice = {"index": 0, "text": text, "token_ids": tokens}
+        return {**self._head(chat, True), "choices": [{**choice, "finish_reason": finish}]}
+
+    def whole(self, text: str, tokens: list[int], handle: RequestHandle, chat: bool) -> dict:
+        finish = _finish(handle)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "token_ids": tokens}
+        usage = {
+            "prompt_tokens": len(handle.prompt),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(handle.prompt) + len(tokens),
+        }
+        return {
+            **self._head(chat, False),
+            "choices": [{**choice, "finish_reason": finish}],
+            "usage": usage,
+        }
+
+
+def _finish(handle: RequestHandle) -> str | None:
+    reason = handle.finish_reason
+    if reason is None:
+        return None
+    return "length" if reason.value in ("length", "max_model_len") else reason.value
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def serve(llm: Any, model_name: str, host: str, port: int) -> None:
+    """Runs the server until interrupted, then stops the engine loop."""
+    import uvicorn
+
+    loop = EngineLoop(llm)
+    try:
+        uvicorn.run(build_app(loop, model_name), host=host, port=port, log_level="warning")
+    finally:
+        with contextlib.suppress(Exception):
+            loop.stop()

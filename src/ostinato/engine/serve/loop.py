@@ -1,0 +1,226 @@
+"""``EngineLoop``: one thread owns an ``LLM`` and steps it; any thread or asyncio task
+submits requests, streams their tokens and aborts them.
+
+Guarantees: requests are checked in the caller's thread (``submit`` raises the same
+``ValueError`` / ``TypeError`` as ``generate``, naming the field) and run in the loop's
+thread only, so the scheduler and the step buffers have one owner; a request's tokens are
+those ``generate`` gives it alone (greedy), whoever else is running; ``abort(id)`` takes
+effect at the next step boundary and frees the request's KV blocks; a step that raises
+ends every running request with that error and leaves the engine clean (the scheduler
+is reset), and the loop goes on serving. While the loop runs it holds the engine
+(``LLM.exclusive``): ``LLM.generate`` from other threads waits until ``stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
+from ostinato.engine.core.scheduler import FinishReason, Request
+from ostinato.engine.sample.sampler import SamplingParams
+
+_END = object()
+
+
+@dataclass
+class LoopStats:
+    """Counters of a loop's life (what ``/metrics`` exports)."""
+
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0
+    tokens: int = 0
+    steps: int = 0
+    step_seconds: list[float] = field(default_factory=list)  # the last 1024 steps
+
+    def record_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds.append(seconds)
+        del self.step_seconds[:-1024]
+
+
+class RequestHandle:
+    """One request: its ``id``, a blocking iterator (``for token in handle``) and an async
+    one (``async for token in handle``) over its token ids, and, once they end,
+    ``finish_reason``. An iterator raises the engine's error if the request failed."""
+
+    def __init__(self, request_id: str, prompt: list[int], aloop: Any = None) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.finish_reason: FinishReason | None = None
+        self._aloop = aloop
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._aqueue: asyncio.Queue[Any] | None = asyncio.Queue() if aloop is not None else None
+
+    def _put(self, item: Any) -> None:
+        if self._aqueue is not None:
+            self._aloop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+        else:
+            self._queue.put(item)
+
+    def _end(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
+        self.finish_reason = reason
+        self._put(error if error is not None else _END)
+
+    def __iter__(self) -> Iterator[int]:
+        if self._aqueue is not None:
+            raise TypeError("this request was submitted with asubmit: use `async for`")
+        while (item := self._queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield from item
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        if self._aqueue is None:
+            raise TypeError("this request was submitted with submit: use `for`")
+        while (item := await self._aqueue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            for token in item:
+                yield token
+
+
+@dataclass
+class _Live:
+    handle: RequestHandle
+    request: Request
+    emitted: int = 0
+
+
+class EngineLoop:
+    """Serves ``llm`` from a thread of its own (see the module docstring)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.stats = LoopStats()
+        self._ids = itertools.count()
+        self._submitted: queue.Queue[tuple[RequestHandle, SamplingParams]] = queue.Queue()
+        self._aborts: queue.Queue[str] = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ostinato-engine", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Queues ``prompt`` (token ids, or text with a tokenizer); returns its handle.
+        Checks everything first: ``ValueError`` / ``TypeError`` name the problem."""
+        return self._submit(prompt, params, None)
+
+    async def asubmit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """``submit`` for asyncio: the handle's tokens arrive on the running event loop."""
+        return self._submit(prompt, params, asyncio.get_running_loop())
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, aloop: Any) -> RequestHandle:
+        if self._stop.is_set():
+            raise RuntimeError("submit: the engine loop is stopped")
+        llm = self.llm
+        vocab, fits = llm.config.vocab_size, llm.scheduler.check
+        (tokens,) = check_prompts([prompt], llm.tokenizer, vocab, fits)
+        (p,) = check_params(params, 1)
+        handle = RequestHandle(f"req-{next(self._ids)}", tokens, aloop)
+        self._submitted.put((handle, p))
+        self._wake.set()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Ends request ``request_id`` at the next step boundary (finish reason ABORT) and
+        frees its KV blocks; unknown or finished ids are ignored."""
+        self._aborts.put(request_id)
+        self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet admitted, plus those waiting for a seat."""
+        return self._submitted.qsize() + len(self.llm.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._live)
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Ends every request (ABORT), frees its blocks and releases the engine."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        with self.llm.exclusive():
+            self._started.set()
+            while not self._stop.is_set():
+                self._admit()
+                self._take_aborts()
+                if not self.llm.scheduler.has_work:
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                self._step()
+            self._end_all(FinishReason.ABORT, None)
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                handle, params = self._submitted.get_nowait()
+            except queue.Empty:
+                return
+            request = self.llm.scheduler.add(handle.prompt, params)
+            self._live[handle.id] = _Live(handle, request)
+            self.stats.requests += 1
+
+    def _take_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                self.llm.scheduler.abort([live.request])
+                self.stats.aborted += 1
+                live.handle._end(FinishReason.ABORT)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.llm.loop.step()
+        except Exception as exc:  # the step's error ends its requests; the loop serves on
+            self.llm.scheduler.reset()
+            self.stats.failed += len(self._live)
+            self._end_all(None, exc)
+            return
+        self.stats.record_step(time.perf_counter() - start)
+        for request_id, live in list(self._live.items()):
+            new = live.request.output[live.emitted :]
+            if new:
+                live.emitted += len(new)
+                self.stats.tokens += len(new)
+                live.handle._put(list(new))
+            if live.request.finished:
+                del self._live[request_id]
+                self.stats.finished += 1
+                live.handle._end(live.request.finish_reason)
+
+    def _end_all(self, reason: FinishReason | None, error: BaseException | None) -> None:
+        if reason is FinishReason.ABORT and self._live:
+            self.llm.scheduler.abort([live.request for live in self._live.values()])
+        for live in self._live.values():
+            live.handle._end(reason, error)
+        self._live.clear()
+        while True:  # submitted but never admitted
+            try:
+                handle, _ = self._submitted.get_nowait()
+            except queue.Empty:
+                return
+            handle._end(reason, error)

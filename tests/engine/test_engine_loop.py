@@ -1,0 +1,123 @@
+"""One engine loop, many callers: threads and asyncio tasks submitting, streaming and
+aborting against one engine; each result equals its solo greedy output, every block is
+free afterwards."""
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.core.scheduler import FinishReason
+from ostinato.engine.serve.loop import EngineLoop
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", device="cpu", max_model_len=96, max_num_seqs=4, progress=False)
+
+
+def workload(n, seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(2, 24))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def solo(llm, prompts, params):
+    return [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+
+
+def test_threads_streaming_and_aborting_get_their_solo_tokens(llm):
+    prompts, params = workload(16, seed=1)
+    want = solo(llm, prompts, params)
+    loop = EngineLoop(llm)
+    got, aborted = {}, set()
+
+    def client(i):
+        handle = loop.submit(prompts[i], params[i])
+        tokens = []
+        for token in handle:
+            tokens.append(token)
+            if i % 5 == 0 and len(tokens) == 2:
+                loop.abort(handle.id)
+                aborted.add(i)
+        got[i] = (tokens, handle.finish_reason)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert loop.stop()
+    for i, (tokens, reason) in got.items():
+        if i in aborted and reason is FinishReason.ABORT:
+            assert tokens == want[i][: len(tokens)]  # a prefix, then it stopped
+        else:
+            assert tokens == want[i] and reason is FinishReason.LENGTH, i
+    assert loop.stats.aborted >= 1
+    assert not llm.has_work and llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_asyncio_tasks_get_their_solo_tokens(llm):
+    prompts, params = workload(12, seed=2)
+    want = solo(llm, prompts, params)
+    loop = EngineLoop(llm)
+
+    async def client(i):
+        handle = await loop.asubmit(prompts[i], params[i])
+        return [token async for token in handle]
+
+    async def everyone():
+        return await asyncio.gather(*(client(i) for i in range(len(prompts))))
+
+    assert asyncio.run(everyone()) == want
+    assert loop.stop()
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_bad_requests_are_refused_in_the_callers_thread(llm):
+    loop = EngineLoop(llm)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        loop.submit([1, 10**6])
+    with pytest.raises(ValueError, match="empty"):
+        loop.submit([])
+    assert loop.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.submit([1, 2])
+
+
+def test_a_failing_step_ends_its_requests_and_the_loop_serves_on(llm, monkeypatch):
+    loop = EngineLoop(llm)
+    real_step = llm.loop.step
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device said no")
+        return real_step()
+
+    monkeypatch.setattr(llm.loop, "step", flaky)
+    doomed = loop.submit([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="device said no"):
+        list(doomed)
+    fine = loop.submit([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(list(fine)) == 3
+    assert loop.stop()
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_generate_waits_while_a_loop_serves(llm):
+    loop = EngineLoop(llm)
+    done = threading.Event()
+
+    def call():
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1))
+        done.set()
+
+    threading.Thread(target=call).start()
+    assert not done.wait(0.3)
+    assert loop.stop()
+    assert done.wait(30)

@@ -1,0 +1,135 @@
+"""`ostinato serve` as a real process on 127.0.0.1 with SmolLM2-135M-Instruct on the CPU,
+talked to with the official `openai` client: completions, chat, streaming, an abort by
+disconnect, bad requests, health and metrics; then stopped."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from smollm2 import gguf_path
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from ostinato.engine import LLM, SamplingParams  # noqa: E402
+
+QUESTION = "What is the capital of France?"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    gguf_path()
+    port = free_port()
+    command = [sys.executable, "-m", "ostinato.engine", "serve", "--device", "cpu"]
+    command += ["--port", str(port), "--max-model-len", "512", "--quiet"]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the server did not answer /health in 240 s")
+    yield base
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(device="cpu", max_model_len=512, max_num_seqs=4, progress=False)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["graphs"] == "ready"
+
+
+def test_completion_equals_offline_greedy(client, offline):
+    prompt = "The history of the Roman Empire begins with"
+    got = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0
+    )
+    (want,) = offline.generate([prompt], SamplingParams(max_tokens=12))
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == len(want.token_ids)
+
+
+def test_chat_plain_and_streamed_agree(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=16, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert "Paris" in text and whole.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream]
+    assert "".join(pieces) == text
+
+
+def test_a_client_that_disconnects_aborts_its_request(client, server):
+    stream = client.completions.create(
+        model="smollm2-135m", prompt="Once upon a time", max_tokens=400, temperature=0, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    metrics = ""
+    while time.time() < deadline:
+        metrics = httpx.get(f"{server}/metrics").text
+        if (
+            "ostinato_aborted_requests_total 1.0" in metrics
+            and "ostinato_running_requests 0.0" in metrics
+        ):
+            break
+        time.sleep(0.2)
+    assert "ostinato_aborted_requests_total 1.0" in metrics
+    assert "ostinato_running_requests 0.0" in metrics
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(prompt="hi", temperature=-1), "temperature"),
+        (dict(prompt=[1, 10**7]), "prompt"),
+        (dict(prompt="hi", n=2), "n"),
+        (dict(prompt=""), "prompt"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="smollm2-135m", max_tokens=4, **kwargs)
+    assert exc.value.status_code == 400
+    assert exc.value.body["param"] == param, exc.value.body

@@ -115,8 +115,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _engine_options(gen: argparse.ArgumentParser) -> None:
-    """The engine's options of ``generate``: graphs, device and dtype, limits, speculation,
-    kernels, seed and progress."""
+    """The engine's options of ``generate`` and ``serve``: graphs, device and dtype, limits,
+    speculation, kernels, caches, seed and progress (long: one flat declaration per option)."""
     gen.add_argument(
         "--mode",
         type=_parse_mode,

@@ -93,7 +93,7 @@ class Metrics:
 def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
     """The server's app over ``loop``, answering as model ``model_name``."""
     app = FastAPI(title="ostinato")
-    metrics = Metrics(loop)
+    answer = Responder(loop, model_name)
     llm = loop.llm
 
     @app.exception_handler(RequestValidationError)
@@ -114,7 +114,7 @@ def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(answer.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -123,68 +123,83 @@ def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        metrics.requests.labels("completions").inc()
-        return await _answer(body, body.prompt, request, chat=False)
+        answer.metrics.requests.labels("completions").inc()
+        return await answer(body, body.prompt, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
-        metrics.requests.labels("chat").inc()
+        answer.metrics.requests.labels("chat").inc()
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise BadRequest("messages: the model has no chat template", "messages")
         prompt = llm.chat_prompt([m.model_dump() for m in body.messages])
-        return await _answer(body, prompt, request, chat=True)
+        return await answer(body, prompt, request, chat=True)
 
-    async def _answer(body: _Body, prompt: Any, request: Request, chat: bool) -> Response:
-        handle = await _submit(body, prompt)
-        meta = _Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}", model_name)
+    return app
+
+
+class Responder:
+    """Turns one request body into an engine request and its HTTP answer: whole, or
+    streamed as server-sent events; aborts the request when its client goes away."""
+
+    def __init__(self, loop: EngineLoop, model_name: str) -> None:
+        self.loop, self.llm, self.model_name = loop, loop.llm, model_name
+        self.metrics = Metrics(loop)
+
+    async def __call__(self, body: _Body, prompt: Any, request: Request, chat: bool) -> Response:
+        handle = await self._submit(body, prompt)
+        kind = "chatcmpl" if chat else "cmpl"
+        meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name)
         if body.stream:
-            events = _stream(handle, meta, chat)
+            events = self._stream(handle, meta, chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
-            tokens = [t async for t in _timed(handle)]
+            tokens = [t async for t in self._timed(handle)]
         finally:
             watcher.cancel()
-        text = llm.decode(tokens) if llm.tokenizer is not None else ""
+        text = self.llm.decode(tokens) if self.llm.tokenizer is not None else ""
         return JSONResponse(meta.whole(text, tokens, handle, chat))
 
-    async def _submit(body: _Body, prompt: Any) -> RequestHandle:
+    async def _submit(self, body: _Body, prompt: Any) -> RequestHandle:
         if body.n != 1:
             raise BadRequest("n: only n=1 is supported", "n")
-        if isinstance(prompt, str) and llm.tokenizer is None:
+        if isinstance(prompt, str) and self.llm.tokenizer is None:
             raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
         try:
             params = SamplingParams(
                 max_tokens=body.max_tokens or 16, temperature=body.temperature, top_p=body.top_p
             )
-            return await loop.asubmit(prompt, params)
+            return await self.loop.asubmit(prompt, params)
         except (ValueError, TypeError) as exc:
             field = str(exc).split(":", 1)[0].split()[0]
             raise BadRequest(str(exc), "prompt" if field == "prompt" else field) from None
 
-    async def _timed(handle: RequestHandle) -> AsyncIterator[int]:
+    async def _timed(self, handle: RequestHandle) -> AsyncIterator[int]:
         start, first = time.perf_counter(), True
         async for token in handle:
             if first:
-                metrics.ttft.observe(time.perf_counter() - start)
+                self.metrics.ttft.observe(time.perf_counter() - start)
                 first = False
-            metrics.tokens.inc()
+            self.metrics.tokens.inc()
             yield token
 
-    async def _abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    def _abort(self, handle: RequestHandle) -> None:
+        self.loop.abort(handle.id)
+        self.metrics.aborted.inc()
+
+    async def _abort_on_disconnect(self, request: Request, handle: RequestHandle) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(0.1)
-        loop.abort(handle.id)
-        metrics.aborted.inc()
+        self._abort(handle)
 
-    async def _stream(handle: RequestHandle, meta: _Meta, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, handle: RequestHandle, meta: _Meta, chat: bool) -> AsyncIterator[str]:
         tokens: list[int] = []
         shown = ""
         finished = False
         try:
-            async for token in _timed(handle):
+            async for token in self._timed(handle):
                 tokens.append(token)
-                text = llm.decode(tokens) if llm.tokenizer is not None else ""
+                text = self.llm.decode(tokens) if self.llm.tokenizer is not None else ""
                 if text.endswith("\ufffd"):
                     continue  # the rest of a multi-byte character comes with a later token
                 delta, shown = text[len(shown) :], text
@@ -194,10 +209,7 @@ def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
-                loop.abort(handle.id)
-                metrics.aborted.inc()
-
-    return app
+                self._abort(handle)
 
 
 class _Meta:

@@ -175,8 +175,12 @@ class ModelRunner:
         )
 
     def _dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
-        self.inputs.write_padding(d.num_tokens)
-        return self.metadata(d.num_tokens, [], [])
+        return self._padding_metadata(self.inputs, d.num_tokens)
+
+    def _padding_metadata(self, inputs: StepInputs, n: int) -> StepAttention:
+        """``n`` padding rows written into ``inputs``, and their attention context."""
+        inputs.write_padding(n)
+        return StepAttention(inputs.metadata(n, [], []), self.cache, self.backend)
 
     def _ubatch_candidates(self) -> tuple[BatchDescriptor, ...]:
         policy = self.micro_batching
@@ -280,8 +284,7 @@ class ModelRunner:
 
     def _padding_context(self, inputs: StepInputs, n: int) -> contextlib.AbstractContextManager:
         """An eager step's context over ``n`` padding rows of ``inputs``."""
-        inputs.write_padding(n)
-        meta = StepAttention(inputs.metadata(n, [], []), self.cache, self.backend)
+        meta = self._padding_metadata(inputs, n)
         return forward_context(GraphMode.NONE, BatchDescriptor(n), meta)
 
     @contextlib.contextmanager

@@ -575,12 +575,16 @@ class LLM:
             self.workers = None
         return done
 
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """Inside, this thread owns the engine: ``generate`` from other threads waits
         (``serve.loop.EngineLoop`` holds it while it serves). Refused on a closed engine."""
+        return self._owned("exclusive")
+
+    @contextlib.contextmanager
+    def _owned(self, what: str) -> Iterator[None]:
+        """The engine, owned by this thread for ``what`` (``generate`` or ``exclusive``)."""
         if "scheduler" not in self.__dict__:
-            raise RuntimeError("exclusive: this LLM is closed; make a new one")
+            raise RuntimeError(f"{what}: this LLM is closed; make a new one")
         with self._one_call:
             self._generating_thread = threading.get_ident()
             try:
@@ -645,19 +649,13 @@ class LLM:
         gets alone); a call from inside an ``on_token`` callback is refused; a closed
         engine says so (``RuntimeError``).
         """
-        if "scheduler" not in self.__dict__:
-            raise RuntimeError("generate: this LLM is closed; make a new one")
         if self._generating_thread == threading.get_ident():
             raise RuntimeError(
                 "generate: called again from inside its own on_token callback; collect the "
                 "tokens and call generate after it returns"
             )
-        with self._one_call:
-            self._generating_thread = threading.get_ident()
-            try:
-                return self._checked_generate(prompts, params, on_token)
-            finally:
-                self._generating_thread = None
+        with self._owned("generate"):
+            return self._checked_generate(prompts, params, on_token)
 
     def _checked_generate(
         self,

@@ -134,10 +134,11 @@ class ModelCache:
         folder = self._entry_path(key)
         if not folder.is_dir():
             return None
-        problem = _check_entry(folder, key)
+        manifest, problem = _read_manifest(folder)
+        if manifest is not None:
+            problem = _check_entry(folder, key, manifest)
         if problem is None:
             try:
-                manifest = json.loads((folder / MANIFEST).read_text())
                 return CachedModel(
                     folder,
                     _config_from_dict(manifest["config"]),
@@ -234,15 +235,19 @@ def _publish(tmp: Path, final: Path) -> None:
         raise
 
 
-def _check_entry(folder: Path, key: dict[str, Any]) -> str | None:
-    """None if the entry at ``folder`` is complete and intact for ``key``; else what is
-    wrong with it, for the warning."""
+def _read_manifest(folder: Path) -> tuple[Any, str | None]:
+    """The entry's manifest, or None and what is wrong with it, for the warning."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        return json.loads((folder / MANIFEST).read_text()), None
     except FileNotFoundError:
-        return "incomplete (no manifest)"
+        return None, "incomplete (no manifest)"
     except (OSError, ValueError) as exc:
-        return f"unreadable ({exc})"
+        return None, f"unreadable ({exc})"
+
+
+def _check_entry(folder: Path, key: dict[str, Any], manifest: Any) -> str | None:
+    """None if the entry at ``folder`` (its ``manifest`` read) is complete and intact for
+    ``key``; else what is wrong with it, for the warning."""
     if not isinstance(manifest, dict) or manifest.get("key") != key:
         return "stale (made for another version, dtype or source)"
     files = manifest.get("files")

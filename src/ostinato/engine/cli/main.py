@@ -354,23 +354,19 @@ class _Stream:
     """Prints one prompt's text as its tokens arrive (only for a single text prompt)."""
 
     def __init__(self, llm: Any, num_prompts: int) -> None:
-        self.llm = llm
+        from ostinato.engine.api.text_stream import TextStream
+
         self.enabled = num_prompts == 1 and llm.tokenizer is not None
-        self.tokens: list[int] = []
-        self.shown = ""
+        self.text = TextStream(llm.decode)
 
     def __call__(self, index: int, token: int) -> None:
-        self.tokens.append(token)
-        text = self.llm.decode(self.tokens)
-        # A token may end inside a multi-byte character; wait for the rest of it.
-        if text.endswith("\ufffd"):
-            return
-        print(text[len(self.shown) :], end="", flush=True)
-        self.shown = text
+        delta = self.text.push(token)
+        if delta is not None:
+            print(delta, end="", flush=True)
 
     def finish(self) -> None:
         if self.enabled:
-            print(self.llm.decode(self.tokens)[len(self.shown) :], flush=True)
+            print(self.text.rest(), flush=True)
 
 
 def tracebacks_on() -> bool:

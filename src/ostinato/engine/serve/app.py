@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from ostinato.engine.api.text_stream import TextStream
 from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.engine.serve.loop import EngineLoop, RequestHandle
 
@@ -193,16 +194,13 @@ class Responder:
         self._abort(handle)
 
     async def _stream(self, handle: RequestHandle, meta: _Meta, chat: bool) -> AsyncIterator[str]:
-        tokens: list[int] = []
-        shown = ""
+        text = TextStream(self.llm.decode if self.llm.tokenizer is not None else _no_text)
         finished = False
         try:
             async for token in self._timed(handle):
-                tokens.append(token)
-                text = self.llm.decode(tokens) if self.llm.tokenizer is not None else ""
-                if text.endswith("\ufffd"):
+                delta = text.push(token)
+                if delta is None:
                     continue  # the rest of a multi-byte character comes with a later token
-                delta, shown = text[len(shown) :], text
                 yield _sse(meta.chunk(delta, [token], None, chat))
             finished = True
             yield _sse(meta.chunk("", [], _finish(handle), chat))
@@ -257,6 +255,10 @@ def _finish(handle: RequestHandle) -> str | None:
     if reason is None:
         return None
     return "length" if reason.value in ("length", "max_model_len") else reason.value
+
+
+def _no_text(tokens: Sequence[int]) -> str:
+    return ""  # a model without a tokenizer streams token ids only
 
 
 def _sse(payload: dict[str, Any]) -> str:

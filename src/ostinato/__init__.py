@@ -3,7 +3,8 @@
 The public API, by layer (see docs/design.md): modes and configuration (``GraphMode``,
 ``GraphConfig``, ``BatchDescriptor``, ``Dispatcher``, ``forward_context``), graphs
 (``GraphWrapper``, ``capture_phase``, ``shared_pool``), and runner pieces
-(``GraphManager``, and ``build_graph_runtime``, the one entry point that wires them).
+(``GraphManager``, and ``build_graph_runtime``, the one entry point that wires them),
+and what they did (``CaptureReport``; ``StatsSnapshot``, live per bucket).
 
 The names are loaded on first use: ``import ostinato`` imports neither torch nor any of
 its modules, so a command line that only parses its arguments starts at once.
@@ -20,11 +21,13 @@ _HOMES = {
     "AttentionGraphSupport": "ostinato.resolution",
     "BackgroundCapture": "ostinato.background",
     "BatchDescriptor": "ostinato.batch",
+    "BucketStats": "ostinato.replay_stats",
     "CaptureItem": "ostinato.batch",
     "CaptureNotAllowedError": "ostinato.errors",
     "CaptureReport": "ostinato.capture_report",
     "Dispatch": "ostinato.dispatcher",
     "Dispatcher": "ostinato.dispatcher",
+    "EagerReason": "ostinato.replay_stats",
     "ForwardContext": "ostinato.context",
     "GraphCaptureError": "ostinato.errors",
     "GraphConfig": "ostinato.config",
@@ -39,6 +42,7 @@ _HOMES = {
     "ModeResolution": "ostinato.resolution",
     "OstinatoError": "ostinato.errors",
     "PlatformError": "ostinato.errors",
+    "StatsSnapshot": "ostinato.replay_stats",
     "auto_mode": "ostinato.runtime",
     "build_graph_runtime": "ostinato.runtime",
     "capture_phase": "ostinato.guard",
@@ -59,11 +63,13 @@ __all__ = [
     "AttentionGraphSupport",
     "BackgroundCapture",
     "BatchDescriptor",
+    "BucketStats",
     "CaptureItem",
     "CaptureNotAllowedError",
     "CaptureReport",
     "Dispatch",
     "Dispatcher",
+    "EagerReason",
     "ForwardContext",
     "GraphCaptureError",
     "GraphConfig",
@@ -78,6 +84,7 @@ __all__ = [
     "ModeResolution",
     "OstinatoError",
     "PlatformError",
+    "StatsSnapshot",
     "auto_mode",
     "build_graph_runtime",
     "capture_phase",
@@ -118,6 +125,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from ostinato.modes import GraphMode
     from ostinato.platform import current_platform, use_platform
     from ostinato.pool import shared_pool
+    from ostinato.replay_stats import BucketStats, EagerReason, StatsSnapshot
     from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
     from ostinato.runtime import GraphRuntime, auto_mode, build_graph_runtime, choose_compiler
 

@@ -21,6 +21,7 @@ from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Graph, Platform, current_platform
 from ostinato.pool import shared_pool
+from ostinato.replay_stats import ReplayStats, StatsSnapshot
 from ostinato.static_outputs import Outputs, StaticOutputs, as_tuple
 
 _NO_TURN = contextlib.nullcontext()
@@ -104,6 +105,7 @@ class GraphManager:
         # background capture records: the two never interleave.
         self._turn = Turn()
         self.background: BackgroundCapture | None = None
+        self._stats = ReplayStats(dispatcher.max_size)
 
     def capture_plan(self) -> list[CaptureItem]:
         """What ``capture()`` will capture, in order."""
@@ -246,6 +248,7 @@ class GraphManager:
                 if not self.ready(dispatch):
                     self.background.want(d)
                     mode = GraphMode.NONE
+        self._stats.record(dispatch, num_tokens, mode)
         if mode is GraphMode.FULL:
             self._full.replay(d)
             return self.outputs.view(num_tokens)
@@ -256,6 +259,17 @@ class GraphManager:
         if isinstance(out, (tuple, list)):
             return tuple(t[:num_tokens] for t in out)
         return out[:num_tokens]
+
+    def stats(self) -> StatsSnapshot:
+        """Live statistics per bucket since construction: replays, real and padded rows,
+        capture seconds and pool bytes of every capturable size (largest first within a
+        mode), and the eager steps by reason. Safe to call from another thread."""
+        keys = [
+            Dispatch(mode, d)
+            for mode in (GraphMode.FULL, GraphMode.PIECEWISE)
+            for d in self.dispatcher.keys(mode)
+        ]
+        return self._stats.snapshot(self.report, keys)
 
     def graph(self, descriptor: BatchDescriptor) -> Graph:
         """The FULL graph captured for ``descriptor``; raises ``KeyError`` if there is none."""

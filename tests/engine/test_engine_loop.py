@@ -67,12 +67,35 @@ def test_asyncio_tasks_get_their_solo_tokens(llm):
 
     async def client(i):
         handle = await loop.asubmit(prompts[i], params[i])
-        return [token async for token in handle]
+        tokens = []
+        async for token in handle:
+            tokens.append(token)
+            if i % 4 == 1 and len(tokens) == 1:
+                assert loop.abort(handle.id)
+        return tokens, handle.finish_reason
 
     async def everyone():
         return await asyncio.gather(*(client(i) for i in range(len(prompts))))
 
-    assert asyncio.run(everyone()) == want
+    for i, (tokens, reason) in enumerate(asyncio.run(everyone())):
+        if reason is FinishReason.ABORT:
+            assert i % 4 == 1 and tokens == want[i][: len(tokens)]
+        else:
+            assert tokens == want[i], i
+    assert loop.stop()
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_an_abort_before_admission_runs_nothing(llm):
+    loop = EngineLoop(llm)
+    # Fill every seat, then queue one more and abort it while it waits.
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    busy = [loop.submit([1 + i, 2, 3], params) for i in range(4)]
+    late = loop.submit([9, 9, 9], params)
+    assert loop.abort(late.id)
+    assert list(late) == [] and late.finish_reason is FinishReason.ABORT
+    assert all(len(list(h)) == 30 for h in busy)
+    assert not loop.abort(late.id) and not loop.abort("no-such-request")
     assert loop.stop()
     assert llm.free_kv_blocks == llm.num_kv_blocks - 1
 
@@ -90,16 +113,16 @@ def test_bad_requests_are_refused_in_the_callers_thread(llm):
 
 def test_a_failing_step_ends_its_requests_and_the_loop_serves_on(llm, monkeypatch):
     loop = EngineLoop(llm)
-    real_step = llm.loop.step
+    real_launch = llm.loop.launch
     calls = {"n": 0}
 
-    def flaky():
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device said no")
-        return real_step()
+        return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(llm.loop, "step", flaky)
+    monkeypatch.setattr(llm.loop, "launch", flaky)
     doomed = loop.submit([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
     with pytest.raises(RuntimeError, match="device said no"):
         list(doomed)

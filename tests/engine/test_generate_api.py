@@ -188,3 +188,48 @@ def test_a_closed_engine_says_it_is_closed():
     closed.close()
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         closed.generate([[1, 2]])
+
+
+def test_abort_by_request_id_from_the_callback_and_from_another_thread(llm):
+    import threading
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    solo = [llm.generate([p], params)[0].token_ids for p in prompts]
+
+    def stop_first(index, token):
+        if index == 0:
+            assert llm.abort("first")
+
+    outs = llm.generate(prompts, params, on_token=stop_first, request_ids=["first", "second"])
+    assert [o.request_id for o in outs] == ["first", "second"]
+    assert outs[0].finish_reason is FinishReason.ABORT
+    assert outs[0].token_ids == solo[0][: len(outs[0].token_ids)]
+    assert outs[1].token_ids == solo[1] and outs[1].finish_reason is FinishReason.LENGTH
+
+    started = threading.Event()
+    aborter = threading.Thread(target=lambda: started.wait(30) and llm.abort("slow"))
+    aborter.start()
+    slow = SamplingParams(max_tokens=80, ignore_eos=True)
+    (out,) = llm.generate([[8, 9]], slow, request_ids=["slow"], on_token=lambda i, t: started.set())
+    aborter.join()
+    assert out.finish_reason is FinishReason.ABORT and len(out.token_ids) < 80
+    assert not llm.abort("slow")  # finished: nothing to abort
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+@pytest.mark.parametrize(
+    "ids, error, message",
+    [
+        (["a", "a"], ValueError, "'a' is given twice"),
+        (["a"], ValueError, "expected a sequence of 2 ids"),
+        ("ab", ValueError, "expected a sequence of 2 ids"),
+        ([1, "b"], TypeError, "must be a non-empty string"),
+    ],
+)
+def test_bad_request_ids_are_named_before_anything_runs(llm, ids, error, message):
+    with pytest.raises(error, match=message):
+        llm.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=2), request_ids=ids)
+    assert not llm.has_work and llm.free_kv_blocks == llm.num_kv_blocks - 1
+    outs = llm.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=2))
+    assert all(o.request_id.startswith("generate-") for o in outs)

@@ -83,6 +83,7 @@ def test_abort_frees_waiting_and_running_requests():
     assert a in sched.running and b in sched.waiting
     sched.abort([a, b])
     assert not sched.has_work and sched.pool.num_free == 19
+    assert a.finish_reason is b.finish_reason is FinishReason.ABORT
 
 
 def test_schedule_ahead_only_when_the_next_step_can_be_scheduled_blind():

@@ -97,7 +97,26 @@ def test_chat_plain_and_streamed_agree(client):
     assert "".join(pieces) == text
 
 
-def test_a_client_that_disconnects_aborts_its_request(client, server):
+def metric(server, name):
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_for_abort(server, before):
+    """Waits until one more request was aborted than ``before`` and none runs."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        aborted = metric(server, "ostinato_aborted_requests_total")
+        if aborted == before + 1 and metric(server, "ostinato_running_requests") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"aborted {aborted}, expected {before + 1}")
+
+
+def test_a_streaming_client_that_disconnects_aborts_its_request(client, server):
+    before = metric(server, "ostinato_aborted_requests_total")
     stream = client.completions.create(
         model="smollm2-135m", prompt="Once upon a time", max_tokens=400, temperature=0, stream=True
     )
@@ -105,18 +124,25 @@ def test_a_client_that_disconnects_aborts_its_request(client, server):
         if i == 2:
             break
     stream.close()
-    deadline = time.time() + 30
-    metrics = ""
-    while time.time() < deadline:
-        metrics = httpx.get(f"{server}/metrics").text
-        if (
-            "ostinato_aborted_requests_total 1.0" in metrics
-            and "ostinato_running_requests 0.0" in metrics
-        ):
-            break
-        time.sleep(0.2)
-    assert "ostinato_aborted_requests_total 1.0" in metrics
-    assert "ostinato_running_requests 0.0" in metrics
+    wait_for_abort(server, before)
+
+
+def test_a_waiting_client_that_goes_away_aborts_its_request(server):
+    before = metric(server, "ostinato_aborted_requests_total")
+    body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 400}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and hangs up
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
+    wait_for_abort(server, before)
+    health = httpx.get(f"{server}/health").json()
+    assert health["free_kv_blocks"] == health["kv_blocks"] - 1  # every block back
+
+
+def test_metrics_count_steps_by_how_they_ran(client, server):
+    client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=3)
+    # On the CPU nothing is captured: every step is eager, for want of a graph.
+    assert metric(server, 'ostinato_eager_steps_total{reason="no_graph_for_batch"}') >= 3
+    assert metric(server, "ostinato_graph_padded_rows_total") == 0
+    assert metric(server, "ostinato_generated_tokens_total") >= 3
 
 
 @pytest.mark.parametrize(

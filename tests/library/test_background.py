@@ -10,7 +10,14 @@ import pytest
 import torch
 from fakes import FakePlatform
 
-from ostinato import Dispatcher, GraphCaptureError, GraphConfig, GraphManager, GraphMode
+from ostinato import (
+    Dispatcher,
+    EagerReason,
+    GraphCaptureError,
+    GraphConfig,
+    GraphManager,
+    GraphMode,
+)
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -76,9 +83,13 @@ def test_steps_run_correctly_while_the_graphs_are_captured():
     go = threading.Event()
     capture = m.capture_in_background(prologue=lambda: go.wait(10))
     assert not any(serve(r, m, dispatcher, steps=20))  # nothing ready yet: all eager
+    assert m.stats().eager_steps[EagerReason.NOT_CAPTURED_YET] == 20
     go.set()
     seen: set[int] = set()
-    serve(r, m, dispatcher, steps=300, seed=1, seen=seen)
+    ran = serve(r, m, dispatcher, steps=300, seed=1, seen=seen)
+    stats = m.stats()
+    assert stats.eager_steps[EagerReason.NOT_CAPTURED_YET] == 20 + ran.count(False)
+    assert stats.replays == ran.count(True)
     assert capture.wait(10) and capture.error is None
     assert m.num_graphs == len(SIZES) and capture.captured == capture.total == len(SIZES)
     # Steps took turns with the capture: some ran with part of the ladder ready.

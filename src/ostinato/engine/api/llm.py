@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import multiprocessing
 import threading
@@ -47,6 +48,7 @@ from ostinato.engine.api.arguments import (
 from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.request_book import RequestBook
 from ostinato.engine.core.scheduler import FinishReason, Proposal, Request, Scheduler
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.loading.model_cache import CacheDirArg, ModelCache
@@ -71,6 +73,7 @@ from ostinato.engine.worker.runner import ModelRunner
 from ostinato.engine.worker.step_loop import StepLoop
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, platform_for_device
+from ostinato.replay_stats import StatsSnapshot
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import choose_compiler
 
@@ -117,6 +120,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: FinishReason
     text: str | None = None
+    request_id: str = ""  # the id given to generate, or the one it made up
 
 
 class LLM:
@@ -223,6 +227,8 @@ class LLM:
         self._one_call = threading.Lock()
         self._generating_thread: int | None = None
         self._needs_reset = False  # a failed call's reset was itself interrupted
+        self.requests = RequestBook()  # live requests by id; aborts from any thread
+        self._ids = itertools.count()
         cache, graphs, parallel = group_arguments(cache, graphs, parallel, keywords)
         # Every argument, grouped: the engine's own worker processes get the same.
         engine_kwargs = dict(
@@ -620,6 +626,11 @@ class LLM:
         """KV blocks free now: ``num_kv_blocks - 1`` whenever no request is in flight."""
         return self.scheduler.pool.num_free
 
+    def graph_stats(self) -> StatsSnapshot:
+        """This process's live statistics per bucket (replays, real and padded rows,
+        eager steps by reason, capture cost); safe to call while another thread steps."""
+        return self.runner.manager.stats()
+
     @property
     def num_preemptions(self) -> int:
         """Requests preempted (their KV blocks freed, recomputed later) so far."""
@@ -636,6 +647,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_token: TokenCallback | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (token ids, or text when there is a tokenizer);
         returns outputs in prompt order.
@@ -645,9 +657,11 @@ class LLM:
         call raises or is interrupted (Ctrl-C) its requests are aborted and their KV
         blocks freed, so the engine stays usable and no later call finishes old work.
 
-        Calls from several threads run one after the other (each gets exactly what it
-        gets alone); a call from inside an ``on_token`` callback is refused; a closed
-        engine says so (``RuntimeError``).
+        ``request_ids`` names the requests (distinct, and not naming one still running);
+        ``abort(request_id)`` from another thread, or from ``on_token``, ends one early
+        with finish reason ABORT. Calls from several threads run one after the other
+        (each gets exactly what it gets alone); a ``generate`` from inside an
+        ``on_token`` callback is refused; a closed engine says so (``RuntimeError``).
         """
         if self._generating_thread == threading.get_ident():
             raise RuntimeError(
@@ -655,24 +669,54 @@ class LLM:
                 "tokens and call generate after it returns"
             )
         with self._owned("generate"):
-            return self._checked_generate(prompts, params, on_token)
+            return self._checked_generate(prompts, params, on_token, request_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Ends request ``request_id`` (finish reason ABORT) at the engine's next step
+        boundary and frees its KV blocks; callable from any thread. False when no live
+        request has that id (never given, or already finished). Requests of this process
+        only: a data-parallel engine's other replicas run theirs to the end."""
+        return self.requests.abort(request_id)
 
     def _checked_generate(
         self,
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
         on_token: TokenCallback | None,
+        request_ids: Sequence[str] | None,
     ) -> list[RequestOutput]:
         token_prompts = check_prompts(
             prompts, self.tokenizer, self.config.vocab_size, self.scheduler.check
         )
         plist = check_params(params, len(token_prompts))
+        ids = self._request_ids(request_ids, len(token_prompts))
         if self.failure is not None:
             raise self.failure.error(self.parallel.rank)
-        if self.workers is None:
-            return self._generate(token_prompts, plist, on_token)
-        # This process drives the engine's own workers: replica d (ranks [d*tp, (d+1)*tp))
-        # takes prompts d, d + dp, d + 2*dp, ...
+        self.requests.reserve(ids)
+        try:
+            if self.workers is None:
+                return self._generate(token_prompts, plist, on_token, ids)
+            return self._generate_with_workers(token_prompts, plist, on_token, ids)
+        finally:
+            self.requests.release(ids)
+
+    def _request_ids(self, given: Sequence[str] | None, n: int) -> list[str]:
+        if given is None:
+            return [f"generate-{next(self._ids)}" for _ in range(n)]
+        if isinstance(given, str) or len(given) != n:
+            raise ValueError(f"request_ids: expected a sequence of {n} ids, one per prompt")
+        return list(given)
+
+    def _generate_with_workers(
+        self,
+        token_prompts: list[list[int]],
+        plist: list[SamplingParams],
+        on_token: TokenCallback | None,
+        ids: list[str],
+    ) -> list[RequestOutput]:
+        """This process drives the engine's own workers: replica d (ranks [d*tp,
+        (d+1)*tp)) takes prompts d, d + dp, d + 2*dp, ..."""
+        assert self.workers is not None
         tp, dp = self.parallel.tp.size, self.parallel.dp_size
         shares = [list(range(d, len(token_prompts), dp)) for d in range(dp)]
 
@@ -683,6 +727,7 @@ class LLM:
         mine = self._generate(
             *share(0),
             None if on_token is None else lambda i, t: on_token(shares[0][i], t),
+            [ids[i] for i in shares[0]],
         )
         try:
             replies = self.workers.collect(self.parallel.timeout_s)
@@ -693,7 +738,7 @@ class LLM:
         for d in range(dp):
             got = mine if d == 0 else replies[d * tp]
             for i, out in zip(shares[d], got, strict=True):
-                outputs[i] = out
+                outputs[i] = replace(out, request_id=ids[i])
                 if d and on_token is not None:  # other replicas' tokens, once they are done
                     for t in out.token_ids:
                         on_token(i, t)
@@ -704,15 +749,18 @@ class LLM:
         token_prompts: list[list[int]],
         plist: list[SamplingParams],
         on_token: TokenCallback | None,
+        ids: list[str],
     ) -> list[RequestOutput]:
         requests: list[Request] = []
         if self._needs_reset:
             self.scheduler.reset()
             self._needs_reset = False
         try:
-            for tokens, p in zip(token_prompts, plist, strict=True):
+            for tokens, p, rid in zip(token_prompts, plist, ids, strict=True):
                 requests.append(self.scheduler.add(tokens, p))
+                self.requests.bind(rid, requests[-1])
             emitted = [0] * len(requests)
+            self.scheduler.abort(self.requests.take_aborts())
             steps = self._steps()
             watchdog = self._watchdog()
             with watchdog.watching() if watchdog else contextlib.nullcontext():
@@ -724,6 +772,7 @@ class LLM:
                             for token in r.output[emitted[i] :]:
                                 on_token(i, token)
                             emitted[i] = len(r.output)
+                    self.scheduler.abort(self.requests.take_aborts())
             if watchdog is not None:
                 watchdog.check()
         except BaseException as exc:
@@ -736,7 +785,7 @@ class LLM:
             if self.parallel.world_size > 1:
                 self._stop_after(exc)
             raise
-        return [self._output(r) for r in requests]
+        return [self._output(r, rid) for r, rid in zip(requests, ids, strict=True)]
 
     def _stop_after(self, exc: BaseException) -> None:
         """A parallel engine that raised is out of step with its peers: it stops. Raises
@@ -822,6 +871,13 @@ class LLM:
             raise ValueError("decode: the model has no tokenizer")
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def steps(self) -> Iterator[None]:
+        """The engine's steps as configured (asynchronous scheduling, speculative
+        verification), yielding after each step's tokens are recorded and ending when no
+        request is left; requests added (``scheduler.add``) between steps join the batch.
+        For a driver that owns the engine (``exclusive``): ``serve.loop.EngineLoop``."""
+        return self._steps()
+
     def step(self) -> list[Request]:
         """Runs one scheduled step; returns the requests that finished in it. Under data
         parallelism every replica calls it together; one without work runs a dummy step."""
@@ -832,7 +888,7 @@ class LLM:
             )
         return self.loop.step() or []
 
-    def _output(self, r: Request) -> RequestOutput:
+    def _output(self, r: Request, request_id: str) -> RequestOutput:
         assert r.finish_reason is not None
         text = self.decode(r.output) if self.tokenizer is not None else None
-        return RequestOutput(r.prompt, r.output, r.finish_reason, text)
+        return RequestOutput(r.prompt, r.output, r.finish_reason, text, request_id)

@@ -360,7 +360,7 @@ class _Stream:
         self.text = TextStream(llm.decode)
 
     def __call__(self, index: int, token: int) -> None:
-        delta = self.text.push(token)
+        delta = self.text.push([token])
         if delta is not None:
             print(delta, end="", flush=True)
 

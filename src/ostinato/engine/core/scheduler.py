@@ -401,11 +401,15 @@ class Scheduler:
         return req.finished
 
     def abort(self, requests: list[Request]) -> None:
-        """Drops ``requests`` wherever they are and frees their KV blocks; finished ones
-        are left alone. Used when a call that added them fails or is interrupted."""
+        """Ends ``requests`` (finish reason ABORT) wherever they are and frees their KV
+        blocks; finished ones are left alone. A token a step still on the device samples
+        for one of them is dropped when that step resolves."""
         ids = {r.id for r in requests if not r.finished}
         if not ids:
             return
+        for r in requests:
+            if r.id in ids:
+                r.finish_reason = FinishReason.ABORT
         self.waiting = deque(r for r in self.waiting if r.id not in ids)
         for req in [r for r in self.running if r.id in ids]:
             self._release(req)

@@ -17,13 +17,14 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,6 +90,49 @@ class Metrics:
         step.set_function(
             lambda: sum(loop.stats.step_seconds) / max(1, len(loop.stats.step_seconds))
         )
+        r.register(GraphCollector(loop.llm))
+
+
+class GraphCollector:
+    """Prometheus series read from the engine's graph statistics at each scrape: steps
+    from graphs per bucket, eager steps by reason, and real versus padded rows."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.llm.graph_stats()
+        replays = CounterMetricFamily(
+            "ostinato_graph_replays",
+            "Steps run from graphs, per bucket (mode, padded size, uniform decode)",
+            labels=["mode", "size", "uniform_decode"],
+        )
+        for b in stats.buckets:
+            d = b.descriptor
+            labels = [b.mode.name, str(d.num_tokens), str(d.uniform_decode).lower()]
+            replays.add_metric(labels, b.replays)
+        yield replays
+        eager = CounterMetricFamily(
+            "ostinato_eager_steps", "Steps run without graphs, by reason", labels=["reason"]
+        )
+        for reason, n in stats.eager_steps.items():
+            eager.add_metric([reason.name.lower()], n)
+        yield eager
+        yield CounterMetricFamily(
+            "ostinato_graph_real_rows",
+            "Rows asked for in steps run from graphs",
+            value=stats.real_rows,
+        )
+        yield CounterMetricFamily(
+            "ostinato_graph_padded_rows",
+            "Rows computed by steps run from graphs (padding included)",
+            value=stats.padded_rows,
+        )
+        yield GaugeMetricFamily(
+            "ostinato_graph_padding_fraction",
+            "Share of rows computed by graphs that were padding",
+            value=stats.padding_fraction,
+        )
 
 
 def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
@@ -111,7 +155,8 @@ def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
     async def health() -> dict[str, Any]:
         background = llm.background
         graphs = "ready" if background is None or background.done else "capturing"
-        return {"status": "ok", "graphs": graphs, "free_kv_blocks": llm.free_kv_blocks}
+        blocks = {"kv_blocks": llm.num_kv_blocks, "free_kv_blocks": llm.free_kv_blocks}
+        return {"status": "ok", "graphs": graphs, **blocks}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -155,7 +200,7 @@ class Responder:
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
-            tokens = [t async for t in self._timed(handle)]
+            tokens = [t async for chunk in self._timed(handle) for t in chunk]
         finally:
             watcher.cancel()
         text = self.llm.decode(tokens) if self.llm.tokenizer is not None else ""
@@ -175,14 +220,15 @@ class Responder:
             field = str(exc).split(":", 1)[0].split()[0]
             raise BadRequest(str(exc), "prompt" if field == "prompt" else field) from None
 
-    async def _timed(self, handle: RequestHandle) -> AsyncIterator[int]:
+    async def _timed(self, handle: RequestHandle) -> AsyncIterator[list[int]]:
+        """The handle's tokens in chunks (all that arrived since the last), counted."""
         start, first = time.perf_counter(), True
-        async for token in handle:
+        async for chunk in handle.chunks():
             if first:
                 self.metrics.ttft.observe(time.perf_counter() - start)
                 first = False
-            self.metrics.tokens.inc()
-            yield token
+            self.metrics.tokens.inc(len(chunk))
+            yield chunk
 
     def _abort(self, handle: RequestHandle) -> None:
         self.loop.abort(handle.id)
@@ -194,16 +240,20 @@ class Responder:
         self._abort(handle)
 
     async def _stream(self, handle: RequestHandle, meta: _Meta, chat: bool) -> AsyncIterator[str]:
+        """One event per chunk of tokens whose text is whole (tokens that end inside a
+        multi-byte character wait for the rest, and travel with it); the last event
+        carries the finish reason and any text still held back."""
         text = TextStream(self.llm.decode if self.llm.tokenizer is not None else _no_text)
-        finished = False
+        finished, waiting = False, []
         try:
-            async for token in self._timed(handle):
-                delta = text.push(token)
-                if delta is None:
-                    continue  # the rest of a multi-byte character comes with a later token
-                yield _sse(meta.chunk(delta, [token], None, chat))
+            async for chunk in self._timed(handle):
+                delta = text.push(chunk)
+                waiting += chunk
+                if delta is not None:
+                    yield _sse(meta.chunk(delta, waiting, None, chat))
+                    waiting = []
             finished = True
-            yield _sse(meta.chunk("", [], _finish(handle), chat))
+            yield _sse(meta.chunk(text.rest(), waiting, _finish(handle), chat))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream

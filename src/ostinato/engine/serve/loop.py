@@ -60,15 +60,22 @@ class RequestHandle:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._aqueue: asyncio.Queue[Any] | None = asyncio.Queue() if aloop is not None else None
 
-    def _put(self, item: Any) -> None:
-        if self._aqueue is not None:
-            self._aloop.call_soon_threadsafe(self._aqueue.put_nowait, item)
-        else:
+    def _put(self, item: Any, post: _Post | None = None) -> None:
+        if self._aqueue is None:
             self._queue.put(item)
+        elif post is not None:
+            post.add(self._aloop, self._aqueue, item)
+        else:
+            self._aloop.call_soon_threadsafe(self._aqueue.put_nowait, item)
 
-    def _end(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
+    def _end(
+        self,
+        reason: FinishReason | None,
+        error: BaseException | None = None,
+        post: _Post | None = None,
+    ) -> None:
         self.finish_reason = reason
-        self._put(error if error is not None else _END)
+        self._put(error if error is not None else _END, post)
 
     def __iter__(self) -> Iterator[int]:
         if self._aqueue is not None:
@@ -79,13 +86,54 @@ class RequestHandle:
             yield from item
 
     async def __aiter__(self) -> AsyncIterator[int]:
+        async for chunk in self.chunks():
+            for token in chunk:
+                yield token
+
+    async def chunks(self) -> AsyncIterator[list[int]]:
+        """The tokens as they arrive, grouped: each list holds every token that arrived
+        since the reader last took some (one step's, or more when it fell behind), so a
+        slow reader catches up in fewer, larger pieces."""
         if self._aqueue is None:
             raise TypeError("this request was submitted with submit: use `for`")
-        while (item := await self._aqueue.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            for token in item:
-                yield token
+        ended = False
+        while not ended:
+            chunk: list[int] = []
+            item = await self._aqueue.get()
+            while True:
+                if item is _END:
+                    ended = True
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                chunk.extend(item)
+                try:
+                    item = self._aqueue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+            if chunk:
+                yield chunk
+
+
+class _Post:
+    """Items for asyncio queues, handed to each event loop in one call per step (each
+    ``call_soon_threadsafe`` wakes the loop through a pipe)."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[Any, list[tuple[asyncio.Queue[Any], Any]]] = {}
+
+    def add(self, aloop: Any, aqueue: asyncio.Queue[Any], item: Any) -> None:
+        self._by_loop.setdefault(aloop, []).append((aqueue, item))
+
+    def send(self) -> None:
+        for aloop, items in self._by_loop.items():
+            aloop.call_soon_threadsafe(_deliver, items)
+        self._by_loop.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for aqueue, item in items:
+        aqueue.put_nowait(item)
 
 
 @dataclass
@@ -103,7 +151,6 @@ class EngineLoop:
         self.stats = LoopStats()
         self._ids = itertools.count()
         self._submitted: queue.Queue[tuple[RequestHandle, SamplingParams]] = queue.Queue()
-        self._aborts: queue.Queue[str] = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -129,15 +176,17 @@ class EngineLoop:
         (tokens,) = check_prompts([prompt], llm.tokenizer, vocab, fits)
         (p,) = check_params(params, 1)
         handle = RequestHandle(f"req-{next(self._ids)}", tokens, aloop)
+        llm.requests.reserve([handle.id])
         self._submitted.put((handle, p))
         self._wake.set()
         return handle
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
         """Ends request ``request_id`` at the next step boundary (finish reason ABORT) and
-        frees its KV blocks; unknown or finished ids are ignored."""
-        self._aborts.put(request_id)
+        frees its KV blocks; False for an unknown or finished id (``LLM.abort``)."""
+        asked = self.llm.abort(request_id)
         self._wake.set()
+        return asked
 
     @property
     def queue_depth(self) -> int:
@@ -159,15 +208,21 @@ class EngineLoop:
     def _run(self) -> None:
         with self.llm.exclusive():
             self._started.set()
+            steps: Iterator[None] | None = None
             while not self._stop.is_set():
                 self._admit()
-                self._take_aborts()
-                if not self.llm.scheduler.has_work:
-                    self._wake.wait(0.1)
-                    self._wake.clear()
-                    continue
-                self._step()
+                self.llm.scheduler.abort(self.llm.requests.take_aborts())
+                if steps is None:
+                    if not self.llm.scheduler.has_work:
+                        self._emit()  # requests aborted while nothing ran
+                        self._wake.wait(0.1)
+                        self._wake.clear()
+                        continue
+                    steps = self.llm.steps()
+                if not self._step(steps):
+                    steps = None
             self._end_all(FinishReason.ABORT, None)
+            self.llm.scheduler.reset()  # (a step may still be in flight: its tokens go)
 
     def _admit(self) -> None:
         while True:
@@ -175,46 +230,59 @@ class EngineLoop:
                 handle, params = self._submitted.get_nowait()
             except queue.Empty:
                 return
-            request = self.llm.scheduler.add(handle.prompt, params)
-            self._live[handle.id] = _Live(handle, request)
             self.stats.requests += 1
+            if self.llm.requests.aborted(handle.id):  # aborted before it was queued
+                self._ended(handle, FinishReason.ABORT)
+                continue
+            request = self.llm.scheduler.add(handle.prompt, params)
+            self.llm.requests.bind(handle.id, request)
+            self._live[handle.id] = _Live(handle, request)
 
-    def _take_aborts(self) -> None:
-        while True:
-            try:
-                request_id = self._aborts.get_nowait()
-            except queue.Empty:
-                return
-            live = self._live.pop(request_id, None)
-            if live is not None:
-                self.llm.scheduler.abort([live.request])
-                self.stats.aborted += 1
-                live.handle._end(FinishReason.ABORT)
-
-    def _step(self) -> None:
+    def _step(self, steps: Iterator[None]) -> bool:
+        """Runs one step; False once ``steps`` ended (no work left) or failed."""
         start = time.perf_counter()
         try:
-            self.llm.loop.step()
+            next(steps)
+        except StopIteration:
+            self._emit()
+            return False
         except Exception as exc:  # the step's error ends its requests; the loop serves on
             self.llm.scheduler.reset()
             self.stats.failed += len(self._live)
             self._end_all(None, exc)
-            return
+            return False
         self.stats.record_step(time.perf_counter() - start)
+        self._emit()
+        return True
+
+    def _emit(self) -> None:
+        """Streams each request's new tokens; ends the finished (or aborted) ones."""
+        post = _Post()
         for request_id, live in list(self._live.items()):
             new = live.request.output[live.emitted :]
             if new:
                 live.emitted += len(new)
                 self.stats.tokens += len(new)
-                live.handle._put(list(new))
+                live.handle._put(new, post)
             if live.request.finished:
                 del self._live[request_id]
-                self.stats.finished += 1
-                live.handle._end(live.request.finish_reason)
+                self._ended(live.handle, live.request.finish_reason, post)
+        post.send()
+
+    def _ended(
+        self, handle: RequestHandle, reason: FinishReason | None, post: _Post | None = None
+    ) -> None:
+        self.llm.requests.release([handle.id])
+        if reason is FinishReason.ABORT:
+            self.stats.aborted += 1
+        elif reason is not None:
+            self.stats.finished += 1
+        handle._end(reason, None, post)
 
     def _end_all(self, reason: FinishReason | None, error: BaseException | None) -> None:
         if reason is FinishReason.ABORT and self._live:
             self.llm.scheduler.abort([live.request for live in self._live.values()])
+        ids = list(self._live)
         for live in self._live.values():
             live.handle._end(reason, error)
         self._live.clear()
@@ -222,5 +290,7 @@ class EngineLoop:
             try:
                 handle, _ = self._submitted.get_nowait()
             except queue.Empty:
-                return
+                break
+            ids.append(handle.id)
             handle._end(reason, error)
+        self.llm.requests.release(ids)

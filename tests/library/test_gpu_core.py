@@ -9,6 +9,7 @@ from ostinato import (
     BatchDescriptor,
     CaptureNotAllowedError,
     Dispatcher,
+    EagerReason,
     GraphCaptureError,
     GraphConfig,
     GraphManager,
@@ -93,6 +94,28 @@ def test_above_largest_size_runs_eagerly(captured):
     with torch.inference_mode():
         assert runner.graphs.dispatch(600).mode is GraphMode.NONE
         torch.testing.assert_close(runner.forward(ids), model(ids))
+
+
+def test_stats_count_each_replay_and_its_padding(captured):
+    model, runner = captured
+    manager = runner.graphs.manager
+    before = {(b.descriptor, b.mode): b for b in manager.stats().buckets}
+    eager_before = manager.stats().eager_steps[EagerReason.ABOVE_LARGEST]
+    sizes = [3, 3, 100, 512, 700]
+    with torch.inference_mode():
+        for n in sizes:
+            runner.forward(torch.randint(0, VOCAB, (n,), device=DEVICE))
+    stats = manager.stats()
+    grew = {
+        b.descriptor.num_tokens: (b.replays - before[(b.descriptor, b.mode)].replays, b)
+        for b in stats.buckets
+        if b.replays != before[(b.descriptor, b.mode)].replays
+    }
+    pad = {n: runner.graphs.dispatch(n).padded_tokens for n in (3, 100, 512)}
+    assert {size: count for size, (count, _) in grew.items()} == {pad[3]: 2, pad[100]: 1, 512: 1}
+    assert all(b.capture_seconds > 0 and b.pool_bytes >= 0 for _, b in grew.values())
+    assert stats.eager_steps[EagerReason.ABOVE_LARGEST] == eager_before + 1
+    assert "padding" in stats.summary()
 
 
 def _linear_wrapper(options):

@@ -137,6 +137,12 @@ def _engine_options(gen: argparse.ArgumentParser) -> None:
         help="longest prompt + output (default: min(1024, the model's positions))",
     )
     gen.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=32,
+        help="requests that run together at most (the rest wait for a seat)",
+    )
+    gen.add_argument(
         "--gpu-memory-utilization",
         type=bounded_float(0.0, 1.0, low_open=True),
         default=0.9,
@@ -237,6 +243,7 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
         mode=args.mode,
         device=args.device,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         random_weights=args.random_weights,
         cache_dir=False if args.no_cache else args.cache_dir,

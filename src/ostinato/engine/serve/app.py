@@ -42,6 +42,7 @@ class _Body(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = 1
     stream: bool = False
+    ignore_eos: bool = False  # (vLLM's extension: generate max_tokens whatever comes)
 
 
 class CompletionBody(_Body):
@@ -213,7 +214,10 @@ class Responder:
             raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
         try:
             params = SamplingParams(
-                max_tokens=body.max_tokens or 16, temperature=body.temperature, top_p=body.top_p
+                max_tokens=body.max_tokens or 16,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                ignore_eos=body.ignore_eos,
             )
             return await self.loop.asubmit(prompt, params)
         except (ValueError, TypeError) as exc:

@@ -1,0 +1,413 @@
+"""Load on ``ostinato serve``: N concurrent streaming clients (the official ``openai``
+client) against the server, beside offline ``LLM.generate`` at batch size N on the same
+model, measured in one run.
+
+    python -m benchmarks.serve_load --out OUT/serve.json [--model llama-1.5b --random-weights]
+
+For each N of ``--clients`` two phases run against one server process:
+
+- ``fixed``: N clients each send ``--requests-per-client`` requests one after the other,
+  every prompt ``--prompt-len`` random tokens and every output ``--output-len`` tokens
+  (``ignore_eos``). Offline, the same requests run as waves of N through ``generate``.
+  The throughput ratio (server over offline) is the headline.
+- ``mixed``: 3N requests of random prompt (16..512) and output (16..256) lengths with
+  real stops; one in ten clients hangs up after a few tokens. Time to first token and
+  inter-token latency percentiles come from here (a chunk of k tokens arriving ``g``
+  seconds after the last counts k gaps of ``g / k``).
+
+Clients run in several processes (``--client-procs``) so that parsing the streams does not
+become the bottleneck being measured. Every completed response is compared with the
+offline greedy output of its prompt (a hung-up one with its prefix), after each N every KV
+block must be free again (``/health``), and ``/metrics``' graph counters are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_NAME = "served"
+
+
+@dataclass
+class Job:
+    """One request: prompt ids, output length, and when (after how many chunks) its
+    client hangs up (None: it reads to the end)."""
+
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    hang_up_after: int | None = None
+
+
+@dataclass
+class Reply:
+    """What one client saw of one request (monotonic seconds, comparable across
+    processes)."""
+
+    job: int
+    tokens: list[int] = field(default_factory=list)
+    sent: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
+    finish: str | None = None
+    hung_up: bool = False
+    error: str | None = None
+
+
+def fixed_jobs(n: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    return [
+        Job([rng.randrange(10, vocab) for _ in range(prompt_len)], output_len, True)
+        for _ in range(n)
+    ]
+
+
+def mixed_jobs(n: int, vocab: int, seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))]
+        hang_up = rng.randint(1, 8) if i % 10 == 9 else None
+        jobs.append(Job(prompt, rng.randint(16, 256), False, hang_up))
+    return jobs
+
+
+async def _one(client: Any, index: int, job: Job) -> Reply:
+    reply = Reply(index, sent=time.monotonic())
+    try:
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=job.prompt,
+            max_tokens=job.max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": job.ignore_eos},
+        )
+        async for chunk in stream:
+            choice = chunk.choices[0]
+            ids = (choice.model_extra or {}).get("token_ids") or []
+            if ids:
+                reply.chunks.append((time.monotonic(), len(ids)))
+                reply.tokens += ids
+            reply.finish = choice.finish_reason or reply.finish
+            if job.hang_up_after is not None and len(reply.chunks) >= job.hang_up_after:
+                reply.hung_up = True
+                await stream.close()
+                break
+    except Exception as exc:  # recorded: the run reports failed requests, never hides them
+        reply.error = f"{type(exc).__name__}: {exc}"
+    return reply
+
+
+async def _clients(base: str, jobs: list[tuple[int, Job]], n_clients: int) -> list[Reply]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+    queue: asyncio.Queue[tuple[int, Job]] = asyncio.Queue()
+    for item in jobs:
+        queue.put_nowait(item)
+    replies: list[Reply] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            index, job = queue.get_nowait()
+            replies.append(await _one(client, index, job))
+
+    await asyncio.gather(*(worker() for _ in range(n_clients)))
+    await client.close()
+    return replies
+
+
+def _client_process(base: str, jobs: list[tuple[int, Job]], n: int, start: Any, out: Any) -> None:
+    start.wait()
+    out.put(asyncio.run(_clients(base, jobs, n)))
+
+
+def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> list[Reply]:
+    """``n_clients`` concurrent clients over ``jobs``, spread over ``procs`` processes;
+    each process takes every procs-th job and its share of the clients."""
+    procs = max(1, min(procs, n_clients))
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    shares = [(p, n_clients // procs + (p < n_clients % procs)) for p in range(procs)]
+    children = [
+        ctx.Process(
+            target=_client_process,
+            args=(base, [(i, j) for i, j in enumerate(jobs) if i % procs == p], n, start, out),
+        )
+        for p, n in shares
+    ]
+    for c in children:
+        c.start()
+    time.sleep(1.0)  # every process imported openai and waits
+    start.set()
+    replies = [r for _ in children for r in out.get()]
+    for c in children:
+        c.join()
+    return sorted(replies, key=lambda r: r.job)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(replies: list[Reply]) -> dict[str, Any]:
+    """Throughput over the phase's wall time, and TTFT / ITL percentiles in ms."""
+    done = [r for r in replies if r.chunks]
+    wall = max(r.chunks[-1][0] for r in done) - min(r.sent for r in replies) if done else 0.0
+    tokens = sum(len(r.tokens) for r in replies)
+    ttft = [(r.chunks[0][0] - r.sent) * 1e3 for r in done]
+    itl = []
+    for r in done:
+        for (t0, _), (t1, k) in zip(r.chunks, r.chunks[1:], strict=False):
+            itl += [(t1 - t0) * 1e3 / k] * k
+    return {
+        "requests": len(replies),
+        "errors": sum(1 for r in replies if r.error),
+        "hung_up": sum(1 for r in replies if r.hung_up),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "ttft_ms": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99)},
+        "itl_ms": {"p50": percentile(itl, 0.5), "p99": percentile(itl, 0.99)},
+        "tokens_per_chunk": tokens / max(1, sum(len(r.chunks) for r in done)),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``ostinato serve`` as a child process on 127.0.0.1."""
+
+    def __init__(self, engine_args: list[str], log: Path) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "ostinato.engine", "serve", "--port", str(self.port)]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            command + engine_args, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ
+        )
+        self.started = time.monotonic()
+        while self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the server exited; see {log}")
+        self.ready_s = time.monotonic() - self.started
+
+    def health(self) -> dict[str, Any]:
+        import httpx
+
+        return httpx.get(f"{self.base}/health").json()
+
+    def blocks_free(self, timeout_s: float = 20.0) -> bool:
+        """Whether every KV block is free again within ``timeout_s`` (aborts of hung-up
+        requests land at the next step boundary)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            h = self.health()
+            if h["free_kv_blocks"] == h["kv_blocks"] - 1:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+
+        found = {}
+        for line in httpx.get(f"{self.base}/metrics").text.splitlines():
+            if line.startswith("ostinato_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                found[name] = float(value)
+        return found
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Steps from graphs and eagerly, and padded versus real rows, during a phase."""
+
+    def delta(prefix: str) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+
+    real, padded = delta("ostinato_graph_real_rows_total"), delta("ostinato_graph_padded_rows")
+    return {
+        "graph_steps": delta("ostinato_graph_replays_total"),
+        "eager_steps": delta("ostinato_eager_steps_total"),
+        "padding_fraction": 1 - real / padded if padded else 0.0,
+    }
+
+
+def offline(llm: Any, jobs: list[Job], batch: int) -> tuple[list[list[int]], float]:
+    """Greedy outputs of ``jobs`` through ``generate`` in waves of ``batch``; seconds."""
+    from ostinato.engine import SamplingParams
+
+    outputs, seconds = [], 0.0
+    for i in range(0, len(jobs), batch):
+        wave = jobs[i : i + batch]
+        params = [SamplingParams(max_tokens=j.max_tokens, ignore_eos=j.ignore_eos) for j in wave]
+        start = time.perf_counter()
+        outs = llm.generate([j.prompt for j in wave], params)
+        seconds += time.perf_counter() - start
+        outputs += [o.token_ids for o in outs]
+    return outputs, seconds
+
+
+def compare(replies: list[Reply], want: list[list[int]]) -> dict[str, int]:
+    """Completed responses equal to the offline greedy output; hung-up ones a prefix."""
+    exact = prefix = differ = 0
+    for r in replies:
+        w = want[r.job]
+        if r.error:
+            continue
+        if r.hung_up:
+            prefix += r.tokens == w[: len(r.tokens)]
+            differ += r.tokens != w[: len(r.tokens)]
+        else:
+            exact += r.tokens == w
+            differ += r.tokens != w
+    return {"completed_equal": exact, "hung_up_prefix_equal": prefix, "differ": differ}
+
+
+def run_server_phases(
+    args: argparse.Namespace, plan: dict[int, dict[str, list[Job]]], log: Path
+) -> tuple[dict[int, dict[str, Any]], float]:
+    """Every phase of every N against one server; the replies and counters per phase."""
+    engine = ["--max-num-seqs", str(max(plan)), "--max-model-len", str(args.max_model_len)]
+    engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--quiet"]
+    if args.model:
+        engine += ["--model", args.model]
+    if args.random_weights:
+        engine.append("--random-weights")
+    server = Server(engine, log)
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        warm = fixed_jobs(8, 32, 16, args.vocab_cap, seed=99)
+        run_load(f"{server.base}/v1", warm, 8, 1)  # first requests pay for lazy imports
+        for n, phases in plan.items():
+            results[n] = {}
+            for name, jobs in phases.items():
+                before = server.metrics()
+                replies = run_load(f"{server.base}/v1", jobs, n, args.client_procs)
+                free = server.blocks_free()
+                counters = graph_counters(before, server.metrics())
+                results[n][name] = {"replies": replies, "blocks_free": free, **counters}
+                seen = summarize(replies)
+                print(f"N={n} {name}: {seen['tokens_per_s']:.0f} tok/s, {seen['errors']} errors")
+    finally:
+        server.stop()
+    return results, server.ready_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument("--clients", default="1,8,32,128")
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--vocab-cap", type=int, default=30000, help="prompt ids below this")
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plan = {
+        n: {
+            "fixed": fixed_jobs(
+                n * args.requests_per_client, args.prompt_len, args.output_len, args.vocab_cap, n
+            ),
+            "mixed": mixed_jobs(max(8, 3 * n), args.vocab_cap, 1000 + n),
+        }
+        for n in (int(c) for c in args.clients.split(","))
+    }
+    served, ready_s = run_server_phases(args, plan, args.out.with_suffix(".server.log"))
+    report = offline_and_report(args, plan, served)
+    report["server_ready_s"] = ready_s
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["summary"], indent=2))
+
+
+def offline_and_report(
+    args: argparse.Namespace, plan: dict[int, dict[str, list[Job]]], served: dict
+) -> dict[str, Any]:
+    """Runs every phase offline (waves of N) in this process and puts both side by side."""
+    from ostinato.engine import LLM
+    from ostinato.provenance import Provenance
+
+    llm = LLM(
+        args.model,
+        random_weights=args.random_weights,
+        max_num_seqs=max(plan),
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        progress=False,
+    )
+    offline(llm, fixed_jobs(8, 32, 16, args.vocab_cap, seed=99), 8)  # warm-up
+    rows, summary = [], {}
+    for n, phases in plan.items():
+        for name, jobs in phases.items():
+            got = served[n][name]
+            kept = [i for i, r in enumerate(got["replies"]) if not r.hung_up]
+            want, _ = offline(llm, jobs, n)  # the reference for every reply
+            # The timing: the requests the server completed, as waves of N.
+            _, seconds = offline(llm, [jobs[i] for i in kept], n)
+            tokens = sum(len(want[i]) for i in kept)
+            server = summarize(got["replies"])
+            row = {
+                "clients": n,
+                "phase": name,
+                "server": server,
+                "offline_tokens_per_s": tokens / seconds,
+                "ratio": server["tokens_per_s"] / (tokens / seconds),
+                "correctness": compare(got["replies"], want),
+                "blocks_free_after": got["blocks_free"],
+                **{k: got[k] for k in ("graph_steps", "eager_steps", "padding_fraction")},
+            }
+            rows.append(row)
+            summary[f"{name}@{n}"] = round(row["ratio"], 3)
+    llm.close()
+    return {
+        "provenance": asdict(Provenance.collect()),
+        "model": args.model or "smollm2-135m",
+        "random_weights": args.random_weights,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "summary": summary,
+        "rows": rows,
+    }
+
+
+if __name__ == "__main__":
+    main()

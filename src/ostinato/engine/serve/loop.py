@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -27,6 +28,7 @@ from ostinato.engine.core.scheduler import FinishReason, Request
 from ostinato.engine.sample.sampler import SamplingParams
 
 _END = object()
+SWITCH_INTERVAL_S = 0.0005  # while the loop runs (see _run)
 
 
 @dataclass
@@ -206,6 +208,16 @@ class EngineLoop:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        # The server's event loop shares the interpreter: when this thread's wait on the
+        # device ends, it would wait for the loop's next switch, up to 5 ms by default.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        try:
+            self._serve()
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _serve(self) -> None:
         with self.llm.exclusive():
             self._started.set()
             steps: Iterator[None] | None = None

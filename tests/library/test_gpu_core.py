@@ -9,7 +9,6 @@ from ostinato import (
     BatchDescriptor,
     CaptureNotAllowedError,
     Dispatcher,
-    EagerReason,
     GraphCaptureError,
     GraphConfig,
     GraphManager,
@@ -100,8 +99,7 @@ def test_stats_count_each_replay_and_its_padding(captured):
     model, runner = captured
     manager = runner.graphs.manager
     before = {(b.descriptor, b.mode): b for b in manager.stats().buckets}
-    eager_before = manager.stats().eager_steps[EagerReason.ABOVE_LARGEST]
-    sizes = [3, 3, 100, 512, 700]
+    sizes = [3, 3, 100, 512]
     with torch.inference_mode():
         for n in sizes:
             runner.forward(torch.randint(0, VOCAB, (n,), device=DEVICE))
@@ -114,7 +112,7 @@ def test_stats_count_each_replay_and_its_padding(captured):
     pad = {n: runner.graphs.dispatch(n).padded_tokens for n in (3, 100, 512)}
     assert {size: count for size, (count, _) in grew.items()} == {pad[3]: 2, pad[100]: 1, 512: 1}
     assert all(b.capture_seconds > 0 and b.pool_bytes >= 0 for _, b in grew.values())
-    assert stats.eager_steps[EagerReason.ABOVE_LARGEST] == eager_before + 1
+    assert stats.eager == 0  # (this runner runs sizes above the ladder without the manager)
     assert "padding" in stats.summary()
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def llm():
     # float32: a request's greedy tokens must not depend on its batch's other rows, and
     # bf16 rounding can flip a near-tie when the batch (so the GEMM's tiling) changes.
-    return tiny_engine("auto", torch.float32, max_num_seqs=16)
+    return tiny_engine("auto", torch.float32, max_num_seqs=16, gpu_memory_utilization=0.3)
 
 
 def workload(n, seed):
@@ -72,3 +72,21 @@ def test_threads_and_tasks_get_their_solo_tokens_on_graphs(llm):
     stats = llm.graph_stats()
     assert stats.replays > before.replays  # decode steps replayed their graphs
     assert 0 <= stats.padding_fraction < 1
+
+
+def test_the_engine_in_a_child_process_gives_the_same_tokens(llm):
+    from ostinato.engine.serve.engine_process import EngineProcess
+
+    prompts, params = workload(8, seed=6)
+    want = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    kwargs = dict(model="tiny", mode="auto", dtype=torch.float32, seed=3, max_model_len=256)
+    kwargs.update(max_num_seqs=16, progress=False, gpu_memory_utilization=0.3)
+    engine = EngineProcess(kwargs, describe=False)  # beside the fixture's engine: 0.3 each
+    try:
+        handles = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+        assert [list(h) for h in handles] == want
+        status = engine.status()
+        assert status.free_kv_blocks == status.kv_blocks - 1
+        assert status.graph_stats.replays > 0
+    finally:
+        assert engine.stop()

@@ -45,7 +45,13 @@ from ostinato.engine.api.arguments import (
     resolve_device,
     resolve_dtype,
 )
-from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
+from ostinato.engine.api.prompts import (
+    Prompt,
+    chat_ids,
+    check_params,
+    check_prompts,
+    decode_text,
+)
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.request_book import RequestBook
@@ -598,6 +604,15 @@ class LLM:
             finally:
                 self._generating_thread = None
 
+    def describe(self) -> str:
+        """One line: the model, device, graph mode, start-up phases and graphs."""
+        background = self.background is not None
+        graphs = "graphs: background" if background else self.capture_report.summary()
+        return (
+            f"model: {self.source_name}; device: {self.device}; graph mode: {self.mode.name}; "
+            f"{self.startup.summary()}; {graphs}"
+        )
+
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Waits (at most ``timeout`` seconds) for a background capture to end; True when
         every graph is ready (at once after a blocking capture), False on a timeout or
@@ -854,22 +869,11 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` in the model's chat template, ready to answer."""
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages
-        ):
-            raise ValueError(
-                "chat: each conversation is a list of {'role': ..., 'content': ...} dicts"
-            )
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return chat_ids(self.tokenizer, messages)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens dropped); needs a tokenizer."""
-        if self.tokenizer is None:
-            raise ValueError("decode: the model has no tokenizer")
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return decode_text(self.tokenizer, token_ids)
 
     def steps(self) -> Iterator[None]:
         """The engine's steps as configured (asynchronous scheduling, speculative

@@ -111,3 +111,20 @@ def model_len(requested: int | None, config: ModelConfig) -> int:
             "(max_position_embeddings and RoPE scaling); lower it"
         )
     return requested
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of ``messages`` in ``tokenizer``'s chat template, ready to answer."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
+        raise ValueError("chat: each conversation is a list of {'role': ..., 'content': ...} dicts")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """Text of ``token_ids`` (special tokens dropped); ``ValueError`` without a tokenizer."""
+    if tokenizer is None:
+        raise ValueError("decode: the model has no tokenizer")
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)

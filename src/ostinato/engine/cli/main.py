@@ -264,12 +264,7 @@ def _start_engine(args: argparse.Namespace, speculative: str | None) -> Any:
     from ostinato.engine import LLM
 
     llm = LLM(args.model, speculative=speculative, **_engine_args(args))
-    graphs = llm.capture_report.summary() if llm.background is None else "graphs: background"
-    print(
-        f"model: {llm.source_name}; device: {llm.device}; graph mode: {llm.mode.name}; "
-        f"{llm.startup.summary()}; {graphs}",
-        flush=True,
-    )
+    print(llm.describe(), flush=True)
     return llm
 
 
@@ -278,11 +273,11 @@ def _serve(args: argparse.Namespace) -> int:
         from ostinato.engine.serve.app import serve
     except ImportError as exc:
         fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
-    llm = _start_engine(args, args.speculative if args.speculative != "oracle" else None)
-    name = args.model or "smollm2-135m"
-    print(f"serving {name} at http://{args.host}:{args.port}/v1", flush=True)
-    serve(llm, name, args.host, args.port)
-    llm.close()
+    if not args.no_cache:
+        keep_bytecode(args.cache_dir)
+    spec = args.speculative if args.speculative != "oracle" else None
+    llm_kwargs = dict(model=args.model, speculative=spec, **_engine_args(args))
+    serve(llm_kwargs, args.model or "smollm2-135m", args.host, args.port)
     return 0
 
 

@@ -41,6 +41,11 @@ class TokenizerFile:
         eos = special.get("eos_token")
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled without the compiled template (jinja's are not picklable), which is
+        # compiled again from its source: the server hands this to its HTTP process.
+        return _rebuild, (self._tokenizer, self.chat_template, self._special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of ``text``."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -69,6 +74,11 @@ class TokenizerFile:
             **{**self._special, **kwargs},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _rebuild(tokenizer: Any, chat_template: str | None, special: dict) -> TokenizerFile:
+    template = _compile(chat_template) if chat_template else None
+    return TokenizerFile(tokenizer, template, chat_template, special)
 
 
 def load_tokenizer(folder: Path) -> TokenizerFile | None:

@@ -13,24 +13,42 @@ aborts its request (its KV blocks are freed at the next step); one choice per re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from ostinato.engine.api.text_stream import TextStream
 from ostinato.engine.sample.sampler import SamplingParams
-from ostinato.engine.serve.loop import EngineLoop, RequestHandle
+from ostinato.engine.serve.engine_process import EngineProcess
+from ostinato.engine.serve.loop import EngineStatus, RequestHandle
+from ostinato.replay_stats import StatsSnapshot
+
+
+class Engine(Protocol):
+    """What the server needs of an engine: ``EngineLoop`` (in this process) and
+    ``EngineProcess`` (in a child process; what ``serve`` runs) both are one."""
+
+    tokenizer: Any
+
+    async def asubmit(self, prompt: Any, params: SamplingParams | None = None) -> RequestHandle: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def status(self) -> EngineStatus: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
 class _Body(BaseModel):
@@ -72,75 +90,75 @@ def _error(message: str, param: str | None, status: int = 400) -> JSONResponse:
 
 
 class Metrics:
-    """The Prometheus series of one server."""
+    """The Prometheus series of one server: counters kept here, and the engine's state
+    read once per scrape (``EngineCollector``)."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ostinato_requests", "Requests received", ["route"], registry=r)
         self.tokens = Counter("ostinato_generated_tokens", "Tokens streamed out", registry=r)
         self.aborted = Counter("ostinato_aborted_requests", "Requests aborted", registry=r)
         self.ttft = Histogram("ostinato_time_to_first_token_seconds", "TTFT", registry=r)
-        queue = Gauge("ostinato_queue_depth", "Requests waiting to run", registry=r)
-        queue.set_function(lambda: loop.queue_depth)
-        running = Gauge("ostinato_running_requests", "Requests running", registry=r)
-        running.set_function(lambda: loop.running)
-        steps = Gauge("ostinato_engine_steps", "Engine steps run", registry=r)
-        steps.set_function(lambda: loop.stats.steps)
-        step = Gauge("ostinato_step_seconds_mean", "Mean of the last steps", registry=r)
-        step.set_function(
-            lambda: sum(loop.stats.step_seconds) / max(1, len(loop.stats.step_seconds))
-        )
-        r.register(GraphCollector(loop.llm))
+        r.register(EngineCollector(engine))
 
 
-class GraphCollector:
-    """Prometheus series read from the engine's graph statistics at each scrape: steps
-    from graphs per bucket, eager steps by reason, and real versus padded rows."""
+class EngineCollector:
+    """Series read from one ``EngineStatus`` at each scrape: queue and running requests,
+    steps and their mean time, steps from graphs per bucket, eager steps by reason, and
+    real versus padded rows."""
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.llm.graph_stats()
-        replays = CounterMetricFamily(
-            "ostinato_graph_replays",
-            "Steps run from graphs, per bucket (mode, padded size, uniform decode)",
-            labels=["mode", "size", "uniform_decode"],
-        )
-        for b in stats.buckets:
-            d = b.descriptor
-            labels = [b.mode.name, str(d.num_tokens), str(d.uniform_decode).lower()]
-            replays.add_metric(labels, b.replays)
-        yield replays
-        eager = CounterMetricFamily(
-            "ostinato_eager_steps", "Steps run without graphs, by reason", labels=["reason"]
-        )
-        for reason, n in stats.eager_steps.items():
-            eager.add_metric([reason.name.lower()], n)
-        yield eager
-        yield CounterMetricFamily(
-            "ostinato_graph_real_rows",
-            "Rows asked for in steps run from graphs",
-            value=stats.real_rows,
-        )
-        yield CounterMetricFamily(
-            "ostinato_graph_padded_rows",
-            "Rows computed by steps run from graphs (padding included)",
-            value=stats.padded_rows,
-        )
+        status = self.engine.status()
+        yield GaugeMetricFamily("ostinato_queue_depth", "Requests waiting", status.queue_depth)
+        yield GaugeMetricFamily("ostinato_running_requests", "Requests running", status.running)
+        yield CounterMetricFamily("ostinato_engine_steps", "Engine steps run", status.steps)
         yield GaugeMetricFamily(
-            "ostinato_graph_padding_fraction",
-            "Share of rows computed by graphs that were padding",
-            value=stats.padding_fraction,
+            "ostinato_step_seconds_mean", "Mean of the last steps", status.step_seconds_mean
         )
+        yield from _graph_series(status.graph_stats)
 
 
-def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
-    """The server's app over ``loop``, answering as model ``model_name``."""
+def _graph_series(stats: StatsSnapshot) -> Iterator[Metric]:
+    replays = CounterMetricFamily(
+        "ostinato_graph_replays",
+        "Steps run from graphs, per bucket (mode, padded size, uniform decode)",
+        labels=["mode", "size", "uniform_decode"],
+    )
+    for b in stats.buckets:
+        d = b.descriptor
+        replays.add_metric(
+            [b.mode.name, str(d.num_tokens), str(d.uniform_decode).lower()], b.replays
+        )
+    yield replays
+    eager = CounterMetricFamily(
+        "ostinato_eager_steps", "Steps run without graphs, by reason", labels=["reason"]
+    )
+    for reason, n in stats.eager_steps.items():
+        eager.add_metric([reason.name.lower()], n)
+    yield eager
+    yield CounterMetricFamily(
+        "ostinato_graph_real_rows", "Rows asked for in steps run from graphs", stats.real_rows
+    )
+    yield CounterMetricFamily(
+        "ostinato_graph_padded_rows",
+        "Rows computed by steps run from graphs (padding included)",
+        stats.padded_rows,
+    )
+    yield GaugeMetricFamily(
+        "ostinato_graph_padding_fraction",
+        "Share of rows computed by graphs that were padding",
+        stats.padding_fraction,
+    )
+
+
+def build_app(engine: Engine, model_name: str) -> FastAPI:
+    """The server's app over ``engine``, answering as model ``model_name``."""
     app = FastAPI(title="ostinato")
-    answer = Responder(loop, model_name)
-    llm = loop.llm
+    answer = Responder(engine, model_name)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -154,9 +172,9 @@ def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        background = llm.background
-        graphs = "ready" if background is None or background.done else "capturing"
-        blocks = {"kv_blocks": llm.num_kv_blocks, "free_kv_blocks": llm.free_kv_blocks}
+        status = engine.status()
+        graphs = "capturing" if status.capturing else "ready"
+        blocks = {"kv_blocks": status.kv_blocks, "free_kv_blocks": status.free_kv_blocks}
         return {"status": "ok", "graphs": graphs, **blocks}
 
     @app.get("/metrics")
@@ -176,9 +194,9 @@ def build_app(loop: EngineLoop, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
         answer.metrics.requests.labels("chat").inc()
-        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
             raise BadRequest("messages: the model has no chat template", "messages")
-        prompt = llm.chat_prompt([m.model_dump() for m in body.messages])
+        prompt = engine.chat_prompt([m.model_dump() for m in body.messages])
         return await answer(body, prompt, request, chat=True)
 
     return app
@@ -188,9 +206,9 @@ class Responder:
     """Turns one request body into an engine request and its HTTP answer: whole, or
     streamed as server-sent events; aborts the request when its client goes away."""
 
-    def __init__(self, loop: EngineLoop, model_name: str) -> None:
-        self.loop, self.llm, self.model_name = loop, loop.llm, model_name
-        self.metrics = Metrics(loop)
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.metrics = Metrics(engine)
 
     async def __call__(self, body: _Body, prompt: Any, request: Request, chat: bool) -> Response:
         handle = await self._submit(body, prompt)
@@ -204,13 +222,13 @@ class Responder:
             tokens = [t async for chunk in self._timed(handle) for t in chunk]
         finally:
             watcher.cancel()
-        text = self.llm.decode(tokens) if self.llm.tokenizer is not None else ""
+        text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
         return JSONResponse(meta.whole(text, tokens, handle, chat))
 
     async def _submit(self, body: _Body, prompt: Any) -> RequestHandle:
         if body.n != 1:
             raise BadRequest("n: only n=1 is supported", "n")
-        if isinstance(prompt, str) and self.llm.tokenizer is None:
+        if isinstance(prompt, str) and self.engine.tokenizer is None:
             raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
         try:
             params = SamplingParams(
@@ -219,7 +237,7 @@ class Responder:
                 top_p=body.top_p,
                 ignore_eos=body.ignore_eos,
             )
-            return await self.loop.asubmit(prompt, params)
+            return await self.engine.asubmit(prompt, params)
         except (ValueError, TypeError) as exc:
             field = str(exc).split(":", 1)[0].split()[0]
             raise BadRequest(str(exc), "prompt" if field == "prompt" else field) from None
@@ -235,7 +253,7 @@ class Responder:
             yield chunk
 
     def _abort(self, handle: RequestHandle) -> None:
-        self.loop.abort(handle.id)
+        self.engine.abort(handle.id)
         self.metrics.aborted.inc()
 
     async def _abort_on_disconnect(self, request: Request, handle: RequestHandle) -> None:
@@ -247,7 +265,8 @@ class Responder:
         """One event per chunk of tokens whose text is whole (tokens that end inside a
         multi-byte character wait for the rest, and travel with it); the last event
         carries the finish reason and any text still held back."""
-        text = TextStream(self.llm.decode if self.llm.tokenizer is not None else _no_text)
+        decode = self.engine.decode if self.engine.tokenizer is not None else _no_text
+        text = TextStream(decode)
         finished, waiting = False, []
         try:
             async for chunk in self._timed(handle):
@@ -319,13 +338,15 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def serve(llm: Any, model_name: str, host: str, port: int) -> None:
-    """Runs the server until interrupted, then stops the engine loop."""
+def serve(llm_kwargs: dict[str, Any], model_name: str, host: str, port: int) -> None:
+    """Starts the engine (``LLM(**llm_kwargs)``) in a process of its own, prints its
+    start-up line, and serves until interrupted; then stops the engine."""
     import uvicorn
 
-    loop = EngineLoop(llm)
+    engine = EngineProcess(llm_kwargs)
+    print(engine.startup, flush=True)
+    print(f"serving {model_name} at http://{host}:{port}/v1", flush=True)
     try:
-        uvicorn.run(build_app(loop, model_name), host=host, port=port, log_level="warning")
+        uvicorn.run(build_app(engine, model_name), host=host, port=port, log_level="warning")
     finally:
-        with contextlib.suppress(Exception):
-            loop.stop()
+        engine.stop()

@@ -19,13 +19,20 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
+from ostinato.engine.api.prompts import (
+    Prompt,
+    chat_ids,
+    check_params,
+    check_prompts,
+    decode_text,
+)
 from ostinato.engine.core.scheduler import FinishReason, Request
 from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.replay_stats import StatsSnapshot
 
 _END = object()
 SWITCH_INTERVAL_S = 0.0005  # while the loop runs (see _run)
@@ -47,6 +54,32 @@ class LoopStats:
         self.steps += 1
         self.step_seconds.append(seconds)
         del self.step_seconds[:-1024]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step did to one request: its new tokens and, if it ended, why (or the
+    error that ended it). A step's events travel together (``EngineLoop``'s ``publish``)."""
+
+    request_id: str
+    tokens: list[int]
+    ended: bool = False
+    finish: FinishReason | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The engine as ``/health`` and ``/metrics`` see it, read at one moment."""
+
+    queue_depth: int
+    running: int
+    steps: int
+    step_seconds_mean: float
+    kv_blocks: int
+    free_kv_blocks: int
+    capturing: bool
+    graph_stats: StatsSnapshot
 
 
 class RequestHandle:
@@ -138,21 +171,84 @@ def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
         aqueue.put_nowait(item)
 
 
+Enqueue = Callable[[str, Prompt, Any], list[int]]
+
+
+class Handles:
+    """The handles of live requests by id; ``deliver`` hands a step's events to them (one
+    wake-up per event loop). Used by the loop itself and by ``EngineProcess``'s reader."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[str, RequestHandle] = {}
+
+    def open(
+        self, request_id: str, aloop: Any, enqueue: Enqueue, prompt: Prompt, params: Any
+    ) -> RequestHandle:
+        """A handle for a new request, registered before ``enqueue`` queues the request
+        (its first events may come at once) and dropped again if ``enqueue`` refuses it."""
+        handle = self.register(RequestHandle(request_id, [], aloop))
+        try:
+            handle.prompt = enqueue(request_id, prompt, params)
+        except BaseException:
+            self.discard(request_id)
+            raise
+        return handle
+
+    def register(self, handle: RequestHandle) -> RequestHandle:
+        with self._lock:
+            self._by_id[handle.id] = handle
+        return handle
+
+    def discard(self, request_id: str) -> None:
+        with self._lock:
+            self._by_id.pop(request_id, None)
+
+    def deliver(self, events: list[TokenEvent]) -> None:
+        post = _Post()
+        with self._lock:
+            for e in events:
+                handle = self._by_id.get(e.request_id)
+                if handle is None:
+                    continue
+                if e.tokens:
+                    handle._put(e.tokens, post)
+                if e.ended:
+                    del self._by_id[e.request_id]
+                    handle._end(e.finish, e.error, post)
+        post.send()
+
+    def end_all(self, error: BaseException | None) -> None:
+        """Ends every handle (ABORT, or ``error``): its engine is gone."""
+        with self._lock:
+            handles, self._by_id = list(self._by_id.values()), {}
+        for handle in handles:
+            handle._end(None if error else FinishReason.ABORT, error)
+
+
 @dataclass
 class _Live:
-    handle: RequestHandle
+    request_id: str
     request: Request
     emitted: int = 0
 
 
-class EngineLoop:
-    """Serves ``llm`` from a thread of its own (see the module docstring)."""
+Publish = Callable[[list[TokenEvent]], None]
 
-    def __init__(self, llm: Any) -> None:
+
+class EngineLoop:
+    """Serves ``llm`` from a thread of its own (see the module docstring).
+
+    ``publish``: where each step's ``TokenEvent`` list goes; by default to the handles
+    ``submit`` returned (``EngineProcess``'s engine side sends them to its parent)."""
+
+    def __init__(self, llm: Any, publish: Publish | None = None) -> None:
         self.llm = llm
         self.stats = LoopStats()
         self._ids = itertools.count()
-        self._submitted: queue.Queue[tuple[RequestHandle, SamplingParams]] = queue.Queue()
+        self._handles = Handles()
+        self._sink = publish or self._handles.deliver
+        self._submitted: queue.Queue[tuple[str, list[int], SamplingParams]] = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -161,27 +257,40 @@ class EngineLoop:
         self._thread.start()
         self._started.wait()
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None for random weights)."""
+        return self.llm.tokenizer
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return decode_text(self.llm.tokenizer, token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return chat_ids(self.llm.tokenizer, messages)
+
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Queues ``prompt`` (token ids, or text with a tokenizer); returns its handle.
         Checks everything first: ``ValueError`` / ``TypeError`` name the problem."""
-        return self._submit(prompt, params, None)
+        return self._handles.open(f"req-{next(self._ids)}", None, self.enqueue, prompt, params)
 
     async def asubmit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """``submit`` for asyncio: the handle's tokens arrive on the running event loop."""
-        return self._submit(prompt, params, asyncio.get_running_loop())
+        aloop = asyncio.get_running_loop()
+        return self._handles.open(f"req-{next(self._ids)}", aloop, self.enqueue, prompt, params)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | None, aloop: Any) -> RequestHandle:
+    def enqueue(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> list[int]:
+        """Checks and queues one request under ``request_id`` (its events are published
+        under that id); returns its prompt's token ids."""
         if self._stop.is_set():
             raise RuntimeError("submit: the engine loop is stopped")
         llm = self.llm
         vocab, fits = llm.config.vocab_size, llm.scheduler.check
         (tokens,) = check_prompts([prompt], llm.tokenizer, vocab, fits)
         (p,) = check_params(params, 1)
-        handle = RequestHandle(f"req-{next(self._ids)}", tokens, aloop)
-        llm.requests.reserve([handle.id])
-        self._submitted.put((handle, p))
+        llm.requests.reserve([request_id])
+        self._submitted.put((request_id, tokens, p))
         self._wake.set()
-        return handle
+        return tokens
 
     def abort(self, request_id: str) -> bool:
         """Ends request ``request_id`` at the next step boundary (finish reason ABORT) and
@@ -200,12 +309,31 @@ class EngineLoop:
         """Requests admitted and not finished."""
         return len(self._live)
 
+    def status(self) -> EngineStatus:
+        """The engine now (safe from any thread)."""
+        llm, seconds = self.llm, list(self.stats.step_seconds)
+        background = llm.background
+        return EngineStatus(
+            queue_depth=self.queue_depth,
+            running=self.running,
+            steps=self.stats.steps,
+            step_seconds_mean=sum(seconds) / max(1, len(seconds)),
+            kv_blocks=llm.num_kv_blocks,
+            free_kv_blocks=llm.free_kv_blocks,
+            capturing=background is not None and not background.done,
+            graph_stats=llm.graph_stats(),
+        )
+
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Ends every request (ABORT), frees its blocks and releases the engine."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        if events:
+            self._sink(events)
 
     def _run(self) -> None:
         # The server's event loop shares the interpreter: when this thread's wait on the
@@ -222,87 +350,84 @@ class EngineLoop:
             self._started.set()
             steps: Iterator[None] | None = None
             while not self._stop.is_set():
-                self._admit()
+                events = self._admit()
                 self.llm.scheduler.abort(self.llm.requests.take_aborts())
                 if steps is None:
                     if not self.llm.scheduler.has_work:
-                        self._emit()  # requests aborted while nothing ran
+                        self._publish(events + self._emit())  # aborted while nothing ran
                         self._wake.wait(0.1)
                         self._wake.clear()
                         continue
                     steps = self.llm.steps()
-                if not self._step(steps):
-                    steps = None
+                if events:
+                    self._publish(events)
+                steps = self._step(steps)
             self._end_all(FinishReason.ABORT, None)
             self.llm.scheduler.reset()  # (a step may still be in flight: its tokens go)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[TokenEvent]:
+        ended = []
         while True:
             try:
-                handle, params = self._submitted.get_nowait()
+                request_id, prompt, params = self._submitted.get_nowait()
             except queue.Empty:
-                return
+                return ended
             self.stats.requests += 1
-            if self.llm.requests.aborted(handle.id):  # aborted before it was queued
-                self._ended(handle, FinishReason.ABORT)
+            if self.llm.requests.aborted(request_id):  # aborted before it was queued
+                ended.append(self._ended(request_id, FinishReason.ABORT, []))
                 continue
-            request = self.llm.scheduler.add(handle.prompt, params)
-            self.llm.requests.bind(handle.id, request)
-            self._live[handle.id] = _Live(handle, request)
+            request = self.llm.scheduler.add(prompt, params)
+            self.llm.requests.bind(request_id, request)
+            self._live[request_id] = _Live(request_id, request)
 
-    def _step(self, steps: Iterator[None]) -> bool:
-        """Runs one step; False once ``steps`` ended (no work left) or failed."""
+    def _step(self, steps: Iterator[None]) -> Iterator[None] | None:
+        """Runs one step; the iterator to go on with (None once it ended or failed)."""
         start = time.perf_counter()
         try:
             next(steps)
         except StopIteration:
-            self._emit()
-            return False
+            self._publish(self._emit())
+            return None
         except Exception as exc:  # the step's error ends its requests; the loop serves on
             self.llm.scheduler.reset()
             self.stats.failed += len(self._live)
             self._end_all(None, exc)
-            return False
+            return None
         self.stats.record_step(time.perf_counter() - start)
-        self._emit()
-        return True
+        self._publish(self._emit())
+        return steps
 
-    def _emit(self) -> None:
-        """Streams each request's new tokens; ends the finished (or aborted) ones."""
-        post = _Post()
+    def _emit(self) -> list[TokenEvent]:
+        """Each request's new tokens; the finished (or aborted) ones end."""
+        events = []
         for request_id, live in list(self._live.items()):
             new = live.request.output[live.emitted :]
-            if new:
-                live.emitted += len(new)
-                self.stats.tokens += len(new)
-                live.handle._put(new, post)
+            live.emitted += len(new)
+            self.stats.tokens += len(new)
             if live.request.finished:
                 del self._live[request_id]
-                self._ended(live.handle, live.request.finish_reason, post)
-        post.send()
+                events.append(self._ended(request_id, live.request.finish_reason, new))
+            elif new:
+                events.append(TokenEvent(request_id, new))
+        return events
 
-    def _ended(
-        self, handle: RequestHandle, reason: FinishReason | None, post: _Post | None = None
-    ) -> None:
-        self.llm.requests.release([handle.id])
+    def _ended(self, request_id: str, reason: FinishReason | None, new: list[int]) -> TokenEvent:
+        self.llm.requests.release([request_id])
         if reason is FinishReason.ABORT:
             self.stats.aborted += 1
         elif reason is not None:
             self.stats.finished += 1
-        handle._end(reason, None, post)
+        return TokenEvent(request_id, new, True, reason)
 
     def _end_all(self, reason: FinishReason | None, error: BaseException | None) -> None:
         if reason is FinishReason.ABORT and self._live:
             self.llm.scheduler.abort([live.request for live in self._live.values()])
         ids = list(self._live)
-        for live in self._live.values():
-            live.handle._end(reason, error)
         self._live.clear()
         while True:  # submitted but never admitted
             try:
-                handle, _ = self._submitted.get_nowait()
+                ids.append(self._submitted.get_nowait()[0])
             except queue.Empty:
                 break
-            ids.append(handle.id)
-            handle._end(reason, error)
         self.llm.requests.release(ids)
+        self._publish([TokenEvent(rid, [], True, reason, error) for rid in ids])

@@ -1,0 +1,95 @@
+"""The engine in a child process (what `ostinato serve` runs): threads and asyncio tasks
+submitting, streaming and aborting get their solo tokens; refusals name the field in the
+caller's thread; a child that fails to start, or dies, says so."""
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.core.scheduler import FinishReason
+from ostinato.engine.serve.engine_process import EngineDead, EngineProcess
+
+KWARGS = dict(model="tiny", device="cpu", max_model_len=96, max_num_seqs=4, progress=False)
+PROMPTS = [[1 + i, 7, 3 * i + 2, 9] for i in range(8)]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def solo():
+    llm = LLM(**KWARGS)
+    return [llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = EngineProcess(KWARGS, describe=False)
+    yield engine
+    assert engine.stop()
+
+
+def test_threads_and_tasks_get_their_solo_tokens(engine, solo):
+    got = {}
+
+    def client(i):
+        handle = engine.submit(PROMPTS[i], PARAMS)
+        got[i] = list(handle)
+
+    async def tasks():
+        async def one(i):
+            handle = await engine.asubmit(PROMPTS[i], PARAMS)
+            got[i] = [t async for t in handle]
+
+        await asyncio.gather(*(one(i) for i in range(4, 8)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    asyncio.run(tasks())
+    for t in threads:
+        t.join(60)
+    assert [got[i] for i in range(8)] == solo
+    status = engine.status()
+    assert status.free_kv_blocks == status.kv_blocks - 1 and status.running == 0
+
+
+def test_abort_ends_a_request_early(engine, solo):
+    handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=80, ignore_eos=True))
+    tokens = []
+    for token in handle:
+        tokens.append(token)
+        if len(tokens) == 2:
+            engine.abort(handle.id)
+    assert handle.finish_reason is FinishReason.ABORT and len(tokens) < 80
+    assert tokens[:2] == solo[0][:2]
+
+
+def test_refusals_name_the_field_in_the_callers_thread(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([1, 10**6])
+
+    async def refused():
+        with pytest.raises(ValueError, match="empty"):
+            await engine.asubmit([])
+
+    asyncio.run(refused())
+    assert engine.status().running == 0
+
+
+def test_an_engine_that_cannot_start_says_why():
+    with pytest.raises(EngineDead, match="max_model_len"):
+        EngineProcess({**KWARGS, "max_model_len": -5}, describe=False)
+
+
+def test_a_dead_engine_ends_open_requests_and_refuses_new_ones():
+    engine = EngineProcess({**KWARGS, "max_model_len": 1024}, describe=False)
+    handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))
+    os.kill(engine._proc.pid, signal.SIGKILL)
+    with pytest.raises(EngineDead, match="exited"):
+        list(handle)
+    with pytest.raises(EngineDead):
+        engine.submit([1, 2, 3])
+    engine.stop()

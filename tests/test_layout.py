@@ -15,6 +15,7 @@ LIBRARY_LAYERS = [
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
+    | {"replay_stats"}
     | {""},
 ]
 # Side by side, neither imports the other.

@@ -19,6 +19,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ SWITCH_INTERVAL_S = 0.0005  # while the loop runs (see _run)
 
 @dataclass
 class LoopStats:
-    """Counters of a loop's life (what ``/metrics`` exports)."""
+    """Counters of a loop's life; ``status()`` reads the steps and their times."""
 
     requests: int = 0
     finished: int = 0
@@ -48,12 +49,11 @@ class LoopStats:
     failed: int = 0
     tokens: int = 0
     steps: int = 0
-    step_seconds: list[float] = field(default_factory=list)  # the last 1024 steps
+    step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # last
 
     def record_step(self, seconds: float) -> None:
         self.steps += 1
         self.step_seconds.append(seconds)
-        del self.step_seconds[:-1024]
 
 
 @dataclass(frozen=True)

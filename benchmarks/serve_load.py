@@ -16,9 +16,11 @@ For each N of ``--clients`` two phases run against one server process:
   seconds after the last counts k gaps of ``g / k``).
 
 Clients run in several processes (``--client-procs``) so that parsing the streams does not
-become the bottleneck being measured. Every completed response is compared with the
-offline greedy output of its prompt (a hung-up one with its prefix), after each N every KV
-block must be free again (``/health``), and ``/metrics``' graph counters are recorded.
+become the bottleneck being measured; each row records how busy the busiest one was
+(``client_busy``, CPU seconds per second: near 1.0 it was the bottleneck). Every
+completed response is compared with the offline greedy output of its prompt (a hung-up one
+with its prefix), after each N every KV block must be free again (``/health``), and
+``/metrics``' graph counters are recorded.
 """
 
 from __future__ import annotations
@@ -132,10 +134,22 @@ async def _clients(base: str, jobs: list[tuple[int, Job]], n_clients: int) -> li
 
 def _client_process(base: str, jobs: list[tuple[int, Job]], n: int, start: Any, out: Any) -> None:
     start.wait()
-    out.put(asyncio.run(_clients(base, jobs, n)))
+    wall, cpu = time.perf_counter(), time.process_time()
+    replies = asyncio.run(_clients(base, jobs, n))
+    busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    out.put((replies, busy))
 
 
-def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> list[Reply]:
+@dataclass
+class Load:
+    """What the clients saw, and how busy the busiest client process was (CPU seconds
+    per second: near 1.0, the clients themselves were the bottleneck)."""
+
+    replies: list[Reply]
+    client_busy: float
+
+
+def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> Load:
     """``n_clients`` concurrent clients over ``jobs``, spread over ``procs`` processes;
     each process takes every procs-th job and its share of the clients."""
     procs = max(1, min(procs, n_clients))
@@ -153,10 +167,11 @@ def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> list[Rep
         c.start()
     time.sleep(1.0)  # every process imported openai and waits
     start.set()
-    replies = [r for _ in children for r in out.get()]
+    results = [out.get() for _ in children]
     for c in children:
         c.join()
-    return sorted(replies, key=lambda r: r.job)
+    replies = sorted((r for rs, _ in results for r in rs), key=lambda r: r.job)
+    return Load(replies, max(busy for _, busy in results))
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -283,6 +298,19 @@ def offline(llm: Any, jobs: list[Job], batch: int) -> tuple[list[list[int]], flo
     return outputs, seconds
 
 
+def first_token_ms(llm: Any, prompt_len: int, vocab: int, repeats: int = 10) -> float:
+    """Median milliseconds of one offline request of ``prompt_len`` random ids for one
+    token: the engine's share of a lone client's time to first token."""
+    from ostinato.engine import SamplingParams
+
+    times = []
+    for job in fixed_jobs(repeats, prompt_len, 1, vocab, seed=7):
+        start = time.perf_counter()
+        llm.generate([job.prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        times.append((time.perf_counter() - start) * 1e3)
+    return percentile(times, 0.5) or 0.0
+
+
 def compare(replies: list[Reply], want: list[list[int]]) -> dict[str, int]:
     """Completed responses equal to the offline greedy output; hung-up ones a prefix."""
     exact = prefix = differ = 0
@@ -318,11 +346,16 @@ def run_server_phases(
             results[n] = {}
             for name, jobs in phases.items():
                 before = server.metrics()
-                replies = run_load(f"{server.base}/v1", jobs, n, args.client_procs)
+                load = run_load(f"{server.base}/v1", jobs, n, args.client_procs)
                 free = server.blocks_free()
                 counters = graph_counters(before, server.metrics())
-                results[n][name] = {"replies": replies, "blocks_free": free, **counters}
-                seen = summarize(replies)
+                results[n][name] = {
+                    "replies": load.replies,
+                    "client_busy": load.client_busy,
+                    "blocks_free": free,
+                    **counters,
+                }
+                seen = summarize(load.replies)
                 print(f"N={n} {name}: {seen['tokens_per_s']:.0f} tok/s, {seen['errors']} errors")
     finally:
         server.stop()
@@ -340,7 +373,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(12, (os.cpu_count() or 1) - 4)),
+        help="processes the clients run in (default: the cores but 4, at most 12)",
+    )
     parser.add_argument("--vocab-cap", type=int, default=30000, help="prompt ids below this")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -376,6 +414,7 @@ def offline_and_report(
         progress=False,
     )
     offline(llm, fixed_jobs(8, 32, 16, args.vocab_cap, seed=99), 8)  # warm-up
+    first_ms = first_token_ms(llm, args.prompt_len, args.vocab_cap)
     rows, summary = [], {}
     for n, phases in plan.items():
         for name, jobs in phases.items():
@@ -394,7 +433,10 @@ def offline_and_report(
                 "ratio": server["tokens_per_s"] / (tokens / seconds),
                 "correctness": compare(got["replies"], want),
                 "blocks_free_after": got["blocks_free"],
-                **{k: got[k] for k in ("graph_steps", "eager_steps", "padding_fraction")},
+                **{
+                    k: got[k]
+                    for k in ("client_busy", "graph_steps", "eager_steps", "padding_fraction")
+                },
             }
             rows.append(row)
             summary[f"{name}@{n}"] = round(row["ratio"], 3)
@@ -405,6 +447,7 @@ def offline_and_report(
         "random_weights": args.random_weights,
         "args": {k: str(v) for k, v in vars(args).items()},
         "summary": summary,
+        "offline_first_token_ms": first_ms,
         "rows": rows,
     }
 

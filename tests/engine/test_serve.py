@@ -2,13 +2,6 @@
 talked to with the official `openai` client: completions, chat, streaming, an abort by
 disconnect, bad requests, health and metrics; then stopped."""
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 from smollm2 import gguf_path
 
@@ -16,45 +9,18 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from serve_harness import all_blocks_free, metric, served, wait_for_abort  # noqa: E402
+
 from ostinato.engine import LLM, SamplingParams  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     gguf_path()
-    port = free_port()
-    command = [sys.executable, "-m", "ostinato.engine", "serve", "--device", "cpu"]
-    command += ["--port", str(port), "--max-model-len", "512", "--quiet"]
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the server did not answer /health in 240 s")
-    yield base
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with served(["--device", "cpu", "--max-model-len", "512", "--quiet"]) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -97,24 +63,6 @@ def test_chat_plain_and_streamed_agree(client):
     assert "".join(pieces) == text
 
 
-def metric(server, name):
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
-def wait_for_abort(server, before):
-    """Waits until one more request was aborted than ``before`` and none runs."""
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        aborted = metric(server, "ostinato_aborted_requests_total")
-        if aborted == before + 1 and metric(server, "ostinato_running_requests") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"aborted {aborted}, expected {before + 1}")
-
-
 def test_a_streaming_client_that_disconnects_aborts_its_request(client, server):
     before = metric(server, "ostinato_aborted_requests_total")
     stream = client.completions.create(
@@ -133,8 +81,7 @@ def test_a_waiting_client_that_goes_away_aborts_its_request(server):
     with pytest.raises(httpx.TimeoutException):  # the client gives up and hangs up
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
     wait_for_abort(server, before)
-    health = httpx.get(f"{server}/health").json()
-    assert health["free_kv_blocks"] == health["kv_blocks"] - 1  # every block back
+    assert all_blocks_free(server)
 
 
 def test_metrics_count_steps_by_how_they_ran(client, server):

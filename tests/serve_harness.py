@@ -1,0 +1,85 @@
+"""`ostinato serve` as a real process for the serving tests: started on a free port of
+127.0.0.1, waited for until ``/health`` answers, stopped with Ctrl-C; and the readings
+of its ``/metrics`` the tests assert on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(args: list[str], ready_within_s: float = 240.0) -> Iterator[str]:
+    """``ostinato serve ARGS`` running; yields its base URL (``http://127.0.0.1:PORT``).
+    Fails the test with the server's output if it exits or never answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "ostinato.engine", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + ready_within_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"the server did not answer /health in {ready_within_s:.0f} s")
+    try:
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def metric(server: str, name: str) -> float:
+    """The value of series ``name`` (with its labels, if any) in ``/metrics``."""
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def metric_sum(server: str, prefix: str) -> float:
+    """The sum of every series whose name (labels included) starts with ``prefix``."""
+    lines = httpx.get(f"{server}/metrics").text.splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(prefix))
+
+
+def wait_for_abort(server: str, before: float) -> None:
+    """Waits until one more request was aborted than ``before`` and none runs."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        aborted = metric(server, "ostinato_aborted_requests_total")
+        if aborted == before + 1 and metric(server, "ostinato_running_requests") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"aborted {aborted}, expected {before + 1}")
+
+
+def all_blocks_free(server: str) -> bool:
+    health = httpx.get(f"{server}/health").json()
+    return health["free_kv_blocks"] == health["kv_blocks"] - 1  # (block 0 is the null block)

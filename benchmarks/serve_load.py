@@ -9,7 +9,10 @@ For each N of ``--clients`` two phases run against one server process:
 - ``fixed``: N clients each send ``--requests-per-client`` requests one after the other,
   every prompt ``--prompt-len`` random tokens and every output ``--output-len`` tokens
   (``ignore_eos``). Offline, the same requests run as waves of N through ``generate``.
-  The throughput ratio (server over offline) is the headline.
+  The throughput ratio (server over offline) is the headline, over the whole phase and
+  over its steady window (``steady_ratio``: from the last client's first token to the
+  first client's last, when all N clients are busy; the whole phase also holds the
+  ramp-down, when the clients that drifted behind finish with fewer beside them).
 - ``mixed``: 3N requests of random prompt (16..512) and output (16..256) lengths with
   real stops; one in ten clients hangs up after a few tokens. Time to first token and
   inter-token latency percentiles come from here (a chunk of k tokens arriving ``g``
@@ -60,6 +63,7 @@ class Reply:
     processes)."""
 
     job: int
+    client: int = 0  # which closed-loop client sent it (unique across processes)
     tokens: list[int] = field(default_factory=list)
     sent: float = 0.0
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
@@ -86,8 +90,8 @@ def mixed_jobs(n: int, vocab: int, seed: int) -> list[Job]:
     return jobs
 
 
-async def _one(client: Any, index: int, job: Job) -> Reply:
-    reply = Reply(index, sent=time.monotonic())
+async def _one(client: Any, who: int, index: int, job: Job) -> Reply:
+    reply = Reply(index, who, sent=time.monotonic())
     try:
         stream = await client.completions.create(
             model=MODEL_NAME,
@@ -113,7 +117,9 @@ async def _one(client: Any, index: int, job: Job) -> Reply:
     return reply
 
 
-async def _clients(base: str, jobs: list[tuple[int, Job]], n_clients: int) -> list[Reply]:
+async def _clients(
+    base: str, jobs: list[tuple[int, Job]], n_clients: int, first_id: int
+) -> list[Reply]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
@@ -122,20 +128,24 @@ async def _clients(base: str, jobs: list[tuple[int, Job]], n_clients: int) -> li
         queue.put_nowait(item)
     replies: list[Reply] = []
 
-    async def worker() -> None:
+    async def worker(who: int) -> None:
         while not queue.empty():
             index, job = queue.get_nowait()
-            replies.append(await _one(client, index, job))
+            replies.append(await _one(client, who, index, job))
 
-    await asyncio.gather(*(worker() for _ in range(n_clients)))
+    await asyncio.gather(*(worker(first_id + w) for w in range(n_clients)))
     await client.close()
     return replies
 
 
-def _client_process(base: str, jobs: list[tuple[int, Job]], n: int, start: Any, out: Any) -> None:
+def _client_process(
+    base: str, jobs: list[tuple[int, Job]], n: int, first_id: int, start: Any, out: Any
+) -> None:
+    import openai  # noqa: F401  (imported before the clock starts)
+
     start.wait()
     wall, cpu = time.perf_counter(), time.process_time()
-    replies = asyncio.run(_clients(base, jobs, n))
+    replies = asyncio.run(_clients(base, jobs, n, first_id))
     busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
     out.put((replies, busy))
 
@@ -159,7 +169,14 @@ def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> Load:
     children = [
         ctx.Process(
             target=_client_process,
-            args=(base, [(i, j) for i, j in enumerate(jobs) if i % procs == p], n, start, out),
+            args=(
+                base,
+                [(i, j) for i, j in enumerate(jobs) if i % procs == p],
+                n,
+                sum(k for _, k in shares[:p]),
+                start,
+                out,
+            ),
         )
         for p, n in shares
     ]
@@ -181,12 +198,39 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def steady_window(replies: list[Reply]) -> tuple[float, float] | None:
+    """The span in which every client was busy: from the last client's first token to
+    the first client's last token (None if some client never overlapped the others)."""
+    by_client: dict[int, list[Reply]] = {}
+    for r in replies:
+        if r.chunks:
+            by_client.setdefault(r.client, []).append(r)
+    if not by_client:
+        return None
+    start = max(min(r.chunks[0][0] for r in rs) for rs in by_client.values())
+    end = min(max(r.chunks[-1][0] for r in rs) for rs in by_client.values())
+    return (start, end) if end > start else None
+
+
+def turnaround_ms(replies: list[Reply]) -> list[float]:
+    """Per client, from the last token of one response to sending the next request."""
+    gaps, by_client = [], {}
+    for r in sorted(replies, key=lambda r: r.sent):
+        last = by_client.get(r.client)
+        if last is not None and last.chunks:
+            gaps.append((r.sent - last.chunks[-1][0]) * 1e3)
+        by_client[r.client] = r
+    return gaps
+
+
 def summarize(replies: list[Reply]) -> dict[str, Any]:
-    """Throughput over the phase's wall time, and TTFT / ITL percentiles in ms."""
+    """Throughput over the phase's wall time and over its steady window (every client
+    busy), and TTFT / ITL / client turnaround percentiles in ms."""
     done = [r for r in replies if r.chunks]
     wall = max(r.chunks[-1][0] for r in done) - min(r.sent for r in replies) if done else 0.0
     tokens = sum(len(r.tokens) for r in replies)
     ttft = [(r.chunks[0][0] - r.sent) * 1e3 for r in done]
+    gaps = turnaround_ms(replies)
     itl = []
     for r in done:
         for (t0, _), (t1, k) in zip(r.chunks, r.chunks[1:], strict=False):
@@ -201,7 +245,18 @@ def summarize(replies: list[Reply]) -> dict[str, Any]:
         "ttft_ms": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99)},
         "itl_ms": {"p50": percentile(itl, 0.5), "p99": percentile(itl, 0.99)},
         "tokens_per_chunk": tokens / max(1, sum(len(r.chunks) for r in done)),
+        "steady": _steady(replies),
+        "turnaround_ms": {"p50": percentile(gaps, 0.5), "p99": percentile(gaps, 0.99)},
     }
+
+
+def _steady(replies: list[Reply]) -> dict[str, float] | None:
+    window = steady_window(replies)
+    if window is None:
+        return None
+    start, end = window
+    tokens = sum(k for r in replies for t, k in r.chunks if start < t <= end)
+    return {"seconds": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start)}
 
 
 def free_port() -> int:
@@ -431,6 +486,11 @@ def offline_and_report(
                 "server": server,
                 "offline_tokens_per_s": tokens / seconds,
                 "ratio": server["tokens_per_s"] / (tokens / seconds),
+                "steady_ratio": (
+                    server["steady"]["tokens_per_s"] / (tokens / seconds)
+                    if server["steady"]
+                    else None
+                ),
                 "correctness": compare(got["replies"], want),
                 "blocks_free_after": got["blocks_free"],
                 **{
@@ -440,6 +500,8 @@ def offline_and_report(
             }
             rows.append(row)
             summary[f"{name}@{n}"] = round(row["ratio"], 3)
+            if row["steady_ratio"] is not None:
+                summary[f"{name}@{n} steady"] = round(row["steady_ratio"], 3)
     llm.close()
     return {
         "provenance": asdict(Provenance.collect()),

@@ -65,6 +65,8 @@ serve1)
     cp .gpu/part1/gguf.aa /tmp/smol/
     run_file tests/engine/test_gpu_engine_loop.py 150
     nproc | tee "$OUT/nproc.txt"
+    timeout 150 python3 -m benchmarks.serve_ttft --model llama-1.5b --random-weights \
+        --out "$OUT/ttft_llama-1.5b_h200.json" 2>&1 | tee "$OUT/ttft.log"
     timeout 400 python3 -m benchmarks.serve_load --model llama-1.5b --random-weights \
         --out "$OUT/serve_llama-1.5b_h200.json" 2>&1 | tee "$OUT/serve_1.5b.log"
     ;;

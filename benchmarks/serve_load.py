@@ -117,35 +117,29 @@ async def _one(client: Any, who: int, index: int, job: Job) -> Reply:
     return reply
 
 
-async def _clients(
-    base: str, jobs: list[tuple[int, Job]], n_clients: int, first_id: int
-) -> list[Reply]:
+Queue = list[tuple[int, Job]]  # (index in the phase, job): one client's requests in order
+
+
+async def _clients(base: str, queues: dict[int, Queue]) -> list[Reply]:
+    """One closed-loop client per queue (keyed by client id), all at once."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
-    queue: asyncio.Queue[tuple[int, Job]] = asyncio.Queue()
-    for item in jobs:
-        queue.put_nowait(item)
-    replies: list[Reply] = []
 
-    async def worker(who: int) -> None:
-        while not queue.empty():
-            index, job = queue.get_nowait()
-            replies.append(await _one(client, who, index, job))
+    async def one_client(who: int, queue: Queue) -> list[Reply]:
+        return [await _one(client, who, index, job) for index, job in queue]
 
-    await asyncio.gather(*(worker(first_id + w) for w in range(n_clients)))
+    done = await asyncio.gather(*(one_client(w, q) for w, q in queues.items()))
     await client.close()
-    return replies
+    return [r for replies in done for r in replies]
 
 
-def _client_process(
-    base: str, jobs: list[tuple[int, Job]], n: int, first_id: int, start: Any, out: Any
-) -> None:
+def _client_process(base: str, queues: dict[int, Queue], ready: Any, out: Any) -> None:
     import openai  # noqa: F401  (imported before the clock starts)
 
-    start.wait()
+    ready.wait()  # every client process is up: they start together
     wall, cpu = time.perf_counter(), time.process_time()
-    replies = asyncio.run(_clients(base, jobs, n, first_id))
+    replies = asyncio.run(_clients(base, queues))
     busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
     out.put((replies, busy))
 
@@ -160,30 +154,22 @@ class Load:
 
 
 def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> Load:
-    """``n_clients`` concurrent clients over ``jobs``, spread over ``procs`` processes;
-    each process takes every procs-th job and its share of the clients."""
+    """``n_clients`` closed-loop clients over ``jobs`` (client c sends jobs c, c + N,
+    c + 2N, ... one after the other), spread over ``procs`` processes that start
+    together."""
     procs = max(1, min(procs, n_clients))
     ctx = mp.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    shares = [(p, n_clients // procs + (p < n_clients % procs)) for p in range(procs)]
+    ready, out = ctx.Barrier(procs), ctx.Queue()
+    queues = {c: list(enumerate(jobs))[c::n_clients] for c in range(n_clients)}
     children = [
         ctx.Process(
             target=_client_process,
-            args=(
-                base,
-                [(i, j) for i, j in enumerate(jobs) if i % procs == p],
-                n,
-                sum(k for _, k in shares[:p]),
-                start,
-                out,
-            ),
+            args=(base, {c: q for c, q in queues.items() if c % procs == p}, ready, out),
         )
-        for p, n in shares
+        for p in range(procs)
     ]
     for c in children:
         c.start()
-    time.sleep(1.0)  # every process imported openai and waits
-    start.set()
     results = [out.get() for _ in children]
     for c in children:
         c.join()

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The tensor-parallel GPU checks on nvidia-h200-x2, in three device calls (10 minutes each):
 #   benchmarks/tp_h200x2.sh tests   # the 2-GPU tests (the single-GPU suite: h100_checks.sh)
+#   benchmarks/tp_h200x2.sh tests-one-session   # the same in one pytest (less start-up), the
+#                                   # dead-worker tests after it in a second
+#   benchmarks/tp_h200x2.sh census-llama-8b  # TP=1 vs TP=2 at B=1,8 with kernel census and top kernels
 #   benchmarks/tp_h200x2.sh bench-llama-8b   # (and bench-llama-1.5b) decode step, TP=1 vs TP=2, NCCL vs measured symmetric
 #   benchmarks/tp_h200x2.sh bench-ubatch     # TP=2 steps with and without micro-batch overlap
 # Writes logs and JSON under $OUT (or ./out). NVLink multicast stays off.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
@@ -23,6 +27,25 @@ tests)
     for id in $ids; do
         timeout 200 python3 -m pytest "${args[@]}" "$id" 2>&1 | tee -a "$OUT/gpu_tests.log" \
             | grep -E "PASSED|FAILED|ERROR|^E |Timeout|rank [0-9]"
+    done
+    ;;
+tests-one-session)
+    args=(-v -rfE --tb=short -m gpu -p no:cacheprovider --timeout=150)
+    timeout 420 python3 -m pytest "${args[@]}" tests/engine/test_gpu_distributed.py \
+        -k "not dead_worker" 2>&1 | tee -a "$OUT/gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|^E |Timeout|rank [0-9]|passed|failed"
+    timeout 150 python3 -m pytest "${args[@]}" tests/engine/test_gpu_distributed.py \
+        -k dead_worker 2>&1 | tee -a "$OUT/gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|^E |Timeout|rank [0-9]|passed|failed"
+    ;;
+census-*)
+    shape=${1#census-}
+    for tp in 1 2; do
+        ar=nccl
+        [ "$tp" = 2 ] && ar=nccl,auto
+        timeout 250 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
+            --variants "ostinato FULL" --all-reduce "$ar" --repeats 30 \
+            --out "$OUT/census_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/census.log"
     done
     ;;
 bench-ubatch)

@@ -60,7 +60,9 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
         tp_info = replace(groups.tp, symmetric_group=reducer and reducer.group_name)
         plan = reducer.plan.describe() if reducer else "nccl"
         log(f"all-reduce plan: {plan}")
-        result = decode.run(cfg, groups.device, log, profile=profile and rank == 0, tp=tp_info)
+        # Every rank profiles: the census replays graphs that hold all-reduces, and a rank
+        # that ran them alone waited for its peer forever (the TP=2 census hung).
+        result = decode.run(cfg, groups.device, log, profile=profile, tp=tp_info)
         for row in result.rows:
             row.variant = f"{row.variant} [{choice}]"
         for cost in result.costs:

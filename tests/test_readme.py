@@ -31,6 +31,22 @@ def run_piecewise_example() -> str:
     return done.stdout
 
 
+def one_call_example() -> str:
+    return example("## Any model in one call")
+
+
+def test_one_call_example_runs_on_cpu(capsys):
+    with pytest.warns(UserWarning, match="every call runs eagerly"):
+        exec(compile(one_call_example(), "README.md", "exec"), {})
+    assert "calls from graphs" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_one_call_example_runs_on_gpu(capsys):
+    exec(compile(one_call_example(), "README.md", "exec"), {})
+    assert "1 calls from graphs" in capsys.readouterr().out
+
+
 def test_full_example_runs_on_cpu(capsys):
     exec(compile(full_example(), "README.md", "exec"), {})
     out = capsys.readouterr().out

@@ -4,6 +4,7 @@ The public API, by layer (see docs/design.md): modes and configuration (``GraphM
 ``GraphConfig``, ``BatchDescriptor``, ``Dispatcher``, ``forward_context``), graphs
 (``GraphWrapper``, ``capture_phase``, ``shared_pool``), and runner pieces
 (``GraphManager``, and ``build_graph_runtime``, the one entry point that wires them),
+``graphed`` (any callable as graphs in one call),
 and what they did (``CaptureReport``; ``StatsSnapshot``, live per bucket).
 
 The names are loaded on first use: ``import ostinato`` imports neither torch nor any of
@@ -38,9 +39,12 @@ _HOMES = {
     "GraphRecord": "ostinato.capture_report",
     "GraphRuntime": "ostinato.runtime",
     "GraphWrapper": "ostinato.graph",
+    "Graphed": "ostinato.callable_graphs",
+    "GraphedStats": "ostinato.callable_graphs",
     "InputAddressChangedError": "ostinato.errors",
     "ModeResolution": "ostinato.resolution",
     "OstinatoError": "ostinato.errors",
+    "PaddingChangesRealRowsError": "ostinato.callable_graphs",
     "PlatformError": "ostinato.errors",
     "StatsSnapshot": "ostinato.replay_stats",
     "auto_mode": "ostinato.runtime",
@@ -52,6 +56,7 @@ _HOMES = {
     "default_capture_sizes": "ostinato.config",
     "forward_context": "ostinato.context",
     "get_forward_context": "ostinato.context",
+    "graphed": "ostinato.callable_graphs",
     "in_capture_phase": "ostinato.guard",
     "resolve_mode": "ostinato.resolution",
     "shared_pool": "ostinato.pool",
@@ -80,9 +85,12 @@ __all__ = [
     "GraphRecord",
     "GraphRuntime",
     "GraphWrapper",
+    "Graphed",
+    "GraphedStats",
     "InputAddressChangedError",
     "ModeResolution",
     "OstinatoError",
+    "PaddingChangesRealRowsError",
     "PlatformError",
     "StatsSnapshot",
     "auto_mode",
@@ -94,6 +102,7 @@ __all__ = [
     "default_capture_sizes",
     "forward_context",
     "get_forward_context",
+    "graphed",
     "in_capture_phase",
     "resolve_mode",
     "shared_pool",
@@ -103,6 +112,7 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
     from ostinato.background import BackgroundCapture
     from ostinato.batch import BatchDescriptor, CaptureItem
+    from ostinato.callable_graphs import Graphed, GraphedStats, PaddingChangesRealRowsError, graphed
     from ostinato.capture_report import CaptureReport, GraphRecord
     from ostinato.config import GraphConfig, default_capture_sizes
     from ostinato.context import (

@@ -1,0 +1,519 @@
+"""``graphed(fn)``: any PyTorch callable as graphs for every batch size, in one call.
+
+    fast = ostinato.graphed(model, max_batch_size=64)
+    out = fast(x)                    # same arguments, same outputs, any batch 1..64
+
+Per call the wrapper pads the batch (dim 0 of every tensor argument) up to its bucket,
+copies the arguments into persistent buffers, replays the bucket's graph and returns the
+outputs cut to the real batch; a batch above the largest bucket runs eagerly on the
+caller's tensors. Tensor arguments may sit anywhere in ``args`` and ``kwargs`` (tuples,
+lists, dicts); outputs may be any tree of tensors. Arguments that are not tensors
+(``None``, numbers, strings, dtypes, devices) are part of the graph's key: each distinct
+set, like each distinct shape past the dynamic dims, is a signature with graphs of its
+own, up to ``max_signatures``; anything else is refused by name. ``seq_buckets`` makes
+a second dimension dynamic (``seq_dim`` of every tensor argument that has it, padded
+with zeros to the smallest bucket that holds it; outputs with a bucket's length there
+are cut back).
+
+Guarantees: outputs equal ``fn``'s on the same arguments (the graph computes the padded
+batch; padding rows start as zeros) and, with ``copy_outputs`` (the default), belong to
+the caller; without it they are views valid until the next call. With ``check_padding``
+(the default) the first call of a signature that graphs runs ``fn`` twice eagerly with
+different padding contents and raises ``PaddingChangesRealRowsError`` if real rows
+differ (a batch norm in training mode, a reduction over the batch). On a platform
+without graphs (the CPU) every call runs ``fn`` eagerly with the same API, and the first
+call warns once with the reason. ``stats()`` counts replays, padding and eager calls per
+bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+
+from ostinato.batch import BatchDescriptor
+from ostinato.config import GraphConfig
+from ostinato.errors import OstinatoError
+from ostinato.mathutil import is_int
+from ostinato.modes import GraphMode
+from ostinato.platform import Platform, current_platform
+from ostinato.platform.cpu import CpuPlatform
+from ostinato.replay_stats import StatsSnapshot
+from ostinato.runtime import GraphRuntime, build_graph_runtime, choose_compiler
+
+CAPTURE_WHEN = ("first_use", "construction", "background")
+KEY_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+MAX_SIGNATURES = 8
+
+
+class PaddingChangesRealRowsError(OstinatoError, ValueError):
+    """``fn``'s real rows depend on the padding rows: graphs would change its answers."""
+
+
+class SignatureLimitError(OstinatoError, ValueError):
+    """More distinct argument signatures than ``max_signatures``."""
+
+
+@dataclass(frozen=True)
+class SignatureStats:
+    """One signature (``key``: shapes past the dynamic dims, dtypes, constants) and its
+    buckets' statistics."""
+
+    key: str
+    stats: StatsSnapshot
+
+
+@dataclass(frozen=True)
+class GraphedStats:
+    """Every signature's buckets, and the calls that ran eagerly because a dynamic
+    sequence was longer than the largest of ``seq_buckets``."""
+
+    signatures: tuple[SignatureStats, ...]
+    eager_too_long: int
+
+    @property
+    def replays(self) -> int:
+        return sum(s.stats.replays for s in self.signatures)
+
+    @property
+    def eager(self) -> int:
+        return sum(s.stats.eager for s in self.signatures) + self.eager_too_long
+
+    def summary(self) -> str:
+        lines = [f"{len(self.signatures)} signature(s), {self.replays} calls from graphs"]
+        lines += [f"  {s.key}: {s.stats.summary()}" for s in self.signatures]
+        if self.eager_too_long:
+            lines.append(f"  {self.eager_too_long} eager: longer than the largest seq bucket")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments, flattened: the leaves, the tree, the tensor leaves' slots,
+    the batch size, the dynamic sequence's length and its bucket (0: none)."""
+
+    leaves: list[Any]
+    spec: TreeSpec
+    slots: tuple[int, ...]
+    batch: int
+    length: int
+    bucket: int
+
+
+def graphed(
+    fn: Callable[..., Any],
+    *,
+    max_batch_size: int = 64,
+    capture_sizes: Sequence[int] | None = None,
+    mode: str | GraphMode = "auto",
+    seq_buckets: Sequence[int] | None = None,
+    seq_dim: int = 1,
+    splitting_ops: Sequence[str] = (),
+    compiler: str = "auto",
+    capture: str = "first_use",
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    copy_outputs: bool = True,
+    check_padding: bool = True,
+    max_signatures: int = MAX_SIGNATURES,
+    platform: Platform | None = None,
+    progress: bool = False,
+) -> Graphed:
+    """``fn`` (a module or function) as graphs; see the module docstring. ``mode``:
+    ``"auto"`` (FULL, or FULL_AND_PIECEWISE with ``splitting_ops``), or a mode's name.
+    ``splitting_ops``: custom ops (``"lib::op"``) that run eagerly between captured
+    pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. ``capture``:
+    ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
+    ``example = (args, kwargs)``) or ``"background"`` (on a thread; calls run eagerly
+    until their size is ready)."""
+    return Graphed(
+        fn,
+        _Options(
+            GraphConfig(
+                mode=mode,
+                capture_sizes=tuple(capture_sizes) if capture_sizes is not None else None,
+                max_capture_size=max_batch_size,
+            ),
+            _check_buckets(seq_buckets),
+            seq_dim,
+            tuple(splitting_ops),
+            compiler,
+            _check_choice("capture", capture, CAPTURE_WHEN),
+            copy_outputs,
+            check_padding,
+            _check_positive("max_signatures", max_signatures),
+            platform,
+            progress,
+        ),
+        example,
+    )
+
+
+@dataclass(frozen=True)
+class _Options:
+    config: GraphConfig
+    seq_buckets: tuple[int, ...]
+    seq_dim: int
+    splitting_ops: tuple[str, ...]
+    compiler: str
+    capture: str
+    copy_outputs: bool
+    check_padding: bool
+    max_signatures: int
+    platform: Platform | None
+    progress: bool
+
+
+class Graphed:
+    """The callable ``graphed`` returns (see the module docstring)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: _Options,
+        example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"graphed: expected a module or function, got {type(fn).__name__}")
+        self.fn, self.options = fn, options
+        self._signatures: dict[tuple[Any, ...], _Signature] = {}
+        self._lock = threading.Lock()  # (two threads' first calls build one signature)
+        self._eager_too_long = 0
+        self._warned = False
+        if options.capture == "construction":
+            if example is None:
+                raise ValueError(
+                    "example: capture='construction' needs example=(args, kwargs), a call "
+                    "whose signature to capture now"
+                )
+            self._signature(self._flatten(*example))
+        elif example is not None:
+            raise ValueError("example: only used with capture='construction'")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._flatten(args, kwargs)
+        if call.length and not call.bucket:  # longer than every seq bucket
+            self._eager_too_long += 1
+            return self.fn(*args, **kwargs)
+        return self._signature(call).run(call)
+
+    def stats(self) -> GraphedStats:
+        """Live statistics of every signature's buckets (safe from any thread)."""
+        sigs = tuple(SignatureStats(k, s.runtime.manager.stats()) for k, s in self._items())
+        return GraphedStats(sigs, self._eager_too_long)
+
+    def release(self) -> None:
+        """Destroys every graph; the next call of a signature captures it anew."""
+        with self._lock:
+            signatures, self._signatures = list(self._signatures.values()), {}
+        for s in signatures:
+            s.release()
+
+    def _items(self) -> list[tuple[str, _Signature]]:
+        with self._lock:
+            return [(s.describe(), s) for s in self._signatures.values()]
+
+    def _flatten(self, args: Any, kwargs: Any) -> _Call:
+        return flatten_call(args, kwargs, self.options.seq_buckets, self.options.seq_dim)
+
+    def _signature(self, call: _Call) -> _Signature:
+        key = signature_key(call, self.options.seq_dim)
+        found = self._signatures.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            if key not in self._signatures:
+                if len(self._signatures) >= self.options.max_signatures:
+                    raise SignatureLimitError(_too_many(key, self.options.max_signatures))
+                self._signatures[key] = _Signature(self.fn, call, self.options, key)
+                self._say_why_eager(self._signatures[key])
+            return self._signatures[key]
+
+    def _say_why_eager(self, signature: _Signature) -> None:
+        if signature.runtime.mode is GraphMode.NONE and not self._warned:
+            self._warned = True
+            why = "; ".join(signature.runtime.resolution.reasons)
+            if not signature.platform.supports_graphs:
+                why = f"the {signature.platform.name} platform has no graphs"
+            warnings.warn(
+                f"ostinato.graphed: every call runs eagerly: {why or 'mode NONE was asked for'}",
+                stacklevel=4,
+            )
+
+
+def flatten_call(args: Any, kwargs: Any, seq_buckets: tuple[int, ...], seq_dim: int) -> _Call:
+    """One call's arguments as leaves; ``TypeError`` / ``ValueError`` naming the
+    argument that is neither a batched tensor nor a constant."""
+    with_paths, spec = tree_flatten_with_path((tuple(args), dict(kwargs)))
+    leaves = [leaf for _, leaf in with_paths]
+    slots, batch, length = [], None, None
+    for i, (path, leaf) in enumerate(with_paths):
+        name = _name(path)
+        if isinstance(leaf, torch.Tensor):
+            batch = _same("batch (dim 0)", name, leaf, 0, batch)
+            if seq_buckets and leaf.dim() > seq_dim:
+                length = _same(f"sequence (dim {seq_dim})", name, leaf, seq_dim, length)
+            slots.append(i)
+        elif not isinstance(leaf, KEY_TYPES):
+            raise TypeError(
+                f"{name}: a {type(leaf).__name__} is neither a tensor nor a constant "
+                "(None, bool, int, float, str, dtype, device); pass it as tensors, or "
+                "close over it in the function you graph"
+            )
+    if batch is None:
+        raise ValueError("graphed: the call has no tensor argument to take the batch from")
+    bucket = next((b for b in seq_buckets if b >= length), 0) if length else 0
+    return _Call(leaves, spec, tuple(slots), batch, length or 0, bucket)
+
+
+def signature_key(call: _Call, seq_dim: int) -> tuple[Any, ...]:
+    """What must match for two calls to share graphs: the tree, the constants, and each
+    tensor's dtype, device and shape past the batch (the sequence at its bucket)."""
+    tensors, constants = [], []
+    for i, leaf in enumerate(call.leaves):
+        if i in call.slots:
+            shape = list(leaf.shape[1:])
+            if call.bucket and leaf.dim() > seq_dim:
+                shape[seq_dim - 1] = call.bucket
+            tensors.append((tuple(shape), leaf.dtype, leaf.device))
+        else:
+            constants.append((i, type(leaf), leaf))
+    return (call.spec, tuple(constants), tuple(tensors))
+
+
+class _Signature:
+    """The graphs of one signature: persistent buffers, one per tensor argument,
+    ``[largest bucket, *shape]``, and the runtime whose step reads them."""
+
+    def __init__(
+        self, fn: Callable[..., Any], first: _Call, options: _Options, key: tuple[Any, ...]
+    ) -> None:
+        self.fn, self.options, self.key = fn, options, key
+        self.spec, self.slots, self.bucket = first.spec, first.slots, first.bucket
+        self.constants = list(first.leaves)
+        device = first.leaves[first.slots[0]].device
+        self.platform = platform = options.platform or _platform_for(device)
+        self.runtime = _runtime(self._step, options, platform)
+        # Without graphs every call runs on the caller's own tensors: no buffers.
+        graphs = self.runtime.mode is not GraphMode.NONE
+        self.rows = self.runtime.dispatcher.max_size if graphs else 0
+        self.buffers = [  # [largest bucket, *shape past the batch]
+            torch.zeros((self.rows, *shape), dtype=dtype, device=dev)
+            for shape, dtype, dev in key[2]
+        ]
+        for slot in self.slots:
+            self.constants[slot] = None  # (tensors come from the buffers)
+        self._oversize: list[Any] | None = None  # a call above the largest bucket
+        self._out_spec: TreeSpec | None = None
+        self._piecewise = _compiled(self._call_tree, options, platform)
+        if options.check_padding and self.runtime.mode is not GraphMode.NONE:
+            check_padding(self.fn, first)
+        self._start_capture()
+
+    def describe(self) -> str:
+        shapes = ", ".join(f"{list(s)}:{str(d).removeprefix('torch.')}" for s, d, _ in self.key[2])
+        return f"({shapes})" + (f" seq<={self.bucket}" if self.bucket else "")
+
+    def run(self, call: _Call) -> Any:
+        manager = self.runtime.manager
+        with torch.inference_mode(), manager.stepping():
+            dispatch = self.runtime.dispatch(call.batch)
+            padded = dispatch.descriptor.num_tokens
+            if padded > self.rows:
+                self._oversize = call.leaves
+            else:
+                self._write(call, padded)
+            try:
+                outs = manager.run(dispatch, call.batch)
+            finally:
+                self._oversize = None
+            return self._outputs(outs, call)
+
+    def release(self) -> None:
+        self.runtime.manager.release()
+
+    def _start_capture(self) -> None:
+        if self.runtime.mode is GraphMode.NONE:
+            return
+        if self.options.capture == "background":
+            self.runtime.manager.capture_in_background()
+        else:
+            self.runtime.manager.capture()
+
+    def _write(self, call: _Call, padded: int) -> None:
+        n, seq_dim = call.batch, self.options.seq_dim
+        for buf, slot in zip(self.buffers, self.slots, strict=True):
+            x = call.leaves[slot]
+            if self.bucket and x.dim() > seq_dim:
+                rows = buf[:n]
+                rows.narrow(seq_dim, 0, call.length).copy_(x)
+                rows.narrow(seq_dim, call.length, self.bucket - call.length).zero_()
+            else:
+                buf[:n].copy_(x)
+            buf[n:padded].zero_()
+
+    def _step(self, d: BatchDescriptor) -> tuple[torch.Tensor, ...]:
+        if self._oversize is not None:  # above every bucket: the caller's own tensors
+            tensors = [self._oversize[s] for s in self.slots]
+        else:
+            tensors = [buf[: d.num_tokens] for buf in self.buffers]
+        call = self._piecewise or self._call_tree
+        outs, self._out_spec = tree_flatten(call(*tensors))
+        return tuple(outs)
+
+    def _call_tree(self, *tensors: torch.Tensor) -> Any:
+        leaves = list(self.constants)
+        for slot, t in zip(self.slots, tensors, strict=True):
+            leaves[slot] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.fn(*args, **kwargs)
+
+    def _outputs(self, outs: Any, call: _Call) -> Any:
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        seq_dim = self.options.seq_dim
+        for i, t in enumerate(outs):
+            if self.bucket and t.dim() > seq_dim and t.shape[seq_dim] == self.bucket:
+                t = t.narrow(seq_dim, 0, call.length)
+            outs[i] = t.clone() if self.options.copy_outputs else t
+        assert self._out_spec is not None
+        return tree_unflatten(outs, self._out_spec)
+
+
+def check_padding(fn: Callable[..., Any], call: _Call) -> None:
+    """Runs ``fn`` eagerly on ``call``'s rows plus one padding row, once zeros and once
+    other values; ``PaddingChangesRealRowsError`` if the real rows' outputs differ."""
+    n = call.batch
+    answers = []
+    for fill in (_zeros_row, _other_row):
+        leaves = list(call.leaves)
+        for slot in call.slots:
+            x = leaves[slot]
+            leaves[slot] = torch.cat([x, fill(x)])
+        args, kwargs = tree_unflatten(leaves, call.spec)
+        with torch.inference_mode():
+            answers.append(tree_flatten(fn(*args, **kwargs))[0])
+    for i, (a, b) in enumerate(zip(*answers, strict=True)):
+        if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != n + 1:
+            raise ValueError(
+                f"output #{i}: every output must be a tensor with the batch on dim 0 "
+                f"({n + 1} rows for {n + 1} input rows), got {getattr(a, 'shape', type(a))}"
+            )
+        real_a, real_b = a[:n].double(), b[:n].double()
+        scale = real_a.abs().max().item() if real_a.numel() else 0.0
+        if not torch.allclose(real_a, real_b, rtol=1e-3, atol=1e-3 * max(scale, 1e-6)):
+            diff = (real_a - real_b).abs().max().item()
+            raise PaddingChangesRealRowsError(
+                f"output #{i}: the real rows change (max |diff| {diff:.3g}) when the padding "
+                "rows added to reach a bucket hold other values, so graphs would change "
+                "fn's answers. Something mixes rows of the batch: a batch norm in training "
+                "mode (call .eval()), or a reduction over dim 0. Fix the model, or pass "
+                "check_padding=False if the mixing is intended."
+            )
+
+
+def _zeros_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x[:1])
+
+
+def _other_row(x: torch.Tensor) -> torch.Tensor:
+    if x.is_floating_point() or x.is_complex():
+        return torch.randn_like(x[:1]) * (x.abs().max() + 1)
+    return x[:1].clone() if bool(x[:1].any()) else torch.ones_like(x[:1])  # valid values
+
+
+def _runtime(step: Any, options: _Options, platform: Platform) -> GraphRuntime:
+    return build_graph_runtime(
+        step,
+        options.config,
+        piecewise_available=bool(options.splitting_ops),
+        platform=platform,
+        progress=options.progress,
+    )
+
+
+def _compiled(fn: Callable[..., Any], options: _Options, platform: Platform) -> Any:
+    """With ``splitting_ops``, ``fn`` compiled by the piecewise backend (every argument a
+    tensor with the batch on dim 0); else None."""
+    if not options.splitting_ops or not platform.supports_graphs:
+        return None
+    from ostinato.piecewise import CompiledModel, PiecewiseBackend
+
+    compiler = choose_compiler(options.compiler, options.config.mode, platform) or "eager"
+    backend = PiecewiseBackend(options.splitting_ops, compiler=compiler, platform=platform)
+    return CompiledModel(_AsModule(fn), backend)
+
+
+class _AsModule(torch.nn.Module):
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        return self.fn(*tensors)
+
+
+def _platform_for(device: torch.device) -> Platform:
+    return CpuPlatform() if device.type == "cpu" else current_platform()
+
+
+def _name(path: Any) -> str:
+    """``args[0]['x']`` / ``kwargs['mask']`` for a leaf's path in ``(args, kwargs)``."""
+    head, *rest = path
+    root = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    return root + keystr(tuple(rest))
+
+
+def _same(what: str, name: str, t: torch.Tensor, dim: int, size: int | None) -> int:
+    if t.dim() <= dim:
+        raise ValueError(
+            f"{name}: a tensor of shape {tuple(t.shape)} has no {what}; every tensor "
+            "argument is batched on dim 0 (close over tensors shared by the batch)"
+        )
+    if size is not None and t.shape[dim] != size:
+        raise ValueError(
+            f"{name}: its {what} is {t.shape[dim]}, the arguments before it have {size}; "
+            "every tensor argument must share it"
+        )
+    return t.shape[dim]
+
+
+def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
+    if buckets is None:
+        return ()
+    if isinstance(buckets, (str, bytes)) or not all(is_int(b) and b >= 1 for b in buckets):
+        raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
+    return tuple(sorted(set(buckets)))
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}: one of {', '.join(choices)}; got {value!r}")
+    return str(value)
+
+
+def _check_positive(name: str, value: object) -> int:
+    if not is_int(value) or int(value) < 1:  # type: ignore[call-overload]
+        raise TypeError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _too_many(key: tuple[Any, ...], limit: int) -> str:
+    shapes = [list(s) for s, _, _ in key[2]]
+    return (
+        f"graphed: a call with tensor shapes past the batch {shapes} would be signature "
+        f"{limit + 1}, over max_signatures={limit}. Each signature (shapes past the "
+        "dynamic dims, dtypes, devices, constant arguments) captures graphs of its own; "
+        "make the varying dimension dynamic (seq_buckets), keep constants fixed, or "
+        "raise max_signatures."
+    )

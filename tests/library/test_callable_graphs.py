@@ -1,0 +1,200 @@
+"""``ostinato.graphed``: any callable as graphs in one call. On the CPU with the graph
+test double (``FakePlatform``: capture records the ops, replay re-runs them on whatever
+the persistent buffers hold) every argument form, random size streams against eager,
+the padding check, the statistics against a brute-force count, and the named errors;
+on the plain CPU platform the eager fallback that says why once."""
+
+import random
+import warnings
+
+import pytest
+import torch
+from fakes import FakePlatform
+
+import ostinato
+from ostinato.callable_graphs import PaddingChangesRealRowsError, SignatureLimitError
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def eager(fn, *args, **kwargs):
+    with torch.inference_mode():
+        return fn(*args, **kwargs)
+
+
+def test_a_random_size_stream_equals_eager_and_is_counted_per_bucket():
+    model, platform = mlp().eval(), FakePlatform()
+    fast = ostinato.graphed(model, max_batch_size=16, platform=platform)
+    rng = random.Random(1)
+    sizes = [rng.randint(1, 24) for _ in range(40)]
+    for n in sizes:
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    stats = fast.stats()
+    (sig,) = stats.signatures
+    dispatcher = ostinato.Dispatcher(
+        ostinato.GraphConfig(max_capture_size=16), ostinato.GraphMode.FULL
+    )
+    graphed_sizes = [n for n in sizes if n <= 16]
+    assert sig.stats.replays == len(graphed_sizes) == sum(g.replays for g in platform.graphs)
+    assert stats.eager == len(sizes) - len(graphed_sizes)
+    padded = sum(dispatcher.dispatch(n).padded_tokens for n in graphed_sizes)
+    assert sum(b.padded_rows for b in sig.stats.buckets) == padded
+    assert sum(b.real_rows for b in sig.stats.buckets) == sum(graphed_sizes)
+    assert "calls from graphs" in stats.summary()
+
+
+class Several(torch.nn.Module):
+    """Two tensor inputs (one a keyword), a constant, and a dict of outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pair, *, scale=1.0, mask=None):
+        a, b = pair
+        h = self.proj(x) * scale + a - b
+        if mask is not None:
+            h = h * mask[:, :1]
+        return {"h": h, "parts": (h.sum(-1), a * 2)}
+
+
+def test_several_inputs_keywords_constants_and_dict_outputs():
+    model, platform = Several().eval(), FakePlatform()
+    fast = ostinato.graphed(model, max_batch_size=8, platform=platform)
+    for n, scale in [(3, 1.0), (5, 2.0), (3, 1.0), (8, 2.0)]:
+        x, a, b, mask = (torch.randn(n, 8) for _ in range(4))
+        got = fast(x, (a, b), scale=scale, mask=mask)
+        want = eager(model, x, (a, b), scale=scale, mask=mask)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert len(fast.stats().signatures) == 2  # one per value of the constant `scale`
+
+
+def test_outputs_belong_to_the_caller_unless_asked_otherwise():
+    model = mlp().eval()
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform())
+    first = fast(x)
+    fast(y)
+    torch.testing.assert_close(first, eager(model, x))
+    views = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), copy_outputs=False)
+    first = views(x)
+    views(y)  # the next replay writes the same static buffers
+    torch.testing.assert_close(first, eager(model, y))
+
+
+def test_capture_at_construction_needs_an_example_and_captures_at_once():
+    platform = FakePlatform()
+    example = ((torch.randn(2, 8),), {})
+    ostinato.graphed(
+        mlp().eval(), max_batch_size=4, platform=platform, capture="construction", example=example
+    )
+    assert len(platform.graphs) == 3  # sizes 4, 2, 1
+    with pytest.raises(ValueError, match="example"):
+        ostinato.graphed(mlp(), capture="construction")
+
+
+def test_a_second_dynamic_dimension_by_buckets():
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(6, 6).eval()
+
+    def encoder(ids, mask):  # masked mean over the sequence, then per-position output
+        h = proj(ids)
+        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return h + pooled[:, None, :], pooled
+
+    fast = ostinato.graphed(encoder, max_batch_size=4, seq_buckets=(8, 16), platform=FakePlatform())
+    rng = random.Random(2)
+    lengths = []
+    for _ in range(12):
+        n, length = rng.randint(1, 4), rng.randint(1, 20)
+        lengths.append(length)
+        ids, mask = torch.randn(n, length, 6), torch.ones(n, length)
+        got, want = fast(ids, mask), eager(encoder, ids, mask)
+        assert got[0].shape == (n, length, 6)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stats = fast.stats()
+    buckets = {8 if length <= 8 else 16 for length in lengths if length <= 16}
+    assert sorted(s.key.split(" ")[-1] for s in stats.signatures) == sorted(
+        f"seq<={b}" for b in buckets
+    )
+    assert stats.eager_too_long == sum(length > 16 for length in lengths) > 0
+    assert stats.replays == sum(length <= 16 for length in lengths)
+
+
+def test_padding_that_changes_real_rows_is_named():
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))  # training mode
+    with pytest.raises(PaddingChangesRealRowsError, match=r"\.eval\(\)"):
+        ostinato.graphed(bn, max_batch_size=8, platform=FakePlatform())(torch.randn(3, 8))
+
+    def centre(x):
+        return x - x.mean(0)  # a reduction over the batch
+
+    with pytest.raises(PaddingChangesRealRowsError, match="output #0"):
+        ostinato.graphed(centre, max_batch_size=8, platform=FakePlatform())(torch.randn(3, 8))
+    unchecked = ostinato.graphed(
+        centre, max_batch_size=8, platform=FakePlatform(), check_padding=False
+    )
+    unchecked(torch.randn(3, 8))  # the caller said the mixing is intended
+
+
+def test_on_the_cpu_every_call_runs_eagerly_and_says_why_once():
+    model = mlp().eval()
+    fast = ostinato.graphed(model, max_batch_size=8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in (3, 3, 20):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(fast(x), eager(model, x))
+    assert [str(w.message) for w in seen] == [
+        "ostinato.graphed: every call runs eagerly: the cpu platform has no graphs"
+    ]
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda f: f(torch.randn(3, 8), [1, object()]), TypeError, r"args\[1\]\[1\]: a object"),
+        (lambda f: f(torch.randn(3, 8), torch.randn(4, 8)), ValueError, r"args\[1\]: its batch"),
+        (
+            lambda f: f(torch.randn(3, 8), torch.tensor(1.0)),
+            ValueError,
+            r"args\[1\]: a tensor of shape \(\)",
+        ),
+        (lambda f: f(1, 2), ValueError, "no tensor argument"),
+    ],
+)
+def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
+    fast = ostinato.graphed(lambda x, *rest: x, max_batch_size=8, platform=FakePlatform())
+    with pytest.raises(error, match=words):
+        call(fast)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(capture="soon"), ValueError, "capture: one of"),
+        (dict(seq_buckets="128"), TypeError, "seq_buckets"),
+        (dict(max_signatures=0), TypeError, "max_signatures"),
+        (dict(max_batch_size="128"), TypeError, "max_capture_size"),
+        (dict(example=((), {})), ValueError, "only used with capture='construction'"),
+    ],
+)
+def test_bad_options_are_named(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        ostinato.graphed(mlp(), **kwargs)
+    with pytest.raises(TypeError, match="module or function"):
+        ostinato.graphed(42)
+
+
+def test_too_many_signatures_are_refused_with_the_fix():
+    fast = ostinato.graphed(
+        lambda x: x * 2, max_batch_size=4, platform=FakePlatform(), max_signatures=2
+    )
+    fast(torch.randn(2, 3))
+    fast(torch.randn(2, 5))
+    with pytest.raises(SignatureLimitError, match="seq_buckets"):
+        fast(torch.randn(2, 7))

@@ -10,6 +10,7 @@
 #   bash scripts/gpu_suite.sh startup  # (after second) the start-up benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh serve1   # part 1 copied aside; the engine loop's GPU tests, 1.5 B load
 #   bash scripts/gpu_suite.sh serve2   # part 2 joined; the server's GPU tests, the SmolLM2 load
+#   bash scripts/gpu_suite.sh graphed  # ostinato.graphed: its GPU tests, the README, the models benchmark
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -76,13 +77,19 @@ serve2)
     timeout 330 python3 -m benchmarks.serve_load --out "$OUT/serve_smollm2_h200.json" 2>&1 \
         | tee "$OUT/serve_smollm2.log"
     ;;
+graphed)
+    run_file tests/library/test_gpu_callable_graphs.py 200
+    run_file tests/test_readme.py 120
+    timeout 400 python3 -m benchmarks.graphed_models --out "$OUT/graphed_models_h200.json" 2>&1 \
+        | tee "$OUT/graphed_models.log"
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed" >&2
     exit 2
     ;;
 esac

@@ -28,6 +28,7 @@ bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -236,9 +237,17 @@ class Graphed:
             if key not in self._signatures:
                 if len(self._signatures) >= self.options.max_signatures:
                     raise SignatureLimitError(_too_many(key, self.options.max_signatures))
-                self._signatures[key] = _Signature(self.fn, call, self.options, key)
-                self._say_why_eager(self._signatures[key])
+                made = self._signatures[key] = _Signature(self.fn, call, self.options, key)
+                self._say_why_eager(made)
+                self._keep_resolution(made)
             return self._signatures[key]
+
+    def _keep_resolution(self, made: _Signature) -> None:
+        # Later signatures ask for the mode the first one resolved to, so that a
+        # downgrade (the CPU has no graphs) is logged once, not once per signature.
+        if self.options.config.mode is not made.runtime.mode:
+            config = dataclasses.replace(self.options.config, mode=made.runtime.mode)
+            self.options = dataclasses.replace(self.options, config=config)
 
     def _say_why_eager(self, signature: _Signature) -> None:
         if signature.runtime.mode is GraphMode.NONE and not self._warned:

@@ -1,0 +1,241 @@
+"""``ostinato.graphed`` on models nobody here wrote, against eager and
+``torch.compile(mode="reduce-overhead")``, over one stream of random batch sizes:
+
+    python -m benchmarks.graphed_models --out OUT/graphed.json [--models resnet50,bert]
+
+Models (transformers, random weights from their default configs): ResNet-50 and
+ViT-base (224x224 images, pooled output), BERT-base (random lengths too, by sequence
+buckets; last hidden state) and GPT-2 (logits). For each model and system the stream
+runs twice: the first pass is the warm-up (compilation, capture; its total seconds are
+reported), the second is timed call by call (mean ms per call, and per batch size).
+Then batch 1 and 8 are timed alone (``--repeats`` calls each), outputs are compared with
+eager, and the peak memory each system added is read. ``--tiny`` shrinks every model
+(for a CPU smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SYSTEMS = ("eager", "reduce-overhead", "ostinato FULL")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model as a function of batched tensors, and its inputs for a batch and length."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
+    seq_buckets: tuple[int, ...] | None  # None: the length is fixed
+
+
+@dataclass
+class SystemRow:
+    model: str
+    system: str
+    warmup_s: float
+    mean_ms: float
+    ms_by_batch: dict[int, float]
+    ms_b1: float
+    ms_b8: float
+    max_abs_diff: float  # against eager, over the checked calls
+    peak_mib: float
+    graphs: int | None = None  # ostinato: graphs captured
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a workload's model and inputs live, and how big the model is."""
+
+    device: str
+    dtype: torch.dtype
+    tiny: bool
+
+    def ready(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def images(self, batch: int, _: int) -> tuple[torch.Tensor, ...]:
+        side = 64 if self.tiny else 224
+        return (torch.randn(batch, 3, side, side, device=self.device, dtype=self.dtype),)
+
+    def ids(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, 1000, (batch, length), device=self.device),)
+
+    def ids_and_mask(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        mask = torch.ones(batch, length, dtype=torch.long, device=self.device)
+        return (*self.ids(batch, length), mask)
+
+
+SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+LENGTHS = (32, 64, 128)  # sequence buckets of the text models
+
+
+def resnet50(tf: Any, at: Where) -> Workload:
+    net = at.ready(
+        tf.ResNetModel(tf.ResNetConfig(**(dict(depths=[1, 1, 1, 1]) if at.tiny else {})))
+    )
+    return Workload("resnet50", lambda px: net(pixel_values=px).pooler_output, at.images, None)
+
+
+def vit(tf: Any, at: Where) -> Workload:
+    cfg = tf.ViTConfig(image_size=64 if at.tiny else 224, **(SMALL if at.tiny else {}))
+    net = at.ready(tf.ViTModel(cfg))
+    return Workload("vit", lambda px: net(pixel_values=px).last_hidden_state[:, 0], at.images, None)
+
+
+def bert(tf: Any, at: Where) -> Workload:
+    net = at.ready(tf.BertModel(tf.BertConfig(**(SMALL if at.tiny else {}))))
+
+    def hidden(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return net(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    return Workload("bert", hidden, at.ids_and_mask, LENGTHS)
+
+
+def gpt2(tf: Any, at: Where) -> Workload:
+    cfg = tf.GPT2Config(**(dict(n_layer=2, n_embd=64, n_head=2) if at.tiny else {}))
+    net = at.ready(tf.GPT2LMHeadModel(cfg))
+    return Workload("gpt2", lambda ids: net(input_ids=ids, use_cache=False).logits, at.ids, LENGTHS)
+
+
+MODELS = {"resnet50": resnet50, "vit": vit, "bert": bert, "gpt2": gpt2}
+
+
+def workloads(names: list[str], at: Where) -> list[Workload]:
+    import transformers
+
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    found = []
+    for name in names:
+        torch.manual_seed(0)  # the same weights in every run
+        found.append(MODELS[name](transformers, at))
+    return found
+
+
+def system(w: Workload, name: str, max_batch: int) -> tuple[Callable[..., Any], Any]:
+    """The callable of system ``name`` for ``w`` (and the ``Graphed`` for ostinato)."""
+    if name == "eager":
+        return w.fn, None
+    if name == "reduce-overhead":
+        return torch.compile(w.fn, mode="reduce-overhead"), None
+    import ostinato
+
+    fast = ostinato.graphed(w.fn, max_batch_size=max_batch, mode="full", seq_buckets=w.seq_buckets)
+    return fast, fast
+
+
+def timed(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> tuple[Any, float]:
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = fn(*args)
+    sync()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_system(
+    w: Workload, name: str, stream: list[tuple[int, int]], args: argparse.Namespace
+) -> SystemRow:
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    fn, graphed = system(w, name, args.max_batch)
+    inputs = [w.inputs(b, n) for b, n in stream]
+    warmup = sum(timed(fn, x)[1] for x in inputs) / 1e3
+    by_batch: dict[int, list[float]] = {}
+    for (b, _), x in zip(stream, inputs, strict=True):
+        by_batch.setdefault(b, []).append(timed(fn, x)[1])
+    diff = 0.0
+    for x in inputs[:8]:
+        got, want = timed(fn, x)[0], timed(w.fn, x)[0]
+        diff = max(diff, (got.float() - want.float()).abs().max().item())
+    fixed = {b: w.inputs(b, 64) for b in (1, 8)}
+    ms = {
+        b: statistics.median(timed(fn, x)[1] for _ in range(args.repeats)) for b, x in fixed.items()
+    }
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if torch.cuda.is_available() else 0.0
+    graphs = None
+    if graphed is not None:
+        graphs = sum(
+            1 for s in graphed.stats().signatures for k in s.stats.buckets if k.capture_seconds
+        )
+    every = [t for ts in by_batch.values() for t in ts]
+    return SystemRow(
+        w.name,
+        name,
+        warmup,
+        statistics.mean(every),
+        {b: statistics.mean(ts) for b, ts in sorted(by_batch.items())},
+        ms[1],
+        ms[8],
+        diff,
+        peak,
+        graphs,
+    )
+
+
+def main() -> None:
+    from ostinato.provenance import Provenance
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", default="resnet50,vit,bert,gpt2")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--calls", type=int, default=64, help="calls in the stream")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU"
+    )
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    rng = random.Random(0)
+    rows = []
+    for w in workloads(args.models.split(","), Where(device, dtype, args.tiny)):
+        top = max(w.seq_buckets) if w.seq_buckets else 0
+        stream = [
+            (rng.randint(1, args.max_batch), rng.randint(8, top) if top else 0)
+            for _ in range(args.calls)
+        ]
+        for name in args.systems.split(","):
+            row = run_system(w, name, stream, args)
+            print(
+                f"{w.name:9s} {name:16s} warm-up {row.warmup_s:7.2f} s  mean {row.mean_ms:7.3f} ms"
+                f"  B=1 {row.ms_b1:7.3f}  B=8 {row.ms_b8:7.3f} ms  |diff| {row.max_abs_diff:.3g}",
+                flush=True,
+            )
+            rows.append(row)
+    report = {
+        "provenance": asdict(Provenance.collect()),
+        "dtype": str(dtype),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

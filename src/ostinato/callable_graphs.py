@@ -132,7 +132,9 @@ def graphed(
     progress: bool = False,
 ) -> Graphed:
     """``fn`` (a module or function) as graphs; see the module docstring. ``mode``:
-    ``"auto"`` (FULL, or FULL_AND_PIECEWISE with ``splitting_ops``), or a mode's name.
+    ``"auto"`` (FULL, or PIECEWISE with ``splitting_ops``), ``"full"``, ``"piecewise"``
+    or ``"none"`` (the modes that tell decode batches from mixed ones need an engine
+    that knows which a call is; refused by name).
     ``splitting_ops``: custom ops (``"lib::op"``) that run eagerly between captured
     pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. ``capture``:
     ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
@@ -142,7 +144,7 @@ def graphed(
         fn,
         _Options(
             GraphConfig(
-                mode=mode,
+                mode=_one_call_mode(mode, bool(splitting_ops)),
                 capture_sizes=tuple(capture_sizes) if capture_sizes is not None else None,
                 max_capture_size=max_batch_size,
             ),
@@ -495,6 +497,19 @@ def _same(what: str, name: str, t: torch.Tensor, dim: int, size: int | None) -> 
             "every tensor argument must share it"
         )
     return t.shape[dim]
+
+
+def _one_call_mode(mode: str | GraphMode, has_splitting_ops: bool) -> GraphMode:
+    if isinstance(mode, str) and mode.strip().lower() == "auto":
+        return GraphMode.PIECEWISE if has_splitting_ops else GraphMode.FULL
+    resolved = GraphMode.parse(mode)
+    if resolved.separate_routine():
+        raise ValueError(
+            f"mode: {resolved.name} runs decode batches and mixed batches differently, and "
+            "a call of graphed is neither; use 'full', 'piecewise' (with splitting_ops) or "
+            "'auto'"
+        )
+    return resolved
 
 
 def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:

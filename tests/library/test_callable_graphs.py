@@ -181,6 +181,8 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
         (dict(max_signatures=0), TypeError, "max_signatures"),
         (dict(max_batch_size="128"), TypeError, "max_capture_size"),
         (dict(example=((), {})), ValueError, "only used with capture='construction'"),
+        (dict(mode="full_and_piecewise"), ValueError, "a call of graphed is neither"),
+        (dict(mode="sometimes"), ValueError, "unknown graph mode"),
     ],
 )
 def test_bad_options_are_named(kwargs, error, words):
@@ -198,3 +200,46 @@ def test_too_many_signatures_are_refused_with_the_fix():
     fast(torch.randn(2, 5))
     with pytest.raises(SignatureLimitError, match="seq_buckets"):
         fast(torch.randn(2, 7))
+
+
+@torch.library.custom_op("ostinato_graphed_test::mix", mutates_args=("out",))
+def mix(x: torch.Tensor, out: torch.Tensor) -> None:  # runs eagerly between pieces
+    torch.softmax(x, -1, out=out)
+
+
+class Mix(torch.nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)  # made by the piece before: a fixed address
+        mix(x, out)
+        return out
+
+
+def test_piecewise_graphs_split_at_the_ops_named():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Mix(), torch.nn.Linear(16, 8)).eval()
+    platform = FakePlatform()
+    fast = ostinato.graphed(
+        model,
+        max_batch_size=8,
+        mode="piecewise",
+        splitting_ops=("ostinato_graphed_test::mix",),
+        compiler="eager",
+        platform=platform,
+    )
+    for n in (3, 8, 1, 5, 12):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    (sig,) = fast.stats().signatures
+    assert sig.stats.replays == 4 and sig.stats.eager == 1  # 12 is above the largest
+    assert platform.graphs  # the pieces' graphs
+
+
+def test_background_capture_answers_at_once_and_replays_once_ready():
+    model, platform = mlp().eval(), FakePlatform()
+    fast = ostinato.graphed(model, max_batch_size=8, platform=platform, capture="background")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(fast(x), eager(model, x))  # eager or replayed: equal
+    (sig,) = fast._signatures.values()
+    assert sig.runtime.manager.background.wait(30)
+    torch.testing.assert_close(fast(x), eager(model, x))
+    assert fast.stats().replays >= 1

@@ -47,12 +47,13 @@ def test_full_graphs_on_a_random_size_stream():
     )
 
 
-def test_piecewise_graphs_split_at_a_custom_op():
+@pytest.mark.parametrize("mode", ["piecewise", "auto"])
+def test_piecewise_graphs_split_at_a_custom_op(mode):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), Mix(), torch.nn.Linear(128, 64))
     model = model.cuda().eval()
     fast = ostinato.graphed(
-        model, max_batch_size=16, mode="piecewise", splitting_ops=("ostinato_test::mix",)
+        model, max_batch_size=16, mode=mode, splitting_ops=("ostinato_test::mix",)
     )
     stream(fast, model, (64,), [3, 16, 1, 9, 5], atol=1e-5)
     assert fast.stats().replays == 5

@@ -10,16 +10,16 @@ import pytest
 import torch
 from smollm2 import gguf_path
 
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
 openai = pytest.importorskip("openai")
+pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from serve_harness import all_blocks_free, metric, metric_sum, served, wait_for_abort  # noqa: E402
 
 from ostinato.engine import LLM, SamplingParams  # noqa: E402
-
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
 
 MODEL = "smollm2-135m"
 ARGS = ["--device", "cuda", "--max-model-len", "512", "--max-num-seqs", "8", "--quiet"]

@@ -13,7 +13,7 @@ LIBRARY_LAYERS = [
     {"modes", "batch", "context", "errors", "mathutil", "turns", "provenance"},
     {"platform"},
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
-    {"config", "resolution", "dispatcher"},
+    {"config", "resolution", "dispatcher", "capture_planner"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
     | {"replay_stats"},
     {"callable_graphs", ""},

@@ -24,6 +24,7 @@ _HOMES = {
     "BatchDescriptor": "ostinato.batch",
     "BucketStats": "ostinato.replay_stats",
     "CaptureItem": "ostinato.batch",
+    "CapturePlan": "ostinato.capture_planner",
     "CaptureNotAllowedError": "ostinato.errors",
     "CaptureReport": "ostinato.capture_report",
     "Dispatch": "ostinato.dispatcher",
@@ -58,6 +59,7 @@ _HOMES = {
     "get_forward_context": "ostinato.context",
     "graphed": "ostinato.callable_graphs",
     "in_capture_phase": "ostinato.guard",
+    "plan_capture_sizes": "ostinato.capture_planner",
     "resolve_mode": "ostinato.resolution",
     "shared_pool": "ostinato.pool",
     "use_platform": "ostinato.platform",
@@ -70,6 +72,7 @@ __all__ = [
     "BatchDescriptor",
     "BucketStats",
     "CaptureItem",
+    "CapturePlan",
     "CaptureNotAllowedError",
     "CaptureReport",
     "Dispatch",
@@ -104,6 +107,7 @@ __all__ = [
     "get_forward_context",
     "graphed",
     "in_capture_phase",
+    "plan_capture_sizes",
     "resolve_mode",
     "shared_pool",
     "use_platform",
@@ -113,6 +117,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from ostinato.background import BackgroundCapture
     from ostinato.batch import BatchDescriptor, CaptureItem
     from ostinato.callable_graphs import Graphed, GraphedStats, PaddingChangesRealRowsError, graphed
+    from ostinato.capture_planner import CapturePlan, plan_capture_sizes
     from ostinato.capture_report import CaptureReport, GraphRecord
     from ostinato.config import GraphConfig, default_capture_sizes
     from ostinato.context import (

@@ -8,7 +8,7 @@ returns a ``StatsSnapshot`` (data, and a one-line ``summary()``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
@@ -61,11 +61,13 @@ class StatsSnapshot:
     """Every bucket (largest first within a mode), and the eager steps by reason.
 
     ``eager_rows`` counts the rows of eager steps, with padding where one ran at a padded
-    size (a graph not captured yet)."""
+    size (a graph not captured yet). ``step_sizes`` is the histogram of real step sizes up
+    to the largest capture size, however they ran: what ``capture_planner`` plans from."""
 
     buckets: tuple[BucketStats, ...]
     eager_steps: dict[EagerReason, int]
     eager_rows: int
+    step_sizes: dict[int, int] = field(default_factory=dict)  # real rows -> steps (<= max)
 
     @property
     def replays(self) -> int:
@@ -108,16 +110,18 @@ class StatsSnapshot:
 
 class ReplayStats:
     """The counters behind ``GraphManager.stats()``: ``record`` costs one dict lookup and
-    two additions per step (the replay path)."""
+    three additions per step (the replay path)."""
 
     def __init__(self, max_size: int) -> None:
         self.max_size = max_size
         self._graphs: dict[Dispatch, _Tally] = {}
         self._eager: dict[EagerReason, _Tally] = {r: _Tally() for r in EagerReason}
+        self._sizes = [0] * (max_size + 2)  # [real rows]; the last counts every larger one
 
     def record(self, dispatch: Dispatch, num_tokens: int, ran: GraphMode) -> None:
         """One step of ``num_tokens`` real rows dispatched as ``dispatch``; ``ran`` is the
         mode it actually ran in (NONE when its graph was not ready)."""
+        self._sizes[min(num_tokens, self.max_size + 1)] += 1
         if ran is GraphMode.NONE:
             tally = self._eager[self._reason(dispatch, num_tokens)]
             tally.steps += 1
@@ -155,4 +159,6 @@ class ReplayStats:
                 )
             )
         eager = {r: t.steps for r, t in self._eager.items()}
-        return StatsSnapshot(tuple(buckets), eager, sum(t.real_rows for t in self._eager.values()))
+        rows = sum(t.real_rows for t in self._eager.values())
+        sizes = {n: c for n, c in enumerate(self._sizes[: self.max_size + 1]) if c}
+        return StatsSnapshot(tuple(buckets), eager, rows, sizes)

@@ -28,6 +28,12 @@ def test_kv_cache_is_sized_from_free_memory_and_capped_at_what_can_be_used():
     plan = llm.memory
     assert plan is not None and plan.num_blocks == llm.cache.num_blocks
     assert plan.num_blocks == 4 * 8 + 1  # every sequence at max_model_len, no more
+    # The reserve for graphs is checked against what the capture took, both numbers kept.
+    check = llm.graph_memory
+    assert check is not None and check.reserved == plan.graphs
+    assert check.measured == llm.capture_report.pool_bytes > 0
+    assert not check.over, check.summary()
+    assert "MiB were reserved" in llm.describe()
     torch.cuda.empty_cache()
     hog = []
     try:

@@ -6,7 +6,12 @@ import torch
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.presets import shape
-from ostinato.engine.worker.memory import SAMPLING_BYTES_PER_LOGIT, plan_memory
+from ostinato.engine.worker.memory import (
+    SAMPLING_BYTES_PER_LOGIT,
+    MemoryPlan,
+    check_graph_memory,
+    plan_memory,
+)
 
 GIB = 2**30
 
@@ -45,3 +50,21 @@ def test_sampling_graphs_are_reserved_only_where_graphs_are_captured():
     with_graphs, without = plan(1), plan(1, max_capture_tokens=0)
     assert with_graphs.graphs > 64 * 128256 * SAMPLING_BYTES_PER_LOGIT
     assert without.graphs == 0
+
+
+def test_the_graph_reserve_is_checked_against_what_capture_took(caplog):
+    plan = MemoryPlan(
+        budget=8 << 30,
+        weights=1 << 30,
+        activations=0,
+        graphs=100 << 20,
+        kv_block=1 << 20,
+        num_blocks=10,
+    )
+    with caplog.at_level("INFO", logger="ostinato.engine.worker.memory"):
+        under = check_graph_memory(plan, 40 << 20)
+        over = check_graph_memory(plan, 130 << 20)
+    assert not under.over and "60 MiB held back unused" in under.summary()
+    assert over.over and "over-committed by 30 MiB" in over.summary()
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "130 MiB of pool; 100 MiB were reserved" in warned[0].message

@@ -74,7 +74,13 @@ from ostinato.engine.spec.speculative import (
     SpeculativeStats,
 )
 from ostinato.engine.worker.compile_cache import CompileCache
-from ostinato.engine.worker.memory import MemoryPlan, check_utilization, plan_memory
+from ostinato.engine.worker.memory import (
+    GraphMemoryCheck,
+    MemoryPlan,
+    check_graph_memory,
+    check_utilization,
+    plan_memory,
+)
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.engine.worker.step_loop import StepLoop
 from ostinato.modes import GraphMode
@@ -509,6 +515,12 @@ class LLM:
             self.runner.capture()
             sampling_graphs = self.runner.capture_sampling(generator)
         self.capture_report: CaptureReport = self.runner.manager.report
+        # The reserve that sized the KV cache, against what the capture really took.
+        self.graph_memory: GraphMemoryCheck | None = (
+            check_graph_memory(self.memory, self.capture_report.pool_bytes)
+            if self.memory is not None and self.background is None
+            else None
+        )
         self.sampler = StepSampler(generator, self.device, sampling_graphs)
         self.loop = StepLoop(
             self.runner,
@@ -608,6 +620,8 @@ class LLM:
         """One line: the model, device, graph mode, start-up phases and graphs."""
         background = self.background is not None
         graphs = "graphs: background" if background else self.capture_report.summary()
+        if self.graph_memory is not None:
+            graphs += f" ({self.graph_memory.summary()})"
         return (
             f"model: {self.source_name}; device: {self.device}; graph mode: {self.mode.name}; "
             f"{self.startup.summary()}; {graphs}"

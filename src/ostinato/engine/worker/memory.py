@@ -154,6 +154,45 @@ def plan_memory(
     return MemoryPlan(budget, weights, acts, graphs, block, chosen)
 
 
+@dataclass(frozen=True)
+class GraphMemoryCheck:
+    """What the KV sizing reserved for graphs against what their capture took from the
+    pool (``measured``, the capture report's total). ``over`` when the graphs took more
+    than was reserved (the budget is over-committed by the difference)."""
+
+    reserved: int
+    measured: int
+
+    @property
+    def over(self) -> bool:
+        return self.measured > self.reserved
+
+    def summary(self) -> str:
+        """Both numbers, and what the difference means."""
+        both = (
+            f"graphs took {self.measured / MiB:.0f} MiB of pool; "
+            f"{self.reserved / MiB:.0f} MiB were reserved for them when the KV cache was sized"
+        )
+        if self.over:
+            return (
+                f"{both}: the budget is over-committed by "
+                f"{(self.measured - self.reserved) / MiB:.0f} MiB (lower "
+                "gpu_memory_utilization or max_capture_size if memory runs out)"
+            )
+        return f"{both} ({(self.reserved - self.measured) / MiB:.0f} MiB held back unused)"
+
+
+def check_graph_memory(plan: MemoryPlan, measured: int) -> GraphMemoryCheck:
+    """Compares the reserve with the capture's measured pool bytes; a reserve that was too
+    small is logged as a warning with both numbers, one too large at info."""
+    check = GraphMemoryCheck(plan.graphs, measured)
+    if check.over:
+        logger.warning("ostinato: %s", check.summary())
+    else:
+        logger.info("ostinato: %s", check.summary())
+    return check
+
+
 def check_utilization(value: float) -> float:
     """``value`` if it is a fraction in (0, 1]; else ``ValueError`` naming the option."""
     if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:

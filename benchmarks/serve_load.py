@@ -310,6 +310,18 @@ class Server:
         self.log.close()
 
 
+def engine_args(args: argparse.Namespace) -> list[str]:
+    """``ostinato serve``'s engine options from a benchmark's own: model, random
+    weights, max model length and memory share."""
+    engine = ["--max-model-len", str(args.max_model_len), "--quiet"]
+    engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.model:
+        engine += ["--model", args.model]
+    if args.random_weights:
+        engine.append("--random-weights")
+    return engine
+
+
 def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Steps from graphs and eagerly, and padded versus real rows, during a phase."""
 
@@ -372,12 +384,7 @@ def run_server_phases(
     args: argparse.Namespace, plan: dict[int, dict[str, list[Job]]], log: Path
 ) -> tuple[dict[int, dict[str, Any]], float]:
     """Every phase of every N against one server; the replies and counters per phase."""
-    engine = ["--max-num-seqs", str(max(plan)), "--max-model-len", str(args.max_model_len)]
-    engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--quiet"]
-    if args.model:
-        engine += ["--model", args.model]
-    if args.random_weights:
-        engine.append("--random-weights")
+    engine = ["--max-num-seqs", str(max(plan)), *engine_args(args)]
     server = Server(engine, log)
     results: dict[int, dict[str, Any]] = {}
     try:

@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_load import MODEL_NAME, Server, fixed_jobs
+from benchmarks.serve_load import MODEL_NAME, Server, engine_args, fixed_jobs
 
 
 def median_ms(run_once: Callable[[list[int]], None], prompts: list[list[int]]) -> float:
@@ -87,12 +87,7 @@ def http_rows(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, f
     import httpx
     import openai
 
-    engine = ["--max-model-len", str(args.max_model_len), "--quiet"]
-    engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    engine += (["--model", args.model] if args.model else []) + (
-        ["--random-weights"] if args.random_weights else []
-    )
-    server = Server(engine, args.out.with_suffix(".server.log"))
+    server = Server(engine_args(args), args.out.with_suffix(".server.log"))
     try:
         client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
 

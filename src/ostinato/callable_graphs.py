@@ -47,7 +47,7 @@ from torch.utils._pytree import (
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
 from ostinato.errors import OstinatoError
-from ostinato.mathutil import is_int
+from ostinato.mathutil import checked_int, is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
 from ostinato.platform.cpu import CpuPlatform
@@ -155,7 +155,7 @@ def graphed(
             _check_choice("capture", capture, CAPTURE_WHEN),
             copy_outputs,
             check_padding,
-            _check_positive("max_signatures", max_signatures),
+            checked_int("max_signatures", max_signatures),
             platform,
             progress,
         ),
@@ -524,12 +524,6 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: one of {', '.join(choices)}; got {value!r}")
     return str(value)
-
-
-def _check_positive(name: str, value: object) -> int:
-    if not is_int(value) or int(value) < 1:  # type: ignore[call-overload]
-        raise TypeError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)  # type: ignore[call-overload]
 
 
 def _too_many(key: tuple[Any, ...], limit: int) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.mathutil import is_int
+from ostinato.mathutil import ceil_div, checked_int, is_int
 
 INFEASIBLE = 2**62  # (a sum of two stays below int64's limit)
 
@@ -71,7 +71,7 @@ def plan_capture_sizes(
     cost = _measured(bucket_bytes) if isinstance(bucket_bytes, Mapping) else bucket_bytes
     seen = {s: c for s, c in histogram.items() if 1 <= s <= max_size and c > 0}
     candidates = sorted(set(seen) | {max_size})
-    units = [-(-int(cost(s)) // granule) for s in candidates]
+    units = [ceil_div(int(cost(s)), granule) for s in candidates]
     budget = budget_bytes // granule
     if units[-1] > budget:
         raise ValueError(
@@ -150,8 +150,6 @@ def _check(histogram: object, max_size: object, budget_bytes: object, granule: o
         is_int(s) and is_int(c) and c >= 0 for s, c in histogram.items()
     ):
         raise TypeError("histogram: expected a mapping of step size -> count (ints, counts >= 0)")
-    for name, value, least in (("max_size", max_size, 1), ("granule", granule, 1)):
-        if not is_int(value) or int(value) < least:  # type: ignore[call-overload]
-            raise TypeError(f"{name}: expected a positive int, got {value!r}")
-    if not is_int(budget_bytes) or int(budget_bytes) < 0:  # type: ignore[call-overload]
-        raise TypeError(f"budget_bytes: expected an int >= 0, got {budget_bytes!r}")
+    checked_int("max_size", max_size)
+    checked_int("granule", granule)
+    checked_int("budget_bytes", budget_bytes, least=0)

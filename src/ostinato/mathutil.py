@@ -13,3 +13,12 @@ def ceil_div(a: int, b: int) -> int:
 def is_int(x: object) -> bool:
     """True for Python and NumPy integers, False for bools (which are ints to Python)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def checked_int(name: str, value: object, least: int = 1) -> int:
+    """``value`` as an int if it is an integer of at least ``least``; else ``TypeError``
+    naming the option ``name``."""
+    if not is_int(value) or int(value) < least:  # type: ignore[call-overload]
+        wanted = "a positive int" if least == 1 else f"an int >= {least}"
+        raise TypeError(f"{name}: expected {wanted}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]

@@ -88,3 +88,21 @@ def test_rope_frequencies_are_made_where_the_model_is():
         model = DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]))
     assert model.inv_freq.device.type == "meta"
     assert DecoderModel(ModelConfig.from_hf(SHAPES["tiny"])).inv_freq.device.type == "cpu"
+
+
+def test_a_model_made_on_a_device_holds_drawn_weights_and_one_made_on_meta_is_unmade():
+    # Benchmarks and tests build DecoderModel directly on the CPU; an embedding table left
+    # as torch.empty there read whatever the allocator held (NaN logits, now and then).
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import SHAPES
+
+    config = ModelConfig.from_hf(SHAPES["tiny"])
+    torch.manual_seed(0)
+    table = DecoderModel(config).embed_tokens.weight
+    assert torch.isfinite(table).all()
+    assert abs(table.std().item() - 1.0) < 0.05 and abs(table.mean().item()) < 0.05
+    torch.manual_seed(0)
+    assert torch.equal(DecoderModel(config).embed_tokens.weight, table)  # seeded: one model
+    with torch.device("meta"):
+        assert DecoderModel(config).embed_tokens.weight.device.type == "meta"

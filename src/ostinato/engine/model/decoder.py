@@ -178,13 +178,13 @@ class DecoderModel(nn.Module):
         # Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, ...).
         self.vocab_local = tp.split(config.vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
-        # Made uninitialised (reset_parameters or the checkpoint fills it): drawing it on
-        # the meta device goes through torch._refs, whose import costs seconds.
-        self.embed_tokens = nn.Embedding(
-            self.vocab_local,
-            config.hidden_size,
-            _weight=torch.empty(self.vocab_local, config.hidden_size),
-        )
+        # Drawing the table on the meta device goes through torch._refs, whose import
+        # costs seconds, so there it stays unmade (to_empty, then reset_parameters or the
+        # checkpoint fills it); on a real device it is drawn as nn.Embedding draws it.
+        table = torch.empty(self.vocab_local, config.hidden_size)
+        if table.device.type != "meta":
+            nn.init.normal_(table)
+        self.embed_tokens = nn.Embedding(self.vocab_local, config.hidden_size, _weight=table)
         layers = (DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)

@@ -18,7 +18,8 @@ from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
 from ostinato.engine.kernels.options import KernelOptions
-from ostinato.engine.model.attention import AttentionBackend, TritonAttention, default_backend
+from ostinato.engine.model.attention import AttentionBackend, TritonAttention
+from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.presets import shape

@@ -190,7 +190,7 @@ class FailingAttention:
         exit_code: int | None = None,
         min_seq_len: int = 0,
     ):
-        from ostinato.engine.model.attention import default_backend
+        from ostinato.engine.model.backends import default_backend
 
         self.inner = default_backend(torch.device(device))
         self.graph_support = self.inner.graph_support

@@ -137,3 +137,14 @@ class DenseGraphAttention:
         s = s.masked_fill(~live[:, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # padding rows: no keys, zero output
         out.copy_(torch.einsum("nhc,nchd->nhd", p, v.float()).to(out.dtype))
+
+
+def engine_on(monkeypatch, platform: Platform) -> None:
+    """Makes ``platform`` the one every engine part builds its graphs on, whatever the
+    device (the CPU here); pair with ``ostinato.use_platform(platform)``."""
+    import ostinato.engine.api.llm as llm_module
+    import ostinato.engine.spec.self_draft as self_draft_module
+    import ostinato.engine.worker.runner as runner_module
+
+    for module in (llm_module, runner_module, self_draft_module):
+        monkeypatch.setattr(module, "platform_for_device", lambda device: platform)

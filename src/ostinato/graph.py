@@ -14,6 +14,7 @@ from ostinato.context import current_forward_context
 from ostinato.errors import GraphCaptureError, InputAddressChangedError
 from ostinato.guard import check_capture_allowed, locate_illegal_op
 from ostinato.modes import GraphMode
+from ostinato.param_updates import UpdatableTask, UpdateOrder, recording_tasks
 from ostinato.platform import Graph, Platform, current_platform
 from ostinato.pool import shared_pool
 from ostinato.tensor_views import weak_ref_tensors
@@ -26,7 +27,8 @@ _ADDRESS_HINT = (
 
 @dataclass
 class GraphEntry:
-    """One captured graph, the outputs it writes, and (if checked) its input addresses.
+    """One captured graph, the outputs it writes, (if checked) its input addresses, and
+    the ops in it whose host parameters are updated before each replay (``tasks``).
 
     ``output`` holds non-owning views of the graph's outputs: valid after each replay of
     this graph until any graph sharing its pool is replayed.
@@ -36,6 +38,7 @@ class GraphEntry:
     graph: Graph
     output: Any
     input_addresses: tuple[tuple[str, int], ...] | None = None
+    tasks: tuple[UpdatableTask, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,25 +105,47 @@ class GraphWrapper:
             return self._capture(descriptor, args, kwargs)
         if entry.input_addresses is not None:
             self._check_addresses(entry, args, kwargs)
-        self._replay(entry)
+        self._replay(entry, ctx.attn_metadata)
         return entry.output
 
-    def replay(self, descriptor: BatchDescriptor) -> Any:
+    def replay(self, descriptor: BatchDescriptor, step: Any = None) -> Any:
         """Replays the graph captured for ``descriptor`` (no address check) and returns its
-        outputs as non-owning views; ``KeyError`` names a descriptor never captured."""
+        outputs as non-owning views; ``step`` (the step's attention metadata) updates the
+        graph's updatable tasks first. ``KeyError`` names a descriptor never captured;
+        ``ValueError`` a graph with updatable tasks replayed without ``step``."""
         entry = self.entries.get(descriptor)
         if entry is None:
             raise KeyError(
                 f"{self.name}: no {self.mode.name} graph was captured for {descriptor}; "
                 "capture every size at start-up, before the first step"
             )
-        self._replay(entry)
+        self._replay(entry, step)
         return entry.output
 
-    def _replay(self, entry: GraphEntry) -> None:
-        # Ascend needs the runtime synchronized before a replay; CUDA does not.
-        if self.platform.sync_before_replay:
-            self.platform.synchronize()
+    def _replay(self, entry: GraphEntry, step: Any) -> None:
+        platform = self.platform
+        if entry.tasks and step is None:
+            names = ", ".join(sorted({t.name for t in entry.tasks}))
+            raise ValueError(
+                f"{self.name} ({self.mode.name}, {entry.descriptor}): the graph holds "
+                f"{len(entry.tasks)} ops with host parameters ({names}) that must be "
+                "updated before each replay, and the replay was given no step metadata, "
+                "so it would run them with the lengths of the capture. Pass the step's "
+                "attention metadata: replay(descriptor, step), or the forward context's"
+            )
+        if entry.tasks and platform.update_order is UpdateOrder.REPLAY_THEN_UPDATE:
+            # The fence, taken before the launch, marks the previous replay's end: the
+            # updates wait for it, and this replay's tasks wait for the updates' events.
+            fence = platform.replay_fence()
+            entry.graph.replay()
+            platform.update_tasks(entry.tasks, step, fence)
+            return
+        # Ascend (synchronize-then-update) needs the previous replay finished before its
+        # tasks are rewritten; CUDA needs nothing.
+        if platform.sync_before_replay:
+            platform.synchronize()
+        if entry.tasks:
+            platform.update_tasks(entry.tasks, step)
         entry.graph.replay()
 
     def _capture(
@@ -138,21 +163,24 @@ class GraphWrapper:
         try:
             if self.meter is not None:
                 with self.meter.measure(descriptor, self.mode):
-                    output = self._record(graph, args, kwargs)
+                    output, tasks = self._record(graph, args, kwargs)
             else:
-                output = self._record(graph, args, kwargs)
+                output, tasks = self._record(graph, args, kwargs)
         except Exception as exc:
             raise self._capture_error(what, exc, args, kwargs) from exc
         self.entries[descriptor] = GraphEntry(
-            descriptor, graph, weak_ref_tensors(output), addresses
+            descriptor, graph, weak_ref_tensors(output), addresses, tasks
         )
         # The capturing call returns owning tensors so the pool keeps them alive while
         # the rest of this step (maybe further captures) still reads them.
         return weak_ref_tensors(output) if self.options.weak_ref_output else output
 
-    def _record(self, graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with self.platform.capture(graph, self.pool):
-            return self.runnable(*args, **kwargs)
+    def _record(
+        self, graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[UpdatableTask, ...]]:
+        with recording_tasks(self.platform) as registry, self.platform.capture(graph, self.pool):
+            output = self.runnable(*args, **kwargs)
+        return output, tuple(registry.tasks)
 
     def _capture_error(
         self, what: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -203,7 +203,7 @@ class GraphManager:
             self._verify(d, attn_metadata)
 
     def _verify(self, d: BatchDescriptor, attn_metadata: Any) -> None:
-        self._full.replay(d)
+        self._full.replay(d, attn_metadata)
         replayed = [t.clone() for t in as_tuple(self.outputs.view(d.num_tokens))]
         with forward_context(GraphMode.NONE, d, attn_metadata):
             eager = as_tuple(self.step(d))
@@ -250,7 +250,7 @@ class GraphManager:
                     mode = GraphMode.NONE
         self._stats.record(dispatch, num_tokens, mode)
         if mode is GraphMode.FULL:
-            self._full.replay(d)
+            self._full.replay(d, attn_metadata)
             return self.outputs.view(num_tokens)
         with forward_context(mode, d, attn_metadata):
             out = self.step(d)

@@ -7,12 +7,9 @@ import random
 
 import pytest
 import torch
-from fakes import DenseGraphAttention, FakePlatform
+from fakes import DenseGraphAttention, FakePlatform, engine_on
 from workloads import preempting_mix, sync_and_async_outputs
 
-import ostinato.engine.api.llm as llm_module
-import ostinato.engine.spec.self_draft as self_draft_module
-import ostinato.engine.worker.runner as runner_module
 from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.spec.speculative import SpeculativeConfig
@@ -21,8 +18,7 @@ from ostinato.engine.spec.speculative import SpeculativeConfig
 @pytest.fixture
 def fake_graphs(monkeypatch):
     platform = FakePlatform()
-    for module in (llm_module, runner_module, self_draft_module):
-        monkeypatch.setattr(module, "platform_for_device", lambda device: platform)
+    engine_on(monkeypatch, platform)
     with use_platform(platform):
         yield platform
 

@@ -6,9 +6,12 @@ import contextlib
 import gc
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Protocol
+
+from ostinato.errors import PlatformError
+from ostinato.param_updates import UpdatableTask, UpdateOrder
 
 
 class Graph(Protocol):
@@ -33,6 +36,9 @@ class Platform(ABC):
     supports_graphs: bool = False
     sync_before_replay: bool = False
     """True where the runtime must be synchronized before each replay (Ascend)."""
+    update_order: UpdateOrder = UpdateOrder.NONE
+    """Whether captured ops take host parameters that must be updated before a replay,
+    and in which order (``ostinato.param_updates``); NONE registers and pays nothing."""
 
     @abstractmethod
     def new_graph(self) -> Graph:
@@ -63,6 +69,21 @@ class Platform(ABC):
 
     def empty_cache(self) -> None:  # noqa: B027 - a no-op where nothing is cached
         """Returns cached, unused blocks to the device."""
+
+    def capture_task(self, issue: Callable[[], None]) -> tuple[Any, Any]:
+        """Inside a capture: runs ``issue`` as one task group that first waits on a fresh
+        external event; returns ``(handle, event)``. Platforms that update parameters."""
+        raise PlatformError(f"the {self.name} platform captures no updatable tasks")
+
+    def update_tasks(self, tasks: Sequence[UpdatableTask], step: Any, fence: Any = None) -> None:
+        """On the update stream (after ``fence``, if given): re-issues each task for
+        ``step`` between the platform's update begin and end, then records its event."""
+        raise PlatformError(f"the {self.name} platform updates no tasks")
+
+    def replay_fence(self) -> Any:
+        """An event on the current stream after the work issued so far (for
+        ``REPLAY_THEN_UPDATE``: taken before a launch, it marks the previous replay)."""
+        raise PlatformError(f"the {self.name} platform has no replay fences")
 
     @contextlib.contextmanager
     def sync_errors(self) -> Iterator[None]:

@@ -59,7 +59,8 @@ from ostinato.engine.core.scheduler import FinishReason, Proposal, Request, Sche
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.loading.model_cache import CacheDirArg, ModelCache
 from ostinato.engine.loading.source import ModelSource, ModelSpec, open_model
-from ostinato.engine.model.attention import AttentionBackend, default_backend
+from ostinato.engine.model.attention import AttentionBackend
+from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.parallel.workers import Command, WorkerPool
 from ostinato.engine.sample.sampler import SamplingParams

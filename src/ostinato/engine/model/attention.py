@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ostinato.engine.kernels.options import KernelOptions, triton_runs_on
 from ostinato.engine.model.rope import apply_rope
 from ostinato.mathutil import ceil_div
 from ostinato.resolution import AttentionGraphSupport
@@ -201,11 +200,3 @@ class TritonAttention:
             rope=rope,
             pdl=self.pdl,
         )
-
-
-def default_backend(device: torch.device, kernels: KernelOptions | None = None) -> AttentionBackend:
-    """Triton on CUDA when Triton is installed (launched as ``kernels`` say), else the
-    torch backend."""
-    if not triton_runs_on(device):
-        return TorchAttention()
-    return TritonAttention(pdl=(kernels or KernelOptions()).pdl)

@@ -261,9 +261,10 @@ def test_the_engine_gives_the_cpu_tokens_through_the_ascend_backend_eagerly(fake
     assert any(e[:2] == ("attention", "eager") for e in fake.log)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("order", [UpdateOrder.SYNC_THEN_UPDATE, UpdateOrder.REPLAY_THEN_UPDATE])
 def test_the_engine_replays_decode_graphs_with_updated_lengths_on_the_npu_platform(
-    fake, monkeypatch, order
+    fake, monkeypatch, order, async_scheduling
 ):
     from ostinato.engine.model.ascend_attention import AscendAttention
 
@@ -271,7 +272,8 @@ def test_the_engine_replays_decode_graphs_with_updated_lengths_on_the_npu_platfo
     platform = npu_platform(order)
     engine_on(monkeypatch, platform)
     with use_platform(platform):
-        llm = engine("full", AscendAttention())
+        llm = engine("full", AscendAttention(), async_scheduling=async_scheduling)
+        assert llm.async_scheduling is async_scheduling
         # Uniform single-token decode graphs only: the backend's support level.
         assert llm.mode.name == "FULL_DECODE_ONLY"
         layers = llm.config.num_layers

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
+from ostinato.replay_check import DEFAULT_EVERY, ReplayCheck
 
 DEFAULT_MAX_CAPTURE_SIZE = 512
 # More sizes than this is a mistake, not a ladder: each is a graph to capture and hold.
@@ -62,10 +63,14 @@ class GraphConfig:
     exceed it. ``specialize_lora``: capture separate graphs for batches with and without
     LoRA. ``num_warmups``: eager runs before each capture.
 
-    Two checks, both off by default because they cost time:
-    ``verify_graphs``: after capturing each FULL graph, replay it once and compare its
-    outputs bitwise with an eager run of the same step (start-up cost; names a step that
-    depends on something the graph froze). ``check_addresses``: on every replay, check that
+    Checks, off by default because they cost time:
+    ``verify``: ``"capture"`` replays each FULL graph once after capture and compares it
+    bitwise with an eager run of the same step, and (where the caller can perturb padding
+    rows) that padding never reaches real rows (start-up cost); ``"sample"`` re-runs one
+    FULL replay in ``verify_every`` eagerly while serving and compares within the dtype's
+    tolerance. A bucket that differs is demoted to eager with a warning naming it
+    (``ostinato.replay_check``). ``verify_graphs=True`` is ``verify="capture"``.
+    ``check_addresses``: on every replay, check that
     each tensor argument still sits at its captured address (per-step cost; names the
     input that moved); it applies to graphs whose inputs are arguments, the pieces of a
     ``PiecewiseBackend`` made with this flag (as the engine does), not to a FULL step,
@@ -80,6 +85,8 @@ class GraphConfig:
     num_warmups: int = 1
     verify_graphs: bool = False
     check_addresses: bool = False
+    verify: str = "off"
+    verify_every: int = DEFAULT_EVERY
     # Filled in by __post_init__; not an argument.
     sizes: tuple[int, ...] = field(init=False, repr=False)
 
@@ -91,6 +98,9 @@ class GraphConfig:
             object.__setattr__(self, "mode", GraphMode.parse(self.mode))
         if self.max_num_tokens is not None and self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be >= 1, got {self.max_num_tokens}")
+        if self.verify_graphs and self.verify == "off":
+            object.__setattr__(self, "verify", "capture")
+        self.replay_check  # noqa: B018 - validates verify and verify_every
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
         if self.capture_sizes is None:
@@ -120,6 +130,11 @@ class GraphConfig:
         for name in ("specialize_lora", "verify_graphs", "check_addresses"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+
+    @property
+    def replay_check(self) -> ReplayCheck:
+        """What ``verify`` and ``verify_every`` ask of the graph manager."""
+        return ReplayCheck(self.verify, self.verify_every)  # type: ignore[arg-type]
 
     @property
     def largest_size(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,12 +22,14 @@ from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Graph, Platform, current_platform
 from ostinato.pool import shared_pool
-from ostinato.replay_stats import ReplayStats, StatsSnapshot
+from ostinato.replay_check import GraphDemotedWarning, Mismatch, ReplayCheck, first_mismatch
+from ostinato.replay_stats import EagerReason, ReplayStats, StatsSnapshot
 from ostinato.static_outputs import Outputs, StaticOutputs, as_tuple
 
 _NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
 PrepareFn = Callable[[BatchDescriptor], Any]
+PerturbFn = Callable[[BatchDescriptor, int], None]
 
 
 def _check_run_arguments(dispatch: object, num_tokens: object) -> None:
@@ -54,9 +57,13 @@ class GraphManager:
     batches first, then uniform decode, each largest first) and runs every PIECEWISE
     descriptor once so its pieces capture, all into one shared pool, each after
     ``num_warmups`` eager runs, with garbage collection paused; graphs stay alive until
-    ``release()``. With ``verify_graphs``, each FULL graph is replayed once after capture
-    and compared bitwise with an eager run of the same step; a difference raises
-    ``GraphCaptureError``. A capture that fails or runs out of memory releases every graph
+    ``release()``. ``check`` (``ostinato.replay_check``; ``verify_graphs=True`` is
+    ``ReplayCheck("capture")``) compares FULL replays with eager runs at capture (with
+    ``perturb_padding(descriptor, real_rows)``, which gives the rows from ``real_rows`` on
+    other contents, also checking that padding cannot reach real rows) or one replay in
+    ``every`` while serving; a bucket that differs is demoted to eager with a
+    ``GraphDemotedWarning``, and the step that found it returns the eager outputs.
+    A capture that fails or runs out of memory releases every graph
     of this manager before ``GraphCaptureError`` propagates. ``run`` returns views of
     static output buffers (allocated once, outside the pool) sliced to the real token
     count; they are overwritten by the next FULL replay. Replaying a FULL descriptor that
@@ -79,12 +86,17 @@ class GraphManager:
         progress: bool = True,
         platform: Platform | None = None,
         pool: Any = None,
+        check: ReplayCheck | None = None,
+        perturb_padding: PerturbFn | None = None,
     ) -> None:
         self.step = step
         self.dispatcher = dispatcher
         self.prepare = prepare
         self.num_warmups = num_warmups
-        self.verify_graphs = verify_graphs
+        self.check = check or ReplayCheck("capture" if verify_graphs else "off")
+        self.perturb_padding = perturb_padding
+        self.demoted: dict[BatchDescriptor, str] = {}  # bucket -> why (written once)
+        self._full_replays = 0  # the sampling clock
         self.progress = progress
         self.platform = platform or current_platform()
         self.pool = pool if pool is not None else shared_pool(self.platform)
@@ -134,14 +146,15 @@ class GraphManager:
         """Starts capturing ``capture_plan()`` on a thread and returns at once (see
         ``ostinato.background``); ``prologue`` runs on the thread first. The report
         fills as graphs are captured; a failure releases every graph and leaves the
-        steps eager. ``verify_graphs`` is refused: its replays would overwrite the
-        static outputs of a step in flight."""
+        steps eager. The capture check is refused: its replays would overwrite the
+        static outputs of a step in flight (sampling while serving is allowed)."""
         if self.background is not None:
             raise RuntimeError("capture_in_background: this manager already captures")
-        if self.verify_graphs:
+        if self.check.mode == "capture":
             raise ValueError(
                 "verify_graphs: each check replays a graph, which would overwrite the "
-                "outputs of a step running meanwhile; verify with a blocking capture()"
+                "outputs of a step running meanwhile; verify with a blocking capture(), "
+                "or sample replays while serving (verify='sample')"
             )
         self.background = BackgroundCapture(
             self.capture_plan(), self._capture_item, self._release_graphs, self._turn, prologue
@@ -160,7 +173,7 @@ class GraphManager:
         PIECEWISE pieces captured at that size) rather than eagerly."""
         mode, d = dispatch.mode, dispatch.descriptor
         if mode is GraphMode.FULL:
-            return d in self._full.entries
+            return d in self._full.entries and d not in self.demoted
         return mode is GraphMode.NONE or d in self._pieces_ready
 
     def _capture_item(self, item: CaptureItem) -> None:
@@ -199,24 +212,59 @@ class GraphManager:
             else:
                 with self._meter.measure(d, item.mode):
                     self.step(d)
-        if self.verify_graphs and full:
+        if self.check.mode == "capture" and full:
             self._verify(d, attn_metadata)
 
     def _verify(self, d: BatchDescriptor, attn_metadata: Any) -> None:
-        self._full.replay(d, attn_metadata)
-        replayed = [t.clone() for t in as_tuple(self.outputs.view(d.num_tokens))]
+        """The capture check: replay against eager bitwise, then (with a padding hook)
+        the real rows of two replays whose padding rows differ."""
+        n = d.num_tokens
+        replayed = self._replay_copy(d, attn_metadata)
         with forward_context(GraphMode.NONE, d, attn_metadata):
             eager = as_tuple(self.step(d))
-        for i, (r, e) in enumerate(zip(replayed, eager, strict=True)):
-            if not torch.equal(r, e):
-                diff = (r.double() - e.double()).abs().max().item()
-                raise GraphCaptureError(
-                    f"verify_graphs: the FULL graph for {d} differs from an eager run of the "
-                    f"same step in output #{i} (max |diff| = {diff:.3g}). The step depends on "
-                    "something the graph froze at capture: a Python number, a tensor "
-                    "allocated anew per call, or host data. Keep every input in a persistent "
-                    "device buffer that the step reads."
-                )
+        found = first_mismatch(replayed, eager, n, exact=True)
+        if found is not None:
+            self._demote(d, found, "differs from an eager run of the same step")
+            return
+        if self.perturb_padding is None or n < 2:
+            return
+        real = n // 2
+        self.perturb_padding(d, real)
+        again = self._replay_copy(d, attn_metadata)
+        found = first_mismatch(again, replayed, real, exact=True)
+        if found is not None:
+            self._demote(d, found, f"changes its first {real} rows when the others change")
+
+    def _replay_copy(self, d: BatchDescriptor, attn_metadata: Any) -> tuple[torch.Tensor, ...]:
+        self._full.replay(d, attn_metadata)
+        return tuple(t.clone() for t in as_tuple(self.outputs.view(d.num_tokens)))
+
+    def _demote(self, d: BatchDescriptor, found: Mismatch, what: str) -> None:
+        why = found.describe(d, what)
+        self.demoted[d] = why
+        self._stats.demoted(d)
+        warnings.warn(
+            f"{why}. Its steps now run eagerly. The step depends on something the graph "
+            "froze at capture (a Python number, a tensor allocated anew per call, host "
+            "data) or mixes rows (padding reaching real rows); keep every input in a "
+            "persistent device buffer and keep rows independent.",
+            GraphDemotedWarning,
+            stacklevel=3,
+        )
+
+    def _sample(self, d: BatchDescriptor, num_tokens: int, attn_metadata: Any) -> Outputs:
+        """A sampled replay's outputs checked against an eager run of the same step (on
+        the same persistent inputs); on a mismatch the bucket is demoted and the eager
+        outputs are returned."""
+        out = self.outputs.view(num_tokens)
+        with forward_context(GraphMode.NONE, d, attn_metadata):
+            eager = self.step(d)
+        self._stats.checked()
+        found = first_mismatch(as_tuple(out), as_tuple(eager), num_tokens, exact=False)
+        if found is None:
+            return out
+        self._demote(d, found, "differs from an eager run of a sampled step")
+        return _rows(eager, d, num_tokens)
 
     def _step_into_static(self, d: BatchDescriptor) -> None:
         out = self.step(d)
@@ -243,22 +291,25 @@ class GraphManager:
                 "(0 <= num_tokens <= padded_tokens)"
             )
         mode = dispatch.mode
-        if self.background is not None and not self.ready(dispatch):
+        reason = None
+        if mode is GraphMode.FULL and d in self.demoted:
+            mode, reason = GraphMode.NONE, EagerReason.DEMOTED
+        elif self.background is not None and not self.ready(dispatch):
             with self._turn:  # (the caller holds it too: re-entrant)
                 if not self.ready(dispatch):
                     self.background.want(d)
                     mode = GraphMode.NONE
-        self._stats.record(dispatch, num_tokens, mode)
+        self._stats.record(dispatch, num_tokens, mode, reason)
         if mode is GraphMode.FULL:
             self._full.replay(d, attn_metadata)
+            if self.check.sampling:
+                self._full_replays += 1
+                if self._full_replays % self.check.every == 0:
+                    return self._sample(d, num_tokens, attn_metadata)
             return self.outputs.view(num_tokens)
         with forward_context(mode, d, attn_metadata):
             out = self.step(d)
-        if d.num_tokens == num_tokens:
-            return out
-        if isinstance(out, (tuple, list)):
-            return tuple(t[:num_tokens] for t in out)
-        return out[:num_tokens]
+        return _rows(out, d, num_tokens)
 
     def stats(self) -> StatsSnapshot:
         """Live statistics per bucket since construction: replays, real and padded rows,
@@ -291,6 +342,15 @@ class GraphManager:
         self.platform.synchronize()
         self._full.reset()
         self._pieces_ready.clear()
+
+
+def _rows(out: Outputs, d: BatchDescriptor, num_tokens: int) -> Outputs:
+    """The first ``num_tokens`` rows of a step's outputs (themselves when all)."""
+    if d.num_tokens == num_tokens:
+        return out
+    if isinstance(out, (tuple, list)):
+        return tuple(t[:num_tokens] for t in out)
+    return out[:num_tokens]
 
 
 def _check_rows(out: Outputs, d: BatchDescriptor) -> None:

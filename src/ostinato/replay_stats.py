@@ -22,6 +22,7 @@ class EagerReason(enum.Enum):
     ABOVE_LARGEST = "above the largest capture size"
     NO_GRAPH_FOR_BATCH = "no graph in this mode for this kind of batch"
     NOT_CAPTURED_YET = "its graph was still being captured"
+    DEMOTED = "its graph was demoted after differing from eager"
 
 
 @dataclass
@@ -68,6 +69,8 @@ class StatsSnapshot:
     eager_steps: dict[EagerReason, int]
     eager_rows: int
     step_sizes: dict[int, int] = field(default_factory=dict)  # real rows -> steps (<= max)
+    checked_replays: int = 0  # replays compared with an eager run while serving
+    demoted: tuple[BatchDescriptor, ...] = ()  # buckets taken out of service, in order
 
     @property
     def replays(self) -> int:
@@ -117,13 +120,21 @@ class ReplayStats:
         self._graphs: dict[Dispatch, _Tally] = {}
         self._eager: dict[EagerReason, _Tally] = {r: _Tally() for r in EagerReason}
         self._sizes = [0] * (max_size + 2)  # [real rows]; the last counts every larger one
+        self._checked = 0
+        self._demoted: list[BatchDescriptor] = []
 
-    def record(self, dispatch: Dispatch, num_tokens: int, ran: GraphMode) -> None:
+    def record(
+        self,
+        dispatch: Dispatch,
+        num_tokens: int,
+        ran: GraphMode,
+        reason: EagerReason | None = None,
+    ) -> None:
         """One step of ``num_tokens`` real rows dispatched as ``dispatch``; ``ran`` is the
-        mode it actually ran in (NONE when its graph was not ready)."""
+        mode it actually ran in (NONE when its graph was not ready, or ``reason``)."""
         self._sizes[min(num_tokens, self.max_size + 1)] += 1
         if ran is GraphMode.NONE:
-            tally = self._eager[self._reason(dispatch, num_tokens)]
+            tally = self._eager[reason or self._reason(dispatch, num_tokens)]
             tally.steps += 1
             tally.real_rows += dispatch.descriptor.num_tokens
             return
@@ -161,4 +172,14 @@ class ReplayStats:
         eager = {r: t.steps for r, t in self._eager.items()}
         rows = sum(t.real_rows for t in self._eager.values())
         sizes = {n: c for n, c in enumerate(self._sizes[: self.max_size + 1]) if c}
-        return StatsSnapshot(tuple(buckets), eager, rows, sizes)
+        return StatsSnapshot(
+            tuple(buckets), eager, rows, sizes, self._checked, tuple(self._demoted)
+        )
+
+    def checked(self) -> None:
+        """One replay compared with an eager run while serving."""
+        self._checked += 1
+
+    def demoted(self, descriptor: BatchDescriptor) -> None:
+        """A bucket taken out of service."""
+        self._demoted.append(descriptor)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ostinato.config import GraphConfig
 from ostinato.dispatcher import Dispatch, Dispatcher
-from ostinato.manager import GraphManager, PrepareFn, StepFn
+from ostinato.manager import GraphManager, PerturbFn, PrepareFn, StepFn
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
 from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
@@ -75,6 +75,7 @@ def build_graph_runtime(
     attention: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
     piecewise_available: bool = False,
     prepare: PrepareFn | None = None,
+    perturb_padding: PerturbFn | None = None,
     uniform_decode_query_len: int = 1,
     max_num_reqs: int | None = None,
     lora_enabled: bool = False,
@@ -85,7 +86,8 @@ def build_graph_runtime(
     """Resolves ``config.mode`` (``"auto"`` included) against ``attention``, piecewise
     availability and ``platform`` (default: the current one; pass ``CpuPlatform()`` for a
     runner whose tensors are on the CPU), logs every downgrade with its reason, and builds
-    the dispatcher and the manager. ``step`` and ``prepare`` are ``GraphManager``'s."""
+    the dispatcher and the manager. ``step``, ``prepare`` and ``perturb_padding`` are
+    ``GraphManager``'s."""
     platform = platform or current_platform()
     requested = config.mode or auto_mode(platform.supports_graphs, piecewise_available)
     resolution = resolve_mode(
@@ -107,7 +109,8 @@ def build_graph_runtime(
         dispatcher,
         prepare=prepare,
         num_warmups=config.num_warmups,
-        verify_graphs=config.verify_graphs,
+        check=config.replay_check,
+        perturb_padding=perturb_padding,
         progress=progress,
         platform=platform,
         pool=pool,

@@ -4,6 +4,7 @@ attention, so the padding, the uniform decode graphs (LM head and argmax inside)
 speculative verify graphs are exercised end to end without a GPU."""
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,11 @@ from workloads import preempting_mix, sync_and_async_outputs
 
 from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.spec.speculative import SpeculativeConfig
+from ostinato.replay_check import GraphDemotedWarning
+from ostinato.replay_stats import EagerReason
+from ostinato.resolution import AttentionGraphSupport
 
 
 @pytest.fixture
@@ -180,3 +185,55 @@ def test_background_capture_refuses_what_it_cannot_do():
         engine("full", capture="lazy")
     with pytest.raises(ValueError, match="speculative='self'"):
         engine("full", capture="background", speculative="self:1")
+
+
+class StaleAttention(TorchAttention):
+    """Planted bug: the torch backend (host lengths) claimed capturable, so a replay runs
+    the lengths of its capture."""
+
+    graph_support = AttentionGraphSupport.ALWAYS
+
+
+class LeakyAttention(DenseGraphAttention):
+    """Planted bug: every row's output moves with the mean query of all rows, padding
+    included."""
+
+    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None):
+        super().__call__(q, k_cache, v_cache, meta, scale, out, rope)
+        out.add_(q.mean(0, keepdim=True))
+
+
+def test_checked_graphs_pass_and_say_so_in_the_start_up_line(fake_graphs):
+    prompts, params = workload(n=4)
+    want = tokens(engine("none", backend=None), prompts, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphDemotedWarning)
+        llm = engine("full_decode_only", verify="capture")
+        assert tokens(llm, prompts, params) == want
+    assert "verify: capture, 0 demoted" in llm.describe()
+
+
+def test_a_padding_leak_is_demoted_at_capture_naming_each_bucket(fake_graphs):
+    with pytest.warns(GraphDemotedWarning, match=r"num_tokens=8.*uniform_decode=True.*first 4"):
+        llm = engine("full_decode_only", verify="capture", backend=LeakyAttention())
+    stats = llm.graph_stats()
+    assert {d.num_tokens for d in stats.demoted} == {2, 4, 8}  # 1 row: nothing to perturb
+    assert "3 demoted" in llm.describe()
+
+
+def test_sampled_checks_demote_stale_graphs_and_serve_the_eager_tokens(fake_graphs):
+    prompts, params = workload(n=5)
+    want = tokens(engine("none", backend=None), prompts, params)
+    with pytest.warns(GraphDemotedWarning, match="sampled step"):
+        llm = engine("full_decode_only", verify="sample", verify_every=1, backend=StaleAttention())
+        assert tokens(llm, prompts, params) == want  # nothing wrong left the engine
+    stats = llm.graph_stats()
+    assert stats.demoted and stats.checked_replays >= len(stats.demoted)
+    assert stats.eager_steps[EagerReason.DEMOTED] > 0
+
+
+def test_verify_is_checked_before_the_model_loads():
+    with pytest.raises(ValueError, match="verify: 'often'"):
+        engine("full_decode_only", verify="often")
+    with pytest.raises(ValueError, match="not with verify='capture'"):
+        engine("full_decode_only", verify="capture", capture="background")

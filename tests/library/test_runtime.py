@@ -57,7 +57,7 @@ def test_downgrade_is_reported_and_config_checks_reach_the_manager():
         max_num_reqs=4,
     )
     assert rt.mode is GraphMode.FULL_DECODE_ONLY and rt.resolution.reasons
-    assert rt.manager.num_warmups == 3 and rt.manager.verify_graphs
+    assert rt.manager.num_warmups == 3 and rt.manager.check.mode == "capture"
     rt.manager.capture()
     d = rt.dispatch(3, uniform_decode=True)
     assert d.mode is GraphMode.FULL and d.padded_tokens == 4

@@ -17,6 +17,7 @@ from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.spec.speculative import SpeculativeConfig
 from ostinato.modes import GraphMode
+from ostinato.replay_check import DEFAULT_EVERY
 from ostinato.ubatch.policy import MicroBatching
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,13 +104,19 @@ class GraphArgs:
     None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
     and when to ``capture``: ``"blocking"`` (every graph before the engine returns) or
     ``"background"`` (the engine returns once its weights and KV cache are ready; steps
-    run eagerly, or replay what is ready, while a thread compiles and captures)."""
+    run eagerly, or replay what is ready, while a thread compiles and captures).
+    ``verify``: ``"capture"`` checks each FULL graph against eager at capture (padding
+    rows given other tokens must leave the real rows bitwise the same), ``"sample"`` one
+    replay in ``verify_every`` while serving; a graph that differs is demoted to eager
+    (``ostinato.replay_check``)."""
 
     mode: GraphMode | str = "auto"
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int = 512
     compiler: str | None = "auto"
     capture: str = "blocking"
+    verify: str = "off"
+    verify_every: int = DEFAULT_EVERY
 
 
 @dataclass(frozen=True)
@@ -187,17 +194,24 @@ CAPTURE_WHEN = ("blocking", "background")
 
 
 def check_capture(
-    capture: str, parallel: ParallelArgs, speculative: SpeculativeConfig | None
+    graphs: GraphArgs, parallel: ParallelArgs, speculative: SpeculativeConfig | None
 ) -> bool:
     """Whether graphs are captured in the background (``GraphArgs.capture``); refuses,
     naming why, an unknown value and what background capture does not cover: several
     ranks (each would capture in its own order, and graphs holding collectives must be
-    captured in step), micro-batching (it times its captures), and self-drafting or
-    oracle speculation (their graphs and lookahead state are captured at start-up)."""
+    captured in step), micro-batching (it times its captures), self-drafting or oracle
+    speculation (their graphs and lookahead state are captured at start-up), and the
+    capture check (its replays would overwrite a running step's outputs)."""
+    capture = graphs.capture
     if capture not in CAPTURE_WHEN:
         raise ValueError(f"capture: 'blocking' or 'background', got {capture!r}")
     if capture == "blocking":
         return False
+    if graphs.verify == "capture":
+        raise ValueError(
+            "capture='background': not with verify='capture', whose replays would overwrite "
+            "the outputs of steps running meanwhile; use verify='sample' or 'blocking'"
+        )
     if parallel.tensor_parallel_size * parallel.data_parallel_size > 1 or (
         parallel.micro_batching is not False
     ):

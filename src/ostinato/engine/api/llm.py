@@ -257,7 +257,7 @@ class LLM:
         parse_all_reduce(parallel.all_reduce)
         requested = parse_mode(graphs.mode)
         self.speculative = parse_speculative(speculative, num_speculative_tokens)
-        self._background_capture = check_capture(graphs.capture, parallel, self.speculative)
+        self._background_capture = check_capture(graphs, parallel, self.speculative)
         self.spec_stats = SpeculativeStats()
         self.kernels = kernel_options(kernels)
         self.micro_batching = micro_batching_policy(parallel, requested)
@@ -288,6 +288,8 @@ class LLM:
             capture_sizes=graphs.capture_sizes,
             max_capture_size=graphs.max_capture_size,
             max_num_tokens=limits.max_num_batched_tokens,
+            verify=graphs.verify,
+            verify_every=graphs.verify_every,
         )
         # Data-parallel replicas agree on each step before it runs, and a verify step's
         # outcome decides the next draft: both step in turn, except verify steps of a
@@ -623,6 +625,10 @@ class LLM:
         graphs = "graphs: background" if background else self.capture_report.summary()
         if self.graph_memory is not None:
             graphs += f" ({self.graph_memory.summary()})"
+        check = self.runner.manager.check
+        if check.mode != "off":
+            every = f" 1 in {check.every}" if check.sampling else ""
+            graphs += f"; verify: {check.mode}{every}, {len(self.runner.manager.demoted)} demoted"
         return (
             f"model: {self.source_name}; device: {self.device}; graph mode: {self.mode.name}; "
             f"{self.startup.summary()}; {graphs}"

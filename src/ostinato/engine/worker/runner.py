@@ -104,6 +104,7 @@ class ModelRunner:
             attention=backend.graph_support,
             piecewise_available=compiler is not None,
             prepare=self._dummy_metadata,
+            perturb_padding=self._scramble_padding,
             max_num_reqs=limits.max_num_seqs,
             uniform_decode_query_len=uniform_decode_query_len,
             platform=platform,
@@ -177,6 +178,14 @@ class ModelRunner:
     def _dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
         return self._padding_metadata(self.inputs, d.num_tokens)
 
+    def _scramble_padding(self, d: BatchDescriptor, real: int) -> None:
+        """The capture check's other padding: rows ``real..`` of a dummy step get other
+        token ids, drawn the same on every rank (a graph whose first rows then change
+        mixes rows)."""
+        draw = torch.Generator().manual_seed(d.num_tokens)
+        ids = torch.randint(1, self.model.config.vocab_size, (d.num_tokens - real,), generator=draw)
+        self.inputs.input_ids[real : d.num_tokens].copy_(ids)
+
     def _padding_metadata(self, inputs: StepInputs, n: int) -> StepAttention:
         """``n`` padding rows written into ``inputs``, and their attention context."""
         inputs.write_padding(n)
@@ -229,6 +238,9 @@ class ModelRunner:
         # ready yet (background capture) runs eagerly, and its logits are no static output.
         replayed = dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
         out = self.manager.run(dispatch, n, attn_metadata=meta)
+        # A sampled check that found the replay wrong has just demoted it and returned
+        # eager outputs, which are no static outputs either.
+        replayed = replayed and self.manager.ready(dispatch)
         d = dispatch.descriptor
         if replayed and d in self.ubatched_graphs:
             self.ubatched_steps += 1

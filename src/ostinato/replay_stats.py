@@ -103,11 +103,14 @@ class StatsSnapshot:
         steps = self.replays + self.eager
         why = ", ".join(f"{n} {r.value}" for r, n in self.eager_steps.items() if n)
         eager = f"{self.eager} eager ({why})" if why else "0 eager"
+        checks = ""
+        if self.checked_replays or self.demoted:
+            checks = f"; {self.checked_replays} checked, {len(self.demoted)} buckets demoted"
         return (
             f"{steps} steps: {self.replays} from graphs over "
             f"{sum(1 for b in self.buckets if b.replays)} buckets, {eager}; padding "
             f"{self.padding_fraction:.1%} of replayed rows "
-            f"({self.padded_rows - self.real_rows} of {self.padded_rows})"
+            f"({self.padded_rows - self.real_rows} of {self.padded_rows}){checks}"
         )
 
 

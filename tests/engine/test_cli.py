@@ -65,6 +65,9 @@ BAD = [
     (["--num-speculative-tokens", "17"], "--num-speculative-tokens: must be in [1, 16]"),
     (["--speculative", "self:9"], "self:9 must use fewer layers than the model's 4"),
     (["--speculative", "oracle", "--temperature", "1"], "oracle: needs greedy decoding"),
+    (["--verify", "always"], "--verify: invalid choice: 'always'"),
+    (["--verify-every", "0"], "--verify-every: must be >= 1"),
+    (["--verify", "capture", "--capture", "background"], "not with verify='capture'"),
 ]
 
 

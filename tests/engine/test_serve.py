@@ -89,6 +89,8 @@ def test_metrics_count_steps_by_how_they_ran(client, server):
     # On the CPU nothing is captured: every step is eager, for want of a graph.
     assert metric(server, 'ostinato_eager_steps_total{reason="no_graph_for_batch"}') >= 3
     assert metric(server, "ostinato_graph_padded_rows_total") == 0
+    assert metric(server, "ostinato_graph_checked_replays_total") == 0
+    assert metric(server, "ostinato_graph_demoted_buckets") == 0
     assert metric(server, "ostinato_generated_tokens_total") >= 3
 
 

@@ -199,6 +199,19 @@ def _engine_options(gen: argparse.ArgumentParser) -> None:
         help="capture every graph before the first step (blocking), or start at once and "
         "capture while steps run eagerly (background)",
     )
+    gen.add_argument(
+        "--verify",
+        choices=("off", "capture", "sample"),
+        default="off",
+        help="check graphs against eager runs: each at capture (capture), or one replay in "
+        "--verify-every while serving (sample); a graph that differs runs eagerly after",
+    )
+    gen.add_argument(
+        "--verify-every",
+        type=positive_int,
+        default=1024,
+        help="with --verify sample, the replays per check (default: 1024)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -248,6 +261,8 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
         random_weights=args.random_weights,
         cache_dir=False if args.no_cache else args.cache_dir,
         capture=args.capture,
+        verify=args.verify,
+        verify_every=args.verify_every,
         seed=args.seed,
         progress=not args.quiet,
         num_speculative_tokens=args.num_speculative_tokens,

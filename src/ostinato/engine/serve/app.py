@@ -153,6 +153,16 @@ def _graph_series(stats: StatsSnapshot) -> Iterator[Metric]:
         "Share of rows computed by graphs that were padding",
         stats.padding_fraction,
     )
+    yield CounterMetricFamily(
+        "ostinato_graph_checked_replays",
+        "Replays compared with an eager run of the same step while serving",
+        stats.checked_replays,
+    )
+    yield GaugeMetricFamily(
+        "ostinato_graph_demoted_buckets",
+        "Graphs taken out of service after differing from eager (their steps run eagerly)",
+        len(stats.demoted),
+    )
 
 
 def build_app(engine: Engine, model_name: str) -> FastAPI:

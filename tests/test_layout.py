@@ -17,7 +17,7 @@ LIBRARY_LAYERS = [
     {"config", "resolution", "dispatcher", "capture_planner"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
     | {"replay_stats"},
-    {"callable_graphs", ""},
+    {"callable_graphs", "adaptive_ladder", ""},
 ]
 # Side by side, neither imports the other.
 SIBLINGS = [

@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _HOMES = {
+    "AdaptiveLadder": "ostinato.adaptive_ladder",
+    "AdaptivePolicy": "ostinato.adaptive_ladder",
+    "GraphDemotedWarning": "ostinato.replay_check",
+    "ReplayCheck": "ostinato.replay_check",
+    "UpdateOrder": "ostinato.param_updates",
     "AttentionGraphSupport": "ostinato.resolution",
     "BackgroundCapture": "ostinato.background",
     "BatchDescriptor": "ostinato.batch",
@@ -67,6 +72,11 @@ _HOMES = {
 
 
 __all__ = [
+    "AdaptiveLadder",
+    "AdaptivePolicy",
+    "GraphDemotedWarning",
+    "ReplayCheck",
+    "UpdateOrder",
     "AttentionGraphSupport",
     "BackgroundCapture",
     "BatchDescriptor",
@@ -114,6 +124,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
+    from ostinato.adaptive_ladder import AdaptiveLadder, AdaptivePolicy
     from ostinato.background import BackgroundCapture
     from ostinato.batch import BatchDescriptor, CaptureItem
     from ostinato.callable_graphs import Graphed, GraphedStats, PaddingChangesRealRowsError, graphed
@@ -138,8 +149,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from ostinato.guard import capture_phase, in_capture_phase
     from ostinato.manager import GraphManager
     from ostinato.modes import GraphMode
+    from ostinato.param_updates import UpdateOrder
     from ostinato.platform import current_platform, use_platform
     from ostinato.pool import shared_pool
+    from ostinato.replay_check import GraphDemotedWarning, ReplayCheck
     from ostinato.replay_stats import BucketStats, EagerReason, StatsSnapshot
     from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
     from ostinato.runtime import GraphRuntime, auto_mode, build_graph_runtime, choose_compiler

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
@@ -62,6 +62,8 @@ class Dispatcher:
                 "mode: the config says 'auto'; resolve it first (build_graph_runtime does)"
             )
         self.mode = resolved
+        self.config = config
+        self.max_num_reqs = max_num_reqs
         self.sizes = config.sizes
         self.max_size = config.largest_size
         self.uniform_decode_query_len = uniform_decode_query_len
@@ -104,6 +106,16 @@ class Dispatcher:
                         self._keys[d.mode].add(d.descriptor)
                     row.append(d)
                 self._table[(uniform, lora)] = row
+
+    def with_sizes(self, sizes: tuple[int, ...]) -> Dispatcher:
+        """The same dispatcher over another ladder (validated as ``capture_sizes``)."""
+        return Dispatcher(
+            replace(self.config, capture_sizes=tuple(sizes)),
+            self.mode,
+            uniform_decode_query_len=self.uniform_decode_query_len,
+            max_num_reqs=self.max_num_reqs,
+            lora_enabled=self.lora_enabled,
+        )
 
     def dispatch(
         self, num_tokens: int, uniform_decode: bool = False, has_lora: bool = False

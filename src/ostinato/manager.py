@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -265,6 +265,52 @@ class GraphManager:
             return out
         self._demote(d, found, "differs from an eager run of a sampled step")
         return _rows(eager, d, num_tokens)
+
+    def resize(self, sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Between steps, moves a FULL ladder to ``sizes``: captures the graphs it lacks
+        (into the shared pool) and destroys those it drops, and dispatches over the new
+        ladder from the next step on. Returns the sizes added and dropped.
+
+        Only a FULL-mode manager whose blocking capture is done (no uniform decode
+        graphs, no background capture), and the largest size stays: the static outputs
+        are sized for it. Never call it inside ``stepping()`` or from another thread
+        while a step runs."""
+        mode = self.dispatcher.mode
+        if mode is not GraphMode.FULL or self.background is not None:
+            raise ValueError(
+                f"resize: only a FULL-mode manager captured with capture() can change its "
+                f"ladder between steps (this one is {mode.name}"
+                f"{', capturing in the background' if self.background else ''})"
+            )
+        dispatcher = self.dispatcher.with_sizes(sizes)
+        if dispatcher.max_size != self.dispatcher.max_size:
+            raise ValueError(
+                f"resize: the largest size must stay {self.dispatcher.max_size} (the static "
+                f"outputs are sized for it), got {dispatcher.max_size}"
+            )
+        old = {d.num_tokens: d for d in self.dispatcher.keys(GraphMode.FULL)}
+        new = {d.num_tokens: d for d in dispatcher.keys(GraphMode.FULL)}
+        added = tuple(n for n in sorted(new, reverse=True) if n not in old)
+        dropped = tuple(n for n in sorted(old) if n not in new)
+        # New graphs first (a failure leaves the old ladder whole), then the old go.
+        with capture_phase(), torch.inference_mode():
+            try:
+                for n in added:  # largest first, as at start-up
+                    self._capture_one(CaptureItem(new[n], GraphMode.FULL))
+            except Exception:
+                self._drop(new[n] for n in added)
+                raise
+        self.platform.synchronize()  # no replay of a dropped graph is still queued
+        self._drop(old[n] for n in dropped)
+        self.dispatcher = dispatcher
+        return added, dropped
+
+    def _drop(self, descriptors: Iterable[BatchDescriptor]) -> None:
+        for d in descriptors:
+            entry = self._full.entries.pop(d, None)
+            if entry is not None:
+                entry.graph.reset()
+            self.demoted.pop(d, None)
 
     def _step_into_static(self, d: BatchDescriptor) -> None:
         out = self.step(d)

@@ -30,8 +30,12 @@ class GraphRuntime:
     ``manager`` (capture at start-up, run per step)."""
 
     resolution: ModeResolution
-    dispatcher: Dispatcher
     manager: GraphManager
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The manager's dispatcher (a new one after ``GraphManager.resize``)."""
+        return self.manager.dispatcher
 
     @property
     def mode(self) -> GraphMode:
@@ -115,4 +119,4 @@ def build_graph_runtime(
         platform=platform,
         pool=pool,
     )
-    return GraphRuntime(resolution, dispatcher, manager)
+    return GraphRuntime(resolution, manager)

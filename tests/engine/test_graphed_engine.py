@@ -237,3 +237,20 @@ def test_verify_is_checked_before_the_model_loads():
         engine("full_decode_only", verify="often")
     with pytest.raises(ValueError, match="not with verify='capture'"):
         engine("full_decode_only", verify="capture", capture="background")
+
+
+def test_replanned_graphs_pad_less_within_budget_and_keep_the_tokens(fake_graphs):
+    # FakePlatform charges each capture 1 KiB of pool; a skewed load of 1 to 3 requests.
+    prompts, params = workload(n=3)
+    want = tokens(engine("none", backend=None), prompts, params)
+    llm = engine("full", max_capture_size=16)
+    before = llm.runner.manager.dispatcher.sizes
+    for b in (1, 3, 3, 1):
+        assert tokens(llm, prompts[:b], params) == want[:b]
+    change = llm.replan_graphs(4 * 1024, granule=1024)
+    sizes = llm.runner.manager.dispatcher.sizes
+    assert change is not None and change.padded_after <= change.padded_before
+    assert len(sizes) <= 4 < len(before) and sizes[-1] == before[-1] == 16
+    assert tokens(llm, prompts, params) == want  # (a prefill of 3 prompts is above 16)
+    with pytest.raises(ValueError, match="needs graph mode FULL"):
+        engine("full_decode_only").replan_graphs(1 << 30)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ostinato.adaptive_ladder import AdaptiveLadder, AdaptivePolicy, LadderChange
 from ostinato.background import BackgroundCapture
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
@@ -666,6 +667,24 @@ class LLM:
         """This process's live statistics per bucket (replays, real and padded rows,
         eager steps by reason, capture cost); safe to call while another thread steps."""
         return self.runner.manager.stats()
+
+    def replan_graphs(self, budget_bytes: int, granule: int = 1 << 20) -> LadderChange | None:
+        """Between ``generate`` calls (no step in flight): moves the FULL ladder to the
+        sizes that pad least for the steps run so far, charged the pool bytes each size
+        took at capture, within ``budget_bytes`` (``ostinato.adaptive_ladder``). Returns
+        the change, or None when the ladder held already pads least within the budget.
+        Only in FULL mode, with blocking capture and without small-GEMM plans (planned
+        per captured size); ``ValueError`` names what stands in the way."""
+        if self.mode is not GraphMode.FULL or self.background is not None:
+            how = ", capturing in the background" if self.background else ""
+            raise ValueError(
+                "replan_graphs: needs graph mode FULL with blocking capture (this engine "
+                f"runs {self.mode.name}{how})"
+            )
+        if self.runner.small_gemm_rows:
+            raise ValueError("replan_graphs: not with KernelOptions(small_gemm=True)")
+        policy = AdaptivePolicy(budget_bytes, every=1, max_resizes=1, min_gain=0.0, granule=granule)
+        return AdaptiveLadder(self.runner.manager, policy).between_steps()
 
     @property
     def num_preemptions(self) -> int:

@@ -111,6 +111,7 @@ def test_the_adaptive_ladder_moves_within_budget_on_the_gpu():
     m = manager(step)
     report = m.capture()
     budget = report.pool_bytes // 2
+    measured = {r.descriptor.num_tokens: r.pool_bytes for r in report.records}  # before
     ladder = AdaptiveLadder(m, AdaptivePolicy(budget, every=100, granule=1))
     rng = random.Random(1)
     for _ in range(100):
@@ -122,6 +123,5 @@ def test_the_adaptive_ladder_moves_within_budget_on_the_gpu():
     (change,) = ladder.changes
     assert change.padded_after < change.padded_before
     # Charged as the planner charges: a size costs what the next measured size above did.
-    measured = {r.descriptor.num_tokens: r.pool_bytes for r in report.records}
     charged = sum(measured[min(k for k in measured if k >= n)] for n in m.dispatcher.sizes)
     assert charged <= budget and m.num_graphs == len(m.dispatcher.sizes)

@@ -1,0 +1,161 @@
+"""The planned capture ladder against the default on a skewed load of step sizes.
+
+For each model shape: capture the default FULL ladder up to ``--max-size`` and take each
+size's pool bytes from the capture report; plan two ladders from a skewed histogram of
+step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_sizes``:
+``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding`` (the
+smallest budget whose plan pads no more than the default); capture each in a fresh pool
+and measure its bytes, and time a decode step at every size of the histogram on every
+ladder (the expected step time weights them by the histogram). Writes JSON (and prints a
+table). Needs CUDA; ``compare_ladders`` (the planning, from measured bytes) runs anywhere.
+
+    PYTHONPATH=src python -m benchmarks.graph_budget --out benchmarks/results/graph_budget_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode import BenchConfig, DecodeSetup, time_step
+from ostinato.capture_planner import padded_rows, plan_capture_sizes
+from ostinato.config import GraphConfig, default_capture_sizes
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.model.presets import shape
+from ostinato.engine.worker.runner import ModelRunner
+from ostinato.modes import GraphMode
+from ostinato.provenance import Provenance
+
+GRANULE = 1 << 16
+"""The planner's unit of bytes here: fine against graphs of megabytes, coarse enough that
+its table stays small (a budget of 100 MiB is 1,600 units)."""
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """A ladder's sizes, the padded rows it gives the histogram, and the bytes charged
+    (planned from measurements) and measured (after its own capture; 0 until then), with
+    the expected step time (ms) weighted by the histogram."""
+
+    name: str
+    sizes: tuple[int, ...]
+    padded_rows: int
+    charged_bytes: int
+    measured_bytes: int = 0
+    step_ms: float = 0.0
+
+
+def skewed_histogram(steps: int, max_size: int, seed: int = 0) -> dict[int, int]:
+    """Half the steps at 1 to 4 tokens, 45% at 20 to 40, the rest up to ``max_size``."""
+    rng = random.Random(seed)
+    sizes = []
+    for _ in range(steps):
+        roll = rng.random()
+        if roll < 0.5:
+            sizes.append(rng.randint(1, 4))
+        elif roll < 0.95:
+            sizes.append(rng.randint(20, min(40, max_size)))
+        else:
+            sizes.append(rng.randint(1, max_size))
+    return dict(Counter(sizes))
+
+
+def compare_ladders(
+    histogram: dict[int, int], measured: dict[int, int], default: tuple[int, ...]
+) -> list[Ladder]:
+    """The default ladder and the two plans (see the module), charged from ``measured``
+    (bytes per captured size of the default ladder)."""
+    max_size = max(default)
+    cost = {n: measured[min(k for k in measured if k >= n)] for n in range(1, max_size + 1)}
+    total = sum(measured[n] for n in default)
+    ladders = [Ladder("default", default, padded_rows(histogram, default), total)]
+    same_memory = plan_capture_sizes(histogram, max_size, total, cost, granule=GRANULE)
+    ladders.append(
+        Ladder("equal-memory", same_memory.sizes, same_memory.padded_rows, same_memory.bytes)
+    )
+    low, high = cost[max_size], total  # the smallest budget padding no more than default
+    while low < high:
+        mid = (low + high) // 2
+        plan = plan_capture_sizes(histogram, max_size, mid, cost, granule=GRANULE)
+        if plan.padded_rows <= ladders[0].padded_rows:
+            high = mid
+        else:
+            low = mid + 1
+    plan = plan_capture_sizes(histogram, max_size, low, cost, granule=GRANULE)
+    ladders.append(Ladder("equal-padding", plan.sizes, plan.padded_rows, plan.bytes))
+    return ladders
+
+
+def _runner(setup: DecodeSetup, sizes: tuple[int, ...]) -> ModelRunner:
+    limits = EngineLimits(setup.max_b, 2048, setup.max_len, 16)
+    config = GraphConfig(mode=GraphMode.FULL, capture_sizes=sizes)
+    return ModelRunner(
+        setup.model, setup.cache, setup.backend, limits, config, setup.device, progress=False
+    )
+
+
+def _measure(setup: DecodeSetup, ladder: Ladder, histogram: dict[int, int]) -> Ladder:
+    """Captures ``ladder`` alone (a fresh pool) and times every size of the histogram."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner = _runner(setup, ladder.sizes)
+    with torch.inference_mode():
+        report = runner.capture()
+        times = {n: time_step(setup.decode_step(runner, n), 3, 10, True)[0] for n in histogram}
+    runner.release()
+    steps = sum(histogram.values())
+    expected = sum(times[n] * c for n, c in histogram.items()) / steps
+    return replace(ladder, measured_bytes=report.pool_bytes, step_ms=expected)
+
+
+def run_shape(name: str, max_size: int, steps: int) -> dict:
+    cfg = BenchConfig(model=shape(name), batch_sizes=(max_size,), kv_len=512)
+    setup = DecodeSetup(cfg, torch.device("cuda"))
+    default = tuple(default_capture_sizes(max_size))
+    runner = _runner(setup, default)
+    with torch.inference_mode():
+        report = runner.capture()
+    measured = {r.descriptor.num_tokens: r.pool_bytes for r in report.records}
+    runner.release()
+    histogram = skewed_histogram(steps, max_size)
+    planned = compare_ladders(histogram, measured, default)
+    ladders = [_measure(setup, ladder, histogram) for ladder in planned]
+    return {
+        "shape": name,
+        "max_size": max_size,
+        "histogram": histogram,
+        "measured_default": measured,
+        "ladders": [asdict(x) for x in ladders],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="smollm2-135m,llama-1.5b")
+    parser.add_argument("--max-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    runs = [run_shape(s, args.max_size, args.steps) for s in args.shapes.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {"provenance": asdict(Provenance.collect()), "runs": runs}
+    (args.out / "graph_budget.json").write_text(json.dumps(doc, indent=1))
+    for run in runs:
+        print(run["shape"])
+        for x in run["ladders"]:
+            print(
+                f"  {x['name']:14} {len(x['sizes']):3} sizes  padded {x['padded_rows']:7}  "
+                f"charged {x['charged_bytes'] / 2**20:7.1f} MiB  measured "
+                f"{x['measured_bytes'] / 2**20:7.1f} MiB  step {x['step_ms']:.3f} ms"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -39,7 +39,7 @@ class Step:
     """One attention layer over persistent buffers: ``ROWS`` rows of q/k/v, metadata
     buffers and a one-layer cache, run through ``ostinato::attention`` in a wrapper."""
 
-    def __init__(self, platform):
+    def __init__(self, platform, mode=GraphMode.FULL):
         from ostinato.engine.model.ascend_attention import AscendAttention
 
         torch.manual_seed(0)
@@ -54,7 +54,7 @@ class Step:
         self.slots = torch.zeros(ROWS, dtype=torch.long)  # [rows]
         self.tables = torch.zeros(ROWS, TABLE, dtype=torch.int32)  # [requests, blocks]
         self.wrapper = GraphWrapper(
-            self.run, GraphMode.FULL, options=GraphOptions(lazy_capture=True), platform=platform
+            self.run, mode, options=GraphOptions(lazy_capture=True), platform=platform
         )
 
     def run(self):
@@ -135,6 +135,19 @@ def test_replays_run_each_step_with_its_own_lengths_in_either_order(fake, order)
             assert events[0] == "fence" and replay < events.index("wait_event") < update
             assert "sync" not in events
     fake.synchronize()  # every replay ran to its end: nothing left blocked
+
+
+def test_a_piecewise_piece_that_holds_the_op_registers_and_updates_it_alike(fake):
+    # The engine splits its pieces at attention, which then runs eagerly between them;
+    # a piece that does hold the op (another split, say) keeps it current the same way.
+    s = Step(npu_platform(UpdateOrder.REPLAY_THEN_UPDATE), mode=GraphMode.PIECEWISE)
+    prefill_cache(s)
+    s.call(GraphMode.PIECEWISE, [])
+    (entry,) = s.wrapper.entries.values()
+    assert len(entry.tasks) == 1
+    for lens in STEPS:
+        got = s.call(GraphMode.PIECEWISE, lens)
+        assert torch.allclose(got[: len(lens)], s.reference(lens), atol=1e-5)
 
 
 def test_the_update_stream_is_a_side_stream_and_the_task_waits_on_its_own_event(fake):

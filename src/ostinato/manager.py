@@ -274,7 +274,9 @@ class GraphManager:
         Only a FULL-mode manager whose blocking capture is done (no uniform decode
         graphs, no background capture), and the largest size stays: the static outputs
         are sized for it. Never call it inside ``stepping()`` or from another thread
-        while a step runs."""
+        while a step runs. The capture report keeps every capture, dropped ones too: its
+        total is what the pool grew by (a dropped graph's memory stays in the pool, for
+        the next captures)."""
         mode = self.dispatcher.mode
         if mode is not GraphMode.FULL or self.background is not None:
             raise ValueError(

@@ -68,6 +68,8 @@ BAD = [
     (["--verify", "always"], "--verify: invalid choice: 'always'"),
     (["--verify-every", "0"], "--verify-every: must be >= 1"),
     (["--verify", "capture", "--capture", "background"], "not with verify='capture'"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size: must be >= 1"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size: 3 does not divide vocab_size"),
 ]
 
 
@@ -113,6 +115,8 @@ def test_options_are_checked_before_the_model_loads(bad_folders, capsys):
         (["bench", "--kv-len", "-3"], "--kv-len: must be >= 1"),
         (["frobnicate"], "invalid choice"),
         (["bench"], "invalid choice: 'bench'"),  # benchmarks are not part of the package
+        (["serve", "--tensor-parallel-size", "2"], "serve: --tensor-parallel-size and"),
+        (["serve", "--data-parallel-size", "2"], "not served yet"),
     ],
 )
 def test_bad_bench_and_command_options(args, message, capsys):

@@ -919,7 +919,14 @@ class LLM:
         """The engine's steps as configured (asynchronous scheduling, speculative
         verification), yielding after each step's tokens are recorded and ending when no
         request is left; requests added (``scheduler.add``) between steps join the batch.
-        For a driver that owns the engine (``exclusive``): ``serve.loop.EngineLoop``."""
+        For a driver that owns the engine (``exclusive``): ``serve.loop.EngineLoop``.
+        ``ParallelError`` for an engine that drives its own worker processes: they follow
+        ``generate`` calls, not steps (a step would wait for them in its collectives)."""
+        if self.workers is not None:
+            raise ParallelError(
+                "steps: this engine drives its own worker processes, which follow generate "
+                "calls, not steps; use generate (or launch every rank with torchrun)"
+            )
         return self._steps()
 
     def step(self) -> list[Request]:

@@ -149,6 +149,19 @@ def _engine_options(gen: argparse.ArgumentParser) -> None:
         help="fraction of the GPU's memory the engine may use",
     )
     gen.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="GPUs (or CPU processes) that each hold a shard of every layer; the engine "
+        "starts the other ranks itself",
+    )
+    gen.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        help="replicas of the model, each stepping its own share of the requests",
+    )
+    gen.add_argument(
         "--random-weights",
         action="store_true",
         help="use the model's config with random weights (for shape tests)",
@@ -258,6 +271,8 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         random_weights=args.random_weights,
         cache_dir=False if args.no_cache else args.cache_dir,
         capture=args.capture,
@@ -288,6 +303,12 @@ def _serve(args: argparse.Namespace) -> int:
         from ostinato.engine.serve.app import serve
     except ImportError as exc:
         fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
+    if args.tensor_parallel_size * args.data_parallel_size > 1:
+        fail(
+            "serve: --tensor-parallel-size and --data-parallel-size are not served yet: the "
+            "engine drives its worker processes per generate call, not per step; use "
+            "generate with them, or serve on one device"
+        )
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
     spec = args.speculative if args.speculative != "oracle" else None

@@ -73,7 +73,6 @@ class Dispatcher:
         )
         q = uniform_decode_query_len
         decode_limit = self.max_size if max_num_reqs is None else max_num_reqs * q
-        mixed = self.mode.mixed_mode()
         uniform_full = self.mode.separate_routine() and self.mode.decode_mode() is GraphMode.FULL
 
         # pad_to[n] = smallest captured size >= n, for 1 <= n <= max_size.
@@ -89,23 +88,32 @@ class Dispatcher:
             GraphMode.PIECEWISE: set(),
         }
         # _table[(uniform, lora)][n] -> Dispatch, n in 0..max_size.
-        self._table: dict[tuple[bool, bool], list[Dispatch]] = {}
-        for lora in self._lora_cases:
-            for uniform in (False, True):
-                row: list[Dispatch] = [Dispatch(GraphMode.NONE, BatchDescriptor(0, None))]
-                for n in range(1, self.max_size + 1):
-                    p = pad_to[n]
-                    if uniform and uniform_full and upad[n]:
-                        u = upad[n]
-                        d = Dispatch(GraphMode.FULL, BatchDescriptor(u, u // q, True, lora))
-                    elif mixed is not GraphMode.NONE:
-                        d = Dispatch(mixed, BatchDescriptor(p, None, False, lora))
-                    else:
-                        d = Dispatch(GraphMode.NONE, BatchDescriptor(n, None, uniform, lora))
-                    if d.mode is not GraphMode.NONE:
-                        self._keys[d.mode].add(d.descriptor)
-                    row.append(d)
-                self._table[(uniform, lora)] = row
+        self._table: dict[tuple[bool, bool], list[Dispatch]] = {
+            (uniform, lora): self._row(uniform, lora, pad_to, upad if uniform_full else None, q)
+            for lora in self._lora_cases
+            for uniform in (False, True)
+        }
+
+    def _row(
+        self, uniform: bool, lora: bool, pad_to: list[int], upad: list[int] | None, q: int
+    ) -> list[Dispatch]:
+        """The dispatches of 0..max_size tokens for one (uniform, lora) case (``upad``:
+        the uniform decode padding, None without uniform decode graphs); each descriptor
+        that runs in a graph mode is added to ``_keys``."""
+        mixed = self.mode.mixed_mode()
+        row: list[Dispatch] = [Dispatch(GraphMode.NONE, BatchDescriptor(0, None))]
+        for n in range(1, self.max_size + 1):
+            if uniform and upad is not None and upad[n]:
+                u = upad[n]
+                d = Dispatch(GraphMode.FULL, BatchDescriptor(u, u // q, True, lora))
+            elif mixed is not GraphMode.NONE:
+                d = Dispatch(mixed, BatchDescriptor(pad_to[n], None, False, lora))
+            else:
+                d = Dispatch(GraphMode.NONE, BatchDescriptor(n, None, uniform, lora))
+            if d.mode is not GraphMode.NONE:
+                self._keys[d.mode].add(d.descriptor)
+            row.append(d)
+        return row
 
     def with_sizes(self, sizes: tuple[int, ...]) -> Dispatcher:
         """The same dispatcher over another ladder (validated as ``capture_sizes``)."""

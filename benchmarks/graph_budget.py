@@ -71,24 +71,24 @@ def compare_ladders(
     histogram: dict[int, int], measured: dict[int, int], default: tuple[int, ...]
 ) -> list[Ladder]:
     """The default ladder and the two plans (see the module), charged from ``measured``
-    (bytes per captured size of the default ladder)."""
+    (bytes per captured size of the default ladder; the planner charges a size not
+    measured what the next measured size above it took)."""
     max_size = max(default)
-    cost = {n: measured[min(k for k in measured if k >= n)] for n in range(1, max_size + 1)}
     total = sum(measured[n] for n in default)
     ladders = [Ladder("default", default, padded_rows(histogram, default), total)]
-    same_memory = plan_capture_sizes(histogram, max_size, total, cost, granule=GRANULE)
+    same_memory = plan_capture_sizes(histogram, max_size, total, measured, granule=GRANULE)
     ladders.append(
         Ladder("equal-memory", same_memory.sizes, same_memory.padded_rows, same_memory.bytes)
     )
-    low, high = cost[max_size], total  # the smallest budget padding no more than default
+    low, high = measured[max_size], total  # the smallest budget padding no more than default
     while low < high:
         mid = (low + high) // 2
-        plan = plan_capture_sizes(histogram, max_size, mid, cost, granule=GRANULE)
+        plan = plan_capture_sizes(histogram, max_size, mid, measured, granule=GRANULE)
         if plan.padded_rows <= ladders[0].padded_rows:
             high = mid
         else:
             low = mid + 1
-    plan = plan_capture_sizes(histogram, max_size, low, cost, granule=GRANULE)
+    plan = plan_capture_sizes(histogram, max_size, low, measured, granule=GRANULE)
     ladders.append(Ladder("equal-padding", plan.sizes, plan.padded_rows, plan.bytes))
     return ladders
 

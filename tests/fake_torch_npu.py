@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fakes import _Recorder
+from fakes import _Recorder, run_ops
 
 
 class ProtocolError(AssertionError):
@@ -153,6 +153,7 @@ class FakeAscend:
         self.log: list[tuple[Any, ...]] = []
         self.main = Stream(self, "main")
         self.streams = [self.main]
+        self.stack: list[Stream] = []  # streams made current (torch.npu.stream), innermost last
         self.capturing: FakeNpuGraph | None = None
         self.replays: list[Replay] = []
         self.queue: list[Replay] = []
@@ -167,15 +168,15 @@ class FakeAscend:
     # -- streams, capture, replay ----------------------------------------------------
 
     def current_stream(self) -> Stream:
-        return self._stack[-1] if getattr(self, "_stack", None) else self.main
+        return self.stack[-1] if self.stack else self.main
 
     @contextlib.contextmanager
     def stream(self, s: Stream) -> Iterator[None]:
-        self._stack = [*getattr(self, "_stack", []), s]
+        self.stack.append(s)
         try:
             yield
         finally:
-            self._stack.pop()
+            self.stack.pop()
 
     def require_capture(self, what: str) -> FakeNpuGraph:
         if self.capturing is None:
@@ -224,9 +225,9 @@ class FakeAscend:
                         item.event.recorded = False  # the captured reset
                         replay.blocked_on = None
                         self.log.append(("task_runs", item.id, item.calls[-1]["kv"]))
-                        _run(item.ops)
+                        run_ops(item.ops)
                     else:
-                        _run([item])
+                        run_ops([item])
                     replay.position += 1
                 self.queue.pop(0)
 
@@ -328,16 +329,6 @@ class FakeAscend:
             raise ProtocolError("a captured attention task needs the workspace made for it")
         if max(call["kv"], default=0) > self.workspaces[id(workspace)]:
             raise ProtocolError("the workspace was sized for shorter sequences")
-
-
-def _run(ops: list[Any]) -> None:
-    from torch.utils._pytree import tree_leaves
-
-    for func, args, kwargs, captured in ops:
-        fresh = func(*args, **kwargs)
-        for old, new in zip(tree_leaves(captured), tree_leaves(fresh), strict=True):
-            if isinstance(old, torch.Tensor) and new is not old:
-                old.copy_(new)
 
 
 # -- the ops ---------------------------------------------------------------------------

@@ -29,15 +29,21 @@ class FakeGraph:
         self.replays += 1
         # A real replay ignores autograd modes; inference tensors need this to be writable.
         with torch.inference_mode():
-            for func, args, kwargs, captured in self.ops:
-                fresh = func(*args, **kwargs)
-                for old, new in zip(tree_leaves(captured), tree_leaves(fresh), strict=True):
-                    if isinstance(old, torch.Tensor) and new is not old:
-                        old.copy_(new)
+            run_ops(self.ops)
 
     def reset(self) -> None:
         self.was_reset = True
         self.ops.clear()
+
+
+def run_ops(ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]) -> None:
+    """Re-runs recorded ops, writing each result into the tensor the op produced when it
+    was recorded (what a replay does)."""
+    for func, args, kwargs, captured in ops:
+        fresh = func(*args, **kwargs)
+        for old, new in zip(tree_leaves(captured), tree_leaves(fresh), strict=True):
+            if isinstance(old, torch.Tensor) and new is not old:
+                old.copy_(new)
 
 
 class _Recorder(TorchDispatchMode):

@@ -150,7 +150,7 @@ class GraphManager:
         static outputs of a step in flight (sampling while serving is allowed)."""
         if self.background is not None:
             raise RuntimeError("capture_in_background: this manager already captures")
-        if self.check.mode == "capture":
+        if self.check.at_capture:
             raise ValueError(
                 "verify_graphs: each check replays a graph, which would overwrite the "
                 "outputs of a step running meanwhile; verify with a blocking capture(), "
@@ -212,7 +212,7 @@ class GraphManager:
             else:
                 with self._meter.measure(d, item.mode):
                     self.step(d)
-        if self.check.mode == "capture" and full:
+        if self.check.at_capture and full:
             self._verify(d, attn_metadata)
 
     def _verify(self, d: BatchDescriptor, attn_metadata: Any) -> None:

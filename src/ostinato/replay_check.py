@@ -49,7 +49,7 @@ class ReplayCheck:
 
     @property
     def at_capture(self) -> bool:
-        return self.mode != "off"
+        return self.mode == "capture"
 
     @property
     def sampling(self) -> bool:

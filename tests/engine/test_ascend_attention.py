@@ -214,23 +214,22 @@ def test_a_replay_without_its_update_deadlocks_and_is_refused_without_step_metad
         fake.synchronize()
 
 
-def test_an_update_that_does_not_wait_for_the_previous_replay_is_caught(fake):
-    platform = npu_platform(UpdateOrder.REPLAY_THEN_UPDATE)
-    platform.replay_fence = lambda: None  # planted: updates no longer ordered
+@pytest.mark.parametrize(
+    "order, planted, message",
+    [  # the fence that orders updates after the previous replay, or the synchronize
+        (UpdateOrder.REPLAY_THEN_UPDATE, "replay_fence", "overtake replay #1"),
+        (UpdateOrder.SYNC_THEN_UPDATE, "synchronize", "overtake"),
+    ],
+)
+def test_an_update_that_does_not_wait_for_the_previous_replay_is_caught(
+    fake, order, planted, message
+):
+    platform = npu_platform(order)
+    setattr(platform, planted, lambda: None)  # planted: updates no longer ordered
     s = Step(platform)
     s.call(GraphMode.FULL, [])
     s.call(GraphMode.FULL, [3])
-    with pytest.raises(ProtocolError, match="overtake replay #1"):
-        s.call(GraphMode.FULL, [4])
-
-
-def test_sync_then_update_without_the_synchronize_is_caught(fake):
-    platform = npu_platform()
-    platform.synchronize = lambda: None  # planted
-    s = Step(platform)
-    s.call(GraphMode.FULL, [])
-    s.call(GraphMode.FULL, [3])
-    with pytest.raises(ProtocolError, match="overtake"):
+    with pytest.raises(ProtocolError, match=message):
         s.call(GraphMode.FULL, [4])
 
 

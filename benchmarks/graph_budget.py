@@ -6,8 +6,10 @@ step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_siz
 ``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding`` (the
 smallest budget whose plan pads no more than the default); capture each in a fresh pool
 and measure its bytes, and time a decode step at every size of the histogram on every
-ladder (the expected step time weights them by the histogram). Writes JSON (and prints a
-table). Needs CUDA; ``compare_ladders`` (the planning, from measured bytes) runs anywhere.
+ladder (the expected step time weights them by the histogram). Then the cost of checked
+replays: back-to-back decode steps at batch 1 and 8 with ``verify="sample"`` (one in
+1024) against unchecked. Writes JSON (and prints a table). Needs CUDA;
+``compare_ladders`` (the planning, from measured bytes) runs anywhere.
 
     PYTHONPATH=src python -m benchmarks.graph_budget --out benchmarks/results/graph_budget_h200
 """
@@ -18,6 +20,7 @@ import argparse
 import gc
 import json
 import random
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -93,9 +96,13 @@ def compare_ladders(
     return ladders
 
 
-def _runner(setup: DecodeSetup, sizes: tuple[int, ...]) -> ModelRunner:
+def _runner(
+    setup: DecodeSetup, sizes: tuple[int, ...], verify: str = "off", every: int = 1024
+) -> ModelRunner:
     limits = EngineLimits(setup.max_b, 2048, setup.max_len, 16)
-    config = GraphConfig(mode=GraphMode.FULL, capture_sizes=sizes)
+    config = GraphConfig(
+        mode=GraphMode.FULL, capture_sizes=sizes, verify=verify, verify_every=every
+    )
     return ModelRunner(
         setup.model, setup.cache, setup.backend, limits, config, setup.device, progress=False
     )
@@ -115,7 +122,50 @@ def _measure(setup: DecodeSetup, ladder: Ladder, histogram: dict[int, int]) -> L
     return replace(ladder, measured_bytes=report.pool_bytes, step_ms=expected)
 
 
-def run_shape(name: str, max_size: int, steps: int) -> dict:
+@dataclass(frozen=True)
+class SamplingCost:
+    """Back-to-back decode steps of one batch size, unchecked and with one replay in
+    ``every`` re-run eagerly (``verify="sample"``), in alternating passes: the best ms
+    per step of each, the checks the sampled passes made, and the cost as a fraction."""
+
+    batch: int
+    steps: int
+    every: int
+    off_ms: float
+    sample_ms: float
+    checked_replays: int
+
+    @property
+    def cost(self) -> float:
+        return self.sample_ms / self.off_ms - 1
+
+
+def sampling_cost(
+    setup: DecodeSetup, sizes: tuple[int, ...], batch: int, steps: int, every: int
+) -> SamplingCost:
+    best: dict[str, float] = {}
+    checked = 0
+    for verify in ("off", "sample", "off", "sample"):  # alternating, against drift
+        gc.collect()
+        runner = _runner(setup, sizes, verify, every)
+        with torch.inference_mode():
+            runner.capture()
+            step = setup.decode_step(runner, batch)
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3 / steps
+        best[verify] = min(ms, best.get(verify, ms))
+        checked += runner.graphs.manager.stats().checked_replays
+        runner.release()
+    return SamplingCost(batch, steps, every, best["off"], best["sample"], checked)
+
+
+def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
     cfg = BenchConfig(model=shape(name), batch_sizes=(max_size,), kv_len=512)
     setup = DecodeSetup(cfg, torch.device("cuda"))
     default = tuple(default_capture_sizes(max_size))
@@ -127,12 +177,14 @@ def run_shape(name: str, max_size: int, steps: int) -> dict:
     histogram = skewed_histogram(steps, max_size)
     planned = compare_ladders(histogram, measured, default)
     ladders = [_measure(setup, ladder, histogram) for ladder in planned]
+    costs = [sampling_cost(setup, default, b, sample_steps, 1024) for b in (1, 8)]
     return {
         "shape": name,
         "max_size": max_size,
         "histogram": histogram,
         "measured_default": measured,
         "ladders": [asdict(x) for x in ladders],
+        "sampling": [asdict(c) | {"cost": c.cost} for c in costs],
     }
 
 
@@ -141,9 +193,14 @@ def main() -> None:
     parser.add_argument("--shapes", default="smollm2-135m,llama-1.5b")
     parser.add_argument("--max-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument(
+        "--sample-steps", type=int, default=4096, help="decode steps per sampling-cost pass"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    runs = [run_shape(s, args.max_size, args.steps) for s in args.shapes.split(",")]
+    runs = [
+        run_shape(s, args.max_size, args.steps, args.sample_steps) for s in args.shapes.split(",")
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"provenance": asdict(Provenance.collect()), "runs": runs}
     (args.out / "graph_budget.json").write_text(json.dumps(doc, indent=1))
@@ -154,6 +211,11 @@ def main() -> None:
                 f"  {x['name']:14} {len(x['sizes']):3} sizes  padded {x['padded_rows']:7}  "
                 f"charged {x['charged_bytes'] / 2**20:7.1f} MiB  measured "
                 f"{x['measured_bytes'] / 2**20:7.1f} MiB  step {x['step_ms']:.3f} ms"
+            )
+        for c in run["sampling"]:
+            print(
+                f"  sampling 1/{c['every']} at B={c['batch']}: {c['off_ms']:.4f} -> "
+                f"{c['sample_ms']:.4f} ms/step ({c['cost']:+.2%}), {c['checked_replays']} checks"
             )
 
 

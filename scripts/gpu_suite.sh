@@ -10,7 +10,9 @@
 #   bash scripts/gpu_suite.sh startup  # (after second) the start-up benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh serve1   # part 1 copied aside; the engine loop's GPU tests, 1.5 B load
 #   bash scripts/gpu_suite.sh serve2   # part 2 joined; the server's GPU tests, the SmolLM2 load
-#   bash scripts/gpu_suite.sh graphed  # ostinato.graphed: its GPU tests, the README, the models benchmark
+#   bash scripts/gpu_suite.sh graphed  # graphed's and the checked replays' GPU tests, the README,
+#                                      # the graph-budget benchmark (JSON under $OUT)
+#   bash scripts/gpu_suite.sh models   # the graphed models benchmark (JSON under $OUT)
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -79,8 +81,13 @@ serve2)
     ;;
 graphed)
     run_file tests/library/test_gpu_callable_graphs.py 200
-    run_file tests/test_readme.py 120
-    timeout 400 python3 -m benchmarks.graphed_models --out "$OUT/graphed_models_h200.json" 2>&1 \
+    run_file tests/library/test_gpu_replay_check.py 150
+    run_file tests/test_readme.py 100
+    timeout 240 python3 -m benchmarks.graph_budget --out "$OUT/graph_budget_h200" 2>&1 \
+        | tee "$OUT/graph_budget.log"
+    ;;
+models)
+    timeout 570 python3 -m benchmarks.graphed_models --out "$OUT/graphed_models_h200.json" 2>&1 \
         | tee "$OUT/graphed_models.log"
     ;;
 bench)
@@ -89,7 +96,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models" >&2
     exit 2
     ;;
 esac

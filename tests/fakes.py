@@ -51,6 +51,12 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        # As a CUDA stream capture is invisible to Dynamo, so is the recorder: code
+        # compiled before a capture runs inside it (else Dynamo refuses the frame).
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.name() == "ostinato::attention":

@@ -70,7 +70,11 @@ class AdaptiveLadder:
         if self.steps % policy.every or len(self.changes) >= policy.max_resizes:
             return None
         stats = self.manager.stats()
-        measured = {b.descriptor.num_tokens: b.pool_bytes for b in stats.buckets if b.pool_bytes}
+        # Every captured size, those that took nothing new from the shared pool included
+        # (else the planner would charge them what the next size above took).
+        measured = {
+            b.descriptor.num_tokens: b.pool_bytes for b in stats.buckets if b.capture_seconds
+        }
         histogram = stats.step_sizes
         sizes = self.manager.dispatcher.sizes
         before = padded_rows(histogram, sizes)

@@ -122,6 +122,7 @@ def graphed(
     seq_buckets: Sequence[int] | None = None,
     seq_dim: int = 1,
     splitting_ops: Sequence[str] = (),
+    full_when: Callable[..., bool] | None = None,
     compiler: str = "auto",
     capture: str = "first_use",
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
@@ -132,9 +133,11 @@ def graphed(
     progress: bool = False,
 ) -> Graphed:
     """``fn`` (a module or function) as graphs; see the module docstring. ``mode``:
-    ``"auto"`` (FULL, or PIECEWISE with ``splitting_ops``), ``"full"``, ``"piecewise"``
-    or ``"none"`` (the modes that tell decode batches from mixed ones need an engine
-    that knows which a call is; refused by name).
+    ``"auto"`` (FULL, or PIECEWISE with ``splitting_ops``), ``"full"``, ``"piecewise"``,
+    ``"none"``, and the two that treat calls differently: ``"full_and_piecewise"`` (a
+    call ``full_when(*args, **kwargs)`` accepts replays one FULL graph, any other call
+    replays the pieces) and ``"full_decode_only"`` (the others run eagerly); those two
+    need ``full_when``, which no other mode takes.
     ``splitting_ops``: custom ops (``"lib::op"``) that run eagerly between captured
     pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. ``capture``:
     ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
@@ -144,13 +147,14 @@ def graphed(
         fn,
         _Options(
             GraphConfig(
-                mode=_one_call_mode(mode, bool(splitting_ops)),
+                mode=_one_call_mode(mode, bool(splitting_ops), full_when),
                 capture_sizes=tuple(capture_sizes) if capture_sizes is not None else None,
                 max_capture_size=max_batch_size,
             ),
             _check_buckets(seq_buckets),
             seq_dim,
             tuple(splitting_ops),
+            full_when,
             compiler,
             _check_choice("capture", capture, CAPTURE_WHEN),
             copy_outputs,
@@ -169,6 +173,7 @@ class _Options:
     seq_buckets: tuple[int, ...]
     seq_dim: int
     splitting_ops: tuple[str, ...]
+    full_when: Callable[..., bool] | None
     compiler: str
     capture: str
     copy_outputs: bool
@@ -209,7 +214,17 @@ class Graphed:
         if call.length and not call.bucket:  # longer than every seq bucket
             self._eager_too_long += 1
             return self.fn(*args, **kwargs)
-        return self._signature(call).run(call)
+        return self._signature(call).run(call, self._full(args, kwargs))
+
+    def _full(self, args: Any, kwargs: Any) -> bool:
+        """Whether this call may replay a FULL graph in a mode that treats calls
+        differently (``full_when``'s answer; False without it)."""
+        if self.options.full_when is None:
+            return False
+        answer = self.options.full_when(*args, **kwargs)
+        if not isinstance(answer, bool):
+            raise TypeError(f"full_when: must return a bool, returned {type(answer).__name__}")
+        return answer
 
     def stats(self) -> GraphedStats:
         """Live statistics of every signature's buckets (safe from any thread)."""
@@ -336,10 +351,12 @@ class _Signature:
         shapes = ", ".join(f"{list(s)}:{str(d).removeprefix('torch.')}" for s, d, _ in self.key[2])
         return f"({shapes})" + (f" seq<={self.bucket}" if self.bucket else "")
 
-    def run(self, call: _Call) -> Any:
+    def run(self, call: _Call, full: bool = False) -> Any:
+        """``call`` through its bucket's graph (``full``: the FULL graph of a mode that
+        treats calls differently)."""
         manager = self.runtime.manager
         with torch.inference_mode(), manager.stepping():
-            dispatch = self.runtime.dispatch(call.batch)
+            dispatch = self.runtime.dispatch(call.batch, uniform_decode=full)
             padded = dispatch.descriptor.num_tokens
             if padded > self.rows:
                 self._oversize = call.leaves
@@ -499,16 +516,26 @@ def _same(what: str, name: str, t: torch.Tensor, dim: int, size: int | None) -> 
     return t.shape[dim]
 
 
-def _one_call_mode(mode: str | GraphMode, has_splitting_ops: bool) -> GraphMode:
+def _one_call_mode(
+    mode: str | GraphMode, has_splitting_ops: bool, full_when: Callable[..., bool] | None
+) -> GraphMode:
     if isinstance(mode, str) and mode.strip().lower() == "auto":
-        return GraphMode.PIECEWISE if has_splitting_ops else GraphMode.FULL
-    resolved = GraphMode.parse(mode)
-    if resolved.separate_routine():
+        resolved = GraphMode.PIECEWISE if has_splitting_ops else GraphMode.FULL
+    else:
+        resolved = GraphMode.parse(mode)
+    if resolved.separate_routine() and full_when is None:
         raise ValueError(
-            f"mode: {resolved.name} runs decode batches and mixed batches differently, and "
-            "a call of graphed is neither; use 'full', 'piecewise' (with splitting_ops) or "
-            "'auto'"
+            f"mode: {resolved.name} replays FULL graphs for some calls and not for others; "
+            "pass full_when=, a function of the call's arguments that says which calls "
+            "may replay a FULL graph (or use 'full', 'piecewise' or 'auto')"
         )
+    if full_when is not None and not resolved.separate_routine():
+        raise ValueError(
+            f"full_when: only used with mode 'full_and_piecewise' or 'full_decode_only', "
+            f"not {resolved.name}"
+        )
+    if full_when is not None and not callable(full_when):
+        raise TypeError(f"full_when: expected a function, got {type(full_when).__name__}")
     return resolved
 
 

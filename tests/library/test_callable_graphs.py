@@ -12,6 +12,7 @@ import torch
 from fakes import FakePlatform
 
 import ostinato
+from ostinato import GraphMode
 from ostinato.callable_graphs import PaddingChangesRealRowsError, SignatureLimitError
 
 
@@ -181,7 +182,10 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
         (dict(max_signatures=0), TypeError, "max_signatures"),
         (dict(max_batch_size="128"), TypeError, "max_capture_size"),
         (dict(example=((), {})), ValueError, "only used with capture='construction'"),
-        (dict(mode="full_and_piecewise"), ValueError, "a call of graphed is neither"),
+        (dict(mode="full_and_piecewise"), ValueError, "pass full_when="),
+        (dict(mode="full_decode_only"), ValueError, "pass full_when="),
+        (dict(full_when=lambda x: True), ValueError, "full_when: only used with"),
+        (dict(mode="full_decode_only", full_when=3), TypeError, "full_when: expected a function"),
         (dict(mode="sometimes"), ValueError, "unknown graph mode"),
     ],
 )
@@ -232,6 +236,44 @@ def test_piecewise_graphs_split_at_the_ops_named():
     (sig,) = fast.stats().signatures
     assert sig.stats.replays == 4 and sig.stats.eager == 1  # 12 is above the largest
     assert platform.graphs  # the pieces' graphs
+
+
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full_decode_only"])
+def test_calls_full_when_accepts_replay_full_graphs_and_the_others_do_not(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Mix(), torch.nn.Linear(16, 8)).eval()
+    platform = FakePlatform()
+    fast = ostinato.graphed(
+        model,
+        max_batch_size=8,
+        mode=mode,
+        splitting_ops=("ostinato_graphed_test::mix",),
+        full_when=lambda x: x.shape[0] <= 4,  # say small calls are the graph-safe ones
+        compiler="eager",
+        platform=platform,
+    )
+    sizes = [3, 8, 1, 5, 4, 7, 2]
+    for n in sizes:
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    (sig,) = fast.stats().signatures
+    by_mode = {m: sum(b.replays for b in sig.stats.buckets if b.mode is m) for m in GraphMode}
+    small = sum(n <= 4 for n in sizes)
+    assert by_mode[GraphMode.FULL] == small
+    if mode == "full_and_piecewise":
+        assert by_mode[GraphMode.PIECEWISE] == len(sizes) - small
+    else:
+        assert by_mode[GraphMode.PIECEWISE] == 0 and sig.stats.eager == len(sizes) - small
+    full = [b.descriptor for b in sig.stats.buckets if b.mode is GraphMode.FULL and b.replays]
+    assert all(d.uniform_decode and d.num_tokens <= 4 for d in full)
+
+
+def test_full_when_must_answer_a_bool():
+    fast = ostinato.graphed(
+        mlp(), mode="full_decode_only", full_when=lambda x: 1, platform=FakePlatform()
+    )
+    with pytest.raises(TypeError, match="full_when: must return a bool, returned int"):
+        fast(torch.randn(2, 8))
 
 
 def test_background_capture_answers_at_once_and_replays_once_ready():

@@ -1,6 +1,9 @@
 """``ostinato.graphed`` on the GPU: real CUDA graphs for a random size stream, equal to
-eager (FULL; and PIECEWISE split at a custom op), the statistics counting every replay,
-and transformers' GPT-2 forward (random weights) through it."""
+eager (FULL; PIECEWISE split at a custom op; FULL_AND_PIECEWISE), the statistics
+counting every replay, and models nobody here wrote (random weights) through it:
+torchvision's ResNet-50 and ViT-B/16, transformers' BERT encoder (batch and length
+buckets) and GPT-2 forward. Float32 with TF32 off, so that eager and graphs differ only
+by the kernels a padded batch picks."""
 
 import random
 
@@ -47,16 +50,72 @@ def test_full_graphs_on_a_random_size_stream():
     )
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "auto"])
+@pytest.fixture(autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def close(got, want):
+    """Equal within float32's tolerance relative to the output's scale."""
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * max(scale, 1.0))
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "auto", "full_and_piecewise"])
 def test_piecewise_graphs_split_at_a_custom_op(mode):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), Mix(), torch.nn.Linear(128, 64))
     model = model.cuda().eval()
+    small = (lambda x: x.shape[0] <= 4) if mode == "full_and_piecewise" else None
     fast = ostinato.graphed(
-        model, max_batch_size=16, mode=mode, splitting_ops=("ostinato_test::mix",)
+        model, max_batch_size=16, mode=mode, splitting_ops=("ostinato_test::mix",), full_when=small
     )
     stream(fast, model, (64,), [3, 16, 1, 9, 5], atol=1e-5)
-    assert fast.stats().replays == 5
+    (sig,) = fast.stats().signatures
+    full = sum(b.replays for b in sig.stats.buckets if b.mode is ostinato.GraphMode.FULL)
+    assert sig.stats.replays == 5 and full == (2 if small else 0)
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit_b_16"])
+def test_torchvision_models_on_a_random_size_stream(name):
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)().cuda().eval()
+    fast = ostinato.graphed(model, max_batch_size=16)
+    rng = random.Random(5)
+    sizes = [rng.randint(1, 16) for _ in range(6)] + [17]
+    for n in sizes:
+        x = torch.randn(n, 3, 224, 224, device="cuda")
+        with torch.inference_mode():
+            want = model(x)
+        close(fast(x), want)
+    stats = fast.stats()
+    assert stats.replays == 6 and stats.eager == 1
+
+
+def test_bert_encoder_by_batch_and_length_buckets():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig()).cuda().eval()
+
+    def hidden(ids, mask):
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    fast = ostinato.graphed(hidden, max_batch_size=8, seq_buckets=(16, 32, 64))
+    rng = random.Random(6)
+    for _ in range(8):
+        n, length = rng.randint(1, 8), rng.randint(3, 64)
+        ids = torch.randint(0, 30000, (n, length), device="cuda")
+        mask = torch.ones(n, length, dtype=torch.long, device="cuda")
+        mask[0, length // 2 :] = 0  # a padded sequence of the caller's own
+        with torch.inference_mode():
+            want = hidden(ids, mask)
+        # Padding positions are masked keys: the real positions' outputs do not see them.
+        close(fast(ids, mask), want)
+    assert fast.stats().replays == 8
 
 
 def test_gpt2_forward_through_graphed():

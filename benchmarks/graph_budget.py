@@ -165,8 +165,13 @@ def sampling_cost(
     return SamplingCost(batch, steps, every, best["off"], best["sample"], checked)
 
 
+def model_config(name: str) -> dict:
+    """A preset shape by name, or an HF config file (``benchmarks/configs/*.json``)."""
+    return json.loads(Path(name).read_text()) if name.endswith(".json") else shape(name)
+
+
 def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
-    cfg = BenchConfig(model=shape(name), batch_sizes=(max_size,), kv_len=512)
+    cfg = BenchConfig(model=model_config(name), batch_sizes=(max_size,), kv_len=512)
     setup = DecodeSetup(cfg, torch.device("cuda"))
     default = tuple(default_capture_sizes(max_size))
     runner = _runner(setup, default)
@@ -190,7 +195,11 @@ def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="smollm2-135m,llama-1.5b")
+    parser.add_argument(
+        "--shapes",
+        default="benchmarks/configs/smollm2_135m.json,llama-1.5b",
+        help="preset shapes or HF config files (random weights)",
+    )
     parser.add_argument("--max-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument(

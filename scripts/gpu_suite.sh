@@ -83,7 +83,7 @@ graphed)
     run_file tests/library/test_gpu_callable_graphs.py 200
     run_file tests/library/test_gpu_replay_check.py 150
     run_file tests/test_readme.py 100
-    timeout 240 python3 -m benchmarks.graph_budget --out "$OUT/graph_budget_h200" 2>&1 \
+    timeout 330 python3 -m benchmarks.graph_budget --out "$OUT/graph_budget_h200" 2>&1 \
         | tee "$OUT/graph_budget.log"
     ;;
 models)

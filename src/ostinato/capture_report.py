@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ostinato.batch import BatchDescriptor
 from ostinato.modes import GraphMode
@@ -70,16 +71,19 @@ class CaptureMeter:
     capture that raises is not recorded.
     """
 
-    def __init__(self, report: CaptureReport, platform: Platform | None = None) -> None:
+    def __init__(
+        self, report: CaptureReport, platform: Platform | None = None, pool: Any = None
+    ) -> None:
         self.report = report
         self.platform = platform or current_platform()
+        self.pool = pool  # None: count everything the allocator holds
 
     @contextlib.contextmanager
     def measure(self, descriptor: BatchDescriptor, mode: GraphMode) -> Iterator[None]:
         """A context that records one capture of ``descriptor`` into the report."""
         p = self.platform
         p.synchronize()
-        reserved, used = p.memory_reserved(), p.device_used_memory()
+        reserved, used = self._held(), p.device_used_memory()
         start = time.perf_counter()
         yield
         p.synchronize()
@@ -87,8 +91,12 @@ class CaptureMeter:
             GraphRecord(
                 descriptor,
                 mode,
-                max(0, p.memory_reserved() - reserved),
+                max(0, self._held() - reserved),
                 max(0, p.device_used_memory() - used),
                 time.perf_counter() - start,
             )
         )
+
+    def _held(self) -> int:
+        p = self.platform
+        return p.memory_reserved() if self.pool is None else p.pool_bytes(self.pool)

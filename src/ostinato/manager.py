@@ -108,7 +108,7 @@ class GraphManager:
             GraphMode.FULL,
             pool=self.pool,
             platform=self.platform,
-            meter=CaptureMeter(self.report, self.platform),
+            meter=CaptureMeter(self.report, self.platform, self.pool),
             name="GraphManager.step",
         )
         self._meter = self._full.meter

@@ -59,21 +59,12 @@ def manager(step, check=None, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), pool=Non
     )
 
 
-def segments_of(pool):
-    """Bytes the caching allocator holds in ``pool``'s segments."""
-    return sum(
-        s["total_size"]
-        for s in torch.cuda.memory_snapshot()
-        if tuple(s["segment_pool_id"]) == tuple(pool)
-    )
-
-
 def test_per_bucket_pool_bytes_add_up_to_the_pools_total():
     pool = torch.cuda.graph_pool_handle()
     m = manager(Step(), pool=pool)
     m.capture()
     buckets = m.stats().buckets
-    total = segments_of(pool)
+    total = CudaPlatform().pool_bytes(pool)  # the allocator's segments of that pool
     assert total > 0 and sum(b.pool_bytes for b in buckets) == total
     assert buckets[0].pool_bytes == max(b.pool_bytes for b in buckets)  # largest first
 
@@ -107,8 +98,9 @@ def test_checked_serving_equals_unchecked_and_costs_one_eager_step_in_every():
     rng = random.Random(0)
     for _ in range(40):
         n = rng.randint(1, 256)
+        x = torch.randn(n, 512, device=DEVICE, dtype=torch.bfloat16)
         for s in (plain, checked):
-            s.x[:n] = torch.randn(n, 512, device=DEVICE, dtype=torch.bfloat16)
+            s.x[:n] = x
         assert torch.equal(a.run(a.dispatcher.dispatch(n), n), b.run(b.dispatcher.dispatch(n), n))
     assert b.stats().checked_replays == 10 and not b.stats().demoted
 

@@ -59,6 +59,11 @@ class Platform(ABC):
         """Bytes the framework's caching allocator holds on the device."""
         return 0
 
+    def pool_bytes(self, pool: Any) -> int:
+        """Bytes the caching allocator holds for the graph pool ``pool``; where one pool's
+        bytes cannot be told from the rest, all it holds (``memory_reserved``)."""
+        return self.memory_reserved()
+
     def device_used_memory(self) -> int:
         """Bytes in use on the whole device, as the driver sees it."""
         return 0

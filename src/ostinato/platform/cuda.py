@@ -122,6 +122,15 @@ class CudaPlatform(Platform):
     def memory_reserved(self) -> int:
         return torch.cuda.memory_reserved()
 
+    def pool_bytes(self, pool: Any) -> int:
+        # The pool's own segments: memory_reserved would also count what other code
+        # (a library's workspace, the default pool) allocates while a graph is captured.
+        return sum(
+            s["total_size"]
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == tuple(pool)
+        )
+
     def device_used_memory(self) -> int:
         free, total = torch.cuda.mem_get_info()
         return total - free

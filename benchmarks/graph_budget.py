@@ -5,7 +5,8 @@ size's pool bytes from the capture report; plan two ladders from a skewed histog
 step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_sizes``:
 ``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding`` (the
 smallest budget whose plan pads no more than the default); capture each in a fresh pool
-and measure its bytes, and time a decode step at every size of the histogram on every
+and measure its bytes (the device memory its capture took, as the driver sees it; the
+pool's share apart), and time a decode step at every size of the histogram on every
 ladder (the expected step time weights them by the histogram). Then the cost of checked
 replays: back-to-back decode steps at batch 1 and 8 with ``verify="sample"`` (one in
 1024) against unchecked. Writes JSON (and prints a table). Needs CUDA;
@@ -34,6 +35,7 @@ from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.presets import shape
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
+from ostinato.pool import release_shared_pool
 from ostinato.provenance import Provenance
 
 GRANULE = 1 << 16
@@ -51,7 +53,9 @@ class Ladder:
     sizes: tuple[int, ...]
     padded_rows: int
     charged_bytes: int
-    measured_bytes: int = 0
+    measured_bytes: int = 0  # device memory its capture took (the driver's view)
+    pool_bytes: int = 0  # of which the graph pool's segments
+    capture_s: float = 0.0
     step_ms: float = 0.0
 
 
@@ -108,10 +112,17 @@ def _runner(
     )
 
 
-def _measure(setup: DecodeSetup, ladder: Ladder, histogram: dict[int, int]) -> Ladder:
-    """Captures ``ladder`` alone (a fresh pool) and times every size of the histogram."""
+def _fresh_pool() -> None:
+    """The next runner captures into a pool of its own, on a device holding no cached
+    blocks: what its capture takes is measured from nothing."""
+    release_shared_pool()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _measure(setup: DecodeSetup, ladder: Ladder, histogram: dict[int, int]) -> Ladder:
+    """Captures ``ladder`` alone (a fresh pool) and times every size of the histogram."""
+    _fresh_pool()
     runner = _runner(setup, ladder.sizes)
     with torch.inference_mode():
         report = runner.capture()
@@ -119,7 +130,13 @@ def _measure(setup: DecodeSetup, ladder: Ladder, histogram: dict[int, int]) -> L
     runner.release()
     steps = sum(histogram.values())
     expected = sum(times[n] * c for n, c in histogram.items()) / steps
-    return replace(ladder, measured_bytes=report.pool_bytes, step_ms=expected)
+    return replace(
+        ladder,
+        measured_bytes=report.device_bytes,
+        pool_bytes=report.pool_bytes,
+        capture_s=report.seconds,
+        step_ms=expected,
+    )
 
 
 @dataclass(frozen=True)
@@ -146,7 +163,7 @@ def sampling_cost(
     best: dict[str, float] = {}
     checked = 0
     for verify in ("off", "sample", "off", "sample"):  # alternating, against drift
-        gc.collect()
+        _fresh_pool()
         runner = _runner(setup, sizes, verify, every)
         with torch.inference_mode():
             runner.capture()
@@ -174,10 +191,14 @@ def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
     cfg = BenchConfig(model=model_config(name), batch_sizes=(max_size,), kv_len=512)
     setup = DecodeSetup(cfg, torch.device("cuda"))
     default = tuple(default_capture_sizes(max_size))
+    _fresh_pool()
     runner = _runner(setup, default)
     with torch.inference_mode():
         report = runner.capture()
-    measured = {r.descriptor.num_tokens: r.pool_bytes for r in report.records}
+    # Charged per size: what its capture took on the device (its pool growth, and the
+    # driver's memory for the graph itself, which the pool does not see).
+    measured = {r.descriptor.num_tokens: r.device_bytes for r in report.records}
+    pool = {r.descriptor.num_tokens: r.pool_bytes for r in report.records}
     runner.release()
     histogram = skewed_histogram(steps, max_size)
     planned = compare_ladders(histogram, measured, default)
@@ -188,6 +209,7 @@ def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
         "max_size": max_size,
         "histogram": histogram,
         "measured_default": measured,
+        "pool_default": pool,
         "ladders": [asdict(x) for x in ladders],
         "sampling": [asdict(c) | {"cost": c.cost} for c in costs],
     }
@@ -218,8 +240,9 @@ def main() -> None:
         for x in run["ladders"]:
             print(
                 f"  {x['name']:14} {len(x['sizes']):3} sizes  padded {x['padded_rows']:7}  "
-                f"charged {x['charged_bytes'] / 2**20:7.1f} MiB  measured "
-                f"{x['measured_bytes'] / 2**20:7.1f} MiB  step {x['step_ms']:.3f} ms"
+                f"charged {x['charged_bytes'] / 2**20:6.1f} MiB  measured "
+                f"{x['measured_bytes'] / 2**20:6.1f} MiB (pool {x['pool_bytes'] / 2**20:5.1f})  "
+                f"capture {x['capture_s']:5.2f} s  step {x['step_ms']:.3f} ms"
             )
         for c in run["sampling"]:
             print(

@@ -21,3 +21,10 @@ def shared_pool(platform: Platform | None = None) -> Any:
     if platform not in _shared_pools:
         _shared_pools[platform] = platform.graph_pool_handle()
     return _shared_pools[platform]
+
+
+def release_shared_pool(platform: Platform | None = None) -> None:
+    """Forgets the process-wide pool of ``platform``: the next capture starts a new one.
+    Destroy every graph captured into the old pool first; its memory returns to the
+    device once nothing holds it (``empty_cache``)."""
+    _shared_pools.pop(platform or current_platform(), None)

@@ -216,3 +216,13 @@ def test_run_names_a_descriptor_passed_where_the_dispatch_goes():
         m.run(BatchDescriptor(8), 8)
     with pytest.raises(TypeError, match="num_tokens: expected an int, got 2.5"):
         m.run(m.dispatcher.dispatch(3), 2.5)
+
+
+def test_the_shared_pool_is_one_per_platform_until_released():
+    from ostinato.pool import release_shared_pool, shared_pool
+
+    platform, other = FakePlatform(), FakePlatform()
+    first = shared_pool(platform)
+    assert shared_pool(platform) == first and shared_pool(other) == ("pool", 1)
+    release_shared_pool(platform)
+    assert shared_pool(platform) == ("pool", 2) and shared_pool(other) == ("pool", 1)

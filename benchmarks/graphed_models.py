@@ -6,7 +6,9 @@
 Models, random weights: torchvision's ResNet-50 and ViT-B/16 (224x224 images,
 class logits); transformers' BERT-base (random lengths too, by sequence buckets; last
 hidden state) and GPT-2 (logits), from their default configs. FULL_AND_PIECEWISE does
-not apply to them: none holds an op that must run outside a graph.
+not apply to them: none holds an op that must run outside a graph. ``ostinato FULL``
+captures the model's own kernels; ``ostinato FULL+inductor`` compiles it whole first
+(``compiler="inductor"``, a dynamic batch) and captures Inductor's kernels.
 
 For each model and system the stream runs twice: the first pass is the warm-up
 (compilation, capture; its total seconds are reported), the second is timed call by
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-SYSTEMS = ("eager", "reduce-overhead", "ostinato FULL")
+SYSTEMS = ("eager", "reduce-overhead", "ostinato FULL", "ostinato FULL+inductor")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,10 @@ def system(w: Workload, name: str, max_batch: int) -> tuple[Callable[..., Any], 
         return torch.compile(w.fn, mode="reduce-overhead"), None
     import ostinato
 
-    fast = ostinato.graphed(w.fn, max_batch_size=max_batch, mode="full", seq_buckets=w.seq_buckets)
+    compiler = "inductor" if name.endswith("+inductor") else "auto"
+    fast = ostinato.graphed(
+        w.fn, max_batch_size=max_batch, mode="full", seq_buckets=w.seq_buckets, compiler=compiler
+    )
     return fast, fast
 
 

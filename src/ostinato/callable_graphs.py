@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +124,7 @@ def graphed(
     seq_dim: int = 1,
     splitting_ops: Sequence[str] = (),
     full_when: Callable[..., bool] | None = None,
-    compiler: str = "auto",
+    compiler: str | None = "auto",
     capture: str = "first_use",
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
     copy_outputs: bool = True,
@@ -139,7 +140,10 @@ def graphed(
     replays the pieces) and ``"full_decode_only"`` (the others run eagerly); those two
     need ``full_when``, which no other mode takes.
     ``splitting_ops``: custom ops (``"lib::op"``) that run eagerly between captured
-    pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. ``capture``:
+    pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. Without them,
+    ``compiler="inductor"`` compiles ``fn`` whole before its FULL graphs are captured
+    (fused kernels for a compilation's start-up); ``"auto"`` captures ``fn`` as it is.
+    ``capture``:
     ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
     ``example = (args, kwargs)``) or ``"background"`` (on a thread; calls run eagerly
     until their size is ready)."""
@@ -155,7 +159,7 @@ def graphed(
             seq_dim,
             tuple(splitting_ops),
             full_when,
-            compiler,
+            _check_compiler(compiler),
             _check_choice("capture", capture, CAPTURE_WHEN),
             copy_outputs,
             check_padding,
@@ -174,7 +178,7 @@ class _Options:
     seq_dim: int
     splitting_ops: tuple[str, ...]
     full_when: Callable[..., bool] | None
-    compiler: str
+    compiler: str | None
     capture: str
     copy_outputs: bool
     check_padding: bool
@@ -342,7 +346,7 @@ class _Signature:
             self.constants[slot] = None  # (tensors come from the buffers)
         self._oversize: list[Any] | None = None  # a call above the largest bucket
         self._out_spec: TreeSpec | None = None
-        self._piecewise = _compiled(self._call_tree, options, platform)
+        self._compiled = _compiled(self._call_tree, options, platform)
         if options.check_padding and self.runtime.mode is not GraphMode.NONE:
             check_padding(self.fn, first)
         self._start_capture()
@@ -396,7 +400,7 @@ class _Signature:
             tensors = [self._oversize[s] for s in self.slots]
         else:
             tensors = [buf[: d.num_tokens] for buf in self.buffers]
-        call = self._piecewise or self._call_tree
+        call = self._compiled or self._call_tree
         outs, self._out_spec = tree_flatten(call(*tensors))
         return tuple(outs)
 
@@ -471,15 +475,37 @@ def _runtime(step: Any, options: _Options, platform: Platform) -> GraphRuntime:
 
 
 def _compiled(fn: Callable[..., Any], options: _Options, platform: Platform) -> Any:
-    """With ``splitting_ops``, ``fn`` compiled by the piecewise backend (every argument a
-    tensor with the batch on dim 0); else None."""
-    if not options.splitting_ops or not platform.supports_graphs:
+    """``fn`` (every argument a tensor with the batch on dim 0) compiled: by the
+    piecewise backend with ``splitting_ops``; whole by ``compiler`` when one was named
+    (FULL graphs of its kernels); else None (FULL graphs of ``fn``'s own kernels)."""
+    if not platform.supports_graphs:
         return None
+    if not options.splitting_ops:
+        whole = options.compiler not in ("auto", None)
+        return _WholeCompiled(fn, options.compiler) if whole else None
     from ostinato.piecewise import CompiledModel, PiecewiseBackend
 
     compiler = choose_compiler(options.compiler, options.config.mode, platform) or "eager"
     backend = PiecewiseBackend(options.splitting_ops, compiler=compiler, platform=platform)
     return CompiledModel(_AsModule(fn), backend)
+
+
+class _WholeCompiled:
+    """``torch.compile(fn, backend=compiler)``, the batch dimension dynamic where ``fn``
+    allows it (one compilation for every bucket; else one per bucket), through an entry
+    function of its own (Dynamo's limit of 8 variants is per code object)."""
+
+    def __init__(self, fn: Callable[..., Any], compiler: str) -> None:
+        from ostinato.piecewise.backend import forget_entry, own_entry
+
+        entry = own_entry(_AsModule(fn))
+        self._compiled = torch.compile(entry, backend=compiler)
+        self._forget = weakref.finalize(self, forget_entry, entry.__code__, entry.__globals__)
+
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._compiled(*tensors)
 
 
 class _AsModule(torch.nn.Module):
@@ -545,6 +571,11 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
     if isinstance(buckets, (str, bytes)) or not all(is_int(b) and b >= 1 for b in buckets):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
     return tuple(sorted(set(buckets)))
+
+
+def _check_compiler(compiler: str | None) -> str | None:
+    choose_compiler(compiler, None)  # refuses an unknown name
+    return compiler
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:

@@ -187,6 +187,7 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
         (dict(full_when=lambda x: True), ValueError, "full_when: only used with"),
         (dict(mode="full_decode_only", full_when=3), TypeError, "full_when: expected a function"),
         (dict(mode="sometimes"), ValueError, "unknown graph mode"),
+        (dict(compiler="tvm"), ValueError, "compiler: 'auto', 'inductor', 'eager' or None"),
     ],
 )
 def test_bad_options_are_named(kwargs, error, words):
@@ -274,6 +275,20 @@ def test_full_when_must_answer_a_bool():
     )
     with pytest.raises(TypeError, match="full_when: must return a bool, returned int"):
         fast(torch.randn(2, 8))
+
+
+def test_a_named_compiler_compiles_the_whole_function_once_for_every_bucket():
+    torch._dynamo.reset()
+    model, platform = mlp().eval(), FakePlatform()
+    fast = ostinato.graphed(model, max_batch_size=8, compiler="eager", platform=platform)
+    frames = torch._dynamo.utils.counters["frames"]
+    for n in (3, 8, 1, 6):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    assert fast.stats().replays == 4 and platform.graphs
+    # The capture's warm-up compiled the largest bucket with a dynamic batch; size 1
+    # is the only other variant Dynamo makes.
+    assert 1 <= frames["ok"] <= 2
 
 
 def test_background_capture_answers_at_once_and_replays_once_ready():

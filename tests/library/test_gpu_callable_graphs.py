@@ -50,6 +50,17 @@ def test_full_graphs_on_a_random_size_stream():
     )
 
 
+def test_full_graphs_of_inductor_kernels_compiled_once():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    model = model.cuda().eval()
+    torch._dynamo.reset()
+    fast = ostinato.graphed(model, max_batch_size=32, mode="full", compiler="inductor")
+    stream(fast, model, (64,), [5, 32, 1, 17, 9, 40], atol=1e-4)
+    assert fast.stats().replays == 5 and fast.stats().eager == 1
+    assert 1 <= torch._dynamo.utils.counters["frames"]["ok"] <= 3
+
+
 @pytest.fixture(autouse=True)
 def no_tf32():
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

@@ -228,7 +228,7 @@ def _entry_template(*args: Any) -> Any:
     return module(*args)  # noqa: F821  (``module`` is each copy's own global)
 
 
-def _own_entry(module: torch.nn.Module) -> Callable[..., Any]:
+def own_entry(module: torch.nn.Module) -> Callable[..., Any]:
     """A function that calls ``module``, with a code object of its own. Dynamo keeps
     compiled code per code object, with a limit of 8 variants: compiling ``module``
     itself would put every engine of the process (each new backend, dtype or shape a
@@ -256,7 +256,7 @@ class _WeakBackend:
         return backend(gm, example_inputs)
 
 
-def _forget_entry(code: types.CodeType, entry_globals: dict[str, Any]) -> None:
+def forget_entry(code: types.CodeType, entry_globals: dict[str, Any]) -> None:
     reset_code = getattr(torch._dynamo, "reset_code", None)
     if reset_code is not None:  # without it the module still goes with its global
         reset_code(code)
@@ -275,13 +275,13 @@ class CompiledModel:
     def __init__(self, module: torch.nn.Module, backend: PiecewiseBackend) -> None:
         self.module = module
         self.backend = backend
-        self._entry = _own_entry(module)
+        self._entry = own_entry(module)
         self._compiled = torch.compile(self._entry, backend=_WeakBackend(backend), fullgraph=True)
         # Dynamo's compiled code for the entry holds the module (and the backend, with
         # its graphs) in a reference cycle through the code object that the garbage
         # collector cannot see: it is dropped by hand when this object is released.
         self._forget = weakref.finalize(
-            self, _forget_entry, self._entry.__code__, self._entry.__globals__
+            self, forget_entry, self._entry.__code__, self._entry.__globals__
         )
 
     def release(self) -> None:

@@ -4,7 +4,7 @@ For each model shape: capture the default FULL ladder up to ``--max-size`` and t
 size's pool bytes from the capture report; plan two ladders from a skewed histogram of
 step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_sizes``:
 ``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding`` (the
-smallest budget whose plan pads no more than the default); capture each in a fresh pool
+smallest budget whose plan pads no more than the default); capture each alone in a new process
 and measure its bytes (the device memory its capture took, as the driver sees it; the
 pool's share apart), and time a decode step at every size of the histogram on every
 ladder (the expected step time weights them by the histogram). Then the cost of checked
@@ -21,6 +21,8 @@ import argparse
 import gc
 import json
 import random
+import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -113,28 +115,62 @@ def _runner(
 
 
 def _fresh_pool() -> None:
-    """The next runner captures into a pool of its own, on a device holding no cached
-    blocks: what its capture takes is measured from nothing."""
+    """The next runner captures into a pool of its own."""
     release_shared_pool()
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def _measure(setup: DecodeSetup, ladder: Ladder, histogram: dict[int, int]) -> Ladder:
-    """Captures ``ladder`` alone (a fresh pool) and times every size of the histogram."""
-    _fresh_pool()
-    runner = _runner(setup, ladder.sizes)
+@dataclass(frozen=True)
+class Captured:
+    """One ladder captured alone in a fresh process: per size, the device memory its
+    capture took (its pool growth and the driver's memory for the graph itself) and the
+    pool's share; capture seconds; ms of a decode step at each size of the histogram."""
+
+    device_bytes: dict[int, int]
+    pool_bytes: dict[int, int]
+    capture_s: float
+    step_ms: dict[int, float]
+
+
+def capture_alone(name: str, sizes: tuple[int, ...], histogram: dict[int, int]) -> Captured:
+    setup = DecodeSetup(_bench_config(name, max(sizes)), torch.device("cuda"))
+    runner = _runner(setup, sizes)
     with torch.inference_mode():
         report = runner.capture()
         times = {n: time_step(setup.decode_step(runner, n), 3, 10, True)[0] for n in histogram}
-    runner.release()
+    return Captured(
+        {r.descriptor.num_tokens: r.device_bytes for r in report.records},
+        {r.descriptor.num_tokens: r.pool_bytes for r in report.records},
+        report.seconds,
+        times,
+    )
+
+
+def _in_fresh_process(name: str, sizes: tuple[int, ...], histogram: dict[int, int]) -> Captured:
+    """``capture_alone`` in a new process: nothing cached, no pool, no graph before it."""
+    job = json.dumps({"name": name, "sizes": sizes, "histogram": histogram})
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.graph_budget", "--one", job],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 - JSON keys are str
+    return Captured(
+        ints(got["device_bytes"]), ints(got["pool_bytes"]), got["capture_s"], ints(got["step_ms"])
+    )
+
+
+def _measured(ladder: Ladder, got: Captured, histogram: dict[int, int]) -> Ladder:
     steps = sum(histogram.values())
-    expected = sum(times[n] * c for n, c in histogram.items()) / steps
+    expected = sum(got.step_ms[n] * c for n, c in histogram.items()) / steps
     return replace(
         ladder,
-        measured_bytes=report.device_bytes,
-        pool_bytes=report.pool_bytes,
-        capture_s=report.seconds,
+        measured_bytes=sum(got.device_bytes.values()),
+        pool_bytes=sum(got.pool_bytes.values()),
+        capture_s=got.capture_s,
         step_ms=expected,
     )
 
@@ -182,34 +218,31 @@ def sampling_cost(
     return SamplingCost(batch, steps, every, best["off"], best["sample"], checked)
 
 
-def model_config(name: str) -> dict:
+def _bench_config(name: str, max_size: int) -> BenchConfig:
     """A preset shape by name, or an HF config file (``benchmarks/configs/*.json``)."""
-    return json.loads(Path(name).read_text()) if name.endswith(".json") else shape(name)
+    model = json.loads(Path(name).read_text()) if name.endswith(".json") else shape(name)
+    return BenchConfig(model=model, batch_sizes=(max_size,), kv_len=512)
 
 
 def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
-    cfg = BenchConfig(model=model_config(name), batch_sizes=(max_size,), kv_len=512)
-    setup = DecodeSetup(cfg, torch.device("cuda"))
     default = tuple(default_capture_sizes(max_size))
-    _fresh_pool()
-    runner = _runner(setup, default)
-    with torch.inference_mode():
-        report = runner.capture()
-    # Charged per size: what its capture took on the device (its pool growth, and the
-    # driver's memory for the graph itself, which the pool does not see).
-    measured = {r.descriptor.num_tokens: r.device_bytes for r in report.records}
-    pool = {r.descriptor.num_tokens: r.pool_bytes for r in report.records}
-    runner.release()
     histogram = skewed_histogram(steps, max_size)
-    planned = compare_ladders(histogram, measured, default)
-    ladders = [_measure(setup, ladder, histogram) for ladder in planned]
+    first = _in_fresh_process(name, default, histogram)
+    # Charged per size: what its capture took on the device, pool and graph together.
+    planned = compare_ladders(histogram, first.device_bytes, default)
+    ladders = [_measured(planned[0], first, histogram)]
+    for ladder in planned[1:]:
+        ladders.append(
+            _measured(ladder, _in_fresh_process(name, ladder.sizes, histogram), histogram)
+        )
+    setup = DecodeSetup(_bench_config(name, max_size), torch.device("cuda"))
     costs = [sampling_cost(setup, default, b, sample_steps, 1024) for b in (1, 8)]
     return {
         "shape": name,
         "max_size": max_size,
         "histogram": histogram,
-        "measured_default": measured,
-        "pool_default": pool,
+        "measured_default": first.device_bytes,
+        "pool_default": first.pool_bytes,
         "ladders": [asdict(x) for x in ladders],
         "sampling": [asdict(c) | {"cost": c.cost} for c in costs],
     }
@@ -227,8 +260,16 @@ def main() -> None:
     parser.add_argument(
         "--sample-steps", type=int, default=4096, help="decode steps per sampling-cost pass"
     )
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: capture_alone
     args = parser.parse_args()
+    if args.one:
+        job = json.loads(args.one)
+        histogram = {int(k): v for k, v in job["histogram"].items()}
+        print(json.dumps(asdict(capture_alone(job["name"], tuple(job["sizes"]), histogram))))
+        return
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     runs = [
         run_shape(s, args.max_size, args.steps, args.sample_steps) for s in args.shapes.split(",")
     ]

@@ -76,17 +76,23 @@ def activation_bytes(
     return 2 * num_tokens * per_token * dtype.itemsize + 2 * num_seqs * c.vocab_size * 4
 
 
+# Measured on the H200 as the pool's own segments: 34 MiB for the tiny test model, whose
+# activations are a few hundred KiB.
+GRAPH_POOL_MARGIN = 40 * MiB
+
+
 def graph_pool_bytes(
     config: ModelConfig, max_capture_tokens: int, dtype: torch.dtype, decode_rows: int = 0
 ) -> int:
     """Estimate of the shared graph pool: graphs are captured largest first and share
     one pool, so it holds about one forward pass at the largest size, plus the float32
     logits of the largest decode graph (decode graphs end in the LM head; ``decode_rows``
-    of them), plus a margin."""
+    of them), plus a margin for the allocator's segments (blocks of 1 to 10 MiB come in
+    20 MiB segments, smaller ones in 2 MiB segments per stream)."""
     if max_capture_tokens <= 0:
         return 0
     rows = min(decode_rows, max_capture_tokens)
-    return activation_bytes(config, max_capture_tokens, rows, dtype) + 32 * MiB
+    return activation_bytes(config, max_capture_tokens, rows, dtype) + GRAPH_POOL_MARGIN
 
 
 # Peak bytes per logit element of ``sample`` (softmax, the sort's values and int64

@@ -1,13 +1,13 @@
 """The planned capture ladder against the default on a skewed load of step sizes.
 
-For each model shape: capture the default FULL ladder up to ``--max-size`` and take each
-size's pool bytes from the capture report; plan two ladders from a skewed histogram of
-step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_sizes``:
-``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding`` (the
-smallest budget whose plan pads no more than the default); capture each alone in a new process
-and measure its bytes (the device memory its capture took, as the driver sees it; the
-pool's share apart), and time a decode step at every size of the histogram on every
-ladder (the expected step time weights them by the histogram). Then the cost of checked
+For each model shape: capture the default FULL ladder up to ``--max-size`` alone in a
+new process and take from its capture report the device memory each size took (its pool
+growth and the driver's memory for the graph); plan two ladders from a skewed histogram
+of step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_sizes``:
+``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding``
+(the smallest budget whose plan pads no more than the default); capture each alone in a
+new process, measure its bytes (the pool's share apart) and time a decode step at every
+size of the histogram (the expected step time weights them by the histogram). Then the cost of checked
 replays: back-to-back decode steps at batch 1 and 8 with ``verify="sample"`` (one in
 1024) against unchecked. Writes JSON (and prints a table). Needs CUDA;
 ``compare_ladders`` (the planning, from measured bytes) runs anywhere.

@@ -7,9 +7,9 @@ of step sizes (most steps at 1 to 4 and at 20 to 40 tokens) with ``plan_capture_
 ``equal-memory`` (the default's bytes as budget: least padding) and ``equal-padding``
 (the smallest budget whose plan pads no more than the default); capture each alone in a
 new process, measure its bytes (the pool's share apart) and time a decode step at every
-size of the histogram (the expected step time weights them by the histogram). Then the cost of checked
-replays: back-to-back decode steps at batch 1 and 8 with ``verify="sample"`` (one in
-1024) against unchecked. Writes JSON (and prints a table). Needs CUDA;
+size of the histogram (the expected step time weights them by the histogram). Then the
+cost of checked replays: back-to-back decode steps at batch 1 and 8 with
+``verify="sample"`` (one in 1024) against unchecked. Writes JSON (and prints a table). Needs CUDA;
 ``compare_ladders`` (the planning, from measured bytes) runs anywhere.
 
     PYTHONPATH=src python -m benchmarks.graph_budget --out benchmarks/results/graph_budget_h200

@@ -25,13 +25,16 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.decode import BenchConfig, DecodeSetup, time_step
-from ostinato.capture_planner import padded_rows, plan_capture_sizes
+from ostinato.batch import BatchDescriptor
+from ostinato.capture_planner import device_costs, padded_rows, plan_capture_sizes
+from ostinato.capture_report import GraphRecord
 from ostinato.config import GraphConfig, default_capture_sizes
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.presets import shape
@@ -77,27 +80,26 @@ def skewed_histogram(steps: int, max_size: int, seed: int = 0) -> dict[int, int]
 
 
 def compare_ladders(
-    histogram: dict[int, int], measured: dict[int, int], default: tuple[int, ...]
+    histogram: dict[int, int], cost: Callable[[int], int], default: tuple[int, ...]
 ) -> list[Ladder]:
-    """The default ladder and the two plans (see the module), charged from ``measured``
-    (bytes per captured size of the default ladder; the planner charges a size not
-    measured what the next measured size above it took)."""
+    """The default ladder and the two plans (see the module), charged ``cost(size)``
+    bytes per graph (``device_costs`` of the default ladder's capture)."""
     max_size = max(default)
-    total = sum(measured[n] for n in default)
+    total = sum(cost(n) for n in default)
     ladders = [Ladder("default", default, padded_rows(histogram, default), total)]
-    same_memory = plan_capture_sizes(histogram, max_size, total, measured, granule=GRANULE)
+    same_memory = plan_capture_sizes(histogram, max_size, total, cost, granule=GRANULE)
     ladders.append(
         Ladder("equal-memory", same_memory.sizes, same_memory.padded_rows, same_memory.bytes)
     )
-    low, high = measured[max_size], total  # the smallest budget padding no more than default
+    low, high = cost(max_size), total  # the smallest budget padding no more than default
     while low < high:
         mid = (low + high) // 2
-        plan = plan_capture_sizes(histogram, max_size, mid, measured, granule=GRANULE)
+        plan = plan_capture_sizes(histogram, max_size, mid, cost, granule=GRANULE)
         if plan.padded_rows <= ladders[0].padded_rows:
             high = mid
         else:
             low = mid + 1
-    plan = plan_capture_sizes(histogram, max_size, low, measured, granule=GRANULE)
+    plan = plan_capture_sizes(histogram, max_size, low, cost, granule=GRANULE)
     ladders.append(Ladder("equal-padding", plan.sizes, plan.padded_rows, plan.bytes))
     return ladders
 
@@ -131,6 +133,14 @@ class Captured:
     pool_bytes: dict[int, int]
     capture_s: float
     step_ms: dict[int, float]
+
+    def costs(self) -> Callable[[int], int]:
+        """What the planner charges a graph of each size (``device_costs``)."""
+        records = [
+            GraphRecord(BatchDescriptor(n), GraphMode.FULL, self.pool_bytes[n], device, 0.0)
+            for n, device in self.device_bytes.items()
+        ]
+        return device_costs(records)
 
 
 def capture_alone(name: str, sizes: tuple[int, ...], histogram: dict[int, int]) -> Captured:
@@ -228,8 +238,7 @@ def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:
     default = tuple(default_capture_sizes(max_size))
     histogram = skewed_histogram(steps, max_size)
     first = _in_fresh_process(name, default, histogram)
-    # Charged per size: what its capture took on the device, pool and graph together.
-    planned = compare_ladders(histogram, first.device_bytes, default)
+    planned = compare_ladders(histogram, first.costs(), default)
     ladders = [_measured(planned[0], first, histogram)]
     for ladder in planned[1:]:
         ladders.append(

@@ -3,8 +3,8 @@ for the traffic seen so far, within a memory budget, a bounded number of times.
 
 ``AdaptiveLadder.between_steps()`` is called by the caller after each step, when no step
 is in flight. Every ``every`` calls it plans sizes from the manager's live histogram of
-step sizes (``capture_planner``, charging each size the pool bytes measured when it, or
-the next larger measured size, was captured) and, if the plan pads at least
+step sizes (``capture_planner``, charging each size what the captures measured:
+``device_costs`` of the capture report) and, if the plan pads at least
 ``min_gain`` less than the ladder held (or the ladder held is over the budget), moves
 the manager to it (``GraphManager.resize``:
 the new graphs are captured before the dropped ones go). Guarantees: nothing is captured
@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ostinato.capture_planner import padded_rows, plan_capture_sizes
+from ostinato.capture_planner import device_costs, padded_rows, plan_capture_sizes
 from ostinato.manager import GraphManager
 from ostinato.mathutil import checked_int
+from ostinato.modes import GraphMode
 
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
-    """``budget_bytes`` of graph pool the ladder may be charged (in ``granule`` units, as
-    ``plan_capture_sizes`` charges); a look every ``every`` steps; at most
+    """``budget_bytes`` of device memory the ladder's graphs may be charged (in
+    ``granule`` units, as ``plan_capture_sizes`` charges); a look every ``every`` steps; at most
     ``max_resizes`` moves; a move only for at least ``min_gain`` (a share) fewer padded
     rows on the histogram seen."""
 
@@ -69,21 +70,17 @@ class AdaptiveLadder:
         policy = self.policy
         if self.steps % policy.every or len(self.changes) >= policy.max_resizes:
             return None
-        stats = self.manager.stats()
-        # Every captured size, those that took nothing new from the shared pool included
-        # (else the planner would charge them what the next size above took).
-        measured = {
-            b.descriptor.num_tokens: b.pool_bytes for b in stats.buckets if b.capture_seconds
-        }
-        histogram = stats.step_sizes
+        histogram = self.manager.stats().step_sizes
         sizes = self.manager.dispatcher.sizes
         before = padded_rows(histogram, sizes)
-        if not measured or before == 0:
+        records = self.manager.report.records
+        if before == 0 or not any(r.mode is GraphMode.FULL for r in records):
             return None
+        cost = device_costs(records)
         max_size = self.manager.dispatcher.max_size
         budget, granule = policy.budget_bytes, policy.granule
-        plan = plan_capture_sizes(histogram, max_size, budget, measured, granule)
-        held = sum(measured.get(n, 0) for n in sizes)
+        plan = plan_capture_sizes(histogram, max_size, budget, cost, granule)
+        held = sum(cost(n) for n in sizes)
         worth = before - plan.padded_rows >= policy.min_gain * before
         if plan.sizes == tuple(sizes) or not (worth or held > policy.budget_bytes):
             return None

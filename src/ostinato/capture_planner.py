@@ -18,12 +18,14 @@ O(K^2 x granules), finds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ostinato.capture_report import GraphRecord
 from ostinato.mathutil import ceil_div, checked_int, is_int
+from ostinato.modes import GraphMode
 
 INFEASIBLE = 2**62  # (a sum of two stays below int64's limit)
 
@@ -126,6 +128,24 @@ def _walk_back(
         u -= units[j]
         j = i
     return tuple(sorted(chosen))
+
+
+def device_costs(records: Sequence[GraphRecord]) -> Callable[[int], int]:
+    """What a FULL graph of each size costs the device, from capture records (a later
+    record of a size replaces an earlier one): the pool growth measured at that size, or
+    the next measured size above it, plus an even share of what the captures took
+    beyond the pool. That share is the driver's memory for the graphs themselves: about
+    a MiB each on the H200, too little for the driver's 2 MiB pages to show per graph,
+    yet with dozens of graphs the larger part of what extra sizes cost."""
+    latest = {r.descriptor.num_tokens: r for r in records if r.mode is GraphMode.FULL}
+    if not latest:
+        raise ValueError("records: no FULL graph was captured, so nothing was measured")
+    pool = _measured({n: r.pool_bytes for n, r in latest.items()})
+    beyond = sum(r.device_bytes for r in latest.values()) - sum(
+        r.pool_bytes for r in latest.values()
+    )
+    per_graph = ceil_div(max(0, beyond), len(latest))
+    return lambda size: pool(size) + per_graph
 
 
 def _measured(measured: Mapping[int, int]) -> Callable[[int], int]:

@@ -17,7 +17,8 @@ from ostinato.platform import Platform, current_platform
 class GraphRecord:
     """One captured graph: its key, runtime mode, cost in memory and capture time.
 
-    ``pool_bytes`` is the growth of the allocator's reserved memory during the capture;
+    ``pool_bytes`` is the growth of the graph pool's own segments during the capture
+    (where the platform cannot tell them apart: of all the allocator holds);
     ``device_bytes`` the growth of device memory in use as the driver sees it (which also
     counts the graph's own executable). Either can be 0 when the pool had room.
     """

@@ -61,3 +61,29 @@ def test_the_budget_must_hold_the_largest_size():
         plan_capture_sizes([1, 2], 8, 100, lambda s: 1)
     with pytest.raises(TypeError, match="max_size"):
         plan_capture_sizes({1: 1}, "8", 100, lambda s: 1)
+
+
+def test_device_costs_charge_the_pool_measured_above_and_an_even_share_of_the_rest():
+    from ostinato.batch import BatchDescriptor
+    from ostinato.capture_planner import device_costs
+    from ostinato.capture_report import GraphRecord
+    from ostinato.modes import GraphMode
+
+    def record(n, pool, device, mode=GraphMode.FULL):
+        return GraphRecord(BatchDescriptor(n), mode, pool, device, 0.1)
+
+    mib = 1 << 20
+    # Largest first: it grows the pool; the others reuse it, and the driver's memory for
+    # the graphs shows in 2 MiB pages only now and then.
+    records = [record(64, 34 * mib, 36 * mib), record(32, 0, 2 * mib), record(8, 0, 0)]
+    records.append(record(8, 0, 2 * mib, GraphMode.PIECEWISE))  # not a FULL graph: ignored
+    cost = device_costs(records)
+    share = (38 - 34) * mib // 3 + 1  # rounded up
+    assert cost(64) == 34 * mib + share and cost(48) == 34 * mib + share
+    assert cost(32) == cost(3) == share
+    records.append(record(32, mib, mib))  # a later capture of 32 replaces the first
+    assert device_costs(records)(20) == mib + (37 - 35) * mib // 3 + 1
+    with pytest.raises(ValueError, match="no measured size at or above 65"):
+        cost(65)
+    with pytest.raises(ValueError, match="no FULL graph"):
+        device_costs([records[3]])

@@ -6,6 +6,8 @@
 #   benchmarks/tp_h200x2.sh census-llama-8b  # TP=1 vs TP=2 at B=1,8 with kernel census and top kernels
 #   benchmarks/tp_h200x2.sh bench-llama-8b   # (and bench-llama-1.5b) decode step, TP=1 vs TP=2, NCCL vs measured symmetric
 #   benchmarks/tp_h200x2.sh bench-ubatch     # TP=2 steps with and without micro-batch overlap
+#   benchmarks/tp_h200x2.sh bench-default-llama-8b  # TP=1 vs TP=2 in the default mode
+#                                   # (FULL_AND_PIECEWISE), measured all-reduce
 # Writes logs and JSON under $OUT (or ./out). NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,6 +60,14 @@ bench-ubatch)
     NCCL_P2P_DISABLE=1 timeout 320 python3 -m benchmarks ubatch --tp 2 --shape llama-8b \
         --out "$OUT/ubatch_llama-8b_tp2_nop2p_h200.json" \
         --plot "$OUT/ubatch_llama-8b_tp2_nop2p_h200.png" 2>&1 | tee -a "$OUT/bench.log"
+    ;;
+bench-default-*)
+    shape=${1#bench-default-}
+    for tp in 1 2; do
+        timeout 200 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
+            --no-profile --variants "ostinato FULL_AND_PIECEWISE" --all-reduce auto --repeats 30 \
+            --out "$OUT/default_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log"
+    done
     ;;
 bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"

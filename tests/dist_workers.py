@@ -424,3 +424,31 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
     torch.save(result, Path(out) / f"agree{rank}.pt")
     if not llm.close():
         os._exit(0)
+
+
+def served_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens from an ``EngineLoop`` serving ``llm``: half the prompts
+    submitted at once, the rest after the first has streamed a token (they join running
+    steps); beside them a sampled request, and a request aborted after that first token.
+    A worker whose scheduler missed any of these would pair its collectives with the
+    wrong step, and the serve would hang or fail."""
+    from ostinato.engine.core.scheduler import FinishReason
+    from ostinato.engine.serve.loop import EngineLoop
+
+    loop = EngineLoop(llm)
+    try:
+        half = len(prompts) // 2
+        handles = [loop.submit(p, params) for p in prompts[:half]]
+        doomed = loop.submit(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True))
+        sampled = loop.submit(prompts[-1], SamplingParams(max_tokens=6, temperature=0.8))
+        first = iter(handles[0])
+        tokens = [[next(first)]]
+        loop.abort(doomed.id)
+        handles += [loop.submit(p, params) for p in prompts[half:]]
+        tokens[0] += list(first)
+        tokens += [list(h) for h in handles[1:]]
+        assert len(list(doomed)) < 60 and doomed.finish_reason is FinishReason.ABORT
+        assert 1 <= len(list(sampled)) <= 6
+        return tokens
+    finally:
+        assert loop.stop()

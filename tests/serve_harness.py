@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,3 +84,28 @@ def wait_for_abort(server: str, before: float) -> None:
 def all_blocks_free(server: str) -> bool:
     health = httpx.get(f"{server}/health").json()
     return health["free_kv_blocks"] == health["kv_blocks"] - 1  # (block 0 is the null block)
+
+
+def served_token_ids(args: list[str], prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy token ids from ``ostinato serve ARGS``, asked all at once by
+    the ``openai`` client (a stream per prompt, each from a thread of its own, so they
+    share steps); the server is stopped afterwards."""
+    import openai
+
+    with served(args) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        got: dict[int, list[int]] = {}
+
+        def ask(i: int) -> None:
+            stream = client.completions.create(
+                model="m", prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True
+            )
+            got[i] = [t for chunk in stream for t in chunk.choices[0].model_extra["token_ids"]]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(i in got for i in range(len(prompts))), "a stream did not finish"
+        return [got[i] for i in range(len(prompts))]

@@ -16,6 +16,7 @@ from dist_workers import (
     engine,
     free_port,
     one_rank_raises,
+    served_tokens,
     static_ubatch_logits,
     torchrun_rank_fails,
     tp_logits_and_tokens,
@@ -167,6 +168,56 @@ def test_llm_starts_and_drives_its_own_workers(llama_dir):
         llm.step()
     assert llm.close()
     assert not any(p.is_alive() for p in workers)
+
+
+def test_a_served_tensor_parallel_engine_answers_as_one_process(llama_dir):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS + dp_prompts(0)
+    want = [o.token_ids for o in spawned(llama_dir).generate(prompts, params)]
+    llm = spawned(llama_dir, tp=2)
+    assert served_tokens(llm, prompts, params) == want
+    assert served_tokens(llm, prompts[::-1], params) == want[::-1]  # a second session
+    # Serving ended with every rank's scheduler in the same state: generate pairs up.
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    with pytest.raises(ParallelError, match="use `with llm.serving"):
+        llm.steps()
+    assert llm.close()
+
+
+def test_a_worker_that_fails_while_serving_is_named_and_the_engine_stays_stopped(llama_dir):
+    from ostinato.engine.serve.loop import EngineLoop
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm = spawned(llama_dir, tp=2, backend=FailingAttention("cpu", rank=1, after=5))
+    loop = EngineLoop(llm)
+    start = time.perf_counter()
+    with pytest.raises(ParallelError, match="rank 1 failed: .*injected failure"):
+        list(loop.submit(PROMPTS[2], params))
+    assert time.perf_counter() - start < 60
+    with pytest.raises(ParallelError, match="rank 1 failed"):
+        list(loop.submit(PROMPTS[0], params))
+    assert loop.stop()
+    llm.close(timeout_s=5)
+
+
+def test_ostinato_serve_with_two_tensor_parallel_ranks_answers_as_one_process(llama_dir):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from serve_harness import served_token_ids
+
+    prompts = PROMPTS + dp_prompts(0)
+    want = [o.token_ids for o in spawned(llama_dir).generate(prompts, SamplingParams(max_tokens=8))]
+    args = ["--model", llama_dir, "--device", "cpu", "--max-model-len", "128", "--quiet"]
+    got = served_token_ids([*args, "--tensor-parallel-size", "2"], prompts, max_tokens=8)
+    assert got == want
+
+
+def test_data_parallel_replicas_are_not_served(llama_dir):
+    llm = spawned(llama_dir, dp=2)
+    with pytest.raises(ParallelError, match="data-parallel replicas cannot be served"):
+        with llm.serving():
+            pass
+    assert llm.close()
 
 
 def test_llm_spreads_prompts_over_its_data_parallel_replicas(llama_dir):

@@ -132,6 +132,22 @@ def test_llm_started_alone_drives_a_second_gpu(model_dir, tmp_path, mode):
     assert tokens == want
 
 
+def test_ostinato_serve_with_tensor_parallel_size_2_answers_as_one_gpu(model_dir):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from serve_harness import served_token_ids
+
+    # float32: a request's greedy tokens do not depend on the rows batched with it.
+    prompts = PROMPTS + dp_prompts(0)
+    llm = engine(str(model_dir), "cuda", "full_and_piecewise", torch.float32)
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    llm.close()
+    args = ["--model", str(model_dir), "--device", "cuda", "--dtype", "float32", "--quiet"]
+    args += ["--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3"]
+    got = served_token_ids([*args, "--tensor-parallel-size", "2"], prompts, max_tokens=8)
+    assert got == want
+
+
 @pytest.mark.parametrize("all_reduce", ["nccl", "auto"])
 def test_a_dead_worker_gpu_is_named_not_waited_for(model_dir, tmp_path, all_reduce):
     # Piecewise: attention runs between the graphs, so the worker dies mid-step while

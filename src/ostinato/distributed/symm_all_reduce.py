@@ -4,7 +4,8 @@ one-shot and two-shot all-reduce, chosen against NCCL per message size.
 Every rank of a tensor-parallel group allocates one buffer with
 ``torch.distributed._symmetric_memory.empty`` and maps its peers' buffers
 (``rendezvous``). An all-reduce copies the message into the buffer and runs the
-symmetric-memory kernel over it (peer-to-peer loads over NVLink; NVLink multicast is
+symmetric-memory kernel over it (one-shot: one kernel that does both, where PyTorch has
+``one_shot_all_reduce_copy``) (peer-to-peer loads over NVLink; NVLink multicast is
 never used), or hands the message to NCCL when the plan says NCCL is faster for that size
 or the message does not fit. The buffer lives outside every graph pool, so graphs captured
 with these kernels replay against the same addresses.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,10 @@ class SymmetricAllReduce:
             dist.all_reduce(out, group=self.group)
             return out
         staged = self.buffer[: x.numel()]
+        if algo is AllReduceAlgo.ONE_SHOT and _ONE_SHOT_COPY is not None:
+            # One kernel copies x into the mapped buffer and reduces (the TP=2 census of
+            # the 8 B shape: a copy kernel before each of the 65 all-reduces of a step).
+            return _ONE_SHOT_COPY(staged, x.reshape(-1), "sum", self.group_name).view(x.shape)
         staged.copy_(x.reshape(-1))
         if algo is AllReduceAlgo.ONE_SHOT:
             return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(
@@ -81,6 +87,18 @@ class SymmetricAllReduce:
         """Forgets this group's reducer; the buffer is freed with the last reference."""
         if _REDUCERS.get(self.group_name) is self:
             del _REDUCERS[self.group_name]
+
+
+def _one_shot_copy() -> Any:
+    """PyTorch's one-shot all-reduce that stages its input itself, where this PyTorch has
+    it (None: the copy and the reduce run as two kernels)."""
+    try:
+        return torch.ops.symm_mem.one_shot_all_reduce_copy
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONE_SHOT_COPY = _one_shot_copy()
 
 
 @torch.library.custom_op("ostinato::tp_all_reduce", mutates_args=())

@@ -63,6 +63,7 @@ from ostinato.engine.loading.source import ModelSource, ModelSpec, open_model
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.parallel.step_mirror import SchedulerChange, StepMirror
 from ostinato.engine.parallel.workers import Command, WorkerPool
 from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.engine.sample.step_sampler import StepSampler
@@ -919,15 +920,61 @@ class LLM:
         """The engine's steps as configured (asynchronous scheduling, speculative
         verification), yielding after each step's tokens are recorded and ending when no
         request is left; requests added (``scheduler.add``) between steps join the batch.
-        For a driver that owns the engine (``exclusive``): ``serve.loop.EngineLoop``.
-        ``ParallelError`` for an engine that drives its own worker processes: they follow
-        ``generate`` calls, not steps (a step would wait for them in its collectives)."""
+        ``ParallelError`` for an engine that drives its own worker processes: their
+        schedulers would not see the requests added here; drive it through ``serving``."""
         if self.workers is not None:
             raise ParallelError(
-                "steps: this engine drives its own worker processes, which follow generate "
-                "calls, not steps; use generate (or launch every rank with torchrun)"
+                "steps: this engine drives its own worker processes, which would not see "
+                "requests added to this scheduler; use `with llm.serving() as session:` "
+                "(session.add / abort / steps), or generate"
             )
         return self._steps()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[StepMirror]:
+        """Owns the engine (as ``exclusive``) and yields the session a server drives it
+        through: ``session.add`` / ``abort`` / ``reset`` between steps, ``session.steps()``
+        to run them (``serve.loop.EngineLoop``). With worker processes (tensor
+        parallelism), each change reaches every worker before the step after it
+        (``parallel.step_mirror``), and a step that fails stops the engine as a failed
+        ``generate`` does. Data-parallel replicas are refused: each would need requests
+        of its own."""
+        if self.workers is not None and self.parallel.dp_size > 1:
+            raise ParallelError(
+                "serving: an engine with data-parallel replicas cannot be served yet (each "
+                "replica needs requests of its own); serve with tensor_parallel_size only"
+            )
+        with self._owned("serving"):
+            if self.failure is not None:
+                raise self.failure.error(self.parallel.rank)
+            watchdog = self._watchdog()
+            send = self._send_changes if self.workers is not None else None
+            session = StepMirror(self.scheduler, lambda: self._served_steps(watchdog), send)
+            with watchdog.watching() if watchdog else contextlib.nullcontext():
+                try:
+                    yield session
+                finally:
+                    if self.workers is not None:
+                        session.end()
+
+    def _send_changes(self, command: str, changes: list[SchedulerChange]) -> None:
+        if self.workers is not None:  # gone after a failed step
+            self.workers.send({r: Command(command, (changes,)) for r in self.workers.conns})
+
+    def _served_steps(self, watchdog: PeerWatchdog | None) -> Iterator[None]:
+        """The steps of a served engine; on a parallel engine a failed step stops it
+        (``_stop_after``) and every later session's steps raise that failure."""
+        if self.failure is not None:
+            raise self.failure.error(self.parallel.rank)
+        try:
+            for _ in self._steps():
+                if watchdog is not None:
+                    watchdog.check()  # a step run after an abort computed nothing valid
+                yield
+        except Exception as exc:
+            if self.parallel.world_size > 1:
+                self._stop_after(exc)
+            raise
 
     def step(self) -> list[Request]:
         """Runs one scheduled step; returns the requests that finished in it. Under data

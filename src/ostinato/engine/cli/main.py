@@ -131,6 +131,12 @@ def _engine_options(gen: argparse.ArgumentParser) -> None:
         help="cpu, cuda or cuda:N (default: cuda when available)",
     )
     gen.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the weights' dtype (default: float32 on CPU; on CUDA the checkpoint's, or bfloat16)",
+    )
+    gen.add_argument(
         "--max-model-len",
         type=positive_int,
         default=None,
@@ -268,6 +274,7 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         mode=args.mode,
         device=args.device,
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -303,11 +310,10 @@ def _serve(args: argparse.Namespace) -> int:
         from ostinato.engine.serve.app import serve
     except ImportError as exc:
         fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
-    if args.tensor_parallel_size * args.data_parallel_size > 1:
+    if args.data_parallel_size > 1:
         fail(
-            "serve: --tensor-parallel-size and --data-parallel-size are not served yet: the "
-            "engine drives its worker processes per generate call, not per step; use "
-            "generate with them, or serve on one device"
+            "serve: --data-parallel-size is not served yet (each replica would need requests "
+            "of its own); serve with --tensor-parallel-size, or run one server per device"
         )
     if not args.no_cache:
         keep_bytecode(args.cache_dir)

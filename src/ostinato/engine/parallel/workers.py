@@ -4,8 +4,9 @@ one process per GPU, each running the same engine on its shard.
 
 Every command (``generate``, ``close``) goes to every worker over a pipe before rank 0
 runs its own share; the workers answer with their outputs or with the one-line cause of
-their failure. A worker that fails leaves at once (its peers' collectives then fail
-instead of waiting), and the driver names it.
+their failure. A served engine sends each step instead (``step_mirror``), unanswered.
+A worker that fails leaves at once (its peers' collectives then fail instead of
+waiting), and the driver names it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from typing import Any
 
 from ostinato.distributed.failure import ParallelError, RankFailure, describe
 from ostinato.distributed.groups import local_launch_env
+from ostinato.engine.parallel.step_mirror import END, STEP, StepFollower
 
 
 @dataclass(frozen=True)
 class Command:
-    """What every worker runs: ``name`` is ``"generate"`` or ``"close"``; ``args`` are
-    that worker's (its replica's prompts and params)."""
+    """What every worker runs: ``name`` is ``"generate"`` (``args``: its replica's
+    prompts and params), ``"close"``, or one of ``step_mirror``'s ``STEP`` / ``END``
+    (``args``: rank 0's scheduler changes since the last step)."""
 
     name: str
     args: tuple[Any, ...] = ()
@@ -216,17 +219,28 @@ def worker_main(
     try:
         llm = engine(**engine_kwargs)
         conn.send(Reply(rank, "ready"))
+        served = contextlib.ExitStack()  # while rank 0 serves: this worker's session
+        follower: StepFollower | None = None
         while True:
             try:
                 command = conn.recv()
             except (EOFError, OSError):
                 command = Command("close")  # rank 0 is gone
             if command.name == "close":
+                served.close()
                 llm.close()
                 with contextlib.suppress(BrokenPipeError, OSError):  # rank 0 may not wait
                     conn.send(Reply(rank, "closed"))
                 sys.stdout.flush()
                 os._exit(0)  # the interpreter's teardown could wait on the process group
+            if command.name in (STEP, END):  # no reply: rank 0 steps on, the group pairs up
+                if follower is None:
+                    follower = StepFollower(served.enter_context(llm.serving()))
+                follower.follow(command.name, *command.args)
+                if command.name == END:
+                    served.close()
+                    follower = None
+                continue
             conn.send(Reply(rank, llm.generate(*command.args)))
     except BaseException as exc:  # noqa: BLE001  (every failure is reported, then exit)
         try:

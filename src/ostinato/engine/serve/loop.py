@@ -7,13 +7,16 @@ thread only, so the scheduler and the step buffers have one owner; a request's t
 those ``generate`` gives it alone (greedy), whoever else is running; ``abort(id)`` takes
 effect at the next step boundary and frees the request's KV blocks; a step that raises
 ends every running request with that error and leaves the engine clean (the scheduler
-is reset), and the loop goes on serving. While the loop runs it holds the engine
-(``LLM.exclusive``): ``LLM.generate`` from other threads waits until ``stop``.
+is reset), and the loop goes on serving; on an engine with tensor-parallel worker
+processes such a step stops the engine, and later requests end with the error naming the
+failed rank. While the loop runs it holds the engine (``LLM.serving``): ``LLM.generate``
+from other threads waits until ``stop``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import sys
@@ -32,6 +35,7 @@ from ostinato.engine.api.prompts import (
     decode_text,
 )
 from ostinato.engine.core.scheduler import FinishReason, Request
+from ostinato.engine.parallel.step_mirror import StepMirror
 from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.replay_stats import StatsSnapshot
 
@@ -254,8 +258,11 @@ class EngineLoop:
         self._stop = threading.Event()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ostinato-engine", daemon=True)
+        self._refused: BaseException | None = None
         self._thread.start()
         self._started.wait()
+        if self._refused is not None:
+            raise self._refused
 
     @property
     def tokenizer(self) -> Any:
@@ -346,26 +353,35 @@ class EngineLoop:
             sys.setswitchinterval(interval)
 
     def _serve(self) -> None:
-        with self.llm.exclusive():
-            self._started.set()
-            steps: Iterator[None] | None = None
-            while not self._stop.is_set():
-                events = self._admit()
-                self.llm.scheduler.abort(self.llm.requests.take_aborts())
-                if steps is None:
-                    if not self.llm.scheduler.has_work:
-                        self._publish(events + self._emit())  # aborted while nothing ran
-                        self._wake.wait(0.1)
-                        self._wake.clear()
-                        continue
-                    steps = self.llm.steps()
-                if events:
-                    self._publish(events)
-                steps = self._step(steps)
-            self._end_all(FinishReason.ABORT, None)
-            self.llm.scheduler.reset()  # (a step may still be in flight: its tokens go)
+        with contextlib.ExitStack() as stack:
+            try:
+                session = stack.enter_context(self.llm.serving())
+            except BaseException as exc:  # refused (a closed or failed engine): __init__ raises it
+                self._refused = exc
+                return
+            finally:
+                self._started.set()
+            self._serve_in(session)
 
-    def _admit(self) -> list[TokenEvent]:
+    def _serve_in(self, session: StepMirror) -> None:
+        steps: Iterator[None] | None = None
+        while not self._stop.is_set():
+            events = self._admit(session)
+            session.abort(self.llm.requests.take_aborts())
+            if steps is None:
+                if not session.scheduler.has_work:
+                    self._publish(events + self._emit())  # aborted while nothing ran
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                steps = session.steps()
+            if events:
+                self._publish(events)
+            steps = self._step(steps, session)
+        self._end_all(FinishReason.ABORT, None, session)
+        session.reset()  # (a step may still be in flight: its tokens go)
+
+    def _admit(self, session: StepMirror) -> list[TokenEvent]:
         ended = []
         while True:
             try:
@@ -376,11 +392,11 @@ class EngineLoop:
             if self.llm.requests.aborted(request_id):  # aborted before it was queued
                 ended.append(self._ended(request_id, FinishReason.ABORT, []))
                 continue
-            request = self.llm.scheduler.add(prompt, params)
+            request = session.add(prompt, params)
             self.llm.requests.bind(request_id, request)
             self._live[request_id] = _Live(request_id, request)
 
-    def _step(self, steps: Iterator[None]) -> Iterator[None] | None:
+    def _step(self, steps: Iterator[None], session: StepMirror) -> Iterator[None] | None:
         """Runs one step; the iterator to go on with (None once it ended or failed)."""
         start = time.perf_counter()
         try:
@@ -389,9 +405,9 @@ class EngineLoop:
             self._publish(self._emit())
             return None
         except Exception as exc:  # the step's error ends its requests; the loop serves on
-            self.llm.scheduler.reset()
+            session.reset()
             self.stats.failed += len(self._live)
-            self._end_all(None, exc)
+            self._end_all(None, exc, session)
             return None
         self.stats.record_step(time.perf_counter() - start)
         self._publish(self._emit())
@@ -419,9 +435,11 @@ class EngineLoop:
             self.stats.finished += 1
         return TokenEvent(request_id, new, True, reason)
 
-    def _end_all(self, reason: FinishReason | None, error: BaseException | None) -> None:
+    def _end_all(
+        self, reason: FinishReason | None, error: BaseException | None, session: StepMirror
+    ) -> None:
         if reason is FinishReason.ABORT and self._live:
-            self.llm.scheduler.abort([live.request for live in self._live.values()])
+            session.abort([live.request for live in self._live.values()])
         ids = list(self._live)
         self._live.clear()
         while True:  # submitted but never admitted

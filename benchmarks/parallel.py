@@ -68,6 +68,7 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
         for cost in result.costs:
             cost.variant = f"{cost.variant} [{choice}]"
         result.profile = {f"{k} [{choice}]": v for k, v in result.profile.items()}
+        result.kernels_by_name = {f"{k} [{choice}]": v for k, v in result.kernels_by_name.items()}
         result.notes.append(f"all_reduce={choice}: plan {plan}")
         if reducer is not None and reducer.timings is not None:
             t = reducer.timings
@@ -83,6 +84,7 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
             merged.rows += result.rows
             merged.costs += result.costs
             merged.profile.update(result.profile)
+            merged.kernels_by_name.update(result.kernels_by_name)
             merged.notes += result.notes
             merged.all_reduce_us = merged.all_reduce_us or result.all_reduce_us
         torch.cuda.empty_cache()

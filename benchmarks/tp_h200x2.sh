@@ -7,7 +7,10 @@
 #   benchmarks/tp_h200x2.sh bench-llama-8b   # (and bench-llama-1.5b) decode step, TP=1 vs TP=2, NCCL vs measured symmetric
 #   benchmarks/tp_h200x2.sh bench-ubatch     # TP=2 steps with and without micro-batch overlap
 #   benchmarks/tp_h200x2.sh bench-default-llama-8b  # TP=1 vs TP=2 in the default mode
-#                                   # (FULL_AND_PIECEWISE), measured all-reduce
+#                                   # (FULL_AND_PIECEWISE, also with pdl+small-gemm), measured all-reduce
+#   benchmarks/tp_h200x2.sh verify  # one call: the serving, symmetric all-reduce and engine-loop
+#                                   # GPU tests, the census, the micro-batch benchmark, then
+#                                   # the default mode's step in the time left (needs .gpu/whl)
 # Writes logs and JSON under $OUT (or ./out). NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,7 +48,7 @@ census-*)
     for tp in 1 2; do
         ar=nccl
         [ "$tp" = 2 ] && ar=nccl,auto
-        timeout 250 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
+        timeout 120 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
             --variants "ostinato FULL" --all-reduce "$ar" --repeats 30 \
             --out "$OUT/census_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/census.log"
     done
@@ -64,10 +67,31 @@ bench-ubatch)
 bench-default-*)
     shape=${1#bench-default-}
     for tp in 1 2; do
-        timeout 200 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
-            --no-profile --variants "ostinato FULL_AND_PIECEWISE" --all-reduce auto --repeats 30 \
-            --out "$OUT/default_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log"
+        timeout "${LIMIT_S:-200}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
+            --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 \
+            --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm" \
+            --out "$OUT/default_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log" \
+            | grep -E "^\[tp|^ostinato"
     done
+    ;;
+verify)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+    export PYTHONPATH=$PYTHONPATH:.:/tmp/site
+    SECONDS=0
+    bash "$0" tests "serve or symmetric or full-dtype6-one-shot"
+    timeout 150 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider --timeout=140 \
+        tests/engine/test_gpu_engine_loop.py 2>&1 | tee -a "$OUT/gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|^E "
+    echo "tests: $SECONDS s"
+    bash "$0" census-llama-8b | grep -E "^ostinato|^\[tp"
+    echo "census: $SECONDS s"
+    timeout 200 python3 -m benchmarks ubatch --tp 2 --shape llama-8b --repeats 10 \
+        --out "$OUT/ubatch_llama-8b_tp2_h200.json" --plot "$OUT/ubatch_llama-8b_tp2_h200.png" \
+        > "$OUT/ubatch.log" 2>&1
+    tail -7 "$OUT/ubatch.log"
+    echo "ubatch: $SECONDS s"
+    LIMIT_S=$(( (560 - SECONDS) / 2 )) bash "$0" bench-default-llama-8b
+    echo "all: $SECONDS s"
     ;;
 bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"

@@ -4,11 +4,11 @@ one-shot and two-shot all-reduce, chosen against NCCL per message size.
 Every rank of a tensor-parallel group allocates one buffer with
 ``torch.distributed._symmetric_memory.empty`` and maps its peers' buffers
 (``rendezvous``). An all-reduce copies the message into the buffer and runs the
-symmetric-memory kernel over it (one-shot: one kernel that does both, where PyTorch has
-``one_shot_all_reduce_copy``) (peer-to-peer loads over NVLink; NVLink multicast is
-never used), or hands the message to NCCL when the plan says NCCL is faster for that size
-or the message does not fit. The buffer lives outside every graph pool, so graphs captured
-with these kernels replay against the same addresses.
+symmetric-memory kernel over it (peer-to-peer loads over NVLink; NVLink multicast is
+never used; the one-shot copies and reduces in one kernel where PyTorch has
+``one_shot_all_reduce_copy``), or hands the message to NCCL when the plan says NCCL is
+faster for that size or the message does not fit. The buffer lives outside every graph
+pool, so graphs captured with these kernels replay against the same addresses.
 
 The model calls ``torch.ops.ostinato.tp_all_reduce``, an opaque custom op: it runs eagerly,
 inside captured graphs, and inside ``torch.compile``d pieces (it is not a splitting point).

@@ -41,19 +41,22 @@ OSTINATO_VARIANTS = {
 class KernelVariant:
     """A CUDA-only FULL_AND_PIECEWISE variant with other kernels: the attention fusions
     off (``TritonAttention(fused=False)``: RoPE in the model, two ``index_copy_`` K/V
-    writes) or ``KernelOptions`` on, to measure what each changes."""
+    writes) or other ``KernelOptions`` (the layers unfused, PDL off, measured GEMM
+    plans), to measure what each changes."""
 
     fused: bool = True
     kernels: KernelOptions = KernelOptions()
 
 
+_LAYERS_UNFUSED = KernelOptions(pdl=False, fused_layers=False)  # the default until fusion
 KERNEL_VARIANTS = {
-    "ostinato FULL_AND_PIECEWISE unfused": KernelVariant(fused=False),
-    "ostinato FULL_AND_PIECEWISE pdl": KernelVariant(kernels=KernelOptions(pdl=True)),
-    "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
-    "ostinato FULL_AND_PIECEWISE pdl+small-gemm": KernelVariant(
-        kernels=KernelOptions(pdl=True, small_gemm=True)
+    "ostinato FULL_AND_PIECEWISE unfused": KernelVariant(fused=False, kernels=_LAYERS_UNFUSED),
+    "ostinato FULL_AND_PIECEWISE layers-unfused": KernelVariant(kernels=_LAYERS_UNFUSED),
+    "ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm": KernelVariant(
+        kernels=KernelOptions(small_gemm=True, fused_layers=False)
     ),
+    "ostinato FULL_AND_PIECEWISE no-pdl": KernelVariant(kernels=KernelOptions(pdl=False)),
+    "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
@@ -339,8 +342,9 @@ class DecodeSetup:
         return run
 
     def reduce_overhead_step(self, batch: int) -> tuple[Callable[[], torch.Tensor], float]:
-        """The baseline's step for ``batch`` and the seconds its first calls took."""
-        dec = StaticCacheDecoder(self.model, batch, self.max_len)
+        """The baseline's step for ``batch`` and the seconds its first calls took: the
+        model's modules as before the fusions (no GEMM plans, no PDL), compiled by torch."""
+        dec = StaticCacheDecoder(self.model_with(_LAYERS_UNFUSED), batch, self.max_len)
         for name, buf in dec.named_buffers():
             if name[0] in "kv" and name[1:].isdigit():
                 buf.normal_()

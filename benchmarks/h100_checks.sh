@@ -29,8 +29,8 @@ tests)
 kernels)
     # FULL_AND_PIECEWISE with each KernelOptions switch, on the 1.5 B and SmolLM2 shapes.
     # The two most compared variants first and side by side (the machine drifts).
-    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm"
-    v="$v,ostinato FULL_AND_PIECEWISE small-gemm,ostinato FULL_AND_PIECEWISE pdl"
+    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm"
+    v="$v,ostinato FULL_AND_PIECEWISE small-gemm,ostinato FULL_AND_PIECEWISE no-pdl"
     timeout 280 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
         --out "$OUT/kernels_h100.json" --plot "$OUT/kernels_h100.png" 2>&1 \
         | tee "$OUT/kernels.log"

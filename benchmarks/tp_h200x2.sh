@@ -69,7 +69,7 @@ bench-default-*)
     for tp in 1 2; do
         timeout "${LIMIT_S:-200}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
             --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 \
-            --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm" \
+            --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm" \
             --out "$OUT/default_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log" \
             | grep -E "^\[tp|^ostinato"
     done

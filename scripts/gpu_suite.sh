@@ -13,6 +13,8 @@
 #   bash scripts/gpu_suite.sh graphed  # graphed's and the checked replays' GPU tests, the README,
 #                                      # the graph-budget benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh models   # the graphed models benchmark (JSON under $OUT)
+#   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
+#   bash scripts/gpu_suite.sh fusedbench  # the decode benchmark of both shapes, census included
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -56,7 +58,7 @@ kernels)
         run_file "$f" 300
     done
     timeout 200 python3 -m benchmarks --batch-sizes 1,8 --repeats 20 --no-profile \
-        --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE pdl+small-gemm" \
+        --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm" \
         --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/kernels.log"
     ;;
 startup)
@@ -90,13 +92,27 @@ models)
     timeout 570 python3 -m benchmarks.graphed_models --out "$OUT/graphed_models_h200.json" 2>&1 \
         | tee "$OUT/graphed_models.log"
     ;;
+fused)
+    run_file tests/engine/test_gpu_fused_layers.py 420
+    run_file tests/engine/test_gpu_kernel_options.py 150
+    ;;
+fusedbench)
+    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused"
+    v="$v,ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm,ostinato FULL_AND_PIECEWISE no-pdl"
+    v="$v,torch.compile reduce-overhead"
+    timeout 270 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
+        --out "$OUT/decode_llama-1.5b_h200.json" 2>&1 | tee "$OUT/bench_1.5b.log"
+    timeout 270 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
+        --config benchmarks/configs/smollm2_135m.json \
+        --out "$OUT/decode_smollm2_h200.json" 2>&1 | tee "$OUT/bench_smollm2.log"
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench" >&2
     exit 2
     ;;
 esac

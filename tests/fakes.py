@@ -46,6 +46,19 @@ def run_ops(ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]) -> None
                 old.copy_(new)
 
 
+def _reads_the_forward_context(name: str) -> Any:
+    """The Python of an engine op that reads the step from the forward context."""
+    if name == "ostinato::attention":
+        from ostinato.engine.model.attention_op import attention
+
+        return attention
+    if name == "ostinato::norm_qkv":
+        from ostinato.engine.model.fused_ops import norm_qkv
+
+        return norm_qkv
+    return None
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, graph: FakeGraph) -> None:
         super().__init__()
@@ -59,13 +72,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.name() == "ostinato::attention":
-            # The attention op runs Python (it reads the forward context): a real graph
-            # holds the kernels it launches, so record those instead.
-            from ostinato.engine.model.attention_op import attention
-
+        python = _reads_the_forward_context(func.name())
+        if python is not None:
+            # The op runs Python that reads the forward context: a real graph holds the
+            # kernels it launches, so record those instead.
             with _Recorder(self.graph):
-                return attention(*args, **kwargs)
+                return python(*args, **kwargs)
         out = func(*args, **kwargs)
         self.graph.ops.append((func, args, kwargs, out))
         return out

@@ -1,4 +1,4 @@
-"""KernelOptions on the CPU: the options resolve to off, the planned projections compute
+"""KernelOptions on the CPU: the launch options resolve to off, the planned projections compute
 exactly what nn.Linear computes, and the engine and the benchmark take the options."""
 
 import contextlib
@@ -15,15 +15,19 @@ from ostinato.engine.model.presets import shape
 from ostinato.engine.worker.gemm_tuning import plan_small_gemms
 
 
-@pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead"])
+@pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead", "fused_layers"])
 def test_options_refuse_what_is_not_a_bool(field):
     with pytest.raises(TypeError, match=f"KernelOptions.{field}: expected True or False"):
         KernelOptions(**{field: "yes"})
 
 
-def test_options_resolve_to_off_without_cuda():
+def test_launch_options_resolve_to_off_without_cuda_and_the_fused_layers_stay():
     on = KernelOptions(pdl=True, small_gemm=True, compile_ahead=True)
-    assert on.resolved(torch.device("cpu")) == KernelOptions()
+    off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
+    assert on.resolved(torch.device("cpu")) == off
+    assert off.fused_layers  # ops with a CPU implementation: the same model everywhere
+    unfused = KernelOptions(fused_layers=False).resolved(torch.device("cpu"))
+    assert not unfused.fused_layers
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -73,7 +77,7 @@ def test_engine_refuses_kernels_of_the_wrong_type():
 
 def test_engine_on_cpu_accepts_options_and_turns_them_off():
     llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
-    assert llm.runner.kernels == KernelOptions()
+    assert llm.runner.kernels == KernelOptions(pdl=False)
     assert llm.runner.gemm_timings == []
     assert all(linear.plan == () for linear, _ in llm.model.linears())
 
@@ -118,20 +122,12 @@ def test_the_model_carries_one_kernel_options_object_to_every_launching_module()
 
 
 def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks():
-    from ostinato.config import GraphConfig
-    from ostinato.engine.core.kv_cache import KVCache
-    from ostinato.engine.core.limits import EngineLimits
-    from ostinato.engine.model.attention import TorchAttention
-    from ostinato.engine.model.config import ModelConfig
-    from ostinato.engine.model.decoder import DecoderModel
-    from ostinato.engine.model.presets import shape
-    from ostinato.engine.worker.runner import ModelRunner
+    from ostinato.engine.worker.runner import runner_kernels
 
-    config = ModelConfig.from_hf(shape("tiny"))
-    model = DecoderModel(config, kernels=KernelOptions(pdl=True))
-    cache = KVCache(config.num_layers, 8, 16, config.num_kv_heads, config.head_dim,
-                    torch.float32, torch.device("cpu"))  # fmt: skip
-    limits = EngineLimits(4, 64, 64, 16)
+    built = KernelOptions(pdl=True)
+    # Without Triton (this machine) a CUDA device resolves PDL off: the model's kernels
+    # would launch with an option the device cannot run.
     with pytest.raises(ValueError, match="build it with KernelOptions.resolved"):
-        ModelRunner(model, cache, TorchAttention(), limits, GraphConfig(mode=None),
-                    torch.device("cpu"), progress=False)  # fmt: skip
+        runner_kernels(built, torch.device("cuda"))
+    # Off CUDA nothing launches with it: the runner follows the resolved options.
+    assert runner_kernels(built, torch.device("cpu")) == KernelOptions(pdl=False)

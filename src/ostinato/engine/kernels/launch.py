@@ -15,11 +15,14 @@ specialises on) compiles nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
+
+import torch
 
 _ahead: ContextVar[bool] = ContextVar("ostinato_triton_compile_ahead", default=False)
 
@@ -68,3 +71,14 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
             yield
     finally:
         _ahead.reset(token)
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (the current one without an
+    index): what a kernel's grid is sized against."""
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -26,10 +26,18 @@ def triton_runs_on(device: torch.device) -> bool:
 class KernelOptions:
     """Launch choices for the engine's kernels.
 
-    ``pdl``: programmatic dependent launch (Hopper and newer). ostinato's Triton kernels
-    (norms, K/V write, attention, small GEMMs) and Inductor's are launched so that each
-    may start while its predecessor drains; each waits (``griddepcontrol.wait``) before
-    touching memory, so results are unchanged. Ignored on devices without it.
+    ``fused_layers`` (on by default): each decoder layer's two norm-then-projection pairs
+    are the ops of ``model.fused_ops``; on CUDA at most ``small_gemm.MAX_ROWS`` (16) rows
+    (decode) make each one kernel, the QKV one also writing the keys (rotated) and values
+    to the cache, and every projection of such a step runs the Triton GEMM: a layer is
+    five kernels and attention's split-KV merge. Larger batches, and other devices, run
+    the unfused kernels, the same arithmetic.
+
+    ``pdl`` (on by default where the device has it): programmatic dependent launch
+    (Hopper and newer). ostinato's Triton kernels (norms, K/V write, attention, small
+    GEMMs) and Inductor's are launched so that each may start while its predecessor
+    drains; each waits (``griddepcontrol.wait``) before touching memory, so results are
+    unchanged. Turned off by ``resolved`` on devices without it.
 
     ``small_gemm``: projections whose row count is at most ``small_gemm.MAX_ROWS`` (16) use a
     Triton GEMM (the down projection with SiLU·mul fused into its load) wherever a
@@ -44,12 +52,13 @@ class KernelOptions:
     are unchanged; it only moves compile time.
     """
 
-    pdl: bool = False
+    pdl: bool = True
     small_gemm: bool = False
     compile_ahead: bool = False
+    fused_layers: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("pdl", "small_gemm", "compile_ahead"):
+        for name in ("pdl", "small_gemm", "compile_ahead", "fused_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"KernelOptions.{name}: expected True or False, got {getattr(self, name)!r}"
@@ -57,8 +66,9 @@ class KernelOptions:
 
     def resolved(self, device: torch.device) -> KernelOptions:
         """These options with what ``device`` cannot do turned off (PDL needs compute
-        capability 9.0; all need CUDA and Triton)."""
+        capability 9.0; the launch options need CUDA and Triton). ``fused_layers`` stays:
+        its ops run everywhere, unfused where the kernel cannot."""
         if not triton_runs_on(device):
-            return KernelOptions()
+            return replace(self, pdl=False, small_gemm=False, compile_ahead=False)
         major, _ = torch.cuda.get_device_capability(device)
         return replace(self, pdl=self.pdl and major >= 9)

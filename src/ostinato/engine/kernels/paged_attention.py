@@ -16,14 +16,12 @@ does. That removes a layer's rotation kernels and lets q, k, v stay strided view
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ostinato.engine.kernels.attention_launch import AttentionLaunch
-from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.launch import launch, num_sms
 from ostinato.engine.kernels.pdl import pdl_enter
 
 MAX_SPLITS = 16
@@ -180,14 +178,9 @@ def _merge_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_splits(num_tokens: int, kv_heads: int, device: torch.device) -> int:
     """Programs per (token, KV head): enough for about two waves over the GPU's SMs."""
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device)
     want = (2 * sms) // max(1, num_tokens * kv_heads)
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
 

@@ -1,18 +1,33 @@
-"""A Triton GEMM for projections of at most 16 rows (decode), with split-K.
+"""A Triton GEMM for projections of at most 16 rows (decode), with split-K, and the
+fusions a decoder layer needs around it.
 
-``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``: a program per ``BLOCK_N`` output columns
-and ``1/SPLIT_K`` of K, so even a narrow projection spreads its weight read over the
-GPU. With ``SPLIT_K > 1`` each program stores its float32 partial tile, bumps a counter
-per column tile, and the program that arrives last sums the partials, adds the bias,
-writes the output and resets the counter to zero: the reduction needs no second kernel
-(cuBLAS's split-K launches one) and the counters are zero again after every call, so a
-captured graph replays on them.
+``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``: a program per column tile and ``1/SPLIT_K``
+of K, so even a narrow projection spreads its weight read over the GPU. With
+``SPLIT_K > 1`` each program stores its float32 partial tile, bumps a counter per column
+tile, and the program that arrives last sums the partials, runs the epilogue and resets
+the counter to zero: the reduction needs no second kernel (cuBLAS's split-K launches one)
+and the counters are zero again after every call, so a captured graph replays on them.
 
-``SWIGLU``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and each program accumulates
-its gate and up columns side by side and writes ``silu(gate) * up`` (both rounded to
-the output dtype first, then the product in float32 rounded once, as the unfused
-GEMM-then-Inductor-kernel does): a SwiGLU's gate/up projection and its activation in
-one kernel.
+Each program accumulates one or two tiles of ``BLOCK_N`` columns: the second starts
+``OFF2`` weight rows after the first. What the last program does with them is the
+*epilogue*:
+
+- ``PLAIN``: one tile (plus the bias), stored.
+- ``SWIGLU``: ``w`` is ``[2N, K]`` (gate rows, then up rows; ``OFF2 = N``) and the
+  program writes ``silu(gate) * up`` (both rounded to the output dtype first, then the
+  product in float32 rounded once, as the unfused GEMM-then-Inductor-kernel does).
+- ``ROPE_KV``: ``w`` is a QKV projection and each program owns one head: its two
+  halves are the two tiles (``OFF2 = head_dim / 2``). Query heads are stored to the
+  output (unrotated; the attention kernel rotates them as it loads them), key heads are
+  rotated (rotate-half RoPE, float32, rounded once) and stored with the value heads at
+  their cache slots, as ``paged_attention.write_kv_fused`` stores them. With
+  ``QK_NORM`` (Qwen3) each query and key head is RMS-normed first.
+
+``NORM`` (a prologue): the rows ``x`` are first ``rms_norm(x (+ residual)) * norm_weight``
+with transformers' arithmetic (the sum rounded to the input dtype, the row in float32,
+``h * rsqrt(mean(h^2) + eps)`` rounded, times the weight, rounded): every program sums its
+rows' squares over the whole row before its K loop, and normalises each tile as it loads
+it. With ``ADD`` the program of tile 0, split 0 also stores the sum (the new residual).
 
 With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the first
 ``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
@@ -27,34 +42,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
+    BLOCK_K,
+    CONFIGS,
+    MAX_ROWS,
+    GemmConfig,
+    counters_needed,
+    k_per_split,
+)
 from ostinato.engine.kernels.launch import launch
 from ostinato.engine.kernels.pdl import pdl_enter
 
-MAX_ROWS = 16  # the one row tile of this GEMM (tl.dot's smallest M)
-
-BLOCK_K = 128
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
 LINE = 64  # 16-bit elements per 128-byte cache line
+NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
 
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One launch shape of the small GEMM: output columns per program, K splits, warps."""
-
-    block_n: int
-    split_k: int
-    num_warps: int = 4
-
-
-# The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
-# names ``CONFIGS[i - 1]``, 0 names cuBLAS. On the H100 the narrow 16-column tiles never
-# won, so they are not tried.
-CONFIGS: tuple[GemmConfig, ...] = (
-    GemmConfig(32, 1),
-    GemmConfig(32, 4),
-    GemmConfig(64, 1),
-    GemmConfig(64, 2),
-)
+PLAIN, SWIGLU, ROPE_KV = 0, 1, 2  # the epilogues
 
 
 @triton.jit
@@ -70,35 +73,106 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _small_gemm_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    out_ptr,
-    part_ptr,
-    count_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    N_PAD,
-    K_PER,
-    HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
-    LINE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+def _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, mask, ADD: tl.constexpr):
+    """Rows ``x`` (plus ``residual``, rounded to x's dtype as torch's add rounds) at
+    columns ``ks``."""
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _row_rstd(
+    x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
+    ADD: tl.constexpr, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr,
+):  # fmt: skip
+    """``rsqrt(mean(h^2) + eps)`` of each row ``h = x (+ residual)`` over all K columns;
+    with ``ADD`` and ``writer``, ``h`` is stored to ``total`` on the way."""
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, NORM_K)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, NORM_K):
+        ks = k0 + rk
+        mask = (rm[:, None] < M) & (ks[None, :] < K)
+        h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, mask, ADD)
+        if ADD:
+            if writer:
+                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        ss += tl.sum(hf * hf, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _head_norm(a, b, rstd_eps, w_ptr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Both halves of each row's head RMS-normed (``QK_NORM``), in the norm's arithmetic."""
+    ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+    rstd = tl.rsqrt(ss / (2 * HALF) + rstd_eps)[:, None]
+    c = tl.arange(0, HALF)
+    wa = tl.load(w_ptr + c).to(tl.float32)[None, :]
+    wb = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
+    a = (wa * (a * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    b = (wb * (b * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _rope_kv_epilogue(
+    a, b, rm, M, head, out_ptr, stride_om, cos_ptr, sin_ptr, stride_rt, slot_ptr,
+    kc_ptr, vc_ptr, stride_cs, stride_ch, qn_ptr, kn_ptr, eps,
+    Q_HEADS, KV_HEADS, QK_NORM: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Stores one head of a QKV projection's rows (see ``ROPE_KV``)."""
+    dtype = out_ptr.dtype.element_ty
+    c = tl.arange(0, HALF)
+    rows = rm[:, None] < M
+    if head < Q_HEADS:
+        if QK_NORM:
+            a, b = _head_norm(a, b, eps, qn_ptr, HALF, dtype)
+        q = out_ptr + rm[:, None] * stride_om + head * 2 * HALF + c[None, :]
+        tl.store(q, a.to(dtype), mask=rows)
+        tl.store(q + HALF, b.to(dtype), mask=rows)
+    else:
+        slot = tl.load(slot_ptr + rm, mask=rm < M, other=0).to(tl.int64)
+        at = slot[:, None] * stride_cs + c[None, :]
+        if head < Q_HEADS + KV_HEADS:
+            if QK_NORM:
+                a, b = _head_norm(a, b, eps, kn_ptr, HALF, dtype)
+            r = rm[:, None] * stride_rt + c[None, :]
+            ca = tl.load(cos_ptr + r, mask=rows, other=0.0).to(tl.float32)
+            cb = tl.load(cos_ptr + r + HALF, mask=rows, other=0.0).to(tl.float32)
+            sa = tl.load(sin_ptr + r, mask=rows, other=0.0).to(tl.float32)
+            sb = tl.load(sin_ptr + r + HALF, mask=rows, other=0.0).to(tl.float32)
+            # rotate-half: [a, b] * cos + [-b, a] * sin, float32, rounded once
+            ra = a * ca + (-b) * sa
+            rb = b * cb + a * sb
+            k = kc_ptr + at + (head - Q_HEADS) * stride_ch
+            tl.store(k, ra.to(kc_ptr.dtype.element_ty), mask=rows)
+            tl.store(k + HALF, rb.to(kc_ptr.dtype.element_ty), mask=rows)
+        else:
+            v = vc_ptr + at + (head - Q_HEADS - KV_HEADS) * stride_ch
+            tl.store(v, a.to(vc_ptr.dtype.element_ty), mask=rows)
+            tl.store(v + HALF, b.to(vc_ptr.dtype.element_ty), mask=rows)
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
+    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
+    M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
+    N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
+    NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    TWO: tl.constexpr = EPILOGUE != 0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * TILE_STRIDE + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
@@ -108,61 +182,205 @@ def _small_gemm_kernel(
         rows = tl.minimum(rn, N - 1)
         pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
         _prefetch_l2(pre)
-        if SWIGLU:
-            _prefetch_l2(pre + N * stride_wn)
+        if TWO:
+            _prefetch_l2(pre + OFF2 * stride_wn)
     pdl_enter(USE_PDL)
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        writer = (pid_n == 0) & (pid_k == 0)
+        rstd = _row_rstd(
+            x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
+            ADD, BLOCK_M, NORM_K,
+        )  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
         ks = k_lo + k0 + rk
         x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
+            y = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+            nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
+            x = (nw[None, :] * y.to(tl.float32)).to(dtype)
+        else:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         w_mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
         w_ptrs = w_ptr + rn[None, :] * stride_wn + ks[:, None]
         acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
-        if SWIGLU:
-            up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, up, acc_up)
-    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out_offs = rm[:, None] * stride_om + rn[None, :]
-    dtype = out_ptr.dtype.element_ty
+        if TWO:
+            acc2 = tl.dot(x, tl.load(w_ptrs + OFF2 * stride_wn, mask=w_mask, other=0.0), acc2)
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
-        tile = rm[:, None] * N_PAD + rn[None, :]
+        tile = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
         mine = part_ptr + pid_k * 2 * BLOCK_M * N_PAD + tile
         tl.store(mine, acc)
-        if SWIGLU:
-            tl.store(mine + BLOCK_M * N_PAD, acc_up)
+        if TWO:
+            tl.store(mine + BLOCK_M * N_PAD, acc2)
         # acq_rel: this program's partial is visible before its count, and the last
         # program sees every other partial after reading the count.
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         last = arrived == SPLIT_K - 1
         if last:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT_K):
                 theirs = part_ptr + s * 2 * BLOCK_M * N_PAD + tile
                 acc += tl.load(theirs, cache_modifier=".cg")
-                if SWIGLU:
-                    acc_up += tl.load(theirs + BLOCK_M * N_PAD, cache_modifier=".cg")
+                if TWO:
+                    acc2 += tl.load(theirs + BLOCK_M * N_PAD, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
     else:
         last = True
     if last:
-        if SWIGLU:
-            g = acc.to(dtype).to(tl.float32)
-            y = g * tl.sigmoid(g) * acc_up.to(dtype).to(tl.float32)
+        wdtype = w_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            if TWO:
+                acc2 += tl.load(b_ptr + OFF2 + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE == 2:
+            a = acc.to(wdtype).to(tl.float32)  # the projection's output, as stored unfused
+            b = acc2.to(wdtype).to(tl.float32)
+            _rope_kv_epilogue(
+                a, b, rm, M, pid_n, out_ptr, stride_om, cos_ptr, sin_ptr, stride_rt, slot_ptr,
+                kc_ptr, vc_ptr, stride_cs, stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS,
+                QK_NORM, BLOCK_N,
+            )  # fmt: skip
         else:
-            y = acc
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, y.to(dtype), mask=out_mask)
+            if EPILOGUE == 1:
+                g = acc.to(wdtype).to(tl.float32)
+                y = g * tl.sigmoid(g) * acc2.to(wdtype).to(tl.float32)
+            else:
+                y = acc
+            out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+            out_offs = rm[:, None] * stride_om + rn[None, :]
+            tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def counters_needed(n: int) -> int:
-    """Counter entries a projection with ``n`` output columns needs (one per column tile
-    of the narrowest config)."""
-    return triton.cdiv(n, min(c.block_n for c in CONFIGS))
+@dataclass(frozen=True)
+class NormPrologue:
+    """The RMSNorm in front of a projection: its ``weight`` (``[K]``, the rows' dtype)
+    and ``eps``; with ``residual`` (``[M, K]``) the norm is of ``x + residual``, and that
+    sum is stored to ``total`` (``[M, K]``, contiguous rows)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RopeKV:
+    """Where a QKV projection's heads go (``ROPE_KV``): ``cos``, ``sin`` ``[M, 1, d]`` for
+    the keys, the layer's caches ``[blocks, block_size, kv_heads, d]``, each row's flat
+    cache slot, the head counts, and the Qwen3 per-head norm weights (``[d]``) with
+    their ``eps``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_heads: int
+    kv_heads: int
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError(
+            f"small_gemm: needs x [<= {MAX_ROWS}, K] with a contiguous last dim and a "
+            f"contiguous weight, got x {tuple(x.shape)} strides {x.stride()}"
+        )
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"small_gemm: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
+        )
+
+
+def _norm_args(x: torch.Tensor, norm: NormPrologue | None) -> tuple[torch.Tensor, ...]:
+    """``(norm weight, residual, total)`` pointers for the kernel (``x`` where unused)."""
+    if norm is None:
+        return x, x, x
+    m, k = x.shape
+    if norm.weight.shape != (k,) or norm.weight.dtype != x.dtype:
+        raise ValueError(f"small_gemm: norm weight must be [{k}] {x.dtype}")
+    if norm.residual is None:
+        return norm.weight, x, x
+    for name, t in (("residual", norm.residual), ("total", norm.total)):
+        if t is None or t.shape != x.shape or t.dtype != x.dtype or t.stride(-1) != 1:
+            raise ValueError(
+                f"small_gemm: {name} must be {tuple(x.shape)} {x.dtype}, rows contiguous"
+            )
+    return norm.weight, norm.residual, norm.total
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    epilogue: int,
+    n: int,
+    block_n: int,
+    split_k: int,
+    tile_stride: int,
+    off2: int,
+    norm: NormPrologue | None,
+    rope: RopeKV | None,
+    pdl: bool,
+    num_warps: int = 4,
+) -> None:
+    """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles."""
+    m, k = x.shape
+    tiles = triton.cdiv(n, tile_stride)
+    n_pad = tiles * block_n
+    if split_k > 1:
+        if counters.numel() < tiles:
+            raise ValueError(f"small_gemm: {counters.numel()} counters for {tiles} tiles")
+        part = torch.empty((split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=x.device)
+    else:
+        part = out
+    nw, res, total = _norm_args(x, norm)
+    cos = sin = slots = kc = vc = qn = kn = x
+    stride_rt = stride_cs = stride_ch = q_heads = kv_heads = 0
+    eps = norm.eps if norm is not None else 0.0
+    if rope is not None:
+        cos, sin, slots = rope.cos, rope.sin, rope.slot_mapping
+        kc = rope.k_cache.view(-1, rope.kv_heads, rope.k_cache.shape[-1])
+        vc = rope.v_cache.view(-1, rope.kv_heads, rope.v_cache.shape[-1])
+        qn = rope.q_norm if rope.q_norm is not None else x
+        kn = rope.k_norm if rope.k_norm is not None else x
+        stride_rt, stride_cs, stride_ch = cos.stride(0), kc.stride(0), kc.stride(1)
+        q_heads, kv_heads = rope.q_heads, rope.kv_heads
+        eps = rope.eps  # the head norms' (the row norm's is the same config value)
+    launch(
+        _gemm_kernel,
+        (tiles, split_k),
+        x, res, total, nw, weight, bias if bias is not None else weight, out, part,
+        counters, cos, sin, slots, kc, vc, qn, kn,
+        m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
+        n_pad, k_per_split(k, split_k), tile_stride, off2, eps, stride_rt, stride_cs, stride_ch,
+        q_heads, kv_heads,
+        NORM=norm is not None,
+        ADD=norm is not None and norm.residual is not None,
+        HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue,
+        QK_NORM=rope is not None and rope.q_norm is not None,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
+        NORM_K=min(NORM_K, triton.next_power_of_2(k)),
+        SPLIT_K=split_k,
+        PREFETCH_K=PREFETCH_K,
+        LINE=LINE,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        launch_pdl=pdl,
+    )  # fmt: skip
 
 
 def small_gemm(
@@ -173,63 +391,66 @@ def small_gemm(
     config: GemmConfig,
     swiglu: bool = False,
     pdl: bool = False,
+    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of at most ``MAX_ROWS`` rows with a
     contiguous last dimension; with ``swiglu`` (no bias), ``silu(g) * u`` of its two
-    halves ``[g | u]``. ``counters``: int32 zeros, at least ``counters_needed(N)``, not
-    shared with a call that may run at the same time; zero again when the kernel ends."""
-    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1 or not weight.is_contiguous():
-        raise ValueError(
-            f"small_gemm: needs x [<= {MAX_ROWS}, K] with a contiguous last dim and a "
-            f"contiguous weight, got x {tuple(x.shape)} strides {x.stride()}"
-        )
-    m, k = x.shape
+    halves ``[g | u]``; with ``norm``, of the normed rows (``NormPrologue``).
+    ``counters``: int32 zeros, at least ``counters_needed(N)``, not shared with a call
+    that may run at the same time; zero again when the kernel ends."""
+    _check_rows(x, weight)
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if weight.shape[1] != k or (swiglu and (bias is not None or weight.shape[0] % 2)):
+    if swiglu and (bias is not None or weight.shape[0] % 2):
         raise ValueError(
-            f"small_gemm: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
-            + (" (swiglu: an even row count, no bias)" if swiglu else "")
+            f"small_gemm: swiglu needs an even row count and no bias, got weight "
+            f"{tuple(weight.shape)}"
         )
-    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
-    if m == 0:
+    out = torch.empty((x.shape[0], n), dtype=weight.dtype, device=x.device)
+    if x.shape[0] == 0:
         return out
-    tiles = triton.cdiv(n, config.block_n)
-    n_pad = tiles * config.block_n
-    if config.split_k > 1:
-        if counters.numel() < tiles:
-            raise ValueError(f"small_gemm: {counters.numel()} counters for {tiles} tiles")
-        part = torch.empty(
-            (config.split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=x.device
+    _launch(
+        x, weight, bias, counters, out,
+        epilogue=SWIGLU if swiglu else PLAIN, n=n, block_n=config.block_n,
+        split_k=config.split_k, tile_stride=config.block_n, off2=n if swiglu else 0,
+        norm=norm, rope=None, pdl=pdl, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def qkv_rope_kv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    split_k: int,
+    rope: RopeKV,
+    norm: NormPrologue | None = None,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A QKV projection of at most ``MAX_ROWS`` rows in one kernel: returns the query
+    heads ``[M, q_heads * d]`` (QK-normed, unrotated; into ``out`` when given, any row
+    stride) and stores the rotated keys and the values at ``rope.slot_mapping`` in the
+    caches (see ``ROPE_KV``); with ``norm``, of the normed rows. ``d`` a power of two
+    >= 32; one counter per head."""
+    _check_rows(x, weight)
+    d = rope.k_cache.shape[-1]
+    heads = rope.q_heads + 2 * rope.kv_heads
+    if d < 32 or d & (d - 1) or weight.shape[0] != heads * d:
+        raise ValueError(
+            f"qkv_rope_kv: weight {tuple(weight.shape)} is not {heads} heads of a "
+            f"power-of-two head dim >= 32 (cache head dim {d})"
         )
-    else:
-        part = out
-    launch(
-        _small_gemm_kernel,
-        (tiles, config.split_k),
-        x,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        part,
-        counters,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        n_pad,
-        triton.cdiv(triton.cdiv(k, config.split_k), BLOCK_K) * BLOCK_K,
-        HAS_BIAS=bias is not None,
-        SWIGLU=swiglu,
-        BLOCK_M=MAX_ROWS,
-        BLOCK_N=config.block_n,
-        BLOCK_K=BLOCK_K,
-        SPLIT_K=config.split_k,
-        PREFETCH_K=PREFETCH_K,
-        LINE=LINE,
-        USE_PDL=pdl,
-        num_warps=config.num_warps,
-        launch_pdl=pdl,
-    )
+    shape = (x.shape[0], rope.q_heads * d)
+    if out is None:
+        out = torch.empty(shape, dtype=weight.dtype, device=x.device)
+    elif out.shape != shape or out.stride(-1) != 1:
+        raise ValueError(f"qkv_rope_kv: out must be {shape} with a contiguous last dim")
+    if x.shape[0] == 0:
+        return out
+    _launch(
+        x, weight, bias, counters, out,
+        epilogue=ROPE_KV, n=weight.shape[0], block_n=d // 2, split_k=split_k,
+        tile_stride=d, off2=d // 2, norm=norm, rope=rope, pdl=pdl,
+    )  # fmt: skip
     return out

@@ -19,6 +19,7 @@ from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
     attention_op,
+    fused_ops,
     norm_op,
 )
 from ostinato.engine.model.config import ModelConfig
@@ -57,10 +58,17 @@ class Attention(nn.Module):
     kernel loads it): no rotation kernels, and q, k and v stay views of the QKV output.
     """
 
-    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        tp: TensorParallel,
+        kernels: KernelOptions | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.tp = tp
+        self.kernels = kernels or KernelOptions()  # read where the fused op launches
         # Column-parallel q/k/v (whole heads per rank), row-parallel o with an all-reduce.
         self.heads = tp.split(config.num_heads, "num_attention_heads")
         self.kv_heads = tp.split(config.num_kv_heads, "num_key_value_heads")
@@ -107,6 +115,32 @@ class Attention(nn.Module):
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         return self.tp.all_reduce(self.o_proj(out.view(x.shape[0], self.q_size)))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's output for ``norm(x + residual)``, ``x + residual``; ``x`` itself
+        without a residual): ``forward`` with the norm in front, the norm, the QKV
+        projection and the K/V write as one op (``ostinato::norm_qkv``)."""
+        qkv = self.qkv_proj
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        q, total = torch.ops.ostinato.norm_qkv(
+            x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.counters,
+            list(qkv.plan), q_norm, k_norm, cos, sin, self.layer, self.heads, self.kv_heads,
+            self.kernels.pdl,
+        )  # fmt: skip
+        n = x.shape[0]
+        q = q.view(n, self.heads, self.head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        torch.ops.ostinato.attention(q, None, None, out, self.layer, self.scale, cos, sin)
+        o = self.tp.all_reduce(self.o_proj(out.view(n, self.q_size)))
+        return o, x if residual is None else total
+
 
 class Mlp(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
@@ -127,25 +161,43 @@ class Mlp(nn.Module):
         up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
         return self.tp.all_reduce(self.down_proj(up))
 
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``forward(norm(x + residual))``, ``x + residual``), the norm, the gate/up
+        projection and SiLU·mul as one op (``ostinato::norm_swiglu``)."""
+        gate_up = self.gate_up_proj
+        act, total = torch.ops.ostinato.norm_swiglu(
+            x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.counters,
+            list(gate_up.plan), self.kernels.pdl,
+        )  # fmt: skip
+        return self.tp.all_reduce(self.down_proj(act)), total
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections. The residual sum is
     carried beside the hidden states and each add happens inside the next norm (as
     vLLM's layers do): ``forward(x, residual)`` returns the MLP's output and the sum
-    before it, which the next layer's (or the final) norm adds."""
+    before it, which the next layer's (or the final) norm adds. With
+    ``KernelOptions.fused_layers`` each norm runs inside the op of the projection after
+    it (``fused_ops``): the same function, in fewer kernels."""
 
     def __init__(
         self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelOptions
     ) -> None:
         super().__init__()
+        self.fused = kernels.fused_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = Attention(config, layer, tp)
+        self.self_attn = Attention(config, layer, tp, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = Mlp(config, tp, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            h, residual = self.self_attn.forward_fused(x, residual, self.input_layernorm, cos, sin)
+            return self.mlp.forward_fused(h, residual, self.post_attention_layernorm)
         if residual is None:  # the first layer: x is the embedding
             residual, h = x, self.input_layernorm(x)
         else:

@@ -80,6 +80,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.plan: tuple[int, ...] = ()
         self.pdl = False
+        # The split-K counters of a plan (``use_plan``); none until one is given.
+        self.register_buffer("counters", torch.zeros(0, dtype=torch.int32), persistent=False)
 
     def use_plan(self, plan: tuple[int, ...], counters: int, pdl: bool) -> None:
         """Routes row counts through ``plan`` (empty: plain ``nn.Linear`` again), with

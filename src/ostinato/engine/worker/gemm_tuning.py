@@ -127,7 +127,7 @@ def plan_small_gemms(
             logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
         plan = plans[key]
         if any(plan):
-            from ostinato.engine.kernels.small_gemm import counters_needed
+            from ostinato.engine.kernels.gemm_launch import counters_needed
 
             linear.use_plan(plan, counters_needed(w.shape[0]), pdl)
         else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
@@ -139,6 +139,26 @@ def plan_small_gemms(
 
 def _plan_sizes(rows: Sequence[int]) -> list[int]:
     """The row counts of ``rows`` the small GEMM's one row tile covers (needs Triton)."""
-    from ostinato.engine.kernels.small_gemm import MAX_ROWS
+    from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 
     return sorted({r for r in rows if 1 <= r <= MAX_ROWS})
+
+
+def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
+    """Gives every 16-bit CUDA projection of ``linears`` still without a Triton plan the
+    Triton GEMM at every row count it covers, in the config ``gemm_launch.pick_config``
+    names for its shape: what a model with ``KernelOptions.fused_layers`` runs where
+    nothing was measured (and where cuBLAS measured faster: a fused step chains every
+    kernel with PDL, which cuBLAS does not take part in)."""
+    for linear, swiglu in linears:
+        w = linear.weight
+        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        if any(linear.plan):
+            continue
+        from ostinato.engine.kernels.gemm_launch import MAX_ROWS, counters_needed, pick_config
+        from ostinato.engine.kernels.launch import num_sms
+
+        n = w.shape[0] // 2 if swiglu else w.shape[0]
+        choice = pick_config(n, w.shape[1], num_sms(w.device))
+        linear.use_plan((0,) + (choice,) * MAX_ROWS, counters_needed(w.shape[0]), pdl)

@@ -21,6 +21,7 @@ from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.kernels.launch import compile_ahead
+from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
@@ -28,7 +29,7 @@ from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.worker.compile_cache import CompileCache
-from ostinato.engine.worker.gemm_tuning import GemmTiming, plan_small_gemms
+from ostinato.engine.worker.gemm_tuning import GemmTiming, default_plans, plan_small_gemms
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.ubatch_tuning import UbatchTiming, chosen, measure
 from ostinato.guard import capture_phase
@@ -111,13 +112,9 @@ class ModelRunner:
             progress=progress,
         )
         # The model's own kernel options (it was built with them): what the compiled
-        # pieces, the small-GEMM plans and compile-ahead follow here too.
-        self.kernels = model.kernels
-        if self.kernels != self.kernels.resolved(device):
-            raise ValueError(
-                f"kernels: the model was built with {self.kernels}, which {device} cannot "
-                "run; build it with KernelOptions.resolved(device)"
-            )
+        # pieces, the small-GEMM plans and compile-ahead follow here too. Off CUDA no
+        # launch option reaches a kernel, so a model built with them runs as resolved.
+        self.kernels = runner_kernels(model.kernels, device)
         for linear, _ in model.linears():  # no plan left by an earlier runner of the model
             linear.use_plan((), 0, False)
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
@@ -253,9 +250,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def plan_kernels(self) -> list[GemmTiming]:
-        """Measures and sets the small-GEMM plans once (``KernelOptions.small_gemm``);
-        ``compile`` and ``capture`` call it first, since the plans are constants of the
-        compiled graph. Returns the measurements (empty when not asked for)."""
+        """Measures and sets the small-GEMM plans once (``KernelOptions.small_gemm``),
+        then with ``fused_layers`` gives the Triton GEMM to every projection left
+        without one (``default_plans``); ``compile`` and ``capture`` call it first, since
+        the plans are constants of the compiled graph. Returns the measurements (empty
+        when not asked for)."""
         if self.gemm_timings is None:
             self.gemm_timings = (
                 plan_small_gemms(
@@ -267,6 +266,8 @@ class ModelRunner:
                 if self.small_gemm_rows
                 else []
             )
+            if self.kernels.fused_layers:
+                default_plans(self.model.linears(), self.kernels.pdl)
         return self.gemm_timings
 
     @torch.inference_mode()
@@ -572,6 +573,20 @@ class ModelRunner:
         else:
             compute = comm = None
         return self._ubatch_threads.run(run, compute, comm)
+
+
+def runner_kernels(built: KernelOptions, device: torch.device) -> KernelOptions:
+    """The options a runner on ``device`` follows for a model built with ``built``: as
+    resolved for the device. On CUDA a model built with an option the device cannot run
+    is refused (its kernels would launch with it); elsewhere no launch option reaches a
+    kernel, so it runs as resolved."""
+    kernels = built.resolved(device)
+    if device.type == "cuda" and kernels != built:
+        raise ValueError(
+            f"kernels: the model was built with {built}, which {device} cannot run; "
+            "build it with KernelOptions.resolved(device)"
+        )
+    return kernels
 
 
 def _inductor_pdl() -> dict[str, bool]:

@@ -1,0 +1,78 @@
+"""How the small GEMM (``small_gemm``) is launched: its row tile, its candidate configs and
+the choice made without a measurement. Plain Python, importable without Triton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ostinato.mathutil import ceil_div
+
+MAX_ROWS = 16  # the one row tile of the GEMM (tl.dot's smallest M)
+BLOCK_K = 128  # K columns per step of its loop
+MAX_SPLIT_K = 8
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch shape of the small GEMM: output columns per program, K splits, warps."""
+
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+
+
+# The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
+# names ``CONFIGS[i - 1]``, 0 names cuBLAS. On the H100 the narrow 16-column tiles never
+# won, so they are not tried.
+CONFIGS: tuple[GemmConfig, ...] = (
+    GemmConfig(32, 1),
+    GemmConfig(32, 4),
+    GemmConfig(64, 1),
+    GemmConfig(64, 2),
+)
+
+
+def k_per_split(k: int, split_k: int) -> int:
+    """Columns of K per split, in whole ``BLOCK_K`` tiles."""
+    return ceil_div(ceil_div(k, split_k), BLOCK_K) * BLOCK_K
+
+
+def working_splits(k: int, split_k: int) -> int:
+    """How many of ``split_k`` splits get columns (the last ones may get none)."""
+    return ceil_div(k, k_per_split(k, split_k))
+
+
+def pick_config(n: int, k: int, sms: int) -> int:
+    """The plan entry (1-based into ``CONFIGS``) used without a measurement for ``n``
+    output columns over ``k``: the fewest K splits whose working programs (column tiles
+    times splits with columns) cover all ``sms`` SMs, since a skinny GEMM is a weight
+    read and an idle SM reads nothing; if none does, the most working programs, then the
+    fewest splits. Deterministic in ``(n, k, sms)``."""
+
+    def key(config: GemmConfig) -> tuple[bool, int, int, int]:
+        programs = ceil_div(n, config.block_n) * working_splits(k, config.split_k)
+        covered = programs >= sms
+        return (covered, 0 if covered else programs, -config.split_k, -config.block_n)
+
+    best = max(CONFIGS, key=key)
+    return CONFIGS.index(best) + 1
+
+
+def rope_split_k(heads: int, k: int, sms: int) -> int:
+    """K splits for the QKV projection whose programs each own one of ``heads`` heads: a
+    power of two, doubled while the working programs leave SMs idle and doubling adds
+    working splits, at most ``MAX_SPLIT_K``."""
+    split = 1
+    while (
+        heads * working_splits(k, split) < sms
+        and split < MAX_SPLIT_K
+        and working_splits(k, 2 * split) > working_splits(k, split)
+    ):
+        split *= 2
+    return split
+
+
+def counters_needed(n: int) -> int:
+    """Counter entries a projection with ``n`` output columns needs (one per column tile
+    of the narrowest config; a QKV head spans at least one)."""
+    return ceil_div(n, min(c.block_n for c in CONFIGS))

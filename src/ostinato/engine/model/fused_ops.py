@@ -1,0 +1,204 @@
+"""A decoder layer's two norm-then-projection pairs as custom ops, opaque to torch.compile:
+
+- ``ostinato::norm_qkv``: the input RMSNorm (with the residual add), the QKV projection,
+  the Qwen3 head norms, and the K/V cache write with RoPE on the keys. Returns the query
+  heads, unrotated (the attention op rotates them), and the residual sum.
+- ``ostinato::norm_swiglu``: the post-attention RMSNorm (with the residual add), the
+  gate/up projection and SiLU·mul. Returns the activation and the residual sum.
+
+Each is one kernel (``small_gemm``'s NORM prologue with its ROPE_KV or SWIGLU epilogue)
+where that kernel can run: on CUDA, 16-bit weights, at most ``MAX_ROWS`` rows, a plan
+entry for that row count (``Linear.use_plan``: the runner gives one to every projection
+of a fused model), and for ``norm_qkv`` the Triton attention backend's cache layout.
+Elsewhere each runs the unfused ops in sequence, the ones the layer ran before fusion:
+the same arithmetic, and on the CPU the same bits. The forward context supplies the
+step's cache, slots and backend, as it does to ``ostinato::attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ostinato.context import get_forward_context
+from ostinato.engine.model.attention import TritonAttention
+from ostinato.engine.model.rope import apply_rope
+
+_lib = torch.library.Library("ostinato", "FRAGMENT")
+_lib.define(
+    "norm_qkv(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
+    "Tensor? bias, Tensor counters, int[] plan, Tensor? q_norm, Tensor? k_norm, "
+    "Tensor cos, Tensor sin, int layer, int q_heads, int kv_heads, bool pdl=False) "
+    "-> (Tensor, Tensor)"
+)
+_lib.define(
+    "norm_swiglu(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+    "Tensor counters, int[] plan, bool pdl=False) -> (Tensor, Tensor)"
+)
+
+
+def _planned(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
+    """The plan entry for ``x``'s row count where the fused kernel may run, else 0."""
+    m = x.shape[0]
+    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
+        return 0
+    return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
+
+
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm of ``x (+ residual)``, the sum or an empty tensor): the unfused ops."""
+    if residual is None:
+        return torch.ops.ostinato.rms_norm(x, weight, eps, pdl), x.new_empty(0)
+    return torch.ops.ostinato.add_rms_norm(x, residual, weight, eps, pdl)
+
+
+def new_queries(
+    x: torch.Tensor, weight: torch.Tensor, q_heads: int, kv_heads: int, qk_norm: bool
+) -> torch.Tensor:
+    """The query output of ``norm_qkv`` in the layout every implementation returns (fake
+    included, which torch.compile's code trusts): without head norms, the first columns of
+    a ``[n, (q_heads + 2 kv_heads) * d]`` buffer, as a slice of the unfused projection's
+    output is, so prefill copies nothing; with them, contiguous ``[n, q_heads * d]``, as
+    the unfused head norm returns it."""
+    d = weight.shape[0] // (q_heads + 2 * kv_heads)
+    cols = q_heads * d if qk_norm else weight.shape[0]
+    return x.new_empty((x.shape[0], cols), dtype=weight.dtype)[:, : q_heads * d]
+
+
+def _norm_prologue(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[object, torch.Tensor]:
+    """The kernel's ``NormPrologue`` and the residual sum it fills (empty without one)."""
+    from ostinato.engine.kernels.small_gemm import NormPrologue
+
+    if residual is None:
+        return NormPrologue(weight, eps), x.new_empty(0)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+            f"{residual.dtype} must match"
+        )
+    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return NormPrologue(weight, eps, residual.contiguous(), total), total
+
+
+def norm_qkv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer: int,
+    q_heads: int,
+    kv_heads: int,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query heads ``[n, q_heads * d]``, unrotated; ``x + residual`` or an empty tensor)
+    after writing the step's keys (rotated) and values to layer ``layer``'s cache."""
+    step = get_forward_context().attn_metadata
+    k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
+    slots = step.metadata.slot_mapping
+    backend = step.backend
+    if _planned(x, weight, plan) and isinstance(backend, TritonAttention) and backend.applies_rope:
+        from ostinato.engine.kernels.gemm_launch import rope_split_k
+        from ostinato.engine.kernels.launch import num_sms
+        from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
+
+        prologue, total = _norm_prologue(x, residual, norm_weight, eps)
+        rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
+        split = rope_split_k(q_heads + 2 * kv_heads, x.shape[1], num_sms(x.device))
+        q = new_queries(x, weight, q_heads, kv_heads, q_norm is not None)
+        qkv_rope_kv(x, weight, bias, counters, split, rope, prologue, pdl, out=q)
+        return q, total
+    h, total = _norm(x, residual, norm_weight, eps, pdl)
+    d = weight.shape[0] // (q_heads + 2 * kv_heads)
+    q, k, v = F.linear(h, weight, bias).split([q_heads * d, kv_heads * d, kv_heads * d], -1)
+    n = x.shape[0]
+    k, v = k.view(n, kv_heads, d), v.view(n, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q = torch.ops.ostinato.rms_norm(q.view(n, q_heads, d), q_norm, eps, pdl).view(n, -1)
+        k = torch.ops.ostinato.rms_norm(k, k_norm, eps, pdl)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = (cos, sin)
+    if not backend.applies_rope:
+        k, rope = apply_rope(k, cos, sin), None
+    backend.write_kv(k, v, k_cache, v_cache, slots, rope)
+    return q, total
+
+
+def norm_swiglu(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    counters: torch.Tensor,
+    plan: list[int],
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``silu(g) * u`` of the projection ``[g | u]`` of ``rms_norm(x + residual)``,
+    ``x + residual``)."""
+    choice = _planned(x, weight, plan)
+    if choice:
+        from ostinato.engine.kernels import small_gemm as triton_gemm
+
+        prologue, total = _norm_prologue(x, residual, norm_weight, eps)
+        config = triton_gemm.CONFIGS[choice - 1]
+        out = triton_gemm.small_gemm(x, weight, None, counters, config, True, pdl, prologue)
+        return out, total
+    h, total = _norm(x, residual, norm_weight, eps, pdl)
+    return torch.ops.ostinato.silu_mul(F.linear(h, weight), pdl), total
+
+
+_lib.impl("norm_qkv", norm_qkv, "CompositeExplicitAutograd")
+_lib.impl("norm_swiglu", norm_swiglu, "CompositeExplicitAutograd")
+
+
+def _total_like(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(0) if residual is None else torch.empty_like(x)
+
+
+@torch.library.register_fake("ostinato::norm_qkv", lib=_lib)
+def _(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer: int,
+    q_heads: int,
+    kv_heads: int,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = new_queries(x, weight, q_heads, kv_heads, q_norm is not None)
+    return q, _total_like(x, residual)
+
+
+@torch.library.register_fake("ostinato::norm_swiglu", lib=_lib)
+def _(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    counters: torch.Tensor,
+    plan: list[int],
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = x.new_empty((x.shape[0], weight.shape[0] // 2), dtype=weight.dtype)
+    return out, _total_like(x, residual)

@@ -1,0 +1,125 @@
+"""Fused decoder layers (``KernelOptions.fused_layers``, on by default) on the CPU: the two
+norm-then-projection ops compute what the unfused layer computes, to the bit, in every
+placement of RoPE and through torch.compile; the launch shapes chosen without a
+measurement are the ones their rule names (checked against brute force)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hf_models import write_checkpoint
+
+from benchmarks.decode import BenchConfig, DecodeSetup
+from ostinato.engine import LLM, KernelOptions, SamplingParams
+from ostinato.engine.kernels.gemm_launch import (
+    CONFIGS,
+    MAX_SPLIT_K,
+    pick_config,
+    rope_split_k,
+    working_splits,
+)
+from ostinato.engine.model.attention import TorchAttention
+from ostinato.engine.model.presets import shape
+from ostinato.mathutil import ceil_div
+from ostinato.modes import GraphMode
+
+PROMPTS = [[(7 * i + 2) % 89 + 3 for i in range(37)], [4, 9, 16, 25]]
+UNFUSED = KernelOptions(fused_layers=False)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("rope_in_backend", [False, True])
+def test_fused_and_unfused_layers_generate_the_same_tokens(rope_in_backend):
+    kw = dict(device="cpu", dtype=torch.float32, max_model_len=96, progress=False)
+    backend = TorchAttention(applies_rope=rope_in_backend)
+    fused = LLM("tiny", backend=backend, **kw)
+    assert all(layer.fused for layer in fused.model.layers)  # the default
+    unfused = LLM(
+        "tiny", backend=TorchAttention(applies_rope=rope_in_backend), kernels=UNFUSED, **kw
+    )
+    assert not any(layer.fused for layer in unfused.model.layers)
+    assert _tokens(fused) == _tokens(unfused)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_fused_layers_keep_qkv_biases_and_head_norms(arch, tmp_path):
+    # Qwen2 has QKV biases, Qwen3 per-head q/k norms: both inside ostinato::norm_qkv.
+    write_checkpoint(arch, tmp_path)
+    kw = dict(device="cpu", dtype=torch.float32, max_model_len=96, progress=False)
+    fused = LLM(str(tmp_path), **kw)
+    assert _tokens(fused) == _tokens(LLM(str(tmp_path), kernels=UNFUSED, **kw))
+
+
+@pytest.mark.parametrize("compiler", [None, "inductor"])
+def test_a_fused_decode_step_is_the_unfused_one(compiler):
+    # Eagerly the fused ops run the unfused ops (the CPU has no fused kernel): the same
+    # bits. Compiled, the fake implementations must describe the real outputs (their
+    # query layout included) for Inductor's code to be right; its own kernels may round
+    # differently from eager torch, hence a tolerance there.
+    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
+    setup = DecodeSetup(cfg, torch.device("cpu"))
+    step = setup.decode_batch([3, 5, 7, 11])
+    logits = []
+    for kernels in (KernelOptions(), UNFUSED):
+        runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), kernels)
+        assert all(layer.fused == kernels.fused_layers for layer in runner.model.layers)
+        with torch.inference_mode():
+            runner.compile()
+            logits.append(runner.execute(step).logits.clone())
+        runner.release()
+    if compiler is None:
+        assert torch.equal(logits[0], logits[1])
+    else:
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_ops_refuse_a_mismatched_residual():
+    from ostinato.engine.model.fused_ops import norm_swiglu
+
+    x, w = torch.randn(3, 8), torch.randn(12, 8)
+    with pytest.raises(ValueError, match="must match"):
+        norm_swiglu(x, torch.randn(3, 4), torch.ones(8), 1e-6, w, torch.zeros(0), [])
+
+
+def _brute_force_config(n: int, k: int, sms: int) -> int:
+    """The rule of ``pick_config``, by enumeration: among configs whose working
+    programs cover the SMs, the fewest splits, then the narrowest tile; if none covers
+    them, the most working programs, then the fewest splits, then the narrowest tile."""
+    rows = []
+    for i, c in enumerate(CONFIGS, start=1):
+        programs = ceil_div(n, c.block_n) * working_splits(k, c.split_k)
+        rows.append((i, c, programs))
+    covering = [r for r in rows if r[2] >= sms]
+    if covering:
+        fewest = min(r[1].split_k for r in covering)
+        best = [r for r in covering if r[1].split_k == fewest]
+        return min(best, key=lambda r: r[1].block_n)[0]
+    most = max(r[2] for r in rows)
+    best = [r for r in rows if r[2] == most]
+    return min(best, key=lambda r: (r[1].split_k, r[1].block_n))[0]
+
+
+def test_the_config_chosen_without_a_measurement_follows_its_rule():
+    for sms in (16, 78, 132):
+        for n in (64, 576, 1536, 2048, 3072, 8192, 49152):
+            for k in (64, 576, 1536, 2048, 8192):
+                assert pick_config(n, k, sms) == _brute_force_config(n, k, sms), (n, k, sms)
+
+
+def test_the_qkv_split_covers_the_gpu_when_splits_can():
+    for sms in (16, 132):
+        for heads in (3, 15, 48, 96, 200):
+            for k in (64, 576, 2048, 4096):
+                split = rope_split_k(heads, k, sms)
+                assert split & (split - 1) == 0 and 1 <= split <= MAX_SPLIT_K
+                covered = heads * working_splits(k, split) >= sms
+                more = split < MAX_SPLIT_K and working_splits(k, 2 * split) > working_splits(
+                    k, split
+                )
+                assert covered or not more, (heads, k, sms, split)
+                if split > 1:  # never more splits than needed
+                    assert heads * working_splits(k, split // 2) < sms

@@ -1,0 +1,236 @@
+"""GPU tests of the fused decoder layer (``KernelOptions.fused_layers``): each fused kernel
+against the unfused torch arithmetic on random and model shapes, in and out of graphs;
+a whole decode step bitwise the same replayed from a graph as run eagerly; at most six
+kernels per layer; and the engine's greedy tokens with and without the fusion."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpu_harness import greedy_tokens, lockstep, tiny_engine
+
+from ostinato.engine import KernelOptions
+from ostinato.engine.model.norm_op import add_rms_norm_reference, rms_norm_reference
+from ostinato.engine.model.rope import apply_rope
+from ostinato.engine.model.silu_mul_op import silu_mul_reference
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+BF = dict(device=DEVICE, dtype=torch.bfloat16)
+
+# (hidden, heads, kv heads, head dim, intermediate): random, SmolLM2-135M, Llama-3.2-1B, Qwen3
+SHAPES = [
+    (256, 8, 2, 32, 512),
+    (576, 9, 3, 64, 1536),
+    (2048, 32, 8, 64, 8192),
+    (512, 4, 2, 128, 768),
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _rows(m: int, hidden: int, residual: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x = torch.randn(m, hidden, **BF)
+    return x, (torch.randn(m, hidden, **BF) if residual else None)
+
+
+def _reference_norm(x, residual, w, eps):
+    if residual is None:
+        return rms_norm_reference(x, w, eps), None
+    return add_rms_norm_reference(x, residual, w, eps)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m):
+    from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.kernels.gemm_launch import pick_config
+    from ostinato.engine.kernels.launch import num_sms
+
+    torch.manual_seed(m)
+    hidden, *_, inter = shape
+    x, residual = _rows(m, hidden, True)
+    norm_w = 1 + 0.1 * torch.randn(hidden, **BF)
+    w = torch.randn(2 * inter, hidden, **BF) / hidden**0.5
+    counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
+    total = torch.empty_like(x)
+    config = tg.CONFIGS[pick_config(inter, hidden, num_sms(DEVICE)) - 1]
+    prologue = tg.NormPrologue(norm_w, 1e-5, residual, total)
+    got = tg.small_gemm(x, w, None, counters, config, True, True, prologue)
+    h, want_total = _reference_norm(x, residual, norm_w, 1e-5)
+    want = silu_mul_reference(F.linear(h, w))
+    assert torch.equal(total, want_total)  # the residual sum, rounded as torch's add
+    assert rel_err(got, want) < 1e-2
+    assert counters.count_nonzero() == 0  # left zero for the next call or replay
+
+
+def _qkv_case(shape, m, qk_norm, bias, seed=0):
+    torch.manual_seed(seed)
+    hidden, heads, kv_heads, d, _ = shape
+    block = 16
+    per_seq = 8
+    cache = torch.randn(m * per_seq + 1, block, kv_heads, d, **BF)
+    pos = torch.arange(m, device=DEVICE) * 13 + 7
+    slots = (1 + torch.arange(m, device=DEVICE) * per_seq + pos // block) * block + pos % block
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d)
+    freqs = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)[:, None, :]
+    n = (heads + 2 * kv_heads) * d
+    return dict(
+        x=torch.randn(m, hidden, **BF),
+        residual=torch.randn(m, hidden, **BF),
+        norm_w=1 + 0.1 * torch.randn(hidden, **BF),
+        w=torch.randn(n, hidden, **BF) / hidden**0.5,
+        b=0.1 * torch.randn(n, **BF) if bias else None,
+        q_norm=1 + 0.1 * torch.randn(d, **BF) if qk_norm else None,
+        k_norm=1 + 0.1 * torch.randn(d, **BF) if qk_norm else None,
+        cos=emb.cos().bfloat16(),
+        sin=emb.sin().bfloat16(),
+        k_cache=cache,
+        v_cache=cache.clone(),
+        slots=slots,
+        heads=heads,
+        kv_heads=kv_heads,
+        d=d,
+    )
+
+
+def _qkv_reference(c, eps=1e-5):
+    m = c["x"].shape[0]
+    h, total = _reference_norm(c["x"], c["residual"], c["norm_w"], eps)
+    q, k, v = (
+        F.linear(h, c["w"], c["b"])
+        .view(m, -1, c["d"])
+        .split([c["heads"], c["kv_heads"], c["kv_heads"]], dim=1)
+    )
+    if c["q_norm"] is not None:
+        q, k = rms_norm_reference(q, c["q_norm"], eps), rms_norm_reference(k, c["k_norm"], eps)
+    return q, apply_rope(k, c["cos"], c["sin"]), v, total
+
+
+def _run_qkv(c, counters, split, pdl, eps=1e-5):
+    from ostinato.engine.kernels import small_gemm as tg
+
+    total = torch.empty_like(c["x"])
+    rope = tg.RopeKV(
+        c["cos"], c["sin"], c["k_cache"], c["v_cache"], c["slots"], c["heads"], c["kv_heads"],
+        c["q_norm"], c["k_norm"], eps,
+    )  # fmt: skip
+    prologue = tg.NormPrologue(c["norm_w"], eps, c["residual"], total)
+    q = tg.qkv_rope_kv(c["x"], c["w"], c["b"], counters, split, rope, prologue, pdl)
+    return q, total
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [1, 6, 16])
+@pytest.mark.parametrize("qk_norm, bias", [(False, False), (False, True), (True, False)])
+def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, qk_norm, bias):
+    from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.kernels.gemm_launch import rope_split_k
+    from ostinato.engine.kernels.launch import num_sms
+
+    c = _qkv_case(shape, m, qk_norm, bias, seed=m)
+    before_k, before_v = c["k_cache"].clone(), c["v_cache"].clone()
+    heads = c["heads"] + 2 * c["kv_heads"]
+    counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
+    split = rope_split_k(heads, shape[0], num_sms(DEVICE))
+    q, total = _run_qkv(c, counters, split, pdl=True)
+    want_q, want_k, want_v, want_total = _qkv_reference(c)
+    assert torch.equal(total, want_total)
+    assert rel_err(q.view_as(want_q), want_q) < 1e-2
+    kv = c["kv_heads"]
+    flat = (t.view(-1, kv, c["d"]) for t in (c["k_cache"], c["v_cache"], before_k, before_v))
+    k_flat, v_flat, k_before, v_before = flat
+    assert rel_err(k_flat[c["slots"]], want_k) < 1e-2
+    assert rel_err(v_flat[c["slots"]], want_v) < 1e-2
+    others = torch.ones(k_flat.shape[0], dtype=torch.bool, device=DEVICE)
+    others[c["slots"]] = False
+    assert torch.equal(k_flat[others], k_before[others])  # nothing else written
+    assert torch.equal(v_flat[others], v_before[others])
+    assert counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_fused_kernels_in_a_graph_replay_the_eager_bits_on_new_inputs(split):
+    from ostinato.engine.kernels import small_gemm as tg
+
+    shape = SHAPES[1]
+    c = _qkv_case(shape, 8, False, True)
+    heads = c["heads"] + 2 * c["kv_heads"]
+    counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
+    _run_qkv(c, counters, split, pdl=True)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_graph, total_graph = _run_qkv(c, counters, split, pdl=True)
+    for seed in range(3):
+        torch.manual_seed(100 + seed)
+        for name in ("x", "residual"):
+            c[name].copy_(torch.randn_like(c[name]))
+        graph.replay()
+        torch.cuda.synchronize()
+        k_graph = c["k_cache"].clone()
+        q_eager, total_eager = _run_qkv(c, counters, split, pdl=False)
+        assert torch.equal(q_graph, q_eager) and torch.equal(total_graph, total_eager)
+        assert torch.equal(c["k_cache"], k_graph)
+
+
+def _smollm2_setup(batch_sizes=(1, 8)):
+    # SmolLM2-135M's shape with random weights (benchmarks/configs), 30 layers.
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from benchmarks.decode import BenchConfig, DecodeSetup
+
+    path = Path(__file__).parents[2] / "benchmarks" / "configs" / "smollm2_135m.json"
+    model = json.loads(path.read_text())
+    cfg = replace(BenchConfig(model=model), batch_sizes=batch_sizes, kv_len=300)
+    return DecodeSetup(cfg, DEVICE)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_decode_step_replayed_is_bitwise_the_eager_step_of_the_same_kernels(batch):
+    from ostinato.modes import GraphMode
+
+    setup = _smollm2_setup()
+    step = setup.decode_batch(list(range(3, 3 + batch)))
+    logits = []
+    for mode in (GraphMode.NONE, GraphMode.FULL):
+        runner = setup.runner(mode, None)
+        assert all(layer.fused for layer in runner.model.layers)
+        with torch.inference_mode():
+            runner.capture()
+            logits.append(runner.execute(step).logits.clone())
+        runner.release()
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("batch", [1, 8, 16])
+def test_a_fused_decode_layer_is_at_most_six_kernels(batch):
+    from benchmarks.census import kernel_census
+    from ostinato.modes import GraphMode
+
+    setup = _smollm2_setup(batch_sizes=(batch,))
+    runner = setup.runner(GraphMode.FULL, None)
+    with torch.inference_mode():
+        runner.capture()
+        census = kernel_census(setup.decode_step(runner, batch))
+    runner.release()
+    names = [k.name for k in census.by_name]
+    assert census.in_layer(setup.config.num_layers) <= 6, names
+    assert not any("gemm" in n.lower() and "_gemm_kernel" not in n for n in names), names
+
+
+def test_engine_greedy_tokens_with_and_without_fused_layers_agree():
+    # bf16: the fused kernels sum in another order, so logits agree to a tolerance and
+    # the engines run in lock step on the eager engine's tokens.
+    fused = tiny_engine("full_and_piecewise", torch.bfloat16)
+    unfused = tiny_engine(
+        "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(fused_layers=False)
+    )
+    assert fused.runner.kernels.fused_layers and not unfused.runner.kernels.fused_layers
+    lockstep(unfused, fused, tolerance=3e-2)
+    unfused32 = KernelOptions(fused_layers=False)
+    fp32 = [tiny_engine("full_and_piecewise", torch.float32, kernels=k) for k in (None, unfused32)]
+    assert greedy_tokens(fp32[0]) == greedy_tokens(fp32[1])  # float32 runs the unfused ops

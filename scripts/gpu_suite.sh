@@ -14,7 +14,7 @@
 #                                      # the graph-budget benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh models   # the graphed models benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
-#   bash scripts/gpu_suite.sh fusedbench  # the decode benchmark of both shapes, census included
+#   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -97,14 +97,13 @@ fused)
     run_file tests/engine/test_gpu_kernel_options.py 150
     ;;
 fusedbench)
-    v="ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused"
-    v="$v,ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm,ostinato FULL_AND_PIECEWISE no-pdl"
-    v="$v,torch.compile reduce-overhead"
-    timeout 270 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
-        --out "$OUT/decode_llama-1.5b_h200.json" 2>&1 | tee "$OUT/bench_1.5b.log"
-    timeout 270 python3 -m benchmarks --batch-sizes 1,8,32,128 --repeats 30 --variants "$v" \
-        --config benchmarks/configs/smollm2_135m.json \
-        --out "$OUT/decode_smollm2_h200.json" 2>&1 | tee "$OUT/bench_smollm2.log"
+    # ${2}: llama-1.5b or smollm2; ${3}: the variants (default: fused, unfused, reduce-overhead)
+    v=${3:-"ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused,torch.compile reduce-overhead"}
+    model=(--shape llama-1.5b)
+    [ "${2:-}" = smollm2 ] && model=(--config benchmarks/configs/smollm2_135m.json)
+    timeout "${4:-400}" python3 -m benchmarks --batch-sizes "${5:-1,8,32,128}" --repeats 30 \
+        --variants "$v" "${model[@]}" --out "$OUT/decode_${2:-llama-1.5b}_h200.json" 2>&1 \
+        | tee "$OUT/bench_${2:-llama-1.5b}.log"
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \

@@ -69,7 +69,7 @@ def _qkv_case(shape, m, qk_norm, bias, seed=0):
     torch.manual_seed(seed)
     hidden, heads, kv_heads, d, _ = shape
     block = 16
-    per_seq = 8
+    per_seq = 16  # pages per row: position 15 * 13 + 7 is in page 12
     cache = torch.randn(m * per_seq + 1, block, kv_heads, d, **BF)
     pos = torch.arange(m, device=DEVICE) * 13 + 7
     slots = (1 + torch.arange(m, device=DEVICE) * per_seq + pos // block) * block + pos % block

@@ -188,15 +188,17 @@ def test_model_projections_with_forced_triton_plans_match_float32():
 
 def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():
     # bf16: the GEMM kernels differ, so logits agree to rounding, not bitwise.
-    plain = tiny_engine("full_and_piecewise", torch.bfloat16)
+    plain = tiny_engine(
+        "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(pdl=False, fused_layers=False)
+    )
     tuned = tiny_engine(
         "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(pdl=True, small_gemm=True)
     )
     assert tuned.runner.kernels.small_gemm and tuned.runner.gemm_timings
     # One options object reaches every module that launches a kernel, and the backend.
-    from ostinato.engine.model.decoder import Mlp, RMSNorm
+    from ostinato.engine.model.decoder import Attention, Mlp, RMSNorm
 
-    launching = [m for m in tuned.model.modules() if isinstance(m, (RMSNorm, Mlp))]
+    launching = [m for m in tuned.model.modules() if isinstance(m, (Attention, RMSNorm, Mlp))]
     assert tuned.model.kernels.pdl and all(m.kernels is tuned.model.kernels for m in launching)
     assert tuned.runner.backend.pdl and not plain.runner.backend.pdl
     assert lockstep(plain, tuned, tolerance=2e-2) >= {"FULL", "PIECEWISE"}

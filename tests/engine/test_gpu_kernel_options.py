@@ -194,7 +194,8 @@ def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():
     tuned = tiny_engine(
         "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(pdl=True, small_gemm=True)
     )
-    assert tuned.runner.kernels.small_gemm and tuned.runner.gemm_timings
+    # Plans measured now, or read from the compile cache a previous run filled.
+    assert tuned.runner.kernels.small_gemm and any(any(x.plan) for x, _ in tuned.model.linears())
     # One options object reaches every module that launches a kernel, and the backend.
     from ostinato.engine.model.decoder import Attention, Mlp, RMSNorm
 

@@ -1,0 +1,114 @@
+"""Launch shapes of the fused decode kernels, measured: each of a layer's four GEMM
+kernels (norm+QKV+RoPE+K/V write, O, norm+gate/up+SiLU·mul, down) at the SmolLM2 and
+1.5 B shapes, for every (columns per program, K splits, warps), one row count at a time,
+each captured as a graph of back-to-back PDL launches (``graph_call_us``), beside cuBLAS
+for the plain projections and the weight-read floor at the measured copy bandwidth.
+
+``python -m benchmarks.fused_sweep --out results.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.decode import copy_bandwidth_gbps
+from ostinato.provenance import Provenance
+from ostinato.platform.cuda import graph_call_us
+
+# name: (hidden, heads, kv heads, head dim, intermediate)
+SHAPES = {"smollm2": (576, 9, 3, 64, 1536), "llama-1.5b": (2048, 32, 8, 64, 8192)}
+CALLS = 20
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One kernel at one launch shape and row count: µs per call, and its weight-read
+    floor (bytes over the copy bandwidth)."""
+
+    shape: str
+    kernel: str
+    rows: int
+    config: str
+    us: float
+    floor_us: float
+
+
+def _configs(split_ks: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    return list(itertools.product((32, 64), split_ks, (4, 8)))
+
+
+def sweep(name: str, rows: int, bw_gbps: float) -> list[Timing]:
+    """Every launch shape of the four kernels at ``rows`` rows of shape ``name``."""
+    from ostinato.engine.kernels import small_gemm as tg
+
+    hidden, heads, kv_heads, d, inter = SHAPES[name]
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, res = torch.randn(rows, hidden, **bf), torch.randn(rows, hidden, **bf)
+    norm = tg.NormPrologue(torch.ones(hidden, **bf), 1e-5, res, torch.empty_like(x))
+    w = {
+        "qkv": torch.randn((heads + 2 * kv_heads) * d, hidden, **bf) / 30,
+        "o": torch.randn(hidden, heads * d, **bf) / 30,
+        "gate_up": torch.randn(2 * inter, hidden, **bf) / 30,
+        "down": torch.randn(hidden, inter, **bf) / 30,
+    }
+    inputs = {"o": torch.randn(rows, heads * d, **bf), "down": torch.randn(rows, inter, **bf)}
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    cache = torch.zeros(64, 16, kv_heads, d, **bf)
+    cos = torch.ones(rows, 1, d, **bf)
+    slots = torch.arange(rows, device="cuda") + 16
+    rope = tg.RopeKV(cos, cos, cache, cache.clone(), slots, heads, kv_heads)
+    out: list[Timing] = []
+
+    def timed(kernel: str, config: str, fn) -> None:
+        fn()  # compiles outside the capture
+        floor = w[kernel].numel() * 2 / bw_gbps / 1e3
+        out.append(Timing(name, kernel, rows, config, graph_call_us(fn, CALLS), floor))
+
+    for split in (1, 2, 4, 8):
+        timed("qkv", f"split {split}", lambda s=split: tg.qkv_rope_kv(
+            x, w["qkv"], None, counters, s, rope, norm, True))  # fmt: skip
+    for bn, split, warps in _configs((1, 2, 4, 8)):
+        c = tg.GemmConfig(bn, split, warps)
+        label = f"{bn}x{split} w{warps}"
+        timed("gate_up", label, lambda c=c: tg.small_gemm(
+            x, w["gate_up"], None, counters, c, True, True, norm))  # fmt: skip
+        for k in ("o", "down"):
+            timed(k, label, lambda c=c, k=k: tg.small_gemm(
+                inputs[k], w[k], None, counters, c, False, True))  # fmt: skip
+    for k in ("o", "down"):
+        timed(k, "cublas", lambda k=k: F.linear(inputs[k], w[k]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    bw = copy_bandwidth_gbps(torch.device("cuda"))
+    timings = []
+    for name in SHAPES:
+        for rows in (int(r) for r in args.rows.split(",")):
+            timings += sweep(name, rows, bw)
+            best: dict[str, Timing] = {}
+            for t in timings:
+                if t.shape == name and t.rows == rows and t.config != "cublas":
+                    if t.kernel not in best or t.us < best[t.kernel].us:
+                        best[t.kernel] = t
+            for t in best.values():
+                print(f"{name:10s} rows {rows:2d} {t.kernel:8s} best {t.config:14s} "
+                      f"{t.us:6.2f} us (floor {t.floor_us:5.2f})")  # fmt: skip
+    doc = {"provenance": asdict(Provenance.collect()), "copy_bandwidth_gbps": bw}
+    doc["timings"] = [asdict(t) for t in timings]
+    args.out.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.decode import copy_bandwidth_gbps
-from ostinato.provenance import Provenance
 from ostinato.platform.cuda import graph_call_us
+from ostinato.provenance import Provenance
 
 # name: (hidden, heads, kv heads, head dim, intermediate)
 SHAPES = {"smollm2": (576, 9, 3, 64, 1536), "llama-1.5b": (2048, 32, 8, 64, 8192)}

@@ -44,7 +44,7 @@ def _configs(split_ks: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return list(itertools.product((32, 64), split_ks, (4, 8)))
 
 
-def sweep(name: str, rows: int, bw_gbps: float) -> list[Timing]:
+def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
     """Every launch shape of the four kernels at ``rows`` rows of shape ``name``."""
     from ostinato.engine.kernels import small_gemm as tg
 
@@ -69,21 +69,23 @@ def sweep(name: str, rows: int, bw_gbps: float) -> list[Timing]:
     def timed(kernel: str, config: str, fn) -> None:
         fn()  # compiles outside the capture
         floor = w[kernel].numel() * 2 / bw_gbps / 1e3
-        out.append(Timing(name, kernel, rows, config, graph_call_us(fn, CALLS), floor))
+        label = config if config == "cublas" else f"{config}{' pdl' if pdl else ''}"
+        out.append(Timing(name, kernel, rows, label, graph_call_us(fn, CALLS), floor))
 
     for split in (1, 2, 4, 8):
         timed("qkv", f"split {split}", lambda s=split: tg.qkv_rope_kv(
-            x, w["qkv"], None, counters, s, rope, norm, True))  # fmt: skip
+            x, w["qkv"], None, counters, s, rope, norm, pdl))  # fmt: skip
     for bn, split, warps in _configs((1, 2, 4, 8)):
         c = tg.GemmConfig(bn, split, warps)
         label = f"{bn}x{split} w{warps}"
         timed("gate_up", label, lambda c=c: tg.small_gemm(
-            x, w["gate_up"], None, counters, c, True, True, norm))  # fmt: skip
+            x, w["gate_up"], None, counters, c, True, pdl, norm))  # fmt: skip
         for k in ("o", "down"):
             timed(k, label, lambda c=c, k=k: tg.small_gemm(
-                inputs[k], w[k], None, counters, c, False, True))  # fmt: skip
-    for k in ("o", "down"):
-        timed(k, "cublas", lambda k=k: F.linear(inputs[k], w[k]))
+                inputs[k], w[k], None, counters, c, False, pdl))  # fmt: skip
+    if pdl:
+        for k in ("o", "down"):
+            timed(k, "cublas", lambda k=k: F.linear(inputs[k], w[k]))
     return out
 
 
@@ -96,10 +98,11 @@ def main() -> None:
     timings = []
     for name in SHAPES:
         for rows in (int(r) for r in args.rows.split(",")):
-            timings += sweep(name, rows, bw)
+            for pdl in (True, False):
+                timings += sweep(name, rows, bw, pdl)
             best: dict[str, Timing] = {}
             for t in timings:
-                if t.shape == name and t.rows == rows and t.config != "cublas":
+                if t.shape == name and t.rows == rows:
                     if t.kernel not in best or t.us < best[t.kernel].us:
                         best[t.kernel] = t
             for t in best.values():

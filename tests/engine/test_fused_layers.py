@@ -85,29 +85,21 @@ def test_the_fused_ops_refuse_a_mismatched_residual():
         norm_swiglu(x, torch.randn(3, 4), torch.ones(8), 1e-6, w, torch.zeros(0), [])
 
 
-def _brute_force_config(n: int, k: int, sms: int) -> int:
-    """The rule of ``pick_config``, by enumeration: among configs whose working
-    programs cover the SMs, the fewest splits, then the narrowest tile; if none covers
-    them, the most working programs, then the fewest splits, then the narrowest tile."""
-    rows = []
-    for i, c in enumerate(CONFIGS, start=1):
-        programs = ceil_div(n, c.block_n) * working_splits(k, c.split_k)
-        rows.append((i, c, programs))
-    covering = [r for r in rows if r[2] >= sms]
-    if covering:
-        fewest = min(r[1].split_k for r in covering)
-        best = [r for r in covering if r[1].split_k == fewest]
-        return min(best, key=lambda r: r[1].block_n)[0]
-    most = max(r[2] for r in rows)
-    best = [r for r in rows if r[2] == most]
-    return min(best, key=lambda r: (r[1].split_k, r[1].block_n))[0]
-
-
 def test_the_config_chosen_without_a_measurement_follows_its_rule():
+    from ostinato.engine.kernels.gemm_launch import SPLIT_K_COLUMNS, UNSPLIT_K, k_per_split
+
     for sms in (16, 78, 132):
         for n in (64, 576, 1536, 2048, 3072, 8192, 49152):
-            for k in (64, 576, 1536, 2048, 8192):
-                assert pick_config(n, k, sms) == _brute_force_config(n, k, sms), (n, k, sms)
+            for k in (64, 576, 1024, 1536, 2048, 8192, 14336):
+                c = CONFIGS[pick_config(n, k, sms) - 1]
+                if k <= UNSPLIT_K or ceil_div(n, 32) >= 4 * sms:
+                    assert c.split_k == 1
+                else:  # the fewest splits of at most SPLIT_K_COLUMNS, or the most allowed
+                    short = k_per_split(k, c.split_k) <= SPLIT_K_COLUMNS
+                    assert short or c.split_k == MAX_SPLIT_K
+                    assert c.split_k == 1 or k_per_split(k, c.split_k // 2) > SPLIT_K_COLUMNS
+                programs = ceil_div(n, 32) * working_splits(k, c.split_k)
+                assert c.block_n == (64 if programs > 2 * sms else 32), (n, k, sms)
 
 
 def test_the_qkv_split_covers_the_gpu_when_splits_can():

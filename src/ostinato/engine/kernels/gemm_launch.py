@@ -23,13 +23,21 @@ class GemmConfig:
 
 # The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
 # names ``CONFIGS[i - 1]``, 0 names cuBLAS. On the H100 the narrow 16-column tiles never
-# won, so they are not tried.
+# won, so they are not tried. The last five are the shapes ``pick_config`` may name
+# that the first four lack.
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
     GemmConfig(64, 1),
     GemmConfig(64, 2),
+    GemmConfig(32, 2),
+    GemmConfig(32, 8),
+    GemmConfig(64, 4),
+    GemmConfig(64, 8),
+    GemmConfig(64, 1, num_warps=8),
 )
+UNSPLIT_K = 1024  # a K this short is read by one program per column tile
+SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
 
 
 def k_per_split(k: int, split_k: int) -> int:
@@ -44,18 +52,20 @@ def working_splits(k: int, split_k: int) -> int:
 
 def pick_config(n: int, k: int, sms: int) -> int:
     """The plan entry (1-based into ``CONFIGS``) used without a measurement for ``n``
-    output columns over ``k``: the fewest K splits whose working programs (column tiles
-    times splits with columns) cover all ``sms`` SMs, since a skinny GEMM is a weight
-    read and an idle SM reads nothing; if none does, the most working programs, then the
-    fewest splits. Deterministic in ``(n, k, sms)``."""
-
-    def key(config: GemmConfig) -> tuple[bool, int, int, int]:
-        programs = ceil_div(n, config.block_n) * working_splits(k, config.split_k)
-        covered = programs >= sms
-        return (covered, 0 if covered else programs, -config.split_k, -config.block_n)
-
-    best = max(CONFIGS, key=key)
-    return CONFIGS.index(best) + 1
+    output columns over ``k``, the rule the fused-kernel sweep on the H200 suggested
+    (``benchmarks/fused_sweep.py``): K unsplit up to ``UNSPLIT_K`` columns (a split's
+    reduction costs more than a short loop) or when 32-column tiles alone give every SM
+    four programs (an LM head), else split in powers of two until a split
+    has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K`` splits); 64-column tiles
+    where 32-column ones would give more than two programs per SM (fewer, longer weight
+    reads), with 8 warps when unsplit. Deterministic in ``(n, k, sms)``."""
+    split = 1
+    if k > UNSPLIT_K and ceil_div(n, 32) < 4 * sms:
+        while split < MAX_SPLIT_K and k_per_split(k, split) > SPLIT_K_COLUMNS:
+            split *= 2
+    wide = ceil_div(n, 32) * working_splits(k, split) > 2 * sms
+    config = GemmConfig(64 if wide else 32, split, 8 if wide and split == 1 else 4)
+    return CONFIGS.index(config) + 1
 
 
 def rope_split_k(heads: int, k: int, sms: int) -> int:

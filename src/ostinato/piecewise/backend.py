@@ -24,7 +24,10 @@ from ostinato.pool import shared_pool
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SPLITTING_OPS = ("ostinato::attention",)
+# The engine's attention op, and its QKV op, which writes the step's K/V to the layer's
+# cache named by an int argument: inside a piece that int would make every layer's
+# piece a different graph, so it runs between them, as attention does.
+DEFAULT_SPLITTING_OPS = ("ostinato::attention", "ostinato::norm_qkv")
 # Inductor settings for every piece. A piece is replayed mostly at small token counts
 # (decode), where Inductor would split each row reduction into a partial and a final
 # kernel to fill the GPU: two launches where one block does the row in about the time of

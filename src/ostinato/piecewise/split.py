@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
             partition[node] = current
             current += 1
             found += 1
+        elif _takes_an_output_of(node, wanted):
+            partition[node] = partition[node.args[0]]  # stays with its op: no piece of its own
         else:
             partition[node] = current
     if not found:
@@ -100,9 +103,20 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
             for n in sub.graph.nodes
             if n.op in ("call_function", "call_method", "call_module")
         )
-        is_split = len(ops) == 1 and normalize_op_name(ops[0]) in wanted
+        calls = [o for o in ops if o != str(operator.getitem)]
+        is_split = len(calls) == 1 and normalize_op_name(calls[0]) in wanted
         pieces.append(Piece(node.target, is_split, ops, _source(sub)))
     return SplitGraph(split, pieces)
+
+
+def _takes_an_output_of(node: fx.Node, wanted: set[str]) -> bool:
+    """``node`` picks one output of a splitting op that returns several."""
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and op_name(node.args[0]) in wanted
+    )
 
 
 def _source(gm: fx.GraphModule) -> str:

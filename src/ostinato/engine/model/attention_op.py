@@ -3,8 +3,9 @@
 The op writes this step's K/V into the layer's cache and the attention output into
 ``out`` in place; given ``cos`` and ``sin`` it gets q and k unrotated and the backend
 applies RoPE (to k as it writes the cache, to q as it attends). Without ``k`` and ``v``
-the cache already holds the step's keys and values (``ostinato::norm_qkv`` wrote them);
-q is still rotated here, by the backend or, for one that does not apply RoPE, in torch.
+the cache already holds the step's keys and values and ``q`` is the rows
+``ostinato::norm_qkv`` wrote (queries first); q is still rotated here, by the backend
+or, for one that does not apply RoPE, in torch.
 Everything step-specific (metadata, cache, backend) comes from the forward context at run
 time, so a compiled graph that calls the op stays valid for every batch, and the
 piecewise backend splits the graph exactly here.
@@ -58,8 +59,11 @@ def attention(
     rope = None if cos is None or sin is None else (cos, sin)
     if k is not None and v is not None:
         step.backend.write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping, rope)
-    elif rope is not None and not step.backend.applies_rope:
-        q, rope = apply_rope(q, *rope), None
+    else:  # q: the rows ostinato::norm_qkv wrote, the queries first
+        n, heads, d = out.shape
+        q = q[:, : heads * d].view(n, heads, d)
+        if rope is not None and not step.backend.applies_rope:
+            q, rope = apply_rope(q, *rope), None
     step.backend(q, k_cache, v_cache, step.metadata, scale, out, rope)  # straight into out
 
 

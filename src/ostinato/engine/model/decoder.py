@@ -129,15 +129,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
-        q, total = torch.ops.ostinato.norm_qkv(
+        n = x.shape[0]
+        # The ops' outputs are made here, before both: the ops run back to back between
+        # piecewise graphs, and a graph holds the buffers an eager op writes.
+        qkv_rows = torch.empty((n, qkv.out_features), dtype=x.dtype, device=x.device)
+        total = torch.empty_like(x) if residual is not None else x.new_empty(0)
+        out = torch.empty((n, self.heads, self.head_dim), dtype=x.dtype, device=x.device)
+        torch.ops.ostinato.norm_qkv(
             x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.counters,
             list(qkv.plan), q_norm, k_norm, cos, sin, self.layer, self.heads, self.kv_heads,
-            self.kernels.pdl,
+            qkv_rows, total, self.kernels.pdl,
         )  # fmt: skip
-        n = x.shape[0]
-        q = q.view(n, self.heads, self.head_dim)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        torch.ops.ostinato.attention(q, None, None, out, self.layer, self.scale, cos, sin)
+        # The queries are the first columns of qkv_rows (the op slices them: no view here).
+        torch.ops.ostinato.attention(qkv_rows, None, None, out, self.layer, self.scale, cos, sin)
         o = self.tp.all_reduce(self.o_proj(out.view(n, self.q_size)))
         return o, x if residual is None else total
 

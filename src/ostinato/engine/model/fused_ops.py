@@ -1,8 +1,10 @@
 """A decoder layer's two norm-then-projection pairs as custom ops, opaque to torch.compile:
 
 - ``ostinato::norm_qkv``: the input RMSNorm (with the residual add), the QKV projection,
-  the Qwen3 head norms, and the K/V cache write with RoPE on the keys. Returns the query
-  heads, unrotated (the attention op rotates them), and the residual sum.
+  the Qwen3 head norms, and the K/V cache write with RoPE on the keys. Writes the query
+  heads, unrotated (the attention op rotates them), and the residual sum into buffers
+  the caller made. A splitting op of the piecewise backend, as attention is: its
+  ``layer`` argument would make every layer's piece a graph of its own.
 - ``ostinato::norm_swiglu``: the post-attention RMSNorm (with the residual add), the
   gate/up projection and SiLU·mul. Returns the activation and the residual sum.
 
@@ -28,8 +30,8 @@ _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
     "norm_qkv(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
     "Tensor? bias, Tensor counters, int[] plan, Tensor? q_norm, Tensor? k_norm, "
-    "Tensor cos, Tensor sin, int layer, int q_heads, int kv_heads, bool pdl=False) "
-    "-> (Tensor, Tensor)"
+    "Tensor cos, Tensor sin, int layer, int q_heads, int kv_heads, Tensor(a!) qkv_out, "
+    "Tensor(b!) total_out, bool pdl=False) -> ()"
 )
 _lib.define(
     "norm_swiglu(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
@@ -55,23 +57,15 @@ def _norm(
     return torch.ops.ostinato.add_rms_norm(x, residual, weight, eps, pdl)
 
 
-def new_queries(
-    x: torch.Tensor, weight: torch.Tensor, q_heads: int, kv_heads: int, qk_norm: bool
-) -> torch.Tensor:
-    """The query output of ``norm_qkv`` in the layout every implementation returns (fake
-    included, which torch.compile's code trusts): without head norms, the first columns of
-    a ``[n, (q_heads + 2 kv_heads) * d]`` buffer, as a slice of the unfused projection's
-    output is, so prefill copies nothing; with them, contiguous ``[n, q_heads * d]``, as
-    the unfused head norm returns it."""
-    d = weight.shape[0] // (q_heads + 2 * kv_heads)
-    cols = q_heads * d if qk_norm else weight.shape[0]
-    return x.new_empty((x.shape[0], cols), dtype=weight.dtype)[:, : q_heads * d]
-
-
 def _norm_prologue(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    total: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
-    """The kernel's ``NormPrologue`` and the residual sum it fills (empty without one)."""
+    """The kernel's ``NormPrologue`` and the residual sum it fills (into ``total`` when
+    given; empty without a residual)."""
     from ostinato.engine.kernels.small_gemm import NormPrologue
 
     if residual is None:
@@ -81,8 +75,33 @@ def _norm_prologue(
             f"norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
             f"{residual.dtype} must match"
         )
-    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if total is None:
+        total = torch.empty_like(x, memory_format=torch.contiguous_format)
     return NormPrologue(weight, eps, residual.contiguous(), total), total
+
+
+def _norm_into(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    pdl: bool,
+    total: torch.Tensor,
+) -> torch.Tensor:
+    """The norm of ``x (+ residual)``, the sum stored to ``total``: the unfused ops (on
+    CUDA the one norm kernel, writing the sum where it is wanted)."""
+    if residual is None:
+        return torch.ops.ostinato.rms_norm(x, weight, eps, pdl)
+    if not x.is_cuda:
+        h, t = torch.ops.ostinato.add_rms_norm(x, residual, weight, eps, pdl)
+        total.copy_(t)
+        return h
+    from ostinato.engine.kernels.rms_norm import rms_norm_rows
+
+    _norm_prologue(x, residual, weight, eps, total)  # the same checks
+    h = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    rms_norm_rows(x, residual, weight, eps, h, total, pdl)
+    return h
 
 
 def norm_qkv(
@@ -101,10 +120,15 @@ def norm_qkv(
     layer: int,
     q_heads: int,
     kv_heads: int,
+    qkv_out: torch.Tensor,
+    total_out: torch.Tensor,
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query heads ``[n, q_heads * d]``, unrotated; ``x + residual`` or an empty tensor)
-    after writing the step's keys (rotated) and values to layer ``layer``'s cache."""
+) -> None:
+    """Writes the step's keys (rotated) and values to layer ``layer``'s cache, the query
+    heads (QK-normed, unrotated) to the first ``q_heads * d`` columns of ``qkv_out``
+    (``[n, (q_heads + 2 kv_heads) * d]``; the rest is scratch) and ``x + residual`` to
+    ``total_out`` (unused without a residual). The outputs are the caller's buffers: the
+    op runs between the piecewise graphs, which hold them."""
     step = get_forward_context().attn_metadata
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
     slots = step.metadata.slot_mapping
@@ -114,25 +138,29 @@ def norm_qkv(
         from ostinato.engine.kernels.launch import num_sms
         from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
 
-        prologue, total = _norm_prologue(x, residual, norm_weight, eps)
+        prologue, _ = _norm_prologue(x, residual, norm_weight, eps, total_out)
         rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
         split = rope_split_k(q_heads + 2 * kv_heads, x.shape[1], num_sms(x.device))
-        q = new_queries(x, weight, q_heads, kv_heads, q_norm is not None)
+        q = qkv_out[:, : rope.q_heads * k_cache.shape[-1]]
         qkv_rope_kv(x, weight, bias, counters, split, rope, prologue, pdl, out=q)
-        return q, total
-    h, total = _norm(x, residual, norm_weight, eps, pdl)
+        return
+    h = _norm_into(x, residual, norm_weight, eps, pdl, total_out)
+    if bias is None:
+        torch.mm(h, weight.t(), out=qkv_out)
+    else:
+        torch.addmm(bias, h, weight.t(), out=qkv_out)  # what F.linear with a bias runs
     d = weight.shape[0] // (q_heads + 2 * kv_heads)
-    q, k, v = F.linear(h, weight, bias).split([q_heads * d, kv_heads * d, kv_heads * d], -1)
     n = x.shape[0]
-    k, v = k.view(n, kv_heads, d), v.view(n, kv_heads, d)
+    q, k, v = (
+        t.view(n, -1, d) for t in qkv_out.split([q_heads * d, kv_heads * d, kv_heads * d], -1)
+    )
     if q_norm is not None and k_norm is not None:
-        q = torch.ops.ostinato.rms_norm(q.view(n, q_heads, d), q_norm, eps, pdl).view(n, -1)
+        q.copy_(torch.ops.ostinato.rms_norm(q, q_norm, eps, pdl))
         k = torch.ops.ostinato.rms_norm(k, k_norm, eps, pdl)
     rope: tuple[torch.Tensor, torch.Tensor] | None = (cos, sin)
     if not backend.applies_rope:
         k, rope = apply_rope(k, cos, sin), None
     backend.write_kv(k, v, k_cache, v_cache, slots, rope)
-    return q, total
 
 
 def norm_swiglu(
@@ -184,10 +212,11 @@ def _(
     layer: int,
     q_heads: int,
     kv_heads: int,
+    qkv_out: torch.Tensor,
+    total_out: torch.Tensor,
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    q = new_queries(x, weight, q_heads, kv_heads, q_norm is not None)
-    return q, _total_like(x, residual)
+) -> None:
+    return None
 
 
 @torch.library.register_fake("ostinato::norm_swiglu", lib=_lib)

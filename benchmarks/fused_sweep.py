@@ -40,8 +40,13 @@ class Timing:
     floor_us: float
 
 
-def _configs(split_ks: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    return list(itertools.product((32, 64), split_ks, (4, 8)))
+def _configs() -> list:
+    """The launch shapes tried: tile width, splits, warps, K step, pipeline stages."""
+    from ostinato.engine.kernels.gemm_launch import GemmConfig
+
+    tiles = ((32, 1, 4), (32, 4, 4), (32, 8, 4), (64, 1, 8), (64, 4, 4), (64, 8, 4))
+    steps = ((128, 3), (256, 3), (128, 5), (256, 4))
+    return [GemmConfig(*t, *st) for t, st in itertools.product(tiles, steps)]
 
 
 def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
@@ -72,12 +77,11 @@ def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
         label = config if config == "cublas" else f"{config}{' pdl' if pdl else ''}"
         out.append(Timing(name, kernel, rows, label, graph_call_us(fn, CALLS), floor))
 
-    for split in (1, 2, 4, 8):
-        timed("qkv", f"split {split}", lambda s=split: tg.qkv_rope_kv(
-            x, w["qkv"], None, counters, s, rope, norm, pdl))  # fmt: skip
-    for bn, split, warps in _configs((1, 2, 4, 8)):
-        c = tg.GemmConfig(bn, split, warps)
-        label = f"{bn}x{split} w{warps}"
+    for c in _configs():
+        label = f"{c.block_n}x{c.split_k} w{c.num_warps} k{c.block_k} s{c.num_stages}"
+        if c.block_n == 32 and c.num_warps == 4:  # the head sets the QKV kernel's tile
+            timed("qkv", label, lambda c=c: tg.qkv_rope_kv(
+                x, w["qkv"], None, counters, c, rope, norm, pdl))  # fmt: skip
         timed("gate_up", label, lambda c=c: tg.small_gemm(
             x, w["gate_up"], None, counters, c, True, pdl, norm))  # fmt: skip
         for k in ("o", "down"):
@@ -91,15 +95,14 @@ def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--rows", default="1")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"))
     timings = []
     for name in SHAPES:
         for rows in (int(r) for r in args.rows.split(",")):
-            for pdl in (True, False):
-                timings += sweep(name, rows, bw, pdl)
+            timings += sweep(name, rows, bw, True)
             best: dict[str, Timing] = {}
             for t in timings:
                 if t.shape == name and t.rows == rows:

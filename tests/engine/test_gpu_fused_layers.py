@@ -118,7 +118,8 @@ def _run_qkv(c, counters, split, pdl, eps=1e-5):
         c["q_norm"], c["k_norm"], eps,
     )  # fmt: skip
     prologue = tg.NormPrologue(c["norm_w"], eps, c["residual"], total)
-    q = tg.qkv_rope_kv(c["x"], c["w"], c["b"], counters, split, rope, prologue, pdl)
+    config = tg.GemmConfig(c["d"] // 2, split)
+    q = tg.qkv_rope_kv(c["x"], c["w"], c["b"], counters, config, rope, prologue, pdl)
     return q, total
 
 

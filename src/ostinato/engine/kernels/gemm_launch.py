@@ -14,11 +14,14 @@ MAX_SPLIT_K = 8
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch shape of the small GEMM: output columns per program, K splits, warps."""
+    """One launch shape of the small GEMM: output columns per program, K splits, warps,
+    K columns per loop step, software-pipeline stages."""
 
     block_n: int
     split_k: int
     num_warps: int = 4
+    block_k: int = 128
+    num_stages: int = 3
 
 
 # The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
@@ -40,9 +43,9 @@ UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
 
 
-def k_per_split(k: int, split_k: int) -> int:
-    """Columns of K per split, in whole ``BLOCK_K`` tiles."""
-    return ceil_div(ceil_div(k, split_k), BLOCK_K) * BLOCK_K
+def k_per_split(k: int, split_k: int, block_k: int = BLOCK_K) -> int:
+    """Columns of K per split, in whole ``block_k`` tiles."""
+    return ceil_div(ceil_div(k, split_k), block_k) * block_k
 
 
 def working_splits(k: int, split_k: int) -> int:

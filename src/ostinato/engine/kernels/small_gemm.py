@@ -39,14 +39,13 @@ kernel: weights do not depend on it, so their read overlaps its tail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
-    BLOCK_K,
     CONFIGS,
     MAX_ROWS,
     GemmConfig,
@@ -316,17 +315,16 @@ def _launch(
     *,
     epilogue: int,
     n: int,
-    block_n: int,
-    split_k: int,
+    config: GemmConfig,
     tile_stride: int,
     off2: int,
     norm: NormPrologue | None,
     rope: RopeKV | None,
     pdl: bool,
-    num_warps: int = 4,
 ) -> None:
     """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles."""
     m, k = x.shape
+    block_n, split_k = config.block_n, config.split_k
     tiles = triton.cdiv(n, tile_stride)
     n_pad = tiles * block_n
     if split_k > 1:
@@ -356,8 +354,8 @@ def _launch(
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
         counters, cos, sin, slots, kc, vc, qn, kn,
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
-        n_pad, k_per_split(k, split_k), tile_stride, off2, eps, stride_rt, stride_cs, stride_ch,
-        q_heads, kv_heads,
+        n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, stride_rt,
+        stride_cs, stride_ch, q_heads, kv_heads,
         NORM=norm is not None,
         ADD=norm is not None and norm.residual is not None,
         HAS_BIAS=bias is not None,
@@ -365,12 +363,13 @@ def _launch(
         QK_NORM=rope is not None and rope.q_norm is not None,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=config.block_k,
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,
         LINE=LINE,
         USE_PDL=pdl,
-        num_warps=num_warps,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         launch_pdl=pdl,
     )  # fmt: skip
 
@@ -402,9 +401,8 @@ def small_gemm(
         return out
     _launch(
         x, weight, bias, counters, out,
-        epilogue=SWIGLU if swiglu else PLAIN, n=n, block_n=config.block_n,
-        split_k=config.split_k, tile_stride=config.block_n, off2=n if swiglu else 0,
-        norm=norm, rope=None, pdl=pdl, num_warps=config.num_warps,
+        epilogue=SWIGLU if swiglu else PLAIN, n=n, config=config,
+        tile_stride=config.block_n, off2=n if swiglu else 0, norm=norm, rope=None, pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -414,7 +412,7 @@ def qkv_rope_kv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     counters: torch.Tensor,
-    split_k: int,
+    config: GemmConfig,
     rope: RopeKV,
     norm: NormPrologue | None = None,
     pdl: bool = False,
@@ -424,7 +422,7 @@ def qkv_rope_kv(
     heads ``[M, q_heads * d]`` (QK-normed, unrotated; into ``out`` when given, any row
     stride) and stores the rotated keys and the values at ``rope.slot_mapping`` in the
     caches (see ``ROPE_KV``); with ``norm``, of the normed rows. ``d`` a power of two
-    >= 32; one counter per head."""
+    >= 32; one counter per head; ``config``'s column tile is the half head."""
     _check_rows(x, weight)
     d = rope.k_cache.shape[-1]
     heads = rope.q_heads + 2 * rope.kv_heads
@@ -442,7 +440,7 @@ def qkv_rope_kv(
         return out
     _launch(
         x, weight, bias, counters, out,
-        epilogue=ROPE_KV, n=weight.shape[0], block_n=d // 2, split_k=split_k,
+        epilogue=ROPE_KV, n=weight.shape[0], config=replace(config, block_n=d // 2),
         tile_stride=d, off2=d // 2, norm=norm, rope=rope, pdl=pdl,
     )  # fmt: skip
     return out

@@ -134,7 +134,7 @@ def norm_qkv(
     slots = step.metadata.slot_mapping
     backend = step.backend
     if _planned(x, weight, plan) and isinstance(backend, TritonAttention) and backend.applies_rope:
-        from ostinato.engine.kernels.gemm_launch import rope_split_k
+        from ostinato.engine.kernels.gemm_launch import GemmConfig, rope_split_k
         from ostinato.engine.kernels.launch import num_sms
         from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
 
@@ -142,7 +142,8 @@ def norm_qkv(
         rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
         split = rope_split_k(q_heads + 2 * kv_heads, x.shape[1], num_sms(x.device))
         q = qkv_out[:, : rope.q_heads * k_cache.shape[-1]]
-        qkv_rope_kv(x, weight, bias, counters, split, rope, prologue, pdl, out=q)
+        config = GemmConfig(k_cache.shape[-1] // 2, split)
+        qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=q)
         return
     h = _norm_into(x, residual, norm_weight, eps, pdl, total_out)
     if bias is None:

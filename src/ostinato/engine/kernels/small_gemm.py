@@ -165,7 +165,9 @@ def _gemm_kernel(
             _prefetch_l2(pre + OFF2 * stride_wn)
     pdl_enter(USE_PDL)
     dtype = x_ptr.dtype.element_ty
-    ss = tl.zeros((BLOCK_M,), tl.float32)  # NORM: this split's sum of squares per row
+    # NORM: this split's squares, summed over K once after the loop (a sum across the
+    # tile inside it would hold every step of the loop's pipeline at a barrier)
+    squares = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
@@ -177,7 +179,7 @@ def _gemm_kernel(
                 if pid_n == 0:  # the first column tile of each split stores the sum
                     tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=x_mask)
             hf = h.to(tl.float32)
-            ss += tl.sum(hf * hf, axis=1)
+            squares += hf * hf
             nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
             x = (nw[None, :] * hf).to(dtype)  # the row's 1 / rms is applied to the sums
         else:
@@ -187,6 +189,7 @@ def _gemm_kernel(
         acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
         if TWO:
             acc2 = tl.dot(x, tl.load(w_ptrs + OFF2 * stride_wn, mask=w_mask, other=0.0), acc2)
+    ss = tl.sum(squares, axis=1)
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
         tile = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]

@@ -176,8 +176,10 @@ def _gemm_kernel(
         if NORM:
             h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
             if ADD:
-                if pid_n == 0:  # the first column tile of each split stores the sum
-                    tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=x_mask)
+                # The first column tile of each split stores the sum: a mask, not a
+                # branch, which would keep the loop from being pipelined.
+                writes = x_mask & ((tl.zeros_like(x_mask.to(tl.int32)) + pid_n) == 0)
+                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=writes)
             hf = h.to(tl.float32)
             squares += hf * hf
             nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)

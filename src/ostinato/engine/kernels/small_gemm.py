@@ -175,11 +175,6 @@ def _gemm_kernel(
         x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
         if NORM:
             h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
-            if ADD:
-                # The first column tile of each split stores the sum: a mask, not a
-                # branch, which would keep the loop from being pipelined.
-                writes = x_mask & ((tl.zeros_like(x_mask.to(tl.int32)) + pid_n) == 0)
-                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=writes)
             hf = h.to(tl.float32)
             squares += hf * hf
             nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
@@ -192,6 +187,15 @@ def _gemm_kernel(
         if TWO:
             acc2 = tl.dot(x, tl.load(w_ptrs + OFF2 * stride_wn, mask=w_mask, other=0.0), acc2)
     ss = tl.sum(squares, axis=1)
+    if ADD:
+        if pid_n == 0:
+            # The first column tile of each split stores the sum (the new residual) of
+            # its K columns, after its loop: a store inside it slows the loop twofold.
+            for k0 in range(0, K_PER, BLOCK_K):
+                ks = k0 + k_lo + rk
+                x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
+                h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
+                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=x_mask)
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
         tile = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]

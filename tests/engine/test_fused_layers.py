@@ -92,7 +92,10 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
         for n in (64, 576, 1536, 2048, 3072, 8192, 49152):
             for k in (64, 576, 1024, 1536, 2048, 8192, 14336):
                 c = CONFIGS[pick_config(n, k, sms) - 1]
-                if k <= UNSPLIT_K or ceil_div(n, 32) >= 4 * sms:
+                if 2 * ceil_div(n, 64) >= sms:  # wide enough unsplit
+                    assert (c.block_n, c.split_k, c.num_warps) == (64, 1, 8), (n, k, sms)
+                    continue
+                if k <= UNSPLIT_K:
                     assert c.split_k == 1
                 else:  # the fewest splits of at most SPLIT_K_COLUMNS, or the most allowed
                     short = k_per_split(k, c.split_k) <= SPLIT_K_COLUMNS
@@ -100,6 +103,7 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
                     assert c.split_k == 1 or k_per_split(k, c.split_k // 2) > SPLIT_K_COLUMNS
                 programs = ceil_div(n, 32) * working_splits(k, c.split_k)
                 assert c.block_n == (64 if programs > 2 * sms else 32), (n, k, sms)
+                assert c.num_warps == 4
 
 
 def test_the_qkv_split_covers_the_gpu_when_splits_can():

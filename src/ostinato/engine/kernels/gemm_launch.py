@@ -55,20 +55,21 @@ def working_splits(k: int, split_k: int) -> int:
 
 def pick_config(n: int, k: int, sms: int) -> int:
     """The plan entry (1-based into ``CONFIGS``) used without a measurement for ``n``
-    output columns over ``k``, the rule the fused-kernel sweep on the H200 suggested
-    (``benchmarks/fused_sweep.py``): K unsplit up to ``UNSPLIT_K`` columns (a split's
-    reduction costs more than a short loop) or when 32-column tiles alone give every SM
-    four programs (an LM head), else split in powers of two until a split
-    has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K`` splits); 64-column tiles
-    where 32-column ones would give more than two programs per SM (fewer, longer weight
-    reads), with 8 warps when unsplit. Deterministic in ``(n, k, sms)``."""
+    output columns over ``k``, the rule the H200 sweep of the fused kernels suggested
+    (``benchmarks/fused_sweep.py``): where 64-column tiles give at least every other SM
+    a program (gate/up, LM heads), those, unsplit, with 8 warps; else K unsplit up to
+    ``UNSPLIT_K`` columns (a split's reduction costs more than a short loop), or split in
+    powers of two until a split has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K``),
+    in 32-column tiles unless those would give more than two programs per SM.
+    Deterministic in ``(n, k, sms)``."""
+    if 2 * ceil_div(n, 64) >= sms:
+        return CONFIGS.index(GemmConfig(64, 1, num_warps=8)) + 1
     split = 1
-    if k > UNSPLIT_K and ceil_div(n, 32) < 4 * sms:
+    if k > UNSPLIT_K:
         while split < MAX_SPLIT_K and k_per_split(k, split) > SPLIT_K_COLUMNS:
             split *= 2
     wide = ceil_div(n, 32) * working_splits(k, split) > 2 * sms
-    config = GemmConfig(64 if wide else 32, split, 8 if wide and split == 1 else 4)
-    return CONFIGS.index(config) + 1
+    return CONFIGS.index(GemmConfig(64 if wide else 32, split)) + 1
 
 
 def rope_split_k(heads: int, k: int, sms: int) -> int:

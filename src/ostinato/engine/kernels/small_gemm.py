@@ -23,14 +23,14 @@ Each program accumulates one or two tiles of ``BLOCK_N`` columns: the second sta
   their cache slots, as ``paged_attention.write_kv_fused`` stores them. With
   ``QK_NORM`` (Qwen3) each query and key head is RMS-normed first.
 
-``NORM`` (a prologue): the projection is of ``rms_norm(x (+ residual)) * norm_weight``.
-A row's norm is a scalar, so each program multiplies its K columns of the row by the norm
-weight as it loads them (rounded to the input dtype for the dot), sums the row's squares
-on the way, and scales the finished sums by ``1 / rms`` (the split-K reduction adds the
-splits' squares too): no pass over the row before the GEMM starts. The arithmetic
-differs from the unfused norm (which rounds the normed row before the weight) only in
-where it rounds; bf16 inputs only (in fp16 the unnormed products could overflow). With
-``ADD`` the first column tile of each split also stores the sum (the new residual).
+``NORM`` (a prologue): the rows ``x`` are first ``rms_norm(x (+ residual)) * norm_weight``
+with transformers' arithmetic (the sum rounded to the input dtype, the row in float32,
+``h * rsqrt(mean(h^2) + eps)`` rounded, times the weight, rounded): every program sums its
+rows' squares over the whole row before its K loop (the rows are a few KB, read from L2),
+and normalises each tile as it loads it. With ``ADD`` the program of tile 0, split 0
+also stores the sum (the new residual). (Applying ``1 / rms`` to the finished sums
+instead, with the squares summed in the K loop, measured up to twice as slow on the H200:
+``benchmarks/fused_sweep.py``.)
 
 With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the first
 ``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
@@ -57,6 +57,7 @@ from ostinato.engine.kernels.pdl import pdl_enter
 
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
 LINE = 64  # 16-bit elements per 128-byte cache line
+NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
 
 PLAIN, SWIGLU, ROPE_KV = 0, 1, 2  # the epilogues
 
@@ -82,6 +83,28 @@ def _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, mask, ADD: tl.constexpr):
         r = tl.load(r_ptr + rm[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
     return x
+
+
+@triton.jit
+def _row_rstd(
+    x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
+    ADD: tl.constexpr, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr,
+):  # fmt: skip
+    """``rsqrt(mean(h^2) + eps)`` of each row ``h = x (+ residual)`` over all K columns;
+    with ``ADD`` and ``writer``, ``h`` is stored to ``total`` on the way."""
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, NORM_K)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, NORM_K):
+        ks = k0 + rk
+        mask = (rm[:, None] < M) & (ks[None, :] < K)
+        h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, mask, ADD)
+        if ADD:
+            if writer:
+                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        ss += tl.sum(hf * hf, axis=1)
+    return tl.rsqrt(ss / K + eps)
 
 
 @triton.jit
@@ -144,7 +167,7 @@ def _gemm_kernel(
     N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
     NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
@@ -165,9 +188,12 @@ def _gemm_kernel(
             _prefetch_l2(pre + OFF2 * stride_wn)
     pdl_enter(USE_PDL)
     dtype = x_ptr.dtype.element_ty
-    # NORM: this split's squares, summed over K once after the loop (a sum across the
-    # tile inside it would hold every step of the loop's pipeline at a barrier)
-    squares = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    if NORM:
+        writer = (pid_n == 0) & (pid_k == 0)
+        rstd = _row_rstd(
+            x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
+            ADD, BLOCK_M, NORM_K,
+        )  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
@@ -175,10 +201,9 @@ def _gemm_kernel(
         x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
         if NORM:
             h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
-            hf = h.to(tl.float32)
-            squares += hf * hf
+            y = (h.to(tl.float32) * rstd[:, None]).to(dtype)
             nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
-            x = (nw[None, :] * hf).to(dtype)  # the row's 1 / rms is applied to the sums
+            x = (nw[None, :] * y.to(tl.float32)).to(dtype)
         else:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         w_mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
@@ -186,16 +211,6 @@ def _gemm_kernel(
         acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
         if TWO:
             acc2 = tl.dot(x, tl.load(w_ptrs + OFF2 * stride_wn, mask=w_mask, other=0.0), acc2)
-    ss = tl.sum(squares, axis=1)
-    if ADD:
-        if pid_n == 0:
-            # The first column tile of each split stores the sum (the new residual) of
-            # its K columns, after its loop: a store inside it slows the loop twofold.
-            for k0 in range(0, K_PER, BLOCK_K):
-                ks = k0 + k_lo + rk
-                x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
-                h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
-                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=x_mask)
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
         tile = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
@@ -203,10 +218,6 @@ def _gemm_kernel(
         tl.store(mine, acc)
         if TWO:
             tl.store(mine + BLOCK_M * N_PAD, acc2)
-        # Then each (split, tile)'s sums of squares [SPLIT_K, tiles, BLOCK_M].
-        ss_part = part_ptr + SPLIT_K * 2 * BLOCK_M * N_PAD + pid_n * BLOCK_M + rm
-        if NORM:
-            tl.store(ss_part + pid_k * N_PAD, ss)
         # acq_rel: this program's partial is visible before its count, and the last
         # program sees every other partial after reading the count.
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
@@ -214,24 +225,16 @@ def _gemm_kernel(
         if last:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            ss = tl.zeros((BLOCK_M,), tl.float32)
             for s in tl.static_range(SPLIT_K):
                 theirs = part_ptr + s * 2 * BLOCK_M * N_PAD + tile
                 acc += tl.load(theirs, cache_modifier=".cg")
                 if TWO:
                     acc2 += tl.load(theirs + BLOCK_M * N_PAD, cache_modifier=".cg")
-                if NORM:
-                    ss += tl.load(ss_part + s * N_PAD, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
     else:
         last = True
     if last:
         wdtype = w_ptr.dtype.element_ty
-        if NORM:
-            # rms_norm(h) @ W^T = (1 / rms(h)) * ((norm_weight * h) @ W^T), per row
-            rstd = tl.rsqrt(ss / K + eps)[:, None]
-            acc = acc * rstd
-            acc2 = acc2 * rstd
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             if TWO:
@@ -339,9 +342,7 @@ def _launch(
     if split_k > 1:
         if counters.numel() < tiles:
             raise ValueError(f"small_gemm: {counters.numel()} counters for {tiles} tiles")
-        # [split_k, 2, rows, n_pad] partial tiles, then [split_k, tiles, rows] row sums
-        # of squares (a tile's row of n_pad floats holds them: tiles * rows <= n_pad)
-        part = torch.empty((split_k, 2 * MAX_ROWS + 1, n_pad), dtype=torch.float32, device=x.device)
+        part = torch.empty((split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=x.device)
     else:
         part = out
     nw, res, total = _norm_args(x, norm)
@@ -373,6 +374,7 @@ def _launch(
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=config.block_k,
+        NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,
         LINE=LINE,

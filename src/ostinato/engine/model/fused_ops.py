@@ -9,7 +9,7 @@
   gate/up projection and SiLU·mul. Returns the activation and the residual sum.
 
 Each is one kernel (``small_gemm``'s NORM prologue with its ROPE_KV or SWIGLU epilogue)
-where that kernel can run: on CUDA, bf16 weights, at most ``MAX_ROWS`` rows, a plan
+where that kernel can run: on CUDA, 16-bit weights, at most ``MAX_ROWS`` rows, a plan
 entry for that row count (``Linear.use_plan``: the runner gives one to every projection
 of a fused model), and for ``norm_qkv`` the Triton attention backend's cache layout.
 Elsewhere each runs the unfused ops in sequence, the ones the layer ran before fusion:
@@ -40,10 +40,9 @@ _lib.define(
 
 
 def _planned(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
-    """The plan entry for ``x``'s row count where the fused kernel may run (bf16: its
-    unnormed products could overflow fp16), else 0."""
+    """The plan entry for ``x``'s row count where the fused kernel may run, else 0."""
     m = x.shape[0]
-    if not x.is_cuda or weight.dtype != torch.bfloat16 or m >= len(plan):
+    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
         return 0
     return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
 

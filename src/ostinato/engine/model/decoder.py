@@ -278,15 +278,17 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.rope_in_attention = value
 
-    def linears(self) -> list[tuple[Linear, bool]]:
-        """Every projection with whether its output goes through SiLU·mul (the gate/up
-        projections): what the small-GEMM plans cover."""
+    def linears(self, lm_head: bool = True) -> list[tuple[Linear, bool]]:
+        """Every projection (the layers' and, with ``lm_head``, the LM head's) with
+        whether its output goes through SiLU·mul (the gate/up projections): what the
+        small-GEMM plans cover."""
         found: list[tuple[Linear, bool]] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             found += [(attn.qkv_proj, False), (attn.o_proj, False)]
             found += [(mlp.gate_up_proj, True), (mlp.down_proj, False)]
-        found.append((self.lm_head, False))
+        if lm_head:
+            found.append((self.lm_head, False))
         return found
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

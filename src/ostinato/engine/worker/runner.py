@@ -251,7 +251,7 @@ class ModelRunner:
     @torch.inference_mode()
     def plan_kernels(self) -> list[GemmTiming]:
         """Measures and sets the small-GEMM plans once (``KernelOptions.small_gemm``),
-        then with ``fused_layers`` gives the Triton GEMM to every projection left
+        then with ``fused_layers`` gives the Triton GEMM to every layer projection left
         without one (``default_plans``); ``compile`` and ``capture`` call it first, since
         the plans are constants of the compiled graph. Returns the measurements (empty
         when not asked for)."""
@@ -267,7 +267,9 @@ class ModelRunner:
                 else []
             )
             if self.kernels.fused_layers:
-                default_plans(self.model.linears(), self.kernels.pdl)
+                # The LM head stays on cuBLAS unless measured: once per step, and the
+                # widest GEMM, where a tile shape picked by rule risks the most.
+                default_plans(self.model.linears(lm_head=False), self.kernels.pdl)
         return self.gemm_timings
 
     @torch.inference_mode()

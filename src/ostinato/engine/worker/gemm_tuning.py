@@ -144,17 +144,25 @@ def _plan_sizes(rows: Sequence[int]) -> list[int]:
     return sorted({r for r in rows if 1 <= r <= MAX_ROWS})
 
 
+# Up to this many weight bytes a projection runs the Triton GEMM without a measurement.
+# On the H200 (benchmarks/fused_sweep.py, RESULTS.md) the fused kernels beat cuBLAS and
+# the unfused kernels where a weight is read in a few microseconds (SmolLM2's, 0.3 to
+# 3.5 MB: the launch chain dominates) and lose to cuBLAS's bandwidth from the 1.5 B
+# shape's 8 to 67 MB on.
+SMALL_WEIGHT_BYTES = 8 << 20
+
+
 def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
-    """Gives every 16-bit CUDA projection of ``linears`` still without a Triton plan the
-    Triton GEMM at every row count it covers, in the config ``gemm_launch.pick_config``
-    names for its shape: what a model with ``KernelOptions.fused_layers`` runs where
-    nothing was measured (and where cuBLAS measured faster: a fused step chains every
-    kernel with PDL, which cuBLAS does not take part in)."""
+    """Gives every 16-bit CUDA projection of ``linears`` still without a Triton plan and
+    with at most ``SMALL_WEIGHT_BYTES`` of weight the Triton GEMM at every row count it
+    covers, in the config ``gemm_launch.pick_config`` names for its shape: what a model
+    with ``KernelOptions.fused_layers`` runs where nothing was measured. Larger weights
+    keep cuBLAS (and their fused ops the unfused kernels)."""
     for linear, swiglu in linears:
         w = linear.weight
         if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
             continue
-        if any(linear.plan):
+        if any(linear.plan) or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES:
             continue
         from ostinato.engine.kernels.gemm_launch import MAX_ROWS, counters_needed, pick_config
         from ostinato.engine.kernels.launch import num_sms

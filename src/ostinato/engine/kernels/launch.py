@@ -82,3 +82,14 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of the CUDA ``device`` (the current one without an
     index): what a kernel's grid is sized against."""
     return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Steps of more rows run their kernels without programmatic dependent launch: on the
+# H200 it slowed SmolLM2's decode steps of 32 and 128 rows by 4 to 6% (RESULTS.md), while
+# at 16 rows or fewer, where each kernel is a few microseconds, it is the gain.
+PDL_MAX_ROWS = 16
+
+
+def pdl_for(pdl: bool, rows: int) -> bool:
+    """Whether a launch over ``rows`` rows (tokens) uses PDL when ``pdl`` asks for it."""
+    return pdl and rows <= PDL_MAX_ROWS

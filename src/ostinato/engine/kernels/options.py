@@ -35,9 +35,10 @@ class KernelOptions:
 
     ``pdl`` (on by default where the device has it): programmatic dependent launch
     (Hopper and newer). ostinato's Triton kernels (norms, K/V write, attention, small
-    GEMMs) and Inductor's are launched so that each may start while its predecessor
-    drains; each waits (``griddepcontrol.wait``) before touching memory, so results are
-    unchanged. Turned off by ``resolved`` on devices without it.
+    GEMMs) of steps of at most 16 rows (``launch.pdl_for``) are launched so that each
+    may start while its predecessor drains; each waits (``griddepcontrol.wait``) before
+    touching memory, so results are unchanged. Turned off by ``resolved`` on devices
+    without it.
 
     ``small_gemm``: projections whose row count is at most ``small_gemm.MAX_ROWS`` (16) use a
     Triton GEMM (the down projection with SiLU·mul fused into its load) wherever a

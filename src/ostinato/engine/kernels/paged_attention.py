@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ostinato.engine.kernels.attention_launch import AttentionLaunch
-from ostinato.engine.kernels.launch import launch, num_sms
+from ostinato.engine.kernels.launch import launch, num_sms, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
 MAX_SPLITS = 16
@@ -217,6 +217,7 @@ def paged_attention(
     out = _output(q, out)
     if n == 0:
         return out
+    pdl = pdl_for(pdl, n)
     if q.stride(-1) != 1:
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
@@ -401,6 +402,7 @@ def write_kv_fused(
     n, kv_heads, head_dim = k.shape
     if n == 0:
         return
+    pdl = pdl_for(pdl, n)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or head_dim & (head_dim - 1):
         raise ValueError("write_kv_fused: needs a contiguous, power-of-two head dim")
     kc = k_cache.view(-1, kv_heads, head_dim)

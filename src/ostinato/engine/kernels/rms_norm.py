@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.launch import launch, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
 
@@ -57,10 +57,12 @@ def rms_norm_rows(
 ) -> None:
     """``out[r] = weight * rms_norm(x[r] (+ residual[r]))`` for every row of the 2-D
     ``x`` (any row stride); with ``residual``, ``total[r] = x[r] + residual[r]`` too.
-    ``pdl``: launch with programmatic dependent launch (compute capability 9.0+)."""
+    ``pdl``: launch with programmatic dependent launch (compute capability 9.0+) when
+    ``pdl_for`` allows it for this many rows."""
     rows, dim = x.shape
     if rows == 0:
         return
+    pdl = pdl_for(pdl, rows)
     if x.stride(-1) != 1:
         x = x.contiguous()
     add = residual is not None and total is not None

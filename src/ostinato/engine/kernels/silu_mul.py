@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.launch import launch, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
 
@@ -30,13 +30,14 @@ def _silu_mul_kernel(
 def silu_mul(x: torch.Tensor, pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[:, :K]) * x[:, K:]`` for a 2-D ``x`` ``[M, 2K]`` (any row stride) in one
     kernel, into ``out`` (``[M, K]``, any row stride) when given. ``pdl``: launch with
-    programmatic dependent launch (compute capability 9.0+)."""
+    programmatic dependent launch (compute capability 9.0+) where ``pdl_for`` allows."""
     m, two_k = x.shape
     k = two_k // 2
     if out is None:
         out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m == 0 or k == 0:
         return out
+    pdl = pdl_for(pdl, m)
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(1024, triton.next_power_of_2(k))

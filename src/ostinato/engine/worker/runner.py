@@ -66,9 +66,9 @@ class ModelRunner:
     piecewise backend, which makes piecewise modes available. The model's
     ``rope_in_attention`` is set from ``backend.applies_rope``. The model's
     ``KernelOptions`` (it is built with them; the attention backend with
-    ``default_backend(device, kernels)``) also decide Inductor's PDL in the compiled
-    pieces, and with ``small_gemm`` the projections' plans are measured at start-up,
-    before compiling (``gemm_timings``), or read from ``compile_cache``.
+    ``default_backend(device, kernels)``) decide the projections' plans: with
+    ``small_gemm`` measured at start-up, before compiling (``gemm_timings``), or read
+    from ``compile_cache``; with ``fused_layers`` given by rule to the small ones.
     """
 
     def __init__(
@@ -133,7 +133,9 @@ class ModelRunner:
                 check_addresses=graph_config.check_addresses,
                 platform=self.manager.platform,
                 pool=self.manager.pool,
-                inductor_patches=_inductor_pdl() if self.kernels.pdl else None,
+                # Inductor's kernels keep plain launches: its PDL switch holds at every
+                # size, and PDL slowed steps of more than 16 rows (``pdl_for``).
+                inductor_patches=None,
             )
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
@@ -589,10 +591,3 @@ def runner_kernels(built: KernelOptions, device: torch.device) -> KernelOptions:
             "build it with KernelOptions.resolved(device)"
         )
     return kernels
-
-
-def _inductor_pdl() -> dict[str, bool]:
-    """Inductor's own switch for programmatic dependent launch, where this torch has it."""
-    from torch._inductor import config
-
-    return {"triton.enable_pdl": True} if hasattr(config.triton, "enable_pdl") else {}

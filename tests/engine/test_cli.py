@@ -154,9 +154,10 @@ def test_generate_takes_the_kernel_options(capsys, monkeypatch):
     args = ["--prompt-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos"]
     code, plain, err = run(GEN + args, capsys)
     assert code == 0, err
-    code, out, err = run(GEN + args + ["--pdl", "--small-gemm"], capsys)
+    code, out, err = run(GEN + args + ["--no-pdl", "--small-gemm", "--no-fused-layers"], capsys)
     assert code == 0, err
-    assert [(k.pdl, k.small_gemm) for k in seen] == [(False, False), (True, True)]
+    options = [(k.pdl, k.small_gemm, k.fused_layers) for k in seen]
+    assert options == [(True, False, True), (False, True, False)]  # the defaults, then not
     result = [line for line in out.splitlines() if line.startswith("prompt ")]
     assert result == [line for line in plain.splitlines() if line.startswith("prompt ")]
 

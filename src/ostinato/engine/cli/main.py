@@ -187,9 +187,17 @@ def _engine_options(gen: argparse.ArgumentParser) -> None:
     )
     gen.add_argument(
         "--pdl",
-        action="store_true",
-        help="launch the engine's Triton kernels with programmatic dependent launch "
-        "(Hopper; ignored elsewhere)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch the engine's Triton kernels of steps of <= 16 rows with programmatic "
+        "dependent launch (Hopper; ignored elsewhere; on by default)",
+    )
+    gen.add_argument(
+        "--fused-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each decoder layer's norm and projection pairs as one kernel each at "
+        "<= 16 rows (CUDA, small projections; on by default)",
     )
     gen.add_argument(
         "--small-gemm",
@@ -289,7 +297,10 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
         progress=not args.quiet,
         num_speculative_tokens=args.num_speculative_tokens,
         kernels=KernelOptions(
-            pdl=args.pdl, small_gemm=args.small_gemm, compile_ahead=args.compile_ahead
+            pdl=args.pdl,
+            small_gemm=args.small_gemm,
+            compile_ahead=args.compile_ahead,
+            fused_layers=args.fused_layers,
         ),
     )
 

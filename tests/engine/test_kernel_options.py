@@ -131,3 +131,11 @@ def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks():
         runner_kernels(built, torch.device("cuda"))
     # Off CUDA nothing launches with it: the runner follows the resolved options.
     assert runner_kernels(built, torch.device("cpu")) == KernelOptions(pdl=False)
+
+
+def test_pdl_applies_to_decode_sized_launches_only():
+    from ostinato.engine.kernels.launch import PDL_MAX_ROWS, pdl_for
+
+    assert PDL_MAX_ROWS == 16
+    assert [pdl_for(True, rows) for rows in (1, 16, 17, 128)] == [True, True, False, False]
+    assert not pdl_for(False, 1)

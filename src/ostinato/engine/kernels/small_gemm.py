@@ -318,6 +318,24 @@ def _norm_args(x: torch.Tensor, norm: NormPrologue | None) -> tuple[torch.Tensor
     return norm.weight, norm.residual, norm.total
 
 
+def _rope_args(
+    x: torch.Tensor, rope: RopeKV | None, eps: float
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], float]:
+    """The ``ROPE_KV`` arguments of ``_gemm_kernel`` (``x`` and zeros where unused):
+    (cos, sin, slots, k cache, v cache, q norm, k norm), (cos row stride, cache slot and
+    head strides, query and KV heads), and the eps (the head norms' where they run; the
+    row norm's is the same config value)."""
+    if rope is None:
+        return (x,) * 7, (0,) * 5, eps
+    kc = rope.k_cache.view(-1, rope.kv_heads, rope.k_cache.shape[-1])
+    vc = rope.v_cache.view(-1, rope.kv_heads, rope.v_cache.shape[-1])
+    qn = rope.q_norm if rope.q_norm is not None else x
+    kn = rope.k_norm if rope.k_norm is not None else x
+    tensors = (rope.cos, rope.sin, rope.slot_mapping, kc, vc, qn, kn)
+    ints = (rope.cos.stride(0), kc.stride(0), kc.stride(1), rope.q_heads, rope.kv_heads)
+    return tensors, ints, rope.eps
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -346,26 +364,14 @@ def _launch(
     else:
         part = out
     nw, res, total = _norm_args(x, norm)
-    cos = sin = slots = kc = vc = qn = kn = x
-    stride_rt = stride_cs = stride_ch = q_heads = kv_heads = 0
-    eps = norm.eps if norm is not None else 0.0
-    if rope is not None:
-        cos, sin, slots = rope.cos, rope.sin, rope.slot_mapping
-        kc = rope.k_cache.view(-1, rope.kv_heads, rope.k_cache.shape[-1])
-        vc = rope.v_cache.view(-1, rope.kv_heads, rope.v_cache.shape[-1])
-        qn = rope.q_norm if rope.q_norm is not None else x
-        kn = rope.k_norm if rope.k_norm is not None else x
-        stride_rt, stride_cs, stride_ch = cos.stride(0), kc.stride(0), kc.stride(1)
-        q_heads, kv_heads = rope.q_heads, rope.kv_heads
-        eps = rope.eps  # the head norms' (the row norm's is the same config value)
+    tensors, ints, eps = _rope_args(x, rope, norm.eps if norm is not None else 0.0)
     launch(
         _gemm_kernel,
         (tiles, split_k),
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
-        counters, cos, sin, slots, kc, vc, qn, kn,
+        counters, *tensors,
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
-        n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, stride_rt,
-        stride_cs, stride_ch, q_heads, kv_heads,
+        n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, *ints,
         NORM=norm is not None,
         ADD=norm is not None and norm.residual is not None,
         HAS_BIAS=bias is not None,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ostinato.context import get_forward_context
 from ostinato.engine.model.attention import TritonAttention
+from ostinato.engine.model.norm_op import check_residual
 from ostinato.engine.model.rope import apply_rope
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
@@ -47,15 +48,6 @@ def _planned(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
     return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
 
 
-def _norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the norm of ``x (+ residual)``, the sum or an empty tensor): the unfused ops."""
-    if residual is None:
-        return torch.ops.ostinato.rms_norm(x, weight, eps, pdl), x.new_empty(0)
-    return torch.ops.ostinato.add_rms_norm(x, residual, weight, eps, pdl)
-
-
 def _norm_prologue(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -69,11 +61,7 @@ def _norm_prologue(
 
     if residual is None:
         return NormPrologue(weight, eps), x.new_empty(0)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
-            f"{residual.dtype} must match"
-        )
+    check_residual(x, residual)
     if total is None:
         total = torch.empty_like(x, memory_format=torch.contiguous_format)
     return NormPrologue(weight, eps, residual.contiguous(), total), total
@@ -97,7 +85,7 @@ def _norm_into(
         return h
     from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
-    _norm_prologue(x, residual, weight, eps, total)  # the same checks
+    check_residual(x, residual)
     h = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
     rms_norm_rows(x, residual, weight, eps, h, total, pdl)
     return h
@@ -183,16 +171,12 @@ def norm_swiglu(
         config = triton_gemm.CONFIGS[choice - 1]
         out = triton_gemm.small_gemm(x, weight, None, counters, config, True, pdl, prologue)
         return out, total
-    h, total = _norm(x, residual, norm_weight, eps, pdl)
+    h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
     return torch.ops.ostinato.silu_mul(F.linear(h, weight), pdl), total
 
 
 _lib.impl("norm_qkv", norm_qkv, "CompositeExplicitAutograd")
 _lib.impl("norm_swiglu", norm_swiglu, "CompositeExplicitAutograd")
-
-
-def _total_like(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(0) if residual is None else torch.empty_like(x)
 
 
 @torch.library.register_fake("ostinato::norm_qkv", lib=_lib)
@@ -231,4 +215,4 @@ def _(
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = x.new_empty((x.shape[0], weight.shape[0] // 2), dtype=weight.dtype)
-    return out, _total_like(x, residual)
+    return out, torch.empty_like(x)

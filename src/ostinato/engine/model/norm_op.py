@@ -39,8 +39,9 @@ def rms_norm_reference(
     return weight * h.to(dtype)
 
 
-def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
-    # Both implementations: torch's add would broadcast a mismatched residual silently.
+def check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    # Every implementation (the fused ops' too): torch's add would broadcast a mismatched
+    # residual silently.
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(
             f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual "
@@ -52,7 +53,7 @@ def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch arithmetic: (norm of ``x + residual``, ``x + residual``)."""
-    _check_residual(x, residual)
+    check_residual(x, residual)
     total = x + residual
     return rms_norm_reference(total, weight, eps), total
 
@@ -73,7 +74,7 @@ def _add_rms_norm_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
-    _check_residual(x, residual)
+    check_residual(x, residual)
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
     dim = x.shape[-1]

@@ -139,3 +139,39 @@ def test_pdl_applies_to_decode_sized_launches_only():
     assert PDL_MAX_ROWS == 16
     assert [pdl_for(True, rows) for rows in (1, 16, 17, 128)] == [True, True, False, False]
     assert not pdl_for(False, 1)
+
+
+def test_layout_rows_take_every_pdl_and_split_layout_brute_force():
+    # compile_ahead's passes: every (PDL, attention splits) pair a step of 1..max rows
+    # launches is launched by one of layout_rows(max), checked against every size.
+    from ostinato.engine.kernels.attention_launch import splits_for
+    from ostinato.engine.kernels.launch import layout_rows, pdl_for
+
+    def layout(n: int, kv_heads: int, sms: int) -> tuple[bool, bool]:
+        return pdl_for(True, n), splits_for(n, kv_heads, sms) > 1
+
+    for sms in (8, 78, 132):
+        for kv_heads in (1, 2, 3, 8, 32):
+            for max_rows in range(1, 300, 7):
+                rows = layout_rows(max_rows)
+                assert all(1 <= n <= max_rows for n in rows)
+                want = {layout(n, kv_heads, sms) for n in range(1, max_rows + 1)}
+                got = {layout(n, kv_heads, sms) for n in rows}
+                assert got == want, (sms, kv_heads, max_rows, rows)
+
+
+def test_attention_splits_are_powers_of_two_that_never_grow_with_tokens():
+    from ostinato.engine.kernels.attention_launch import MAX_SPLITS, splits_for
+
+    for sms in (1, 132):
+        got = [splits_for(n, 2, sms) for n in range(1, 200)]
+        assert all(s & (s - 1) == 0 and 1 <= s <= MAX_SPLITS for s in got)
+        assert got == sorted(got, reverse=True)
+    # SmolLM2's 3 KV heads on 132 SMs: 264 programs wanted, shared by the tokens' heads.
+    assert [splits_for(n, 3, 132) for n in (1, 8, 16, 32, 64)] == [16, 16, 8, 2, 1]
+
+
+def test_rope_epilogue_takes_power_of_two_heads_of_at_least_32_dims():
+    from ostinato.engine.kernels.gemm_launch import rope_head_dim
+
+    assert [d for d in range(1, 300) if rope_head_dim(d)] == [32, 64, 128, 256]

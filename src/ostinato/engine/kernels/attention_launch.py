@@ -6,6 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BLOCK_N = 64  # keys per iteration, spanning several pages
+MAX_SPLITS = 16  # programs sharing one (token, KV head)'s keys, at most
+
+
+def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:
+    """Programs per (token, KV head): a power of two giving about two waves over ``sms``
+    SMs, at most ``MAX_SPLITS``; never more for more tokens."""
+    want = (2 * sms) // max(1, num_tokens * kv_heads)
+    return 1 if want <= 1 else min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
 @dataclass(frozen=True)

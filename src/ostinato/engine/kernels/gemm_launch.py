@@ -72,6 +72,12 @@ def pick_config(n: int, k: int, sms: int) -> int:
     return CONFIGS.index(GemmConfig(64 if wide else 32, split)) + 1
 
 
+def rope_head_dim(d: int) -> bool:
+    """Whether the ROPE_KV epilogue takes heads of ``d`` dims: its programs own one head
+    as two half-head tiles, and a tile is a power of two of at least 16 columns."""
+    return d >= 32 and d & (d - 1) == 0
+
+
 def rope_split_k(heads: int, k: int, sms: int) -> int:
     """K splits for the QKV projection whose programs each own one of ``heads`` heads: a
     power of two, doubled while the working programs leave SMs idle and doubling adds

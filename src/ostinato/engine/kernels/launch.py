@@ -93,3 +93,12 @@ PDL_MAX_ROWS = 16
 def pdl_for(pdl: bool, rows: int) -> bool:
     """Whether a launch over ``rows`` rows (tokens) uses PDL when ``pdl`` asks for it."""
     return pdl and rows <= PDL_MAX_ROWS
+
+
+def layout_rows(max_rows: int) -> tuple[int, ...]:
+    """Row counts (at most ``max_rows``) whose launches between them take every layout a
+    step of 1 to ``max_rows`` rows takes: with and without PDL, each at its fewest rows
+    (where attention splits its keys, if any such size does) and at its most (where it
+    does not, if any does not), since a kernel's split count falls as rows grow."""
+    edges = (1, PDL_MAX_ROWS, PDL_MAX_ROWS + 1, max_rows)
+    return tuple(sorted({n for n in edges if n <= max_rows}, reverse=True))

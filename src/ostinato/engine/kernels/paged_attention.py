@@ -20,11 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.attention_launch import AttentionLaunch
+from ostinato.engine.kernels.attention_launch import MAX_SPLITS, AttentionLaunch, splits_for
 from ostinato.engine.kernels.launch import launch, num_sms, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
-
-MAX_SPLITS = 16
 
 
 @triton.jit
@@ -179,10 +177,9 @@ def _merge_splits_kernel(
 
 
 def num_splits(num_tokens: int, kv_heads: int, device: torch.device) -> int:
-    """Programs per (token, KV head): enough for about two waves over the GPU's SMs."""
-    sms = num_sms(device)
-    want = (2 * sms) // max(1, num_tokens * kv_heads)
-    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
+    """Programs per (token, KV head): enough for about two waves over the GPU's SMs
+    (``attention_launch.splits_for``)."""
+    return splits_for(num_tokens, kv_heads, num_sms(device))
 
 
 def paged_attention(

@@ -51,6 +51,7 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     GemmConfig,
     counters_needed,
     k_per_split,
+    rope_head_dim,
 )
 from ostinato.engine.kernels.launch import launch
 from ostinato.engine.kernels.pdl import pdl_enter
@@ -443,7 +444,7 @@ def qkv_rope_kv(
     _check_rows(x, weight)
     d = rope.k_cache.shape[-1]
     heads = rope.q_heads + 2 * rope.kv_heads
-    if d < 32 or d & (d - 1) or weight.shape[0] != heads * d:
+    if not rope_head_dim(d) or weight.shape[0] != heads * d:
         raise ValueError(
             f"qkv_rope_kv: weight {tuple(weight.shape)} is not {heads} heads of a "
             f"power-of-two head dim >= 32 (cache head dim {d})"

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.context import get_forward_context
+from ostinato.engine.kernels.gemm_launch import GemmConfig, rope_head_dim, rope_split_k
 from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.norm_op import check_residual
 from ostinato.engine.model.rope import apply_rope
@@ -46,6 +47,16 @@ def _planned(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
     if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
         return 0
     return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
+
+
+def _fuses_qkv(
+    x: torch.Tensor, weight: torch.Tensor, plan: list[int], backend: object, head_dim: int
+) -> bool:
+    """Whether ``norm_qkv`` runs as one kernel: a planned row count, the Triton backend's
+    cache layout with RoPE applied at the cache write, and heads the ROPE_KV epilogue
+    takes."""
+    rope_write = isinstance(backend, TritonAttention) and backend.applies_rope
+    return bool(_planned(x, weight, plan)) and rope_write and rope_head_dim(head_dim)
 
 
 def _norm_prologue(
@@ -120,8 +131,7 @@ def norm_qkv(
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
     slots = step.metadata.slot_mapping
     backend = step.backend
-    if _planned(x, weight, plan) and isinstance(backend, TritonAttention) and backend.applies_rope:
-        from ostinato.engine.kernels.gemm_launch import GemmConfig, rope_split_k
+    if _fuses_qkv(x, weight, plan, backend, k_cache.shape[-1]):
         from ostinato.engine.kernels.launch import num_sms
         from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
 

@@ -20,7 +20,7 @@ from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
-from ostinato.engine.kernels.launch import compile_ahead
+from ostinato.engine.kernels.launch import compile_ahead, layout_rows
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
@@ -308,8 +308,8 @@ class ModelRunner:
     def _kernels_ahead(self, inputs: StepInputs) -> Iterator[None]:
         """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
         thread pool (``triton_launch.compile_ahead``), queued first by one eager pass of
-        the model per layout the steps launch: a prefill at the largest size, and a
-        one-token step, whose attention splits its keys. Nothing launched inside runs,
+        the model per layout the steps launch (``layout_rows``: with and without PDL,
+        attention splitting its keys or not). Nothing launched inside runs,
         so the caller's compiled first pass (Dynamo, Inductor) overlaps the compilations
         and its output is not to be read."""
         if not self._kernels_pending:
@@ -317,7 +317,7 @@ class ModelRunner:
             return
         self._kernels_pending = False
         with compile_ahead():
-            for n in (self.limits.max_num_batched_tokens, 1):
+            for n in layout_rows(self.limits.max_num_batched_tokens):
                 with self._padding_context(inputs, n):
                     self.model(inputs.input_ids[:n], inputs.positions[:n])
             yield

@@ -40,70 +40,36 @@ def _rotated(ptr, rows, d, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, mask):
     return x * c[None, :] + rot * s[None, :]
 
 
-# ``splits`` is a runtime argument and never specialised (Triton would otherwise compile
-# separately for 1 and for multiples of 16): one compiled kernel per layout, not per split
-# count, which cut a cold start-up's Triton compilations of this file from 10 to 4.
-@triton.jit(do_not_specialize=["splits"])
-def _paged_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    m_ptr,
-    l_ptr,
-    pos_ptr,
-    req_ptr,
-    tables_ptr,
-    cos_ptr,
-    sin_ptr,
-    scale,
-    stride_rt,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_ot,
-    stride_oh,
-    stride_tr,
-    splits,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    ROPE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_enter(USE_PDL)
-    tok = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    pos = tl.load(pos_ptr + tok).to(tl.int32)
-    req = tl.load(req_ptr + tok).to(tl.int32)
-    ctx = pos + 1  # padding rows have position -1: no keys
-    # This program's share of the keys, in whole BLOCK_N tiles.
-    chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(ctx, lo + chunk)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    g_mask = g < GROUP
-    heads = kvh * GROUP + g
+@triton.jit
+def _query(
+    q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
+    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """The query rows ``heads`` of token ``tok`` (``[GROUP_PAD, HEAD_DIM]``, q's dtype),
+    rotated by the token's cos/sin with ``ROPE``."""
     if ROPE:
         rows = tok * stride_qt + heads * stride_qh
         r = tok * stride_rt
         q = _rotated(q_ptr, rows, d, cos_ptr + r, sin_ptr + r, HEAD_DIM, g_mask[:, None])
-        q = q.to(q_ptr.dtype.element_ty)
-    else:
-        q = tl.load(
-            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
-            mask=g_mask[:, None],
-            other=0.0,
-        )
+        return q.to(q_ptr.dtype.element_ty)
+    return tl.load(
+        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
 
+
+@triton.jit
+def _attend(
+    q, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
+    stride_kb, stride_ks, stride_kh, stride_tr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of queries ``q`` over keys ``lo..hi`` of request row ``req``'s
+    pages (KV head ``kvh``): the running max, the running sum and the unnormalised
+    output, float32."""
+    d = tl.arange(0, HEAD_DIM)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -128,6 +94,50 @@ def _paged_attention_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
+    return m, l_sum, acc
+
+
+@triton.jit
+def _key_range(pos, splits, split, BLOCK_N: tl.constexpr):
+    """Keys ``lo..hi`` of split ``split`` of a token at ``pos``, in whole BLOCK_N tiles
+    (none for a padding row, at position -1)."""
+    ctx = pos + 1
+    chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return lo, tl.minimum(ctx, lo + chunk)
+
+
+# ``splits`` is a runtime argument and never specialised (Triton would otherwise compile
+# separately for 1 and for multiples of 16): one compiled kernel per layout, not per split
+# count, which cut a cold start-up's Triton compilations of this file from 10 to 4.
+@triton.jit(do_not_specialize=["splits"])
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, pos_ptr, req_ptr, tables_ptr, cos_ptr,
+    sin_ptr, scale, stride_rt, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_ot, stride_oh, stride_tr, splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(USE_PDL)
+    tok = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(pos_ptr + tok).to(tl.int32)
+    req = tl.load(req_ptr + tok).to(tl.int32)
+    lo, hi = _key_range(pos, splits, split, BLOCK_N)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+    q = _query(
+        q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
+        HEAD_DIM, ROPE,
+    )  # fmt: skip
+    m, l_sum, acc = _attend(
+        q, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
+        stride_kb, stride_ks, stride_kh, stride_tr, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
     if not SPLIT:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(
@@ -143,36 +153,42 @@ def _paged_attention_kernel(
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _merge_splits_kernel(
-    part_ptr,
-    m_ptr,
-    l_ptr,
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    splits,
-    HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_enter(USE_PDL)
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
+@triton.jit
+def _merged(
+    part_ptr, m_ptr, l_ptr, first, splits,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """One head's output ``[HEAD_DIM]`` (float32) from its ``splits`` partials at rows
+    ``first..first + splits`` of the partial buffers (loaded with cache modifier
+    ``CACHE``: ".cg" where another program of the same launch wrote them)."""
     s = tl.arange(0, MAX_SPLITS)
     live = s < splits
     d = tl.arange(0, HEAD_DIM)
-    row = (tok * HEADS + head) * splits + s
-    m = tl.load(m_ptr + row, mask=live, other=float("-inf"))
-    l_sum = tl.load(l_ptr + row, mask=live, other=0.0)
+    row = first + s
+    m = tl.load(m_ptr + row, mask=live, other=float("-inf"), cache_modifier=CACHE)
+    l_sum = tl.load(l_ptr + row, mask=live, other=0.0, cache_modifier=CACHE)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: padding row
     w = tl.exp(m - m_max)
-    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+    parts = part_ptr + row[:, None] * HEAD_DIM + d[None, :]
+    acc = tl.load(parts, mask=live[:, None], other=0.0, cache_modifier=CACHE)
     total = tl.sum(acc * w[:, None], axis=0)
     norm = tl.sum(l_sum * w, axis=0)
-    out = total / tl.where(norm > 0, norm, 1.0)
+    return total / tl.where(norm > 0, norm, 1.0)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits_kernel(
+    part_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, splits,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(USE_PDL)
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    first = (tok * HEADS + head) * splits
+    out = _merged(part_ptr, m_ptr, l_ptr, first, splits, HEAD_DIM, MAX_SPLITS, "")
+    d = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 

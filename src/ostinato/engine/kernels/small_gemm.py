@@ -161,40 +161,18 @@ def _rope_kv_epilogue(
 
 
 @triton.jit
-def _gemm_kernel(
-    x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
-    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
-    M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
-    N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
-    NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-    QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+def _dot_tile(
+    x_ptr, r_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm, stride_rm,
+    stride_wn, OFF2, NORM: tl.constexpr, ADD: tl.constexpr, TWO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    TWO: tl.constexpr = EPILOGUE != 0
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * TILE_STRIDE + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    if USE_PDL:
-        # Before the wait: start this program's weight read (rows clamped into range).
-        lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
-        rows = tl.minimum(rn, N - 1)
-        pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
-        _prefetch_l2(pre)
-        if TWO:
-            _prefetch_l2(pre + OFF2 * stride_wn)
-    pdl_enter(USE_PDL)
+    """Float32 ``rows @ W[rn].T`` over columns ``k_lo..k_hi`` (``K_PER`` of them, in whole
+    BLOCK_K tiles) of rows ``0..M``, and with ``TWO`` the same of ``W[rn + OFF2]``; with
+    ``NORM`` the rows are ``x (+ residual)`` normed by ``rstd`` and the norm weight, each
+    step rounded as the unfused norm rounds."""
     dtype = x_ptr.dtype.element_ty
-    if NORM:
-        writer = (pid_n == 0) & (pid_k == 0)
-        rstd = _row_rstd(
-            x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
-            ADD, BLOCK_M, NORM_K,
-        )  # fmt: skip
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
@@ -212,6 +190,48 @@ def _gemm_kernel(
         acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
         if TWO:
             acc2 = tl.dot(x, tl.load(w_ptrs + OFF2 * stride_wn, mask=w_mask, other=0.0), acc2)
+    return acc, acc2
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
+    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
+    M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
+    N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
+    NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    TWO: tl.constexpr = EPILOGUE != 0
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * TILE_STRIDE + tl.arange(0, BLOCK_N)
+    k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    if USE_PDL:
+        # Before the wait: start this program's weight read (rows clamped into range).
+        lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
+        rows = tl.minimum(rn, N - 1)
+        pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
+        _prefetch_l2(pre)
+        if TWO:
+            _prefetch_l2(pre + OFF2 * stride_wn)
+    pdl_enter(USE_PDL)
+    if NORM:
+        writer = (pid_n == 0) & (pid_k == 0)
+        rstd = _row_rstd(
+            x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
+            ADD, BLOCK_M, NORM_K,
+        )  # fmt: skip
+    else:
+        rstd = tl.zeros((BLOCK_M,), tl.float32)
+    acc, acc2 = _dot_tile(
+        x_ptr, r_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm, stride_rm,
+        stride_wn, OFF2, NORM, ADD, TWO, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
         tile = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]

@@ -57,6 +57,9 @@ KERNEL_VARIANTS = {
     ),
     "ostinato FULL_AND_PIECEWISE no-pdl": KernelVariant(kernels=KernelOptions(pdl=False)),
     "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
+    "ostinato FULL_AND_PIECEWISE persistent": KernelVariant(
+        kernels=KernelOptions(persistent_layers=True)
+    ),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).

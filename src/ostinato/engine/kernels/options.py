@@ -51,15 +51,22 @@ class KernelOptions:
     (``triton_launch.compile_ahead``), running none; they compile together and beside
     Dynamo's trace and Inductor, instead of one by one at their first launches. Outputs
     are unchanged; it only moves compile time.
+
+    ``persistent_layers`` (opt-in): steps of at most 16 rows run every decoder layer in
+    one persistent kernel (``model.persistent``: one program per SM, a grid barrier
+    between a layer's five stages) instead of six kernels per layer; larger steps run
+    the layers as before. CUDA, 16-bit weights, one GPU and the Triton attention
+    backend only (the runner refuses it otherwise, saying why).
     """
 
     pdl: bool = True
     small_gemm: bool = False
     compile_ahead: bool = False
     fused_layers: bool = True
+    persistent_layers: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("pdl", "small_gemm", "compile_ahead", "fused_layers"):
+        for name in ("pdl", "small_gemm", "compile_ahead", "fused_layers", "persistent_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"KernelOptions.{name}: expected True or False, got {getattr(self, name)!r}"
@@ -70,6 +77,7 @@ class KernelOptions:
         capability 9.0; the launch options need CUDA and Triton). ``fused_layers`` stays:
         its ops run everywhere, unfused where the kernel cannot."""
         if not triton_runs_on(device):
-            return replace(self, pdl=False, small_gemm=False, compile_ahead=False)
+            off = dict(small_gemm=False, compile_ahead=False, persistent_layers=False)
+            return replace(self, pdl=False, **off)
         major, _ = torch.cuda.get_device_capability(device)
         return replace(self, pdl=self.pdl and major >= 9)

@@ -307,13 +307,20 @@ class DecoderModel(nn.Module):
         """Final-norm hidden states; ``num_layers`` runs only the first layers (a
         self-draft: the truncated model with the same final norm and LM head)."""
         x = self.embed(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         residual = None
         for layer in self.layers[:num_layers]:
             x, residual = layer(x, residual, cos, sin)
         return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
+
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[n, 1, head_dim]`` in ``dtype`` for the rows at ``positions``
+        (angles in float32, as transformers computes them)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary for hidden-state rows."""

@@ -25,6 +25,7 @@ from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.persistent import PersistentLayers
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
@@ -139,6 +140,7 @@ class ModelRunner:
             )
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
+        self.layer_stack: PersistentLayers | None = None  # made by plan_kernels()
         self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
         self._init_micro_batching(micro_batching)
 
@@ -219,7 +221,7 @@ class ModelRunner:
         if ubatched:
             hidden = self._run_static_ubatches(n)
         else:
-            hidden = self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n])
+            hidden = self._forward_for(n)(self.inputs.input_ids[:n], self.inputs.positions[:n])
         if not d.uniform_decode:
             return hidden
         logits = self.model.compute_logits(hidden)
@@ -227,6 +229,12 @@ class ModelRunner:
         if ahead is not None:
             ahead.accept(n, greedy)
         return logits, greedy
+
+    def _forward_for(self, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """What runs the model for a step of ``n`` rows: the persistent kernel where it
+        takes them (``KernelOptions.persistent_layers``, once planned), else ``forward``."""
+        stack = self.layer_stack
+        return stack.forward if stack is not None and stack.can_run(n) else self.forward
 
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
@@ -272,6 +280,11 @@ class ModelRunner:
                 # The LM head stays on cuBLAS unless measured: once per step, and the
                 # widest GEMM, where a tile shape picked by rule risks the most.
                 default_plans(self.model.linears(lm_head=False), self.kernels.pdl)
+            if self.kernels.persistent_layers:
+                # Here, not at construction: its address tables need the weights in place.
+                self.layer_stack = PersistentLayers(
+                    self.model, self.cache, self.device, self.backend
+                )
         return self.gemm_timings
 
     @torch.inference_mode()

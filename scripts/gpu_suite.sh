@@ -15,6 +15,7 @@
 #   bash scripts/gpu_suite.sh models   # the graphed models benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
 #   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
+#   bash scripts/gpu_suite.sh persistent  # the persistent kernel's GPU tests, then its benchmark
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -105,13 +106,21 @@ fusedbench)
         --variants "$v" "${model[@]}" --out "$OUT/decode_${2:-llama-1.5b}_h200.json" 2>&1 \
         | tee "$OUT/bench_${2:-llama-1.5b}.log"
     ;;
+persistent)
+    run_file tests/engine/test_gpu_persistent.py 300
+    run_file tests/engine/test_gpu_engine.py::test_logits_match_hf_in_bf16 100
+    run_file tests/engine/test_gpu_kernel_options.py::test_compile_ahead_compiles_every_kernel_before_its_first_launch 150
+    bash "$0" fusedbench smollm2 \
+        "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE persistent,torch.compile reduce-overhead" \
+        "${2:-200}" "${3:-1,8,16}"
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent" >&2
     exit 2
     ;;
 esac

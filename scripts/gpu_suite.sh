@@ -108,11 +108,11 @@ fusedbench)
     ;;
 persistent)
     run_file tests/engine/test_gpu_persistent.py 300
-    run_file tests/engine/test_gpu_engine.py::test_logits_match_hf_in_bf16 100
-    run_file tests/engine/test_gpu_kernel_options.py::test_compile_ahead_compiles_every_kernel_before_its_first_launch 150
     bash "$0" fusedbench smollm2 \
         "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE persistent,torch.compile reduce-overhead" \
         "${2:-200}" "${3:-1,8,16}"
+    bash "$0" fusedbench llama-1.5b "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE persistent" \
+        150 1,8
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \

@@ -60,8 +60,9 @@ def test_a_persistent_decode_step_matches_the_per_layer_kernels(batch):
 
 
 def test_a_persistent_step_replayed_is_bitwise_its_eager_run():
+    # 8 rows, a captured size: the eager run has the replay's rows (and so its splits).
     setup = _setup()
-    step = setup.decode_batch([5, 9, 11, 2, 7])
+    step = setup.decode_batch([5, 9, 11, 2, 7, 1, 4, 6])
     eager, _ = _logits(setup, GraphMode.NONE, PERSISTENT, step)
     replayed, used = _logits(setup, GraphMode.FULL, PERSISTENT, step)
     assert used and torch.equal(eager, replayed)

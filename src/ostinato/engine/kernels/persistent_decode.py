@@ -25,6 +25,7 @@ so the layers' tensors stay where the model put them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,16 @@ import triton.language as tl
 from ostinato.engine.kernels.attention_launch import BLOCK_N, MAX_SPLITS
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.kernels.paged_attention import _attend, _key_range, _merged, _query
-from ostinato.engine.kernels.small_gemm import NORM_K, _dot_tile, _rope_kv_epilogue, _row_rstd
+from ostinato.engine.kernels.small_gemm import (
+    LINE,
+    NORM_K,
+    _dot_tile,
+    _prefetch_l2,
+    _rope_kv_epilogue,
+    _row_rstd,
+)
 
-BLOCK_K = 64  # columns of x per step of the tile loops
+BLOCK_K = 256  # columns of x per step of the tile loops: few, long steps (latency-bound)
 BLOCK_N_PLAIN = 16  # output columns per program of the O and down projections
 
 
@@ -47,9 +55,46 @@ def _grid_sync(sync_ptr, target):
     grid sync: a CTA barrier, a release add, an acquire spin, a CTA barrier)."""
     tl.debug_barrier()
     tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < target:
+    # Polled with plain volatile loads (an atomic per poll from every SM would queue at
+    # the counter's L2 slice), then one acquire to order what follows after the arrivals.
+    while tl.load(sync_ptr, volatile=True) < target:
         pass
+    tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, rn, N, K, LINES: tl.constexpr):
+    """Starts reading rows ``rn`` of ``W [N, K]`` into L2 (one prefetch per 128-byte
+    line; ``LINES`` >= K / 64, a power of two), waiting for nothing."""
+    lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+    _prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + lines[None, :])
+
+
+@triton.jit
+def _prefetch_layer(
+    layer, pid, nprog, like, qkv_tab, o_tab, up_tab, down_tab, LAYERS: tl.constexpr,
+    H: tl.constexpr, INTER: tl.constexpr, QS: tl.constexpr, HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N_UP: tl.constexpr, BLOCK_N_PLAIN: tl.constexpr,
+    LINES_H: tl.constexpr, LINES_QS: tl.constexpr, LINES_I: tl.constexpr,
+):  # fmt: skip
+    """Starts reading into L2 the weight rows this program will multiply in layer
+    ``layer``'s O, gate/up and down stages and the next layer's QKV stage: weights do
+    not wait for activations, so they stream in while attention and the barriers run."""
+    o, up, down = _at(o_tab, layer, like), _at(up_tab, layer, like), _at(down_tab, layer, like)
+    for t in range(pid, tl.cdiv(H, BLOCK_N_PLAIN), nprog):
+        rn = t * BLOCK_N_PLAIN + tl.arange(0, BLOCK_N_PLAIN)
+        _prefetch_rows(o, rn, H, QS, LINES_QS)
+        _prefetch_rows(down, rn, H, INTER, LINES_I)
+    for t in range(pid, tl.cdiv(INTER, BLOCK_N_UP), nprog):
+        rn = t * BLOCK_N_UP + tl.arange(0, BLOCK_N_UP)
+        _prefetch_rows(up, rn, 2 * INTER, H, LINES_H)
+        _prefetch_rows(up, rn + INTER, 2 * INTER, H, LINES_H)
+    if layer + 1 < LAYERS:
+        qkv = _at(qkv_tab, layer + 1, like)
+        for head in range(pid, HEADS, nprog):
+            rn = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+            _prefetch_rows(qkv, rn, HEADS * HEAD_DIM, H, LINES_H)
 
 
 @triton.jit
@@ -192,7 +237,8 @@ def _decode_layers_kernel(
     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_N_UP: tl.constexpr,
     BLOCK_N_PLAIN: tl.constexpr, BLOCK_N_ATT: tl.constexpr, GROUP_PAD: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, LINES_H: tl.constexpr, LINES_QS: tl.constexpr,
+    LINES_I: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -210,6 +256,12 @@ def _decode_layers_kernel(
     )  # fmt: skip
     phase = 1
     for layer in range(LAYERS):
+        if PREFETCH:
+            _prefetch_layer(
+                layer, pid, nprog, res_ptr, qkv_tab, o_tab, up_tab, down_tab, LAYERS, H, INTER,
+                QS, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, BLOCK_N_UP, BLOCK_N_PLAIN, LINES_H,
+                LINES_QS, LINES_I,
+            )  # fmt: skip
         _grid_sync(sync_ptr, phase * nprog)
         _attention_stage(
             layer, pid, nprog, q_ptr, attn_ptr, part_ptr, m_ptr, l_ptr, count_ptr, pos_ptr,
@@ -305,6 +357,11 @@ class DecodeScratch:
         self.sync = torch.zeros(2 + rows * shape.kv_heads, dtype=torch.int32, device=device)
 
 
+def _lines(k: int) -> int:
+    """Cache lines of a ``k``-column 16-bit row, rounded up to a power of two."""
+    return triton.next_power_of_2(triton.cdiv(k, LINE))
+
+
 def _up_block_n(inter: int, programs: int) -> int:
     """Gate/up columns per program: 16, doubled while the tiles outnumber the programs."""
     block_n = 16
@@ -351,5 +408,9 @@ def decode_layers(
         NORM_K=min(NORM_K, triton.next_power_of_2(shape.hidden)),
         BLOCK_N_UP=_up_block_n(shape.inter, programs), BLOCK_N_PLAIN=BLOCK_N_PLAIN,
         BLOCK_N_ATT=BLOCK_N, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        MAX_SPLITS=MAX_SPLITS, num_warps=4, num_stages=2,
+        MAX_SPLITS=MAX_SPLITS, LINES_H=_lines(shape.hidden),
+        LINES_QS=_lines(shape.q_heads * shape.head_dim), LINES_I=_lines(shape.inter),
+        # Triton's interpreter (the CPU check of this kernel) runs no inline assembly.
+        PREFETCH=os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=4, num_stages=3,
     )  # fmt: skip

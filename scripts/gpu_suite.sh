@@ -111,8 +111,8 @@ persistent)
     bash "$0" fusedbench smollm2 \
         "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE persistent,torch.compile reduce-overhead" \
         "${2:-200}" "${3:-1,8,16}"
-    bash "$0" fusedbench llama-1.5b "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE persistent" \
-        150 1,8
+    run_file tests/engine/test_gpu_engine.py 100
+    run_file tests/engine/test_gpu_fused_layers.py 200
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \

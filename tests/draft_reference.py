@@ -18,7 +18,7 @@ class StepByStepDraft:
 
     def __init__(self, llm, layers):
         self.llm, self.layers = llm, layers
-        self.inputs = StepInputs(llm.runner.limits, llm.device, llm.cache.num_kv_heads)
+        self.inputs = StepInputs(llm.runner.limits, llm.device)
 
     def __call__(self, requests, n):
         drafts, current = [[] for _ in requests], [r.output[-1] for r in requests]

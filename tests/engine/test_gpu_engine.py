@@ -66,15 +66,6 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
         q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits, out=into
     )
     assert same.data_ptr() == into.data_ptr() and torch.equal(into, got)
-    # Split keys merged in the attention kernel's own launch: bitwise the merge kernel's
-    # output, and the counters are zeros again for the next call.
-    counters = torch.zeros(n + 3, kv_heads, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        merged = paged_attention(
-            q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits, counters=counters
-        )
-        assert torch.equal(merged, got)
-        assert not counters.any()
     # RoPE inside the kernel: q unrotated and strided (a view of a wider QKV row), rotated
     # as it is loaded, equals the kernel on q rotated beforehand in float32 and rounded
     # once; rows of position -1 stay zero.
@@ -89,58 +80,6 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
     torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2)
     assert rel_err(fused[:n_real], plain[:n_real]) < 2e-3
     assert torch.equal(fused[n_real:], torch.zeros_like(fused[n_real:]))
-
-
-def test_attention_merging_its_own_splits_replays_from_a_graph():
-    """The in-launch merge captured in a graph: every replay, on new queries and new
-    positions, equals the two-kernel path run eagerly, and leaves the counters zero."""
-    from ostinato.engine.kernels.paged_attention import paged_attention
-
-    heads, kv_heads, d, bs, n = 9, 3, 64, 16, 4
-    k_cache = torch.randn(40, bs, kv_heads, d, device=DEVICE, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.arange(1, 33, device=DEVICE, dtype=torch.int32).view(4, 8)
-    req = torch.arange(n, device=DEVICE, dtype=torch.int32)
-    pos = torch.tensor([5, 100, 127, -1], device=DEVICE)
-    q = torch.randn(n, heads, d, device=DEVICE, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    counters = torch.zeros(n, kv_heads, dtype=torch.int32, device=DEVICE)
-
-    def run():
-        paged_attention(q, k_cache, v_cache, pos, req, tables, d**-0.5, out=out, counters=counters)
-
-    run()  # compiled before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for step in range(3):
-        q.copy_(torch.randn_like(q))
-        pos.copy_(torch.tensor([7 + step, 60 * step, 127 - step, -1], device=DEVICE))
-        graph.replay()
-        want = paged_attention(q, k_cache, v_cache, pos, req, tables, d**-0.5)
-        assert torch.equal(out, want)
-        assert not counters.any()
-        assert torch.equal(out[3], torch.zeros_like(out[3]))
-
-
-def test_attention_names_counters_it_cannot_use():
-    from ostinato.engine.kernels.paged_attention import paged_attention
-
-    k_cache = torch.randn(4, 16, 2, 32, device=DEVICE, dtype=torch.bfloat16)
-    tables = torch.ones(1, 2, device=DEVICE, dtype=torch.int32)
-    q = torch.randn(2, 4, 32, device=DEVICE, dtype=torch.bfloat16)
-    pos = torch.tensor([3, 9], device=DEVICE)
-    req = torch.zeros(2, device=DEVICE, dtype=torch.int32)
-    bad = [
-        torch.zeros(2, 2, device=DEVICE),  # float
-        torch.zeros(1, 2, device=DEVICE, dtype=torch.int32),  # too few rows
-        torch.zeros(2, 3, device=DEVICE, dtype=torch.int32),  # not one per KV head
-        torch.zeros(2, 4, device=DEVICE, dtype=torch.int32)[:, ::2],  # strided
-    ]
-    for counters in bad:
-        with pytest.raises(ValueError, match="counters must be int32"):
-            paged_attention(q, k_cache, k_cache, pos, req, tables, 0.1, splits=2, counters=counters)
 
 
 def rope_tables(positions, head_dim, dtype):

@@ -71,20 +71,3 @@ def test_a_drafting_request_needs_the_logits_of_its_last_token_and_each_draft():
     assert layout.logit_rows.tolist() == [0, 1, 2, 3]
     assert inputs.input_ids[:4].tolist() == [4, 7, 8, 6]
     assert inputs.positions[:5].tolist() == [3, 4, 5, 1, -1]
-
-
-def test_each_row_has_its_own_merge_counters_and_micro_batches_share_none():
-    from ostinato.ubatch.slicing import UbatchSlice
-
-    inputs = StepInputs(LIMITS, torch.device("cpu"), kv_heads=3)
-    assert inputs.merge_counters.shape == (LIMITS.max_num_batched_tokens, 3)
-    assert not inputs.merge_counters.any() and inputs.merge_counters.dtype == torch.int32
-    whole = inputs.metadata(8, [8], [8]).merge_counters
-    assert whole.shape == (8, 3) and whole.is_contiguous()
-    assert whole.data_ptr() == inputs.merge_counters.data_ptr()
-    first = inputs.ubatch_metadata(UbatchSlice(slice(0, 4), slice(0, 1)), [8], [8])
-    second = inputs.ubatch_metadata(UbatchSlice(slice(4, 8), slice(0, 1)), [8], [8])
-    a, b = first.merge_counters, second.merge_counters
-    assert a.shape == b.shape == (4, 3) and a.is_contiguous() and b.is_contiguous()
-    # Disjoint rows: two micro-batches in flight at once never count on the same slot.
-    assert a.data_ptr() + a.numel() * a.element_size() <= b.data_ptr()

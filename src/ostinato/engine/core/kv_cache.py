@@ -65,7 +65,6 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.num_kv_heads = num_kv_heads
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

@@ -30,8 +30,8 @@ class KernelOptions:
     are the ops of ``model.fused_ops``; on CUDA at most ``small_gemm.MAX_ROWS`` (16) rows
     (decode) make each one kernel, the QKV one also writing the keys (rotated) and values
     to the cache, and every projection of such a step runs the Triton GEMM: a layer is
-    five kernels (attention merges its split keys in its own launch). Larger batches,
-    and other devices, run the unfused kernels, the same arithmetic.
+    five kernels and attention's split-KV merge. Larger batches, and other devices, run
+    the unfused kernels, the same arithmetic.
 
     ``pdl`` (on by default where the device has it): programmatic dependent launch
     (Hopper and newer). ostinato's Triton kernels (norms, K/V write, attention, small

@@ -4,13 +4,9 @@ Each program handles one query token and the query heads of one KV head's group:
 the token's position and request from device memory and walks that request's block table
 over keys ``0..position`` only (the live KV), with an online softmax in float32. When
 tokens x KV heads are too few to fill the GPU (small decode batches), the keys of each
-token are split across ``splits`` programs whose partial results are merged
-(flash-decoding): given ``counters`` (int32 zeros, one per token and KV head), the split
-of a (token, KV head) that finishes last merges them in the same launch and resets its
-counter to zero; without, a second kernel does. Both merge with the same code, in the
-same order, so their outputs are bitwise equal. The split count depends only on the
-token count, never on lengths read from the host, so a captured graph replays correctly
-on new metadata.
+token are split across ``splits`` programs whose partial results a second kernel merges
+(flash-decoding). The split count depends only on the token count, never on lengths read
+from the host, so a captured graph replays correctly on new metadata.
 
 RoPE can be applied here instead of in the model (``rope``): the attention kernel rotates
 each query as it loads it and the K/V write rotates each key as it stores it, both in
@@ -116,13 +112,12 @@ def _key_range(pos, splits, split, BLOCK_N: tl.constexpr):
 # count, which cut a cold start-up's Triton compilations of this file from 10 to 4.
 @triton.jit(do_not_specialize=["splits"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, m_ptr, l_ptr, count_ptr, pos_ptr, req_ptr,
-    tables_ptr, cos_ptr, sin_ptr, scale, stride_rt, stride_qt, stride_qh, stride_kb,
-    stride_ks, stride_kh, stride_ot, stride_oh, stride_tr, splits,
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, pos_ptr, req_ptr, tables_ptr, cos_ptr,
+    sin_ptr, scale, stride_rt, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_ot, stride_oh, stride_tr, splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    MERGE: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    ROPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     tok = tl.program_id(0)
@@ -152,16 +147,10 @@ def _paged_attention_kernel(
         )
     else:
         # Unnormalised partials, float32, laid out [token, head, split, (d)].
-        heads_all = GROUP * tl.num_programs(1)
-        row = (tok * heads_all + heads) * splits + split
+        row = (tok * GROUP * tl.num_programs(1) + heads) * splits + split
         tl.store(m_ptr + row, m, mask=g_mask)
         tl.store(l_ptr + row, l_sum, mask=g_mask)
-        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
-        if MERGE:
-            _merge_if_last(
-                part_ptr, m_ptr, l_ptr, count_ptr, out_ptr, tok, kvh, tl.num_programs(1),
-                splits, splits, stride_ot, stride_oh, GROUP, HEAD_DIM, MAX_SPLITS,
-            )  # fmt: skip
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
 
 
 @triton.jit
@@ -186,29 +175,6 @@ def _merged(
     total = tl.sum(acc * w[:, None], axis=0)
     norm = tl.sum(l_sum * w, axis=0)
     return total / tl.where(norm > 0, norm, 1.0)
-
-
-@triton.jit
-def _merge_if_last(
-    part_ptr, m_ptr, l_ptr, count_ptr, out_ptr, tok, kvh, kv_heads, splits, split_stride,
-    stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """Counts this split of (``tok``, ``kvh``) in; the last of its ``splits`` to arrive
-    merges the group's heads into ``out`` and sets the counter back to zero. Partials
-    are laid out ``[token, head, split_stride, (d)]``."""
-    pair = tok * kv_heads + kvh
-    # acq_rel: this split's partials are visible before its count, and the last to count
-    # sees every other split's.
-    if tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu") == splits - 1:
-        d = tl.arange(0, HEAD_DIM)
-        for i in tl.static_range(GROUP):
-            head = kvh * GROUP + i
-            first = (tok * GROUP * kv_heads + head) * split_stride
-            out = _merged(part_ptr, m_ptr, l_ptr, first, splits, HEAD_DIM, MAX_SPLITS, ".cg")
-            at = out_ptr + tok * stride_ot + head * stride_oh + d
-            tl.store(at, out.to(out_ptr.dtype.element_ty))
-        tl.atomic_xchg(count_ptr + pair, 0)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -245,7 +211,6 @@ def paged_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
     config: AttentionLaunch | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -257,13 +222,11 @@ def paged_attention(
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
     programmatic dependent launch (compute capability 9.0 or newer). ``config``
-    overrides the kernel's launch configuration (for tuning). ``counters``: int32
-    zeros, ``[n, kv_heads]`` contiguous (or more rows), not used by a concurrent call;
-    with them split keys are merged in the same launch (one kernel, not two), and they
-    are zeros again when it ends.
+    overrides the kernel's launch configuration (for tuning).
     """
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
     out = _output(q, out)
     if n == 0:
         return out
@@ -273,43 +236,48 @@ def paged_attention(
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = _splits(splits or num_splits(n, kv_heads, q.device))
     config = config or AttentionLaunch()
-    part, m, l_sum = _split_scratch(out, splits)
-    merge = splits > 1 and counters is not None
-    count = _checked_counters(counters, n, kv_heads) if merge else out
+    target, m, l_sum = _split_scratch(out, splits)
+    so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(
         _paged_attention_kernel,
         (n, kv_heads, splits),
-        q, k_cache, v_cache, out, part, m, l_sum, count, positions, token_req, block_tables,
-        cos, sin, scale, stride_rt, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0), splits,
-        GROUP=heads // kv_heads,
-        GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
-        SPLIT=splits > 1, MERGE=merge, ROPE=rope is not None, USE_PDL=pdl,
-        MAX_SPLITS=MAX_SPLITS,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
-    )  # fmt: skip
-    if splits > 1 and not merge:
-        _merge_splits(part, m, l_sum, out, pdl)
+        q,
+        k_cache,
+        v_cache,
+        target,
+        m,
+        l_sum,
+        positions,
+        token_req,
+        block_tables,
+        cos,
+        sin,
+        scale,
+        stride_rt,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        so_t,
+        so_h,
+        block_tables.stride(0),
+        splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        SPLIT=splits > 1,
+        ROPE=rope is not None,
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        launch_pdl=pdl,
+    )
+    if splits > 1:
+        _merge_splits(target, m, l_sum, out, pdl)
     return out
-
-
-def _checked_counters(counters: torch.Tensor, n: int, kv_heads: int) -> torch.Tensor:
-    """``counters``, if they are int32, contiguous and ``[>= n, kv_heads]``."""
-    if (
-        counters.dtype != torch.int32
-        or counters.dim() != 2
-        or counters.shape[0] < n
-        or counters.shape[1] != kv_heads
-        or not counters.is_contiguous()
-    ):
-        raise ValueError(
-            f"paged_attention: counters must be int32 [>= {n}, {kv_heads}] (rows by KV "
-            f"heads) and contiguous, got {counters.dtype} {tuple(counters.shape)} strides "
-            f"{counters.stride()}"
-        )
-    return counters
 
 
 def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -332,9 +300,9 @@ def _splits(splits: int) -> int:
 def _split_scratch(
     out: torch.Tensor, splits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the attention kernel writes its partials: with one split none (``out`` as a
-    placeholder); with several, float32 partial outputs ``[n, heads, splits, d]`` and
-    their running max and sum ``[n, heads, splits]``."""
+    """Where the attention kernel writes: with one split, ``out`` itself (the running max
+    and sum are unused); with several, float32 partial outputs ``[n, heads, splits, d]``
+    and their running max and sum ``[n, heads, splits]``, merged afterwards."""
     if splits == 1:
         return out, out, out
     n, heads, head_dim = out.shape

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ostinato.engine.kernels.attention_launch import BLOCK_N, MAX_SPLITS
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
-from ostinato.engine.kernels.paged_attention import _attend, _key_range, _merge_if_last, _query
+from ostinato.engine.kernels.paged_attention import _attend, _key_range, _merged, _query
 from ostinato.engine.kernels.small_gemm import (
     LINE,
     NORM_K,
@@ -175,10 +175,15 @@ def _attention_stage(
         tl.store(m_ptr + row, m, mask=g_mask)
         tl.store(l_ptr + row, l_sum, mask=g_mask)
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
-        _merge_if_last(
-            part_ptr, m_ptr, l_ptr, count_ptr, out_ptr, tok, kvh, KV_HEADS, splits,
-            MAX_SPLITS, Q_HEADS * HEAD_DIM, HEAD_DIM, GROUP, HEAD_DIM, MAX_SPLITS,
-        )  # fmt: skip
+        # acq_rel: this partial is visible before the count; the last to count sees all.
+        if tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            for i in range(GROUP):
+                head = kvh * GROUP + i
+                first = (tok * Q_HEADS + head) * MAX_SPLITS
+                out = _merged(part_ptr, m_ptr, l_ptr, first, splits, HEAD_DIM, MAX_SPLITS, ".cg")
+                at = out_ptr + tok * Q_HEADS * HEAD_DIM + head * HEAD_DIM + d
+                tl.store(at, out.to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(count_ptr + pair, 0)
 
 
 @triton.jit

@@ -34,9 +34,6 @@ class AttentionMetadata:
     Per token: ``positions`` (absolute; -1 marks a padding row, which attends to nothing
     and whose output is zero), ``token_req`` (row of ``block_tables``), ``slot_mapping``
     (flat cache slot its K/V is written to; padding rows write to the null block).
-    ``merge_counters`` (``[tokens, kv_heads]`` int32, zero between kernels; optional):
-    the Triton kernel's per-(token, KV head) counters that let it merge split keys in
-    its own launch; rows of their own, so concurrent micro-batches never share one.
     """
 
     positions: torch.Tensor
@@ -45,7 +42,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    merge_counters: torch.Tensor | None = None
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [n, 1, head_dim], the step's rows
@@ -203,5 +199,4 @@ class TritonAttention:
             out=out,
             rope=rope,
             pdl=self.pdl,
-            counters=meta.merge_counters,
         )

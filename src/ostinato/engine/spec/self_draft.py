@@ -58,7 +58,7 @@ class SelfDraftProposer:
             )
         self.model, self.cache, self.backend = model, cache, backend
         self.layers, self.k, self.block_size = layers, k, limits.block_size
-        self.inputs = StepInputs(limits, device, cache.num_kv_heads)  # its own buffers
+        self.inputs = StepInputs(limits, device)  # its own buffers: the target's stay put
         # [max_num_seqs] how many draft tokens each row may write K/V for
         self.room = torch.zeros(limits.max_num_seqs, dtype=torch.long, device=device)
         self.host_seq_lens: list[int] = []

@@ -68,16 +68,12 @@ class PreviousSample:
 
 class StepInputs:
     """Input ids, positions, token-to-request map, slot mapping (``[max_num_batched_tokens]``
-    each) and block tables (``[max_num_seqs, blocks_per_seq]``), plus pinned staging;
-    and attention's merge counters, one per row and KV head (``kv_heads``: the cache's)."""
+    each) and block tables (``[max_num_seqs, blocks_per_seq]``), plus pinned staging."""
 
-    def __init__(self, limits: EngineLimits, device: torch.device, kv_heads: int = 1) -> None:
+    def __init__(self, limits: EngineLimits, device: torch.device) -> None:
         self.limits = limits
         self.device = device
         t = limits.max_num_batched_tokens
-        # [T, kv_heads] zero between kernels: the attention kernel counts a row's key
-        # splits in and the last resets it (AttentionMetadata.merge_counters).
-        self.merge_counters = torch.zeros((t, kv_heads), dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)  # [T]
         self.positions = torch.full((t,), PADDING.position, dtype=torch.long, device=device)
         self.token_req = torch.zeros(t, dtype=torch.int32, device=device)  # [T] -> table row
@@ -134,7 +130,6 @@ class StepInputs:
             self.block_tables,
             query_lens if query_lens is not None else [],
             seq_lens if seq_lens is not None else [],
-            self.merge_counters[rows],
         )
 
     def ubatch_metadata(
@@ -157,7 +152,6 @@ class StepInputs:
             self.block_tables[s.requests],
             local_query_lens(query_lens, s),
             local_s,
-            self.merge_counters[rows],
         )
 
     def write_rows(

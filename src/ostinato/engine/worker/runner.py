@@ -95,7 +95,7 @@ class ModelRunner:
         self.backend = backend
         self.limits = limits
         self.device = device
-        self.inputs = StepInputs(limits, device, cache.num_kv_heads)
+        self.inputs = StepInputs(limits, device)
         # Work inside every uniform decode step, around the model (spec.lookahead: verify
         # steps scheduled ahead complete their inputs and keep their acceptance there).
         self.decode_hook = decode_hook(self.inputs) if decode_hook is not None else None
@@ -380,9 +380,7 @@ class ModelRunner:
         self.forward = self.model
 
         def compile_first() -> None:
-            self._compile_on(
-                StepInputs(self.limits, self.device, self.cache.num_kv_heads), compiled
-            )
+            self._compile_on(StepInputs(self.limits, self.device), compiled)
             with self.manager.stepping():
                 self.forward = compiled
 

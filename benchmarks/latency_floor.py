@@ -8,9 +8,9 @@ step built of many small kernels (or of one persistent kernel with grid barriers
   one dependent L2 round trip.
 - ``barrier``: one launch of one program per SM passing ``HOPS`` grid barriers (the
   persistent decode kernel's ``_grid_sync``); µs per barrier, the launch subtracted.
-- ``attention``: a decode token's attention (KV 512, RoPE in the kernel, split keys) at
-  the SmolLM2 and 1.5 B shapes, 30 calls back to back with PDL in one graph; µs per call
-  with the split merge in the same launch (the engine's default) and in a second kernel.
+- ``attention``: decode attention (KV 512, RoPE in the kernel, split keys and their
+  merge kernel) at the SmolLM2 and 1.5 B shapes, 30 calls back to back with PDL in one
+  graph; µs per call (two kernels).
 
 ``python -m benchmarks.latency_floor --out results.json``
 """
@@ -112,33 +112,27 @@ def barrier_us(programs: int, device: torch.device) -> Barrier:
 
 @dataclass(frozen=True)
 class Attention:
-    """µs per decode attention call, merging split keys in its launch or in a second."""
+    """µs per decode attention call (the kernel and its split merge)."""
 
     shape: str
     batch: int
-    in_launch_merge_us: float
-    merge_kernel_us: float
+    us: float
 
 
 def attention_us(shape: str, batch: int, device: torch.device) -> Attention:
-    """Both merges of ``batch`` decode tokens' attention at KV length 512."""
+    """``batch`` decode tokens' attention at KV length 512, as the engine launches it."""
     path = Path(__file__).parent / "configs" / "smollm2_135m.json"
     hf = json.loads(path.read_text()) if shape == "smollm2" else SHAPES[shape]
     case = Case(ModelConfig.from_hf(hf), batch, 512, torch.bfloat16, device)
-    counters = torch.zeros(batch, case.k_cache.shape[2], dtype=torch.int32, device=device)
 
-    def timed(merge: torch.Tensor | None) -> float:
-        def call() -> None:
-            paged_attention(
-                case.q, case.k_cache, case.v_cache, case.positions, case.token_req,
-                case.pages, case.scale, out=case.out, rope=case.rope, pdl=True,
-                counters=merge,
-            )  # fmt: skip
+    def call() -> None:
+        paged_attention(
+            case.q, case.k_cache, case.v_cache, case.positions, case.token_req, case.pages,
+            case.scale, out=case.out, rope=case.rope, pdl=True,
+        )  # fmt: skip
 
-        call()
-        return graph_call_us(call, calls=30, replays=20)
-
-    return Attention(shape, batch, timed(counters), timed(None))
+    call()
+    return Attention(shape, batch, graph_call_us(call, calls=30, replays=20))
 
 
 def main() -> int:
@@ -162,8 +156,7 @@ def main() -> int:
               f"(launch {b.launch_us:.2f} us)")  # fmt: skip
     attention = [attention_us(s, b, device) for s in ("smollm2", "llama-1.5b") for b in (1, 8)]
     for a in attention:
-        print(f"attention: {a.shape} B={a.batch}: merged in launch {a.in_launch_merge_us:.2f} "
-              f"us, merge kernel {a.merge_kernel_us:.2f} us")  # fmt: skip
+        print(f"attention: {a.shape} B={a.batch}: {a.us:.2f} us")
     doc = {
         "benchmark": "latency_floor",
         "provenance": asdict(Provenance.collect()),

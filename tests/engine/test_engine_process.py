@@ -28,7 +28,7 @@ def solo():
 def engine():
     engine = EngineProcess(KWARGS, describe=False)
     yield engine
-    assert engine.stop()
+    assert engine.stop(), f"the engine process exited with code {engine._proc.exitcode}"
 
 
 def test_threads_and_tasks_get_their_solo_tokens(engine, solo):

@@ -21,7 +21,9 @@ import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing as mp
+import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Sequence
@@ -187,8 +189,14 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     try:
         _answer(conn, loop, send)
     finally:
-        loop.stop()
-        llm.close()
+        stopped = loop.stop()
+        closed = llm.close()
+    # Every request is ended, every event sent and the engine released: exit here, not
+    # through the interpreter's finalization, whose teardown of torch's and the engine's
+    # threads could still hang or crash and turn a clean stop into a failed exit code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if stopped and closed else 1)
 
 
 def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:

@@ -4,7 +4,11 @@ kernels (norm+QKV+RoPE+K/V write, O, norm+gate/up+SiLU·mul, down) at the SmolLM
 each captured as a graph of back-to-back PDL launches (``graph_call_us``), beside cuBLAS
 for the plain projections and the weight-read floor at the measured copy bandwidth.
 
-``python -m benchmarks.fused_sweep --out results.json``
+With ``--cold`` each call of a graph reads its own copy of the weight, the copies
+together over ``COLD_BYTES`` (more than the L2 cache), as a decode step reads each
+layer's weights once: the default repeats one weight, which then stays in L2.
+
+``python -m benchmarks.fused_sweep --out results.json [--cold] [--shapes smollm2]``
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from ostinato.provenance import Provenance
 # name: (hidden, heads, kv heads, head dim, intermediate)
 SHAPES = {"smollm2": (576, 9, 3, 64, 1536), "llama-1.5b": (2048, 32, 8, 64, 8192)}
 CALLS = 20
+COLD_BYTES = 160 * 2**20  # weight copies read in turn by a --cold graph: past any L2
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,24 @@ def _configs() -> list:
     """The launch shapes tried: tile width, splits, warps, K step, pipeline stages."""
     from ostinato.engine.kernels.gemm_launch import GemmConfig
 
-    tiles = ((32, 1, 4), (32, 4, 4), (32, 8, 4), (64, 1, 8), (64, 4, 4), (64, 8, 4))
+    tiles = (
+        (16, 1, 4), (16, 2, 4), (32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (64, 1, 8),
+        (64, 4, 4), (64, 8, 4),
+    )  # fmt: skip
     steps = ((128, 3), (256, 3), (128, 5), (256, 4))
     return [GemmConfig(*t, *st) for t, st in itertools.product(tiles, steps)]
 
 
-def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
+def _turns(weight: torch.Tensor, cold: bool) -> tuple[Callable[[], torch.Tensor], int]:
+    """A function giving the weight to read at each call (with ``cold`` the next of
+    enough copies to fill ``COLD_BYTES``), and how many calls a graph should hold."""
+    if not cold:
+        return lambda: weight, CALLS
+    copies = [weight] + [weight.clone() for _ in range(COLD_BYTES // weight.nbytes)]
+    return itertools.cycle(copies).__next__, max(CALLS, len(copies))
+
+
+def sweep(name: str, rows: int, bw_gbps: float, pdl: bool, cold: bool = False) -> list[Timing]:
     """Every launch shape of the four kernels at ``rows`` rows of shape ``name``."""
     from ostinato.engine.kernels import small_gemm as tg
 
@@ -71,6 +89,8 @@ def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
     slots = torch.arange(rows, device="cuda") + 16
     rope = tg.RopeKV(cos, cos, cache, cache.clone(), slots, heads, kv_heads)
     out: list[Timing] = []
+    turns = {k: _turns(v, cold) for k, v in w.items()}
+    wt = {k: t[0] for k, t in turns.items()}  # the weight of the next call
 
     def timed(kernel: str, config: str, fn) -> None:
         try:
@@ -79,21 +99,23 @@ def sweep(name: str, rows: int, bw_gbps: float, pdl: bool) -> list[Timing]:
             return  # a shape whose pipeline does not fit in shared memory
         floor = w[kernel].numel() * 2 / bw_gbps / 1e3
         label = config if config == "cublas" else f"{config}{' pdl' if pdl else ''}"
-        out.append(Timing(name, kernel, rows, label, graph_call_us(fn, CALLS), floor))
+        label += " cold" if cold else ""
+        us = graph_call_us(fn, turns[kernel][1])
+        out.append(Timing(name, kernel, rows, label, us, floor))
 
     for c in _configs():
         label = f"{c.block_n}x{c.split_k} w{c.num_warps} k{c.block_k} s{c.num_stages}"
         if c.block_n == 32 and c.num_warps == 4:  # the head sets the QKV kernel's tile
             timed("qkv", label, lambda c=c: tg.qkv_rope_kv(
-                x, w["qkv"], None, counters, c, rope, norm, pdl))  # fmt: skip
+                x, wt["qkv"](), None, counters, c, rope, norm, pdl))  # fmt: skip
         timed("gate_up", label, lambda c=c: tg.small_gemm(
-            x, w["gate_up"], None, counters, c, True, pdl, norm))  # fmt: skip
+            x, wt["gate_up"](), None, counters, c, True, pdl, norm))  # fmt: skip
         for k in ("o", "down"):
             timed(k, label, lambda c=c, k=k: tg.small_gemm(
-                inputs[k], w[k], None, counters, c, False, pdl))  # fmt: skip
+                inputs[k], wt[k](), None, counters, c, False, pdl))  # fmt: skip
     if pdl:
         for k in ("o", "down"):
-            timed(k, "cublas", lambda k=k: F.linear(inputs[k], w[k]))
+            timed(k, "cublas", lambda k=k: F.linear(inputs[k], wt[k]()))
     return out
 
 
@@ -101,12 +123,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cold", action="store_true", help="every call reads its own weight copy")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"))
     timings = []
-    for name in SHAPES:
+    for name in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            timings += sweep(name, rows, bw, True)
+            timings += sweep(name, rows, bw, True, args.cold)
             best: dict[str, Timing] = {}
             for t in timings:
                 if t.shape == name and t.rows == rows:

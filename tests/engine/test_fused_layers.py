@@ -14,6 +14,7 @@ from ostinato.engine import LLM, KernelOptions, SamplingParams
 from ostinato.engine.kernels.gemm_launch import (
     CONFIGS,
     MAX_SPLIT_K,
+    GemmConfig,
     pick_config,
     rope_split_k,
     working_splits,
@@ -104,6 +105,23 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
                 programs = ceil_div(n, 32) * working_splits(k, c.split_k)
                 assert c.block_n == (64 if programs > 2 * sms else 32), (n, k, sms)
                 assert c.num_warps == 4
+                assert c.block_k == 128
+
+
+def test_an_unsplit_gate_up_steps_further_and_keeps_its_tile_and_split():
+    from ostinato.engine.kernels.gemm_launch import SWIGLU_BLOCK_K
+
+    for sms in (16, 78, 132):
+        for n in (64, 576, 1536, 2048, 3072, 8192, 49152):
+            for k in (64, 576, 1024, 1536, 2048, 8192, 14336):
+                plain = CONFIGS[pick_config(n, k, sms) - 1]
+                swiglu = CONFIGS[pick_config(n, k, sms, swiglu=True) - 1]
+                same = (swiglu.block_n, swiglu.split_k, swiglu.num_warps, swiglu.num_stages)
+                assert same == (plain.block_n, plain.split_k, plain.num_warps, plain.num_stages)
+                want = SWIGLU_BLOCK_K if plain.split_k == 1 else plain.block_k
+                assert swiglu.block_k == want, (n, k, sms)
+    # Cached plans name configs by index: the first nine keep their places.
+    assert CONFIGS[8] == GemmConfig(64, 1, num_warps=8) and CONFIGS[0] == GemmConfig(32, 1)
 
 
 def test_the_qkv_split_covers_the_gpu_when_splits_can():

@@ -55,7 +55,7 @@ def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m):
     w = torch.randn(2 * inter, hidden, **BF) / hidden**0.5
     counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
     total = torch.empty_like(x)
-    config = tg.CONFIGS[pick_config(inter, hidden, num_sms(DEVICE)) - 1]
+    config = tg.CONFIGS[pick_config(inter, hidden, num_sms(DEVICE), swiglu=True) - 1]
     prologue = tg.NormPrologue(norm_w, 1e-5, residual, total)
     got = tg.small_gemm(x, w, None, counters, config, True, True, prologue)
     h, want_total = _reference_norm(x, residual, norm_w, 1e-5)

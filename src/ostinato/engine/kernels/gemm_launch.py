@@ -3,13 +3,18 @@ the choice made without a measurement. Plain Python, importable without Triton."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ostinato.mathutil import ceil_div
 
 MAX_ROWS = 16  # the one row tile of the GEMM (tl.dot's smallest M)
 BLOCK_K = 128  # K columns per step of its loop
 MAX_SPLIT_K = 8
+# K columns per loop step of an unsplit gate/up projection (two tiles per program): on
+# the H200, with each call reading its own weight (``fused_sweep --cold``), 256 beat 128
+# by 10% at the SmolLM2 shape (6.3 vs 7.0 µs) and 44% at the 1.5 B shape's 32-column
+# tiles (22.8 vs 40.7 µs); the single-tile projections there were level or better at 128.
+SWIGLU_BLOCK_K = 256
 
 
 @dataclass(frozen=True)
@@ -25,9 +30,10 @@ class GemmConfig:
 
 
 # The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
-# names ``CONFIGS[i - 1]``, 0 names cuBLAS. On the H100 the narrow 16-column tiles never
-# won, so they are not tried. The last five are the shapes ``pick_config`` may name
-# that the first four lack.
+# names ``CONFIGS[i - 1]``, 0 names cuBLAS (cached plans hold these indices: new
+# entries go last). On the H100 the narrow 16-column tiles never won, so they are not
+# tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
+# lack; 10 to 12 its gate/up shapes, which step 256 columns at a time.
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
@@ -38,6 +44,9 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(64, 4),
     GemmConfig(64, 8),
     GemmConfig(64, 1, num_warps=8),
+    GemmConfig(32, 1, block_k=SWIGLU_BLOCK_K),
+    GemmConfig(64, 1, block_k=SWIGLU_BLOCK_K),
+    GemmConfig(64, 1, num_warps=8, block_k=SWIGLU_BLOCK_K),
 )
 UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
@@ -53,23 +62,29 @@ def working_splits(k: int, split_k: int) -> int:
     return ceil_div(k, k_per_split(k, split_k))
 
 
-def pick_config(n: int, k: int, sms: int) -> int:
+def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     """The plan entry (1-based into ``CONFIGS``) used without a measurement for ``n``
-    output columns over ``k``, the rule the H200 sweep of the fused kernels suggested
+    output columns over ``k`` (per tile: gate/up's ``n`` is its intermediate size, with
+    ``swiglu``), the rule the H200 sweep of the fused kernels suggested
     (``benchmarks/fused_sweep.py``): where 64-column tiles give at least every other SM
     a program (gate/up, LM heads), those, unsplit, with 8 warps; else K unsplit up to
     ``UNSPLIT_K`` columns (a split's reduction costs more than a short loop), or split in
     powers of two until a split has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K``),
-    in 32-column tiles unless those would give more than two programs per SM.
-    Deterministic in ``(n, k, sms)``."""
+    in 32-column tiles unless those would give more than two programs per SM. An
+    unsplit ``swiglu`` projection steps ``SWIGLU_BLOCK_K`` columns at a time.
+    Deterministic in ``(n, k, sms, swiglu)``."""
     if 2 * ceil_div(n, 64) >= sms:
-        return CONFIGS.index(GemmConfig(64, 1, num_warps=8)) + 1
-    split = 1
-    if k > UNSPLIT_K:
-        while split < MAX_SPLIT_K and k_per_split(k, split) > SPLIT_K_COLUMNS:
-            split *= 2
-    wide = ceil_div(n, 32) * working_splits(k, split) > 2 * sms
-    return CONFIGS.index(GemmConfig(64 if wide else 32, split)) + 1
+        config = GemmConfig(64, 1, num_warps=8)
+    else:
+        split = 1
+        if k > UNSPLIT_K:
+            while split < MAX_SPLIT_K and k_per_split(k, split) > SPLIT_K_COLUMNS:
+                split *= 2
+        wide = ceil_div(n, 32) * working_splits(k, split) > 2 * sms
+        config = GemmConfig(64 if wide else 32, split)
+    if swiglu and config.split_k == 1:
+        config = replace(config, block_k=SWIGLU_BLOCK_K)
+    return CONFIGS.index(config) + 1
 
 
 def rope_head_dim(d: int) -> bool:

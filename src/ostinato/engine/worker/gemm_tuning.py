@@ -168,5 +168,5 @@ def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
         from ostinato.engine.kernels.launch import num_sms
 
         n = w.shape[0] // 2 if swiglu else w.shape[0]
-        choice = pick_config(n, w.shape[1], num_sms(w.device))
+        choice = pick_config(n, w.shape[1], num_sms(w.device), swiglu)
         linear.use_plan((0,) + (choice,) * MAX_ROWS, counters_needed(w.shape[0]), pdl)

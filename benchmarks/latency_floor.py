@@ -30,7 +30,7 @@ from benchmarks.attention_sweep import Case
 from ostinato.engine.kernels.launch import num_sms
 from ostinato.engine.kernels.paged_attention import paged_attention
 from ostinato.engine.kernels.pdl import pdl_enter
-from ostinato.engine.kernels.persistent_decode import _grid_sync
+from ostinato.engine.kernels.persistent_decode import _grid_exit, _grid_sync
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.presets import SHAPES
 from ostinato.platform.cuda import graph_call_us
@@ -55,9 +55,7 @@ def _barriers_kernel(sync_ptr, BARRIERS: tl.constexpr):
     nprog = tl.num_programs(0)
     for b in range(BARRIERS):
         _grid_sync(sync_ptr, (b + 1) * nprog)
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
+    _grid_exit(sync_ptr)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,16 @@ def _grid_sync(sync_ptr, target):
 
 
 @triton.jit
+def _grid_exit(sync_ptr):
+    """Counts this program out of the grid; the last one out zeroes the barrier's and
+    its own counter (``sync_ptr[0:2]``) for the next launch. Call it after the program's
+    last ``_grid_sync``: every program is past its last wait by then."""
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(sync_ptr, 0)
+        tl.atomic_xchg(sync_ptr + 1, 0)
+
+
+@triton.jit
 def _prefetch_rows(w_ptr, rn, N, K, LINES: tl.constexpr):
     """Starts reading rows ``rn`` of ``W [N, K]`` into L2 (one prefetch per 128-byte
     line; ``LINES`` >= K / 64, a power of two), waiting for nothing."""
@@ -294,11 +304,7 @@ def _decode_layers_kernel(
                 HEAD_DIM, BLOCK_M, BLOCK_K, NORM_K,
             )  # fmt: skip
             phase += 1
-    # Every program is past its last wait when it counts itself out here; the last one
-    # out zeroes both counters for the next launch.
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
+    _grid_exit(sync_ptr)
 
 
 @dataclass(frozen=True)

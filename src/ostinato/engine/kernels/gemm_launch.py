@@ -13,7 +13,8 @@ MAX_SPLIT_K = 8
 # K columns per loop step of an unsplit gate/up projection (two tiles per program): on
 # the H200, with each call reading its own weight (``fused_sweep --cold``), 256 beat 128
 # by 10% at the SmolLM2 shape (6.3 vs 7.0 µs) and 44% at the 1.5 B shape's 32-column
-# tiles (22.8 vs 40.7 µs); the single-tile projections there were level or better at 128.
+# tiles (22.8 vs 40.7 µs). SmolLM2's single-tile projections were level or better at
+# 128; the 1.5 B shape's (cuBLAS by default) were faster at 256 too, not yet taken up.
 SWIGLU_BLOCK_K = 256
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +67,14 @@ REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
 ENGINE_STEP_VARIANTS = ("eager", "ostinato FULL_AND_PIECEWISE")
 BLOCK = 16
+
+
+SMOLLM2_CONFIG = str(Path(__file__).parent / "configs" / "smollm2_135m.json")
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """A preset shape by name (``presets.SHAPES``), or an HF config file (``*.json``)."""
+    return json.loads(Path(name).read_text()) if name.endswith(".json") else shape(name)
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode import BenchConfig, DecodeSetup, time_step
+from benchmarks.decode import BenchConfig, DecodeSetup, model_config, time_step
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_planner import device_costs, padded_rows, plan_capture_sizes
 from ostinato.capture_report import GraphRecord
 from ostinato.config import GraphConfig, default_capture_sizes
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.model.presets import shape
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.pool import release_shared_pool
@@ -230,8 +229,7 @@ def sampling_cost(
 
 def _bench_config(name: str, max_size: int) -> BenchConfig:
     """A preset shape by name, or an HF config file (``benchmarks/configs/*.json``)."""
-    model = json.loads(Path(name).read_text()) if name.endswith(".json") else shape(name)
-    return BenchConfig(model=model, batch_sizes=(max_size,), kv_len=512)
+    return BenchConfig(model=model_config(name), batch_sizes=(max_size,), kv_len=512)
 
 
 def run_shape(name: str, max_size: int, steps: int, sample_steps: int) -> dict:

@@ -27,12 +27,12 @@ import triton
 import triton.language as tl
 
 from benchmarks.attention_sweep import Case
+from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from ostinato.engine.kernels.launch import num_sms
 from ostinato.engine.kernels.paged_attention import paged_attention
 from ostinato.engine.kernels.pdl import pdl_enter
 from ostinato.engine.kernels.persistent_decode import _grid_exit, _grid_sync
 from ostinato.engine.model.config import ModelConfig
-from ostinato.engine.model.presets import SHAPES
 from ostinato.platform.cuda import graph_call_us
 from ostinato.provenance import Provenance
 
@@ -119,8 +119,7 @@ class Attention:
 
 def attention_us(shape: str, batch: int, device: torch.device) -> Attention:
     """``batch`` decode tokens' attention at KV length 512, as the engine launches it."""
-    path = Path(__file__).parent / "configs" / "smollm2_135m.json"
-    hf = json.loads(path.read_text()) if shape == "smollm2" else SHAPES[shape]
+    hf = model_config(SMOLLM2_CONFIG if shape == "smollm2" else shape)
     case = Case(ModelConfig.from_hf(hf), batch, 512, torch.bfloat16, device)
 
     def call() -> None:

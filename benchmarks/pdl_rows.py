@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode
+from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from ostinato.engine.kernels import launch
-from ostinato.engine.model.presets import shape
 from ostinato.provenance import Provenance
 
 VARIANT = "ostinato FULL_AND_PIECEWISE"
@@ -51,12 +51,11 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="32,128")
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-    smollm2 = Path(__file__).parent / "configs" / "smollm2_135m.json"
-    models = {"smollm2": json.loads(smollm2.read_text()), "llama-1.5b": shape("llama-1.5b")}
+    models = {"smollm2": SMOLLM2_CONFIG, "llama-1.5b": "llama-1.5b"}
     out: list[Timing] = []
     for name, model in models.items():
         for limit in (16, UNLIMITED, 16):  # A, B, A: drift shows as A against A
-            for t in timings(name, model, sizes, limit):
+            for t in timings(name, model_config(model), sizes, limit):
                 out.append(t)
                 print(f"{t.shape:10s} B={t.batch:4d} PDL up to {min(limit, 10**6):7d} rows "
                       f"{t.step_ms:7.3f} ms (piped {t.pipelined_ms or float('nan'):.3f})",

@@ -12,13 +12,11 @@ FULL_AND_PIECEWISE" (default kernel options, KV length 512).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from benchmarks.decode import OSTINATO_VARIANTS, BenchConfig, DecodeSetup
-from ostinato.engine.model.presets import shape
+from benchmarks.decode import OSTINATO_VARIANTS, BenchConfig, DecodeSetup, model_config
 
 
 def main() -> int:
@@ -27,7 +25,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=1, help="replays inside the window")
     args = parser.parse_args()
-    model = json.loads(args.config.read_text()) if args.config else shape("llama-1.5b")
+    model = model_config(str(args.config) if args.config else "llama-1.5b")
     cfg = BenchConfig(model=model, batch_sizes=(args.batch,))
     setup = DecodeSetup(cfg, torch.device("cuda"), None)
     runner = setup.runner(*OSTINATO_VARIANTS["ostinato FULL_AND_PIECEWISE"])

@@ -18,6 +18,7 @@
 #   bash scripts/gpu_suite.sh persistent  # the persistent kernel's GPU tests, then its benchmark
 #   bash scripts/gpu_suite.sh decode   # part 1 copied aside; the decode kernels' GPU tests
 #   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
+#   bash scripts/gpu_suite.sh weightrule   # the 1.5 B step under other fused-kernel rules
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -135,13 +136,17 @@ decodebench)
     bash "$0" fusedbench smollm2 "$v" 200 1,8,16,32,128
     bash "$0" fusedbench llama-1.5b "$v" 200 1,8,32,128
     ;;
+weightrule)
+    timeout "${2:-560}" python3 -m benchmarks.weight_rule --out "$OUT/weight_rule_h200.json" \
+        2>&1 | tee "$OUT/weight_rule.log"
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent|decode|decodebench" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent|decode|decodebench|weightrule" >&2
     exit 2
     ;;
 esac

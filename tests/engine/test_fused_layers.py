@@ -87,7 +87,12 @@ def test_the_fused_ops_refuse_a_mismatched_residual():
 
 
 def test_the_config_chosen_without_a_measurement_follows_its_rule():
-    from ostinato.engine.kernels.gemm_launch import SPLIT_K_COLUMNS, UNSPLIT_K, k_per_split
+    from ostinato.engine.kernels.gemm_launch import (
+        SPLIT_K_COLUMNS,
+        UNSPLIT_K,
+        k_per_split,
+        k_step,
+    )
 
     for sms in (16, 78, 132):
         for n in (64, 576, 1536, 2048, 3072, 8192, 49152):
@@ -105,7 +110,24 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
                 programs = ceil_div(n, 32) * working_splits(k, c.split_k)
                 assert c.block_n == (64 if programs > 2 * sms else 32), (n, k, sms)
                 assert c.num_warps == 4
-                assert c.block_k == 128
+                assert c.block_k == k_step(k, c.split_k), (n, k, sms)
+
+
+def test_only_long_whole_splits_step_256_columns():
+    from ostinato.engine.kernels.gemm_launch import BLOCK_K, LONG_SPLIT_K, k_per_split, k_step
+
+    for k in range(64, 16385, 64):
+        for split in (1, 2, 4, 8):
+            per = k_per_split(k, split)
+            step = k_step(k, split)
+            assert step in (BLOCK_K, 256)
+            # 256 exactly where a split is long and whole 256-column steps cover it, so
+            # the longer step reads no more padding than the shorter one.
+            assert (step == 256) == (per >= LONG_SPLIT_K and per % 256 == 0), (k, split)
+            assert k_per_split(k, split, step) == per
+    # The 1.5 B shape's splits step 256, SmolLM2's keep 128 (what the H200 sweep showed).
+    assert [k_step(2048, 4), k_step(8192, 8)] == [256, 256]
+    assert [k_step(576, 1), k_step(576, 8), k_step(1536, 4)] == [BLOCK_K] * 3
 
 
 def test_an_unsplit_gate_up_steps_further_and_keeps_its_tile_and_split():
@@ -120,8 +142,9 @@ def test_an_unsplit_gate_up_steps_further_and_keeps_its_tile_and_split():
                 assert same == (plain.block_n, plain.split_k, plain.num_warps, plain.num_stages)
                 want = SWIGLU_BLOCK_K if plain.split_k == 1 else plain.block_k
                 assert swiglu.block_k == want, (n, k, sms)
-    # Cached plans name configs by index: the first nine keep their places.
+    # Cached plans name configs by index: the first twelve keep their places.
     assert CONFIGS[8] == GemmConfig(64, 1, num_warps=8) and CONFIGS[0] == GemmConfig(32, 1)
+    assert CONFIGS[11] == GemmConfig(64, 1, num_warps=8, block_k=SWIGLU_BLOCK_K)
 
 
 def test_the_qkv_split_covers_the_gpu_when_splits_can():

@@ -16,6 +16,11 @@ MAX_SPLIT_K = 8
 # tiles (22.8 vs 40.7 µs). SmolLM2's single-tile projections were level or better at
 # 128; the 1.5 B shape's (cuBLAS by default) were faster at 256 too, not yet taken up.
 SWIGLU_BLOCK_K = 256
+# A split of at least this many K columns, a whole number of 256-column steps, steps 256
+# at a time: in the same cold sweep the 1.5 B shape's split projections were faster at
+# 256 (QKV 10.8 vs 13.0 µs, down 12.2 vs 14.1, O 5.7 vs 5.8); SmolLM2's splits are
+# shorter and keep 128.
+LONG_SPLIT_K = 512
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,8 @@ class GemmConfig:
 # names ``CONFIGS[i - 1]``, 0 names cuBLAS (cached plans hold these indices: new
 # entries go last). On the H100 the narrow 16-column tiles never won, so they are not
 # tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
-# lack; 10 to 12 its gate/up shapes, which step 256 columns at a time.
+# lack; 10 to 12 its gate/up shapes, which step 256 columns at a time; 13 to 18 its split
+# shapes with long splits (``k_step``).
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
@@ -48,6 +54,7 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1, block_k=SWIGLU_BLOCK_K),
     GemmConfig(64, 1, block_k=SWIGLU_BLOCK_K),
     GemmConfig(64, 1, num_warps=8, block_k=SWIGLU_BLOCK_K),
+    *(GemmConfig(n, s, block_k=256) for n in (32, 64) for s in (2, 4, 8)),
 )
 UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
@@ -63,6 +70,14 @@ def working_splits(k: int, split_k: int) -> int:
     return ceil_div(k, k_per_split(k, split_k))
 
 
+def k_step(k: int, split_k: int) -> int:
+    """K columns per loop step of a projection over ``k`` in ``split_k`` splits: 256 where
+    each split is at least ``LONG_SPLIT_K`` columns and a whole number of 256-column
+    steps, else ``BLOCK_K``."""
+    per = k_per_split(k, split_k)
+    return 256 if per >= LONG_SPLIT_K and per % 256 == 0 else BLOCK_K
+
+
 def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     """The plan entry (1-based into ``CONFIGS``) used without a measurement for ``n``
     output columns over ``k`` (per tile: gate/up's ``n`` is its intermediate size, with
@@ -72,7 +87,8 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     ``UNSPLIT_K`` columns (a split's reduction costs more than a short loop), or split in
     powers of two until a split has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K``),
     in 32-column tiles unless those would give more than two programs per SM. An
-    unsplit ``swiglu`` projection steps ``SWIGLU_BLOCK_K`` columns at a time.
+    unsplit ``swiglu`` projection steps ``SWIGLU_BLOCK_K`` columns at a time, any other
+    ``k_step``'s.
     Deterministic in ``(n, k, sms, swiglu)``."""
     if 2 * ceil_div(n, 64) >= sms:
         config = GemmConfig(64, 1, num_warps=8)
@@ -85,6 +101,8 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
         config = GemmConfig(64 if wide else 32, split)
     if swiglu and config.split_k == 1:
         config = replace(config, block_k=SWIGLU_BLOCK_K)
+    else:
+        config = replace(config, block_k=k_step(k, config.split_k))
     return CONFIGS.index(config) + 1
 
 

@@ -212,10 +212,11 @@ def _gemm_kernel(
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
     if USE_PDL:
-        # Before the wait: start this program's weight read (rows clamped into range).
+        # Before the wait: start this program's weight read (rows and columns clamped
+        # into its own range: a short split's lines past it are its neighbour's).
         lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
         rows = tl.minimum(rn, N - 1)
-        pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
+        pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, k_hi - 1)[None, :]
         _prefetch_l2(pre)
         if TWO:
             _prefetch_l2(pre + OFF2 * stride_wn)

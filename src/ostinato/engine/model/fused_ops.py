@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.context import get_forward_context
-from ostinato.engine.kernels.gemm_launch import GemmConfig, rope_head_dim, rope_split_k
+from ostinato.engine.kernels.gemm_launch import GemmConfig, k_step, rope_head_dim, rope_split_k
 from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.norm_op import check_residual
 from ostinato.engine.model.rope import apply_rope
@@ -139,7 +139,7 @@ def norm_qkv(
         rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
         split = rope_split_k(q_heads + 2 * kv_heads, x.shape[1], num_sms(x.device))
         q = qkv_out[:, : rope.q_heads * k_cache.shape[-1]]
-        config = GemmConfig(k_cache.shape[-1] // 2, split)
+        config = GemmConfig(k_cache.shape[-1] // 2, split, block_k=k_step(x.shape[1], split))
         qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=q)
         return
     h = _norm_into(x, residual, norm_weight, eps, pdl, total_out)

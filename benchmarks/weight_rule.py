@@ -1,0 +1,130 @@
+"""The 1.5 B shape's decode step under other rules for the fused kernels, one run: which
+projections run the Triton GEMM without a measurement (``gemm_tuning.SMALL_WEIGHT_BYTES``:
+up to 8 MiB, or up to the 64 MiB of its gate/up, which makes every layer six kernels),
+whether long splits step 256 K columns (``gemm_launch.LONG_SPLIT_K``), how many weight
+columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``), and gate/up's
+tile width. Each rule is set here between runs and restored; the first rule runs again
+last, so drift shows as A against A.
+
+``python -m benchmarks.weight_rule --out results.json [--batch-sizes 1,8,16]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import decode
+from benchmarks.decode import model_config
+from ostinato.engine.kernels import gemm_launch, small_gemm
+from ostinato.engine.worker import gemm_tuning
+from ostinato.provenance import Provenance
+
+VARIANT = "ostinato FULL_AND_PIECEWISE"
+MiB = 1 << 20
+OFF = 1 << 30  # a LONG_SPLIT_K no split reaches: every split steps BLOCK_K
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One setting of the fused kernels' launch rules."""
+
+    name: str
+    weight_bytes: int = 8 * MiB
+    long_split_k: int = OFF
+    prefetch_k: int = small_gemm.PREFETCH_K
+    narrow_gate_up: bool = False  # 32-column gate/up tiles where the rule says 64
+
+
+RULES = (
+    Rule("8 MiB, K step 128"),
+    Rule("8 MiB, long splits step 256", long_split_k=512),
+    Rule("64 MiB, K step 128", weight_bytes=64 * MiB),
+    Rule("64 MiB, long splits step 256", weight_bytes=64 * MiB, long_split_k=512),
+    Rule("64 MiB, 256, prefetch 2048", 64 * MiB, long_split_k=512, prefetch_k=2048),
+    Rule("64 MiB, 256, gate/up 32 wide", 64 * MiB, long_split_k=512, narrow_gate_up=True),
+)
+
+
+@dataclass(frozen=True)
+class Timing:
+    rule: str
+    batch: int
+    step_ms: float
+    pipelined_ms: float | None
+    kernels_in_layer: int | None
+
+
+@contextlib.contextmanager
+def applied(rule: Rule) -> Iterator[None]:
+    """``rule``'s module settings for the duration."""
+    saved = (
+        gemm_tuning.SMALL_WEIGHT_BYTES,
+        gemm_launch.LONG_SPLIT_K,
+        small_gemm.PREFETCH_K,
+        gemm_launch.pick_config,
+    )
+    pick = saved[3]
+
+    def narrow(n: int, k: int, sms: int, swiglu: bool = False) -> int:
+        choice = pick(n, k, sms, swiglu)
+        c = gemm_launch.CONFIGS[choice - 1]
+        if swiglu and (c.block_n, c.split_k) == (64, 1):
+            wide = gemm_launch.GemmConfig(32, 1, block_k=c.block_k)
+            return gemm_launch.CONFIGS.index(wide) + 1
+        return choice
+
+    gemm_tuning.SMALL_WEIGHT_BYTES = rule.weight_bytes
+    gemm_launch.LONG_SPLIT_K = rule.long_split_k
+    small_gemm.PREFETCH_K = rule.prefetch_k
+    if rule.narrow_gate_up:
+        gemm_launch.pick_config = narrow
+    try:
+        yield
+    finally:
+        (
+            gemm_tuning.SMALL_WEIGHT_BYTES,
+            gemm_launch.LONG_SPLIT_K,
+            small_gemm.PREFETCH_K,
+            gemm_launch.pick_config,
+        ) = saved
+
+
+def timings(model: dict, sizes: tuple[int, ...], rule: Rule) -> list[Timing]:
+    """The default variant's step at ``sizes`` under ``rule``."""
+    with applied(rule):
+        cfg = decode.BenchConfig(model=model, batch_sizes=sizes, variants=(VARIANT,))
+        result = decode.run(cfg, torch.device("cuda"), log=lambda _: None, profile=True)
+    rows = [r for r in result.rows if r.variant == VARIANT]
+    return [Timing(rule.name, r.batch, r.step_ms, r.pipelined_ms, r.kernels_in_layer) for r in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch-sizes", default="1,8,16")
+    parser.add_argument("--shape", default="llama-1.5b")
+    args = parser.parse_args()
+    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    model = model_config(args.shape)
+    doc = {"benchmark": "weight_rule", "shape": args.shape}
+    doc["provenance"] = asdict(Provenance.collect())
+    doc["timings"] = []
+    for rule in (*RULES, RULES[0]):
+        for t in timings(model, sizes, rule):
+            doc["timings"].append(asdict(t))
+            piped = t.pipelined_ms or float("nan")
+            print(f"{t.rule:32s} B={t.batch:3d} {t.step_ms:7.3f} ms (piped {piped:.3f}) "
+                  f"{t.kernels_in_layer} kernels/layer", flush=True)  # fmt: skip
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")  # what a time limit leaves
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,7 @@ columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``), an
 tile width. Each rule is set here between runs and restored; the first rule runs again
 last, so drift shows as A against A.
 
-``python -m benchmarks.weight_rule --out results.json [--batch-sizes 1,8,16]``
+``python -m benchmarks.weight_rule --out results.json [--batch-sizes 1,8,16] [--rules sizes]``
 """
 
 from __future__ import annotations
@@ -42,14 +42,23 @@ class Rule:
     narrow_gate_up: bool = False  # 32-column gate/up tiles where the rule says 64
 
 
-RULES = (
-    Rule("8 MiB, K step 128"),
-    Rule("8 MiB, long splits step 256", long_split_k=512),
-    Rule("64 MiB, K step 128", weight_bytes=64 * MiB),
-    Rule("64 MiB, long splits step 256", weight_bytes=64 * MiB, long_split_k=512),
-    Rule("64 MiB, 256, prefetch 2048", 64 * MiB, long_split_k=512, prefetch_k=2048),
-    Rule("64 MiB, 256, gate/up 32 wide", 64 * MiB, long_split_k=512, narrow_gate_up=True),
-)
+RULES = {
+    "steps": (
+        Rule("8 MiB, K step 128"),
+        Rule("8 MiB, long splits step 256", long_split_k=512),
+        Rule("64 MiB, K step 128", weight_bytes=64 * MiB),
+        Rule("64 MiB, long splits step 256", weight_bytes=64 * MiB, long_split_k=512),
+        Rule("64 MiB, 256, prefetch 2048", 64 * MiB, long_split_k=512, prefetch_k=2048),
+        Rule("64 MiB, 256, gate/up 32 wide", 64 * MiB, long_split_k=512, narrow_gate_up=True),
+    ),
+    # One projection more at a time: QKV (12 MiB), down (32 MiB), gate/up (64 MiB).
+    "sizes": (
+        Rule("8 MiB, K step 128"),
+        Rule("12 MiB, 256", 12 * MiB, long_split_k=512),
+        Rule("32 MiB, 256", 32 * MiB, long_split_k=512),
+        Rule("64 MiB, 256, gate/up 32 wide", 64 * MiB, long_split_k=512, narrow_gate_up=True),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class Timing:
     step_ms: float
     pipelined_ms: float | None
     kernels_in_layer: int | None
+    # [kernel name, launches per step, µs per step] from the step's device profile
+    kernels: list[tuple[str, float, float]]
 
 
 @contextlib.contextmanager
@@ -102,7 +113,18 @@ def timings(model: dict, sizes: tuple[int, ...], rule: Rule) -> list[Timing]:
         cfg = decode.BenchConfig(model=model, batch_sizes=sizes, variants=(VARIANT,))
         result = decode.run(cfg, torch.device("cuda"), log=lambda _: None, profile=True)
     rows = [r for r in result.rows if r.variant == VARIANT]
-    return [Timing(rule.name, r.batch, r.step_ms, r.pipelined_ms, r.kernels_in_layer) for r in rows]
+    names = result.kernels_by_name
+    return [
+        Timing(
+            rule.name,
+            r.batch,
+            r.step_ms,
+            r.pipelined_ms,
+            r.kernels_in_layer,
+            [(k.name, k.per_step, k.us_per_step) for k in names.get(f"{VARIANT} B={r.batch}", [])],
+        )  # fmt: skip
+        for r in rows
+    ]
 
 
 def main() -> int:
@@ -110,13 +132,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch-sizes", default="1,8,16")
     parser.add_argument("--shape", default="llama-1.5b")
+    parser.add_argument("--rules", choices=sorted(RULES), default="steps")
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     model = model_config(args.shape)
     doc = {"benchmark": "weight_rule", "shape": args.shape}
     doc["provenance"] = asdict(Provenance.collect())
     doc["timings"] = []
-    for rule in (*RULES, RULES[0]):
+    rules = RULES[args.rules]
+    for rule in (*rules, rules[0]):
         for t in timings(model, sizes, rule):
             doc["timings"].append(asdict(t))
             piped = t.pipelined_ms or float("nan")

@@ -137,7 +137,7 @@ decodebench)
     bash "$0" fusedbench llama-1.5b "$v" 200 1,8,32,128
     ;;
 weightrule)
-    timeout "${2:-560}" python3 -m benchmarks.weight_rule --out "$OUT/weight_rule_h200.json" \
+    timeout "${2:-560}" python3 -m benchmarks.weight_rule --rules "${3:-steps}" --out "$OUT/weight_rule_h200.json" \
         2>&1 | tee "$OUT/weight_rule.log"
     ;;
 bench)

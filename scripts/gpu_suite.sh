@@ -18,7 +18,8 @@
 #   bash scripts/gpu_suite.sh persistent  # the persistent kernel's GPU tests, then its benchmark
 #   bash scripts/gpu_suite.sh decode   # part 1 copied aside; the decode kernels' GPU tests
 #   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
-#   bash scripts/gpu_suite.sh weightrule   # the 1.5 B step under other fused-kernel rules
+#   bash scripts/gpu_suite.sh launchrules [SET] [SHAPE] [SIZES]  # a step under other launch rules
+#   bash scripts/gpu_suite.sh attention    # the attention kernel's and the decode step's GPU tests
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -136,9 +137,15 @@ decodebench)
     bash "$0" fusedbench smollm2 "$v" 200 1,8,16,32,128
     bash "$0" fusedbench llama-1.5b "$v" 200 1,8,32,128
     ;;
-weightrule)
-    timeout "${2:-560}" python3 -m benchmarks.weight_rule --rules "${3:-steps}" --out "$OUT/weight_rule_h200.json" \
-        2>&1 | tee "$OUT/weight_rule.log"
+launchrules)
+    timeout 280 python3 -m benchmarks.launch_rules --rules "${2:-steps}" --shape "${3:-llama-1.5b}" \
+        --batch-sizes "${4:-1,8,16}" --out "$OUT/launch_rules_${2:-steps}_${3:-llama-1.5b}_h200.json" \
+        2>&1 | tee "$OUT/launch_rules_${2:-steps}_${3:-llama-1.5b}.log"
+    ;;
+attention)
+    run_file tests/engine/test_gpu_engine.py 200
+    run_file tests/engine/test_gpu_fused_layers.py 250
+    run_file tests/engine/test_gpu_persistent.py 120
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
@@ -146,7 +153,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent|decode|decodebench|weightrule" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent|decode|decodebench|launchrules|attention" >&2
     exit 2
     ;;
 esac

@@ -167,8 +167,19 @@ def test_attention_splits_are_powers_of_two_that_never_grow_with_tokens():
         got = [splits_for(n, 2, sms) for n in range(1, 200)]
         assert all(s & (s - 1) == 0 and 1 <= s <= MAX_SPLITS for s in got)
         assert got == sorted(got, reverse=True)
-    # SmolLM2's 3 KV heads on 132 SMs: 264 programs wanted, shared by the tokens' heads.
-    assert [splits_for(n, 3, 132) for n in (1, 8, 16, 32, 64)] == [16, 16, 8, 2, 1]
+    # SmolLM2's 3 KV heads on 132 SMs: 528 programs wanted (four waves), shared by the
+    # tokens' heads, rounded up to a power of two.
+    assert [splits_for(n, 3, 132) for n in (1, 8, 16, 32, 64, 128)] == [16, 16, 16, 8, 2, 1]
+    # The 1.5 B shape's 8: the counts the H200 sweep found best at 512 keys.
+    assert [splits_for(n, 8, 132) for n in (1, 8, 16, 32, 64)] == [16, 8, 4, 2, 1]
+
+
+def test_unsplit_attention_launches_take_two_warps():
+    from ostinato.engine.kernels.attention_launch import BLOCK_N, launch_for
+
+    assert launch_for(1).num_warps == 2 and launch_for(2).num_warps == 4
+    assert {launch_for(s).num_warps for s in (2, 4, 8, 16)} == {4}
+    assert {(launch_for(s).block_n, launch_for(s).num_stages) for s in (1, 16)} == {(BLOCK_N, 3)}
 
 
 def test_rope_epilogue_takes_power_of_two_heads_of_at_least_32_dims():

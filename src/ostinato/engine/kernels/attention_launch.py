@@ -7,12 +7,19 @@ from dataclasses import dataclass
 
 BLOCK_N = 64  # keys per iteration, spanning several pages
 MAX_SPLITS = 16  # programs sharing one (token, KV head)'s keys, at most
+# The H200 sweep (benchmarks/attention_sweep.py, 1.5 B shape, RESULTS.md): splitting keys
+# for about four waves of programs instead of two took 6 to 29% off decode at 8 to 32
+# tokens; 2 warps instead of 4 took 13 to 21% off unsplit launches (128 tokens, prefill)
+# and cost 3 to 7% where keys are split.
+WAVES = 4  # programs per SM the split count aims for
+UNSPLIT_WARPS = 2
+SPLIT_WARPS = 4
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:
-    """Programs per (token, KV head): a power of two giving about two waves over ``sms``
-    SMs, at most ``MAX_SPLITS``; never more for more tokens."""
-    want = (2 * sms) // max(1, num_tokens * kv_heads)
+    """Programs per (token, KV head): a power of two giving about ``WAVES`` waves over
+    ``sms`` SMs, at most ``MAX_SPLITS``; never more for more tokens."""
+    want = (WAVES * sms) // max(1, num_tokens * kv_heads)
     return 1 if want <= 1 else min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
@@ -38,3 +45,10 @@ class AttentionLaunch:
             )
         if self.num_stages < 1:
             raise ValueError(f"AttentionLaunch.num_stages: >= 1, got {self.num_stages}")
+
+
+def launch_for(splits: int) -> AttentionLaunch:
+    """The launch used where none is given: ``BLOCK_N`` keys per iteration, 3 stages,
+    ``SPLIT_WARPS`` warps where a token's keys are split, ``UNSPLIT_WARPS`` where not. One
+    compiled kernel per split layout still (the layout fixes the warps)."""
+    return AttentionLaunch(num_warps=SPLIT_WARPS if splits > 1 else UNSPLIT_WARPS)

@@ -20,7 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.attention_launch import MAX_SPLITS, AttentionLaunch, splits_for
+from ostinato.engine.kernels.attention_launch import (
+    MAX_SPLITS,
+    AttentionLaunch,
+    launch_for,
+    splits_for,
+)
 from ostinato.engine.kernels.launch import launch, num_sms, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
@@ -193,7 +198,7 @@ def _merge_splits_kernel(
 
 
 def num_splits(num_tokens: int, kv_heads: int, device: torch.device) -> int:
-    """Programs per (token, KV head): enough for about two waves over the GPU's SMs
+    """Programs per (token, KV head): enough for a few waves over the GPU's SMs
     (``attention_launch.splits_for``)."""
     return splits_for(num_tokens, kv_heads, num_sms(device))
 
@@ -235,7 +240,7 @@ def paged_attention(
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = _splits(splits or num_splits(n, kv_heads, q.device))
-    config = config or AttentionLaunch()
+    config = config or launch_for(splits)
     target, m, l_sum = _split_scratch(out, splits)
     so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(

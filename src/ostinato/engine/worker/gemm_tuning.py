@@ -149,7 +149,7 @@ def _plan_sizes(rows: Sequence[int]) -> list[int]:
 # the unfused kernels where a weight is read in a few microseconds (SmolLM2's, 0.3 to
 # 3.5 MB: the launch chain dominates) and lose to cuBLAS's bandwidth from the 1.5 B
 # shape's 8 to 67 MB on.
-SMALL_WEIGHT_BYTES = 64 << 20
+SMALL_WEIGHT_BYTES = 8 << 20
 
 
 def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:

@@ -1,12 +1,14 @@
-"""The 1.5 B shape's decode step under other rules for the fused kernels, one run: which
+"""A decode step under other launch rules for ostinato's kernels, one run: which
 projections run the Triton GEMM without a measurement (``gemm_tuning.SMALL_WEIGHT_BYTES``:
-up to 8 MiB, or up to the 64 MiB of its gate/up, which makes every layer six kernels),
-whether long splits step 256 K columns (``gemm_launch.LONG_SPLIT_K``), how many weight
-columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``), and gate/up's
-tile width. Each rule is set here between runs and restored; the first rule runs again
-last, so drift shows as A against A.
+up to 8 MiB, or up to the 1.5 B shape's 64 MiB gate/up, which makes every layer six
+kernels), whether long splits step 256 K columns (``gemm_launch.LONG_SPLIT_K``), how many
+weight columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``),
+gate/up's tile width, and attention's split count and warps
+(``attention_launch.WAVES``, ``UNSPLIT_WARPS``). Each rule is set here between runs and
+restored; the first rule of a set runs again last, so drift shows as A against A.
 
-``python -m benchmarks.weight_rule --out results.json [--batch-sizes 1,8,16] [--rules sizes]``
+``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
+[--rules steps|sizes|attention] [--shape llama-1.5b|smollm2]``
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode
-from benchmarks.decode import model_config
-from ostinato.engine.kernels import gemm_launch, small_gemm
+from benchmarks.decode import SMOLLM2_CONFIG, model_config
+from ostinato.engine.kernels import attention_launch, gemm_launch, small_gemm
 from ostinato.engine.worker import gemm_tuning
 from ostinato.provenance import Provenance
 
@@ -33,30 +35,41 @@ OFF = 1 << 30  # a LONG_SPLIT_K no split reaches: every split steps BLOCK_K
 
 @dataclass(frozen=True)
 class Rule:
-    """One setting of the fused kernels' launch rules."""
+    """One setting of the launch rules; a field left out keeps the library's default."""
 
     name: str
-    weight_bytes: int = 8 * MiB
-    long_split_k: int = OFF
+    weight_bytes: int = gemm_tuning.SMALL_WEIGHT_BYTES
+    long_split_k: int = gemm_launch.LONG_SPLIT_K
     prefetch_k: int = small_gemm.PREFETCH_K
     narrow_gate_up: bool = False  # 32-column gate/up tiles where the rule says 64
+    attention_waves: int = attention_launch.WAVES
+    unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
 
 
+# The sets "steps" and "sizes" were measured before the attention rule changed: they
+# keep the attention launch of then.
+_OLD = dict(attention_waves=2, unsplit_attention_warps=4)
+_FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
     "steps": (
-        Rule("8 MiB, K step 128"),
-        Rule("8 MiB, long splits step 256", long_split_k=512),
-        Rule("64 MiB, K step 128", weight_bytes=64 * MiB),
-        Rule("64 MiB, long splits step 256", weight_bytes=64 * MiB, long_split_k=512),
-        Rule("64 MiB, 256, prefetch 2048", 64 * MiB, long_split_k=512, prefetch_k=2048),
-        Rule("64 MiB, 256, gate/up 32 wide", 64 * MiB, long_split_k=512, narrow_gate_up=True),
+        Rule("8 MiB, K step 128", 8 * MiB, long_split_k=OFF, **_OLD),
+        Rule("8 MiB, long splits step 256", 8 * MiB, long_split_k=512, **_OLD),
+        Rule("64 MiB, K step 128", long_split_k=OFF, **_FUSED),
+        Rule("64 MiB, long splits step 256", long_split_k=512, **_FUSED),
+        Rule("64 MiB, 256, prefetch 2048", long_split_k=512, prefetch_k=2048, **_FUSED),
+        Rule("64 MiB, 256, gate/up 32 wide", long_split_k=512, narrow_gate_up=True, **_FUSED),
     ),
     # One projection more at a time: QKV (12 MiB), down (32 MiB), gate/up (64 MiB).
     "sizes": (
-        Rule("8 MiB, K step 128"),
-        Rule("12 MiB, 256", 12 * MiB, long_split_k=512),
-        Rule("32 MiB, 256", 32 * MiB, long_split_k=512),
-        Rule("64 MiB, 256, gate/up 32 wide", 64 * MiB, long_split_k=512, narrow_gate_up=True),
+        Rule("8 MiB, K step 128", 8 * MiB, long_split_k=OFF, **_OLD),
+        Rule("12 MiB, 256", 12 * MiB, long_split_k=512, **_OLD),
+        Rule("32 MiB, 256", 32 * MiB, long_split_k=512, **_OLD),
+        Rule("64 MiB, 256, gate/up 32 wide", long_split_k=512, narrow_gate_up=True, **_FUSED),
+    ),
+    # Attention's split count for about two waves or four, 4 or 2 warps unsplit.
+    "attention": (
+        Rule("attention 2 waves, 4 warps", **_OLD),
+        Rule("attention 4 waves, 2 warps unsplit"),
     ),
 }
 
@@ -91,6 +104,9 @@ def applied(rule: Rule) -> Iterator[None]:
             return gemm_launch.CONFIGS.index(wide) + 1
         return choice
 
+    attention = (attention_launch.WAVES, attention_launch.UNSPLIT_WARPS)
+    attention_launch.WAVES = rule.attention_waves
+    attention_launch.UNSPLIT_WARPS = rule.unsplit_attention_warps
     gemm_tuning.SMALL_WEIGHT_BYTES = rule.weight_bytes
     gemm_launch.LONG_SPLIT_K = rule.long_split_k
     small_gemm.PREFETCH_K = rule.prefetch_k
@@ -99,6 +115,7 @@ def applied(rule: Rule) -> Iterator[None]:
     try:
         yield
     finally:
+        attention_launch.WAVES, attention_launch.UNSPLIT_WARPS = attention
         (
             gemm_tuning.SMALL_WEIGHT_BYTES,
             gemm_launch.LONG_SPLIT_K,
@@ -135,8 +152,8 @@ def main() -> int:
     parser.add_argument("--rules", choices=sorted(RULES), default="steps")
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-    model = model_config(args.shape)
-    doc = {"benchmark": "weight_rule", "shape": args.shape}
+    model = model_config(SMOLLM2_CONFIG if args.shape == "smollm2" else args.shape)
+    doc = {"benchmark": "launch_rules", "shape": args.shape, "rules": args.rules}
     doc["provenance"] = asdict(Provenance.collect())
     doc["timings"] = []
     rules = RULES[args.rules]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 BLOCK_N = 64  # keys per iteration, spanning several pages
 MAX_SPLITS = 16  # programs sharing one (token, KV head)'s keys, at most
 # The H200 sweep (benchmarks/attention_sweep.py, 1.5 B shape, RESULTS.md): splitting keys
-# for about four waves of programs instead of two took 6 to 29% off decode at 8 to 32
+# for about four waves of programs instead of two took 3 to 27% off decode at 8 to 32
 # tokens; 2 warps instead of 4 took 13 to 21% off unsplit launches (128 tokens, prefill)
 # and cost 3 to 7% where keys are split.
 WAVES = 4  # programs per SM the split count aims for

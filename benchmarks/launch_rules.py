@@ -44,11 +44,12 @@ class Rule:
     narrow_gate_up: bool = False  # 32-column gate/up tiles where the rule says 64
     attention_waves: int = attention_launch.WAVES
     unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
+    split_attention_stages: int = attention_launch.SPLIT_STAGES
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
 # keep the attention launch of then.
-_OLD = dict(attention_waves=2, unsplit_attention_warps=4)
+_OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
     "steps": (
@@ -66,10 +67,15 @@ RULES = {
         Rule("32 MiB, 256", 32 * MiB, long_split_k=512, **_OLD),
         Rule("64 MiB, 256, gate/up 32 wide", long_split_k=512, narrow_gate_up=True, **_FUSED),
     ),
-    # Attention's split count for about two waves or four, 4 or 2 warps unsplit.
+    # Attention's split count for about two waves or four, 4 or 2 warps unsplit (split
+    # launches then had 3 stages).
     "attention": (
         Rule("attention 2 waves, 4 warps", **_OLD),
-        Rule("attention 4 waves, 2 warps unsplit"),
+        Rule("attention 4 waves, 2 warps unsplit", split_attention_stages=3),
+    ),
+    "attention-stages": (
+        Rule("split attention 3 stages", split_attention_stages=3),
+        Rule("split attention 2 stages", split_attention_stages=2),
     ),
 }
 
@@ -104,9 +110,14 @@ def applied(rule: Rule) -> Iterator[None]:
             return gemm_launch.CONFIGS.index(wide) + 1
         return choice
 
-    attention = (attention_launch.WAVES, attention_launch.UNSPLIT_WARPS)
+    attention = (
+        attention_launch.WAVES,
+        attention_launch.UNSPLIT_WARPS,
+        attention_launch.SPLIT_STAGES,
+    )
     attention_launch.WAVES = rule.attention_waves
     attention_launch.UNSPLIT_WARPS = rule.unsplit_attention_warps
+    attention_launch.SPLIT_STAGES = rule.split_attention_stages
     gemm_tuning.SMALL_WEIGHT_BYTES = rule.weight_bytes
     gemm_launch.LONG_SPLIT_K = rule.long_split_k
     small_gemm.PREFETCH_K = rule.prefetch_k
@@ -115,7 +126,11 @@ def applied(rule: Rule) -> Iterator[None]:
     try:
         yield
     finally:
-        attention_launch.WAVES, attention_launch.UNSPLIT_WARPS = attention
+        (
+            attention_launch.WAVES,
+            attention_launch.UNSPLIT_WARPS,
+            attention_launch.SPLIT_STAGES,
+        ) = attention
         (
             gemm_tuning.SMALL_WEIGHT_BYTES,
             gemm_launch.LONG_SPLIT_K,

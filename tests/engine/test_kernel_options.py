@@ -174,12 +174,13 @@ def test_attention_splits_are_powers_of_two_that_never_grow_with_tokens():
     assert [splits_for(n, 8, 132) for n in (1, 8, 16, 32, 64)] == [16, 8, 4, 2, 1]
 
 
-def test_unsplit_attention_launches_take_two_warps():
+def test_attention_launches_by_split_layout():
     from ostinato.engine.kernels.attention_launch import BLOCK_N, launch_for
 
-    assert launch_for(1).num_warps == 2 and launch_for(2).num_warps == 4
-    assert {launch_for(s).num_warps for s in (2, 4, 8, 16)} == {4}
-    assert {(launch_for(s).block_n, launch_for(s).num_stages) for s in (1, 16)} == {(BLOCK_N, 3)}
+    assert (launch_for(1).num_warps, launch_for(1).num_stages) == (2, 3)
+    split = {(launch_for(s).num_warps, launch_for(s).num_stages) for s in (2, 4, 8, 16)}
+    assert split == {(4, 2)}
+    assert {launch_for(s).block_n for s in (1, 16)} == {BLOCK_N}
 
 
 def test_rope_epilogue_takes_power_of_two_heads_of_at_least_32_dims():

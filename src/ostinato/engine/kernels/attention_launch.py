@@ -10,10 +10,12 @@ MAX_SPLITS = 16  # programs sharing one (token, KV head)'s keys, at most
 # The H200 sweep (benchmarks/attention_sweep.py, 1.5 B shape, RESULTS.md): splitting keys
 # for about four waves of programs instead of two took 3 to 27% off decode at 8 to 32
 # tokens; 2 warps instead of 4 took 13 to 21% off unsplit launches (128 tokens, prefill)
-# and cost 3 to 7% where keys are split.
+# and cost 3 to 7% where keys are split; there 2 pipeline stages instead of 3 took 0 to 12%
+# off (B=1 to 32), within 1% slower at 2048 keys and B=16 or 32.
 WAVES = 4  # programs per SM the split count aims for
 UNSPLIT_WARPS = 2
 SPLIT_WARPS = 4
+SPLIT_STAGES = 2
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:
@@ -48,7 +50,10 @@ class AttentionLaunch:
 
 
 def launch_for(splits: int) -> AttentionLaunch:
-    """The launch used where none is given: ``BLOCK_N`` keys per iteration, 3 stages,
-    ``SPLIT_WARPS`` warps where a token's keys are split, ``UNSPLIT_WARPS`` where not. One
-    compiled kernel per split layout still (the layout fixes the warps)."""
-    return AttentionLaunch(num_warps=SPLIT_WARPS if splits > 1 else UNSPLIT_WARPS)
+    """The launch used where none is given: ``BLOCK_N`` keys per iteration; where a
+    token's keys are split ``SPLIT_WARPS`` warps and ``SPLIT_STAGES`` stages, else
+    ``UNSPLIT_WARPS`` warps and 3 stages. One compiled kernel per split layout still (the
+    layout fixes the rest)."""
+    if splits > 1:
+        return AttentionLaunch(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
+    return AttentionLaunch(num_warps=UNSPLIT_WARPS)

@@ -94,3 +94,42 @@ def ops_to_stage(batch, from_previous):
 @pytest.mark.parametrize("from_previous", [False, True])
 def test_staging_a_step_does_fixed_tensor_work_whatever_the_batch(from_previous):
     assert ops_to_stage(2, from_previous) == ops_to_stage(32, from_previous)
+
+
+@pytest.mark.parametrize(
+    "requests, sampled",
+    [
+        ([0, 1, 2, 3], [0, 1, 2, 3]),  # a steady decode: one device copy
+        ([0, 1, 2, 3], [0, 1, 2, 3, 4]),  # the previous step had one more, last
+        ([1, 2, 3, 4], [0, 1, 2, 3, 4]),  # request 0 finished: a gather
+        ([0, 1, 2, 3], [2, 0, 3, 1]),  # another order: a gather
+    ],
+)
+def test_decodes_take_their_previous_samples_whatever_the_order(requests, sampled):
+    inputs = StepInputs(EngineLimits(32, 256, 64, 16), torch.device("cpu"))
+    step = ScheduledBatch(
+        [
+            ScheduledRequest(
+                Request(r, [5] * 10, SamplingParams(), blocks=[r + 1]), [7], 10, from_previous=True
+            )
+            for r in requests
+        ]
+    )
+    # Request r's sample sits at its place in the previous step's order.
+    tokens = torch.tensor([100 + r for r in sampled])
+    previous = PreviousSample(tokens, {r: j for j, r in enumerate(sampled)})
+    layout = inputs.write(step, len(requests) + 2, previous)
+    assert inputs.input_ids[: len(requests)].tolist() == [100 + r for r in requests]
+    assert inputs.input_ids[len(requests) : len(requests) + 2].tolist() == [0, 0]  # padding
+    assert layout.logit_rows.tolist() == list(range(len(requests)))
+
+
+def test_a_prefill_s_logit_rows_are_its_last_rows():
+    inputs = StepInputs(EngineLimits(32, 256, 64, 16), torch.device("cpu"))
+    step = ScheduledBatch(
+        [
+            ScheduledRequest(Request(r, [5] * 3, SamplingParams(), blocks=[r + 1]), [5] * 3, 0)
+            for r in range(2)
+        ]
+    )
+    assert inputs.write(step, 8).logit_rows.tolist() == [2, 5]

@@ -92,6 +92,8 @@ class StepInputs:
         self.tables_stagings = [
             torch.zeros_like(self.block_tables, device="cpu", pin_memory=pin) for _ in range(2)
         ]
+        # 0, 1, 2, ...: the logit rows of a step of one row per request, read, never written.
+        self.row_numbers = torch.arange(t, device=device)  # [T]
         self.turn = 0
         # numpy views of the same pinned memory: per-step writes without tensor objects.
         self.staging_np = [st.numpy() for st in self.stagings]
@@ -240,10 +242,25 @@ class StepInputs:
         self.copy_staged(padded, len(step.scheduled))
         if gather_rows:
             assert previous is not None
-            source = to_device(gather_from, torch.long, self.device)
-            rows = to_device(gather_rows, torch.long, self.device)
-            self.input_ids.index_copy_(0, rows, previous.tokens.index_select(0, source))
-        return StepLayout(to_device(last, torch.long, self.device), query_lens, seq_lens)
+            self.take_previous(previous.tokens, gather_rows, gather_from)
+        return StepLayout(self.on_device(last), query_lens, seq_lens)
+
+    def take_previous(self, tokens: torch.Tensor, rows: list[int], source: list[int]) -> None:
+        """``input_ids[rows[i]] = tokens[source[i]]`` on the device. A steady decode (the
+        previous step's requests, in its order, first) is one device copy; otherwise two
+        index copies to the device and a gather."""
+        if _counts_up(rows) and _counts_up(source):
+            self.input_ids[: len(rows)].copy_(tokens[: len(rows)])
+            return
+        at = to_device(source, torch.long, self.device)
+        self.input_ids.index_copy_(0, to_device(rows, torch.long, self.device), tokens[at])
+
+    def on_device(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as a device index: a view of ``row_numbers`` where they are 0, 1, 2, ...
+        (one row per request, no copy), else copied there."""
+        if _counts_up(rows):
+            return self.row_numbers[: len(rows)]
+        return to_device(rows, torch.long, self.device)
 
     def copy_staged(self, rows: int, num_reqs: int) -> None:
         """Copies the first ``rows`` staged rows and ``num_reqs`` staged block-table rows
@@ -254,3 +271,8 @@ class StepInputs:
         self.token_req[:rows].copy_(staging[2, :rows], non_blocking=True)
         self.slot_mapping[:rows].copy_(staging[3, :rows], non_blocking=True)
         self.block_tables[:num_reqs].copy_(self.tables_staging[:num_reqs], non_blocking=True)
+
+
+def _counts_up(values: list[int]) -> bool:
+    """Whether ``values`` is ``0, 1, ..., len(values) - 1``."""
+    return values == list(range(len(values)))

@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 

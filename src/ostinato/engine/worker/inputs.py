@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
 from ostinato.engine.core.transfer import to_device
 from ostinato.engine.model.attention import AttentionMetadata
 from ostinato.ubatch.slicing import UbatchSlice, local_query_lens
@@ -227,22 +227,12 @@ class StepInputs:
             for i in range(end - 1 - len(s.draft), end)
         ]
         query_lens, seq_lens = lens, (starts + counts).tolist()
-        gather_rows: list[int] = []
-        gather_from: list[int] = []
-        for s, first in zip(scheduled, firsts.tolist(), strict=True):
-            if s.from_previous:
-                if previous is None or s.request.id not in previous.index:
-                    raise RuntimeError(
-                        f"request {s.request.id}: its input token is the previous step's "
-                        "sample, but no previous step sampled it"
-                    )
-                gather_rows.append(first)
-                gather_from.append(previous.index[s.request.id])
+        rows_from, source = _from_previous(scheduled, firsts.tolist(), previous)
         PADDING.fill(ids, pos, req_of, slots, slice(n, padded))
         self.copy_staged(padded, len(step.scheduled))
-        if gather_rows:
+        if rows_from:
             assert previous is not None
-            self.take_previous(previous.tokens, gather_rows, gather_from)
+            self.take_previous(previous.tokens, rows_from, source)
         return StepLayout(self.on_device(last), query_lens, seq_lens)
 
     def take_previous(self, tokens: torch.Tensor, rows: list[int], source: list[int]) -> None:
@@ -276,3 +266,23 @@ class StepInputs:
 def _counts_up(values: list[int]) -> bool:
     """Whether ``values`` is ``0, 1, ..., len(values) - 1``."""
     return values == list(range(len(values)))
+
+
+def _from_previous(
+    scheduled: list[ScheduledRequest], firsts: list[int], previous: PreviousSample | None
+) -> tuple[list[int], list[int]]:
+    """The rows (each request's first) whose input token is the previous step's sample,
+    and where in ``previous.tokens`` each one is; refuses a request ``previous`` did not
+    sample."""
+    rows: list[int] = []
+    source: list[int] = []
+    for s, first in zip(scheduled, firsts, strict=True):
+        if s.from_previous:
+            if previous is None or s.request.id not in previous.index:
+                raise RuntimeError(
+                    f"request {s.request.id}: its input token is the previous step's "
+                    "sample, but no previous step sampled it"
+                )
+            rows.append(first)
+            source.append(previous.index[s.request.id])
+    return rows, source

@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.decode import copy_bandwidth_gbps
 from ostinato.engine.kernels.attention_launch import AttentionLaunch
+from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.kernels.paged_attention import num_splits, paged_attention
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.presets import SHAPES
@@ -90,7 +91,9 @@ class Case:
         self.out = torch.empty_like(self.q)
         self.b, self.kv_len, self.scale = (0 if prefill else b), kv_len, d**-0.5
         self.kv_bytes = 2 * requests * (kv_len + 1) * kv_heads * d * dtype.itemsize
-        self.pdl = torch.cuda.get_device_capability(device)[0] >= 9  # pdl_for applies it
+        # Where the device has PDL, as the engine's default options resolve it (pdl_for
+        # then keeps it to the row counts that take it).
+        self.pdl = KernelOptions().resolved(device).pdl
 
     def timing(
         self, splits: int, launch: AttentionLaunch | None, bandwidth_gbps: float

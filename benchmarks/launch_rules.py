@@ -3,12 +3,13 @@ projections run the Triton GEMM without a measurement (``gemm_tuning.SMALL_WEIGH
 up to 8 MiB, or up to the 1.5 B shape's 64 MiB gate/up, which makes every layer six
 kernels), whether long splits step 256 K columns (``gemm_launch.LONG_SPLIT_K``), how many
 weight columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``),
-gate/up's tile width, and attention's split count and warps
-(``attention_launch.WAVES``, ``UNSPLIT_WARPS``). Each rule is set here between runs and
+gate/up's tile width, attention's split count, warps and stages
+(``attention_launch.WAVES``, ``UNSPLIT_WARPS``, ``SPLIT_STAGES``), and the largest step
+launched with PDL (``launch.PDL_MAX_ROWS``). Each rule is set here between runs and
 restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
-[--rules steps|sizes|attention] [--shape llama-1.5b|smollm2]``
+[--rules steps|sizes|attention|attention-stages|pdl-rows] [--shape llama-1.5b|smollm2]``
 """
 
 from __future__ import annotations
@@ -16,21 +17,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from benchmarks import decode
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
-from ostinato.engine.kernels import attention_launch, gemm_launch, small_gemm
+from ostinato.engine.kernels import attention_launch, gemm_launch, launch, small_gemm
 from ostinato.engine.worker import gemm_tuning
 from ostinato.provenance import Provenance
 
 VARIANT = "ostinato FULL_AND_PIECEWISE"
 MiB = 1 << 20
-OFF = 1 << 30  # a LONG_SPLIT_K no split reaches: every split steps BLOCK_K
+OFF = 1 << 30  # a LONG_SPLIT_K or PDL_MAX_ROWS no step reaches: the rule never applies
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Rule:
     attention_waves: int = attention_launch.WAVES
     unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
     split_attention_stages: int = attention_launch.SPLIT_STAGES
+    pdl_max_rows: int = launch.PDL_MAX_ROWS
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -77,6 +80,11 @@ RULES = {
         Rule("split attention 3 stages", split_attention_stages=3),
         Rule("split attention 2 stages", split_attention_stages=2),
     ),
+    # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
+    "pdl-rows": (
+        Rule("PDL up to 16 rows", pdl_max_rows=16),
+        Rule("PDL at every row count", pdl_max_rows=OFF),
+    ),
 }
 
 
@@ -91,16 +99,9 @@ class Timing:
     kernels: list[tuple[str, float, float]]
 
 
-@contextlib.contextmanager
-def applied(rule: Rule) -> Iterator[None]:
-    """``rule``'s module settings for the duration."""
-    saved = (
-        gemm_tuning.SMALL_WEIGHT_BYTES,
-        gemm_launch.LONG_SPLIT_K,
-        small_gemm.PREFETCH_K,
-        gemm_launch.pick_config,
-    )
-    pick = saved[3]
+def _narrow_gate_up(pick: Callable[..., int]) -> Callable[..., int]:
+    """``pick`` (``gemm_launch.pick_config``) with 32-column gate/up tiles where it names
+    64-column unsplit ones."""
 
     def narrow(n: int, k: int, sms: int, swiglu: bool = False) -> int:
         choice = pick(n, k, sms, swiglu)
@@ -110,33 +111,27 @@ def applied(rule: Rule) -> Iterator[None]:
             return gemm_launch.CONFIGS.index(wide) + 1
         return choice
 
-    attention = (
-        attention_launch.WAVES,
-        attention_launch.UNSPLIT_WARPS,
-        attention_launch.SPLIT_STAGES,
-    )
-    attention_launch.WAVES = rule.attention_waves
-    attention_launch.UNSPLIT_WARPS = rule.unsplit_attention_warps
-    attention_launch.SPLIT_STAGES = rule.split_attention_stages
-    gemm_tuning.SMALL_WEIGHT_BYTES = rule.weight_bytes
-    gemm_launch.LONG_SPLIT_K = rule.long_split_k
-    small_gemm.PREFETCH_K = rule.prefetch_k
+    return narrow
+
+
+@contextlib.contextmanager
+def applied(rule: Rule) -> Iterator[None]:
+    """``rule``'s module settings for the duration (each restored after)."""
+    settings: list[tuple[object, str, object]] = [
+        (gemm_tuning, "SMALL_WEIGHT_BYTES", rule.weight_bytes),
+        (gemm_launch, "LONG_SPLIT_K", rule.long_split_k),
+        (small_gemm, "PREFETCH_K", rule.prefetch_k),
+        (attention_launch, "WAVES", rule.attention_waves),
+        (attention_launch, "UNSPLIT_WARPS", rule.unsplit_attention_warps),
+        (attention_launch, "SPLIT_STAGES", rule.split_attention_stages),
+        (launch, "PDL_MAX_ROWS", rule.pdl_max_rows),
+    ]
     if rule.narrow_gate_up:
-        gemm_launch.pick_config = narrow
-    try:
+        settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))
+    with contextlib.ExitStack() as stack:
+        for module, name, value in settings:
+            stack.enter_context(mock.patch.object(module, name, value))
         yield
-    finally:
-        (
-            attention_launch.WAVES,
-            attention_launch.UNSPLIT_WARPS,
-            attention_launch.SPLIT_STAGES,
-        ) = attention
-        (
-            gemm_tuning.SMALL_WEIGHT_BYTES,
-            gemm_launch.LONG_SPLIT_K,
-            small_gemm.PREFETCH_K,
-            gemm_launch.pick_config,
-        ) = saved
 
 
 def timings(model: dict, sizes: tuple[int, ...], rule: Rule) -> list[Timing]:

@@ -184,8 +184,8 @@ def _smollm2_setup(batch_sizes=(1, 8)):
 
     from benchmarks.decode import SMOLLM2_CONFIG, BenchConfig, DecodeSetup, model_config
 
-    cfg = replace(BenchConfig(model=model_config(SMOLLM2_CONFIG)), batch_sizes=batch_sizes)
-    return DecodeSetup(replace(cfg, kv_len=300), DEVICE)
+    cfg = BenchConfig(model=model_config(SMOLLM2_CONFIG))
+    return DecodeSetup(replace(cfg, batch_sizes=batch_sizes, kv_len=300), DEVICE)
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -32,6 +32,21 @@ also stores the sum (the new residual). (Applying ``1 / rms`` to the finished su
 instead, with the squares summed in the K loop, measured up to twice as slow on the H200:
 ``benchmarks/fused_sweep.py``.)
 
+*Row statistics* hand the norm's sum of squares from one projection to the next, so
+the next one's programs need not pass over its rows before their K loop:
+
+- ``STATS_OUT`` (a PLAIN epilogue, with ``ResidualStats``): the program adds the
+  residual to its tile (the tile rounded to the output dtype first, the sum rounded
+  as torch's add rounds) and stores, per row and ``GRANULE`` columns, the float32 sum
+  of squares of that sum to ``stats`` (``[MAX_ROWS, cdiv(N, GRANULE)]``, fixed by N
+  whatever the tile width). With ``ADD_OUT`` the stored output is the sum itself.
+- ``STATS_IN`` (with ``NORM``): ``rstd`` comes from those sums (one small load) and
+  the prologue's pass is skipped; with ``ADD`` the programs of column tile 0 store the
+  residual sum from their K loops instead.
+
+The squares are summed in another order than the prologue's, so ``rstd`` may differ
+from it in its last float32 bits.
+
 With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the first
 ``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
 kernel: weights do not depend on it, so their read overlaps its tail.
@@ -59,6 +74,7 @@ from ostinato.engine.kernels.pdl import pdl_enter
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
 LINE = 64  # 16-bit elements per 128-byte cache line
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
+GRANULE = 16  # output columns per entry of the row statistics (the narrowest tile)
 
 PLAIN, SWIGLU, ROPE_KV = 0, 1, 2  # the epilogues
 
@@ -106,6 +122,34 @@ def _row_rstd(
         hf = h.to(tl.float32)
         ss += tl.sum(hf * hf, axis=1)
     return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _stats_rstd(stats_ptr, M, K, STATS_T, eps, BLOCK_M: tl.constexpr, STATS_P2: tl.constexpr):
+    """``rsqrt(mean(h^2) + eps)`` of each row from its ``STATS_T`` partial sums."""
+    rm = tl.arange(0, BLOCK_M)
+    t = tl.arange(0, STATS_P2)
+    mask = (rm[:, None] < M) & (t[None, :] < STATS_T)
+    ss = tl.load(stats_ptr + rm[:, None] * STATS_T + t[None, :], mask=mask, other=0.0)
+    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
+def _residual_stats(
+    y, r_ptr, stats_ptr, rm, col0, rn, M, N, stride_rm, STATS_T, dtype: tl.constexpr,
+    ADD_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GRANULE: tl.constexpr,
+):  # fmt: skip
+    """Stores the row statistics of ``y + residual`` for this tile (see ``STATS_OUT``);
+    returns what the tile stores: that sum with ``ADD_OUT``, else ``y``."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+    h = (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype).to(tl.float32)
+    h = tl.where(mask, h, 0.0)
+    ss = tl.sum(tl.reshape(h * h, (BLOCK_M, BLOCK_N // GRANULE, GRANULE)), axis=2)
+    g = col0 // GRANULE + tl.arange(0, BLOCK_N // GRANULE)
+    tl.store(stats_ptr + rm[:, None] * STATS_T + g[None, :], ss, mask=g[None, :] < STATS_T)
+    return h if ADD_OUT else y
 
 
 @triton.jit
@@ -162,14 +206,16 @@ def _rope_kv_epilogue(
 
 @triton.jit
 def _dot_tile(
-    x_ptr, r_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm, stride_rm,
-    stride_wn, OFF2, NORM: tl.constexpr, ADD: tl.constexpr, TWO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm,
+    stride_rm, stride_tm, stride_wn, OFF2, writer, NORM: tl.constexpr, ADD: tl.constexpr,
+    STORE_TOTAL: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Float32 ``rows @ W[rn].T`` over columns ``k_lo..k_hi`` (``K_PER`` of them, in whole
     BLOCK_K tiles) of rows ``0..M``, and with ``TWO`` the same of ``W[rn + OFF2]``; with
     ``NORM`` the rows are ``x (+ residual)`` normed by ``rstd`` and the norm weight, each
-    step rounded as the unfused norm rounds."""
+    step rounded as the unfused norm rounds; with ``STORE_TOTAL`` a ``writer`` stores
+    the rows' sum ``x + residual`` of its columns to ``total``."""
     dtype = x_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -180,6 +226,9 @@ def _dot_tile(
         x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
         if NORM:
             h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
+            if STORE_TOTAL:
+                if writer:
+                    tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=x_mask)
             y = (h.to(tl.float32) * rstd[:, None]).to(dtype)
             nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
             x = (nw[None, :] * y.to(tl.float32)).to(dtype)
@@ -196,10 +245,12 @@ def _dot_tile(
 @triton.jit
 def _gemm_kernel(
     x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
-    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
+    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr,
     M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
     N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
-    NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    STATS_T, NORM: tl.constexpr, ADD: tl.constexpr, STATS_IN: tl.constexpr,
+    STATS_OUT: tl.constexpr, ADD_OUT: tl.constexpr, STATS_P2: tl.constexpr,
+    GRANULE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -221,17 +272,20 @@ def _gemm_kernel(
         if TWO:
             _prefetch_l2(pre + OFF2 * stride_wn)
     pdl_enter(USE_PDL)
-    if NORM:
-        writer = (pid_n == 0) & (pid_k == 0)
+    writer = pid_n == 0
+    if STATS_IN:
+        rstd = _stats_rstd(stats_ptr, M, K, STATS_T, eps, BLOCK_M, STATS_P2)
+    elif NORM:
         rstd = _row_rstd(
-            x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps, writer,
-            ADD, BLOCK_M, NORM_K,
+            x_ptr, r_ptr, total_ptr, M, K, stride_xm, stride_rm, stride_tm, eps,
+            writer & (pid_k == 0), ADD, BLOCK_M, NORM_K,
         )  # fmt: skip
     else:
         rstd = tl.zeros((BLOCK_M,), tl.float32)
     acc, acc2 = _dot_tile(
-        x_ptr, r_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm, stride_rm,
-        stride_wn, OFF2, NORM, ADD, TWO, BLOCK_M, BLOCK_N, BLOCK_K,
+        x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm,
+        stride_rm, stride_tm, stride_wn, OFF2, writer, NORM, ADD, STATS_IN and ADD, TWO,
+        BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
@@ -275,6 +329,11 @@ def _gemm_kernel(
                 y = g * tl.sigmoid(g) * acc2.to(wdtype).to(tl.float32)
             else:
                 y = acc
+            if STATS_OUT:
+                y = _residual_stats(
+                    y, r_ptr, stats_ptr, rm, pid_n * TILE_STRIDE, rn, M, N, stride_rm,
+                    STATS_T, wdtype, ADD_OUT, BLOCK_M, BLOCK_N, GRANULE,
+                )  # fmt: skip
             out_mask = (rm[:, None] < M) & (rn[None, :] < N)
             out_offs = rm[:, None] * stride_om + rn[None, :]
             tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -284,12 +343,41 @@ def _gemm_kernel(
 class NormPrologue:
     """The RMSNorm in front of a projection: its ``weight`` (``[K]``, the rows' dtype)
     and ``eps``; with ``residual`` (``[M, K]``) the norm is of ``x + residual``, and that
-    sum is stored to ``total`` (``[M, K]``, contiguous rows)."""
+    sum is stored to ``total`` (``[M, K]``, contiguous rows). With ``stats`` (the row
+    statistics of the rows normed, as a ``ResidualStats`` epilogue stored them) the
+    programs take the norm's sums of squares from there (``STATS_IN``)."""
 
     weight: torch.Tensor
     eps: float
     residual: torch.Tensor | None = None
     total: torch.Tensor | None = None
+    stats: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ResidualStats:
+    """A plain projection's epilogue for the norm that follows it (``STATS_OUT``): the
+    row statistics of ``out + residual`` (``residual`` ``[M, N]``, rows contiguous) into
+    ``stats`` (float32 ``[MAX_ROWS, stats_columns(N)]``); with ``add`` the projection
+    returns ``out + residual`` itself."""
+
+    residual: torch.Tensor
+    stats: torch.Tensor
+    add: bool = False
+
+
+def stats_columns(n: int) -> int:
+    """Entries per row of the row statistics of ``n`` columns."""
+    return triton.cdiv(n, GRANULE)
+
+
+def _check_stats(stats: torch.Tensor, n: int) -> None:
+    shape = (MAX_ROWS, stats_columns(n))
+    if stats.shape != shape or stats.dtype != torch.float32 or not stats.is_contiguous():
+        raise ValueError(
+            f"small_gemm: row statistics must be float32 {shape}, contiguous; got "
+            f"{stats.dtype} {tuple(stats.shape)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -330,6 +418,8 @@ def _norm_args(x: torch.Tensor, norm: NormPrologue | None) -> tuple[torch.Tensor
     m, k = x.shape
     if norm.weight.shape != (k,) or norm.weight.dtype != x.dtype:
         raise ValueError(f"small_gemm: norm weight must be [{k}] {x.dtype}")
+    if norm.stats is not None:
+        _check_stats(norm.stats, k)
     if norm.residual is None:
         return norm.weight, x, x
     for name, t in (("residual", norm.residual), ("total", norm.total)):
@@ -358,6 +448,26 @@ def _rope_args(
     return tensors, ints, rope.eps
 
 
+def _stats_args(
+    x: torch.Tensor, n: int, norm: NormPrologue | None, after: ResidualStats | None
+) -> tuple[torch.Tensor, int]:
+    """The row statistics a launch reads or writes (``x`` where none) and their columns."""
+    if norm is not None and norm.stats is not None:
+        if after is not None:
+            raise ValueError("small_gemm: row statistics read and written in one launch")
+        return norm.stats, stats_columns(x.shape[1])
+    if after is None:
+        return x, 1
+    _check_stats(after.stats, n)
+    r = after.residual
+    if r.shape != (x.shape[0], n) or r.dtype != x.dtype or r.stride(-1) != 1:
+        raise ValueError(
+            f"small_gemm: the residual must be {(x.shape[0], n)} {x.dtype}, rows "
+            f"contiguous; got {r.dtype} {tuple(r.shape)} strides {r.stride()}"
+        )
+    return after.stats, stats_columns(n)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -373,6 +483,7 @@ def _launch(
     norm: NormPrologue | None,
     rope: RopeKV | None,
     pdl: bool,
+    after: ResidualStats | None = None,
 ) -> None:
     """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles."""
     m, k = x.shape
@@ -386,16 +497,25 @@ def _launch(
     else:
         part = out
     nw, res, total = _norm_args(x, norm)
+    stats, stats_t = _stats_args(x, n, norm, after)
+    if after is not None:
+        res = after.residual
     tensors, ints, eps = _rope_args(x, rope, norm.eps if norm is not None else 0.0)
     launch(
         _gemm_kernel,
         (tiles, split_k),
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
-        counters, *tensors,
+        counters, *tensors, stats,
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
         n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, *ints,
+        stats_t,
         NORM=norm is not None,
         ADD=norm is not None and norm.residual is not None,
+        STATS_IN=norm is not None and norm.stats is not None,
+        STATS_OUT=after is not None,
+        ADD_OUT=after is not None and after.add,
+        STATS_P2=triton.next_power_of_2(stats_t),
+        GRANULE=GRANULE,
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         QK_NORM=rope is not None and rope.q_norm is not None,
@@ -422,18 +542,21 @@ def small_gemm(
     swiglu: bool = False,
     pdl: bool = False,
     norm: NormPrologue | None = None,
+    after: ResidualStats | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of at most ``MAX_ROWS`` rows with a
     contiguous last dimension; with ``swiglu`` (no bias), ``silu(g) * u`` of its two
-    halves ``[g | u]``; with ``norm``, of the normed rows (``NormPrologue``).
+    halves ``[g | u]``; with ``norm``, of the normed rows (``NormPrologue``); with
+    ``after`` (not with ``swiglu``), the row statistics for the next norm, and with its
+    ``add`` the projection plus its residual (``ResidualStats``).
     ``counters``: int32 zeros, at least ``counters_needed(N)``, not shared with a call
     that may run at the same time; zero again when the kernel ends."""
     _check_rows(x, weight)
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if swiglu and (bias is not None or weight.shape[0] % 2):
+    if swiglu and (bias is not None or weight.shape[0] % 2 or after is not None):
         raise ValueError(
-            f"small_gemm: swiglu needs an even row count and no bias, got weight "
-            f"{tuple(weight.shape)}"
+            f"small_gemm: swiglu needs an even row count, no bias and no residual "
+            f"statistics, got weight {tuple(weight.shape)}"
         )
     out = torch.empty((x.shape[0], n), dtype=weight.dtype, device=x.device)
     if x.shape[0] == 0:
@@ -442,6 +565,7 @@ def small_gemm(
         x, weight, bias, counters, out,
         epilogue=SWIGLU if swiglu else PLAIN, n=n, config=config,
         tile_stride=config.block_n, off2=n if swiglu else 0, norm=norm, rope=None, pdl=pdl,
+        after=after,
     )  # fmt: skip
     return out
 

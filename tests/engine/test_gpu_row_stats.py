@@ -31,9 +31,7 @@ def _stats_of(h: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("config", [(32, 1), (64, 1), (32, 4), (64, 8)])
 @pytest.mark.parametrize("add", [False, True])
-def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(
-    k, n, m, config, add
-):
+def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, n, m, config, add):
     from ostinato.engine.kernels import small_gemm as tg
 
     torch.manual_seed(m + n)
@@ -69,9 +67,8 @@ def test_a_normed_projection_takes_its_sums_of_squares_from_the_statistics(hidde
     counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
     config = tg.CONFIGS[pick_config(inter, hidden, num_sms(DEVICE), swiglu=True) - 1]
     total, want_total = torch.empty_like(x), torch.empty_like(x)
-    want = tg.small_gemm(
-        x, w, None, counters, config, True, True, tg.NormPrologue(norm_w, 1e-5, residual, want_total)
-    )
+    prologue = tg.NormPrologue(norm_w, 1e-5, residual, want_total)
+    want = tg.small_gemm(x, w, None, counters, config, True, True, prologue)
     if add:
         norm = tg.NormPrologue(norm_w, 1e-5, residual, total, stats)
         got = tg.small_gemm(x, w, None, counters, config, True, True, norm)

@@ -5,11 +5,13 @@ kernels), whether long splits step 256 K columns (``gemm_launch.LONG_SPLIT_K``),
 weight columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``),
 gate/up's tile width, attention's split count, warps and stages
 (``attention_launch.WAVES``, ``UNSPLIT_WARPS``, ``SPLIT_STAGES``), and the largest step
-launched with PDL (``launch.PDL_MAX_ROWS``). Each rule is set here between runs and
+launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers carry the residual
+stream with row statistics (``decoder.STREAM``). Each rule is set here between runs and
 restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
-[--rules steps|sizes|attention|attention-stages|pdl-rows] [--shape llama-1.5b|smollm2]``
+[--rules steps|sizes|attention|attention-stages|pdl-rows|stream|stream-six]
+[--shape llama-1.5b|smollm2]``
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from benchmarks import decode
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from ostinato.engine.kernels import attention_launch, gemm_launch, launch, small_gemm
+from ostinato.engine.model import decoder
 from ostinato.engine.worker import gemm_tuning
 from ostinato.provenance import Provenance
 
@@ -48,6 +51,7 @@ class Rule:
     unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
     split_attention_stages: int = attention_launch.SPLIT_STAGES
     pdl_max_rows: int = launch.PDL_MAX_ROWS
+    stream: bool = decoder.STREAM
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -79,6 +83,18 @@ RULES = {
     "attention-stages": (
         Rule("split attention 3 stages", split_attention_stages=3),
         Rule("split attention 2 stages", split_attention_stages=2),
+    ),
+    # The residual stream with row statistics against norms that pass over their rows;
+    # with it, six kernels a layer at the 1.5 B shape (64 MiB) again.
+    "stream": (
+        Rule("norms pass over their rows", stream=False),
+        Rule("residual stream, row statistics", stream=True),
+    ),
+    "stream-six": (
+        Rule("8 MiB, norms pass over their rows", stream=False),
+        Rule("8 MiB, residual stream", stream=True),
+        Rule("64 MiB, residual stream", 64 * MiB, stream=True),
+        Rule("64 MiB, gate/up 32 wide, stream", 64 * MiB, narrow_gate_up=True, stream=True),
     ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
@@ -125,6 +141,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (attention_launch, "UNSPLIT_WARPS", rule.unsplit_attention_warps),
         (attention_launch, "SPLIT_STAGES", rule.split_attention_stages),
         (launch, "PDL_MAX_ROWS", rule.pdl_max_rows),
+        (decoder, "STREAM", rule.stream),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

@@ -4,6 +4,7 @@ placement of RoPE and through torch.compile; the launch shapes chosen without a
 measurement are the ones their rule names (checked against brute force)."""
 
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from ostinato.engine.kernels.gemm_launch import (
     rope_split_k,
     working_splits,
 )
+from ostinato.engine.model import decoder
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.model.presets import shape
 from ostinato.mathutil import ceil_div
@@ -56,18 +58,24 @@ def test_fused_layers_keep_qkv_biases_and_head_norms(arch, tmp_path):
 
 
 @pytest.mark.parametrize("compiler", [None, "inductor"])
-def test_a_fused_decode_step_is_the_unfused_one(compiler):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_fused_decode_step_is_the_unfused_one(compiler, stream):
     # Eagerly the fused ops run the unfused ops (the CPU has no fused kernel): the same
-    # bits. Compiled, the fake implementations must describe the real outputs (their
-    # query layout included) for Inductor's code to be right; its own kernels may round
-    # differently from eager torch, hence a tolerance there.
+    # bits, whether the layers carry the residual stream (the default on one device) or
+    # add the residual in their norms (as under tensor parallelism). Compiled, the fake
+    # implementations must describe the real outputs (their query layout included) for
+    # Inductor's code to be right; its own kernels may round differently from eager
+    # torch, hence a tolerance there.
     cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
     setup = DecodeSetup(cfg, torch.device("cpu"))
     step = setup.decode_batch([3, 5, 7, 11])
     logits = []
     for kernels in (KernelOptions(), UNFUSED):
-        runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), kernels)
+        with mock.patch.object(decoder, "STREAM", stream):
+            runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), kernels)
         assert all(layer.fused == kernels.fused_layers for layer in runner.model.layers)
+        streams = stream and kernels.fused_layers
+        assert all(layer.stream == streams for layer in runner.model.layers)
         with torch.inference_mode():
             runner.compile()
             logits.append(runner.execute(step).logits.clone())
@@ -76,6 +84,19 @@ def test_a_fused_decode_step_is_the_unfused_one(compiler):
         assert torch.equal(logits[0], logits[1])
     else:
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_stream_layer_and_a_residual_layer_refuse_each_others_carry():
+    llm = LLM("tiny", device="cpu", dtype=torch.float32, max_model_len=32, progress=False)
+    layer = llm.model.layers[0]
+    assert layer.stream  # fused layers on one device
+    x = torch.randn(2, llm.model.config.hidden_size)
+    cos = sin = torch.ones(2, 1, llm.model.config.head_dim)
+    with pytest.raises(TypeError, match="residual stream, not a residual"):
+        layer(x, torch.zeros_like(x), cos, sin)
+    layer.stream = False
+    with pytest.raises(TypeError, match="got row statistics"):
+        layer(x, decoder.RowStats(torch.zeros(16, 4), ()), cos, sin)
 
 
 def test_the_fused_ops_refuse_a_mismatched_residual():

@@ -10,6 +10,7 @@ from ostinato.mathutil import ceil_div
 MAX_ROWS = 16  # the one row tile of the GEMM (tl.dot's smallest M)
 BLOCK_K = 128  # K columns per step of its loop
 MAX_SPLIT_K = 8
+GRANULE = 16  # output columns per entry of the row statistics (the narrowest tile)
 # K columns per loop step of an unsplit gate/up projection (two tiles per program): on
 # the H200, with each call reading its own weight (``fused_sweep --cold``), 256 beat 128
 # by 10% at the SmolLM2 shape (6.3 vs 7.0 µs) and 44% at the 1.5 B shape's 32-column
@@ -124,6 +125,12 @@ def rope_split_k(heads: int, k: int, sms: int) -> int:
     ):
         split *= 2
     return split
+
+
+def stats_columns(n: int) -> int:
+    """Entries per row of the row statistics (sums of squares per ``GRANULE`` columns)
+    of ``n`` columns: ``small_gemm``'s ``ResidualStats`` and ``NormPrologue.stats``."""
+    return ceil_div(n, GRANULE)
 
 
 def counters_needed(n: int) -> int:

@@ -62,11 +62,13 @@ import triton.language as tl
 
 from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
     CONFIGS,
+    GRANULE,
     MAX_ROWS,
     GemmConfig,
     counters_needed,
     k_per_split,
     rope_head_dim,
+    stats_columns,
 )
 from ostinato.engine.kernels.launch import launch
 from ostinato.engine.kernels.pdl import pdl_enter
@@ -74,7 +76,6 @@ from ostinato.engine.kernels.pdl import pdl_enter
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
 LINE = 64  # 16-bit elements per 128-byte cache line
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
-GRANULE = 16  # output columns per entry of the row statistics (the narrowest tile)
 
 PLAIN, SWIGLU, ROPE_KV = 0, 1, 2  # the epilogues
 
@@ -364,11 +365,6 @@ class ResidualStats:
     residual: torch.Tensor
     stats: torch.Tensor
     add: bool = False
-
-
-def stats_columns(n: int) -> int:
-    """Entries per row of the row statistics of ``n`` columns."""
-    return triton.cdiv(n, GRANULE)
 
 
 def _check_stats(stats: torch.Tensor, n: int) -> None:

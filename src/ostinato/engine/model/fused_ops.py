@@ -8,6 +8,12 @@
 - ``ostinato::norm_swiglu``: the post-attention RMSNorm (with the residual add), the
   gate/up projection and SiLU·mul. Returns the activation and the residual sum.
 
+Without a residual each takes ``x`` as the residual stream itself (the projection before
+it added the residual: ``Linear.forward_add``), and with ``stats`` the norm's sums of
+squares from the row statistics that projection stored, where its plan
+(``stats_plan``) ran the kernel for these rows (``linear.kernel_rows``, the one predicate
+of both sides), instead of from a pass over the rows.
+
 Each is one kernel (``small_gemm``'s NORM prologue with its ROPE_KV or SWIGLU epilogue)
 where that kernel can run: on CUDA, 16-bit weights, at most ``MAX_ROWS`` rows, a plan
 entry for that row count (``Linear.use_plan``: the runner gives one to every projection
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from ostinato.context import get_forward_context
 from ostinato.engine.kernels.gemm_launch import GemmConfig, k_step, rope_head_dim, rope_split_k
 from ostinato.engine.model.attention import TritonAttention
+from ostinato.engine.model.linear import kernel_rows
 from ostinato.engine.model.norm_op import check_residual
 from ostinato.engine.model.rope import apply_rope
 
@@ -33,20 +40,13 @@ _lib.define(
     "norm_qkv(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
     "Tensor? bias, Tensor counters, int[] plan, Tensor? q_norm, Tensor? k_norm, "
     "Tensor cos, Tensor sin, int layer, int q_heads, int kv_heads, Tensor(a!) qkv_out, "
-    "Tensor(b!) total_out, bool pdl=False) -> ()"
+    "Tensor(b!) total_out, bool pdl=False, Tensor? stats=None, int[] stats_plan=[]) -> ()"
 )
 _lib.define(
-    "norm_swiglu(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
-    "Tensor counters, int[] plan, bool pdl=False) -> (Tensor, Tensor)"
+    "norm_swiglu(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
+    "Tensor counters, int[] plan, bool pdl=False, Tensor? stats=None, int[] stats_plan=[]) "
+    "-> (Tensor, Tensor)"
 )
-
-
-def _planned(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
-    """The plan entry for ``x``'s row count where the fused kernel may run, else 0."""
-    m = x.shape[0]
-    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
-        return 0
-    return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
 
 
 def _fuses_qkv(
@@ -56,7 +56,7 @@ def _fuses_qkv(
     cache layout with RoPE applied at the cache write, and heads the ROPE_KV epilogue
     takes."""
     rope_write = isinstance(backend, TritonAttention) and backend.applies_rope
-    return bool(_planned(x, weight, plan)) and rope_write and rope_head_dim(head_dim)
+    return bool(kernel_rows(x, weight, plan)) and rope_write and rope_head_dim(head_dim)
 
 
 def _norm_prologue(
@@ -65,17 +65,26 @@ def _norm_prologue(
     weight: torch.Tensor,
     eps: float,
     total: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
-    """The kernel's ``NormPrologue`` and the residual sum it fills (into ``total`` when
-    given; empty without a residual)."""
+    """The kernel's ``NormPrologue`` (with ``stats``, which must be ready) and the
+    residual sum it fills (into ``total`` when given; empty without a residual)."""
     from ostinato.engine.kernels.small_gemm import NormPrologue
 
     if residual is None:
-        return NormPrologue(weight, eps), x.new_empty(0)
+        return NormPrologue(weight, eps, stats=stats), x.new_empty(0)
     check_residual(x, residual)
     if total is None:
         total = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return NormPrologue(weight, eps, residual.contiguous(), total), total
+    return NormPrologue(weight, eps, residual.contiguous(), total, stats), total
+
+
+def _ready_stats(
+    x: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor | None, stats_plan: list[int]
+) -> torch.Tensor | None:
+    """``stats`` where the projection that made ``x`` stored them for its rows (its plan
+    ran the kernel: ``kernel_rows``, on rows and weights of this op's dtype), else None."""
+    return stats if stats is not None and kernel_rows(x, weight, stats_plan) else None
 
 
 def _norm_into(
@@ -121,6 +130,8 @@ def norm_qkv(
     qkv_out: torch.Tensor,
     total_out: torch.Tensor,
     pdl: bool = False,
+    stats: torch.Tensor | None = None,
+    stats_plan: list[int] | None = None,
 ) -> None:
     """Writes the step's keys (rotated) and values to layer ``layer``'s cache, the query
     heads (QK-normed, unrotated) to the first ``q_heads * d`` columns of ``qkv_out``
@@ -135,7 +146,8 @@ def norm_qkv(
         from ostinato.engine.kernels.launch import num_sms
         from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
 
-        prologue, _ = _norm_prologue(x, residual, norm_weight, eps, total_out)
+        ready = _ready_stats(x, weight, stats, stats_plan or [])
+        prologue, _ = _norm_prologue(x, residual, norm_weight, eps, total_out, ready)
         rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
         split = rope_split_k(q_heads + 2 * kv_heads, x.shape[1], num_sms(x.device))
         q = qkv_out[:, : rope.q_heads * k_cache.shape[-1]]
@@ -163,25 +175,31 @@ def norm_qkv(
 
 def norm_swiglu(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     counters: torch.Tensor,
     plan: list[int],
     pdl: bool = False,
+    stats: torch.Tensor | None = None,
+    stats_plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``silu(g) * u`` of the projection ``[g | u]`` of ``rms_norm(x + residual)``,
-    ``x + residual``)."""
-    choice = _planned(x, weight, plan)
+    ``x + residual``; empty without a residual)."""
+    choice = kernel_rows(x, weight, plan)
     if choice:
         from ostinato.engine.kernels import small_gemm as triton_gemm
 
-        prologue, total = _norm_prologue(x, residual, norm_weight, eps)
+        ready = _ready_stats(x, weight, stats, stats_plan or [])
+        prologue, total = _norm_prologue(x, residual, norm_weight, eps, stats=ready)
         config = triton_gemm.CONFIGS[choice - 1]
         out = triton_gemm.small_gemm(x, weight, None, counters, config, True, pdl, prologue)
         return out, total
-    h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
+    if residual is None:
+        h, total = torch.ops.ostinato.rms_norm(x, norm_weight, eps, pdl), x.new_empty(0)
+    else:
+        h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
     return torch.ops.ostinato.silu_mul(F.linear(h, weight), pdl), total
 
 
@@ -209,6 +227,8 @@ def _(
     qkv_out: torch.Tensor,
     total_out: torch.Tensor,
     pdl: bool = False,
+    stats: torch.Tensor | None = None,
+    stats_plan: list[int] | None = None,
 ) -> None:
     return None
 
@@ -223,6 +243,8 @@ def _(
     counters: torch.Tensor,
     plan: list[int],
     pdl: bool = False,
+    stats: torch.Tensor | None = None,
+    stats_plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = x.new_empty((x.shape[0], weight.shape[0] // 2), dtype=weight.dtype)
-    return out, torch.empty_like(x)
+    return out, torch.empty_like(x) if residual is not None else x.new_empty(0)

@@ -10,6 +10,9 @@ size, and a captured graph holds whichever kernel the plan named for its size.
 ``forward_swiglu`` is a SwiGLU's gate/up projection with its activation: ``silu(g) * u``
 of the two output halves ``[g | u]``, fused into the GEMM's epilogue where the plan picks
 Triton (one kernel instead of the GEMM and the ``ostinato::silu_mul`` kernel).
+``forward_add`` is a projection that ends a residual branch: it returns the projection
+plus the residual, and where the plan picks Triton the row statistics of that sum, from
+which the next fused norm takes its sums of squares (``ostinato::linear_add``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS, stats_columns
 from ostinato.engine.model.silu_mul_op import silu_mul_reference
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
@@ -52,6 +56,65 @@ def _linear(
 
 
 _lib.impl("linear", _linear, "CompositeExplicitAutograd")
+_lib.define(
+    "linear_add(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
+    "Tensor residual, bool pdl=False) -> (Tensor, Tensor)"
+)
+
+
+def kernel_rows(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
+    """The plan entry under which the Triton GEMM runs ``x``'s rows (0: it does not):
+    CUDA, 16-bit weights, rows of the weight's dtype with a contiguous last dimension.
+    The one predicate of both sides of a row-statistics hand-over (``linear_add`` writes
+    them exactly where this is nonzero for its rows, plan and weight)."""
+    m = x.shape[0]
+    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
+        return 0
+    return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
+
+
+def _linear_add(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    residual: torch.Tensor,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    stats = torch.empty(
+        (MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32, device=x.device
+    )
+    choice = kernel_rows(x, weight, plan)
+    if choice:
+        from ostinato.engine.kernels import small_gemm as triton_gemm
+
+        after = triton_gemm.ResidualStats(residual.contiguous(), stats, add=True)
+        config = triton_gemm.CONFIGS[choice - 1]
+        h = triton_gemm.small_gemm(x, weight, bias, counters, config, False, pdl, None, after)
+        return h, stats
+    if x.is_cuda and bias is None:
+        # cuBLAS adds the residual in its epilogue: one kernel, not a GEMM and an add
+        # (the sum is rounded once, not after the GEMM and again after the add)
+        return torch.addmm(residual, x, weight.t()), stats
+    return F.linear(x, weight, bias) + residual, stats
+
+
+_lib.impl("linear_add", _linear_add, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ostinato::linear_add", lib=_lib)
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    residual: torch.Tensor,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
+    return h, x.new_empty((MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32)
 
 
 @torch.library.register_fake("ostinato::linear", lib=_lib)
@@ -99,6 +162,17 @@ class Linear(nn.Linear):
             return super().forward(x)
         return torch.ops.ostinato.linear(
             x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
+        )
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``forward(x) + residual``, its row statistics ``[MAX_ROWS, out / 16]``
+        float32), the statistics written only where ``kernel_rows(x, weight, plan)``
+        (``ostinato::linear_add``); unplanned, ``forward(x) + residual``."""
+        plan = list(self.plan)
+        return torch.ops.ostinato.linear_add(
+            x, self.weight, self.bias, self.counters, plan, residual, self.pdl
         )
 
     def forward_swiglu(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:

@@ -134,8 +134,8 @@ def _qkv_stage(
         )
         rn = head * HEAD_DIM + tl.arange(0, HALF)
         a, b = _dot_tile(
-            x_ptr, r_ptr, nw, w, rstd, rn, 0, H, H, M, HEADS * HEAD_DIM, H, H, H, HALF,
-            True, ADD, True, BLOCK_M, HALF, BLOCK_K,
+            x_ptr, r_ptr, x_ptr, nw, w, rstd, rn, 0, H, H, M, HEADS * HEAD_DIM, H, H, H, H,
+            HALF, False, True, ADD, False, True, BLOCK_M, HALF, BLOCK_K,
         )  # fmt: skip
         if HAS_BIAS:
             bias = _at(b_tab, layer, x_ptr)
@@ -207,8 +207,8 @@ def _plain_stage(
     for t in range(pid, tl.cdiv(N, BLOCK_N), nprog):
         rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, _ = _dot_tile(
-            x_ptr, x_ptr, x_ptr, w, tl.zeros((BLOCK_M,), tl.float32), rn, 0, K, K, M, N, K,
-            K, K, 0, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K,
+            x_ptr, x_ptr, x_ptr, x_ptr, w, tl.zeros((BLOCK_M,), tl.float32), rn, 0, K, K, M,
+            N, K, K, K, K, 0, False, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask)
@@ -228,8 +228,8 @@ def _swiglu_stage(
         rstd = _row_rstd(x_ptr, r_ptr, total_ptr, M, H, H, H, H, eps, t == 0, True, BLOCK_M, NORM_K)
         rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
         g, u = _dot_tile(
-            x_ptr, r_ptr, nw, w, rstd, rn, 0, H, H, M, INTER, H, H, H, INTER, True, True, True,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            x_ptr, r_ptr, x_ptr, nw, w, rstd, rn, 0, H, H, M, INTER, H, H, H, H, INTER, False,
+            True, True, False, True, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         g = g.to(dtype).to(tl.float32)
         y = g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)

@@ -5,12 +5,12 @@ kernels), whether long splits step 256 K columns (``gemm_launch.LONG_SPLIT_K``),
 weight columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K``),
 gate/up's tile width, attention's split count, warps and stages
 (``attention_launch.WAVES``, ``UNSPLIT_WARPS``, ``SPLIT_STAGES``), and the largest step
-launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers carry the residual
-stream with row statistics (``decoder.STREAM``). Each rule is set here between runs and
+launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers hand their norms row
+statistics (``decoder.ROW_STATS``). Each rule is set here between runs and
 restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
-[--rules steps|sizes|attention|attention-stages|pdl-rows|stream|stream-six]
+[--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -51,7 +51,7 @@ class Rule:
     unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
     split_attention_stages: int = attention_launch.SPLIT_STAGES
     pdl_max_rows: int = launch.PDL_MAX_ROWS
-    stream: bool = decoder.STREAM
+    row_stats: bool = decoder.ROW_STATS
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -84,17 +84,17 @@ RULES = {
         Rule("split attention 3 stages", split_attention_stages=3),
         Rule("split attention 2 stages", split_attention_stages=2),
     ),
-    # The residual stream with row statistics against norms that pass over their rows;
-    # with it, six kernels a layer at the 1.5 B shape (64 MiB) again.
-    "stream": (
-        Rule("norms pass over their rows", stream=False),
-        Rule("residual stream, row statistics", stream=True),
+    # Row statistics handed to the norms against norms that pass over their rows; with
+    # them, six kernels a layer at the 1.5 B shape (64 MiB) again.
+    "row-stats": (
+        Rule("norms pass over their rows", row_stats=False),
+        Rule("row statistics", row_stats=True),
     ),
-    "stream-six": (
-        Rule("8 MiB, norms pass over their rows", stream=False),
-        Rule("8 MiB, residual stream", stream=True),
-        Rule("64 MiB, residual stream", 64 * MiB, stream=True),
-        Rule("64 MiB, gate/up 32 wide, stream", 64 * MiB, narrow_gate_up=True, stream=True),
+    "row-stats-six": (
+        Rule("8 MiB, norms pass over their rows", row_stats=False),
+        Rule("8 MiB, row statistics", row_stats=True),
+        Rule("64 MiB, row statistics", 64 * MiB, row_stats=True),
+        Rule("64 MiB, gate/up 32 wide, row stats", 64 * MiB, narrow_gate_up=True),
     ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
@@ -141,7 +141,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (attention_launch, "UNSPLIT_WARPS", rule.unsplit_attention_warps),
         (attention_launch, "SPLIT_STAGES", rule.split_attention_stages),
         (launch, "PDL_MAX_ROWS", rule.pdl_max_rows),
-        (decoder, "STREAM", rule.stream),
+        (decoder, "ROW_STATS", rule.row_stats),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

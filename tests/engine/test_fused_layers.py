@@ -58,11 +58,11 @@ def test_fused_layers_keep_qkv_biases_and_head_norms(arch, tmp_path):
 
 
 @pytest.mark.parametrize("compiler", [None, "inductor"])
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_fused_decode_step_is_the_unfused_one(compiler, stream):
+@pytest.mark.parametrize("row_stats", [True, False])
+def test_a_fused_decode_step_is_the_unfused_one(compiler, row_stats):
     # Eagerly the fused ops run the unfused ops (the CPU has no fused kernel): the same
-    # bits, whether the layers carry the residual stream (the default on one device) or
-    # add the residual in their norms (as under tensor parallelism). Compiled, the fake
+    # bits, with the row statistics handed on (the default on one device) or not (as
+    # under tensor parallelism). Compiled, the fake
     # implementations must describe the real outputs (their query layout included) for
     # Inductor's code to be right; its own kernels may round differently from eager
     # torch, hence a tolerance there.
@@ -71,11 +71,11 @@ def test_a_fused_decode_step_is_the_unfused_one(compiler, stream):
     step = setup.decode_batch([3, 5, 7, 11])
     logits = []
     for kernels in (KernelOptions(), UNFUSED):
-        with mock.patch.object(decoder, "STREAM", stream):
+        with mock.patch.object(decoder, "ROW_STATS", row_stats):
             runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), kernels)
         assert all(layer.fused == kernels.fused_layers for layer in runner.model.layers)
-        streams = stream and kernels.fused_layers
-        assert all(layer.stream == streams for layer in runner.model.layers)
+        hands = row_stats and kernels.fused_layers
+        assert all(layer.mlp.row_stats == hands for layer in runner.model.layers)
         with torch.inference_mode():
             runner.compile()
             logits.append(runner.execute(step).logits.clone())
@@ -84,19 +84,6 @@ def test_a_fused_decode_step_is_the_unfused_one(compiler, stream):
         assert torch.equal(logits[0], logits[1])
     else:
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
-
-
-def test_a_stream_layer_and_a_residual_layer_refuse_each_others_carry():
-    llm = LLM("tiny", device="cpu", dtype=torch.float32, max_model_len=32, progress=False)
-    layer = llm.model.layers[0]
-    assert layer.stream  # fused layers on one device
-    x = torch.randn(2, llm.model.config.hidden_size)
-    cos = sin = torch.ones(2, 1, llm.model.config.head_dim)
-    with pytest.raises(TypeError, match="residual stream, not a residual"):
-        layer(x, torch.zeros_like(x), cos, sin)
-    layer.stream = False
-    with pytest.raises(TypeError, match="got row statistics"):
-        layer(x, decoder.RowStats(torch.zeros(16, 4), ()), cos, sin)
 
 
 def test_the_fused_ops_refuse_a_mismatched_residual():

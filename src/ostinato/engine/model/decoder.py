@@ -53,9 +53,9 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class RowStats:
-    """What a stream layer hands its successor besides the residual stream ``h``: the
-    row statistics of ``h`` (``stats`` ``[MAX_ROWS, hidden / 16]`` float32, per row and
-    16 columns the sum of squares) and the plan of the projection that stored them,
+    """What a fused block hands the norm after it besides ``x`` and the residual: the
+    row statistics of their sum (``stats`` ``[MAX_ROWS, hidden / 16]`` float32, per row
+    and 16 columns the sum of squares) and the plan of the projection that stored them,
     which says for which row counts it did (``linear.kernel_rows``)."""
 
     stats: torch.Tensor
@@ -65,6 +65,20 @@ class RowStats:
     def args(stats: RowStats | None) -> tuple[torch.Tensor | None, list[int]]:
         """The ``stats, stats_plan`` arguments of the fused norm ops."""
         return (None, []) if stats is None else (stats.stats, list(stats.plan))
+
+
+# Fused layers on one GPU hand each norm its row statistics (``hands_row_stats``). On
+# the H200 (``benchmarks.row_stats``) a layer's four GEMM kernels took 16.9 against
+# 19.4 µs at the SmolLM2 shape and one row (18.0 against 21.8 at 8 rows), 55.6
+# against 57.1 µs at the 1.5 B shape.
+ROW_STATS = True
+
+
+def hands_row_stats(kernels: KernelOptions, tp: TensorParallel) -> bool:
+    """Whether the O and down projections store the row statistics of their sums with
+    the residual (``Linear.forward_stats``) for the fused norm after them: fused layers
+    on one GPU (under tensor parallelism the residual is added after an all-reduce)."""
+    return ROW_STATS and kernels.fused_layers and tp.group is None
 
 
 class Attention(nn.Module):
@@ -101,6 +115,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.rope_in_attention = False  # set by the runner from its attention backend
+        self.row_stats = hands_row_stats(self.kernels, tp)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
@@ -139,37 +154,14 @@ class Attention(nn.Module):
         norm: RMSNorm,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this block's output for ``norm(x + residual)``, ``x + residual``; ``x`` itself
-        without a residual): ``forward`` with the norm in front, the norm, the QKV
-        projection and the K/V write as one op (``ostinato::norm_qkv``)."""
-        out, total = self._attend_fused(x, residual, norm, cos, sin, None)
-        o = self.tp.all_reduce(self.o_proj(out))
-        return o, x if residual is None else total
-
-    def forward_stream(
-        self, h: torch.Tensor, stats: RowStats | None, norm: RMSNorm, cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, RowStats]:  # fmt: skip
-        """(``h`` plus this block's output for ``norm(h)``, that sum's ``RowStats``), the
-        norm taking its sums of squares from ``stats``. One GPU: the output projection
-        adds the residual, which an all-reduce would have to come first."""
-        out, _ = self._attend_fused(h, None, norm, cos, sin, stats)
-        h, new = self.o_proj.forward_add(out, h)
-        return h, RowStats(new, self.o_proj.plan)
-
-    def _attend_fused(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        stats: RowStats | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention's output ``[n, q_size]`` for ``norm(x + residual)``, ``x + residual``,
-        empty without a residual), the norm (from ``stats`` where ready), QKV projection
-        and K/V write as one op (``ostinato::norm_qkv``)."""
+        stats: RowStats | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+        """(this block's output for ``norm(x + residual)``, ``x + residual`` (``x``
+        itself without a residual), the row statistics of their sum or None):
+        ``forward`` with the norm in front, the norm (its sums of squares from
+        ``stats`` where ready), the QKV projection and the K/V write as one op
+        (``ostinato::norm_qkv``). With ``row_stats`` the output projection stores the
+        statistics for the next norm."""
         qkv = self.qkv_proj
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
@@ -186,7 +178,12 @@ class Attention(nn.Module):
         )  # fmt: skip
         # The queries are the first columns of qkv_rows (the op slices them: no view here).
         torch.ops.ostinato.attention(qkv_rows, None, None, out, self.layer, self.scale, cos, sin)
-        return out.view(n, self.q_size), total
+        total = x if residual is None else total
+        out = out.view(n, self.q_size)
+        if not self.row_stats:
+            return self.tp.all_reduce(self.o_proj(out)), total, None
+        o, new = self.o_proj.forward_stats(out, total)
+        return o, total, RowStats(new, self.o_proj.plan)
 
 
 class Mlp(nn.Module):
@@ -201,6 +198,7 @@ class Mlp(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
         self.kernels = kernels or KernelOptions()  # read where SiLU·mul launches
+        self.row_stats = hands_row_stats(self.kernels, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
@@ -209,63 +207,42 @@ class Mlp(nn.Module):
         return self.tp.all_reduce(self.down_proj(up))
 
     def forward_fused(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``forward(norm(x + residual))``, ``x + residual``), the norm, the gate/up
-        projection and SiLU·mul as one op (``ostinato::norm_swiglu``)."""
-        act, total = self._swiglu_fused(x, residual, norm, None)
-        return self.tp.all_reduce(self.down_proj(act)), total
-
-    def forward_stream(
-        self, h: torch.Tensor, stats: RowStats, norm: RMSNorm
-    ) -> tuple[torch.Tensor, RowStats]:
-        """(``h + forward(norm(h))``, that sum's ``RowStats``), the norm taking its sums
-        of squares from ``stats``; one GPU (see ``Attention.forward_stream``)."""
-        act, _ = self._swiglu_fused(h, None, norm, stats)
-        h, new = self.down_proj.forward_add(act, h)
-        return h, RowStats(new, self.down_proj.plan)
-
-    def _swiglu_fused(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, stats: RowStats | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        stats: RowStats | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+        """(``forward(norm(x + residual))``, ``x + residual``, the row statistics of their
+        sum or None), the norm (from ``stats`` where ready), the gate/up projection and
+        SiLU·mul as one op (``ostinato::norm_swiglu``); with ``row_stats`` the down
+        projection stores the statistics for the next norm."""
         gate_up = self.gate_up_proj
-        return torch.ops.ostinato.norm_swiglu(
+        act, total = torch.ops.ostinato.norm_swiglu(
             x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.counters,
             list(gate_up.plan), self.kernels.pdl, *RowStats.args(stats),
         )  # fmt: skip
-
-
-# Fused layers on one GPU carry the residual stream (``DecoderLayer.stream``). On the
-# H200 (``benchmarks.row_stats``) a layer's four GEMM kernels took 16.3 against 19.4 µs
-# at the SmolLM2 shape and one row (16.8 against 21.8 at 8 rows), 54.3 against 57.1 µs
-# at the 1.5 B shape: the norms' programs no longer pass over their rows first.
-STREAM = True
+        if not self.row_stats:
+            return self.tp.all_reduce(self.down_proj(act)), total, None
+        y, new = self.down_proj.forward_stats(act, total)
+        return y, total, RowStats(new, self.down_proj.plan)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections.
-
-    ``forward(x, beside)`` takes and returns what travels with the hidden states between
-    layers (None into the first layer, whose ``x`` is the embedding):
-
-    - By default the residual sum is carried beside the hidden states and each add
-      happens inside the next norm (as vLLM's layers do): the layer returns the MLP's
-      output and the sum before it, which the next layer's (or the final) norm adds.
-      With ``KernelOptions.fused_layers`` each norm runs inside the op of the projection
-      after it (``fused_ops``): the same function, in fewer kernels.
-    - ``stream`` (fused layers on one GPU): ``x`` is the residual stream itself, the O
-      and down projections add the residual in their epilogues (``forward_add``) and
-      store its row statistics, and ``beside`` is those (``RowStats``): each fused norm
-      takes its sums of squares from them instead of a pass over its rows. The same
-      function: only the order in which the squares are summed differs.
-    """
+    """Pre-norm attention and MLP blocks with residual connections. The residual sum is
+    carried beside the hidden states and each add happens inside the next norm (as
+    vLLM's layers do): ``forward(x, residual)`` returns the MLP's output and the sum
+    before it, which the next layer's (or the final) norm adds. With
+    ``KernelOptions.fused_layers`` each norm runs inside the op of the projection after
+    it (``fused_ops``): the same function, in fewer kernels; on one GPU the row
+    statistics of each sum travel too (``RowStats``, None into the first layer and out
+    of unfused ones), so that those norms need not sum their rows' squares first."""
 
     def __init__(
         self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelOptions
     ) -> None:
         super().__init__()
         self.fused = kernels.fused_layers
-        self.stream = STREAM and self.fused and tp.group is None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer, tp, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -274,26 +251,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor | RowStats | None,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | RowStats]:
-        if self.stream:
-            if isinstance(residual, torch.Tensor):
-                raise TypeError("a stream layer takes the residual stream, not a residual")
-            h, stats = self.self_attn.forward_stream(x, residual, self.input_layernorm, cos, sin)
-            return self.mlp.forward_stream(h, stats, self.post_attention_layernorm)
-        if isinstance(residual, RowStats):
-            raise TypeError("a layer that adds the residual in its norm got row statistics")
+        stats: RowStats | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
         if self.fused:
-            h, residual = self.self_attn.forward_fused(x, residual, self.input_layernorm, cos, sin)
-            return self.mlp.forward_fused(h, residual, self.post_attention_layernorm)
+            attn, norm = self.self_attn, self.input_layernorm
+            h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
+            return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)
         if residual is None:  # the first layer: x is the embedding
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add(x, residual)
         h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin), residual)
-        return self.mlp(h), residual
+        return self.mlp(h), residual, None
 
 
 class DecoderModel(nn.Module):
@@ -394,12 +366,10 @@ class DecoderModel(nn.Module):
         self-draft: the truncated model with the same final norm and LM head)."""
         x = self.embed(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        beside: torch.Tensor | RowStats | None = None  # see DecoderLayer.forward
+        residual, stats = None, None
         for layer in self.layers[:num_layers]:
-            x, beside = layer(x, beside, cos, sin)
-        if isinstance(beside, torch.Tensor):  # the residual the final norm adds
-            return self.norm.add(x, beside)[0]
-        return self.norm(x)  # the embedding, or the residual stream
+            x, residual, stats = layer(x, residual, cos, sin, stats)
+        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

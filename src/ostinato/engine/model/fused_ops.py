@@ -8,11 +8,11 @@
 - ``ostinato::norm_swiglu``: the post-attention RMSNorm (with the residual add), the
   gate/up projection and SiLU·mul. Returns the activation and the residual sum.
 
-Without a residual each takes ``x`` as the residual stream itself (the projection before
-it added the residual: ``Linear.forward_add``), and with ``stats`` the norm's sums of
-squares from the row statistics that projection stored, where its plan
-(``stats_plan``) ran the kernel for these rows (``linear.kernel_rows``, the one predicate
-of both sides), instead of from a pass over the rows.
+With ``stats`` each takes the norm's sums of squares from the row statistics of
+``x + residual`` that the projection before it stored (``Linear.forward_stats``), where
+that projection's plan (``stats_plan``) ran the kernel for these rows
+(``linear.kernel_rows``, the one predicate of both sides), instead of from a pass over
+the rows before its K loop.
 
 Each is one kernel (``small_gemm``'s NORM prologue with its ROPE_KV or SWIGLU epilogue)
 where that kernel can run: on CUDA, 16-bit weights, at most ``MAX_ROWS`` rows, a plan
@@ -43,7 +43,7 @@ _lib.define(
     "Tensor(b!) total_out, bool pdl=False, Tensor? stats=None, int[] stats_plan=[]) -> ()"
 )
 _lib.define(
-    "norm_swiglu(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
+    "norm_swiglu(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
     "Tensor counters, int[] plan, bool pdl=False, Tensor? stats=None, int[] stats_plan=[]) "
     "-> (Tensor, Tensor)"
 )
@@ -175,7 +175,7 @@ def norm_qkv(
 
 def norm_swiglu(
     x: torch.Tensor,
-    residual: torch.Tensor | None,
+    residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
@@ -186,7 +186,7 @@ def norm_swiglu(
     stats_plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``silu(g) * u`` of the projection ``[g | u]`` of ``rms_norm(x + residual)``,
-    ``x + residual``; empty without a residual)."""
+    ``x + residual``)."""
     choice = kernel_rows(x, weight, plan)
     if choice:
         from ostinato.engine.kernels import small_gemm as triton_gemm
@@ -196,10 +196,7 @@ def norm_swiglu(
         config = triton_gemm.CONFIGS[choice - 1]
         out = triton_gemm.small_gemm(x, weight, None, counters, config, True, pdl, prologue)
         return out, total
-    if residual is None:
-        h, total = torch.ops.ostinato.rms_norm(x, norm_weight, eps, pdl), x.new_empty(0)
-    else:
-        h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
+    h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
     return torch.ops.ostinato.silu_mul(F.linear(h, weight), pdl), total
 
 
@@ -247,4 +244,4 @@ def _(
     stats_plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = x.new_empty((x.shape[0], weight.shape[0] // 2), dtype=weight.dtype)
-    return out, torch.empty_like(x) if residual is not None else x.new_empty(0)
+    return out, torch.empty_like(x)

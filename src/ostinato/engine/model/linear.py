@@ -10,9 +10,9 @@ size, and a captured graph holds whichever kernel the plan named for its size.
 ``forward_swiglu`` is a SwiGLU's gate/up projection with its activation: ``silu(g) * u``
 of the two output halves ``[g | u]``, fused into the GEMM's epilogue where the plan picks
 Triton (one kernel instead of the GEMM and the ``ostinato::silu_mul`` kernel).
-``forward_add`` is a projection that ends a residual branch: it returns the projection
-plus the residual, and where the plan picks Triton the row statistics of that sum, from
-which the next fused norm takes its sums of squares (``ostinato::linear_add``).
+``forward_stats`` is a projection that ends a residual branch: beside the projection it
+returns, where the plan picks Triton, the row statistics of its sum with the residual,
+from which the next fused norm takes its sums of squares (``ostinato::linear_stats``).
 """
 
 from __future__ import annotations
@@ -56,65 +56,6 @@ def _linear(
 
 
 _lib.impl("linear", _linear, "CompositeExplicitAutograd")
-_lib.define(
-    "linear_add(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
-    "Tensor residual, bool pdl=False) -> (Tensor, Tensor)"
-)
-
-
-def kernel_rows(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
-    """The plan entry under which the Triton GEMM runs ``x``'s rows (0: it does not):
-    CUDA, 16-bit weights, rows of the weight's dtype with a contiguous last dimension.
-    The one predicate of both sides of a row-statistics hand-over (``linear_add`` writes
-    them exactly where this is nonzero for its rows, plan and weight)."""
-    m = x.shape[0]
-    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
-        return 0
-    return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
-
-
-def _linear_add(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    counters: torch.Tensor,
-    plan: list[int],
-    residual: torch.Tensor,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    stats = torch.empty(
-        (MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32, device=x.device
-    )
-    choice = kernel_rows(x, weight, plan)
-    if choice:
-        from ostinato.engine.kernels import small_gemm as triton_gemm
-
-        after = triton_gemm.ResidualStats(residual.contiguous(), stats, add=True)
-        config = triton_gemm.CONFIGS[choice - 1]
-        h = triton_gemm.small_gemm(x, weight, bias, counters, config, False, pdl, None, after)
-        return h, stats
-    if x.is_cuda and bias is None:
-        # cuBLAS adds the residual in its epilogue: one kernel, not a GEMM and an add
-        # (the sum is rounded once, not after the GEMM and again after the add)
-        return torch.addmm(residual, x, weight.t()), stats
-    return F.linear(x, weight, bias) + residual, stats
-
-
-_lib.impl("linear_add", _linear_add, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("ostinato::linear_add", lib=_lib)
-def _(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    counters: torch.Tensor,
-    plan: list[int],
-    residual: torch.Tensor,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
-    return h, x.new_empty((MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32)
 
 
 @torch.library.register_fake("ostinato::linear", lib=_lib)
@@ -129,6 +70,63 @@ def _(
 ) -> torch.Tensor:
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return x.new_empty((x.shape[0], n), dtype=weight.dtype)
+
+
+_lib.define(
+    "linear_stats(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
+    "Tensor residual, bool pdl=False) -> (Tensor, Tensor)"
+)
+
+
+def kernel_rows(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
+    """The plan entry under which the Triton GEMM runs ``x``'s rows (0: it does not):
+    CUDA, 16-bit weights, rows of the weight's dtype with a contiguous last dimension.
+    The one predicate of both sides of a row-statistics hand-over (``linear_stats``
+    writes them exactly where this is nonzero for its rows, plan and weight)."""
+    m = x.shape[0]
+    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
+        return 0
+    return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
+
+
+def _linear_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    residual: torch.Tensor,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    stats = torch.empty(
+        (MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32, device=x.device
+    )
+    choice = kernel_rows(x, weight, plan)
+    if not choice:  # no statistics: the next norm sums its rows' squares itself
+        return _linear(x, weight, bias, counters, plan, False, pdl), stats
+    from ostinato.engine.kernels import small_gemm as triton_gemm
+
+    after = triton_gemm.ResidualStats(residual.contiguous(), stats)
+    config = triton_gemm.CONFIGS[choice - 1]
+    y = triton_gemm.small_gemm(x, weight, bias, counters, config, False, pdl, None, after)
+    return y, stats
+
+
+_lib.impl("linear_stats", _linear_stats, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ostinato::linear_stats", lib=_lib)
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    residual: torch.Tensor,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
+    return h, x.new_empty((MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32)
 
 
 class Linear(nn.Linear):
@@ -164,14 +162,14 @@ class Linear(nn.Linear):
             x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
         )
 
-    def forward_add(
+    def forward_stats(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``forward(x) + residual``, its row statistics ``[MAX_ROWS, out / 16]``
-        float32), the statistics written only where ``kernel_rows(x, weight, plan)``
-        (``ostinato::linear_add``); unplanned, ``forward(x) + residual``."""
+        """(``forward(x)``, the row statistics of ``forward(x) + residual``: float32
+        ``[MAX_ROWS, out / 16]``, written only where ``kernel_rows(x, weight, plan)``;
+        ``ostinato::linear_stats``)."""
         plan = list(self.plan)
-        return torch.ops.ostinato.linear_add(
+        return torch.ops.ostinato.linear_stats(
             x, self.weight, self.bias, self.counters, plan, residual, self.pdl
         )
 

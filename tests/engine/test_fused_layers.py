@@ -138,7 +138,7 @@ def test_only_long_whole_splits_step_256_columns():
     assert [k_step(576, 1), k_step(576, 8), k_step(1536, 4)] == [BLOCK_K] * 3
 
 
-def test_an_unsplit_gate_up_steps_further_and_keeps_its_tile_and_split():
+def test_an_unsplit_gate_up_steps_further_in_narrow_tiles():
     from ostinato.engine.kernels.gemm_launch import SWIGLU_BLOCK_K
 
     for sms in (16, 78, 132):
@@ -147,7 +147,12 @@ def test_an_unsplit_gate_up_steps_further_and_keeps_its_tile_and_split():
                 plain = CONFIGS[pick_config(n, k, sms) - 1]
                 swiglu = CONFIGS[pick_config(n, k, sms, swiglu=True) - 1]
                 same = (swiglu.block_n, swiglu.split_k, swiglu.num_warps, swiglu.num_stages)
-                assert same == (plain.block_n, plain.split_k, plain.num_warps, plain.num_stages)
+                if 2 * ceil_div(n, 64) >= sms:  # wide: 32-column tiles, not the 64 of plain
+                    assert (plain.block_n, plain.num_warps) == (64, 8)
+                    assert same == (32, 1, 4, plain.num_stages), (n, k, sms)
+                else:
+                    kept = (plain.block_n, plain.split_k, plain.num_warps, plain.num_stages)
+                    assert same == kept, (n, k, sms)
                 want = SWIGLU_BLOCK_K if plain.split_k == 1 else plain.block_k
                 assert swiglu.block_k == want, (n, k, sms)
     # Cached plans name configs by index: the first twelve keep their places.

@@ -84,14 +84,20 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     output columns over ``k`` (per tile: gate/up's ``n`` is its intermediate size, with
     ``swiglu``), the rule the H200 sweep of the fused kernels suggested
     (``benchmarks/fused_sweep.py``): where 64-column tiles give at least every other SM
-    a program (gate/up, LM heads), those, unsplit, with 8 warps; else K unsplit up to
+    a program, those, unsplit, with 8 warps (LM heads), or for ``swiglu`` 32-column
+    tiles with 4 warps (gate/up, two tiles a program); else K unsplit up to
     ``UNSPLIT_K`` columns (a split's reduction costs more than a short loop), or split in
     powers of two until a split has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K``),
     in 32-column tiles unless those would give more than two programs per SM. An
     unsplit ``swiglu`` projection steps ``SWIGLU_BLOCK_K`` columns at a time, any other
     ``k_step``'s.
     Deterministic in ``(n, k, sms, swiglu)``."""
-    if 2 * ceil_div(n, 64) >= sms:
+    if swiglu and 2 * ceil_div(n, 64) >= sms:
+        # gate/up reads two tiles a program: in 32 columns, 1.009 against 1.081 ms for
+        # the 1.5 B shape's step at B = 1 (1.113 against 1.170 at 8; H200, launch_rules
+        # --rules row-stats-six)
+        config = GemmConfig(32, 1)
+    elif 2 * ceil_div(n, 64) >= sms:
         config = GemmConfig(64, 1, num_warps=8)
     else:
         split = 1

@@ -144,12 +144,13 @@ def _plan_sizes(rows: Sequence[int]) -> list[int]:
     return sorted({r for r in rows if 1 <= r <= MAX_ROWS})
 
 
-# Up to this many weight bytes a projection runs the Triton GEMM without a measurement.
-# On the H200 (benchmarks/fused_sweep.py, RESULTS.md) the fused kernels beat cuBLAS and
-# the unfused kernels where a weight is read in a few microseconds (SmolLM2's, 0.3 to
-# 3.5 MB: the launch chain dominates) and lose to cuBLAS's bandwidth from the 1.5 B
-# shape's 8 to 67 MB on.
-SMALL_WEIGHT_BYTES = 8 << 20
+# Up to this many weight bytes a projection runs the Triton GEMM without a measurement:
+# every projection of the 1.5 B shape (8 to 64 MiB), whose layers are then six kernels.
+# On the H200 (``benchmarks.launch_rules --rules row-stats-six``, RESULTS.md), with the
+# norms taking row statistics and gate/up in 32-column tiles, its step took 1.009 /
+# 1.113 / 1.203 ms at B = 1 / 8 / 16 against 1.083 / 1.157 / 1.226 with cuBLAS above
+# 8 MiB (11 kernels a layer). Before the row statistics, six kernels were slower there.
+SMALL_WEIGHT_BYTES = 64 << 20
 
 
 def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:

@@ -464,6 +464,18 @@ def _stats_args(
     return after.stats, stats_columns(n)
 
 
+def _partials(
+    counters: torch.Tensor, tiles: int, split_k: int, n_pad: int, out: torch.Tensor
+) -> torch.Tensor:
+    """The split-K partials ``[split_k, 2, MAX_ROWS, n_pad]`` (``out`` unsplit), after
+    checking there is a counter per column tile."""
+    if split_k == 1:
+        return out
+    if counters.numel() < tiles:
+        raise ValueError(f"small_gemm: {counters.numel()} counters for {tiles} tiles")
+    return torch.empty((split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=out.device)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -486,12 +498,7 @@ def _launch(
     block_n, split_k = config.block_n, config.split_k
     tiles = triton.cdiv(n, tile_stride)
     n_pad = tiles * block_n
-    if split_k > 1:
-        if counters.numel() < tiles:
-            raise ValueError(f"small_gemm: {counters.numel()} counters for {tiles} tiles")
-        part = torch.empty((split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=x.device)
-    else:
-        part = out
+    part = _partials(counters, tiles, split_k, n_pad, out)
     nw, res, total = _norm_args(x, norm)
     stats, stats_t = _stats_args(x, n, norm, after)
     if after is not None:

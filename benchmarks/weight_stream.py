@@ -3,12 +3,13 @@ do: the ceiling of the small GEMM's launch shapes, apart from its norm, split-K 
 and epilogues.
 
 Each program of a ``(N / block_n, split)`` grid walks its ``block_n`` weight rows over
-``K / split`` columns, ``block_k`` at a time, as ``small_gemm``'s K loop does: a
-software-pipelined load of the tile fed to ``tl.dot`` with a 16-row ``x`` (loaded once,
-outside the loop), and stores its float32 partial (no reduction). The weight is laid
-out either as the model holds it (``rows``: ``[N, K]``, a tile is ``block_n`` strided
-runs of ``block_k`` columns) or pre-tiled (``tiled``: ``[N / block_n, K / block_k,
-block_n, block_k]``, so each tile, and a program's whole walk, is one contiguous run).
+``K / split`` columns (in whole steps, the last split masked), ``block_k`` at a time, as
+``small_gemm``'s K loop does: a software-pipelined load of the tile fed to ``tl.dot``
+with a 16-row ``x`` (loaded once, outside the loop); it stores its float32 partial (no
+reduction). The weight is laid out either as the model holds it (``rows``: ``[N, K]``,
+a tile is ``block_n`` strided runs of ``block_k`` columns) or pre-tiled (``tiled``:
+``[N / block_n, K / block_k, block_n, block_k]``, so each tile, and a program's whole
+walk, is one contiguous run).
 
 Every call reads its own copy of the weight (the copies together over ``COLD_BYTES``),
 as a decode step reads each layer's weights once; calls are PDL-launched back to back in
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.decode import copy_bandwidth_gbps
+from ostinato.engine.kernels.gemm_launch import k_per_split
 from ostinato.engine.kernels.launch import compile_ahead, launch
 from ostinato.engine.kernels.pdl import pdl_enter
 from ostinato.platform.cuda import graph_call_us
@@ -90,9 +92,12 @@ def _stream(
         if TILED:
             tile = pid_n * (K // BLOCK_K) + (k_lo + k0) // BLOCK_K
             ptrs = w_ptr + tile * (BLOCK_N * BLOCK_K) + rn[None, :] * BLOCK_K + rk[:, None]
+            w = tl.load(ptrs)
         else:
-            ptrs = w_ptr + (pid_n * BLOCK_N + rn)[None, :] * K + (k_lo + k0 + rk)[:, None]
-        acc = tl.dot(x, tl.load(ptrs), acc)
+            ks = k_lo + k0 + rk
+            ptrs = w_ptr + (pid_n * BLOCK_N + rn)[None, :] * K + ks[:, None]
+            w = tl.load(ptrs, mask=ks[:, None] < K, other=0.0)
+        acc = tl.dot(x, w, acc)
     out = out_ptr + pid_k * ROWS * N + rm[:, None] * N + (pid_n * BLOCK_N + rn)[None, :]
     tl.store(out, acc)
 
@@ -117,8 +122,9 @@ def _call(launch_: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     (``[split, ROWS, N]``)."""
     n = out.shape[2]
     k = w.numel() // n
+    k_per = k_per_split(k, launch_.split, launch_.block_k)
     launch(
-        _stream, (n // launch_.block_n, launch_.split), x, w, out, n, k, k // launch_.split,
+        _stream, (n // launch_.block_n, launch_.split), x, w, out, n, k, k_per,
         TILED=launch_.layout == "tiled", BLOCK_N=launch_.block_n, BLOCK_K=launch_.block_k,
         ROWS=ROWS, num_warps=launch_.warps, num_stages=launch_.stages, launch_pdl=True,
     )  # fmt: skip

@@ -40,6 +40,7 @@ from ostinato.engine.kernels.small_gemm import (
     NORM_K,
     _dot_tile,
     _prefetch_l2,
+    _rope_inputs,
     _rope_kv_epilogue,
     _row_rstd,
 )
@@ -143,10 +144,12 @@ def _qkv_stage(
             b += tl.load(bias + rn + HALF).to(tl.float32)[None, :]
         a = a.to(x_ptr.dtype.element_ty).to(tl.float32)  # the projection, as stored unfused
         b = b.to(x_ptr.dtype.element_ty).to(tl.float32)
+        ca, cb, sa, sb, slot = _rope_inputs(
+            rm, M, head, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, HALF
+        )
         _rope_kv_epilogue(
-            a, b, rm, M, head, q_ptr, Q_HEADS * HEAD_DIM, cos_ptr, sin_ptr, stride_rt,
-            slot_ptr, kc, vc, stride_cs, stride_ch, qn, kn, eps, Q_HEADS, KV_HEADS, QK_NORM,
-            HALF,
+            a, b, rm, M, head, q_ptr, Q_HEADS * HEAD_DIM, ca, cb, sa, sb, slot, kc, vc,
+            stride_cs, stride_ch, qn, kn, eps, Q_HEADS, KV_HEADS, QK_NORM, HALF,
         )  # fmt: skip
 
 

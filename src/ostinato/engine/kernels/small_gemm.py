@@ -137,14 +137,13 @@ def _stats_rstd(stats_ptr, M, K, STATS_T, eps, BLOCK_M: tl.constexpr, STATS_P2: 
 
 @triton.jit
 def _residual_stats(
-    y, r_ptr, stats_ptr, rm, col0, rn, M, N, stride_rm, STATS_T, dtype: tl.constexpr,
-    ADD_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GRANULE: tl.constexpr,
+    y, r, stats_ptr, rm, col0, rn, M, N, STATS_T, dtype: tl.constexpr, ADD_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRANULE: tl.constexpr,
 ):  # fmt: skip
-    """Stores the row statistics of ``y + residual`` for this tile (see ``STATS_OUT``);
-    returns what the tile stores: that sum with ``ADD_OUT``, else ``y``."""
+    """Stores the row statistics of ``y + r`` (``r``: the residual tile, loaded) for this
+    tile (see ``STATS_OUT``); returns what the tile stores: that sum with ``ADD_OUT``,
+    else ``y``."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
     h = (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype).to(tl.float32)
     h = tl.where(mask, h, 0.0)
     ss = tl.sum(tl.reshape(h * h, (BLOCK_M, BLOCK_N // GRANULE, GRANULE)), axis=2)
@@ -167,12 +166,35 @@ def _head_norm(a, b, rstd_eps, w_ptr, HALF: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rope_inputs(
+    rm, M, head, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, HALF: tl.constexpr
+):
+    """What ``_rope_kv_epilogue`` reads besides the projection: each row's cos and sin
+    halves (for a key head; zeros for others, which load nothing) and its cache slot (for
+    key and value heads). A kernel loads them before its K loop, so that their round
+    trip overlaps the loop rather than lengthening the kernel's tail."""
+    c = tl.arange(0, HALF)
+    # per-row masks of the program's head kind (a uniform bound: M where it applies, 0)
+    key_rows = tl.where((head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS), M, 0)
+    kv_rows = tl.where(head >= Q_HEADS, M, 0)
+    key = (rm[:, None] < key_rows) & (c[None, :] < HALF)
+    r = rm[:, None] * stride_rt + c[None, :]
+    ca = tl.load(cos_ptr + r, mask=key, other=0.0)
+    cb = tl.load(cos_ptr + r + HALF, mask=key, other=0.0)
+    sa = tl.load(sin_ptr + r, mask=key, other=0.0)
+    sb = tl.load(sin_ptr + r + HALF, mask=key, other=0.0)
+    slot = tl.load(slot_ptr + rm, mask=rm < kv_rows, other=0)
+    return ca, cb, sa, sb, slot
+
+
+@triton.jit
 def _rope_kv_epilogue(
-    a, b, rm, M, head, out_ptr, stride_om, cos_ptr, sin_ptr, stride_rt, slot_ptr,
-    kc_ptr, vc_ptr, stride_cs, stride_ch, qn_ptr, kn_ptr, eps,
-    Q_HEADS, KV_HEADS, QK_NORM: tl.constexpr, HALF: tl.constexpr,
+    a, b, rm, M, head, out_ptr, stride_om, ca, cb, sa, sb, slot, kc_ptr, vc_ptr, stride_cs,
+    stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS, QK_NORM: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
-    """Stores one head of a QKV projection's rows (see ``ROPE_KV``)."""
+    """Stores one head of a QKV projection's rows (see ``ROPE_KV``), with the cos, sin
+    and slots ``_rope_inputs`` loaded."""
     dtype = out_ptr.dtype.element_ty
     c = tl.arange(0, HALF)
     rows = rm[:, None] < M
@@ -183,19 +205,13 @@ def _rope_kv_epilogue(
         tl.store(q, a.to(dtype), mask=rows)
         tl.store(q + HALF, b.to(dtype), mask=rows)
     else:
-        slot = tl.load(slot_ptr + rm, mask=rm < M, other=0).to(tl.int64)
-        at = slot[:, None] * stride_cs + c[None, :]
+        at = slot.to(tl.int64)[:, None] * stride_cs + c[None, :]
         if head < Q_HEADS + KV_HEADS:
             if QK_NORM:
                 a, b = _head_norm(a, b, eps, kn_ptr, HALF, dtype)
-            r = rm[:, None] * stride_rt + c[None, :]
-            ca = tl.load(cos_ptr + r, mask=rows, other=0.0).to(tl.float32)
-            cb = tl.load(cos_ptr + r + HALF, mask=rows, other=0.0).to(tl.float32)
-            sa = tl.load(sin_ptr + r, mask=rows, other=0.0).to(tl.float32)
-            sb = tl.load(sin_ptr + r + HALF, mask=rows, other=0.0).to(tl.float32)
             # rotate-half: [a, b] * cos + [-b, a] * sin, float32, rounded once
-            ra = a * ca + (-b) * sa
-            rb = b * cb + a * sb
+            ra = a * ca.to(tl.float32) + (-b) * sa.to(tl.float32)
+            rb = b * cb.to(tl.float32) + a * sb.to(tl.float32)
             k = kc_ptr + at + (head - Q_HEADS) * stride_ch
             tl.store(k, ra.to(kc_ptr.dtype.element_ty), mask=rows)
             tl.store(k + HALF, rb.to(kc_ptr.dtype.element_ty), mask=rows)
@@ -244,6 +260,38 @@ def _dot_tile(
 
 
 @triton.jit
+def _epilogue_inputs(
+    b_ptr, r_ptr, cos_ptr, sin_ptr, slot_ptr, rm, rn, M, N, OFF2, stride_rm, stride_rt,
+    head, Q_HEADS, KV_HEADS, HAS_BIAS: tl.constexpr, TWO: tl.constexpr,
+    EPILOGUE: tl.constexpr, STATS_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """What the epilogue reads besides the sums, none of which depends on the K loop:
+    (bias, second tile's bias, the residual tile of ``STATS_OUT``, RoPE's cos and sin
+    halves and cache slots); zeros where unused. A kernel loads them before its K loop:
+    after it (or after the split-K reduction) they would add a dependent round trip to
+    the kernel's tail."""
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    bias = tl.zeros((BLOCK_N,), tl.float32)
+    bias2 = bias
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        if TWO:
+            bias2 = tl.load(b_ptr + OFF2 + rn, mask=rn < N, other=0.0).to(tl.float32)
+    r = zeros
+    if STATS_OUT:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+    ca, cb, sa, sb = zeros, zeros, zeros, zeros
+    slot = tl.zeros((BLOCK_M,), tl.int32)
+    if EPILOGUE == 2:
+        ca, cb, sa, sb, slot = _rope_inputs(
+            rm, M, head, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, BLOCK_N
+        )
+    return bias, bias2, r, ca, cb, sa, sb, slot
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
     cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr,
@@ -283,6 +331,10 @@ def _gemm_kernel(
         )  # fmt: skip
     else:
         rstd = tl.zeros((BLOCK_M,), tl.float32)
+    bias, bias2, r, ca, cb, sa, sb, slot = _epilogue_inputs(
+        b_ptr, r_ptr, cos_ptr, sin_ptr, slot_ptr, rm, rn, M, N, OFF2, stride_rm, stride_rt,
+        pid_n, Q_HEADS, KV_HEADS, HAS_BIAS, TWO, EPILOGUE, STATS_OUT, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     acc, acc2 = _dot_tile(
         x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm,
         stride_rm, stride_tm, stride_wn, OFF2, writer, NORM, ADD, STATS_IN and ADD, TWO,
@@ -313,16 +365,14 @@ def _gemm_kernel(
     if last:
         wdtype = w_ptr.dtype.element_ty
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            if TWO:
-                acc2 += tl.load(b_ptr + OFF2 + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            acc += bias[None, :]
+            acc2 += bias2[None, :]
         if EPILOGUE == 2:
             a = acc.to(wdtype).to(tl.float32)  # the projection's output, as stored unfused
             b = acc2.to(wdtype).to(tl.float32)
             _rope_kv_epilogue(
-                a, b, rm, M, pid_n, out_ptr, stride_om, cos_ptr, sin_ptr, stride_rt, slot_ptr,
-                kc_ptr, vc_ptr, stride_cs, stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS,
-                QK_NORM, BLOCK_N,
+                a, b, rm, M, pid_n, out_ptr, stride_om, ca, cb, sa, sb, slot, kc_ptr, vc_ptr,
+                stride_cs, stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS, QK_NORM, BLOCK_N,
             )  # fmt: skip
         else:
             if EPILOGUE == 1:
@@ -332,8 +382,8 @@ def _gemm_kernel(
                 y = acc
             if STATS_OUT:
                 y = _residual_stats(
-                    y, r_ptr, stats_ptr, rm, pid_n * TILE_STRIDE, rn, M, N, stride_rm,
-                    STATS_T, wdtype, ADD_OUT, BLOCK_M, BLOCK_N, GRANULE,
+                    y, r, stats_ptr, rm, pid_n * TILE_STRIDE, rn, M, N, STATS_T, wdtype,
+                    ADD_OUT, BLOCK_M, BLOCK_N, GRANULE,
                 )  # fmt: skip
             out_mask = (rm[:, None] < M) & (rn[None, :] < N)
             out_offs = rm[:, None] * stride_om + rn[None, :]

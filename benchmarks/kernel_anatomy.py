@@ -10,8 +10,11 @@ CUDA graph of PDL launches back to back:
 - ``+rope``, ``+swiglu``, ``+stats``: the kernel's own epilogue, which with the norm
   makes the kernel the decode step runs.
 
+With ``--grid``, each whole kernel instead, at its default tile and splits under other
+warps, pipeline stages and K steps.
+
 ``python -m benchmarks.kernel_anatomy --out results.json [--shapes smollm2,llama-1.5b]
-[--rows 1,8]``
+[--rows 1,8] [--grid]``
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+import triton
 
 from benchmarks import weight_stream
 from benchmarks.decode import copy_bandwidth_gbps
@@ -57,8 +62,11 @@ def _stream(w: torch.Tensor, block_n: int, split: int, block_k: int, stages: int
     return lambda wt: weight_stream._call(launch, x, wt, out)
 
 
-def _parts(name: str, rows: int) -> dict[str, list[tuple[str, str, torch.Tensor, Callable]]]:
-    """kernel -> [(part, config label, weight, call taking a weight copy)]."""
+def _parts(
+    name: str, rows: int, tweak: Callable[[Any], Any] = lambda c: c
+) -> dict[str, list[tuple[str, str, torch.Tensor, Callable]]]:
+    """kernel -> [(part, config label, weight, call taking a weight copy)], each kernel's
+    default launch shape passed through ``tweak`` first."""
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.gemm_launch import GemmConfig, k_step, pick_config, rope_split_k
     from ostinato.engine.kernels.launch import num_sms
@@ -74,6 +82,7 @@ def _parts(name: str, rows: int) -> dict[str, list[tuple[str, str, torch.Tensor,
         "gate_up": tg.CONFIGS[pick_config(inter, hidden, sms, swiglu=True) - 1],
         "down": tg.CONFIGS[pick_config(hidden, inter, sms) - 1],
     }
+    cfg = {k: tweak(c) for k, c in cfg.items()}
     w = {
         "qkv": torch.randn((heads + 2 * kv_heads) * d, hidden, **bf) / 30,
         "o": torch.randn(hidden, heads * d, **bf) / 30,
@@ -139,12 +148,38 @@ def _parts(name: str, rows: int) -> dict[str, list[tuple[str, str, torch.Tensor,
     }
 
 
-def measure(name: str, rows: int, bw_gbps: float) -> list[Timing]:
+def _tweaks() -> list[Callable[[Any], Any]]:
+    """The whole kernels' launch shapes tried by ``--grid``: each default's tile and
+    splits at 4 or 8 warps, 2 to 4 stages, K steps of 128 or 256."""
+    shapes = itertools.product((4, 8), (2, 3, 4), (128, 256))
+    return [
+        lambda c, w=w, s=s, k=k: replace(c, num_warps=w, num_stages=s, block_k=k)
+        for w, s, k in shapes
+    ]
+
+
+def measure(name: str, rows: int, bw_gbps: float, grid: bool = False) -> list[Timing]:
+    """Each kernel part by part; with ``grid``, each whole kernel at every ``_tweaks``."""
+    from ostinato.engine.kernels.launch import compile_ahead
+
+    if grid:
+        runs = [
+            {k: parts[-1:] for k, parts in _parts(name, rows, tweak).items()} for tweak in _tweaks()
+        ]
+        with compile_ahead():  # every shape's compilation on a pool, ahead of timing
+            for run in runs:
+                for parts in run.values():
+                    parts[0][3](parts[0][2])
+    else:
+        runs = [_parts(name, rows)]
     out = []
-    for kernel, parts in _parts(name, rows).items():
+    for kernel, parts in ((k, p) for run in runs for k, p in run.items()):
         for part, config, w, call in parts:
             turn, calls = _cold(w)
-            call(w)  # compiles outside the capture
+            try:
+                call(w)  # compiles outside the capture
+            except triton.runtime.errors.OutOfResources:
+                continue  # a pipeline that does not fit in shared memory
             us = graph_call_us(lambda call=call, turn=turn: call(turn()), calls)
             floor = w.nbytes / bw_gbps / 1e3
             out.append(Timing(name, rows, kernel, part, config, us, floor))
@@ -158,6 +193,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--grid", action="store_true", help="whole kernels, other launch shapes")
     args = parser.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"))
     doc = {"benchmark": "kernel_anatomy", "provenance": asdict(Provenance.collect())}
@@ -165,7 +201,7 @@ def main() -> None:
     doc["timings"] = []
     for name in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            doc["timings"] += [asdict(t) for t in measure(name, rows, bw)]
+            doc["timings"] += [asdict(t) for t in measure(name, rows, bw, args.grid)]
             args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 

@@ -6,11 +6,13 @@ weight columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K
 gate/up's tile width, attention's split count, warps and stages
 (``attention_launch.WAVES``, ``UNSPLIT_WARPS``, ``SPLIT_STAGES``), and the largest step
 launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers hand their norms row
-statistics (``decoder.ROW_STATS``). Each rule is set here between runs and
+statistics (``decoder.ROW_STATS``), and an unsplit projection's pipeline stages
+(``gemm_launch.UNSPLIT_STAGES``). Each rule is set here between runs and
 restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
-[--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six]
+[--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
+unsplit-stages]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -52,6 +54,7 @@ class Rule:
     split_attention_stages: int = attention_launch.SPLIT_STAGES
     pdl_max_rows: int = launch.PDL_MAX_ROWS
     row_stats: bool = decoder.ROW_STATS
+    unsplit_stages: int = gemm_launch.UNSPLIT_STAGES
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -95,6 +98,12 @@ RULES = {
         Rule("8 MiB, row statistics", row_stats=True),
         Rule("64 MiB, row statistics", 64 * MiB, row_stats=True),
         Rule("64 MiB, gate/up 32 wide, row stats", 64 * MiB, narrow_gate_up=True),
+    ),
+    # An unsplit plain projection's pipeline in 3 stages, as before, or all its steps in
+    # flight (SmolLM2's O; the 1.5 B shape has none at 16 rows or fewer).
+    "unsplit-stages": (
+        Rule("unsplit plain: 3 stages", unsplit_stages=3),
+        Rule("unsplit plain: 4 stages", unsplit_stages=4),
     ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
@@ -142,6 +151,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (attention_launch, "SPLIT_STAGES", rule.split_attention_stages),
         (launch, "PDL_MAX_ROWS", rule.pdl_max_rows),
         (decoder, "ROW_STATS", rule.row_stats),
+        (gemm_launch, "UNSPLIT_STAGES", rule.unsplit_stages),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

@@ -96,8 +96,10 @@ def test_the_fused_ops_refuse_a_mismatched_residual():
 
 def test_the_config_chosen_without_a_measurement_follows_its_rule():
     from ostinato.engine.kernels.gemm_launch import (
+        BLOCK_K,
         SPLIT_K_COLUMNS,
         UNSPLIT_K,
+        UNSPLIT_STAGES,
         k_per_split,
         k_step,
     )
@@ -119,6 +121,9 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
                 assert c.block_n == (64 if programs > 2 * sms else 32), (n, k, sms)
                 assert c.num_warps == 4
                 assert c.block_k == k_step(k, c.split_k), (n, k, sms)
+                # all of an unsplit narrow tile's 128-column steps in flight
+                deep = (c.block_n, c.split_k, c.block_k) == (32, 1, BLOCK_K)
+                assert c.num_stages == (UNSPLIT_STAGES if deep else 3), (n, k, sms)
 
 
 def test_only_long_whole_splits_step_256_columns():
@@ -150,8 +155,8 @@ def test_an_unsplit_gate_up_steps_further_in_narrow_tiles():
                 if 2 * ceil_div(n, 64) >= sms:  # wide: 32-column tiles, not the 64 of plain
                     assert (plain.block_n, plain.num_warps) == (64, 8)
                     assert same == (32, 1, 4, plain.num_stages), (n, k, sms)
-                else:
-                    kept = (plain.block_n, plain.split_k, plain.num_warps, plain.num_stages)
+                else:  # the plain tile and splits, in 3 stages
+                    kept = (plain.block_n, plain.split_k, plain.num_warps, 3)
                     assert same == kept, (n, k, sms)
                 want = SWIGLU_BLOCK_K if plain.split_k == 1 else plain.block_k
                 assert swiglu.block_k == want, (n, k, sms)

@@ -22,6 +22,11 @@ SWIGLU_BLOCK_K = 256
 # 256 (QKV 10.8 vs 13.0 µs, down 12.2 vs 14.1, O 5.7 vs 5.8); SmolLM2's splits are
 # shorter and keep 128.
 LONG_SPLIT_K = 512
+# Pipeline stages of an unsplit plain projection stepping BLOCK_K columns: its few steps
+# all in flight. On the H200 (``kernel_anatomy --grid``, cold weights) SmolLM2's O took
+# 2.71 against 2.98 µs at 3 stages, at 1 and 8 rows; gate/up and the split projections
+# were level or slower at 4 (the 1.5 B gate/up 19.7 against 18.2), so they keep 3.
+UNSPLIT_STAGES = 4
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class GemmConfig:
 # entries go last). On the H100 the narrow 16-column tiles never won, so they are not
 # tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
 # lack; 10 to 12 its gate/up shapes, which step 256 columns at a time; 13 to 18 its split
-# shapes with long splits (``k_step``).
+# shapes with long splits (``k_step``); 19 its unsplit plain shape (``UNSPLIT_STAGES``).
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
@@ -56,6 +61,7 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(64, 1, block_k=SWIGLU_BLOCK_K),
     GemmConfig(64, 1, num_warps=8, block_k=SWIGLU_BLOCK_K),
     *(GemmConfig(n, s, block_k=256) for n in (32, 64) for s in (2, 4, 8)),
+    GemmConfig(32, 1, num_stages=UNSPLIT_STAGES),
 )
 UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
@@ -90,7 +96,8 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     powers of two until a split has at most ``SPLIT_K_COLUMNS`` (at most ``MAX_SPLIT_K``),
     in 32-column tiles unless those would give more than two programs per SM. An
     unsplit ``swiglu`` projection steps ``SWIGLU_BLOCK_K`` columns at a time, any other
-    ``k_step``'s.
+    ``k_step``'s; an unsplit plain one of 32-column tiles stepping ``BLOCK_K`` pipelines
+    ``UNSPLIT_STAGES`` stages.
     Deterministic in ``(n, k, sms, swiglu)``."""
     if swiglu and 2 * ceil_div(n, 64) >= sms:
         # gate/up reads two tiles a program: in 32 columns, 1.009 against 1.081 ms for
@@ -110,6 +117,8 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
         config = replace(config, block_k=SWIGLU_BLOCK_K)
     else:
         config = replace(config, block_k=k_step(k, config.split_k))
+    if not swiglu and config == GemmConfig(32, 1):
+        config = replace(config, num_stages=UNSPLIT_STAGES)
     return CONFIGS.index(config) + 1
 
 

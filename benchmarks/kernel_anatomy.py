@@ -59,7 +59,7 @@ def _stream(w: torch.Tensor, block_n: int, split: int, block_k: int, stages: int
     launch = weight_stream.Launch(block_n, split, block_k, stages, 4, "rows")
     x = torch.ones(weight_stream.ROWS, block_k, device=w.device, dtype=w.dtype)
     out = torch.empty(split, weight_stream.ROWS, w.shape[0], device=w.device)
-    return lambda wt: weight_stream._call(launch, x, wt, out)
+    return lambda wt: weight_stream.launch_stream(launch, x, wt, out)
 
 
 def _parts(

@@ -117,7 +117,7 @@ def _launches() -> list[Launch]:
     ]
 
 
-def _call(launch_: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def launch_stream(launch_: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """One launch over ``w`` (``[N, K]`` elements in either layout) into ``out``
     (``[split, ROWS, N]``)."""
     n = out.shape[2]
@@ -134,11 +134,11 @@ def _time(c: Launch, x: torch.Tensor, ws: list[torch.Tensor], n: int) -> float |
     """µs per call of ``c`` over the copies ``ws`` in turn; None where it does not fit."""
     outs = torch.empty(c.split, ROWS, n, device="cuda", dtype=torch.float32)
     try:
-        _call(c, x, ws[0], outs)
+        launch_stream(c, x, ws[0], outs)
     except triton.runtime.errors.OutOfResources:
         return None
     turn = itertools.cycle(ws).__next__
-    return graph_call_us(lambda: _call(c, x, turn(), outs), max(CALLS, len(ws)))
+    return graph_call_us(lambda: launch_stream(c, x, turn(), outs), max(CALLS, len(ws)))
 
 
 def sweep(name: str, bw_gbps: float, launches: list[Launch]) -> list[Timing]:
@@ -174,7 +174,7 @@ def main() -> None:
     with compile_ahead():  # every layout's compilation on a pool, ahead of timing
         for c in launches:
             w = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
-            _call(c, x[:, : c.block_k], w, torch.empty(1, ROWS, 64, device="cuda"))
+            launch_stream(c, x[:, : c.block_k], w, torch.empty(1, ROWS, 64, device="cuda"))
     doc = {"benchmark": "weight_stream", "provenance": asdict(Provenance.collect())}
     doc["copy_bandwidth_gbps"] = bw
     doc["timings"] = []

@@ -59,7 +59,7 @@ def _configs() -> list:
     return [GemmConfig(*t, *st) for t, st in itertools.product(tiles, steps)]
 
 
-def _turns(weight: torch.Tensor, cold: bool) -> tuple[Callable[[], torch.Tensor], int]:
+def weight_turns(weight: torch.Tensor, cold: bool) -> tuple[Callable[[], torch.Tensor], int]:
     """A function giving the weight to read at each call (with ``cold`` the next of
     enough copies to fill ``COLD_BYTES``), and how many calls a graph should hold."""
     if not cold:
@@ -89,7 +89,7 @@ def sweep(name: str, rows: int, bw_gbps: float, pdl: bool, cold: bool = False) -
     slots = torch.arange(rows, device="cuda") + 16
     rope = tg.RopeKV(cos, cos, cache, cache.clone(), slots, heads, kv_heads)
     out: list[Timing] = []
-    turns = {k: _turns(v, cold) for k, v in w.items()}
+    turns = {k: weight_turns(v, cold) for k, v in w.items()}
     wt = {k: t[0] for k, t in turns.items()}  # the weight of the next call
 
     def timed(kernel: str, config: str, fn) -> None:

@@ -1,6 +1,6 @@
 """Where a fused decode kernel's time goes beyond reading its weight: each of a layer's
 four GEMM kernels at its default launch shape, built up one part at a time, each timed
-cold (every call reads its own weight copy, ``weight_stream.COLD_BYTES`` of them) in a
+cold (every call reads its own weight copy, ``fused_sweep.COLD_BYTES`` of them) in a
 CUDA graph of PDL launches back to back:
 
 - ``stream``: ``weight_stream``'s grid at the same rows per program, splits and K step
@@ -32,7 +32,7 @@ import triton
 
 from benchmarks import weight_stream
 from benchmarks.decode import copy_bandwidth_gbps
-from benchmarks.fused_sweep import SHAPES
+from benchmarks.fused_sweep import SHAPES, weight_turns
 from ostinato.platform.cuda import graph_call_us
 from ostinato.provenance import Provenance
 
@@ -48,11 +48,6 @@ class Timing:
     config: str
     us: float
     floor_us: float  # the weight's bytes over the copy bandwidth
-
-
-def _cold(w: torch.Tensor) -> tuple[Callable[[], torch.Tensor], int]:
-    copies = [w] + [w.clone() for _ in range(weight_stream.COLD_BYTES // w.nbytes)]
-    return itertools.cycle(copies).__next__, max(weight_stream.CALLS, len(copies))
 
 
 def _stream(w: torch.Tensor, block_n: int, split: int, block_k: int, stages: int):
@@ -175,7 +170,7 @@ def measure(name: str, rows: int, bw_gbps: float, grid: bool = False) -> list[Ti
     out = []
     for kernel, parts in ((k, p) for run in runs for k, p in run.items()):
         for part, config, w, call in parts:
-            turn, calls = _cold(w)
+            turn, calls = weight_turns(w, cold=True)
             try:
                 call(w)  # compiles outside the capture
             except triton.runtime.errors.OutOfResources:

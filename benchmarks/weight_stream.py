@@ -11,10 +11,10 @@ a tile is ``block_n`` strided runs of ``block_k`` columns) or pre-tiled (``tiled
 ``[N / block_n, K / block_k, block_n, block_k]``, so each tile, and a program's whole
 walk, is one contiguous run).
 
-Every call reads its own copy of the weight (the copies together over ``COLD_BYTES``),
-as a decode step reads each layer's weights once; calls are PDL-launched back to back in
-one CUDA graph (``graph_call_us``), and the rate is against the copy bandwidth measured
-in the same run.
+Every call reads its own copy of the weight (``fused_sweep.weight_turns``: the copies
+together over its ``COLD_BYTES``), as a decode step reads each layer's weights once;
+calls are PDL-launched back to back in one CUDA graph (``graph_call_us``), and the rate
+is against the copy bandwidth measured in the same run.
 
 ``python -m benchmarks.weight_stream --out results.json [--shapes gate_up,down,qkv,o]``
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.decode import copy_bandwidth_gbps
+from benchmarks.fused_sweep import weight_turns
 from ostinato.engine.kernels.gemm_launch import k_per_split
 from ostinato.engine.kernels.launch import compile_ahead, launch
 from ostinato.engine.kernels.pdl import pdl_enter
@@ -41,8 +43,6 @@ from ostinato.provenance import Provenance
 # The 1.5 B preset's projections at one layer: name -> (N, K); gate/up as the fused
 # kernel reads it (gate rows, then up rows).
 SHAPES = {"gate_up": (16384, 2048), "down": (2048, 8192), "qkv": (3072, 2048), "o": (2048, 2048)}
-COLD_BYTES = 160 * 2**20
-CALLS = 20
 ROWS = 16  # the GEMM's row tile
 
 
@@ -130,15 +130,18 @@ def launch_stream(launch_: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.
     )  # fmt: skip
 
 
-def _time(c: Launch, x: torch.Tensor, ws: list[torch.Tensor], n: int) -> float | None:
-    """µs per call of ``c`` over the copies ``ws`` in turn; None where it does not fit."""
+def _time(
+    c: Launch, x: torch.Tensor, turns: tuple[Callable[[], torch.Tensor], int], n: int
+) -> float | None:
+    """µs per call of ``c`` over a weight's cold copies (``turns``, from
+    ``fused_sweep.weight_turns``); None where it does not fit."""
+    turn, calls = turns
     outs = torch.empty(c.split, ROWS, n, device="cuda", dtype=torch.float32)
     try:
-        launch_stream(c, x, ws[0], outs)
+        launch_stream(c, x, turn(), outs)
     except triton.runtime.errors.OutOfResources:
         return None
-    turn = itertools.cycle(ws).__next__
-    return graph_call_us(lambda: launch_stream(c, x, turn(), outs), max(CALLS, len(ws)))
+    return graph_call_us(lambda: launch_stream(c, x, turn(), outs), calls)
 
 
 def sweep(name: str, bw_gbps: float, launches: list[Launch]) -> list[Timing]:
@@ -146,20 +149,17 @@ def sweep(name: str, bw_gbps: float, launches: list[Launch]) -> list[Timing]:
     n, k = SHAPES[name]
     bf = dict(device="cuda", dtype=torch.bfloat16)
     base = torch.randn(n, k, **bf) / 30
-    copies = max(1, COLD_BYTES // base.nbytes)
     fits = [c for c in launches if k % (c.split * c.block_k) == 0]
     out: list[Timing] = []
     key = lambda c: (c.layout, c.block_n, c.block_k)  # noqa: E731
     for (layout, bn, bk), group in itertools.groupby(sorted(fits, key=key), key=key):
-        w0 = _tiled(base, bn, bk) if layout == "tiled" else base
-        ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+        turns = weight_turns(_tiled(base, bn, bk) if layout == "tiled" else base, cold=True)
         x = torch.ones(ROWS, bk, **bf)
         for c in group:
-            us = _time(c, x, ws, n)
+            us = _time(c, x, turns, n)
             if us is not None:
                 gbps = base.nbytes / us / 1e3
                 out.append(Timing(name, c, us, gbps, gbps / bw_gbps))
-        del ws
     return out
 
 

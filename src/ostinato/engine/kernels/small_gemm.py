@@ -174,7 +174,8 @@ def _rope_inputs(
     key and value heads). A kernel loads them before its K loop, so that their round
     trip overlaps the loop rather than lengthening the kernel's tail."""
     c = tl.arange(0, HALF)
-    # per-row masks of the program's head kind (a uniform bound: M where it applies, 0)
+    # per-row masks of the program's head kind (a uniform bound: M where it applies, 0);
+    # ``c < HALF`` only broadcasts the key mask to the tile's shape
     key_rows = tl.where((head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS), M, 0)
     kv_rows = tl.where(head >= Q_HEADS, M, 0)
     key = (rm[:, None] < key_rows) & (c[None, :] < HALF)

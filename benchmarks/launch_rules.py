@@ -6,13 +6,14 @@ weight columns a program prefetches before its PDL wait (``small_gemm.PREFETCH_K
 gate/up's tile width, attention's split count, warps and stages
 (``attention_launch.WAVES``, ``UNSPLIT_WARPS``, ``SPLIT_STAGES``), and the largest step
 launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers hand their norms row
-statistics (``decoder.ROW_STATS``), and an unsplit projection's pipeline stages
-(``gemm_launch.UNSPLIT_STAGES``). Each rule is set here between runs and
+statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
+(``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
+wait (``launch.TRIGGER_FIRST``). Each rule is set here between runs and
 restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages]
+unsplit-stages|pdl-order]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -55,6 +56,7 @@ class Rule:
     pdl_max_rows: int = launch.PDL_MAX_ROWS
     row_stats: bool = decoder.ROW_STATS
     unsplit_stages: int = gemm_launch.UNSPLIT_STAGES
+    trigger_first: bool = launch.TRIGGER_FIRST
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -105,6 +107,14 @@ RULES = {
         Rule("unsplit plain: 3 stages", unsplit_stages=3),
         Rule("unsplit plain: 4 stages", unsplit_stages=4),
     ),
+    # A kernel lets the next one launch after its PDL wait, as before, or before it (so
+    # launches run ahead and weight prefetches start earlier), and with that a longer
+    # prefetch.
+    "pdl-order": (
+        Rule("wait, then launch dependents", trigger_first=False),
+        Rule("launch dependents, then wait", trigger_first=True),
+        Rule("launch first, prefetch 2048", trigger_first=True, prefetch_k=2048),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -152,6 +162,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (launch, "PDL_MAX_ROWS", rule.pdl_max_rows),
         (decoder, "ROW_STATS", rule.row_stats),
         (gemm_launch, "UNSPLIT_STAGES", rule.unsplit_stages),
+        (launch, "TRIGGER_FIRST", rule.trigger_first),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

@@ -75,10 +75,15 @@ def test_split_k_gemm_replays_in_a_graph_on_new_inputs():
         assert int(counters.abs().sum()) == 0
 
 
-def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain():
+@pytest.mark.parametrize("trigger_first", [False, True])
+def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain(trigger_first, monkeypatch):
     # A decode-like chain of our kernels launched with PDL inside one graph: each waits
-    # for its predecessor, so the results are the plain launches' bit for bit.
+    # for its predecessor, so the results are the plain launches' bit for bit, whether
+    # a kernel lets the next launch before its wait or after.
     needs_pdl()
+    from ostinato.engine.kernels import launch
+
+    monkeypatch.setattr(launch, "TRIGGER_FIRST", trigger_first)
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.paged_attention import paged_attention, write_kv_fused
     from ostinato.engine.kernels.rms_norm import rms_norm_rows

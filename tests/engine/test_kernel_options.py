@@ -141,6 +141,15 @@ def test_pdl_applies_to_decode_sized_launches_only():
     assert not pdl_for(False, 1)
 
 
+def test_pdl_arg_says_no_pdl_or_the_order_of_wait_and_launch(monkeypatch):
+    from ostinato.engine.kernels import launch
+
+    assert launch.pdl_arg(False) == 0
+    for first, order in ((False, launch.WAIT_THEN_TRIGGER), (True, launch.TRIGGER_THEN_WAIT)):
+        monkeypatch.setattr(launch, "TRIGGER_FIRST", first)
+        assert launch.pdl_arg(True) == order and launch.pdl_arg(False) == 0
+
+
 def test_layout_rows_take_every_pdl_and_split_layout_brute_force():
     # compile_ahead's passes: every (PDL, attention splits) pair a step of 1..max rows
     # launches is launched by one of layout_rows(max), checked against every size.

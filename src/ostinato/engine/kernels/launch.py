@@ -95,6 +95,24 @@ def pdl_for(pdl: bool, rows: int) -> bool:
     return pdl and rows <= PDL_MAX_ROWS
 
 
+# Whether a kernel lets the next one launch before it waits for the previous one
+# (``launch_dependents`` then ``wait``) rather than after. Either is safe: every kernel
+# waits before its first dependent access, and a kernel completes only after its wait,
+# so waiting on the previous kernel waits on all before it. Triggering first lets the
+# launches run ahead of the work, so each kernel's weight prefetch starts earlier.
+TRIGGER_FIRST = False
+
+WAIT_THEN_TRIGGER, TRIGGER_THEN_WAIT = 1, 2  # pdl.pdl_enter's USE_PDL, PDL on
+
+
+def pdl_arg(pdl: bool) -> int:
+    """The kernels' ``USE_PDL`` (``pdl.pdl_enter``) for a launch with PDL
+    (``launch_pdl=True``) or without: 0 without, else the order ``TRIGGER_FIRST`` says."""
+    if not pdl:
+        return 0
+    return TRIGGER_THEN_WAIT if TRIGGER_FIRST else WAIT_THEN_TRIGGER
+
+
 def layout_rows(max_rows: int) -> tuple[int, ...]:
     """Row counts (at most ``max_rows``) whose launches between them take every layout a
     step of 1 to ``max_rows`` rows takes: with and without PDL, each at its fewest rows

@@ -26,7 +26,7 @@ from ostinato.engine.kernels.attention_launch import (
     launch_for,
     splits_for,
 )
-from ostinato.engine.kernels.launch import launch, num_sms, pdl_for
+from ostinato.engine.kernels.launch import launch, num_sms, pdl_arg, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
 
@@ -275,7 +275,7 @@ def paged_attention(
         BLOCK_N=config.block_n,
         SPLIT=splits > 1,
         ROPE=rope is not None,
-        USE_PDL=pdl,
+        USE_PDL=pdl_arg(pdl),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
@@ -334,7 +334,7 @@ def _merge_splits(
         HEADS=heads,
         HEAD_DIM=head_dim,
         MAX_SPLITS=MAX_SPLITS,
-        USE_PDL=pdl,
+        USE_PDL=pdl_arg(pdl),
         num_warps=4,
         launch_pdl=pdl,
     )
@@ -445,7 +445,7 @@ def write_kv_fused(
         kc.stride(1),
         HEAD_DIM=head_dim,
         ROPE=rope is not None,
-        USE_PDL=pdl,
+        USE_PDL=pdl_arg(pdl),
         num_warps=1,
         launch_pdl=pdl,
     )

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.launch import launch, pdl_for
+from ostinato.engine.kernels.launch import launch, pdl_arg, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
 
@@ -87,7 +87,7 @@ def rms_norm_rows(
         eps,
         ADD=add,
         BLOCK=block,
-        USE_PDL=pdl,
+        USE_PDL=pdl_arg(pdl),
         num_warps=min(16, max(1, block // 256)),
         launch_pdl=pdl,
     )

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.launch import launch, pdl_for
+from ostinato.engine.kernels.launch import launch, pdl_arg, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
 
@@ -44,7 +44,7 @@ def silu_mul(x: torch.Tensor, pdl: bool = False, out: torch.Tensor | None = None
     launch(
 _silu_mul_kernel,
 (m, triton.cdiv(k, block)),
-        x, out, k, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4,
+        x, out, k, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl_arg(pdl), num_warps=4,
         launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -70,7 +70,7 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     rope_head_dim,
     stats_columns,
 )
-from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.launch import launch, pdl_arg
 from ostinato.engine.kernels.pdl import pdl_enter
 
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
@@ -580,7 +580,7 @@ def _launch(
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,
         LINE=LINE,
-        USE_PDL=pdl,
+        USE_PDL=pdl_arg(pdl),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,

@@ -178,3 +178,46 @@ def test_the_qkv_split_covers_the_gpu_when_splits_can():
                 assert covered or not more, (heads, k, sms, split)
                 if split > 1:  # never more splits than needed
                     assert heads * working_splits(k, split // 2) < sms
+
+
+def test_a_resident_launch_is_for_one_row_and_weights_a_program_can_hold():
+    from ostinato.engine.kernels import gemm_launch as g
+
+    # cached plans name configs by index: the resident shapes come after every other
+    assert [c.resident for c in CONFIGS[-2:]] == [True, True]
+    assert not any(c.resident for c in CONFIGS[:-2])
+    for k in range(1, 20000, 97):
+        for tiles in (1, 2):
+            held = tiles * g.RESIDENT_N * triton_p2(k)
+            choice = g.resident_config(k, tiles)
+            if held > g.RESIDENT_ELEMENTS:
+                assert choice is None
+                continue
+            c = CONFIGS[choice - 1]
+            assert c.resident and c.block_n == g.RESIDENT_N
+            assert c.num_warps == (8 if held > g.RESIDENT_WIDE else 4)
+            assert g.fits(c, 1, k, tiles) and not g.fits(c, 2, k, tiles)
+            assert all(g.fits(o, 16, k, tiles) for o in CONFIGS if not o.resident)
+    # the row statistics' entries divide every tile, the resident one's included
+    assert all(c.block_n % g.GRANULE == 0 for c in CONFIGS)
+
+
+def triton_p2(k: int) -> int:
+    p = 1
+    while p < k:
+        p *= 2
+    return p
+
+
+def test_the_qkv_launch_is_resident_at_one_row_without_head_norms():
+    from ostinato.engine.kernels import gemm_launch as g
+
+    for heads, d, k in ((48, 64, 2048), (15, 64, 576), (12, 128, 4096), (40, 128, 5120)):
+        fits = g.resident_config(k, tiles=2) is not None
+        for rows in (1, 2, 16):
+            for norms in (False, True):
+                c = g.rope_config(heads, d, k, 132, rows, norms)
+                assert c.resident == (rows == 1 and fits and not norms), (heads, k, rows)
+                if not c.resident:
+                    split = rope_split_k(heads, k, 132)
+                    assert c == GemmConfig(d // 2, split, block_k=g.k_step(k, split))

@@ -42,10 +42,10 @@ def _reference_norm(x, residual, w, eps):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m):
+@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (5, False), (16, False)])
+def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m, resident):
     from ostinato.engine.kernels import small_gemm as tg
-    from ostinato.engine.kernels.gemm_launch import pick_config
+    from ostinato.engine.kernels.gemm_launch import pick_config, resident_config
     from ostinato.engine.kernels.launch import num_sms
 
     torch.manual_seed(m)
@@ -55,7 +55,11 @@ def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m):
     w = torch.randn(2 * inter, hidden, **BF) / hidden**0.5
     counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
     total = torch.empty_like(x)
-    config = tg.CONFIGS[pick_config(inter, hidden, num_sms(DEVICE), swiglu=True) - 1]
+    choice = pick_config(inter, hidden, num_sms(DEVICE), swiglu=True)
+    if resident:
+        choice = resident_config(hidden, tiles=2)
+    config = tg.CONFIGS[choice - 1]
+    assert config.resident == resident
     prologue = tg.NormPrologue(norm_w, 1e-5, residual, total)
     got = tg.small_gemm(x, w, None, counters, config, True, True, prologue)
     h, want_total = _reference_norm(x, residual, norm_w, 1e-5)
@@ -109,7 +113,7 @@ def _qkv_reference(c, eps=1e-5):
     return q, apply_rope(k, c["cos"], c["sin"]), v, total
 
 
-def _run_qkv(c, counters, split, pdl, eps=1e-5):
+def _run_qkv(c, counters, split, pdl, eps=1e-5, config=None):
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.gemm_launch import k_step
 
@@ -120,17 +124,18 @@ def _run_qkv(c, counters, split, pdl, eps=1e-5):
     )  # fmt: skip
     prologue = tg.NormPrologue(c["norm_w"], eps, c["residual"], total)
     # The K step norm_qkv takes for this split (256 for the 1.5 B shape's long splits).
-    config = tg.GemmConfig(c["d"] // 2, split, block_k=k_step(c["x"].shape[1], split))
+    if config is None:
+        config = tg.GemmConfig(c["d"] // 2, split, block_k=k_step(c["x"].shape[1], split))
     q = tg.qkv_rope_kv(c["x"], c["w"], c["b"], counters, config, rope, prologue, pdl)
     return q, total
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m", [1, 6, 16])
+@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (6, False), (16, False)])
 @pytest.mark.parametrize("qk_norm, bias", [(False, False), (False, True), (True, False)])
-def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, qk_norm, bias):
+def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, resident, qk_norm, bias):
     from ostinato.engine.kernels import small_gemm as tg
-    from ostinato.engine.kernels.gemm_launch import rope_split_k
+    from ostinato.engine.kernels.gemm_launch import rope_config, rope_split_k
     from ostinato.engine.kernels.launch import num_sms
 
     c = _qkv_case(shape, m, qk_norm, bias, seed=m)
@@ -138,7 +143,15 @@ def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, qk_norm, bias
     heads = c["heads"] + 2 * c["kv_heads"]
     counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
     split = rope_split_k(heads, shape[0], num_sms(DEVICE))
-    q, total = _run_qkv(c, counters, split, pdl=True)
+    config = None
+    if resident:  # the launch norm_qkv takes at one row without head norms
+        config = rope_config(heads, c["d"], shape[0], num_sms(DEVICE), m)
+        if qk_norm:
+            with pytest.raises(ValueError, match="head norms"):
+                _run_qkv(c, counters, split, pdl=True, config=config)
+            return
+        assert config.resident
+    q, total = _run_qkv(c, counters, split, pdl=True, config=config)
     want_q, want_k, want_v, want_total = _qkv_reference(c)
     assert torch.equal(total, want_total)
     assert rel_err(q.view_as(want_q), want_q) < 1e-2

@@ -29,10 +29,18 @@ def _stats_of(h: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("k, n", PROJECTIONS)
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("config", [(32, 1), (64, 1), (32, 4), (64, 8)])
+@pytest.mark.parametrize("config", [(32, 1), (64, 1), (32, 4), (64, 8), "resident"])
 @pytest.mark.parametrize("add", [False, True])
 def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, n, m, config, add):
     from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.kernels.gemm_launch import resident_config
+
+    if config == "resident":
+        if m > 1:
+            pytest.skip("a resident launch takes one row")
+        config = tg.CONFIGS[resident_config(k) - 1]
+    else:
+        config = tg.GemmConfig(*config)
 
     torch.manual_seed(m + n)
     x, w = torch.randn(m, k, **BF), torch.randn(n, k, **BF) / k**0.5
@@ -41,8 +49,8 @@ def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, 
     stats = torch.full((tg.MAX_ROWS, tg.stats_columns(n)), float("nan"), device=DEVICE)
     counters = torch.zeros(tg.counters_needed(n), dtype=torch.int32, device=DEVICE)
     after = tg.ResidualStats(residual, stats, add)
-    got = tg.small_gemm(x, w, b, counters, tg.GemmConfig(*config), False, True, None, after)
-    plain = tg.small_gemm(x, w, b, counters, tg.GemmConfig(*config), False, True)
+    got = tg.small_gemm(x, w, b, counters, config, False, True, None, after)
+    plain = tg.small_gemm(x, w, b, counters, config, False, True)
     total = plain + residual  # torch's add: rounded as the kernel rounds
     assert torch.equal(got, total if add else plain)
     torch.testing.assert_close(stats[:m], _stats_of(total), rtol=1e-5, atol=1e-3)
@@ -50,11 +58,13 @@ def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, 
 
 
 @pytest.mark.parametrize("hidden, inter", [(576, 1536), (2048, 8192)])
-@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (7, False), (16, False)])
 @pytest.mark.parametrize("add", [False, True])
-def test_a_normed_projection_takes_its_sums_of_squares_from_the_statistics(hidden, inter, m, add):
+def test_a_normed_projection_takes_its_sums_of_squares_from_the_statistics(
+    hidden, inter, m, resident, add
+):
     from ostinato.engine.kernels import small_gemm as tg
-    from ostinato.engine.kernels.gemm_launch import pick_config
+    from ostinato.engine.kernels.gemm_launch import pick_config, resident_config
     from ostinato.engine.kernels.launch import num_sms
 
     torch.manual_seed(m)
@@ -65,7 +75,8 @@ def test_a_normed_projection_takes_its_sums_of_squares_from_the_statistics(hidde
     stats = torch.zeros(tg.MAX_ROWS, tg.stats_columns(hidden), device=DEVICE)
     stats[:m] = _stats_of(h)
     counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
-    config = tg.CONFIGS[pick_config(inter, hidden, num_sms(DEVICE), swiglu=True) - 1]
+    choice = pick_config(inter, hidden, num_sms(DEVICE), swiglu=True)
+    config = tg.CONFIGS[(resident_config(hidden, tiles=2) if resident else choice) - 1]
     total, want_total = torch.empty_like(x), torch.empty_like(x)
     prologue = tg.NormPrologue(norm_w, 1e-5, residual, want_total)
     want = tg.small_gemm(x, w, None, counters, config, True, True, prologue)

@@ -10,7 +10,7 @@ from ostinato.mathutil import ceil_div
 MAX_ROWS = 16  # the one row tile of the GEMM (tl.dot's smallest M)
 BLOCK_K = 128  # K columns per step of its loop
 MAX_SPLIT_K = 8
-GRANULE = 16  # output columns per entry of the row statistics (the narrowest tile)
+GRANULE = 4  # output columns per entry of the row statistics (the narrowest tile)
 # K columns per loop step of an unsplit gate/up projection (two tiles per program): on
 # the H200, with each call reading its own weight (``fused_sweep --cold``), 256 beat 128
 # by 10% at the SmolLM2 shape (6.3 vs 7.0 µs) and 44% at the 1.5 B shape's 32-column
@@ -27,18 +27,30 @@ LONG_SPLIT_K = 512
 # 2.71 against 2.98 µs at 3 stages, at 1 and 8 rows; gate/up and the split projections
 # were level or slower at 4 (the 1.5 B gate/up 19.7 against 18.2), so they keep 3.
 UNSPLIT_STAGES = 4
+# A *resident* launch (one row): each program holds RESIDENT_N weight rows per tile over
+# the whole of K in registers, loaded before its PDL wait, and multiplies on CUDA cores
+# after it: no K loop, no split-K reduction. On the H200 (``benchmarks.resident_gemv``,
+# cold weights, one row) it took the 1.5 B shape's QKV from 8.0 to 3.9 µs, O 5.7 to 2.9,
+# down 12.1 to 8.9, gate/up 17.8 to 16.4, and SmolLM2's four from 2.5-3.7 to 1.2-2.2; at
+# 8 rows it was slower than the K loop, so it is for one row only.
+RESIDENT_N = 4
+RESIDENT_MAX_ROWS = 1
+RESIDENT_ELEMENTS = 32768  # weight elements a program holds at most (64 KiB of 16-bit)
+RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
 
 
 @dataclass(frozen=True)
 class GemmConfig:
     """One launch shape of the small GEMM: output columns per program, K splits, warps,
-    K columns per loop step, software-pipeline stages."""
+    K columns per loop step, software-pipeline stages; or ``resident`` (one row only):
+    the weight tile over the whole of K held in registers (``RESIDENT_N``)."""
 
     block_n: int
     split_k: int
     num_warps: int = 4
     block_k: int = 128
     num_stages: int = 3
+    resident: bool = False
 
 
 # The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
@@ -46,7 +58,8 @@ class GemmConfig:
 # entries go last). On the H100 the narrow 16-column tiles never won, so they are not
 # tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
 # lack; 10 to 12 its gate/up shapes, which step 256 columns at a time; 13 to 18 its split
-# shapes with long splits (``k_step``); 19 its unsplit plain shape (``UNSPLIT_STAGES``).
+# shapes with long splits (``k_step``); 19 its unsplit plain shape (``UNSPLIT_STAGES``);
+# 20 and 21 the resident shapes (``resident_config``).
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
@@ -62,6 +75,8 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(64, 1, num_warps=8, block_k=SWIGLU_BLOCK_K),
     *(GemmConfig(n, s, block_k=256) for n in (32, 64) for s in (2, 4, 8)),
     GemmConfig(32, 1, num_stages=UNSPLIT_STAGES),
+    GemmConfig(RESIDENT_N, 1, num_warps=4, resident=True),
+    GemmConfig(RESIDENT_N, 1, num_warps=8, resident=True),
 )
 UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
@@ -122,6 +137,32 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     return CONFIGS.index(config) + 1
 
 
+def resident_elements(k: int, tiles: int = 1) -> int:
+    """Weight elements a resident program holds: ``tiles`` tiles (two for gate/up and
+    QKV's half heads) of ``RESIDENT_N`` rows over K padded to a power of two."""
+    return tiles * RESIDENT_N * (1 << max(k - 1, 0).bit_length())
+
+
+def resident_config(k: int, tiles: int = 1) -> int | None:
+    """The plan entry (1-based into ``CONFIGS``) of the resident launch for a projection
+    over ``k`` columns whose programs hold ``tiles`` tiles, or None where its weight
+    rows would not fit a program's registers (``RESIDENT_ELEMENTS``)."""
+    held = resident_elements(k, tiles)
+    if held > RESIDENT_ELEMENTS:
+        return None
+    warps = 8 if held > RESIDENT_WIDE else 4
+    return CONFIGS.index(GemmConfig(RESIDENT_N, 1, num_warps=warps, resident=True)) + 1
+
+
+def fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
+    """Whether ``config`` may run a projection of ``rows`` rows over ``k`` columns whose
+    programs hold ``tiles`` tiles: a resident one only up to ``RESIDENT_MAX_ROWS`` rows
+    and ``RESIDENT_ELEMENTS`` weight elements; any other always."""
+    if not config.resident:
+        return True
+    return rows <= RESIDENT_MAX_ROWS and resident_elements(k, tiles) <= RESIDENT_ELEMENTS
+
+
 def rope_head_dim(d: int) -> bool:
     """Whether the ROPE_KV epilogue takes heads of ``d`` dims: its programs own one head
     as two half-head tiles, and a tile is a power of two of at least 16 columns."""
@@ -140,6 +181,20 @@ def rope_split_k(heads: int, k: int, sms: int) -> int:
     ):
         split *= 2
     return split
+
+
+def rope_config(
+    heads: int, d: int, k: int, sms: int, rows: int, head_norms: bool = False
+) -> GemmConfig:
+    """The ROPE_KV launch of a QKV projection of ``heads`` heads of ``d`` over ``k``
+    columns: resident at ``rows`` up to ``RESIDENT_MAX_ROWS`` where its two half-head
+    tiles fit (not with ``head_norms``, which need a program per head), else a program
+    per head in ``rope_split_k`` splits."""
+    choice = resident_config(k, tiles=2)
+    if rows <= RESIDENT_MAX_ROWS and choice is not None and not head_norms:
+        return CONFIGS[choice - 1]
+    split = rope_split_k(heads, k, sms)
+    return GemmConfig(d // 2, split, block_k=k_step(k, split))
 
 
 def stats_columns(n: int) -> int:

@@ -145,11 +145,12 @@ def _qkv_stage(
         a = a.to(x_ptr.dtype.element_ty).to(tl.float32)  # the projection, as stored unfused
         b = b.to(x_ptr.dtype.element_ty).to(tl.float32)
         ca, cb, sa, sb, slot = _rope_inputs(
-            rm, M, head, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, HALF
-        )
+            rm, M, head, 0, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, HALF,
+            HALF,
+        )  # fmt: skip
         _rope_kv_epilogue(
-            a, b, rm, M, head, q_ptr, Q_HEADS * HEAD_DIM, ca, cb, sa, sb, slot, kc, vc,
-            stride_cs, stride_ch, qn, kn, eps, Q_HEADS, KV_HEADS, QK_NORM, HALF,
+            a, b, rm, M, head, 0, q_ptr, Q_HEADS * HEAD_DIM, ca, cb, sa, sb, slot, kc, vc,
+            stride_cs, stride_ch, qn, kn, eps, Q_HEADS, KV_HEADS, QK_NORM, HALF, HALF,
         )  # fmt: skip
 
 

@@ -66,11 +66,12 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     MAX_ROWS,
     GemmConfig,
     counters_needed,
+    fits,
     k_per_split,
     rope_head_dim,
     stats_columns,
 )
-from ostinato.engine.kernels.launch import launch, pdl_arg
+from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
 from ostinato.engine.kernels.pdl import pdl_enter
 
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
@@ -167,13 +168,15 @@ def _head_norm(a, b, rstd_eps, w_ptr, HALF: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _rope_inputs(
-    rm, M, head, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, HALF: tl.constexpr
-):
+    rm, M, head, c0, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS,
+    HALF: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
     """What ``_rope_kv_epilogue`` reads besides the projection: each row's cos and sin
-    halves (for a key head; zeros for others, which load nothing) and its cache slot (for
-    key and value heads). A kernel loads them before its K loop, so that their round
-    trip overlaps the loop rather than lengthening the kernel's tail."""
-    c = tl.arange(0, HALF)
+    at the program's columns ``c0 .. c0 + WIDTH`` of each half head (for a key head;
+    zeros for others, which load nothing) and its cache slot (for key and value heads).
+    A kernel loads them before its K loop, so that their round trip overlaps the loop
+    rather than lengthening the kernel's tail."""
+    c = c0 + tl.arange(0, WIDTH)
     # per-row masks of the program's head kind (a uniform bound: M where it applies, 0);
     # ``c < HALF`` only broadcasts the key mask to the tile's shape
     key_rows = tl.where((head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS), M, 0)
@@ -190,17 +193,20 @@ def _rope_inputs(
 
 @triton.jit
 def _rope_kv_epilogue(
-    a, b, rm, M, head, out_ptr, stride_om, ca, cb, sa, sb, slot, kc_ptr, vc_ptr, stride_cs,
-    stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS, QK_NORM: tl.constexpr,
-    HALF: tl.constexpr,
+    a, b, rm, M, head, c0, out_ptr, stride_om, ca, cb, sa, sb, slot, kc_ptr, vc_ptr,
+    stride_cs, stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS, QK_NORM: tl.constexpr,
+    HALF: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """Stores one head of a QKV projection's rows (see ``ROPE_KV``), with the cos, sin
-    and slots ``_rope_inputs`` loaded."""
+    """Stores columns ``c0 .. c0 + WIDTH`` of each half of one head of a QKV
+    projection's rows (see ``ROPE_KV``; ``a``, ``b`` the two halves' tiles), with the
+    cos, sin and slots ``_rope_inputs`` loaded. ``QK_NORM`` needs the whole head
+    (``WIDTH == HALF``)."""
     dtype = out_ptr.dtype.element_ty
-    c = tl.arange(0, HALF)
+    c = c0 + tl.arange(0, WIDTH)
     rows = rm[:, None] < M
     if head < Q_HEADS:
         if QK_NORM:
+            tl.static_assert(WIDTH == HALF, "QK_NORM needs a program per whole head")
             a, b = _head_norm(a, b, eps, qn_ptr, HALF, dtype)
         q = out_ptr + rm[:, None] * stride_om + head * 2 * HALF + c[None, :]
         tl.store(q, a.to(dtype), mask=rows)
@@ -209,6 +215,7 @@ def _rope_kv_epilogue(
         at = slot.to(tl.int64)[:, None] * stride_cs + c[None, :]
         if head < Q_HEADS + KV_HEADS:
             if QK_NORM:
+                tl.static_assert(WIDTH == HALF, "QK_NORM needs a program per whole head")
                 a, b = _head_norm(a, b, eps, kn_ptr, HALF, dtype)
             # rotate-half: [a, b] * cos + [-b, a] * sin, float32, rounded once
             ra = a * ca.to(tl.float32) + (-b) * sa.to(tl.float32)
@@ -223,6 +230,28 @@ def _rope_kv_epilogue(
 
 
 @triton.jit
+def _x_tile(
+    x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, mask, stride_xm, stride_rm, stride_tm, writer,
+    NORM: tl.constexpr, ADD: tl.constexpr, STORE_TOTAL: tl.constexpr,
+):  # fmt: skip
+    """The GEMM's rows at columns ``ks``: ``x``, or with ``NORM`` ``x (+ residual)`` normed
+    by ``rstd`` and the norm weight ``nw`` (loaded at ``ks``), each step rounded as the
+    unfused norm rounds; with ``STORE_TOTAL`` a ``writer`` stores the rows' sum
+    ``x + residual`` to ``total``."""
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, mask, ADD)
+        if STORE_TOTAL:
+            if writer:
+                tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=mask)
+        y = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+        x = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(dtype)
+    else:
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _dot_tile(
     x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm,
     stride_rm, stride_tm, stride_wn, OFF2, writer, NORM: tl.constexpr, ADD: tl.constexpr,
@@ -230,11 +259,8 @@ def _dot_tile(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Float32 ``rows @ W[rn].T`` over columns ``k_lo..k_hi`` (``K_PER`` of them, in whole
-    BLOCK_K tiles) of rows ``0..M``, and with ``TWO`` the same of ``W[rn + OFF2]``; with
-    ``NORM`` the rows are ``x (+ residual)`` normed by ``rstd`` and the norm weight, each
-    step rounded as the unfused norm rounds; with ``STORE_TOTAL`` a ``writer`` stores
-    the rows' sum ``x + residual`` of its columns to ``total``."""
-    dtype = x_ptr.dtype.element_ty
+    BLOCK_K tiles) of rows ``0..M`` (``_x_tile``), and with ``TWO`` the same of
+    ``W[rn + OFF2]``."""
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -242,16 +268,13 @@ def _dot_tile(
     for k0 in range(0, K_PER, BLOCK_K):
         ks = k0 + k_lo + rk
         x_mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
+        nw = ks
         if NORM:
-            h = _rows(x_ptr, r_ptr, rm, ks, stride_xm, stride_rm, x_mask, ADD)
-            if STORE_TOTAL:
-                if writer:
-                    tl.store(total_ptr + rm[:, None] * stride_tm + ks[None, :], h, mask=x_mask)
-            y = (h.to(tl.float32) * rstd[:, None]).to(dtype)
-            nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
-            x = (nw[None, :] * y.to(tl.float32)).to(dtype)
-        else:
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+            nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0)
+        x = _x_tile(
+            x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, x_mask, stride_xm, stride_rm,
+            stride_tm, writer, NORM, ADD, STORE_TOTAL,
+        )  # fmt: skip
         w_mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
         w_ptrs = w_ptr + rn[None, :] * stride_wn + ks[:, None]
         acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
@@ -261,11 +284,55 @@ def _dot_tile(
 
 
 @triton.jit
+def _resident_weights(
+    w_ptr, nw_ptr, rn, N, K, OFF2, stride_wn, NORM: tl.constexpr, TWO: tl.constexpr,
+    K_P2: tl.constexpr,
+):  # fmt: skip
+    """A ``RESIDENT`` program's weight rows ``rn`` (and ``rn + OFF2`` with ``TWO``) over
+    the whole of K, and the norm weight: loaded before the PDL wait, as none depends on
+    the previous kernel."""
+    rk = tl.arange(0, K_P2)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    w = tl.load(ptrs, mask=mask, other=0.0)
+    w2 = w
+    if TWO:
+        w2 = tl.load(ptrs + OFF2 * stride_wn, mask=mask, other=0.0)
+    nw = rk
+    if NORM:
+        nw = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
+    return w, w2, nw
+
+
+@triton.jit
+def _resident_tile(
+    x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
+    writer, NORM: tl.constexpr, ADD: tl.constexpr, STORE_TOTAL: tl.constexpr,
+    TWO: tl.constexpr, BLOCK_M: tl.constexpr, K_P2: tl.constexpr,
+):  # fmt: skip
+    """Float32 ``rows @ w.T`` (and ``@ w2.T`` with ``TWO``) of the weight tiles a
+    ``RESIDENT`` program holds, over the whole of K: products summed across the tile
+    (CUDA cores; at one row ``tl.dot`` would pad it to 16)."""
+    rm = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, K_P2)
+    mask = (rm[:, None] < M) & (ks[None, :] < K)
+    x = _x_tile(
+        x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, mask, stride_xm, stride_rm, stride_tm,
+        writer, NORM, ADD, STORE_TOTAL,
+    ).to(tl.float32)[:, None, :]  # fmt: skip
+    acc = tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
+    acc2 = acc
+    if TWO:
+        acc2 = tl.sum(x * w2.to(tl.float32)[None, :, :], axis=2)
+    return acc, acc2
+
+
+@triton.jit
 def _epilogue_inputs(
     b_ptr, r_ptr, cos_ptr, sin_ptr, slot_ptr, rm, rn, M, N, OFF2, stride_rm, stride_rt,
-    head, Q_HEADS, KV_HEADS, HAS_BIAS: tl.constexpr, TWO: tl.constexpr,
+    head, c0, Q_HEADS, KV_HEADS, HAS_BIAS: tl.constexpr, TWO: tl.constexpr,
     EPILOGUE: tl.constexpr, STATS_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """What the epilogue reads besides the sums, none of which depends on the K loop:
     (bias, second tile's bias, the residual tile of ``STATS_OUT``, RoPE's cos and sin
@@ -287,8 +354,9 @@ def _epilogue_inputs(
     slot = tl.zeros((BLOCK_M,), tl.int32)
     if EPILOGUE == 2:
         ca, cb, sa, sb, slot = _rope_inputs(
-            rm, M, head, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, BLOCK_N
-        )
+            rm, M, head, c0, cos_ptr, sin_ptr, stride_rt, slot_ptr, Q_HEADS, KV_HEADS, HALF,
+            BLOCK_N,
+        )  # fmt: skip
     return bias, bias2, r, ca, cb, sa, sb, slot
 
 
@@ -304,15 +372,20 @@ def _gemm_kernel(
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    tile = pid_n // SUB  # SUB programs share a TILE_STRIDE (a resident ROPE_KV's head)
+    c0 = (pid_n % SUB) * BLOCK_N
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * TILE_STRIDE + tl.arange(0, BLOCK_N)
+    rn = tile * TILE_STRIDE + c0 + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
-    if USE_PDL:
+    if RESIDENT:  # the whole weight tile into registers before the wait (BLOCK_K >= K)
+        w, w2, nw = _resident_weights(w_ptr, nw_ptr, rn, N, K, OFF2, stride_wn, NORM, TWO, BLOCK_K)
+    elif USE_PDL:
         # Before the wait: start this program's weight read (rows and columns clamped
         # into its own range: a short split's lines past it are its neighbour's).
         lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
@@ -334,17 +407,24 @@ def _gemm_kernel(
         rstd = tl.zeros((BLOCK_M,), tl.float32)
     bias, bias2, r, ca, cb, sa, sb, slot = _epilogue_inputs(
         b_ptr, r_ptr, cos_ptr, sin_ptr, slot_ptr, rm, rn, M, N, OFF2, stride_rm, stride_rt,
-        pid_n, Q_HEADS, KV_HEADS, HAS_BIAS, TWO, EPILOGUE, STATS_OUT, BLOCK_M, BLOCK_N,
+        tile, c0, Q_HEADS, KV_HEADS, HAS_BIAS, TWO, EPILOGUE, STATS_OUT, BLOCK_M, BLOCK_N,
+        HALF,
     )  # fmt: skip
-    acc, acc2 = _dot_tile(
-        x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N, stride_xm,
-        stride_rm, stride_tm, stride_wn, OFF2, writer, NORM, ADD, STATS_IN and ADD, TWO,
-        BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    if RESIDENT:
+        acc, acc2 = _resident_tile(
+            x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
+            writer, NORM, ADD, STATS_IN and ADD, TWO, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+    else:
+        acc, acc2 = _dot_tile(
+            x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N,
+            stride_xm, stride_rm, stride_tm, stride_wn, OFF2, writer, NORM, ADD,
+            STATS_IN and ADD, TWO, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
-        tile = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
-        mine = part_ptr + pid_k * 2 * BLOCK_M * N_PAD + tile
+        part = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        mine = part_ptr + pid_k * 2 * BLOCK_M * N_PAD + part
         tl.store(mine, acc)
         if TWO:
             tl.store(mine + BLOCK_M * N_PAD, acc2)
@@ -356,7 +436,7 @@ def _gemm_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT_K):
-                theirs = part_ptr + s * 2 * BLOCK_M * N_PAD + tile
+                theirs = part_ptr + s * 2 * BLOCK_M * N_PAD + part
                 acc += tl.load(theirs, cache_modifier=".cg")
                 if TWO:
                     acc2 += tl.load(theirs + BLOCK_M * N_PAD, cache_modifier=".cg")
@@ -372,8 +452,9 @@ def _gemm_kernel(
             a = acc.to(wdtype).to(tl.float32)  # the projection's output, as stored unfused
             b = acc2.to(wdtype).to(tl.float32)
             _rope_kv_epilogue(
-                a, b, rm, M, pid_n, out_ptr, stride_om, ca, cb, sa, sb, slot, kc_ptr, vc_ptr,
-                stride_cs, stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS, QK_NORM, BLOCK_N,
+                a, b, rm, M, tile, c0, out_ptr, stride_om, ca, cb, sa, sb, slot, kc_ptr,
+                vc_ptr, stride_cs, stride_ch, qn_ptr, kn_ptr, eps, Q_HEADS, KV_HEADS, QK_NORM,
+                HALF, BLOCK_N,
             )  # fmt: skip
         else:
             if EPILOGUE == 1:
@@ -383,7 +464,7 @@ def _gemm_kernel(
                 y = acc
             if STATS_OUT:
                 y = _residual_stats(
-                    y, r, stats_ptr, rm, pid_n * TILE_STRIDE, rn, M, N, STATS_T, wdtype,
+                    y, r, stats_ptr, rm, tile * TILE_STRIDE + c0, rn, M, N, STATS_T, wdtype,
                     ADD_OUT, BLOCK_M, BLOCK_N, GRANULE,
                 )  # fmt: skip
             out_mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -544,10 +625,15 @@ def _launch(
     pdl: bool,
     after: ResidualStats | None = None,
 ) -> None:
-    """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles."""
+    """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles (a
+    resident ``config`` splits each into ``block_n``-column programs)."""
     m, k = x.shape
     block_n, split_k = config.block_n, config.split_k
-    tiles = triton.cdiv(n, tile_stride)
+    two = 1 if epilogue == PLAIN else 2
+    if not fits(config, m, k, two):
+        raise ValueError(f"small_gemm: {config} does not take {m} rows over K = {k}")
+    sub = (off2 if epilogue == ROPE_KV else tile_stride) // block_n if config.resident else 1
+    tiles = triton.cdiv(n, tile_stride) * sub
     n_pad = tiles * block_n
     part = _partials(counters, tiles, split_k, n_pad, out)
     nw, res, total = _norm_args(x, norm)
@@ -555,6 +641,9 @@ def _launch(
     if after is not None:
         res = after.residual
     tensors, ints, eps = _rope_args(x, rope, norm.eps if norm is not None else 0.0)
+    # A resident program lets the next kernel launch before its own wait: the next
+    # one's weights then load while this one waits (benchmarks.resident_gemv).
+    use_pdl = TRIGGER_THEN_WAIT if pdl and config.resident else pdl_arg(pdl)
     launch(
         _gemm_kernel,
         (tiles, split_k),
@@ -573,14 +662,17 @@ def _launch(
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         QK_NORM=rope is not None and rope.q_norm is not None,
-        BLOCK_M=MAX_ROWS,
+        BLOCK_M=triton.next_power_of_2(m) if config.resident else MAX_ROWS,
         BLOCK_N=block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_K=triton.next_power_of_2(k) if config.resident else config.block_k,
         NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,
         LINE=LINE,
-        USE_PDL=pdl_arg(pdl),
+        USE_PDL=use_pdl,
+        RESIDENT=config.resident,
+        SUB=sub,
+        HALF=off2 if epilogue == ROPE_KV else block_n,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
@@ -639,7 +731,8 @@ def qkv_rope_kv(
     heads ``[M, q_heads * d]`` (QK-normed, unrotated; into ``out`` when given, any row
     stride) and stores the rotated keys and the values at ``rope.slot_mapping`` in the
     caches (see ``ROPE_KV``); with ``norm``, of the normed rows. ``d`` a power of two
-    >= 32; one counter per head; ``config``'s column tile is the half head."""
+    >= 32; one counter per head; ``config``'s column tile is the half head (a resident
+    config's programs take ``block_n`` columns of each half; not with the head norms)."""
     _check_rows(x, weight)
     d = rope.k_cache.shape[-1]
     heads = rope.q_heads + 2 * rope.kv_heads
@@ -653,11 +746,14 @@ def qkv_rope_kv(
         out = torch.empty(shape, dtype=weight.dtype, device=x.device)
     elif out.shape != shape or out.stride(-1) != 1:
         raise ValueError(f"qkv_rope_kv: out must be {shape} with a contiguous last dim")
+    if config.resident and rope.q_norm is not None:
+        raise ValueError("qkv_rope_kv: the head norms need a program per head, not resident")
     if x.shape[0] == 0:
         return out
     _launch(
         x, weight, bias, counters, out,
-        epilogue=ROPE_KV, n=weight.shape[0], config=replace(config, block_n=d // 2),
+        epilogue=ROPE_KV, n=weight.shape[0],
+        config=config if config.resident else replace(config, block_n=d // 2),
         tile_stride=d, off2=d // 2, norm=norm, rope=rope, pdl=pdl,
     )  # fmt: skip
     return out

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.context import get_forward_context
-from ostinato.engine.kernels.gemm_launch import GemmConfig, k_step, rope_head_dim, rope_split_k
+from ostinato.engine.kernels.gemm_launch import rope_config, rope_head_dim
 from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.linear import kernel_rows
 from ostinato.engine.model.norm_op import check_residual
@@ -149,9 +149,11 @@ def norm_qkv(
         ready = _ready_stats(x, weight, stats, stats_plan or [])
         prologue, _ = _norm_prologue(x, residual, norm_weight, eps, total_out, ready)
         rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
-        split = rope_split_k(q_heads + 2 * kv_heads, x.shape[1], num_sms(x.device))
-        q = qkv_out[:, : rope.q_heads * k_cache.shape[-1]]
-        config = GemmConfig(k_cache.shape[-1] // 2, split, block_k=k_step(x.shape[1], split))
+        d, heads = k_cache.shape[-1], q_heads + 2 * kv_heads
+        config = rope_config(
+            heads, d, x.shape[1], num_sms(x.device), x.shape[0], q_norm is not None
+        )
+        q = qkv_out[:, : rope.q_heads * d]
         qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=q)
         return
     h = _norm_into(x, residual, norm_weight, eps, pdl, total_out)

@@ -76,6 +76,8 @@ def _measure(
     cublas_us = _graph_us(cublas, device)
     best_us, best = float("inf"), 0
     for i, config in enumerate(triton_gemm.CONFIGS, start=1):
+        if not triton_gemm.fits(config, rows, k, 2 if swiglu else 1):
+            continue
         us = _graph_us(
             lambda c=config: triton_gemm.small_gemm(x, w, b, counters, c, swiglu, pdl), device
         )
@@ -165,9 +167,25 @@ def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
             continue
         if any(linear.plan) or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES:
             continue
-        from ostinato.engine.kernels.gemm_launch import MAX_ROWS, counters_needed, pick_config
-        from ostinato.engine.kernels.launch import num_sms
+        linear.use_plan(_default_plan(w, swiglu), _counters(w), pdl)
 
-        n = w.shape[0] // 2 if swiglu else w.shape[0]
-        choice = pick_config(n, w.shape[1], num_sms(w.device), swiglu)
-        linear.use_plan((0,) + (choice,) * MAX_ROWS, counters_needed(w.shape[0]), pdl)
+
+def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
+    """Plan entries by row count (0 rows: cuBLAS): the resident launch up to
+    ``RESIDENT_MAX_ROWS`` rows where it fits, ``pick_config``'s shape above."""
+    from ostinato.engine.kernels import gemm_launch as g
+    from ostinato.engine.kernels.launch import num_sms
+
+    n, k = (w.shape[0] // 2 if swiglu else w.shape[0]), w.shape[1]
+    choice = g.pick_config(n, k, num_sms(w.device), swiglu)
+    resident = g.resident_config(k, tiles=2 if swiglu else 1)
+    return (0,) + tuple(
+        resident if resident is not None and r <= g.RESIDENT_MAX_ROWS else choice
+        for r in range(1, g.MAX_ROWS + 1)
+    )
+
+
+def _counters(w: torch.Tensor) -> int:
+    from ostinato.engine.kernels.gemm_launch import counters_needed
+
+    return counters_needed(w.shape[0])

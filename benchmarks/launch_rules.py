@@ -8,12 +8,13 @@ gate/up's tile width, attention's split count, warps and stages
 launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers hand their norms row
 statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
 (``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
-wait (``launch.TRIGGER_FIRST``). Each rule is set here between runs and
+wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
+(``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``). Each rule is set here between runs and
 restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages|pdl-order]
+unsplit-stages|pdl-order|resident]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -57,6 +58,8 @@ class Rule:
     row_stats: bool = decoder.ROW_STATS
     unsplit_stages: int = gemm_launch.UNSPLIT_STAGES
     trigger_first: bool = launch.TRIGGER_FIRST
+    resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
+    resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -115,6 +118,13 @@ RULES = {
         Rule("launch dependents, then wait", trigger_first=True),
         Rule("launch first, prefetch 2048", trigger_first=True, prefetch_k=2048),
     ),
+    # One-row projections with their weight held in registers (none, those of at most
+    # 16 MiB, all that fit a program).
+    "resident": (
+        Rule("no resident launch", resident_max_rows=0),
+        Rule("resident up to 16 MiB"),
+        Rule("resident, any weight", resident_max_bytes=OFF),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -163,6 +173,8 @@ def applied(rule: Rule) -> Iterator[None]:
         (decoder, "ROW_STATS", rule.row_stats),
         (gemm_launch, "UNSPLIT_STAGES", rule.unsplit_stages),
         (launch, "TRIGGER_FIRST", rule.trigger_first),
+        (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
+        (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

@@ -199,7 +199,12 @@ def test_a_resident_launch_is_for_one_row_and_weights_a_program_can_hold():
             assert g.fits(c, 1, k, tiles) and not g.fits(c, 2, k, tiles)
             assert all(g.fits(o, 16, k, tiles) for o in CONFIGS if not o.resident)
     # the row statistics' entries divide every tile, the resident one's included
-    assert all(c.block_n % g.GRANULE == 0 for c in CONFIGS)
+    assert all(c.block_n % g.stats_granule(1) == 0 for c in CONFIGS)
+    assert all(c.block_n % g.stats_granule(2) == 0 for c in CONFIGS if not c.resident)
+    # rows of statistics laid one after the other fit the buffer at every row count
+    for n in (80, 576, 2048, 8192):
+        for rows in range(1, g.MAX_ROWS + 1):
+            assert rows * g.stats_columns(n, rows) <= g.MAX_ROWS * g.stats_columns(n)
 
 
 def triton_p2(k: int) -> int:

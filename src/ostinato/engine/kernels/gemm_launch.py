@@ -10,7 +10,11 @@ from ostinato.mathutil import ceil_div
 MAX_ROWS = 16  # the one row tile of the GEMM (tl.dot's smallest M)
 BLOCK_K = 128  # K columns per step of its loop
 MAX_SPLIT_K = 8
-GRANULE = 4  # output columns per entry of the row statistics (the narrowest tile)
+# Output columns per entry of the row statistics: the narrowest tile's width, or the
+# resident tile's at the rows it runs (``stats_granule``). Finer entries cost the norm
+# that reads them a larger load: at 4 columns for every row count the 1.5 B step was 2%
+# slower at 8 and 16 rows on the H200.
+GRANULE = 16
 # K columns per loop step of an unsplit gate/up projection (two tiles per program): on
 # the H200, with each call reading its own weight (``fused_sweep --cold``), 256 beat 128
 # by 10% at the SmolLM2 shape (6.3 vs 7.0 µs) and 44% at the 1.5 B shape's 32-column
@@ -37,6 +41,10 @@ RESIDENT_N = 4
 RESIDENT_MAX_ROWS = 1
 RESIDENT_ELEMENTS = 32768  # weight elements a program holds at most (64 KiB of 16-bit)
 RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
+# A weight of more bytes streams through the K loop instead: resident, it would fill the
+# register file (33 MiB on the H200), so the next kernel could not load its own weight
+# while this one runs.
+RESIDENT_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -143,12 +151,13 @@ def resident_elements(k: int, tiles: int = 1) -> int:
     return tiles * RESIDENT_N * (1 << max(k - 1, 0).bit_length())
 
 
-def resident_config(k: int, tiles: int = 1) -> int | None:
+def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0) -> int | None:
     """The plan entry (1-based into ``CONFIGS``) of the resident launch for a projection
-    over ``k`` columns whose programs hold ``tiles`` tiles, or None where its weight
-    rows would not fit a program's registers (``RESIDENT_ELEMENTS``)."""
+    of ``weight_bytes`` over ``k`` columns whose programs hold ``tiles`` tiles, or None
+    where its weight rows would not fit a program's registers (``RESIDENT_ELEMENTS``)
+    or the weight is over ``RESIDENT_MAX_BYTES``."""
     held = resident_elements(k, tiles)
-    if held > RESIDENT_ELEMENTS:
+    if held > RESIDENT_ELEMENTS or weight_bytes > RESIDENT_MAX_BYTES:
         return None
     warps = 8 if held > RESIDENT_WIDE else 4
     return CONFIGS.index(GemmConfig(RESIDENT_N, 1, num_warps=warps, resident=True)) + 1
@@ -184,23 +193,33 @@ def rope_split_k(heads: int, k: int, sms: int) -> int:
 
 
 def rope_config(
-    heads: int, d: int, k: int, sms: int, rows: int, head_norms: bool = False
-) -> GemmConfig:
+    heads: int, d: int, k: int, sms: int, rows: int, head_norms: bool = False,
+    weight_bytes: int = 0,
+) -> GemmConfig:  # fmt: skip
     """The ROPE_KV launch of a QKV projection of ``heads`` heads of ``d`` over ``k``
-    columns: resident at ``rows`` up to ``RESIDENT_MAX_ROWS`` where its two half-head
-    tiles fit (not with ``head_norms``, which need a program per head), else a program
-    per head in ``rope_split_k`` splits."""
-    choice = resident_config(k, tiles=2)
+    columns (``weight_bytes`` in all): resident at ``rows`` up to ``RESIDENT_MAX_ROWS``
+    where ``resident_config`` takes its two half-head tiles (not with ``head_norms``,
+    which need a program per head), else a program per head in ``rope_split_k``
+    splits."""
+    choice = resident_config(k, 2, weight_bytes)
     if rows <= RESIDENT_MAX_ROWS and choice is not None and not head_norms:
         return CONFIGS[choice - 1]
     split = rope_split_k(heads, k, sms)
     return GemmConfig(d // 2, split, block_k=k_step(k, split))
 
 
-def stats_columns(n: int) -> int:
-    """Entries per row of the row statistics (sums of squares per ``GRANULE`` columns)
-    of ``n`` columns: ``small_gemm``'s ``ResidualStats`` and ``NormPrologue.stats``."""
-    return ceil_div(n, GRANULE)
+def stats_granule(rows: int) -> int:
+    """Columns per entry of the row statistics of ``rows`` rows: ``RESIDENT_N`` where a
+    resident launch may store them, else ``GRANULE``."""
+    return RESIDENT_N if rows <= RESIDENT_MAX_ROWS else GRANULE
+
+
+def stats_columns(n: int, rows: int = 1) -> int:
+    """Entries per row of the row statistics (sums of squares per ``stats_granule(rows)``
+    columns) of ``rows`` rows of ``n`` columns, stored row after row; at the default
+    (the finest granule) a buffer's width: ``small_gemm``'s ``ResidualStats`` and
+    ``NormPrologue.stats`` take ``[MAX_ROWS, stats_columns(n)]``."""
+    return ceil_div(n, stats_granule(rows))
 
 
 def counters_needed(n: int) -> int:

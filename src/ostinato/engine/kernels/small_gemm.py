@@ -37,8 +37,9 @@ the next one's programs need not pass over its rows before their K loop:
 
 - ``STATS_OUT`` (a PLAIN epilogue, with ``ResidualStats``): the program adds the
   residual to its tile (the tile rounded to the output dtype first, the sum rounded
-  as torch's add rounds) and stores, per row and ``GRANULE`` columns, the float32 sum
-  of squares of that sum to ``stats`` (``[MAX_ROWS, cdiv(N, GRANULE)]``, fixed by N
+  as torch's add rounds) and stores, per row and ``stats_granule(M)`` columns, the
+  float32 sum of squares of that sum to ``stats`` (``[MAX_ROWS, stats_columns(N)]``,
+  its ``M`` rows of ``stats_columns(N, M)`` entries one after the other, fixed by N
   whatever the tile width). With ``ADD_OUT`` the stored output is the sum itself.
 - ``STATS_IN`` (with ``NORM``): ``rstd`` comes from those sums (one small load) and
   the prologue's pass is skipped; with ``ADD`` the programs of column tile 0 store the
@@ -62,7 +63,6 @@ import triton.language as tl
 
 from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
     CONFIGS,
-    GRANULE,
     MAX_ROWS,
     GemmConfig,
     counters_needed,
@@ -70,6 +70,7 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     k_per_split,
     rope_head_dim,
     stats_columns,
+    stats_granule,
 )
 from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
 from ostinato.engine.kernels.pdl import pdl_enter
@@ -583,7 +584,7 @@ def _stats_args(
     if norm is not None and norm.stats is not None:
         if after is not None:
             raise ValueError("small_gemm: row statistics read and written in one launch")
-        return norm.stats, stats_columns(x.shape[1])
+        return norm.stats, stats_columns(x.shape[1], x.shape[0])
     if after is None:
         return x, 1
     _check_stats(after.stats, n)
@@ -593,7 +594,7 @@ def _stats_args(
             f"small_gemm: the residual must be {(x.shape[0], n)} {x.dtype}, rows "
             f"contiguous; got {r.dtype} {tuple(r.shape)} strides {r.stride()}"
         )
-    return after.stats, stats_columns(n)
+    return after.stats, stats_columns(n, x.shape[0])
 
 
 def _partials(
@@ -658,7 +659,7 @@ def _launch(
         STATS_OUT=after is not None,
         ADD_OUT=after is not None and after.add,
         STATS_P2=triton.next_power_of_2(stats_t),
-        GRANULE=GRANULE,
+        GRANULE=stats_granule(m),
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         QK_NORM=rope is not None and rope.q_norm is not None,

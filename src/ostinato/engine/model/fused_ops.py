@@ -151,8 +151,9 @@ def norm_qkv(
         rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
         d, heads = k_cache.shape[-1], q_heads + 2 * kv_heads
         config = rope_config(
-            heads, d, x.shape[1], num_sms(x.device), x.shape[0], q_norm is not None
-        )
+            heads, d, x.shape[1], num_sms(x.device), x.shape[0], q_norm is not None,
+            weight.numel() * weight.element_size(),
+        )  # fmt: skip
         q = qkv_out[:, : rope.q_heads * d]
         qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=q)
         return

@@ -178,7 +178,7 @@ def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
 
     n, k = (w.shape[0] // 2 if swiglu else w.shape[0]), w.shape[1]
     choice = g.pick_config(n, k, num_sms(w.device), swiglu)
-    resident = g.resident_config(k, tiles=2 if swiglu else 1)
+    resident = g.resident_config(k, 2 if swiglu else 1, w.numel() * w.element_size())
     return (0,) + tuple(
         resident if resident is not None and r <= g.RESIDENT_MAX_ROWS else choice
         for r in range(1, g.MAX_ROWS + 1)

@@ -51,6 +51,13 @@ from it in its last float32 bits.
 With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the first
 ``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
 kernel: weights do not depend on it, so their read overlaps its tail.
+
+``RESIDENT`` (one row, ``GemmConfig.resident``): a program's ``BLOCK_N`` weight rows (per
+tile) over the whole of K (``BLOCK_K``, K padded to a power of two) and the norm weight
+are loaded into registers before the wait, the next kernel may launch before it, and
+after it the program loads only its rows of ``x`` and sums the products across the tile
+(CUDA cores): no K loop, no split-K. A ROPE_KV head is then ``SUB`` programs, each with
+``BLOCK_N`` columns of both halves.
 """
 
 from __future__ import annotations

@@ -156,11 +156,11 @@ def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0) -> int | None
     of ``weight_bytes`` over ``k`` columns whose programs hold ``tiles`` tiles, or None
     where its weight rows would not fit a program's registers (``RESIDENT_ELEMENTS``)
     or the weight is over ``RESIDENT_MAX_BYTES``."""
-    held = resident_elements(k, tiles)
-    if held > RESIDENT_ELEMENTS or weight_bytes > RESIDENT_MAX_BYTES:
+    warps = 8 if resident_elements(k, tiles) > RESIDENT_WIDE else 4
+    config = GemmConfig(RESIDENT_N, 1, num_warps=warps, resident=True)
+    if weight_bytes > RESIDENT_MAX_BYTES or not fits(config, 1, k, tiles):
         return None
-    warps = 8 if held > RESIDENT_WIDE else 4
-    return CONFIGS.index(GemmConfig(RESIDENT_N, 1, num_warps=warps, resident=True)) + 1
+    return CONFIGS.index(config) + 1
 
 
 def fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:

@@ -616,6 +616,21 @@ def _partials(
     return torch.empty((split_k, 2, MAX_ROWS, n_pad), dtype=torch.float32, device=out.device)
 
 
+def _programs(
+    config: GemmConfig, m: int, k: int, n: int, epilogue: int, tile_stride: int, off2: int
+) -> tuple[int, int]:
+    """(programs per column tile, column programs) of a launch over ``cdiv(n,
+    tile_stride)`` column tiles: one per tile, or for a resident ``config`` one per
+    ``block_n`` columns of the tile (of each half, for ROPE_KV's half heads), after
+    checking that ``config`` takes ``m`` rows over ``k`` columns."""
+    if not fits(config, m, k, 1 if epilogue == PLAIN else 2):
+        raise ValueError(f"small_gemm: {config} does not take {m} rows over K = {k}")
+    sub = 1
+    if config.resident:
+        sub = (off2 if epilogue == ROPE_KV else tile_stride) // config.block_n
+    return sub, triton.cdiv(n, tile_stride) * sub
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -637,11 +652,7 @@ def _launch(
     resident ``config`` splits each into ``block_n``-column programs)."""
     m, k = x.shape
     block_n, split_k = config.block_n, config.split_k
-    two = 1 if epilogue == PLAIN else 2
-    if not fits(config, m, k, two):
-        raise ValueError(f"small_gemm: {config} does not take {m} rows over K = {k}")
-    sub = (off2 if epilogue == ROPE_KV else tile_stride) // block_n if config.resident else 1
-    tiles = triton.cdiv(n, tile_stride) * sub
+    sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
     part = _partials(counters, tiles, split_k, n_pad, out)
     nw, res, total = _norm_args(x, norm)

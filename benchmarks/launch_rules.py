@@ -9,12 +9,13 @@ launched with PDL (``launch.PDL_MAX_ROWS``), and whether fused layers hand their
 statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
 (``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
 wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
-(``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``). Each rule is set here between runs and
-restored; the first rule of a set runs again last, so drift shows as A against A.
+(``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
+older keys before its PDL wait (``attention_launch.EARLY_KEYS``). Each rule is set here
+between runs and restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages|pdl-order|resident]
+unsplit-stages|pdl-order|resident|early-keys]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -60,6 +61,7 @@ class Rule:
     trigger_first: bool = launch.TRIGGER_FIRST
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
+    early_keys: bool = attention_launch.EARLY_KEYS
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -125,6 +127,11 @@ RULES = {
         Rule("resident up to 16 MiB"),
         Rule("resident, any weight", resident_max_bytes=OFF),
     ),
+    # Attention reads its first tile's older keys before its PDL wait, or waits first.
+    "early-keys": (
+        Rule("attention waits first", early_keys=False),
+        Rule("older keys before the wait"),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -175,6 +182,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (launch, "TRIGGER_FIRST", rule.trigger_first),
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
+        (attention_launch, "EARLY_KEYS", rule.early_keys),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

@@ -16,6 +16,10 @@ WAVES = 4  # programs per SM the split count aims for
 UNSPLIT_WARPS = 2
 SPLIT_WARPS = 4
 SPLIT_STAGES = 2
+# With PDL and a step's new-key bound (``paged_attention``'s ``new_keys``), a program reads
+# its first tile's older keys, the step's positions and block table before its PDL wait,
+# while the QKV kernel before it still runs.
+EARLY_KEYS = True
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.kernels import attention_launch
 from ostinato.engine.kernels.attention_launch import (
     MAX_SPLITS,
     AttentionLaunch,
@@ -65,40 +66,56 @@ def _query(
 
 
 @triton.jit
-def _attend(
-    q, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
-    stride_kb, stride_ks, stride_kh, stride_tr,
-    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+def _kv_offsets(
+    tables_ptr, req, kvh, keys, live, stride_kb, stride_ks, stride_kh, stride_tr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of queries ``q`` over keys ``lo..hi`` of request row ``req``'s
-    pages (KV head ``kvh``): the running max, the running sum and the unnormalised
-    output, float32."""
+    """Offsets ``[len(keys), HEAD_DIM]`` into the K and V caches of keys ``keys`` (those
+    ``live``) of request row ``req``, KV head ``kvh``, through its block table."""
     d = tl.arange(0, HEAD_DIM)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    page = tl.load(tables_ptr + req * stride_tr + keys // BLOCK_SIZE, mask=live, other=0)
+    return (
+        page.to(tl.int64)[:, None] * stride_kb
+        + (keys % BLOCK_SIZE)[:, None] * stride_ks
+        + kvh * stride_kh
+        + d[None, :]
+    )
+
+
+@triton.jit
+def _softmax_step(q, k, v, live, m, l_sum, acc, scale):
+    """The online softmax's running max, sum and unnormalised output after one tile of
+    keys ``k`` and values ``v`` (rows not ``live`` ignored; at least one live)."""
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _attend(
+    q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
+    stride_kb, stride_ks, stride_kh, stride_tr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The online softmax state ``m, l_sum, acc`` carried on over keys ``lo..hi`` of
+    request row ``req``'s pages (KV head ``kvh``): the running max, the running sum and
+    the unnormalised output, float32."""
     n_off = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         keys = start + n_off
         live = keys < hi
-        page = tl.load(tables_ptr + req * stride_tr + keys // BLOCK_SIZE, mask=live, other=0)
-        kv_off = (
-            page.to(tl.int64)[:, None] * stride_kb
-            + (keys % BLOCK_SIZE)[:, None] * stride_ks
-            + kvh * stride_kh
-            + d[None, :]
-        )
+        kv_off = _kv_offsets(
+            tables_ptr, req, kvh, keys, live, stride_kb, stride_ks, stride_kh, stride_tr,
+            HEAD_DIM, BLOCK_SIZE,
+        )  # fmt: skip
         k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m = m_new
+        m, l_sum, acc = _softmax_step(q, k, v, live, m, l_sum, acc, scale)
     return m, l_sum, acc
 
 
@@ -112,37 +129,82 @@ def _key_range(pos, splits, split, BLOCK_N: tl.constexpr):
     return lo, tl.minimum(ctx, lo + chunk)
 
 
-# ``splits`` is a runtime argument and never specialised (Triton would otherwise compile
-# separately for 1 and for multiples of 16): one compiled kernel per layout, not per split
-# count, which cut a cold start-up's Triton compilations of this file from 10 to 4.
-@triton.jit(do_not_specialize=["splits"])
+# ``splits`` and ``new_keys`` are runtime arguments and never specialised (Triton would
+# otherwise compile separately for 1 and for multiples of 16): one compiled kernel per
+# layout, not per split count, which cut a cold start-up's Triton compilations of this
+# file from 10 to 4.
+@triton.jit(do_not_specialize=["splits", "new_keys"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, pos_ptr, req_ptr, tables_ptr, cos_ptr,
     sin_ptr, scale, stride_rt, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_ot, stride_oh, stride_tr, splits,
+    stride_ot, stride_oh, stride_tr, splits, new_keys,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
     tok = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    pos = tl.load(pos_ptr + tok).to(tl.int32)
-    req = tl.load(req_ptr + tok).to(tl.int32)
-    lo, hi = _key_range(pos, splits, split, BLOCK_N)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     g_mask = g < GROUP
     heads = kvh * GROUP + g
-    q = _query(
-        q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
-        HEAD_DIM, ROPE,
-    )  # fmt: skip
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if EARLY:
+        # The step's inputs and the keys of earlier steps are read before the PDL wait
+        # (the previous kernel writes only this step's keys); only the first tile.
+        pos = tl.load(pos_ptr + tok).to(tl.int32)
+        req = tl.load(req_ptr + tok).to(tl.int32)
+        lo, hi = _key_range(pos, splits, split, BLOCK_N)
+        keys = lo + tl.arange(0, BLOCK_N)
+        live = keys < hi
+        kv_off = _kv_offsets(
+            tables_ptr, req, kvh, keys, live, stride_kb, stride_ks, stride_kh, stride_tr,
+            HEAD_DIM, BLOCK_SIZE,
+        )  # fmt: skip
+        old = live & (keys <= pos - new_keys)  # written by an earlier step
+        k = tl.load(k_ptr + kv_off, mask=old[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=old[:, None], other=0.0)
+        pdl_enter(USE_PDL)
+        new = live & (keys > pos - new_keys)
+        k = tl.load(k_ptr + kv_off, mask=new[:, None], other=k)
+        v = tl.load(v_ptr + kv_off, mask=new[:, None], other=v)
+        q = _query(
+            q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
+            HEAD_DIM, ROPE,
+        )  # fmt: skip
+        if lo < hi:
+            m, l_sum, acc = _softmax_step(q, k, v, live, m, l_sum, acc, scale)
+        lo = lo + BLOCK_N
+    else:
+        pdl_enter(USE_PDL)
+        pos = tl.load(pos_ptr + tok).to(tl.int32)
+        req = tl.load(req_ptr + tok).to(tl.int32)
+        lo, hi = _key_range(pos, splits, split, BLOCK_N)
+        q = _query(
+            q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
+            HEAD_DIM, ROPE,
+        )  # fmt: skip
     m, l_sum, acc = _attend(
-        q, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
-        stride_kb, stride_ks, stride_kh, stride_tr, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
+        stride_kb, stride_ks, stride_kh, stride_tr, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
+    _store(
+        out_ptr, m_ptr, l_ptr, m, l_sum, acc, tok, heads, g_mask, split, splits, stride_ot,
+        stride_oh, GROUP, HEAD_DIM, SPLIT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store(
+    out_ptr, m_ptr, l_ptr, m, l_sum, acc, tok, heads, g_mask, split, splits, stride_ot,
+    stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The group's output rows (unsplit), or its unnormalised float32 partials and their
+    running max and sum, laid out [token, head, split, (d)]."""
+    d = tl.arange(0, HEAD_DIM)
     if not SPLIT:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(
@@ -151,7 +213,6 @@ def _paged_attention_kernel(
             mask=g_mask[:, None],
         )
     else:
-        # Unnormalised partials, float32, laid out [token, head, split, (d)].
         row = (tok * GROUP * tl.num_programs(1) + heads) * splits + split
         tl.store(m_ptr + row, m, mask=g_mask)
         tl.store(l_ptr + row, l_sum, mask=g_mask)
@@ -216,6 +277,7 @@ def paged_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
     config: AttentionLaunch | None = None,
+    new_keys: int = 0,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -227,7 +289,11 @@ def paged_attention(
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
     programmatic dependent launch (compute capability 9.0 or newer). ``config``
-    overrides the kernel's launch configuration (for tuning).
+    overrides the kernel's launch configuration (for tuning). ``new_keys`` (with
+    ``pdl``; 0: unknown): every key the kernel before wrote, or may still be writing, is
+    within ``new_keys - 1`` below its token's position (a step's keys are its tokens' own
+    positions, so the step's longest query length says it); the kernel then reads the
+    older keys of its first tile before its PDL wait (``attention_launch.EARLY_KEYS``).
     """
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -235,6 +301,8 @@ def paged_attention(
     out = _output(q, out)
     if n == 0:
         return out
+    if new_keys < 0:
+        raise ValueError(f"paged_attention: new_keys must be >= 0 (0: unknown), got {new_keys}")
     pdl = pdl_for(pdl, n)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -244,42 +312,16 @@ def paged_attention(
     target, m, l_sum = _split_scratch(out, splits)
     so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(
-        _paged_attention_kernel,
-        (n, kv_heads, splits),
-        q,
-        k_cache,
-        v_cache,
-        target,
-        m,
-        l_sum,
-        positions,
-        token_req,
-        block_tables,
-        cos,
-        sin,
-        scale,
-        stride_rt,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        so_t,
-        so_h,
-        block_tables.stride(0),
-        splits,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=config.block_n,
-        SPLIT=splits > 1,
-        ROPE=rope is not None,
-        USE_PDL=pdl_arg(pdl),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        _paged_attention_kernel, (n, kv_heads, splits),
+        q, k_cache, v_cache, target, m, l_sum, positions, token_req, block_tables, cos, sin,
+        scale, stride_rt, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), so_t, so_h, block_tables.stride(0), splits, new_keys,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=splits > 1,
+        ROPE=rope is not None, EARLY=pdl and new_keys > 0 and attention_launch.EARLY_KEYS,
+        USE_PDL=pdl_arg(pdl), num_warps=config.num_warps, num_stages=config.num_stages,
         launch_pdl=pdl,
-    )
+    )  # fmt: skip
     if splits > 1:
         _merge_splits(target, m, l_sum, out, pdl)
     return out

@@ -34,6 +34,9 @@ class AttentionMetadata:
     Per token: ``positions`` (absolute; -1 marks a padding row, which attends to nothing
     and whose output is zero), ``token_req`` (row of ``block_tables``), ``slot_mapping``
     (flat cache slot its K/V is written to; padding rows write to the null block).
+    ``new_keys``: a bound on the step's query lengths (0: none given), so a token's keys
+    written by this step are its position and at most ``new_keys - 1`` before it; a
+    backend may read the older ones before the K/V write has finished.
     """
 
     positions: torch.Tensor
@@ -42,6 +45,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
+    new_keys: int = 0
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [n, 1, head_dim], the step's rows
@@ -199,4 +203,5 @@ class TritonAttention:
             out=out,
             rope=rope,
             pdl=self.pdl,
+            new_keys=meta.new_keys,
         )

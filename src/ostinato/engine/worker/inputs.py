@@ -111,15 +111,19 @@ class StepInputs:
         """The block-table staging ``copy_staged`` copies from now."""
         return self.tables_stagings[self.turn]
 
-    def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-        """Attention metadata over the first ``n`` rows of the buffers."""
-        return self.rows_metadata(slice(0, n), query_lens, seq_lens)
+    def metadata(
+        self, n: int, query_lens: list[int], seq_lens: list[int], new_keys: int = 0
+    ) -> AttentionMetadata:
+        """Attention metadata over the first ``n`` rows of the buffers; ``new_keys``: a
+        bound on the step's query lengths (``AttentionMetadata``), 0 for none."""
+        return self.rows_metadata(slice(0, n), query_lens, seq_lens, new_keys)
 
     def rows_metadata(
         self,
         rows: slice,
         query_lens: list[int] | None = None,
         seq_lens: list[int] | None = None,
+        new_keys: int = 0,
     ) -> AttentionMetadata:
         """Attention metadata of the buffer rows ``rows``: views of the persistent buffers
         (rows find their requests through ``token_req`` in the whole block table), so a
@@ -132,6 +136,7 @@ class StepInputs:
             self.block_tables,
             query_lens if query_lens is not None else [],
             seq_lens if seq_lens is not None else [],
+            new_keys,
         )
 
     def ubatch_metadata(

@@ -171,13 +171,22 @@ class ModelRunner:
         return self.graphs.manager
 
     def metadata(self, n: int, query_lens: list[int], seq_lens: list[int]) -> StepAttention:
-        """The step's attention context over the first ``n`` rows of the persistent buffers."""
+        """The step's attention context over the first ``n`` rows of the persistent buffers
+        (its new keys bounded by its longest query, or by ``n`` where none is given)."""
+        new_keys = max(query_lens, default=n)
         return StepAttention(
-            self.inputs.metadata(n, query_lens, seq_lens), self.cache, self.backend
+            self.inputs.metadata(n, query_lens, seq_lens, new_keys), self.cache, self.backend
         )
 
     def _dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
-        return self._padding_metadata(self.inputs, d.num_tokens)
+        """The attention context a graph of ``d`` is captured with: padding rows, and a
+        bound on the new keys that holds for every step it replays (a uniform decode's
+        query length, else its row count)."""
+        self.inputs.write_padding(d.num_tokens)
+        uniform = self.graphs.dispatcher.uniform_decode_query_len
+        new_keys = uniform if d.uniform_decode else d.num_tokens
+        meta = self.inputs.metadata(d.num_tokens, [], [], new_keys)
+        return StepAttention(meta, self.cache, self.backend)
 
     def _scramble_padding(self, d: BatchDescriptor, real: int) -> None:
         """The capture check's other padding: rows ``real..`` of a dummy step get other

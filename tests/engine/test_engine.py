@@ -188,3 +188,33 @@ def test_decode_steps_compute_logits_and_greedy_tokens_in_the_step_itself():
     assert logits.shape == (len(decode.scheduled), llm.config.vocab_size)
     assert torch.equal(out.greedy, logits.argmax(-1))
     llm.scheduler.abort(reqs)
+
+
+def test_every_key_a_step_writes_is_within_its_new_keys_bound():
+    # The bound lets the attention kernel read older keys before the K/V write ends
+    # (paged_attention's new_keys): checked by brute force over a run's steps, chunked
+    # prefills, mixed steps and decodes alike, eagerly on the CPU.
+    llm = tiny(max_model_len=256, max_num_batched_tokens=24)
+    seen = []
+    backend = llm.runner.backend
+
+    class Spy:
+        graph_support, applies_rope = backend.graph_support, backend.applies_rope
+
+        def write_kv(self, *args):
+            return backend.write_kv(*args)
+
+        def __call__(self, q, k_cache, v_cache, meta, *rest):
+            seen.append((meta.positions.tolist(), meta.token_req.tolist(), meta.new_keys))
+            return backend(q, k_cache, v_cache, meta, *rest)
+
+    llm.runner.backend = Spy()
+    prompts = [list(range(1, 40)), [5, 6, 7], list(range(2, 20))]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert seen
+    for positions, requests, new_keys in seen:
+        assert new_keys >= 1
+        for pos, req in zip(positions, requests, strict=True):
+            written = [p for p, r in zip(positions, requests, strict=True) if r == req]
+            if pos >= 0:  # a padding row attends to nothing
+                assert all(p > pos - new_keys for p in written if p <= pos)

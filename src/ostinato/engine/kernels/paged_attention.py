@@ -83,6 +83,13 @@ def _kv_offsets(
 
 
 @triton.jit
+def _softmax_start(GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax's state before any key: max -inf, sum and output zero."""
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    return m, tl.zeros([GROUP_PAD], tl.float32), tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+
+
+@triton.jit
 def _softmax_step(q, k, v, live, m, l_sum, acc, scale):
     """The online softmax's running max, sum and unnormalised output after one tile of
     keys ``k`` and values ``v`` (rows not ``live`` ignored; at least one live)."""
@@ -149,9 +156,7 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     g_mask = g < GROUP
     heads = kvh * GROUP + g
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    m, l_sum, acc = _softmax_start(GROUP_PAD, HEAD_DIM)
     if EARLY:
         # The step's inputs and the keys of earlier steps are read before the PDL wait
         # (the previous kernel writes only this step's keys); only the first tile.

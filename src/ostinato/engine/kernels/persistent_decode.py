@@ -34,7 +34,13 @@ import triton.language as tl
 
 from ostinato.engine.kernels.attention_launch import BLOCK_N, MAX_SPLITS
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
-from ostinato.engine.kernels.paged_attention import _attend, _key_range, _merged, _query
+from ostinato.engine.kernels.paged_attention import (
+    _attend,
+    _key_range,
+    _merged,
+    _query,
+    _softmax_start,
+)
 from ostinato.engine.kernels.small_gemm import (
     LINE,
     NORM_K,
@@ -180,9 +186,10 @@ def _attention_stage(
             q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, Q_HEADS * HEAD_DIM,
             HEAD_DIM, HEAD_DIM, True,
         )  # fmt: skip
+        m, l_sum, acc = _softmax_start(GROUP_PAD, HEAD_DIM)
         m, l_sum, acc = _attend(
-            q, kc, vc, tables_ptr, req, kvh, lo, hi, scale, stride_kb, stride_ks, stride_kh,
-            stride_tr, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            q, m, l_sum, acc, kc, vc, tables_ptr, req, kvh, lo, hi, scale, stride_kb,
+            stride_ks, stride_kh, stride_tr, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
         # Partials laid out [token, head, MAX_SPLITS, (d)].
         row = (tok * Q_HEADS + heads) * MAX_SPLITS + split

@@ -113,7 +113,7 @@ class SelfDraftProposer:
     def _metadata(self, rows: int, seq_lens: list[int], step: int = 0) -> StepAttention:
         lens = [s + step for s in seq_lens]
         return StepAttention(
-            self.inputs.metadata(rows, [1] * len(lens), lens), self.cache, self.backend
+            self.inputs.metadata(rows, [1] * len(lens), lens, 1), self.cache, self.backend
         )
 
     def _pad_rows(self, start: int, stop: int) -> None:

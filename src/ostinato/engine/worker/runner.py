@@ -182,11 +182,9 @@ class ModelRunner:
         """The attention context a graph of ``d`` is captured with: padding rows, and a
         bound on the new keys that holds for every step it replays (a uniform decode's
         query length, else its row count)."""
-        self.inputs.write_padding(d.num_tokens)
         uniform = self.graphs.dispatcher.uniform_decode_query_len
         new_keys = uniform if d.uniform_decode else d.num_tokens
-        meta = self.inputs.metadata(d.num_tokens, [], [], new_keys)
-        return StepAttention(meta, self.cache, self.backend)
+        return self._padding_metadata(self.inputs, d.num_tokens, new_keys)
 
     def _scramble_padding(self, d: BatchDescriptor, real: int) -> None:
         """The capture check's other padding: rows ``real..`` of a dummy step get other
@@ -196,10 +194,15 @@ class ModelRunner:
         ids = torch.randint(1, self.model.config.vocab_size, (d.num_tokens - real,), generator=draw)
         self.inputs.input_ids[real : d.num_tokens].copy_(ids)
 
-    def _padding_metadata(self, inputs: StepInputs, n: int) -> StepAttention:
-        """``n`` padding rows written into ``inputs``, and their attention context."""
+    def _padding_metadata(
+        self, inputs: StepInputs, n: int, new_keys: int | None = None
+    ) -> StepAttention:
+        """``n`` padding rows written into ``inputs``, and their attention context (new
+        keys bounded by ``new_keys``, by default ``n``: as a step of ``n`` rows, so eager
+        passes launch the kernels the steps launch)."""
         inputs.write_padding(n)
-        return StepAttention(inputs.metadata(n, [], []), self.cache, self.backend)
+        meta = inputs.metadata(n, [], [], n if new_keys is None else new_keys)
+        return StepAttention(meta, self.cache, self.backend)
 
     def _ubatch_candidates(self) -> tuple[BatchDescriptor, ...]:
         policy = self.micro_batching

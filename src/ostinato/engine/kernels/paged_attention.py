@@ -294,12 +294,10 @@ def paged_attention(
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
     programmatic dependent launch (compute capability 9.0 or newer). ``config``
-    overrides the kernel's launch configuration (for tuning). ``new_keys`` (with
-    ``pdl``; 0: unknown): every key the kernel before wrote, or may still be writing, is
-    within ``new_keys - 1`` below its token's position (a step's keys are its tokens' own
-    positions, so the step's longest query length says it); the kernel then reads the
-    older keys of its first tile before its PDL wait (``attention_launch.EARLY_KEYS``).
-    """
+    overrides the kernel's launch configuration (for tuning). ``new_keys`` (with ``pdl``;
+    0: unknown): every key the kernel before may still be writing is within ``new_keys - 1``
+    below its token's position (a step's longest query says it); older keys of the first
+    tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads

@@ -151,14 +151,14 @@ def resident_elements(k: int, tiles: int = 1) -> int:
     return tiles * RESIDENT_N * (1 << max(k - 1, 0).bit_length())
 
 
-def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0) -> int | None:
-    """The plan entry (1-based into ``CONFIGS``) of the resident launch for a projection
-    of ``weight_bytes`` over ``k`` columns whose programs hold ``tiles`` tiles, or None
-    where its weight rows would not fit a program's registers (``RESIDENT_ELEMENTS``)
-    or the weight is over ``RESIDENT_MAX_BYTES``."""
+def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0, rows: int = 1) -> int | None:
+    """The plan entry (1-based into ``CONFIGS``) of the resident launch for ``rows`` rows
+    of a projection of ``weight_bytes`` over ``k`` columns whose programs hold ``tiles``
+    tiles, or None where ``fits`` refuses it (more rows than ``RESIDENT_MAX_ROWS``, weight
+    rows over a program's registers) or the weight is over ``RESIDENT_MAX_BYTES``."""
     warps = 8 if resident_elements(k, tiles) > RESIDENT_WIDE else 4
     config = GemmConfig(RESIDENT_N, 1, num_warps=warps, resident=True)
-    if weight_bytes > RESIDENT_MAX_BYTES or not fits(config, 1, k, tiles):
+    if weight_bytes > RESIDENT_MAX_BYTES or not fits(config, rows, k, tiles):
         return None
     return CONFIGS.index(config) + 1
 
@@ -201,8 +201,8 @@ def rope_config(
     where ``resident_config`` takes its two half-head tiles (not with ``head_norms``,
     which need a program per head), else a program per head in ``rope_split_k``
     splits."""
-    choice = resident_config(k, 2, weight_bytes)
-    if rows <= RESIDENT_MAX_ROWS and choice is not None and not head_norms:
+    choice = resident_config(k, 2, weight_bytes, rows)
+    if choice is not None and not head_norms:
         return CONFIGS[choice - 1]
     split = rope_split_k(heads, k, sms)
     return GemmConfig(d // 2, split, block_k=k_step(k, split))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.engine.kernels.gemm_launch import counters_needed
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.cuda import graph_call_us
@@ -167,7 +168,7 @@ def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
             continue
         if any(linear.plan) or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES:
             continue
-        linear.use_plan(_default_plan(w, swiglu), _counters(w), pdl)
+        linear.use_plan(_default_plan(w, swiglu), counters_needed(w.shape[0]), pdl)
 
 
 def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
@@ -178,14 +179,7 @@ def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
 
     n, k = (w.shape[0] // 2 if swiglu else w.shape[0]), w.shape[1]
     choice = g.pick_config(n, k, num_sms(w.device), swiglu)
-    resident = g.resident_config(k, 2 if swiglu else 1, w.numel() * w.element_size())
+    tiles, weight_bytes = 2 if swiglu else 1, w.numel() * w.element_size()
     return (0,) + tuple(
-        resident if resident is not None and r <= g.RESIDENT_MAX_ROWS else choice
-        for r in range(1, g.MAX_ROWS + 1)
+        g.resident_config(k, tiles, weight_bytes, r) or choice for r in range(1, g.MAX_ROWS + 1)
     )
-
-
-def _counters(w: torch.Tensor) -> int:
-    from ostinato.engine.kernels.gemm_launch import counters_needed
-
-    return counters_needed(w.shape[0])

@@ -157,12 +157,14 @@ def _paged_attention_kernel(
     g_mask = g < GROUP
     heads = kvh * GROUP + g
     m, l_sum, acc = _softmax_start(GROUP_PAD, HEAD_DIM)
+    if not EARLY:
+        pdl_enter(USE_PDL)
+    # With EARLY, the step's inputs and the keys of earlier steps are read before the PDL
+    # wait (the kernels still running write only this step's keys); only the first tile.
+    pos = tl.load(pos_ptr + tok).to(tl.int32)
+    req = tl.load(req_ptr + tok).to(tl.int32)
+    lo, hi = _key_range(pos, splits, split, BLOCK_N)
     if EARLY:
-        # The step's inputs and the keys of earlier steps are read before the PDL wait
-        # (the previous kernel writes only this step's keys); only the first tile.
-        pos = tl.load(pos_ptr + tok).to(tl.int32)
-        req = tl.load(req_ptr + tok).to(tl.int32)
-        lo, hi = _key_range(pos, splits, split, BLOCK_N)
         keys = lo + tl.arange(0, BLOCK_N)
         live = keys < hi
         kv_off = _kv_offsets(
@@ -176,22 +178,14 @@ def _paged_attention_kernel(
         new = live & (keys > pos - new_keys)
         k = tl.load(k_ptr + kv_off, mask=new[:, None], other=k)
         v = tl.load(v_ptr + kv_off, mask=new[:, None], other=v)
-        q = _query(
-            q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
-            HEAD_DIM, ROPE,
-        )  # fmt: skip
+    q = _query(
+        q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
+        HEAD_DIM, ROPE,
+    )  # fmt: skip
+    if EARLY:
         if lo < hi:
             m, l_sum, acc = _softmax_step(q, k, v, live, m, l_sum, acc, scale)
         lo = lo + BLOCK_N
-    else:
-        pdl_enter(USE_PDL)
-        pos = tl.load(pos_ptr + tok).to(tl.int32)
-        req = tl.load(req_ptr + tok).to(tl.int32)
-        lo, hi = _key_range(pos, splits, split, BLOCK_N)
-        q = _query(
-            q_ptr, tok, heads, d, g_mask, cos_ptr, sin_ptr, stride_rt, stride_qt, stride_qh,
-            HEAD_DIM, ROPE,
-        )  # fmt: skip
     m, l_sum, acc = _attend(
         q, m, l_sum, acc, k_ptr, v_ptr, tables_ptr, req, kvh, lo, hi, scale,
         stride_kb, stride_ks, stride_kh, stride_tr, HEAD_DIM, BLOCK_SIZE, BLOCK_N,

@@ -194,14 +194,21 @@ def applied(rule: Rule) -> Iterator[None]:
 
 def timings(model: dict, sizes: tuple[int, ...], rule: Rule) -> list[Timing]:
     """The default variant's step at ``sizes`` under ``rule``."""
-    with applied(rule):
+    return timings_under(model, sizes, rule.name, applied(rule))
+
+
+def timings_under(
+    model: dict, sizes: tuple[int, ...], name: str, settings: contextlib.AbstractContextManager
+) -> list[Timing]:
+    """The default variant's step at ``sizes`` built and timed inside ``settings``."""
+    with settings:
         cfg = decode.BenchConfig(model=model, batch_sizes=sizes, variants=(VARIANT,))
         result = decode.run(cfg, torch.device("cuda"), log=lambda _: None, profile=True)
     rows = [r for r in result.rows if r.variant == VARIANT]
     names = result.kernels_by_name
     return [
         Timing(
-            rule.name,
+            name,
             r.batch,
             r.step_ms,
             r.pipelined_ms,

@@ -15,7 +15,7 @@ between runs and restored; the first rule of a set runs again last, so drift sho
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages|pdl-order|resident|early-keys]
+unsplit-stages|pdl-order|resident|resident-down|early-keys]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -126,6 +126,11 @@ RULES = {
         Rule("no resident launch", resident_max_rows=0),
         Rule("resident up to 16 MiB"),
         Rule("resident, any weight", resident_max_bytes=OFF),
+    ),
+    # The 1.5 B down projection (32 MiB) resident too, its gate/up (64 MiB) not.
+    "resident-down": (
+        Rule("resident up to 16 MiB"),
+        Rule("resident up to 32 MiB", resident_max_bytes=32 * MiB),
     ),
     # Attention reads its first tile's older keys before its PDL wait, or waits first.
     "early-keys": (

@@ -237,7 +237,7 @@ class ModelRunner:
         if not d.uniform_decode:
             return hidden
         logits = self.model.compute_logits(hidden)
-        greedy = greedy_tokens(logits)
+        greedy = greedy_tokens(logits, self.kernels.pdl)
         if ahead is not None:
             ahead.accept(n, greedy)
         return logits, greedy

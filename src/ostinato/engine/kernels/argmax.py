@@ -1,0 +1,92 @@
+"""Row argmax of ``[rows, vocab]`` logits in two short launches, graph-safe: torch's
+``argmax(dim=-1)`` index (the first maximum on ties, a NaN counting as the maximum).
+
+A row of a large vocabulary reduced by one thread block is a long serial walk (27 µs
+for 128k logits on the H100); torch's chunked max, argmax of the chunks, gather and index
+arithmetic are five kernels after the LM head. Here the first kernel's programs each
+reduce ``CHUNK`` logits of a row to one int64 that orders as (value, then the smaller
+index) and store it; the second kernel takes each row's largest and unpacks its index.
+Both write every element they own, so nothing is reset between graph replays.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ostinato.engine.kernels.launch import launch, pdl_arg, pdl_for
+from ostinato.engine.kernels.pdl import pdl_enter
+
+CHUNK = 1024  # logits a program reduces: 126 programs for a row of a 128k vocabulary
+WARPS = 4
+# A packed key's low half holds index ^ LOW (= LOW - index): of equal values, the
+# smaller index orders higher.
+LOW = tl.constexpr(0xFFFFFFFF)
+EMPTY = tl.constexpr(-(2**63))  # below every packed key
+
+
+@triton.jit
+def _chunk_best_kernel(
+    logits_ptr, keys_ptr, vocab, stride_r, chunks, CHUNK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    live = cols < vocab
+    x = tl.load(logits_ptr + row * stride_r + cols, mask=live, other=float("-inf"))
+    x = x.to(tl.float32)
+    nan = x != x
+    best = tl.max(x, axis=0)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    hit = tl.where(any_nan, nan, x == best) & live
+    first = tl.min(tl.where(hit, cols, vocab), axis=0)
+    # Float bits as an int32 that orders as the floats do: a negative float's magnitude
+    # bits flipped. -0.0 is +0.0 (argmax ties them) and any NaN is above +inf.
+    bits = best.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = tl.where(best == 0.0, 0, key)
+    key = tl.where(any_nan, 0x7FFFFFFF, key)
+    packed = (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
+    tl.store(keys_ptr + row * chunks + chunk, packed)
+
+
+@triton.jit
+def _row_best_kernel(keys_ptr, out_ptr, chunks, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    keys = tl.load(keys_ptr + row * chunks + c, mask=c < chunks, other=EMPTY)
+    best = tl.max(keys, axis=0)
+    tl.store(out_ptr + row, (best & LOW) ^ LOW)
+
+
+def argmax_rows(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64 ``[rows]``) for a 2-D CUDA tensor of floats with
+    fewer than 2**31 columns. ``pdl``: launch with programmatic dependent launch
+    (compute capability 9.0+) where ``pdl_for`` allows."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"argmax_rows: logits must be 2-D floats, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    rows, vocab = logits.shape
+    if vocab == 0 or vocab >= 2**31:
+        raise ValueError(f"argmax_rows: logits need 1 to 2**31 - 1 columns, got {vocab}")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    pdl = pdl_for(pdl, rows)
+    chunks = triton.cdiv(vocab, CHUNK)
+    keys = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)  # [rows, chunks]
+    launch(
+        _chunk_best_kernel, (rows, chunks), logits, keys, vocab, logits.stride(0), chunks,
+        CHUNK=CHUNK, USE_PDL=pdl_arg(pdl), num_warps=WARPS, launch_pdl=pdl,
+    )  # fmt: skip
+    launch(
+        _row_best_kernel, (rows,), keys, out, chunks, CHUNKS=triton.next_power_of_2(chunks),
+        USE_PDL=pdl_arg(pdl), num_warps=WARPS, launch_pdl=pdl,
+    )  # fmt: skip
+    return out

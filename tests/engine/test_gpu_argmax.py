@@ -53,7 +53,7 @@ def test_strided_rows_and_no_rows():
 
 
 def test_bad_inputs_are_refused():
-    from ostinato.engine.kernels.argmax import argmax_rows
+    from ostinato.engine.kernels.argmax import MAX_VOCAB, argmax_rows
 
     with pytest.raises(ValueError, match="2-D floats"):
         argmax_rows(torch.zeros(3, device=DEVICE))
@@ -61,6 +61,8 @@ def test_bad_inputs_are_refused():
         argmax_rows(torch.zeros(2, 3, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="columns"):
         argmax_rows(torch.zeros(2, 0, device=DEVICE))
+    with pytest.raises(ValueError, match="columns"):
+        argmax_rows(torch.empty(1, MAX_VOCAB + 1, device=DEVICE))
 
 
 def test_replays_on_new_logits_without_reset():

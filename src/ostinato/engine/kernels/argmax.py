@@ -20,6 +20,7 @@ from ostinato.engine.kernels.pdl import pdl_enter
 
 CHUNK = 1024  # logits a program reduces: 126 programs for a row of a 128k vocabulary
 WARPS = 4
+MAX_VOCAB = 1 << 24  # 16384 chunks: the second kernel holds a row's keys in one tile
 # A packed key's low half holds index ^ LOW (= LOW - index): of equal values, the
 # smaller index orders higher.
 LOW = tl.constexpr(0xFFFFFFFF)
@@ -64,15 +65,15 @@ def _row_best_kernel(keys_ptr, out_ptr, chunks, CHUNKS: tl.constexpr, USE_PDL: t
 
 def argmax_rows(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64 ``[rows]``) for a 2-D CUDA tensor of floats with
-    fewer than 2**31 columns. ``pdl``: launch with programmatic dependent launch
+    at most ``MAX_VOCAB`` columns. ``pdl``: launch with programmatic dependent launch
     (compute capability 9.0+) where ``pdl_for`` allows."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
             f"argmax_rows: logits must be 2-D floats, got {tuple(logits.shape)} {logits.dtype}"
         )
     rows, vocab = logits.shape
-    if vocab == 0 or vocab >= 2**31:
-        raise ValueError(f"argmax_rows: logits need 1 to 2**31 - 1 columns, got {vocab}")
+    if not 0 < vocab <= MAX_VOCAB:
+        raise ValueError(f"argmax_rows: logits need 1 to {MAX_VOCAB} columns, got {vocab}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out

@@ -35,7 +35,8 @@ from unittest import mock
 import torch
 
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
-from ostinato.engine import LLM, SamplingParams
+from benchmarks.generate_profile import generate_seconds
+from ostinato.engine import LLM
 from ostinato.engine.core.scheduler import Scheduler
 from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.worker.inputs import StepInputs
@@ -114,27 +115,19 @@ def _llm(model: str) -> LLM:
     return LLM(config, random_weights=True, device="cuda", **common)
 
 
-def _call_s(llm: LLM, prompt: list[int], tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([prompt], params)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def measure(model: str, repeats: int) -> Result:
     llm = _llm(model)
     prompt = llm.tokenizer.encode(PROMPTS[0]) if model == "gguf" else list(range(1, 21))
     seconds: dict[int, float] = {}
     for tokens in (128, 256):
-        _call_s(llm, prompt, tokens)  # warm-up of the same length
-        seconds[tokens] = statistics.median(_call_s(llm, prompt, tokens) for _ in range(repeats))
+        generate_seconds(llm, prompt, tokens)  # warm-up of the same length
+        runs = [generate_seconds(llm, prompt, tokens) for _ in range(repeats)]
+        seconds[tokens] = statistics.median(runs)
     slope = (seconds[256] - seconds[128]) / 128
-    _call_s(llm, prompt, 1)
-    one = statistics.median(_call_s(llm, prompt, 1) for _ in range(repeats))
+    generate_seconds(llm, prompt, 1)
+    one = statistics.median(generate_seconds(llm, prompt, 1) for _ in range(repeats))
     prof = cProfile.Profile()
-    prof.runcall(_call_s, llm, prompt, 1)
+    prof.runcall(generate_seconds, llm, prompt, 1)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
     result = Result(
@@ -146,7 +139,7 @@ def measure(model: str, repeats: int) -> Result:
         256,
     )
     with timed_phases() as phases:
-        _call_s(llm, prompt, 256)
+        generate_seconds(llm, prompt, 256)
     for name, phase in phases.items():
         result.phases_us_per_step[name] = phase.ns / 1e3 / result.steps
         result.calls_per_step[name] = phase.calls / result.steps

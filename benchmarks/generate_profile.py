@@ -33,12 +33,19 @@ from ostinato.provenance import Provenance
 PROMPT = [list(range(1, 21))]  # one request of 20 tokens
 
 
-def ms_per_token(llm: LLM, tokens: int) -> float:
+def generate_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
+    """Wall seconds of one ``generate`` call of ``prompt`` for exactly ``tokens`` new
+    tokens, the device idle before and after."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate(PROMPT, params)
-    return (time.perf_counter() - start) / tokens * 1e3
+    llm.generate([prompt], params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def ms_per_token(llm: LLM, tokens: int) -> float:
+    return generate_seconds(llm, PROMPT[0], tokens) / tokens * 1e3
 
 
 def profile(name: str, tokens: int, out: Path) -> dict[str, object]:

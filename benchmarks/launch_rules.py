@@ -10,14 +10,12 @@ statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
 (``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
 wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
-older keys before its PDL wait (``attention_launch.EARLY_KEYS``), and how much of the
-gate/up weight the split merge asks L2 to fetch (``attention_launch.WARM_BYTES``). Each
-rule is set here between runs and restored; the first rule of a set runs again last, so
-drift shows as A against A.
+older keys before its PDL wait (``attention_launch.EARLY_KEYS``). Each rule is set here
+between runs and restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages|pdl-order|resident|resident-down|early-keys|warm]
+unsplit-stages|pdl-order|resident|resident-down|early-keys]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -64,7 +62,6 @@ class Rule:
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
     early_keys: bool = attention_launch.EARLY_KEYS
-    warm_bytes: int = attention_launch.WARM_BYTES
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -140,13 +137,6 @@ RULES = {
         Rule("attention waits first", early_keys=False),
         Rule("older keys before the wait"),
     ),
-    # How much of a layer's gate/up weight the split merge asks L2 for during attention.
-    "warm": (
-        Rule("no L2 prefetch", warm_bytes=0),
-        Rule("gate/up's first 8 MiB", warm_bytes=8 * MiB),
-        Rule("gate/up's first 16 MiB", warm_bytes=16 * MiB),
-        Rule("gate/up's first 32 MiB", warm_bytes=32 * MiB),
-    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -198,7 +188,6 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
-        (attention_launch, "WARM_BYTES", rule.warm_bytes),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))

@@ -200,7 +200,7 @@ class FailingAttention:
         self.min_seq_len = min_seq_len
         self.calls = 0
 
-    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None, warm=None):
+    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None):
         import torch.distributed as dist
 
         real = max(meta.seq_lens, default=0) >= self.min_seq_len
@@ -210,7 +210,7 @@ class FailingAttention:
                 if self.exit_code is not None:
                     os._exit(self.exit_code)
                 raise RuntimeError("injected failure")
-        return self.inner(q, k_cache, v_cache, meta, scale, out, rope, warm)
+        return self.inner(q, k_cache, v_cache, meta, scale, out, rope)
 
 
 def torchrun_rank_fails(rank: int, world: int, port: int, model_dir: str, out: str) -> None:

@@ -146,7 +146,7 @@ class DenseGraphAttention:
 
         self.write_kv = write_kv
 
-    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None, warm=None):
+    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None):
         assert rope is None  # applies_rope is False: the model rotates q and k
         n, heads, d = q.shape
         _, bs, kv_heads, _ = k_cache.shape

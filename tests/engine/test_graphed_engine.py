@@ -198,8 +198,8 @@ class LeakyAttention(DenseGraphAttention):
     """Planted bug: every row's output moves with the mean query of all rows, padding
     included."""
 
-    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None, warm=None):
-        super().__call__(q, k_cache, v_cache, meta, scale, out, rope, warm)
+    def __call__(self, q, k_cache, v_cache, meta, scale, out, rope=None):
+        super().__call__(q, k_cache, v_cache, meta, scale, out, rope)
         out.add_(q.mean(0, keepdim=True))
 
 

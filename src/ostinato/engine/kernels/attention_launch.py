@@ -20,9 +20,6 @@ SPLIT_STAGES = 2
 # its first tile's older keys, the step's positions and block table before its PDL wait,
 # while the QKV kernel before it still runs.
 EARLY_KEYS = True
-# Bytes of the weight read after attention (a layer's gate/up) that the split merge's
-# programs ask L2 to fetch while attention runs, the memory otherwise idle (0: none).
-WARM_BYTES = 16 << 20
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:

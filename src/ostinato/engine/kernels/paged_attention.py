@@ -27,7 +27,6 @@ from ostinato.engine.kernels.attention_launch import (
     launch_for,
     splits_for,
 )
-from ostinato.engine.kernels.l2_prefetch import l2_prefetch, warm_chunks
 from ostinato.engine.kernels.launch import launch, num_sms, pdl_arg, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
@@ -243,15 +242,12 @@ def _merged(
     return total / tl.where(norm > 0, norm, 1.0)
 
 
-@triton.jit(do_not_specialize=["splits", "warm_chunks"])
+@triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(
-    part_ptr, m_ptr, l_ptr, out_ptr, warm_ptr, stride_ot, stride_oh, splits, warm_chunks,
+    part_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, splits,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    WARM: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if WARM:  # a weight: no kernel before writes it, so before the wait
-        part = tl.program_id(0) * HEADS + tl.program_id(1)
-        l2_prefetch(warm_ptr, warm_chunks, part, tl.num_programs(0) * HEADS)
     pdl_enter(USE_PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -281,7 +277,6 @@ def paged_attention(
     pdl: bool = False,
     config: AttentionLaunch | None = None,
     new_keys: int = 0,
-    warm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -296,10 +291,7 @@ def paged_attention(
     overrides the kernel's launch configuration (for tuning). ``new_keys`` (with ``pdl``;
     0: unknown): every key the kernel before may still be writing is within ``new_keys - 1``
     below its token's position (a step's longest query says it); older keys of the first
-    tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``). ``warm``: a
-    tensor read after attention (the next weight) whose first
-    ``attention_launch.WARM_BYTES`` the split merge's programs ask L2 to fetch while
-    attention runs (``l2_prefetch``; nothing where keys are not split)."""
+    tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -328,7 +320,7 @@ def paged_attention(
         launch_pdl=pdl,
     )  # fmt: skip
     if splits > 1:
-        _merge_splits(target, m, l_sum, out, pdl, warm)
+        _merge_splits(target, m, l_sum, out, pdl)
     return out
 
 
@@ -364,23 +356,27 @@ def _split_scratch(
 
 
 def _merge_splits(
-    partial: torch.Tensor,
-    m: torch.Tensor,
-    l_sum: torch.Tensor,
-    out: torch.Tensor,
-    pdl: bool,
-    warm: torch.Tensor | None,
+    partial: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor, out: torch.Tensor, pdl: bool
 ) -> None:
-    """Merges the splits' partial outputs into ``out`` (one program per token and head),
-    its programs first asking L2 for ``warm``'s first bytes (see ``paged_attention``)."""
+    """Merges the splits' partial outputs into ``out`` (one program per token and head)."""
     n, heads, splits, head_dim = partial.shape
-    chunks = warm_chunks(warm, attention_launch.WARM_BYTES)
     launch(
-        _merge_splits_kernel, (n, heads),
-        partial, m, l_sum, out, warm if chunks else out, out.stride(0), out.stride(1),
-        splits, chunks, HEADS=heads, HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS,
-        WARM=chunks > 0, USE_PDL=pdl_arg(pdl), num_warps=4, launch_pdl=pdl,
-    )  # fmt: skip
+        _merge_splits_kernel,
+        (n, heads),
+        partial,
+        m,
+        l_sum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        MAX_SPLITS=MAX_SPLITS,
+        USE_PDL=pdl_arg(pdl),
+        num_warps=4,
+        launch_pdl=pdl,
+    )
 
 
 def _rope_args(

@@ -127,7 +127,6 @@ class AscendAttention:
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        warm: torch.Tensor | None = None,
     ) -> None:
         if rope is not None:
             raise ValueError("AscendAttention does not apply RoPE (applies_rope is False)")

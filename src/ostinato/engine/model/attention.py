@@ -8,9 +8,7 @@ so it is never captured (support level NEVER).
 
 A backend with ``applies_rope`` receives q and k unrotated with ``rope = (cos, sin)`` and
 rotates them itself; every backend accepts ``rope`` (the torch backend rotates with the
-model's own ``apply_rope``, so both placements compute the same). Every backend accepts
-``warm``, the weight read next, a hint it may use to have the cache fetch that weight
-while attention runs (the Triton backend does) or ignore.
+model's own ``apply_rope``, so both placements compute the same).
 """
 
 from __future__ import annotations
@@ -70,7 +68,6 @@ class AttentionBackend(Protocol):
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        warm: torch.Tensor | None = None,
     ) -> None: ...
 
     def write_kv(
@@ -123,7 +120,6 @@ class TorchAttention:
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        warm: torch.Tensor | None = None,
     ) -> None:
         if rope is not None:
             q = apply_rope(q, *rope)
@@ -193,7 +189,6 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        warm: torch.Tensor | None = None,
     ) -> None:
         from ostinato.engine.kernels.paged_attention import paged_attention
 
@@ -209,5 +204,4 @@ class TritonAttention:
             rope=rope,
             pdl=self.pdl,
             new_keys=meta.new_keys,
-            warm=warm,
         )

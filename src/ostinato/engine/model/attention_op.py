@@ -38,7 +38,7 @@ class StepAttention:
 _lib = torch.library.Library("ostinato", "DEF")
 _lib.define(
     "attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) out, int layer, float scale, "
-    "Tensor? cos=None, Tensor? sin=None, Tensor? warm=None) -> ()"
+    "Tensor? cos=None, Tensor? sin=None) -> ()"
 )
 
 
@@ -51,11 +51,9 @@ def attention(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    warm: torch.Tensor | None = None,
 ) -> None:
     """``out[:] = attention(q)`` over layer ``layer``'s cache after writing ``k, v`` to it
-    when given (q and k rotated by ``cos, sin`` first, when given); ``warm``: the weight
-    read next, handed to the backend as a hint (``AttentionBackend``)."""
+    when given (q and k rotated by ``cos, sin`` first, when given)."""
     step: StepAttention = get_forward_context().attn_metadata
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
     rope = None if cos is None or sin is None else (cos, sin)
@@ -66,7 +64,7 @@ def attention(
         q = q[:, : heads * d].view(n, heads, d)
         if rope is not None and not step.backend.applies_rope:
             q, rope = apply_rope(q, *rope), None
-    step.backend(q, k_cache, v_cache, step.metadata, scale, out, rope, warm)  # into out
+    step.backend(q, k_cache, v_cache, step.metadata, scale, out, rope)  # straight into out
 
 
 _lib.impl("attention", attention, "CompositeExplicitAutograd")
@@ -82,6 +80,5 @@ def _(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    warm: torch.Tensor | None = None,
 ) -> None:
     return None

@@ -155,15 +155,13 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         stats: RowStats | None = None,
-        warm: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
         """(this block's output for ``norm(x + residual)``, ``x + residual`` (``x``
         itself without a residual), the row statistics of their sum or None):
         ``forward`` with the norm in front, the norm (its sums of squares from
         ``stats`` where ready), the QKV projection and the K/V write as one op
         (``ostinato::norm_qkv``). With ``row_stats`` the output projection stores the
-        statistics for the next norm. ``warm``: the weight read after this block, which
-        attention may have the cache fetch while it runs (``AttentionBackend``)."""
+        statistics for the next norm."""
         qkv = self.qkv_proj
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
@@ -179,9 +177,7 @@ class Attention(nn.Module):
             qkv_rows, total, self.kernels.pdl, *RowStats.args(stats),
         )  # fmt: skip
         # The queries are the first columns of qkv_rows (the op slices them: no view here).
-        torch.ops.ostinato.attention(
-            qkv_rows, None, None, out, self.layer, self.scale, cos, sin, warm
-        )
+        torch.ops.ostinato.attention(qkv_rows, None, None, out, self.layer, self.scale, cos, sin)
         total = x if residual is None else total
         out = out.view(n, self.q_size)
         if not self.row_stats:
@@ -262,9 +258,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
         if self.fused:
             attn, norm = self.self_attn, self.input_layernorm
-            # Attention has the cache fetch the gate/up weight while the memory is idle.
-            warm = self.mlp.gate_up_proj.weight
-            h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats, warm)
+            h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
             return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)
         if residual is None:  # the first layer: x is the embedding
             residual, h = x, self.input_layernorm(x)

@@ -430,12 +430,14 @@ def _gemm_kernel(
             STATS_IN and ADD, TWO, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     if SPLIT_K > 1:
-        # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD]: every tile whole, no mask.
+        # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD], every column of a tile; only
+        # the M live rows are stored and summed (the rest are never stored out).
         part = rm[:, None] * N_PAD + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
         mine = part_ptr + pid_k * 2 * BLOCK_M * N_PAD + part
-        tl.store(mine, acc)
+        live = (rm < M)[:, None]
+        tl.store(mine, acc, mask=live)
         if TWO:
-            tl.store(mine + BLOCK_M * N_PAD, acc2)
+            tl.store(mine + BLOCK_M * N_PAD, acc2, mask=live)
         # acq_rel: this program's partial is visible before its count, and the last
         # program sees every other partial after reading the count.
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
@@ -445,9 +447,11 @@ def _gemm_kernel(
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT_K):
                 theirs = part_ptr + s * 2 * BLOCK_M * N_PAD + part
-                acc += tl.load(theirs, cache_modifier=".cg")
+                acc += tl.load(theirs, mask=live, other=0.0, cache_modifier=".cg")
                 if TWO:
-                    acc2 += tl.load(theirs + BLOCK_M * N_PAD, cache_modifier=".cg")
+                    acc2 += tl.load(
+                        theirs + BLOCK_M * N_PAD, mask=live, other=0.0, cache_modifier=".cg"
+                    )
             tl.atomic_xchg(count_ptr + pid_n, 0)
     else:
         last = True

@@ -262,9 +262,11 @@ def test_compile_ahead_compiles_every_kernel_before_its_first_launch(tmp_path):
     doc = json.loads(child.stdout.strip().splitlines()[-1])
     ahead = {name for name, warm in doc["compiled"] if warm}
     at_launch = sorted({name for name, warm in doc["compiled"] if not warm})
-    # The norms, SiLU·mul, the K/V write, attention and its split merge, all ahead.
+    # The norms, SiLU·mul, the K/V write, attention and its split merge, the greedy
+    # argmax, all ahead.
     assert {"_rms_norm_kernel", "_silu_mul_kernel", "_write_kv_kernel"} <= ahead
     assert {"_paged_attention_kernel", "_merge_splits_kernel"} <= ahead
+    assert {"_chunk_best_kernel", "_row_best_kernel"} <= ahead
     assert at_launch == [], f"compiled at a launch, not ahead (specialisation missed): {at_launch}"
     plain = tiny_engine("full_and_piecewise", torch.float32)
     assert doc["tokens"] == greedy_tokens(plain, 16)

@@ -20,7 +20,7 @@ from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
-from ostinato.engine.kernels.launch import compile_ahead, layout_rows
+from ostinato.engine.kernels.launch import PDL_MAX_ROWS, compile_ahead, layout_rows
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
@@ -334,7 +334,8 @@ class ModelRunner:
         """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
         thread pool (``triton_launch.compile_ahead``), queued first by one eager pass of
         the model per layout the steps launch (``layout_rows``: with and without PDL,
-        attention splitting its keys or not). Nothing launched inside runs,
+        attention splitting its keys or not), each followed by the decode graphs' greedy
+        argmax over a few of its rows. Nothing launched inside runs,
         so the caller's compiled first pass (Dynamo, Inductor) overlaps the compilations
         and its output is not to be read."""
         if not self._kernels_pending:
@@ -344,7 +345,11 @@ class ModelRunner:
         with compile_ahead():
             for n in layout_rows(self.limits.max_num_batched_tokens):
                 with self._padding_context(inputs, n):
-                    self.model(inputs.input_ids[:n], inputs.positions[:n])
+                    hidden = self.model(inputs.input_ids[:n], inputs.positions[:n])
+                    # The argmax's layouts differ only in PDL: a few rows take the same
+                    # one as ``n`` rows, without their whole vocabulary of logits.
+                    rows = min(n, PDL_MAX_ROWS + 1)
+                    greedy_tokens(self.model.compute_logits(hidden[:rows]), self.kernels.pdl)
             yield
 
     def capture(self) -> CaptureReport:

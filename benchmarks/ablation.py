@@ -40,7 +40,7 @@ def _no_merge() -> contextlib.AbstractContextManager:
 
 
 def _no_greedy() -> contextlib.AbstractContextManager:
-    def unwritten(logits: torch.Tensor) -> torch.Tensor:
+    def unwritten(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         return torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
 
     return mock.patch.object(runner, "greedy_tokens", unwritten)

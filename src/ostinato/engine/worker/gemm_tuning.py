@@ -130,8 +130,6 @@ def plan_small_gemms(
             logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
         plan = plans[key]
         if any(plan):
-            from ostinato.engine.kernels.gemm_launch import counters_needed
-
             linear.use_plan(plan, counters_needed(w.shape[0]), pdl)
         else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
             linear.use_plan((), 0, pdl)

@@ -236,11 +236,16 @@ class ModelRunner:
             hidden = self._forward_for(n)(self.inputs.input_ids[:n], self.inputs.positions[:n])
         if not d.uniform_decode:
             return hidden
-        logits = self.model.compute_logits(hidden)
-        greedy = greedy_tokens(logits, self.kernels.pdl)
+        logits, greedy = self._decode_tail(hidden)
         if ahead is not None:
             ahead.accept(n, greedy)
         return logits, greedy
+
+    def _decode_tail(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The end of a uniform decode step (of its graphs): float32 logits of ``hidden``'s
+        rows and their greedy tokens."""
+        logits = self.model.compute_logits(hidden)
+        return logits, greedy_tokens(logits, self.kernels.pdl)
 
     def _forward_for(self, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """What runs the model for a step of ``n`` rows: the persistent kernel where it
@@ -348,8 +353,7 @@ class ModelRunner:
                     hidden = self.model(inputs.input_ids[:n], inputs.positions[:n])
                     # The argmax's layouts differ only in PDL: a few rows take the same
                     # one as ``n`` rows, without their whole vocabulary of logits.
-                    rows = min(n, PDL_MAX_ROWS + 1)
-                    greedy_tokens(self.model.compute_logits(hidden[:rows]), self.kernels.pdl)
+                    self._decode_tail(hidden[: min(n, PDL_MAX_ROWS + 1)])
             yield
 
     def capture(self) -> CaptureReport:

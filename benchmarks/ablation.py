@@ -4,7 +4,6 @@ leaves its buffers unwritten); only its time is read. The parts:
 
 - ``merge``: attention's split merge kernel (the partials stay unmerged);
 - ``greedy``: the greedy argmax after the LM head (its tokens left unwritten);
-- ``float-logits``: the cast of the logits to float32 (they stay in the model's dtype);
 - ``rope``: the step's cos and sin (left unwritten: the kernels that compute them from
   the positions are gone);
 - ``final-norm``: the final RMSNorm before the LM head.
@@ -46,13 +45,6 @@ def _no_greedy() -> contextlib.AbstractContextManager:
     return mock.patch.object(runner, "greedy_tokens", unwritten)
 
 
-def _model_dtype_logits() -> contextlib.AbstractContextManager:
-    def logits(self: decoder.DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
-        return decoder.all_gather_last_dim(self.lm_head(hidden), self.tp.group)
-
-    return mock.patch.object(decoder.DecoderModel, "compute_logits", logits)
-
-
 def _no_rope() -> contextlib.AbstractContextManager:
     def rope(self: decoder.DecoderModel, positions: torch.Tensor, dtype: torch.dtype):
         shape = (positions.shape[0], 1, 2 * self.inv_freq.shape[0])
@@ -77,7 +69,6 @@ def _no_final_norm() -> contextlib.AbstractContextManager:
 PARTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "merge": _no_merge,
     "greedy": _no_greedy,
-    "float-logits": _model_dtype_logits,
     "rope": _no_rope,
     "final-norm": _no_final_norm,
 }

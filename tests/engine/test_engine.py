@@ -136,6 +136,19 @@ def test_sampler_greedy_top_p_and_seeded_temperature():
     assert torch.equal(a, b) and len(set(a.tolist())) > 1
 
 
+def test_sampling_logits_in_the_model_dtype_equals_sampling_their_float32_cast():
+    # The step hands its logits over in the model's dtype (no float32 cast in the decode
+    # graph); the sampler's softmax casts them, so the tokens are those of the cast.
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 500, generator=g) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    temps = torch.tensor([0.0, 0.7] * 32)
+    tops = torch.tensor([1.0, 0.9] * 32)
+    got = sample(logits, temps, tops, torch.Generator().manual_seed(5))
+    want = sample(logits.float(), temps, tops, torch.Generator().manual_seed(5))
+    assert torch.equal(got, want) and got[0] == 7
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_sampled_tokens_follow_the_softmax_restricted_to_top_p(top_p):
     # 20000 draws of 4 tokens whose probabilities at temperature 2 are known; with
@@ -174,7 +187,7 @@ def test_engine_on_cpu_runs_none_mode_with_reason():
 
 
 def test_decode_steps_compute_logits_and_greedy_tokens_in_the_step_itself():
-    llm = tiny()
+    llm = tiny(dtype="bfloat16")
     reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS]
     prefill = llm.scheduler.schedule()
     out = llm.runner.execute(prefill)
@@ -186,6 +199,7 @@ def test_decode_steps_compute_logits_and_greedy_tokens_in_the_step_itself():
     out = llm.runner.execute(decode)
     logits = out.logits
     assert logits.shape == (len(decode.scheduled), llm.config.vocab_size)
+    assert logits.dtype == torch.bfloat16  # the model's: no float32 cast in the step
     assert torch.equal(out.greedy, logits.argmax(-1))
     llm.scheduler.abort(reqs)
 

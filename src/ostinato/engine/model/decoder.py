@@ -381,5 +381,9 @@ class DecoderModel(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the whole vocabulary for hidden-state rows."""
-        return all_gather_last_dim(self.lm_head(hidden), self.tp.group).float()
+        """Logits over the whole vocabulary for hidden-state rows, in the LM head's dtype
+        (the model's). They are not cast to float32 here: a greedy step only takes their
+        argmax, which the cast cannot change, and at 128 rows of a 128k vocabulary the
+        cast and the copy of float32 logits into the decode graph's static output cost
+        the step more than its argmax. ``sample`` and ``verify`` cast what they use."""
+        return all_gather_last_dim(self.lm_head(hidden), self.tp.group)

@@ -33,7 +33,7 @@ from ostinato.platform.base import Platform
 class GraphSampler:
     """One sampling graph per uniform decode size, captured into the shared pool.
 
-    ``logits(n)``: the first ``n`` rows of the decode graphs' static float32 logits
+    ``logits(n)``: the first ``n`` rows of the decode graphs' static logits
     (``[n, vocab]``, fixed address per ``n``). Guarantees: ``sample`` returns None for a
     size it has no graph for (the caller samples eagerly); the generator's state after
     ``capture`` is what it was before; at a captured size the tokens equal eager

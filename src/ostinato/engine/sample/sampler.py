@@ -63,7 +63,8 @@ def sample(
     generator: torch.Generator | None = None,
     all_greedy: bool | None = None,
 ) -> torch.Tensor:
-    """One token id per row of ``logits`` (``[rows, vocab]``, float32).
+    """One token id per row of ``logits`` (``[rows, vocab]``, any float dtype; the
+    softmax runs in float32).
 
     Rows with temperature 0 take the argmax; others sample from the softmax at that
     temperature restricted to the smallest set of tokens whose probability reaches top_p.
@@ -76,7 +77,7 @@ def sample(
     if all_greedy:
         return greedy
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    probs = torch.softmax(logits / t[:, None], dim=-1)
+    probs = torch.softmax(logits.float() / t[:, None], dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     # Keep a token if the mass before it is still below top_p (the first is always kept).
     keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_ps[:, None]

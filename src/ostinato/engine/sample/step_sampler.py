@@ -21,11 +21,12 @@ from ostinato.engine.sample.verify import verify
 class StepOutput:
     """What one step of ``ModelRunner.execute`` produced, valid until the next step runs.
 
-    ``logits``: float32, one row per scheduled request, or ``1 + len(draft)`` rows for a
-    request verifying a draft (``[rows, vocab]``). ``greedy``: their argmax computed inside
-    a uniform decode step (``[padded]``, padding rows last), else None. ``graph_size``:
-    the padded size of the uniform decode graph the step replayed (its logits are what a
-    sampling graph of that size reads), else None."""
+    ``logits``: in the model's dtype (``DecoderModel.compute_logits``), one row per
+    scheduled request, or ``1 + len(draft)`` rows for a request verifying a draft
+    (``[rows, vocab]``). ``greedy``: their argmax computed inside a uniform decode step
+    (``[padded]``, padding rows last), else None. ``graph_size``: the padded size of the
+    uniform decode graph the step replayed (its logits are what a sampling graph of that
+    size reads), else None."""
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None

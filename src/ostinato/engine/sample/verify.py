@@ -16,7 +16,7 @@ from ostinato.engine.sample.sampler import SamplingParams, sample
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution ``sample`` draws from for these rows: softmax at the
     temperature, restricted to the smallest top set reaching ``top_p``, renormalised."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     keep = (sorted_p.cumsum(dim=-1) - sorted_p) < params.top_p
     kept = torch.zeros_like(probs).scatter_(-1, order, torch.where(keep, sorted_p, 0.0))

@@ -68,8 +68,9 @@ def activation_bytes(
     config: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype
 ) -> int:
     """An upper estimate of the live tensors of one forward pass over ``num_tokens`` rows
-    plus the float32 logits of ``num_seqs`` rows (hidden, residual, qkv, gate/up, SiLU
-    product, attention output, twice over for temporaries)."""
+    plus the logits of ``num_seqs`` rows, counted in float32 as sampling casts them
+    (hidden, residual, qkv, gate/up, SiLU product, attention output, twice over for
+    temporaries)."""
     c = config
     per_token = 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     per_token += 3 * c.intermediate_size + c.num_heads * c.head_dim

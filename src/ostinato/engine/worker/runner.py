@@ -217,7 +217,7 @@ class ModelRunner:
 
     def _step(self, d: BatchDescriptor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the first ``d.num_tokens`` rows; for a uniform decode, where
-        every row is one whose logits are needed, their float32 logits and greedy tokens
+        every row is one whose logits are needed, their logits and greedy tokens
         instead, so the decode graph covers the LM head (and its all-gather under TP) and
         greedy sampling. A descriptor in ``ubatched_graphs`` runs as two micro-batches
         over the two halves of its rows (its warm-up, capture and replays alike)."""
@@ -242,7 +242,7 @@ class ModelRunner:
         return logits, greedy
 
     def _decode_tail(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The end of a uniform decode step (of its graphs): float32 logits of ``hidden``'s
+        """The end of a uniform decode step (of its graphs): the logits of ``hidden``'s
         rows and their greedy tokens."""
         logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits, self.kernels.pdl)
@@ -256,7 +256,7 @@ class ModelRunner:
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
     ) -> StepOutput:
-        """Runs the step as dispatched: float32 logits of ``rows`` (for a uniform decode,
+        """Runs the step as dispatched: the logits of ``rows`` (for a uniform decode,
         all ``n`` rows, whose logits and argmax the step itself computed)."""
         # Asked before the run, under the step's turn: a FULL dispatch whose graph is not
         # ready yet (background capture) runs eagerly, and its logits are no static output.
@@ -479,7 +479,7 @@ class ModelRunner:
         agreement: StepAgreement | None = None,
         previous: PreviousSample | None = None,
     ) -> StepOutput:
-        """Runs ``step``; returns its ``StepOutput``: float32 logits, one row per scheduled
+        """Runs ``step``; returns its ``StepOutput``: logits, one row per scheduled
         request (or, for a request verifying a draft, ``1 + len(draft)`` rows: its last
         token's and each draft token's), and the argmax where the step computed it.
         ``previous``: the last launched step's samples, for decodes whose input token is

@@ -61,7 +61,7 @@ def tp_logits_and_tokens(
     llm.scheduler.abort(reqs)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     result = {
-        "logits": logits.cpu(),
+        "logits": logits.float().cpu(),
         "tokens": [o.token_ids for o in outs],
         "ubatched": llm.runner.ubatched_steps,
         "ubatched_replays": llm.runner.ubatched_replays,

@@ -42,7 +42,7 @@ def lockstep(eager: LLM, graphs: LLM, tolerance: float, seed: int = 11) -> set[s
         assert [s.request.id for s in se.scheduled] == [s.request.id for s in sg.scheduled]
         dispatch = graphs.runner.graphs.dispatch(sg.num_tokens, sg.uniform_decode)
         modes_seen.add(dispatch.mode.name)
-        le, lg = eager.runner.execute(se).logits, graphs.runner.execute(sg).logits
+        le, lg = eager.runner.execute(se).logits.float(), graphs.runner.execute(sg).logits.float()
         err = ((lg - le).norm() / le.norm()).item()
         assert err < tolerance, (dispatch, err)
         tokens = le.argmax(-1).tolist()

@@ -40,7 +40,7 @@ def one_gpu(model_dir, mode, dtype):
     logits = llm.runner.execute(llm.scheduler.schedule()).logits
     llm.scheduler.abort(reqs)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
-    return logits.cpu(), [o.token_ids for o in outs]
+    return logits.float().cpu(), [o.token_ids for o in outs]
 
 
 @pytest.mark.parametrize(

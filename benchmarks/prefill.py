@@ -32,6 +32,7 @@ class PrefillTiming:
     prompt_len: int
     ms: float  # median of the timed calls
     tokens_per_s: float
+    times_ms: list[float]  # every timed call, in order
 
 
 def _cases(text: str) -> list[tuple[int, int]]:
@@ -60,7 +61,7 @@ def time_case(llm: LLM, batch: int, length: int, repeats: int, seed: int) -> Pre
         if i >= 2:  # the first two calls warm up
             times.append((time.perf_counter() - start) * 1e3)
     ms = statistics.median(times)
-    return PrefillTiming(batch, length, ms, batch * length / ms * 1e3)
+    return PrefillTiming(batch, length, ms, batch * length / ms * 1e3, times)
 
 
 def main() -> int:

@@ -1,6 +1,8 @@
 """GPU tests of memory: the KV cache sized from free memory, a named error when the model
 does not fit, and an out-of-memory capture that leaves the process and device usable."""
 
+import gc
+
 import pytest
 import torch
 
@@ -8,9 +10,19 @@ from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.worker.memory import EngineMemoryError
 from ostinato.errors import GraphCaptureError
 from ostinato.platform.cuda import CudaPlatform
+from ostinato.pool import release_shared_pool
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def fresh_pool():
+    # These tests read a capture's pool growth and starve a capture of memory: they need
+    # a graph pool of their own, not the process-wide one that earlier tests filled.
+    gc.collect()
+    release_shared_pool()
+    torch.cuda.empty_cache()
 
 
 def small(**kw):

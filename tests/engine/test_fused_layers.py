@@ -4,6 +4,7 @@ placement of RoPE and through torch.compile; the launch shapes chosen without a
 measurement are the ones their rule names (checked against brute force)."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -11,18 +12,21 @@ import torch
 from hf_models import write_checkpoint
 
 from benchmarks.decode import BenchConfig, DecodeSetup
+from ostinato.batch import BatchDescriptor
 from ostinato.engine import LLM, KernelOptions, SamplingParams
 from ostinato.engine.kernels.gemm_launch import (
     CONFIGS,
+    MAX_ROWS,
     MAX_SPLIT_K,
     GemmConfig,
     pick_config,
     rope_split_k,
     working_splits,
 )
-from ostinato.engine.model import decoder
+from ostinato.engine.model import decoder, fused_ops
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.model.presets import shape
+from ostinato.engine.worker.runner import ModelRunner
 from ostinato.mathutil import ceil_div
 from ostinato.modes import GraphMode
 
@@ -84,6 +88,46 @@ def test_a_fused_decode_step_is_the_unfused_one(compiler, row_stats):
         assert torch.equal(logits[0], logits[1])
     else:
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiler", [None, "inductor"])
+def test_compiled_layers_run_unfused_and_the_eager_model_fused(compiler):
+    # The fused QKV op is a splitting op: compiled (the piecewise graphs of prefills and
+    # mixed steps) the layers must not call it, or its norm and projection would run
+    # between the graphs at every size. Eagerly (what FULL decode graphs capture) they do.
+    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
+    setup = DecodeSetup(cfg, torch.device("cpu"))
+    step = setup.decode_batch([3, 5, 7, 11])
+    runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), KernelOptions())
+    with (
+        mock.patch.object(fused_ops, "_norm_into", wraps=fused_ops._norm_into) as norms,
+        torch.inference_mode(),
+    ):
+        runner.compile()
+        norms.reset_mock()
+        runner.execute(step)
+    runner.release()
+    layers = len(runner.model.layers)
+    assert norms.call_count == (0 if compiler else layers), norms.call_count
+
+
+@pytest.mark.parametrize(
+    "mode", [GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL, GraphMode.PIECEWISE, GraphMode.NONE]
+)
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_runs_the_eager_model_exactly_where_its_full_graph_takes_fused_kernels(mode, fused):
+    runner = SimpleNamespace(
+        graphs=SimpleNamespace(mode=mode), kernels=KernelOptions(fused_layers=fused)
+    )
+    for rows in range(1, 3 * MAX_ROWS):
+        for uniform in (True, False):
+            d = BatchDescriptor(rows, rows if uniform else None, uniform)
+            full = {
+                GraphMode.FULL: True,
+                GraphMode.FULL_AND_PIECEWISE: uniform,
+            }.get(mode, False)
+            want = fused and full and rows <= MAX_ROWS
+            assert ModelRunner._fused_eagerly(runner, d) == want, (mode, rows, uniform)
 
 
 def test_the_fused_ops_refuse_a_mismatched_residual():

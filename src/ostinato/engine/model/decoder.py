@@ -256,7 +256,12 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         stats: RowStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
-        if self.fused:
+        # Traced by torch.compile (the piecewise graphs: prefills, mixed steps), the layer
+        # runs unfused: its norm and QKV projection then stay inside the graphs, where the
+        # fused op would run between them, eagerly, at every size (short prefills are
+        # host-bound). The fused kernels serve the eager model, which the runner hands
+        # the FULL decode graphs (``ModelRunner._forward_for``).
+        if self.fused and not torch.compiler.is_compiling():
             attn, norm = self.self_attn, self.input_layernorm
             h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
             return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)

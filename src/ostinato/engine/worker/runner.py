@@ -20,6 +20,7 @@ from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.kernels.launch import PDL_MAX_ROWS, compile_ahead, layout_rows
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
@@ -43,6 +44,8 @@ from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, UbatchThreads
 from ostinato.ubatch.policy import MicroBatching
 from ostinato.ubatch.slicing import can_split, split_step
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids, positions) -> hidden
 
 
 class DecodeStepHook(Protocol):
@@ -127,7 +130,7 @@ class ModelRunner:
         )
         self.gemm_timings: list[GemmTiming] | None = None  # measured by plan_kernels()
         self.piecewise: PiecewiseBackend | None = None
-        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
+        self.forward: Forward = model
         if compiler is not None:
             self.piecewise = PiecewiseBackend(
                 compiler=compiler,
@@ -233,7 +236,7 @@ class ModelRunner:
         if ubatched:
             hidden = self._run_static_ubatches(n)
         else:
-            hidden = self._forward_for(n)(self.inputs.input_ids[:n], self.inputs.positions[:n])
+            hidden = self._forward_for(d)(self.inputs.input_ids[:n], self.inputs.positions[:n])
         if not d.uniform_decode:
             return hidden
         logits, greedy = self._decode_tail(hidden)
@@ -247,11 +250,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits, self.kernels.pdl)
 
-    def _forward_for(self, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """What runs the model for a step of ``n`` rows: the persistent kernel where it
-        takes them (``KernelOptions.persistent_layers``, once planned), else ``forward``."""
+    def _forward_for(self, d: BatchDescriptor) -> Forward:
+        """What runs the model for a step of ``d``: the persistent kernel where it takes
+        its rows (``KernelOptions.persistent_layers``, once planned); the eager model
+        where ``_fused_eagerly``; else ``forward``."""
         stack = self.layer_stack
-        return stack.forward if stack is not None and stack.can_run(n) else self.forward
+        if stack is not None and stack.can_run(d.num_tokens):
+            return stack.forward
+        return self.model if self._fused_eagerly(d) else self.forward
+
+    def _fused_eagerly(self, d: BatchDescriptor) -> bool:
+        """Whether a step of ``d`` runs the eager model rather than the compiled one: with
+        fused layers, where its runtime mode is FULL and its rows fit the fused kernels.
+        Compiled, the layers run unfused (``DecoderLayer.forward``); a FULL graph of
+        the eager model replays the fused kernels without their host cost."""
+        mode = self.graphs.mode
+        runtime = mode.decode_mode() if d.uniform_decode else mode.mixed_mode()
+        return self.kernels.fused_layers and runtime is GraphMode.FULL and d.num_tokens <= MAX_ROWS
 
     def run_logits(
         self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor

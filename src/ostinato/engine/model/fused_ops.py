@@ -4,7 +4,9 @@
   the Qwen3 head norms, and the K/V cache write with RoPE on the keys. Writes the query
   heads, unrotated (the attention op rotates them), and the residual sum into buffers
   the caller made. A splitting op of the piecewise backend, as attention is: its
-  ``layer`` argument would make every layer's piece a graph of its own.
+  ``layer`` argument would make every layer's piece a graph of its own. The compiled
+  model does not call it (``DecoderLayer.forward``): eagerly between the graphs, its
+  unfused norm and projection would cost every prefill their launches.
 - ``ostinato::norm_swiglu``: the post-attention RMSNorm (with the residual add), the
   gate/up projection and SiLU·mul. Returns the activation and the residual sum.
 

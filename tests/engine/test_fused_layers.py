@@ -66,10 +66,8 @@ def test_fused_layers_keep_qkv_biases_and_head_norms(arch, tmp_path):
 def test_a_fused_decode_step_is_the_unfused_one(compiler, row_stats):
     # Eagerly the fused ops run the unfused ops (the CPU has no fused kernel): the same
     # bits, with the row statistics handed on (the default on one device) or not (as
-    # under tensor parallelism). Compiled, the fake
-    # implementations must describe the real outputs (their query layout included) for
-    # Inductor's code to be right; its own kernels may round differently from eager
-    # torch, hence a tolerance there.
+    # under tensor parallelism). Compiled, both run the layers unfused; Inductor's own
+    # kernels may round differently from eager torch, hence a tolerance there.
     cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
     setup = DecodeSetup(cfg, torch.device("cpu"))
     step = setup.decode_batch([3, 5, 7, 11])
@@ -136,6 +134,23 @@ def test_the_fused_ops_refuse_a_mismatched_residual():
     x, w = torch.randn(3, 8), torch.randn(12, 8)
     with pytest.raises(ValueError, match="must match"):
         norm_swiglu(x, torch.randn(3, 4), torch.ones(8), 1e-6, w, torch.zeros(0), [])
+
+
+def test_the_swiglu_op_compiled_equals_it_eager():
+    # The compiled model no longer calls the fused ops, but they stay traceable: their
+    # fake implementations must describe the real outputs for compiled callers.
+    def f(x, residual, norm_weight, weight):
+        out, total = torch.ops.ostinato.norm_swiglu(
+            x, residual, norm_weight, 1e-6, weight, torch.zeros(0, dtype=torch.int32), []
+        )
+        return out * 2, total + 1
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(shape, generator=g) for shape in ((5, 16), (5, 16), (16,), (24, 16))]
+    want = f(*args)
+    got = torch.compile(f, backend="inductor", fullgraph=True)(*args)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_the_config_chosen_without_a_measurement_follows_its_rule():

@@ -166,8 +166,10 @@ class Attention(nn.Module):
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
         n = x.shape[0]
-        # The ops' outputs are made here, before both: the ops run back to back between
-        # piecewise graphs, and a graph holds the buffers an eager op writes.
+        # The ops' outputs are made here, before both: a splitting op (as the QKV op is
+        # declared, should a compiled model call it) writes into buffers a graph holds.
+        # Compiled models run the layers unfused (``forward``), so today only the eager
+        # model, and the FULL graphs that capture it, come here.
         qkv_rows = torch.empty((n, qkv.out_features), dtype=x.dtype, device=x.device)
         total = torch.empty_like(x) if residual is not None else x.new_empty(0)
         out = torch.empty((n, self.heads, self.head_dim), dtype=x.dtype, device=x.device)

@@ -138,8 +138,8 @@ def norm_qkv(
     """Writes the step's keys (rotated) and values to layer ``layer``'s cache, the query
     heads (QK-normed, unrotated) to the first ``q_heads * d`` columns of ``qkv_out``
     (``[n, (q_heads + 2 kv_heads) * d]``; the rest is scratch) and ``x + residual`` to
-    ``total_out`` (unused without a residual). The outputs are the caller's buffers: the
-    op runs between the piecewise graphs, which hold them."""
+    ``total_out`` (unused without a residual). The outputs are the caller's buffers, as
+    a splitting op's must be (graphs hold them); no compiled model calls it today."""
     step = get_forward_context().attn_metadata
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
     slots = step.metadata.slot_mapping

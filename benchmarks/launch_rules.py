@@ -15,7 +15,7 @@ between runs and restored; the first rule of a set runs again last, so drift sho
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages|pdl-order|resident|resident-down|early-keys]
+unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -126,6 +126,13 @@ RULES = {
         Rule("no resident launch", resident_max_rows=0),
         Rule("resident up to 16 MiB"),
         Rule("resident, any weight", resident_max_bytes=OFF),
+    ),
+    # Projections of up to 16 MiB resident at one row (as before), or up to 2 or 4 rows
+    # (the products of every row summed at once on CUDA cores).
+    "resident-rows": (
+        Rule("resident at 1 row"),
+        Rule("resident up to 2 rows", resident_max_rows=2),
+        Rule("resident up to 4 rows", resident_max_rows=4),
     ),
     # The 1.5 B down projection (32 MiB) resident too, its gate/up (64 MiB) not.
     "resident-down": (

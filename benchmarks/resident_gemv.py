@@ -9,15 +9,19 @@ the next kernel launch first), so after the wait a program only loads its rows o
 ``x``, multiplies and stores: no K loop, no split-K reduction. The grid is large (``N /
 block_n`` programs), so the weight of one projection is in flight at once.
 
-Two ways to multiply after the wait: ``fma`` (each row of ``x`` times the weight
-tile, summed across the tile's columns: CUDA cores) and ``dot`` (``tl.dot`` of the
-16-row ``x`` with the tile: tensor cores; ``block_n`` of at least 16).
+Ways to multiply after the wait: ``fma`` (each row of ``x`` times the weight
+tile, summed across the tile's columns: CUDA cores, a branch per row), ``rows`` (the
+same with every row's load masked instead, so no load waits on a branch, and the rows'
+sums assembled into one tile that is stored once, as the engine's epilogues need),
+``hoist`` (as ``rows``, the rows loaded as one tile first), ``bcast`` (the products
+of every row and column at once, summed over K) and ``dot`` (``tl.dot`` of the 16-row
+``x`` with the tile: tensor cores; ``block_n`` of at least 16).
 
 Every call reads its own weight copy (``fused_sweep.weight_turns``), PDL-launched back
 to back in one CUDA graph; the small GEMM runs at its default launch shape
 (``gemm_launch.pick_config``) in the same run, in the same kind of chain.
 
-``python -m benchmarks.resident_gemv --out results.json [--rows 1,8]``
+``python -m benchmarks.resident_gemv --out results.json [--rows 1,8] [--kinds fma,dot,rows]``
 """
 
 from __future__ import annotations
@@ -59,14 +63,14 @@ SHAPES = {
 class Timing:
     shape: str
     rows: int
-    kernel: str  # "small_gemm <config>" or "resident <fma|dot> n<block_n> w<warps>"
+    kernel: str  # "small_gemm <config>" or "resident <kind> n<block_n> w<warps>"
     us: float
     of_copy: float  # the weight's bytes over the time, against the copy bandwidth
 
 
 @triton.jit
 def _resident(
-    x_ptr, w_ptr, out_ptr, M, N, K, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, M, N, K, KIND: tl.constexpr, BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,8 +79,8 @@ def _resident(
     w_mask = (rn[:, None] < N) & (rk[None, :] < K)
     w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0)
     tl.extra.cuda.gdc_wait()
-    if DOT:
-        rm = tl.arange(0, ROWS)
+    rm = tl.arange(0, ROWS)
+    if KIND == 1:  # dot
         x = tl.load(
             x_ptr + rm[:, None] * K + rk[None, :],
             mask=(rm[:, None] < M) & (rk[None, :] < K),
@@ -85,35 +89,62 @@ def _resident(
         acc = tl.dot(x, tl.trans(w))
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=mask)
-    else:
+    elif KIND == 0:  # fma: a branch per row
         wf = w.to(tl.float32)
         for m in tl.static_range(ROWS):
             if m < M:
                 x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0).to(tl.float32)
                 acc = tl.sum(wf * x[None, :], axis=1)
                 tl.store(out_ptr + m * N + rn, acc.to(tl.bfloat16), mask=rn < N)
+    else:
+        wf = w.to(tl.float32)
+        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        if KIND == 2:  # rows: every row's load masked (no branch), the tile assembled
+            for m in tl.static_range(ROWS):
+                x = tl.load(x_ptr + m * K + rk, mask=(rk < K) & (m < M), other=0.0)
+                row = tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
+                acc = tl.where(rm[:, None] == m, row[None, :], acc)
+        else:
+            xs = tl.load(
+                x_ptr + rm[:, None] * K + rk[None, :],
+                mask=(rm[:, None] < M) & (rk[None, :] < K),
+                other=0.0,
+            ).to(tl.float32)
+            if KIND == 3:  # hoist: the rows loaded at once, then as ``rows``
+                for m in tl.static_range(ROWS):
+                    x = tl.sum(tl.where(rm[:, None] == m, xs, 0.0), axis=0)
+                    row = tl.sum(wf * x[None, :], axis=1)
+                    acc = tl.where(rm[:, None] == m, row[None, :], acc)
+            else:  # bcast: the products of every row at once
+                acc = tl.sum(xs[:, None, :] * wf[None, :, :], axis=2)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+KINDS = {"fma": 0, "dot": 1, "rows": 2, "hoist": 3, "bcast": 4}
 
 
 def launch_resident(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dot: bool, block_n: int, warps: int
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kind: str, block_n: int, warps: int
 ) -> torch.Tensor:
     """``out = x @ w.T`` (``x`` ``[M, K]``, at most 16 rows) by a resident launch."""
     n, k = w.shape
-    rows = 16 if dot else triton.next_power_of_2(x.shape[0])
+    rows = 16 if kind == "dot" else triton.next_power_of_2(x.shape[0])
     launch(
-        _resident, (triton.cdiv(n, block_n),), x, w, out, x.shape[0], n, k, DOT=dot,
+        _resident, (triton.cdiv(n, block_n),), x, w, out, x.shape[0], n, k, KIND=KINDS[kind],
         BLOCK_N=block_n, K_P2=triton.next_power_of_2(k), ROWS=rows, num_warps=warps,
         launch_pdl=True,
     )  # fmt: skip
     return out
 
 
-def _variants(k: int) -> list[tuple[bool, int, int]]:
-    """(dot, block_n, warps) whose weight tile is at most 128 KiB."""
-    fma = itertools.product((False,), (2, 4, 8, 16), (4, 8))
-    dot = itertools.product((True,), (16, 32), (4, 8))
+def _variants(k: int, kinds: list[str]) -> list[tuple[str, int, int]]:
+    """(kind, block_n, warps) of ``kinds`` whose weight tile is at most 128 KiB."""
+    fma = (2, 4, 8, 16)
+    shapes = {"fma": fma, "rows": fma, "hoist": fma, "bcast": fma, "dot": (16, 32)}
+    every = [itertools.product((kind,), shapes[kind], (4, 8)) for kind in kinds]
     fits = lambda bn: bn * triton.next_power_of_2(k) * 2 <= 128 * 1024  # noqa: E731
-    return [(d, bn, w) for d, bn, w in (*fma, *dot) if fits(bn)]
+    return [(kind, bn, w) for kind, bn, w in itertools.chain(*every) if fits(bn)]
 
 
 @dataclass
@@ -127,7 +158,7 @@ class Case:
     expected: torch.Tensor  # [rows, N] float32
 
 
-def case(name: str, rows: int) -> Case:
+def case(name: str, rows: int, kinds: list[str]) -> Case:
     """The small GEMM's default and every resident variant at ``rows`` rows of ``name``."""
     n, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -139,10 +170,9 @@ def case(name: str, rows: int) -> Case:
     config = tg.CONFIGS[pick_config(n, k, num_sms(dev)) - 1]
     label = f"small_gemm {config.block_n}x{config.split_k} k{config.block_k}"
     runs = {label: lambda: tg.small_gemm(x, turn(), None, counters, config, pdl=True)}
-    for dot, bn, warps in _variants(k):
-        kind = "dot" if dot else "fma"
-        runs[f"resident {kind} n{bn} w{warps}"] = lambda dot=dot, bn=bn, warps=warps: (
-            launch_resident(x, turn(), out, dot, bn, warps)
+    for kind, bn, warps in _variants(k, kinds):
+        runs[f"resident {kind} n{bn} w{warps}"] = lambda kind=kind, bn=bn, warps=warps: (
+            launch_resident(x, turn(), out, kind, bn, warps)
         )
     return Case(name, rows, calls, runs, x.float() @ turn().float().T)
 
@@ -170,6 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--kinds", default="fma,dot", help="of fma, dot, rows, hoist, bcast")
     parser.add_argument("--shapes", default=",".join(s.replace(" ", ":") for s in SHAPES))
     args = parser.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"))
@@ -178,7 +209,8 @@ def main() -> None:
     doc["timings"] = []
     names = [s.replace(":", " ") for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    cases = [case(n, r) for n, r in itertools.product(names, rows)]
+    kinds = args.kinds.split(",")
+    cases = [case(n, r, kinds) for n, r in itertools.product(names, rows)]
     with compile_ahead():  # every variant's compilation on a pool, ahead of timing
         for c in cases:
             for run in c.runs.values():

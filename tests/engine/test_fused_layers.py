@@ -242,7 +242,7 @@ def test_the_qkv_split_covers_the_gpu_when_splits_can():
                     assert heads * working_splits(k, split // 2) < sms
 
 
-def test_a_resident_launch_is_for_one_row_and_weights_a_program_can_hold():
+def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
     from ostinato.engine.kernels import gemm_launch as g
 
     # cached plans name configs by index: the resident shapes come after every other
@@ -258,11 +258,14 @@ def test_a_resident_launch_is_for_one_row_and_weights_a_program_can_hold():
             c = CONFIGS[choice - 1]
             assert c.resident and c.block_n == g.RESIDENT_N
             assert c.num_warps == (8 if held > g.RESIDENT_WIDE else 4)
-            assert g.fits(c, 1, k, tiles) and not g.fits(c, 2, k, tiles)
+            assert g.fits(c, 1, k, tiles) and g.fits(c, g.RESIDENT_MAX_ROWS, k, tiles)
+            assert not g.fits(c, g.RESIDENT_MAX_ROWS + 1, k, tiles)
             assert all(g.fits(o, 16, k, tiles) for o in CONFIGS if not o.resident)
     # the row statistics' entries divide every tile, the resident one's included
-    assert all(c.block_n % g.stats_granule(1) == 0 for c in CONFIGS)
-    assert all(c.block_n % g.stats_granule(2) == 0 for c in CONFIGS if not c.resident)
+    for rows in range(1, g.RESIDENT_MAX_ROWS + 1):
+        assert all(c.block_n % g.stats_granule(rows) == 0 for c in CONFIGS)
+    beyond = g.stats_granule(g.RESIDENT_MAX_ROWS + 1)
+    assert all(c.block_n % beyond == 0 for c in CONFIGS if not c.resident)
     # rows of statistics laid one after the other fit the buffer at every row count
     for n in (80, 576, 2048, 8192):
         for rows in range(1, g.MAX_ROWS + 1):
@@ -276,15 +279,16 @@ def triton_p2(k: int) -> int:
     return p
 
 
-def test_the_qkv_launch_is_resident_at_one_row_without_head_norms():
+def test_the_qkv_launch_is_resident_at_few_rows_without_head_norms():
     from ostinato.engine.kernels import gemm_launch as g
 
     for heads, d, k in ((48, 64, 2048), (15, 64, 576), (12, 128, 4096), (40, 128, 5120)):
         fits = g.resident_config(k, tiles=2) is not None
-        for rows in (1, 2, 16):
+        for rows in (1, 2, 3, 16):
             for norms in (False, True):
                 c = g.rope_config(heads, d, k, 132, rows, norms)
-                assert c.resident == (rows == 1 and fits and not norms), (heads, k, rows)
+                few = rows <= g.RESIDENT_MAX_ROWS
+                assert c.resident == (few and fits and not norms), (heads, k, rows)
                 if not c.resident:
                     split = rope_split_k(heads, k, 132)
                     assert c == GemmConfig(d // 2, split, block_k=g.k_step(k, split))

@@ -42,7 +42,7 @@ def _reference_norm(x, residual, w, eps):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (5, False), (16, False)])
+@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (2, True), (5, False), (16, False)])
 def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m, resident):
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.gemm_launch import pick_config, resident_config
@@ -131,7 +131,7 @@ def _run_qkv(c, counters, split, pdl, eps=1e-5, config=None):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (6, False), (16, False)])
+@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (2, True), (6, False), (16, False)])
 @pytest.mark.parametrize("qk_norm, bias", [(False, False), (False, True), (True, False)])
 def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, resident, qk_norm, bias):
     from ostinato.engine.kernels import small_gemm as tg
@@ -144,7 +144,7 @@ def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, resident, qk_
     counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
     split = rope_split_k(heads, shape[0], num_sms(DEVICE))
     config = None
-    if resident:  # the launch norm_qkv takes at one row without head norms
+    if resident:  # the launch norm_qkv takes at one or two rows without head norms
         config = rope_config(heads, c["d"], shape[0], num_sms(DEVICE), m)
         if qk_norm:
             with pytest.raises(ValueError, match="head norms"):

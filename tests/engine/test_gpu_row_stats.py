@@ -37,16 +37,16 @@ def _rows_of(stats: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k, n", PROJECTIONS)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
 @pytest.mark.parametrize("config", [(32, 1), (64, 1), (32, 4), (64, 8), "resident"])
 @pytest.mark.parametrize("add", [False, True])
 def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, n, m, config, add):
     from ostinato.engine.kernels import small_gemm as tg
-    from ostinato.engine.kernels.gemm_launch import resident_config
+    from ostinato.engine.kernels.gemm_launch import RESIDENT_MAX_ROWS, resident_config
 
     if config == "resident":
-        if m > 1:
-            pytest.skip("a resident launch takes one row")
+        if m > RESIDENT_MAX_ROWS:
+            pytest.skip(f"a resident launch takes at most {RESIDENT_MAX_ROWS} rows")
         config = tg.CONFIGS[resident_config(k) - 1]
     else:
         config = tg.GemmConfig(*config)
@@ -67,7 +67,9 @@ def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, 
 
 
 @pytest.mark.parametrize("hidden, inter", [(576, 1536), (2048, 8192)])
-@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (7, False), (16, False)])
+@pytest.mark.parametrize(
+    "m, resident", [(1, False), (1, True), (2, False), (2, True), (7, False), (16, False)]
+)
 @pytest.mark.parametrize("add", [False, True])
 def test_a_normed_projection_takes_its_sums_of_squares_from_the_statistics(
     hidden, inter, m, resident, add

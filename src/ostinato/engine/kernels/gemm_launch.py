@@ -31,14 +31,17 @@ LONG_SPLIT_K = 512
 # 2.71 against 2.98 µs at 3 stages, at 1 and 8 rows; gate/up and the split projections
 # were level or slower at 4 (the 1.5 B gate/up 19.7 against 18.2), so they keep 3.
 UNSPLIT_STAGES = 4
-# A *resident* launch (one row): each program holds RESIDENT_N weight rows per tile over
-# the whole of K in registers, loaded before its PDL wait, and multiplies on CUDA cores
-# after it: no K loop, no split-K reduction. On the H200 (``benchmarks.resident_gemv``,
-# cold weights, one row) it took the 1.5 B shape's QKV from 8.0 to 3.9 µs, O 5.7 to 2.9,
-# down 12.1 to 8.9, gate/up 17.8 to 16.4, and SmolLM2's four from 2.5-3.7 to 1.2-2.2; at
-# 8 rows it was slower than the K loop, so it is for one row only.
+# A *resident* launch (one or two rows): each program holds RESIDENT_N weight rows per
+# tile over the whole of K in registers, loaded before its PDL wait, and multiplies on
+# CUDA cores after it: no K loop, no split-K reduction. On the H200
+# (``benchmarks.resident_gemv``, cold weights, one row) it took the 1.5 B shape's QKV from
+# 8.0 to 3.9 µs, O 5.7 to 2.9, down 12.1 to 8.9, gate/up 17.8 to 16.4, and SmolLM2's four
+# from 2.5-3.7 to 1.2-2.2. Each further row adds about 0.5 µs of products and sums, so at
+# 8 rows the K loop is faster. In the step (``launch_rules --rules resident-rows``) two
+# rows resident took SmolLM2's step from 0.650 to 0.540 ms and the 1.5 B shape's from
+# 0.980 to 0.949; four rows resident were level or slower than the K loop at 4 rows.
 RESIDENT_N = 4
-RESIDENT_MAX_ROWS = 1
+RESIDENT_MAX_ROWS = 2
 RESIDENT_ELEMENTS = 32768  # weight elements a program holds at most (64 KiB of 16-bit)
 RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
 # A weight of more bytes streams through the K loop instead: resident, it would fill the
@@ -50,8 +53,9 @@ RESIDENT_MAX_BYTES = 16 << 20
 @dataclass(frozen=True)
 class GemmConfig:
     """One launch shape of the small GEMM: output columns per program, K splits, warps,
-    K columns per loop step, software-pipeline stages; or ``resident`` (one row only):
-    the weight tile over the whole of K held in registers (``RESIDENT_N``)."""
+    K columns per loop step, software-pipeline stages; or ``resident`` (at most
+    ``RESIDENT_MAX_ROWS`` rows): the weight tile over the whole of K held in registers
+    (``RESIDENT_N``)."""
 
     block_n: int
     split_k: int

@@ -52,12 +52,12 @@ With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the fi
 ``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
 kernel: weights do not depend on it, so their read overlaps its tail.
 
-``RESIDENT`` (one row, ``GemmConfig.resident``): a program's ``BLOCK_N`` weight rows (per
-tile) over the whole of K (``BLOCK_K``, K padded to a power of two) and the norm weight
-are loaded into registers before the wait, the next kernel may launch before it, and
-after it the program loads only its rows of ``x`` and sums the products across the tile
-(CUDA cores): no K loop, no split-K. A ROPE_KV head is then ``SUB`` programs, each with
-``BLOCK_N`` columns of both halves.
+``RESIDENT`` (at most ``RESIDENT_MAX_ROWS`` rows, ``GemmConfig.resident``): a program's
+``BLOCK_N`` weight rows (per tile) over the whole of K (``BLOCK_K``, K padded to a power
+of two) and the norm weight are loaded into registers before the wait, the next kernel
+may launch before it, and after it the program loads only its rows of ``x`` and sums
+the products across the tile (CUDA cores): no K loop, no split-K. A ROPE_KV head is then
+``SUB`` programs, each with ``BLOCK_N`` columns of both halves.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def _resident_tile(
 ):  # fmt: skip
     """Float32 ``rows @ w.T`` (and ``@ w2.T`` with ``TWO``) of the weight tiles a
     ``RESIDENT`` program holds, over the whole of K: products summed across the tile
-    (CUDA cores; at one row ``tl.dot`` would pad it to 16)."""
+    (CUDA cores; ``tl.dot`` would pad the rows to 16)."""
     rm = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, K_P2)
     mask = (rm[:, None] < M) & (ks[None, :] < K)

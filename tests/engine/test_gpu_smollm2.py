@@ -1,6 +1,7 @@
-"""GPU tests on the real model, SmolLM2-135M-Instruct (GGUF): bf16 logits against
-transformers loading the same file, and greedy text identical in every graph mode at the
-engine's default dtype for GGUF files (float32)."""
+"""GPU tests on the real model, SmolLM2-135M-Instruct (GGUF): bf16 and float32 logits
+against transformers loading the same file (prefills through the eager model and through
+the piecewise graphs), and greedy text identical in every graph mode at the engine's
+default dtype for GGUF files (float32)."""
 
 import gc
 
@@ -87,6 +88,43 @@ def test_float32_logits_match_transformers(mode):
         # TF32 is off: what remains is summation order in GEMMs and attention.
         assert rel_err(logits[i], ref) < 2e-3
         assert logits[i].argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_piecewise_prefill_logits_match_transformers(dtype):
+    # The tests above prefill through the eager model (NONE, and FULL, whose graphs
+    # capture it); FULL_AND_PIECEWISE prefills through the compiled model's piecewise
+    # graphs, so it is held to the same references: one prompt a step, each within the
+    # capture sizes.
+    from ostinato.modes import GraphMode
+
+    want32 = hf_model(torch.float32, "cuda")
+    theirs = hf_model(torch.bfloat16, "cuda")
+    llm = engine("full_and_piecewise", dtype)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
+    prompts = [p for p in prompts if len(p) <= 64]
+    assert len(prompts) >= 3
+    ours, hf = [], []
+    for p in prompts:
+        req = llm.scheduler.add(p, SamplingParams())
+        step = llm.scheduler.schedule()
+        dispatch = llm.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
+        assert dispatch.mode is GraphMode.PIECEWISE
+        logits = llm.runner.execute(step).logits[0]
+        llm.scheduler.abort([req])
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            ref = want32(ids).logits[0, -1].float()
+            hf16 = theirs(ids).logits[0, -1].float()
+        ours.append(rel_err(logits, ref))
+        hf.append(rel_err(hf16, ref))
+        if dtype is torch.float32:
+            assert ours[-1] < 2e-3
+            assert logits.argmax() == ref.argmax()
+    print(f"ours {ours}, transformers bf16 {hf} vs float32")
+    if dtype is torch.bfloat16:
+        assert max(ours) < 0.1
+        assert sum(ours) < 2 * sum(hf)
 
 
 @pytest.mark.parametrize("mode", MODES[1:])

@@ -38,7 +38,7 @@ def greedy_outputs():
     outputs = {}
     for mode in MODES:
         llm = engine(mode)
-        prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
+        prompts = _prompts(llm)
         outs = llm.generate(prompts, SamplingParams(max_tokens=48))
         outputs[mode] = (llm.mode.name, [o.token_ids for o in outs], outs[-1].text)
         outputs["prompts"] = prompts
@@ -48,46 +48,61 @@ def greedy_outputs():
     return outputs
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_bf16_logits_as_close_to_float32_as_transformers_bf16(mode):
+def _prompts(llm):
+    return [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
+
+
+def _batched_logits(llm, prompts):
+    """The last-token logits of every prompt, prefilled together in one step."""
+    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
+    logits = llm.runner.execute(llm.scheduler.schedule()).logits
+    llm.scheduler.abort(reqs)
+    return list(logits)
+
+
+def _last_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+
+
+def assert_bf16_as_close_as_transformers_bf16(logits, prompts):
     # Both bf16 runs round differently, prompt by prompt either may be the closer one;
     # the reference is transformers in float32 on the same file, and over the prompts ours
     # must be about as close to it as transformers' own bf16 run.
     want32 = hf_model(torch.float32, "cuda")
     theirs = hf_model(torch.bfloat16, "cuda")
-    llm = engine(mode, torch.bfloat16)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule()).logits
-    llm.scheduler.abort(reqs)
     ours, hf = [], []
-    for i, p in enumerate(prompts):
-        ids = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            ref = want32(ids).logits[0, -1].float()
-            hf16 = theirs(ids).logits[0, -1].float()
-        ours.append(rel_err(logits[i], ref))
-        hf.append(rel_err(hf16, ref))
+    for i, (row, p) in enumerate(zip(logits, prompts, strict=True)):
+        ref = _last_logits(want32, p)
+        ours.append(rel_err(row, ref))
+        hf.append(rel_err(_last_logits(theirs, p), ref))
         print(f"prompt {i}: ours {ours[-1]:.4f}, transformers bf16 {hf[-1]:.4f} vs float32")
     assert max(ours) < 0.1
     assert sum(ours) < 2 * sum(hf)
 
 
+def assert_float32_matches_transformers(logits, prompts):
+    want32 = hf_model(torch.float32, "cuda")
+    for row, p in zip(logits, prompts, strict=True):
+        ref = _last_logits(want32, p)
+        # TF32 is off: what remains is summation order in GEMMs and attention.
+        assert rel_err(row, ref) < 2e-3
+        assert row.argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_bf16_logits_as_close_to_float32_as_transformers_bf16(mode):
+    llm = engine(mode, torch.bfloat16)
+    prompts = _prompts(llm)
+    assert_bf16_as_close_as_transformers_bf16(_batched_logits(llm, prompts), prompts)
+
+
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_float32_logits_match_transformers(mode):
-    want32 = hf_model(torch.float32, "cuda")
     llm = engine(mode)
     assert llm.dtype == torch.float32  # the default for GGUF files
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule()).logits
-    llm.scheduler.abort(reqs)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = want32(torch.tensor([p], device="cuda")).logits[0, -1].float()
-        # TF32 is off: what remains is summation order in GEMMs and attention.
-        assert rel_err(logits[i], ref) < 2e-3
-        assert logits[i].argmax() == ref.argmax()
+    prompts = _prompts(llm)
+    assert_float32_matches_transformers(_batched_logits(llm, prompts), prompts)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -98,33 +113,21 @@ def test_piecewise_prefill_logits_match_transformers(dtype):
     # capture sizes.
     from ostinato.modes import GraphMode
 
-    want32 = hf_model(torch.float32, "cuda")
-    theirs = hf_model(torch.bfloat16, "cuda")
     llm = engine("full_and_piecewise", dtype)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.chat_prompt(QUESTION)]
-    prompts = [p for p in prompts if len(p) <= 64]
+    prompts = [p for p in _prompts(llm) if len(p) <= 64]
     assert len(prompts) >= 3
-    ours, hf = [], []
+    logits = []
     for p in prompts:
         req = llm.scheduler.add(p, SamplingParams())
         step = llm.scheduler.schedule()
         dispatch = llm.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
         assert dispatch.mode is GraphMode.PIECEWISE
-        logits = llm.runner.execute(step).logits[0]
+        logits.append(llm.runner.execute(step).logits[0])
         llm.scheduler.abort([req])
-        ids = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            ref = want32(ids).logits[0, -1].float()
-            hf16 = theirs(ids).logits[0, -1].float()
-        ours.append(rel_err(logits, ref))
-        hf.append(rel_err(hf16, ref))
-        if dtype is torch.float32:
-            assert ours[-1] < 2e-3
-            assert logits.argmax() == ref.argmax()
-    print(f"ours {ours}, transformers bf16 {hf} vs float32")
     if dtype is torch.bfloat16:
-        assert max(ours) < 0.1
-        assert sum(ours) < 2 * sum(hf)
+        assert_bf16_as_close_as_transformers_bf16(logits, prompts)
+    else:
+        assert_float32_matches_transformers(logits, prompts)
 
 
 @pytest.mark.parametrize("mode", MODES[1:])

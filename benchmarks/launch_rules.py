@@ -10,12 +10,14 @@ statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
 (``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
 wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
-older keys before its PDL wait (``attention_launch.EARLY_KEYS``). Each rule is set here
+older keys before its PDL wait (``attention_launch.EARLY_KEYS``), and the down projection's
+splits. Each rule is set here
 between runs and restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
-unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys]
+unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
+down-splits]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -62,6 +64,9 @@ class Rule:
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
     early_keys: bool = attention_launch.EARLY_KEYS
+    # (splits, tile width) for the plain projections the rule gives 8 splits (the 1.5 B
+    # shape's down projection), or None
+    eight_splits_as: tuple[int, int] | None = None
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -144,6 +149,13 @@ RULES = {
         Rule("attention waits first", early_keys=False),
         Rule("older keys before the wait"),
     ),
+    # The 1.5 B down projection (8192 columns of K) in 8 splits of 64-column tiles, or in 4
+    # of 64 or 32 columns: fewer partials to reduce, as many or more programs.
+    "down-splits": (
+        Rule("down: 8 splits, 64 wide"),
+        Rule("down: 4 splits, 64 wide", eight_splits_as=(4, 64)),
+        Rule("down: 4 splits, 32 wide", eight_splits_as=(4, 32)),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -178,6 +190,20 @@ def _narrow_gate_up(pick: Callable[..., int]) -> Callable[..., int]:
     return narrow
 
 
+def _fewer_splits(pick: Callable[..., int], split: int, block_n: int) -> Callable[..., int]:
+    """``pick`` with ``split`` splits of ``block_n``-column tiles where it names 8 splits
+    of a plain projection."""
+
+    def fewer(n: int, k: int, sms: int, swiglu: bool = False) -> int:
+        choice = pick(n, k, sms, swiglu)
+        if swiglu or gemm_launch.CONFIGS[choice - 1].split_k != 8:
+            return choice
+        c = gemm_launch.GemmConfig(block_n, split, block_k=gemm_launch.k_step(k, split))
+        return gemm_launch.CONFIGS.index(c) + 1
+
+    return fewer
+
+
 @contextlib.contextmanager
 def applied(rule: Rule) -> Iterator[None]:
     """``rule``'s module settings for the duration (each restored after)."""
@@ -198,6 +224,9 @@ def applied(rule: Rule) -> Iterator[None]:
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))
+    if rule.eight_splits_as is not None:
+        pick = _fewer_splits(gemm_launch.pick_config, *rule.eight_splits_as)
+        settings.append((gemm_launch, "pick_config", pick))
     with contextlib.ExitStack() as stack:
         for module, name, value in settings:
             stack.enter_context(mock.patch.object(module, name, value))

@@ -10,14 +10,15 @@ statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
 (``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
 wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
-older keys before its PDL wait (``attention_launch.EARLY_KEYS``), and the down projection's
-splits. Each rule is set here
-between runs and restored; the first rule of a set runs again last, so drift shows as A against A.
+older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the down projection's
+splits, and whether attention's kernels let the next launch before their PDL wait, and
+attention's most splits. Each rule is set here between runs and restored; the first rule
+of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
-down-splits]
+down-splits|attention-trigger|attention-splits]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -35,7 +36,13 @@ import torch
 
 from benchmarks import decode
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
-from ostinato.engine.kernels import attention_launch, gemm_launch, launch, small_gemm
+from ostinato.engine.kernels import (
+    attention_launch,
+    gemm_launch,
+    launch,
+    paged_attention,
+    small_gemm,
+)
 from ostinato.engine.model import decoder
 from ostinato.engine.worker import gemm_tuning
 from ostinato.provenance import Provenance
@@ -67,6 +74,11 @@ class Rule:
     # (splits, tile width) for the plain projections the rule gives 8 splits (the 1.5 B
     # shape's down projection), or None
     eight_splits_as: tuple[int, int] | None = None
+    # which of attention's two kernels let the next launch before their PDL wait: none
+    # (the default), "merge" (the split merge, so the output projection launches while
+    # attention runs), or "both"
+    attention_trigger_first: str = ""
+    attention_max_splits: int = attention_launch.MAX_SPLITS
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -156,6 +168,21 @@ RULES = {
         Rule("down: 4 splits, 64 wide", eight_splits_as=(4, 64)),
         Rule("down: 4 splits, 32 wide", eight_splits_as=(4, 32)),
     ),
+    # Attention's kernels wait, then let the next launch (the default), or the split
+    # merge lets the output projection launch first, so its resident weight loads while
+    # attention runs; or attention lets the merge launch first too.
+    "attention-trigger": (
+        Rule("attention and merge wait first"),
+        Rule("merge triggers first", attention_trigger_first="merge"),
+        Rule("both trigger first", attention_trigger_first="both"),
+    ),
+    # At most 16 splits of a token's keys (at 512 keys and one or two rows, 8 of them
+    # with a 64-key tile each, the rest empty), or at most 8 or 4: fewer partials to merge.
+    "attention-splits": (
+        Rule("attention: at most 16 splits"),
+        Rule("attention: at most 8 splits", attention_max_splits=8),
+        Rule("attention: at most 4 splits", attention_max_splits=4),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -204,6 +231,20 @@ def _fewer_splits(pick: Callable[..., int], split: int, block_n: int) -> Callabl
     return fewer
 
 
+def _trigger_first(pdl: bool) -> int:
+    return launch.TRIGGER_THEN_WAIT if pdl else 0
+
+
+def _merge_first(merge: Callable[..., None]) -> Callable[..., None]:
+    """``paged_attention._merge_splits`` launching its kernel trigger-first."""
+
+    def first(*args: object) -> None:
+        with mock.patch.object(paged_attention, "pdl_arg", _trigger_first):
+            merge(*args)
+
+    return first
+
+
 @contextlib.contextmanager
 def applied(rule: Rule) -> Iterator[None]:
     """``rule``'s module settings for the duration (each restored after)."""
@@ -221,9 +262,15 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
+        (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
     ]
     if rule.narrow_gate_up:
         settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))
+    if rule.attention_trigger_first == "merge":
+        merge = _merge_first(paged_attention._merge_splits)
+        settings.append((paged_attention, "_merge_splits", merge))
+    elif rule.attention_trigger_first == "both":
+        settings.append((paged_attention, "pdl_arg", _trigger_first))
     if rule.eight_splits_as is not None:
         pick = _fewer_splits(gemm_launch.pick_config, *rule.eight_splits_as)
         settings.append((gemm_launch, "pick_config", pick))

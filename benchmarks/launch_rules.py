@@ -18,7 +18,7 @@ of a set runs again last, so drift shows as A against A.
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
-down-splits|attention-trigger|attention-splits]
+down-splits|down-width|attention-trigger|attention-splits]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -167,6 +167,12 @@ RULES = {
         Rule("down: 8 splits, 64 wide"),
         Rule("down: 4 splits, 64 wide", eight_splits_as=(4, 64)),
         Rule("down: 4 splits, 32 wide", eight_splits_as=(4, 32)),
+    ),
+    # The same 8 splits in 32-column tiles: 512 programs of half the weight each, three
+    # to an SM by shared memory, against 256 of which one fits an SM.
+    "down-width": (
+        Rule("down: 8 splits, 64 wide"),
+        Rule("down: 8 splits, 32 wide", eight_splits_as=(8, 32)),
     ),
     # Attention's kernels wait, then let the next launch (the default), or the split
     # merge lets the output projection launch first, so its resident weight loads while

@@ -162,12 +162,43 @@ def projection_bytes(setup: DecodeSetup) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class StepPath:
-    """A step of ``batch`` rows: its mean span and idle µs on the device and its roles."""
+    """A step of ``batch`` rows: its mean span and idle µs on the device, its roles, and
+    its largest idle gap (mean µs) with the kernels on either side (of the first step)."""
 
     batch: int
     span_us: float
     idle_us: float
     roles: list[RoleTime]
+    largest_gap_us: float
+    largest_gap_between: tuple[str, str]
+    # a middle layer of the first step: (role, start, end) µs after the end of the
+    # layer before it, from the layer before's down projection to this layer's
+    layer_timeline: list[tuple[str, float, float]]
+
+
+def layer_timeline(
+    kernels: Sequence[Kernel], layers: int, layer: int
+) -> list[tuple[str, float, float]]:
+    """Layer ``layer``'s kernels (and the down projection before them) as (role, start,
+    end), µs after that down projection's end; empty where the roles do not cycle."""
+    named = roles(kernels, layers)
+    downs = [i for i, r in enumerate(named) if r == "down"]
+    if len(downs) != layers or not 0 < layer < layers:
+        return []
+    first, last = downs[layer - 1], downs[layer]
+    t0 = kernels[first].end
+    return [(named[i], kernels[i].start - t0, kernels[i].end - t0) for i in range(first, last + 1)]
+
+
+def largest_gap(kernels: Sequence[Kernel]) -> tuple[float, int]:
+    """The longest time no kernel runs inside the span (ordered by start), and the index
+    of the kernel that ends it (0 where there is none)."""
+    best, where, latest = 0.0, 0, kernels[0].start if kernels else 0.0
+    for i, k in enumerate(kernels):
+        if k.start - latest > best:
+            best, where = k.start - latest, i
+        latest = max(latest, k.end)
+    return best, where
 
 
 def measure(setup: DecodeSetup, runner: Any, batch: int, steps: int) -> StepPath:
@@ -179,7 +210,12 @@ def measure(setup: DecodeSetup, runner: Any, batch: int, steps: int) -> StepPath
     profiled = [profile_step(step) for _ in range(steps)]
     weights = projection_bytes(setup)
     by_role, span, idle = charge(profiled, setup.config.num_layers, weights)
-    return StepPath(batch, span, idle, by_role)
+    mean_gap = sum(largest_gap(ks)[0] for ks in profiled) / len(profiled)
+    first, at = profiled[0], largest_gap(profiled[0])[1]  # where, in the first step
+    around = (first[max(at - 1, 0)].name[:60], first[at].name[:60])
+    layers = setup.config.num_layers
+    timeline = layer_timeline(first, layers, layers // 2)
+    return StepPath(batch, span, idle, by_role, mean_gap, around, timeline)
 
 
 def main() -> int:
@@ -202,11 +238,14 @@ def main() -> int:
         for b in sizes:
             path = measure(setup, runner, b, args.steps)
             doc["rows"].append(asdict(path))
-            print(f"B={b:3d} span {path.span_us:7.1f} us, idle {path.idle_us:5.1f} us")
+            gap = f"{path.largest_gap_us:5.1f} us between {path.largest_gap_between}"
+            print(f"B={b:3d} span {path.span_us:7.1f} us, idle {path.idle_us:5.1f} us ({gap})")
             for r in path.roles:
                 share = f" {r.exposed_gbps / bw:4.0%} of copy" if r.exposed_gbps else ""
                 print(f"  {r.role:10s} x{r.per_step:5.1f} exposed {r.exposed_us:7.1f} us "
                       f"own {r.duration_us:7.1f} us{share}", flush=True)  # fmt: skip
+            print("  a middle layer, µs after the down projection before it ends: " + ", ".join(
+                f"{role} {a:.1f}..{b:.1f}" for role, a, b in path.layer_timeline))  # fmt: skip
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -5,7 +5,15 @@ import random
 
 import pytest
 
-from benchmarks.critical_path import PROJECTIONS, Kernel, charge, exposed, roles
+from benchmarks.critical_path import (
+    PROJECTIONS,
+    Kernel,
+    charge,
+    exposed,
+    largest_gap,
+    layer_timeline,
+    roles,
+)
 
 
 def covered(kernels: list[Kernel], first: float, last: float, tick: float) -> float:
@@ -90,3 +98,19 @@ def test_charge_averages_over_steps_and_gives_a_projection_its_bandwidth():
     assert got["qkv"].per_step == 1 and got["qkv"].exposed_gbps == 0.0
     assert sum(r.exposed_us for r in by_role) + idle == pytest.approx(span)
     assert by_role[0].role == "gate_up"  # the largest share first
+
+
+def test_the_largest_gap_is_found_with_the_kernel_that_ends_it():
+    kernels = [Kernel("a", 0.0, 2.0), Kernel("b", 1.0, 5.0), Kernel("c", 6.0, 7.0)]
+    kernels += [Kernel("d", 10.0, 11.0)]
+    assert largest_gap(kernels) == (3.0, 3)
+    assert largest_gap(kernels[:2]) == (0.0, 0)
+
+
+def test_a_layers_timeline_runs_from_the_down_projection_before_it():
+    names = ["Memcpy HtoD"] + LAYER + LAYER + ["nvjet_sm90"]
+    kernels = [Kernel(n, 2.0 * i, 2.0 * i + 3.0) for i, n in enumerate(names)]
+    got = layer_timeline(kernels, layers=2, layer=1)
+    assert [r for r, _, _ in got] == ["down", "qkv", "attention", "merge", "o", "gate_up", "down"]
+    assert got[0] == ("down", -3.0, 0.0) and got[1] == ("qkv", -1.0, 2.0)
+    assert layer_timeline(kernels, layers=2, layer=0) == []

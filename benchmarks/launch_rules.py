@@ -10,7 +10,7 @@ statistics (``decoder.ROW_STATS``), an unsplit projection's pipeline stages
 (``gemm_launch.UNSPLIT_STAGES``), and whether a kernel lets the next launch before its PDL
 wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
-older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the down projection's
+older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projections'
 splits, and whether attention's kernels let the next launch before their PDL wait, and
 attention's most splits. Each rule is set here between runs and restored; the first rule
 of a set runs again last, so drift shows as A against A.
@@ -18,7 +18,7 @@ of a set runs again last, so drift shows as A against A.
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
-down-splits|down-width|attention-trigger|attention-splits]
+down-splits|down-width|qkv-o-splits|attention-trigger|attention-splits]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -71,9 +71,10 @@ class Rule:
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
     early_keys: bool = attention_launch.EARLY_KEYS
-    # (splits, tile width) for the plain projections the rule gives 8 splits (the 1.5 B
-    # shape's down projection), or None
-    eight_splits_as: tuple[int, int] | None = None
+    # (splits the rule names, splits instead, tile width) for plain projections (at the
+    # 1.5 B shape: 8 the down projection, 4 the output projection), or None
+    resplit: tuple[int, int, int] | None = None
+    qkv_splits: int = 0  # the QKV projection's K splits where not resident; 0: the rule's
     # which of attention's two kernels let the next launch before their PDL wait: none
     # (the default), "merge" (the split merge, so the output projection launches while
     # attention runs), or "both"
@@ -165,14 +166,20 @@ RULES = {
     # of 64 or 32 columns: fewer partials to reduce, as many or more programs.
     "down-splits": (
         Rule("down: 8 splits, 64 wide"),
-        Rule("down: 4 splits, 64 wide", eight_splits_as=(4, 64)),
-        Rule("down: 4 splits, 32 wide", eight_splits_as=(4, 32)),
+        Rule("down: 4 splits, 64 wide", resplit=(8, 4, 64)),
+        Rule("down: 4 splits, 32 wide", resplit=(8, 4, 32)),
     ),
     # The same 8 splits in 32-column tiles: 512 programs of half the weight each, three
     # to an SM by shared memory, against 256 of which one fits an SM.
     "down-width": (
         Rule("down: 8 splits, 64 wide"),
-        Rule("down: 8 splits, 32 wide", eight_splits_as=(8, 32)),
+        Rule("down: 8 splits, 32 wide", resplit=(8, 8, 32)),
+    ),
+    # The 1.5 B shape's QKV and output projections (at more than two rows: their K loops)
+    # in 4 splits, or in 8: half as many K steps a program, twice the partials.
+    "qkv-o-splits": (
+        Rule("QKV and O: 4 splits"),
+        Rule("QKV and O: 8 splits", resplit=(4, 8, 32), qkv_splits=8),
     ),
     # Attention's kernels wait, then let the next launch (the default), or the split
     # merge lets the output projection launch first, so its resident weight loads while
@@ -223,13 +230,13 @@ def _narrow_gate_up(pick: Callable[..., int]) -> Callable[..., int]:
     return narrow
 
 
-def _fewer_splits(pick: Callable[..., int], split: int, block_n: int) -> Callable[..., int]:
-    """``pick`` with ``split`` splits of ``block_n``-column tiles where it names 8 splits
-    of a plain projection."""
+def _resplit(pick: Callable[..., int], named: int, split: int, block_n: int) -> Callable[..., int]:
+    """``pick`` with ``split`` splits of ``block_n``-column tiles where it names ``named``
+    splits of a plain projection."""
 
     def fewer(n: int, k: int, sms: int, swiglu: bool = False) -> int:
         choice = pick(n, k, sms, swiglu)
-        if swiglu or gemm_launch.CONFIGS[choice - 1].split_k != 8:
+        if swiglu or gemm_launch.CONFIGS[choice - 1].split_k != named:
             return choice
         c = gemm_launch.GemmConfig(block_n, split, block_k=gemm_launch.k_step(k, split))
         return gemm_launch.CONFIGS.index(c) + 1
@@ -277,8 +284,10 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((paged_attention, "_merge_splits", merge))
     elif rule.attention_trigger_first == "both":
         settings.append((paged_attention, "pdl_arg", _trigger_first))
-    if rule.eight_splits_as is not None:
-        pick = _fewer_splits(gemm_launch.pick_config, *rule.eight_splits_as)
+    if rule.qkv_splits:
+        settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
+    if rule.resplit is not None:
+        pick = _resplit(gemm_launch.pick_config, *rule.resplit)
         settings.append((gemm_launch, "pick_config", pick))
     with contextlib.ExitStack() as stack:
         for module, name, value in settings:

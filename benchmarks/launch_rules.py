@@ -18,7 +18,7 @@ of a set runs again last, so drift shows as A against A.
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
-down-splits|down-width|qkv-o-splits|attention-trigger|attention-splits]
+down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -28,7 +28,7 @@ import argparse
 import contextlib
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from unittest import mock
 
@@ -75,6 +75,8 @@ class Rule:
     # 1.5 B shape: 8 the down projection, 4 the output projection), or None
     resplit: tuple[int, int, int] | None = None
     qkv_splits: int = 0  # the QKV projection's K splits where not resident; 0: the rule's
+    # (K step, pipeline stages) of the plain projections the rule gives 8 splits, or None
+    eight_split_steps: tuple[int, int] | None = None
     # which of attention's two kernels let the next launch before their PDL wait: none
     # (the default), "merge" (the split merge, so the output projection launches while
     # attention runs), or "both"
@@ -175,6 +177,14 @@ RULES = {
         Rule("down: 8 splits, 64 wide"),
         Rule("down: 8 splits, 32 wide", resplit=(8, 8, 32)),
     ),
+    # The 1.5 B down projection's 256 programs (8 splits of 64 columns) hold 120 KiB of
+    # shared memory each at 256-column K steps in 3 stages, one to an SM: two waves. At
+    # 128-column steps (60 KiB) or in 2 stages (80 KiB) they fit in one.
+    "down-steps": (
+        Rule("down: K step 256, 3 stages"),
+        Rule("down: K step 128, 3 stages", eight_split_steps=(128, 3)),
+        Rule("down: K step 256, 2 stages", eight_split_steps=(256, 2)),
+    ),
     # The 1.5 B shape's QKV and output projections (at more than two rows: their K loops)
     # in 4 splits, or in 8: half as many K steps a program, twice the partials.
     "qkv-o-splits": (
@@ -258,6 +268,22 @@ def _merge_first(merge: Callable[..., None]) -> Callable[..., None]:
     return first
 
 
+def _eight_split_steps(
+    pick: Callable[..., int], configs: tuple[gemm_launch.GemmConfig, ...], block_k: int, stages: int
+) -> Callable[..., int]:
+    """``pick`` with ``block_k``-column steps in ``stages`` stages (into ``configs``,
+    which holds them) where it names 8 splits of a plain projection."""
+
+    def steps(n: int, k: int, sms: int, swiglu: bool = False) -> int:
+        choice = pick(n, k, sms, swiglu)
+        c = configs[choice - 1]
+        if swiglu or c.split_k != 8:
+            return choice
+        return configs.index(replace(c, block_k=block_k, num_stages=stages)) + 1
+
+    return steps
+
+
 @contextlib.contextmanager
 def applied(rule: Rule) -> Iterator[None]:
     """``rule``'s module settings for the duration (each restored after)."""
@@ -286,6 +312,18 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((paged_attention, "pdl_arg", _trigger_first))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
+    if rule.eight_split_steps is not None:
+        block_k, stages = rule.eight_split_steps
+        extra = tuple(
+            replace(c, block_k=block_k, num_stages=stages)
+            for c in gemm_launch.CONFIGS
+            if c.split_k == 8 and not c.resident
+        )
+        configs = gemm_launch.CONFIGS + tuple(c for c in extra if c not in gemm_launch.CONFIGS)
+        settings.append((gemm_launch, "CONFIGS", configs))
+        settings.append((small_gemm, "CONFIGS", configs))
+        pick = _eight_split_steps(gemm_launch.pick_config, configs, block_k, stages)
+        settings.append((gemm_launch, "pick_config", pick))
     if rule.resplit is not None:
         pick = _resplit(gemm_launch.pick_config, *rule.resplit)
         settings.append((gemm_launch, "pick_config", pick))

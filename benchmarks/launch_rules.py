@@ -225,33 +225,56 @@ class Timing:
     kernels: list[tuple[str, float, float]]
 
 
-def _narrow_gate_up(pick: Callable[..., int]) -> Callable[..., int]:
-    """``pick`` (``gemm_launch.pick_config``) with 32-column gate/up tiles where it names
-    64-column unsplit ones."""
-
-    def narrow(n: int, k: int, sms: int, swiglu: bool = False) -> int:
-        choice = pick(n, k, sms, swiglu)
-        c = gemm_launch.CONFIGS[choice - 1]
-        if swiglu and (c.block_n, c.split_k) == (64, 1):
-            wide = gemm_launch.GemmConfig(32, 1, block_k=c.block_k)
-            return gemm_launch.CONFIGS.index(wide) + 1
-        return choice
-
-    return narrow
+# A change to the config the rule names for a projection (its K, whether gate/up), or
+# None to keep it
+Change = Callable[[gemm_launch.GemmConfig, int, bool], gemm_launch.GemmConfig | None]
 
 
-def _resplit(pick: Callable[..., int], named: int, split: int, block_n: int) -> Callable[..., int]:
-    """``pick`` with ``split`` splits of ``block_n``-column tiles where it names ``named``
-    splits of a plain projection."""
+def _narrow_gate_up(
+    c: gemm_launch.GemmConfig, k: int, swiglu: bool
+) -> gemm_launch.GemmConfig | None:
+    """32-column gate/up tiles where the rule names 64-column unsplit ones."""
+    if swiglu and (c.block_n, c.split_k) == (64, 1):
+        return gemm_launch.GemmConfig(32, 1, block_k=c.block_k)
+    return None
 
-    def fewer(n: int, k: int, sms: int, swiglu: bool = False) -> int:
-        choice = pick(n, k, sms, swiglu)
-        if swiglu or gemm_launch.CONFIGS[choice - 1].split_k != named:
-            return choice
-        c = gemm_launch.GemmConfig(block_n, split, block_k=gemm_launch.k_step(k, split))
+
+def _resplit(named: int, split: int, block_n: int) -> Change:
+    """``split`` splits of ``block_n``-column tiles where the rule names ``named`` splits
+    of a plain projection."""
+
+    def change(c: gemm_launch.GemmConfig, k: int, swiglu: bool) -> gemm_launch.GemmConfig | None:
+        if swiglu or c.split_k != named:
+            return None
+        return gemm_launch.GemmConfig(block_n, split, block_k=gemm_launch.k_step(k, split))
+
+    return change
+
+
+def _eight_split_steps(block_k: int, stages: int) -> Change:
+    """``block_k``-column steps in ``stages`` stages where the rule names 8 splits of a
+    plain projection."""
+
+    def change(c: gemm_launch.GemmConfig, k: int, swiglu: bool) -> gemm_launch.GemmConfig | None:
+        if swiglu or c.split_k != 8:
+            return None
+        return replace(c, block_k=block_k, num_stages=stages)
+
+    return change
+
+
+def _repick(pick: Callable[..., int], changes: list[Change]) -> Callable[..., int]:
+    """``pick`` (``gemm_launch.pick_config``) with each of ``changes`` applied in turn to
+    the config it names (a change returning None leaves it), as an index into
+    ``gemm_launch.CONFIGS`` as it is when called."""
+
+    def repicked(n: int, k: int, sms: int, swiglu: bool = False) -> int:
+        c = gemm_launch.CONFIGS[pick(n, k, sms, swiglu) - 1]
+        for change in changes:
+            c = change(c, k, swiglu) or c
         return gemm_launch.CONFIGS.index(c) + 1
 
-    return fewer
+    return repicked
 
 
 def _trigger_first(pdl: bool) -> int:
@@ -266,22 +289,6 @@ def _merge_first(merge: Callable[..., None]) -> Callable[..., None]:
             merge(*args)
 
     return first
-
-
-def _eight_split_steps(
-    pick: Callable[..., int], configs: tuple[gemm_launch.GemmConfig, ...], block_k: int, stages: int
-) -> Callable[..., int]:
-    """``pick`` with ``block_k``-column steps in ``stages`` stages (into ``configs``,
-    which holds them) where it names 8 splits of a plain projection."""
-
-    def steps(n: int, k: int, sms: int, swiglu: bool = False) -> int:
-        choice = pick(n, k, sms, swiglu)
-        c = configs[choice - 1]
-        if swiglu or c.split_k != 8:
-            return choice
-        return configs.index(replace(c, block_k=block_k, num_stages=stages)) + 1
-
-    return steps
 
 
 @contextlib.contextmanager
@@ -303,8 +310,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
     ]
-    if rule.narrow_gate_up:
-        settings.append((gemm_launch, "pick_config", _narrow_gate_up(gemm_launch.pick_config)))
+    changes: list[Change] = [_narrow_gate_up] if rule.narrow_gate_up else []
     if rule.attention_trigger_first == "merge":
         merge = _merge_first(paged_attention._merge_splits)
         settings.append((paged_attention, "_merge_splits", merge))
@@ -322,11 +328,11 @@ def applied(rule: Rule) -> Iterator[None]:
         configs = gemm_launch.CONFIGS + tuple(c for c in extra if c not in gemm_launch.CONFIGS)
         settings.append((gemm_launch, "CONFIGS", configs))
         settings.append((small_gemm, "CONFIGS", configs))
-        pick = _eight_split_steps(gemm_launch.pick_config, configs, block_k, stages)
-        settings.append((gemm_launch, "pick_config", pick))
+        changes.append(_eight_split_steps(block_k, stages))
     if rule.resplit is not None:
-        pick = _resplit(gemm_launch.pick_config, *rule.resplit)
-        settings.append((gemm_launch, "pick_config", pick))
+        changes.append(_resplit(*rule.resplit))
+    if changes:
+        settings.append((gemm_launch, "pick_config", _repick(gemm_launch.pick_config, changes)))
     with contextlib.ExitStack() as stack:
         for module, name, value in settings:
             stack.enter_context(mock.patch.object(module, name, value))

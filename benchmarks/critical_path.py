@@ -208,14 +208,13 @@ def measure(setup: DecodeSetup, runner: Any, batch: int, steps: int) -> StepPath
     for _ in range(5):
         step()
     profiled = [profile_step(step) for _ in range(steps)]
-    weights = projection_bytes(setup)
-    by_role, span, idle = charge(profiled, setup.config.num_layers, weights)
-    mean_gap = sum(largest_gap(ks)[0] for ks in profiled) / len(profiled)
-    first, at = profiled[0], largest_gap(profiled[0])[1]  # where, in the first step
-    around = (first[max(at - 1, 0)].name[:60], first[at].name[:60])
     layers = setup.config.num_layers
+    by_role, span, idle = charge(profiled, layers, projection_bytes(setup))
+    gaps = [largest_gap(ks) for ks in profiled]
+    first, at = profiled[0], gaps[0][1]  # where, in the first step
+    around = (first[max(at - 1, 0)].name[:60], first[at].name[:60])
     timeline = layer_timeline(first, layers, layers // 2)
-    return StepPath(batch, span, idle, by_role, mean_gap, around, timeline)
+    return StepPath(batch, span, idle, by_role, sum(g for g, _ in gaps) / steps, around, timeline)
 
 
 def main() -> int:

@@ -12,13 +12,16 @@ wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
 older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projections'
 splits, and whether attention's kernels let the next launch before their PDL wait, and
-attention's most splits. Each rule is set here between runs and restored; the first rule
-of a set runs again last, so drift shows as A against A.
+attention's most splits, whether the weight prefetch marks its lines last to be evicted
+(``small_gemm.PREFETCH_KEEP``), and above how many weight elements a resident program
+has 8 warps (``gemm_launch.RESIDENT_WIDE``). Each rule is set here between runs and
+restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
-down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits]
+down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
+prefetch|resident-warps]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -60,6 +63,7 @@ class Rule:
     weight_bytes: int = gemm_tuning.SMALL_WEIGHT_BYTES
     long_split_k: int = gemm_launch.LONG_SPLIT_K
     prefetch_k: int = small_gemm.PREFETCH_K
+    prefetch_keep: bool = small_gemm.PREFETCH_KEEP
     narrow_gate_up: bool = False  # 32-column gate/up tiles where the rule says 64
     attention_waves: int = attention_launch.WAVES
     unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
@@ -70,6 +74,7 @@ class Rule:
     trigger_first: bool = launch.TRIGGER_FIRST
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
+    resident_wide: int = gemm_launch.RESIDENT_WIDE
     early_keys: bool = attention_launch.EARLY_KEYS
     # (splits the rule names, splits instead, tile width) for plain projections (at the
     # 1.5 B shape: 8 the down projection, 4 the output projection), or None
@@ -206,6 +211,24 @@ RULES = {
         Rule("attention: at most 8 splits", attention_max_splits=8),
         Rule("attention: at most 4 splits", attention_max_splits=4),
     ),
+    # A K-loop program's weight prefetch before its PDL wait: 512 columns a row (the
+    # default), 128, or 512 and 1024 marked last to be evicted from L2. The 1.5 B down
+    # projection prefetches while gate/up streams 64 MiB through a 50 MB L2: lines
+    # fetched early may be evicted again before they are read.
+    "prefetch": (
+        Rule("prefetch 512 columns"),
+        Rule("prefetch 128 columns", prefetch_k=128),
+        Rule("prefetch 512, kept in L2", prefetch_keep=True),
+        Rule("prefetch 1024, kept in L2", prefetch_k=1024, prefetch_keep=True),
+    ),
+    # A resident program holding more than 8192 weight elements in 8 warps (the
+    # default: the 1.5 B QKV at 64 registers a thread, 16 K a program), or in 4 (103
+    # registers, 13 K a program: three fit an SM beside two of the down projection's
+    # programs, against two, so all 384 QKV programs can load during the down projection).
+    "resident-warps": (
+        Rule("resident: 8 warps above 8192"),
+        Rule("resident: 4 warps", resident_wide=OFF),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -298,6 +321,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_tuning, "SMALL_WEIGHT_BYTES", rule.weight_bytes),
         (gemm_launch, "LONG_SPLIT_K", rule.long_split_k),
         (small_gemm, "PREFETCH_K", rule.prefetch_k),
+        (small_gemm, "PREFETCH_KEEP", rule.prefetch_keep),
         (attention_launch, "WAVES", rule.attention_waves),
         (attention_launch, "UNSPLIT_WARPS", rule.unsplit_attention_warps),
         (attention_launch, "SPLIT_STAGES", rule.split_attention_stages),
@@ -307,6 +331,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (launch, "TRIGGER_FIRST", rule.trigger_first),
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
+        (gemm_launch, "RESIDENT_WIDE", rule.resident_wide),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
     ]

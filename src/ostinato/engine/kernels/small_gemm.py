@@ -83,6 +83,10 @@ from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
 from ostinato.engine.kernels.pdl import pdl_enter
 
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
+# Whether that prefetch marks its lines last to be evicted from L2 (``::evict_last``):
+# the previous kernel may stream more bytes through L2 than it holds before this one
+# reads them (``benchmarks.launch_rules --rules prefetch``).
+PREFETCH_KEEP = False
 LINE = 64  # 16-bit elements per 128-byte cache line
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
 
@@ -99,6 +103,32 @@ def _prefetch_l2(ptrs):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def _prefetch_l2_keep(ptrs):
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_weight(ptrs, second, TWO: tl.constexpr, KEEP: tl.constexpr):
+    """``ptrs`` (and ``ptrs + second`` with ``TWO``) into L2, with ``KEEP`` last to be
+    evicted."""
+    if KEEP:
+        _prefetch_l2_keep(ptrs)
+        if TWO:
+            _prefetch_l2_keep(ptrs + second)
+    else:
+        _prefetch_l2(ptrs)
+        if TWO:
+            _prefetch_l2(ptrs + second)
 
 
 @triton.jit
@@ -379,7 +409,8 @@ def _gemm_kernel(
     GRANULE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr, PREFETCH_KEEP: tl.constexpr, LINE: tl.constexpr,
+    USE_PDL: tl.constexpr,
     RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
@@ -399,9 +430,7 @@ def _gemm_kernel(
         lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
         rows = tl.minimum(rn, N - 1)
         pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, k_hi - 1)[None, :]
-        _prefetch_l2(pre)
-        if TWO:
-            _prefetch_l2(pre + OFF2 * stride_wn)
+        _prefetch_weight(pre, OFF2 * stride_wn, TWO, PREFETCH_KEEP)
     pdl_enter(USE_PDL)
     writer = pid_n == 0
     if STATS_IN:
@@ -691,6 +720,7 @@ def _launch(
         NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,
+        PREFETCH_KEEP=PREFETCH_KEEP,
         LINE=LINE,
         USE_PDL=use_pdl,
         RESIDENT=config.resident,

@@ -14,14 +14,15 @@ older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projection
 splits, and whether attention's kernels let the next launch before their PDL wait, and
 attention's most splits, whether the weight prefetch marks its lines last to be evicted
 (``small_gemm.PREFETCH_KEEP``), and above how many weight elements a resident program
-has 8 warps (``gemm_launch.RESIDENT_WIDE``). Each rule is set here between runs and
-restored; the first rule of a set runs again last, so drift shows as A against A.
+has 8 warps (``gemm_launch.RESIDENT_WIDE``), and whether the output projection merges
+attention's key splits (``gemm_launch.MERGE_BYTES``). Each rule is set here between runs
+and restored; the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps]
+prefetch|resident-warps|merge-in-o]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -75,6 +76,7 @@ class Rule:
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
     resident_wide: int = gemm_launch.RESIDENT_WIDE
+    merge_bytes: int = gemm_launch.MERGE_BYTES
     early_keys: bool = attention_launch.EARLY_KEYS
     # (splits the rule names, splits instead, tile width) for plain projections (at the
     # 1.5 B shape: 8 the down projection, 4 the output projection), or None
@@ -229,6 +231,13 @@ RULES = {
         Rule("resident: 8 warps above 8192"),
         Rule("resident: 4 warps", resident_wide=OFF),
     ),
+    # Attention's key splits merged by the output projection's programs as they load
+    # their rows where ``gemm_launch.merges_splits`` takes them (SmolLM2's one row), or
+    # by attention's merge kernel everywhere (no partials' bytes allowed).
+    "merge-in-o": (
+        Rule("output projection merges"),
+        Rule("merge kernel", merge_bytes=0),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -332,6 +341,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
         (gemm_launch, "RESIDENT_WIDE", rule.resident_wide),
+        (gemm_launch, "MERGE_BYTES", rule.merge_bytes),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
     ]

@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.kernels.attention_launch import KeySplits
 from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
     CONFIGS,
     MAX_ROWS,
@@ -75,6 +76,7 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     counters_needed,
     fits,
     k_per_split,
+    merges_splits,
     rope_head_dim,
     stats_columns,
     stats_granule,
@@ -343,26 +345,49 @@ def _resident_weights(
 
 
 @triton.jit
-def _resident_tile(
-    x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
-    writer, NORM: tl.constexpr, ADD: tl.constexpr, STORE_TOTAL: tl.constexpr,
-    TWO: tl.constexpr, BLOCK_M: tl.constexpr, K_P2: tl.constexpr,
-):  # fmt: skip
-    """Float32 ``rows @ w.T`` (and ``@ w2.T`` with ``TWO``) of the weight tiles a
-    ``RESIDENT`` program holds, over the whole of K: products summed across the tile
-    (CUDA cores; ``tl.dot`` would pad the rows to 16)."""
-    rm = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, K_P2)
-    mask = (rm[:, None] < M) & (ks[None, :] < K)
-    x = _x_tile(
-        x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, mask, stride_xm, stride_rm, stride_tm,
-        writer, NORM, ADD, STORE_TOTAL,
-    ).to(tl.float32)[:, None, :]  # fmt: skip
+def _resident_tile(x, w, w2, TWO: tl.constexpr):
+    """Float32 ``x @ w.T`` (and ``@ w2.T`` with ``TWO``) of the rows ``x`` (``[BLOCK_M,
+    K_P2]``) and the weight tiles a ``RESIDENT`` program holds, over the whole of K:
+    products summed across the tile (CUDA cores; ``tl.dot`` would pad the rows to 16)."""
+    x = x.to(tl.float32)[:, None, :]
     acc = tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
     acc2 = acc
     if TWO:
         acc2 = tl.sum(x * w2.to(tl.float32)[None, :, :], axis=2)
     return acc, acc2
+
+
+@triton.jit
+def _merged_rows(
+    part_ptr, m_ptr, l_ptr, M, K, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
+    K_P2: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[BLOCK_M, K_P2]`` of attention's output (``MERGE``) from its key splits:
+    each head's ``SPLITS`` float32 partials (``[M, heads, SPLITS, HEAD_DIM]``, unnormalised)
+    weighted by ``exp(m - max m)`` and divided by the weighted sum of ``l``
+    (``[M, heads, SPLITS]``), as ``paged_attention``'s merge kernel computes them,
+    rounded to ``dtype`` as that kernel stores them. All loads are issued at once: the
+    merge adds one round trip to L2, not one per split."""
+    H_P2: tl.constexpr = K_P2 // HEAD_DIM
+    heads = K // HEAD_DIM
+    rm = tl.arange(0, BLOCK_M)[:, None, None]
+    s = tl.arange(0, SPLITS)[None, :, None]
+    h = tl.arange(0, H_P2)[None, None, :]
+    live = (rm < M) & (h < heads)
+    row = (rm * heads + h) * SPLITS + s  # [BLOCK_M, SPLITS, H_P2]
+    m = tl.load(m_ptr + row, mask=live, other=float("-inf"))
+    l_sum = tl.load(l_ptr + row, mask=live, other=0.0)
+    d = tl.arange(0, HEAD_DIM)[None, None, None, :]
+    part = tl.load(
+        part_ptr + row[:, :, :, None] * HEAD_DIM + d, mask=live[:, :, :, None], other=0.0
+    )
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: padding row
+    w = tl.exp(m - m_max[:, None, :])
+    norm = tl.sum(l_sum * w, axis=1)
+    total = tl.sum(part * w[:, :, :, None], axis=1)  # [BLOCK_M, H_P2, HEAD_DIM]
+    out = total / tl.where(norm > 0, norm, 1.0)[:, :, None]
+    return tl.reshape(out, (BLOCK_M, K_P2)).to(dtype)
 
 
 @triton.jit
@@ -401,8 +426,8 @@ def _epilogue_inputs(
 @triton.jit
 def _gemm_kernel(
     x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
-    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr,
-    M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
+    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr, mp_ptr, mm_ptr,
+    ml_ptr, M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
     N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
     STATS_T, NORM: tl.constexpr, ADD: tl.constexpr, STATS_IN: tl.constexpr,
     STATS_OUT: tl.constexpr, ADD_OUT: tl.constexpr, STATS_P2: tl.constexpr,
@@ -412,6 +437,7 @@ def _gemm_kernel(
     PREFETCH_K: tl.constexpr, PREFETCH_KEEP: tl.constexpr, LINE: tl.constexpr,
     USE_PDL: tl.constexpr,
     RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
     pid_n = tl.program_id(0)
@@ -448,10 +474,18 @@ def _gemm_kernel(
         HALF,
     )  # fmt: skip
     if RESIDENT:
-        acc, acc2 = _resident_tile(
-            x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
-            writer, NORM, ADD, STATS_IN and ADD, TWO, BLOCK_M, BLOCK_K,
-        )  # fmt: skip
+        if MERGE_SPLITS:
+            x = _merged_rows(
+                mp_ptr, mm_ptr, ml_ptr, M, K, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_K,
+                MERGE_SPLITS, HEAD_DIM,
+            )  # fmt: skip
+        else:
+            ks = tl.arange(0, BLOCK_K)
+            x = _x_tile(
+                x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, (rm[:, None] < M) & (ks[None, :] < K),
+                stride_xm, stride_rm, stride_tm, writer, NORM, ADD, STATS_IN and ADD,
+            )  # fmt: skip
+        acc, acc2 = _resident_tile(x, w, w2, TWO)
     else:
         acc, acc2 = _dot_tile(
             x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N,
@@ -637,6 +671,24 @@ def _stats_args(
     return after.stats, stats_columns(n, x.shape[0])
 
 
+def _merge_args(
+    x: torch.Tensor, n: int, config: GemmConfig, merge: KeySplits | None
+) -> tuple[torch.Tensor, ...]:
+    """The ``MERGE`` pointers (partials, running max and sum; ``x`` where none), after
+    checking the partials are ``x``'s rows and ``merges_splits`` takes them."""
+    if merge is None:
+        return x, x, x
+    m, k = x.shape
+    d = merge.partial.shape[-1]
+    merge.check(m, k // d, d)
+    if k % d or not merges_splits(config, m, k, n, merge.splits):
+        raise ValueError(
+            f"small_gemm: {config} does not merge {merge.splits} key splits of {m} rows "
+            f"of {k} columns in heads of {d} (gemm_launch.merges_splits)"
+        )
+    return merge.partial, merge.m, merge.l_sum
+
+
 def _partials(
     counters: torch.Tensor, tiles: int, split_k: int, n_pad: int, out: torch.Tensor
 ) -> torch.Tensor:
@@ -680,10 +732,12 @@ def _launch(
     rope: RopeKV | None,
     pdl: bool,
     after: ResidualStats | None = None,
+    merge: KeySplits | None = None,
 ) -> None:
     """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles (a
     resident ``config`` splits each into ``block_n``-column programs)."""
     m, k = x.shape
+    merged = _merge_args(x, n, config, merge)
     block_n, split_k = config.block_n, config.split_k
     sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
@@ -700,7 +754,7 @@ def _launch(
         _gemm_kernel,
         (tiles, split_k),
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
-        counters, *tensors, stats,
+        counters, *tensors, stats, *merged,
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
         n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, *ints,
         stats_t,
@@ -726,6 +780,8 @@ def _launch(
         RESIDENT=config.resident,
         SUB=sub,
         HALF=off2 if epilogue == ROPE_KV else block_n,
+        MERGE_SPLITS=merge.splits if merge is not None else 0,
+        HEAD_DIM=merge.partial.shape[-1] if merge is not None else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
@@ -742,12 +798,15 @@ def small_gemm(
     pdl: bool = False,
     norm: NormPrologue | None = None,
     after: ResidualStats | None = None,
+    merge: KeySplits | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of at most ``MAX_ROWS`` rows with a
     contiguous last dimension; with ``swiglu`` (no bias), ``silu(g) * u`` of its two
     halves ``[g | u]``; with ``norm``, of the normed rows (``NormPrologue``); with
     ``after`` (not with ``swiglu``), the row statistics for the next norm, and with its
-    ``add`` the projection plus its residual (``ResidualStats``).
+    ``add`` the projection plus its residual (``ResidualStats``); with ``merge``, of
+    attention's rows merged from their key splits as they load (``x`` only gives the
+    shape; a resident ``config`` that ``merges_splits`` says takes them).
     ``counters``: int32 zeros, at least ``counters_needed(N)``, not shared with a call
     that may run at the same time; zero again when the kernel ends."""
     _check_rows(x, weight)
@@ -764,7 +823,7 @@ def small_gemm(
         x, weight, bias, counters, out,
         epilogue=SWIGLU if swiglu else PLAIN, n=n, config=config,
         tile_stride=config.block_n, off2=n if swiglu else 0, norm=norm, rope=None, pdl=pdl,
-        after=after,
+        after=after, merge=merge,
     )  # fmt: skip
     return out
 

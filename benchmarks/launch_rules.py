@@ -22,7 +22,8 @@ and restored; the first rule of a set runs again last, so drift shows as A again
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps|merge-in-o]
+prefetch|resident-warps|merge-in-o|
+merge-in-o-splits]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -237,6 +238,14 @@ RULES = {
     "merge-in-o": (
         Rule("output projection merges"),
         Rule("merge kernel", merge_bytes=0),
+    ),
+    # The same with at most 8 or 4 splits of a token's keys: fewer partials for every
+    # program of the output projection to read and merge.
+    "merge-in-o-splits": (
+        Rule("merge kernel, at most 16 splits", merge_bytes=0),
+        Rule("O merges, at most 16 splits"),
+        Rule("O merges, at most 8 splits", attention_max_splits=8),
+        Rule("O merges, at most 4 splits", attention_max_splits=4),
     ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (

@@ -12,18 +12,15 @@ wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
 older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projections'
 splits, and whether attention's kernels let the next launch before their PDL wait, and
-attention's most splits, whether the weight prefetch marks its lines last to be evicted
-(``small_gemm.PREFETCH_KEEP``), and above how many weight elements a resident program
-has 8 warps (``gemm_launch.RESIDENT_WIDE``), and whether the output projection merges
-attention's key splits (``gemm_launch.MERGE_BYTES``). Each rule is set here between runs
-and restored; the first rule of a set runs again last, so drift shows as A against A.
+attention's most splits, and above how many weight elements a resident program has 8
+warps (``gemm_launch.RESIDENT_WIDE``). Each rule is set here between runs and restored;
+the first rule of a set runs again last, so drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps|merge-in-o|
-merge-in-o-splits]
+prefetch|resident-warps]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -65,7 +62,6 @@ class Rule:
     weight_bytes: int = gemm_tuning.SMALL_WEIGHT_BYTES
     long_split_k: int = gemm_launch.LONG_SPLIT_K
     prefetch_k: int = small_gemm.PREFETCH_K
-    prefetch_keep: bool = small_gemm.PREFETCH_KEEP
     narrow_gate_up: bool = False  # 32-column gate/up tiles where the rule says 64
     attention_waves: int = attention_launch.WAVES
     unsplit_attention_warps: int = attention_launch.UNSPLIT_WARPS
@@ -77,7 +73,6 @@ class Rule:
     resident_max_rows: int = gemm_launch.RESIDENT_MAX_ROWS
     resident_max_bytes: int = gemm_launch.RESIDENT_MAX_BYTES
     resident_wide: int = gemm_launch.RESIDENT_WIDE
-    merge_bytes: int = gemm_launch.MERGE_BYTES
     early_keys: bool = attention_launch.EARLY_KEYS
     # (splits the rule names, splits instead, tile width) for plain projections (at the
     # 1.5 B shape: 8 the down projection, 4 the output projection), or None
@@ -215,37 +210,20 @@ RULES = {
         Rule("attention: at most 4 splits", attention_max_splits=4),
     ),
     # A K-loop program's weight prefetch before its PDL wait: 512 columns a row (the
-    # default), 128, or 512 and 1024 marked last to be evicted from L2. The 1.5 B down
-    # projection prefetches while gate/up streams 64 MiB through a 50 MB L2: lines
-    # fetched early may be evicted again before they are read.
+    # default) or 128. (Two more rules, the prefetch marked last to be evicted from L2,
+    # ran with ``results/fused_h200/probes_prefetch_merge/prefetch_keep.patch.txt``.)
     "prefetch": (
         Rule("prefetch 512 columns"),
         Rule("prefetch 128 columns", prefetch_k=128),
-        Rule("prefetch 512, kept in L2", prefetch_keep=True),
-        Rule("prefetch 1024, kept in L2", prefetch_k=1024, prefetch_keep=True),
     ),
     # A resident program holding more than 8192 weight elements in 8 warps (the
     # default: the 1.5 B QKV at 64 registers a thread, 16 K a program), or in 4 (103
     # registers, 13 K a program: three fit an SM beside two of the down projection's
-    # programs, against two, so all 384 QKV programs can load during the down projection).
+    # programs, against two, so more of the 384 QKV programs may load during the down
+    # projection: a reading of the registers, not timed per program).
     "resident-warps": (
         Rule("resident: 8 warps above 8192"),
         Rule("resident: 4 warps", resident_wide=OFF),
-    ),
-    # Attention's key splits merged by the output projection's programs as they load
-    # their rows where ``gemm_launch.merges_splits`` takes them (SmolLM2's one row), or
-    # by attention's merge kernel everywhere (no partials' bytes allowed).
-    "merge-in-o": (
-        Rule("output projection merges"),
-        Rule("merge kernel", merge_bytes=0),
-    ),
-    # The same with at most 8 or 4 splits of a token's keys: fewer partials for every
-    # program of the output projection to read and merge.
-    "merge-in-o-splits": (
-        Rule("merge kernel, at most 16 splits", merge_bytes=0),
-        Rule("O merges, at most 16 splits"),
-        Rule("O merges, at most 8 splits", attention_max_splits=8),
-        Rule("O merges, at most 4 splits", attention_max_splits=4),
     ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
@@ -339,7 +317,6 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_tuning, "SMALL_WEIGHT_BYTES", rule.weight_bytes),
         (gemm_launch, "LONG_SPLIT_K", rule.long_split_k),
         (small_gemm, "PREFETCH_K", rule.prefetch_k),
-        (small_gemm, "PREFETCH_KEEP", rule.prefetch_keep),
         (attention_launch, "WAVES", rule.attention_waves),
         (attention_launch, "UNSPLIT_WARPS", rule.unsplit_attention_warps),
         (attention_launch, "SPLIT_STAGES", rule.split_attention_stages),
@@ -350,7 +327,6 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
         (gemm_launch, "RESIDENT_WIDE", rule.resident_wide),
-        (gemm_launch, "MERGE_BYTES", rule.merge_bytes),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
     ]

@@ -1,12 +1,9 @@
 """How the paged-attention kernel (``triton_attention``) is compiled and launched: a
-plain dataclass, importable without Triton, checked where its fields are set; and its
-output before the key splits are merged (``KeySplits``), with the merge in torch."""
+plain dataclass, importable without Triton, checked where its fields are set."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 BLOCK_N = 64  # keys per iteration, spanning several pages
 MAX_SPLITS = 16  # programs sharing one (token, KV head)'s keys, at most
@@ -64,68 +61,3 @@ def launch_for(splits: int) -> AttentionLaunch:
     if splits > 1:
         return AttentionLaunch(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
     return AttentionLaunch(num_warps=UNSPLIT_WARPS)
-
-
-@dataclass(frozen=True)
-class KeySplits:
-    """Attention's output before its key splits are merged: float32 ``partial`` ``[n,
-    heads, splits, d]`` (unnormalised), each split's running max ``m`` and sum ``l_sum``
-    (``[n, heads, splits]``; an empty split: ``-inf`` and 0). ``paged_attention(...,
-    key_splits=)`` writes these instead of its output and launches no merge; the output
-    projection merges them as it loads its rows (``small_gemm``'s ``merge``)."""
-
-    partial: torch.Tensor
-    m: torch.Tensor
-    l_sum: torch.Tensor
-
-    @classmethod
-    def empty(
-        cls, n: int, heads: int, splits: int, head_dim: int, device: torch.device
-    ) -> KeySplits:
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(
-            torch.empty((n, heads, splits, head_dim), **f32),
-            torch.empty((n, heads, splits), **f32),
-            torch.empty((n, heads, splits), **f32),
-        )
-
-    @property
-    def splits(self) -> int:
-        return self.partial.shape[2]
-
-    def check(self, n: int, heads: int, head_dim: int) -> None:
-        """Raises unless these are the contiguous float32 buffers of ``n`` rows of
-        ``heads`` heads of ``head_dim``."""
-        want = (n, heads, self.splits)
-        ok = self.partial.shape == (*want, head_dim)
-        ok = ok and self.m.shape == want and self.l_sum.shape == want
-        tensors = (self.partial, self.m, self.l_sum)
-        if not ok or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            raise ValueError(
-                f"KeySplits: need contiguous float32 [{n}, {heads}, splits, {head_dim}] "
-                f"partials and [{n}, {heads}, splits] m and l_sum; got "
-                f"{[(t.dtype, tuple(t.shape)) for t in tensors]}"
-            )
-
-    def hold(self, out: torch.Tensor) -> None:
-        """Stores a finished output ``out`` (``[n, heads, d]``) as split 0 with weight 1
-        and every other split empty, so that ``merged`` gives ``out`` back exactly (a
-        backend that does not split its keys)."""
-        self.partial.zero_()
-        self.partial[:, :, 0] = out
-        self.m.fill_(float("-inf"))
-        self.m[:, :, 0] = 0.0
-        self.l_sum.zero_()
-        self.l_sum[:, :, 0] = 1.0
-
-    def merged(self, dtype: torch.dtype) -> torch.Tensor:
-        """The merged output ``[n, heads * d]`` in ``dtype``, in torch: each split
-        weighted by ``exp(m - max m)``, over the weighted sum of ``l_sum``; zeros where
-        every split of a head is empty (a padding row)."""
-        m_max = self.m.amax(dim=2, keepdim=True)
-        m_max = torch.where(m_max == float("-inf"), 0.0, m_max)
-        w = torch.exp(self.m - m_max)
-        total = (self.partial * w[..., None]).sum(dim=2)
-        norm = (self.l_sum * w).sum(dim=2, keepdim=True)
-        out = total / torch.where(norm > 0, norm, 1.0)
-        return out.flatten(1).to(dtype)

@@ -48,13 +48,6 @@ RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
 # register file (33 MiB on the H200), so the next kernel could not load its own weight
 # while this one runs.
 RESIDENT_MAX_BYTES = 16 << 20
-# Attention's key splits merged by the output projection's resident programs as they
-# load their rows (``merges_splits``): every program merges all heads of its rows, so
-# only where a program's merged rows are short (registers) and all programs' reads of
-# the partials from L2 are few. SmolLM2's one row (9 heads of 64, 16 splits): 144
-# programs read 5.3 MB; the 1.5 B shape's (32 heads) 512 programs would read 64 MiB.
-MERGE_ROWS_ELEMENTS = 1024  # rows x K padded to a power of two, per program
-MERGE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -181,18 +174,6 @@ def fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
     if not config.resident:
         return True
     return rows <= RESIDENT_MAX_ROWS and resident_elements(k, tiles) <= RESIDENT_ELEMENTS
-
-
-def merges_splits(config: GemmConfig, rows: int, k: int, n: int, splits: int) -> bool:
-    """Whether ``config`` may merge ``splits`` key splits of attention's ``rows`` rows
-    (``k`` columns) as its programs load them, for ``n`` output columns: a resident
-    launch that runs these rows, at least two splits, at most ``MERGE_ROWS_ELEMENTS``
-    merged elements a program and ``MERGE_BYTES`` of partials read by all programs."""
-    if not config.resident or splits < 2 or not fits(config, rows, k):
-        return False
-    padded = rows * (1 << max(k - 1, 0).bit_length())
-    read = ceil_div(n, config.block_n) * rows * splits * k * 4
-    return padded <= MERGE_ROWS_ELEMENTS and read <= MERGE_BYTES
 
 
 def rope_head_dim(d: int) -> bool:

@@ -24,7 +24,6 @@ from ostinato.engine.kernels import attention_launch
 from ostinato.engine.kernels.attention_launch import (
     MAX_SPLITS,
     AttentionLaunch,
-    KeySplits,
     launch_for,
     splits_for,
 )
@@ -278,7 +277,6 @@ def paged_attention(
     pdl: bool = False,
     config: AttentionLaunch | None = None,
     new_keys: int = 0,
-    key_splits: KeySplits | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[n, heads, d]``, any token and head strides) over the paged
     cache; returns ``[n, heads, d]``, written into ``out`` when given (any strides with a
@@ -293,9 +291,7 @@ def paged_attention(
     overrides the kernel's launch configuration (for tuning). ``new_keys`` (with ``pdl``;
     0: unknown): every key the kernel before may still be writing is within ``new_keys - 1``
     below its token's position (a step's longest query says it); older keys of the first
-    tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``).
-    ``key_splits`` (at least two splits; ``splits`` then comes from them): the kernel
-    writes its key splits' partials there and no merge runs; ``out`` is not written."""
+    tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -308,17 +304,9 @@ def paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
-    if key_splits is not None:
-        splits = key_splits.splits
-        key_splits.check(n, heads, head_dim)
-        if splits < 2:
-            raise ValueError("paged_attention: key_splits needs at least two splits")
     splits = _splits(splits or num_splits(n, kv_heads, q.device))
     config = config or launch_for(splits)
-    if key_splits is None:
-        target, m, l_sum = _split_scratch(out, splits)
-    else:
-        target, m, l_sum = key_splits.partial, key_splits.m, key_splits.l_sum
+    target, m, l_sum = _split_scratch(out, splits)
     so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(
         _paged_attention_kernel, (n, kv_heads, splits),
@@ -331,7 +319,7 @@ def paged_attention(
         USE_PDL=pdl_arg(pdl), num_warps=config.num_warps, num_stages=config.num_stages,
         launch_pdl=pdl,
     )  # fmt: skip
-    if splits > 1 and key_splits is None:
+    if splits > 1:
         _merge_splits(target, m, l_sum, out, pdl)
     return out
 

@@ -68,7 +68,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.attention_launch import KeySplits
 from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
     CONFIGS,
     MAX_ROWS,
@@ -76,7 +75,6 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     counters_needed,
     fits,
     k_per_split,
-    merges_splits,
     rope_head_dim,
     stats_columns,
     stats_granule,
@@ -85,10 +83,6 @@ from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
 from ostinato.engine.kernels.pdl import pdl_enter
 
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
-# Whether that prefetch marks its lines last to be evicted from L2 (``::evict_last``):
-# the previous kernel may stream more bytes through L2 than it holds before this one
-# reads them (``benchmarks.launch_rules --rules prefetch``).
-PREFETCH_KEEP = False
 LINE = 64  # 16-bit elements per 128-byte cache line
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
 
@@ -105,32 +99,6 @@ def _prefetch_l2(ptrs):
         is_pure=False,
         pack=1,
     )
-
-
-@triton.jit
-def _prefetch_l2_keep(ptrs):
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_weight(ptrs, second, TWO: tl.constexpr, KEEP: tl.constexpr):
-    """``ptrs`` (and ``ptrs + second`` with ``TWO``) into L2, with ``KEEP`` last to be
-    evicted."""
-    if KEEP:
-        _prefetch_l2_keep(ptrs)
-        if TWO:
-            _prefetch_l2_keep(ptrs + second)
-    else:
-        _prefetch_l2(ptrs)
-        if TWO:
-            _prefetch_l2(ptrs + second)
 
 
 @triton.jit
@@ -345,49 +313,26 @@ def _resident_weights(
 
 
 @triton.jit
-def _resident_tile(x, w, w2, TWO: tl.constexpr):
-    """Float32 ``x @ w.T`` (and ``@ w2.T`` with ``TWO``) of the rows ``x`` (``[BLOCK_M,
-    K_P2]``) and the weight tiles a ``RESIDENT`` program holds, over the whole of K:
-    products summed across the tile (CUDA cores; ``tl.dot`` would pad the rows to 16)."""
-    x = x.to(tl.float32)[:, None, :]
+def _resident_tile(
+    x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
+    writer, NORM: tl.constexpr, ADD: tl.constexpr, STORE_TOTAL: tl.constexpr,
+    TWO: tl.constexpr, BLOCK_M: tl.constexpr, K_P2: tl.constexpr,
+):  # fmt: skip
+    """Float32 ``rows @ w.T`` (and ``@ w2.T`` with ``TWO``) of the weight tiles a
+    ``RESIDENT`` program holds, over the whole of K: products summed across the tile
+    (CUDA cores; ``tl.dot`` would pad the rows to 16)."""
+    rm = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, K_P2)
+    mask = (rm[:, None] < M) & (ks[None, :] < K)
+    x = _x_tile(
+        x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, mask, stride_xm, stride_rm, stride_tm,
+        writer, NORM, ADD, STORE_TOTAL,
+    ).to(tl.float32)[:, None, :]  # fmt: skip
     acc = tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
     acc2 = acc
     if TWO:
         acc2 = tl.sum(x * w2.to(tl.float32)[None, :, :], axis=2)
     return acc, acc2
-
-
-@triton.jit
-def _merged_rows(
-    part_ptr, m_ptr, l_ptr, M, K, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
-    K_P2: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Rows ``[BLOCK_M, K_P2]`` of attention's output (``MERGE``) from its key splits:
-    each head's ``SPLITS`` float32 partials (``[M, heads, SPLITS, HEAD_DIM]``, unnormalised)
-    weighted by ``exp(m - max m)`` and divided by the weighted sum of ``l``
-    (``[M, heads, SPLITS]``), as ``paged_attention``'s merge kernel computes them,
-    rounded to ``dtype`` as that kernel stores them. All loads are issued at once: the
-    merge adds one round trip to L2, not one per split."""
-    H_P2: tl.constexpr = K_P2 // HEAD_DIM
-    heads = K // HEAD_DIM
-    rm = tl.arange(0, BLOCK_M)[:, None, None]
-    s = tl.arange(0, SPLITS)[None, :, None]
-    h = tl.arange(0, H_P2)[None, None, :]
-    live = (rm < M) & (h < heads)
-    row = (rm * heads + h) * SPLITS + s  # [BLOCK_M, SPLITS, H_P2]
-    m = tl.load(m_ptr + row, mask=live, other=float("-inf"))
-    l_sum = tl.load(l_ptr + row, mask=live, other=0.0)
-    d = tl.arange(0, HEAD_DIM)[None, None, None, :]
-    part = tl.load(
-        part_ptr + row[:, :, :, None] * HEAD_DIM + d, mask=live[:, :, :, None], other=0.0
-    )
-    m_max = tl.max(m, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: padding row
-    w = tl.exp(m - m_max[:, None, :])
-    norm = tl.sum(l_sum * w, axis=1)
-    total = tl.sum(part * w[:, :, :, None], axis=1)  # [BLOCK_M, H_P2, HEAD_DIM]
-    out = total / tl.where(norm > 0, norm, 1.0)[:, :, None]
-    return tl.reshape(out, (BLOCK_M, K_P2)).to(dtype)
 
 
 @triton.jit
@@ -426,18 +371,16 @@ def _epilogue_inputs(
 @triton.jit
 def _gemm_kernel(
     x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
-    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr, mp_ptr, mm_ptr,
-    ml_ptr, M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
+    cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr,
+    M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
     N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
     STATS_T, NORM: tl.constexpr, ADD: tl.constexpr, STATS_IN: tl.constexpr,
     STATS_OUT: tl.constexpr, ADD_OUT: tl.constexpr, STATS_P2: tl.constexpr,
     GRANULE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr, PREFETCH_KEEP: tl.constexpr, LINE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
     RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
     pid_n = tl.program_id(0)
@@ -456,7 +399,9 @@ def _gemm_kernel(
         lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
         rows = tl.minimum(rn, N - 1)
         pre = w_ptr + rows[:, None] * stride_wn + tl.minimum(lines, k_hi - 1)[None, :]
-        _prefetch_weight(pre, OFF2 * stride_wn, TWO, PREFETCH_KEEP)
+        _prefetch_l2(pre)
+        if TWO:
+            _prefetch_l2(pre + OFF2 * stride_wn)
     pdl_enter(USE_PDL)
     writer = pid_n == 0
     if STATS_IN:
@@ -474,18 +419,10 @@ def _gemm_kernel(
         HALF,
     )  # fmt: skip
     if RESIDENT:
-        if MERGE_SPLITS:
-            x = _merged_rows(
-                mp_ptr, mm_ptr, ml_ptr, M, K, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_K,
-                MERGE_SPLITS, HEAD_DIM,
-            )  # fmt: skip
-        else:
-            ks = tl.arange(0, BLOCK_K)
-            x = _x_tile(
-                x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, (rm[:, None] < M) & (ks[None, :] < K),
-                stride_xm, stride_rm, stride_tm, writer, NORM, ADD, STATS_IN and ADD,
-            )  # fmt: skip
-        acc, acc2 = _resident_tile(x, w, w2, TWO)
+        acc, acc2 = _resident_tile(
+            x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
+            writer, NORM, ADD, STATS_IN and ADD, TWO, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
     else:
         acc, acc2 = _dot_tile(
             x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, rstd, rn, k_lo, k_hi, K_PER, M, N,
@@ -671,24 +608,6 @@ def _stats_args(
     return after.stats, stats_columns(n, x.shape[0])
 
 
-def _merge_args(
-    x: torch.Tensor, n: int, config: GemmConfig, merge: KeySplits | None
-) -> tuple[torch.Tensor, ...]:
-    """The ``MERGE`` pointers (partials, running max and sum; ``x`` where none), after
-    checking the partials are ``x``'s rows and ``merges_splits`` takes them."""
-    if merge is None:
-        return x, x, x
-    m, k = x.shape
-    d = merge.partial.shape[-1]
-    merge.check(m, k // d, d)
-    if k % d or not merges_splits(config, m, k, n, merge.splits):
-        raise ValueError(
-            f"small_gemm: {config} does not merge {merge.splits} key splits of {m} rows "
-            f"of {k} columns in heads of {d} (gemm_launch.merges_splits)"
-        )
-    return merge.partial, merge.m, merge.l_sum
-
-
 def _partials(
     counters: torch.Tensor, tiles: int, split_k: int, n_pad: int, out: torch.Tensor
 ) -> torch.Tensor:
@@ -732,12 +651,10 @@ def _launch(
     rope: RopeKV | None,
     pdl: bool,
     after: ResidualStats | None = None,
-    merge: KeySplits | None = None,
 ) -> None:
     """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles (a
     resident ``config`` splits each into ``block_n``-column programs)."""
     m, k = x.shape
-    merged = _merge_args(x, n, config, merge)
     block_n, split_k = config.block_n, config.split_k
     sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
@@ -754,7 +671,7 @@ def _launch(
         _gemm_kernel,
         (tiles, split_k),
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
-        counters, *tensors, stats, *merged,
+        counters, *tensors, stats,
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
         n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, *ints,
         stats_t,
@@ -774,14 +691,11 @@ def _launch(
         NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,
-        PREFETCH_KEEP=PREFETCH_KEEP,
         LINE=LINE,
         USE_PDL=use_pdl,
         RESIDENT=config.resident,
         SUB=sub,
         HALF=off2 if epilogue == ROPE_KV else block_n,
-        MERGE_SPLITS=merge.splits if merge is not None else 0,
-        HEAD_DIM=merge.partial.shape[-1] if merge is not None else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
@@ -798,15 +712,12 @@ def small_gemm(
     pdl: bool = False,
     norm: NormPrologue | None = None,
     after: ResidualStats | None = None,
-    merge: KeySplits | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of at most ``MAX_ROWS`` rows with a
     contiguous last dimension; with ``swiglu`` (no bias), ``silu(g) * u`` of its two
     halves ``[g | u]``; with ``norm``, of the normed rows (``NormPrologue``); with
     ``after`` (not with ``swiglu``), the row statistics for the next norm, and with its
-    ``add`` the projection plus its residual (``ResidualStats``); with ``merge``, of
-    attention's rows merged from their key splits as they load (``x`` only gives the
-    shape; a resident ``config`` that ``merges_splits`` says takes them).
+    ``add`` the projection plus its residual (``ResidualStats``).
     ``counters``: int32 zeros, at least ``counters_needed(N)``, not shared with a call
     that may run at the same time; zero again when the kernel ends."""
     _check_rows(x, weight)
@@ -823,7 +734,7 @@ def small_gemm(
         x, weight, bias, counters, out,
         epilogue=SWIGLU if swiglu else PLAIN, n=n, config=config,
         tile_stride=config.block_n, off2=n if swiglu else 0, norm=norm, rope=None, pdl=pdl,
-        after=after, merge=merge,
+        after=after,
     )  # fmt: skip
     return out
 

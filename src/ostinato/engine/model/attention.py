@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ostinato.engine.kernels.attention_launch import KeySplits
 from ostinato.engine.model.rope import apply_rope
 from ostinato.mathutil import ceil_div
 from ostinato.resolution import AttentionGraphSupport
@@ -53,10 +52,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [n, 1, head_dim], the step
 
 
 class AttentionBackend(Protocol):
-    """Attention over the paged cache for one step, written into ``out`` (``q``'s shape),
-    or with ``splits`` left unmerged there (``out`` not written); ``graph_support`` says
-    what can be captured; ``applies_rope`` whether the model should hand q and k over
-    unrotated (with ``rope``)."""
+    """Attention over the paged cache for one step, written into ``out`` (``q``'s shape);
+    ``graph_support`` says what can be captured; ``applies_rope`` whether the model
+    should hand q and k over unrotated (with ``rope``)."""
 
     graph_support: AttentionGraphSupport
     applies_rope: bool
@@ -70,7 +68,6 @@ class AttentionBackend(Protocol):
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        splits: KeySplits | None = None,
     ) -> None: ...
 
     def write_kv(
@@ -123,13 +120,7 @@ class TorchAttention:
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        splits: KeySplits | None = None,
     ) -> None:
-        if splits is not None:  # unsplit: the output itself as the one split
-            out = torch.empty_like(out)
-            self(q, k_cache, v_cache, meta, scale, out, rope)
-            splits.hold(out)
-            return
         if rope is not None:
             q = apply_rope(q, *rope)
         out.zero_()  # padding rows, and rows of no request, output zeros
@@ -172,14 +163,6 @@ class TritonAttention:
         # runner sets it from its KernelOptions.
         self.pdl = pdl
 
-    @staticmethod
-    def key_splits(n: int, kv_heads: int, device: torch.device) -> int:
-        """How many splits of each token's keys ``__call__`` runs for ``n`` rows."""
-        from ostinato.engine.kernels.attention_launch import splits_for
-        from ostinato.engine.kernels.launch import num_sms
-
-        return splits_for(n, kv_heads, num_sms(device))
-
     def write_kv(
         self,
         k: torch.Tensor,
@@ -206,7 +189,6 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor,
         rope: Rope | None = None,
-        splits: KeySplits | None = None,
     ) -> None:
         from ostinato.engine.kernels.paged_attention import paged_attention
 
@@ -222,5 +204,4 @@ class TritonAttention:
             rope=rope,
             pdl=self.pdl,
             new_keys=meta.new_keys,
-            key_splits=splits,
         )

@@ -19,7 +19,6 @@ import torch
 
 from ostinato.context import get_forward_context
 from ostinato.engine.core.kv_cache import KVCache
-from ostinato.engine.kernels.attention_launch import KeySplits
 from ostinato.engine.model.attention import AttentionBackend, AttentionMetadata
 from ostinato.engine.model.rope import apply_rope
 
@@ -39,8 +38,7 @@ class StepAttention:
 _lib = torch.library.Library("ostinato", "DEF")
 _lib.define(
     "attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) out, int layer, float scale, "
-    "Tensor? cos=None, Tensor? sin=None, Tensor(b!)? partial=None, Tensor(c!)? m=None, "
-    "Tensor(d!)? l_sum=None) -> ()"
+    "Tensor? cos=None, Tensor? sin=None) -> ()"
 )
 
 
@@ -53,18 +51,10 @@ def attention(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    partial: torch.Tensor | None = None,
-    m: torch.Tensor | None = None,
-    l_sum: torch.Tensor | None = None,
 ) -> None:
     """``out[:] = attention(q)`` over layer ``layer``'s cache after writing ``k, v`` to it
-    when given (q and k rotated by ``cos, sin`` first, when given); with ``partial``,
-    ``m`` and ``l_sum`` (``KeySplits``) the output is left unmerged there instead and
-    ``out`` is not written."""
+    when given (q and k rotated by ``cos, sin`` first, when given)."""
     step: StepAttention = get_forward_context().attn_metadata
-    splits = None
-    if partial is not None and m is not None and l_sum is not None:
-        splits = KeySplits(partial, m, l_sum)
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
     rope = None if cos is None or sin is None else (cos, sin)
     if k is not None and v is not None:
@@ -74,10 +64,7 @@ def attention(
         q = q[:, : heads * d].view(n, heads, d)
         if rope is not None and not step.backend.applies_rope:
             q, rope = apply_rope(q, *rope), None
-    if splits is None:
-        step.backend(q, k_cache, v_cache, step.metadata, scale, out, rope)  # straight into out
-    else:  # only asked of backends that take them (``Attention.key_splits``)
-        step.backend(q, k_cache, v_cache, step.metadata, scale, out, rope, splits=splits)
+    step.backend(q, k_cache, v_cache, step.metadata, scale, out, rope)  # straight into out
 
 
 _lib.impl("attention", attention, "CompositeExplicitAutograd")
@@ -93,8 +80,5 @@ def _(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    partial: torch.Tensor | None = None,
-    m: torch.Tensor | None = None,
-    l_sum: torch.Tensor | None = None,
 ) -> None:
     return None

@@ -15,20 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ostinato.context import get_forward_context
 from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
-from ostinato.engine.kernels.attention_launch import KeySplits
-from ostinato.engine.kernels.gemm_launch import CONFIGS
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
     attention_op,
     fused_ops,
     norm_op,
 )
-from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.config import ModelConfig
-from ostinato.engine.model.linear import Linear, kernel_rows, merges_here
+from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.rope import apply_rope, rope_inv_freq
 
 
@@ -177,39 +173,19 @@ class Attention(nn.Module):
         qkv_rows = torch.empty((n, qkv.out_features), dtype=x.dtype, device=x.device)
         total = torch.empty_like(x) if residual is not None else x.new_empty(0)
         out = torch.empty((n, self.heads, self.head_dim), dtype=x.dtype, device=x.device)
-        splits = self.key_splits(out.view(n, self.q_size))
         torch.ops.ostinato.norm_qkv(
             x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.counters,
             list(qkv.plan), q_norm, k_norm, cos, sin, self.layer, self.heads, self.kv_heads,
             qkv_rows, total, self.kernels.pdl, *RowStats.args(stats),
         )  # fmt: skip
         # The queries are the first columns of qkv_rows (the op slices them: no view here).
-        unmerged = (splits.partial, splits.m, splits.l_sum) if splits is not None else ()
-        torch.ops.ostinato.attention(
-            qkv_rows, None, None, out, self.layer, self.scale, cos, sin, *unmerged
-        )
+        torch.ops.ostinato.attention(qkv_rows, None, None, out, self.layer, self.scale, cos, sin)
         total = x if residual is None else total
         out = out.view(n, self.q_size)
         if not self.row_stats:
             return self.tp.all_reduce(self.o_proj(out)), total, None
-        o, new = self.o_proj.forward_stats(out, total, splits)
+        o, new = self.o_proj.forward_stats(out, total)
         return o, total, RowStats(new, self.o_proj.plan)
-
-    def key_splits(self, out: torch.Tensor) -> KeySplits | None:
-        """Buffers for attention to leave its output ``out`` (``[n, q_size]``) unmerged
-        in, where the output projection merges the key splits as it loads its rows
-        (with the row statistics, the Triton backend, and ``linear.merges_here`` for
-        the projection's plan): one kernel fewer. Else None: attention merges them."""
-        backend = get_forward_context().attn_metadata.backend
-        if not self.row_stats or not isinstance(backend, TritonAttention):
-            return None
-        o = self.o_proj
-        choice = kernel_rows(out, o.weight, list(o.plan))
-        n = out.shape[0]
-        splits = backend.key_splits(n, self.kv_heads, out.device)
-        if not merges_here(CONFIGS[choice - 1] if choice else None, out, o.weight, splits):
-            return None
-        return KeySplits.empty(n, self.heads, splits, self.head_dim, out.device)
 
 
 class Mlp(nn.Module):

@@ -21,14 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ostinato.engine.kernels.attention_launch import KeySplits
-from ostinato.engine.kernels.gemm_launch import (
-    CONFIGS,
-    MAX_ROWS,
-    GemmConfig,
-    merges_splits,
-    stats_columns,
-)
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS, stats_columns
 from ostinato.engine.model.silu_mul_op import silu_mul_reference
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
@@ -81,8 +74,7 @@ def _(
 
 _lib.define(
     "linear_stats(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
-    "Tensor residual, bool pdl=False, Tensor? partial=None, Tensor? m=None, "
-    "Tensor? l_sum=None) -> (Tensor, Tensor)"
+    "Tensor residual, bool pdl=False) -> (Tensor, Tensor)"
 )
 
 
@@ -97,18 +89,6 @@ def kernel_rows(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
     return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
 
 
-def merges_here(
-    config: GemmConfig | None, x: torch.Tensor, weight: torch.Tensor, splits: int
-) -> bool:
-    """Whether the kernel ``config`` (None: not the Triton GEMM) merges attention's
-    ``splits`` key splits as it loads the rows ``x`` stands for
-    (``gemm_launch.merges_splits``): the one predicate of both sides, the attention
-    that leaves its output unmerged (``Attention.key_splits``) and ``linear_stats``,
-    which merges in torch where not."""
-    m, k = x.shape
-    return config is not None and merges_splits(config, m, k, weight.shape[0], splits)
-
-
 def _linear_stats(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -117,28 +97,18 @@ def _linear_stats(
     plan: list[int],
     residual: torch.Tensor,
     pdl: bool = False,
-    partial: torch.Tensor | None = None,
-    m: torch.Tensor | None = None,
-    l_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     stats = torch.empty(
         (MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32, device=x.device
     )
-    splits = None
-    if partial is not None and m is not None and l_sum is not None:
-        splits = KeySplits(partial, m, l_sum)
     choice = kernel_rows(x, weight, plan)
-    config = CONFIGS[choice - 1] if choice else None
-    if splits is not None and not merges_here(config, x, weight, splits.splits):
-        x, splits = splits.merged(x.dtype), None  # the merge in torch: x's rows
-    if config is None:  # no statistics: the next norm sums its rows' squares itself
+    if not choice:  # no statistics: the next norm sums its rows' squares itself
         return _linear(x, weight, bias, counters, plan, False, pdl), stats
     from ostinato.engine.kernels import small_gemm as triton_gemm
 
     after = triton_gemm.ResidualStats(residual.contiguous(), stats)
-    y = triton_gemm.small_gemm(
-        x, weight, bias, counters, config, False, pdl, None, after, merge=splits
-    )
+    config = triton_gemm.CONFIGS[choice - 1]
+    y = triton_gemm.small_gemm(x, weight, bias, counters, config, False, pdl, None, after)
     return y, stats
 
 
@@ -154,9 +124,6 @@ def _(
     plan: list[int],
     residual: torch.Tensor,
     pdl: bool = False,
-    partial: torch.Tensor | None = None,
-    m: torch.Tensor | None = None,
-    l_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
     return h, x.new_empty((MAX_ROWS, stats_columns(weight.shape[0])), dtype=torch.float32)
@@ -196,16 +163,14 @@ class Linear(nn.Linear):
         )
 
     def forward_stats(
-        self, x: torch.Tensor, residual: torch.Tensor, splits: KeySplits | None = None
+        self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(``forward(x)``, the row statistics of ``forward(x) + residual``: float32
         ``[MAX_ROWS, out / 16]``, written only where ``kernel_rows(x, weight, plan)``;
-        ``ostinato::linear_stats``). With ``splits`` the rows are attention's output
-        merged from them (``x``, not written, gives the shape and dtype)."""
+        ``ostinato::linear_stats``)."""
         plan = list(self.plan)
-        merge = (splits.partial, splits.m, splits.l_sum) if splits is not None else ()
         return torch.ops.ostinato.linear_stats(
-            x, self.weight, self.bias, self.counters, plan, residual, self.pdl, *merge
+            x, self.weight, self.bias, self.counters, plan, residual, self.pdl
         )
 
     def forward_swiglu(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:

@@ -12,15 +12,16 @@ wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 (``gemm_launch.RESIDENT_MAX_ROWS``, ``RESIDENT_MAX_BYTES``), and whether attention reads
 older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projections'
 splits, and whether attention's kernels let the next launch before their PDL wait, and
-attention's most splits, and above how many weight elements a resident program has 8
-warps (``gemm_launch.RESIDENT_WIDE``). Each rule is set here between runs and restored;
-the first rule of a set runs again last, so drift shows as A against A.
+attention's most splits and its key tile where keys are split, and above how many
+weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``). Each
+rule is set here between runs and restored; the first rule of a set runs again last, so
+drift shows as A against A.
 
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps]
+prefetch|resident-warps|attention-tile|attention-tile-rule]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -85,6 +86,10 @@ class Rule:
     # attention runs), or "both"
     attention_trigger_first: str = ""
     attention_max_splits: int = attention_launch.MAX_SPLITS
+    # (keys per tile, warps) of attention where a token's keys are split, or None: the
+    # library's. With early keys a program reads its first tile before its PDL wait, so
+    # a wider tile moves more of its keys ahead of the wait.
+    split_attention_tile: tuple[int, int] | None = None
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -209,6 +214,21 @@ RULES = {
         Rule("attention: at most 8 splits", attention_max_splits=8),
         Rule("attention: at most 4 splits", attention_max_splits=4),
     ),
+    # Attention's key tile where keys are split: 64 keys in 4 warps (the default when it
+    # ran), 128 in 4 or 8, 256 in 8. At the benchmark's 513 keys a split then holds one
+    # tile, read before the PDL wait, where at 64 keys a split of 128 walks its second
+    # after it.
+    "attention-tile": (
+        Rule("attention tile 64, 4 warps", split_attention_tile=(64, 4)),
+        Rule("attention tile 128, 4 warps", split_attention_tile=(128, 4)),
+        Rule("attention tile 128, 8 warps", split_attention_tile=(128, 8)),
+        Rule("attention tile 256, 8 warps", split_attention_tile=(256, 8)),
+    ),
+    # The tile by ``attention_launch.launch_for``'s rule against 64 keys everywhere.
+    "attention-tile-rule": (
+        Rule("attention tile by rule"),
+        Rule("attention tile 64, 4 warps", split_attention_tile=(64, 4)),
+    ),
     # A K-loop program's weight prefetch before its PDL wait: 512 columns a row (the
     # default) or 128. (Two more rules, the prefetch marked last to be evicted from L2,
     # ran with ``results/fused_h200/probes_prefetch_merge/prefetch_keep.patch.txt``.)
@@ -296,6 +316,19 @@ def _repick(pick: Callable[..., int], changes: list[Change]) -> Callable[..., in
     return repicked
 
 
+def _split_tile(block_n: int, warps: int) -> Callable[..., attention_launch.AttentionLaunch]:
+    """``attention_launch.launch_for`` with ``block_n`` keys a tile in ``warps`` warps where
+    keys are split."""
+
+    def launch_for(splits: int, *_: object) -> attention_launch.AttentionLaunch:
+        if splits == 1:
+            return attention_launch.launch_for(splits)
+        stages = attention_launch.SPLIT_STAGES
+        return attention_launch.AttentionLaunch(block_n, num_warps=warps, num_stages=stages)
+
+    return launch_for
+
+
 def _trigger_first(pdl: bool) -> int:
     return launch.TRIGGER_THEN_WAIT if pdl else 0
 
@@ -336,6 +369,8 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((paged_attention, "_merge_splits", merge))
     elif rule.attention_trigger_first == "both":
         settings.append((paged_attention, "pdl_arg", _trigger_first))
+    if rule.split_attention_tile is not None:
+        settings.append((paged_attention, "launch_for", _split_tile(*rule.split_attention_tile)))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
     if rule.eight_split_steps is not None:

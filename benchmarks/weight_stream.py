@@ -16,6 +16,12 @@ together over its ``COLD_BYTES``), as a decode step reads each layer's weights o
 calls are PDL-launched back to back in one CUDA graph (``graph_call_us``), and the rate
 is against the copy bandwidth measured in the same run.
 
+A third layout, ``tma``, keeps the model's ``[N, K]`` weight but reads it as Hopper's
+tensor-memory accelerator does: each tile one bulk copy through a host tensor
+descriptor, and the product taken the other way round (``w @ x^T``, so the weight tile
+is the MMA's 64-row operand and ``tl.dot`` becomes a warpgroup MMA; ``block_n`` of at
+least 64).
+
 ``python -m benchmarks.weight_stream --out results.json [--shapes gate_up,down,qkv,o]``
 """
 
@@ -31,6 +37,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.decode import copy_bandwidth_gbps
 from benchmarks.fused_sweep import weight_turns
@@ -102,19 +109,49 @@ def _stream(
     tl.store(out, acc)
 
 
+@triton.jit
+def _stream_tma(
+    x_ptr, w_desc, out_ptr, N, K_PER, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, ROWS)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    pdl_enter(True)
+    xt = tl.trans(tl.load(x_ptr + rm[:, None] * BLOCK_K + rk[None, :]))
+    acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+    k_lo = pid_k * K_PER
+    for k0 in tl.range(0, K_PER, BLOCK_K, num_stages=STAGES):
+        acc = tl.dot(w_desc.load([pid_n * BLOCK_N, k_lo + k0]), xt, acc)
+    out = out_ptr + pid_k * ROWS * N + rm[None, :] * N + (pid_n * BLOCK_N + rn)[:, None]
+    tl.store(out, acc)
+
+
 def _tiled(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     n, k = w.shape
     return w.view(n // block_n, block_n, k // block_k, block_k).transpose(1, 2).contiguous()
 
 
-def _launches() -> list[Launch]:
-    grid = itertools.product((16, 32, 64), (1, 2, 4, 8), (128, 256, 512), (2, 3, 4), (4, 8))
-    return [
-        Launch(n, s, k, st, w, layout)
-        for (n, s, k, st, w), layout in itertools.product(grid, ("rows", "tiled"))
-        # a pipeline of more than ~200 KiB of shared memory does not fit
-        if (st - 1) * (n + ROWS) * k * 2 <= 200 * 1024
-    ]
+LAYOUTS = ("rows", "tiled", "tma")
+
+
+def _valid(c: Launch) -> bool:
+    """Whether ``c`` fits: a pipeline of more than ~200 KiB of shared memory does not; a
+    TMA box spans at most 256 elements a side, and a warpgroup MMA 64 weight rows per
+    warpgroup (the other layouts keep to at most 64 rows)."""
+    if (c.stages - 1) * (c.block_n + ROWS) * c.block_k * 2 > 200 * 1024:
+        return False
+    if c.layout == "tma":
+        return c.block_k <= 256 and c.block_n >= 64 * (c.warps // 4)
+    return c.block_n <= 64
+
+
+def _launches(layouts: tuple[str, ...] = LAYOUTS) -> list[Launch]:
+    grid = itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (128, 256, 512), (2, 3, 4), (4, 8))
+    every = itertools.product(grid, layouts)
+    return [c for c in (Launch(*g, lay) for g, lay in every) if _valid(c)]
 
 
 def launch_stream(launch_: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -123,11 +160,29 @@ def launch_stream(launch_: Launch, x: torch.Tensor, w: torch.Tensor, out: torch.
     n = out.shape[2]
     k = w.numel() // n
     k_per = k_per_split(k, launch_.split, launch_.block_k)
+    if launch_.layout == "tma":
+        launch(
+            _stream_tma, (n // launch_.block_n, launch_.split), x, _descriptor(w, launch_),
+            out, n, k_per, BLOCK_N=launch_.block_n, BLOCK_K=launch_.block_k, ROWS=ROWS,
+            STAGES=launch_.stages, num_warps=launch_.warps, launch_pdl=True,
+        )  # fmt: skip
+        return
     launch(
         _stream, (n // launch_.block_n, launch_.split), x, w, out, n, k, k_per,
         TILED=launch_.layout == "tiled", BLOCK_N=launch_.block_n, BLOCK_K=launch_.block_k,
         ROWS=ROWS, num_warps=launch_.warps, num_stages=launch_.stages, launch_pdl=True,
     )  # fmt: skip
+
+
+_DESCRIPTORS: dict[tuple[int, int, int], TensorDescriptor] = {}
+
+
+def _descriptor(w: torch.Tensor, launch_: Launch) -> TensorDescriptor:
+    """A tensor descriptor of ``w`` in ``launch_``'s tiles, made once per weight copy."""
+    key = (w.data_ptr(), launch_.block_n, launch_.block_k)
+    if key not in _DESCRIPTORS:
+        _DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, [launch_.block_n, launch_.block_k])
+    return _DESCRIPTORS[key]
 
 
 def _time(
@@ -167,14 +222,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     bw = copy_bandwidth_gbps(torch.device("cuda"))
-    launches = _launches()
+    layouts = tuple(args.layouts.split(","))
+    launches = _launches(layouts)
     x = torch.ones(ROWS, 512, device="cuda", dtype=torch.bfloat16)
     with compile_ahead():  # every layout's compilation on a pool, ahead of timing
         for c in launches:
-            w = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
-            launch_stream(c, x[:, : c.block_k], w, torch.empty(1, ROWS, 64, device="cuda"))
+            w = torch.empty(128, 4096, device="cuda", dtype=torch.bfloat16)
+            launch_stream(c, x[:, : c.block_k], w, torch.empty(1, ROWS, 128, device="cuda"))
     doc = {"benchmark": "weight_stream", "provenance": asdict(Provenance.collect())}
     doc["copy_bandwidth_gbps"] = bw
     doc["timings"] = []
@@ -184,7 +241,7 @@ def main() -> None:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         for t in sorted(timings, key=lambda t: t.us)[:8]:
             print(f"{name:8s} {t.launch.label():28s} {t.us:7.2f} us  {t.of_copy:5.1%} of copy")
-        for layout in ("rows", "tiled"):
+        for layout in layouts:
             best = min((t for t in timings if t.launch.layout == layout), key=lambda t: t.us)
             print(f"{name:8s} best {layout}: {best.launch.label()} {best.of_copy:5.1%}")
 

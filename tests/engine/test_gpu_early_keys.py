@@ -30,26 +30,33 @@ def _case(new: int, kv_heads: int = 3, heads: int = 9, head_dim: int = 64):
 
 @pytest.mark.parametrize("new", [1, 3])
 @pytest.mark.parametrize("splits", [1, 4, 16])
-def test_early_keys_never_read_a_key_still_being_written(new, splits):
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (3, 1)])
+def test_early_keys_never_read_a_key_still_being_written(new, splits, heads, kv_heads):
     from pdl_writer import slow_write_kv
 
+    from ostinato.engine.kernels.attention_launch import launch_for
     from ostinato.engine.kernels.paged_attention import paged_attention
 
-    q, kc, vc, pos, req, tables, slots, fk, fv = _case(new)
+    q, kc, vc, pos, req, tables, slots, fk, fv = _case(new, kv_heads, heads)
     scale = 64**-0.5
     flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
     stale_k, stale_v = kc.clone(), vc.clone()
+    # the launch the early read takes by default (at 6 tokens of one KV head, 16 splits:
+    # the widest tile), pinned for the launches compared with it, which read nothing early
+    config = launch_for(splits, len(pos) * kv_heads, early=True, head_dim=64)
 
     def attend(new_keys: int) -> torch.Tensor:
         kc.copy_(stale_k)
         vc.copy_(stale_v)
         slow_write_kv(fk, fv, flat_k, flat_v, slots)
+        pinned = config if new_keys == 0 else None
         return paged_attention(
-            q, kc, vc, pos, req, tables, scale, splits=splits, pdl=True, new_keys=new_keys
-        )
+            q, kc, vc, pos, req, tables, scale, splits=splits, pdl=True, new_keys=new_keys,
+            config=pinned,
+        )  # fmt: skip
 
     got = attend(new)
-    want = paged_attention(q, kc, vc, pos, req, tables, scale, splits=splits)  # after it
+    want = paged_attention(q, kc, vc, pos, req, tables, scale, splits=splits, config=config)
     assert torch.equal(got, want)
     waiting = attend(0)  # reads nothing before its wait
     assert torch.equal(waiting, want)

@@ -2,6 +2,7 @@
 exactly what nn.Linear computes, and the engine and the benchmark take the options."""
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -190,6 +191,29 @@ def test_attention_launches_by_split_layout():
     split = {(launch_for(s).num_warps, launch_for(s).num_stages) for s in (2, 4, 8, 16)}
     assert split == {(4, 2)}
     assert {launch_for(s).block_n for s in (1, 16)} == {BLOCK_N}
+    # without early keys, or heads of unknown width, every split launch keeps BLOCK_N
+    every = itertools.product((2, 8, 16), (1, 3, 64), (False, True), (0, 64))
+    for splits, pairs, early, d in every:
+        if not (early and d):
+            assert launch_for(splits, pairs, early, d) == launch_for(splits)
+
+
+def test_early_attention_widens_its_first_tile_where_it_fits():
+    from ostinato.engine.kernels.attention_launch import AttentionLaunch, launch_for
+
+    def tile(splits: int, pairs: int, d: int = 64) -> tuple[int, int]:
+        c = launch_for(splits, pairs, early=True, head_dim=d)
+        return c.block_n, c.num_warps
+
+    # SmolLM2 (3 KV heads) at 1 and 2 rows; the 1.5 B shape (8) at 1, 8 and 16 rows
+    assert [tile(16, 3), tile(16, 6), tile(16, 8), tile(8, 64), tile(4, 128)] == [
+        (256, 8), (256, 8), (64, 4), (128, 4), (128, 4),
+    ]  # fmt: skip
+    # SmolLM2 at 8 and 16 rows keep 64 at 16 splits; unsplit launches never change
+    assert tile(16, 24) == tile(16, 48) == (64, 4)
+    assert launch_for(1, 3, early=True, head_dim=64) == AttentionLaunch(num_warps=2)
+    # 128-dim heads: the wider tiles would hold twice the registers, so they keep 64
+    assert tile(16, 3, 128) == tile(8, 64, 128) == (64, 4)
 
 
 def test_rope_epilogue_takes_power_of_two_heads_of_at_least_32_dims():

@@ -20,6 +20,22 @@ SPLIT_STAGES = 2
 # its first tile's older keys, the step's positions and block table before its PDL wait,
 # while the QKV kernel before it still runs.
 EARLY_KEYS = True
+# With early keys a split reads its first tile before its PDL wait, so a wider tile moves
+# more of its keys ahead of the wait, at the price of fewer, longer programs. In the H200
+# step (``launch_rules --rules attention-tile``, 513 keys, pipelined): where keys are split
+# 8 ways or fewer (the 1.5 B shape's 8 and 16 rows) 128 keys a tile took 2 to 3% off
+# (64 left a split's second tile after the wait); with fewer than ``FEW_PAIRS`` (token,
+# KV head) pairs (SmolLM2's 1 and 2 rows: 3 and 6) 256 keys in 8 warps took 5% off. The
+# same 256 was 3% slower at 8 pairs (the 1.5 B shape's one row) and 18% at SmolLM2's 8
+# rows, 128 level or slower at 16 splits.
+EARLY_TILE = 128
+EARLY_TILE_MAX_SPLITS = 8
+FEW_PAIRS = 8
+FEW_PAIRS_TILE = 256
+FEW_PAIRS_WARPS = 8
+# Keys and values a warp holds at most in a wider tile: what the measured ones hold at 64
+# dims (64 registers a thread), so wider heads keep ``BLOCK_N`` rather than spill.
+TILE_ELEMENTS_PER_WARP = 4096
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:
@@ -53,11 +69,30 @@ class AttentionLaunch:
             raise ValueError(f"AttentionLaunch.num_stages: >= 1, got {self.num_stages}")
 
 
-def launch_for(splits: int) -> AttentionLaunch:
-    """The launch used where none is given: ``BLOCK_N`` keys per iteration; where a
-    token's keys are split ``SPLIT_WARPS`` warps and ``SPLIT_STAGES`` stages, else
-    ``UNSPLIT_WARPS`` warps and 3 stages. One compiled kernel per split layout still (the
-    layout fixes the rest)."""
-    if splits > 1:
-        return AttentionLaunch(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
-    return AttentionLaunch(num_warps=UNSPLIT_WARPS)
+def launch_for(
+    splits: int, pairs: int = 0, early: bool = False, head_dim: int = 0
+) -> AttentionLaunch:
+    """The launch used where none is given for ``splits`` programs per (token, KV head)
+    over ``pairs`` such pairs (0: unknown), ``early`` where keys are read before the PDL
+    wait, heads of ``head_dim`` (0: unknown). Unsplit: ``BLOCK_N`` keys per iteration,
+    ``UNSPLIT_WARPS`` warps, 3 stages. Split: ``SPLIT_WARPS`` warps and ``SPLIT_STAGES``
+    stages, ``BLOCK_N`` keys a tile, or with ``early`` a wider first tile where its keys
+    and values fit ``TILE_ELEMENTS_PER_WARP`` (``wide_tile_fits``): ``FEW_PAIRS_TILE``
+    keys in ``FEW_PAIRS_WARPS`` warps under ``FEW_PAIRS`` pairs, else ``EARLY_TILE`` at
+    ``EARLY_TILE_MAX_SPLITS`` splits or fewer. Deterministic in its arguments, so a
+    graph's launches repeat."""
+    if splits == 1:
+        return AttentionLaunch(num_warps=UNSPLIT_WARPS)
+    few = FEW_PAIRS_TILE, FEW_PAIRS_WARPS
+    if early and 0 < pairs < FEW_PAIRS and wide_tile_fits(*few, head_dim):
+        return AttentionLaunch(*few, SPLIT_STAGES)
+    fewer_splits = splits <= EARLY_TILE_MAX_SPLITS
+    if early and fewer_splits and wide_tile_fits(EARLY_TILE, SPLIT_WARPS, head_dim):
+        return AttentionLaunch(EARLY_TILE, SPLIT_WARPS, SPLIT_STAGES)
+    return AttentionLaunch(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
+
+
+def wide_tile_fits(block_n: int, warps: int, head_dim: int) -> bool:
+    """Whether a tile of ``block_n`` keys and values of ``head_dim`` is at most
+    ``TILE_ELEMENTS_PER_WARP`` elements a warp (False for an unknown ``head_dim``, 0)."""
+    return 0 < 2 * block_n * head_dim <= TILE_ELEMENTS_PER_WARP * warps

@@ -305,7 +305,8 @@ def paged_attention(
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = _splits(splits or num_splits(n, kv_heads, q.device))
-    config = config or launch_for(splits)
+    early = pdl and new_keys > 0 and attention_launch.EARLY_KEYS
+    config = config or launch_for(splits, n * kv_heads, early, head_dim)
     target, m, l_sum = _split_scratch(out, splits)
     so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(
@@ -315,7 +316,7 @@ def paged_attention(
         k_cache.stride(2), so_t, so_h, block_tables.stride(0), splits, new_keys,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=splits > 1,
-        ROPE=rope is not None, EARLY=pdl and new_keys > 0 and attention_launch.EARLY_KEYS,
+        ROPE=rope is not None, EARLY=early,
         USE_PDL=pdl_arg(pdl), num_warps=config.num_warps, num_stages=config.num_stages,
         launch_pdl=pdl,
     )  # fmt: skip

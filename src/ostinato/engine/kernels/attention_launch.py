@@ -22,12 +22,13 @@ SPLIT_STAGES = 2
 EARLY_KEYS = True
 # With early keys a split reads its first tile before its PDL wait, so a wider tile moves
 # more of its keys ahead of the wait, at the price of fewer, longer programs. In the H200
-# step (``launch_rules --rules attention-tile``, 513 keys, pipelined): where keys are split
-# 8 ways or fewer (the 1.5 B shape's 8 and 16 rows) 128 keys a tile took 2 to 3% off
-# (64 left a split's second tile after the wait); with fewer than ``FEW_PAIRS`` (token,
-# KV head) pairs (SmolLM2's 1 and 2 rows: 3 and 6) 256 keys in 8 warps took 5% off. The
-# same 256 was 3% slower at 8 pairs (the 1.5 B shape's one row) and 18% at SmolLM2's 8
-# rows, 128 level or slower at 16 splits.
+# step (``launch_rules --rules attention-tile`` and ``attention-tile-rule``, 513 keys,
+# pipelined, two runs): where keys are split 8 ways or fewer (the 1.5 B shape's 8 and 16
+# rows, where 64 left a split's second tile after the wait) 128 keys a tile took 1.4 to
+# 2.3% off; with fewer than ``FEW_PAIRS`` (token, KV head) pairs (SmolLM2's 1 and 2 rows:
+# 3 and 6) 256 keys in 8 warps took 4 to 7% off. The same 256 was 3% slower at 8 pairs
+# (the 1.5 B shape's one row) and 18% at SmolLM2's 8 rows; 128 at 16 splits level or
+# up to 6% slower.
 EARLY_TILE = 128
 EARLY_TILE_MAX_SPLITS = 8
 FEW_PAIRS = 8

@@ -82,19 +82,27 @@ class Timing:
 
 
 @triton.jit
-def _stream(
-    x_ptr, w_ptr, out_ptr, N, K, K_PER, TILED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+def _program_start(
+    x_ptr, K_PER, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr
 ):  # fmt: skip
+    """A program's column tile, first K column, index ranges and its ``x`` (loaded after
+    the PDL wait, once: the stream reuses it at every step)."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     rm = tl.arange(0, ROWS)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     pdl_enter(True)
     x = tl.load(x_ptr + rm[:, None] * BLOCK_K + rk[None, :])
+    return pid_n, tl.program_id(1) * K_PER, rm, rn, rk, x
+
+
+@triton.jit
+def _stream(
+    x_ptr, w_ptr, out_ptr, N, K, K_PER, TILED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    pid_n, k_lo, rm, rn, rk, x = _program_start(x_ptr, K_PER, BLOCK_N, BLOCK_K, ROWS)
     acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    k_lo = pid_k * K_PER
     for k0 in range(0, K_PER, BLOCK_K):
         if TILED:
             tile = pid_n * (K // BLOCK_K) + (k_lo + k0) // BLOCK_K
@@ -105,7 +113,7 @@ def _stream(
             ptrs = w_ptr + (pid_n * BLOCK_N + rn)[None, :] * K + ks[:, None]
             w = tl.load(ptrs, mask=ks[:, None] < K, other=0.0)
         acc = tl.dot(x, w, acc)
-    out = out_ptr + pid_k * ROWS * N + rm[:, None] * N + (pid_n * BLOCK_N + rn)[None, :]
+    out = out_ptr + tl.program_id(1) * ROWS * N + rm[:, None] * N + (pid_n * BLOCK_N + rn)[None, :]
     tl.store(out, acc)
 
 
@@ -114,18 +122,12 @@ def _stream_tma(
     x_ptr, w_desc, out_ptr, N, K_PER, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, ROWS)
-    rn = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    pdl_enter(True)
-    xt = tl.trans(tl.load(x_ptr + rm[:, None] * BLOCK_K + rk[None, :]))
+    pid_n, k_lo, rm, rn, _, x = _program_start(x_ptr, K_PER, BLOCK_N, BLOCK_K, ROWS)
+    xt = tl.trans(x)
     acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
-    k_lo = pid_k * K_PER
     for k0 in tl.range(0, K_PER, BLOCK_K, num_stages=STAGES):
         acc = tl.dot(w_desc.load([pid_n * BLOCK_N, k_lo + k0]), xt, acc)
-    out = out_ptr + pid_k * ROWS * N + rm[None, :] * N + (pid_n * BLOCK_N + rn)[:, None]
+    out = out_ptr + tl.program_id(1) * ROWS * N + rm[None, :] * N + (pid_n * BLOCK_N + rn)[:, None]
     tl.store(out, acc)
 
 

@@ -21,7 +21,7 @@ drift shows as A against A.
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps|attention-tile|attention-tile-rule]
+prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few]
 [--shape llama-1.5b|smollm2]``
 """
 
@@ -223,6 +223,15 @@ RULES = {
         Rule("attention tile 128, 4 warps", split_attention_tile=(128, 4)),
         Rule("attention tile 128, 8 warps", split_attention_tile=(128, 8)),
         Rule("attention tile 256, 8 warps", split_attention_tile=(256, 8)),
+    ),
+    # Where the rule takes 256 keys in 8 warps (SmolLM2's one and two rows), other wide
+    # tiles: 256 in 4 warps, 256 with at most 4 splits (fewer empty programs: at 513 keys
+    # 3 of 16 splits hold keys), 512 in 16 warps (2 splits hold keys).
+    "attention-tile-few": (
+        Rule("attention tile by rule"),
+        Rule("attention tile 256, 4 warps", split_attention_tile=(256, 4)),
+        Rule("tile 256, 8 warps, 4 splits", split_attention_tile=(256, 8), attention_max_splits=4),
+        Rule("attention tile 512, 16 warps", split_attention_tile=(512, 16)),
     ),
     # The tile by ``attention_launch.launch_for``'s rule against 64 keys everywhere.
     "attention-tile-rule": (

@@ -288,7 +288,9 @@ def paged_attention(
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
     programmatic dependent launch (compute capability 9.0 or newer). ``config``
-    overrides the kernel's launch configuration (for tuning). ``new_keys`` (with ``pdl``;
+    overrides the kernel's launch configuration (for tuning); without it
+    ``attention_launch.launch_for`` picks one from the split count, the (token, KV head)
+    pairs, whether keys are read early and the head size. ``new_keys`` (with ``pdl``;
     0: unknown): every key the kernel before may still be writing is within ``new_keys - 1``
     below its token's position (a step's longest query says it); older keys of the first
     tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""

@@ -288,12 +288,10 @@ def paged_attention(
     ``rope = (cos, sin)`` (``[n, 1, d]`` each): q is unrotated; each query is rotated as
     it is loaded (float32, rounded once to q's dtype). ``pdl``: launch with
     programmatic dependent launch (compute capability 9.0 or newer). ``config``
-    overrides the kernel's launch configuration (for tuning); without it
-    ``attention_launch.launch_for`` picks one from the split count, the (token, KV head)
-    pairs, whether keys are read early and the head size. ``new_keys`` (with ``pdl``;
-    0: unknown): every key the kernel before may still be writing is within ``new_keys - 1``
-    below its token's position (a step's longest query says it); older keys of the first
-    tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""
+    overrides the launch configuration (``attention_launch.launch_for``'s). ``new_keys``
+    (with ``pdl``; 0: unknown): every key the kernel before may still be writing is within
+    ``new_keys - 1`` below its token's position (a step's longest query says it); older
+    keys of the first tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads

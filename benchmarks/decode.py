@@ -408,15 +408,26 @@ def run(
         nbytes = setup.weight_bytes_per_step(b) + b * cfg.kv_len * setup.kv_bytes_per_token
         return nbytes / (bw * 1e9) * 1e3 if cuda else float("nan")
 
+    # Every timing comes before the first profile: after a profiler session with CUDA
+    # graphs, torch leaves CUPTI attached and every later launch costs the host more (on
+    # the H200 an isolated step's host time rose from 20-33 to 63-103 µs, RESULTS.md).
+    profiled: list[tuple[str, ModelRunner]] = []
     with torch.inference_mode():
         for name in cfg.variants:
             runner = _variant_runner(setup, name, cuda)
             if runner is None:
                 continue
-            _time_variant(setup, runner, name, result, floor_ms, profile, log)
-            runner.release()
+            _time_variant(setup, runner, name, result, floor_ms, log)
+            if profile and cuda:
+                profiled.append((name, runner))
+            else:
+                runner.release()
     if REDUCE_OVERHEAD in cfg.variants and cuda and setup.tp.size == 1:
         _time_reduce_overhead(setup, result, floor_ms, log)
+    with torch.inference_mode():
+        for name, runner in profiled:
+            _profile_variant(setup, runner, name, result, log)
+            runner.release()
     ro = {r.batch: r.step_ms for r in result.rows if r.variant == REDUCE_OVERHEAD}
     for r in result.rows:
         if r.batch in ro:
@@ -449,10 +460,9 @@ def _time_variant(
     name: str,
     result: BenchResult,
     floor_ms: Callable[[int], float],
-    profile: bool,
     log: Callable[[str], None],
 ) -> None:
-    """Captures ``runner``'s graphs, then times (and profiles) its step at every size."""
+    """Captures ``runner``'s graphs, then times its step at every size."""
     cfg, cuda = setup.cfg, setup.device.type == "cuda"
     start = time.perf_counter()
     report = runner.capture()
@@ -478,24 +488,37 @@ def _time_variant(
         row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
         if cuda:
             row.pipelined_ms = pipelined_ms(step)
-        if profile and cuda:
-            c = kernel_census(step)
-            row.kernels, row.busy_us = c.kernels, c.busy_us
-            row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
-            row.kernels_in_layer = c.in_layer(cfg.model["num_hidden_layers"])
-            if b in (1, max(cfg.batch_sizes)) and name != "eager":
-                result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
         result.rows.append(row)
-        log(
-            f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us"
-            + ("" if row.kernels is None else f"  {row.kernels:.0f} kernels")
-        )
+        log(f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
         if name in ENGINE_STEP_VARIANTS:
             label = f"{name} engine step"
             ms, host = time_step(setup.engine_step(runner, b), cfg.warmup, cfg.repeats, cuda)
             result.rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
             log(f"{label:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
-        if profile and cuda and name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
+
+
+def _profile_variant(
+    setup: DecodeSetup,
+    runner: ModelRunner,
+    name: str,
+    result: BenchResult,
+    log: Callable[[str], None],
+) -> None:
+    """Counts the kernels of ``runner``'s step at every size into the rows that
+    ``_time_variant`` timed (CUDA)."""
+    cfg = setup.cfg
+    rows = {r.batch: r for r in result.rows if r.variant == name}
+    for b in cfg.batch_sizes:
+        step = setup.decode_step(runner, b)
+        c = kernel_census(step)
+        row = rows[b]
+        row.kernels, row.busy_us = c.kernels, c.busy_us
+        row.kernels_per_layer = c.per_layer(cfg.model["num_hidden_layers"])
+        row.kernels_in_layer = c.in_layer(cfg.model["num_hidden_layers"])
+        if b in (1, max(cfg.batch_sizes)) and name != "eager":
+            result.kernels_by_name[f"{name} B={b}"] = list(c.by_name)
+        log(f"{name:32s} B={b:4d} {c.kernels:.0f} kernels a step")
+        if name == "ostinato FULL" and b in (1, max(cfg.batch_sizes)):
             result.profile[f"{name} B={b}"] = top_kernels(step)
 
 

@@ -20,14 +20,13 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("splits", [None, 1, 4, 16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 32), (32, 8, 128), (4, 4, 64)])
-def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, splits):
-    from ostinato.engine.kernels.paged_attention import paged_attention
-
+def mixed_batch(heads, kv_heads, head_dim, dtype):
+    """A paged-attention batch of long prefill, prefill continuing a cached prefix and
+    several decodes over shuffled pages, plus 5 padding rows: (q, k cache, v cache,
+    positions, token requests, block tables, the real rows' metadata, real rows)."""
     rng = random.Random(heads * 7 + head_dim)
     bs, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -47,15 +46,26 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
     positions += [-1] * 5  # padding rows
     token_req += [0] * 5
     n = len(positions)
-    q = torch.randn(n, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(n, heads, head_dim, device=DEVICE, dtype=dtype)
     pos_t = torch.tensor(positions, device=DEVICE)
     req_t = torch.tensor(token_req, device=DEVICE, dtype=torch.int32)
     tables = tables.to(DEVICE)
-    scale = head_dim**-0.5
-    got = paged_attention(q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits)
     meta = AttentionMetadata(
         pos_t[:n_real], req_t[:n_real], pos_t[:n_real], tables, query_lens, seq_lens
     )
+    return q, k_cache, v_cache, pos_t, req_t, tables, meta, n_real
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4, 16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 32), (32, 8, 128), (4, 4, 64)])
+def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, splits):
+    from ostinato.engine.kernels.paged_attention import paged_attention
+
+    batch = mixed_batch(heads, kv_heads, head_dim, torch.bfloat16)
+    q, k_cache, v_cache, pos_t, req_t, tables, meta, n_real = batch
+    n = q.shape[0]
+    scale = head_dim**-0.5
+    got = paged_attention(q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits)
     want = torch.empty_like(q[:n_real], dtype=torch.float32)
     TorchAttention()(q[:n_real].float(), k_cache.float(), v_cache.float(), meta, scale, want)
     assert got.isfinite().all()
@@ -80,6 +90,23 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
     torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2)
     assert rel_err(fused[:n_real], plain[:n_real]) < 2e-3
     assert torch.equal(fused[n_real:], torch.zeros_like(fused[n_real:]))
+
+
+@pytest.mark.parametrize("splits", [1, 16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_paged_kernel_on_float32_multiplies_in_float32(heads, kv_heads, head_dim, splits):
+    """Float32 inputs are multiplied in IEEE float32, not rounded to tf32 (Triton's
+    default for a float32 dot): the kernel equals torch's float32 attention within
+    float32 rounding, far below tf32's 10 mantissa bits (about 1e-3 relative)."""
+    from ostinato.engine.kernels.paged_attention import paged_attention
+
+    batch = mixed_batch(heads, kv_heads, head_dim, torch.float32)
+    q, k_cache, v_cache, pos_t, req_t, tables, meta, n_real = batch
+    scale = head_dim**-0.5
+    got = paged_attention(q, k_cache, v_cache, pos_t, req_t, tables, scale, splits=splits)
+    want = torch.empty_like(q[:n_real], dtype=torch.float64)
+    TorchAttention()(q[:n_real].double(), k_cache.double(), v_cache.double(), meta, scale, want)
+    assert rel_err(got[:n_real], want) < 1e-5  # float32: about 3e-7; tf32: about 4e-4
 
 
 def rope_tables(positions, head_dim, dtype):

@@ -90,16 +90,28 @@ def _softmax_start(GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b):
+    """``a @ b`` in the operands' own precision: float32 operands multiply in IEEE
+    float32, where Triton's default rounds them to tf32 (10 mantissa bits: a float32
+    model's greedy tokens would then hang on the tiles and splits of its batch)."""
+    if a.dtype.is_fp32():
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
 def _softmax_step(q, k, v, live, m, l_sum, acc, scale):
     """The online softmax's running max, sum and unnormalised output after one tile of
     keys ``k`` and values ``v`` (rows not ``live`` ignored; at least one live)."""
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    s = _dot(q, tl.trans(k)).to(tl.float32) * scale
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m - m_new)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v).to(tl.float32)
     return m_new, l_sum, acc
 
 

@@ -410,7 +410,8 @@ def run(
 
     # Every timing comes before the first profile: after a profiler session with CUDA
     # graphs, torch leaves CUPTI attached and every later launch costs the host more (on
-    # the H200 an isolated step's host time rose from 20-33 to 63-103 µs, RESULTS.md).
+    # the H200 an isolated step's host time of 20 to 110 µs rose to 99 to 225 µs:
+    # benchmarks.profiler_effect, RESULTS.md).
     profiled: list[tuple[str, ModelRunner]] = []
     with torch.inference_mode():
         for name in cfg.variants:

@@ -97,7 +97,7 @@ def test_paged_kernel_matches_float32_reference(heads, kv_heads, head_dim, split
 def test_paged_kernel_on_float32_multiplies_in_float32(heads, kv_heads, head_dim, splits):
     """Float32 inputs are multiplied in IEEE float32, not rounded to tf32 (Triton's
     default for a float32 dot): the kernel equals torch's float32 attention within
-    float32 rounding, far below tf32's 10 mantissa bits (about 1e-3 relative)."""
+    float32 rounding, far below tf32's 10 mantissa bits (about 4e-4 relative)."""
     from ostinato.engine.kernels.paged_attention import paged_attention
 
     batch = mixed_batch(heads, kv_heads, head_dim, torch.float32)

@@ -216,6 +216,20 @@ def test_early_attention_widens_its_first_tile_where_it_fits():
     assert tile(16, 3, 128) == tile(8, 64, 128) == (64, 4)
 
 
+def test_float32_attention_keeps_the_narrow_tile():
+    """The wide tiles are sized in bytes: float32 keys and values are twice a 16-bit
+    tile's, so a float32 early launch keeps ``BLOCK_N`` where bf16 widens."""
+    from ostinato.engine.kernels.attention_launch import BLOCK_N, launch_for
+
+    for splits, pairs in ((16, 3), (16, 6), (8, 64), (4, 128)):
+        wide = launch_for(splits, pairs, early=True, head_dim=64, itemsize=2)
+        narrow = launch_for(splits, pairs, early=True, head_dim=64, itemsize=4)
+        assert wide.block_n > BLOCK_N
+        assert narrow == launch_for(splits)
+    # 32-dim float32 heads hold what 64-dim 16-bit ones hold, and widen alike
+    assert launch_for(16, 3, early=True, head_dim=32, itemsize=4).block_n == 256
+
+
 def test_rope_epilogue_takes_power_of_two_heads_of_at_least_32_dims():
     from ostinato.engine.kernels.gemm_launch import rope_head_dim
 

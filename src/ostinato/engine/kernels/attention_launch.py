@@ -34,9 +34,13 @@ EARLY_TILE_MAX_SPLITS = 8
 FEW_PAIRS = 8
 FEW_PAIRS_TILE = 256
 FEW_PAIRS_WARPS = 8
-# Keys and values a warp holds at most in a wider tile: what the measured ones hold at 64
-# dims (64 registers a thread), so wider heads keep ``BLOCK_N`` rather than spill.
-TILE_ELEMENTS_PER_WARP = 4096
+# Bytes of keys and values a warp holds at most in a wider tile: what the measured ones
+# hold at 64 dims in 16 bits (64 registers a thread), so wider heads, and float32 ones,
+# keep ``BLOCK_N`` rather than spill. Float32 is why it counts bytes: on the H200
+# (``results/fused_h200/float32_attention``) 256 float32 keys in 8 warps took 10.3 µs at
+# SmolLM2's one row against 5.1 for 64 keys in 4, and they need 151 KB of shared memory,
+# more than GPUs other than Hopper's and Ampere's data-centre parts have.
+TILE_BYTES_PER_WARP = 8192
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:
@@ -71,29 +75,30 @@ class AttentionLaunch:
 
 
 def launch_for(
-    splits: int, pairs: int = 0, early: bool = False, head_dim: int = 0
+    splits: int, pairs: int = 0, early: bool = False, head_dim: int = 0, itemsize: int = 2
 ) -> AttentionLaunch:
     """The launch used where none is given for ``splits`` programs per (token, KV head)
     over ``pairs`` such pairs (0: unknown), ``early`` where keys are read before the PDL
-    wait, heads of ``head_dim`` (0: unknown). Unsplit: ``BLOCK_N`` keys per iteration,
-    ``UNSPLIT_WARPS`` warps, 3 stages. Split: ``SPLIT_WARPS`` warps and ``SPLIT_STAGES``
-    stages, ``BLOCK_N`` keys a tile, or with ``early`` a wider first tile where its keys
-    and values fit ``TILE_ELEMENTS_PER_WARP`` (``wide_tile_fits``): ``FEW_PAIRS_TILE``
-    keys in ``FEW_PAIRS_WARPS`` warps under ``FEW_PAIRS`` pairs, else ``EARLY_TILE`` at
-    ``EARLY_TILE_MAX_SPLITS`` splits or fewer. Deterministic in its arguments, so a
-    graph's launches repeat."""
+    wait, heads of ``head_dim`` (0: unknown) of ``itemsize`` bytes an element. Unsplit:
+    ``BLOCK_N`` keys per iteration, ``UNSPLIT_WARPS`` warps, 3 stages. Split:
+    ``SPLIT_WARPS`` warps and ``SPLIT_STAGES`` stages, ``BLOCK_N`` keys a tile, or with
+    ``early`` a wider first tile where its keys and values fit ``TILE_BYTES_PER_WARP``
+    (``wide_tile_fits``): ``FEW_PAIRS_TILE`` keys in ``FEW_PAIRS_WARPS`` warps under
+    ``FEW_PAIRS`` pairs, else ``EARLY_TILE`` at ``EARLY_TILE_MAX_SPLITS`` splits or fewer.
+    Deterministic in its arguments, so a graph's launches repeat."""
     if splits == 1:
         return AttentionLaunch(num_warps=UNSPLIT_WARPS)
     few = FEW_PAIRS_TILE, FEW_PAIRS_WARPS
-    if early and 0 < pairs < FEW_PAIRS and wide_tile_fits(*few, head_dim):
+    if early and 0 < pairs < FEW_PAIRS and wide_tile_fits(*few, head_dim, itemsize):
         return AttentionLaunch(*few, SPLIT_STAGES)
     fewer_splits = splits <= EARLY_TILE_MAX_SPLITS
-    if early and fewer_splits and wide_tile_fits(EARLY_TILE, SPLIT_WARPS, head_dim):
+    if early and fewer_splits and wide_tile_fits(EARLY_TILE, SPLIT_WARPS, head_dim, itemsize):
         return AttentionLaunch(EARLY_TILE, SPLIT_WARPS, SPLIT_STAGES)
     return AttentionLaunch(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
 
 
-def wide_tile_fits(block_n: int, warps: int, head_dim: int) -> bool:
-    """Whether a tile of ``block_n`` keys and values of ``head_dim`` is at most
-    ``TILE_ELEMENTS_PER_WARP`` elements a warp (False for an unknown ``head_dim``, 0)."""
-    return 0 < 2 * block_n * head_dim <= TILE_ELEMENTS_PER_WARP * warps
+def wide_tile_fits(block_n: int, warps: int, head_dim: int, itemsize: int = 2) -> bool:
+    """Whether a tile of ``block_n`` keys and values of ``head_dim`` elements of
+    ``itemsize`` bytes is at most ``TILE_BYTES_PER_WARP`` bytes a warp (False for an
+    unknown ``head_dim``, 0)."""
+    return 0 < 2 * block_n * head_dim * itemsize <= TILE_BYTES_PER_WARP * warps

@@ -91,11 +91,15 @@ def _softmax_start(GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _dot(a, b):
-    """``a @ b`` in the operands' own precision: float32 operands multiply in IEEE
-    float32, where Triton's default rounds them to tf32 (10 mantissa bits: a float32
-    model's greedy tokens would then hang on the tiles and splits of its batch)."""
+    """``a @ b`` to the operands' own precision. Float32 operands take three tf32
+    products (``tf32x3``: each operand split into a tf32 head and its remainder, the
+    remainders' product dropped): on the H200 within float32's error of a float64
+    reference (2e-7 relative against IEEE's 1.5e-7) and 1.2 to 2.4x faster than IEEE
+    products, which run on CUDA cores. Triton's default for float32, a single tf32
+    product (10 mantissa bits, 8.5e-4), made a float32 model's greedy tokens hang on the
+    tiles and splits of its batch."""
     if a.dtype.is_fp32():
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, input_precision="tf32x3")
     else:
         c = tl.dot(a, b)
     return c
@@ -318,7 +322,7 @@ def paged_attention(
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = _splits(splits or num_splits(n, kv_heads, q.device))
     early = pdl and new_keys > 0 and attention_launch.EARLY_KEYS
-    config = config or launch_for(splits, n * kv_heads, early, head_dim)
+    config = config or launch_for(splits, n * kv_heads, early, head_dim, k_cache.element_size())
     target, m, l_sum = _split_scratch(out, splits)
     so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))
     launch(

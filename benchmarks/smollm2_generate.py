@@ -99,7 +99,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     document = {
         "benchmark": "smollm2_generate",
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to bf16)",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to each row's dtype)",
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),

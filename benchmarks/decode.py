@@ -226,11 +226,12 @@ class DecodeSetup:
         self.tp = tp or TensorParallel()
         torch.manual_seed(cfg.seed)
         self.config = ModelConfig.from_hf(cfg.model)
+        self.max_len = cfg.kv_len + BLOCK
         with torch.device(device):
-            self.model = DecoderModel(self.config, self.tp).to(self.dtype).eval()
+            model = DecoderModel(self.config, self.tp, max_positions=self.max_len)
+            self.model = model.to(self.dtype).eval()
         c = self.config
         self.max_b = max(cfg.batch_sizes)
-        self.max_len = cfg.kv_len + BLOCK
         self.blocks_per_seq = ceil_div(self.max_len, BLOCK)
         self.cache = KVCache(
             c.num_layers,
@@ -290,9 +291,10 @@ class DecodeSetup:
         if kernels == self.model.kernels:
             return self.model
         with torch.device("meta"):
-            model = DecoderModel(self.config, self.tp, kernels)
+            model = DecoderModel(self.config, self.tp, kernels, self.max_len)
         model.load_state_dict(self.model.state_dict(), assign=True)
-        model.inv_freq = self.model.inv_freq  # not in the state dict
+        model.inv_freq = self.model.inv_freq  # neither is in the state dict
+        model.rope_table = self.model.rope_table
         if self.config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.eval()

@@ -21,8 +21,8 @@ drift shows as A against A.
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few]
-[--shape llama-1.5b|smollm2]``
+prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table]
+[--shape llama-1.5b|smollm2] [--profile]``
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ostinato.engine.kernels import (
     small_gemm,
 )
 from ostinato.engine.model import decoder
+from ostinato.engine.model.rope import rope_cos_sin
 from ostinato.engine.worker import gemm_tuning
 from ostinato.provenance import Provenance
 
@@ -90,6 +91,9 @@ class Rule:
     # library's. With early keys a program reads its first tile before its PDL wait, so
     # a wider tile moves more of its keys ahead of the wait.
     split_attention_tile: tuple[int, int] | None = None
+    # whether the model looks its steps' cos and sin up in its RoPE table (the
+    # default, ``DecoderModel(max_positions=...)``) or computes them each step
+    rope_table: bool = True
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -97,6 +101,12 @@ class Rule:
 _OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
+    # A step's cos and sin: one lookup in the model's table, or six kernels computing
+    # them (a cast, a product, a concatenation, cos, sin, rounding) as before the table.
+    "rope-table": (
+        Rule("cos and sin from the table"),
+        Rule("cos and sin computed each step", rope_table=False),
+    ),
     "steps": (
         Rule("8 MiB, K step 128", 8 * MiB, long_split_k=OFF, **_OLD),
         Rule("8 MiB, long splits step 256", 8 * MiB, long_split_k=512, **_OLD),
@@ -338,6 +348,13 @@ def _split_tile(block_n: int, warps: int) -> Callable[..., attention_launch.Atte
     return launch_for
 
 
+def _computed_rope(
+    model: decoder.DecoderModel, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderModel.rope`` without its table: computed each step."""
+    return rope_cos_sin(positions, model.inv_freq, dtype)
+
+
 def _trigger_first(pdl: bool) -> int:
     return launch.TRIGGER_THEN_WAIT if pdl else 0
 
@@ -380,6 +397,8 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((paged_attention, "pdl_arg", _trigger_first))
     if rule.split_attention_tile is not None:
         settings.append((paged_attention, "launch_for", _split_tile(*rule.split_attention_tile)))
+    if not rule.rope_table:
+        settings.append((decoder.DecoderModel, "rope", _computed_rope))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
     if rule.eight_split_steps is not None:
@@ -403,18 +422,25 @@ def applied(rule: Rule) -> Iterator[None]:
         yield
 
 
-def timings(model: dict, sizes: tuple[int, ...], rule: Rule) -> list[Timing]:
+def timings(model: dict, sizes: tuple[int, ...], rule: Rule, profile: bool = False) -> list[Timing]:
     """The default variant's step at ``sizes`` under ``rule``."""
-    return timings_under(model, sizes, rule.name, applied(rule))
+    return timings_under(model, sizes, rule.name, applied(rule), profile)
 
 
 def timings_under(
-    model: dict, sizes: tuple[int, ...], name: str, settings: contextlib.AbstractContextManager
+    model: dict,
+    sizes: tuple[int, ...],
+    name: str,
+    settings: contextlib.AbstractContextManager,
+    profile: bool = False,
 ) -> list[Timing]:
-    """The default variant's step at ``sizes`` built and timed inside ``settings``."""
+    """The default variant's step at ``sizes`` built and timed inside ``settings``; with
+    ``profile``, its kernels counted after the timing (``decode.run``). A profiler
+    session leaves later launches slower on the host (``benchmarks.profiler_effect``), so
+    with it every rule after the first is timed in that state."""
     with settings:
         cfg = decode.BenchConfig(model=model, batch_sizes=sizes, variants=(VARIANT,))
-        result = decode.run(cfg, torch.device("cuda"), log=lambda _: None, profile=True)
+        result = decode.run(cfg, torch.device("cuda"), log=lambda _: None, profile=profile)
     rows = [r for r in result.rows if r.variant == VARIANT]
     names = result.kernels_by_name
     return [
@@ -436,6 +462,11 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8,16")
     parser.add_argument("--shape", default="llama-1.5b")
     parser.add_argument("--rules", choices=sorted(RULES), default="steps")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="count each rule's kernels too (the profiler slows the rules timed after it)",
+    )
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     model = model_config(SMOLLM2_CONFIG if args.shape == "smollm2" else args.shape)
@@ -444,7 +475,7 @@ def main() -> int:
     doc["timings"] = []
     rules = RULES[args.rules]
     for rule in (*rules, rules[0]):
-        for t in timings(model, sizes, rule):
+        for t in timings(model, sizes, rule, args.profile):
             doc["timings"].append(asdict(t))
             piped = t.pipelined_ms or float("nan")
             print(f"{t.rule:32s} B={t.batch:3d} {t.step_ms:7.3f} ms (piped {piped:.3f}) "

@@ -360,3 +360,23 @@ def test_a_model_made_inside_a_cuda_device_context_keeps_its_rope_there():
         model = DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]))
     assert model.inv_freq.device.type == "cuda"
     assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_rope_table_on_cuda_holds_the_computed_cos_and_sin_bitwise(dtype):
+    # The table is made by CUDA's cos and sin over all positions at once; a step
+    # computing them for its own rows must get the same bits (any vectorised path).
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import SHAPES
+    from ostinato.engine.model.rope import rope_cos_sin
+
+    with torch.device("meta"):
+        model = DecoderModel(ModelConfig.from_hf(SHAPES["llama-1.5b"]), max_positions=131072)
+    model = model.to(dtype).to_empty(device=DEVICE)
+    assert model.rope_table.device.type == "cuda" and model.rope_table.dtype == dtype
+    positions = torch.cat((torch.arange(4096), torch.randint(0, 131072, (4096,))))
+    positions = positions.to(DEVICE)
+    got = model.rope(positions, dtype)
+    want = rope_cos_sin(positions, model.inv_freq, dtype)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

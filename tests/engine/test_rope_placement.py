@@ -106,3 +106,44 @@ def test_a_model_made_on_a_device_holds_drawn_weights_and_one_made_on_meta_is_un
     assert torch.equal(DecoderModel(config).embed_tokens.weight, table)  # seeded: one model
     with torch.device("meta"):
         assert DecoderModel(config).embed_tokens.weight.device.type == "meta"
+
+
+def test_the_rope_table_gives_each_position_the_computed_cos_and_sin_bitwise():
+    # One lookup a step instead of six kernels: the table must hold exactly what the
+    # step would compute, in the weights' dtype, made again when the model moves.
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import SHAPES
+    from ostinato.engine.model.rope import rope_cos_sin
+
+    config = ModelConfig.from_hf(SHAPES["tiny"])
+    with torch.device("meta"):
+        model = DecoderModel(config, max_positions=300)
+    assert model.rope_table is None  # nothing to compute on meta
+    model = model.to(torch.bfloat16).to_empty(device="cpu")
+    assert model.rope_table.shape == (300, 2, 1, config.head_dim)
+    positions = torch.tensor([0, 1, 7, 299, 123, 299, 5])
+    for dtype in (torch.bfloat16, torch.float32):  # float32: not the table's, computed
+        cos, sin = model.rope(positions, dtype)
+        want_cos, want_sin = rope_cos_sin(positions, model.inv_freq, dtype)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert cos.dtype == sin.dtype == dtype and cos.shape == (7, 1, config.head_dim)
+    # a padding row (-1) reads a row, whatever it holds, rather than failing
+    assert model.rope(torch.tensor([-1, 3]), torch.bfloat16)[0].shape[0] == 2
+    with pytest.raises(IndexError):  # past the bound: an error on the CPU, never a value
+        model.rope(torch.tensor([300]), torch.bfloat16)
+    direct = DecoderModel(config, max_positions=8)  # made on a device: the table at once
+    assert torch.equal(
+        direct.rope(torch.arange(8), torch.float32)[1],
+        rope_cos_sin(torch.arange(8), direct.inv_freq, torch.float32)[1],
+    )
+    with pytest.raises(ValueError, match="max_positions must be >= 1"):
+        DecoderModel(config, max_positions=0)
+
+
+def test_the_engine_model_holds_a_table_of_max_model_len_positions():
+    llm = LLM("tiny", device="cpu", dtype=torch.float32, max_model_len=48, progress=False)
+    assert llm.model.rope_table.shape[0] == 48
+    # generating up to the limit, every position stays within the table
+    out = llm.generate([[3] * 40], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(out[0].prompt_token_ids) + len(out[0].token_ids) == 48

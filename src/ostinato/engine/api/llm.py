@@ -436,7 +436,7 @@ class LLM:
         compiler: str | None,
         progress: bool,
     ) -> None:
-        weights_s = self._load_weights(source, dtype, seed)
+        weights_s = self._load_weights(source, dtype, seed, limits.max_model_len)
         c = self.config
         self.cache = KVCache(
             c.num_layers,
@@ -485,14 +485,17 @@ class LLM:
             background=self.background is not None,
         )
 
-    def _load_weights(self, source: ModelSource, dtype: torch.dtype, seed: int) -> float:
+    def _load_weights(
+        self, source: ModelSource, dtype: torch.dtype, seed: int, max_model_len: int
+    ) -> float:
         """Makes the model on the device and loads (or draws) its weights; seconds."""
         torch.manual_seed(seed)
         start = time.perf_counter()
         # Weights are made in place on the device, in their dtype: no CPU copy, no
         # float32 detour.
         with torch.device("meta"):
-            model = DecoderModel(self.config, self.parallel.tp, self.kernels.resolved(self.device))
+            kernels = self.kernels.resolved(self.device)
+            model = DecoderModel(self.config, self.parallel.tp, kernels, max_model_len)
         model = model.to(dtype).to_empty(device=self.device)
         if source.load is None:
             # Asked for (a preset, a config, or random_weights=True), so not a warning.

@@ -25,7 +25,7 @@ from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
 )
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
-from ostinato.engine.model.rope import apply_rope, rope_inv_freq
+from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
 
 
 class RMSNorm(nn.Module):
@@ -288,9 +288,19 @@ class DecoderModel(nn.Module):
         config: ModelConfig,
         tp: TensorParallel | None = None,
         kernels: KernelOptions | None = None,
+        max_positions: int | None = None,
     ) -> None:
+        """``max_positions``: a bound on every position the model will run at (the
+        engine's ``max_model_len``). With it, the cos and sin of each position are made
+        once, when the model reaches its device, and a step looks its rows up: one kernel
+        instead of six (cast, product, concatenation, cos, sin, rounding), equal bitwise.
+        Without it (or for another dtype than the weights'), each step computes them."""
         super().__init__()
         tp = tp or TensorParallel()
+        if max_positions is not None and max_positions < 1:
+            raise ValueError(f"DecoderModel: max_positions must be >= 1, got {max_positions}")
+        self.max_positions = max_positions
+        self.rope_table: torch.Tensor | None = None  # [max_positions, 2, 1, head_dim]
         self.config = config
         self.tp = tp
         # How its own kernels launch, one object every module that launches one reads
@@ -315,6 +325,8 @@ class DecoderModel(nn.Module):
         # On the device the model is made on (a ``torch.device`` context included).
         inv_freq = rope_inv_freq(config).to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if max_positions is not None and inv_freq.device.type != "meta":
+            self.rope_table = rope_table(inv_freq, max_positions, self.embed_tokens.weight.dtype)
 
     def _apply(self, fn: Any, recurse: bool = True) -> DecoderModel:
         # Module.to(dtype) would round the RoPE frequencies to bf16, which shifts the
@@ -324,6 +336,9 @@ class DecoderModel(nn.Module):
             # A conversion that makes new parameters (to_empty from meta) unties them.
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        if self.max_positions is not None and self.inv_freq.device.type != "meta":
+            dtype = self.embed_tokens.weight.dtype
+            self.rope_table = rope_table(self.inv_freq, self.max_positions, dtype)
         return self
 
     def reset_parameters(self) -> None:
@@ -382,10 +397,14 @@ class DecoderModel(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[n, 1, head_dim]`` in ``dtype`` for the rows at ``positions``
-        (angles in float32, as transformers computes them)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        (``rope.rope_cos_sin``'s values); from the table, strided views of one lookup,
+        where the model has one in ``dtype``. A padding row's position -1 reads the last
+        row there, a value nothing uses."""
+        table = self.rope_table
+        if table is None or table.dtype != dtype:
+            return rope_cos_sin(positions, self.inv_freq, dtype)
+        rows = table[positions]
+        return rows[:, 0], rows[:, 1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary for hidden-state rows, in the LM head's dtype

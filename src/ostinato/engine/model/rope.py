@@ -30,6 +30,24 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` ``[n, 1, head_dim]`` in ``dtype`` for ``positions`` (``[n]``): the
+    angles in float32, as transformers computes them, then rounded once."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_table(inv_freq: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[length, 2, 1, head_dim]``: ``rope_cos_sin`` of positions ``0 .. length - 1``
+    (the same ops elementwise, so equal bitwise), cos then sin, on ``inv_freq``'s
+    device."""
+    positions = torch.arange(length, device=inv_freq.device)
+    return torch.stack(rope_cos_sin(positions, inv_freq, dtype), dim=1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half convention (Llama / Qwen)."""
     half = x.shape[-1] // 2

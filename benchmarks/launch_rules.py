@@ -21,7 +21,7 @@ drift shows as A against A.
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table|resident-dot]
+prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table]
 [--shape llama-1.5b|smollm2] [--profile]``
 """
 
@@ -94,8 +94,6 @@ class Rule:
     # whether the model looks its steps' cos and sin up in its RoPE table (the
     # default, ``DecoderModel(max_positions=...)``) or computes them each step
     rope_table: bool = True
-    # the fewest rows that run resident products (``gemm_launch.RESIDENT_DOT_MIN_ROWS``)
-    resident_dot_min_rows: int = gemm_launch.RESIDENT_DOT_MIN_ROWS
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -105,13 +103,6 @@ _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
     # A step's cos and sin: one lookup in the model's table, or six kernels computing
     # them (a cast, a product, a concatenation, cos, sin, rounding) as before the table.
-    # Weights of at most 16 MiB held in registers before the PDL wait and multiplied on
-    # tensor cores after it, from 3 rows (one and two rows stay resident on CUDA cores),
-    # against the K loop there.
-    "resident-dot": (
-        Rule("K loop above 2 rows"),
-        Rule("resident products from 3 rows", resident_dot_min_rows=3),
-    ),
     "rope-table": (
         Rule("cos and sin from the table"),
         Rule("cos and sin computed each step", rope_table=False),
@@ -397,7 +388,6 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_launch, "RESIDENT_WIDE", rule.resident_wide),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
-        (gemm_launch, "RESIDENT_DOT_MIN_ROWS", rule.resident_dot_min_rows),
     ]
     changes: list[Change] = [_narrow_gate_up] if rule.narrow_gate_up else []
     if rule.attention_trigger_first == "merge":

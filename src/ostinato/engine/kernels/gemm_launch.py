@@ -48,16 +48,6 @@ RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
 # register file (33 MiB on the H200), so the next kernel could not load its own weight
 # while this one runs.
 RESIDENT_MAX_BYTES = 16 << 20
-# A *resident product* launch (``RESIDENT_DOT_N`` columns a program, a resident config of
-# that width): the weight tile of the program's K split (``K / split_k`` columns, padded
-# to a power of two) held in registers before the PDL wait as with ``RESIDENT_N``, but
-# multiplied on tensor cores (``tl.dot``, rows padded to 16) after it, so its cost does
-# not grow with the rows: for steps of ``RESIDENT_DOT_MIN_ROWS`` to ``MAX_ROWS`` rows.
-# A program holds at most ``RESIDENT_DOT_ELEMENTS`` weight elements (64 registers a
-# thread at 4 warps); its splits are the fewest powers of two that keep it there.
-RESIDENT_DOT_N = 16
-RESIDENT_DOT_ELEMENTS = 16384
-RESIDENT_DOT_MIN_ROWS = MAX_ROWS + 1  # not taken by default: see RESULTS.md
 
 
 @dataclass(frozen=True)
@@ -81,8 +71,7 @@ class GemmConfig:
 # tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
 # lack; 10 to 12 its gate/up shapes, which step 256 columns at a time; 13 to 18 its split
 # shapes with long splits (``k_step``); 19 its unsplit plain shape (``UNSPLIT_STAGES``);
-# 20 and 21 the resident shapes (``resident_config``); 22 to 25 the resident product
-# shapes (``resident_dot_config``).
+# 20 and 21 the resident shapes (``resident_config``).
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
@@ -100,7 +89,6 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1, num_stages=UNSPLIT_STAGES),
     GemmConfig(RESIDENT_N, 1, num_warps=4, resident=True),
     GemmConfig(RESIDENT_N, 1, num_warps=8, resident=True),
-    *(GemmConfig(RESIDENT_DOT_N, s, resident=True) for s in (1, 2, 4, 8)),
 )
 UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
@@ -179,37 +167,12 @@ def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0, rows: int = 1
     return CONFIGS.index(config) + 1
 
 
-def resident_dot_config(k: int, tiles: int = 1, weight_bytes: int = 0, rows: int = 1) -> int | None:
-    """The plan entry (1-based into ``CONFIGS``) of the resident product launch for
-    ``rows`` rows of a projection of ``weight_bytes`` over ``k`` columns whose programs
-    hold ``tiles`` tiles: the fewest splits that ``fits``; None under
-    ``RESIDENT_DOT_MIN_ROWS`` rows, over ``RESIDENT_MAX_BYTES``, or where none fits."""
-    if rows < RESIDENT_DOT_MIN_ROWS or weight_bytes > RESIDENT_MAX_BYTES:
-        return None
-    for config in CONFIGS:
-        if config.resident and config.block_n == RESIDENT_DOT_N and fits(config, rows, k, tiles):
-            return CONFIGS.index(config) + 1
-    return None
-
-
-def resident_dot_elements(config: GemmConfig, k: int, tiles: int = 1) -> int:
-    """Weight elements a resident product program of ``config`` holds: ``tiles`` tiles of
-    ``block_n`` rows over its split of ``k``, padded to a power of two."""
-    per = k_per_split(k, config.split_k, config.block_k)
-    return tiles * config.block_n * (1 << max(per - 1, 0).bit_length())
-
-
 def fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
     """Whether ``config`` may run a projection of ``rows`` rows over ``k`` columns whose
     programs hold ``tiles`` tiles: a resident one only up to ``RESIDENT_MAX_ROWS`` rows
-    and ``RESIDENT_ELEMENTS`` weight elements, a resident product one up to ``MAX_ROWS``
-    rows and ``RESIDENT_DOT_ELEMENTS`` with a working program in every split; any other
-    always."""
+    and ``RESIDENT_ELEMENTS`` weight elements; any other always."""
     if not config.resident:
         return True
-    if config.block_n == RESIDENT_DOT_N:
-        held = resident_dot_elements(config, k, tiles) <= RESIDENT_DOT_ELEMENTS
-        return rows <= MAX_ROWS and held and working_splits(k, config.split_k) == config.split_k
     return rows <= RESIDENT_MAX_ROWS and resident_elements(k, tiles) <= RESIDENT_ELEMENTS
 
 
@@ -239,12 +202,10 @@ def rope_config(
 ) -> GemmConfig:  # fmt: skip
     """The ROPE_KV launch of a QKV projection of ``heads`` heads of ``d`` over ``k``
     columns (``weight_bytes`` in all): resident at ``rows`` up to ``RESIDENT_MAX_ROWS``
-    where ``resident_config`` takes its two half-head tiles, or above where
-    ``resident_dot_config`` does (neither with ``head_norms``, which need a program per
-    head), else a program per head in ``rope_split_k`` splits."""
-    choice = resident_config(k, 2, weight_bytes, rows) or resident_dot_config(
-        k, 2, weight_bytes, rows
-    )
+    where ``resident_config`` takes its two half-head tiles (not with ``head_norms``,
+    which need a program per head), else a program per head in ``rope_split_k``
+    splits."""
+    choice = resident_config(k, 2, weight_bytes, rows)
     if choice is not None and not head_norms:
         return CONFIGS[choice - 1]
     split = rope_split_k(heads, k, sms)

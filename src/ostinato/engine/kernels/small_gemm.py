@@ -313,49 +313,6 @@ def _resident_weights(
 
 
 @triton.jit
-def _resident_dot_weights(
-    w_ptr, nw_ptr, rn, N, k_lo, k_hi, OFF2, stride_wn, NORM: tl.constexpr, TWO: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """A resident product program's weight rows ``rn`` (and ``rn + OFF2`` with ``TWO``)
-    over its split ``k_lo..k_hi``, as the product's ``[BLOCK_K, BLOCK_N]`` operand, and
-    the norm weight there: loaded before the PDL wait."""
-    ks = k_lo + tl.arange(0, BLOCK_K)
-    mask = (rn[None, :] < N) & (ks[:, None] < k_hi)
-    ptrs = w_ptr + rn[None, :] * stride_wn + ks[:, None]
-    w = tl.load(ptrs, mask=mask, other=0.0)
-    w2 = w
-    if TWO:
-        w2 = tl.load(ptrs + OFF2 * stride_wn, mask=mask, other=0.0)
-    nw = ks
-    if NORM:
-        nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0)
-    return w, w2, nw
-
-
-@triton.jit
-def _resident_dot_tile(
-    x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, k_lo, k_hi, M, stride_xm, stride_rm, stride_tm,
-    writer, NORM: tl.constexpr, ADD: tl.constexpr, STORE_TOTAL: tl.constexpr,
-    TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Float32 ``rows @ w`` (and ``@ w2`` with ``TWO``) of the weight tiles a resident
-    product program holds, over its split: one ``tl.dot`` each."""
-    rm = tl.arange(0, BLOCK_M)
-    ks = k_lo + tl.arange(0, BLOCK_K)
-    mask = (rm[:, None] < M) & (ks[None, :] < k_hi)
-    x = _x_tile(
-        x_ptr, r_ptr, total_ptr, nw, rstd, rm, ks, mask, stride_xm, stride_rm, stride_tm,
-        writer, NORM, ADD, STORE_TOTAL,
-    )  # fmt: skip
-    acc = tl.dot(x, w)
-    acc2 = acc
-    if TWO:
-        acc2 = tl.dot(x, w2)
-    return acc, acc2
-
-
-@triton.jit
 def _resident_tile(
     x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
     writer, NORM: tl.constexpr, ADD: tl.constexpr, STORE_TOTAL: tl.constexpr,
@@ -426,7 +383,6 @@ def _gemm_kernel(
     RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
-    DOT_RESIDENT: tl.constexpr = RESIDENT and BLOCK_N >= 16  # else products on CUDA cores
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     tile = pid_n // SUB  # SUB programs share a TILE_STRIDE (a resident ROPE_KV's head)
@@ -435,11 +391,7 @@ def _gemm_kernel(
     rn = tile * TILE_STRIDE + c0 + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
-    if DOT_RESIDENT:  # the split's weight tile into registers before the wait
-        w, w2, nw = _resident_dot_weights(
-            w_ptr, nw_ptr, rn, N, k_lo, k_hi, OFF2, stride_wn, NORM, TWO, BLOCK_K
-        )
-    elif RESIDENT:  # the whole weight tile into registers before the wait (BLOCK_K >= K)
+    if RESIDENT:  # the whole weight tile into registers before the wait (BLOCK_K >= K)
         w, w2, nw = _resident_weights(w_ptr, nw_ptr, rn, N, K, OFF2, stride_wn, NORM, TWO, BLOCK_K)
     elif USE_PDL:
         # Before the wait: start this program's weight read (rows and columns clamped
@@ -466,12 +418,7 @@ def _gemm_kernel(
         tile, c0, Q_HEADS, KV_HEADS, HAS_BIAS, TWO, EPILOGUE, STATS_OUT, BLOCK_M, BLOCK_N,
         HALF,
     )  # fmt: skip
-    if DOT_RESIDENT:
-        acc, acc2 = _resident_dot_tile(
-            x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, k_lo, k_hi, M, stride_xm, stride_rm,
-            stride_tm, writer, NORM, ADD, STATS_IN and ADD, TWO, BLOCK_M, BLOCK_K,
-        )  # fmt: skip
-    elif RESIDENT:
+    if RESIDENT:
         acc, acc2 = _resident_tile(
             x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
             writer, NORM, ADD, STATS_IN and ADD, TWO, BLOCK_M, BLOCK_K,
@@ -688,15 +635,6 @@ def _programs(
     return sub, triton.cdiv(n, tile_stride) * sub
 
 
-def _block_k(config: GemmConfig, k: int, k_per: int) -> int:
-    """K columns a program of ``config`` takes at once: the K loop's step; a resident
-    program's whole K (products on CUDA cores) or whole split (``tl.dot``), padded to a
-    power of two."""
-    if not config.resident:
-        return config.block_k
-    return triton.next_power_of_2(k if config.block_n < 16 else k_per)
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -726,8 +664,6 @@ def _launch(
     if after is not None:
         res = after.residual
     tensors, ints, eps = _rope_args(x, rope, norm.eps if norm is not None else 0.0)
-    k_per = k_per_split(k, split_k, config.block_k)
-    cuda_cores = config.resident and block_n < 16  # a resident tile below tl.dot's width
     # A resident program lets the next kernel launch before its own wait: the next
     # one's weights then load while this one waits (benchmarks.resident_gemv).
     use_pdl = TRIGGER_THEN_WAIT if pdl and config.resident else pdl_arg(pdl)
@@ -737,7 +673,7 @@ def _launch(
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
         counters, *tensors, stats,
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
-        n_pad, k_per, tile_stride, off2, eps, *ints,
+        n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, *ints,
         stats_t,
         NORM=norm is not None,
         ADD=norm is not None and norm.residual is not None,
@@ -749,9 +685,9 @@ def _launch(
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         QK_NORM=rope is not None and rope.q_norm is not None,
-        BLOCK_M=triton.next_power_of_2(m) if cuda_cores else MAX_ROWS,
+        BLOCK_M=triton.next_power_of_2(m) if config.resident else MAX_ROWS,
         BLOCK_N=block_n,
-        BLOCK_K=_block_k(config, k, k_per),
+        BLOCK_K=triton.next_power_of_2(k) if config.resident else config.block_k,
         NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         SPLIT_K=split_k,
         PREFETCH_K=PREFETCH_K,

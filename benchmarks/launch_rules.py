@@ -101,8 +101,8 @@ class Rule:
 _OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
-    # A step's cos and sin: one lookup in the model's table, or six kernels computing
-    # them (a cast, a product, a concatenation, cos, sin, rounding) as before the table.
+    # A step's cos and sin: one lookup in the model's table, or seven kernels computing
+    # them (a cast, a product, a concatenation, cos, sin, two roundings) as before the table.
     "rope-table": (
         Rule("cos and sin from the table"),
         Rule("cos and sin computed each step", rope_table=False),

@@ -68,3 +68,16 @@ def test_the_graph_reserve_is_checked_against_what_capture_took(caplog):
     assert over.over and "over-committed by 30 MiB" in over.summary()
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "130 MiB of pool; 100 MiB were reserved" in warned[0].message
+
+
+def test_the_plan_counts_the_rope_table_the_model_holds_with_its_weights():
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.worker.memory import rope_table_bytes, weight_bytes
+
+    config = ModelConfig.from_hf(shape("tiny"))
+    model = DecoderModel(config, max_positions=300).to(torch.bfloat16)
+    held = model.rope_table.numel() * model.rope_table.element_size()
+    assert rope_table_bytes(config, 300, torch.bfloat16) == held
+    big = ModelConfig.from_hf(shape("llama-1.5b"))
+    table = rope_table_bytes(big, 4096, torch.bfloat16)
+    assert plan(1).weights == weight_bytes(big, torch.bfloat16) + table

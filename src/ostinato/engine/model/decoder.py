@@ -293,7 +293,8 @@ class DecoderModel(nn.Module):
         """``max_positions``: a bound on every position the model will run at (the
         engine's ``max_model_len``). With it, the cos and sin of each position are made
         once, when the model reaches its device, and a step looks its rows up: one kernel
-        instead of six (cast, product, concatenation, cos, sin, rounding), equal bitwise.
+        instead of seven (cast, product, concatenation, cos, sin, two roundings), equal
+        bitwise.
         Without it (or for another dtype than the weights'), each step computes them."""
         super().__init__()
         tp = tp or TensorParallel()

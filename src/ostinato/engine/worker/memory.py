@@ -56,6 +56,12 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel | N
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
+def rope_table_bytes(config: ModelConfig, max_model_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the RoPE table a model of ``max_model_len`` positions holds
+    (``DecoderModel(max_positions=...)``: cos and sin of each, in ``dtype``)."""
+    return max_model_len * 2 * config.head_dim * dtype.itemsize
+
+
 def kv_block_bytes(
     config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
 ) -> int:
@@ -128,7 +134,9 @@ def plan_memory(
     """
     budget = int(utilization * total) - (total - free)
     tp = tp or TensorParallel()
-    weights = weight_bytes(config, dtype, tp)
+    weights = weight_bytes(config, dtype, tp) + rope_table_bytes(
+        config, limits.max_model_len, dtype
+    )
     logit_rows = limits.max_num_seqs * decode_query_len
     acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)

@@ -326,8 +326,7 @@ class DecoderModel(nn.Module):
         # On the device the model is made on (a ``torch.device`` context included).
         inv_freq = rope_inv_freq(config).to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        if max_positions is not None and inv_freq.device.type != "meta":
-            self.rope_table = rope_table(inv_freq, max_positions, self.embed_tokens.weight.dtype)
+        self.rope_table = self._rope_table()
 
     def _apply(self, fn: Any, recurse: bool = True) -> DecoderModel:
         # Module.to(dtype) would round the RoPE frequencies to bf16, which shifts the
@@ -337,10 +336,15 @@ class DecoderModel(nn.Module):
             # A conversion that makes new parameters (to_empty from meta) unties them.
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
-        if self.max_positions is not None and self.inv_freq.device.type != "meta":
-            dtype = self.embed_tokens.weight.dtype
-            self.rope_table = rope_table(self.inv_freq, self.max_positions, dtype)
+        self.rope_table = self._rope_table()
         return self
+
+    def _rope_table(self) -> torch.Tensor | None:
+        """The RoPE table of ``max_positions`` positions, in the weights' dtype, where the
+        frequencies are; None without a bound, or on meta (nothing to compute)."""
+        if self.max_positions is None or self.inv_freq.device.type == "meta":
+            return None
+        return rope_table(self.inv_freq, self.max_positions, self.embed_tokens.weight.dtype)
 
     def reset_parameters(self) -> None:
         """Draws every parameter anew, in place (on whatever device and dtype they are),

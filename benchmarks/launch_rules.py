@@ -13,7 +13,8 @@ wait (``launch.TRIGGER_FIRST``), and which projections of one row run resident
 older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projections'
 splits, and whether attention's kernels let the next launch before their PDL wait, and
 attention's most splits and its key tile where keys are split, and above how many
-weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``). Each
+weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``), and
+whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``). Each
 rule is set here between runs and restored; the first rule of a set runs again last, so
 drift shows as A against A.
 
@@ -21,7 +22,8 @@ drift shows as A against A.
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
-prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table]
+prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table|
+lm-head|lm-head-tiles]
 [--shape llama-1.5b|smollm2] [--profile]``
 """
 
@@ -94,6 +96,12 @@ class Rule:
     # whether the model looks its steps' cos and sin up in its RoPE table (the
     # default, ``DecoderModel(max_positions=...)``) or computes them each step
     rope_table: bool = True
+    # whether the LM head is planned too, so the final norm runs inside its kernel
+    # (``gemm_tuning.PLAN_LM_HEAD``), or stays on cuBLAS after a norm kernel
+    plan_lm_head: bool = gemm_tuning.PLAN_LM_HEAD
+    # (columns, warps, K step) of the LM head's unsplit tile where the rule names 64
+    # columns in 8 warps, or None
+    lm_head_tile: tuple[int, int, int] | None = None
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -101,6 +109,23 @@ class Rule:
 _OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
+    # The final norm inside the LM head's kernel (the LM head planned where its weight is
+    # at most 64 MiB: SmolLM2's), or a norm kernel then cuBLAS as before; and the 1.5 B
+    # shape's LM head (501 MiB) planned too.
+    "lm-head": (
+        Rule("final norm in the LM head", plan_lm_head=True),
+        Rule("norm kernel, cuBLAS LM head", plan_lm_head=False),
+        Rule("final norm in any LM head", weight_bytes=OFF, plan_lm_head=True),
+    ),
+    # The planned LM head (SmolLM2's 49152 columns over K = 576) in other tiles, against
+    # cuBLAS after a norm kernel.
+    "lm-head-tiles": (
+        Rule("norm kernel, cuBLAS LM head", plan_lm_head=False),
+        Rule("LM head 64 wide, 8 warps, K 128", plan_lm_head=True),
+        Rule("LM head 64 wide, 8 warps, K 64", plan_lm_head=True, lm_head_tile=(64, 8, 64)),
+        Rule("LM head 128 wide, 8 warps, K 64", plan_lm_head=True, lm_head_tile=(128, 8, 64)),
+        Rule("LM head 32 wide, 4 warps, K 64", plan_lm_head=True, lm_head_tile=(32, 4, 64)),
+    ),
     # A step's cos and sin: one lookup in the model's table, or seven kernels computing
     # them (a cast, a product, a concatenation, cos, sin, two roundings) as before the table.
     "rope-table": (
@@ -321,6 +346,24 @@ def _eight_split_steps(block_k: int, stages: int) -> Change:
     return change
 
 
+def _lm_head_tile(tile: gemm_launch.GemmConfig) -> Change:
+    """``tile`` where the rule names an unsplit 64-column tile in 8 warps for a plain
+    projection (the LM head)."""
+
+    def change(c: gemm_launch.GemmConfig, k: int, swiglu: bool) -> gemm_launch.GemmConfig | None:
+        wide = (c.block_n, c.split_k, c.num_warps) == (64, 1, 8)
+        return tile if wide and not swiglu and not c.resident else None
+
+    return change
+
+
+def _with_configs(settings: list, extra: tuple[gemm_launch.GemmConfig, ...]) -> None:
+    """``settings`` extended to make ``extra`` launch shapes the GEMM's configs too."""
+    configs = gemm_launch.CONFIGS + tuple(c for c in extra if c not in gemm_launch.CONFIGS)
+    settings.append((gemm_launch, "CONFIGS", configs))
+    settings.append((small_gemm, "CONFIGS", configs))
+
+
 def _repick(pick: Callable[..., int], changes: list[Change]) -> Callable[..., int]:
     """``pick`` (``gemm_launch.pick_config``) with each of ``changes`` applied in turn to
     the config it names (a change returning None leaves it), as an index into
@@ -388,6 +431,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (gemm_launch, "RESIDENT_WIDE", rule.resident_wide),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
+        (gemm_tuning, "PLAN_LM_HEAD", rule.plan_lm_head),
     ]
     changes: list[Change] = [_narrow_gate_up] if rule.narrow_gate_up else []
     if rule.attention_trigger_first == "merge":
@@ -408,10 +452,13 @@ def applied(rule: Rule) -> Iterator[None]:
             for c in gemm_launch.CONFIGS
             if c.split_k == 8 and not c.resident
         )
-        configs = gemm_launch.CONFIGS + tuple(c for c in extra if c not in gemm_launch.CONFIGS)
-        settings.append((gemm_launch, "CONFIGS", configs))
-        settings.append((small_gemm, "CONFIGS", configs))
+        _with_configs(settings, extra)
         changes.append(_eight_split_steps(block_k, stages))
+    if rule.lm_head_tile is not None:
+        n, warps, block_k = rule.lm_head_tile
+        tile = gemm_launch.GemmConfig(n, 1, num_warps=warps, block_k=block_k)
+        _with_configs(settings, (tile,))
+        changes.append(_lm_head_tile(tile))
     if rule.resplit is not None:
         changes.append(_resplit(*rule.resplit))
     if changes:

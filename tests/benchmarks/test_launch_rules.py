@@ -25,3 +25,18 @@ def test_the_rope_rule_computes_cos_and_sin_each_step_and_restores_the_table():
     assert model.rope(positions, torch.float32)[0].stride(0) == looked_up[0].stride(0)
     with applied(Rule("defaults")):
         assert model.rope(positions, torch.float32)[0].stride(0) == looked_up[0].stride(0)
+
+
+def test_the_lm_head_rules_set_the_plan_and_the_size_bound_and_restore_them():
+    from ostinato.engine.worker import gemm_tuning
+
+    planned, apart, any_size = RULES["lm-head"]
+    defaults = (gemm_tuning.PLAN_LM_HEAD, gemm_tuning.SMALL_WEIGHT_BYTES)
+    with applied(apart):
+        assert not gemm_tuning.PLAN_LM_HEAD
+    with applied(any_size):
+        assert gemm_tuning.PLAN_LM_HEAD and gemm_tuning.SMALL_WEIGHT_BYTES > 501 << 20
+    with applied(planned):
+        assert gemm_tuning.PLAN_LM_HEAD
+        assert gemm_tuning.SMALL_WEIGHT_BYTES == defaults[1]
+    assert (gemm_tuning.PLAN_LM_HEAD, gemm_tuning.SMALL_WEIGHT_BYTES) == defaults

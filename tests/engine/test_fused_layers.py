@@ -110,6 +110,26 @@ def test_compiled_layers_run_unfused_and_the_eager_model_fused(compiler):
     assert norms.call_count == (0 if compiler else layers), norms.call_count
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fused_decode_step_runs_the_final_norm_inside_the_lm_heads_op(fused):
+    # DecoderModel.logits: with fused layers every norm of a decode step, the final one
+    # included, is inside the op of the projection after it (on CUDA, its kernel).
+    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
+    setup = DecodeSetup(cfg, torch.device("cpu"))
+    step = setup.decode_batch([3, 5, 7, 11])
+    runner = setup.runner(GraphMode.NONE, None, TorchAttention(), KernelOptions(fused_layers=fused))
+    add = decoder.RMSNorm.add
+    with (
+        mock.patch.object(decoder.RMSNorm, "add", autospec=True, side_effect=add) as adds,
+        torch.inference_mode(),
+    ):
+        runner.compile()
+        runner.execute(step)
+    runner.release()
+    layers = len(runner.model.layers)
+    assert adds.call_count == (0 if fused else 2 * layers), adds.call_count
+
+
 @pytest.mark.parametrize(
     "mode", [GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL, GraphMode.PIECEWISE, GraphMode.NONE]
 )
@@ -130,24 +150,28 @@ def test_a_step_runs_the_eager_model_exactly_where_its_full_graph_takes_fused_ke
 
 
 def test_the_fused_ops_refuse_a_mismatched_residual():
-    from ostinato.engine.model.fused_ops import norm_swiglu
+    from ostinato.engine.model.fused_ops import norm_linear
 
     x, w = torch.randn(3, 8), torch.randn(12, 8)
     with pytest.raises(ValueError, match="must match"):
-        norm_swiglu(x, torch.randn(3, 4), torch.ones(8), 1e-6, w, torch.zeros(0), [])
+        norm_linear(x, torch.randn(3, 4), torch.ones(8), 1e-6, w, torch.zeros(0), [], True)
 
 
-def test_the_swiglu_op_compiled_equals_it_eager():
-    # The compiled model no longer calls the fused ops, but they stay traceable: their
+@pytest.mark.parametrize("swiglu, residual", [(True, True), (False, True), (False, False)])
+def test_the_norm_linear_op_compiled_equals_it_eager(swiglu, residual):
+    # The compiled model does not call the fused ops, but they stay traceable: their
     # fake implementations must describe the real outputs for compiled callers.
     def f(x, residual, norm_weight, weight):
-        out, total = torch.ops.ostinato.norm_swiglu(
-            x, residual, norm_weight, 1e-6, weight, torch.zeros(0, dtype=torch.int32), []
-        )
+        out, total = torch.ops.ostinato.norm_linear(
+            x, residual, norm_weight, 1e-6, weight, torch.zeros(0, dtype=torch.int32), [],
+            swiglu,
+        )  # fmt: skip
         return out * 2, total + 1
 
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(shape, generator=g) for shape in ((5, 16), (5, 16), (16,), (24, 16))]
+    if not residual:
+        args[1] = None
     want = f(*args)
     # A fresh cache: Inductor's on-disk cache keys do not cover the fake implementation.
     with fresh_inductor_cache():

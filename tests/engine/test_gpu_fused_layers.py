@@ -69,6 +69,41 @@ def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m, resident):
     assert counters.count_nonzero() == 0  # left zero for the next call or replay
 
 
+# (hidden, vocabulary): random with a last partial tile, SmolLM2-135M, Llama-3.2-1B
+HEADS = [(256, 1000), (576, 49152), (2048, 128256)]
+
+
+@pytest.mark.parametrize("hidden, vocab", HEADS)
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("stats", [False, True])
+def test_final_norm_lm_head_kernel_matches_the_unfused_ops(hidden, vocab, m, stats):
+    # DecoderModel.logits' one kernel: the final norm of x + residual in the LM head's
+    # prologue, in the launch the default plan names, its sums of squares from the
+    # last layer's row statistics (``stats``) or its own pass over the rows.
+    from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.worker.gemm_tuning import _default_plan
+
+    torch.manual_seed(m)
+    x, residual = _rows(m, hidden, True)
+    norm_w = 1 + 0.1 * torch.randn(hidden, **BF)
+    w = torch.randn(vocab, hidden, **BF) / hidden**0.5
+    counters = torch.zeros(tg.counters_needed(vocab), dtype=torch.int32, device=DEVICE)
+    total = torch.empty_like(x)
+    sums = None
+    if stats:
+        g = tg.stats_granule(m)
+        padded = F.pad((x + residual).float(), (0, tg.stats_columns(hidden, m) * g - hidden))
+        sums = torch.zeros(tg.MAX_ROWS, tg.stats_columns(hidden), device=DEVICE)
+        sums.view(-1)[: padded.numel() // g].copy_(padded.square().view(-1, g).sum(-1))
+    config = tg.CONFIGS[_default_plan(w, False)[m] - 1]
+    prologue = tg.NormPrologue(norm_w, 1e-5, residual, total, sums)
+    got = tg.small_gemm(x, w, None, counters, config, False, True, prologue)
+    h, want_total = _reference_norm(x, residual, norm_w, 1e-5)
+    assert torch.equal(total, want_total)
+    assert rel_err(got, F.linear(h, w)) < 1e-2
+    assert counters.count_nonzero() == 0
+
+
 def _qkv_case(shape, m, qk_norm, bias, seed=0):
     torch.manual_seed(seed)
     hidden, heads, kv_heads, d, _ = shape
@@ -236,6 +271,39 @@ def test_a_fused_decode_layer_is_at_most_six_kernels(batch):
     per_layer = [k.name.lower() for k in census.by_name if k.per_step >= layers]
     cublas = [n for n in per_layer if "nvjet" in n or "cublas" in n or "gemm" in n]
     assert cublas == ["_gemm_kernel"], names
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_planned_lm_head_takes_the_final_norm_into_its_kernel(batch):
+    # ``DecoderModel.logits`` in the decode graph (FULL_DECODE_ONLY: the LM head inside
+    # it): with the LM head planned, no norm kernel of its own; replayed, the eager
+    # step's bits; against the norm kernel and cuBLAS, a bf16 tolerance.
+    from unittest import mock
+
+    from benchmarks.census import kernel_census
+    from ostinato.engine.worker import gemm_tuning
+    from ostinato.modes import GraphMode
+
+    setup = _smollm2_setup(batch_sizes=(batch,))
+    step = setup.decode_batch(list(range(3, 3 + batch)))
+    logits, names = [], []
+    runs = ((GraphMode.NONE, True), (GraphMode.FULL_DECODE_ONLY, True))
+    for mode, planned in (*runs, (GraphMode.FULL_DECODE_ONLY, False)):
+        with mock.patch.object(gemm_tuning, "PLAN_LM_HEAD", planned):
+            runner = setup.runner(mode, None)
+            with torch.inference_mode():
+                runner.capture()
+                assert any(runner.model.lm_head.plan) == planned
+                logits.append(runner.execute(step).logits.clone())
+                if mode is GraphMode.FULL_DECODE_ONLY:
+                    census = kernel_census(setup.decode_step(runner, batch))
+                    names.append([k.name for k in census.by_name])
+        runner.model.lm_head.use_plan((), 0, False)  # the weights' model is shared
+        runner.release()
+    assert torch.equal(logits[0], logits[1])
+    assert rel_err(logits[1], logits[2]) < 1e-2
+    assert not [n for n in names[0] if "norm" in n.lower()], names[0]
+    assert [n for n in names[1] if "norm" in n.lower()], names[1]
 
 
 def test_engine_greedy_tokens_with_and_without_fused_layers_agree():

@@ -217,12 +217,12 @@ class Mlp(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
         """(``forward(norm(x + residual))``, ``x + residual``, the row statistics of their
         sum or None), the norm (from ``stats`` where ready), the gate/up projection and
-        SiLU·mul as one op (``ostinato::norm_swiglu``); with ``row_stats`` the down
+        SiLU·mul as one op (``ostinato::norm_linear``); with ``row_stats`` the down
         projection stores the statistics for the next norm."""
         gate_up = self.gate_up_proj
-        act, total = torch.ops.ostinato.norm_swiglu(
+        act, total = torch.ops.ostinato.norm_linear(
             x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.counters,
-            list(gate_up.plan), self.kernels.pdl, *RowStats.args(stats),
+            list(gate_up.plan), True, self.kernels.pdl, *RowStats.args(stats),
         )  # fmt: skip
         if not self.row_stats:
             return self.tp.all_reduce(self.down_proj(act)), total, None
@@ -391,12 +391,35 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states; ``num_layers`` runs only the first layers (a
         self-draft: the truncated model with the same final norm and LM head)."""
+        x, residual, _ = self._layers(input_ids, positions, num_layers)
+        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(forward(input_ids, positions))``: the logits of every row.
+        With fused layers the final norm and the LM head are one op
+        (``ostinato::norm_linear``), one kernel where the LM head's plan runs the Triton
+        GEMM for these rows, its norm from the last layer's row statistics where ready."""
+        if not self.kernels.fused_layers:
+            return self.compute_logits(self(input_ids, positions))
+        x, residual, stats = self._layers(input_ids, positions, None)
+        head, norm = self.lm_head, self.norm
+        y, _ = torch.ops.ostinato.norm_linear(
+            x, residual, norm.weight, norm.eps, head.weight, head.counters, list(head.plan),
+            False, self.kernels.pdl, *RowStats.args(stats),
+        )  # fmt: skip
+        return all_gather_last_dim(y, self.tp.group)
+
+    def _layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
+        """The first ``num_layers`` layers (all with None): the last one's output, the
+        residual sum before it (None with no layer run) and its row statistics."""
         x = self.embed(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         residual, stats = None, None
         for layer in self.layers[:num_layers]:
             x, residual, stats = layer(x, residual, cos, sin, stats)
-        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
+        return x, residual, stats
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -7,8 +7,9 @@
   ``layer`` argument would make every layer's piece a graph of its own. The compiled
   model does not call it (``DecoderLayer.forward``): eagerly between the graphs, its
   unfused norm and projection would cost every prefill their launches.
-- ``ostinato::norm_swiglu``: the post-attention RMSNorm (with the residual add), the
-  gate/up projection and SiLU·mul. Returns the activation and the residual sum.
+- ``ostinato::norm_linear``: an RMSNorm (with the residual add) and the projection after
+  it: with ``swiglu`` the post-attention norm, the gate/up projection and SiLU·mul;
+  without, the final norm and the LM head. Returns the output and the residual sum.
 
 With ``stats`` each takes the norm's sums of squares from the row statistics of
 ``x + residual`` that the projection before it stored (``Linear.forward_stats``), where
@@ -16,7 +17,7 @@ that projection's plan (``stats_plan``) ran the kernel for these rows
 (``linear.kernel_rows``, the one predicate of both sides), instead of from a pass over
 the rows before its K loop.
 
-Each is one kernel (``small_gemm``'s NORM prologue with its ROPE_KV or SWIGLU epilogue)
+Each is one kernel (``small_gemm``'s NORM prologue with its ROPE_KV, SWIGLU or PLAIN epilogue)
 where that kernel can run: on CUDA, 16-bit weights, at most ``MAX_ROWS`` rows, a plan
 entry for that row count (``Linear.use_plan``: the runner gives one to every projection
 of a fused model), and for ``norm_qkv`` the Triton attention backend's cache layout.
@@ -45,9 +46,9 @@ _lib.define(
     "Tensor(b!) total_out, bool pdl=False, Tensor? stats=None, int[] stats_plan=[]) -> ()"
 )
 _lib.define(
-    "norm_swiglu(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
-    "Tensor counters, int[] plan, bool pdl=False, Tensor? stats=None, int[] stats_plan=[]) "
-    "-> (Tensor, Tensor)"
+    "norm_linear(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
+    "Tensor counters, int[] plan, bool swiglu, bool pdl=False, Tensor? stats=None, "
+    "int[] stats_plan=[]) -> (Tensor, Tensor)"
 )
 
 
@@ -178,20 +179,21 @@ def norm_qkv(
     backend.write_kv(k, v, k_cache, v_cache, slots, rope)
 
 
-def norm_swiglu(
+def norm_linear(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     counters: torch.Tensor,
     plan: list[int],
+    swiglu: bool,
     pdl: bool = False,
     stats: torch.Tensor | None = None,
     stats_plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``silu(g) * u`` of the projection ``[g | u]`` of ``rms_norm(x + residual)``,
-    ``x + residual``)."""
+    """(the projection of ``rms_norm(x + residual)``, with ``swiglu`` ``silu(g) * u`` of
+    its halves ``[g | u]``; ``x + residual``, empty without a residual)."""
     choice = kernel_rows(x, weight, plan)
     if choice:
         from ostinato.engine.kernels import small_gemm as triton_gemm
@@ -199,14 +201,18 @@ def norm_swiglu(
         ready = _ready_stats(x, weight, stats, stats_plan or [])
         prologue, total = _norm_prologue(x, residual, norm_weight, eps, stats=ready)
         config = triton_gemm.CONFIGS[choice - 1]
-        out = triton_gemm.small_gemm(x, weight, None, counters, config, True, pdl, prologue)
+        out = triton_gemm.small_gemm(x, weight, None, counters, config, swiglu, pdl, prologue)
         return out, total
-    h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
-    return torch.ops.ostinato.silu_mul(F.linear(h, weight), pdl), total
+    if residual is None:
+        h, total = torch.ops.ostinato.rms_norm(x, norm_weight, eps, pdl), x.new_empty(0)
+    else:
+        h, total = torch.ops.ostinato.add_rms_norm(x, residual, norm_weight, eps, pdl)
+    y = F.linear(h, weight)
+    return (torch.ops.ostinato.silu_mul(y, pdl) if swiglu else y), total
 
 
 _lib.impl("norm_qkv", norm_qkv, "CompositeExplicitAutograd")
-_lib.impl("norm_swiglu", norm_swiglu, "CompositeExplicitAutograd")
+_lib.impl("norm_linear", norm_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ostinato::norm_qkv", lib=_lib)
@@ -235,18 +241,20 @@ def _(
     return None
 
 
-@torch.library.register_fake("ostinato::norm_swiglu", lib=_lib)
+@torch.library.register_fake("ostinato::norm_linear", lib=_lib)
 def _(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     counters: torch.Tensor,
     plan: list[int],
+    swiglu: bool,
     pdl: bool = False,
     stats: torch.Tensor | None = None,
     stats_plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = x.new_empty((x.shape[0], weight.shape[0] // 2), dtype=weight.dtype)
-    return out, torch.empty_like(x)
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    out = x.new_empty((x.shape[0], n), dtype=weight.dtype)
+    return out, torch.empty_like(x) if residual is not None else x.new_empty(0)

@@ -152,6 +152,14 @@ def _plan_sizes(rows: Sequence[int]) -> list[int]:
 # 1.113 / 1.203 ms at B = 1 / 8 / 16 against 1.083 / 1.157 / 1.226 with cuBLAS above
 # 8 MiB (11 kernels a layer). Before the row statistics, six kernels were slower there.
 SMALL_WEIGHT_BYTES = 64 << 20
+# Whether the LM head, within that bound, is planned without a measurement too: the
+# decode graphs would then run the final norm inside its kernel (``DecoderModel.logits``,
+# as they do wherever a measured plan picks the Triton GEMM for the LM head). On the H200
+# (``launch_rules --rules lm-head``) SmolLM2's step took 0.419 against 0.411 ms at one
+# row, 0.694 against 0.690 at 8, with cuBLAS's LM head after the norm kernel; in the best
+# of four tiles (128 columns, 8 warps, K step 64; ``--rules lm-head-tiles``) 0.413
+# against 0.410 and 0.406.
+PLAN_LM_HEAD = False
 
 
 def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:

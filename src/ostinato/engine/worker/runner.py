@@ -30,6 +30,7 @@ from ostinato.engine.model.persistent import PersistentLayers
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
+from ostinato.engine.worker import gemm_tuning
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import GemmTiming, default_plans, plan_small_gemms
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
@@ -230,25 +231,22 @@ class ModelRunner:
         self, d: BatchDescriptor, ubatched: bool
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         n = d.num_tokens
-        ahead = self.decode_hook if d.uniform_decode else None
+        ids, positions = self.inputs.input_ids[:n], self.inputs.positions[:n]
+        if not d.uniform_decode:
+            if ubatched:
+                return self._run_static_ubatches(n)
+            return self._forward_for(d)(ids, positions)
+        ahead = self.decode_hook
         if ahead is not None:
             ahead.prepare(n)
         if ubatched:
-            hidden = self._run_static_ubatches(n)
+            logits = self.model.compute_logits(self._run_static_ubatches(n))
         else:
-            hidden = self._forward_for(d)(self.inputs.input_ids[:n], self.inputs.positions[:n])
-        if not d.uniform_decode:
-            return hidden
-        logits, greedy = self._decode_tail(hidden)
+            logits = self._logits_for(d)(ids, positions)
+        greedy = greedy_tokens(logits, self.kernels.pdl)
         if ahead is not None:
             ahead.accept(n, greedy)
         return logits, greedy
-
-    def _decode_tail(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The end of a uniform decode step (of its graphs): the logits of ``hidden``'s
-        rows and their greedy tokens."""
-        logits = self.model.compute_logits(hidden)
-        return logits, greedy_tokens(logits, self.kernels.pdl)
 
     def _forward_for(self, d: BatchDescriptor) -> Forward:
         """What runs the model for a step of ``d``: the persistent kernel where it takes
@@ -258,6 +256,15 @@ class ModelRunner:
         if stack is not None and stack.can_run(d.num_tokens):
             return stack.forward
         return self.model if self._fused_eagerly(d) else self.forward
+
+    def _logits_for(self, d: BatchDescriptor) -> Forward:
+        """What makes a uniform decode step's logits from its inputs: where
+        ``_forward_for`` names the eager model, its ``logits`` (the final norm inside the
+        LM head's kernel); else the LM head after that forward."""
+        forward = self._forward_for(d)
+        if forward is self.model:
+            return self.model.logits
+        return lambda ids, positions: self.model.compute_logits(forward(ids, positions))
 
     def _fused_eagerly(self, d: BatchDescriptor) -> bool:
         """Whether a step of ``d`` runs the eager model rather than the compiled one: with
@@ -309,9 +316,10 @@ class ModelRunner:
                 else []
             )
             if self.kernels.fused_layers:
-                # The LM head stays on cuBLAS unless measured: once per step, and the
-                # widest GEMM, where a tile shape picked by rule risks the most.
-                default_plans(self.model.linears(lm_head=False), self.kernels.pdl)
+                # The LM head only where PLAN_LM_HEAD says: once a step, and the widest
+                # GEMM, where a tile picked by rule risks the most.
+                linears = self.model.linears(lm_head=gemm_tuning.PLAN_LM_HEAD)
+                default_plans(linears, self.kernels.pdl)
             if self.kernels.persistent_layers:
                 # Here, not at construction: its address tables need the weights in place.
                 self.layer_stack = PersistentLayers(
@@ -364,11 +372,16 @@ class ModelRunner:
         self._kernels_pending = False
         with compile_ahead():
             for n in layout_rows(self.limits.max_num_batched_tokens):
+                ids, positions = inputs.input_ids[:n], inputs.positions[:n]
                 with self._padding_context(inputs, n):
-                    hidden = self.model(inputs.input_ids[:n], inputs.positions[:n])
-                    # The argmax's layouts differ only in PDL: a few rows take the same
-                    # one as ``n`` rows, without their whole vocabulary of logits.
-                    self._decode_tail(hidden[: min(n, PDL_MAX_ROWS + 1)])
+                    if n <= MAX_ROWS:  # as the decode graphs run it
+                        logits = self.model.logits(ids, positions)
+                    else:
+                        # The argmax's layouts differ only in PDL: a few rows take the
+                        # same one as ``n`` rows, without their whole vocabulary of logits.
+                        hidden = self.model(ids, positions)[: PDL_MAX_ROWS + 1]
+                        logits = self.model.compute_logits(hidden)
+                    greedy_tokens(logits, self.kernels.pdl)
             yield
 
     def capture(self) -> CaptureReport:

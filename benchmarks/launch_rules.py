@@ -14,7 +14,8 @@ older keys before its PDL wait (``attention_launch.EARLY_KEYS``), the projection
 splits, and whether attention's kernels let the next launch before their PDL wait, and
 attention's most splits and its key tile where keys are split, and above how many
 weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``), and
-whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``). Each
+whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``), and whether a step's
+embedding and RoPE rows come from one kernel (``decoder.EMBED_ROPE``). Each
 rule is set here between runs and restored; the first rule of a set runs again last, so
 drift shows as A against A.
 
@@ -23,7 +24,7 @@ drift shows as A against A.
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
 prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table|
-lm-head|lm-head-tiles]
+lm-head|lm-head-tiles|embed-rope]
 [--shape llama-1.5b|smollm2] [--profile]``
 """
 
@@ -96,6 +97,9 @@ class Rule:
     # whether the model looks its steps' cos and sin up in its RoPE table (the
     # default, ``DecoderModel(max_positions=...)``) or computes them each step
     rope_table: bool = True
+    # whether an eager step takes its embedding and RoPE rows in one kernel
+    # (``decoder.EMBED_ROPE``) or two lookups; without the table, always two
+    embed_rope: bool = decoder.EMBED_ROPE
     # whether the LM head is planned too, so the final norm runs inside its kernel
     # (``gemm_tuning.PLAN_LM_HEAD``), or stays on cuBLAS after a norm kernel
     plan_lm_head: bool = gemm_tuning.PLAN_LM_HEAD
@@ -109,6 +113,12 @@ class Rule:
 _OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
+    # A step's embedding rows and RoPE table rows: one kernel launched with PDL, or
+    # torch's two lookups (an index-select and an index kernel) as before.
+    "embed-rope": (
+        Rule("embeddings and RoPE rows in one kernel"),
+        Rule("two lookups", embed_rope=False),
+    ),
     # The final norm inside the LM head's kernel (the LM head planned where its weight is
     # at most 64 MiB: SmolLM2's), or a norm kernel then cuBLAS as before; and the 1.5 B
     # shape's LM head (501 MiB) planned too.
@@ -432,6 +442,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
         (gemm_tuning, "PLAN_LM_HEAD", rule.plan_lm_head),
+        (decoder, "EMBED_ROPE", rule.embed_rope and rule.rope_table),
     ]
     changes: list[Change] = [_narrow_gate_up] if rule.narrow_gate_up else []
     if rule.attention_trigger_first == "merge":

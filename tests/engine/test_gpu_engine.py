@@ -380,3 +380,40 @@ def test_the_rope_table_on_cuda_holds_the_computed_cos_and_sin_bitwise(dtype):
     got = model.rope(positions, dtype)
     want = rope_cos_sin(positions, model.inv_freq, dtype)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_the_embed_rope_kernel_copies_the_lookups_rows_in_and_out_of_graphs(dtype, n):
+    # ``ostinato::embed_rope`` on CUDA: a step's embedding rows and RoPE table rows, a
+    # padding row's -1 reading the table's last row, bitwise torch's two lookups, and
+    # a graph replay of it on new ids and positions the same.
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.embed_rope_op import embed_rope_reference
+    from ostinato.engine.model.presets import SHAPES
+    from ostinato.engine.model.rope import rope_inv_freq, rope_table
+
+    config = ModelConfig.from_hf(SHAPES["llama-1.5b"])
+    embed = torch.randn(config.vocab_size, config.hidden_size, device=DEVICE, dtype=dtype)
+    table = rope_table(rope_inv_freq(config).to(DEVICE), 4096, dtype)
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, config.vocab_size, (n,), device=DEVICE)
+        positions = torch.randint(0, 4096, (n,), device=DEVICE)
+        positions[-1] = -1
+        return ids, positions
+
+    ids, positions = draw()
+    for pdl in (False, True):
+        got = torch.ops.ostinato.embed_rope(ids, positions, embed, table, pdl)
+        want = embed_rope_reference(ids, positions, embed, table)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.ostinato.embed_rope(ids, positions, embed, table, True)
+    new_ids, new_positions = draw()
+    ids.copy_(new_ids)
+    positions.copy_(new_positions)
+    graph.replay()
+    want = embed_rope_reference(new_ids, new_positions, embed, table)
+    assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True))

@@ -271,6 +271,8 @@ def test_a_fused_decode_layer_is_at_most_six_kernels(batch):
     per_layer = [k.name.lower() for k in census.by_name if k.per_step >= layers]
     cublas = [n for n in per_layer if "nvjet" in n or "cublas" in n or "gemm" in n]
     assert cublas == ["_gemm_kernel"], names
+    # The embedding and RoPE rows come from one kernel (``ostinato::embed_rope``).
+    assert "_embed_rope_kernel" in names and not [n for n in names if "indexSelect" in n]
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -147,3 +147,29 @@ def test_the_engine_model_holds_a_table_of_max_model_len_positions():
     # generating up to the limit, every position stays within the table
     out = llm.generate([[3] * 40], SamplingParams(max_tokens=20, ignore_eos=True))
     assert len(out[0].prompt_token_ids) + len(out[0].token_ids) == 48
+
+
+def test_a_step_takes_its_embedding_and_rope_rows_from_one_op_with_the_lookups_bits():
+    # ``ostinato::embed_rope`` (eagerly, one rank, the table in the weights' dtype) and
+    # the two lookups it replaces give the same rows; its checks name the shapes.
+    from unittest import mock
+
+    from ostinato.engine.model import decoder
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.presets import SHAPES
+
+    model = decoder.DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]), max_positions=64)
+    ids, positions = torch.tensor([3, 9, 0, 5]), torch.tensor([1, 63, -1, 7])
+    with mock.patch.object(
+        torch.ops.ostinato, "embed_rope", wraps=torch.ops.ostinato.embed_rope
+    ) as op:
+        one = model._inputs(ids, positions)
+        with mock.patch.object(decoder, "EMBED_ROPE", False):
+            two = model._inputs(ids, positions)
+    assert op.call_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert torch.equal(one[0], model.embed(ids))
+    with pytest.raises(ValueError, match="embed_rope: needs ids and positions"):
+        torch.ops.ostinato.embed_rope(
+            ids, positions[:2], model.embed_tokens.weight, model.rope_table
+        )

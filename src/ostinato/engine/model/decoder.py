@@ -20,6 +20,7 @@ from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
     attention_op,
+    embed_rope_op,
     fused_ops,
     norm_op,
 )
@@ -72,6 +73,12 @@ class RowStats:
 # 19.4 µs at the SmolLM2 shape and one row (18.0 against 21.8 at 8 rows), 55.6
 # against 57.1 µs at the 1.5 B shape.
 ROW_STATS = True
+
+
+# An eager step on one rank takes its embedding rows and RoPE table rows in one op
+# (``ostinato::embed_rope``: one kernel on CUDA, launched with PDL) rather than two
+# lookups. Measured in RESULTS.md (``launch_rules --rules embed-rope``).
+EMBED_ROPE = True
 
 
 def hands_row_stats(kernels: KernelOptions, tp: TensorParallel) -> bool:
@@ -414,12 +421,26 @@ class DecoderModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
         """The first ``num_layers`` layers (all with None): the last one's output, the
         residual sum before it (None with no layer run) and its row statistics."""
-        x = self.embed(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        x, cos, sin = self._inputs(input_ids, positions)
         residual, stats = None, None
         for layer in self.layers[:num_layers]:
             x, residual, stats = layer(x, residual, cos, sin, stats)
         return x, residual, stats
+
+    def _inputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``embed(input_ids)`` and ``rope(positions, dtype)``: eagerly on one rank, with
+        the table in the embeddings' dtype, both from one op (``EMBED_ROPE``); the same
+        bits either way, since both only copy rows."""
+        table, weight = self.rope_table, self.embed_tokens.weight
+        one_op = EMBED_ROPE and self.tp.group is None and not torch.compiler.is_compiling()
+        if not one_op or table is None or table.dtype != weight.dtype:
+            x = self.embed(input_ids)
+            return (x, *self.rope(positions, x.dtype))
+        pdl = self.kernels.pdl
+        x, rows = torch.ops.ostinato.embed_rope(input_ids, positions, weight, table, pdl)
+        return x, rows[:, 0], rows[:, 1]
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -77,7 +77,9 @@ ROW_STATS = True
 
 # An eager step on one rank takes its embedding rows and RoPE table rows in one op
 # (``ostinato::embed_rope``: one kernel on CUDA, launched with PDL) rather than two
-# lookups. Measured in RESULTS.md (``launch_rules --rules embed-rope``).
+# lookups. On the H200 (``launch_rules --rules embed-rope``) SmolLM2's step took 0.402
+# against 0.407 ms at one row, 0.681 against 0.689 at 8; the 1.5 B shape's 0.873
+# against 0.876 and 1.017 against 1.026.
 EMBED_ROPE = True
 
 

@@ -6,8 +6,8 @@ outputs are the lookups' bits everywhere.
 
 Why an op: eagerly (the FULL decode graphs) the two lookups are two kernels before the
 first layer, neither launched with programmatic dependent launch, so the first layer's
-kernel could start its weight read only after both. On the H200 that was about 4.5 µs of
-device time a step (``embed_rope`` in RESULTS.md).
+kernel could start its weight read only after both (``decoder.EMBED_ROPE`` has the
+measurement).
 """
 
 from __future__ import annotations

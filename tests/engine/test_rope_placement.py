@@ -173,3 +173,23 @@ def test_a_step_takes_its_embedding_and_rope_rows_from_one_op_with_the_lookups_b
         torch.ops.ostinato.embed_rope(
             ids, positions[:2], model.embed_tokens.weight, model.rope_table
         )
+
+
+def test_the_embed_rope_op_compiled_equals_it_eager():
+    # Compiled models keep the two lookups, but the op stays traceable: its fake
+    # implementation must describe the real outputs for compiled callers.
+    from torch._inductor.utils import fresh_inductor_cache
+
+    def f(ids, positions, embed, table):
+        x, rows = torch.ops.ostinato.embed_rope(ids, positions, embed, table)
+        return x * 2, rows + 1
+
+    args = (
+        torch.tensor([3, 0, 7]),
+        torch.tensor([5, -1, 2]),
+        torch.randn(9, 16),
+        torch.randn(8, 2, 1, 4),
+    )
+    with fresh_inductor_cache():
+        got = torch.compile(f, backend="inductor", fullgraph=True)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, f(*args), strict=True))

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
+Pair = tuple[Tensor, Tensor]
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
@@ -22,7 +25,7 @@ _lib.define(
 )
 
 
-def _check(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, table: torch.Tensor):
+def _check(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> None:
     if ids.dim() != 1 or positions.shape != ids.shape or embed.dim() != 2 or table.dim() < 2:
         raise ValueError(
             f"embed_rope: needs ids and positions [n], embed [V, H] and a table [N, ...]; "
@@ -31,51 +34,35 @@ def _check(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, tabl
         )
 
 
-def embed_rope_reference(
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    embed: torch.Tensor,
-    table: torch.Tensor,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``embed[ids]``, ``table[positions]``) in torch (``pdl`` is a launch option of the
-    kernel, ignored here)."""
+def embed_rope_reference(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> Pair:
+    """(``embed[ids]``, ``table[positions]``) in torch."""
     _check(ids, positions, embed, table)
     return F.embedding(ids, embed), table[positions]
 
 
-def _embed_rope_cuda(
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    embed: torch.Tensor,
-    table: torch.Tensor,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from ostinato.engine.kernels.embed_rope import embed_rope_rows
-
-    _check(ids, positions, embed, table)
-    n = ids.shape[0]
-    x = torch.empty((n, embed.shape[1]), dtype=embed.dtype, device=embed.device)
-    rows = torch.empty((n, *table.shape[1:]), dtype=table.dtype, device=table.device)
-    embed_rope_rows(
-        ids, positions, embed.contiguous(), table.contiguous().view(table.shape[0], -1),
-        x, rows.view(n, -1), pdl,
-    )  # fmt: skip
-    return x, rows
-
-
-_lib.impl("embed_rope", embed_rope_reference, "CompositeExplicitAutograd")
-_lib.impl("embed_rope", _embed_rope_cuda, "CUDA")
-
-
-@torch.library.register_fake("ostinato::embed_rope", lib=_lib)
-def _(
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    embed: torch.Tensor,
-    table: torch.Tensor,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> Pair:
+    """The op's outputs, unwritten, after its checks."""
     _check(ids, positions, embed, table)
     n = ids.shape[0]
     return embed.new_empty((n, embed.shape[1])), table.new_empty((n, *table.shape[1:]))
+
+
+def _embed_rope(
+    ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor, pdl: bool = False
+) -> Pair:
+    if not embed.is_cuda:  # ``pdl`` is a launch option of the kernel
+        return embed_rope_reference(ids, positions, embed, table)
+    from ostinato.engine.kernels.embed_rope import embed_rope_rows
+
+    x, rows = _outputs(ids, positions, embed, table)
+    flat_table = table.contiguous().view(table.shape[0], -1)
+    embed_rope_rows(ids, positions, embed.contiguous(), flat_table, x, rows.view(len(ids), -1), pdl)
+    return x, rows
+
+
+_lib.impl("embed_rope", _embed_rope, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ostinato::embed_rope", lib=_lib)
+def _(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor, pdl: bool = False) -> Pair:
+    return _outputs(ids, positions, embed, table)

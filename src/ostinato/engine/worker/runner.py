@@ -260,7 +260,8 @@ class ModelRunner:
     def _logits_for(self, d: BatchDescriptor) -> Forward:
         """What makes a uniform decode step's logits from its inputs: where
         ``_forward_for`` names the eager model, its ``logits`` (the final norm inside the
-        LM head's kernel); else the LM head after that forward."""
+        LM head's kernel where the LM head's plan runs the Triton GEMM); else the LM
+        head after that forward."""
         forward = self._forward_for(d)
         if forward is self.model:
             return self.model.logits

@@ -1,11 +1,13 @@
 """The engine harness shared by the GPU tests: the tiny engine, its prompts, and a
-lock-step driver that runs an eager and a graphed engine on the same schedule."""
+lock-step driver that runs an eager and a graphed engine on the same schedule; and the
+reference of the small GEMM's row statistics, as the kernels lay them out."""
 
 from __future__ import annotations
 
 import random
 
 import torch
+import torch.nn.functional as F
 
 from ostinato.engine import LLM, SamplingParams
 
@@ -51,3 +53,23 @@ def lockstep(eager: LLM, graphs: LLM, tolerance: float, seed: int = 11) -> set[s
         steps += 1
     assert steps > 10
     return modes_seen
+
+
+def row_stats_of(h: torch.Tensor) -> torch.Tensor:
+    """The row statistics of ``h`` (``[m, n]``): per row and ``stats_granule(m)``
+    columns, the float32 sum of squares (``[m, stats_columns(n, m)]``)."""
+    from ostinato.engine.kernels.gemm_launch import stats_columns, stats_granule
+
+    m, n = h.shape
+    g = stats_granule(m)
+    padded = F.pad(h.float(), (0, stats_columns(n, m) * g - n))
+    return padded.square().view(m, -1, g).sum(-1)
+
+
+def stats_rows(stats: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """The ``m`` rows of statistics of ``n`` columns in a ``[MAX_ROWS, stats_columns(n)]``
+    buffer, as the kernels lay them out (row after row)."""
+    from ostinato.engine.kernels.gemm_launch import stats_columns
+
+    t = stats_columns(n, m)
+    return stats.view(-1)[: m * t].view(m, t)

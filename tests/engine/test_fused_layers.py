@@ -15,6 +15,7 @@ from torch._inductor.utils import fresh_inductor_cache
 from benchmarks.decode import BenchConfig, DecodeSetup
 from ostinato.batch import BatchDescriptor
 from ostinato.engine import LLM, KernelOptions, SamplingParams
+from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.kernels.gemm_launch import (
     CONFIGS,
     MAX_ROWS,
@@ -33,6 +34,14 @@ from ostinato.modes import GraphMode
 
 PROMPTS = [[(7 * i + 2) % 89 + 3 for i in range(37)], [4, 9, 16, 25]]
 UNFUSED = KernelOptions(fused_layers=False)
+
+
+def _tiny_decode() -> tuple[DecodeSetup, ScheduledBatch]:
+    """The tiny model's benchmark setup on the CPU (float32, KV 40) and a decode step of
+    four requests in it."""
+    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
+    setup = DecodeSetup(cfg, torch.device("cpu"))
+    return setup, setup.decode_batch([3, 5, 7, 11])
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -69,9 +78,7 @@ def test_a_fused_decode_step_is_the_unfused_one(compiler, row_stats):
     # bits, with the row statistics handed on (the default on one device) or not (as
     # under tensor parallelism). Compiled, both run the layers unfused; Inductor's own
     # kernels may round differently from eager torch, hence a tolerance there.
-    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
-    setup = DecodeSetup(cfg, torch.device("cpu"))
-    step = setup.decode_batch([3, 5, 7, 11])
+    setup, step = _tiny_decode()
     logits = []
     for kernels in (KernelOptions(), UNFUSED):
         with mock.patch.object(decoder, "ROW_STATS", row_stats):
@@ -94,9 +101,7 @@ def test_compiled_layers_run_unfused_and_the_eager_model_fused(compiler):
     # The fused QKV op is a splitting op: compiled (the piecewise graphs of prefills and
     # mixed steps) the layers must not call it, or its norm and projection would run
     # between the graphs at every size. Eagerly (what FULL decode graphs capture) they do.
-    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
-    setup = DecodeSetup(cfg, torch.device("cpu"))
-    step = setup.decode_batch([3, 5, 7, 11])
+    setup, step = _tiny_decode()
     runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), KernelOptions())
     with (
         mock.patch.object(fused_ops, "_norm_into", wraps=fused_ops._norm_into) as norms,
@@ -114,9 +119,7 @@ def test_compiled_layers_run_unfused_and_the_eager_model_fused(compiler):
 def test_a_fused_decode_step_runs_the_final_norm_inside_the_lm_heads_op(fused):
     # DecoderModel.logits: with fused layers every norm of a decode step, the final one
     # included, is inside the op of the projection after it (on CUDA, its kernel).
-    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
-    setup = DecodeSetup(cfg, torch.device("cpu"))
-    step = setup.decode_batch([3, 5, 7, 11])
+    setup, step = _tiny_decode()
     runner = setup.runner(GraphMode.NONE, None, TorchAttention(), KernelOptions(fused_layers=fused))
     add = decoder.RMSNorm.add
     with (

@@ -6,7 +6,7 @@ kernels per layer; and the engine's greedy tokens with and without the fusion.""
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_harness import greedy_tokens, lockstep, tiny_engine
+from gpu_harness import greedy_tokens, lockstep, row_stats_of, stats_rows, tiny_engine
 
 from ostinato.engine import KernelOptions
 from ostinato.engine.model.norm_op import add_rms_norm_reference, rms_norm_reference
@@ -91,10 +91,8 @@ def test_final_norm_lm_head_kernel_matches_the_unfused_ops(hidden, vocab, m, sta
     total = torch.empty_like(x)
     sums = None
     if stats:
-        g = tg.stats_granule(m)
-        padded = F.pad((x + residual).float(), (0, tg.stats_columns(hidden, m) * g - hidden))
         sums = torch.zeros(tg.MAX_ROWS, tg.stats_columns(hidden), device=DEVICE)
-        sums.view(-1)[: padded.numel() // g].copy_(padded.square().view(-1, g).sum(-1))
+        stats_rows(sums, m, hidden).copy_(row_stats_of(x + residual))
     config = tg.CONFIGS[_default_plan(w, False)[m] - 1]
     prologue = tg.NormPrologue(norm_w, 1e-5, residual, total, sums)
     got = tg.small_gemm(x, w, None, counters, config, False, True, prologue)

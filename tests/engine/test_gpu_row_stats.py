@@ -5,9 +5,7 @@ same projections summing their rows themselves."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-from ostinato.engine.kernels.gemm_launch import stats_columns
+from gpu_harness import row_stats_of, stats_rows
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -19,21 +17,6 @@ PROJECTIONS = [(576, 576), (1536, 576), (2048, 2048), (8192, 2048), (256, 80)]
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _stats_of(h: torch.Tensor) -> torch.Tensor:
-    from ostinato.engine.kernels import small_gemm as tg
-
-    m, n = h.shape
-    g = tg.stats_granule(m)
-    padded = F.pad(h.float(), (0, tg.stats_columns(n, m) * g - n))
-    return padded.square().view(m, -1, g).sum(-1)
-
-
-def _rows_of(stats: torch.Tensor, m: int, n: int) -> torch.Tensor:
-    """The ``m`` rows of statistics of ``n`` columns as the kernels lay them out."""
-    t = stats_columns(n, m)
-    return stats.view(-1)[: m * t].view(m, t)
 
 
 @pytest.mark.parametrize("k, n", PROJECTIONS)
@@ -62,7 +45,7 @@ def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, 
     plain = tg.small_gemm(x, w, b, counters, config, False, True)
     total = plain + residual  # torch's add: rounded as the kernel rounds
     assert torch.equal(got, total if add else plain)
-    torch.testing.assert_close(_rows_of(stats, m, n), _stats_of(total), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(stats_rows(stats, m, n), row_stats_of(total), rtol=1e-5, atol=1e-3)
     assert counters.count_nonzero() == 0
 
 
@@ -84,7 +67,7 @@ def test_a_normed_projection_takes_its_sums_of_squares_from_the_statistics(
     norm_w = 1 + 0.1 * torch.randn(hidden, **BF)
     w = torch.randn(2 * inter, hidden, **BF) / hidden**0.5
     stats = torch.zeros(tg.MAX_ROWS, tg.stats_columns(hidden), device=DEVICE)
-    _rows_of(stats, m, hidden).copy_(_stats_of(h))
+    stats_rows(stats, m, hidden).copy_(row_stats_of(h))
     counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
     choice = pick_config(inter, hidden, num_sms(DEVICE), swiglu=True)
     config = tg.CONFIGS[(resident_config(hidden, tiles=2) if resident else choice) - 1]

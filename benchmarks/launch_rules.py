@@ -15,7 +15,8 @@ splits, and whether attention's kernels let the next launch before their PDL wai
 attention's most splits and its key tile where keys are split, and above how many
 weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``), and
 whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``), and whether a step's
-embedding and RoPE rows come from one kernel (``decoder.EMBED_ROPE``). Each
+embedding and RoPE rows come from one kernel (``decoder.EMBED_ROPE``), and whether a
+decode graph writes its logits and tokens where replays read them. Each
 rule is set here between runs and restored; the first rule of a set runs again last, so
 drift shows as A against A.
 
@@ -24,7 +25,7 @@ drift shows as A against A.
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
 prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table|
-lm-head|lm-head-tiles|embed-rope]
+lm-head|lm-head-tiles|embed-rope|static-outputs]
 [--shape llama-1.5b|smollm2] [--profile]``
 """
 
@@ -51,7 +52,7 @@ from ostinato.engine.kernels import (
 )
 from ostinato.engine.model import decoder
 from ostinato.engine.model.rope import rope_cos_sin
-from ostinato.engine.worker import gemm_tuning
+from ostinato.engine.worker import gemm_tuning, runner
 from ostinato.provenance import Provenance
 
 VARIANT = "ostinato FULL_AND_PIECEWISE"
@@ -106,6 +107,9 @@ class Rule:
     # (columns, warps, K step) of the LM head's unsplit tile where the rule names 64
     # columns in 8 warps, or None
     lm_head_tile: tuple[int, int, int] | None = None
+    # whether a decode graph's LM head and argmax write where its replays are read
+    # (``ForwardContext.outputs``) or the graph copies their results there
+    outputs_in_place: bool = True
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -299,6 +303,13 @@ RULES = {
         Rule("resident: 8 warps above 8192"),
         Rule("resident: 4 warps", resident_wide=OFF),
     ),
+    # A decode graph's logits and greedy tokens written where replays read them, or
+    # copied there at the graph's end (two copy kernels; at 128 rows of a 128k
+    # vocabulary 33 MB).
+    "static-outputs": (
+        Rule("logits and tokens written in place"),
+        Rule("logits and tokens copied", outputs_in_place=False),
+    ),
     # PDL for steps of more than 16 rows too (run with --batch-sizes 32,128).
     "pdl-rows": (
         Rule("PDL up to 16 rows", pdl_max_rows=16),
@@ -454,6 +465,8 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((paged_attention, "launch_for", _split_tile(*rule.split_attention_tile)))
     if not rule.rope_table:
         settings.append((decoder.DecoderModel, "rope", _computed_rope))
+    if not rule.outputs_in_place:
+        settings.append((runner, "_static_rows", lambda: (None, None)))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
     if rule.eight_split_steps is not None:

@@ -46,6 +46,16 @@ def run_ops(ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]) -> None
                 old.copy_(new)
 
 
+def copies_into(graph: FakeGraph, buffer: torch.Tensor) -> list[torch.Tensor]:
+    """The destinations of ``graph``'s recorded copies that share ``buffer``'s memory."""
+    storage = buffer.untyped_storage().data_ptr()
+    return [
+        args[0]
+        for func, args, _, _ in graph.ops
+        if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == storage
+    ]
+
+
 def _reads_the_forward_context(name: str) -> Any:
     """The Python of an engine op that reads the step from the forward context."""
     if name == "ostinato::attention":

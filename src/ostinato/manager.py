@@ -206,7 +206,9 @@ class GraphManager:
             _check_rows(out, d)
             if full and not self.outputs.allocated:
                 self.outputs.allocate(out)
-        with forward_context(item.mode, d, attn_metadata):
+        # A FULL capture offers the step the static buffers' rows to write into.
+        outputs = self.outputs.into(d.num_tokens) if full else None
+        with forward_context(item.mode, d, attn_metadata, outputs):
             if full:
                 self._full(d)
             else:

@@ -18,6 +18,9 @@ class StaticOutputs:
     Guarantees: the buffers never move (graphs capture writes into them); ``view(n)``
     returns the first ``n`` rows in the step's own form (a tensor, or a tuple when the step
     returns several) without allocating on the hot path, since every view is built once.
+    ``write`` copies an output only where it is not already the buffer's rows, so a step
+    that wrote into ``into(n)`` (offered through ``ForwardContext.outputs``) records no
+    copy.
     """
 
     def __init__(self, rows: int) -> None:
@@ -40,11 +43,19 @@ class StaticOutputs:
         )
         self._views = [self._slice(n) for n in range(self.rows + 1)]
 
+    def into(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The first ``n`` rows of every buffer, in the step's order: where a step may
+        write its outputs itself."""
+        assert self.buffers is not None
+        return tuple(buf[:n] for buf in self.buffers)
+
     def write(self, out: Outputs, n: int) -> None:
-        """Copies the ``n`` rows of ``out`` into the buffers (inside a capture: recorded)."""
+        """Copies the ``n`` rows of ``out`` into the buffers (inside a capture: recorded),
+        each output that is not already those rows of its buffer."""
         assert self.buffers is not None
         for buf, t in zip(self.buffers, as_tuple(out), strict=True):
-            buf[:n].copy_(t)
+            if not _is_rows_of(t, buf, n):
+                buf[:n].copy_(t)
 
     def view(self, n: int) -> Outputs:
         """The first ``n`` rows, valid until the next replay writes them."""
@@ -55,3 +66,13 @@ class StaticOutputs:
         if self.is_tuple:
             return tuple(t[:n] for t in self.buffers)
         return self.buffers[0][:n]
+
+
+def _is_rows_of(t: torch.Tensor, buf: torch.Tensor, n: int) -> bool:
+    """Whether ``t`` is exactly ``buf[:n]``: the same memory, shape, strides and dtype."""
+    return (
+        t.data_ptr() == buf.data_ptr()
+        and t.dtype == buf.dtype
+        and t.shape == (n, *buf.shape[1:])
+        and t.stride() == buf.stride()
+    )

@@ -40,3 +40,17 @@ def test_the_lm_head_rules_set_the_plan_and_the_size_bound_and_restore_them():
         assert gemm_tuning.PLAN_LM_HEAD
         assert gemm_tuning.SMALL_WEIGHT_BYTES == defaults[1]
     assert (gemm_tuning.PLAN_LM_HEAD, gemm_tuning.SMALL_WEIGHT_BYTES) == defaults
+
+
+def test_the_static_outputs_rule_has_decode_steps_copy_their_outputs_and_restores_it():
+    from ostinato import BatchDescriptor, GraphMode, forward_context
+    from ostinato.engine.worker import runner
+
+    rows = (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int64))  # [2, vocab], [2]
+    in_place, copied = RULES["static-outputs"]
+    with forward_context(GraphMode.FULL, BatchDescriptor(2, uniform_decode=True), None, rows):
+        with applied(copied):
+            assert runner._static_rows() == (None, None)
+        with applied(in_place):
+            logits, greedy = runner._static_rows()
+        assert logits is rows[0] and greedy is rows[1]

@@ -115,10 +115,11 @@ def test_compiled_layers_run_unfused_and_the_eager_model_fused(compiler):
     assert norms.call_count == (0 if compiler else layers), norms.call_count
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_fused_decode_step_runs_the_final_norm_inside_the_lm_heads_op(fused):
-    # DecoderModel.logits: with fused layers every norm of a decode step, the final one
-    # included, is inside the op of the projection after it (on CUDA, its kernel).
+@pytest.mark.parametrize(("fused", "planned_head"), [(True, True), (True, False), (False, True)])
+def test_a_fused_decode_step_runs_its_norms_inside_the_projections_ops(fused, planned_head):
+    # DecoderModel.logits: with fused layers every norm of a decode step is inside the
+    # op of the projection after it (on CUDA, its kernel); the final one too where the
+    # LM head has a plan, else it runs before cuBLAS's LM head, which writes in place.
     setup, step = _tiny_decode()
     runner = setup.runner(GraphMode.NONE, None, TorchAttention(), KernelOptions(fused_layers=fused))
     add = decoder.RMSNorm.add
@@ -127,10 +128,14 @@ def test_a_fused_decode_step_runs_the_final_norm_inside_the_lm_heads_op(fused):
         torch.inference_mode(),
     ):
         runner.compile()
+        if planned_head:
+            runner.model.lm_head.use_plan((0, 1, 1, 1, 1), 4, False)
         runner.execute(step)
+    runner.model.lm_head.use_plan((), 0, False)
     runner.release()
     layers = len(runner.model.layers)
-    assert adds.call_count == (0 if fused else 2 * layers), adds.call_count
+    want = 2 * layers if not fused else 0 if planned_head else 1
+    assert adds.call_count == want, adds.call_count
 
 
 @pytest.mark.parametrize(

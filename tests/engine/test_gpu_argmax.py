@@ -52,6 +52,20 @@ def test_strided_rows_and_no_rows():
     assert argmax_rows(x[:0]).shape == (0,)
 
 
+def test_the_tokens_go_where_asked():
+    from ostinato.engine.kernels.argmax import argmax_rows
+
+    x = torch.randn(5, 49152, device=DEVICE, dtype=torch.bfloat16)
+    buf = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)  # [rows]
+    for pdl in _pdl_options():
+        got = argmax_rows(x, pdl, out=buf[:5])
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, x.argmax(dim=-1))
+        assert (buf[5:] == -1).all()
+    for wrong in (buf[:4], buf[:5].int(), torch.empty(10, dtype=torch.int64, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match="out must be contiguous int64"):
+            argmax_rows(x, out=wrong)
+
+
 def test_bad_inputs_are_refused():
     from ostinato.engine.kernels.argmax import MAX_VOCAB, argmax_rows
 

@@ -304,6 +304,11 @@ def test_a_planned_lm_head_takes_the_final_norm_into_its_kernel(batch):
     assert rel_err(logits[1], logits[2]) < 1e-2
     assert not [n for n in names[0] if "norm" in n.lower()], names[0]
     assert [n for n in names[1] if "norm" in n.lower()], names[1]
+    # cuBLAS's LM head and the argmax write where replays are read: no copy on the
+    # device ends that graph. The planned LM head's op returns a tensor of its own,
+    # which the graph copies.
+    copies = [[n for n in run if "memcpy" in n.lower() and "HtoD" not in n] for run in names]
+    assert copies[0] and not copies[1], names
 
 
 def test_engine_greedy_tokens_with_and_without_fused_layers_agree():

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from fakes import DenseGraphAttention, FakePlatform, engine_on
+from fakes import DenseGraphAttention, FakePlatform, copies_into, engine_on
 from workloads import preempting_mix, sync_and_async_outputs
 
 from ostinato import use_platform
@@ -61,6 +61,18 @@ def test_fake_graphs_replay_decode_steps_and_match_eager(fake_graphs):
     assert llm.mode.name == "FULL_DECODE_ONLY" and llm.capture_report.num_graphs > 0
     assert tokens(llm, prompts, params) == want
     assert sum(g.replays for g in fake_graphs.graphs) > 0, "decode steps replayed graphs"
+
+
+def test_decode_graphs_write_their_logits_and_tokens_where_replays_read_them(fake_graphs):
+    llm = engine("full_decode_only", max_capture_size=8)
+    manager = llm.runner.manager
+    logits, greedy = manager.outputs.buffers  # [rows, vocab], [rows]
+    graphs = [manager.graph(r.descriptor) for r in llm.capture_report.records]
+    assert len(graphs) == 4 and all(g.ops for g in graphs)
+    for graph in graphs:  # written by the LM head and the argmax, never copied
+        assert copies_into(graph, logits) == [] and copies_into(graph, greedy) == []
+    prompts, params = workload()
+    assert tokens(llm, prompts, params) == tokens(engine("none", backend=None), prompts, params)
 
 
 # Not the piecewise modes: Dynamo cannot trace under the fake graph's recorder.

@@ -48,6 +48,39 @@ def test_planned_linear_computes_what_nn_linear_computes(bias):
     assert "counters" not in linear.state_dict()  # scratch, not state
 
 
+def test_a_linear_writes_its_rows_where_asked_with_forward_bits():
+    torch.manual_seed(0)
+    linear = Linear(24, 10, bias=False)
+    x = torch.randn(5, 24)
+    buf = torch.full((8, 10), float("nan"))  # [rows, out_features]
+    with torch.inference_mode():
+        got = linear.forward_into(x, buf[:5])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, linear(x))
+    assert buf[5:].isnan().all()
+    # Elsewhere ``forward``'s own tensor, the buffer untouched: a bias, the wrong rows,
+    # columns or layout, or a weight to differentiate.
+    biased = Linear(24, 10)
+    cases = ((biased, buf[:5]), (linear, buf[:4]), (linear, buf[:5, :5]), (linear, buf.t()[:5]))
+    buf.fill_(float("nan"))
+    for lin, out in cases:
+        with torch.inference_mode():
+            got = lin.forward_into(x, out)
+        assert got.data_ptr() != buf.data_ptr() and torch.equal(got, lin(x))
+    got = linear.forward_into(x, buf[:5])
+    assert got.requires_grad and torch.equal(got, linear(x))
+    assert buf.isnan().all()
+
+
+def test_greedy_tokens_go_where_asked():
+    from ostinato.engine.sample.greedy import greedy_tokens
+
+    logits = torch.randn(3, 50)
+    buf = torch.full((4,), -1, dtype=torch.int64)  # [rows]
+    got = greedy_tokens(logits, out=buf[:3])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, logits.argmax(-1))
+    assert buf[3] == -1
+
+
 def test_model_through_planned_projections_is_unchanged():
     torch.manual_seed(0)
     model = DecoderModel(ModelConfig.from_hf(shape("tiny"))).eval()

@@ -2,7 +2,7 @@ import gc
 
 import pytest
 import torch
-from fakes import FakePlatform
+from fakes import FakePlatform, copies_into
 
 from ostinato import (
     BatchDescriptor,
@@ -226,3 +226,69 @@ def test_the_shared_pool_is_one_per_platform_until_released():
     assert shared_pool(platform) == first and shared_pool(other) == ("pool", 1)
     release_shared_pool(platform)
     assert shared_pool(platform) == ("pool", 2) and shared_pool(other) == ("pool", 1)
+
+
+class WritingRunner(Runner):
+    """Writes its first output into the rows a FULL capture offers, as an engine's
+    decode step writes its logits."""
+
+    def __init__(self, platform):
+        super().__init__(platform, aux=True)
+        self.offered: list[tuple[GraphMode, bool]] = []
+
+    def step(self, d):
+        ctx = current_forward_context()
+        self.offered.append((ctx.runtime_mode, ctx.outputs is not None))
+        n = d.num_tokens
+        if ctx.outputs is None:
+            return self.x[:n] @ self.w, self.x[:n].sum(1)
+        out, _ = ctx.outputs
+        return torch.mm(self.x[:n], self.w, out=out), self.x[:n].sum(1)
+
+
+def test_a_step_that_writes_the_offered_rows_records_no_copy_of_them():
+    p = FakePlatform()
+    r = WritingRunner(p)
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(2, 4)))
+    m = GraphManager(r.step, d, num_warmups=1, platform=p, pool="pool", progress=False)
+    m.capture()
+    # Offered only while a FULL graph is captured, never to the eager warm-ups.
+    assert (GraphMode.FULL, True) in r.offered
+    assert (GraphMode.NONE, True) not in r.offered
+    assert (GraphMode.FULL, False) not in r.offered
+    first, second = m.outputs.buffers
+    for graph in p.graphs:
+        assert copies_into(graph, first) == []  # written in place
+        assert len(copies_into(graph, second)) == 1  # returned fresh: copied
+    r.x[:3] = torch.randn(3, 3)
+    out, aux = m.run(d.dispatch(3), 3)
+    torch.testing.assert_close(out, r.x[:3] @ r.w)
+    torch.testing.assert_close(aux, r.x[:3].sum(1))
+
+
+def test_a_step_that_ignores_the_offered_rows_is_copied():
+    p, r, m = build(GraphMode.FULL, sizes=(2, 4), aux=True)
+    m.capture()
+    first, second = m.outputs.buffers
+    for graph in p.graphs:
+        assert len(copies_into(graph, first)) == len(copies_into(graph, second)) == 1
+
+
+def test_a_sampled_check_still_compares_a_step_that_writes_in_place():
+    """The sampled check's eager run gets no offered rows, so it cannot overwrite the
+    replay's outputs it is compared with: a graph that froze a stale value is caught."""
+    from ostinato import GraphDemotedWarning, ReplayCheck
+
+    p = FakePlatform()
+    r = WritingRunner(p)
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(2,)))
+    m = GraphManager(
+        r.step, d, num_warmups=1, platform=p, pool="pool", progress=False,
+        check=ReplayCheck("sample", every=1),
+    )  # fmt: skip
+    m.capture()
+    r.w = torch.randn(3, 5)  # a new tensor: the graph still reads the old one
+    r.x[:2] = torch.randn(2, 3)
+    with pytest.warns(GraphDemotedWarning):
+        out, _ = m.run(d.dispatch(2), 2)
+    torch.testing.assert_close(out, r.x[:2] @ r.w)

@@ -63,9 +63,12 @@ def _row_best_kernel(keys_ptr, out_ptr, chunks, CHUNKS: tl.constexpr, USE_PDL: t
     tl.store(out_ptr + row, (best & LOW) ^ LOW)
 
 
-def argmax_rows(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def argmax_rows(
+    logits: torch.Tensor, pdl: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64 ``[rows]``) for a 2-D CUDA tensor of floats with
-    at most ``MAX_VOCAB`` columns. ``pdl``: launch with programmatic dependent launch
+    at most ``MAX_VOCAB`` columns, written into ``out`` when given (contiguous int64
+    ``[rows]``) and returned. ``pdl``: launch with programmatic dependent launch
     (compute capability 9.0+) where ``pdl_for`` allows."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
@@ -74,7 +77,13 @@ def argmax_rows(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     rows, vocab = logits.shape
     if not 0 < vocab <= MAX_VOCAB:
         raise ValueError(f"argmax_rows: logits need 1 to {MAX_VOCAB} columns, got {vocab}")
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(
+            f"argmax_rows: out must be contiguous int64 [{rows}], got "
+            f"{tuple(out.shape)} {out.dtype}"
+        )
     if rows == 0:
         return out
     if logits.stride(-1) != 1:

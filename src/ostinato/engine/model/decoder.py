@@ -401,17 +401,26 @@ class DecoderModel(nn.Module):
         """Final-norm hidden states; ``num_layers`` runs only the first layers (a
         self-draft: the truncated model with the same final norm and LM head)."""
         x, residual, _ = self._layers(input_ids, positions, num_layers)
+        return self._final_norm(x, residual)
+
+    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
 
-    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``compute_logits(forward(input_ids, positions))``: the logits of every row.
-        With fused layers the final norm and the LM head are one op
+    def logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``compute_logits(forward(input_ids, positions), out)``: the logits of every
+        row. With fused layers the final norm and the LM head are one op
         (``ostinato::norm_linear``), one kernel where the LM head's plan runs the Triton
-        GEMM for these rows, its norm from the last layer's row statistics where ready."""
+        GEMM for these rows, its norm from the last layer's row statistics where ready.
+        An LM head without a plan (the default) runs the norm kernel, then cuBLAS
+        into ``out``."""
         if not self.kernels.fused_layers:
-            return self.compute_logits(self(input_ids, positions))
+            return self.compute_logits(self(input_ids, positions), out)
         x, residual, stats = self._layers(input_ids, positions, None)
         head, norm = self.lm_head, self.norm
+        if not head.plan:
+            return self.compute_logits(self._final_norm(x, residual), out)
         y, _ = torch.ops.ostinato.norm_linear(
             x, residual, norm.weight, norm.eps, head.weight, head.counters, list(head.plan),
             False, self.kernels.pdl, *RowStats.args(stats),
@@ -457,10 +466,14 @@ class DecoderModel(nn.Module):
         rows = table[positions]
         return rows[:, 0], rows[:, 1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary for hidden-state rows, in the LM head's dtype
-        (the model's). They are not cast to float32 here: a greedy step only takes their
-        argmax, which the cast cannot change, and at 128 rows of a 128k vocabulary the
-        cast and the copy of float32 logits into the decode graph's static output cost
-        the step more than its argmax. ``sample`` and ``verify`` cast what they use."""
+        (the model's), on one rank written into ``out`` where cuBLAS computes them
+        (``Linear.forward_into``). They are not cast to float32 here: a greedy step only
+        takes their argmax, which the cast cannot change, and at 128 rows of a 128k
+        vocabulary the cast and the copy of float32 logits into the decode graph's static
+        output cost the step more than its argmax. ``sample`` and ``verify`` cast what
+        they use."""
+        if out is not None and self.tp.group is None:
+            return self.lm_head.forward_into(hidden, out)
         return all_gather_last_dim(self.lm_head(hidden), self.tp.group)

@@ -162,6 +162,27 @@ class Linear(nn.Linear):
             x, self.weight, self.bias, self.counters, list(self.plan), False, self.pdl
         )
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``forward(x)``, the same bits, written into ``out`` and returned where cuBLAS
+        (or the CPU's matmul) computes it: 2-D ``x``, no bias, no plan entry for these
+        rows, ``out`` contiguous in the output's shape and dtype, nothing to
+        differentiate. Elsewhere ``forward``'s own tensor, ``out`` untouched."""
+        m = x.shape[0]
+        planned = x.is_cuda and m < len(self.plan) and self.plan[m] != 0
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        fits = (
+            not grad
+            and x.dim() == 2
+            and self.bias is None
+            and out.shape == (m, self.out_features)
+            and out.dtype == x.dtype == self.weight.dtype
+            and out.is_contiguous()
+        )
+        if planned or not fits:
+            return self(x)
+        # F.linear of 2-D rows without a bias is this product (aten::linear -> mm).
+        return torch.mm(x, self.weight.t(), out=out)
+
     def forward_stats(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

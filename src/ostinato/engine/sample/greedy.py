@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def greedy_tokens(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def greedy_tokens(
+    logits: torch.Tensor, pdl: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64 ``[rows]``) for 2-D float ``logits``
-    (``[rows, vocab]``), the same index. ``pdl``: on CUDA, launch the kernels with
-    programmatic dependent launch (compute capability 9.0+)."""
+    (``[rows, vocab]``), the same index, written into ``out`` when given and returned.
+    ``pdl``: on CUDA, launch the kernels with programmatic dependent launch (compute
+    capability 9.0+)."""
     if logits.is_cuda:
         from ostinato.engine.kernels.argmax import argmax_rows
 
-        return argmax_rows(logits, pdl)
-    return logits.argmax(dim=-1)
+        return argmax_rows(logits, pdl, out)
+    return torch.argmax(logits, dim=-1, out=out)

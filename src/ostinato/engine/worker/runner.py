@@ -14,7 +14,7 @@ from ostinato.background import BackgroundCapture
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
-from ostinato.context import forward_context
+from ostinato.context import current_forward_context, forward_context
 from ostinato.dispatcher import Dispatch
 from ostinato.distributed.agreement import StepAgreement
 from ostinato.engine.core.kv_cache import KVCache
@@ -47,6 +47,8 @@ from ostinato.ubatch.policy import MicroBatching
 from ostinato.ubatch.slicing import can_split, split_step
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids, positions) -> hidden
+# (input ids, positions, where to write them or None) -> logits
+LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class DecodeStepHook(Protocol):
@@ -239,11 +241,12 @@ class ModelRunner:
         ahead = self.decode_hook
         if ahead is not None:
             ahead.prepare(n)
+        logits_out, greedy_out = _static_rows()
         if ubatched:
-            logits = self.model.compute_logits(self._run_static_ubatches(n))
+            logits = self.model.compute_logits(self._run_static_ubatches(n), logits_out)
         else:
-            logits = self._logits_for(d)(ids, positions)
-        greedy = greedy_tokens(logits, self.kernels.pdl)
+            logits = self._logits_for(d)(ids, positions, logits_out)
+        greedy = greedy_tokens(logits, self.kernels.pdl, greedy_out)
         if ahead is not None:
             ahead.accept(n, greedy)
         return logits, greedy
@@ -257,15 +260,15 @@ class ModelRunner:
             return stack.forward
         return self.model if self._fused_eagerly(d) else self.forward
 
-    def _logits_for(self, d: BatchDescriptor) -> Forward:
-        """What makes a uniform decode step's logits from its inputs: where
-        ``_forward_for`` names the eager model, its ``logits`` (the final norm inside the
-        LM head's kernel where the LM head's plan runs the Triton GEMM); else the LM
-        head after that forward."""
+    def _logits_for(self, d: BatchDescriptor) -> LogitsFn:
+        """What makes a uniform decode step's logits from its inputs (into ``out``
+        where given and the LM head is cuBLAS's): where ``_forward_for`` names the eager
+        model, its ``logits`` (the final norm inside the LM head's kernel where the LM
+        head's plan runs the Triton GEMM); else the LM head after that forward."""
         forward = self._forward_for(d)
         if forward is self.model:
             return self.model.logits
-        return lambda ids, positions: self.model.compute_logits(forward(ids, positions))
+        return lambda ids, positions, out: self.model.compute_logits(forward(ids, positions), out)
 
     def _fused_eagerly(self, d: BatchDescriptor) -> bool:
         """Whether a step of ``d`` runs the eager model rather than the compiled one: with
@@ -640,6 +643,17 @@ class ModelRunner:
         else:
             compute = comm = None
         return self._ubatch_threads.run(run, compute, comm)
+
+
+def _static_rows() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Inside a FULL capture of a uniform decode step, the static buffers' rows for its
+    logits and greedy tokens (``ForwardContext.outputs``): written there, no replay
+    copies them. (None, None) elsewhere."""
+    context = current_forward_context()
+    into = context.outputs if context is not None else None
+    if into is None or len(into) != 2:
+        return None, None
+    return into[0], into[1]
 
 
 def runner_kernels(built: KernelOptions, device: torch.device) -> KernelOptions:

@@ -415,11 +415,9 @@ class DecoderModel(nn.Module):
         GEMM for these rows, its norm from the last layer's row statistics where ready.
         An LM head without a plan (the default) runs the norm kernel, then cuBLAS
         into ``out``."""
-        if not self.kernels.fused_layers:
-            return self.compute_logits(self(input_ids, positions), out)
         x, residual, stats = self._layers(input_ids, positions, None)
         head, norm = self.lm_head, self.norm
-        if not head.plan:
+        if not (self.kernels.fused_layers and head.plan):
             return self.compute_logits(self._final_norm(x, residual), out)
         y, _ = torch.ops.ostinato.norm_linear(
             x, residual, norm.weight, norm.eps, head.weight, head.counters, list(head.plan),

@@ -17,6 +17,8 @@ from which the next fused norm takes its sums of squares (``ostinato::linear_sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,12 @@ _lib.define(
     "linear(Tensor x, Tensor weight, Tensor? bias, Tensor counters, int[] plan, "
     "bool swiglu=False, bool pdl=False) -> Tensor"
 )
+
+
+def plan_entry(plan: Sequence[int], rows: int) -> int:
+    """``plan``'s entry for ``rows`` rows: 1 + an index into ``CONFIGS``, or 0 (cuBLAS),
+    as for every row count past the plan's end."""
+    return plan[rows] if rows < len(plan) else 0
 
 
 def _linear(
@@ -46,7 +54,7 @@ def _linear(
     from ostinato.engine.kernels import small_gemm as triton_gemm
     from ostinato.engine.kernels.silu_mul import silu_mul
 
-    choice = plan[x.shape[0]] if x.shape[0] < len(plan) else 0
+    choice = plan_entry(plan, x.shape[0])
     if choice:
         return triton_gemm.small_gemm(
             x, weight, bias, counters, triton_gemm.CONFIGS[choice - 1], swiglu, pdl
@@ -83,10 +91,9 @@ def kernel_rows(x: torch.Tensor, weight: torch.Tensor, plan: list[int]) -> int:
     CUDA, 16-bit weights, rows of the weight's dtype with a contiguous last dimension.
     The one predicate of both sides of a row-statistics hand-over (``linear_stats``
     writes them exactly where this is nonzero for its rows, plan and weight)."""
-    m = x.shape[0]
-    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or m >= len(plan):
+    if not x.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16):
         return 0
-    return plan[m] if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
+    return plan_entry(plan, x.shape[0]) if x.dtype == weight.dtype and x.stride(-1) == 1 else 0
 
 
 def _linear_stats(
@@ -168,7 +175,7 @@ class Linear(nn.Linear):
         rows, ``out`` contiguous in the output's shape and dtype, nothing to
         differentiate. Elsewhere ``forward``'s own tensor, ``out`` untouched."""
         m = x.shape[0]
-        planned = x.is_cuda and m < len(self.plan) and self.plan[m] != 0
+        planned = x.is_cuda and plan_entry(self.plan, m) != 0  # as ``_linear`` decides
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         fits = (
             not grad

@@ -62,10 +62,8 @@ class StaticOutputs:
         return self._views[n]
 
     def _slice(self, n: int) -> Outputs:
-        assert self.buffers is not None
-        if self.is_tuple:
-            return tuple(t[:n] for t in self.buffers)
-        return self.buffers[0][:n]
+        rows = self.into(n)
+        return rows if self.is_tuple else rows[0]
 
 
 def _is_rows_of(t: torch.Tensor, buf: torch.Tensor, n: int) -> bool:

@@ -16,7 +16,8 @@ attention's most splits and its key tile where keys are split, and above how man
 weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``), and
 whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``), and whether a step's
 embedding and RoPE rows come from one kernel (``decoder.EMBED_ROPE``), and whether a
-decode graph writes its logits and tokens where replays read them. Each
+decode graph writes its logits and tokens where replays read them, and whether plain
+projections of 3 to 16 rows hold their weight in shared memory. Each
 rule is set here between runs and restored; the first rule of a set runs again last, so
 drift shows as A against A.
 
@@ -25,7 +26,7 @@ drift shows as A against A.
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
 prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table|
-lm-head|lm-head-tiles|embed-rope|static-outputs]
+lm-head|lm-head-tiles|embed-rope|static-outputs|smem]
 [--shape llama-1.5b|smollm2] [--profile]``
 """
 
@@ -110,6 +111,9 @@ class Rule:
     # whether a decode graph's LM head and argmax write where its replays are read
     # (``ForwardContext.outputs``) or the graph copies their results there
     outputs_in_place: bool = True
+    # whether plain projections of 3 to 16 rows hold their weight in shared memory where
+    # it fits (``gemm_launch.smem_config``) or run the K loop
+    smem: bool = True
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -117,6 +121,12 @@ class Rule:
 _OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
+    # Plain projections (O, down) of 3 to 16 rows with their weight in shared memory
+    # across the PDL wait (``smem_gemm``), or the K loop as before.
+    "smem": (
+        Rule("shared-memory launch from 3 rows"),
+        Rule("K loop from 3 rows", smem=False),
+    ),
     # A step's embedding rows and RoPE table rows: one kernel launched with PDL, or
     # torch's two lookups (an index-select and an index kernel) as before.
     "embed-rope": (
@@ -467,6 +477,8 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((decoder.DecoderModel, "rope", _computed_rope))
     if not rule.outputs_in_place:
         settings.append((runner, "_static_rows", lambda: (None, None)))
+    if not rule.smem:
+        settings.append((gemm_launch, "smem_config", lambda *_: None))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
     if rule.eight_split_steps is not None:

@@ -143,8 +143,8 @@ def case(name: str, rows: int) -> Case:
         runs["resident fma n4 w4"] = lambda: launch_resident(x, turn(), out, "fma", 4, 4)
     for bn, warps in itertools.product((16, 32, 64), (4, 8)):
         if smem_fits(k, bn, rows, warps):
-            runs[f"smem n{bn} w{warps}"] = lambda bn=bn, warps=warps: (
-                launch_smem(x, turn(), out, bn, warps)
+            runs[f"smem n{bn} w{warps}"] = lambda bn=bn, warps=warps: launch_smem(
+                x, turn(), out, bn, warps
             )
     return Case(name, rows, calls, runs, x.float() @ turn().float().T)
 

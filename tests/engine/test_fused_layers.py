@@ -278,8 +278,9 @@ def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
     from ostinato.engine.kernels import gemm_launch as g
 
     # cached plans name configs by index: the resident shapes come after every other
-    assert [c.resident for c in CONFIGS[-2:]] == [True, True]
-    assert not any(c.resident for c in CONFIGS[:-2])
+    # but the shared-memory one
+    assert [c.resident for c in CONFIGS[-3:]] == [True, True, False]
+    assert not any(c.resident for c in CONFIGS[:-3])
     for k in range(1, 20000, 97):
         for tiles in (1, 2):
             held = tiles * g.RESIDENT_N * triton_p2(k)
@@ -292,7 +293,7 @@ def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
             assert c.num_warps == (8 if held > g.RESIDENT_WIDE else 4)
             assert g.fits(c, 1, k, tiles) and g.fits(c, g.RESIDENT_MAX_ROWS, k, tiles)
             assert not g.fits(c, g.RESIDENT_MAX_ROWS + 1, k, tiles)
-            assert all(g.fits(o, 16, k, tiles) for o in CONFIGS if not o.resident)
+            assert all(g.fits(o, 16, k, tiles) for o in CONFIGS if not (o.resident or o.smem))
     # the row statistics' entries divide every tile, the resident one's included
     for rows in range(1, g.RESIDENT_MAX_ROWS + 1):
         assert all(c.block_n % g.stats_granule(rows) == 0 for c in CONFIGS)
@@ -302,6 +303,30 @@ def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
     for n in (80, 576, 2048, 8192):
         for rows in range(1, g.MAX_ROWS + 1):
             assert rows * g.stats_columns(n, rows) <= g.MAX_ROWS * g.stats_columns(n)
+
+
+def test_a_shared_memory_launch_is_for_plain_tiles_of_3_to_16_rows_that_fit():
+    from ostinato.engine.kernels import gemm_launch as g
+
+    # cached plans name configs by index: the shared-memory shape comes last
+    assert CONFIGS[-1].smem and not any(c.smem for c in CONFIGS[:-1])
+    for k in range(16, 12000, 80):
+        for tiles in (1, 2):
+            for rows in range(1, g.MAX_ROWS + 1):
+                whole = k % 64 == 0  # 4 warps' columns in steps of 16
+                held = (16 + (8 if rows <= 8 else 16)) * 4 * triton_p2(k // 4) * 2
+                fit = tiles == 1 and 3 <= rows and whole and held <= 227 * 1024
+                choice = g.smem_config(k, tiles, rows)
+                assert (choice is not None) == fit, (k, tiles, rows)
+                if choice is None:
+                    assert not g.fits(CONFIGS[-1], rows, k, tiles)
+                    continue
+                c = CONFIGS[choice - 1]
+                # one row-statistics entry a row per program
+                assert c.smem and c.block_n == g.stats_granule(rows)
+                step = g.smem_k_step(k, c.num_warps)
+                assert step in (16, 32, 64) and k % (c.num_warps * step) == 0
+                assert step == 64 or k % (c.num_warps * 2 * step)
 
 
 def triton_p2(k: int) -> int:

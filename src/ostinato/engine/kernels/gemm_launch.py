@@ -48,6 +48,15 @@ RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
 # register file (33 MiB on the H200), so the next kernel could not load its own weight
 # while this one runs.
 RESIDENT_MAX_BYTES = 16 << 20
+# A *shared-memory* launch (``smem_gemm``, Gluon; 3 to 16 rows): each program copies
+# SMEM_N weight rows over the whole of K into shared memory before its PDL wait and
+# multiplies them on tensor cores after it. On the H200 (``benchmarks.smem_gemv``, cold
+# weights) it beat the K loop at 8 and 16 rows for every plain shape tried whose tiles
+# fit (the 1.5 B shape's O 3.54 against 5.71 µs at 8 rows), and the resident launch at 2
+# rows; from 3 rows only, where the row statistics' granule is its tile width.
+SMEM_N = GRANULE
+SMEM_MIN_ROWS = RESIDENT_MAX_ROWS + 1
+SMEM_BYTES = 227 * 1024  # shared memory a program may hold on an H100 or H200
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class GemmConfig:
     block_k: int = 128
     num_stages: int = 3
     resident: bool = False
+    smem: bool = False
 
 
 # The candidates the start-up measurement tries (``gemm_tuning``); a plan entry ``i > 0``
@@ -71,7 +81,8 @@ class GemmConfig:
 # tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
 # lack; 10 to 12 its gate/up shapes, which step 256 columns at a time; 13 to 18 its split
 # shapes with long splits (``k_step``); 19 its unsplit plain shape (``UNSPLIT_STAGES``);
-# 20 and 21 the resident shapes (``resident_config``).
+# 20 and 21 the resident shapes (``resident_config``), 22 the shared-memory shape
+# (``smem_config``).
 CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1),
     GemmConfig(32, 4),
@@ -89,6 +100,7 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(32, 1, num_stages=UNSPLIT_STAGES),
     GemmConfig(RESIDENT_N, 1, num_warps=4, resident=True),
     GemmConfig(RESIDENT_N, 1, num_warps=8, resident=True),
+    GemmConfig(SMEM_N, 1, num_warps=4, smem=True),
 )
 UNSPLIT_K = 1024  # a K this short is read by one program per column tile
 SPLIT_K_COLUMNS = 512  # a longer K is split into pieces of at most this many columns
@@ -170,10 +182,48 @@ def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0, rows: int = 1
 def fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
     """Whether ``config`` may run a projection of ``rows`` rows over ``k`` columns whose
     programs hold ``tiles`` tiles: a resident one only up to ``RESIDENT_MAX_ROWS`` rows
-    and ``RESIDENT_ELEMENTS`` weight elements; any other always."""
+    and ``RESIDENT_ELEMENTS`` weight elements; a shared-memory one only as ``smem_fits``
+    says; any other always."""
+    if config.smem:
+        return smem_fits(config, rows, k, tiles)
     if not config.resident:
         return True
     return rows <= RESIDENT_MAX_ROWS and resident_elements(k, tiles) <= RESIDENT_ELEMENTS
+
+
+def smem_k_step(k: int, warps: int) -> int:
+    """K columns per tensor-core step of a shared-memory launch in ``warps`` warps (each
+    owning ``k / warps`` columns): the most of 64, 32 and 16 that cut a warp's columns
+    evenly, 0 where none does."""
+    return next((s for s in (64, 32, 16) if k % (warps * s) == 0), 0)
+
+
+def smem_bytes(config: GemmConfig, rows: int, k: int) -> int:
+    """Shared memory a program of the shared-memory ``config`` holds at ``rows`` rows:
+    its weight rows and the rows of x (padded to 8 or 16), each warp's columns padded to
+    a power of two."""
+    chunk = 1 << max(k // config.num_warps - 1, 0).bit_length()
+    return (config.block_n + (8 if rows <= 8 else 16)) * config.num_warps * chunk * 2
+
+
+def smem_fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
+    """Whether the shared-memory ``config`` takes ``rows`` rows over ``k`` columns: one
+    tile a program (the plain epilogue; not SwiGLU's or RoPE's two), ``SMEM_MIN_ROWS`` to
+    ``MAX_ROWS`` rows, ``k`` in whole steps, and its tiles within ``SMEM_BYTES``."""
+    return (
+        tiles == 1
+        and SMEM_MIN_ROWS <= rows <= MAX_ROWS
+        and smem_k_step(k, config.num_warps) > 0
+        and smem_bytes(config, rows, k) <= SMEM_BYTES
+    )
+
+
+def smem_config(k: int, tiles: int, rows: int) -> int | None:
+    """The plan entry (1-based into ``CONFIGS``) of the shared-memory launch for ``rows``
+    rows over ``k`` columns of programs with ``tiles`` tiles, or None where it does not
+    fit (``smem_fits``)."""
+    config = GemmConfig(SMEM_N, 1, num_warps=4, smem=True)
+    return CONFIGS.index(config) + 1 if smem_fits(config, rows, k, tiles) else None
 
 
 def rope_head_dim(d: int) -> bool:

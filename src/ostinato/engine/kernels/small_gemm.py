@@ -659,6 +659,9 @@ def _launch(
     sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
     part = _partials(counters, tiles, split_k, n_pad, out)
+    if config.smem:  # PLAIN only (``fits``), no split-K: the Gluon kernel
+        _launch_smem(x, weight, bias, out, config, norm, after, pdl)
+        return
     nw, res, total = _norm_args(x, norm)
     stats, stats_t = _stats_args(x, n, norm, after)
     if after is not None:
@@ -699,6 +702,34 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def _launch_smem(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: GemmConfig,
+    norm: NormPrologue | None,
+    after: ResidualStats | None,
+    pdl: bool,
+) -> None:
+    """A plain projection by the shared-memory launch (``smem_gemm``), after the same
+    checks of the norm and the row statistics as ``_launch``'s."""
+    from ostinato.engine.kernels.smem_gemm import launch_smem
+
+    nw, res, total = _norm_args(x, norm)
+    stats, stats_t = _stats_args(x, weight.shape[0], norm, after)
+    launch_smem(
+        x, weight, bias, out, config,
+        norm=(nw, res, total, norm.eps) if norm is not None else None,
+        stats=(
+            stats, stats_t, norm is not None and norm.stats is not None,
+            norm is not None and norm.residual is not None,
+        ),
+        residual=after.residual if after is not None else None,
+        add_out=after is not None and after.add, pdl=pdl,
     )  # fmt: skip
 
 

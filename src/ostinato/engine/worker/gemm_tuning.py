@@ -179,7 +179,8 @@ def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
 
 def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
     """Plan entries by row count (0 rows: cuBLAS): the resident launch up to
-    ``RESIDENT_MAX_ROWS`` rows where it fits, ``pick_config``'s shape above."""
+    ``RESIDENT_MAX_ROWS`` rows where it fits, the shared-memory launch above where it
+    fits, else ``pick_config``'s shape."""
     from ostinato.engine.kernels import gemm_launch as g
     from ostinato.engine.kernels.launch import num_sms
 
@@ -187,5 +188,6 @@ def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
     choice = g.pick_config(n, k, num_sms(w.device), swiglu)
     tiles, weight_bytes = 2 if swiglu else 1, w.numel() * w.element_size()
     return (0,) + tuple(
-        g.resident_config(k, tiles, weight_bytes, r) or choice for r in range(1, g.MAX_ROWS + 1)
+        g.resident_config(k, tiles, weight_bytes, r) or g.smem_config(k, tiles, r) or choice
+        for r in range(1, g.MAX_ROWS + 1)
     )

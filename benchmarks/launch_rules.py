@@ -17,7 +17,7 @@ weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``), 
 whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``), and whether a step's
 embedding and RoPE rows come from one kernel (``decoder.EMBED_ROPE``), and whether a
 decode graph writes its logits and tokens where replays read them, and whether plain
-projections of 3 to 16 rows hold their weight in shared memory. Each
+projections of 3 to 8 rows hold their weight in shared memory. Each
 rule is set here between runs and restored; the first rule of a set runs again last, so
 drift shows as A against A.
 
@@ -111,8 +111,8 @@ class Rule:
     # whether a decode graph's LM head and argmax write where its replays are read
     # (``ForwardContext.outputs``) or the graph copies their results there
     outputs_in_place: bool = True
-    # whether plain projections of 3 to 16 rows hold their weight in shared memory where
-    # it fits (``gemm_launch.smem_config``) or run the K loop
+    # whether plain projections of 3 to 8 rows (the rule's) hold their weight in shared
+    # memory where it fits (``gemm_launch.smem_config``) or run the K loop
     smem: bool = True
 
 
@@ -121,8 +121,9 @@ class Rule:
 _OLD = dict(attention_waves=2, unsplit_attention_warps=4, split_attention_stages=3)
 _FUSED = dict(weight_bytes=64 * MiB, **_OLD)
 RULES = {
-    # Plain projections (O, down) of 3 to 16 rows with their weight in shared memory
-    # across the PDL wait (``smem_gemm``), or the K loop as before.
+    # Plain projections (O, down) of 3 rows and more with their weight in shared memory
+    # across the PDL wait (``smem_gemm``; up to 16 rows in the first run, 8 since), or
+    # the K loop as before.
     "smem": (
         Rule("shared-memory launch from 3 rows"),
         Rule("K loop from 3 rows", smem=False),

@@ -1,4 +1,4 @@
-"""GPU tests of the small GEMM's shared-memory launch (``smem_gemm``, 3 to 16 rows): its
+"""GPU tests of the small GEMM's shared-memory launch (``smem_gemm``, 3 to 8 rows): its
 products against float32 and against the K loop's launch of the same projection, with
 every prologue and epilogue it takes (the norm, with and without a residual and row
 statistics; the bias; the row statistics out, with and without the sum), in and out of
@@ -14,7 +14,7 @@ BF = dict(device=DEVICE, dtype=torch.bfloat16)
 # (K, N): SmolLM2's O, down and QKV, the 1.5 B shape's O, a width not a whole number of
 # 16-column tiles, a K of 16-column steps (576 = 4 warps x 144)
 SHAPES = [(576, 576), (1536, 576), (576, 960), (2048, 2048), (256, 72)]
-ROWS = [3, 5, 8, 9, 16]
+ROWS = [3, 5, 8]
 
 
 def smem():
@@ -56,7 +56,7 @@ def test_the_product_is_as_close_to_float32_as_the_k_loop(k, n, m, bias):
 
 
 @pytest.mark.parametrize("k, n", SHAPES)
-@pytest.mark.parametrize("m", [3, 8, 16])
+@pytest.mark.parametrize("m", [3, 8])
 @pytest.mark.parametrize("add", [False, True])
 def test_the_row_statistics_out_are_those_of_the_sum_with_the_residual(k, n, m, add):
     from ostinato.engine.kernels import small_gemm as tg
@@ -76,7 +76,7 @@ def test_the_row_statistics_out_are_those_of_the_sum_with_the_residual(k, n, m, 
 
 
 @pytest.mark.parametrize("k, n", [(576, 576), (2048, 2048), (1536, 72)])
-@pytest.mark.parametrize("m", [3, 8, 16])
+@pytest.mark.parametrize("m", [3, 8])
 @pytest.mark.parametrize("residual, read_stats", [(False, False), (True, False), (True, True)])
 def test_the_norm_prologue_norms_as_the_k_loop_does(k, n, m, residual, read_stats):
     from ostinato.engine.kernels import small_gemm as tg

@@ -48,14 +48,19 @@ RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
 # register file (33 MiB on the H200), so the next kernel could not load its own weight
 # while this one runs.
 RESIDENT_MAX_BYTES = 16 << 20
-# A *shared-memory* launch (``smem_gemm``, Gluon; 3 to 16 rows): each program copies
+# A *shared-memory* launch (``smem_gemm``, Gluon; 3 to 8 rows): each program copies
 # SMEM_N weight rows over the whole of K into shared memory before its PDL wait and
 # multiplies them on tensor cores after it. On the H200 (``benchmarks.smem_gemv``, cold
 # weights) it beat the K loop at 8 and 16 rows for every plain shape tried whose tiles
 # fit (the 1.5 B shape's O 3.54 against 5.71 µs at 8 rows), and the resident launch at 2
-# rows; from 3 rows only, where the row statistics' granule is its tile width.
+# rows; from 3 rows only, where the row statistics' granule is its tile width. In the
+# step (``launch_rules --rules smem``, pipelined, A/B/A) it took SmolLM2 at 4 / 8 rows
+# from 0.647 / 0.680 ms to 0.596 / 0.646 and the 1.5 B shape from 0.995 / 1.015 to 0.946
+# / 0.980, but SmolLM2 at 16 rows from 0.738 to 0.794 (its rows pad to 16 there): so up
+# to 8 rows.
 SMEM_N = GRANULE
 SMEM_MIN_ROWS = RESIDENT_MAX_ROWS + 1
+SMEM_MAX_ROWS = 8
 SMEM_BYTES = 227 * 1024  # shared memory a program may hold on an H100 or H200
 
 
@@ -209,10 +214,10 @@ def smem_bytes(config: GemmConfig, rows: int, k: int) -> int:
 def smem_fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
     """Whether the shared-memory ``config`` takes ``rows`` rows over ``k`` columns: one
     tile a program (the plain epilogue; not SwiGLU's or RoPE's two), ``SMEM_MIN_ROWS`` to
-    ``MAX_ROWS`` rows, ``k`` in whole steps, and its tiles within ``SMEM_BYTES``."""
+    ``SMEM_MAX_ROWS`` rows, ``k`` in whole steps, and its tiles within ``SMEM_BYTES``."""
     return (
         tiles == 1
-        and SMEM_MIN_ROWS <= rows <= MAX_ROWS
+        and SMEM_MIN_ROWS <= rows <= SMEM_MAX_ROWS
         and smem_k_step(k, config.num_warps) > 0
         and smem_bytes(config, rows, k) <= SMEM_BYTES
     )

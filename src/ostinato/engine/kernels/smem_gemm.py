@@ -1,4 +1,4 @@
-"""The small GEMM's *shared-memory* launch (``GemmConfig.smem``, 3 to 16 rows), in Gluon,
+"""The small GEMM's *shared-memory* launch (``GemmConfig.smem``, 3 to 8 rows), in Gluon,
 Triton's lower-level dialect, which can hold a tile in shared memory across the PDL wait.
 
 Each program owns ``BLOCK_N`` weight rows over the whole of K:

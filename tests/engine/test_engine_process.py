@@ -3,9 +3,11 @@ submitting, streaming and aborting get their solo tokens; refusals name the fiel
 caller's thread; a child that fails to start, or dies, says so."""
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -93,3 +95,19 @@ def test_a_dead_engine_ends_open_requests_and_refuses_new_ones():
     with pytest.raises(EngineDead):
         engine.submit([1, 2, 3])
     engine.stop()
+
+
+def test_threads_waiting_for_the_child_together_all_see_its_exit_code():
+    # The reader thread (pipe closed) and stop() wait for the child at the same moment; a
+    # loser of two concurrent waitpid calls used to read the exit code as None.
+    process = EngineProcess.__new__(EngineProcess)
+    process._reap_lock = threading.Lock()
+    process._proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.5,))
+    process._proc.start()
+    codes = []
+    waiters = [threading.Thread(target=lambda: codes.append(process._reap(30))) for _ in range(8)]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join(60)
+    assert codes == [0] * 8

@@ -47,6 +47,9 @@ class EngineProcess:
 
     def __init__(self, llm_kwargs: dict[str, Any], describe: bool = True) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
+        # One thread at a time waits for the child: two concurrent waitpid calls let the
+        # loser see ECHILD and report a reaped child as still running (exit code None).
+        self._reap_lock = threading.Lock()
         self._conn, child_end = ctx.Pipe()
         self._proc = ctx.Process(
             target=_child, args=(child_end, llm_kwargs, describe), name="ostinato-engine"
@@ -56,10 +59,9 @@ class EngineProcess:
         try:
             first = self._conn.recv()
         except EOFError:
-            self._proc.join(5)
-            raise EngineDead(f"the engine process exited (code {self._proc.exitcode})") from None
+            raise EngineDead(f"the engine process exited (code {self._reap(5)})") from None
         if first[0] == "failed":
-            self._proc.join(30)
+            self._reap(30)
             raise EngineDead(f"the engine could not start:\n{first[1]}")
         _, self.tokenizer, self.startup = first
         self._ids = itertools.count()
@@ -112,12 +114,18 @@ class EngineProcess:
                 self._send(("stop",))
             except EngineDead:
                 pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
+        code = self._reap(timeout)
+        if code is None:
             self._proc.kill()
-            self._proc.join(5)
+            code = self._reap(5)
         self._conn.close()
-        return self._proc.exitcode == 0
+        return code == 0
+
+    def _reap(self, timeout: float) -> int | None:
+        """Waits up to ``timeout`` s for the child; its exit code, None while it runs."""
+        with self._reap_lock:
+            self._proc.join(timeout)
+            return self._proc.exitcode
 
     def _enqueue(
         self, rid: str, prompt: Prompt, params: SamplingParams | None
@@ -160,8 +168,7 @@ class EngineProcess:
                 else:  # "accepted" (the prompt's ids) or "status"
                     future.set_result(rest[1])
         except (EOFError, OSError):
-            self._proc.join(5)
-            self._dead = EngineDead(f"the engine process exited (code {self._proc.exitcode})")
+            self._dead = EngineDead(f"the engine process exited (code {self._reap(5)})")
             for future in list(self._waiting.values()):
                 future.set_exception(self._dead)
             self._waiting.clear()

@@ -16,8 +16,9 @@ attention's most splits and its key tile where keys are split, and above how man
 weight elements a resident program has 8 warps (``gemm_launch.RESIDENT_WIDE``), and
 whether the LM head is planned (``gemm_tuning.PLAN_LM_HEAD``), and whether a step's
 embedding and RoPE rows come from one kernel (``decoder.EMBED_ROPE``), and whether a
-decode graph writes its logits and tokens where replays read them, and whether plain
-projections of 3 to 8 rows hold their weight in shared memory. Each
+decode graph writes its logits and tokens where replays read them, and whether
+projections of 3 to 8 rows hold their weight in shared memory (plain ones only, or QKV
+and gate/up too). Each
 rule is set here between runs and restored; the first rule of a set runs again last, so
 drift shows as A against A.
 
@@ -26,7 +27,7 @@ drift shows as A against A.
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
 down-splits|down-width|down-steps|qkv-o-splits|attention-trigger|attention-splits|
 prefetch|resident-warps|attention-tile|attention-tile-rule|attention-tile-few|rope-table|
-lm-head|lm-head-tiles|embed-rope|static-outputs|smem]
+lm-head|lm-head-tiles|embed-rope|static-outputs|smem|smem-two]
 [--shape llama-1.5b|smollm2] [--profile]``
 """
 
@@ -111,9 +112,11 @@ class Rule:
     # whether a decode graph's LM head and argmax write where its replays are read
     # (``ForwardContext.outputs``) or the graph copies their results there
     outputs_in_place: bool = True
-    # whether plain projections of 3 to 8 rows (the rule's) hold their weight in shared
-    # memory where it fits (``gemm_launch.smem_config``) or run the K loop
+    # whether projections of 3 to 8 rows (the rule's) hold their weight in shared memory
+    # where it fits (``gemm_launch.smem_config``) or run the K loop; and the most tiles
+    # such a program holds: 2 (QKV with RoPE, gate/up with SwiGLU too) or 1 (plain only)
     smem: bool = True
+    smem_tiles: int = 2
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -127,6 +130,12 @@ RULES = {
     "smem": (
         Rule("shared-memory launch from 3 rows"),
         Rule("K loop from 3 rows", smem=False),
+    ),
+    # QKV (RoPE, the K/V write) and gate/up (SwiGLU) of 3 to 8 rows in shared memory too,
+    # or only the plain projections (O, down) as before.
+    "smem-two": (
+        Rule("QKV and gate/up in shared memory too"),
+        Rule("plain projections only", smem_tiles=1),
     ),
     # A step's embedding rows and RoPE table rows: one kernel launched with PDL, or
     # torch's two lookups (an index-select and an index kernel) as before.
@@ -480,6 +489,10 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((runner, "_static_rows", lambda: (None, None)))
     if not rule.smem:
         settings.append((gemm_launch, "smem_config", lambda *_: None))
+    elif rule.smem_tiles < 2:
+        held = gemm_launch.smem_config
+        fewer = lambda k, tiles, *a: held(k, tiles, *a) if tiles <= rule.smem_tiles else None  # noqa: E731
+        settings.append((gemm_launch, "smem_config", fewer))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
     if rule.eight_split_steps is not None:

@@ -42,10 +42,13 @@ def _reference_norm(x, residual, w, eps):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (2, True), (5, False), (16, False)])
-def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m, resident):
+@pytest.mark.parametrize(
+    "m, held", [(1, False), (1, True), (2, True), (3, True), (5, False), (8, True), (16, False)]
+)
+def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m, held):
+    # held: the weight in registers (resident, up to 2 rows) or shared memory (3 to 8)
     from ostinato.engine.kernels import small_gemm as tg
-    from ostinato.engine.kernels.gemm_launch import pick_config, resident_config
+    from ostinato.engine.kernels.gemm_launch import pick_config, resident_config, smem_config
     from ostinato.engine.kernels.launch import num_sms
 
     torch.manual_seed(m)
@@ -56,10 +59,10 @@ def test_norm_gate_up_swiglu_kernel_matches_the_unfused_ops(shape, m, resident):
     counters = torch.zeros(tg.counters_needed(2 * inter), dtype=torch.int32, device=DEVICE)
     total = torch.empty_like(x)
     choice = pick_config(inter, hidden, num_sms(DEVICE), swiglu=True)
-    if resident:
-        choice = resident_config(hidden, tiles=2)
+    if held:
+        choice = resident_config(hidden, tiles=2) if m <= 2 else smem_config(hidden, 2, m)
     config = tg.CONFIGS[choice - 1]
-    assert config.resident == resident
+    assert config.resident == (held and m <= 2) and config.smem == (held and m > 2)
     prologue = tg.NormPrologue(norm_w, 1e-5, residual, total)
     got = tg.small_gemm(x, w, None, counters, config, True, True, prologue)
     h, want_total = _reference_norm(x, residual, norm_w, 1e-5)
@@ -164,9 +167,11 @@ def _run_qkv(c, counters, split, pdl, eps=1e-5, config=None):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m, resident", [(1, False), (1, True), (2, True), (6, False), (16, False)])
+@pytest.mark.parametrize(
+    "m, held", [(1, False), (1, True), (2, True), (3, True), (6, False), (8, True), (16, False)]
+)
 @pytest.mark.parametrize("qk_norm, bias", [(False, False), (False, True), (True, False)])
-def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, resident, qk_norm, bias):
+def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, held, qk_norm, bias):
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.gemm_launch import rope_config, rope_split_k
     from ostinato.engine.kernels.launch import num_sms
@@ -177,13 +182,13 @@ def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, resident, qk_
     counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
     split = rope_split_k(heads, shape[0], num_sms(DEVICE))
     config = None
-    if resident:  # the launch norm_qkv takes at one or two rows without head norms
+    if held:  # the launch norm_qkv takes at 1 to 8 rows without head norms
         config = rope_config(heads, c["d"], shape[0], num_sms(DEVICE), m)
         if qk_norm:
             with pytest.raises(ValueError, match="head norms"):
                 _run_qkv(c, counters, split, pdl=True, config=config)
             return
-        assert config.resident
+        assert config.resident == (m <= 2) and config.smem == (m > 2)
     q, total = _run_qkv(c, counters, split, pdl=True, config=config)
     want_q, want_k, want_v, want_total = _qkv_reference(c)
     assert torch.equal(total, want_total)
@@ -200,18 +205,23 @@ def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, resident, qk_
     assert counters.count_nonzero() == 0
 
 
-@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("split", [1, 4, 0])
 def test_fused_kernels_in_a_graph_replay_the_eager_bits_on_new_inputs(split):
+    # split 0: the launch norm_qkv takes at 8 rows (the weight in shared memory)
     from ostinato.engine.kernels import small_gemm as tg
+    from ostinato.engine.kernels.gemm_launch import rope_config
+    from ostinato.engine.kernels.launch import num_sms
 
     shape = SHAPES[1]
     c = _qkv_case(shape, 8, False, True)
     heads = c["heads"] + 2 * c["kv_heads"]
     counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
-    _run_qkv(c, counters, split, pdl=True)  # compiles outside the capture
+    config = rope_config(heads, c["d"], shape[0], num_sms(DEVICE), 8) if split == 0 else None
+    assert split or config.smem
+    _run_qkv(c, counters, split, pdl=True, config=config)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_graph, total_graph = _run_qkv(c, counters, split, pdl=True)
+        q_graph, total_graph = _run_qkv(c, counters, split, pdl=True, config=config)
     for seed in range(3):
         torch.manual_seed(100 + seed)
         for name in ("x", "residual"):
@@ -219,7 +229,7 @@ def test_fused_kernels_in_a_graph_replay_the_eager_bits_on_new_inputs(split):
         graph.replay()
         torch.cuda.synchronize()
         k_graph = c["k_cache"].clone()
-        q_eager, total_eager = _run_qkv(c, counters, split, pdl=False)
+        q_eager, total_eager = _run_qkv(c, counters, split, pdl=False, config=config)
         assert torch.equal(q_graph, q_eager) and torch.equal(total_graph, total_eager)
         assert torch.equal(c["k_cache"], k_graph)
 
@@ -268,8 +278,8 @@ def test_a_fused_decode_layer_is_at_most_six_kernels(batch):
     # No projection of a layer is cuBLAS's (the LM head, once a step, may be).
     per_layer = [k.name.lower() for k in census.by_name if k.per_step >= layers]
     gemms = [n for n in per_layer if "nvjet" in n or "cublas" in n or "gemm" in n]
-    # ours: the K loop, and at 3 to 8 rows the shared-memory launch of O and down
-    ours = ["_gemm_kernel", "_smem_gemm_kernel"] if 3 <= batch <= 8 else ["_gemm_kernel"]
+    # ours: the K loop, or at 3 to 8 rows the shared-memory launch of all four
+    ours = ["_smem_gemm_kernel"] if 3 <= batch <= 8 else ["_gemm_kernel"]
     assert sorted(gemms) == ours, names
     # The embedding and RoPE rows come from one kernel (``ostinato::embed_rope``).
     assert "_embed_rope_kernel" in names and not [n for n in names if "indexSelect" in n]

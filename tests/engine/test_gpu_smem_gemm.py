@@ -2,7 +2,8 @@
 products against float32 and against the K loop's launch of the same projection, with
 every prologue and epilogue it takes (the norm, with and without a residual and row
 statistics; the bias; the row statistics out, with and without the sum), in and out of
-a graph, and the launch the default plan picks."""
+a graph, and the launch the default plan picks. Its SwiGLU and RoPE epilogues are tested
+with the fused layers' (``test_gpu_fused_layers``)."""
 
 import pytest
 import torch
@@ -139,16 +140,23 @@ def test_a_graph_replays_the_launch_bitwise_on_new_rows():
         assert torch.equal(got, want) and torch.equal(got_stats, stats)
 
 
-def test_the_default_plan_takes_the_launch_where_it_fits_and_never_for_swiglu():
+def test_the_default_plan_takes_the_launch_where_its_tiles_and_the_weight_fit():
     from ostinato.engine.kernels import gemm_launch as g
     from ostinato.engine.worker.gemm_tuning import _default_plan
 
     smem()
-    for k, n in ((576, 576), (2048, 2048), (8192, 2048)):
-        w = torch.empty(n, k, **BF)
-        plan, swiglu = _default_plan(w, False), _default_plan(torch.empty(2 * n, k, **BF), True)
+    # SmolLM2's O and gate/up, the 1.5 B shape's O, down and gate/up
+    for k, n in ((576, 576), (576, 1536), (2048, 2048), (8192, 2048), (2048, 8192)):
+        w, w2 = torch.empty(n, k, **BF), torch.empty(2 * n, k, **BF)
+        plan, swiglu = _default_plan(w, False), _default_plan(w2, True)
         for m in range(1, g.MAX_ROWS + 1):
-            chosen = g.CONFIGS[plan[m] - 1]
-            assert chosen.smem == (g.smem_config(k, 1, m) is not None), (k, m)
-            assert not g.CONFIGS[swiglu[m] - 1].smem
+            plain_fits = g.smem_config(k, 1, m, n * k * 2) is not None
+            assert g.CONFIGS[plan[m] - 1].smem == plain_fits, (k, m)
+            swiglu_fits = g.smem_config(k, 2, m, 2 * n * k * 2) is not None
+            assert g.CONFIGS[swiglu[m] - 1].smem == swiglu_fits, (k, m)
+            if (k, n) == (576, 1536):  # SmolLM2's gate/up: 3.5 MB
+                assert swiglu_fits == (3 <= m <= 8)
+            if (k, n) == (2048, 8192):  # the 1.5 B shape's: 67 MB, over SMEM_MAX_BYTES
+                assert not swiglu_fits
     assert g.smem_config(8192, 1, 8) is None  # the 1.5 B down: 512 KiB of tiles a program
+    assert g.smem_config(2048, 2, 8) is not None  # its gate/up's tiles fit a program

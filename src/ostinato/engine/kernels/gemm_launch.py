@@ -57,11 +57,21 @@ RESIDENT_MAX_BYTES = 16 << 20
 # step (``launch_rules --rules smem``, pipelined, A/B/A) it took SmolLM2 at 4 / 8 rows
 # from 0.647 / 0.680 ms to 0.596 / 0.646 and the 1.5 B shape from 0.995 / 1.015 to 0.946
 # / 0.980, but SmolLM2 at 16 rows from 0.738 to 0.794 (its rows pad to 16 there): so up
-# to 8 rows.
+# to 8 rows. A program holds one tile (plain) or two (gate/up's SwiGLU, QKV's half heads
+# with RoPE and the K/V write).
 SMEM_N = GRANULE
 SMEM_MIN_ROWS = RESIDENT_MAX_ROWS + 1
 SMEM_MAX_ROWS = 8
 SMEM_BYTES = 227 * 1024  # shared memory a program may hold on an H100 or H200
+# A weight of more bytes streams through the K loop instead: the H200's 132 SMs hold 30
+# MB of shared memory, and programs past it wait for an SM, their copies no longer ahead
+# of their PDL wait (the 1.5 B shape's gate/up, 67 MB, would).
+SMEM_MAX_BYTES = 16 << 20
+
+
+# The small GEMM's epilogues (``small_gemm``): one tile stored (plus the bias), gate/up's
+# ``silu(gate) * up`` of two tiles, a QKV head's two halves with RoPE and the K/V write.
+PLAIN, SWIGLU, ROPE_KV = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -203,32 +213,35 @@ def smem_k_step(k: int, warps: int) -> int:
     return next((s for s in (64, 32, 16) if k % (warps * s) == 0), 0)
 
 
-def smem_bytes(config: GemmConfig, rows: int, k: int) -> int:
+def smem_bytes(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> int:
     """Shared memory a program of the shared-memory ``config`` holds at ``rows`` rows:
-    its weight rows and the rows of x (padded to 8 or 16), each warp's columns padded to
-    a power of two."""
+    its ``tiles`` tiles of weight rows and the rows of x (padded to 8 or 16), each warp's
+    columns padded to a power of two."""
     chunk = 1 << max(k // config.num_warps - 1, 0).bit_length()
-    return (config.block_n + (8 if rows <= 8 else 16)) * config.num_warps * chunk * 2
+    return (tiles * config.block_n + (8 if rows <= 8 else 16)) * config.num_warps * chunk * 2
 
 
 def smem_fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
-    """Whether the shared-memory ``config`` takes ``rows`` rows over ``k`` columns: one
-    tile a program (the plain epilogue; not SwiGLU's or RoPE's two), ``SMEM_MIN_ROWS`` to
+    """Whether the shared-memory ``config`` takes ``rows`` rows over ``k`` columns with
+    ``tiles`` tiles a program (1, or 2 for SwiGLU and RoPE), ``SMEM_MIN_ROWS`` to
     ``SMEM_MAX_ROWS`` rows, ``k`` in whole steps, and its tiles within ``SMEM_BYTES``."""
     return (
-        tiles == 1
+        tiles in (1, 2)
         and SMEM_MIN_ROWS <= rows <= SMEM_MAX_ROWS
         and smem_k_step(k, config.num_warps) > 0
-        and smem_bytes(config, rows, k) <= SMEM_BYTES
+        and smem_bytes(config, rows, k, tiles) <= SMEM_BYTES
     )
 
 
-def smem_config(k: int, tiles: int, rows: int) -> int | None:
+def smem_config(k: int, tiles: int, rows: int, weight_bytes: int = 0) -> int | None:
     """The plan entry (1-based into ``CONFIGS``) of the shared-memory launch for ``rows``
-    rows over ``k`` columns of programs with ``tiles`` tiles, or None where it does not
-    fit (``smem_fits``)."""
+    rows of a projection of ``weight_bytes`` over ``k`` columns whose programs hold
+    ``tiles`` tiles, or None where it does not fit (``smem_fits``) or the weight is over
+    ``SMEM_MAX_BYTES``."""
     config = GemmConfig(SMEM_N, 1, num_warps=4, smem=True)
-    return CONFIGS.index(config) + 1 if smem_fits(config, rows, k, tiles) else None
+    if weight_bytes > SMEM_MAX_BYTES or not smem_fits(config, rows, k, tiles):
+        return None
+    return CONFIGS.index(config) + 1
 
 
 def rope_head_dim(d: int) -> bool:
@@ -257,10 +270,10 @@ def rope_config(
 ) -> GemmConfig:  # fmt: skip
     """The ROPE_KV launch of a QKV projection of ``heads`` heads of ``d`` over ``k``
     columns (``weight_bytes`` in all): resident at ``rows`` up to ``RESIDENT_MAX_ROWS``
-    where ``resident_config`` takes its two half-head tiles (not with ``head_norms``,
-    which need a program per head), else a program per head in ``rope_split_k``
-    splits."""
-    choice = resident_config(k, 2, weight_bytes, rows)
+    where ``resident_config`` takes its two half-head tiles, in shared memory where
+    ``smem_config`` does (neither with ``head_norms``, which need a program per head),
+    else a program per head in ``rope_split_k`` splits."""
+    choice = resident_config(k, 2, weight_bytes, rows) or smem_config(k, 2, rows, weight_bytes)
     if choice is not None and not head_norms:
         return CONFIGS[choice - 1]
     split = rope_split_k(heads, k, sms)

@@ -71,6 +71,9 @@ import triton.language as tl
 from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's launch shapes)
     CONFIGS,
     MAX_ROWS,
+    PLAIN,
+    ROPE_KV,
+    SWIGLU,
     GemmConfig,
     counters_needed,
     fits,
@@ -85,8 +88,6 @@ from ostinato.engine.kernels.pdl import pdl_enter
 PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
 LINE = 64  # 16-bit elements per 128-byte cache line
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
-
-PLAIN, SWIGLU, ROPE_KV = 0, 1, 2  # the epilogues
 
 
 @triton.jit
@@ -630,7 +631,7 @@ def _programs(
     if not fits(config, m, k, 1 if epilogue == PLAIN else 2):
         raise ValueError(f"small_gemm: {config} does not take {m} rows over K = {k}")
     sub = 1
-    if config.resident:
+    if config.resident or config.smem:
         sub = (off2 if epilogue == ROPE_KV else tile_stride) // config.block_n
     return sub, triton.cdiv(n, tile_stride) * sub
 
@@ -659,14 +660,16 @@ def _launch(
     sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
     part = _partials(counters, tiles, split_k, n_pad, out)
-    if config.smem:  # PLAIN only (``fits``), no split-K: the Gluon kernel
-        _launch_smem(x, weight, bias, out, config, norm, after, pdl)
+    tensors, ints, eps = _rope_args(x, rope, norm.eps if norm is not None else 0.0)
+    if config.smem:  # no split-K, no head norms (``rope_config``): the Gluon kernel
+        grid = (tiles, sub, tile_stride, off2)
+        rope_args = (tensors, ints)
+        _launch_smem(x, weight, bias, out, config, epilogue, grid, norm, after, rope_args, pdl)
         return
     nw, res, total = _norm_args(x, norm)
     stats, stats_t = _stats_args(x, n, norm, after)
     if after is not None:
         res = after.residual
-    tensors, ints, eps = _rope_args(x, rope, norm.eps if norm is not None else 0.0)
     # A resident program lets the next kernel launch before its own wait: the next
     # one's weights then load while this one waits (benchmarks.resident_gemv).
     use_pdl = TRIGGER_THEN_WAIT if pdl and config.resident else pdl_arg(pdl)
@@ -711,25 +714,30 @@ def _launch_smem(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: GemmConfig,
+    epilogue: int,
+    grid: tuple[int, int, int, int],
     norm: NormPrologue | None,
     after: ResidualStats | None,
+    rope_args: tuple[tuple[torch.Tensor, ...], tuple[int, ...]],
     pdl: bool,
 ) -> None:
-    """A plain projection by the shared-memory launch (``smem_gemm``), after the same
-    checks of the norm and the row statistics as ``_launch``'s."""
+    """A projection by the shared-memory launch (``smem_gemm``) over ``grid`` (programs,
+    programs per tile, tile stride, second tile's offset) with ``_rope_args``'s tensors
+    and integers, after the same checks of the norm and the row statistics as
+    ``_launch``'s."""
     from ostinato.engine.kernels.smem_gemm import launch_smem
 
     nw, res, total = _norm_args(x, norm)
     stats, stats_t = _stats_args(x, weight.shape[0], norm, after)
     launch_smem(
-        x, weight, bias, out, config,
+        x, weight, bias, out, config, epilogue=epilogue, grid=grid,
         norm=(nw, res, total, norm.eps) if norm is not None else None,
         stats=(
             stats, stats_t, norm is not None and norm.stats is not None,
             norm is not None and norm.residual is not None,
         ),
         residual=after.residual if after is not None else None,
-        add_out=after is not None and after.add, pdl=pdl,
+        add_out=after is not None and after.add, rope=rope_args, pdl=pdl,
     )  # fmt: skip
 
 
@@ -800,14 +808,16 @@ def qkv_rope_kv(
         out = torch.empty(shape, dtype=weight.dtype, device=x.device)
     elif out.shape != shape or out.stride(-1) != 1:
         raise ValueError(f"qkv_rope_kv: out must be {shape} with a contiguous last dim")
-    if config.resident and rope.q_norm is not None:
-        raise ValueError("qkv_rope_kv: the head norms need a program per head, not resident")
+    if (config.resident or config.smem) and rope.q_norm is not None:
+        raise ValueError(
+            "qkv_rope_kv: the head norms need a program per head, not resident or smem"
+        )
     if x.shape[0] == 0:
         return out
     _launch(
         x, weight, bias, counters, out,
         epilogue=ROPE_KV, n=weight.shape[0],
-        config=config if config.resident else replace(config, block_n=d // 2),
+        config=config if config.resident or config.smem else replace(config, block_n=d // 2),
         tile_stride=d, off2=d // 2, norm=norm, rope=rope, pdl=pdl,
     )  # fmt: skip
     return out

@@ -188,6 +188,8 @@ def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
     choice = g.pick_config(n, k, num_sms(w.device), swiglu)
     tiles, weight_bytes = 2 if swiglu else 1, w.numel() * w.element_size()
     return (0,) + tuple(
-        g.resident_config(k, tiles, weight_bytes, r) or g.smem_config(k, tiles, r) or choice
+        g.resident_config(k, tiles, weight_bytes, r)
+        or g.smem_config(k, tiles, r, weight_bytes)
+        or choice
         for r in range(1, g.MAX_ROWS + 1)
     )

@@ -114,9 +114,9 @@ class Rule:
     outputs_in_place: bool = True
     # whether projections of 3 to 8 rows (the rule's) hold their weight in shared memory
     # where it fits (``gemm_launch.smem_config``) or run the K loop; and the most tiles
-    # such a program holds: 2 (QKV with RoPE, gate/up with SwiGLU too) or 1 (plain only)
+    # such a program holds: 1 (plain only) or 2 (QKV with RoPE, gate/up with SwiGLU too)
     smem: bool = True
-    smem_tiles: int = 2
+    smem_tiles: int = gemm_launch.SMEM_MAX_TILES
 
 
 # The sets "steps" and "sizes" were measured before the attention rule changed: they
@@ -131,11 +131,12 @@ RULES = {
         Rule("shared-memory launch from 3 rows"),
         Rule("K loop from 3 rows", smem=False),
     ),
-    # QKV (RoPE, the K/V write) and gate/up (SwiGLU) of 3 to 8 rows in shared memory too,
-    # or only the plain projections (O, down) as before.
+    # Only the plain projections (O, down) of 3 to 8 rows in shared memory, or QKV (RoPE,
+    # the K/V write) and gate/up (SwiGLU) too. Measured first in the other order (two
+    # tiles as A): two tiles were slower at both shapes (``gemm_launch.SMEM_MAX_TILES``).
     "smem-two": (
-        Rule("QKV and gate/up in shared memory too"),
-        Rule("plain projections only", smem_tiles=1),
+        Rule("plain projections only"),
+        Rule("QKV and gate/up in shared memory too", smem_tiles=2),
     ),
     # A step's embedding rows and RoPE table rows: one kernel launched with PDL, or
     # torch's two lookups (an index-select and an index kernel) as before.
@@ -469,6 +470,7 @@ def applied(rule: Rule) -> Iterator[None]:
         (launch, "TRIGGER_FIRST", rule.trigger_first),
         (gemm_launch, "RESIDENT_MAX_ROWS", rule.resident_max_rows),
         (gemm_launch, "RESIDENT_MAX_BYTES", rule.resident_max_bytes),
+        (gemm_launch, "SMEM_MAX_TILES", rule.smem_tiles),
         (gemm_launch, "RESIDENT_WIDE", rule.resident_wide),
         (attention_launch, "EARLY_KEYS", rule.early_keys),
         (attention_launch, "MAX_SPLITS", rule.attention_max_splits),
@@ -489,10 +491,6 @@ def applied(rule: Rule) -> Iterator[None]:
         settings.append((runner, "_static_rows", lambda: (None, None)))
     if not rule.smem:
         settings.append((gemm_launch, "smem_config", lambda *_: None))
-    elif rule.smem_tiles < 2:
-        held = gemm_launch.smem_config
-        fewer = lambda k, tiles, *a: held(k, tiles, *a) if tiles <= rule.smem_tiles else None  # noqa: E731
-        settings.append((gemm_launch, "smem_config", fewer))
     if rule.qkv_splits:
         settings.append((gemm_launch, "rope_split_k", lambda *_: rule.qkv_splits))
     if rule.eight_split_steps is not None:

@@ -57,11 +57,15 @@ RESIDENT_MAX_BYTES = 16 << 20
 # step (``launch_rules --rules smem``, pipelined, A/B/A) it took SmolLM2 at 4 / 8 rows
 # from 0.647 / 0.680 ms to 0.596 / 0.646 and the 1.5 B shape from 0.995 / 1.015 to 0.946
 # / 0.980, but SmolLM2 at 16 rows from 0.738 to 0.794 (its rows pad to 16 there): so up
-# to 8 rows. A program holds one tile (plain) or two (gate/up's SwiGLU, QKV's half heads
-# with RoPE and the K/V write).
+# to 8 rows.
 SMEM_N = GRANULE
 SMEM_MIN_ROWS = RESIDENT_MAX_ROWS + 1
 SMEM_MAX_ROWS = 8
+# Its programs take one tile (plain) or two (gate/up's SwiGLU, QKV's half heads with RoPE
+# and the K/V write), but the rule gives it one: with two, in the step (``launch_rules
+# --rules smem-two``, A/B/A) SmolLM2 at 4 / 8 rows took 0.658 / 0.725 ms against 0.600 /
+# 0.642, the 1.5 B shape (its QKV only) 0.957 / 1.015 against 0.941 / 0.977.
+SMEM_MAX_TILES = 1
 SMEM_BYTES = 227 * 1024  # shared memory a program may hold on an H100 or H200
 # A weight of more bytes streams through the K loop instead: the H200's 132 SMs hold 30
 # MB of shared memory, and programs past it wait for an SM, their copies no longer ahead
@@ -236,10 +240,12 @@ def smem_fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
 def smem_config(k: int, tiles: int, rows: int, weight_bytes: int = 0) -> int | None:
     """The plan entry (1-based into ``CONFIGS``) of the shared-memory launch for ``rows``
     rows of a projection of ``weight_bytes`` over ``k`` columns whose programs hold
-    ``tiles`` tiles, or None where it does not fit (``smem_fits``) or the weight is over
-    ``SMEM_MAX_BYTES``."""
+    ``tiles`` tiles, or None where it does not fit (``smem_fits``), the weight is over
+    ``SMEM_MAX_BYTES`` or the tiles over ``SMEM_MAX_TILES``."""
     config = GemmConfig(SMEM_N, 1, num_warps=4, smem=True)
-    if weight_bytes > SMEM_MAX_BYTES or not smem_fits(config, rows, k, tiles):
+    if tiles > SMEM_MAX_TILES or weight_bytes > SMEM_MAX_BYTES:
+        return None
+    if not smem_fits(config, rows, k, tiles):
         return None
     return CONFIGS.index(config) + 1
 
@@ -271,8 +277,9 @@ def rope_config(
     """The ROPE_KV launch of a QKV projection of ``heads`` heads of ``d`` over ``k``
     columns (``weight_bytes`` in all): resident at ``rows`` up to ``RESIDENT_MAX_ROWS``
     where ``resident_config`` takes its two half-head tiles, in shared memory where
-    ``smem_config`` does (neither with ``head_norms``, which need a program per head),
-    else a program per head in ``rope_split_k`` splits."""
+    ``smem_config`` does (by default it does not: ``SMEM_MAX_TILES``; neither with
+    ``head_norms``, which need a program per head), else a program per head in
+    ``rope_split_k`` splits."""
     choice = resident_config(k, 2, weight_bytes, rows) or smem_config(k, 2, rows, weight_bytes)
     if choice is not None and not head_norms:
         return CONFIGS[choice - 1]

@@ -67,9 +67,10 @@ SMEM_MAX_ROWS = 8
 # 0.642, the 1.5 B shape (its QKV only) 0.957 / 1.015 against 0.941 / 0.977.
 SMEM_MAX_TILES = 1
 SMEM_BYTES = 227 * 1024  # shared memory a program may hold on an H100 or H200
-# A weight of more bytes streams through the K loop instead: the H200's 132 SMs hold 30
-# MB of shared memory, and programs past it wait for an SM, their copies no longer ahead
-# of their PDL wait (the 1.5 B shape's gate/up, 67 MB, would).
+# A weight of more bytes streams through the K loop instead. A bound by reasoning, not
+# measured: the H200's 132 SMs hold 30 MB of shared memory, so programs past it would
+# wait for an SM, their copies no longer ahead of their PDL wait (the 1.5 B shape's
+# gate/up, 67 MB, would). Like RESIDENT_MAX_BYTES it leaves room for the neighbours.
 SMEM_MAX_BYTES = 16 << 20
 
 

@@ -178,9 +178,15 @@ def main() -> None:
         "constructor_s": total,
         "startup": asdict(llm.startup),
         "graphs": llm.capture_report.num_graphs,
-        "piece_compiles": llm.runner.piecewise.stats.piece_compiles if llm.runner.piecewise else 0,
-        "piece_reuses": llm.runner.piecewise.stats.piece_reuses if llm.runner.piecewise else 0,
-        "backend_s": llm.runner.piecewise.stats.seconds if llm.runner.piecewise else 0.0,
+        "piece_compiles": llm.engine.runner.piecewise.stats.piece_compiles
+        if llm.engine.runner.piecewise
+        else 0,
+        "piece_reuses": llm.engine.runner.piecewise.stats.piece_reuses
+        if llm.engine.runner.piecewise
+        else 0,
+        "backend_s": llm.engine.runner.piecewise.stats.seconds
+        if llm.engine.runner.piecewise
+        else 0.0,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         # Every Triton compilation of the start-up (ours and Inductor's), by kernel name.

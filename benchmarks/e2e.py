@@ -332,7 +332,7 @@ def main(argv: list[str]) -> int:
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    from ostinato.engine.api.arguments import parse_mode
+    from ostinato.engine.api.engine_args import parse_mode
 
     for m in args.modes:
         try:

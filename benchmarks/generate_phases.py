@@ -33,6 +33,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from ostinato.engine.worker.step_loop import StepLoop
 
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from benchmarks.generate_profile import generate_seconds
@@ -41,7 +42,6 @@ from ostinato.engine.core.scheduler import Scheduler
 from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.worker.inputs import StepInputs
 from ostinato.engine.worker.runner import ModelRunner
-from ostinato.engine.worker.step_loop import StepLoop
 from ostinato.manager import GraphManager
 from ostinato.provenance import Provenance
 

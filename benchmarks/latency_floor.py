@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from ostinato.engine.kernels.persistent_decode import _grid_exit, _grid_sync
 
 from benchmarks.attention_sweep import Case
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from ostinato.engine.kernels.launch import num_sms
 from ostinato.engine.kernels.paged_attention import paged_attention
 from ostinato.engine.kernels.pdl import pdl_enter
-from ostinato.engine.kernels.persistent_decode import _grid_exit, _grid_sync
 from ostinato.engine.model.config import ModelConfig
 from ostinato.platform.cuda import graph_call_us
 from ostinato.provenance import Provenance

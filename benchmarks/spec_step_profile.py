@@ -85,18 +85,18 @@ def profile(model, dtype, batch, spec, ahead, new_tokens, device):
     llm.generate(prompts, params)  # warm-up
     timers = Timers()
     ahead = llm.verify_ahead_loop
-    timers.wrap(llm.scheduler, "schedule", "schedule")
-    timers.wrap(llm.scheduler, "schedule_ahead", "schedule_ahead")
-    timers.wrap(llm.scheduler, "resolve", "resolve")
-    timers.wrap(llm.runner, "execute", "execute")
+    timers.wrap(llm.engine.scheduler, "schedule", "schedule")
+    timers.wrap(llm.engine.scheduler, "schedule_ahead", "schedule_ahead")
+    timers.wrap(llm.engine.scheduler, "resolve", "resolve")
+    timers.wrap(llm.engine.runner, "execute", "execute")
     if ahead is not None:
         timers.wrap(ahead, "launch_verify", "launch_verify (execute inside)")
         timers.wrap(ahead, "settle", "settle (wait inside)")
-    timers.wrap(llm.loop, "wait_copy", "wait for tokens")
-    timers.wrap(llm.sampler, "verify", "verify (waits)")
+    timers.wrap(llm.engine.loop, "wait_copy", "wait for tokens")
+    timers.wrap(llm.engine.sampler, "verify", "verify (waits)")
     cuda = device == "cuda"
     if cuda:
-        timers.wrap_device(llm.runner, "run_logits")
+        timers.wrap_device(llm.engine.runner, "run_logits")
         torch.cuda.synchronize()
     ahead_before = llm.spec_stats.ahead_steps
     start = time.perf_counter()

@@ -56,20 +56,21 @@ def tp_logits_and_tokens(
         all_reduce=all_reduce,
         micro_batching=micro_batching,
     )
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule()).logits
-    llm.scheduler.abort(reqs)
+    reqs = [llm.engine.scheduler.add(p, SamplingParams()) for p in prompts]
+    logits = llm.engine.runner.execute(llm.engine.scheduler.schedule()).logits
+    llm.engine.scheduler.abort(reqs)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     result = {
         "logits": logits.float().cpu(),
         "tokens": [o.token_ids for o in outs],
-        "ubatched": llm.runner.ubatched_steps,
-        "ubatched_replays": llm.runner.ubatched_replays,
+        "ubatched": llm.engine.runner.ubatched_steps,
+        "ubatched_replays": llm.engine.runner.ubatched_replays,
         "timings": [
-            (t.descriptor.num_tokens, t.plain_ms, t.ubatched_ms) for t in llm.runner.ubatch_timings
+            (t.descriptor.num_tokens, t.plain_ms, t.ubatched_ms)
+            for t in llm.engine.runner.ubatch_timings
         ],
-        "candidates": sorted(d.num_tokens for d in llm.runner.ubatch_candidates),
-        "ubatched_graphs": sorted(d.num_tokens for d in llm.runner.ubatched_graphs),
+        "candidates": sorted(d.num_tokens for d in llm.engine.runner.ubatch_candidates),
+        "ubatched_graphs": sorted(d.num_tokens for d in llm.engine.runner.ubatched_graphs),
     }
     torch.save(result, Path(out) / f"{tag}{rank}.pt")
     if not llm.close():
@@ -343,18 +344,18 @@ def static_ubatch_logits(rank: int, world: int, port: int, model_dir: str, out: 
     # to 65, straddles the split at row 37.
     prompts = [*PROMPTS, [(7 * i + 3) % 500 + 1 for i in range(8)]]
     for p in prompts:
-        llm.scheduler.add(p, SamplingParams())
-    step = llm.scheduler.schedule()
-    descriptor = llm.runner.graphs.dispatch(step.num_tokens).descriptor
-    plain = llm.runner.execute(step).logits.clone()
-    llm.runner.ubatched_graphs = frozenset({descriptor})
-    split = llm.runner.execute(step).logits.clone()
+        llm.engine.scheduler.add(p, SamplingParams())
+    step = llm.engine.scheduler.schedule()
+    descriptor = llm.engine.runner.graphs.dispatch(step.num_tokens).descriptor
+    plain = llm.engine.runner.execute(step).logits.clone()
+    llm.engine.runner.ubatched_graphs = frozenset({descriptor})
+    split = llm.engine.runner.execute(step).logits.clone()
     result = {
         "n": step.num_tokens,
         "plain": plain,
         "split": split,
-        "ubatched": llm.runner.ubatched_steps,
-        "ubatched_replays": llm.runner.ubatched_replays,
+        "ubatched": llm.engine.runner.ubatched_steps,
+        "ubatched_replays": llm.engine.runner.ubatched_replays,
     }
     torch.save(result, Path(out) / f"static{rank}.pt")
     llm.close()
@@ -415,7 +416,7 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
         backend=DenseGraphAttention(),
         micro_batching=MicroBatching(2, 4),
     )
-    runner = llm.runner
+    runner = llm.engine.runner
     result = {
         "timings": [(t.descriptor, t.plain_ms, t.ubatched_ms) for t in runner.ubatch_timings],
         "candidates": runner.ubatch_candidates,

@@ -18,7 +18,7 @@ class StepByStepDraft:
 
     def __init__(self, llm, layers):
         self.llm, self.layers = llm, layers
-        self.inputs = StepInputs(llm.runner.limits, llm.device)
+        self.inputs = StepInputs(llm.engine.runner.limits, llm.device)
 
     def __call__(self, requests, n):
         drafts, current = [[] for _ in requests], [r.output[-1] for r in requests]
@@ -34,14 +34,14 @@ class StepByStepDraft:
             layout = self.inputs.write(step, m)
             meta = StepAttention(
                 self.inputs.metadata(m, layout.query_lens, layout.seq_lens),
-                self.llm.cache,
-                self.llm.runner.backend,
+                self.llm.engine.cache,
+                self.llm.engine.runner.backend,
             )
             with torch.inference_mode(), forward_context(GraphMode.NONE, BatchDescriptor(m), meta):
-                hidden = self.llm.model(
+                hidden = self.llm.engine.model(
                     self.inputs.input_ids[:m], self.inputs.positions[:m], self.layers
                 )
-                tokens = self.llm.model.compute_logits(hidden).argmax(-1).tolist()
+                tokens = self.llm.engine.model.compute_logits(hidden).argmax(-1).tolist()
             for j, t in zip(active, tokens, strict=True):
                 drafts[j].append(t)
                 current[j] = t
@@ -51,7 +51,7 @@ class StepByStepDraft:
 def check_drafts_against(reference, llm):
     """Makes ``llm``'s scheduler draft with both its proposer and ``reference`` and assert
     they agree; returns the list of draft sizes compared (grows as ``llm`` runs)."""
-    loop = llm.scheduler.propose
+    loop = llm.engine.scheduler.propose
     compared = []
 
     def both(requests, n):
@@ -63,5 +63,5 @@ def check_drafts_against(reference, llm):
         assert got == want
         return got
 
-    llm.scheduler.propose = both
+    llm.engine.scheduler.propose = both
     return compared

@@ -33,23 +33,26 @@ def lockstep(eager: LLM, graphs: LLM, tolerance: float, seed: int = 11) -> set[s
     for llm in (eager, graphs):
         r = random.Random(seed)
         for _ in range(12):
-            llm.scheduler.add(
+            llm.engine.scheduler.add(
                 [r.randrange(1, 1000) for _ in range(r.randint(1, 40))],
                 SamplingParams(max_tokens=r.randint(1, 20), ignore_eos=True),
             )
     modes_seen: set[str] = set()
     steps = 0
     while eager.has_work:
-        se, sg = eager.scheduler.schedule(), graphs.scheduler.schedule()
+        se, sg = eager.engine.scheduler.schedule(), graphs.engine.scheduler.schedule()
         assert [s.request.id for s in se.scheduled] == [s.request.id for s in sg.scheduled]
-        dispatch = graphs.runner.graphs.dispatch(sg.num_tokens, sg.uniform_decode)
+        dispatch = graphs.engine.runner.graphs.dispatch(sg.num_tokens, sg.uniform_decode)
         modes_seen.add(dispatch.mode.name)
-        le, lg = eager.runner.execute(se).logits.float(), graphs.runner.execute(sg).logits.float()
+        le, lg = (
+            eager.engine.runner.execute(se).logits.float(),
+            graphs.engine.runner.execute(sg).logits.float(),
+        )
         err = ((lg - le).norm() / le.norm()).item()
         assert err < tolerance, (dispatch, err)
         tokens = le.argmax(-1).tolist()
-        eager.scheduler.update(se, tokens)
-        graphs.scheduler.update(sg, tokens)
+        eager.engine.scheduler.update(se, tokens)
+        graphs.engine.scheduler.update(sg, tokens)
         steps += 1
     assert steps > 10
     return modes_seen

@@ -153,15 +153,12 @@ def test_spec_quick_runs_every_proposer_and_keeps_the_plain_tokens(tmp_path):
     assert main(["spec", "--quick", "--k", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     proposers = {r["proposer"] for r in doc["rows"]}
-    assert proposers == {"none", "ngram", "self:2", "self:2 eager", "oracle", "oracle in turn"}
+    assert proposers == {"none", "ngram", "self:2", "self:2 eager", "oracle"}
     assert all(r["draft_ms_per_call"] > 0 for r in doc["rows"] if r["proposer"].startswith("self"))
     assert all(r["same_tokens_as_plain"] for r in doc["rows"])
     assert all(r["first_difference"] == [-1] * r["batch"] for r in doc["rows"])
     oracle = [r for r in doc["rows"] if r["proposer"].startswith("oracle")]
     assert all(r["acceptance_rate"] == 1.0 and r["target_steps_per_token"] < 0.5 for r in oracle)
-    # Verify steps queued ahead with lookahead, none when each waits for the one before.
-    ahead = {r["proposer"]: r["ahead_steps"] for r in oracle if r["batch"] == 1}
-    assert ahead["oracle"] > 0 and ahead["oracle in turn"] == 0
 
 
 def test_kernel_census_counts_every_launch_and_its_device_time():

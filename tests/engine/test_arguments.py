@@ -3,43 +3,42 @@
 import pytest
 import torch
 
-from ostinato.engine import CacheArgs, GraphArgs, ParallelArgs
-from ostinato.engine.api.arguments import (
-    MAX_CPU_THREADS,
-    available_cores,
-    group_arguments,
-    limit_cpu_threads,
-)
+from ostinato.engine import CacheArgs, EngineArgs, GraphArgs, KernelOptions, ParallelArgs
+from ostinato.engine.api.arguments import MAX_CPU_THREADS, available_cores, limit_cpu_threads
+from ostinato.engine.api.engine_args import cli_fields
 
 
 def test_plain_keywords_land_in_their_group():
-    cache, graphs, parallel = group_arguments(
-        None, None, None, {"max_model_len": 64, "mode": "full", "tensor_parallel_size": 2}
+    args = EngineArgs.build(
+        "tiny", max_model_len=64, mode="full", tensor_parallel_size=2, pdl=False, seed=3
     )
-    assert cache == CacheArgs(max_model_len=64)
-    assert graphs == GraphArgs(mode="full")
-    assert parallel == ParallelArgs(tensor_parallel_size=2)
+    assert args.model == "tiny" and args.seed == 3
+    assert args.cache == CacheArgs(max_model_len=64)
+    assert args.graphs == GraphArgs(mode="full")
+    assert args.parallel == ParallelArgs(tensor_parallel_size=2)
+    assert args.kernels == KernelOptions(pdl=False)
 
 
-def test_groups_pass_through_and_every_field_has_one_group():
-    given = (CacheArgs(block_size=32), GraphArgs(max_capture_size=8), ParallelArgs())
-    assert group_arguments(*given, {}) == given
-    names = [f for cls in (CacheArgs, GraphArgs, ParallelArgs) for f in cls.__dataclass_fields__]
-    assert len(names) == len(set(names))
+def test_groups_pass_through_and_every_field_has_one_home():
+    given = dict(cache=CacheArgs(block_size=32), graphs=GraphArgs(max_capture_size=8))
+    args = EngineArgs.build(**given)
+    assert (args.cache, args.graphs) == (given["cache"], given["graphs"])
+    names = [f.name for _, f in cli_fields()]
+    assert len(names) == len(set(names)), "a flag per field, each field once"
 
 
 @pytest.mark.parametrize(
-    "args, keywords, message",
+    "given, message",
     [
-        ((None, None, None), {"max_modle_len": 64}, "unexpected keyword argument 'max_modle_len'"),
-        ((CacheArgs(), None, None), {"max_model_len": 64}, "max_model_len: given as a keyword"),
-        ((GraphArgs(), None, None), {}, "expected a CacheArgs, got GraphArgs"),
-        ((None, {"mode": "full"}, None), {}, "expected a GraphArgs, got dict"),
+        ({"max_modle_len": 64}, "unexpected keyword argument 'max_modle_len'"),
+        ({"cache": CacheArgs(), "max_model_len": 64}, "max_model_len: given as a keyword"),
+        ({"cache": GraphArgs()}, "cache: expected a CacheArgs, got GraphArgs"),
+        ({"graphs": {"mode": "full"}}, "graphs: expected a GraphArgs, got dict"),
     ],
 )
-def test_bad_arguments_are_named(args, keywords, message):
+def test_bad_arguments_are_named(given, message):
     with pytest.raises(TypeError, match=message):
-        group_arguments(*args, keywords)
+        EngineArgs.build(**given)
 
 
 def test_the_llm_refuses_a_misspelt_keyword_before_loading_anything():

@@ -285,11 +285,11 @@ def test_the_engine_replays_decode_graphs_with_updated_lengths_on_the_npu_platfo
     engine_on(monkeypatch, platform)
     with use_platform(platform):
         llm = engine("full", AscendAttention(), async_scheduling=async_scheduling)
-        assert llm.async_scheduling is async_scheduling
+        assert llm.engine.async_scheduling is async_scheduling
         # Uniform single-token decode graphs only: the backend's support level.
         assert llm.mode.name == "FULL_DECODE_ONLY"
         layers = llm.config.num_layers
-        graphs = llm.runner.manager._full.entries
+        graphs = llm.engine.runner.manager._full.entries
         assert graphs and all(len(e.tasks) == layers for e in graphs.values())
         for b in (1, 3, 5):
             start = len(fake.log)

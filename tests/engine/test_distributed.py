@@ -45,9 +45,9 @@ def test_tensor_parallel_shards_compute_the_unsharded_model(arch, overrides, tmp
     out.mkdir()
     mp.spawn(tp_logits_and_tokens, args=(2, free_port(), str(model_dir), str(out)), nprocs=2)
     single = engine(str(model_dir), "cpu", "none", torch.float32)
-    reqs = [single.scheduler.add(p, SamplingParams()) for p in PROMPTS]
-    want = single.runner.execute(single.scheduler.schedule()).logits
-    single.scheduler.abort(reqs)
+    reqs = [single.engine.scheduler.add(p, SamplingParams()) for p in PROMPTS]
+    want = single.engine.runner.execute(single.engine.scheduler.schedule()).logits
+    single.engine.scheduler.abort(reqs)
     tokens = [
         o.token_ids for o in single.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     ]
@@ -161,7 +161,7 @@ def test_llm_starts_and_drives_its_own_workers(llama_dir):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = [o.token_ids for o in spawned(llama_dir).generate(PROMPTS, params)]
     llm = spawned(llama_dir, tp=2)
-    workers = list(llm.workers.procs.values())
+    workers = list(llm.peers.workers.procs.values())
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
     assert [o.token_ids for o in llm.generate(PROMPTS[::-1], params)] == want[::-1]
     with pytest.raises(ParallelError, match="use generate"):
@@ -179,8 +179,6 @@ def test_a_served_tensor_parallel_engine_answers_as_one_process(llama_dir):
     assert served_tokens(llm, prompts[::-1], params) == want[::-1]  # a second session
     # Serving ended with every rank's scheduler in the same state: generate pairs up.
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    with pytest.raises(ParallelError, match="use `with llm.serving"):
-        llm.steps()
     assert llm.close()
 
 
@@ -267,7 +265,7 @@ def test_micro_batched_tensor_parallel_steps_equal_plain_ones(llama_dir):
     policy = MicroBatching(decode_threshold=4, prefill_threshold=8)
     llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, micro_batching=policy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.runner.ubatched_steps > 0
+    assert llm.engine.runner.ubatched_steps > 0
     llm.close()
 
 
@@ -283,7 +281,7 @@ def test_micro_batching_under_data_parallelism_equals_plain(llama_dir):
     policy = MicroBatching(decode_threshold=2, prefill_threshold=8)
     llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, dp=2, micro_batching=policy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.runner.ubatched_steps > 0
+    assert llm.engine.runner.ubatched_steps > 0
     llm.close()
 
 

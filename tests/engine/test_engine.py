@@ -33,7 +33,9 @@ def test_preemption_loses_nothing_and_changes_nothing():
 
 def test_preemption_happened_with_tight_cache():
     llm = tiny(num_blocks=5, max_model_len=64)
-    reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS]
+    reqs = [
+        llm.engine.scheduler.add(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS
+    ]
     while llm.has_work:
         llm.step()
     assert sum(r.num_preemptions for r in reqs) > 0
@@ -83,13 +85,13 @@ def test_a_prompt_over_the_token_budget_is_prefilled_in_chunks():
     roomy = tiny(max_model_len=256).generate(prompts, greedy)
     llm = tiny(max_model_len=256, max_num_batched_tokens=24)
     steps = []
-    real_step = llm.runner.execute
+    real_step = llm.engine.runner.execute
 
     def spy(step, *rest):
         steps.append(step.num_tokens)
         return real_step(step, *rest)
 
-    llm.runner.execute = spy
+    llm.engine.runner.execute = spy
     chunked = llm.generate(prompts, greedy)
     assert max(steps) <= 24 and sum(steps) > 100
     assert [o.token_ids for o in chunked] == [o.token_ids for o in roomy]
@@ -188,20 +190,22 @@ def test_engine_on_cpu_runs_none_mode_with_reason():
 
 def test_decode_steps_compute_logits_and_greedy_tokens_in_the_step_itself():
     llm = tiny(dtype="bfloat16")
-    reqs = [llm.scheduler.add(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS]
-    prefill = llm.scheduler.schedule()
-    out = llm.runner.execute(prefill)
+    reqs = [
+        llm.engine.scheduler.add(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS
+    ]
+    prefill = llm.engine.scheduler.schedule()
+    out = llm.engine.runner.execute(prefill)
     assert out.greedy is None  # a mixed step: the LM head runs after it
     logits = out.logits
-    llm.scheduler.update(prefill, logits.argmax(-1).tolist())
-    decode = llm.scheduler.schedule()
+    llm.engine.scheduler.update(prefill, logits.argmax(-1).tolist())
+    decode = llm.engine.scheduler.schedule()
     assert decode.uniform_decode
-    out = llm.runner.execute(decode)
+    out = llm.engine.runner.execute(decode)
     logits = out.logits
     assert logits.shape == (len(decode.scheduled), llm.config.vocab_size)
     assert logits.dtype == torch.bfloat16  # the model's: no float32 cast in the step
     assert torch.equal(out.greedy, logits.argmax(-1))
-    llm.scheduler.abort(reqs)
+    llm.engine.scheduler.abort(reqs)
 
 
 def test_every_key_a_step_writes_is_within_its_new_keys_bound():
@@ -210,7 +214,7 @@ def test_every_key_a_step_writes_is_within_its_new_keys_bound():
     # prefills, mixed steps and decodes alike, eagerly on the CPU.
     llm = tiny(max_model_len=256, max_num_batched_tokens=24)
     seen = []
-    backend = llm.runner.backend
+    backend = llm.engine.runner.backend
 
     class Spy:
         graph_support, applies_rope = backend.graph_support, backend.applies_rope
@@ -222,7 +226,7 @@ def test_every_key_a_step_writes_is_within_its_new_keys_bound():
             seen.append((meta.positions.tolist(), meta.token_req.tolist(), meta.new_keys))
             return backend(q, k_cache, v_cache, meta, *rest)
 
-    llm.runner.backend = Spy()
+    llm.engine.runner.backend = Spy()
     prompts = [list(range(1, 40)), [5, 6, 7], list(range(2, 20))]
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert seen

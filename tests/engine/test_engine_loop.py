@@ -113,7 +113,7 @@ def test_bad_requests_are_refused_in_the_callers_thread(llm):
 
 def test_a_failing_step_ends_its_requests_and_the_loop_serves_on(llm, monkeypatch):
     loop = EngineLoop(llm)
-    real_launch = llm.loop.launch
+    real_launch = llm.engine.loop.launch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -122,7 +122,7 @@ def test_a_failing_step_ends_its_requests_and_the_loop_serves_on(llm, monkeypatc
             raise RuntimeError("device said no")
         return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(llm.loop, "launch", flaky)
+    monkeypatch.setattr(llm.engine.loop, "launch", flaky)
     doomed = loop.submit([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
     with pytest.raises(RuntimeError, match="device said no"):
         list(doomed)

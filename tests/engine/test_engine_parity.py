@@ -85,10 +85,10 @@ def test_last_token_logits_match_hf(checkpoint):
     arch, hf, path = checkpoint
     llm = _llm(path)
     prompts = [[1, 5, 9, 200, 3], [7], [(13 * i + 5) % 512 for i in range(150)]]
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    step = llm.scheduler.schedule()
+    reqs = [llm.engine.scheduler.add(p, SamplingParams()) for p in prompts]
+    step = llm.engine.scheduler.schedule()
     assert [s.request for s in step.scheduled] == reqs
-    ours = llm.runner.execute(step).logits
+    ours = llm.engine.runner.execute(step).logits
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0, -1].float()

@@ -54,11 +54,11 @@ def test_fused_and_unfused_layers_generate_the_same_tokens(rope_in_backend):
     kw = dict(device="cpu", dtype=torch.float32, max_model_len=96, progress=False)
     backend = TorchAttention(applies_rope=rope_in_backend)
     fused = LLM("tiny", backend=backend, **kw)
-    assert all(layer.fused for layer in fused.model.layers)  # the default
+    assert all(layer.fused for layer in fused.engine.model.layers)  # the default
     unfused = LLM(
         "tiny", backend=TorchAttention(applies_rope=rope_in_backend), kernels=UNFUSED, **kw
     )
-    assert not any(layer.fused for layer in unfused.model.layers)
+    assert not any(layer.fused for layer in unfused.engine.model.layers)
     assert _tokens(fused) == _tokens(unfused)
 
 

@@ -82,11 +82,11 @@ def test_exception_in_the_middle_of_a_step_aborts_the_call(llm, monkeypatch):
             raise RuntimeError("device fell over")
         return real(step, *rest)
 
-    real = llm.runner.execute
-    monkeypatch.setattr(llm.runner, "execute", failing)
+    real = llm.engine.runner.execute
+    monkeypatch.setattr(llm.engine.runner, "execute", failing)
     with pytest.raises(RuntimeError, match="fell over"):
         llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=10, ignore_eos=True))
-    monkeypatch.setattr(llm.runner, "execute", real)
+    monkeypatch.setattr(llm.engine.runner, "execute", real)
     assert_clean_and_working(llm)
 
 
@@ -125,7 +125,7 @@ def test_max_model_len_beyond_the_models_positions():
         },
     }
     llm = LLM(scaled, device="cpu", max_model_len=4096, max_num_seqs=1, progress=False)
-    assert llm.scheduler.max_model_len == 4096
+    assert llm.engine.scheduler.max_model_len == 4096
 
 
 def test_num_blocks_too_small_for_one_sequence():

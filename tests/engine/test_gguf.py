@@ -27,15 +27,15 @@ def test_config_read_from_gguf_metadata(ours):
     c = ours.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (30, 576, 9, 3)
     assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (49152, 100000.0, True)
-    assert ours.scheduler.eos_token_ids == {2}
+    assert ours.engine.scheduler.eos_token_ids == {2}
 
 
 def test_logits_match_transformers_on_the_same_file(ours, theirs):
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS] + [ours.chat_prompt(QUESTION)]
-    reqs = [ours.scheduler.add(p, SamplingParams()) for p in prompts]
-    step = ours.scheduler.schedule()
-    logits = ours.runner.execute(step).logits
-    ours.scheduler.abort(reqs)
+    reqs = [ours.engine.scheduler.add(p, SamplingParams()) for p in prompts]
+    step = ours.engine.scheduler.schedule()
+    logits = ours.engine.runner.execute(step).logits
+    ours.engine.scheduler.abort(reqs)
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = theirs(torch.tensor([p])).logits[0, -1].float()

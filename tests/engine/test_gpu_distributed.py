@@ -36,9 +36,9 @@ def model_dir(tmp_path_factory):
 
 def one_gpu(model_dir, mode, dtype):
     llm = engine(str(model_dir), "cuda", mode, dtype)
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in PROMPTS]
-    logits = llm.runner.execute(llm.scheduler.schedule()).logits
-    llm.scheduler.abort(reqs)
+    reqs = [llm.engine.scheduler.add(p, SamplingParams()) for p in PROMPTS]
+    logits = llm.engine.runner.execute(llm.engine.scheduler.schedule()).logits
+    llm.engine.scheduler.abort(reqs)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     return logits.float().cpu(), [o.token_ids for o in outs]
 

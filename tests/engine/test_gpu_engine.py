@@ -230,8 +230,8 @@ def test_logits_match_hf_in_bf16(llama_dir, mode):
     llm = LLM(llama_dir, mode=mode, max_model_len=256, max_num_seqs=8, progress=False)
     prompts = [[1, 5, 9, 200, 3], [7], list(range(10, 60))]
     for p in prompts:
-        llm.scheduler.add(p, SamplingParams())
-    ours = llm.runner.execute(llm.scheduler.schedule()).logits
+        llm.engine.scheduler.add(p, SamplingParams())
+    ours = llm.engine.runner.execute(llm.engine.scheduler.schedule()).logits
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = hf(torch.tensor([p], device=DEVICE)).logits[0, -1].float()
@@ -259,10 +259,10 @@ def test_padded_rows_never_touch_real_kv():
     # null block (0), which padding rows write and nothing reads.
     eager, _ = _tokens("none", torch.float32)
     full, _ = _tokens("full", torch.float32)
-    for layer in range(len(eager.cache.k)):
+    for layer in range(len(eager.engine.cache.k)):
         for a, b in (
-            (eager.cache.k[layer], full.cache.k[layer]),
-            (eager.cache.v[layer], full.cache.v[layer]),
+            (eager.engine.cache.k[layer], full.engine.cache.k[layer]),
+            (eager.engine.cache.v[layer], full.engine.cache.v[layer]),
         ):
             torch.testing.assert_close(a[1:], b[1:], atol=1e-5, rtol=1e-5)
 
@@ -310,7 +310,7 @@ def sampled(llm: LLM, b: int) -> list[list[int]]:
 
 def count_graph_samples(llm: LLM) -> list[int]:
     """The rows of each step sampled inside a graph, appended as ``llm`` runs."""
-    rows, inner = [], llm.sampler.graph_sampler.sample
+    rows, inner = [], llm.engine.sampler.graph_sampler.sample
 
     def counting(padded, temperatures, top_ps):
         tokens = inner(padded, temperatures, top_ps)
@@ -318,7 +318,7 @@ def count_graph_samples(llm: LLM) -> list[int]:
             rows.append(len(tokens))
         return tokens
 
-    llm.sampler.graph_sampler.sample = counting
+    llm.engine.sampler.graph_sampler.sample = counting
     return rows
 
 

@@ -331,7 +331,9 @@ def test_engine_greedy_tokens_with_and_without_fused_layers_agree():
     unfused = tiny_engine(
         "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(fused_layers=False)
     )
-    assert fused.runner.kernels.fused_layers and not unfused.runner.kernels.fused_layers
+    assert (
+        fused.engine.runner.kernels.fused_layers and not unfused.engine.runner.kernels.fused_layers
+    )
     lockstep(unfused, fused, tolerance=3e-2)
     unfused32 = KernelOptions(fused_layers=False)
     fp32 = [tiny_engine("full_and_piecewise", torch.float32, kernels=k) for k in (None, unfused32)]

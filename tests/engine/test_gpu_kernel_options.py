@@ -204,13 +204,19 @@ def test_engine_with_pdl_and_small_gemm_follows_the_plain_engine():
         "full_and_piecewise", torch.bfloat16, kernels=KernelOptions(pdl=True, small_gemm=True)
     )
     # Plans measured now, or read from the compile cache a previous run filled.
-    assert tuned.runner.kernels.small_gemm and any(any(x.plan) for x, _ in tuned.model.linears())
+    assert tuned.engine.runner.kernels.small_gemm and any(
+        any(x.plan) for x, _ in tuned.engine.model.linears()
+    )
     # One options object reaches every module that launches a kernel, and the backend.
     from ostinato.engine.model.decoder import Attention, Mlp, RMSNorm
 
-    launching = [m for m in tuned.model.modules() if isinstance(m, (Attention, RMSNorm, Mlp))]
-    assert tuned.model.kernels.pdl and all(m.kernels is tuned.model.kernels for m in launching)
-    assert tuned.runner.backend.pdl and not plain.runner.backend.pdl
+    launching = [
+        m for m in tuned.engine.model.modules() if isinstance(m, (Attention, RMSNorm, Mlp))
+    ]
+    assert tuned.engine.model.kernels.pdl and all(
+        m.kernels is tuned.engine.model.kernels for m in launching
+    )
+    assert tuned.engine.runner.backend.pdl and not plain.engine.runner.backend.pdl
     assert lockstep(plain, tuned, tolerance=2e-2) >= {"FULL", "PIECEWISE"}
 
 

@@ -38,7 +38,7 @@ def hog_all_but(keep_bytes):
 def test_kv_cache_is_sized_from_free_memory_and_capped_at_what_can_be_used():
     llm = small(mode="full")
     plan = llm.memory
-    assert plan is not None and plan.num_blocks == llm.cache.num_blocks
+    assert plan is not None and plan.num_blocks == llm.engine.cache.num_blocks
     assert plan.num_blocks == 4 * 8 + 1  # every sequence at max_model_len, no more
     # The reserve for graphs is checked against what the capture took, both numbers kept.
     check = llm.graph_memory

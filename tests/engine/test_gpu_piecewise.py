@@ -18,10 +18,13 @@ def test_greedy_tokens_identical_to_eager_fp32(mode):
     eager = _engine("none", torch.float32)
     graphs = _engine(mode, torch.float32)
     assert graphs.mode.name == mode.upper()
-    assert graphs.runner.piecewise is not None and graphs.runner.piecewise.stats.compiles == 1
+    assert (
+        graphs.engine.runner.piecewise is not None
+        and graphs.engine.runner.piecewise.stats.compiles == 1
+    )
     assert greedy_tokens(graphs) == greedy_tokens(eager)
-    assert graphs.runner.piecewise.stats.compiles == 1, "one compilation for every size"
-    assert graphs.runner.piecewise.num_graphs > 0
+    assert graphs.engine.runner.piecewise.stats.compiles == 1, "one compilation for every size"
+    assert graphs.engine.runner.piecewise.num_graphs > 0
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
@@ -36,6 +39,6 @@ def test_logits_match_eager_bf16_random_mixes(mode):
 def test_default_engine_mode_on_cuda_is_full_and_piecewise():
     llm = LLM("tiny", max_model_len=128, max_num_seqs=4, max_capture_size=16, progress=False)
     assert llm.mode.name == "FULL_AND_PIECEWISE"
-    assert llm.runner.compile_seconds > 0
+    assert llm.engine.runner.compile_seconds > 0
     report = llm.capture_report
     assert {r.mode.name for r in report.records} == {"FULL", "PIECEWISE"}

@@ -9,6 +9,7 @@ import pytest
 import torch
 from smollm2 import PROMPTS, QUESTION, gguf_path, hf_model
 
+from benchmarks.spec import OracleProposer
 from ostinato.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -54,9 +55,9 @@ def _prompts(llm):
 
 def _batched_logits(llm, prompts):
     """The last-token logits of every prompt, prefilled together in one step."""
-    reqs = [llm.scheduler.add(p, SamplingParams()) for p in prompts]
-    logits = llm.runner.execute(llm.scheduler.schedule()).logits
-    llm.scheduler.abort(reqs)
+    reqs = [llm.engine.scheduler.add(p, SamplingParams()) for p in prompts]
+    logits = llm.engine.runner.execute(llm.engine.scheduler.schedule()).logits
+    llm.engine.scheduler.abort(reqs)
     return list(logits)
 
 
@@ -118,12 +119,12 @@ def test_piecewise_prefill_logits_match_transformers(dtype):
     assert len(prompts) >= 3
     logits = []
     for p in prompts:
-        req = llm.scheduler.add(p, SamplingParams())
-        step = llm.scheduler.schedule()
-        dispatch = llm.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
+        req = llm.engine.scheduler.add(p, SamplingParams())
+        step = llm.engine.scheduler.schedule()
+        dispatch = llm.engine.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
         assert dispatch.mode is GraphMode.PIECEWISE
-        logits.append(llm.runner.execute(step).logits[0])
-        llm.scheduler.abort([req])
+        logits.append(llm.engine.runner.execute(step).logits[0])
+        llm.engine.scheduler.abort([req])
     if dtype is torch.bfloat16:
         assert_bf16_as_close_as_transformers_bf16(logits, prompts)
     else:
@@ -160,7 +161,7 @@ def test_greedy_with_speculation_equals_plain_on_smollm2(greedy_outputs, propose
     prompts = greedy_outputs["prompts"]
     if proposer == "oracle":
         known = dict(zip(map(tuple, prompts), plain, strict=True))
-        spec = SpeculativeConfig("oracle", k, oracle=known)
+        spec = SpeculativeConfig("custom", k, proposer=OracleProposer(known))
     else:
         spec = SpeculativeConfig.parse(proposer, k)
     llm = engine(mode, speculative=spec)

@@ -93,6 +93,6 @@ def test_a_failed_background_capture_leaves_the_engine_serving(monkeypatch):
     llm = engine(mode="full", capture="background")
     assert not llm.wait_for_graphs(timeout=120)
     assert "injected failure" in llm.background.summary()
-    assert llm.capture_report.num_graphs == 0 or llm.runner.manager.num_graphs == 0
+    assert llm.capture_report.num_graphs == 0 or llm.engine.runner.manager.num_graphs == 0
     assert greedy(llm, ps) == want  # eager, and right
     closed(llm)

@@ -11,6 +11,7 @@ import torch
 from fakes import DenseGraphAttention, FakePlatform, copies_into, engine_on
 from workloads import preempting_mix, sync_and_async_outputs
 
+from benchmarks.spec import OracleProposer
 from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import TorchAttention
@@ -65,7 +66,7 @@ def test_fake_graphs_replay_decode_steps_and_match_eager(fake_graphs):
 
 def test_decode_graphs_write_their_logits_and_tokens_where_replays_read_them(fake_graphs):
     llm = engine("full_decode_only", max_capture_size=8)
-    manager = llm.runner.manager
+    manager = llm.engine.runner.manager
     logits, greedy = manager.outputs.buffers  # [rows, vocab], [rows]
     graphs = [manager.graph(r.descriptor) for r in llm.capture_report.records]
     assert len(graphs) == 4 and all(g.ops for g in graphs)
@@ -85,7 +86,7 @@ def test_speculative_verify_graphs_equal_plain_decoding_at_several_batch_sizes(
     plain = tokens(engine("none", backend=None), prompts, params)
     known = {tuple(p): t for p, t in zip(prompts, plain, strict=True)}
     spec = (
-        SpeculativeConfig("oracle", 4, oracle=known)
+        SpeculativeConfig("custom", 4, proposer=OracleProposer(known))
         if method == "oracle"
         else SpeculativeConfig.parse(method, 4)
     )
@@ -121,7 +122,7 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     # fake graph's recorder cannot run under Dynamo)
     eager = sampled_tokens(engine("none", seed=11), 8)
     llm = engine(mode, seed=11)
-    sampler = llm.sampler.graph_sampler
+    sampler = llm.engine.sampler.graph_sampler
     assert sampler is not None and sorted(sampler.graphs) == [1, 2, 4, 8]
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
@@ -139,7 +140,7 @@ def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs
     llm = engine("full_decode_only")
     prompts, params = workload(n=4)
     tokens(llm, prompts, params)  # greedy: the decode graph's argmax, no second replay
-    assert all(g.replays == 0 for g, _ in llm.sampler.graph_sampler.graphs.values())
+    assert all(g.replays == 0 for g, _ in llm.engine.sampler.graph_sampler.graphs.values())
     spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
     assert spec.sampler.graph_sampler is None  # verification samples its 1 + k rows itself
     assert engine("full").sampler.graph_sampler is None  # no uniform decode graphs
@@ -165,7 +166,7 @@ def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_gr
         llm = engine("full_decode_only", num_blocks=10, async_scheduling=asyn, seed=4)
         outs = llm.generate(prompts, mixed)
         assert llm.num_preemptions > 0
-        assert sum(g.replays for g, _ in llm.sampler.graph_sampler.graphs.values()) > 0
+        assert sum(g.replays for g, _ in llm.engine.sampler.graph_sampler.graphs.values()) > 0
         assert [outs[i].token_ids for i in greedy] == want
 
 
@@ -256,11 +257,11 @@ def test_replanned_graphs_pad_less_within_budget_and_keep_the_tokens(fake_graphs
     prompts, params = workload(n=3)
     want = tokens(engine("none", backend=None), prompts, params)
     llm = engine("full", max_capture_size=16)
-    before = llm.runner.manager.dispatcher.sizes
+    before = llm.engine.runner.manager.dispatcher.sizes
     for b in (1, 3, 3, 1):
         assert tokens(llm, prompts[:b], params) == want[:b]
     change = llm.replan_graphs(4 * 1024, granule=1024)
-    sizes = llm.runner.manager.dispatcher.sizes
+    sizes = llm.engine.runner.manager.dispatcher.sizes
     assert change is not None and change.padded_after <= change.padded_before
     assert len(sizes) <= 4 < len(before) and sizes[-1] == before[-1] == 16
     assert tokens(llm, prompts, params) == want  # (a prefill of 3 prompts is above 16)

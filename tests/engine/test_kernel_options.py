@@ -111,9 +111,9 @@ def test_engine_refuses_kernels_of_the_wrong_type():
 
 def test_engine_on_cpu_accepts_options_and_turns_them_off():
     llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
-    assert llm.runner.kernels == KernelOptions(pdl=False)
-    assert llm.runner.gemm_timings == []
-    assert all(linear.plan == () for linear, _ in llm.model.linears())
+    assert llm.engine.runner.kernels == KernelOptions(pdl=False)
+    assert llm.engine.runner.gemm_timings == []
+    assert all(linear.plan == () for linear, _ in llm.engine.model.linears())
 
 
 def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
@@ -135,8 +135,8 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(mode="none", compiler="eager", progress=False, seed=1)
     ahead = LLM("tiny", kernels=KernelOptions(compile_ahead=True), **kw)
-    assert entered == [True] and ahead.runner.compile_seconds > 0
-    assert ahead.runner.compile() == 0.0 and entered == [True]  # once per runner
+    assert entered == [True] and ahead.engine.runner.compile_seconds > 0
+    assert ahead.engine.runner.compile() == 0.0 and entered == [True]  # once per runner
     plain = LLM("tiny", **kw)
     assert entered == [True]
     assert [o.token_ids for o in ahead.generate(prompts, params)] == [
@@ -267,28 +267,3 @@ def test_rope_epilogue_takes_power_of_two_heads_of_at_least_32_dims():
     from ostinato.engine.kernels.gemm_launch import rope_head_dim
 
     assert [d for d in range(1, 300) if rope_head_dim(d)] == [32, 64, 128, 256]
-
-
-def test_persistent_layers_are_opt_in_and_off_where_they_cannot_run():
-    assert not KernelOptions().persistent_layers
-    chosen = KernelOptions(persistent_layers=True)
-    assert not chosen.resolved(torch.device("cpu")).persistent_layers
-    with pytest.raises(TypeError, match="persistent_layers"):
-        KernelOptions(persistent_layers=1)
-
-
-def test_the_persistent_kernel_names_every_reason_it_refuses_a_model():
-    from ostinato.engine.core.kv_cache import KVCache
-    from ostinato.engine.model.attention import TorchAttention, TritonAttention
-    from ostinato.engine.model.persistent import PersistentLayers, unsupported
-
-    config = ModelConfig.from_hf({**shape("tiny"), "head_dim": 16})
-    model = DecoderModel(config)  # float32, on the CPU
-    cache = KVCache(config.num_layers, 4, 16, config.num_kv_heads, 16, torch.float32, "cpu")
-    why = unsupported(model, cache, torch.device("cpu"), TorchAttention())
-    for reason in ("TritonAttention", "CUDA only", "16-bit", "head dim 16"):
-        assert any(reason in w for w in why), (reason, why)
-    with pytest.raises(ValueError, match="persistent_layers: this model cannot run"):
-        PersistentLayers(model, cache, torch.device("cpu"), TritonAttention())
-    assert PersistentLayers.can_run(16) and not PersistentLayers.can_run(17)
-    assert not PersistentLayers.can_run(0)

@@ -26,7 +26,7 @@ def test_the_engine_generates_the_same_with_rope_in_the_attention_backend():
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     plain = LLM("tiny", **kw)
     fused = LLM("tiny", backend=TorchAttention(applies_rope=True), **kw)
-    assert not plain.model.rope_in_attention and fused.model.rope_in_attention
+    assert not plain.engine.model.rope_in_attention and fused.engine.model.rope_in_attention
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert [o.token_ids for o in fused.generate(PROMPTS, params)] == want
 
@@ -143,7 +143,7 @@ def test_the_rope_table_gives_each_position_the_computed_cos_and_sin_bitwise():
 
 def test_the_engine_model_holds_a_table_of_max_model_len_positions():
     llm = LLM("tiny", device="cpu", dtype=torch.float32, max_model_len=48, progress=False)
-    assert llm.model.rope_table.shape[0] == 48
+    assert llm.engine.model.rope_table.shape[0] == 48
     # generating up to the limit, every position stays within the table
     out = llm.generate([[3] * 40], SamplingParams(max_tokens=20, ignore_eos=True))
     assert len(out[0].prompt_token_ids) + len(out[0].token_ids) == 48

@@ -9,6 +9,7 @@ import pytest
 import torch
 from draft_reference import StepByStepDraft, check_drafts_against
 
+from benchmarks.spec import OracleProposer
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
 from ostinato.engine.sample.verify import verify
@@ -53,7 +54,7 @@ def test_greedy_outputs_equal_plain_decoding(plain, method, k):
     prompts, params = prompts_and_params()
     if method == "oracle":
         spec = SpeculativeConfig(
-            "oracle", k, oracle=dict(zip(map(tuple, prompts), plain, strict=True))
+            "custom", k, proposer=OracleProposer(dict(zip(map(tuple, prompts), plain, strict=True)))
         )
     else:
         spec = SpeculativeConfig.parse(method, k)
@@ -72,7 +73,7 @@ def test_speculation_with_preemption_chunked_prefill_and_stop_tokens(plain):
     stops = stopping_midway(params, plain)
     want = [o.token_ids for o in engine(num_blocks=5, max_model_len=64).generate(prompts, stops)]
     oracle = SpeculativeConfig(
-        "oracle", 4, oracle=dict(zip(map(tuple, prompts), plain, strict=True))
+        "custom", 4, proposer=OracleProposer(dict(zip(map(tuple, prompts), plain, strict=True)))
     )
     for spec in (oracle, "self:1", "ngram"):
         llm = engine(num_blocks=5, max_model_len=64, max_num_batched_tokens=48, speculative=spec)
@@ -96,7 +97,9 @@ def test_bad_speculative_settings_are_named():
         SpeculativeConfig.parse("self:x")
     with pytest.raises(ValueError, match="k must be an integer in 1..16"):
         SpeculativeConfig("ngram", 0)
-    with pytest.raises(ValueError, match="needs the known tokens"):
+    with pytest.raises(ValueError, match="a proposer is given with method 'custom'"):
+        SpeculativeConfig("custom", 2)
+    with pytest.raises(ValueError, match="method 'oracle' is not one of"):
         SpeculativeConfig("oracle", 2)
     with pytest.raises(ValueError, match="fewer layers than the model's 4"):
         engine(speculative="self:4")
@@ -157,7 +160,7 @@ def wrong_every(tokens, every, offset=3):
 
 @pytest.fixture(scope="module")
 def longer():
-    """Longer answers (30 to 50 tokens): lookahead needs room for two full drafts."""
+    """Longer answers (30 to 50 tokens): room for many full drafts."""
     prompts, _ = prompts_and_params()
     rng = random.Random(11)
     params = [SamplingParams(max_tokens=rng.randint(30, 50), ignore_eos=True) for _ in prompts]
@@ -166,40 +169,36 @@ def longer():
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_verify_steps_scheduled_ahead_equal_synchronous_ones(longer, k):
-    # An oracle wrong at every fifth token: some verify steps keep every draft, others
-    # few, so the device picks different inputs per request for the step queued ahead.
+def test_a_proposer_plug_in_that_is_sometimes_wrong_leaves_greedy_outputs_as_plain(longer, k):
+    # A custom proposer wrong at every fifth token: some verify steps keep every draft,
+    # others few; the outputs are plain decoding's, whatever async_scheduling says.
     prompts, params, plain = longer
     known = {tuple(p): wrong_every(out, 5) for p, out in zip(prompts, plain, strict=True)}
     runs = {}
-    for ahead in (True, False):
+    for asynchronous in (True, False):
         llm = engine(
-            speculative=SpeculativeConfig("oracle", k, oracle=known),
-            async_scheduling=ahead,
+            speculative=SpeculativeConfig("custom", k, proposer=OracleProposer(known)),
+            async_scheduling=asynchronous,
             max_num_seqs=8,
         )
-        runs[ahead] = ([o.token_ids for o in llm.generate(prompts, params)], llm.spec_stats)
+        runs[asynchronous] = ([o.token_ids for o in llm.generate(prompts, params)], llm.spec_stats)
     (got, st), (sync_got, sync_st) = runs[True], runs[False]
     assert got == sync_got == plain
-    assert st.ahead_steps > 0 and sync_st.ahead_steps == 0
     assert 0 < st.acceptance_rate < 1
-    # The same drafts, verified and accepted alike: the drafts chosen on the device are
-    # the ones the synchronous engine proposes after each outcome.
     counts = (st.drafted, st.accepted, st.verifications, st.tokens)
     assert counts == (sync_st.drafted, sync_st.accepted, sync_st.verifications, sync_st.tokens)
 
 
-def test_steps_scheduled_ahead_with_stop_tokens_waiting_requests_and_sampling(plain):
+def test_a_proposer_plug_in_with_stop_tokens_waiting_requests_and_sampling(plain):
     prompts, params = prompts_and_params()
-    # Stop tokens met inside accepted drafts end a request while the step after it is
-    # already queued; four sequences at most, so requests wait and lookahead pauses; a
-    # sampled request makes its steps synchronous. Greedy outputs still equal plain's.
+    # Stop tokens met inside accepted drafts end a request; four sequences at most, so
+    # requests wait; a sampled request shares steps. Greedy outputs still equal plain's.
     stops = stopping_midway(params, plain)
     want = [o.token_ids for o in engine().generate(prompts, stops)]
     known = {tuple(p): wrong_every(out, 7) for p, out in zip(prompts, plain, strict=True)}
-    llm = engine(speculative=SpeculativeConfig("oracle", 3, oracle=known))
+    llm = engine(speculative=SpeculativeConfig("custom", 3, proposer=OracleProposer(known)))
     assert [o.token_ids for o in llm.generate(prompts, stops)] == want
-    assert llm.spec_stats.ahead_steps > 0
+    assert llm.spec_stats.accepted > 0
     assert llm.free_kv_blocks == llm.num_kv_blocks - 1, "blocks returned"
     sampled = SamplingParams(max_tokens=20, temperature=0.8)
     outs = llm.generate(prompts[:2] + prompts[:1], [stops[0], stops[1], sampled])

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 _HOMES = {
     "LLM": "ostinato.engine.api.llm",
     "RequestOutput": "ostinato.engine.api.llm",
-    "CacheArgs": "ostinato.engine.api.arguments",
-    "GraphArgs": "ostinato.engine.api.arguments",
-    "ParallelArgs": "ostinato.engine.api.arguments",
+    "CacheArgs": "ostinato.engine.api.engine_args",
+    "GraphArgs": "ostinato.engine.api.engine_args",
+    "ParallelArgs": "ostinato.engine.api.engine_args",
+    "EngineArgs": "ostinato.engine.api.engine_args",
+    "Engine": "ostinato.engine.api.engine",
     "KernelOptions": "ostinato.engine.kernels.options",
     "ModelConfig": "ostinato.engine.model.config",
     "SamplingParams": "ostinato.engine.sample.sampler",
@@ -25,6 +27,8 @@ _HOMES = {
 __all__ = [
     "LLM",
     "CacheArgs",
+    "Engine",
+    "EngineArgs",
     "FinishReason",
     "GraphArgs",
     "KernelOptions",
@@ -36,7 +40,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
-    from ostinato.engine.api.arguments import CacheArgs, GraphArgs, ParallelArgs
+    from ostinato.engine.api.engine import Engine
+    from ostinato.engine.api.engine_args import CacheArgs, EngineArgs, GraphArgs, ParallelArgs
     from ostinato.engine.api.llm import LLM, RequestOutput
     from ostinato.engine.core.scheduler import FinishReason
     from ostinato.engine.kernels.options import KernelOptions

@@ -1,54 +1,22 @@
-"""The engine's arguments: the groups ``LLM`` takes (``CacheArgs``, ``GraphArgs``,
-``ParallelArgs``; speculation and kernels travel as ``SpeculativeConfig`` and
-``KernelOptions``), and the checks of each value, shared by ``LLM`` and the command line,
-so that a bad value is refused with the option's name before anything is loaded."""
+"""The checks of the engine's options (``engine_args.EngineArgs``), shared by ``LLM`` and
+the command line, so that a bad value is refused with the option's name before anything
+is loaded."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
-from typing import Any
 
 import torch
 
+from ostinato.engine.api.engine_args import CacheArgs, GraphArgs, ParallelArgs
 from ostinato.engine.api.prompts import model_len
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.spec.speculative import SpeculativeConfig
 from ostinato.modes import GraphMode
-from ostinato.replay_check import DEFAULT_EVERY
 from ostinato.ubatch.policy import MicroBatching
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(spec: str | torch.device | None) -> torch.device:
-    """The device to run on (default: CUDA when available, else CPU); ``ValueError``
-    names a device PyTorch does not know or one this machine lacks."""
-    if spec is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device: {spec!r} is not a device PyTorch knows; use cpu, cuda or cuda:N"
-        ) from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"device: {device.type!r} is not supported by the engine; use cpu or cuda")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device: {spec!r} asked for, but CUDA is not available here (torch "
-            f"{torch.__version__}); use --device cpu or a CUDA build of torch on a GPU machine"
-        )
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"device: {spec!r} does not exist; this machine has "
-            f"{torch.cuda.device_count()} CUDA device(s)"
-        )
-    return device
 
 
 def resolve_dtype(
@@ -70,99 +38,6 @@ def resolve_dtype(
     raise ValueError(f"dtype: {spec!r} not supported; use one of {', '.join(DTYPES)}")
 
 
-def parse_mode(spec: GraphMode | str) -> GraphMode | None:
-    """A graph mode, or None for ``"auto"`` (any case); ``ValueError`` lists the names."""
-    if isinstance(spec, str) and spec.strip().lower() == "auto":
-        return None
-    try:
-        return GraphMode.parse(spec)
-    except ValueError:
-        names = ", ".join(m.lower() for m in GraphMode.__members__)
-        raise ValueError(f"mode: unknown graph mode {spec!r}; use auto, {names}") from None
-
-
-@dataclass(frozen=True)
-class CacheArgs:
-    """How much the engine holds at once: sequences per step, tokens per step, the longest
-    sequence (default: the model's positions), the KV cache's block size and block count
-    (default on CUDA: sized from free memory, using at most ``gpu_memory_utilization`` of
-    the device)."""
-
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    num_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-
-
-@dataclass(frozen=True)
-class GraphArgs:
-    """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL_AND_PIECEWISE
-    on CUDA, NONE on the CPU), the capture sizes (default: the ladder up to
-    ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
-    None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
-    and when to ``capture``: ``"blocking"`` (every graph before the engine returns) or
-    ``"background"`` (the engine returns once its weights and KV cache are ready; steps
-    run eagerly, or replay what is ready, while a thread compiles and captures).
-    ``verify``: ``"capture"`` checks each FULL graph against eager at capture (padding
-    rows given other tokens must leave the real rows bitwise the same), ``"sample"`` one
-    replay in ``verify_every`` while serving; a graph that differs is demoted to eager
-    (``ostinato.replay_check``)."""
-
-    mode: GraphMode | str = "auto"
-    capture_sizes: tuple[int, ...] | None = None
-    max_capture_size: int = 512
-    compiler: str | None = "auto"
-    capture: str = "blocking"
-    verify: str = "off"
-    verify_every: int = DEFAULT_EVERY
-
-
-@dataclass(frozen=True)
-class ParallelArgs:
-    """Tensor and data parallelism: the sizes, the all-reduce (``"auto"``, ``"nccl"``,
-    ``"one-shot"``, ``"two-shot"``), and micro-batch overlap (``True`` for the default
-    policy, or a ``MicroBatching``)."""
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    all_reduce: str = "auto"
-    micro_batching: MicroBatching | bool = False
-
-
-GROUPS: tuple[type, ...] = (CacheArgs, GraphArgs, ParallelArgs)
-
-
-def group_arguments(
-    cache: CacheArgs | None,
-    graphs: GraphArgs | None,
-    parallel: ParallelArgs | None,
-    keywords: dict[str, Any],
-) -> tuple[CacheArgs, GraphArgs, ParallelArgs]:
-    """The three groups, each field given as a plain keyword (``max_model_len=``,
-    ``mode=``, ``tensor_parallel_size=``, ...) put into its group. ``TypeError`` names a
-    group of the wrong type, a keyword no group has, and a field given both ways."""
-    given = [cache, graphs, parallel]
-    for i, (group, cls) in enumerate(zip(given, GROUPS, strict=True)):
-        if group is None:
-            given[i] = cls()
-        elif not isinstance(group, cls):
-            raise TypeError(f"expected a {cls.__name__}, got {type(group).__name__}")
-    owner = {f.name: i for i, cls in enumerate(GROUPS) for f in fields(cls)}
-    updates: list[dict[str, Any]] = [{}, {}, {}]
-    for name, value in keywords.items():
-        if name not in owner:
-            known = ", ".join(sorted(owner))
-            raise TypeError(f"LLM: unexpected keyword argument {name!r}; the grouped ones: {known}")
-        i = owner[name]
-        cls = GROUPS[i]
-        if (cache, graphs, parallel)[i] is not None:
-            raise TypeError(f"{name}: given as a keyword and in a {cls.__name__} too; give it once")
-        updates[i][name] = value
-    return tuple(replace(g, **u) for g, u in zip(given, updates, strict=True))  # type: ignore[return-value]
-
-
 def parse_speculative(
     speculative: SpeculativeConfig | str | None, num_speculative_tokens: int
 ) -> SpeculativeConfig | None:
@@ -176,13 +51,6 @@ def parse_speculative(
             f"{type(speculative).__name__}"
         )
     return speculative
-
-
-def kernel_options(kernels: KernelOptions | None) -> KernelOptions:
-    """``kernels``, or the defaults; ``TypeError`` for anything else."""
-    if not isinstance(kernels, (KernelOptions, type(None))):
-        raise TypeError(f"kernels: expected a KernelOptions, got {type(kernels).__name__}")
-    return kernels or KernelOptions()
 
 
 # Modes whose micro-batched steps run without compiled code (eagerly, or in FULL graphs

@@ -10,12 +10,10 @@ runs), so ``--help`` answers at once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +27,6 @@ from ostinato.engine.cli.args import (
 )
 
 DEFAULT_QUESTION = "What is the capital of France?"
-
-
-def _parse_mode(text: str) -> str:
-    from ostinato.engine.api.arguments import parse_mode
-
-    with _as_argument_error():
-        parse_mode(text)
-    return text
-
-
-def _parse_device(text: str) -> str:
-    from ostinato.engine.api.arguments import resolve_device
-
-    with _as_argument_error():
-        resolve_device(text)
-    return text
-
-
-@contextlib.contextmanager
-def _as_argument_error() -> Iterator[None]:
-    """The engine's ``ValueError("option: why")`` as argparse's error for that option."""
-    try:
-        yield
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
 
 def _generate_parser(sub: Any) -> argparse.ArgumentParser:
@@ -114,144 +87,21 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     return srv
 
 
-def _engine_options(gen: argparse.ArgumentParser) -> None:
-    """The engine's options of ``generate`` and ``serve``: graphs, device and dtype, limits,
-    speculation, kernels, caches, seed and progress (long: one flat declaration per option)."""
-    gen.add_argument(
-        "--mode",
-        type=_parse_mode,
-        default="auto",
-        help="graph mode: auto, none, piecewise, full, full_decode_only, full_and_piecewise "
-        "(auto: full_and_piecewise on CUDA, none on CPU)",
-    )
-    gen.add_argument(
-        "--device",
-        type=_parse_device,
-        default=None,
-        help="cpu, cuda or cuda:N (default: cuda when available)",
-    )
-    gen.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="the weights' dtype (default: float32 on CPU; on CUDA the checkpoint's, or bfloat16)",
-    )
-    gen.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="longest prompt + output (default: min(1024, the model's positions))",
-    )
-    gen.add_argument(
-        "--max-num-seqs",
-        type=positive_int,
-        default=32,
-        help="requests that run together at most (the rest wait for a seat)",
-    )
-    gen.add_argument(
-        "--gpu-memory-utilization",
-        type=bounded_float(0.0, 1.0, low_open=True),
-        default=0.9,
-        help="fraction of the GPU's memory the engine may use",
-    )
-    gen.add_argument(
-        "--tensor-parallel-size",
-        type=positive_int,
-        default=1,
-        help="GPUs (or CPU processes) that each hold a shard of every layer; the engine "
-        "starts the other ranks itself",
-    )
-    gen.add_argument(
-        "--data-parallel-size",
-        type=positive_int,
-        default=1,
-        help="replicas of the model, each stepping its own share of the requests",
-    )
-    gen.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="use the model's config with random weights (for shape tests)",
-    )
-    gen.add_argument(
-        "--speculative",
-        type=_speculative,
-        default=None,
-        help="speculative decoding: ngram (prompt lookup), self:N (the first N layers "
-        "draft) or oracle (a plain greedy run first, then its tokens are the drafts)",
-    )
-    gen.add_argument(
-        "--num-speculative-tokens",
-        type=bounded_int(1, 16),
-        default=2,
-        help="draft tokens verified per step (with --speculative)",
-    )
-    gen.add_argument(
-        "--pdl",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="launch the engine's Triton kernels of steps of <= 16 rows with programmatic "
-        "dependent launch (Hopper; ignored elsewhere; on by default)",
-    )
-    gen.add_argument(
-        "--fused-layers",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run each decoder layer's norm and projection pairs as one kernel each at "
-        "<= 16 rows (CUDA, small projections; on by default)",
-    )
-    gen.add_argument(
-        "--small-gemm",
-        action="store_true",
-        help="measure cuBLAS against a Triton GEMM for projections of <= 16 rows at "
-        "start-up and use the faster (CUDA, 16-bit weights); see the README's kernel "
-        "options for what it saved on an H100",
-    )
-    gen.add_argument(
-        "--compile-ahead",
-        action="store_true",
-        help="compile the engine's Triton kernels together on a thread pool at start-up, "
-        "before their first launches (CUDA)",
-    )
-    gen.add_argument(
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine's options of ``generate`` and ``serve``: one flag per field of
+    ``EngineArgs`` and its groups (``engine_args.add_cli_options``), and the caches and
+    the progress bar, which the command line spells its own way."""
+    from ostinato.engine.api.engine_args import add_cli_options
+
+    add_cli_options(parser)
+    parser.add_argument(
         "--cache-dir",
         default=None,
         help="where converted checkpoints and compiled kernels are kept across runs "
         "(default: $OSTINATO_CACHE_DIR, else the user cache folder, ~/.cache/ostinato)",
     )
-    gen.add_argument("--no-cache", action="store_true", help="neither read nor write the caches")
-    gen.add_argument(
-        "--capture",
-        choices=("blocking", "background"),
-        default="blocking",
-        help="capture every graph before the first step (blocking), or start at once and "
-        "capture while steps run eagerly (background)",
-    )
-    gen.add_argument(
-        "--verify",
-        choices=("off", "capture", "sample"),
-        default="off",
-        help="check graphs against eager runs: each at capture (capture), or one replay in "
-        "--verify-every while serving (sample); a graph that differs runs eagerly after",
-    )
-    gen.add_argument(
-        "--verify-every",
-        type=positive_int,
-        default=1024,
-        help="with --verify sample, the replays per check (default: 1024)",
-    )
-    gen.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _speculative(text: str) -> str:
-    from ostinato.engine.spec.speculative import SpeculativeConfig
-
-    if text != "oracle":
-        try:
-            SpeculativeConfig.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix("speculative: ")) from None
-    return text
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the caches")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def keep_bytecode(cache_dir: str | None) -> str | None:
@@ -275,43 +125,21 @@ def keep_bytecode(cache_dir: str | None) -> str | None:
     return folder
 
 
-def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``LLM`` keywords from the engine options ``generate`` and ``serve`` share."""
-    from ostinato.engine import KernelOptions
+def _engine_args(args: argparse.Namespace) -> Any:
+    """The ``EngineArgs`` of the engine options ``generate`` and ``serve`` share."""
+    from ostinato.engine.api.engine_args import from_cli
 
-    return dict(
-        mode=args.mode,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        random_weights=args.random_weights,
-        cache_dir=False if args.no_cache else args.cache_dir,
-        capture=args.capture,
-        verify=args.verify,
-        verify_every=args.verify_every,
-        seed=args.seed,
-        progress=not args.quiet,
-        num_speculative_tokens=args.num_speculative_tokens,
-        kernels=KernelOptions(
-            pdl=args.pdl,
-            small_gemm=args.small_gemm,
-            compile_ahead=args.compile_ahead,
-            fused_layers=args.fused_layers,
-        ),
-    )
+    cache_dir = False if args.no_cache else args.cache_dir
+    return from_cli(args, model=args.model, cache_dir=cache_dir, progress=not args.quiet)
 
 
-def _start_engine(args: argparse.Namespace, speculative: str | None) -> Any:
+def _start_engine(args: argparse.Namespace) -> Any:
     """The engine the options ask for, after the start-up line is printed."""
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
     from ostinato.engine import LLM
 
-    llm = LLM(args.model, speculative=speculative, **_engine_args(args))
+    llm = LLM(args=_engine_args(args))
     print(llm.describe(), flush=True)
     return llm
 
@@ -328,9 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
-    spec = args.speculative if args.speculative != "oracle" else None
-    llm_kwargs = dict(model=args.model, speculative=spec, **_engine_args(args))
-    serve(llm_kwargs, args.model or "smollm2-135m", args.host, args.port)
+    serve({"args": _engine_args(args)}, args.model or "smollm2-135m", args.host, args.port)
     return 0
 
 
@@ -343,9 +169,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         ignore_eos=args.ignore_eos,
     )
-    engine_args = _engine_args(args)
-    spec = args.speculative if args.speculative != "oracle" else None
-    llm = _start_engine(args, spec)
+    llm = _start_engine(args)
     for why in llm.resolution.reasons:
         print(f"  downgraded: {why}")
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))
@@ -359,8 +183,6 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if chat and args.prompt_ids is None:
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
-    if args.speculative == "oracle":
-        llm = _oracle_engine(llm, args.model, prompts, params, engine_args)
     stream = _Stream(llm, len(prompts))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_token=stream if stream.enabled else None)
@@ -388,21 +210,6 @@ def _generate(args: argparse.Namespace) -> int:
             os._exit(0)
     llm.close()
     return 0
-
-
-def _oracle_engine(llm: Any, model: Any, prompts: list[Any], params: Any, kw: dict) -> Any:
-    """An engine whose drafts are a plain greedy run's tokens (to measure verification
-    alone): runs ``prompts`` on ``llm`` first, then builds the speculative engine."""
-    from ostinato.engine import LLM
-    from ostinato.engine.spec.speculative import SpeculativeConfig
-
-    if not params.greedy:
-        fail("--speculative oracle: needs greedy decoding (--temperature 0)")
-    known = {tuple(o.prompt_token_ids): o.token_ids for o in llm.generate(prompts, params)}
-    llm.close()
-    spec = SpeculativeConfig("oracle", kw["num_speculative_tokens"], oracle=known)
-    print("oracle drafts: the plain greedy run's tokens")
-    return LLM(model, speculative=spec, **kw)
 
 
 class _Stream:

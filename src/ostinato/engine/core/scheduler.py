@@ -60,12 +60,6 @@ Proposal = Callable[[list["Request"], list[int]], Sequence[Sequence[int]]]
 """Speculative decoding's proposer: for each request, up to ``n[i]`` tokens likely to
 follow it (all requests of a step in one call, so a draft model runs them as a batch)."""
 
-Lookahead = Callable[[list["Request"], int], Sequence[Sequence[int]]]
-"""A proposer that can draft before the previous verify step's outcome is known: for each
-request (its verify step, drafts from ``len(output)``, still on the device) and ``k``,
-``2k`` tokens such that the next draft, if that step accepts ``a`` drafts, is tokens
-``a .. a + k - 1`` (``OracleProposer.window``)."""
-
 PENDING_TOKEN = 0
 """Stands in ``ScheduledRequest.tokens`` for a token still on the device."""
 
@@ -88,8 +82,6 @@ class ScheduledRequest:
     samples: bool = True
     from_previous: bool = False
     draft: list[int] = field(default_factory=list)
-    ahead: bool = False
-    window: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -132,7 +124,6 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         propose: Proposal | None = None,
         num_speculative: int = 0,
-        lookahead: Lookahead | None = None,
     ) -> None:
         self.pool = pool
         self.limits = limits
@@ -146,7 +137,6 @@ class Scheduler:
         self.num_preemptions = 0  # over the scheduler's life
         self.propose = propose
         self.num_speculative = num_speculative if propose is not None else 0
-        self.lookahead = lookahead if self.num_speculative else None
         self._ids = itertools.count()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -246,65 +236,6 @@ class Scheduler:
             fill = draft[-1] if draft else entry.tokens[-1]
             entry.draft = draft + [fill] * (room - len(draft))
             entry.tokens = entry.tokens + entry.draft
-
-    def schedule_ahead(self, step: ScheduledBatch) -> ScheduledBatch | None:
-        """The verify step after ``step``, scheduled while ``step`` (launched, a verify
-        step of greedy requests) is unresolved: the same requests, each verifying ``k``
-        more drafts after whatever ``step`` accepts (``ScheduledRequest.ahead``). Blocks
-        are reserved for the case where it accepts everything.
-
-        None when that cannot be done blind (then resolve ``step`` and ``schedule``): no
-        lookahead proposer, a request waits or runs outside ``step``, one of ``step``'s
-        requests did not verify a full draft or samples, or in the worst case it would
-        lack room for a full draft (``max_tokens``, ``max_model_len``) or need a block
-        that is not free (no preemption here)."""
-        k = self.num_speculative
-        if self.lookahead is None or self.waiting or len(step.scheduled) != len(self.running):
-            return None
-        for s in step.scheduled:
-            req = s.request
-            if len(s.draft) != k or not req.params.greedy or req not in self.running:
-                return None
-            # Room for k drafts after a fully accepted ``step``, as ``_draft_room`` sees
-            # it: then the drafts are the synchronous engine's whatever ``step`` accepts.
-            if len(req.output) + 2 * k + 2 > req.params.max_tokens:
-                return None
-            if s.start + 2 * k + 3 > self.max_model_len:
-                return None
-        if not all(
-            self._reserve(s.request, s.start + 2 * (k + 1), preempt=False) for s in step.scheduled
-        ):
-            return None
-        requests = [s.request for s in step.scheduled]
-        windows = self.lookahead(requests, k)
-        placeholder = [PENDING_TOKEN] * k
-        return ScheduledBatch(
-            [
-                ScheduledRequest(
-                    s.request,
-                    [PENDING_TOKEN, *placeholder],
-                    s.start + 1,
-                    draft=list(placeholder),
-                    ahead=True,
-                    window=list(w),
-                )
-                for s, w in zip(step.scheduled, windows, strict=True)
-            ]
-        )
-
-    def settle_ahead(
-        self, ahead: ScheduledBatch, before: ScheduledBatch, accepted: Sequence[Sequence[int]]
-    ) -> None:
-        """Fills in ``ahead`` (scheduled by ``schedule_ahead(before)``) once ``before``'s
-        tokens are known (``accepted``, per request: kept drafts and one more), then
-        marks it launched: real starts, the drafts the device chose from each window,
-        and the input token."""
-        for s, prev, got in zip(ahead.scheduled, before.scheduled, accepted, strict=True):
-            a = len(got) - 1
-            s.start = prev.start + len(got)
-            s.draft = s.window[a : a + len(s.draft)]
-            s.tokens = [got[-1], *s.draft]
-        self.launched(ahead)
 
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledRequest:

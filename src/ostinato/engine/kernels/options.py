@@ -5,9 +5,11 @@ the compiled pieces, the small-GEMM plans and compile-ahead."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads where a device is asked about: ``--help`` needs none
+    import torch
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -51,22 +53,39 @@ class KernelOptions:
     (``triton_launch.compile_ahead``), running none; they compile together and beside
     Dynamo's trace and Inductor, instead of one by one at their first launches. Outputs
     are unchanged; it only moves compile time.
-
-    ``persistent_layers`` (opt-in): steps of at most 16 rows run every decoder layer in
-    one persistent kernel (``model.persistent``: one program per SM, a grid barrier
-    between a layer's five stages) instead of six kernels per layer; larger steps run
-    the layers as before. CUDA, 16-bit weights, one GPU and the Triton attention
-    backend only (the runner refuses it otherwise, saying why).
     """
 
-    pdl: bool = True
-    small_gemm: bool = False
-    compile_ahead: bool = False
-    fused_layers: bool = True
-    persistent_layers: bool = False
+    pdl: bool = field(
+        default=True,
+        metadata={
+            "help": "launch the engine's Triton kernels of steps of <= 16 rows with "
+            "programmatic dependent launch (Hopper; off elsewhere)"
+        },
+    )
+    small_gemm: bool = field(
+        default=False,
+        metadata={
+            "help": "measure cuBLAS against a Triton GEMM for projections of <= 16 rows at "
+            "start-up and use the faster (CUDA, 16-bit weights)"
+        },
+    )
+    compile_ahead: bool = field(
+        default=False,
+        metadata={
+            "help": "compile the engine's Triton kernels together on a thread pool at "
+            "start-up, before their first launches (CUDA)"
+        },
+    )
+    fused_layers: bool = field(
+        default=True,
+        metadata={
+            "help": "run each decoder layer's norm and projection pairs as one kernel each "
+            "at <= 16 rows (CUDA, small projections)"
+        },
+    )
 
     def __post_init__(self) -> None:
-        for name in ("pdl", "small_gemm", "compile_ahead", "fused_layers", "persistent_layers"):
+        for name in (f.name for f in fields(self)):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"KernelOptions.{name}: expected True or False, got {getattr(self, name)!r}"
@@ -77,7 +96,8 @@ class KernelOptions:
         capability 9.0; the launch options need CUDA and Triton). ``fused_layers`` stays:
         its ops run everywhere, unfused where the kernel cannot."""
         if not triton_runs_on(device):
-            off = dict(small_gemm=False, compile_ahead=False, persistent_layers=False)
-            return replace(self, pdl=False, **off)
+            return replace(self, pdl=False, small_gemm=False, compile_ahead=False)
+        import torch
+
         major, _ = torch.cuda.get_device_capability(device)
         return replace(self, pdl=self.pdl and major >= 9)

@@ -78,8 +78,7 @@ class AscendAttention:
     an updatable task whose workspace is sized at capture for the longest sequences the
     block table can hold (``max_model_len``), kept per captured size and shared by the
     layers; a replay of that graph runs it with the lengths of the step replayed.
-    The host lengths must be exact: steps scheduled ahead (speculative lookahead), whose
-    positions move on the device, are not supported. Padding rows are requests with no
+    The host lengths must be exact. Padding rows are requests with no
     keys: their output is whatever the op writes for no keys.
     """
 

@@ -28,8 +28,6 @@ from ostinato.resolution import AttentionGraphSupport
 class AttentionMetadata:
     """What attention needs for one step. Device tensors are views of the runner's
     persistent buffers (fixed addresses); host lists are for the torch backend only.
-    ``seq_lens`` are lower bounds for a verify step scheduled ahead (the device adds the
-    previous step's accepted counts to its positions): the positions are the truth.
 
     Per token: ``positions`` (absolute; -1 marks a padding row, which attends to nothing
     and whose output is zero), ``token_req`` (row of ``block_tables``), ``slot_mapping``
@@ -127,8 +125,7 @@ class TorchAttention:
         block_size = k_cache.shape[1]
         heads, kv_heads = q.shape[1], k_cache.shape[2]
         tables = meta.block_tables.tolist()
-        # Each request's length from its last row's position, which the device may have
-        # moved on (a step scheduled ahead); the host's seq_lens can lag it.
+        # Each request's length from its last row's position, as the kernels read it.
         positions = meta.positions.tolist()
         start = 0
         for r, qlen in enumerate(meta.query_lens):

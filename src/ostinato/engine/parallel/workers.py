@@ -67,7 +67,7 @@ class WorkerPool:
         self,
         world_size: int,
         engine: Callable[..., Any],
-        engine_kwargs: dict[str, Any],
+        engine_args: Any,
         stale_s: float = 15.0,
     ) -> None:
         with socket.socket() as s:
@@ -93,7 +93,7 @@ class WorkerPool:
             env = local_launch_env(rank, world_size, port)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, env, engine, engine_kwargs, theirs, beat),
+                args=(rank, env, engine, engine_args, theirs, beat),
                 name=f"ostinato-rank{rank}",
                 daemon=True,
             )
@@ -200,11 +200,11 @@ def worker_main(
     rank: int,
     launch_env: dict[str, str],
     engine: Callable[..., Any],
-    engine_kwargs: dict[str, Any],
+    engine_args: Any,
     conn: multiprocessing.connection.Connection,
     beat: Any,
 ) -> None:
-    """One worker: builds its engine, ``engine(**engine_kwargs)`` (which joins the process
+    """One worker: builds its engine, ``engine(args=engine_args)`` (which joins the process
     group from ``launch_env``), stamps ``beat`` every second, answers ``Reply(rank, ...)`` to each
     command, and exits after ``close``, after a failure (so its peers' collectives fail
     fast), or when rank 0's pipe closes."""
@@ -217,7 +217,7 @@ def worker_main(
 
     threading.Thread(target=stamp, daemon=True, name="ostinato-beat").start()
     try:
-        llm = engine(**engine_kwargs)
+        llm = engine(args=engine_args)
         conn.send(Reply(rank, "ready"))
         served = contextlib.ExitStack()  # while rank 0 serves: this worker's session
         follower: StepFollower | None = None
@@ -235,7 +235,7 @@ def worker_main(
                 os._exit(0)  # the interpreter's teardown could wait on the process group
             if command.name in (STEP, END):  # no reply: rank 0 steps on, the group pairs up
                 if follower is None:
-                    follower = StepFollower(served.enter_context(llm.serving()))
+                    follower = StepFollower(served.enter_context(llm.serving()).mirror)
                 follower.follow(command.name, *command.args)
                 if command.name == END:
                     served.close()

@@ -27,15 +27,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ostinato.engine.api.prompts import (
-    Prompt,
-    chat_ids,
-    check_params,
-    check_prompts,
-    decode_text,
-)
-from ostinato.engine.core.scheduler import FinishReason, Request
-from ostinato.engine.parallel.step_mirror import StepMirror
+from ostinato.engine.api.engine import Session, Tracked
+from ostinato.engine.api.llm import LLM
+from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
+from ostinato.engine.core.scheduler import FinishReason
 from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.replay_stats import StatsSnapshot
 
@@ -230,13 +225,6 @@ class Handles:
             handle._end(None if error else FinishReason.ABORT, error)
 
 
-@dataclass
-class _Live:
-    request_id: str
-    request: Request
-    emitted: int = 0
-
-
 Publish = Callable[[list[TokenEvent]], None]
 
 
@@ -246,14 +234,15 @@ class EngineLoop:
     ``publish``: where each step's ``TokenEvent`` list goes; by default to the handles
     ``submit`` returned (``EngineProcess``'s engine side sends them to its parent)."""
 
-    def __init__(self, llm: Any, publish: Publish | None = None) -> None:
+    def __init__(self, llm: LLM, publish: Publish | None = None) -> None:
         self.llm = llm
+        self._engine = llm.engine
         self.stats = LoopStats()
         self._ids = itertools.count()
         self._handles = Handles()
         self._sink = publish or self._handles.deliver
         self._submitted: queue.Queue[tuple[str, list[int], SamplingParams]] = queue.Queue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Tracked] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -290,11 +279,8 @@ class EngineLoop:
         under that id); returns its prompt's token ids."""
         if self._stop.is_set():
             raise RuntimeError("submit: the engine loop is stopped")
-        llm = self.llm
-        vocab, fits = llm.config.vocab_size, llm.scheduler.check
-        (tokens,) = check_prompts([prompt], llm.tokenizer, vocab, fits)
-        (p,) = check_params(params, 1)
-        llm.requests.reserve([request_id])
+        ((tokens, p),) = self._engine.checked([prompt], params)
+        self._engine.reserve([request_id])
         self._submitted.put((request_id, tokens, p))
         self._wake.set()
         return tokens
@@ -309,7 +295,7 @@ class EngineLoop:
     @property
     def queue_depth(self) -> int:
         """Requests submitted and not yet admitted, plus those waiting for a seat."""
-        return self._submitted.qsize() + len(self.llm.scheduler.waiting)
+        return self._submitted.qsize() + self._engine.waiting
 
     @property
     def running(self) -> int:
@@ -363,13 +349,13 @@ class EngineLoop:
                 self._started.set()
             self._serve_in(session)
 
-    def _serve_in(self, session: StepMirror) -> None:
+    def _serve_in(self, session: Session) -> None:
         steps: Iterator[None] | None = None
         while not self._stop.is_set():
             events = self._admit(session)
-            session.abort(self.llm.requests.take_aborts())
+            session.apply_aborts()
             if steps is None:
-                if not session.scheduler.has_work:
+                if not session.has_work:
                     self._publish(events + self._emit())  # aborted while nothing ran
                     self._wake.wait(0.1)
                     self._wake.clear()
@@ -381,7 +367,7 @@ class EngineLoop:
         self._end_all(FinishReason.ABORT, None, session)
         session.reset()  # (a step may still be in flight: its tokens go)
 
-    def _admit(self, session: StepMirror) -> list[TokenEvent]:
+    def _admit(self, session: Session) -> list[TokenEvent]:
         ended = []
         while True:
             try:
@@ -389,14 +375,12 @@ class EngineLoop:
             except queue.Empty:
                 return ended
             self.stats.requests += 1
-            if self.llm.requests.aborted(request_id):  # aborted before it was queued
+            if session.aborted_early(request_id):  # aborted before it was queued
                 ended.append(self._ended(request_id, FinishReason.ABORT, []))
                 continue
-            request = session.add(prompt, params)
-            self.llm.requests.bind(request_id, request)
-            self._live[request_id] = _Live(request_id, request)
+            self._live[request_id] = session.admit(request_id, prompt, params)
 
-    def _step(self, steps: Iterator[None], session: StepMirror) -> Iterator[None] | None:
+    def _step(self, steps: Iterator[None], session: Session) -> Iterator[None] | None:
         """Runs one step; the iterator to go on with (None once it ended or failed)."""
         start = time.perf_counter()
         try:
@@ -417,18 +401,17 @@ class EngineLoop:
         """Each request's new tokens; the finished (or aborted) ones end."""
         events = []
         for request_id, live in list(self._live.items()):
-            new = live.request.output[live.emitted :]
-            live.emitted += len(new)
+            new = live.take()
             self.stats.tokens += len(new)
-            if live.request.finished:
+            if live.finish_reason is not None:
                 del self._live[request_id]
-                events.append(self._ended(request_id, live.request.finish_reason, new))
+                events.append(self._ended(request_id, live.finish_reason, new))
             elif new:
                 events.append(TokenEvent(request_id, new))
         return events
 
     def _ended(self, request_id: str, reason: FinishReason | None, new: list[int]) -> TokenEvent:
-        self.llm.requests.release([request_id])
+        self._engine.end([request_id])
         if reason is FinishReason.ABORT:
             self.stats.aborted += 1
         elif reason is not None:
@@ -436,10 +419,10 @@ class EngineLoop:
         return TokenEvent(request_id, new, True, reason)
 
     def _end_all(
-        self, reason: FinishReason | None, error: BaseException | None, session: StepMirror
+        self, reason: FinishReason | None, error: BaseException | None, session: Session
     ) -> None:
         if reason is FinishReason.ABORT and self._live:
-            session.abort([live.request for live in self._live.values()])
+            session.abort(list(self._live.values()))
         ids = list(self._live)
         self._live.clear()
         while True:  # submitted but never admitted
@@ -447,5 +430,5 @@ class EngineLoop:
                 ids.append(self._submitted.get_nowait()[0])
             except queue.Empty:
                 break
-        self.llm.requests.release(ids)
+        self._engine.end(ids)
         self._publish([TokenEvent(rid, [], True, reason, error) for rid in ids])

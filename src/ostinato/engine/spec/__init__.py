@@ -1,2 +1,1 @@
-"""Speculative decoding: proposers, verification of drafts, self-draft graphs, and the
-verify-ahead loop."""
+"""Speculative decoding: proposers, verification of drafts, and self-draft graphs."""

@@ -11,31 +11,32 @@ is standard speculative sampling with ``q = δ_d`` and leaves the output distrib
 exactly ``p``.
 
 Proposers: ``NgramProposer`` (prompt lookup: the tokens that followed the latest earlier
-occurrence of the request's last n tokens), ``OracleProposer`` (tokens known in advance,
-for measuring the verify path without draft cost), and ``SelfDraftProposer`` (the
-target's first N layers with its final norm and LM head, run greedily ``k`` times).
+occurrence of the request's last n tokens), ``SelfDraftProposer`` (the target's first N
+layers with its final norm and LM head, run greedily ``k`` times), and any deterministic
+``Proposal`` of the caller's (``SpeculativeConfig("custom", proposer=...)``: the
+benchmarks' oracle, which drafts tokens known in advance, is one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ostinato.engine.core.scheduler import Request
+from ostinato.engine.core.scheduler import Proposal, Request
 
-METHODS = ("ngram", "self", "oracle")
+METHODS = ("ngram", "self", "custom")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: ``"ngram"``, ``"self"`` (with ``draft_layers``) or ``"oracle"`` (with
-    ``oracle``: prompt token ids -> the tokens known to follow); ``k`` draft tokens per
+    """``method``: ``"ngram"``, ``"self"`` (with ``draft_layers``) or ``"custom"`` (with
+    ``proposer``: a deterministic ``Proposal``, called with a step's drafting requests and
+    the room each has, on the engine's thread between steps); ``k`` draft tokens per
     step; ``draft_graphs=False`` runs the self-draft's loop eagerly (for comparison)."""
 
     method: str
     k: int = 2
     draft_layers: int = 0
-    oracle: Mapping[tuple[int, ...], Sequence[int]] | None = field(default=None, repr=False)
+    proposer: Proposal | None = field(default=None, repr=False)
     ngram_max: int = 3
     draft_graphs: bool = True  # self-draft: replay the k-step loop from graphs (on CUDA)
 
@@ -48,8 +49,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative: k must be an integer in 1..16, got {self.k!r}")
         if self.method == "self" and self.draft_layers < 1:
             raise ValueError("speculative: self-draft needs draft_layers >= 1 (self:N)")
-        if self.method == "oracle" and self.oracle is None:
-            raise ValueError("speculative: the oracle proposer needs the known tokens (oracle=)")
+        if (self.method == "custom") != (self.proposer is not None):
+            raise ValueError(
+                "speculative: a proposer is given with method 'custom', and only then "
+                "(SpeculativeConfig('custom', k, proposer=...))"
+            )
+        if self.proposer is not None and not callable(self.proposer):
+            raise TypeError(
+                "speculative: proposer must be callable as proposer(requests, room) -> drafts"
+            )
 
     @staticmethod
     def parse(text: str, k: int = 2) -> SpeculativeConfig:
@@ -84,48 +92,15 @@ class NgramProposer:
         return []
 
 
-class OracleProposer:
-    """Proposes the tokens known to follow each prompt (a benchmark's reference run).
-
-    ``known`` is kept by reference and read at every call, so a caller may update it
-    between ``generate`` calls (a benchmark swaps in the reference run of each batch size:
-    on a GPU, plain decoding's rounding, and so its tokens, can depend on the batch)."""
-
-    def __init__(self, known: Mapping[tuple[int, ...], Sequence[int]]) -> None:
-        self.known = known
-
-    def __call__(self, requests: list[Request], n: list[int]) -> list[list[int]]:
-        out = []
-        for r, k in zip(requests, n, strict=True):
-            future = self.known.get(tuple(r.prompt), ())
-            out.append(list(future[len(r.output) : len(r.output) + k]))
-        return out
-
-    def window(self, requests: list[Request], k: int) -> list[list[int]]:
-        """For requests whose verify step (drafts from ``len(output)``) is still on the
-        device: the ``2k`` known tokens after its first, so that the next draft, if that
-        step accepts ``a`` drafts, is ``window[a : a + k]`` (padded with the last one)."""
-        out = []
-        for r in requests:
-            future = self.known.get(tuple(r.prompt), ())
-            start = len(r.output) + 1
-            w = list(future[start : start + 2 * k])
-            fill = w[-1] if w else (r.output[-1] if r.output else r.prompt[-1])
-            out.append(w + [fill] * (2 * k - len(w)))
-        return out
-
-
 @dataclass
 class SpeculativeStats:
     """Counts over the engine's life: draft tokens proposed and accepted, verify
-    (target) steps per request, the tokens those steps produced, and the verify steps
-    scheduled ahead (``spec.ahead.VerifyAheadLoop``)."""
+    (target) steps per request, and the tokens those steps produced."""
 
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0
     tokens: int = 0
-    ahead_steps: int = 0  # verify steps queued while the one before was on the device
 
     @property
     def acceptance_rate(self) -> float:

@@ -49,8 +49,7 @@ class StepLayout:
     """Where each scheduled request's rows are: ``logit_rows`` (device: the rows whose
     logits the step needs, in request order: each request's last row, preceded by the
     rows of its draft tokens' predecessors when it verifies a draft) and the host lengths
-    (for a step scheduled ahead, ``seq_lens`` are lower bounds: its positions are moved
-    on in the step itself, ``engine.lookahead``)."""
+    (``query_lens`` and ``seq_lens``)."""
 
     logit_rows: torch.Tensor
     query_lens: list[int]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,6 @@ from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
-from ostinato.engine.model.persistent import PersistentLayers
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
@@ -49,18 +47,6 @@ from ostinato.ubatch.slicing import can_split, split_step
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids, positions) -> hidden
 # (input ids, positions, where to write them or None) -> logits
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-class DecodeStepHook(Protocol):
-    """Work a uniform decode step does on the device around the model, inside its graph:
-    ``stage`` (host, before the step's inputs are copied in), ``prepare`` (completes the
-    first ``n`` rows' inputs before the model), ``accept`` (reads their argmax after it)."""
-
-    def stage(self, step: ScheduledBatch, padded: int) -> None: ...
-
-    def prepare(self, n: int) -> None: ...
-
-    def accept(self, n: int, greedy: torch.Tensor) -> None: ...
 
 
 class ModelRunner:
@@ -90,7 +76,6 @@ class ModelRunner:
         compiler: str | None = None,
         uniform_decode_query_len: int = 1,
         micro_batching: MicroBatching | None = None,
-        decode_hook: Callable[[StepInputs], DecodeStepHook] | None = None,
         compile_cache: CompileCache | None = None,
     ) -> None:
         self.model = model
@@ -102,9 +87,6 @@ class ModelRunner:
         self.limits = limits
         self.device = device
         self.inputs = StepInputs(limits, device)
-        # Work inside every uniform decode step, around the model (spec.lookahead: verify
-        # steps scheduled ahead complete their inputs and keep their acceptance there).
-        self.decode_hook = decode_hook(self.inputs) if decode_hook is not None else None
         platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
             self._step,
@@ -146,7 +128,6 @@ class ModelRunner:
             )
             self.forward = CompiledModel(model, self.piecewise)
         self.compile_seconds = 0.0
-        self.layer_stack: PersistentLayers | None = None  # made by plan_kernels()
         self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
         self._init_micro_batching(micro_batching)
 
@@ -238,26 +219,16 @@ class ModelRunner:
             if ubatched:
                 return self._run_static_ubatches(n)
             return self._forward_for(d)(ids, positions)
-        ahead = self.decode_hook
-        if ahead is not None:
-            ahead.prepare(n)
         logits_out, greedy_out = _static_rows()
         if ubatched:
             logits = self.model.compute_logits(self._run_static_ubatches(n), logits_out)
         else:
             logits = self._logits_for(d)(ids, positions, logits_out)
-        greedy = greedy_tokens(logits, self.kernels.pdl, greedy_out)
-        if ahead is not None:
-            ahead.accept(n, greedy)
-        return logits, greedy
+        return logits, greedy_tokens(logits, self.kernels.pdl, greedy_out)
 
     def _forward_for(self, d: BatchDescriptor) -> Forward:
-        """What runs the model for a step of ``d``: the persistent kernel where it takes
-        its rows (``KernelOptions.persistent_layers``, once planned); the eager model
-        where ``_fused_eagerly``; else ``forward``."""
-        stack = self.layer_stack
-        if stack is not None and stack.can_run(d.num_tokens):
-            return stack.forward
+        """What runs the model for a step of ``d``: the eager model where
+        ``_fused_eagerly``; else ``forward``."""
         return self.model if self._fused_eagerly(d) else self.forward
 
     def _logits_for(self, d: BatchDescriptor) -> LogitsFn:
@@ -324,11 +295,6 @@ class ModelRunner:
                 # GEMM, where a tile picked by rule risks the most.
                 linears = self.model.linears(lm_head=gemm_tuning.PLAN_LM_HEAD)
                 default_plans(linears, self.kernels.pdl)
-            if self.kernels.persistent_layers:
-                # Here, not at construction: its address tables need the weights in place.
-                self.layer_stack = PersistentLayers(
-                    self.model, self.cache, self.device, self.backend
-                )
         return self.gemm_timings
 
     @torch.inference_mode()
@@ -515,8 +481,7 @@ class ModelRunner:
         request (or, for a request verifying a draft, ``1 + len(draft)`` rows: its last
         token's and each draft token's), and the argmax where the step computed it.
         ``previous``: the last launched step's samples, for decodes whose input token is
-        still on the device. A step scheduled ahead (``ScheduledRequest.ahead``) needs
-        ``verifies_ahead``: its ids, positions and slots are completed in the step.
+        still on the device.
 
         With a data-parallel ``agreement`` the step runs at the agreed padded size and
         uniformity, which every replica's identical dispatcher maps to the same mode; an
@@ -543,13 +508,6 @@ class ModelRunner:
             self.manager.run(dispatch, 0, attn_metadata=self.metadata(padded, [], []))
             return StepOutput(torch.empty((0, self.model.config.vocab_size), device=self.device))
         layout = self.inputs.write(step, padded, previous)
-        if self.decode_hook is not None and dispatch.descriptor.uniform_decode:
-            self.decode_hook.stage(step, padded)
-        elif any(s.ahead for s in step.scheduled):
-            raise RuntimeError(
-                f"a step scheduled ahead dispatched to {dispatch}: only uniform decode "
-                "steps of a runner with a decode hook (spec.lookahead) complete such a step"
-            )
         ubatch = (
             self.would_micro_batch(dispatch.mode, padded, step)
             if agreement is None
@@ -560,15 +518,6 @@ class ModelRunner:
             return StepOutput(self.model.compute_logits(hidden[layout.logit_rows]))
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_rows)
-
-    def verifies_ahead(self, num_tokens: int) -> bool:
-        """Whether a uniform verify step of ``num_tokens`` rows can be one scheduled
-        ahead: this runner keeps lookahead state, and the step dispatches to a uniform
-        decode step (FULL_AND_PIECEWISE's and FULL_DECODE_ONLY's graphs, or eagerly in
-        NONE mode), which completes it and argmaxes its logits."""
-        if self.decode_hook is None:
-            return False
-        return self.graphs.dispatch(num_tokens, uniform_decode=True).descriptor.uniform_decode
 
     def would_micro_batch(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
         """Whether ``step``, dispatched to ``mode`` at ``padded`` rows, runs as two

@@ -112,9 +112,17 @@ class StepLoop:
 
     def step(self) -> list[Request] | None:
         """Runs one scheduled step and waits for its tokens; returns the requests that
-        finished. None when, under data parallelism, no replica had work: the step's one
-        collective, the agreement, also tells the replicas when all are done; a replica
-        without work runs a dummy step."""
+        finished (None: see ``schedule``)."""
+        scheduled = self.schedule()
+        if scheduled is None:
+            return None
+        launched = self.launch(*scheduled)
+        return [] if launched is None else self.resolve(launched)
+
+    def schedule(self) -> tuple[ScheduledBatch, StepAgreement | None] | None:
+        """The next step and, under data parallelism, what the replicas agreed it runs
+        as. None when no replica had work: the step's one collective, the agreement, also
+        tells the replicas when all are done; a replica without work runs a dummy step."""
         group = self.parallel.dp_group
         if group is None or self.scheduler.has_work:
             step = self.scheduler.schedule()
@@ -122,28 +130,25 @@ class StepLoop:
                 raise RuntimeError("scheduler produced an empty step with work pending")
         else:
             step = ScheduledBatch([])
-        agreement = None
-        if group is not None:
-            micro = False
-            if step.scheduled:
-                local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
-                mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
-                micro = self.runner.would_micro_batch(mode, padded, step)
-            else:
-                mode, padded, uniform = idle_proposal()
-            agreement = agree_on_step(
-                mode,
-                padded,
-                group,
-                uniform,
-                micro_batch=micro,
-                real_tokens=step.num_tokens,
-                can_split=can_split,
-            )
-            if agreement.num_tokens == 0:
-                return None
-        launched = self.launch(step, agreement)
-        return [] if launched is None else self.resolve(launched)
+        if group is None:
+            return step, None
+        micro = False
+        if step.scheduled:
+            local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
+            mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
+            micro = self.runner.would_micro_batch(mode, padded, step)
+        else:
+            mode, padded, uniform = idle_proposal()
+        agreement = agree_on_step(
+            mode,
+            padded,
+            group,
+            uniform,
+            micro_batch=micro,
+            real_tokens=step.num_tokens,
+            can_split=can_split,
+        )
+        return None if agreement.num_tokens == 0 else (step, agreement)
 
     def launch(
         self,

@@ -1,0 +1,282 @@
+"""``Engine``: one model's scheduler, runner and sampler, and the one path requests take
+through them. A step reads: schedule, execute, sample, resolve (``Engine.step``).
+
+Requests enter and leave through a ``Session`` (``LLM.generate`` and the serve loop both
+use it): ``checked`` turns prompts and parameters into what the scheduler takes (or
+names what is wrong), ``admit`` queues one under its public id, ``Tracked.take`` hands
+out its new tokens, ``end`` forgets its id. Nothing outside this module touches the
+scheduler or the request book.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ostinato.background import BackgroundCapture
+from ostinato.capture_report import CaptureReport
+from ostinato.distributed.failure import RankFailure
+from ostinato.distributed.groups import ParallelGroups
+from ostinato.distributed.symm_all_reduce import SymmetricAllReduce
+from ostinato.engine.api.engine_args import EngineArgs
+from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
+from ostinato.engine.api.step_loop import StepLoop
+from ostinato.engine.core.kv_cache import KVCache
+from ostinato.engine.core.request_book import RequestBook
+from ostinato.engine.core.scheduler import FinishReason, Request, Scheduler
+from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.parallel.step_mirror import SchedulerChange, StepMirror
+from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.sample.step_sampler import StepSampler
+from ostinato.engine.spec.self_draft import SelfDraftProposer
+from ostinato.engine.spec.speculative import SpeculativeConfig, SpeculativeStats
+from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.memory import GraphMemoryCheck, MemoryPlan
+from ostinato.engine.worker.runner import ModelRunner
+
+
+@dataclass
+class StartupTimes:
+    """Where the construction's seconds went: opening the model (config, tokenizer, and
+    on a model-cache miss the conversion), making or loading the weights on the device,
+    compiling the model's pieces (Inductor), capturing the graphs, and the total (the
+    rest: process groups, the KV cache, the memory plan)."""
+
+    open_s: float
+    weights_s: float
+    compile_s: float
+    capture_s: float
+    total_s: float = 0.0
+    background: bool = False
+
+    def summary(self) -> str:
+        """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0)``;
+        with background capture, ``start-up 2.1 s (open 0.4, weights 1.0; compile and
+        capture in the background)``."""
+        head = (
+            f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights {self.weights_s:.1f}"
+        )
+        if self.background:
+            return head + "; compile and capture in the background)"
+        return head + f", compile {self.compile_s:.1f}, capture {self.capture_s:.1f})"
+
+
+@dataclass
+class EngineParts:
+    """An engine's parts as ``startup.build`` makes them, in order; ``release`` drops
+    every device tensor they hold (a failed start-up leaves the device as it found it)."""
+
+    args: EngineArgs
+    device: torch.device
+    dtype: torch.dtype
+    config: ModelConfig
+    tokenizer: Any
+    source_name: str
+    eos_token_ids: tuple[int, ...]
+    kernels: KernelOptions
+    speculative: SpeculativeConfig | None
+    compile_cache: CompileCache | None
+    parallel: ParallelGroups = None  # type: ignore[assignment]  (set by init_parallel)
+    all_reduce: SymmetricAllReduce | None = None
+    memory: MemoryPlan | None = None
+    model: DecoderModel | None = None
+    cache: KVCache | None = None
+    runner: ModelRunner = None  # type: ignore[assignment]
+    scheduler: Scheduler = None  # type: ignore[assignment]
+    sampler: StepSampler = None  # type: ignore[assignment]
+    drafter: SelfDraftProposer | None = None
+    background: BackgroundCapture | None = None
+    capture_report: CaptureReport = None  # type: ignore[assignment]
+    draft_report: CaptureReport | None = None
+    graph_memory: GraphMemoryCheck | None = None
+    startup: StartupTimes = None  # type: ignore[assignment]
+    spec_stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+
+    def release(self) -> None:
+        """Destroys the graphs and drops the device tensors; safe to call again."""
+        if self.runner is not None:
+            self.runner.release()
+        if self.drafter is not None:
+            self.drafter.release()
+        if self.all_reduce is not None:
+            self.all_reduce.release()
+        self.runner = self.drafter = self.all_reduce = None  # type: ignore[assignment]
+        self.model = self.cache = self.scheduler = self.sampler = None  # type: ignore[assignment]
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@dataclass
+class Tracked:
+    """A request as its caller follows it: the public id, the scheduler's request, and
+    how many of its tokens were handed out (``take``)."""
+
+    request_id: str
+    request: Request
+    emitted: int = 0
+
+    def take(self) -> list[int]:
+        """The tokens produced since the last ``take``."""
+        new = self.request.output[self.emitted :]
+        self.emitted += len(new)
+        return new
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.request.finish_reason
+
+
+class Engine:
+    """One model's scheduler, runner and sampler (built by ``startup.build``).
+
+    Guarantees: one thread steps it at a time (``LLM`` owns that); the host waits on the
+    device once per step, to read the sampled tokens; requests enter and leave only
+    through a ``Session``, under public ids that name at most one live request."""
+
+    def __init__(self, parts: EngineParts, peer_failure: Callable[[], RankFailure | None]) -> None:
+        self.parts = parts
+        self.args = parts.args
+        self.device, self.dtype, self.config = parts.device, parts.dtype, parts.config
+        self.tokenizer, self.source_name = parts.tokenizer, parts.source_name
+        self.parallel, self.runner, self.scheduler = parts.parallel, parts.runner, parts.scheduler
+        self.model, self.cache, self.sampler = parts.model, parts.cache, parts.sampler
+        self.drafter = parts.drafter
+        self.speculative, self.spec_stats = parts.speculative, parts.spec_stats
+        self.requests = RequestBook()  # live requests by public id; aborts from any thread
+        self.loop = StepLoop(
+            parts.runner,
+            parts.scheduler,
+            parts.sampler,
+            parts.parallel,
+            parts.speculative is not None,
+            parts.spec_stats,
+            peer_failure,
+        )
+        # Data-parallel replicas agree on each step before it runs, and a verify step's
+        # outcome decides the next draft: both step in turn.
+        alone = parts.parallel.dp_group is None and parts.args.parallel.data_parallel_size == 1
+        self.async_scheduling = (
+            parts.args.async_scheduling and alone and parts.speculative is None
+        )
+        self._steps = self.loop.async_steps if self.async_scheduling else self.loop.sync_steps
+        self._needs_reset = False  # a failed call's reset was itself interrupted
+
+    def step(self) -> list[Request] | None:
+        """One step: schedule, execute, sample, resolve; the requests that finished. None
+        when, under data parallelism, no replica had work left."""
+        scheduled = self.loop.schedule()
+        if scheduled is None:
+            return None
+        launched = self.loop.launch(*scheduled)  # executed and sampled on the device
+        return [] if launched is None else self.loop.resolve(launched)
+
+    def steps(self) -> Iterator[None]:
+        """Steps as configured (asynchronously where it applies) until no request is
+        left; yields after each step's tokens are recorded."""
+        return self._steps()
+
+    def checked(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """Every prompt as token ids with its parameters, all checked before anything is
+        queued (``ValueError`` / ``TypeError`` naming the prompt and the problem)."""
+        fits = self.scheduler.check
+        tokens = check_prompts(prompts, self.tokenizer, self.config.vocab_size, fits)
+        return list(zip(tokens, check_params(params, len(tokens)), strict=True))
+
+    def reserve(self, request_ids: Sequence[str]) -> None:
+        """Claims ids for new requests, all or none (``RequestBook.reserve``)."""
+        self.requests.reserve(request_ids)
+
+    def end(self, request_ids: Sequence[str]) -> None:
+        """Forgets the ids of requests that ended (or never started)."""
+        self.requests.release(request_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Asks for a live request to end at the next step boundary (any thread)."""
+        return self.requests.abort(request_id)
+
+    def reset_if_interrupted(self) -> None:
+        """Resets the scheduler where an earlier call's reset was itself interrupted."""
+        if self._needs_reset:
+            self.scheduler.reset()
+            self._needs_reset = False
+
+    def reset(self) -> None:
+        """Drops every queued and running request, freeing its blocks. An interrupt
+        inside it leaves the flag up: the next call resets first."""
+        self._needs_reset = True
+        self.scheduler.reset()
+        self._needs_reset = False
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a seat."""
+        return len(self.scheduler.waiting)
+
+    def release(self) -> None:
+        """Destroys every graph and device tensor; the engine cannot step afterwards."""
+        self.parts.release()
+        self.runner = self.scheduler = self.loop = None  # type: ignore[assignment]
+        self.model = self.cache = self.sampler = self.drafter = None  # type: ignore[assignment]
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``release`` ran."""
+        return self.parts.scheduler is None
+
+
+Send = Callable[[str, list[SchedulerChange]], None]
+
+
+class Session:
+    """The engine as a caller drives it between steps: admit requests, apply aborts,
+    run steps. With ``send`` (rank 0 of an engine with worker processes) every change
+    reaches the workers before the step after it (``parallel.step_mirror``)."""
+
+    def __init__(
+        self, engine: Engine, steps: Callable[[], Iterator[None]], send: Send | None = None
+    ) -> None:
+        self.engine = engine
+        self.mirror = StepMirror(engine.scheduler, steps, send)
+
+    def admit(self, request_id: str, tokens: list[int], params: SamplingParams) -> Tracked:
+        """Queues a checked request under its reserved id."""
+        request = self.mirror.add(tokens, params)
+        self.engine.requests.bind(request_id, request)
+        return Tracked(request_id, request)
+
+    def aborted_early(self, request_id: str) -> bool:
+        """Whether an abort was asked for ``request_id`` before it was admitted."""
+        return self.engine.requests.aborted(request_id)
+
+    def apply_aborts(self) -> None:
+        """Ends the requests whose abort was asked (finish reason ABORT)."""
+        self.mirror.abort(self.engine.requests.take_aborts())
+
+    def abort(self, tracked: Sequence[Tracked]) -> None:
+        """Ends these requests now (finish reason ABORT)."""
+        self.mirror.abort([t.request for t in tracked])
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.scheduler.has_work
+
+    def steps(self) -> Iterator[None]:
+        return self.mirror.steps()
+
+    def reset(self) -> None:
+        self.mirror.reset()
+
+    def end(self) -> None:
+        """Sends the workers what they have not seen yet (the session ends)."""
+        self.mirror.end()

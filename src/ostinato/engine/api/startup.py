@@ -1,0 +1,346 @@
+"""Building an ``Engine`` from ``EngineArgs``: check every option, open the model, join the
+process group, plan the memory, load the weights, make the KV cache, the runner, the
+scheduler and the sampler, compile and capture. Each phase is one function; ``build``
+runs them in order and times them (``StartupTimes``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ostinato.config import GraphConfig
+from ostinato.distributed.all_reduce_plan import parse_all_reduce
+from ostinato.distributed.failure import RankFailure
+from ostinato.distributed.groups import (
+    ParallelConfig,
+    ParallelGroups,
+    TensorParallel,
+    init_parallel,
+)
+from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
+from ostinato.engine.api.arguments import (
+    check_capture,
+    engine_limits,
+    limit_cpu_threads,
+    micro_batching_policy,
+    parse_speculative,
+    resolve_dtype,
+)
+from ostinato.engine.api.engine import EngineParts, StartupTimes
+from ostinato.engine.api.engine_args import EngineArgs, parse_mode, resolve_device
+from ostinato.engine.core.kv_cache import BlockPool, KVCache
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.scheduler import Proposal, Scheduler
+from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.loading.model_cache import ModelCache
+from ostinato.engine.loading.source import ModelSource, open_model
+from ostinato.engine.model.attention import AttentionBackend
+from ostinato.engine.model.backends import default_backend
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.sample.step_sampler import StepSampler
+from ostinato.engine.spec.self_draft import SelfDraftProposer
+from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig
+from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.memory import (
+    MemoryPlan,
+    check_graph_memory,
+    check_utilization,
+    plan_memory,
+)
+from ostinato.engine.worker.runner import ModelRunner
+from ostinato.modes import GraphMode
+from ostinato.platform import platform_for_device
+from ostinato.runtime import choose_compiler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the options resolve to before anything large happens: every value checked,
+    so a bad one is refused before the model is opened."""
+
+    args: EngineArgs
+    device: torch.device
+    parallel: ParallelConfig
+    mode: GraphMode | None
+    speculative: SpeculativeConfig | None
+    background: bool
+    utilization: float
+    kernels: KernelOptions
+
+
+def check_args(args: EngineArgs) -> Checked:
+    """Checks every option of ``args`` (``ValueError`` / ``TypeError`` naming it); limits
+    the CPU threads of a CPU engine."""
+    device = resolve_device(args.device)
+    resolve_dtype(args.dtype, device)  # refuse a bad dtype before loading anything
+    parallel = args.parallel
+    config = ParallelConfig(parallel.tensor_parallel_size, parallel.data_parallel_size)
+    parse_all_reduce(parallel.all_reduce)
+    mode = parse_mode(args.graphs.mode)
+    speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
+    background = check_capture(args.graphs, parallel, speculative)
+    if not isinstance(args.kernels, KernelOptions):
+        raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
+    utilization = check_utilization(args.cache.gpu_memory_utilization)
+    micro_batching_policy(parallel, mode)
+    if device.type == "cpu":
+        limit_cpu_threads(config.world_size)
+    return Checked(
+        args, device, config, mode, speculative, background, utilization, args.kernels
+    )  # fmt: skip
+
+
+def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLimits]:
+    """The model's source (config, tokenizer, weights to load), the compile cache, and the
+    engine's limits for it; a size tensor parallelism does not divide is named here."""
+    model_cache = ModelCache.from_arg(c.args.cache_dir)
+    compile_cache = model_cache and CompileCache(model_cache.root)
+    if compile_cache is not None:
+        compile_cache.point_compilers_here()  # before anything compiles
+    source = open_model(
+        c.args.model,
+        c.args.random_weights,
+        model_cache,
+        resolve_dtype(c.args.dtype, c.device, torch.float32),  # a converted source's dtype
+    )
+    with torch.device("meta"):  # names a size tp does not divide, before anything starts
+        DecoderModel(source.config, TensorParallel(0, c.parallel.tensor_parallel_size))
+    return source, compile_cache, engine_limits(c.args.cache, source.config)
+
+
+def graph_config(c: Checked, limits: EngineLimits) -> GraphConfig:
+    """The graphs' configuration: the mode asked for and the capture ladder."""
+    graphs = c.args.graphs
+    return GraphConfig(
+        mode=c.mode,
+        capture_sizes=graphs.capture_sizes,
+        max_capture_size=graphs.max_capture_size,
+        max_num_tokens=limits.max_num_batched_tokens,
+        verify=graphs.verify,
+        verify_every=graphs.verify_every,
+    )
+
+
+def setup_all_reduce(
+    parallel: ParallelGroups, choice: str, hidden: int, dtype: torch.dtype, limits: EngineLimits
+) -> tuple[ParallelGroups, SymmetricAllReduce | None]:
+    """The symmetric-memory all-reduce asked for (None: NCCL alone, or no tensor
+    parallelism), and the groups that name it."""
+    tp = parallel.tp
+    if tp.group is None:
+        return parallel, None
+    if parallel.device.type != "cuda":
+        if choice in ("one-shot", "two-shot"):
+            raise ValueError(
+                f"all_reduce={choice!r}: symmetric memory needs CUDA; this run is on "
+                f"{parallel.device.type}; use 'auto' or 'nccl'"
+            )
+        return parallel, None
+    max_bytes = limits.max_num_batched_tokens * hidden * dtype.itemsize
+    reducer = setup_symmetric_all_reduce(tp.group, parallel.device, dtype, choice, max_bytes)
+    if reducer is not None:
+        parallel = replace(parallel, tp=replace(tp, symmetric_group=reducer.group_name))
+    return parallel, reducer
+
+
+def memory_plan(
+    parts: EngineParts, c: Checked, limits: EngineLimits, graphs: GraphConfig
+) -> MemoryPlan | None:
+    """The KV cache's size from free device memory (None on the CPU)."""
+    platform = platform_for_device(parts.device)
+    platform.empty_cache()  # memory this process cached but does not use is free
+    info = platform.device_memory()
+    if info is None:
+        return None
+    free, total = info
+    plan = plan_memory(
+        parts.config,
+        parts.dtype,
+        limits,
+        free=free,
+        total=total,
+        utilization=c.utilization,
+        max_capture_tokens=0 if graphs.mode is GraphMode.NONE else graphs.largest_size,
+        num_blocks=c.args.cache.num_blocks,
+        tp=parts.parallel.tp,
+        decode_query_len=1 + c.speculative.k if c.speculative else 1,
+    )
+    logger.info("ostinato: memory plan: %s", plan.summary())
+    return plan
+
+
+def load_weights(parts: EngineParts, source: ModelSource, seed: int, limits: EngineLimits) -> float:
+    """Makes the model on the device and loads (or draws) its weights; seconds."""
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    # Weights are made in place on the device, in their dtype: no CPU copy, no float32
+    # detour.
+    with torch.device("meta"):
+        kernels = parts.kernels.resolved(parts.device)
+        model = DecoderModel(parts.config, parts.parallel.tp, kernels, limits.max_model_len)
+    model = model.to(parts.dtype).to_empty(device=parts.device)
+    if source.load is None:
+        # Asked for (a preset, a config, or random_weights=True), so not a warning.
+        logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
+        model.reset_parameters()  # drawn on the device: a seed gives one model per device type
+    else:
+        source.load(model)
+    parts.model = model.eval()
+    if parts.device.type == "cuda":
+        torch.cuda.synchronize(parts.device)
+    return time.perf_counter() - start
+
+
+def make_proposer(
+    parts: EngineParts, backend: AttentionBackend, limits: EngineLimits
+) -> Proposal | None:
+    """The speculative proposer asked for (None without speculation)."""
+    spec = parts.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec.ngram_max)
+    if spec.method == "custom":
+        return spec.proposer
+    return SelfDraftProposer(
+        parts.model,
+        parts.cache,
+        backend,
+        limits,
+        parts.device,
+        spec.draft_layers,
+        spec.k,
+        pool=parts.runner.manager.pool,
+        graphs=spec.draft_graphs,
+    )
+
+
+def make_runner(
+    parts: EngineParts, c: Checked, limits: EngineLimits, graphs: GraphConfig, num_blocks: int
+) -> Proposal | None:
+    """The KV cache, the runner and the scheduler on ``parts``; returns the proposer."""
+    config, spec = parts.config, parts.speculative
+    parts.cache = KVCache(
+        config.num_layers,
+        num_blocks,
+        limits.block_size,
+        config.num_kv_heads // parts.parallel.tp.size,
+        config.head_dim,
+        parts.dtype,
+        parts.device,
+    )
+    backend = c.args.backend or default_backend(parts.device, parts.model.kernels)
+    compiler = choose_compiler(
+        c.args.graphs.compiler, graphs.mode, platform_for_device(parts.device)
+    )
+    parts.runner = ModelRunner(
+        parts.model,
+        parts.cache,
+        backend,
+        limits,
+        graphs,
+        parts.device,
+        progress=c.args.progress,
+        compiler=compiler,
+        uniform_decode_query_len=1 + spec.k if spec else 1,
+        micro_batching=micro_batching_policy(c.args.parallel, c.mode),
+        compile_cache=parts.compile_cache,
+    )
+    propose = make_proposer(parts, backend, limits)
+    parts.scheduler = Scheduler(
+        BlockPool(num_blocks),
+        limits,
+        parts.eos_token_ids,
+        propose=propose,
+        num_speculative=spec.k if spec else 0,
+    )
+    return propose
+
+
+def capture(parts: EngineParts, propose: Proposal | None, background: bool, seed: int) -> None:
+    """Captures the runner's graphs, the sampling graphs and the draft graphs (or starts
+    the background capture), and makes the sampler."""
+    generator = torch.Generator(device=parts.device).manual_seed(seed)
+    runner = parts.runner
+    # In the background the sampling graphs are not captured (they read the FULL graphs'
+    # static outputs, which do not exist yet): sampling runs eagerly.
+    sampling_graphs = None
+    if background:
+        parts.background = runner.capture_in_background()
+    else:
+        runner.capture()
+        sampling_graphs = runner.capture_sampling(generator)
+    parts.capture_report = runner.manager.report
+    if parts.memory is not None and parts.background is None:
+        # The reserve that sized the KV cache, against what the capture really took.
+        parts.graph_memory = check_graph_memory(parts.memory, parts.capture_report.pool_bytes)
+    parts.sampler = StepSampler(generator, parts.device, sampling_graphs)
+    if isinstance(propose, SelfDraftProposer):
+        parts.drafter = propose
+        # The k-step draft loop, one graph per batch size, in the same pool; every rank
+        # captures them in the same order (they hold the LM head's all-gather).
+        parts.draft_report = propose.capture()
+
+
+def build(
+    c: Checked,
+    launch: dict[str, str] | None,
+    health: Callable[[], RankFailure | None] | None,
+) -> EngineParts:
+    """The parts of the engine ``c`` asks for, on this rank (``launch``: the process
+    group's environment when this process started the other ranks; ``health``: how to
+    ask about them while joining). If anything fails, everything allocated is released
+    before the error propagates."""
+    start = time.perf_counter()
+    source, compile_cache, limits = open_source(c)
+    parts = EngineParts(
+        args=c.args,
+        device=c.device,
+        dtype=resolve_dtype(c.args.dtype, c.device, source.dtype),
+        config=source.config,
+        tokenizer=source.tokenizer,
+        source_name=source.name,
+        eos_token_ids=source.eos_token_ids,
+        kernels=c.kernels,
+        speculative=c.speculative,
+        compile_cache=compile_cache,
+    )
+    open_s = time.perf_counter() - start
+    try:
+        parts.parallel = init_parallel(c.parallel, c.device.type, launch_env=launch, health=health)
+        _build_on(parts, c, source, limits, open_s)
+    except BaseException:
+        parts.release()
+        raise
+    return parts
+
+
+def _build_on(
+    parts: EngineParts, c: Checked, source: ModelSource, limits: EngineLimits, open_s: float
+) -> None:
+    if parts.parallel.world_size > 1:
+        parts.device = parts.parallel.device
+    parts.parallel, parts.all_reduce = setup_all_reduce(
+        parts.parallel, c.args.parallel.all_reduce, parts.config.hidden_size, parts.dtype, limits
+    )
+    graphs = graph_config(c, limits)
+    parts.memory = memory_plan(parts, c, limits, graphs)
+    num_blocks = parts.memory.num_blocks if parts.memory else c.args.cache.num_blocks
+    weights_s = load_weights(parts, source, c.args.seed, limits)
+    propose = make_runner(parts, c, limits, graphs, num_blocks or limits.full_blocks)
+    capture_start = time.perf_counter()
+    capture(parts, propose, c.background, c.args.seed)
+    compile_s = parts.runner.compile_seconds
+    parts.startup = StartupTimes(
+        open_s,
+        weights_s,
+        compile_s,
+        time.perf_counter() - capture_start - compile_s,
+        background=parts.background is not None,
+    )

@@ -139,7 +139,7 @@ def main() -> None:
     if args.num_warmups is not None:
         import functools
 
-        from ostinato.engine.api import llm as llm_module
+        from ostinato.engine.api import startup as llm_module
 
         # LLM takes no num_warmups (1 is its choice); the experiment sets it here.
         llm_module.GraphConfig = functools.partial(

@@ -18,6 +18,7 @@ from ostinato.config import GraphConfig
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend, TritonAttention
@@ -25,7 +26,7 @@ from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.presets import shape
-from ostinato.engine.sample.sampler import SamplingParams, sample
+from ostinato.engine.sample.sampler import sample
 from ostinato.engine.worker.gemm_tuning import GemmTiming
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.mathutil import ceil_div
@@ -59,9 +60,6 @@ KERNEL_VARIANTS = {
     ),
     "ostinato FULL_AND_PIECEWISE no-pdl": KernelVariant(kernels=KernelOptions(pdl=False)),
     "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
-    "ostinato FULL_AND_PIECEWISE persistent": KernelVariant(
-        kernels=KernelOptions(persistent_layers=True)
-    ),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
@@ -472,8 +470,8 @@ def _time_variant(
     if cuda:
         torch.cuda.synchronize()
     capture_s = time.perf_counter() - start - runner.compile_seconds
-    if runner.gemm_timings:
-        result.small_gemm[name] = runner.gemm_timings
+    if runner.kernel_plan.timings:
+        result.small_gemm[name] = runner.kernel_plan.timings
     result.costs.append(
         VariantCost(
             name,

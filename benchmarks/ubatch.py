@@ -90,8 +90,8 @@ class UbatchConfig:
 def _steps(setup: Any, kind: str, tokens: int) -> Any:
     """The ``ScheduledBatch`` of a prefill of ``tokens`` tokens (requests of 512) or of
     a decode of ``tokens`` requests at position KV_LEN."""
+    from ostinato.engine.core.params import SamplingParams
     from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
-    from ostinato.engine.sample.sampler import SamplingParams
 
     if kind == "decode":
         return setup.decode_batch([7] * tokens)
@@ -172,8 +172,8 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
                     micro_batching=policy,
                 )
                 runner.capture()
-                for t in runner.ubatch_timings:
-                    kept = t.descriptor in runner.ubatched_graphs
+                for t in runner.ubatch.timings:
+                    kept = t.descriptor in runner.ubatch.graphs
                     n = t.descriptor.num_tokens
                     result.measured.append((kind, n, t.plain_ms, t.ubatched_ms, kept))
                     log(
@@ -182,10 +182,10 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
                     )
                 for n in sizes:
                     step = _steps(setup, kind, n)
-                    before = runner.ubatched_steps
+                    before = runner.ubatch.steps
                     ms, _ = time_step(lambda: runner.execute(step), 2, cfg.repeats, cuda)  # noqa: B023
                     comm = _comm_ms(setup, n, cfg.repeats, cuda)
-                    row = UbatchRow(kind, n, variant, ms, comm, runner.ubatched_steps > before)
+                    row = UbatchRow(kind, n, variant, ms, comm, runner.ubatch.steps > before)
                     result.rows.append(row)
                     log(
                         f"{kind:7s} {n:5d} tokens  overlap {variant:4s} {ms:8.3f} ms  "

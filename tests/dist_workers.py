@@ -63,14 +63,14 @@ def tp_logits_and_tokens(
     result = {
         "logits": logits.float().cpu(),
         "tokens": [o.token_ids for o in outs],
-        "ubatched": llm.engine.runner.ubatched_steps,
-        "ubatched_replays": llm.engine.runner.ubatched_replays,
+        "ubatched": llm.engine.runner.ubatch.steps,
+        "ubatched_replays": llm.engine.runner.ubatch.replays,
         "timings": [
             (t.descriptor.num_tokens, t.plain_ms, t.ubatched_ms)
-            for t in llm.engine.runner.ubatch_timings
+            for t in llm.engine.runner.ubatch.timings
         ],
-        "candidates": sorted(d.num_tokens for d in llm.engine.runner.ubatch_candidates),
-        "ubatched_graphs": sorted(d.num_tokens for d in llm.engine.runner.ubatched_graphs),
+        "candidates": sorted(d.num_tokens for d in llm.engine.runner.ubatch.candidates),
+        "ubatched_graphs": sorted(d.num_tokens for d in llm.engine.runner.ubatch.graphs),
     }
     torch.save(result, Path(out) / f"{tag}{rank}.pt")
     if not llm.close():
@@ -348,14 +348,14 @@ def static_ubatch_logits(rank: int, world: int, port: int, model_dir: str, out: 
     step = llm.engine.scheduler.schedule()
     descriptor = llm.engine.runner.graphs.dispatch(step.num_tokens).descriptor
     plain = llm.engine.runner.execute(step).logits.clone()
-    llm.engine.runner.ubatched_graphs = frozenset({descriptor})
+    llm.engine.runner.ubatch.graphs = frozenset({descriptor})
     split = llm.engine.runner.execute(step).logits.clone()
     result = {
         "n": step.num_tokens,
         "plain": plain,
         "split": split,
-        "ubatched": llm.engine.runner.ubatched_steps,
-        "ubatched_replays": llm.engine.runner.ubatched_replays,
+        "ubatched": llm.engine.runner.ubatch.steps,
+        "ubatched_replays": llm.engine.runner.ubatch.replays,
     }
     torch.save(result, Path(out) / f"static{rank}.pt")
     llm.close()
@@ -391,9 +391,9 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
     sizes to ``out/agree{rank}.pt``."""
     from fakes import DenseGraphAttention, FakePlatform
 
-    import ostinato.engine.api.llm as llm_module
+    import ostinato.engine.api.startup as llm_module
     import ostinato.engine.worker.runner as runner_module
-    from ostinato.engine.worker.runner import ModelRunner
+    from ostinato.engine.worker.ubatch_steps import UbatchSteps
     from ostinato.ubatch.policy import MicroBatching
 
     set_env(rank, world, port)
@@ -402,10 +402,10 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
         module.platform_for_device = lambda device: platform
     replica = rank // 2
 
-    def replay_ms(self, d, ubatched):
+    def replay_ms(self, d, ubatched, step_as, meta):
         return (0.5 if replica == 0 else 2.0) if ubatched else 1.0
 
-    ModelRunner.replay_ms = replay_ms
+    UbatchSteps.replay_ms = replay_ms
     llm = engine(
         model_dir,
         "cpu",
@@ -418,9 +418,9 @@ def ubatch_measure_agreement(rank: int, world: int, port: int, model_dir: str, o
     )
     runner = llm.engine.runner
     result = {
-        "timings": [(t.descriptor, t.plain_ms, t.ubatched_ms) for t in runner.ubatch_timings],
-        "candidates": runner.ubatch_candidates,
-        "chosen": runner.ubatched_graphs,
+        "timings": [(t.descriptor, t.plain_ms, t.ubatched_ms) for t in runner.ubatch.timings],
+        "candidates": runner.ubatch.candidates,
+        "chosen": runner.ubatch.graphs,
     }
     torch.save(result, Path(out) / f"agree{rank}.pt")
     if not llm.close():

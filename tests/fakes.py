@@ -176,7 +176,7 @@ class DenseGraphAttention:
 def engine_on(monkeypatch, platform: Platform) -> None:
     """Makes ``platform`` the one every engine part builds its graphs on, whatever the
     device (the CPU here); pair with ``ostinato.use_platform(platform)``."""
-    import ostinato.engine.api.llm as llm_module
+    import ostinato.engine.api.startup as llm_module
     import ostinato.engine.spec.self_draft as self_draft_module
     import ostinato.engine.worker.runner as runner_module
 

@@ -265,7 +265,7 @@ def test_micro_batched_tensor_parallel_steps_equal_plain_ones(llama_dir):
     policy = MicroBatching(decode_threshold=4, prefill_threshold=8)
     llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, micro_batching=policy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.engine.runner.ubatched_steps > 0
+    assert llm.engine.runner.ubatch.steps > 0
     llm.close()
 
 
@@ -281,7 +281,7 @@ def test_micro_batching_under_data_parallelism_equals_plain(llama_dir):
     policy = MicroBatching(decode_threshold=2, prefill_threshold=8)
     llm = engine(llama_dir, "cpu", "none", torch.float32, tp=2, dp=2, micro_batching=policy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.engine.runner.ubatched_steps > 0
+    assert llm.engine.runner.ubatch.steps > 0
     llm.close()
 
 

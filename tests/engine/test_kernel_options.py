@@ -112,7 +112,7 @@ def test_engine_refuses_kernels_of_the_wrong_type():
 def test_engine_on_cpu_accepts_options_and_turns_them_off():
     llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
     assert llm.engine.runner.kernels == KernelOptions(pdl=False)
-    assert llm.engine.runner.gemm_timings == []
+    assert llm.engine.runner.kernel_plan.timings == []
     assert all(linear.plan == () for linear, _ in llm.engine.model.linears())
 
 

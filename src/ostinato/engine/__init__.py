@@ -19,7 +19,7 @@ _HOMES = {
     "Engine": "ostinato.engine.api.engine",
     "KernelOptions": "ostinato.engine.kernels.options",
     "ModelConfig": "ostinato.engine.model.config",
-    "SamplingParams": "ostinato.engine.sample.sampler",
+    "SamplingParams": "ostinato.engine.core.params",
     "FinishReason": "ostinato.engine.core.scheduler",
     "SpeculativeConfig": "ostinato.engine.spec.speculative",
 }
@@ -43,10 +43,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from ostinato.engine.api.engine import Engine
     from ostinato.engine.api.engine_args import CacheArgs, EngineArgs, GraphArgs, ParallelArgs
     from ostinato.engine.api.llm import LLM, RequestOutput
+    from ostinato.engine.core.params import SamplingParams
     from ostinato.engine.core.scheduler import FinishReason
     from ostinato.engine.kernels.options import KernelOptions
     from ostinato.engine.model.config import ModelConfig
-    from ostinato.engine.sample.sampler import SamplingParams
     from ostinato.engine.spec.speculative import SpeculativeConfig
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ostinato.adaptive_ladder import AdaptiveLadder, AdaptivePolicy, LadderChange
 from ostinato.background import BackgroundCapture
 from ostinato.capture_report import CaptureReport
 from ostinato.distributed.failure import RankFailure
@@ -26,19 +27,22 @@ from ostinato.engine.api.engine_args import EngineArgs
 from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
 from ostinato.engine.api.step_loop import StepLoop
 from ostinato.engine.core.kv_cache import KVCache
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.request_book import RequestBook
 from ostinato.engine.core.scheduler import FinishReason, Request, Scheduler
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.parallel.step_mirror import SchedulerChange, StepMirror
-from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.spec.self_draft import SelfDraftProposer
 from ostinato.engine.spec.speculative import SpeculativeConfig, SpeculativeStats
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.memory import GraphMemoryCheck, MemoryPlan
 from ostinato.engine.worker.runner import ModelRunner
+from ostinato.modes import GraphMode
+from ostinato.replay_stats import StatsSnapshot
+from ostinato.resolution import ModeResolution
 
 
 @dataclass
@@ -162,9 +166,7 @@ class Engine:
         # Data-parallel replicas agree on each step before it runs, and a verify step's
         # outcome decides the next draft: both step in turn.
         alone = parts.parallel.dp_group is None and parts.args.parallel.data_parallel_size == 1
-        self.async_scheduling = (
-            parts.args.async_scheduling and alone and parts.speculative is None
-        )
+        self.async_scheduling = parts.args.async_scheduling and alone and parts.speculative is None
         self._steps = self.loop.async_steps if self.async_scheduling else self.loop.sync_steps
         self._needs_reset = False  # a failed call's reset was itself interrupted
 
@@ -217,6 +219,84 @@ class Engine:
         self._needs_reset = True
         self.scheduler.reset()
         self._needs_reset = False
+
+    @property
+    def mode(self) -> GraphMode:
+        """The graph mode in use after downgrades."""
+        return self.runner.resolution.mode
+
+    @property
+    def resolution(self) -> ModeResolution:
+        """The graph mode in use and each reason it differs from the one asked for."""
+        return self.runner.resolution
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV cache, the null block included."""
+        return self.scheduler.pool.num_blocks
+
+    @property
+    def free_kv_blocks(self) -> int:
+        """KV blocks free now: ``num_kv_blocks - 1`` whenever no request is in flight."""
+        return self.scheduler.pool.num_free
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted (their KV blocks freed, recomputed later) so far."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def has_work(self) -> bool:
+        """Whether requests are queued or running (never after ``generate`` returns)."""
+        return self.scheduler.has_work
+
+    def graph_stats(self) -> StatsSnapshot:
+        """Live statistics per bucket (replays, real and padded rows, eager steps by
+        reason, capture cost); safe to call while another thread steps."""
+        return self.runner.manager.stats()
+
+    def describe(self) -> str:
+        """One line: the model, device, graph mode, start-up phases and graphs."""
+        parts = self.parts
+        graphs = "graphs: background" if parts.background else parts.capture_report.summary()
+        if parts.graph_memory is not None:
+            graphs += f" ({parts.graph_memory.summary()})"
+        manager = self.runner.manager
+        if manager.check.mode != "off":
+            every = f" 1 in {manager.check.every}" if manager.check.sampling else ""
+            graphs += f"; verify: {manager.check.mode}{every}, {len(manager.demoted)} demoted"
+        return (
+            f"model: {self.source_name}; device: {self.device}; graph mode: {self.mode.name}; "
+            f"{parts.startup.summary()}; {graphs}"
+        )
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Waits (at most ``timeout`` seconds) for a background capture to end; True when
+        every graph is ready (at once after a blocking capture), False on a timeout or
+        when the capture failed (``background.error`` says why; steps run eagerly)."""
+        background = self.parts.background
+        if background is None:
+            return True
+        return background.wait(timeout) and background.error is None
+
+    def replan_graphs(self, budget_bytes: int, granule: int = 1 << 20) -> LadderChange | None:
+        """Between steps (none in flight): moves the FULL ladder to the sizes that pad least
+        for the steps run so far, charged the pool bytes each size took at capture, within
+        ``budget_bytes`` (``ostinato.adaptive_ladder``). Returns the change, or None when
+        the ladder held already pads least within the budget. Only in FULL mode, with
+        blocking capture and without small-GEMM plans (planned per captured size);
+        ``ValueError`` names what stands in the way."""
+        background = self.parts.background
+        if self.mode is not GraphMode.FULL or background is not None:
+            how = ", capturing in the background" if background else ""
+            raise ValueError(
+                "replan_graphs: needs graph mode FULL with blocking capture (this engine "
+                f"runs {self.mode.name}{how})"
+            )
+        if self.runner.kernel_plan.small_gemm_rows:
+            raise ValueError("replan_graphs: not with KernelOptions(small_gemm=True)")
+        policy = AdaptivePolicy(budget_bytes, every=1, max_resizes=1, min_gain=0.0, granule=granule)
+        return AdaptiveLadder(self.runner.manager, policy).between_steps()
 
     @property
     def waiting(self) -> int:

@@ -11,18 +11,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ostinato.adaptive_ladder import AdaptiveLadder, AdaptivePolicy, LadderChange
+from ostinato.adaptive_ladder import LadderChange
 from ostinato.distributed.failure import ParallelError
 from ostinato.engine.api.engine import Engine, Session, Tracked
 from ostinato.engine.api.engine_args import EngineArgs
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.api.startup import build, check_args
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import FinishReason, Request
 from ostinato.engine.parallel.peers import Peers
-from ostinato.engine.sample.sampler import SamplingParams
-from ostinato.modes import GraphMode
 from ostinato.replay_stats import StatsSnapshot
-from ostinato.resolution import ModeResolution
 
 TokenCallback = Callable[[int, int], None]
 """``on_token(prompt_index, token_id)``: called for each token as it is produced."""
@@ -41,6 +39,10 @@ class RequestOutput:
 
 def _part(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.engine.parts, name), doc=doc)
+
+
+def _engine(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.engine, name), doc=doc)
 
 
 class LLM:
@@ -104,40 +106,16 @@ class LLM:
     graph_memory = _part("graph_memory", "The graphs' memory reserve against their use.")
     background = _part("background", "The background capture, or None.")
 
-    @property
-    def mode(self) -> GraphMode:
-        """The graph mode in use after downgrades."""
-        return self.engine.runner.resolution.mode
-
-    @property
-    def resolution(self) -> ModeResolution:
-        """The graph mode in use and each reason it differs from the one asked for."""
-        return self.engine.runner.resolution
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Blocks of the KV cache, the null block included."""
-        return self.engine.scheduler.pool.num_blocks
-
-    @property
-    def free_kv_blocks(self) -> int:
-        """KV blocks free now: ``num_kv_blocks - 1`` whenever no request is in flight."""
-        return self.engine.scheduler.pool.num_free
-
-    @property
-    def num_preemptions(self) -> int:
-        """Requests preempted (their KV blocks freed, recomputed later) so far."""
-        return self.engine.scheduler.num_preemptions
-
-    @property
-    def has_work(self) -> bool:
-        """Whether requests are queued or running (never after ``generate`` returns)."""
-        return self.engine.scheduler.has_work
+    mode = _engine("mode", "The graph mode in use after downgrades.")
+    resolution = _engine("resolution", "The mode in use and why it differs from the one asked.")
+    num_kv_blocks = _engine("num_kv_blocks", "Blocks of the KV cache, the null block included.")
+    free_kv_blocks = _engine("free_kv_blocks", "KV blocks free now.")
+    num_preemptions = _engine("num_preemptions", "Requests preempted (recomputed later) so far.")
+    has_work = _engine("has_work", "Whether requests are queued or running.")
 
     def graph_stats(self) -> StatsSnapshot:
-        """This process's live statistics per bucket (replays, real and padded rows,
-        eager steps by reason, capture cost); safe to call while another thread steps."""
-        return self.engine.runner.manager.stats()
+        """This process's live statistics per bucket (``Engine.graph_stats``)."""
+        return self.engine.graph_stats()
 
     def generate(
         self,
@@ -213,23 +191,11 @@ class LLM:
         return [self._output(t) for t in tracked]
 
     def _run_replicas(self, checked: list, ids: list[str], on_token: TokenCallback | None):
-        """This process drives the engine's own workers: replica d (ranks [d*tp,
-        (d+1)*tp)) takes prompts d, d + dp, d + 2*dp, ..."""
-        tp, dp = self.parallel.tp.size, self.parallel.dp_size
-        shares = [list(range(d, len(checked), dp)) for d in range(dp)]
-        args = [tuple(map(list, zip(*[checked[i] for i in s], strict=True))) for s in shares]
-        args = [a if a else ([], []) for a in args]
-        first = shares[0]
-        mine_cb = None if on_token is None else lambda i, t: on_token(first[i], t)
-        mine = lambda: self._run([checked[i] for i in first], [ids[i] for i in first], mine_cb)  # noqa: E731
-        got = self.peers.scatter(args, tp, mine, self.parallel.timeout_s)
-        outputs: list[RequestOutput | None] = [None] * len(checked)
-        for d, outs in enumerate(got):
-            for i, out in zip(shares[d], outs, strict=True):
-                outputs[i] = replace(out, request_id=ids[i])
-                for token in out.token_ids if d and on_token is not None else ():
-                    on_token(i, token)  # other replicas' tokens, once they are done
-        return outputs
+        """This process drives its workers: the data-parallel replicas share the prompts
+        (``Peers.generate``), this process's share through ``_run``."""
+        run = lambda share, cb: self._run([checked[i] for i in share], [ids[i] for i in share], cb)  # noqa: E731
+        outputs = self.peers.generate(checked, run, self.parallel, on_token)
+        return [replace(out, request_id=rid) for out, rid in zip(outputs, ids, strict=True)]
 
     def chat(
         self,
@@ -323,37 +289,12 @@ class LLM:
 
     def describe(self) -> str:
         """One line: the model, device, graph mode, start-up phases and graphs."""
-        graphs = "graphs: background" if self.background else self.capture_report.summary()
-        if self.graph_memory is not None:
-            graphs += f" ({self.graph_memory.summary()})"
-        manager = self.engine.runner.manager
-        if manager.check.mode != "off":
-            every = f" 1 in {manager.check.every}" if manager.check.sampling else ""
-            graphs += f"; verify: {manager.check.mode}{every}, {len(manager.demoted)} demoted"
-        return (
-            f"model: {self.source_name}; device: {self.device}; graph mode: {self.mode.name}; "
-            f"{self.startup.summary()}; {graphs}"
-        )
+        return self.engine.describe()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
-        """Waits (at most ``timeout`` seconds) for a background capture to end; True when
-        every graph is ready, False on a timeout or a failed capture (steps run eagerly)."""
-        if self.background is None:
-            return True
-        return self.background.wait(timeout) and self.background.error is None
+        """Waits for a background capture (``Engine.wait_for_graphs``)."""
+        return self.engine.wait_for_graphs(timeout)
 
     def replan_graphs(self, budget_bytes: int, granule: int = 1 << 20) -> LadderChange | None:
-        """Between ``generate`` calls: moves the FULL ladder to the sizes that pad least for
-        the steps run so far, within ``budget_bytes`` (``ostinato.adaptive_ladder``); None
-        when the ladder held pads least already. FULL mode with blocking capture and no
-        small-GEMM plans only; ``ValueError`` names what stands in the way."""
-        if self.mode is not GraphMode.FULL or self.background is not None:
-            how = ", capturing in the background" if self.background else ""
-            raise ValueError(
-                "replan_graphs: needs graph mode FULL with blocking capture (this engine "
-                f"runs {self.mode.name}{how})"
-            )
-        if self.engine.runner.small_gemm_rows:
-            raise ValueError("replan_graphs: not with KernelOptions(small_gemm=True)")
-        policy = AdaptivePolicy(budget_bytes, every=1, max_resizes=1, min_gain=0.0, granule=granule)
-        return AdaptiveLadder(self.engine.runner.manager, policy).between_steps()
+        """Between calls: the FULL ladder moved to pad least (``Engine.replan_graphs``)."""
+        return self.engine.replan_graphs(budget_bytes, granule)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.model.config import ModelConfig
-from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.mathutil import is_int
 
 Prompt = Sequence[int] | str

@@ -136,7 +136,7 @@ class StepLoop:
         if step.scheduled:
             local = self.runner.graphs.dispatch(step.num_tokens, step.uniform_decode)
             mode, padded, uniform = local.mode, local.padded_tokens, step.uniform_decode
-            micro = self.runner.would_micro_batch(mode, padded, step)
+            micro = self.runner.ubatch.applies(mode, padded, step)
         else:
             mode, padded, uniform = idle_proposal()
         agreement = agree_on_step(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import NoReturn
 
 # The engine's option types (its flags are derived from ``EngineArgs``), for the other

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ostinato.engine.core.kv_cache import BlockPool, blocks_needed
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.core.params import SamplingParams
 
 
 class FinishReason(enum.Enum):

@@ -155,25 +155,37 @@ class Peers:
         if self.workers is not None:  # gone after a failed step
             self.workers.send({r: Command(command, (changes,)) for r in self.workers.conns})
 
-    def scatter(
+    def generate(
         self,
-        shares: Sequence[Any],
-        tp: int,
-        mine: Callable[[], list[Any]],
-        timeout_s: float,
-    ) -> list[list[Any]]:
+        checked: Sequence[Any],
+        run: Callable[[list[int], Callable[[int, int], None] | None], list[Any]],
+        parallel: ParallelGroups,
+        on_token: Callable[[int, int], None] | None,
+    ) -> list[Any]:
         """Data parallelism from this process: replica ``d`` (ranks ``[d*tp, (d+1)*tp)``)
-        runs ``shares[d]`` (``generate``'s arguments); this rank runs ``mine()``. Returns
-        each replica's outputs."""
+        takes prompts ``d, d + dp, ...`` of ``checked`` (``(tokens, params)`` pairs); its
+        workers run ``generate`` on their share while this rank runs ``run(share,
+        on_token)`` on its own. Returns the outputs in prompt order; ``on_token`` sees
+        the other replicas' tokens once they are done."""
         assert self.workers is not None
-        self.workers.send({r: Command("generate", shares[r // tp]) for r in self.workers.conns})
-        first = mine()
+        tp, dp = parallel.tp.size, parallel.dp_size
+        shares = [list(range(d, len(checked), dp)) for d in range(dp)]
+        args = [([checked[i][0] for i in s], [checked[i][1] for i in s]) for s in shares]
+        self.workers.send({r: Command("generate", args[r // tp]) for r in self.workers.conns})
+        first = shares[0]
+        mine = run(first, None if on_token is None else lambda i, t: on_token(first[i], t))
         try:
-            replies = self.workers.collect(timeout_s)
+            replies = self.workers.collect(parallel.timeout_s)
         except ParallelError as exc:
             self.failure = RankFailure(-1, str(exc))
             raise
-        return [first] + [replies[d * tp] for d in range(1, len(shares))]
+        outputs: list[Any] = [None] * len(checked)
+        for d, share in enumerate(shares):
+            for i, out in zip(share, mine if d == 0 else replies[d * tp], strict=True):
+                outputs[i] = out
+                for token in out.token_ids if d and on_token is not None else ():
+                    on_token(i, token)
+        return outputs
 
     def failed_start(self, exc: BaseException) -> BaseException | None:
         """After this rank's start-up raised ``exc``: stops the workers and returns the

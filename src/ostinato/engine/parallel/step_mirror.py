@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import Request, Scheduler
-from ostinato.engine.sample.sampler import SamplingParams
 
 
 @dataclass(frozen=True)

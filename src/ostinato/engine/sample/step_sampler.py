@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.core.transfer import to_device
 from ostinato.engine.sample.graph_sampler import GraphSampler
-from ostinato.engine.sample.sampler import SamplingParams, sample
+from ostinato.engine.sample.sampler import sample
 from ostinato.engine.sample.verify import verify
 
 

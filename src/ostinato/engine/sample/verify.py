@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledBatch
-from ostinato.engine.sample.sampler import SamplingParams, sample
+from ostinato.engine.sample.sampler import sample
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

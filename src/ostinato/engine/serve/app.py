@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from ostinato.engine.api.text_stream import TextStream
-from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.serve.engine_process import EngineProcess
 from ostinato.engine.serve.loop import EngineStatus, RequestHandle
 from ostinato.replay_stats import StatsSnapshot

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
-from ostinato.engine.sample.sampler import SamplingParams
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.serve.loop import EngineLoop, EngineStatus, Handles, RequestHandle, TokenEvent
 
 REPLY_TIMEOUT_S = 60.0  # an answer to a submit or a status query (the child is alive)

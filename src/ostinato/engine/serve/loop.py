@@ -30,8 +30,8 @@ from typing import Any
 from ostinato.engine.api.engine import Session, Tracked
 from ostinato.engine.api.llm import LLM
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
+from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import FinishReason
-from ostinato.engine.sample.sampler import SamplingParams
 from ostinato.replay_stats import StatsSnapshot
 
 _END = object()

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,6 @@ from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
-from ostinato.engine.kernels.launch import PDL_MAX_ROWS, compile_ahead, layout_rows
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
@@ -28,23 +26,19 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
-from ostinato.engine.worker import gemm_tuning
 from ostinato.engine.worker.compile_cache import CompileCache
-from ostinato.engine.worker.gemm_tuning import GemmTiming, default_plans, plan_small_gemms
+from ostinato.engine.worker.gemm_tuning import GemmTiming
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
-from ostinato.engine.worker.ubatch_tuning import UbatchTiming, chosen, measure
-from ostinato.guard import capture_phase
+from ostinato.engine.worker.kernel_plan import Forward, KernelPlan
+from ostinato.engine.worker.ubatch_steps import UbatchSteps
 from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
-from ostinato.ubatch.handoff import CudaStreamOps, NoStreams, UbatchThreads
 from ostinato.ubatch.policy import MicroBatching
-from ostinato.ubatch.slicing import can_split, split_step
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids, positions) -> hidden
 # (input ids, positions, where to write them or None) -> logits
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -108,12 +102,14 @@ class ModelRunner:
             linear.use_plan((), 0, False)
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
         # kernel's fixed cost shows); none in NONE mode.
-        self.small_gemm_rows = (
+        small_gemm_rows = (
             graph_config.sizes
             if self.kernels.small_gemm and self.graphs.mode is not GraphMode.NONE
             else ()
         )
-        self.gemm_timings: list[GemmTiming] | None = None  # measured by plan_kernels()
+        self.kernel_plan = KernelPlan(
+            model, self.kernels, limits, small_gemm_rows, compile_cache, self._padding_context
+        )
         self.piecewise: PiecewiseBackend | None = None
         self.forward: Forward = model
         if compiler is not None:
@@ -127,25 +123,12 @@ class ModelRunner:
                 inductor_patches=None,
             )
             self.forward = CompiledModel(model, self.piecewise)
-        self.compile_seconds = 0.0
-        self._kernels_pending = self.kernels.compile_ahead  # compiled ahead once, by compile()
-        self._init_micro_batching(micro_batching)
+        self.ubatch = UbatchSteps(micro_batching, model, self.inputs, cache, backend, self.graphs)
 
-    def _init_micro_batching(self, policy: MicroBatching | None) -> None:
-        self.micro_batching = policy
-        self.ubatched_steps = 0  # steps run as two micro-batches (eagerly or replayed)
-        self.ubatched_replays = 0  # of which replays of micro-batched FULL graphs
-        self._comm_stream: torch.cuda.Stream | None = None
-        self._ubatch_threads: UbatchThreads | None = None
-        # FULL sizes the policy's thresholds select for micro-batching; with
-        # ``policy.measure`` capture() keeps those measured faster split (``ubatch_timings``).
-        self.ubatch_candidates: tuple[BatchDescriptor, ...] = self._ubatch_candidates()
-        self.ubatch_timings: list[UbatchTiming] = []
-        # FULL graphs captured as two overlapped micro-batches (one graph holds both and
-        # both streams); a size captured so has no plain FULL graph, and the reverse.
-        self.ubatched_graphs: frozenset[BatchDescriptor] = (
-            frozenset() if policy is None or policy.measure else frozenset(self.ubatch_candidates)
-        )
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds the one-time compile took (0.0 before it, or with nothing to compile)."""
+        return self.kernel_plan.compile_seconds
 
     @property
     def resolution(self) -> ModeResolution:
@@ -191,24 +174,13 @@ class ModelRunner:
         meta = inputs.metadata(n, [], [], n if new_keys is None else new_keys)
         return StepAttention(meta, self.cache, self.backend)
 
-    def _ubatch_candidates(self) -> tuple[BatchDescriptor, ...]:
-        policy = self.micro_batching
-        full_modes = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
-        if policy is None or self.model.tp.group is None or self.graphs.mode not in full_modes:
-            return ()
-        return tuple(
-            d
-            for d in self.graphs.dispatcher.keys(GraphMode.FULL)
-            if d.num_tokens % 2 == 0 and policy.applies(d.num_tokens, d.uniform_decode)
-        )
-
     def _step(self, d: BatchDescriptor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the first ``d.num_tokens`` rows; for a uniform decode, where
         every row is one whose logits are needed, their logits and greedy tokens
         instead, so the decode graph covers the LM head (and its all-gather under TP) and
         greedy sampling. A descriptor in ``ubatched_graphs`` runs as two micro-batches
         over the two halves of its rows (its warm-up, capture and replays alike)."""
-        return self._step_as(d, d in self.ubatched_graphs)
+        return self._step_as(d, d in self.ubatch.graphs)
 
     def _step_as(
         self, d: BatchDescriptor, ubatched: bool
@@ -217,11 +189,11 @@ class ModelRunner:
         ids, positions = self.inputs.input_ids[:n], self.inputs.positions[:n]
         if not d.uniform_decode:
             if ubatched:
-                return self._run_static_ubatches(n)
+                return self.ubatch.run_static(n)
             return self._forward_for(d)(ids, positions)
         logits_out, greedy_out = _static_rows()
         if ubatched:
-            logits = self.model.compute_logits(self._run_static_ubatches(n), logits_out)
+            logits = self.model.compute_logits(self.ubatch.run_static(n), logits_out)
         else:
             logits = self._logits_for(d)(ids, positions, logits_out)
         return logits, greedy_tokens(logits, self.kernels.pdl, greedy_out)
@@ -263,103 +235,39 @@ class ModelRunner:
         # eager outputs, which are no static outputs either.
         replayed = replayed and self.manager.ready(dispatch)
         d = dispatch.descriptor
-        if replayed and d in self.ubatched_graphs:
-            self.ubatched_steps += 1
-            self.ubatched_replays += 1
+        if replayed and d in self.ubatch.graphs:
+            self.ubatch.steps += 1
+            self.ubatch.replays += 1
         if d.uniform_decode:
             logits, greedy = out
             size = d.num_tokens if replayed else None
             return StepOutput(logits, greedy, size)
         return StepOutput(self.model.compute_logits(out[rows]))
 
-    @torch.inference_mode()
     def plan_kernels(self) -> list[GemmTiming]:
-        """Measures and sets the small-GEMM plans once (``KernelOptions.small_gemm``),
-        then with ``fused_layers`` gives the Triton GEMM to every layer projection left
-        without one (``default_plans``); ``compile`` and ``capture`` call it first, since
-        the plans are constants of the compiled graph. Returns the measurements (empty
-        when not asked for)."""
-        if self.gemm_timings is None:
-            self.gemm_timings = (
-                plan_small_gemms(
-                    self.model.linears(),
-                    self.small_gemm_rows,
-                    self.kernels.pdl,
-                    cache=self.compile_cache,
-                )
-                if self.small_gemm_rows
-                else []
-            )
-            if self.kernels.fused_layers:
-                # The LM head only where PLAN_LM_HEAD says: once a step, and the widest
-                # GEMM, where a tile picked by rule risks the most.
-                linears = self.model.linears(lm_head=gemm_tuning.PLAN_LM_HEAD)
-                default_plans(linears, self.kernels.pdl)
-        return self.gemm_timings
+        """The projections' plans, set once before anything compiles (``KernelPlan``)."""
+        return self.kernel_plan.plan()
 
-    @torch.inference_mode()
     def compile(self) -> float:
-        """Compiles the model (piecewise backend) once, at the largest size, and with
-        ``KernelOptions.compile_ahead`` the engine's Triton kernels first, together;
-        returns seconds (0.0 when there was nothing left to compile)."""
+        """Plans the kernels, then compiles the model (piecewise backend) once, at the
+        largest size, and with ``compile_ahead`` the engine's Triton kernels first;
+        seconds (0.0 when there was nothing left to compile)."""
         self.plan_kernels()
         return self._compile_on(self.inputs, self.forward)
 
-    def _compile_on(
-        self, inputs: StepInputs, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    ) -> float:
-        """``compile``'s work on padding rows of ``inputs`` through ``forward``."""
-        pieces = self.piecewise is not None and not self.piecewise.stats.compiles
-        if not pieces and not self._kernels_pending:
-            return 0.0
-        start = time.perf_counter()
-        with self._kernels_ahead(inputs):
-            if pieces:
-                n = self.limits.max_num_batched_tokens
-                with self._padding_context(inputs, n):
-                    forward(inputs.input_ids[:n], inputs.positions[:n])
-        self.manager.platform.synchronize()
-        self.compile_seconds = time.perf_counter() - start
-        return self.compile_seconds
+    def _compile_on(self, inputs: StepInputs, forward: Forward) -> float:
+        sync = self.manager.platform.synchronize
+        return self.kernel_plan.compile_on(inputs, forward, self.piecewise, sync)
 
     def _padding_context(self, inputs: StepInputs, n: int) -> contextlib.AbstractContextManager:
         """An eager step's context over ``n`` padding rows of ``inputs``."""
         meta = self._padding_metadata(inputs, n)
         return forward_context(GraphMode.NONE, BatchDescriptor(n), meta)
 
-    @contextlib.contextmanager
-    def _kernels_ahead(self, inputs: StepInputs) -> Iterator[None]:
-        """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
-        thread pool (``triton_launch.compile_ahead``), queued first by one eager pass of
-        the model per layout the steps launch (``layout_rows``: with and without PDL,
-        attention splitting its keys or not), each followed by the decode graphs' greedy
-        argmax over a few of its rows. Nothing launched inside runs,
-        so the caller's compiled first pass (Dynamo, Inductor) overlaps the compilations
-        and its output is not to be read."""
-        if not self._kernels_pending:
-            yield
-            return
-        self._kernels_pending = False
-        with compile_ahead():
-            for n in layout_rows(self.limits.max_num_batched_tokens):
-                ids, positions = inputs.input_ids[:n], inputs.positions[:n]
-                with self._padding_context(inputs, n):
-                    if n <= MAX_ROWS:  # as the decode graphs run it
-                        logits = self.model.logits(ids, positions)
-                    else:
-                        # The argmax's layouts differ only in PDL: a few rows take the
-                        # same one as ``n`` rows, without their whole vocabulary of logits.
-                        hidden = self.model(ids, positions)[: PDL_MAX_ROWS + 1]
-                        logits = self.model.compute_logits(hidden)
-                    greedy_tokens(logits, self.kernels.pdl)
-            yield
-
     def capture(self) -> CaptureReport:
         """Compiles if needed, then captures every graph of the resolved mode. With a
-        measuring micro-batching policy, each candidate size is first timed plainly and
-        split (``ubatch_timings``), and ``ubatched_graphs`` becomes the sizes whose split
-        was faster by the policy's margin, the same on every rank of every replica (the
-        slowest rank's times decide). Under tensor
+        measuring micro-batching policy, the sizes to capture split are measured first
+        (``UbatchSteps.choose``). Under tensor
         parallelism every rank captures (and times) the same descriptors in the same
         order, between two barriers, so the collectives recorded in the graphs pair up
         across ranks."""
@@ -367,14 +275,7 @@ class ModelRunner:
         if group is not None:
             dist.barrier(group=group)
         self.compile()  # plans the kernels first
-        policy = self.micro_batching
-        if policy is not None and policy.measure and self.ubatch_candidates:
-            # Agreed over every rank, data-parallel replicas included (their configs, so
-            # their candidates, are identical): all replicas split the same sizes.
-            everyone = dist.group.WORLD if dist.is_initialized() else group
-            with capture_phase():  # one collection for all the timed captures
-                self.ubatch_timings = measure(self.ubatch_candidates, self.replay_ms, everyone)
-            self.ubatched_graphs = chosen(self.ubatch_timings, policy.min_speedup)
+        self.ubatch.choose(self._step_as, self._dummy_metadata)
         report = self.manager.capture()
         if group is not None:
             dist.barrier(group=group)
@@ -387,14 +288,14 @@ class ModelRunner:
         differently), then the compiled one, eagerly until their size's graph is ready.
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
-        if self.model.tp.group is not None or self.ubatch_candidates:
+        if self.model.tp.group is not None or self.ubatch.candidates:
             raise ValueError(
                 "capture='background': not with tensor parallelism or micro-batching, whose "
                 "graphs every rank captures in the same order; use capture='blocking'"
             )
         self.plan_kernels()  # sets the projections' plans: before any step runs
         compiled = self.forward
-        if compiled is self.model and not self._kernels_pending:
+        if compiled is self.model and not self.kernel_plan.compiles_kernels:
             return self.manager.capture_in_background()
         self.forward = self.model
 
@@ -404,33 +305,6 @@ class ModelRunner:
                 self.forward = compiled
 
         return self.manager.capture_in_background(prologue=compile_first)
-
-    @torch.inference_mode()
-    def replay_ms(self, d: BatchDescriptor, ubatched: bool) -> float:
-        """Mean ms of a replay of ``d``'s step captured plainly or as two micro-batches
-        (a throwaway graph in the shared pool, on padding rows): what the measuring
-        micro-batching policy compares at capture. Needs a micro-batching policy; call
-        it inside ``capture_phase()`` (as ``capture`` does) to keep collection paused."""
-        policy = self.micro_batching
-        if policy is None:
-            raise ValueError("replay_ms: this runner has no micro-batching policy")
-        platform = self.manager.platform
-        meta = self._dummy_metadata(d)
-        with forward_context(GraphMode.NONE, d, meta):
-            self._step_as(d, ubatched)  # warm-up; starts the micro-batch threads uncaptured
-        graph = platform.new_graph()
-        with forward_context(GraphMode.FULL, d, meta), platform.capture(graph, self.manager.pool):
-            self._step_as(d, ubatched)
-        try:
-            graph.replay()
-            platform.synchronize()
-            start = time.perf_counter()
-            for _ in range(policy.measure_repeats):
-                graph.replay()
-            platform.synchronize()
-            return (time.perf_counter() - start) * 1e3 / policy.measure_repeats
-        finally:
-            graph.reset()
 
     def capture_sampling(self, generator: torch.Generator) -> GraphSampler | None:
         """A sampling graph per uniform decode size of one token per request, reading
@@ -461,9 +335,7 @@ class ModelRunner:
         """Destroys every graph this runner captured (FULL and piecewise) and ends its
         micro-batch threads; it must not run a graph mode afterwards. Safe to call more
         than once."""
-        if self._ubatch_threads is not None:
-            self._ubatch_threads.close()
-            self._ubatch_threads = None
+        self.ubatch.close()
         self.manager.release()
         if self.piecewise is not None:
             self.piecewise.release()
@@ -509,89 +381,15 @@ class ModelRunner:
             return StepOutput(torch.empty((0, self.model.config.vocab_size), device=self.device))
         layout = self.inputs.write(step, padded, previous)
         ubatch = (
-            self.would_micro_batch(dispatch.mode, padded, step)
+            self.ubatch.applies(dispatch.mode, padded, step)
             if agreement is None
             else agreement.micro_batch
         )
         if ubatch and dispatch.mode is GraphMode.NONE:  # (a FULL graph holds its split)
-            hidden = self._run_ubatches(padded, layout.query_lens, layout.seq_lens)
+            hidden = self.ubatch.run_eager(padded, layout.query_lens, layout.seq_lens)
             return StepOutput(self.model.compute_logits(hidden[layout.logit_rows]))
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_rows)
-
-    def would_micro_batch(self, mode: GraphMode, padded: int, step: ScheduledBatch) -> bool:
-        """Whether ``step``, dispatched to ``mode`` at ``padded`` rows, runs as two
-        micro-batches (under data parallelism the replicas then agree on it): a FULL
-        graph if it was captured so; eagerly, if the policy applies and both halves hold
-        real tokens."""
-        policy = self.micro_batching
-        if policy is None or self.model.tp.group is None:
-            return False  # only where there are collectives to overlap
-        if mode is GraphMode.FULL:
-            return BatchDescriptor(padded, None, step.uniform_decode) in self.ubatched_graphs
-        if mode is not GraphMode.NONE:
-            return False  # compiled pieces trace the all-reduce: no hand-off inside them
-        return policy.applies(padded, step.uniform_decode) and can_split(step.num_tokens, padded)
-
-    def _run_ubatches(
-        self, padded: int, query_lens: list[int], seq_lens: list[int]
-    ) -> torch.Tensor:
-        """The step's hidden states, computed eagerly as two micro-batches on two threads
-        that take turns at every collective (``ostinato.ubatch``)."""
-        slices = split_step(query_lens, padded)
-        ids, pos = self.inputs.input_ids, self.inputs.positions
-
-        def run(i: int) -> torch.Tensor:
-            s = slices[i]
-            meta = StepAttention(
-                self.inputs.ubatch_metadata(s, query_lens, seq_lens), self.cache, self.backend
-            )
-            with torch.inference_mode():
-                with forward_context(GraphMode.NONE, BatchDescriptor(s.num_tokens), meta):
-                    return self.model(ids[s.tokens], pos[s.tokens])
-
-        outs = self._in_ubatch_threads(run)
-        self.ubatched_steps += 1
-        return torch.cat(outs)
-
-    def _run_static_ubatches(self, n: int) -> torch.Tensor:
-        """Hidden states of the first ``n`` rows as two micro-batches of ``n / 2`` rows
-        whose attention reads only persistent buffers (each row finds its request through
-        ``token_req`` in the whole block table), so the run can be captured in one graph
-        and replayed for any step of ``n`` padded rows."""
-        half = n // 2
-        ids, pos = self.inputs.input_ids, self.inputs.positions
-
-        def run(i: int) -> torch.Tensor:
-            rows = slice(i * half, (i + 1) * half)
-            meta = StepAttention(self.inputs.rows_metadata(rows), self.cache, self.backend)
-            with torch.inference_mode():
-                with forward_context(GraphMode.NONE, BatchDescriptor(half), meta):
-                    return self.model(ids[rows], pos[rows])
-
-        return torch.cat(self._in_ubatch_threads(run))
-
-    def _in_ubatch_threads(self, run: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
-        # The threads (and on CUDA the communication stream) are made at the first
-        # micro-batched run, an eager warm-up before any capture: nothing of theirs is
-        # initialised while a graph is being captured.
-        if self._ubatch_threads is None:
-            if self.device.type == "cuda":
-                self._comm_stream = torch.cuda.Stream(self.device)
-                device = self.device
-
-                def prepare() -> None:
-                    torch.cuda.set_device(device)
-                    torch.cuda.current_blas_handle()
-
-                self._ubatch_threads = UbatchThreads(2, CudaStreamOps(), prepare)
-            else:
-                self._ubatch_threads = UbatchThreads(2, NoStreams())
-        if self.device.type == "cuda":
-            compute, comm = torch.cuda.current_stream(), self._comm_stream
-        else:
-            compute = comm = None
-        return self._ubatch_threads.run(run, compute, comm)
 
 
 def _static_rows() -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,0 +1,54 @@
+"""``SamplingParams``: how a request wants its tokens picked, checked on construction. The
+scheduler reads its limits; ``engine.sample`` does the picking."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from ostinato.mathutil import is_int
+
+MIN_TEMPERATURE = 1e-5
+"""Below this a temperature means greedy (logits of ~100 over it still fit in float32)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy, and so is any temperature below
+    ``MIN_TEMPERATURE`` (it is stored as 0: dividing logits by it would overflow float32
+    and turn the softmax into NaN). Validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"temperature: must be a number >= 0, got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+            is_int(t) for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids: must be a tuple of ints, got {self.stop_token_ids!r}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are the argmax (temperature 0): the one place that says so."""
+        return self.temperature == 0
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)

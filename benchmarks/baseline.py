@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ostinato.engine.model.decoder import DecoderModel
-
 
 class StaticCacheDecoder(nn.Module):
     """``forward(input_ids [B, 1], input_pos [1]) -> logits [B, vocab]`` for decode steps."""
 
-    def __init__(self, model: DecoderModel, batch: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, batch: int, max_len: int) -> None:
+        """``model``: the engine's decoder (``llm.engine.model``), whose weights it reads."""
         super().__init__()
         self.model = model
         c = model.config

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
+from ostinato.engine import ModelConfig
 from ostinato.engine.cli.args import OneLineParser, int_list, positive_int
-from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.presets import shape
 
 

@@ -266,17 +266,18 @@ class DecodeSetup:
         compiler: str | None,
         backend: AttentionBackend | None = None,
         kernels: KernelOptions | None = None,
+        graphs: GraphConfig | None = None,
     ) -> ModelRunner:
         """A ModelRunner over the shared weights and cache in ``mode`` (with the default
-        attention backend unless ``backend``, and the model's kernels launched as
-        ``kernels`` say)."""
+        attention backend unless ``backend``, the model's kernels launched as ``kernels``
+        say, and the graphs ``graphs`` configures, by default ``mode``'s ladder)."""
         limits = EngineLimits(self.max_b, 2048, self.max_len, BLOCK)
         return ModelRunner(
             self.model_with(kernels or KernelOptions()),
             self.cache,
             backend or self.backend,
             limits,
-            GraphConfig(mode=mode),
+            graphs or GraphConfig(mode=mode),
             self.device,
             progress=False,
             compiler=compiler,

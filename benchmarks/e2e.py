@@ -332,11 +332,12 @@ def main(argv: list[str]) -> int:
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    from ostinato.engine.api.engine_args import parse_mode
+    from ostinato import GraphMode
 
     for m in args.modes:
         try:
-            parse_mode(m)
+            if m.strip().lower() != "auto":  # the engine's own name for its default
+                GraphMode.parse(m)
         except ValueError as exc:
             parser.error(f"argument --modes: {exc}")
     if args.model == REAL_MODEL:

@@ -33,36 +33,31 @@ from typing import Any
 from unittest import mock
 
 import torch
-from ostinato.engine.worker.step_loop import StepLoop
 
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from benchmarks.generate_profile import generate_seconds
-from ostinato.engine import LLM
-from ostinato.engine.core.scheduler import Scheduler
-from ostinato.engine.sample.step_sampler import StepSampler
-from ostinato.engine.worker.inputs import StepInputs
-from ostinato.engine.worker.runner import ModelRunner
-from ostinato.manager import GraphManager
+from ostinato.engine import LLM, Engine
 from ostinato.provenance import Provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from smollm2 import PROMPTS  # noqa: E402
 
-# (owner, method): the host phases of a step, outermost first.
-PHASES: tuple[tuple[type, str], ...] = (
-    (StepLoop, "launch"),
-    (StepLoop, "resolve"),
-    (StepLoop, "wait_copy"),
-    (StepLoop, "copy_back"),
-    (Scheduler, "schedule"),
-    (Scheduler, "launched"),
-    (Scheduler, "resolve"),
-    (ModelRunner, "execute"),
-    (StepInputs, "write"),
-    (StepInputs, "copy_staged"),
-    (StepInputs, "take_previous"),
-    (GraphManager, "run"),
-    (StepSampler, "tokens"),
+# (the part of an ``Engine`` that owns it, method): the host phases of a step,
+# outermost first.
+PHASES: tuple[tuple[str, str], ...] = (
+    ("loop", "launch"),
+    ("loop", "resolve"),
+    ("loop", "wait_copy"),
+    ("loop", "copy_back"),
+    ("scheduler", "schedule"),
+    ("scheduler", "launched"),
+    ("scheduler", "resolve"),
+    ("runner", "execute"),
+    ("runner.inputs", "write"),
+    ("runner.inputs", "copy_staged"),
+    ("runner.inputs", "take_previous"),
+    ("runner.manager", "run"),
+    ("sampler", "tokens"),
 )
 
 
@@ -96,12 +91,20 @@ def _timed(method: Callable[..., Any], phase: Phase) -> Callable[..., Any]:
     return wrapper
 
 
+def _owner(engine: Engine, path: str) -> type:
+    part: Any = engine
+    for attr in path.split("."):
+        part = getattr(part, attr)
+    return type(part)
+
+
 @contextlib.contextmanager
-def timed_phases() -> Iterator[dict[str, Phase]]:
+def timed_phases(engine: Engine) -> Iterator[dict[str, Phase]]:
     """Every method of ``PHASES`` timed while inside (totals by ``Owner.method``)."""
-    phases = {f"{owner.__name__}.{name}": Phase() for owner, name in PHASES}
+    owners = [(_owner(engine, path), name) for path, name in PHASES]
+    phases = {f"{owner.__name__}.{name}": Phase() for owner, name in owners}
     with contextlib.ExitStack() as stack:
-        for owner, name in PHASES:
+        for owner, name in owners:
             wrapped = _timed(getattr(owner, name), phases[f"{owner.__name__}.{name}"])
             stack.enter_context(mock.patch.object(owner, name, wrapped))
         yield phases
@@ -138,7 +141,7 @@ def measure(model: str, repeats: int) -> Result:
         text.getvalue(),
         256,
     )
-    with timed_phases() as phases:
+    with timed_phases(llm.engine) as phases:
         generate_seconds(llm, prompt, 256)
     for name, phase in phases.items():
         result.phases_us_per_step[name] = phase.ns / 1e3 / result.steps

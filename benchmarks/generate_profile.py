@@ -4,8 +4,6 @@ per token, a cProfile of one call (by cumulative and by own time) and a torch pr
 trace of a shorter one (CPU and CUDA, gzipped; the profiler slows the step, so read it for
 order, not for time).
 
-Also an A/B/A of the decode staging's in-order shortcut, in ms per token.
-
 ``python -m benchmarks.generate_profile --out DIR [--tokens 256]``
 """
 
@@ -21,13 +19,11 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.worker import inputs
 from ostinato.provenance import Provenance
 
 PROMPT = [list(range(1, 21))]  # one request of 20 tokens
@@ -56,12 +52,6 @@ def profile(name: str, tokens: int, out: Path) -> dict[str, object]:
               mode="full_and_piecewise", progress=False)  # fmt: skip
     ms_per_token(llm, tokens)  # warm-up
     times = [ms_per_token(llm, tokens) for _ in range(2)]
-    # A/B/A against staging every decode by index copies and a gather (the in-order
-    # shortcut of StepInputs.take_previous / on_device off).
-    ab = {"default": times[0], "index_copies": 0.0, "default_again": 0.0}
-    with mock.patch.object(inputs, "_counts_up", lambda values: False):
-        ab["index_copies"] = ms_per_token(llm, tokens)
-    ab["default_again"] = ms_per_token(llm, tokens)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     prof = cProfile.Profile()
     prof.enable()
@@ -82,7 +72,7 @@ def profile(name: str, tokens: int, out: Path) -> dict[str, object]:
     raw.unlink()
     del llm
     torch.cuda.empty_cache()
-    return {"ms_per_token": min(times), "tokens_per_s": 1e3 / min(times), "staging_ab_ms": ab}
+    return {"ms_per_token": min(times), "tokens_per_s": 1e3 / min(times)}
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,8 +37,6 @@ from ostinato.batch import BatchDescriptor
 from ostinato.capture_planner import device_costs, padded_rows, plan_capture_sizes
 from ostinato.capture_report import GraphRecord
 from ostinato.config import GraphConfig, default_capture_sizes
-from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.pool import release_shared_pool
 from ostinato.provenance import Provenance
@@ -105,14 +104,11 @@ def compare_ladders(
 
 def _runner(
     setup: DecodeSetup, sizes: tuple[int, ...], verify: str = "off", every: int = 1024
-) -> ModelRunner:
-    limits = EngineLimits(setup.max_b, 2048, setup.max_len, 16)
+) -> Any:
     config = GraphConfig(
         mode=GraphMode.FULL, capture_sizes=sizes, verify=verify, verify_every=every
     )
-    return ModelRunner(
-        setup.model, setup.cache, setup.backend, limits, config, setup.device, progress=False
-    )
+    return setup.runner(GraphMode.FULL, None, graphs=config)
 
 
 def _fresh_pool() -> None:

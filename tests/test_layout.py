@@ -168,3 +168,116 @@ def test_importing_the_library_loads_no_engine_dependency():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# The engine's sub-packages, lowest first: a sub-package imports its own layer's modules
+# and lower layers' only (and, in one layer, siblings never both ways).
+ENGINE_LAYERS = [
+    {"kernels", "core"},
+    {"model", "sample", "parallel"},
+    {"loading", "worker"},
+    {"spec"},
+    {"api"},
+    {"serve"},
+    {"cli", "__main__", ""},
+]
+
+
+def engine_part(name: str) -> str | None:
+    """The engine sub-package of a module: ``worker`` for ``ostinato.engine.worker.runner``,
+    ``""`` for ``ostinato.engine`` itself, None outside the engine."""
+    parts = name.split(".")
+    if parts[:2] != ["ostinato", "engine"]:
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def engine_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, targets in import_graph().items():
+        mine = engine_part(name)
+        if mine is None:
+            continue
+        for t in targets:
+            theirs = engine_part(t)
+            if theirs is not None and theirs != mine and mine != "":
+                edges[mine].add(theirs)
+    return edges
+
+
+def test_engine_sub_packages_are_layered_with_no_loop():
+    rank = {part: i for i, layer in enumerate(ENGINE_LAYERS) for part in layer}
+    edges = engine_graph()
+    for mine, targets in edges.items():
+        assert mine in rank, f"ostinato.engine.{mine}: place it in a layer of ENGINE_LAYERS"
+        for t in targets:
+            assert rank[t] <= rank[mine], f"ostinato.engine.{mine} imports the higher {t}"
+    assert find_cycle(edges) is None
+
+
+def _functions_and_classes():
+    for path in (SRC / "ostinato").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                yield path, node, node.end_lineno - node.lineno + 1
+
+
+def _is_kernel(node: ast.AST) -> bool:
+    """A Triton or Gluon kernel: its body is one device function, read as a whole."""
+    decorators = getattr(node, "decorator_list", [])
+    return any(ast.unparse(d).split("(")[0].endswith(".jit") for d in decorators)
+
+
+def test_no_function_over_80_lines_outside_kernels():
+    long = [
+        f"{path.relative_to(SRC)}:{node.name} ({n} lines)"
+        for path, node, n in _functions_and_classes()
+        if not isinstance(node, ast.ClassDef) and n > 80 and not _is_kernel(node)
+    ]
+    assert not long, f"split these: {long}"
+
+
+def test_no_class_over_500_lines():
+    big = [
+        f"{path.relative_to(SRC)}:{node.name} ({n} lines)"
+        for path, node, n in _functions_and_classes()
+        if isinstance(node, ast.ClassDef) and n > 500
+    ]
+    assert not big, f"split these by concern: {big}"
+
+
+def test_the_llm_facade_stays_thin():
+    lines = (SRC / "ostinato" / "engine" / "api" / "llm.py").read_text().count("\n")
+    assert lines <= 300, f"engine/api/llm.py has {lines} lines: move the work into the Engine"
+
+
+BENCHMARKS = SRC.parent / "benchmarks"
+# What benchmarks may import of the engine besides ``ostinato.engine`` itself: its public
+# tuning hooks, each named for what it offers.
+BENCHMARK_HOOKS = {
+    "ostinato.engine.cli.args": "the command line's option types, so flags fail alike",
+    "ostinato.engine.model.presets": "the model shapes and the default model's file",
+}
+# The benchmarks that time the engine's parts directly (a step of the runner, the
+# launch rules, micro-batched steps) and so import its internals: at most three.
+BENCHMARKS_ON_INTERNALS = {"decode.py", "launch_rules.py", "ubatch.py"}
+
+
+def _engine_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("ostinato.engine")}
+
+
+def test_benchmarks_use_public_api_and_the_named_hooks():
+    assert len(BENCHMARKS_ON_INTERNALS) <= 3
+    allowed = {"ostinato.engine", *BENCHMARK_HOOKS}
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        if path.name in BENCHMARKS_ON_INTERNALS:
+            continue
+        bad = sorted(_engine_imports(path) - allowed)
+        assert not bad, f"benchmarks/{path.name} imports engine internals {bad}"

@@ -17,6 +17,8 @@ _HOMES = {
     "ParallelArgs": "ostinato.engine.api.engine_args",
     "EngineArgs": "ostinato.engine.api.engine_args",
     "Engine": "ostinato.engine.api.engine",
+    "EngineLoop": "ostinato.engine.serve.loop",
+    "EngineProcess": "ostinato.engine.serve.engine_process",
     "KernelOptions": "ostinato.engine.kernels.options",
     "ModelConfig": "ostinato.engine.model.config",
     "SamplingParams": "ostinato.engine.core.params",
@@ -29,6 +31,8 @@ __all__ = [
     "CacheArgs",
     "Engine",
     "EngineArgs",
+    "EngineLoop",
+    "EngineProcess",
     "FinishReason",
     "GraphArgs",
     "KernelOptions",
@@ -47,6 +51,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from ostinato.engine.core.scheduler import FinishReason
     from ostinato.engine.kernels.options import KernelOptions
     from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.serve.engine_process import EngineProcess
+    from ostinato.engine.serve.loop import EngineLoop
     from ostinato.engine.spec.speculative import SpeculativeConfig
 
 

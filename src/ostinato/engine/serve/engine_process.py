@@ -179,7 +179,7 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     """The engine process: builds the engine, then answers the parent's messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     try:
-        from ostinato.engine import LLM
+        from ostinato.engine.api.llm import LLM
 
         llm = LLM(**llm_kwargs)
     except BaseException:

@@ -58,10 +58,9 @@ class LLM:
     Hugging Face folder, a ``.gguf`` file, a HF config dict or a ``ModelConfig``.
 
     Under tensor or data parallelism from a plain process, this process is rank 0 and
-    starts the other ranks itself; under ``torchrun`` every rank builds its own ``LLM``
-    and makes the same calls. The model is compiled and every graph captured at
-    construction (or in the background with ``capture="background"``); if that fails,
-    everything allocated is released before the error propagates.
+    starts the others (``parallel.peers``); under ``torchrun`` every rank builds its own
+    and makes the same calls. Graphs are captured at construction (or in the background,
+    ``capture="background"``); if that fails, all allocated is released first.
     """
 
     def __init__(self, model: Any = None, *, args: EngineArgs | None = None, **keywords: Any):
@@ -77,9 +76,10 @@ class LLM:
         worker_args = replace(args, progress=False)
         self.peers = Peers(checked.parallel, checked.device, LLM, worker_args)
         try:
-            parts = build(checked, self.peers.launch_env, self.peers.health)
-            self.engine = Engine(parts, self.peers.peer_failure)
-            self.peers.joined(parts.parallel, parts.parallel.timeout_s)
+            peers = self.peers
+            parts = build(checked, peers.launch_env, peers.health, peers.attach)
+            self.engine = Engine(parts, peers.peer_failure)
+            peers.ready(parts.parallel.timeout_s)
         except BaseException as exc:
             if "engine" in self.__dict__:
                 self.engine.release()

@@ -292,11 +292,13 @@ def build(
     c: Checked,
     launch: dict[str, str] | None,
     health: Callable[[], RankFailure | None] | None,
+    joined: Callable[[ParallelGroups], None],
 ) -> EngineParts:
     """The parts of the engine ``c`` asks for, on this rank (``launch``: the process
     group's environment when this process started the other ranks; ``health``: how to
-    ask about them while joining). If anything fails, everything allocated is released
-    before the error propagates."""
+    ask about them while joining; ``joined``: told the groups once joined, so a failure
+    after it can be blamed on the peer that caused it). If anything fails, everything
+    allocated is released before the error propagates."""
     start = time.perf_counter()
     source, compile_cache, limits = open_source(c)
     parts = EngineParts(
@@ -314,6 +316,7 @@ def build(
     open_s = time.perf_counter() - start
     try:
         parts.parallel = init_parallel(c.parallel, c.device.type, launch_env=launch, health=health)
+        joined(parts.parallel)
         _build_on(parts, c, source, limits, open_s)
     except BaseException:
         parts.release()

@@ -66,9 +66,12 @@ class Peers:
     def health(self) -> Callable[[], RankFailure | None] | None:
         return self.workers.failure if self.workers else None
 
-    def joined(self, parallel: ParallelGroups, timeout_s: float) -> None:
-        """This rank's engine is up; with workers, waits until every rank's is."""
+    def attach(self, parallel: ParallelGroups) -> None:
+        """This rank joined the process groups (its failure board is read from now on)."""
         self.parallel = parallel
+
+    def ready(self, timeout_s: float) -> None:
+        """This rank's engine is up; with workers, waits until every rank's is."""
         if self.workers is not None:
             self.workers.collect(timeout_s)
 

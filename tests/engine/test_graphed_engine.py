@@ -142,8 +142,8 @@ def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs
     tokens(llm, prompts, params)  # greedy: the decode graph's argmax, no second replay
     assert all(g.replays == 0 for g, _ in llm.engine.sampler.graph_sampler.graphs.values())
     spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
-    assert spec.sampler.graph_sampler is None  # verification samples its 1 + k rows itself
-    assert engine("full").sampler.graph_sampler is None  # no uniform decode graphs
+    assert spec.engine.sampler.graph_sampler is None  # verification samples its 1 + k rows
+    assert engine("full").engine.sampler.graph_sampler is None  # no uniform decode graphs
 
 
 def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_graphs):

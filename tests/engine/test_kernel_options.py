@@ -120,7 +120,7 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     # On the CPU the ops run their torch arithmetic, so nothing is launched; what runs is
     # the runner's part: the eager passes and the compiled first pass inside
     # compile_ahead, once, with the engine's outputs unchanged.
-    from ostinato.engine.worker import runner as runner_module
+    from ostinato.engine.worker import kernel_plan
 
     entered = []
 
@@ -129,7 +129,7 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
         entered.append(True)
         yield
 
-    monkeypatch.setattr(runner_module, "compile_ahead", recording_ahead)
+    monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
     monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
     prompts = [[5, 6, 7, 8, 9], [3, 1]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)

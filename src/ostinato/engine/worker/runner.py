@@ -110,20 +110,25 @@ class ModelRunner:
         self.kernel_plan = KernelPlan(
             model, self.kernels, limits, small_gemm_rows, compile_cache, self._padding_context
         )
-        self.piecewise: PiecewiseBackend | None = None
-        self.forward: Forward = model
-        if compiler is not None:
-            self.piecewise = PiecewiseBackend(
-                compiler=compiler,
-                check_addresses=graph_config.check_addresses,
-                platform=self.manager.platform,
-                pool=self.manager.pool,
-                # Inductor's kernels keep plain launches: its PDL switch holds at every
-                # size, and PDL slowed steps of more than 16 rows (``pdl_for``).
-                inductor_patches=None,
-            )
-            self.forward = CompiledModel(model, self.piecewise)
+        self.piecewise = self._piecewise(compiler, graph_config.check_addresses)
+        self.forward: Forward = (
+            model if self.piecewise is None else CompiledModel(model, self.piecewise)
+        )
         self.ubatch = UbatchSteps(micro_batching, model, self.inputs, cache, backend, self.graphs)
+
+    def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
+        """The backend that compiles the model's pieces (None without a compiler)."""
+        if compiler is None:
+            return None
+        return PiecewiseBackend(
+            compiler=compiler,
+            check_addresses=check_addresses,
+            platform=self.manager.platform,
+            pool=self.manager.pool,
+            # Inductor's kernels keep plain launches: its PDL switch holds at every size,
+            # and PDL slowed steps of more than 16 rows (``pdl_for``).
+            inductor_patches=None,
+        )
 
     @property
     def compile_seconds(self) -> float:

@@ -185,7 +185,7 @@ def test_every_option_has_help_and_shows_its_default(capsys):
         assert option in out
     assert out.count("(default:") >= 8
     # The engine's flags are its configuration's fields, each with the field's help.
-    for _, f in cli_fields():
+    for f in cli_fields():
         assert "--" + f.name.replace("_", "-") in out and f.metadata.get("help")
 
 

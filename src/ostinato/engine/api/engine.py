@@ -137,6 +137,10 @@ class Tracked:
         return self.request.finish_reason
 
 
+def _part(name: str) -> property:
+    return property(lambda self: getattr(self.parts, name))
+
+
 class Engine:
     """One model's scheduler, runner and sampler (built by ``startup.build``).
 
@@ -144,15 +148,21 @@ class Engine:
     device once per step, to read the sampled tokens; requests enter and leave only
     through a ``Session``, under public ids that name at most one live request."""
 
+    # Read from the parts, so a released engine holds nothing of its own.
+    args = _part("args")
+    device, dtype, config = _part("device"), _part("dtype"), _part("config")
+    tokenizer, source_name = _part("tokenizer"), _part("source_name")
+    parallel, runner, scheduler = _part("parallel"), _part("runner"), _part("scheduler")
+    model, cache, sampler, drafter = (
+        _part("model"),
+        _part("cache"),
+        _part("sampler"),
+        _part("drafter"),
+    )
+    speculative, spec_stats = _part("speculative"), _part("spec_stats")
+
     def __init__(self, parts: EngineParts, peer_failure: Callable[[], RankFailure | None]) -> None:
         self.parts = parts
-        self.args = parts.args
-        self.device, self.dtype, self.config = parts.device, parts.dtype, parts.config
-        self.tokenizer, self.source_name = parts.tokenizer, parts.source_name
-        self.parallel, self.runner, self.scheduler = parts.parallel, parts.runner, parts.scheduler
-        self.model, self.cache, self.sampler = parts.model, parts.cache, parts.sampler
-        self.drafter = parts.drafter
-        self.speculative, self.spec_stats = parts.speculative, parts.spec_stats
         self.requests = RequestBook()  # live requests by public id; aborts from any thread
         self.loop = StepLoop(
             parts.runner,
@@ -165,19 +175,15 @@ class Engine:
         )
         # Data-parallel replicas agree on each step before it runs, and a verify step's
         # outcome decides the next draft: both step in turn.
-        alone = parts.parallel.dp_group is None and parts.args.parallel.data_parallel_size == 1
+        alone = parts.args.parallel.data_parallel_size == 1
         self.async_scheduling = parts.args.async_scheduling and alone and parts.speculative is None
         self._steps = self.loop.async_steps if self.async_scheduling else self.loop.sync_steps
         self._needs_reset = False  # a failed call's reset was itself interrupted
 
     def step(self) -> list[Request] | None:
-        """One step: schedule, execute, sample, resolve; the requests that finished. None
-        when, under data parallelism, no replica had work left."""
-        scheduled = self.loop.schedule()
-        if scheduled is None:
-            return None
-        launched = self.loop.launch(*scheduled)  # executed and sampled on the device
-        return [] if launched is None else self.loop.resolve(launched)
+        """One step: schedule, execute, sample, resolve (``StepLoop.step``); the requests
+        that finished. None when, under data parallelism, no replica had work left."""
+        return self.loop.step()
 
     def steps(self) -> Iterator[None]:
         """Steps as configured (asynchronously where it applies) until no request is
@@ -306,8 +312,7 @@ class Engine:
     def release(self) -> None:
         """Destroys every graph and device tensor; the engine cannot step afterwards."""
         self.parts.release()
-        self.runner = self.scheduler = self.loop = None  # type: ignore[assignment]
-        self.model = self.cache = self.sampler = self.drafter = None  # type: ignore[assignment]
+        self.loop = None  # type: ignore[assignment]
 
     @property
     def closed(self) -> bool:

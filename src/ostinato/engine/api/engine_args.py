@@ -250,9 +250,13 @@ class ParallelArgs:
     )
 
 
-GROUPS: tuple[type, ...] = (CacheArgs, GraphArgs, ParallelArgs, KernelOptions)
-_GROUP_FIELD = {CacheArgs: "cache", GraphArgs: "graphs", ParallelArgs: "parallel"}
-_GROUP_FIELD[KernelOptions] = "kernels"
+# The groups by the ``EngineArgs`` field that holds each.
+GROUPS: dict[str, type] = {
+    "cache": CacheArgs,
+    "graphs": GraphArgs,
+    "parallel": ParallelArgs,
+    "kernels": KernelOptions,
+}
 
 
 @dataclass(frozen=True)
@@ -299,9 +303,9 @@ class EngineArgs:
         ``max_model_len=``, ``pdl=``, ...). ``TypeError`` names a keyword nothing has, a
         group of the wrong type, and a field given both plainly and in its group."""
         top = {f.name for f in fields(cls)}
-        owner = {f.name: g for g in GROUPS for f in fields(g)}
+        owner = {f.name: attr for attr, g in GROUPS.items() for f in fields(g)}
         given: dict[str, Any] = {k: v for k, v in keywords.items() if k in top}
-        plain: dict[type, dict[str, Any]] = {g: {} for g in GROUPS}
+        plain: dict[str, dict[str, Any]] = {attr: {} for attr in GROUPS}
         for name, value in keywords.items():
             if name in top:
                 continue
@@ -309,8 +313,8 @@ class EngineArgs:
                 known = ", ".join(sorted(top - {"model"} | set(owner)))
                 raise TypeError(f"LLM: unexpected keyword argument {name!r}; known: {known}")
             plain[owner[name]][name] = value
-        for group, updates in plain.items():
-            attr = _GROUP_FIELD[group]
+        for attr, updates in plain.items():
+            group = GROUPS[attr]
             held = given.get(attr)
             if held is None:
                 held = group()
@@ -325,23 +329,20 @@ class EngineArgs:
         return cls(model=model, **{k: v for k, v in given.items() if k != "model"})
 
 
-def cli_fields() -> list[tuple[str, Field[Any]]]:
-    """The fields the command line takes, each with the path that sets it: ``("cache",
-    max_num_seqs_field)``, or ``("", seed_field)`` for a top-level one."""
-    out: list[tuple[str, Field[Any]]] = []
+def cli_fields() -> list[Field[Any]]:
+    """The fields the command line takes: those of the groups and the top-level ones,
+    but for those marked ``cli=False`` (``EngineArgs.build`` puts each in its place)."""
+    out: list[Field[Any]] = []
     for f in fields(EngineArgs):
-        if f.name in _GROUP_FIELD.values():
-            group = next(g for g, a in _GROUP_FIELD.items() if a == f.name)
-            out += [(f.name, g) for g in fields(group) if g.metadata.get("cli", True)]
-        elif f.metadata.get("cli", True):
-            out.append(("", f))
+        candidates = fields(GROUPS[f.name]) if f.name in GROUPS else (f,)
+        out += [g for g in candidates if g.metadata.get("cli", True)]
     return out
 
 
 def add_cli_options(parser: argparse.ArgumentParser) -> None:
     """One flag per ``cli_fields`` field (``--max-num-seqs``; booleans as
     ``--name/--no-name``), its help, type and default from the field."""
-    for _, f in cli_fields():
+    for f in cli_fields():
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         meta = f.metadata
@@ -360,5 +361,5 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
 
 def from_cli(namespace: argparse.Namespace, **extra: Any) -> EngineArgs:
     """The ``EngineArgs`` of parsed flags (``add_cli_options``), with ``extra`` fields."""
-    values = {f.name: getattr(namespace, f.name) for _, f in cli_fields()}
+    values = {f.name: getattr(namespace, f.name) for f in cli_fields()}
     return EngineArgs.build(**values, **extra)

@@ -178,8 +178,8 @@ class LLM:
                 for _ in session.steps():
                     if watchdog is not None:
                         watchdog.check()  # a step run after the abort computed nothing valid
-                    for i, t in enumerate(tracked):
-                        for token in t.take() if on_token is not None else ():
+                    for i, t in enumerate(tracked if on_token is not None else ()):
+                        for token in t.take():
                             on_token(i, token)
                     session.apply_aborts()
                 if watchdog is not None:

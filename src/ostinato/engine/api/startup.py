@@ -55,6 +55,7 @@ from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.platform import platform_for_device
 from ostinato.runtime import choose_compiler
+from ostinato.ubatch.policy import MicroBatching
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class Checked:
     speculative: SpeculativeConfig | None
     background: bool
     utilization: float
-    kernels: KernelOptions
+    micro_batching: MicroBatching | None
 
 
 def check_args(args: EngineArgs) -> Checked:
@@ -88,11 +89,11 @@ def check_args(args: EngineArgs) -> Checked:
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
     utilization = check_utilization(args.cache.gpu_memory_utilization)
-    micro_batching_policy(parallel, mode)
+    micro_batching = micro_batching_policy(parallel, mode)
     if device.type == "cpu":
         limit_cpu_threads(config.world_size)
     return Checked(
-        args, device, config, mode, speculative, background, utilization, args.kernels
+        args, device, config, mode, speculative, background, utilization, micro_batching
     )  # fmt: skip
 
 
@@ -249,7 +250,7 @@ def make_runner(
         progress=c.args.progress,
         compiler=compiler,
         uniform_decode_query_len=1 + spec.k if spec else 1,
-        micro_batching=micro_batching_policy(c.args.parallel, c.mode),
+        micro_batching=c.micro_batching,
         compile_cache=parts.compile_cache,
     )
     propose = make_proposer(parts, backend, limits)
@@ -309,7 +310,7 @@ def build(
         tokenizer=source.tokenizer,
         source_name=source.name,
         eos_token_ids=source.eos_token_ids,
-        kernels=c.kernels,
+        kernels=c.args.kernels,
         speculative=c.speculative,
         compile_cache=compile_cache,
     )

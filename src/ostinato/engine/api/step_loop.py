@@ -111,12 +111,13 @@ class StepLoop:
                 stats.tokens += len(tokens)
 
     def step(self) -> list[Request] | None:
-        """Runs one scheduled step and waits for its tokens; returns the requests that
-        finished (None: see ``schedule``)."""
+        """One step: schedule, execute and sample (``launch``), resolve (the step's one
+        wait, for its tokens); returns the requests that finished (None: see
+        ``schedule``)."""
         scheduled = self.schedule()
         if scheduled is None:
             return None
-        launched = self.launch(*scheduled)
+        launched = self.launch(*scheduled)  # executed and sampled on the device
         return [] if launched is None else self.resolve(launched)
 
     def schedule(self) -> tuple[ScheduledBatch, StepAgreement | None] | None:

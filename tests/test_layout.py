@@ -4,6 +4,7 @@ including those inside functions), has no cycle and respects the layers."""
 import ast
 import functools
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -249,6 +250,23 @@ def test_no_class_over_500_lines():
 def test_the_llm_facade_stays_thin():
     lines = (SRC / "ostinato" / "engine" / "api" / "llm.py").read_text().count("\n")
     assert lines <= 300, f"engine/api/llm.py has {lines} lines: move the work into the Engine"
+
+
+def test_launch_rules_are_one_value():
+    # A rule of how kernels launch is a field of ``LaunchRules``, read where they launch,
+    # not a module constant beside it; the benchmark that varies them patches nothing.
+    from ostinato.engine.kernels.launch_rules import LaunchRules
+
+    names = {f.name.upper() for f in fields(LaunchRules)}
+    for path in sorted((SRC / "ostinato" / "engine").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = (
+                node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            )
+            bad = sorted(t.id for t in targets if isinstance(t, ast.Name) and t.id in names)
+            assert not bad, f"{path.relative_to(SRC)} defines launch rules {bad} as constants"
+    bench = (SRC.parent / "benchmarks" / "launch_rules.py").read_text()
+    assert "mock" not in bench and "setattr" not in bench
 
 
 BENCHMARKS = SRC.parent / "benchmarks"

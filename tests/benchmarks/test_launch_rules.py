@@ -1,56 +1,45 @@
-"""``benchmarks.launch_rules``: a rule's settings hold inside ``applied`` and are gone
-after it (the step timed under a rule must be the step the rule names). The module
-imports the Triton kernels whose settings it changes, so this runs where Triton is."""
+"""``benchmarks.launch_rules``: each rule is the library's launch rules with the
+changes it names, in force while its step is built and timed and gone after (the step
+timed under a rule must be the step the rule names); nothing is patched."""
+
+from types import SimpleNamespace
 
 import pytest
-import torch
 
-pytest.importorskip("triton")
-from benchmarks.launch_rules import RULES, Rule, applied  # noqa: E402
-from ostinato.engine.model.config import ModelConfig  # noqa: E402
-from ostinato.engine.model.decoder import DecoderModel  # noqa: E402
-from ostinato.engine.model.presets import SHAPES  # noqa: E402
+from benchmarks import launch_rules as bench
+from ostinato.engine.kernels.launch_rules import LaunchRules, rules
 
 
-def test_the_rope_rule_computes_cos_and_sin_each_step_and_restores_the_table():
-    model = DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]), max_positions=64)
-    positions = torch.tensor([3, 9, 63])
-    looked_up = model.rope(positions, torch.float32)
-    assert looked_up[0].stride(0) == 2 * model.config.head_dim  # views of one lookup
-    (computed_rule,) = (r for r in RULES["rope-table"] if not r.rope_table)
-    with applied(computed_rule):
-        computed = model.rope(positions, torch.float32)
-    assert computed[0].is_contiguous()  # made anew, not a view of the table
-    assert all(torch.equal(a, b) for a, b in zip(looked_up, computed, strict=True))
-    assert model.rope(positions, torch.float32)[0].stride(0) == looked_up[0].stride(0)
-    with applied(Rule("defaults")):
-        assert model.rope(positions, torch.float32)[0].stride(0) == looked_up[0].stride(0)
+def test_every_rule_is_the_librarys_rules_with_its_named_changes():
+    for name, rule_set in bench.RULES.items():
+        assert len({r.name for r in rule_set}) == len(rule_set), name
+        assert len({r.rules for r in rule_set}) == len(rule_set), name  # each differs
+    assert bench.rule("x", prefetch_k=128).rules == LaunchRules(prefetch_k=128)
+    with pytest.raises(TypeError, match="prefetch"):
+        bench.rule("x", prefetch=128)  # a misspelt field fails at once
+    with pytest.raises(ValueError, match="prefetch_k"):
+        bench.rule("x", prefetch_k=100)
 
 
-def test_the_lm_head_rules_set_the_plan_and_the_size_bound_and_restore_them():
-    from ostinato.engine.worker import gemm_tuning
+def test_a_rule_is_in_force_while_its_step_is_built_and_timed_and_gone_after(monkeypatch):
+    seen = []
 
-    planned, apart, any_size = RULES["lm-head"]
-    defaults = (gemm_tuning.PLAN_LM_HEAD, gemm_tuning.SMALL_WEIGHT_BYTES)
-    with applied(apart):
-        assert not gemm_tuning.PLAN_LM_HEAD
-    with applied(any_size):
-        assert gemm_tuning.PLAN_LM_HEAD and gemm_tuning.SMALL_WEIGHT_BYTES > 501 << 20
-    with applied(planned):
-        assert gemm_tuning.PLAN_LM_HEAD
-        assert gemm_tuning.SMALL_WEIGHT_BYTES == defaults[1]
-    assert (gemm_tuning.PLAN_LM_HEAD, gemm_tuning.SMALL_WEIGHT_BYTES) == defaults
+    def run(cfg, device, log, profile):
+        seen.append(rules())
+        row = SimpleNamespace(
+            variant=bench.VARIANT, batch=1, step_ms=1.0, pipelined_ms=None, kernels_in_layer=None
+        )
+        return SimpleNamespace(rows=[row], kernels_by_name={})
 
-
-def test_the_static_outputs_rule_has_decode_steps_copy_their_outputs_and_restores_it():
-    from ostinato import BatchDescriptor, GraphMode, forward_context
-    from ostinato.engine.worker import runner
-
-    rows = (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int64))  # [2, vocab], [2]
-    in_place, copied = RULES["static-outputs"]
-    with forward_context(GraphMode.FULL, BatchDescriptor(2, uniform_decode=True), None, rows):
-        with applied(copied):
-            assert runner._static_rows() == (None, None)
-        with applied(in_place):
-            logits, greedy = runner._static_rows()
-        assert logits is rows[0] and greedy is rows[1]
+    monkeypatch.setattr(bench.decode, "run", run)
+    planned, apart, _ = bench.RULES["lm-head"]
+    for r in (planned, apart):
+        (timing,) = bench.timings({}, (1,), r)
+        assert seen[-1] is r.rules and timing.rule == r.name
+        assert rules() == LaunchRules()  # restored
+    with pytest.raises(RuntimeError):
+        monkeypatch.setattr(
+            bench.decode, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError())
+        )
+        bench.timings({}, (1,), planned)
+    assert rules() == LaunchRules()  # restored on a failure too

@@ -25,6 +25,7 @@ from ostinato.engine.kernels.gemm_launch import (
     rope_split_k,
     working_splits,
 )
+from ostinato.engine.kernels.launch_rules import LaunchRules, rules, rules_in_force
 from ostinato.engine.model import decoder, fused_ops
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.model.presets import shape
@@ -81,7 +82,7 @@ def test_a_fused_decode_step_is_the_unfused_one(compiler, row_stats):
     setup, step = _tiny_decode()
     logits = []
     for kernels in (KernelOptions(), UNFUSED):
-        with mock.patch.object(decoder, "ROW_STATS", row_stats):
+        with rules_in_force(LaunchRules(row_stats=row_stats)):
             runner = setup.runner(GraphMode.NONE, compiler, TorchAttention(), kernels)
         assert all(layer.fused == kernels.fused_layers for layer in runner.model.layers)
         hands = row_stats and kernels.fused_layers
@@ -193,7 +194,6 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
         BLOCK_K,
         SPLIT_K_COLUMNS,
         UNSPLIT_K,
-        UNSPLIT_STAGES,
         k_per_split,
         k_step,
     )
@@ -217,11 +217,13 @@ def test_the_config_chosen_without_a_measurement_follows_its_rule():
                 assert c.block_k == k_step(k, c.split_k), (n, k, sms)
                 # all of an unsplit narrow tile's 128-column steps in flight
                 deep = (c.block_n, c.split_k, c.block_k) == (32, 1, BLOCK_K)
-                assert c.num_stages == (UNSPLIT_STAGES if deep else 3), (n, k, sms)
+                assert c.num_stages == (rules().unsplit_stages if deep else 3), (n, k, sms)
 
 
 def test_only_long_whole_splits_step_256_columns():
-    from ostinato.engine.kernels.gemm_launch import BLOCK_K, LONG_SPLIT_K, k_per_split, k_step
+    from ostinato.engine.kernels.gemm_launch import BLOCK_K, k_per_split, k_step
+
+    long_split_k = rules().long_split_k
 
     for k in range(64, 16385, 64):
         for split in (1, 2, 4, 8):
@@ -230,7 +232,7 @@ def test_only_long_whole_splits_step_256_columns():
             assert step in (BLOCK_K, 256)
             # 256 exactly where a split is long and whole 256-column steps cover it, so
             # the longer step reads no more padding than the shorter one.
-            assert (step == 256) == (per >= LONG_SPLIT_K and per % 256 == 0), (k, split)
+            assert (step == 256) == (per >= long_split_k and per % 256 == 0), (k, split)
             assert k_per_split(k, split, step) == per
     # The 1.5 B shape's splits step 256, SmolLM2's keep 128 (what the H200 sweep showed).
     assert [k_step(2048, 4), k_step(8192, 8)] == [256, 256]
@@ -277,6 +279,7 @@ def test_the_qkv_split_covers_the_gpu_when_splits_can():
 def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
     from ostinato.engine.kernels import gemm_launch as g
 
+    resident_rows = rules().resident_max_rows
     # cached plans name configs by index: the resident shapes come after every other
     # but the shared-memory one
     assert [c.resident for c in CONFIGS[-3:]] == [True, True, False]
@@ -290,14 +293,14 @@ def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
                 continue
             c = CONFIGS[choice - 1]
             assert c.resident and c.block_n == g.RESIDENT_N
-            assert c.num_warps == (8 if held > g.RESIDENT_WIDE else 4)
-            assert g.fits(c, 1, k, tiles) and g.fits(c, g.RESIDENT_MAX_ROWS, k, tiles)
-            assert not g.fits(c, g.RESIDENT_MAX_ROWS + 1, k, tiles)
+            assert c.num_warps == (8 if held > rules().resident_wide else 4)
+            assert g.fits(c, 1, k, tiles) and g.fits(c, resident_rows, k, tiles)
+            assert not g.fits(c, resident_rows + 1, k, tiles)
             assert all(g.fits(o, 16, k, tiles) for o in CONFIGS if not (o.resident or o.smem))
     # the row statistics' entries divide every tile, the resident one's included
-    for rows in range(1, g.RESIDENT_MAX_ROWS + 1):
+    for rows in range(1, resident_rows + 1):
         assert all(c.block_n % g.stats_granule(rows) == 0 for c in CONFIGS)
-    beyond = g.stats_granule(g.RESIDENT_MAX_ROWS + 1)
+    beyond = g.stats_granule(resident_rows + 1)
     assert all(c.block_n % beyond == 0 for c in CONFIGS if not c.resident)
     # rows of statistics laid one after the other fit the buffer at every row count
     for n in (80, 576, 2048, 8192):
@@ -306,15 +309,17 @@ def test_a_resident_launch_is_for_few_rows_and_weights_a_program_can_hold():
 
 
 @pytest.mark.parametrize("max_tiles", [1, 2])
-def test_a_shared_memory_launch_is_for_3_to_8_rows_whose_tiles_and_weight_fit(
-    max_tiles, monkeypatch
-):
-    from ostinato.engine.kernels import gemm_launch as g
-
+def test_a_shared_memory_launch_is_for_3_to_8_rows_whose_tiles_and_weight_fit(max_tiles):
     # cached plans name configs by index: the shared-memory shape comes last
     assert CONFIGS[-1].smem and not any(c.smem for c in CONFIGS[:-1])
-    assert g.SMEM_MAX_TILES == 1  # the rule's default: two tiles measured slower
-    monkeypatch.setattr(g, "SMEM_MAX_TILES", max_tiles)
+    assert rules().smem_max_tiles == 1  # the rule's default: two tiles measured slower
+    with rules_in_force(LaunchRules(smem_max_tiles=max_tiles)):
+        _smem_launches_fit(max_tiles)
+
+
+def _smem_launches_fit(max_tiles: int) -> None:
+    from ostinato.engine.kernels import gemm_launch as g
+
     for k in range(16, 12000, 80):
         for tiles in (1, 2, 3):
             for rows in range(1, g.MAX_ROWS + 1):
@@ -345,10 +350,13 @@ def triton_p2(k: int) -> int:
 
 
 @pytest.mark.parametrize("max_tiles", [1, 2])
-def test_the_qkv_launch_holds_its_weight_at_few_rows_without_head_norms(max_tiles, monkeypatch):
-    from ostinato.engine.kernels import gemm_launch as g
+def test_the_qkv_launch_holds_its_weight_at_few_rows_without_head_norms(max_tiles):
+    with rules_in_force(LaunchRules(smem_max_tiles=max_tiles)):
+        _qkv_launches_hold_their_weight(max_tiles)
 
-    monkeypatch.setattr(g, "SMEM_MAX_TILES", max_tiles)
+
+def _qkv_launches_hold_their_weight(max_tiles: int) -> None:
+    from ostinato.engine.kernels import gemm_launch as g
 
     for heads, d, k in ((48, 64, 2048), (15, 64, 576), (12, 128, 4096), (40, 128, 5120)):
         weight = heads * d * k * 2
@@ -356,7 +364,7 @@ def test_the_qkv_launch_holds_its_weight_at_few_rows_without_head_norms(max_tile
         for rows in range(1, g.MAX_ROWS + 1):
             for norms in (False, True):
                 c = g.rope_config(heads, d, k, 132, rows, norms, weight)
-                few = rows <= g.RESIDENT_MAX_ROWS
+                few = rows <= rules().resident_max_rows
                 assert c.resident == (few and resident and not norms), (heads, k, rows)
                 smem = g.smem_config(k, 2, rows, weight) is not None
                 assert c.smem == (not few and smem and not norms), (heads, k, rows)

@@ -291,10 +291,8 @@ def test_a_planned_lm_head_takes_the_final_norm_into_its_kernel(batch):
     # ``DecoderModel.logits`` in the decode graph (FULL_DECODE_ONLY: the LM head inside
     # it): with the LM head planned, no norm kernel of its own; replayed, the eager
     # step's bits; against the norm kernel and cuBLAS, a bf16 tolerance.
-    from unittest import mock
-
     from benchmarks.census import kernel_census
-    from ostinato.engine.worker import gemm_tuning
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
     from ostinato.modes import GraphMode
 
     setup = _smollm2_setup(batch_sizes=(batch,))
@@ -302,7 +300,7 @@ def test_a_planned_lm_head_takes_the_final_norm_into_its_kernel(batch):
     logits, names = [], []
     runs = ((GraphMode.NONE, True), (GraphMode.FULL_DECODE_ONLY, True))
     for mode, planned in (*runs, (GraphMode.FULL_DECODE_ONLY, False)):
-        with mock.patch.object(gemm_tuning, "PLAN_LM_HEAD", planned):
+        with rules_in_force(LaunchRules(plan_lm_head=planned)):
             runner = setup.runner(mode, None)
             with torch.inference_mode():
                 runner.capture()

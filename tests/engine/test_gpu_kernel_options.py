@@ -80,14 +80,18 @@ def test_split_k_gemm_replays_in_a_graph_on_new_inputs():
 
 
 @pytest.mark.parametrize("trigger_first", [False, True])
-def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain(trigger_first, monkeypatch):
+def test_pdl_chain_in_a_graph_is_bitwise_the_plain_chain(trigger_first):
     # A decode-like chain of our kernels launched with PDL inside one graph: each waits
     # for its predecessor, so the results are the plain launches' bit for bit, whether
     # a kernel lets the next launch before its wait or after.
     needs_pdl()
-    from ostinato.engine.kernels import launch
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
 
-    monkeypatch.setattr(launch, "TRIGGER_FIRST", trigger_first)
+    with rules_in_force(LaunchRules(trigger_first=trigger_first)):
+        _pdl_chain_is_bitwise_the_plain_chain()
+
+
+def _pdl_chain_is_bitwise_the_plain_chain() -> None:
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.paged_attention import paged_attention, write_kv_fused
     from ostinato.engine.kernels.rms_norm import rms_norm_rows

@@ -25,11 +25,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("add", [False, True])
 def test_a_projection_stores_the_row_statistics_of_its_sum_with_the_residual(k, n, m, config, add):
     from ostinato.engine.kernels import small_gemm as tg
-    from ostinato.engine.kernels.gemm_launch import RESIDENT_MAX_ROWS, resident_config
+    from ostinato.engine.kernels.gemm_launch import resident_config
+    from ostinato.engine.kernels.launch_rules import rules
 
     if config == "resident":
-        if m > RESIDENT_MAX_ROWS:
-            pytest.skip(f"a resident launch takes at most {RESIDENT_MAX_ROWS} rows")
+        if m > rules().resident_max_rows:
+            pytest.skip(f"a resident launch takes at most {rules().resident_max_rows} rows")
         config = tg.CONFIGS[resident_config(k) - 1]
     else:
         config = tg.GemmConfig(*config)

@@ -146,7 +146,7 @@ def test_the_default_plan_takes_the_launch_where_its_tiles_and_the_weight_fit():
 
     smem()
     # SmolLM2's O and gate/up, the 1.5 B shape's O, down and gate/up (67 MB, over
-    # SMEM_MAX_BYTES however many tiles a program may hold)
+    # LaunchRules.smem_max_bytes however many tiles a program may hold)
     for k, n in ((576, 576), (576, 1536), (2048, 2048), (8192, 2048), (2048, 8192)):
         w, w2 = torch.empty(n, k, **BF), torch.empty(2 * n, k, **BF)
         plan, swiglu = _default_plan(w, False), _default_plan(w2, True)
@@ -155,6 +155,6 @@ def test_the_default_plan_takes_the_launch_where_its_tiles_and_the_weight_fit():
             assert g.CONFIGS[plan[m] - 1].smem == plain_fits, (k, m)
             swiglu_fits = g.smem_config(k, 2, m, 2 * n * k * 2) is not None
             assert g.CONFIGS[swiglu[m] - 1].smem == swiglu_fits, (k, m)
-            assert not swiglu_fits  # two tiles: not by default (SMEM_MAX_TILES)
+            assert not swiglu_fits  # two tiles: not by default (LaunchRules.smem_max_tiles)
     assert g.smem_config(8192, 1, 8) is None  # the 1.5 B down: 512 KiB of tiles a program
     assert g.fits(g.CONFIGS[-1], 8, 2048, 2)  # its gate/up's tiles fit a program

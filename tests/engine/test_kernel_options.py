@@ -168,20 +168,25 @@ def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks():
 
 
 def test_pdl_applies_to_decode_sized_launches_only():
-    from ostinato.engine.kernels.launch import PDL_MAX_ROWS, pdl_for
+    from ostinato.engine.kernels.launch import pdl_for
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules, rules_in_force
 
-    assert PDL_MAX_ROWS == 16
+    assert rules().pdl_max_rows == 16
     assert [pdl_for(True, rows) for rows in (1, 16, 17, 128)] == [True, True, False, False]
     assert not pdl_for(False, 1)
+    with rules_in_force(LaunchRules(pdl_max_rows=0)):
+        assert not pdl_for(True, 1)
+    assert pdl_for(True, 16)  # restored
 
 
-def test_pdl_arg_says_no_pdl_or_the_order_of_wait_and_launch(monkeypatch):
+def test_pdl_arg_says_no_pdl_or_the_order_of_wait_and_launch():
     from ostinato.engine.kernels import launch
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
 
     assert launch.pdl_arg(False) == 0
     for first, order in ((False, launch.WAIT_THEN_TRIGGER), (True, launch.TRIGGER_THEN_WAIT)):
-        monkeypatch.setattr(launch, "TRIGGER_FIRST", first)
-        assert launch.pdl_arg(True) == order and launch.pdl_arg(False) == 0
+        with rules_in_force(LaunchRules(trigger_first=first)):
+            assert launch.pdl_arg(True) == order and launch.pdl_arg(False) == 0
 
 
 def test_layout_rows_take_every_pdl_and_split_layout_brute_force():

@@ -154,6 +154,7 @@ def test_a_step_takes_its_embedding_and_rope_rows_from_one_op_with_the_lookups_b
     # the two lookups it replaces give the same rows; its checks name the shapes.
     from unittest import mock
 
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
     from ostinato.engine.model import decoder
     from ostinato.engine.model.config import ModelConfig
     from ostinato.engine.model.presets import SHAPES
@@ -164,7 +165,7 @@ def test_a_step_takes_its_embedding_and_rope_rows_from_one_op_with_the_lookups_b
         torch.ops.ostinato, "embed_rope", wraps=torch.ops.ostinato.embed_rope
     ) as op:
         one = model._inputs(ids, positions)
-        with mock.patch.object(decoder, "EMBED_ROPE", False):
+        with rules_in_force(LaunchRules(embed_rope=False)):
             two = model._inputs(ids, positions)
     assert op.call_count == 1
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

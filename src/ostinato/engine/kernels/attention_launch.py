@@ -5,35 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ostinato.engine.kernels.launch_rules import ATTENTION_SPLITS, rules
+
 BLOCK_N = 64  # keys per iteration, spanning several pages
-MAX_SPLITS = 16  # programs sharing one (token, KV head)'s keys, at most
-# The H200 sweep (benchmarks/attention_sweep.py, 1.5 B shape, RESULTS.md): splitting keys
-# for about four waves of programs instead of two took 3 to 27% off decode at 8 to 32
-# tokens; 2 warps instead of 4 took 13 to 21% off unsplit launches (128 tokens, prefill)
-# and cost 3 to 7% where keys are split; there 2 pipeline stages instead of 3 took 0 to 12%
-# off (B=1 to 32), within 1% slower at 2048 keys and B=16 or 32.
-WAVES = 4  # programs per SM the split count aims for
-UNSPLIT_WARPS = 2
-SPLIT_WARPS = 4
-SPLIT_STAGES = 2
-# With PDL and a step's new-key bound (``paged_attention``'s ``new_keys``), a program reads
-# its first tile's older keys, the step's positions and block table before its PDL wait,
-# while the QKV kernel before it still runs.
-EARLY_KEYS = True
-# With early keys a split reads its first tile before its PDL wait, so a wider tile moves
-# more of its keys ahead of the wait, at the price of fewer, longer programs. In the H200
-# step (``launch_rules --rules attention-tile`` and ``attention-tile-rule``, 513 keys,
-# pipelined, two runs): where keys are split 8 ways or fewer (the 1.5 B shape's 8 and 16
-# rows, where 64 left a split's second tile after the wait) 128 keys a tile took 1.4 to
-# 2.3% off; with fewer than ``FEW_PAIRS`` (token, KV head) pairs (SmolLM2's 1 and 2 rows:
-# 3 and 6) 256 keys in 8 warps took 4 to 7% off. The same 256 was 3% slower at 8 pairs
-# (the 1.5 B shape's one row) and 18% at SmolLM2's 8 rows; 128 at 16 splits level or
-# up to 6% slower.
-EARLY_TILE = 128
-EARLY_TILE_MAX_SPLITS = 8
-FEW_PAIRS = 8
-FEW_PAIRS_TILE = 256
-FEW_PAIRS_WARPS = 8
+MAX_SPLITS = ATTENTION_SPLITS  # programs sharing one (token, KV head)'s keys, at most
 # Bytes of keys and values a warp holds at most in a wider tile: what the measured ones
 # hold at 64 dims in 16 bits (64 registers a thread), so wider heads, and float32 ones,
 # keep ``BLOCK_N`` rather than spill. Float32 is why it counts bytes: on the H200
@@ -45,10 +20,12 @@ TILE_BYTES_PER_WARP = 8192
 
 
 def splits_for(num_tokens: int, kv_heads: int, sms: int) -> int:
-    """Programs per (token, KV head): a power of two giving about ``WAVES`` waves over
-    ``sms`` SMs, at most ``MAX_SPLITS``; never more for more tokens."""
-    want = (WAVES * sms) // max(1, num_tokens * kv_heads)
-    return 1 if want <= 1 else min(MAX_SPLITS, 1 << (want - 1).bit_length())
+    """Programs per (token, KV head): a power of two giving about
+    ``LaunchRules.attention_waves`` waves over ``sms`` SMs, at most
+    ``LaunchRules.attention_max_splits``; never more for more tokens."""
+    r = rules()
+    want = (r.attention_waves * sms) // max(1, num_tokens * kv_heads)
+    return 1 if want <= 1 else min(r.attention_max_splits, 1 << (want - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -81,21 +58,24 @@ def launch_for(
     """The launch used where none is given for ``splits`` programs per (token, KV head)
     over ``pairs`` such pairs (0: unknown), ``early`` where keys are read before the PDL
     wait, heads of ``head_dim`` (0: unknown) of ``itemsize`` bytes an element. Unsplit:
-    ``BLOCK_N`` keys per iteration, ``UNSPLIT_WARPS`` warps, 3 stages. Split:
-    ``SPLIT_WARPS`` warps and ``SPLIT_STAGES`` stages, ``BLOCK_N`` keys a tile, or with
+    ``BLOCK_N`` keys per iteration, ``LaunchRules.unsplit_attention_warps`` warps, 3
+    stages. Split: ``split_attention_warps`` warps and ``split_attention_stages`` stages
+    (the rules'), ``BLOCK_N`` keys a tile, or with
     ``early`` a wider first tile where its keys and values fit ``TILE_BYTES_PER_WARP``
-    (``wide_tile_fits``): ``FEW_PAIRS_TILE`` keys in ``FEW_PAIRS_WARPS`` warps under
-    ``FEW_PAIRS`` pairs, else ``EARLY_TILE`` at ``EARLY_TILE_MAX_SPLITS`` splits or fewer.
+    (``wide_tile_fits``): ``few_pairs_tile`` keys in ``few_pairs_warps`` warps under
+    ``few_pairs`` pairs, else ``early_tile`` at ``early_tile_max_splits`` splits or fewer.
     Deterministic in its arguments, so a graph's launches repeat."""
+    r = rules()
     if splits == 1:
-        return AttentionLaunch(num_warps=UNSPLIT_WARPS)
-    few = FEW_PAIRS_TILE, FEW_PAIRS_WARPS
-    if early and 0 < pairs < FEW_PAIRS and wide_tile_fits(*few, head_dim, itemsize):
-        return AttentionLaunch(*few, SPLIT_STAGES)
-    fewer_splits = splits <= EARLY_TILE_MAX_SPLITS
-    if early and fewer_splits and wide_tile_fits(EARLY_TILE, SPLIT_WARPS, head_dim, itemsize):
-        return AttentionLaunch(EARLY_TILE, SPLIT_WARPS, SPLIT_STAGES)
-    return AttentionLaunch(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
+        return AttentionLaunch(num_warps=r.unsplit_attention_warps)
+    stages, warps = r.split_attention_stages, r.split_attention_warps
+    few = r.few_pairs_tile, r.few_pairs_warps
+    if early and 0 < pairs < r.few_pairs and wide_tile_fits(*few, head_dim, itemsize):
+        return AttentionLaunch(*few, stages)
+    fewer_splits = splits <= r.early_tile_max_splits
+    if early and fewer_splits and wide_tile_fits(r.early_tile, warps, head_dim, itemsize):
+        return AttentionLaunch(r.early_tile, warps, stages)
+    return AttentionLaunch(num_warps=warps, num_stages=stages)
 
 
 def wide_tile_fits(block_n: int, warps: int, head_dim: int, itemsize: int = 2) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.mathutil import ceil_div
 
 MAX_ROWS = 16  # the one row tile of the GEMM (tl.dot's smallest M)
@@ -21,57 +22,21 @@ GRANULE = 16
 # tiles (22.8 vs 40.7 µs). SmolLM2's single-tile projections were level or better at
 # 128; the 1.5 B shape's (cuBLAS by default) were faster at 256 too, not yet taken up.
 SWIGLU_BLOCK_K = 256
-# A split of at least this many K columns, a whole number of 256-column steps, steps 256
-# at a time: in the same cold sweep the 1.5 B shape's split projections were faster at
-# 256 (QKV 10.8 vs 13.0 µs, down 12.2 vs 14.1, O 5.7 vs 5.8); SmolLM2's splits are
-# shorter and keep 128.
-LONG_SPLIT_K = 512
-# Pipeline stages of an unsplit plain projection stepping BLOCK_K columns: its few steps
-# all in flight. On the H200 (``kernel_anatomy --grid``, cold weights) SmolLM2's O took
-# 2.71 against 2.98 µs at 3 stages, at 1 and 8 rows; gate/up and the split projections
-# were level or slower at 4 (the 1.5 B gate/up 19.7 against 18.2), so they keep 3.
-UNSPLIT_STAGES = 4
-# A *resident* launch (one or two rows): each program holds RESIDENT_N weight rows per
-# tile over the whole of K in registers, loaded before its PDL wait, and multiplies on
-# CUDA cores after it: no K loop, no split-K reduction. On the H200
-# (``benchmarks.resident_gemv``, cold weights, one row) it took the 1.5 B shape's QKV from
-# 8.0 to 3.9 µs, O 5.7 to 2.9, down 12.1 to 8.9, gate/up 17.8 to 16.4, and SmolLM2's four
-# from 2.5-3.7 to 1.2-2.2. Each further row adds about 0.5 µs of products and sums, so at
-# 8 rows the K loop is faster. In the step (``launch_rules --rules resident-rows``) two
-# rows resident took SmolLM2's step from 0.650 to 0.540 ms and the 1.5 B shape's from
-# 0.980 to 0.949; four rows resident were level or slower than the K loop at 4 rows.
+# A *resident* launch (``LaunchRules.resident_max_rows`` rows): each program holds
+# RESIDENT_N weight rows per tile over the whole of K in registers, loaded before its PDL
+# wait, and multiplies on CUDA cores after it: no K loop, no split-K reduction. On the
+# H200 (cold weights, one row) it took the 1.5 B shape's QKV from 8.0 to 3.9 µs, O 5.7 to
+# 2.9, down 12.1 to 8.9, gate/up 17.8 to 16.4, and SmolLM2's four from 2.5-3.7 to 1.2-2.2.
 RESIDENT_N = 4
-RESIDENT_MAX_ROWS = 2
 RESIDENT_ELEMENTS = 32768  # weight elements a program holds at most (64 KiB of 16-bit)
-RESIDENT_WIDE = 8192  # above this many a program, 8 warps hold them (else 4)
-# A weight of more bytes streams through the K loop instead: resident, it would fill the
-# register file (33 MiB on the H200), so the next kernel could not load its own weight
-# while this one runs.
-RESIDENT_MAX_BYTES = 16 << 20
-# A *shared-memory* launch (``smem_gemm``, Gluon; 3 to 8 rows): each program copies
-# SMEM_N weight rows over the whole of K into shared memory before its PDL wait and
-# multiplies them on tensor cores after it. On the H200 (``benchmarks.smem_gemv``, cold
-# weights) it beat the K loop at 8 and 16 rows for every plain shape tried whose tiles
-# fit (the 1.5 B shape's O 3.54 against 5.71 µs at 8 rows), and the resident launch at 2
-# rows; from 3 rows only, where the row statistics' granule is its tile width. In the
-# step (``launch_rules --rules smem``, pipelined, A/B/A) it took SmolLM2 at 4 / 8 rows
-# from 0.647 / 0.680 ms to 0.596 / 0.646 and the 1.5 B shape from 0.995 / 1.015 to 0.946
-# / 0.980, but SmolLM2 at 16 rows from 0.738 to 0.794 (its rows pad to 16 there): so up
-# to 8 rows.
+# A *shared-memory* launch (``smem_gemm``, Gluon; ``LaunchRules.smem_max_rows``): each
+# program copies SMEM_N weight rows over the whole of K into shared memory before its
+# PDL wait and multiplies them on tensor cores after it. On the H200 (cold weights) it
+# beat the K loop at 8 and 16 rows for every plain shape tried whose tiles fit (the 1.5 B
+# shape's O 3.54 against 5.71 µs at 8 rows), and the resident launch at 2 rows; it starts
+# above the resident rows, where the row statistics' granule is its tile width.
 SMEM_N = GRANULE
-SMEM_MIN_ROWS = RESIDENT_MAX_ROWS + 1
-SMEM_MAX_ROWS = 8
-# Its programs take one tile (plain) or two (gate/up's SwiGLU, QKV's half heads with RoPE
-# and the K/V write), but the rule gives it one: with two, in the step (``launch_rules
-# --rules smem-two``, A/B/A) SmolLM2 at 4 / 8 rows took 0.658 / 0.725 ms against 0.600 /
-# 0.642, the 1.5 B shape (its QKV only) 0.957 / 1.015 against 0.941 / 0.977.
-SMEM_MAX_TILES = 1
 SMEM_BYTES = 227 * 1024  # shared memory a program may hold on an H100 or H200
-# A weight of more bytes streams through the K loop instead. A bound by reasoning, not
-# measured: the H200's 132 SMs hold 30 MB of shared memory, so programs past it would
-# wait for an SM, their copies no longer ahead of their PDL wait (the 1.5 B shape's
-# gate/up, 67 MB, would). Like RESIDENT_MAX_BYTES it leaves room for the neighbours.
-SMEM_MAX_BYTES = 16 << 20
 
 
 # The small GEMM's epilogues (``small_gemm``): one tile stored (plus the bias), gate/up's
@@ -83,7 +48,7 @@ PLAIN, SWIGLU, ROPE_KV = 0, 1, 2
 class GemmConfig:
     """One launch shape of the small GEMM: output columns per program, K splits, warps,
     K columns per loop step, software-pipeline stages; or ``resident`` (at most
-    ``RESIDENT_MAX_ROWS`` rows): the weight tile over the whole of K held in registers
+    ``LaunchRules.resident_max_rows`` rows): the weight tile over the whole of K held in registers
     (``RESIDENT_N``)."""
 
     block_n: int
@@ -100,7 +65,8 @@ class GemmConfig:
 # entries go last). On the H100 the narrow 16-column tiles never won, so they are not
 # tried. Entries 5 to 9 are the shapes ``pick_config`` may name that the first four
 # lack; 10 to 12 its gate/up shapes, which step 256 columns at a time; 13 to 18 its split
-# shapes with long splits (``k_step``); 19 its unsplit plain shape (``UNSPLIT_STAGES``);
+# shapes with long splits (``k_step``); 19 its unsplit plain shape in 4 stages
+# (``LaunchRules.unsplit_stages``);
 # 20 and 21 the resident shapes (``resident_config``), 22 the shared-memory shape
 # (``smem_config``).
 CONFIGS: tuple[GemmConfig, ...] = (
@@ -117,7 +83,7 @@ CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(64, 1, block_k=SWIGLU_BLOCK_K),
     GemmConfig(64, 1, num_warps=8, block_k=SWIGLU_BLOCK_K),
     *(GemmConfig(n, s, block_k=256) for n in (32, 64) for s in (2, 4, 8)),
-    GemmConfig(32, 1, num_stages=UNSPLIT_STAGES),
+    GemmConfig(32, 1, num_stages=4),
     GemmConfig(RESIDENT_N, 1, num_warps=4, resident=True),
     GemmConfig(RESIDENT_N, 1, num_warps=8, resident=True),
     GemmConfig(SMEM_N, 1, num_warps=4, smem=True),
@@ -138,10 +104,10 @@ def working_splits(k: int, split_k: int) -> int:
 
 def k_step(k: int, split_k: int) -> int:
     """K columns per loop step of a projection over ``k`` in ``split_k`` splits: 256 where
-    each split is at least ``LONG_SPLIT_K`` columns and a whole number of 256-column
-    steps, else ``BLOCK_K``."""
+    each split is at least ``LaunchRules.long_split_k`` columns and a whole number of
+    256-column steps, else ``BLOCK_K``."""
     per = k_per_split(k, split_k)
-    return 256 if per >= LONG_SPLIT_K and per % 256 == 0 else BLOCK_K
+    return 256 if per >= rules().long_split_k and per % 256 == 0 else BLOCK_K
 
 
 def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
@@ -156,7 +122,7 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     in 32-column tiles unless those would give more than two programs per SM. An
     unsplit ``swiglu`` projection steps ``SWIGLU_BLOCK_K`` columns at a time, any other
     ``k_step``'s; an unsplit plain one of 32-column tiles stepping ``BLOCK_K`` pipelines
-    ``UNSPLIT_STAGES`` stages.
+    ``LaunchRules.unsplit_stages`` stages.
     Deterministic in ``(n, k, sms, swiglu)``."""
     if swiglu and 2 * ceil_div(n, 64) >= sms:
         # gate/up reads two tiles a program: in 32 columns, 1.009 against 1.081 ms for
@@ -177,7 +143,7 @@ def pick_config(n: int, k: int, sms: int, swiglu: bool = False) -> int:
     else:
         config = replace(config, block_k=k_step(k, config.split_k))
     if not swiglu and config == GemmConfig(32, 1):
-        config = replace(config, num_stages=UNSPLIT_STAGES)
+        config = replace(config, num_stages=rules().unsplit_stages)
     return CONFIGS.index(config) + 1
 
 
@@ -190,25 +156,27 @@ def resident_elements(k: int, tiles: int = 1) -> int:
 def resident_config(k: int, tiles: int = 1, weight_bytes: int = 0, rows: int = 1) -> int | None:
     """The plan entry (1-based into ``CONFIGS``) of the resident launch for ``rows`` rows
     of a projection of ``weight_bytes`` over ``k`` columns whose programs hold ``tiles``
-    tiles, or None where ``fits`` refuses it (more rows than ``RESIDENT_MAX_ROWS``, weight
-    rows over a program's registers) or the weight is over ``RESIDENT_MAX_BYTES``."""
-    warps = 8 if resident_elements(k, tiles) > RESIDENT_WIDE else 4
+    tiles, or None where ``fits`` refuses it (more rows than the rules' resident rows,
+    weight rows over a program's registers) or the weight is over
+    ``LaunchRules.resident_max_bytes``."""
+    r = rules()
+    warps = 8 if resident_elements(k, tiles) > r.resident_wide else 4
     config = GemmConfig(RESIDENT_N, 1, num_warps=warps, resident=True)
-    if weight_bytes > RESIDENT_MAX_BYTES or not fits(config, rows, k, tiles):
+    if weight_bytes > r.resident_max_bytes or not fits(config, rows, k, tiles):
         return None
     return CONFIGS.index(config) + 1
 
 
 def fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
     """Whether ``config`` may run a projection of ``rows`` rows over ``k`` columns whose
-    programs hold ``tiles`` tiles: a resident one only up to ``RESIDENT_MAX_ROWS`` rows
+    programs hold ``tiles`` tiles: a resident one only up to ``LaunchRules.resident_max_rows`` rows
     and ``RESIDENT_ELEMENTS`` weight elements; a shared-memory one only as ``smem_fits``
     says; any other always."""
     if config.smem:
         return smem_fits(config, rows, k, tiles)
     if not config.resident:
         return True
-    return rows <= RESIDENT_MAX_ROWS and resident_elements(k, tiles) <= RESIDENT_ELEMENTS
+    return rows <= rules().resident_max_rows and resident_elements(k, tiles) <= RESIDENT_ELEMENTS
 
 
 def smem_k_step(k: int, warps: int) -> int:
@@ -228,11 +196,13 @@ def smem_bytes(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> int:
 
 def smem_fits(config: GemmConfig, rows: int, k: int, tiles: int = 1) -> bool:
     """Whether the shared-memory ``config`` takes ``rows`` rows over ``k`` columns with
-    ``tiles`` tiles a program (1, or 2 for SwiGLU and RoPE), ``SMEM_MIN_ROWS`` to
-    ``SMEM_MAX_ROWS`` rows, ``k`` in whole steps, and its tiles within ``SMEM_BYTES``."""
+    ``tiles`` tiles a program (1, or 2 for SwiGLU and RoPE), more rows than the resident
+    launch takes up to ``LaunchRules.smem_max_rows``, ``k`` in whole steps, and its tiles
+    within ``SMEM_BYTES``."""
+    r = rules()
     return (
         tiles in (1, 2)
-        and SMEM_MIN_ROWS <= rows <= SMEM_MAX_ROWS
+        and r.resident_max_rows < rows <= r.smem_max_rows
         and smem_k_step(k, config.num_warps) > 0
         and smem_bytes(config, rows, k, tiles) <= SMEM_BYTES
     )
@@ -242,9 +212,10 @@ def smem_config(k: int, tiles: int, rows: int, weight_bytes: int = 0) -> int | N
     """The plan entry (1-based into ``CONFIGS``) of the shared-memory launch for ``rows``
     rows of a projection of ``weight_bytes`` over ``k`` columns whose programs hold
     ``tiles`` tiles, or None where it does not fit (``smem_fits``), the weight is over
-    ``SMEM_MAX_BYTES`` or the tiles over ``SMEM_MAX_TILES``."""
+    ``LaunchRules.smem_max_bytes`` or the tiles over ``smem_max_tiles``."""
     config = GemmConfig(SMEM_N, 1, num_warps=4, smem=True)
-    if tiles > SMEM_MAX_TILES or weight_bytes > SMEM_MAX_BYTES:
+    r = rules()
+    if tiles > r.smem_max_tiles or weight_bytes > r.smem_max_bytes:
         return None
     if not smem_fits(config, rows, k, tiles):
         return None
@@ -276,9 +247,9 @@ def rope_config(
     weight_bytes: int = 0,
 ) -> GemmConfig:  # fmt: skip
     """The ROPE_KV launch of a QKV projection of ``heads`` heads of ``d`` over ``k``
-    columns (``weight_bytes`` in all): resident at ``rows`` up to ``RESIDENT_MAX_ROWS``
-    where ``resident_config`` takes its two half-head tiles, in shared memory where
-    ``smem_config`` does (by default it does not: ``SMEM_MAX_TILES``; neither with
+    columns (``weight_bytes`` in all): resident where ``resident_config`` takes its two
+    half-head tiles, in shared memory where ``smem_config`` does (by default it does
+    not: ``LaunchRules.smem_max_tiles``; neither with
     ``head_norms``, which need a program per head), else a program per head in
     ``rope_split_k`` splits."""
     choice = resident_config(k, 2, weight_bytes, rows) or smem_config(k, 2, rows, weight_bytes)
@@ -290,8 +261,8 @@ def rope_config(
 
 def stats_granule(rows: int) -> int:
     """Columns per entry of the row statistics of ``rows`` rows: ``RESIDENT_N`` where a
-    resident launch may store them, else ``GRANULE``."""
-    return RESIDENT_N if rows <= RESIDENT_MAX_ROWS else GRANULE
+    resident launch may store them (``LaunchRules.resident_max_rows``), else ``GRANULE``."""
+    return RESIDENT_N if rows <= rules().resident_max_rows else GRANULE
 
 
 def stats_columns(n: int, rows: int = 1) -> int:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ostinato.engine.kernels.launch_rules import rules
+
 _ahead: ContextVar[bool] = ContextVar("ostinato_triton_compile_ahead", default=False)
 
 
@@ -84,33 +86,22 @@ def num_sms(device: torch.device) -> int:
     return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Steps of more rows run their kernels without programmatic dependent launch: on the
-# H200 it slowed SmolLM2's decode steps of 32 and 128 rows by 4 to 6% (RESULTS.md), while
-# at 16 rows or fewer, where each kernel is a few microseconds, it is the gain.
-PDL_MAX_ROWS = 16
-
-
 def pdl_for(pdl: bool, rows: int) -> bool:
-    """Whether a launch over ``rows`` rows (tokens) uses PDL when ``pdl`` asks for it."""
-    return pdl and rows <= PDL_MAX_ROWS
+    """Whether a launch over ``rows`` rows (tokens) uses PDL when ``pdl`` asks for it
+    (``LaunchRules.pdl_max_rows``)."""
+    return pdl and rows <= rules().pdl_max_rows
 
-
-# Whether a kernel lets the next one launch before it waits for the previous one
-# (``launch_dependents`` then ``wait``) rather than after. Either is safe: every kernel
-# waits before its first dependent access, and a kernel completes only after its wait,
-# so waiting on the previous kernel waits on all before it. Triggering first lets the
-# launches run ahead of the work, so each kernel's weight prefetch starts earlier.
-TRIGGER_FIRST = False
 
 WAIT_THEN_TRIGGER, TRIGGER_THEN_WAIT = 1, 2  # pdl.pdl_enter's USE_PDL, PDL on
 
 
 def pdl_arg(pdl: bool) -> int:
     """The kernels' ``USE_PDL`` (``pdl.pdl_enter``) for a launch with PDL
-    (``launch_pdl=True``) or without: 0 without, else the order ``TRIGGER_FIRST`` says."""
+    (``launch_pdl=True``) or without: 0 without, else the order
+    ``LaunchRules.trigger_first`` says."""
     if not pdl:
         return 0
-    return TRIGGER_THEN_WAIT if TRIGGER_FIRST else WAIT_THEN_TRIGGER
+    return TRIGGER_THEN_WAIT if rules().trigger_first else WAIT_THEN_TRIGGER
 
 
 def layout_rows(max_rows: int) -> tuple[int, ...]:
@@ -118,5 +109,6 @@ def layout_rows(max_rows: int) -> tuple[int, ...]:
     step of 1 to ``max_rows`` rows takes: with and without PDL, each at its fewest rows
     (where attention splits its keys, if any such size does) and at its most (where it
     does not, if any does not), since a kernel's split count falls as rows grow."""
-    edges = (1, PDL_MAX_ROWS, PDL_MAX_ROWS + 1, max_rows)
+    most = rules().pdl_max_rows
+    edges = (1, most, most + 1, max_rows)
     return tuple(sorted({n for n in edges if n <= max_rows}, reverse=True))

@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels import attention_launch
 from ostinato.engine.kernels.attention_launch import (
     MAX_SPLITS,
     AttentionLaunch,
@@ -28,6 +27,7 @@ from ostinato.engine.kernels.attention_launch import (
     splits_for,
 )
 from ostinato.engine.kernels.launch import launch, num_sms, pdl_arg, pdl_for
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.pdl import pdl_enter
 
 
@@ -307,7 +307,7 @@ def paged_attention(
     overrides the launch configuration (``attention_launch.launch_for``'s). ``new_keys``
     (with ``pdl``; 0: unknown): every key the kernel before may still be writing is within
     ``new_keys - 1`` below its token's position (a step's longest query says it); older
-    keys of the first tile are then read before the PDL wait (``attention_launch.EARLY_KEYS``)."""
+    keys of the first tile are then read before the PDL wait (``LaunchRules.early_keys``)."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -321,7 +321,7 @@ def paged_attention(
         q = q.contiguous()
     cos, sin, stride_rt = _rope_args(rope, q, n, head_dim)
     splits = _splits(splits or num_splits(n, kv_heads, q.device))
-    early = pdl and new_keys > 0 and attention_launch.EARLY_KEYS
+    early = pdl and new_keys > 0 and rules().early_keys
     config = config or launch_for(splits, n * kv_heads, early, head_dim, k_cache.element_size())
     target, m, l_sum = _split_scratch(out, splits)
     so_t, so_h = (0, 0) if splits > 1 else (out.stride(0), out.stride(1))

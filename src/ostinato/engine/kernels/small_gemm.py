@@ -49,10 +49,11 @@ The squares are summed in another order than the prologue's, so ``rstd`` may dif
 from it in its last float32 bits.
 
 With ``USE_PDL`` (programmatic dependent launch) a program starts pulling the first
-``PREFETCH_K`` columns of its weight rows into L2 *before* waiting for the previous
-kernel: weights do not depend on it, so their read overlaps its tail.
+``PREFETCH_K`` (``LaunchRules.prefetch_k``) columns of its weight rows into L2 *before*
+waiting for the previous kernel: weights do not depend on it, so their read overlaps
+its tail.
 
-``RESIDENT`` (at most ``RESIDENT_MAX_ROWS`` rows, ``GemmConfig.resident``): a program's
+``RESIDENT`` (at most ``LaunchRules.resident_max_rows`` rows, ``GemmConfig.resident``): a program's
 ``BLOCK_N`` weight rows (per tile) over the whole of K (``BLOCK_K``, K padded to a power
 of two) and the norm weight are loaded into registers before the wait, the next kernel
 may launch before it, and after it the program loads only its rows of ``x`` and sums
@@ -83,10 +84,9 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
     stats_granule,
 )
 from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
+from ostinato.engine.kernels.launch_rules import LINE, rules
 from ostinato.engine.kernels.pdl import pdl_enter
 
-PREFETCH_K = 512  # weight columns per row prefetched before the PDL wait
-LINE = 64  # 16-bit elements per 128-byte cache line
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
 
 
@@ -696,7 +696,7 @@ def _launch(
         BLOCK_K=triton.next_power_of_2(k) if config.resident else config.block_k,
         NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         SPLIT_K=split_k,
-        PREFETCH_K=PREFETCH_K,
+        PREFETCH_K=rules().prefetch_k,
         LINE=LINE,
         USE_PDL=use_pdl,
         RESIDENT=config.resident,

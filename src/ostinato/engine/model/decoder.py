@@ -17,6 +17,7 @@ from torch import nn
 
 from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
     attention_op,
@@ -68,26 +69,12 @@ class RowStats:
         return (None, []) if stats is None else (stats.stats, list(stats.plan))
 
 
-# Fused layers on one GPU hand each norm its row statistics (``hands_row_stats``). On
-# the H200 (``benchmarks.row_stats``) a layer's four GEMM kernels took 16.9 against
-# 19.4 µs at the SmolLM2 shape and one row (18.0 against 21.8 at 8 rows), 55.6
-# against 57.1 µs at the 1.5 B shape.
-ROW_STATS = True
-
-
-# An eager step on one rank takes its embedding rows and RoPE table rows in one op
-# (``ostinato::embed_rope``: one kernel on CUDA, launched with PDL) rather than two
-# lookups. On the H200 (``launch_rules --rules embed-rope``) SmolLM2's step took 0.402
-# against 0.407 ms at one row, 0.681 against 0.689 at 8; the 1.5 B shape's 0.873
-# against 0.876 and 1.017 against 1.026.
-EMBED_ROPE = True
-
-
 def hands_row_stats(kernels: KernelOptions, tp: TensorParallel) -> bool:
     """Whether the O and down projections store the row statistics of their sums with
     the residual (``Linear.forward_stats``) for the fused norm after them: fused layers
-    on one GPU (under tensor parallelism the residual is added after an all-reduce)."""
-    return ROW_STATS and kernels.fused_layers and tp.group is None
+    on one GPU (under tensor parallelism the residual is added after an all-reduce), as
+    ``LaunchRules.row_stats`` says."""
+    return rules().row_stats and kernels.fused_layers and tp.group is None
 
 
 class Attention(nn.Module):
@@ -440,10 +427,11 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``embed(input_ids)`` and ``rope(positions, dtype)``: eagerly on one rank, with
-        the table in the embeddings' dtype, both from one op (``EMBED_ROPE``); the same
+        the table in the embeddings' dtype, both from one op (``LaunchRules.embed_rope``); the same
         bits either way, since both only copy rows."""
         table, weight = self.rope_table, self.embed_tokens.weight
-        one_op = EMBED_ROPE and self.tp.group is None and not torch.compiler.is_compiling()
+        eager = not torch.compiler.is_compiling()
+        one_op = eager and rules().embed_rope and self.tp.group is None
         if not one_op or table is None or table.dtype != weight.dtype:
             x = self.embed(input_ids)
             return (x, *self.rope(positions, x.dtype))

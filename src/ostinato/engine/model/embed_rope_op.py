@@ -6,7 +6,7 @@ outputs are the lookups' bits everywhere.
 
 Why an op: eagerly (the FULL decode graphs) the two lookups are two kernels before the
 first layer, neither launched with programmatic dependent launch, so the first layer's
-kernel could start its weight read only after both (``decoder.EMBED_ROPE`` has the
+kernel could start its weight read only after both (``LaunchRules.embed_rope`` has the
 measurement).
 """
 

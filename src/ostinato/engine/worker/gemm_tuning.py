@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine.kernels.gemm_launch import counters_needed
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.cuda import graph_call_us
@@ -145,26 +146,9 @@ def _plan_sizes(rows: Sequence[int]) -> list[int]:
     return sorted({r for r in rows if 1 <= r <= MAX_ROWS})
 
 
-# Up to this many weight bytes a projection runs the Triton GEMM without a measurement:
-# every projection of the 1.5 B shape (8 to 64 MiB), whose layers are then six kernels.
-# On the H200 (``benchmarks.launch_rules --rules row-stats-six``, RESULTS.md), with the
-# norms taking row statistics and gate/up in 32-column tiles, its step took 1.009 /
-# 1.113 / 1.203 ms at B = 1 / 8 / 16 against 1.083 / 1.157 / 1.226 with cuBLAS above
-# 8 MiB (11 kernels a layer). Before the row statistics, six kernels were slower there.
-SMALL_WEIGHT_BYTES = 64 << 20
-# Whether the LM head, within that bound, is planned without a measurement too: the
-# decode graphs would then run the final norm inside its kernel (``DecoderModel.logits``,
-# as they do wherever a measured plan picks the Triton GEMM for the LM head). On the H200
-# (``launch_rules --rules lm-head``) SmolLM2's step took 0.419 against 0.411 ms at one
-# row, 0.694 against 0.690 at 8, with cuBLAS's LM head after the norm kernel; in the best
-# of four tiles (128 columns, 8 warps, K step 64; ``--rules lm-head-tiles``) 0.413
-# against 0.410 and 0.406.
-PLAN_LM_HEAD = False
-
-
 def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
     """Gives every 16-bit CUDA projection of ``linears`` still without a Triton plan and
-    with at most ``SMALL_WEIGHT_BYTES`` of weight the Triton GEMM at every row count it
+    with at most ``LaunchRules.small_weight_bytes`` of weight the Triton GEMM at every row count it
     covers, in the config ``gemm_launch.pick_config`` names for its shape: what a model
     with ``KernelOptions.fused_layers`` runs where nothing was measured. Larger weights
     keep cuBLAS (and their fused ops the unfused kernels)."""
@@ -172,14 +156,14 @@ def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
         w = linear.weight
         if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
             continue
-        if any(linear.plan) or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES:
+        if any(linear.plan) or w.numel() * w.element_size() > rules().small_weight_bytes:
             continue
         linear.use_plan(_default_plan(w, swiglu), counters_needed(w.shape[0]), pdl)
 
 
 def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:
     """Plan entries by row count (0 rows: cuBLAS): the resident launch up to
-    ``RESIDENT_MAX_ROWS`` rows where it fits, the shared-memory launch above where it
+    ``LaunchRules.resident_max_rows`` rows where it fits, the shared-memory launch above where it
     fits, else ``pick_config``'s shape."""
     from ostinato.engine.kernels import gemm_launch as g
     from ostinato.engine.kernels.launch import num_sms

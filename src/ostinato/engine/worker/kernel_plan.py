@@ -17,11 +17,11 @@ import torch
 
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
-from ostinato.engine.kernels.launch import PDL_MAX_ROWS, compile_ahead, layout_rows
+from ostinato.engine.kernels.launch import compile_ahead, layout_rows
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.sample.greedy import greedy_tokens
-from ostinato.engine.worker import gemm_tuning
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import GemmTiming, default_plans, plan_small_gemms
 from ostinato.engine.worker.inputs import StepInputs
@@ -72,9 +72,9 @@ class KernelPlan:
                 else []
             )
             if self.kernels.fused_layers:
-                # The LM head only where PLAN_LM_HEAD says: once a step, and the widest
-                # GEMM, where a tile picked by rule risks the most.
-                default_plans(model.linears(lm_head=gemm_tuning.PLAN_LM_HEAD), pdl)
+                # The LM head only where LaunchRules.plan_lm_head says: once a step,
+                # and the widest GEMM, where a tile picked by rule risks the most.
+                default_plans(model.linears(lm_head=rules().plan_lm_head), pdl)
         return self.timings
 
     @torch.inference_mode()
@@ -122,7 +122,7 @@ class KernelPlan:
                     else:
                         # The argmax's layouts differ only in PDL: a few rows take the
                         # same one as ``n`` rows, without their whole vocabulary of logits.
-                        hidden = self.model(ids, positions)[: PDL_MAX_ROWS + 1]
+                        hidden = self.model(ids, positions)[: rules().pdl_max_rows + 1]
                         logits = self.model.compute_logits(hidden)
                     greedy_tokens(logits, self.kernels.pdl)
             yield

@@ -153,8 +153,8 @@ SPEC_CASES = (
 @pytest.mark.parametrize(("proposer", "k", "mode"), SPEC_CASES)
 def test_greedy_with_speculation_equals_plain_on_smollm2(greedy_outputs, proposer, k, mode):
     # float32, the fixture's prompts and plain outputs (answers end at EOS); the oracle
-    # knows those outputs and schedules verify steps ahead (FULL_AND_PIECEWISE replays
-    # them from uniform FULL graphs; NONE mode completes them eagerly).
+    # (a proposer plug-in, ``benchmarks.spec``) knows those outputs, so its drafts are
+    # kept but where an answer ends.
     from ostinato.engine.spec.speculative import SpeculativeConfig
 
     _, plain, _ = greedy_outputs[mode]
@@ -172,7 +172,6 @@ def test_greedy_with_speculation_equals_plain_on_smollm2(greedy_outputs, propose
         # Every draft is kept but those padded past an answer's EOS (the known tokens end
         # there): 96.9% to 99.0% on the H100.
         assert llm.spec_stats.acceptance_rate > 0.9
-        assert llm.spec_stats.ahead_steps > 0  # NONE mode completes them eagerly
     del llm
     gc.collect()
     torch.cuda.empty_cache()

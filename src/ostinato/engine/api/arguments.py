@@ -67,8 +67,8 @@ def check_capture(
     """Whether graphs are captured in the background (``GraphArgs.capture``); refuses,
     naming why, an unknown value and what background capture does not cover: several
     ranks (each would capture in its own order, and graphs holding collectives must be
-    captured in step), micro-batching (it times its captures), self-drafting or oracle
-    speculation (their graphs and lookahead state are captured at start-up), and the
+    captured in step), micro-batching (it times its captures), self-drafting speculation
+    (its draft graphs are captured at start-up), and the
     capture check (its replays would overwrite a running step's outputs)."""
     capture = graphs.capture
     if capture not in CAPTURE_WHEN:
@@ -87,10 +87,10 @@ def check_capture(
             "capture='background': not with tensor or data parallelism or micro-batching "
             "(every rank must capture the same graphs in the same order); use 'blocking'"
         )
-    if speculative is not None and speculative.method in ("self", "oracle"):
+    if speculative is not None and speculative.method == "self":
         raise ValueError(
-            f"capture='background': not with speculative={speculative.method!r}, whose "
-            "draft graphs and lookahead are set up at start-up; use 'blocking' or 'ngram'"
+            "capture='background': not with speculative='self', whose draft graphs are "
+            "captured at start-up; use 'blocking' or 'ngram'"
         )
     return True
 

@@ -18,7 +18,7 @@ LIBRARY_LAYERS = [
     {"config", "resolution", "dispatcher", "capture_planner"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
     | {"replay_stats"},
-    {"callable_graphs", "adaptive_ladder", ""},
+    {"callable_graphs", "adaptive_ladder", "staged", ""},
 ]
 # Side by side, neither imports the other.
 SIBLINGS = [
@@ -267,6 +267,14 @@ def test_launch_rules_are_one_value():
             assert not bad, f"{path.relative_to(SRC)} defines launch rules {bad} as constants"
     bench = (SRC.parent / "benchmarks" / "launch_rules.py").read_text()
     assert "mock" not in bench and "setattr" not in bench
+
+
+def test_test_files_have_unique_names():
+    # pytest imports test files by their base name (rootdir-relative, no packages): two
+    # of one name stop the whole run at collection.
+    names = [p.name for p in (SRC.parent / "tests").rglob("test_*.py")]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"test files share a name: {twice}"
 
 
 BENCHMARKS = SRC.parent / "benchmarks"

@@ -52,6 +52,7 @@ _HOMES = {
     "OstinatoError": "ostinato.errors",
     "PaddingChangesRealRowsError": "ostinato.callable_graphs",
     "PlatformError": "ostinato.errors",
+    "StagedRuntime": "ostinato.staged",
     "StatsSnapshot": "ostinato.replay_stats",
     "auto_mode": "ostinato.runtime",
     "build_graph_runtime": "ostinato.runtime",
@@ -105,6 +106,7 @@ __all__ = [
     "OstinatoError",
     "PaddingChangesRealRowsError",
     "PlatformError",
+    "StagedRuntime",
     "StatsSnapshot",
     "auto_mode",
     "build_graph_runtime",
@@ -156,6 +158,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from ostinato.replay_stats import BucketStats, EagerReason, StatsSnapshot
     from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
     from ostinato.runtime import GraphRuntime, auto_mode, build_graph_runtime, choose_compiler
+    from ostinato.staged import StagedRuntime
 
 
 def __getattr__(name: str) -> Any:

@@ -137,7 +137,7 @@ class GraphManager:
             for item in tqdm(
                 plan, desc="ostinato: capturing graphs", disable=not self.progress or not plan
             ):
-                self._capture_item(item)
+                self.capture_item(item)
         return self.report
 
     def capture_in_background(
@@ -157,7 +157,7 @@ class GraphManager:
                 "or sample replays while serving (verify='sample')"
             )
         self.background = BackgroundCapture(
-            self.capture_plan(), self._capture_item, self._release_graphs, self._turn, prologue
+            self.capture_plan(), self.capture_item, self._release_graphs, self._turn, prologue
         )
         return self.background
 
@@ -176,7 +176,10 @@ class GraphManager:
             return d in self._full.entries and d not in self.demoted
         return mode is GraphMode.NONE or d in self._pieces_ready
 
-    def _capture_item(self, item: CaptureItem) -> None:
+    def capture_item(self, item: CaptureItem) -> None:
+        """Captures one item of ``capture_plan()`` (a FULL graph, or a PIECEWISE size's
+        pieces); a failure releases every graph of this manager and raises
+        ``GraphCaptureError``, as ``capture()`` does."""
         try:
             self._capture_one(item)
         except torch.OutOfMemoryError as exc:

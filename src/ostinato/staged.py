@@ -1,0 +1,279 @@
+"""Staged graphs: serve at once from graphs that are quick to make, and upgrade, bucket by
+bucket, to graphs that are slow to make where they measure faster.
+
+``StagedRuntime(first, build_upgrade)`` steps through ``first`` (a ``GraphRuntime`` whose
+graphs are captured already, e.g. FULL graphs of eager kernels) from its first step. A
+thread meanwhile calls ``build_upgrade()`` (which may compile for minutes: Inductor
+pieces, compiled kernels) and, for each bucket of the upgrade's capture plan, the
+buckets the steps used most first: captures it, then times both stages on the same
+inputs (the caller's ``prepare`` writes them once; each stage replays ``repeats`` times,
+alternately) and routes the bucket's later steps to the upgrade only where its median is
+faster by ``margin``. Every decision is kept in ``decisions``.
+
+Guarantees:
+
+- Routing changes between steps only: a step's stage is fixed when it is dispatched, and
+  the thread changes the table and runs only while it holds the step's turn
+  (``stepping()``), which it hands back after every capture and every timed pair of
+  replays. So a waiting step is delayed by at most one of those.
+- A bucket moves to the upgrade only if it was measured faster there.
+- The first stage keeps serving whatever happens to the upgrade: a failure (compile,
+  capture, measurement) or an upgrade whose captures exceed ``memory_budget`` bytes
+  (``CaptureReport.pool_bytes``) routes every bucket back to the first stage, releases
+  the upgrade's graphs and logs a warning naming why; ``error`` keeps the failure.
+- ``release()`` stops the thread after the item in progress and releases both stages.
+
+Build the upgrade in a graph pool of its own (``pool=platform.graph_pool_handle()``), so
+that releasing it gives its memory back without touching the first stage's graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ostinato.background import SWITCH_INTERVAL_S, Turn
+from ostinato.batch import BatchDescriptor, CaptureItem
+from ostinato.dispatcher import Dispatch
+from ostinato.guard import capture_phase
+from ostinato.manager import Outputs
+from ostinato.platform.base import isolated_capture
+from ostinato.runtime import GraphRuntime
+
+logger = logging.getLogger(__name__)
+
+# Times one run of a stage: (runtime, dispatch, rows, attention metadata) -> seconds
+Timer = Callable[[GraphRuntime, Dispatch, int, Any], float]
+
+
+@dataclass(frozen=True)
+class StagedDispatch:
+    """A step's dispatch and the stage it runs on (fixed when dispatched)."""
+
+    dispatch: Dispatch
+    upgraded: bool
+
+    @property
+    def padded_tokens(self) -> int:
+        """Rows the step runs (``Dispatch.padded_tokens``)."""
+        return self.dispatch.padded_tokens
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the measurement of one bucket found: each stage's median seconds per step,
+    and whether its steps moved to the upgrade."""
+
+    descriptor: BatchDescriptor
+    first_s: float
+    upgrade_s: float
+    upgraded: bool
+
+
+def wall_timer(runtime: GraphRuntime, dispatch: Dispatch, rows: int, attn_metadata: Any) -> float:
+    """Seconds of one ``runtime`` step, the device synchronized before and after."""
+    platform = runtime.manager.platform
+    platform.synchronize()
+    start = time.perf_counter()
+    runtime.manager.run(dispatch, rows, attn_metadata)
+    platform.synchronize()
+    return time.perf_counter() - start
+
+
+class StagedRuntime:
+    """Steps on ``first`` while an upgrade is built, captured and measured on a thread
+    (see the module docstring). ``prepare(descriptor)`` writes inputs for a step of that
+    bucket (a ``GraphManager``'s ``prepare``; the upgrade's is used when None)."""
+
+    def __init__(
+        self,
+        first: GraphRuntime,
+        build_upgrade: Callable[[], GraphRuntime],
+        *,
+        prepare: Callable[[BatchDescriptor], Any] | None = None,
+        repeats: int = 5,
+        margin: float = 0.02,
+        memory_budget: int | None = None,
+        timer: Timer = wall_timer,
+    ) -> None:
+        if repeats < 1 or not 0 <= margin < 1:
+            raise ValueError(
+                f"StagedRuntime: repeats >= 1 and 0 <= margin < 1, got {repeats}, {margin}"
+            )
+        if memory_budget is not None and memory_budget < 0:
+            raise ValueError(f"StagedRuntime: memory_budget >= 0 bytes, got {memory_budget}")
+        self.first = first
+        self.upgrade: GraphRuntime | None = None
+        self.decisions: dict[BatchDescriptor, Decision] = {}
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._build, self._prepare, self._timer = build_upgrade, prepare, timer
+        self._repeats, self._margin, self._budget = repeats, margin, memory_budget
+        self._upgraded: frozenset[BatchDescriptor] = frozenset()
+        self._used: Counter[BatchDescriptor] = Counter()
+        self._turn = Turn()
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="ostinato-upgrade", daemon=True)
+        self._thread.start()
+
+    # -- the steps' side
+
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        """The step's turn: hold it from writing a step's inputs until its outputs are
+        read, as with ``GraphManager.stepping``."""
+        return self._turn
+
+    def dispatch(
+        self, num_tokens: int, uniform_decode: bool = False, has_lora: bool = False
+    ) -> StagedDispatch:
+        """The step's dispatch on the stage its bucket uses now."""
+        first = self.first.dispatch(num_tokens, uniform_decode, has_lora)
+        self._used[first.descriptor] += 1
+        if first.descriptor in self._upgraded and self.upgrade is not None:
+            return StagedDispatch(self.upgrade.dispatch(num_tokens, uniform_decode, has_lora), True)
+        return StagedDispatch(first, False)
+
+    def run(self, staged: StagedDispatch, num_tokens: int, attn_metadata: Any = None) -> Outputs:
+        """Runs the step on the stage it was dispatched to (``GraphManager.run``)."""
+        runtime = self.upgrade if staged.upgraded else self.first
+        if runtime is None:  # released between dispatch and run
+            raise RuntimeError("StagedRuntime.run: the upgrade was released; dispatch again")
+        return runtime.manager.run(staged.dispatch, num_tokens, attn_metadata)
+
+    @property
+    def upgraded(self) -> frozenset[BatchDescriptor]:
+        """The buckets (first-stage descriptors) whose steps run on the upgrade."""
+        return self._upgraded
+
+    @property
+    def done(self) -> bool:
+        """True once the thread has ended (every bucket decided, stopped or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until ``done`` (at most ``timeout`` seconds); returns ``done``."""
+        return self._done.wait(timeout)
+
+    def summary(self) -> str:
+        """One line: how far the upgrade is, or why it stopped."""
+        if self.error is not None:
+            return f"graph upgrade stopped, the first stage serves: {self.error}"
+        moved = len(self._upgraded)
+        if not self.done:
+            return (
+                f"graph upgrade in progress: {len(self.decisions)} buckets measured, {moved} moved"
+            )
+        return (
+            f"graph upgrade done in {self.seconds:.1f} s: {moved} of {len(self.decisions)} "
+            "buckets measured faster and moved"
+        )
+
+    def release(self, timeout: float | None = None) -> None:
+        """Stops the thread after its item in progress, then releases both stages."""
+        self._stop.set()
+        self._thread.join(timeout)
+        with self._turn:
+            self._drop_upgrade()
+            self.first.manager.release()
+
+    # -- the thread's side
+
+    def _run(self) -> None:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        try:
+            with torch.inference_mode(), isolated_capture():
+                upgrade = self._build()
+                with self._turn:
+                    self.upgrade = upgrade
+                with capture_phase():
+                    self._upgrade_all(upgrade)
+        except BaseException as exc:  # the thread's end: nothing above it would see it
+            self.error = exc
+            with self._turn:
+                self._drop_upgrade()
+            logger.warning("ostinato: %s", self.summary())
+        finally:
+            sys.setswitchinterval(interval)
+            self.seconds = time.perf_counter() - self._start
+            self._done.set()
+        if self.error is None:
+            logger.info("ostinato: %s", self.summary())
+
+    def _plan(self, upgrade: GraphRuntime) -> list[CaptureItem]:
+        """The upgrade's capture plan, the buckets steps used most first (read again
+        after each item, so a size that comes into use moves up)."""
+        plan = upgrade.manager.capture_plan()
+        used = self._used.copy()
+        return sorted(plan, key=lambda item: -used[self._first_key(item.descriptor)])
+
+    def _upgrade_all(self, upgrade: GraphRuntime) -> None:
+        pending = self._plan(upgrade)
+        while pending and not self._stop.is_set():
+            item = pending.pop(0)
+            with self._turn:
+                upgrade.manager.capture_item(item)
+            self._within_budget(upgrade)
+            self._turn.hand_over(timeout=1.0)
+            self._measure(upgrade, item.descriptor)
+            pending = sorted(pending, key=lambda i: -self._used[self._first_key(i.descriptor)])
+
+    def _within_budget(self, upgrade: GraphRuntime) -> None:
+        held = upgrade.manager.report.pool_bytes
+        if self._budget is not None and held > self._budget:
+            raise MemoryError(
+                f"the upgrade's graphs hold {held / 2**20:.1f} MiB, over the "
+                f"{self._budget / 2**20:.1f} MiB planned for them; raise the budget or "
+                "capture fewer sizes"
+            )
+
+    def _first_key(self, d: BatchDescriptor) -> BatchDescriptor:
+        """The first stage's bucket for the upgrade's descriptor ``d``."""
+        return self.first.dispatch(d.num_tokens, d.uniform_decode, d.has_lora).descriptor
+
+    def _measure(self, upgrade: GraphRuntime, d: BatchDescriptor) -> None:
+        """Times both stages on the same inputs, one pair of runs per turn; moves the
+        bucket to the upgrade where its median is faster by the margin."""
+        key = self._first_key(d)
+        if key in self.decisions or key.num_tokens != d.num_tokens:
+            return  # decided already, or the two stages pad this size differently
+        first_d = self.first.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
+        upgrade_d = upgrade.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
+        prepare = self._prepare or upgrade.manager.prepare
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(self._repeats):
+            if self._stop.is_set():
+                return
+            with self._turn:
+                meta = prepare(key) if prepare is not None else None
+                times[0].append(self._timer(self.first, first_d, key.num_tokens, meta))
+                times[1].append(self._timer(upgrade, upgrade_d, key.num_tokens, meta))
+            self._turn.hand_over(timeout=1.0)
+        self._decide(key, statistics.median(times[0]), statistics.median(times[1]))
+
+    def _decide(self, key: BatchDescriptor, first_s: float, upgrade_s: float) -> None:
+        faster = upgrade_s < first_s * (1 - self._margin)
+        with self._turn:
+            self.decisions[key] = Decision(key, first_s, upgrade_s, faster)
+            if faster:
+                self._upgraded = self._upgraded | {key}
+
+    def _drop_upgrade(self) -> None:
+        """Routes every bucket back to the first stage and releases the upgrade (called
+        with the turn held)."""
+        self._upgraded = frozenset()
+        if self.upgrade is not None:
+            self.upgrade.manager.release()
+            self.upgrade = None

@@ -1,0 +1,174 @@
+"""Staged graphs on the CPU with the test double for graphs: steps served by the first
+stage from the start, buckets moved to the upgrade only where measured faster and only
+between steps, and every failure of the upgrade leaving the first stage serving."""
+
+import logging
+import threading
+
+import pytest
+import torch
+from fakes import FakePlatform
+
+from ostinato import GraphConfig, GraphMode, StagedRuntime, build_graph_runtime
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+class Runner:
+    """Inputs in one persistent buffer, as a model runner's; the two stages compute the
+    same product through different step functions, counted apart."""
+
+    def __init__(self):
+        self.x = torch.zeros(16, 4)
+        self.w = torch.randn(4, 3)
+        self.calls = {"first": 0, "upgrade": 0}
+
+    def prepare(self, d):
+        self.x[: d.num_tokens] = 1e6  # dummy inputs
+
+    def step_as(self, stage):
+        def step(d):
+            self.calls[stage] += 1
+            return self.x[: d.num_tokens] @ self.w
+
+        step.stage = stage
+        return step
+
+
+def runtime(r, stage, mode, platform):
+    config = GraphConfig(mode=mode, capture_sizes=SIZES)
+    pool = platform.graph_pool_handle()  # the upgrade's own pool
+    return build_graph_runtime(
+        r.step_as(stage), config, prepare=r.prepare, platform=platform, progress=False, pool=pool
+    )
+
+
+def fast_below(rows):
+    """A timer (after running the step) under which the upgrade is twice as fast up to
+    ``rows`` rows and 10% slower above."""
+
+    def timed(rt, dispatch, n, meta):
+        rt.manager.run(dispatch, n, meta)
+        if rt.manager.step.stage == "first":
+            return 1.0
+        return 0.5 if n <= rows else 1.1
+
+    return timed
+
+
+def staged(r, platform=None, upgrade_platform=None, build=None, **kw):
+    platform = platform or FakePlatform()
+    first = runtime(r, "first", GraphMode.FULL, platform)
+    first.manager.capture()
+    up = upgrade_platform or platform
+    return StagedRuntime(first, build or (lambda: runtime(r, "upgrade", GraphMode.FULL, up)), **kw)
+
+
+def serve(r, s, steps, seed=0):
+    """Steps of random sizes, each checked against the product by hand; returns the
+    stages they ran on."""
+    g = torch.Generator().manual_seed(seed)
+    stages = []
+    for _ in range(steps):
+        n = int(torch.randint(1, 17, (1,), generator=g))
+        x = torch.randn(n, 4, generator=g)
+        with s.stepping():
+            d = s.dispatch(n, uniform_decode=bool(n % 2))
+            r.x[:n] = x
+            out = s.run(d, n)
+            torch.testing.assert_close(out, x @ r.w)
+            stages.append(d.upgraded)
+    return stages
+
+
+def test_buckets_move_to_the_upgrade_only_where_it_measured_faster():
+    r = Runner()
+    s = staged(r, timer=fast_below(4), repeats=3)
+    serve(r, s, 40)  # served while the upgrade proceeds, correct on either stage
+    assert s.wait(30) and s.error is None, s.summary()
+    assert s.decisions  # every bucket of the upgrade's plan was measured
+    for key, decision in s.decisions.items():
+        assert decision.upgraded == (key.num_tokens <= 4), decision
+        assert (key in s.upgraded) == decision.upgraded
+    before = dict(r.calls)
+    stages = serve(r, s, 40, seed=1)
+    assert any(stages) and not all(stages)
+    assert r.calls["upgrade"] >= before["upgrade"]
+    assert "buckets measured faster and moved" in s.summary()
+    s.release()
+
+
+def test_a_slower_upgrade_moves_nothing():
+    r = Runner()
+    s = staged(r, timer=fast_below(0))
+    assert s.wait(30) and s.error is None
+    assert s.decisions and not s.upgraded
+    assert not any(serve(r, s, 20))
+    s.release()
+
+
+def test_routing_changes_only_between_steps():
+    # While a step holds its turn, the thread can neither capture, measure nor move a
+    # bucket: the table seen at dispatch is the table at the step's end.
+    r = Runner()
+    s = staged(r, timer=fast_below(16), repeats=1)
+    seen = []
+    while not s.done:
+        with s.stepping():
+            before = (s.upgraded, len(s.decisions), s.upgrade is not None)
+            threading.Event().wait(0.01)
+            seen.append(before == (s.upgraded, len(s.decisions), s.upgrade is not None))
+    assert all(seen) and s.error is None and s.upgraded
+    s.release()
+
+
+def test_the_buckets_steps_use_are_upgraded_first():
+    r = Runner()
+    go = threading.Event()
+    platform = FakePlatform()
+
+    def build():
+        go.wait(10)
+        return runtime(r, "upgrade", GraphMode.FULL, platform)
+
+    s = staged(r, platform, build=build, timer=fast_below(16), repeats=1)
+    for _ in range(5):
+        with s.stepping():
+            d = s.dispatch(8, uniform_decode=True)
+            s.run(d, 8)
+    go.set()
+    assert s.wait(30) and s.error is None
+    assert next(iter(s.decisions)) == s.first.dispatch(8, uniform_decode=True).descriptor
+    s.release()
+
+
+@pytest.mark.parametrize("where", ["build", "capture", "memory"])
+def test_a_failed_upgrade_leaves_the_first_stage_serving(where, caplog):
+    r = Runner()
+    kw = {"timer": fast_below(16), "repeats": 1}
+    if where == "build":
+        kw["build"] = lambda: (_ for _ in ()).throw(RuntimeError("the compiler failed"))
+        want = "the compiler failed"
+    elif where == "capture":
+        kw["upgrade_platform"] = FakePlatform(fail_capture=RuntimeError("capture broke"))
+        want = "capture broke"
+    else:
+        kw["memory_budget"] = 1500  # the test double's captures cost 1 KiB each
+        want = "planned for them"
+    with caplog.at_level(logging.WARNING, logger="ostinato.staged"):
+        s = staged(r, **kw)
+        serve(r, s, 20)
+        assert s.wait(30)
+    assert s.error is not None and want in str(s.error)
+    assert s.upgrade is None and not s.upgraded
+    assert "the first stage serves" in caplog.text and want in caplog.text
+    assert not any(serve(r, s, 20, seed=2))
+    s.release()
+
+
+def test_bad_settings_name_themselves():
+    r = Runner()
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        staged(r, repeats=0)
+    with pytest.raises(ValueError, match="memory_budget >= 0"):
+        staged(r, memory_budget=-1)

@@ -36,10 +36,9 @@ def test_logits_match_eager_bf16_random_mixes(mode):
     assert expected <= modes_seen, modes_seen
 
 
-def test_default_engine_mode_on_cuda_is_full_graphs_of_its_own_kernels():
-    # Ready soonest at full decode speed: nothing compiled, every size a FULL graph.
+def test_default_engine_mode_on_cuda_is_full_and_piecewise():
     llm = LLM("tiny", max_model_len=128, max_num_seqs=4, max_capture_size=16, progress=False)
-    assert llm.mode.name == "FULL"
-    assert llm.engine.runner.compile_seconds == 0 and llm.engine.runner.piecewise is None
+    assert llm.mode.name == "FULL_AND_PIECEWISE"
+    assert llm.engine.runner.compile_seconds > 0
     report = llm.capture_report
-    assert {r.mode.name for r in report.records} == {"FULL"}
+    assert {r.mode.name for r in report.records} == {"FULL", "PIECEWISE"}

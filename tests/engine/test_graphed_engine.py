@@ -64,20 +64,6 @@ def test_fake_graphs_replay_decode_steps_and_match_eager(fake_graphs):
     assert sum(g.replays for g in fake_graphs.graphs) > 0, "decode steps replayed graphs"
 
 
-def test_auto_is_full_graphs_where_attention_captures_any_batch(fake_graphs):
-    # The engine's "auto": FULL graphs of its own kernels, nothing compiled, where the
-    # platform has graphs and attention captures any batch; else the library's "auto"
-    # (pieces compiled around attention).
-    prompts, params = workload(n=4)
-    want = tokens(engine("none", backend=None), prompts, params)
-    llm = engine("auto")
-    assert llm.mode.name == "FULL" and llm.engine.runner.piecewise is None
-    assert tokens(llm, prompts, params) == want
-    assert {r.mode.name for r in llm.capture_report.records} == {"FULL"}
-    llm = engine("auto", backend=TorchAttention())  # cannot be captured
-    assert llm.mode.name == "PIECEWISE", llm.mode
-
-
 def test_decode_graphs_write_their_logits_and_tokens_where_replays_read_them(fake_graphs):
     llm = engine("full_decode_only", max_capture_size=8)
     manager = llm.engine.runner.manager

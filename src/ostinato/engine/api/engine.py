@@ -31,7 +31,6 @@ from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.request_book import RequestBook
 from ostinato.engine.core.scheduler import FinishReason, Request, Scheduler
 from ostinato.engine.kernels.options import KernelOptions
-from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.parallel.step_mirror import SchedulerChange, StepMirror
@@ -90,7 +89,6 @@ class EngineParts:
     parallel: ParallelGroups = None  # type: ignore[assignment]  (set by init_parallel)
     all_reduce: SymmetricAllReduce | None = None
     memory: MemoryPlan | None = None
-    backend: AttentionBackend | None = None
     model: DecoderModel | None = None
     cache: KVCache | None = None
     runner: ModelRunner = None  # type: ignore[assignment]

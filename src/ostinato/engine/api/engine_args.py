@@ -181,9 +181,8 @@ class CacheArgs:
 
 @dataclass(frozen=True)
 class GraphArgs:
-    """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL graphs of the
-    engine's own kernels where attention captures any batch, as on CUDA, which are ready
-    soonest at full decode speed; NONE on the CPU), the capture sizes (default: the ladder up to
+    """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL_AND_PIECEWISE
+    on CUDA, NONE on the CPU), the capture sizes (default: the ladder up to
     ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
     None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
     and when to ``capture``: ``"blocking"`` (every graph before the engine returns) or
@@ -197,7 +196,7 @@ class GraphArgs:
     mode: GraphMode | str = option(
         "auto",
         "graph mode: auto, none, piecewise, full, full_decode_only, full_and_piecewise "
-        "(auto: full on CUDA, none on CPU)",
+        "(auto: full_and_piecewise on CUDA, none on CPU)",
         _as_argument_error(parse_mode),
     )
     capture_sizes: tuple[int, ...] | None = option(

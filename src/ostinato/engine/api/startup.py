@@ -54,7 +54,6 @@ from ostinato.engine.worker.memory import (
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.platform import platform_for_device
-from ostinato.resolution import AttentionGraphSupport
 from ostinato.runtime import choose_compiler
 from ostinato.ubatch.policy import MicroBatching
 
@@ -116,27 +115,11 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
     return source, compile_cache, engine_limits(c.args.cache, source.config)
 
 
-def engine_mode(
-    requested: GraphMode | None, backend: AttentionBackend, device: torch.device
-) -> GraphMode | None:
-    """The mode asked for; for "auto" (None), FULL graphs of the engine's own kernels
-    where the device has graphs and attention captures any batch: on the H200 they were
-    ready in 2 s against 38 s for FULL_AND_PIECEWISE's compile and capture, decode as
-    fast, long prompts faster (README). Else "auto" as the library resolves it (pieces
-    compiled around an attention that cannot be captured)."""
-    if requested is not None:
-        return requested
-    graphs_here = platform_for_device(device).supports_graphs
-    if graphs_here and backend.graph_support is AttentionGraphSupport.ALWAYS:
-        return GraphMode.FULL
-    return None
-
-
-def graph_config(c: Checked, limits: EngineLimits, mode: GraphMode | None) -> GraphConfig:
-    """The graphs' configuration: ``mode`` (``engine_mode``'s) and the capture ladder."""
+def graph_config(c: Checked, limits: EngineLimits) -> GraphConfig:
+    """The graphs' configuration: the mode asked for and the capture ladder."""
     graphs = c.args.graphs
     return GraphConfig(
-        mode=mode,
+        mode=c.mode,
         capture_sizes=graphs.capture_sizes,
         max_capture_size=graphs.max_capture_size,
         max_num_tokens=limits.max_num_batched_tokens,
@@ -253,7 +236,7 @@ def make_runner(
         parts.dtype,
         parts.device,
     )
-    backend = parts.backend
+    backend = c.args.backend or default_backend(parts.device, parts.model.kernels)
     compiler = choose_compiler(
         c.args.graphs.compiler, graphs.mode, platform_for_device(parts.device)
     )
@@ -350,9 +333,7 @@ def _build_on(
     parts.parallel, parts.all_reduce = setup_all_reduce(
         parts.parallel, c.args.parallel.all_reduce, parts.config.hidden_size, parts.dtype, limits
     )
-    kernels = parts.kernels.resolved(parts.device)  # what the model is built with
-    parts.backend = c.args.backend or default_backend(parts.device, kernels)
-    graphs = graph_config(c, limits, engine_mode(c.mode, parts.backend, parts.device))
+    graphs = graph_config(c, limits)
     parts.memory = memory_plan(parts, c, limits, graphs)
     num_blocks = parts.memory.num_blocks if parts.memory else c.args.cache.num_blocks
     weights_s = load_weights(parts, source, c.args.seed, limits)

@@ -12,10 +12,10 @@ faster by ``margin``. Every decision is kept in ``decisions``.
 
 Guarantees:
 
-- Routing changes between steps only: a step's stage is fixed when it is dispatched, and
-  the thread changes the table and runs only while it holds the step's turn
-  (``stepping()``), which it hands back after every capture and every timed pair of
-  replays. So a waiting step is delayed by at most one of those.
+- Routing changes between steps only: the thread changes the table, captures and times
+  only while it holds the step's turn (``stepping()``, held by a step from writing its
+  inputs to reading its outputs), which it hands back after every capture and every
+  timed pair of replays. So a waiting step is delayed by at most one of those.
 - A bucket moves to the upgrade only if it was measured faster there.
 - The first stage keeps serving whatever happens to the upgrade: a failure (compile,
   capture, measurement) or an upgrade whose captures exceed ``memory_budget`` bytes
@@ -54,19 +54,6 @@ logger = logging.getLogger(__name__)
 
 # Times one run of a stage: (runtime, dispatch, rows, attention metadata) -> seconds
 Timer = Callable[[GraphRuntime, Dispatch, int, Any], float]
-
-
-@dataclass(frozen=True)
-class StagedDispatch:
-    """A step's dispatch and the stage it runs on (fixed when dispatched)."""
-
-    dispatch: Dispatch
-    upgraded: bool
-
-    @property
-    def padded_tokens(self) -> int:
-        """Rows the step runs (``Dispatch.padded_tokens``)."""
-        return self.dispatch.padded_tokens
 
 
 @dataclass(frozen=True)
@@ -137,20 +124,25 @@ class StagedRuntime:
 
     def dispatch(
         self, num_tokens: int, uniform_decode: bool = False, has_lora: bool = False
-    ) -> StagedDispatch:
-        """The step's dispatch on the stage its bucket uses now."""
-        first = self.first.dispatch(num_tokens, uniform_decode, has_lora)
-        self._used[first.descriptor] += 1
-        if first.descriptor in self._upgraded and self.upgrade is not None:
-            return StagedDispatch(self.upgrade.dispatch(num_tokens, uniform_decode, has_lora), True)
-        return StagedDispatch(first, False)
+    ) -> Dispatch:
+        """The step's dispatch, the first stage's (``run`` routes it)."""
+        return self.first.dispatch(num_tokens, uniform_decode, has_lora)
 
-    def run(self, staged: StagedDispatch, num_tokens: int, attn_metadata: Any = None) -> Outputs:
-        """Runs the step on the stage it was dispatched to (``GraphManager.run``)."""
-        runtime = self.upgrade if staged.upgraded else self.first
-        if runtime is None:  # released between dispatch and run
-            raise RuntimeError("StagedRuntime.run: the upgrade was released; dispatch again")
-        return runtime.manager.run(staged.dispatch, num_tokens, attn_metadata)
+    def routes(self, dispatch: Dispatch) -> bool:
+        """Whether ``run`` runs ``dispatch`` (a first-stage dispatch) on the upgrade."""
+        return dispatch.descriptor in self._upgraded
+
+    def run(self, dispatch: Dispatch, num_tokens: int, attn_metadata: Any = None) -> Outputs:
+        """Runs the step (``GraphManager.run``) on the stage its bucket uses now: the
+        upgrade's dispatch of the same bucket where it moved, else ``dispatch``. Call it
+        inside ``stepping()``, so the stage cannot change until the outputs are read."""
+        d = dispatch.descriptor
+        self._used[d] += 1
+        upgrade = self.upgrade
+        if d in self._upgraded and upgrade is not None:
+            moved = upgrade.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
+            return upgrade.manager.run(moved, num_tokens, attn_metadata)
+        return self.first.manager.run(dispatch, num_tokens, attn_metadata)
 
     @property
     def upgraded(self) -> frozenset[BatchDescriptor]:

@@ -144,9 +144,7 @@ def test_a_fused_decode_step_runs_its_norms_inside_the_projections_ops(fused, pl
 )
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_step_runs_the_eager_model_exactly_where_its_full_graph_takes_fused_kernels(mode, fused):
-    runner = SimpleNamespace(
-        graphs=SimpleNamespace(mode=mode), kernels=KernelOptions(fused_layers=fused)
-    )
+    runner = SimpleNamespace(kernels=KernelOptions(fused_layers=fused))
     for rows in range(1, 3 * MAX_ROWS):
         for uniform in (True, False):
             d = BatchDescriptor(rows, rows if uniform else None, uniform)
@@ -155,7 +153,7 @@ def test_a_step_runs_the_eager_model_exactly_where_its_full_graph_takes_fused_ke
                 GraphMode.FULL_AND_PIECEWISE: uniform,
             }.get(mode, False)
             want = fused and full and rows <= MAX_ROWS
-            assert ModelRunner._fused_eagerly(runner, d) == want, (mode, rows, uniform)
+            assert ModelRunner._fused_eagerly(runner, d, mode) == want, (mode, rows, uniform)
 
 
 def test_the_fused_ops_refuse_a_mismatched_residual():

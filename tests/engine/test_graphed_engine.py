@@ -16,6 +16,7 @@ from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.spec.speculative import SpeculativeConfig
+from ostinato.modes import GraphMode
 from ostinato.replay_check import GraphDemotedWarning
 from ostinato.replay_stats import EagerReason
 from ostinato.resolution import AttentionGraphSupport
@@ -193,8 +194,46 @@ def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, 
     llm.close()
 
 
+@pytest.mark.parametrize("faster", [True, False])
+def test_staged_capture_serves_at_once_and_upgrades_where_faster(fake_graphs, faster, monkeypatch):
+    """FULL graphs of the eager model before the engine returns; the compiled stage's
+    graphs captured on a thread, and a bucket moved to them only where measured faster
+    (the test double's timer says which); greedy tokens equal the blocking engine's
+    before, during and after. One step at a time (see the background test)."""
+    from ostinato import staged
+
+    def timer(runtime, dispatch, rows, meta):
+        runtime.manager.run(dispatch, rows, meta)
+        first = runtime.mode is GraphMode.FULL
+        return 1.0 if first else (0.5 if faster else 2.0)
+
+    monkeypatch.setattr(staged, "wall_timer", timer)
+    prompts, params = workload(n=6, seed=5)
+    want = tokens(engine("full", compiler=None), prompts, params)
+    llm = engine("piecewise", compiler="eager", capture="staged", async_scheduling=False)
+    assert llm.mode is GraphMode.FULL and llm.engine.runner.piecewise is None
+    assert llm.capture_report.num_graphs > 0  # the first stage, before it returned
+    assert tokens(llm, prompts, params) == want  # while the upgrade proceeds
+    assert llm.wait_for_graphs(timeout=120), llm.background.summary()
+    upgrade = llm.background
+    assert upgrade.decisions and all(d.upgraded == faster for d in upgrade.decisions.values())
+    assert bool(upgrade.upgraded) == faster
+    assert tokens(llm, prompts, params) == want
+    assert "graph upgrade done" in llm.background.summary()
+    llm.close()
+
+
+def test_staged_capture_refuses_what_it_cannot_upgrade():
+    with pytest.raises(ValueError, match="capture='staged': upgrades to compiled pieces"):
+        engine("full", capture="staged")
+    with pytest.raises(ValueError, match="capture='staged': needs a compiler"):
+        engine("piecewise", capture="staged", compiler=None)
+    with pytest.raises(ValueError, match="capture='staged': not with verify='capture'"):
+        engine("piecewise", capture="staged", verify="capture")
+
+
 def test_background_capture_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="'blocking' or 'background'"):
+    with pytest.raises(ValueError, match="capture: one of blocking, background, staged"):
         engine("full", capture="lazy")
     with pytest.raises(ValueError, match="speculative='self'"):
         engine("full", capture="background", speculative="self:1")

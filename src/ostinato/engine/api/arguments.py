@@ -58,41 +58,59 @@ def parse_speculative(
 _MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
 
 
-CAPTURE_WHEN = ("blocking", "background")
+CAPTURE_WHEN = ("blocking", "background", "staged")
 
 
 def check_capture(
-    graphs: GraphArgs, parallel: ParallelArgs, speculative: SpeculativeConfig | None
-) -> bool:
-    """Whether graphs are captured in the background (``GraphArgs.capture``); refuses,
-    naming why, an unknown value and what background capture does not cover: several
-    ranks (each would capture in its own order, and graphs holding collectives must be
-    captured in step), micro-batching (it times its captures), self-drafting speculation
-    (its draft graphs are captured at start-up), and the
-    capture check (its replays would overwrite a running step's outputs)."""
+    graphs: GraphArgs,
+    parallel: ParallelArgs,
+    speculative: SpeculativeConfig | None,
+    mode: GraphMode | None,
+) -> str:
+    """``GraphArgs.capture``, checked: refuses, naming why, an unknown value and, for
+    capture in the background or staged, several ranks (each would capture in its own
+    order, and graphs holding collectives must be captured in step), micro-batching (it
+    times its captures), self-drafting speculation (its draft graphs are captured at
+    start-up) and the capture check (its replays would overwrite a running step's
+    outputs); for staged, a mode without compiled pieces to upgrade to (``mode``: None
+    for auto)."""
     capture = graphs.capture
     if capture not in CAPTURE_WHEN:
-        raise ValueError(f"capture: 'blocking' or 'background', got {capture!r}")
+        raise ValueError(f"capture: one of {', '.join(CAPTURE_WHEN)}, got {capture!r}")
     if capture == "blocking":
-        return False
+        return capture
     if graphs.verify == "capture":
         raise ValueError(
-            "capture='background': not with verify='capture', whose replays would overwrite "
+            f"capture={capture!r}: not with verify='capture', whose replays would overwrite "
             "the outputs of steps running meanwhile; use verify='sample' or 'blocking'"
         )
     if parallel.tensor_parallel_size * parallel.data_parallel_size > 1 or (
         parallel.micro_batching is not False
     ):
         raise ValueError(
-            "capture='background': not with tensor or data parallelism or micro-batching "
+            f"capture={capture!r}: not with tensor or data parallelism or micro-batching "
             "(every rank must capture the same graphs in the same order); use 'blocking'"
         )
     if speculative is not None and speculative.method == "self":
         raise ValueError(
-            "capture='background': not with speculative='self', whose draft graphs are "
+            f"capture={capture!r}: not with speculative='self', whose draft graphs are "
             "captured at start-up; use 'blocking' or 'ngram'"
         )
-    return True
+    if capture == "staged":
+        _check_staged(graphs, mode)
+    return capture
+
+
+def _check_staged(graphs: GraphArgs, mode: GraphMode | None) -> None:
+    """Staged capture upgrades FULL graphs of the eager model to a mode with compiled
+    pieces: it needs one, and a compiler."""
+    if mode is not None and not mode.has_piecewise_graphs():
+        raise ValueError(
+            f"capture='staged': upgrades to compiled pieces, which mode={mode.name.lower()!r} "
+            "has none; use mode 'auto', 'piecewise' or 'full_and_piecewise'"
+        )
+    if graphs.compiler is None:
+        raise ValueError("capture='staged': needs a compiler for the pieces; not compiler=None")
 
 
 def micro_batching_policy(

@@ -43,6 +43,7 @@ from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.replay_stats import StatsSnapshot
 from ostinato.resolution import ModeResolution
+from ostinato.staged import StagedRuntime
 
 
 @dataclass
@@ -95,7 +96,7 @@ class EngineParts:
     scheduler: Scheduler = None  # type: ignore[assignment]
     sampler: StepSampler = None  # type: ignore[assignment]
     drafter: SelfDraftProposer | None = None
-    background: BackgroundCapture | None = None
+    background: BackgroundCapture | StagedRuntime | None = None  # captures or upgrades
     capture_report: CaptureReport = None  # type: ignore[assignment]
     draft_report: CaptureReport | None = None
     graph_memory: GraphMemoryCheck | None = None

@@ -185,9 +185,12 @@ class GraphArgs:
     on CUDA, NONE on the CPU), the capture sizes (default: the ladder up to
     ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
     None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
-    and when to ``capture``: ``"blocking"`` (every graph before the engine returns) or
+    and when to ``capture``: ``"blocking"`` (every graph before the engine returns),
     ``"background"`` (the engine returns once its weights and KV cache are ready; steps
-    run eagerly, or replay what is ready, while a thread compiles and captures).
+    run eagerly, or replay what is ready, while a thread compiles and captures), or
+    ``"staged"`` (FULL graphs of the eager model, which compile nothing, before the
+    engine returns; then a thread compiles and captures the mode's graphs and moves each
+    bucket to them where it measures faster: ``ostinato.staged``).
     ``verify``: ``"capture"`` checks each FULL graph against eager at capture (padding
     rows given other tokens must leave the real rows bitwise the same), ``"sample"`` one
     replay in ``verify_every`` while serving; a graph that differs is demoted to eager
@@ -212,9 +215,11 @@ class GraphArgs:
     )
     capture: str = option(
         "blocking",
-        "capture every graph before the first step (blocking), or start at once and "
-        "capture while steps run eagerly (background)",
-        choices=("blocking", "background"),
+        "capture every graph before the first step (blocking); start at once and "
+        "capture while steps run eagerly (background); or capture FULL graphs of the "
+        "eager model first and upgrade to the mode's compiled graphs where they "
+        "measure faster (staged)",
+        choices=("blocking", "background", "staged"),
     )
     verify: str = option(
         "off",

@@ -70,7 +70,7 @@ class Checked:
     parallel: ParallelConfig
     mode: GraphMode | None
     speculative: SpeculativeConfig | None
-    background: bool
+    capture: str  # GraphArgs.capture, checked
     utilization: float
     micro_batching: MicroBatching | None
 
@@ -85,7 +85,7 @@ def check_args(args: EngineArgs) -> Checked:
     parse_all_reduce(parallel.all_reduce)
     mode = parse_mode(args.graphs.mode)
     speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
-    background = check_capture(args.graphs, parallel, speculative)
+    capture = check_capture(args.graphs, parallel, speculative, mode)
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
     utilization = check_utilization(args.cache.gpu_memory_utilization)
@@ -93,7 +93,7 @@ def check_args(args: EngineArgs) -> Checked:
     if device.type == "cpu":
         limit_cpu_threads(config.world_size)
     return Checked(
-        args, device, config, mode, speculative, background, utilization, micro_batching
+        args, device, config, mode, speculative, capture, utilization, micro_batching
     )  # fmt: skip
 
 
@@ -115,11 +115,13 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
     return source, compile_cache, engine_limits(c.args.cache, source.config)
 
 
-def graph_config(c: Checked, limits: EngineLimits) -> GraphConfig:
-    """The graphs' configuration: the mode asked for and the capture ladder."""
+def graph_config(c: Checked, limits: EngineLimits, upgrade: bool = False) -> GraphConfig:
+    """The graphs' configuration: the mode asked for and the capture ladder; with staged
+    capture, FULL graphs of the eager model first, the mode asked for as the upgrade."""
     graphs = c.args.graphs
+    first = c.capture == "staged" and not upgrade
     return GraphConfig(
-        mode=c.mode,
+        mode=GraphMode.FULL if first else c.mode,
         capture_sizes=graphs.capture_sizes,
         max_capture_size=graphs.max_capture_size,
         max_num_tokens=limits.max_num_batched_tokens,
@@ -171,6 +173,7 @@ def memory_plan(
         num_blocks=c.args.cache.num_blocks,
         tp=parts.parallel.tp,
         decode_query_len=1 + c.speculative.k if c.speculative else 1,
+        upgrade_tokens=graphs.largest_size if c.capture == "staged" else 0,
     )
     logger.info("ostinato: memory plan: %s", plan.summary())
     return plan
@@ -237,9 +240,11 @@ def make_runner(
         parts.device,
     )
     backend = c.args.backend or default_backend(parts.device, parts.model.kernels)
-    compiler = choose_compiler(
-        c.args.graphs.compiler, graphs.mode, platform_for_device(parts.device)
-    )
+    # A staged start compiles nothing for its first stage: its upgrade does (``capture``).
+    compiler = None
+    if c.capture != "staged":
+        platform = platform_for_device(parts.device)
+        compiler = choose_compiler(c.args.graphs.compiler, graphs.mode, platform)
     parts.runner = ModelRunner(
         parts.model,
         parts.cache,
@@ -264,21 +269,28 @@ def make_runner(
     return propose
 
 
-def capture(parts: EngineParts, propose: Proposal | None, background: bool, seed: int) -> None:
+def capture(parts: EngineParts, c: Checked, propose: Proposal | None, limits: EngineLimits) -> None:
     """Captures the runner's graphs, the sampling graphs and the draft graphs (or starts
-    the background capture), and makes the sampler."""
-    generator = torch.Generator(device=parts.device).manual_seed(seed)
+    the background capture, or after the first stage the staged upgrade), and makes the
+    sampler."""
+    generator = torch.Generator(device=parts.device).manual_seed(c.args.seed)
     runner = parts.runner
     # In the background the sampling graphs are not captured (they read the FULL graphs'
     # static outputs, which do not exist yet): sampling runs eagerly.
     sampling_graphs = None
-    if background:
+    if c.capture == "background":
         parts.background = runner.capture_in_background()
     else:
         runner.capture()
         sampling_graphs = runner.capture_sampling(generator)
+    if c.capture == "staged":
+        upgrade = graph_config(c, limits, upgrade=True)
+        platform = platform_for_device(parts.device)
+        compiler = choose_compiler(c.args.graphs.compiler, upgrade.mode, platform)
+        budget = parts.memory.upgrade if parts.memory is not None else None
+        parts.background = runner.start_upgrade(upgrade, compiler or "inductor", budget)
     parts.capture_report = runner.manager.report
-    if parts.memory is not None and parts.background is None:
+    if parts.memory is not None and c.capture != "background":
         # The reserve that sized the KV cache, against what the capture really took.
         parts.graph_memory = check_graph_memory(parts.memory, parts.capture_report.pool_bytes)
     parts.sampler = StepSampler(generator, parts.device, sampling_graphs)
@@ -339,7 +351,7 @@ def _build_on(
     weights_s = load_weights(parts, source, c.args.seed, limits)
     propose = make_runner(parts, c, limits, graphs, num_blocks or limits.full_blocks)
     capture_start = time.perf_counter()
-    capture(parts, propose, c.background, c.args.seed)
+    capture(parts, c, propose, limits)
     compile_s = parts.runner.compile_seconds
     parts.startup = StartupTimes(
         open_s,

@@ -161,7 +161,7 @@ class StepLoop:
         back; returns without waiting (None for a dummy step, which samples nothing).
         Holds the step's turn throughout: a background capture writes dummy inputs into
         the same buffers, and the sampler reads the step's outputs."""
-        with self.runner.manager.stepping():
+        with self.runner.stepping():
             out = self.runner.execute(step, agreement, previous and previous.sampled)
             if not step.scheduled:
                 return None

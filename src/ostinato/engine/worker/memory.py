@@ -38,6 +38,7 @@ class MemoryPlan:
     graphs: int
     kv_block: int
     num_blocks: int
+    upgrade: int = 0  # of ``graphs``: a staged upgrade's share, its graphs' budget
 
     def summary(self) -> str:
         """One line for the start-up log."""
@@ -125,12 +126,15 @@ def plan_memory(
     num_blocks: int | None = None,
     tp: TensorParallel | None = None,
     decode_query_len: int = 1,
+    upgrade_tokens: int = 0,
 ) -> MemoryPlan:
     """Chooses the KV block count, or raises ``EngineMemoryError``.
 
     ``num_blocks`` given: it must fit. Otherwise as many blocks as fit in the budget, up
     to every sequence at ``max_model_len``, and at least one such sequence.
     ``decode_query_len``: rows of logits per decoding request (1 + k when speculating).
+    ``upgrade_tokens``: the largest capture of a staged upgrade's graphs (0: none), which
+    are reserved beside the first stage's (``MemoryPlan.upgrade``).
     """
     budget = int(utilization * total) - (total - free)
     tp = tp or TensorParallel()
@@ -140,6 +144,8 @@ def plan_memory(
     logit_rows = limits.max_num_seqs * decode_query_len
     acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)
+    upgrade = graph_pool_bytes(config, upgrade_tokens, dtype, logit_rows) if upgrade_tokens else 0
+    graphs += upgrade
     if max_capture_tokens > 0 and decode_query_len == 1:  # the sampling graphs
         graphs += sampling_graph_bytes(config, min(logit_rows, max_capture_tokens))
     block = kv_block_bytes(config, limits.block_size, dtype, tp.size)
@@ -166,7 +172,7 @@ def plan_memory(
             chosen,
             wanted,
         )
-    return MemoryPlan(budget, weights, acts, graphs, block, chosen)
+    return MemoryPlan(budget, weights, acts, graphs, block, chosen, upgrade)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import GemmTiming
+from ostinato.engine.worker.graph_upgrade import GraphUpgrade
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.kernel_plan import Forward, KernelPlan
 from ostinato.engine.worker.ubatch_steps import UbatchSteps
@@ -37,6 +38,7 @@ from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
+from ostinato.staged import StagedRuntime
 from ostinato.ubatch.policy import MicroBatching
 
 # (input ids, positions, where to write them or None) -> logits
@@ -87,7 +89,7 @@ class ModelRunner:
             graph_config,
             attention=backend.graph_support,
             piecewise_available=compiler is not None,
-            prepare=self._dummy_metadata,
+            prepare=self.dummy_metadata,
             perturb_padding=self._scramble_padding,
             max_num_reqs=limits.max_num_seqs,
             uniform_decode_query_len=uniform_decode_query_len,
@@ -115,6 +117,9 @@ class ModelRunner:
             model if self.piecewise is None else CompiledModel(model, self.piecewise)
         )
         self.ubatch = UbatchSteps(micro_batching, model, self.inputs, cache, backend, self.graphs)
+        # The staged start's upgrade (``start_upgrade``), once started.
+        self.staged: StagedRuntime | None = None
+        self.upgrade: GraphUpgrade | None = None
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""
@@ -153,7 +158,7 @@ class ModelRunner:
             self.inputs.metadata(n, query_lens, seq_lens, new_keys), self.cache, self.backend
         )
 
-    def _dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
+    def dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
         """The attention context a graph of ``d`` is captured with: padding rows, and a
         bound on the new keys that holds for every step it replays (a uniform decode's
         query length, else its row count)."""
@@ -185,45 +190,51 @@ class ModelRunner:
         instead, so the decode graph covers the LM head (and its all-gather under TP) and
         greedy sampling. A descriptor in ``ubatched_graphs`` runs as two micro-batches
         over the two halves of its rows (its warm-up, capture and replays alike)."""
-        return self._step_as(d, d in self.ubatch.graphs)
+        return self.step_as(d, d in self.ubatch.graphs)
 
-    def _step_as(
-        self, d: BatchDescriptor, ubatched: bool
+    def step_as(
+        self,
+        d: BatchDescriptor,
+        ubatched: bool,
+        mode: GraphMode | None = None,
+        forward: Forward | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``_step`` of a stage whose graphs are in ``mode`` and whose compiled model is
+        ``forward`` (default: this runner's own; ``GraphUpgrade`` passes its)."""
         n = d.num_tokens
         ids, positions = self.inputs.input_ids[:n], self.inputs.positions[:n]
+        mode, forward = mode or self.graphs.mode, forward or self.forward
         if not d.uniform_decode:
             if ubatched:
                 return self.ubatch.run_static(n)
-            return self._forward_for(d)(ids, positions)
+            return self._forward_for(d, mode, forward)(ids, positions)
         logits_out, greedy_out = _static_rows()
         if ubatched:
             logits = self.model.compute_logits(self.ubatch.run_static(n), logits_out)
         else:
-            logits = self._logits_for(d)(ids, positions, logits_out)
+            logits = self._logits_for(d, mode, forward)(ids, positions, logits_out)
         return logits, greedy_tokens(logits, self.kernels.pdl, greedy_out)
 
-    def _forward_for(self, d: BatchDescriptor) -> Forward:
+    def _forward_for(self, d: BatchDescriptor, mode: GraphMode, forward: Forward) -> Forward:
         """What runs the model for a step of ``d``: the eager model where
         ``_fused_eagerly``; else ``forward``."""
-        return self.model if self._fused_eagerly(d) else self.forward
+        return self.model if self._fused_eagerly(d, mode) else forward
 
-    def _logits_for(self, d: BatchDescriptor) -> LogitsFn:
+    def _logits_for(self, d: BatchDescriptor, mode: GraphMode, forward: Forward) -> LogitsFn:
         """What makes a uniform decode step's logits from its inputs (into ``out``
         where given and the LM head is cuBLAS's): where ``_forward_for`` names the eager
         model, its ``logits`` (the final norm inside the LM head's kernel where the LM
         head's plan runs the Triton GEMM); else the LM head after that forward."""
-        forward = self._forward_for(d)
+        forward = self._forward_for(d, mode, forward)
         if forward is self.model:
             return self.model.logits
         return lambda ids, positions, out: self.model.compute_logits(forward(ids, positions), out)
 
-    def _fused_eagerly(self, d: BatchDescriptor) -> bool:
+    def _fused_eagerly(self, d: BatchDescriptor, mode: GraphMode) -> bool:
         """Whether a step of ``d`` runs the eager model rather than the compiled one: with
         fused layers, where its runtime mode is FULL and its rows fit the fused kernels.
         Compiled, the layers run unfused (``DecoderLayer.forward``); a FULL graph of
         the eager model replays the fused kernels without their host cost."""
-        mode = self.graphs.mode
         runtime = mode.decode_mode() if d.uniform_decode else mode.mixed_mode()
         return self.kernels.fused_layers and runtime is GraphMode.FULL and d.num_tokens <= MAX_ROWS
 
@@ -234,8 +245,11 @@ class ModelRunner:
         all ``n`` rows, whose logits and argmax the step itself computed)."""
         # Asked before the run, under the step's turn: a FULL dispatch whose graph is not
         # ready yet (background capture) runs eagerly, and its logits are no static output.
-        replayed = dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
-        out = self.manager.run(dispatch, n, attn_metadata=meta)
+        # A step the staged upgrade runs is no replay of the first stage's graphs, whose
+        # static outputs the sampling graphs read.
+        upgraded = self.staged is not None and self.staged.routes(dispatch)
+        replayed = not upgraded and dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
+        out = (self.staged or self.manager).run(dispatch, n, attn_metadata=meta)
         # A sampled check that found the replay wrong has just demoted it and returned
         # eager outputs, which are no static outputs either.
         replayed = replayed and self.manager.ready(dispatch)
@@ -262,7 +276,10 @@ class ModelRunner:
 
     def _compile_on(self, inputs: StepInputs, forward: Forward) -> float:
         sync = self.manager.platform.synchronize
-        return self.kernel_plan.compile_on(inputs, forward, self.piecewise, sync)
+        seconds = self.kernel_plan.compile_on(inputs, forward, self.piecewise, sync)
+        if seconds > 0.0:
+            self.kernel_plan.compile_seconds = seconds
+        return seconds
 
     def _padding_context(self, inputs: StepInputs, n: int) -> contextlib.AbstractContextManager:
         """An eager step's context over ``n`` padding rows of ``inputs``."""
@@ -280,7 +297,7 @@ class ModelRunner:
         if group is not None:
             dist.barrier(group=group)
         self.compile()  # plans the kernels first
-        self.ubatch.choose(self._step_as, self._dummy_metadata)
+        self.ubatch.choose(self.step_as, self.dummy_metadata)
         report = self.manager.capture()
         if group is not None:
             dist.barrier(group=group)
@@ -310,6 +327,32 @@ class ModelRunner:
                 self.forward = compiled
 
         return self.manager.capture_in_background(prologue=compile_first)
+
+    def start_upgrade(
+        self, config: GraphConfig, compiler: str, memory_budget: int | None = None
+    ) -> StagedRuntime:
+        """After ``capture`` (the first stage): starts upgrading the graphs to
+        ``config``'s mode, its pieces compiled by ``compiler``, on a thread; each bucket
+        moves to the upgrade where it measures faster (``ostinato.staged``), within
+        ``memory_budget`` bytes of graphs. Steps hold ``stepping()`` meanwhile."""
+        if self.model.tp.group is not None or self.ubatch.candidates:
+            raise ValueError(
+                "capture='staged': not with tensor parallelism or micro-batching, whose "
+                "graphs every rank captures in the same order; use capture='blocking'"
+            )
+        self.upgrade = GraphUpgrade(self, config, compiler)
+        self.staged = StagedRuntime(
+            self.graphs,
+            self.upgrade.build,
+            prepare=self.dummy_metadata,
+            memory_budget=memory_budget,
+        )
+        return self.staged
+
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        """A step's turn, held from writing its inputs until its outputs are read: the
+        staged upgrade's or the background capture's (a no-op with neither)."""
+        return self.staged.stepping() if self.staged is not None else self.manager.stepping()
 
     def capture_sampling(self, generator: torch.Generator) -> GraphSampler | None:
         """A sampling graph per uniform decode size of one token per request, reading
@@ -341,6 +384,10 @@ class ModelRunner:
         micro-batch threads; it must not run a graph mode afterwards. Safe to call more
         than once."""
         self.ubatch.close()
+        if self.staged is not None:
+            self.staged.release()  # stops the thread first, then both stages' graphs
+        if self.upgrade is not None:
+            self.upgrade.release()
         self.manager.release()
         if self.piecewise is not None:
             self.piecewise.release()

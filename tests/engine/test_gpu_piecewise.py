@@ -9,8 +9,8 @@ from ostinato.engine import LLM
 pytestmark = pytest.mark.gpu
 
 
-def _engine(mode, dtype):
-    return tiny_engine(mode, dtype, max_capture_size=64)
+def _engine(mode, dtype, **kw):
+    return tiny_engine(mode, dtype, max_capture_size=64, **kw)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
@@ -42,3 +42,22 @@ def test_default_engine_mode_on_cuda_is_full_and_piecewise():
     assert llm.engine.runner.compile_seconds > 0
     report = llm.capture_report
     assert {r.mode.name for r in report.records} == {"FULL", "PIECEWISE"}
+
+
+def test_a_staged_start_gives_full_graphs_tokens_before_during_and_after_its_upgrade():
+    # float32: FULL graphs of the eager model first (nothing compiled), the compiled
+    # FULL_AND_PIECEWISE graphs captured and timed on a thread, each bucket moved where
+    # faster; the greedy tokens never change, and the graphs of both stages stay within
+    # the memory plan.
+    want = greedy_tokens(_engine("full", torch.float32))
+    torch.cuda.reset_peak_memory_stats()
+    llm = _engine("auto", torch.float32, capture="staged")
+    assert llm.mode.name == "FULL" and llm.engine.runner.compile_seconds == 0
+    during = greedy_tokens(llm)  # steps run while the upgrade compiles and captures
+    assert llm.wait_for_graphs(timeout=300), llm.background.summary()
+    upgrade = llm.background
+    assert upgrade.error is None and upgrade.decisions, upgrade.summary()
+    print(upgrade.summary(), sorted((d.num_tokens, d.uniform_decode) for d in upgrade.upgraded))
+    assert during == want and greedy_tokens(llm) == want
+    assert torch.cuda.max_memory_reserved() <= llm.memory.budget, llm.memory.summary()
+    llm.close()

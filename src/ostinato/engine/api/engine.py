@@ -265,7 +265,11 @@ class Engine:
     def describe(self) -> str:
         """One line: the model, device, graph mode, start-up phases and graphs."""
         parts = self.parts
-        graphs = "graphs: background" if parts.background else parts.capture_report.summary()
+        background = parts.background
+        capturing = isinstance(background, BackgroundCapture)
+        graphs = "graphs: background" if capturing else parts.capture_report.summary()
+        if isinstance(background, StagedRuntime):
+            graphs += f"; {background.summary()}"
         if parts.graph_memory is not None:
             graphs += f" ({parts.graph_memory.summary()})"
         manager = self.runner.manager
@@ -278,9 +282,10 @@ class Engine:
         )
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
-        """Waits (at most ``timeout`` seconds) for a background capture to end; True when
-        every graph is ready (at once after a blocking capture), False on a timeout or
-        when the capture failed (``background.error`` says why; steps run eagerly)."""
+        """Waits (at most ``timeout`` seconds) for a background capture or a staged
+        upgrade to end; True when every graph is ready (at once after a blocking
+        capture), False on a timeout or when the capture or upgrade failed
+        (``background.error`` says why; steps run eagerly, or on the first stage)."""
         background = self.parts.background
         if background is None:
             return True

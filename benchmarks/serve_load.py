@@ -314,6 +314,7 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     """``ostinato serve``'s engine options from a benchmark's own: model, random
     weights, max model length and memory share."""
     engine = ["--max-model-len", str(args.max_model_len), "--quiet"]
+    engine += ["--served-model-name", MODEL_NAME]  # what the requests name
     engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         engine += ["--model", args.model]

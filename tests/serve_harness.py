@@ -28,6 +28,15 @@ def free_port() -> int:
 def served(args: list[str], ready_within_s: float = 240.0) -> Iterator[str]:
     """``ostinato serve ARGS`` running; yields its base URL (``http://127.0.0.1:PORT``).
     Fails the test with the server's output if it exits or never answers."""
+    with serving_process(args, ready_within_s) as (_, base):
+        yield base
+
+
+@contextmanager
+def serving_process(
+    args: list[str], ready_within_s: float = 240.0
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``served``, yielding the process too (stopped with Ctrl-C after, if still alive)."""
     port = free_port()
     command = [sys.executable, "-m", "ostinato.engine", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(
@@ -47,9 +56,10 @@ def served(args: list[str], ready_within_s: float = 240.0) -> Iterator[str]:
         proc.kill()
         pytest.fail(f"the server did not answer /health in {ready_within_s:.0f} s")
     try:
-        yield base
+        yield proc, base
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -94,11 +104,12 @@ def served_token_ids(args: list[str], prompts: list[list[int]], max_tokens: int)
 
     with served(args) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
         got: dict[int, list[int]] = {}
 
         def ask(i: int) -> None:
             stream = client.completions.create(
-                model="m", prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True
+                model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True
             )
             got[i] = [t for chunk in stream for t in chunk.choices[0].model_extra["token_ids"]]
 

@@ -2,6 +2,9 @@
 talked to with the official `openai` client: completions, chat, streaming, an abort by
 disconnect, bad requests, health and metrics; then stopped."""
 
+import signal
+import time
+
 import pytest
 from smollm2 import gguf_path
 
@@ -9,7 +12,13 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from serve_harness import all_blocks_free, metric, served, wait_for_abort  # noqa: E402
+from serve_harness import (  # noqa: E402
+    all_blocks_free,
+    metric,
+    served,
+    serving_process,
+    wait_for_abort,
+)
 
 from ostinato.engine import LLM, SamplingParams  # noqa: E402
 
@@ -108,3 +117,65 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
         client.completions.create(model="smollm2-135m", max_tokens=4, **kwargs)
     assert exc.value.status_code == 400
     assert exc.value.body["param"] == param, exc.value.body
+
+
+def test_what_is_not_honoured_is_refused_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, stop=["\n"])
+    assert exc.value.body["param"] == "stop"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(
+            model="smollm2-135m", prompt="hi", max_tokens=4, extra_body={"top_k": 5}
+        )
+    assert exc.value.body["param"] == "top_k"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
+    assert exc.value.body["code"] == "model_not_found"
+
+
+def test_the_token_limit_and_the_usage_of_a_stream(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    short = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_completion_tokens=3, temperature=0
+    )
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    whole = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0)
+    assert whole.choices[0].finish_reason == "stop"  # no limit given: the room in the context
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_stopped_server_ends_its_streams_after_the_grace_period_and_exits_cleanly():
+    gguf_path()
+    args = ["--device", "cpu", "--max-model-len", "2048", "--shutdown-timeout", "1", "--quiet"]
+    with serving_process(args) as (proc, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model="smollm2-135m",
+            prompt="Once upon a time",
+            max_tokens=1500,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)  # the stream is running
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        finishes = [c.choices[0].finish_reason for c in chunks]
+        assert finishes[-1] == "abort", finishes[-3:]
+        code = proc.wait(10)
+        took = time.monotonic() - start
+        output = proc.stdout.read()
+    assert code == 0, output
+    assert took < 1 + 2 + 1, took  # the grace period, then 2 s to exit (1 s of slack)
+    assert "Traceback" not in output and "leaked semaphore" not in output, output

@@ -81,8 +81,32 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     srv.add_argument("--model", help="as for generate; default: SmolLM2-135M-Instruct")
+    srv.add_argument(
+        "--served-model-name",
+        help="the model name requests give (404 for another); default: --model's value, "
+        "or smollm2-135m",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=bounded_int(1, 65535), default=8000, help="TCP port")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("OSTINATO_API_KEY"),
+        help="every route but /health needs 'Authorization: Bearer KEY' (default: "
+        "$OSTINATO_API_KEY; none: open)",
+    )
+    srv.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=2 << 20,
+        help="larger request bodies are refused (413) before they are parsed",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=bounded_float(0.0, 3600.0, False),
+        default=5.0,
+        help="seconds requests in flight may run after SIGINT/SIGTERM before they are "
+        "ended (finish reason abort)",
+    )
     _engine_options(srv)
     return srv
 
@@ -146,7 +170,7 @@ def _start_engine(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from ostinato.engine.serve.app import serve
+        from ostinato.engine.serve.server import serve
     except ImportError as exc:
         fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
     if args.data_parallel_size > 1:
@@ -156,7 +180,15 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
-    serve({"args": _engine_args(args)}, args.model or "smollm2-135m", args.host, args.port)
+    serve(
+        {"args": _engine_args(args)},
+        args.served_model_name or args.model or "smollm2-135m",
+        args.host,
+        args.port,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
     return 0
 
 

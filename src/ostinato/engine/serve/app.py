@@ -25,11 +25,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
 
 from ostinato.engine.api.text_stream import TextStream
 from ostinato.engine.core.params import SamplingParams
-from ostinato.engine.serve.engine_process import EngineProcess
+from ostinato.engine.serve.bodies import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatBody,
+    CompletionBody,
+    RequestBody,
+    refusal,
+)
+from ostinato.engine.serve.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
 from ostinato.engine.serve.loop import EngineStatus, RequestHandle
 from ostinato.replay_stats import StatsSnapshot
 
@@ -39,6 +45,7 @@ class Engine(Protocol):
     ``EngineProcess`` (in a child process; what ``serve`` runs) both are one."""
 
     tokenizer: Any
+    max_model_len: int  # prompt and output tokens of one request, at most
 
     async def asubmit(self, prompt: Any, params: SamplingParams | None = None) -> RequestHandle: ...
 
@@ -51,31 +58,6 @@ class Engine(Protocol):
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = 1
-    stream: bool = False
-    ignore_eos: bool = False  # (vLLM's extension: generate max_tokens whatever comes)
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
 class BadRequest(Exception):
     """A request the engine refuses: ``param`` names the field."""
 
@@ -84,9 +66,15 @@ class BadRequest(Exception):
         self.param = param
 
 
-def _error(message: str, param: str | None, status: int = 400) -> JSONResponse:
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+def _error(
+    message: str, param: str | None, status: int = 400, code: str | None = None
+) -> JSONResponse:
+    body = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return JSONResponse({"error": body}, status_code=status)
+
+
+class ModelNotFound(Exception):
+    """A request for a model this server does not serve (404, as OpenAI answers)."""
 
 
 class Metrics:
@@ -165,20 +153,35 @@ def _graph_series(stats: StatsSnapshot) -> Iterator[Metric]:
     )
 
 
-def build_app(engine: Engine, model_name: str) -> FastAPI:
-    """The server's app over ``engine``, answering as model ``model_name``."""
+def build_app(
+    engine: Engine,
+    model_name: str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The server's app over ``engine``, answering as model ``model_name``; bodies over
+    ``max_body_bytes`` are refused before they are parsed, and with ``api_key`` every
+    route but ``/health`` needs it (``http_guard``)."""
     app = FastAPI(title="ostinato")
+    app.add_middleware(HttpGuard, max_body_bytes=max_body_bytes, api_key=api_key)
     answer = Responder(engine, model_name)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if p != "body")
+        if first["type"] == "extra_forbidden":
+            return _error(f"{param}: not a parameter of this endpoint", param)
         return _error(f"{param}: {first['msg']}", param or None)
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(str(exc), exc.param)
+
+    @app.exception_handler(ModelNotFound)
+    async def not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
+        return _error(str(exc), "model", 404, "model_not_found")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -199,15 +202,14 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
         answer.metrics.requests.labels("completions").inc()
-        return await answer(body, body.prompt, request, chat=False)
+        return await answer(body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
         answer.metrics.requests.labels("chat").inc()
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
             raise BadRequest("messages: the model has no chat template", "messages")
-        prompt = engine.chat_prompt([m.model_dump() for m in body.messages])
-        return await answer(body, prompt, request, chat=True)
+        return await answer(body, request, chat=True)
 
     return app
 
@@ -220,12 +222,13 @@ class Responder:
         self.engine, self.model_name = engine, model_name
         self.metrics = Metrics(engine)
 
-    async def __call__(self, body: _Body, prompt: Any, request: Request, chat: bool) -> Response:
-        handle = await self._submit(body, prompt)
+    async def __call__(self, body: RequestBody, request: Request, chat: bool) -> Response:
+        handle = await self._submit(body, chat)
         kind = "chatcmpl" if chat else "cmpl"
         meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name)
         if body.stream:
-            events = self._stream(handle, meta, chat)
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(handle, meta, chat, usage)
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
@@ -235,22 +238,68 @@ class Responder:
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
         return JSONResponse(meta.whole(text, tokens, handle, chat))
 
-    async def _submit(self, body: _Body, prompt: Any) -> RequestHandle:
-        if body.n != 1:
-            raise BadRequest("n: only n=1 is supported", "n")
-        if isinstance(prompt, str) and self.engine.tokenizer is None:
-            raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
+    async def _submit(self, body: RequestBody, chat: bool) -> RequestHandle:
+        """Checks ``body`` (the model, what is refused, the prompt's room in the context)
+        and queues it; ``BadRequest`` / ``ModelNotFound`` name what is wrong."""
+        if body.model is not None and body.model != self.model_name:
+            raise ModelNotFound(f"The model `{body.model}` does not exist.")
+        refused = refusal(body)
+        if refused is not None:
+            raise BadRequest(refused[1], refused[0])
+        # Tokenizing a long prompt takes a while: off the event loop, so streams go on.
+        ids = await asyncio.to_thread(self._prompt_ids, body, chat)
         try:
             params = SamplingParams(
-                max_tokens=body.max_tokens or 16,
+                max_tokens=self._max_tokens(body, len(ids), chat),
                 temperature=body.temperature,
                 top_p=body.top_p,
                 ignore_eos=body.ignore_eos,
             )
-            return await self.engine.asubmit(prompt, params)
+            return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:
             field = str(exc).split(":", 1)[0].split()[0]
-            raise BadRequest(str(exc), "prompt" if field == "prompt" else field) from None
+            prompt_param = "messages" if chat else "prompt"
+            raise BadRequest(str(exc), prompt_param if field == "prompt" else field) from None
+
+    def _prompt_ids(self, body: RequestBody, chat: bool) -> list[int]:
+        """The prompt's token ids (the chat template applied to a chat's messages)."""
+        if chat:
+            assert isinstance(body, ChatBody)
+            return self.engine.chat_prompt([m.model_dump() for m in body.messages])
+        assert isinstance(body, CompletionBody)
+        if isinstance(body.prompt, list):
+            return body.prompt
+        if self.engine.tokenizer is None:
+            raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
+        if not body.prompt:
+            raise BadRequest("prompt: empty", "prompt")
+        return self.engine.tokenizer.encode(body.prompt)
+
+    def _max_tokens(self, body: RequestBody, prompt_len: int, chat: bool) -> int:
+        """The tokens to generate at most: those asked for, where the context has room
+        for them; by default all the room (chat) or 16 of it (completions)."""
+        room = self.engine.max_model_len - prompt_len
+        prompt_param = "messages" if chat else "prompt"
+        if room < 1:
+            raise BadRequest(
+                f"{prompt_param}: {prompt_len} tokens leave no room to answer in the "
+                f"context of {self.engine.max_model_len} tokens",
+                prompt_param,
+            )
+        try:
+            asked = body.requested_max_tokens()
+        except ValueError as exc:
+            raise BadRequest(str(exc), "max_completion_tokens") from None
+        if asked is None:
+            return room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        if asked > room:
+            param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise BadRequest(
+                f"{param}: {asked} tokens do not fit: the prompt's {prompt_len} tokens leave "
+                f"{room} in the context of {self.engine.max_model_len}",
+                param,
+            )
+        return asked
 
     async def _timed(self, handle: RequestHandle) -> AsyncIterator[list[int]]:
         """The handle's tokens in chunks (all that arrived since the last), counted."""
@@ -271,22 +320,31 @@ class Responder:
             await asyncio.sleep(0.1)
         self._abort(handle)
 
-    async def _stream(self, handle: RequestHandle, meta: _Meta, chat: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, handle: RequestHandle, meta: _Meta, chat: bool, usage: bool
+    ) -> AsyncIterator[str]:
         """One event per chunk of tokens whose text is whole (tokens that end inside a
         multi-byte character wait for the rest, and travel with it); the last event
-        carries the finish reason and any text still held back."""
+        carries the finish reason and any text still held back; with ``usage``
+        (``stream_options.include_usage``) every event has ``usage: null`` and one more,
+        with no choices, carries the request's token counts."""
         decode = self.engine.decode if self.engine.tokenizer is not None else _no_text
         text = TextStream(decode)
-        finished, waiting = False, []
+        finished, waiting, produced = False, [], 0
         try:
             async for chunk in self._timed(handle):
                 delta = text.push(chunk)
                 waiting += chunk
+                produced += len(chunk)
                 if delta is not None:
-                    yield _sse(meta.chunk(delta, waiting, None, chat))
+                    yield _sse(meta.chunk(delta, waiting, None, chat, usage))
                     waiting = []
             finished = True
-            yield _sse(meta.chunk(text.rest(), waiting, _finish(handle), chat))
+            yield _sse(meta.chunk(text.rest(), waiting, _finish(handle), chat, usage))
+            if usage:
+                yield _sse(
+                    {**meta.head(chat, True), "choices": [], "usage": _usage(handle, produced)}
+                )
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
@@ -299,7 +357,7 @@ class _Meta:
     def __init__(self, response_id: str, model: str) -> None:
         self.id, self.model, self.created = response_id, model, int(time.time())
 
-    def _head(self, chat: bool, chunk: bool) -> dict[str, Any]:
+    def head(self, chat: bool, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if chat else "text_completion"
         return {
             "id": self.id,
@@ -308,12 +366,15 @@ class _Meta:
             "model": self.model,
         }
 
-    def chunk(self, text: str, tokens: list[int], finish: str | None, chat: bool) -> dict:
+    def chunk(
+        self, text: str, tokens: list[int], finish: str | None, chat: bool, usage: bool
+    ) -> dict:
         if chat:
             choice = {"index": 0, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": 0, "text": text, "token_ids": tokens}
-        return {**self._head(chat, True), "choices": [{**choice, "finish_reason": finish}]}
+        body = {**self.head(chat, True), "choices": [{**choice, "finish_reason": finish}]}
+        return {**body, "usage": None} if usage else body
 
     def whole(self, text: str, tokens: list[int], handle: RequestHandle, chat: bool) -> dict:
         finish = _finish(handle)
@@ -321,16 +382,20 @@ class _Meta:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text, "token_ids": tokens}
-        usage = {
-            "prompt_tokens": len(handle.prompt),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(handle.prompt) + len(tokens),
-        }
         return {
-            **self._head(chat, False),
+            **self.head(chat, False),
             "choices": [{**choice, "finish_reason": finish}],
-            "usage": usage,
+            "usage": _usage(handle, len(tokens)),
         }
+
+
+def _usage(handle: RequestHandle, produced: int) -> dict[str, int]:
+    prompt = len(handle.prompt)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": produced,
+        "total_tokens": prompt + produced,
+    }
 
 
 def _finish(handle: RequestHandle) -> str | None:
@@ -346,17 +411,3 @@ def _no_text(tokens: Sequence[int]) -> str:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def serve(llm_kwargs: dict[str, Any], model_name: str, host: str, port: int) -> None:
-    """Starts the engine (``LLM(**llm_kwargs)``) in a process of its own, prints its
-    start-up line, and serves until interrupted; then stops the engine."""
-    import uvicorn
-
-    engine = EngineProcess(llm_kwargs)
-    print(engine.startup, flush=True)
-    print(f"serving {model_name} at http://{host}:{port}/v1", flush=True)
-    try:
-        uvicorn.run(build_app(engine, model_name), host=host, port=port, log_level="warning")
-    finally:
-        engine.stop()

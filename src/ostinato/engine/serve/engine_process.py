@@ -63,7 +63,7 @@ class EngineProcess:
         if first[0] == "failed":
             self._reap(30)
             raise EngineDead(f"the engine could not start:\n{first[1]}")
-        _, self.tokenizer, self.startup = first
+        _, self.tokenizer, self.startup, self.max_model_len = first
         self._ids = itertools.count()
         self._handles = Handles()
         self._waiting: dict[str, concurrent.futures.Future[Any]] = {}
@@ -101,6 +101,11 @@ class EngineProcess:
         an id the engine no longer runs is ignored there)."""
         self._send(("abort", request_id))
         return True
+
+    def abort_all(self) -> None:
+        """Asks the engine to end every open request at its next step boundary."""
+        for request_id in self._handles.ids():
+            self.abort(request_id)
 
     def status(self) -> EngineStatus:
         """The engine now, asked of the child (a round trip over the pipe)."""
@@ -178,6 +183,11 @@ class EngineProcess:
 def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     """The engine process: builds the engine, then answers the parent's messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    # tqdm's default lock holds a multiprocessing semaphore, which this process's exit
+    # (os._exit, below) would leave for the resource tracker to report as leaked.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         from ostinato.engine.api.llm import LLM
 
@@ -192,7 +202,7 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
             conn.send(message)
 
     loop = EngineLoop(llm, publish=lambda events: send(("events", _portable(events))))
-    send(("ready", llm.tokenizer, llm.describe() if describe else ""))
+    send(("ready", llm.tokenizer, llm.describe() if describe else "", loop.max_model_len))
     try:
         _answer(conn, loop, send)
     finally:

@@ -203,6 +203,11 @@ class Handles:
         with self._lock:
             self._by_id.pop(request_id, None)
 
+    def ids(self) -> list[str]:
+        """The ids of the requests open now."""
+        with self._lock:
+            return list(self._by_id)
+
     def deliver(self, events: list[TokenEvent]) -> None:
         post = _Post()
         with self._lock:
@@ -237,6 +242,7 @@ class EngineLoop:
     def __init__(self, llm: LLM, publish: Publish | None = None) -> None:
         self.llm = llm
         self._engine = llm.engine
+        self.max_model_len: int = llm.engine.scheduler.max_model_len  # prompt + output
         self.stats = LoopStats()
         self._ids = itertools.count()
         self._handles = Handles()
@@ -284,6 +290,11 @@ class EngineLoop:
         self._submitted.put((request_id, tokens, p))
         self._wake.set()
         return tokens
+
+    def abort_all(self) -> None:
+        """Ends every open request at the next step boundary (finish reason ABORT)."""
+        for request_id in self._handles.ids():
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Ends request ``request_id`` at the next step boundary (finish reason ABORT) and

@@ -1,0 +1,117 @@
+"""The request bodies of the OpenAI routes, and what the server refuses in them.
+
+Every field is typed strictly (``stream`` a bool, ``max_tokens`` an int, a message's role
+one of system / user / assistant) and any field not named here is refused, so nothing a
+client sends is silently ignored. OpenAI fields whose effect this server does not give
+yet (``NOT_HONOURED``) are declared so that a request asking for that effect is refused
+by name (``refusal``); their no-op values, which clients send by default (``stop: null``,
+``presence_penalty: 0``, ``response_format: {"type": "text"}``, ...), are accepted, since
+the answer is then exactly what they ask for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+
+
+class RequestBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: StrictInt = Field(default=1, ge=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False  # (vLLM's extension: generate max_tokens whatever comes)
+    user: str | None = None  # the end user's id for the client's records: nothing depends on it
+    # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: StrictInt | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, or its alias ``max_tokens`` (None: neither given);
+        ``ValueError`` where both are given and differ."""
+        a, b = self.max_completion_tokens, self.max_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(
+                f"max_completion_tokens: {a} and its alias max_tokens: {b} differ; give one"
+            )
+        return a if a is not None else b
+
+
+class CompletionBody(RequestBody):
+    prompt: str | list[StrictInt]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(RequestBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _no_op(value: Any) -> bool:
+    return value in (None, False, 0, "", [], {})
+
+
+# field -> (whether a value asks for an effect, what the server does not do)
+NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v != 1, "one choice per request (n=1)"),
+    "stop": (lambda v: not _no_op(v), "stop sequences"),
+    "seed": (lambda v: v is not None, "seeded sampling"),
+    "presence_penalty": (lambda v: v != 0, "presence penalties"),
+    "frequency_penalty": (lambda v: v != 0, "frequency penalties"),
+    "logit_bias": (lambda v: not _no_op(v), "logit biases"),
+    "logprobs": (lambda v: not _no_op(v), "log probabilities"),
+    "top_logprobs": (lambda v: not _no_op(v), "log probabilities"),
+    "echo": (lambda v: bool(v), "echoing the prompt"),
+    "suffix": (lambda v: not _no_op(v), "suffixes (insertion)"),
+    "best_of": (lambda v: v not in (None, 1), "best-of sampling"),
+    "tools": (lambda v: not _no_op(v), "tool calls"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool calls"),
+    "parallel_tool_calls": (lambda v: bool(v), "tool calls"),
+    "response_format": (
+        lambda v: v is not None and v != {"type": "text"},
+        "structured output (response_format other than text)",
+    ),
+}
+
+
+def refusal(body: RequestBody) -> tuple[str, str] | None:
+    """The first field of ``body`` that asks for an effect this server does not give,
+    and the message naming it; None where every field is honoured."""
+    for name, (asks, what) in NOT_HONOURED.items():
+        if name in type(body).model_fields and asks(getattr(body, name)):
+            return name, f"{name}: not supported by this server ({what}); leave it out"
+    return None

@@ -1,0 +1,254 @@
+"""The server's request surface in process (FastAPI's test client) over a test double of
+the engine: what is refused and how (400 naming the field, 404 for another model, 413
+for a large body, 401 without the key), what is honoured (the token limit and its
+default, usage in a stream), and the drain of a stopping server. The real server with
+the real model is ``test_serve.py``."""
+
+import asyncio
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from ostinato.engine.core.scheduler import FinishReason  # noqa: E402
+from ostinato.engine.serve.app import build_app  # noqa: E402
+from ostinato.engine.serve.bodies import NOT_HONOURED  # noqa: E402
+from ostinato.engine.serve.loop import RequestHandle  # noqa: E402
+
+MODEL = "test-model"
+
+
+class Tokenizer:
+    chat_template = "{{ messages }}"
+
+    def encode(self, text):
+        return [1 + ord(c) % 50 for c in text]
+
+
+class Engine:
+    """Answers every request with ``max_tokens`` tokens of id 7, finish reason length."""
+
+    max_model_len = 64
+
+    def __init__(self):
+        self.tokenizer = Tokenizer()
+        self.submitted = []
+
+    async def asubmit(self, prompt, params=None):
+        self.submitted.append((list(prompt), params))
+        handle = RequestHandle(
+            f"req-{len(self.submitted)}", list(prompt), asyncio.get_running_loop()
+        )
+        for _ in range(params.max_tokens):
+            handle._put([7])
+        handle._end(FinishReason.LENGTH)
+        return handle
+
+    def abort(self, request_id):
+        return True
+
+    def status(self):
+        raise AssertionError("not asked here")
+
+    def decode(self, token_ids):
+        return "x" * len(token_ids)
+
+    def chat_prompt(self, messages):
+        return [3] * sum(len(m["content"]) for m in messages)
+
+
+@pytest.fixture
+def engine():
+    return Engine()
+
+
+def client(engine, **kw):
+    return TestClient(build_app(engine, MODEL, **kw))
+
+
+def chat(c, **body):
+    body = {"messages": [{"role": "user", "content": "hello"}], **body}
+    return c.post("/v1/chat/completions", json=body)
+
+
+def complete(c, **body):
+    return c.post("/v1/completions", json={"prompt": "hello", **body})
+
+
+def refused(response, param, status=400):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    return error
+
+
+def test_an_unknown_field_is_refused_by_name(engine):
+    c = client(engine)
+    error = refused(chat(c, temprature=0.5), "temprature")
+    assert "not a parameter" in error["message"]
+    refused(complete(c, messages=[]), "messages")  # a chat field on completions
+    assert not engine.submitted
+
+
+CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+COMPLETIONS_ONLY = {"echo", "suffix", "best_of"}
+ASKING = {
+    "n": (2, 1),
+    "stop": (["\n"], None),
+    "seed": (3, None),
+    "presence_penalty": (0.5, 0),
+    "frequency_penalty": (-0.5, 0.0),
+    "logit_bias": ({"7": 5}, {}),
+    "top_logprobs": (2, None),
+    "echo": (True, False),
+    "suffix": ("end", None),
+    "best_of": (2, 1),
+    "tools": ([{"type": "function"}], None),
+    "tool_choice": ("auto", "none"),
+    "parallel_tool_calls": (True, None),
+    "response_format": ({"type": "json_object"}, {"type": "text"}),
+}
+
+
+@pytest.mark.parametrize("field", sorted(set(NOT_HONOURED) - {"logprobs"}))
+def test_what_is_not_honoured_is_refused_by_name_and_its_no_op_accepted(engine, field):
+    asking, no_op = ASKING[field]
+    send = complete if field in COMPLETIONS_ONLY else chat
+    c = client(engine)
+    error = refused(send(c, **{field: asking}), field)
+    assert "not supported by this server" in error["message"]
+    assert not engine.submitted
+    assert send(c, max_tokens=2, **{field: no_op}).status_code == 200
+
+
+def test_logprobs_are_refused_in_both_shapes(engine):
+    c = client(engine)
+    refused(chat(c, logprobs=True), "logprobs")
+    refused(complete(c, logprobs=2), "logprobs")
+    assert chat(c, logprobs=False, max_tokens=1).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (dict(stream="yes"), "stream"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+        (dict(messages=[{"role": "user", "content": "hi", "name": "x"}]), "messages.0.name"),
+        (dict(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    ],
+)
+def test_types_are_strict(engine, body, param):
+    refused(chat(client(engine), **body), param)
+
+
+def test_another_model_is_404_model_not_found(engine):
+    c = client(engine)
+    error = refused(chat(c, model="gpt-4o"), "model", 404)
+    assert error["code"] == "model_not_found" and "gpt-4o" in error["message"]
+    assert chat(c, model=MODEL, max_tokens=1).status_code == 200
+    assert chat(c, max_tokens=1).status_code == 200  # no model named: the one served
+
+
+def test_the_token_limit_its_alias_and_its_default(engine):
+    c = client(engine)
+    prompt = 5  # "hello": the test double's chat template gives one id a character
+    body = chat(c).json()  # chat: the room left in the context
+    assert body["usage"]["completion_tokens"] == engine.max_model_len - prompt
+    assert complete(c).json()["usage"]["completion_tokens"] == 16  # OpenAI's default
+    assert chat(c, max_completion_tokens=3).json()["usage"]["completion_tokens"] == 3
+    assert chat(c, max_tokens=4, max_completion_tokens=4).status_code == 200
+    refused(chat(c, max_tokens=4, max_completion_tokens=5), "max_completion_tokens")
+    error = refused(chat(c, max_tokens=engine.max_model_len), "max_tokens")
+    assert "leave 59" in error["message"]
+    refused(chat(c, max_completion_tokens=60), "max_completion_tokens")
+    long = [{"role": "user", "content": "x" * engine.max_model_len}]
+    refused(chat(c, messages=long), "messages")
+    refused(complete(c, prompt="y" * 70), "prompt")
+    refused(complete(c, prompt=""), "prompt")
+
+
+def test_a_stream_reports_its_usage_when_asked(engine):
+    c = client(engine)
+    lines = chat(c, stream=True, max_tokens=3, stream_options={"include_usage": True}).text
+    events = [ln[6:] for ln in lines.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    import json
+
+    *chunks, usage = [json.loads(e) for e in events[:-1]]
+    assert all(ch["usage"] is None and ch["choices"] for ch in chunks)
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8
+    }  # fmt: skip
+    plain = chat(c, stream=True, max_tokens=3).text
+    assert '"usage"' not in plain
+
+
+def test_a_large_body_is_refused_before_it_is_parsed(engine):
+    c = client(engine, max_body_bytes=1000)
+    big = "z" * 2000
+    refused(complete(c, prompt=big), None, 413)
+    # without a length, counted as it streams
+    chunks = iter([b'{"prompt": "', big.encode(), b'"}'])
+    response = c.post(
+        "/v1/completions", content=chunks, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+    assert complete(c, prompt="small", max_tokens=1).status_code == 200
+    assert not [p for p, _ in engine.submitted if len(p) > 100]
+
+
+def test_with_a_key_every_route_but_health_needs_it(engine):
+    c = client(engine, api_key="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        response = c.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers
+        )
+        error = refused(response, None, 401)
+        assert error["code"] == "invalid_api_key"
+    assert c.get("/v1/models").status_code == 401
+    good = {"Authorization": "Bearer s3cret"}
+    assert c.get("/v1/models", headers=good).status_code == 200
+    assert complete(c, max_tokens=1, **{}).status_code == 401
+    response = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=good)
+    assert response.status_code == 200
+
+
+def test_binding_beyond_loopback_without_a_key_is_flagged():
+    from ostinato.engine.serve.server import exposed_without_key
+
+    assert not exposed_without_key("127.0.0.1", None)
+    assert not exposed_without_key("::1", None)
+    assert not exposed_without_key("localhost", None)
+    assert exposed_without_key("0.0.0.0", None)
+    assert exposed_without_key("myhost.example", None)
+    assert not exposed_without_key("0.0.0.0", "key")
+
+
+def test_a_stopping_server_aborts_what_is_left_after_its_grace_or_at_a_second_signal():
+    import signal
+
+    import uvicorn
+
+    from ostinato.engine.serve.server import DrainingServer
+
+    aborted = threading.Event()
+    calls = []
+
+    def abort_all():
+        calls.append(1)
+        aborted.set()
+
+    config = uvicorn.Config(lambda *a: None)
+    server = DrainingServer(config, abort_all, grace=0.2)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.force_exit and not calls
+    assert aborted.wait(5) and calls == [1]  # after the grace period
+    server = DrainingServer(config, abort_all, grace=60)
+    server.handle_exit(signal.SIGINT, None)
+    server.handle_exit(signal.SIGINT, None)  # a second signal: at once, not forced
+    assert calls == [1, 1] and not server.force_exit

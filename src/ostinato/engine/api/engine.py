@@ -11,7 +11,7 @@ scheduler or the request book.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,7 @@ class Engine:
         self.async_scheduling = parts.args.async_scheduling and alone and parts.speculative is None
         self._steps = self.loop.async_steps if self.async_scheduling else self.loop.sync_steps
         self._needs_reset = False  # a failed call's reset was itself interrupted
+        self._call_owner: object | None = None  # the request ids of the call running last
 
     def step(self) -> list[Request] | None:
         """One step: schedule, execute, sample, resolve (``StepLoop.step``); the requests
@@ -202,13 +203,23 @@ class Engine:
         tokens = check_prompts(prompts, self.tokenizer, self.config.vocab_size, fits)
         return list(zip(tokens, check_params(params, len(tokens)), strict=True))
 
-    def reserve(self, request_ids: Sequence[str]) -> None:
-        """Claims ids for new requests, all or none (``RequestBook.reserve``)."""
-        self.requests.reserve(request_ids)
+    def reserve(self, request_ids: Sequence[str], owner: Hashable) -> None:
+        """Claims ids for new requests of ``owner``, all or none (``RequestBook.reserve``);
+        ``end(owner)`` afterwards, whether or not it raised."""
+        self.requests.reserve(request_ids, owner)
 
-    def end(self, request_ids: Sequence[str]) -> None:
-        """Forgets the ids of requests that ended (or never started)."""
-        self.requests.release(request_ids)
+    def new_call(self) -> object:
+        """An owner for one call's request ids (``reserve``). Calls run one at a time, so
+        what the call before still holds, if an interrupt kept it from ``end``, is ended
+        here."""
+        if self._call_owner is not None:
+            self.requests.release(self._call_owner)
+        self._call_owner = object()
+        return self._call_owner
+
+    def end(self, owner: Hashable) -> None:
+        """Forgets the ids ``owner`` reserved (its requests ended, or never started)."""
+        self.requests.release(owner)
 
     def abort(self, request_id: str) -> bool:
         """Asks for a live request to end at the next step boundary (any thread)."""

@@ -136,22 +136,27 @@ class LLM:
         ``abort(request_id)`` from any thread, or from ``on_token``, ends one early with
         finish reason ABORT. Calls from several threads run one after the other; a
         ``generate`` from inside ``on_token`` is refused; a closed engine says so."""
-        if self._generating_thread == threading.get_ident():
+        if self._one_call.locked() and self._generating_thread == threading.get_ident():
             raise RuntimeError(
                 "generate: called again from inside its own on_token callback; collect the "
                 "tokens and call generate after it returns"
             )
-        with self._owned("generate"):
-            checked = self.engine.checked(prompts, params)
-            ids = self._request_ids(request_ids, len(checked))
-            self.peers.check_usable()
-            self.engine.reserve(ids)
+        self._check_open("generate")
+        # The lock itself, not a generator's context: an interrupt as the call ends cannot
+        # leave it held by a suspended generator another thread's generate waits on.
+        with self._one_call:
+            self._generating_thread, owner = threading.get_ident(), self.engine.new_call()
             try:
+                checked = self.engine.checked(prompts, params)
+                ids = self._request_ids(request_ids, len(checked))
+                self.peers.check_usable()
+                self.engine.reserve(ids, owner)
                 if self.peers.workers is None:
                     return self._run(checked, ids, on_token)
                 return self._run_replicas(checked, ids, on_token)
             finally:
-                self.engine.end(ids)
+                self._generating_thread = None
+                self.engine.end(owner)
 
     def abort(self, request_id: str) -> bool:
         """Ends request ``request_id`` (finish reason ABORT) at the engine's next step
@@ -234,7 +239,8 @@ class LLM:
                 "serving: an engine with data-parallel replicas cannot be served yet (each "
                 "replica needs requests of its own); serve with tensor_parallel_size only"
             )
-        with self._owned("serving"):
+        self._check_open("serving")
+        with self._one_call:
             peers.check_usable()
             send = peers.send_changes if peers.workers is not None else None
             with peers.watching() as watchdog:
@@ -274,18 +280,12 @@ class LLM:
     def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """Inside, this thread owns the engine: ``generate`` from other threads waits
         (``serve.loop.EngineLoop`` holds it while it serves). Refused on a closed engine."""
-        return self._owned("exclusive")
+        self._check_open("exclusive")
+        return self._one_call
 
-    @contextlib.contextmanager
-    def _owned(self, what: str) -> Iterator[None]:
+    def _check_open(self, what: str) -> None:
         if self.engine.closed:
             raise RuntimeError(f"{what}: this LLM is closed; make a new one")
-        with self._one_call:
-            self._generating_thread = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._generating_thread = None
 
     def describe(self) -> str:
         """One line: the model, device, graph mode, start-up phases and graphs."""

@@ -4,10 +4,12 @@ Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream`` for
 server-sent events), ``GET /v1/models``, ``GET /health`` (ready once the engine answers;
 says whether graphs are still being captured) and ``GET /metrics`` (Prometheus text).
 
-Guarantees: a bad request is a 400 with OpenAI's error body naming the field
-(``param``); a streaming client that disconnects, or a waiting one that goes away,
-aborts its request (its KV blocks are freed at the next step); one choice per request
-(``n`` other than 1 is refused by name).
+Guarantees: nothing a client sends is silently ignored: a bad request, an unknown
+field, or a field asking for an effect this server does not give (``bodies``) is a 400
+with OpenAI's error body naming the field (``param``); another model is a 404
+(``model_not_found``); a body over the bound is a 413 and, with a key, a request
+without it a 401 (``http_guard``). A streaming client that disconnects, or a waiting
+one that goes away, aborts its request (its KV blocks are freed at the next step).
 """
 
 from __future__ import annotations

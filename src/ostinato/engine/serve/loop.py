@@ -286,7 +286,7 @@ class EngineLoop:
         if self._stop.is_set():
             raise RuntimeError("submit: the engine loop is stopped")
         ((tokens, p),) = self._engine.checked([prompt], params)
-        self._engine.reserve([request_id])
+        self._engine.reserve([request_id], request_id)
         self._submitted.put((request_id, tokens, p))
         self._wake.set()
         return tokens
@@ -422,7 +422,7 @@ class EngineLoop:
         return events
 
     def _ended(self, request_id: str, reason: FinishReason | None, new: list[int]) -> TokenEvent:
-        self._engine.end([request_id])
+        self._engine.end(request_id)
         if reason is FinishReason.ABORT:
             self.stats.aborted += 1
         elif reason is not None:
@@ -441,5 +441,6 @@ class EngineLoop:
                 ids.append(self._submitted.get_nowait()[0])
             except queue.Empty:
                 break
-        self._engine.end(ids)
+        for rid in ids:
+            self._engine.end(rid)
         self._publish([TokenEvent(rid, [], True, reason, error) for rid in ids])

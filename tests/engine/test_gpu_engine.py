@@ -417,3 +417,19 @@ def test_the_embed_rope_kernel_copies_the_lookups_rows_in_and_out_of_graphs(dtyp
     graph.replay()
     want = embed_rope_reference(new_ids, new_positions, embed, table)
     assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True))
+
+
+def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs():
+    # FULL_AND_PIECEWISE with its sampling graphs: a step with a seeded request samples
+    # eagerly, from the seed alone (float32, so the logits do not hang on the batch).
+    from ostinato.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", dtype=torch.float32, max_model_len=256, max_num_seqs=8, progress=False)
+    assert llm.engine.sampler.graph_sampler is not None
+    prompt = [5, 6, 7, 8, 9, 10]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
+    (alone,) = llm.generate([prompt], seeded)
+    plain = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batched = llm.generate([[11, 12, 13], prompt, [3] * 30], [plain, seeded, plain])
+    assert batched[1].token_ids == alone.token_ids
+    llm.close()

@@ -98,7 +98,6 @@ COMPLETIONS_ONLY = {"echo", "suffix", "best_of"}
 ASKING = {
     "n": (2, 1),
     "stop": (["\n"], None),
-    "seed": (3, None),
     "presence_penalty": (0.5, 0),
     "frequency_penalty": (-0.5, 0.0),
     "logit_bias": ({"7": 5}, {}),
@@ -252,3 +251,11 @@ def test_a_stopping_server_aborts_what_is_left_after_its_grace_or_at_a_second_si
     server.handle_exit(signal.SIGINT, None)
     server.handle_exit(signal.SIGINT, None)  # a second signal: at once, not forced
     assert calls == [1, 1] and not server.force_exit
+
+
+def test_a_seed_reaches_the_engine(engine):
+    c = client(engine)
+    assert chat(c, seed=3, max_tokens=1, temperature=1.0).status_code == 200
+    assert engine.submitted[-1][1].seed == 3
+    refused(chat(c, seed=-1), "seed")
+    refused(chat(c, seed="3"), "seed")

@@ -201,7 +201,13 @@ class Engine:
         queued (``ValueError`` / ``TypeError`` naming the prompt and the problem)."""
         fits = self.scheduler.check
         tokens = check_prompts(prompts, self.tokenizer, self.config.vocab_size, fits)
-        return list(zip(tokens, check_params(params, len(tokens)), strict=True))
+        checked = check_params(params, len(tokens))
+        if self.speculative is not None and any(p.seed is not None for p in checked):
+            raise ValueError(
+                "seed: not with speculative decoding, whose verify steps draw from the "
+                "engine's generator; leave seed out, or serve without speculation"
+            )
+        return list(zip(tokens, checked, strict=True))
 
     def reserve(self, request_ids: Sequence[str], owner: Hashable) -> None:
         """Claims ids for new requests of ``owner``, all or none (``RequestBook.reserve``);

@@ -167,7 +167,10 @@ class StepLoop:
                 return None
             if self.speculative:
                 return self._verified(step, out)
-            tokens = self.sampler.tokens([s.request.params for s in step.scheduled], out)
+            params = [s.request.params for s in step.scheduled]
+            # the index of each token drawn, which a seeded request's draws depend on
+            indices = [s.start + len(s.tokens) for s in step.scheduled]
+            tokens = self.sampler.tokens(params, out, indices)
             self.scheduler.launched(step)
             index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
             host, done = self.copy_back(tokens)

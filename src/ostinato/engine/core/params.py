@@ -17,13 +17,16 @@ MIN_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy, and so is any temperature below
     ``MIN_TEMPERATURE`` (it is stored as 0: dividing logits by it would overflow float32
-    and turn the softmax into NaN). Validated on construction."""
+    and turn the softmax into NaN). ``seed``: the request's draws come from it alone (the
+    same seed gives the same tokens, alone or batched with any others); None: from the
+    engine's generator. Validated on construction."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -43,6 +46,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -50,23 +50,41 @@ class StepSampler:
         self.generator, self.device = generator, device
         self.graph_sampler = graph_sampler  # the sampling graphs, one per decode size
 
-    def tokens(self, params: Sequence[SamplingParams], out: StepOutput) -> torch.Tensor:
-        """One token per request of the step (``params`` in the step's order); a view of
-        a static buffer where a graph chose them, so copy it before the next step."""
+    def tokens(
+        self, params: Sequence[SamplingParams], out: StepOutput, indices: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """One token per request of the step (``params`` in the step's order; ``indices``:
+        the index in its sequence of each token drawn, which a request's ``seed`` is
+        mixed with); a view of a static buffer where a graph chose them, so copy it
+        before the next step. A step with a seeded sampled request samples eagerly."""
         all_greedy = all(p.greedy for p in params)
         if all_greedy and out.greedy is not None:
             return out.greedy
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
-        if not all_greedy and self.graph_sampler is not None and out.graph_size is not None:
+        seeded = _seeded(params, indices)
+        graphs = self.graph_sampler is not None and out.graph_size is not None
+        if not all_greedy and graphs and not any(seeded):
             in_graph = self.graph_sampler.sample(out.graph_size, temperatures, top_ps)
             if in_graph is not None:
                 return in_graph
         temps = to_device(temperatures, torch.float32, self.device)
         tops = to_device(top_ps, torch.float32, self.device)
-        return sample(out.logits, temps, tops, self.generator, all_greedy)
+        return sample(out.logits, temps, tops, self.generator, all_greedy, seeded)
 
     def verify(self, step: ScheduledBatch, out: StepOutput) -> list[int | list[int]]:
         """Per request of a verify step: its sampled token, or the draft tokens it keeps
         followed by one more (``sample.verify``)."""
         return verify(out.logits, step, self.generator, out.greedy)
+
+
+def _seeded(params: Sequence[SamplingParams], indices: Sequence[int]) -> list:
+    """``sample``'s ``seeded``: (seed, index) for each sampled request with a seed."""
+    if not any(p.seed is not None for p in params):
+        return []
+    if len(indices) != len(params):
+        raise ValueError("StepSampler.tokens: seeded requests need the index of each token")
+    return [
+        (p.seed, i) if p.seed is not None and not p.greedy else None
+        for p, i in zip(params, indices, strict=True)
+    ]

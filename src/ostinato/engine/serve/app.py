@@ -256,6 +256,7 @@ class Responder:
                 temperature=body.temperature,
                 top_p=body.top_p,
                 ignore_eos=body.ignore_eos,
+                seed=body.seed,
             )
             return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:

@@ -38,9 +38,9 @@ class RequestBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # (vLLM's extension: generate max_tokens whatever comes)
     user: str | None = None  # the end user's id for the client's records: nothing depends on it
+    seed: StrictInt | None = Field(default=None, ge=0, lt=1 << 63)
     # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -89,7 +89,6 @@ def _no_op(value: Any) -> bool:
 NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v != 1, "one choice per request (n=1)"),
     "stop": (lambda v: not _no_op(v), "stop sequences"),
-    "seed": (lambda v: v is not None, "seeded sampling"),
     "presence_penalty": (lambda v: v != 0, "presence penalties"),
     "frequency_penalty": (lambda v: v != 0, "frequency penalties"),
     "logit_bias": (lambda v: not _no_op(v), "logit biases"),

@@ -1,0 +1,76 @@
+"""Seeded sampling: a request with ``SamplingParams(seed=...)`` draws from its seed alone,
+so its tokens are the same alone or batched with any others, call after call, whatever
+the engine's generator has drawn; another seed draws others."""
+
+import pytest
+import torch
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.sample.sampler import sample
+
+VOCAB = 1000
+
+
+def test_a_seeded_row_depends_on_its_logits_and_seed_alone():
+    torch.manual_seed(0)
+    row = torch.randn(VOCAB) * 3
+    others = torch.randn(5, VOCAB) * 3
+    ones = torch.ones(6)
+    got = set()
+    for batch_seed in range(4):  # other rows and other generator states
+        logits = torch.cat([others[: batch_seed + 1], row[None]])
+        n = logits.shape[0]
+        generator = torch.Generator().manual_seed(100 + batch_seed)
+        seeded = [None] * (n - 1) + [(7, 42)]
+        tokens = sample(logits, ones[:n], ones[:n], generator, False, seeded)
+        got.add(int(tokens[-1]))
+    assert len(got) == 1
+    draws = {
+        int(sample(row[None], ones[:1], ones[:1], None, False, [(seed, 42)])[0])
+        for seed in range(40)
+    }
+    assert len(draws) > 5  # other seeds, other tokens (at temperature 1 over 1000 ids)
+    index_draws = {
+        int(sample(row[None], ones[:1], ones[:1], None, False, [(7, i)])[0]) for i in range(40)
+    }
+    assert len(index_draws) > 5  # each token of a sequence draws anew
+
+
+def test_seed_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, True, 1 << 63):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=bad)
+    assert SamplingParams(seed=0).seed == 0
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", device="cpu", max_model_len=128, max_num_seqs=4, progress=False, seed=1)
+
+
+def test_a_seeded_request_gets_the_same_tokens_alone_batched_and_again(llm):
+    prompt = [5, 6, 7, 8, 9, 10]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    (alone,) = llm.generate([prompt], seeded)
+    others = [[11, 12, 13], [3] * 20, [40, 41]]
+    mixed = [
+        SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1.0, seed=99, ignore_eos=True),
+        SamplingParams(max_tokens=9, ignore_eos=True),
+    ]
+    batched = llm.generate(
+        [others[0], prompt, others[1], others[2]], [mixed[0], seeded, *mixed[1:]]
+    )
+    again = llm.generate([prompt], seeded)
+    assert batched[1].token_ids == alone.token_ids == again[0].token_ids
+    (other_seed,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=5))
+    assert other_seed.token_ids != alone.token_ids
+    (unseeded,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0))
+    (unseeded_again,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0))
+    assert unseeded.token_ids != unseeded_again.token_ids  # the engine's generator moves on
+
+
+def test_seed_is_refused_with_speculative_decoding():
+    llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
+    with pytest.raises(ValueError, match="seed: not with speculative decoding"):
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=3))

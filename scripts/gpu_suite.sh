@@ -22,6 +22,8 @@
 #   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
 #   bash scripts/gpu_suite.sh launchrules [SET] [SHAPE] [SIZES]  # a step under other launch rules
 #   bash scripts/gpu_suite.sh attention    # the attention kernel's and the decode step's GPU tests
+#   bash scripts/gpu_suite.sh staged   # the staged start's and seeded sampling's GPU tests, then
+#                                      # e2e of FULL, FULL_AND_PIECEWISE and the staged start
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -153,13 +155,22 @@ ab)
             --out "$OUT/e2e_ab_${run##*:}.json" 2>&1 | tail -8 | tee -a "$OUT/ab.log")
     done
     ;;
+staged)
+    run_file tests/engine/test_gpu_piecewise.py 240
+    timeout 120 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        tests/engine/test_gpu_engine.py -k seeded 2>&1 | tee -a "$OUT/gpu_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
+    timeout 330 python3 -m benchmarks e2e --modes full,full_and_piecewise,full_and_piecewise+staged \
+        --no-transformers --batch-sizes 1,8,64 --out "$OUT/e2e_staged_h200.json" 2>&1 \
+        | tee "$OUT/e2e_staged.log"
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged" >&2
     exit 2
     ;;
 esac

@@ -230,6 +230,8 @@ def test_staged_capture_refuses_what_it_cannot_upgrade():
         engine("piecewise", capture="staged", compiler=None)
     with pytest.raises(ValueError, match="capture='staged': not with verify='capture'"):
         engine("piecewise", capture="staged", verify="capture")
+    with pytest.raises(ValueError, match="capture='staged': upgrades graphs, which cpu"):
+        engine("piecewise", capture="staged")  # (no fake platform here: the CPU's own)
 
 
 def test_background_capture_refuses_what_it_cannot_do():

@@ -104,7 +104,7 @@ class LLM:
     capture_report = _part("capture_report", "What the capture of each bucket took.")
     draft_report = _part("draft_report", "The self-draft graphs' capture, or None.")
     graph_memory = _part("graph_memory", "The graphs' memory reserve against their use.")
-    background = _part("background", "The background capture, or None.")
+    background = _part("background", "The background capture or staged upgrade, or None.")
 
     mode = _engine("mode", "The graph mode in use after downgrades.")
     resolution = _engine("resolution", "The mode in use and why it differs from the one asked.")

@@ -86,6 +86,11 @@ def check_args(args: EngineArgs) -> Checked:
     mode = parse_mode(args.graphs.mode)
     speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
     capture = check_capture(args.graphs, parallel, speculative, mode)
+    if capture == "staged" and not platform_for_device(device).supports_graphs:
+        raise ValueError(
+            f"capture='staged': upgrades graphs, which {device.type} has none of; "
+            "use capture='blocking'"
+        )
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
     utilization = check_utilization(args.cache.gpu_memory_utilization)

@@ -121,8 +121,10 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
 
 def test_what_is_not_honoured_is_refused_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, stop=["\n"])
-    assert exc.value.body["param"] == "stop"
+        client.completions.create(
+            model="smollm2-135m", prompt="hi", max_tokens=4, presence_penalty=0.5
+        )
+    assert exc.value.body["param"] == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(
             model="smollm2-135m", prompt="hi", max_tokens=4, extra_body={"top_k": 5}
@@ -179,3 +181,15 @@ def test_a_stopped_server_ends_its_streams_after_the_grace_period_and_exits_clea
     assert code == 0, output
     assert took < 1 + 2 + 1, took  # the grace period, then 2 s to exit (1 s of slack)
     assert "Traceback" not in output and "leaked semaphore" not in output, output
+
+
+def test_a_stop_string_ends_the_answer_before_it_whole_and_streamed(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    ask = dict(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**ask, stop=["Paris"])
+    assert whole.choices[0].finish_reason == "stop"
+    text = whole.choices[0].message.content
+    assert "Paris" not in text and text.startswith("The capital of France is")
+    stream = client.chat.completions.create(**ask, stop=["Paris"], stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream]
+    assert "".join(pieces) == text

@@ -97,7 +97,6 @@ CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 COMPLETIONS_ONLY = {"echo", "suffix", "best_of"}
 ASKING = {
     "n": (2, 1),
-    "stop": (["\n"], None),
     "presence_penalty": (0.5, 0),
     "frequency_penalty": (-0.5, 0.0),
     "logit_bias": ({"7": 5}, {}),
@@ -259,3 +258,35 @@ def test_a_seed_reaches_the_engine(engine):
     assert engine.submitted[-1][1].seed == 3
     refused(chat(c, seed=-1), "seed")
     refused(chat(c, seed="3"), "seed")
+
+
+class Letters(Engine):
+    """Answers with tokens 1, 2, 3, ... whose text is a, b, c, ... (it stops at nothing
+    itself: the server's own cut is what is tested)."""
+
+    async def asubmit(self, prompt, params=None):
+        self.submitted.append((list(prompt), params))
+        handle = RequestHandle(
+            f"req-{len(self.submitted)}", list(prompt), asyncio.get_running_loop()
+        )
+        for t in range(1, params.max_tokens + 1):
+            handle._put([t])
+        handle._end(FinishReason.STOP)
+        return handle
+
+    def decode(self, token_ids):
+        return "".join(chr(96 + t) for t in token_ids)
+
+
+def test_stop_strings_reach_the_engine_and_no_answer_shows_one():
+    engine = Letters()
+    c = client(engine)
+    body = chat(c, max_tokens=8, stop=["de", "zz"]).json()
+    assert engine.submitted[-1][1].stop == ("de", "zz")
+    assert body["choices"][0]["message"]["content"] == "abc"
+    stream = chat(c, max_tokens=8, stop="de", stream=True).text
+    import json
+
+    events = [json.loads(ln[6:]) for ln in stream.splitlines() if ln.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "abc"
+    refused(chat(c, stop=["a", "b", "c", "d", "e"]), "stop")  # at most 4, as OpenAI

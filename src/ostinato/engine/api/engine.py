@@ -202,6 +202,8 @@ class Engine:
         fits = self.scheduler.check
         tokens = check_prompts(prompts, self.tokenizer, self.config.vocab_size, fits)
         checked = check_params(params, len(tokens))
+        if self.tokenizer is None and any(p.stop for p in checked):
+            raise ValueError("stop: stop strings need the model's tokenizer; this model has none")
         if self.speculative is not None and any(p.seed is not None for p in checked):
             raise ValueError(
                 "seed: not with speculative decoding, whose verify steps draw from the "

@@ -263,9 +263,9 @@ class LLM:
         return self.engine.step() or []
 
     def _output(self, t: Tracked) -> RequestOutput:
-        r = t.request
-        assert r.finish_reason is not None
+        r, stop = t.request, t.request.stop_text  # (the text ends before a stop string)
         text = self.decode(r.output) if self.tokenizer is not None else None
+        text = stop.cut(text) if stop is not None and text else text
         return RequestOutput(r.prompt, r.output, r.finish_reason, text, t.request_id)
 
     def close(self, timeout_s: float = 30.0) -> bool:

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -32,9 +33,11 @@ from ostinato.engine.api.arguments import (
 )
 from ostinato.engine.api.engine import EngineParts, StartupTimes
 from ostinato.engine.api.engine_args import EngineArgs, parse_mode, resolve_device
+from ostinato.engine.api.prompts import decode_text
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import Proposal, Scheduler
+from ostinato.engine.core.stop_text import Decode
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.loading.model_cache import ModelCache
 from ostinato.engine.loading.source import ModelSource, open_model
@@ -270,8 +273,16 @@ def make_runner(
         parts.eos_token_ids,
         propose=propose,
         num_speculative=spec.k if spec else 0,
+        decode=_decoder(parts.tokenizer),
     )
     return propose
+
+
+def _decoder(tokenizer: Any) -> Decode | None:
+    """Token ids to text with ``tokenizer`` (None without one): the stop strings' text."""
+    if tokenizer is None:
+        return None
+    return lambda ids: decode_text(tokenizer, ids)
 
 
 def capture(parts: EngineParts, c: Checked, propose: Proposal | None, limits: EngineLimits) -> None:

@@ -19,7 +19,9 @@ class SamplingParams:
     ``MIN_TEMPERATURE`` (it is stored as 0: dividing logits by it would overflow float32
     and turn the softmax into NaN). ``seed``: the request's draws come from it alone (the
     same seed gives the same tokens, alone or batched with any others); None: from the
-    engine's generator. Validated on construction."""
+    engine's generator. ``stop``: strings that end the request where its text reaches
+    one (finish reason STOP; the text returned ends before it: ``core.stop_text``).
+    Validated on construction."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -27,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -46,6 +49,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
 

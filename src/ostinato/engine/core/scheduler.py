@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ostinato.engine.core.kv_cache import BlockPool, blocks_needed
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.params import SamplingParams
+from ostinato.engine.core.stop_text import Decode, StopText
 
 
 class FinishReason(enum.Enum):
@@ -39,6 +40,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_pending: int = 0
+    stop_text: StopText | None = None  # its stop strings, where it has any
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +126,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         propose: Proposal | None = None,
         num_speculative: int = 0,
+        decode: Decode | None = None,
     ) -> None:
         self.pool = pool
         self.limits = limits
@@ -132,6 +135,7 @@ class Scheduler:
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.max_model_len = limits.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode  # token ids to text, for stop strings (None: no tokenizer)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # over the scheduler's life
@@ -142,7 +146,10 @@ class Scheduler:
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         """Queues a request; raises ``ValueError`` (see ``check``) if it could never run."""
         self.check(prompt)
-        req = Request(next(self._ids), list(prompt), params)
+        if params.stop and self.decode is None:
+            raise ValueError("stop: stop strings need the model's tokenizer; this model has none")
+        stop = StopText(params.stop, self.decode) if params.stop else None
+        req = Request(next(self._ids), list(prompt), params, stop_text=stop)
         self.waiting.append(req)
         return req
 
@@ -323,6 +330,8 @@ class Scheduler:
     def _finish(self, req: Request, token: int) -> bool:
         p = req.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif req.stop_text is not None and req.stop_text.hit(req.output):
             req.finish_reason = FinishReason.STOP
         elif len(req.output) >= p.max_tokens:
             req.finish_reason = FinishReason.LENGTH

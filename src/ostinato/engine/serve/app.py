@@ -30,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ostinato.engine.api.text_stream import TextStream
 from ostinato.engine.core.params import SamplingParams
+from ostinato.engine.core.stop_text import StopText
 from ostinato.engine.serve.bodies import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatBody,
@@ -230,7 +231,7 @@ class Responder:
         meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handle, meta, chat, usage)
+            events = self._stream(handle, meta, chat, usage, self._stop_text(body))
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
@@ -238,7 +239,13 @@ class Responder:
         finally:
             watcher.cancel()
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
+        stop = self._stop_text(body)
+        text = stop.cut(text) if stop is not None else text  # (never the stop string)
         return JSONResponse(meta.whole(text, tokens, handle, chat))
+
+    def _stop_text(self, body: RequestBody) -> StopText | None:
+        stops = body.stop_strings()
+        return StopText(stops, self.engine.decode) if stops else None
 
     async def _submit(self, body: RequestBody, chat: bool) -> RequestHandle:
         """Checks ``body`` (the model, what is refused, the prompt's room in the context)
@@ -257,6 +264,7 @@ class Responder:
                 top_p=body.top_p,
                 ignore_eos=body.ignore_eos,
                 seed=body.seed,
+                stop=body.stop_strings(),
             )
             return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:
@@ -324,22 +332,23 @@ class Responder:
         self._abort(handle)
 
     async def _stream(
-        self, handle: RequestHandle, meta: _Meta, chat: bool, usage: bool
+        self, handle: RequestHandle, meta: _Meta, chat: bool, usage: bool, stop: StopText | None
     ) -> AsyncIterator[str]:
         """One event per chunk of tokens whose text is whole (tokens that end inside a
         multi-byte character wait for the rest, and travel with it); the last event
         carries the finish reason and any text still held back; with ``usage``
         (``stream_options.include_usage``) every event has ``usage: null`` and one more,
-        with no choices, carries the request's token counts."""
+        with no choices, carries the request's token counts. No event carries a stop
+        string, nor text that may begin one before the next tokens say."""
         decode = self.engine.decode if self.engine.tokenizer is not None else _no_text
-        text = TextStream(decode)
+        text = TextStream(decode, stop)
         finished, waiting, produced = False, [], 0
         try:
             async for chunk in self._timed(handle):
                 delta = text.push(chunk)
                 waiting += chunk
                 produced += len(chunk)
-                if delta is not None:
+                if delta:
                     yield _sse(meta.chunk(delta, waiting, None, chat, usage))
                     waiting = []
             finished = True

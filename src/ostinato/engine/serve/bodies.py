@@ -39,12 +39,17 @@ class RequestBody(BaseModel):
     ignore_eos: StrictBool = False  # (vLLM's extension: generate max_tokens whatever comes)
     user: str | None = None  # the end user's id for the client's records: nothing depends on it
     seed: StrictInt | None = Field(default=None, ge=0, lt=1 << 63)
+    stop: str | list[str] | None = Field(default=None, max_length=4)  # (OpenAI's at most 4)
     # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
-    stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     top_logprobs: StrictInt | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (empty strings dropped: they stop nothing)."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(s for s in stops if s)
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens``, or its alias ``max_tokens`` (None: neither given);
@@ -88,7 +93,6 @@ def _no_op(value: Any) -> bool:
 # field -> (whether a value asks for an effect, what the server does not do)
 NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v != 1, "one choice per request (n=1)"),
-    "stop": (lambda v: not _no_op(v), "stop sequences"),
     "presence_penalty": (lambda v: v != 0, "presence penalties"),
     "frequency_penalty": (lambda v: v != 0, "frequency penalties"),
     "logit_bias": (lambda v: not _no_op(v), "logit biases"),

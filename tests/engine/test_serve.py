@@ -193,3 +193,14 @@ def test_a_stop_string_ends_the_answer_before_it_whole_and_streamed(client):
     stream = client.chat.completions.create(**ask, stop=["Paris"], stream=True)
     pieces = [c.choices[0].delta.content or "" for c in stream]
     assert "".join(pieces) == text
+
+
+def test_echo_returns_the_prompt_before_the_completion(client):
+    prompt = "The history of the Roman Empire begins with"
+    got = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=6, temperature=0, echo=True
+    )
+    plain = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=6, temperature=0
+    )
+    assert got.choices[0].text == prompt + plain.choices[0].text

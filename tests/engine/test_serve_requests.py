@@ -101,7 +101,6 @@ ASKING = {
     "frequency_penalty": (-0.5, 0.0),
     "logit_bias": ({"7": 5}, {}),
     "top_logprobs": (2, None),
-    "echo": (True, False),
     "suffix": ("end", None),
     "best_of": (2, 1),
     "tools": ([{"type": "function"}], None),
@@ -290,3 +289,19 @@ def test_stop_strings_reach_the_engine_and_no_answer_shows_one():
     events = [json.loads(ln[6:]) for ln in stream.splitlines() if ln.startswith("data: {")]
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "abc"
     refused(chat(c, stop=["a", "b", "c", "d", "e"]), "stop")  # at most 4, as OpenAI
+
+
+def test_echo_puts_the_prompt_first_whole_and_streamed():
+    engine = Letters()
+    c = client(engine)
+    whole = complete(c, prompt="hi ", echo=True, max_tokens=3).json()
+    assert whole["choices"][0]["text"] == "hi abc"
+    assert whole["usage"]["completion_tokens"] == 3
+    import json
+
+    stream = complete(c, prompt="hi ", echo=True, max_tokens=3, stream=True).text
+    events = [json.loads(ln[6:]) for ln in stream.splitlines() if ln.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == "hi abc"
+    ids = complete(c, prompt=[1, 2], echo=True, max_tokens=1).json()
+    assert ids["choices"][0]["text"] == "aba"  # token ids: their text
+    refused(chat(c, echo=True), "echo")  # a completions field

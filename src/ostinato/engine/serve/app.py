@@ -231,7 +231,8 @@ class Responder:
         meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handle, meta, chat, usage, self._stop_text(body))
+            stop, echo = self._stop_text(body), self._echo(body, handle)
+            events = self._stream(handle, meta, chat, usage, stop, echo)
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
@@ -241,7 +242,15 @@ class Responder:
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
         stop = self._stop_text(body)
         text = stop.cut(text) if stop is not None else text  # (never the stop string)
-        return JSONResponse(meta.whole(text, tokens, handle, chat))
+        return JSONResponse(meta.whole(self._echo(body, handle) + text, tokens, handle, chat))
+
+    def _echo(self, body: RequestBody, handle: RequestHandle) -> str:
+        """The prompt's text where a completion asks for it first (``echo``), else ""."""
+        if not isinstance(body, CompletionBody) or not body.echo:
+            return ""
+        if isinstance(body.prompt, str):
+            return body.prompt
+        return self.engine.decode(handle.prompt) if self.engine.tokenizer is not None else ""
 
     def _stop_text(self, body: RequestBody) -> StopText | None:
         stops = body.stop_strings()
@@ -332,18 +341,27 @@ class Responder:
         self._abort(handle)
 
     async def _stream(
-        self, handle: RequestHandle, meta: _Meta, chat: bool, usage: bool, stop: StopText | None
+        self,
+        handle: RequestHandle,
+        meta: _Meta,
+        chat: bool,
+        usage: bool,
+        stop: StopText | None,
+        echo: str = "",
     ) -> AsyncIterator[str]:
         """One event per chunk of tokens whose text is whole (tokens that end inside a
         multi-byte character wait for the rest, and travel with it); the last event
         carries the finish reason and any text still held back; with ``usage``
         (``stream_options.include_usage``) every event has ``usage: null`` and one more,
         with no choices, carries the request's token counts. No event carries a stop
-        string, nor text that may begin one before the next tokens say."""
+        string, nor text that may begin one before the next tokens say. ``echo`` (the
+        prompt's text) comes first, in an event of its own."""
         decode = self.engine.decode if self.engine.tokenizer is not None else _no_text
         text = TextStream(decode, stop)
         finished, waiting, produced = False, [], 0
         try:
+            if echo:
+                yield _sse(meta.chunk(echo, [], None, chat, usage))
             async for chunk in self._timed(handle):
                 delta = text.push(chunk)
                 waiting += chunk

@@ -98,7 +98,6 @@ NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (lambda v: not _no_op(v), "logit biases"),
     "logprobs": (lambda v: not _no_op(v), "log probabilities"),
     "top_logprobs": (lambda v: not _no_op(v), "log probabilities"),
-    "echo": (lambda v: bool(v), "echoing the prompt"),
     "suffix": (lambda v: not _no_op(v), "suffixes (insertion)"),
     "best_of": (lambda v: v not in (None, 1), "best-of sampling"),
     "tools": (lambda v: not _no_op(v), "tool calls"),

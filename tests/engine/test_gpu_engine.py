@@ -433,3 +433,18 @@ def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs():
     batched = llm.generate([[11, 12, 13], prompt, [3] * 30], [plain, seeded, plain])
     assert batched[1].token_ids == alone.token_ids
     llm.close()
+
+
+def test_a_logit_bias_takes_a_decode_graph_step_off_its_argmax():
+    # FULL_AND_PIECEWISE: the decode graphs compute the argmax; a biased request's step
+    # picks from its biased logits instead, and a request without one keeps its tokens.
+    from ostinato.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", dtype=torch.float32, max_model_len=256, max_num_seqs=8, progress=False)
+    prompt = [5, 6, 7, 8, 9, 10]
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    (alone,) = llm.generate([prompt], plain)
+    forced = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={42: 100})
+    outs = llm.generate([prompt, prompt], [forced, plain])
+    assert outs[0].token_ids == [42] * 8 and outs[1].token_ids == alone.token_ids
+    llm.close()

@@ -1,6 +1,7 @@
 """Seeded sampling: a request with ``SamplingParams(seed=...)`` draws from its seed alone,
 so its tokens are the same alone or batched with any others, call after call, whatever
-the engine's generator has drawn; another seed draws others."""
+the engine's generator has drawn; another seed draws others. And a request's
+``logit_bias``, added to its own logits only, greedy or sampled."""
 
 import pytest
 import torch
@@ -74,3 +75,22 @@ def test_seed_is_refused_with_speculative_decoding():
     llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
     with pytest.raises(ValueError, match="seed: not with speculative decoding"):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=3))
+
+
+def test_a_logit_bias_moves_its_request_only(llm):
+    prompt = [5, 6, 7, 8, 9, 10]
+    (plain,) = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    forced = SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={42: 100})
+    banned = SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={plain.token_ids[0]: -100})
+    hot = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, logit_bias={42: 100})
+    outs = llm.generate(
+        [prompt] * 4, [forced, banned, hot, SamplingParams(max_tokens=6, ignore_eos=True)]
+    )
+    assert outs[0].token_ids == [42] * 6 and outs[2].token_ids == [42] * 6
+    assert outs[1].token_ids[0] != plain.token_ids[0]
+    assert outs[3].token_ids == plain.token_ids  # no bias: as alone, untouched
+    with pytest.raises(ValueError, match="logit_bias: token id 100000 outside"):
+        llm.generate([prompt], SamplingParams(logit_bias={100000: 1}))
+    for bad in ({-1: 1}, {3: 101}, {3: float("nan")}, [(1,)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -99,7 +99,6 @@ ASKING = {
     "n": (2, 1),
     "presence_penalty": (0.5, 0),
     "frequency_penalty": (-0.5, 0.0),
-    "logit_bias": ({"7": 5}, {}),
     "top_logprobs": (2, None),
     "suffix": ("end", None),
     "best_of": (2, 1),
@@ -305,3 +304,11 @@ def test_echo_puts_the_prompt_first_whole_and_streamed():
     ids = complete(c, prompt=[1, 2], echo=True, max_tokens=1).json()
     assert ids["choices"][0]["text"] == "aba"  # token ids: their text
     refused(chat(c, echo=True), "echo")  # a completions field
+
+
+def test_a_logit_bias_reaches_the_engine_as_token_ids(engine):
+    c = client(engine)
+    assert chat(c, logit_bias={"7": 5, "12": -100}, max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].logit_bias == ((7, 5.0), (12, -100.0))
+    refused(chat(c, logit_bias={"x": 1}), "logit_bias")
+    refused(chat(c, logit_bias={"7": 101}), "logit_bias")

@@ -209,6 +209,12 @@ class Engine:
                 "seed: not with speculative decoding, whose verify steps draw from the "
                 "engine's generator; leave seed out, or serve without speculation"
             )
+        if self.speculative is not None and any(p.logit_bias for p in checked):
+            raise ValueError("logit_bias: not with speculative decoding (its verify steps)")
+        vocab = self.config.vocab_size
+        bad = next((t for p in checked for t, _ in p.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} outside the vocabulary [0, {vocab})")
         return list(zip(tokens, checked, strict=True))
 
     def reserve(self, request_ids: Sequence[str], owner: Hashable) -> None:

@@ -21,6 +21,8 @@ class SamplingParams:
     same seed gives the same tokens, alone or batched with any others); None: from the
     engine's generator. ``stop``: strings that end the request where its text reaches
     one (finish reason STOP; the text returned ends before it: ``core.stop_text``).
+    ``logit_bias``: (token id, bias) pairs (a dict is taken too) added to the request's
+    logits before its token is picked, each bias in [-100, 100] as OpenAI's.
     Validated on construction."""
 
     max_tokens: int = 16
@@ -30,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -53,6 +56,7 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
 
@@ -64,3 +68,17 @@ class SamplingParams:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs; ``ValueError`` naming a bad one."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (tuple, list)):
+        raise ValueError(f"logit_bias: (token id, bias) pairs or a dict, got {bias!r}")
+    out = {}
+    for pair in pairs:
+        token, value = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+        if not is_int(token) or token < 0 or not _is_real(value) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias: token ids >= 0 with biases in [-100, 100], got {pair!r}")
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))

@@ -58,19 +58,21 @@ class StepSampler:
         mixed with); a view of a static buffer where a graph chose them, so copy it
         before the next step. A step with a seeded sampled request samples eagerly."""
         all_greedy = all(p.greedy for p in params)
-        if all_greedy and out.greedy is not None:
+        biased = any(p.logit_bias for p in params)
+        if all_greedy and out.greedy is not None and not biased:
             return out.greedy
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         seeded = _seeded(params, indices)
         graphs = self.graph_sampler is not None and out.graph_size is not None
-        if not all_greedy and graphs and not any(seeded):
+        if not all_greedy and graphs and not any(seeded) and not biased:
             in_graph = self.graph_sampler.sample(out.graph_size, temperatures, top_ps)
             if in_graph is not None:
                 return in_graph
         temps = to_device(temperatures, torch.float32, self.device)
         tops = to_device(top_ps, torch.float32, self.device)
-        return sample(out.logits, temps, tops, self.generator, all_greedy, seeded)
+        logits = _biased(out.logits, params) if biased else out.logits
+        return sample(logits, temps, tops, self.generator, all_greedy, seeded)
 
     def verify(self, step: ScheduledBatch, out: StepOutput) -> list[int | list[int]]:
         """Per request of a verify step: its sampled token, or the draft tokens it keeps
@@ -88,3 +90,19 @@ def _seeded(params: Sequence[SamplingParams], indices: Sequence[int]) -> list:
         (p.seed, i) if p.seed is not None and not p.greedy else None
         for p, i in zip(params, indices, strict=True)
     ]
+
+
+def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with each request's ``logit_bias`` added to its row (a copy, in float32:
+    the step's logits may be a graph's static output)."""
+    rows, ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token, value in p.logit_bias:
+            rows.append(row)
+            ids.append(token)
+            values.append(value)
+    out = logits.float().clone()
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+    out.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+    return out

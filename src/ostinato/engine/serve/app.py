@@ -274,6 +274,7 @@ class Responder:
                 ignore_eos=body.ignore_eos,
                 seed=body.seed,
                 stop=body.stop_strings(),
+                logit_bias=body.bias_pairs(),
             )
             return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:

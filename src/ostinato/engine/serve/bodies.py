@@ -40,11 +40,21 @@ class RequestBody(BaseModel):
     user: str | None = None  # the end user's id for the client's records: nothing depends on it
     seed: StrictInt | None = Field(default=None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = Field(default=None, max_length=4)  # (OpenAI's at most 4)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     top_logprobs: StrictInt | None = None
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; ``ValueError`` for a key that is no
+        token id."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias: keys are token ids, got {key!r}")
+            pairs.append((int(key), value))
+        return tuple(pairs)
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple (empty strings dropped: they stop nothing)."""
@@ -95,7 +105,6 @@ NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v != 1, "one choice per request (n=1)"),
     "presence_penalty": (lambda v: v != 0, "presence penalties"),
     "frequency_penalty": (lambda v: v != 0, "frequency penalties"),
-    "logit_bias": (lambda v: not _no_op(v), "logit biases"),
     "logprobs": (lambda v: not _no_op(v), "log probabilities"),
     "top_logprobs": (lambda v: not _no_op(v), "log probabilities"),
     "suffix": (lambda v: not _no_op(v), "suffixes (insertion)"),

@@ -204,15 +204,14 @@ class StagedRuntime:
         if self.error is None:
             logger.info("ostinato: %s", self.summary())
 
-    def _plan(self, upgrade: GraphRuntime) -> list[CaptureItem]:
-        """The upgrade's capture plan, the buckets steps used most first (read again
-        after each item, so a size that comes into use moves up)."""
-        plan = upgrade.manager.capture_plan()
-        used = self._used.copy()
-        return sorted(plan, key=lambda item: -used[self._first_key(item.descriptor)])
+    def _by_use(self, items: list[CaptureItem]) -> list[CaptureItem]:
+        """``items``, the buckets steps used most first (sorted again after each item,
+        so a size that comes into use moves up)."""
+        used = self._used.copy()  # (the steps' thread counts on)
+        return sorted(items, key=lambda item: -used[self._first_key(item.descriptor)])
 
     def _upgrade_all(self, upgrade: GraphRuntime) -> None:
-        pending = self._plan(upgrade)
+        pending = self._by_use(upgrade.manager.capture_plan())
         while pending and not self._stop.is_set():
             item = pending.pop(0)
             with self._turn:
@@ -220,7 +219,7 @@ class StagedRuntime:
             self._within_budget(upgrade)
             self._turn.hand_over(timeout=1.0)
             self._measure(upgrade, item.descriptor)
-            pending = sorted(pending, key=lambda i: -self._used[self._first_key(i.descriptor)])
+            pending = self._by_use(pending)
 
     def _within_budget(self, upgrade: GraphRuntime) -> None:
         held = upgrade.manager.report.pool_bytes

@@ -47,9 +47,10 @@ class TextStream:
         if self._stop is None:
             return piece
         self._text += piece
-        end, _ = self._stop.safe_end(self._text, self._sent)
         if at_end:  # nothing more comes: only a whole stop string holds text back
             end = self._stop.first(self._text, self._sent)
             end = len(self._text) if end < 0 else end
+        else:
+            end = self._stop.safe_end(self._text, self._sent)
         piece, self._sent = self._text[self._sent : end], max(self._sent, end)
         return piece

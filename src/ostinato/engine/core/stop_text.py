@@ -43,14 +43,14 @@ class StopText:
         end = self.first(text)
         return text if end < 0 else text[:end]
 
-    def safe_end(self, text: str, start: int = 0) -> tuple[int, bool]:
-        """How much of ``text`` a stream may return, and whether a stop string ends it:
-        up to the first stop string (from ``start``, the end of what it returned), else
-        up to the longest end of ``text`` that begins a stop string."""
+    def safe_end(self, text: str, start: int = 0) -> int:
+        """How much of ``text`` a stream may return: up to the first stop string (from
+        ``start``, the end of what it returned), else up to the longest end of ``text``
+        that begins a stop string."""
         end = self.first(text, start)
         if end >= 0:
-            return end, True
+            return end
         for keep in range(min(self.longest - 1, len(text)), 0, -1):
             if any(s.startswith(text[-keep:]) for s in self.stops):
-                return len(text) - keep, False
-        return len(text), False
+                return len(text) - keep
+        return len(text)

@@ -291,11 +291,6 @@ class EngineLoop:
         self._wake.set()
         return tokens
 
-    def abort_all(self) -> None:
-        """Ends every open request at the next step boundary (finish reason ABORT)."""
-        for request_id in self._handles.ids():
-            self.abort(request_id)
-
     def abort(self, request_id: str) -> bool:
         """Ends request ``request_id`` at the next step boundary (finish reason ABORT) and
         frees its KV blocks; False for an unknown or finished id (``LLM.abort``)."""

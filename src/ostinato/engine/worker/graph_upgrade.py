@@ -59,7 +59,6 @@ class GraphUpgrade:
         self.piecewise: PiecewiseBackend | None = None
         self.forward: CompiledModel | None = None
         self.runtime: GraphRuntime | None = None
-        self.compile_seconds = 0.0
 
     def build(self) -> GraphRuntime:
         """Compiles the model's pieces and returns the upgrade's graph runtime (nothing
@@ -76,9 +75,7 @@ class GraphUpgrade:
         )
         self.forward = CompiledModel(runner.model, self.piecewise)
         scratch = StepInputs(runner.limits, runner.device)
-        self.compile_seconds = runner.kernel_plan.compile_on(
-            scratch, self.forward, self.piecewise, platform.synchronize
-        )
+        runner.kernel_plan.compile_on(scratch, self.forward, self.piecewise, platform.synchronize)
         self.runtime = build_graph_runtime(
             self._step,
             self.config,

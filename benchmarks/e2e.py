@@ -138,6 +138,12 @@ def _ostinato_system(
             raise RuntimeError(f"the staged upgrade did not end: {llm.background.summary()}")
         upgrade = llm.background
         startup |= {"upgrade_s": upgrade.seconds, "buckets_moved": float(len(upgrade.upgraded))}
+        for d in upgrade.decisions.values():  # each bucket's measurement, in the notes
+            print(
+                f"  staged {d.descriptor}: first stage {d.first_s * 1e3:.3f} ms, upgrade "
+                f"{d.upgrade_s * 1e3:.3f} ms, {'moved' if d.upgraded else 'kept'}",
+                flush=True,
+            )
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts, params)]

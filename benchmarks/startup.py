@@ -1,13 +1,14 @@
 """Start-up from a fresh process to the printed answer: ``ostinato generate`` with every
-cache empty and then filled, blocking and background capture, for the default model
-(SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; and transformers loading the same GGUF
-file and generating, the peer a user would otherwise run.
+cache empty and then filled, blocking, background and staged capture and FULL graphs, for
+the default model (SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; and transformers
+loading the same GGUF file and generating, the peer a user would otherwise run.
 
     python -m benchmarks.startup --out OUT/startup.json [--device cuda] [--max-tokens 32]
 
 Each run is a new Python process whose caches live in one folder per scenario
-(``OSTINATO_CACHE_DIR``; Inductor's and Triton's caches, and on a read-only install the
-bytecode, go under it); the peer runs twice with a bytecode cache of its own. Times are wall
+(``OSTINATO_CACHE_DIR``; Inductor's and Triton's caches go under it), its bytecode too
+(``PYTHONPYCACHEPREFIX``: written, as on a user's machine), except in the runs named
+"no bytecode" (``PYTHONDONTWRITEBYTECODE=1``, as on a host that sets it). Times are wall
 seconds read by this parent: ``first_token_s`` when the first streamed token text
 appeared on the child's stdout, ``answer_s`` when its throughput line did, ``exit_s``
 when it ended; ``phases`` is the start-up line the engine printed (open, weights,
@@ -123,9 +124,15 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
         ("smollm2 blocking, caches filled", smol, "smol"),
         ("smollm2 background, caches filled", [*smol, "--capture", "background"], "smol"),
         ("smollm2 background, caches empty", [*smol, "--capture", "background"], "smol-bg"),
+        ("smollm2 staged, caches filled", [*smol, "--capture", "staged"], "smol"),
+        ("smollm2 full, caches filled", [*smol, "--mode", "full"], "smol"),
+        ("smollm2 blocking, caches filled, no bytecode", smol, "smol"),
+        ("smollm2 staged, caches filled, no bytecode", [*smol, "--capture", "staged"], "smol"),
         ("llama-1.5b blocking, caches empty", big, "big"),
         ("llama-1.5b blocking, caches filled", big, "big"),
         ("llama-1.5b background, caches filled", [*big, "--capture", "background"], "big"),
+        ("llama-1.5b staged, caches filled", [*big, "--capture", "staged"], "big"),
+        ("llama-1.5b full, caches filled", [*big, "--mode", "full"], "big"),
         *[
             (
                 f"transformers from_pretrained + generate (same GGUF), bytecode cache {state}",
@@ -155,8 +162,12 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
                                                               "TRITON_CACHE_DIR")}  # fmt: skip
         env |= {"OSTINATO_CACHE_DIR": str(root / key), "PYTHONUNBUFFERED": "1"}
-        if key == "peer":  # the same bytecode cache ostinato's command line keeps
-            env |= {"PYTHONPYCACHEPREFIX": str(root / "peer" / "bytecode")}
+        env.pop("PYTHONPYCACHEPREFIX", None)
+        if name.endswith("no bytecode"):
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
+        else:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(root / key / "bytecode")
         runs.append(timed(name, command, env, args.timeout))
     doc = {"provenance": asdict(Provenance.collect()), "runs": [asdict(r) for r in runs]}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,16 +5,22 @@ bucket, to graphs that are slow to make where they measure faster.
 graphs are captured already, e.g. FULL graphs of eager kernels) from its first step. A
 thread meanwhile calls ``build_upgrade()`` (which may compile for minutes: Inductor
 pieces, compiled kernels) and, for each bucket of the upgrade's capture plan, the
-buckets the steps used most first: captures it, then times both stages on the same
-inputs (the caller's ``prepare`` writes them once; each stage replays ``repeats`` times,
-alternately) and routes the bucket's later steps to the upgrade only where its median is
-faster by ``margin``. Every decision is kept in ``decisions``.
+buckets the steps used most first: captures it, then times it against the first stage's
+bucket for the same steps on the same inputs (the caller's ``prepare`` writes them once;
+each stage replays ``repeats`` times, alternately) and routes those steps to the upgrade
+only where its median is faster by ``margin``. Every decision is kept in ``decisions``.
+
+A route is a pair of buckets, the first stage's and the upgrade's for the same steps: the
+two stages may key a step differently (FULL graphs serve a uniform decode from a mixed
+batch's graph, FULL_AND_PIECEWISE from a decode graph of its own), so each of the
+upgrade's buckets is measured against the first stage's bucket for the steps it serves,
+and only steps that dispatch to both move.
 
 Guarantees:
 
 - Routing changes between steps only: the thread changes the table, captures and times
-  only while it holds the step's turn (``stepping()``, held by a step from writing its
-  inputs to reading its outputs), which it hands back after every capture and every
+  only while it holds the step's turn (``stepping()``, held by a step from its
+  ``dispatch`` to reading its outputs), which it hands back after every capture and every
   timed pair of replays. So a waiting step is delayed by at most one of those.
 - A bucket moves to the upgrade only if it was measured faster there.
 - The first stage keeps serving whatever happens to the upgrade: a failure (compile,
@@ -56,12 +62,26 @@ logger = logging.getLogger(__name__)
 Timer = Callable[[GraphRuntime, Dispatch, int, Any], float]
 
 
+# The buckets of one kind of step: the first stage's, the upgrade's
+Route = tuple[BatchDescriptor, BatchDescriptor]
+# A kind of step as the steps asked for it: the first stage's bucket, uniform decode, LoRA
+Asked = tuple[BatchDescriptor, bool, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class UpgradeDispatch(Dispatch):
+    """A step's dispatch on the upgrade's graphs: what ``StagedRuntime.dispatch`` returns
+    for a step whose route moved, and ``run`` runs there."""
+
+
 @dataclass(frozen=True)
 class Decision:
-    """What the measurement of one bucket found: each stage's median seconds per step,
-    and whether its steps moved to the upgrade."""
+    """What the measurement of one of the upgrade's buckets (``descriptor``) found against
+    the first stage's bucket for the same steps (``first``): each one's median seconds
+    per step, and whether those steps moved to the upgrade."""
 
     descriptor: BatchDescriptor
+    first: BatchDescriptor
     first_s: float
     upgrade_s: float
     upgraded: bool
@@ -106,8 +126,8 @@ class StagedRuntime:
         self.seconds: float | None = None
         self._build, self._prepare, self._timer = build_upgrade, prepare, timer
         self._repeats, self._margin, self._budget = repeats, margin, memory_budget
-        self._upgraded: frozenset[BatchDescriptor] = frozenset()
-        self._used: Counter[BatchDescriptor] = Counter()
+        self._moved: dict[Route, UpgradeDispatch] = {}  # replaced whole, never changed
+        self._used: Counter[Asked] = Counter()
         self._turn = Turn()
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -125,29 +145,40 @@ class StagedRuntime:
     def dispatch(
         self, num_tokens: int, uniform_decode: bool = False, has_lora: bool = False
     ) -> Dispatch:
-        """The step's dispatch, the first stage's (``run`` routes it)."""
-        return self.first.dispatch(num_tokens, uniform_decode, has_lora)
+        """The step's dispatch on the stage its route uses now: the upgrade's (an
+        ``UpgradeDispatch``, with the upgrade's descriptor) where it moved, else the first
+        stage's. Call it, ``run`` it and read its outputs inside one ``stepping()``: the
+        stage cannot change in between."""
+        first = self.first.dispatch(num_tokens, uniform_decode, has_lora)
+        self._used[first.descriptor, uniform_decode, has_lora] += 1
+        upgrade = self.upgrade
+        if not self._moved or upgrade is None:
+            return first
+        route = (
+            first.descriptor,
+            upgrade.dispatch(num_tokens, uniform_decode, has_lora).descriptor,
+        )
+        return self._moved.get(route, first)
 
     def routes(self, dispatch: Dispatch) -> bool:
-        """Whether ``run`` runs ``dispatch`` (a first-stage dispatch) on the upgrade."""
-        return dispatch.descriptor in self._upgraded
+        """Whether ``dispatch`` (from ``dispatch``) runs on the upgrade."""
+        return isinstance(dispatch, UpgradeDispatch)
 
     def run(self, dispatch: Dispatch, num_tokens: int, attn_metadata: Any = None) -> Outputs:
-        """Runs the step (``GraphManager.run``) on the stage its bucket uses now: the
-        upgrade's dispatch of the same bucket where it moved, else ``dispatch``. Call it
-        inside ``stepping()``, so the stage cannot change until the outputs are read."""
-        d = dispatch.descriptor
-        self._used[d] += 1
-        upgrade = self.upgrade
-        if d in self._upgraded and upgrade is not None:
-            moved = upgrade.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
-            return upgrade.manager.run(moved, num_tokens, attn_metadata)
-        return self.first.manager.run(dispatch, num_tokens, attn_metadata)
+        """Runs the step (``GraphManager.run``) on the stage ``dispatch`` names."""
+        if not isinstance(dispatch, UpgradeDispatch):
+            return self.first.manager.run(dispatch, num_tokens, attn_metadata)
+        if self.upgrade is None:
+            raise RuntimeError(
+                f"StagedRuntime.run: {dispatch} names the upgrade, which has been dropped "
+                "since it was dispatched; dispatch and run inside one stepping()"
+            )
+        return self.upgrade.manager.run(dispatch, num_tokens, attn_metadata)
 
     @property
     def upgraded(self) -> frozenset[BatchDescriptor]:
-        """The buckets (first-stage descriptors) whose steps run on the upgrade."""
-        return self._upgraded
+        """The upgrade's buckets that steps run on."""
+        return frozenset(d.descriptor for d in self._moved.values())
 
     @property
     def done(self) -> bool:
@@ -162,7 +193,7 @@ class StagedRuntime:
         """One line: how far the upgrade is, or why it stopped."""
         if self.error is not None:
             return f"graph upgrade stopped, the first stage serves: {self.error}"
-        moved = len(self._upgraded)
+        moved = len(self._moved)
         if not self.done:
             return (
                 f"graph upgrade in progress: {len(self.decisions)} buckets measured, {moved} moved"
@@ -204,14 +235,16 @@ class StagedRuntime:
         if self.error is None:
             logger.info("ostinato: %s", self.summary())
 
-    def _by_use(self, items: list[CaptureItem]) -> list[CaptureItem]:
+    def _by_use(self, upgrade: GraphRuntime, items: list[CaptureItem]) -> list[CaptureItem]:
         """``items``, the buckets steps used most first (sorted again after each item,
         so a size that comes into use moves up)."""
-        used = self._used.copy()  # (the steps' thread counts on)
-        return sorted(items, key=lambda item: -used[self._first_key(item.descriptor)])
+        used: Counter[BatchDescriptor] = Counter()
+        for (first, uniform, lora), count in self._used.copy().items():  # (steps count on)
+            used[upgrade.dispatch(first.num_tokens, uniform, lora).descriptor] += count
+        return sorted(items, key=lambda item: -used[item.descriptor])
 
     def _upgrade_all(self, upgrade: GraphRuntime) -> None:
-        pending = self._by_use(upgrade.manager.capture_plan())
+        pending = self._by_use(upgrade, upgrade.manager.capture_plan())
         while pending and not self._stop.is_set():
             item = pending.pop(0)
             with self._turn:
@@ -219,7 +252,7 @@ class StagedRuntime:
             self._within_budget(upgrade)
             self._turn.hand_over(timeout=1.0)
             self._measure(upgrade, item.descriptor)
-            pending = self._by_use(pending)
+            pending = self._by_use(upgrade, pending)
 
     def _within_budget(self, upgrade: GraphRuntime) -> None:
         held = upgrade.manager.report.pool_bytes
@@ -230,42 +263,37 @@ class StagedRuntime:
                 "capture fewer sizes"
             )
 
-    def _first_key(self, d: BatchDescriptor) -> BatchDescriptor:
-        """The first stage's bucket for the upgrade's descriptor ``d``."""
-        return self.first.dispatch(d.num_tokens, d.uniform_decode, d.has_lora).descriptor
-
     def _measure(self, upgrade: GraphRuntime, d: BatchDescriptor) -> None:
-        """Times both stages on the same inputs, one pair of runs per turn; moves the
-        bucket to the upgrade where its median is faster by the margin."""
-        key = self._first_key(d)
-        if key in self.decisions or key.num_tokens != d.num_tokens:
-            return  # decided already, or the two stages pad this size differently
+        """Times the upgrade's bucket ``d`` and the first stage's for the same steps on the
+        same inputs, one pair of runs per turn; moves those steps to the upgrade where
+        its median is faster by the margin."""
         first_d = self.first.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
         upgrade_d = upgrade.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
+        if upgrade_d.descriptor != d or first_d.padded_tokens != d.num_tokens:
+            return  # no step dispatches to it, or the two stages pad this size differently
         prepare = self._prepare or upgrade.manager.prepare
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(self._repeats):
             if self._stop.is_set():
                 return
             with self._turn:
-                meta = prepare(key) if prepare is not None else None
+                meta = prepare(d) if prepare is not None else None
                 timer = self._timer or wall_timer  # (looked up here: a test may replace it)
-                times[0].append(timer(self.first, first_d, key.num_tokens, meta))
-                times[1].append(timer(upgrade, upgrade_d, key.num_tokens, meta))
+                times[0].append(timer(self.first, first_d, d.num_tokens, meta))
+                times[1].append(timer(upgrade, upgrade_d, d.num_tokens, meta))
             self._turn.hand_over(timeout=1.0)
-        self._decide(key, statistics.median(times[0]), statistics.median(times[1]))
-
-    def _decide(self, key: BatchDescriptor, first_s: float, upgrade_s: float) -> None:
+        first_s, upgrade_s = statistics.median(times[0]), statistics.median(times[1])
         faster = upgrade_s < first_s * (1 - self._margin)
         with self._turn:
-            self.decisions[key] = Decision(key, first_s, upgrade_s, faster)
+            self.decisions[d] = Decision(d, first_d.descriptor, first_s, upgrade_s, faster)
             if faster:
-                self._upgraded = self._upgraded | {key}
+                moved = UpgradeDispatch(upgrade_d.mode, d)
+                self._moved = {**self._moved, (first_d.descriptor, d): moved}
 
     def _drop_upgrade(self) -> None:
-        """Routes every bucket back to the first stage and releases the upgrade (called
+        """Routes every step back to the first stage and releases the upgrade (called
         with the turn held)."""
-        self._upgraded = frozenset()
+        self._moved = {}
         if self.upgrade is not None:
             self.upgrade.manager.release()
             self.upgrade = None

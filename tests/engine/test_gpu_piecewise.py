@@ -44,11 +44,25 @@ def test_default_engine_mode_on_cuda_is_full_and_piecewise():
     assert {r.mode.name for r in report.records} == {"FULL", "PIECEWISE"}
 
 
-def test_a_staged_start_gives_full_graphs_tokens_before_during_and_after_its_upgrade():
+@pytest.mark.parametrize("timing", ["measured", "upgrade faster"])
+def test_a_staged_start_gives_full_graphs_tokens_before_during_and_after_its_upgrade(
+    timing, monkeypatch
+):
     # float32: FULL graphs of the eager model first (nothing compiled), the compiled
     # FULL_AND_PIECEWISE graphs captured and timed on a thread, each bucket moved where
-    # faster; the greedy tokens never change, and the graphs of both stages stay within
-    # the memory plan.
+    # faster (or, "upgrade faster", every bucket: its decode graphs and its pieces both
+    # serve steps); the greedy tokens never change, and the graphs of both stages stay
+    # within the memory plan.
+    from ostinato import staged
+
+    if timing == "upgrade faster":
+        real = staged.wall_timer
+
+        def timer(runtime, dispatch, rows, meta):
+            seconds = real(runtime, dispatch, rows, meta)
+            return seconds if runtime.mode.name == "FULL" else 0.0  # (the first stage's)
+
+        monkeypatch.setattr(staged, "wall_timer", timer)
     want = greedy_tokens(_engine("full", torch.float32))
     torch.cuda.reset_peak_memory_stats()
     llm = _engine("auto", torch.float32, capture="staged")
@@ -56,7 +70,10 @@ def test_a_staged_start_gives_full_graphs_tokens_before_during_and_after_its_upg
     during = greedy_tokens(llm)  # steps run while the upgrade compiles and captures
     assert llm.wait_for_graphs(timeout=300), llm.background.summary()
     upgrade = llm.background
-    assert upgrade.error is None and upgrade.decisions, upgrade.summary()
+    assert upgrade.error is None, upgrade.summary()
+    assert {d.uniform_decode for d in upgrade.decisions} == {True, False}  # both kinds timed
+    if timing == "upgrade faster":
+        assert upgrade.upgraded == set(upgrade.decisions)
     print(upgrade.summary(), sorted((d.num_tokens, d.uniform_decode) for d in upgrade.upgraded))
     assert during == want and greedy_tokens(llm) == want
     assert torch.cuda.max_memory_reserved() <= llm.memory.budget, llm.memory.summary()

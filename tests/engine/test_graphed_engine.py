@@ -194,23 +194,30 @@ def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, 
     llm.close()
 
 
-@pytest.mark.parametrize("faster", [True, False])
-def test_staged_capture_serves_at_once_and_upgrades_where_faster(fake_graphs, faster, monkeypatch):
+@pytest.mark.parametrize(
+    "to, faster",
+    [("piecewise", True), ("piecewise", False), ("full_and_piecewise", True)],
+)
+def test_staged_capture_serves_at_once_and_upgrades_where_faster(
+    fake_graphs, to, faster, monkeypatch
+):
     """FULL graphs of the eager model before the engine returns; the compiled stage's
     graphs captured on a thread, and a bucket moved to them only where measured faster
     (the test double's timer says which); greedy tokens equal the blocking engine's
-    before, during and after. One step at a time (see the background test)."""
+    before, during and after. One step at a time (see the background test). Upgraded to
+    FULL_AND_PIECEWISE, the decodes move to its decode graphs (whose steps compute
+    their own argmax) and the mixed steps to its pieces."""
     from ostinato import staged
 
     def timer(runtime, dispatch, rows, meta):
         runtime.manager.run(dispatch, rows, meta)
-        first = runtime.mode is GraphMode.FULL
+        first = runtime.mode is GraphMode.FULL  # (the upgrade's is piecewise or FAP)
         return 1.0 if first else (0.5 if faster else 2.0)
 
     monkeypatch.setattr(staged, "wall_timer", timer)
     prompts, params = workload(n=6, seed=5)
     want = tokens(engine("full", compiler=None), prompts, params)
-    llm = engine("piecewise", compiler="eager", capture="staged", async_scheduling=False)
+    llm = engine(to, compiler="eager", capture="staged", async_scheduling=False)
     assert llm.mode is GraphMode.FULL and llm.engine.runner.piecewise is None
     assert llm.capture_report.num_graphs > 0  # the first stage, before it returned
     assert tokens(llm, prompts, params) == want  # while the upgrade proceeds
@@ -218,6 +225,9 @@ def test_staged_capture_serves_at_once_and_upgrades_where_faster(fake_graphs, fa
     upgrade = llm.background
     assert upgrade.decisions and all(d.upgraded == faster for d in upgrade.decisions.values())
     assert bool(upgrade.upgraded) == faster
+    # (the upgrade's buckets moved: FULL_AND_PIECEWISE's decode graphs and pieces)
+    kinds = {d.uniform_decode for d in upgrade.upgraded}
+    assert kinds == ({True, False} if to == "full_and_piecewise" else {False} if faster else set())
     assert tokens(llm, prompts, params) == want
     assert "graph upgrade done" in llm.background.summary()
     llm.close()

@@ -39,7 +39,14 @@ def runtime(r, stage, mode, platform):
     config = GraphConfig(mode=mode, capture_sizes=SIZES)
     pool = platform.graph_pool_handle()  # the upgrade's own pool
     return build_graph_runtime(
-        r.step_as(stage), config, prepare=r.prepare, platform=platform, progress=False, pool=pool
+        r.step_as(stage),
+        config,
+        prepare=r.prepare,
+        platform=platform,
+        progress=False,
+        pool=pool,
+        piecewise_available=True,
+        max_num_reqs=max(SIZES),
     )
 
 
@@ -139,6 +146,41 @@ def test_the_buckets_steps_use_are_upgraded_first():
     go.set()
     assert s.wait(30) and s.error is None
     assert next(iter(s.decisions)) == s.first.dispatch(8, uniform_decode=True).descriptor
+    s.release()
+
+
+def test_a_decode_moves_to_the_upgrades_decode_graph_a_mixed_step_to_its_pieces():
+    # FULL serves a uniform decode from a mixed batch's graph; FULL_AND_PIECEWISE from a
+    # decode graph of its own, and a mixed step from pieces. Each of the upgrade's buckets
+    # is measured against the first stage's for the steps it serves, and moves alone:
+    # here its decode graphs measure faster and its pieces slower.
+    r = Runner()
+    platform = FakePlatform()
+
+    def timed(rt, dispatch, n, meta):
+        rt.manager.run(dispatch, n, meta)
+        if rt.manager.step.stage == "first":
+            return 1.0
+        return 0.5 if dispatch.descriptor.uniform_decode else 2.0
+
+    def build():
+        return runtime(r, "upgrade", GraphMode.FULL_AND_PIECEWISE, platform)
+
+    s = staged(r, platform, build=build, timer=timed, repeats=1)
+    serve(r, s, 20)
+    assert s.wait(30) and s.error is None, s.summary()
+    kinds = {d.uniform_decode for d in s.decisions}
+    assert kinds == {True, False}  # the decode graphs and the pieces, each measured
+    for d, decision in s.decisions.items():
+        assert decision.upgraded == d.uniform_decode, decision
+        assert decision.first == s.first.dispatch(d.num_tokens, d.uniform_decode).descriptor
+    for n in SIZES:
+        decode, mixed = s.dispatch(n, uniform_decode=True), s.dispatch(n, uniform_decode=False)
+        assert s.routes(decode) and decode.descriptor.uniform_decode
+        assert decode.descriptor in s.upgraded
+        assert not s.routes(mixed) and mixed == s.first.dispatch(n)
+    stages = serve(r, s, 40, seed=3)  # each step checked against the product by hand
+    assert any(stages) and not all(stages)  # (serve: odd sizes decode, even ones mixed)
     s.release()
 
 

@@ -245,8 +245,8 @@ class ModelRunner:
         all ``n`` rows, whose logits and argmax the step itself computed)."""
         # Asked before the run, under the step's turn: a FULL dispatch whose graph is not
         # ready yet (background capture) runs eagerly, and its logits are no static output.
-        # A step the staged upgrade runs is no replay of the first stage's graphs, whose
-        # static outputs the sampling graphs read.
+        # A step the staged upgrade runs (dispatched to it) is no replay of the first
+        # stage's graphs, whose static outputs the sampling graphs read.
         upgraded = self.staged is not None and self.staged.routes(dispatch)
         replayed = not upgraded and dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
         out = (self.staged or self.manager).run(dispatch, n, attn_metadata=meta)
@@ -412,8 +412,8 @@ class ModelRunner:
         empty ``step`` then runs as a dummy step of padding rows.
         """
         n = step.num_tokens
-        if agreement is None:
-            dispatch = self.graphs.dispatch(n, uniform_decode=step.uniform_decode)
+        if agreement is None:  # (the staged upgrade's routes, where it has moved any)
+            dispatch = (self.staged or self.graphs).dispatch(n, step.uniform_decode)
         else:
             dispatch = self.graphs.dispatch(agreement.num_tokens, agreement.uniform_decode)
             if dispatch.mode is not agreement.mode or dispatch.padded_tokens < n:

@@ -448,3 +448,25 @@ def test_a_logit_bias_takes_a_decode_graph_step_off_its_argmax():
     outs = llm.generate([prompt, prompt], [forced, plain])
     assert outs[0].token_ids == [42] * 8 and outs[1].token_ids == alone.token_ids
     llm.close()
+
+
+def test_penalties_on_decode_graphs_equal_eager_steps():
+    # FULL_AND_PIECEWISE with asynchronous scheduling: a penalized request's step reads
+    # its pending token on the device and picks from its penalized logits; float32, so
+    # the graphs' tokens equal eager steps'; a request without penalties keeps its own.
+    from ostinato.engine import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9, 10], [7] * 10, [5, 6, 7, 8, 9, 10]]
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=1.0),
+        SamplingParams(max_tokens=24, ignore_eos=True),
+    ]
+    got = {}
+    for mode in ("none", "full_and_piecewise"):
+        llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
+                  progress=False)  # fmt: skip
+        got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+    assert got["none"] == got["full_and_piecewise"]
+    assert got["none"][0] != got["none"][2]  # (the penalty changed something)

@@ -121,10 +121,8 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
 
 def test_what_is_not_honoured_is_refused_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(
-            model="smollm2-135m", prompt="hi", max_tokens=4, presence_penalty=0.5
-        )
-    assert exc.value.body["param"] == "presence_penalty"
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, best_of=2)
+    assert exc.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(
             model="smollm2-135m", prompt="hi", max_tokens=4, extra_body={"top_k": 5}

@@ -97,8 +97,6 @@ CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 COMPLETIONS_ONLY = {"echo", "suffix", "best_of"}
 ASKING = {
     "n": (2, 1),
-    "presence_penalty": (0.5, 0),
-    "frequency_penalty": (-0.5, 0.0),
     "top_logprobs": (2, None),
     "suffix": ("end", None),
     "best_of": (2, 1),
@@ -248,6 +246,20 @@ def test_a_stopping_server_aborts_what_is_left_after_its_grace_or_at_a_second_si
     server.handle_exit(signal.SIGINT, None)
     server.handle_exit(signal.SIGINT, None)  # a second signal: at once, not forced
     assert calls == [1, 1] and not server.force_exit
+
+
+def test_penalties_reach_the_engine_within_openais_range(engine):
+    c = client(engine)
+    body = dict(max_tokens=1, presence_penalty=0.5, frequency_penalty=-1.25)
+    assert chat(c, **body).status_code == 200
+    params = engine.submitted[-1][1]
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25)
+    assert complete(c, **body).status_code == 200
+    assert engine.submitted[-1][1].frequency_penalty == -1.25
+    submitted = len(engine.submitted)
+    refused(chat(c, presence_penalty=2.5), "presence_penalty")
+    refused(complete(c, frequency_penalty=-3), "frequency_penalty")
+    assert len(engine.submitted) == submitted
 
 
 def test_a_seed_reaches_the_engine(engine):

@@ -209,8 +209,10 @@ class Engine:
                 "seed: not with speculative decoding, whose verify steps draw from the "
                 "engine's generator; leave seed out, or serve without speculation"
             )
-        if self.speculative is not None and any(p.logit_bias for p in checked):
-            raise ValueError("logit_bias: not with speculative decoding (its verify steps)")
+        adjusts = next((p for p in checked if p.adjusts_logits), None)
+        if self.speculative is not None and adjusts is not None:
+            name = "logit_bias" if adjusts.logit_bias else "presence_penalty / frequency_penalty"
+            raise ValueError(f"{name}: not with speculative decoding (its verify steps)")
         vocab = self.config.vocab_size
         bad = next((t for p in checked for t, _ in p.logit_bias if t >= vocab), None)
         if bad is not None:

@@ -23,7 +23,10 @@ class SamplingParams:
     one (finish reason STOP; the text returned ends before it: ``core.stop_text``).
     ``logit_bias``: (token id, bias) pairs (a dict is taken too) added to the request's
     logits before its token is picked, each bias in [-100, 100] as OpenAI's.
-    Validated on construction."""
+    ``presence_penalty`` / ``frequency_penalty`` (each in [-2, 2], as OpenAI's): subtracted
+    from the logit of every token the request has generated so far, once / once per time
+    it was generated (its output only, not its prompt, as vLLM's). Validated on
+    construction."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -33,6 +36,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -57,6 +62,11 @@ class SamplingParams:
             raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name}: must be a number in [-2, 2], got {value!r}")
+            object.__setattr__(self, name, float(value))
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
 
@@ -64,6 +74,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether tokens are the argmax (temperature 0): the one place that says so."""
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence or frequency penalty applies."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the request's logits change before its token is picked (bias or
+        penalties): its token is then never the model's own argmax."""
+        return bool(self.logit_bias) or self.penalized
 
 
 def _is_real(x: object) -> bool:

@@ -13,6 +13,7 @@ import torch
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.core.transfer import to_device
+from ostinato.engine.sample.adjust import adjusted_logits
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.sampler import sample
 from ostinato.engine.sample.verify import verify
@@ -51,27 +52,33 @@ class StepSampler:
         self.graph_sampler = graph_sampler  # the sampling graphs, one per decode size
 
     def tokens(
-        self, params: Sequence[SamplingParams], out: StepOutput, indices: Sequence[int] = ()
+        self,
+        params: Sequence[SamplingParams],
+        out: StepOutput,
+        indices: Sequence[int] = (),
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per request of the step (``params`` in the step's order; ``indices``:
         the index in its sequence of each token drawn, which a request's ``seed`` is
-        mixed with); a view of a static buffer where a graph chose them, so copy it
-        before the next step. A step with a seeded sampled request samples eagerly."""
+        mixed with; ``history``: ``adjust.output_history``, where a request is
+        penalized); a view of a static buffer where a graph chose them, so copy it
+        before the next step. A step with a seeded sampled request, a logit bias or a
+        penalty samples eagerly."""
         all_greedy = all(p.greedy for p in params)
-        biased = any(p.logit_bias for p in params)
-        if all_greedy and out.greedy is not None and not biased:
+        adjusted = any(p.adjusts_logits for p in params)
+        if all_greedy and out.greedy is not None and not adjusted:
             return out.greedy
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         seeded = _seeded(params, indices)
         graphs = self.graph_sampler is not None and out.graph_size is not None
-        if not all_greedy and graphs and not any(seeded) and not biased:
+        if not all_greedy and graphs and not any(seeded) and not adjusted:
             in_graph = self.graph_sampler.sample(out.graph_size, temperatures, top_ps)
             if in_graph is not None:
                 return in_graph
         temps = to_device(temperatures, torch.float32, self.device)
         tops = to_device(top_ps, torch.float32, self.device)
-        logits = _biased(out.logits, params) if biased else out.logits
+        logits = adjusted_logits(out.logits, params, history) if adjusted else out.logits
         return sample(logits, temps, tops, self.generator, all_greedy, seeded)
 
     def verify(self, step: ScheduledBatch, out: StepOutput) -> list[int | list[int]]:
@@ -90,19 +97,3 @@ def _seeded(params: Sequence[SamplingParams], indices: Sequence[int]) -> list:
         (p.seed, i) if p.seed is not None and not p.greedy else None
         for p, i in zip(params, indices, strict=True)
     ]
-
-
-def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``logits`` with each request's ``logit_bias`` added to its row (a copy, in float32:
-    the step's logits may be a graph's static output)."""
-    rows, ids, values = [], [], []
-    for row, p in enumerate(params):
-        for token, value in p.logit_bias:
-            rows.append(row)
-            ids.append(token)
-            values.append(value)
-    out = logits.float().clone()
-    device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
-    out.index_put_(index, torch.tensor(values, device=device), accumulate=True)
-    return out

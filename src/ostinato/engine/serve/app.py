@@ -275,6 +275,8 @@ class Responder:
                 seed=body.seed,
                 stop=body.stop_strings(),
                 logit_bias=body.bias_pairs(),
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
             )
             return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:

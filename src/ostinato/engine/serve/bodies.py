@@ -41,9 +41,9 @@ class RequestBody(BaseModel):
     seed: StrictInt | None = Field(default=None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = Field(default=None, max_length=4)  # (OpenAI's at most 4)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     top_logprobs: StrictInt | None = None
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -103,8 +103,6 @@ def _no_op(value: Any) -> bool:
 # field -> (whether a value asks for an effect, what the server does not do)
 NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v != 1, "one choice per request (n=1)"),
-    "presence_penalty": (lambda v: v != 0, "presence penalties"),
-    "frequency_penalty": (lambda v: v != 0, "frequency penalties"),
     "logprobs": (lambda v: not _no_op(v), "log probabilities"),
     "top_logprobs": (lambda v: not _no_op(v), "log probabilities"),
     "suffix": (lambda v: not _no_op(v), "suffixes (insertion)"),

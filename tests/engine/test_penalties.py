@@ -1,0 +1,109 @@
+"""Presence and frequency penalties: subtracted on the device from the logits of the tokens
+a request has generated so far (its pending token included, read on the device under
+asynchronous scheduling), checked against a direct computation over transformers'
+logits on the same weights; a request without them is untouched."""
+
+import pytest
+import torch
+from hf_models import write_checkpoint
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.engine.core.scheduler import Request, ScheduledRequest
+from ostinato.engine.sample.adjust import adjusted_logits, output_history
+
+VOCAB = 50
+
+
+def _scheduled(rid, output, params, pending=0):
+    r = Request(rid, [1, 2, 3], params, output=list(output), num_pending=pending)
+    return ScheduledRequest(r, [0], len(r.prompt) + len(output))
+
+
+def test_penalties_and_bias_against_a_direct_computation():
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB)
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 2.0}),
+        SamplingParams(),  # untouched
+        SamplingParams(frequency_penalty=-1.5),
+        SamplingParams(presence_penalty=2.0),
+    ]
+    outputs = [[3, 7, 7, 9], [7, 7], [1, 1, 1], []]
+    pending = [1, 1, 0, 1]
+    # the last step's tokens, still on the device: request i's at row index[i]
+    previous = (torch.tensor([11, 7, 40]), {0: 1, 1: 0, 3: 2})
+    scheduled = [
+        _scheduled(i, o, p, n)
+        for i, (o, p, n) in enumerate(zip(outputs, params, pending, strict=True))
+    ]
+    history = output_history(scheduled, previous, VOCAB, torch.device("cpu"))
+    got = adjusted_logits(logits, params, history)
+    full = [[3, 7, 7, 9, 7], [], [1, 1, 1], [40]]  # what each has generated, pending last
+    want = logits.clone()
+    for row, (p, tokens) in enumerate(zip(params, full, strict=True)):
+        for token in set(tokens):
+            want[row, token] -= p.presence_penalty + p.frequency_penalty * tokens.count(token)
+        for token, bias in p.logit_bias:
+            want[row, token] += bias
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], logits[1])
+
+
+def test_penalties_must_be_in_openais_range():
+    for name in ("presence_penalty", "frequency_penalty"):
+        for bad in (2.5, -2.01, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: bad})
+    assert SamplingParams(frequency_penalty=2).frequency_penalty == 2.0
+    assert not SamplingParams().penalized and SamplingParams(presence_penalty=-1).penalized
+
+
+def _reference(hf, prompt, n, presence, frequency):
+    """Greedy decoding over transformers' logits with the penalties applied by hand."""
+    tokens = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, -1].float()
+        for token in set(tokens):
+            logits[token] -= presence + frequency * tokens.count(token)
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_checkpoint("LlamaForCausalLM", path)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_penalized_greedy_tokens_equal_a_direct_computation(model, async_scheduling):
+    path, hf = model
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype=torch.float32,
+        max_model_len=96,
+        max_num_seqs=4,
+        async_scheduling=async_scheduling,
+        progress=False,
+    )
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [7] * 12]
+    penalties = [(0.0, 1.5), (1.0, 0.0), (0.5, -0.5)]
+    params = [
+        SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=p, frequency_penalty=f)
+        for p, f in penalties
+    ]
+    plain = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = llm.generate([*prompts, prompts[0]], [*params, plain])  # one batch, mixed
+    for prompt, (p, f), out in zip(prompts, penalties, outs[:3], strict=True):
+        assert out.token_ids == _reference(hf, prompt, 20, p, f), (p, f)
+    assert outs[3].token_ids == _reference(hf, prompts[0], 20, 0.0, 0.0)
+    assert outs[0].token_ids != outs[3].token_ids  # (the penalty changed something)
+    llm.close()
+
+
+def test_penalties_are_refused_with_speculative_decoding():
+    llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
+    with pytest.raises(ValueError, match="presence_penalty / frequency_penalty: not with"):
+        llm.generate([[1, 2, 3]], SamplingParams(frequency_penalty=1.0))

@@ -45,6 +45,14 @@ def write_checkpoint(arch: str, folder: Path, seed: int = 0, **overrides) -> tor
     return model
 
 
+def cpu_engine(folder: Path, **kw):
+    """An ``LLM`` over the checkpoint in ``folder`` on the CPU in float32, small limits."""
+    from ostinato.engine import LLM
+
+    base = dict(device="cpu", dtype=torch.float32, max_model_len=96, max_num_seqs=4)
+    return LLM(str(folder), progress=False, **{**base, **kw})
+
+
 def assert_greedy_matches_hf(llm, hf, prompts, max_tokens, pad_token_id=0):
     """Greedy tokens of our engine equal ``hf.generate``'s for each prompt (EOS ignored)."""
     from ostinato.engine import SamplingParams

@@ -470,3 +470,31 @@ def test_penalties_on_decode_graphs_equal_eager_steps():
         llm.close()
     assert got["none"] == got["full_and_piecewise"]
     assert got["none"][0] != got["none"][2]  # (the penalty changed something)
+
+
+def test_logprobs_from_decode_graphs_equal_eager_steps():
+    # FULL_AND_PIECEWISE, asynchronous scheduling: the log probabilities are computed on
+    # the device from the decode graphs' static logits and copied back with the tokens;
+    # float32, so they equal eager steps' (greedy, and a sampled request with a seed).
+    from ostinato.engine import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9, 10], [7] * 10, [11, 12]]
+    params = [
+        SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0, temperature=1.0, seed=7),
+        SamplingParams(max_tokens=16, ignore_eos=True),
+    ]
+    got = {}
+    for mode in ("none", "full_and_piecewise"):
+        llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
+                  progress=False)  # fmt: skip
+        got[mode] = llm.generate(prompts, params)
+        llm.close()
+    for eager, graphed in zip(got["none"], got["full_and_piecewise"], strict=True):
+        assert eager.token_ids == graphed.token_ids
+        if eager.logprobs is None:
+            assert graphed.logprobs is None
+            continue
+        for a, b in zip(eager.logprobs, graphed.logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]

@@ -5,7 +5,7 @@ logits on the same weights; a request without them is untouched."""
 
 import pytest
 import torch
-from hf_models import write_checkpoint
+from hf_models import cpu_engine, write_checkpoint
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledRequest
@@ -79,15 +79,7 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_penalized_greedy_tokens_equal_a_direct_computation(model, async_scheduling):
     path, hf = model
-    llm = LLM(
-        str(path),
-        device="cpu",
-        dtype=torch.float32,
-        max_model_len=96,
-        max_num_seqs=4,
-        async_scheduling=async_scheduling,
-        progress=False,
-    )
+    llm = cpu_engine(path, async_scheduling=async_scheduling)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [7] * 12]
     penalties = [(0.0, 1.5), (1.0, 0.0), (0.5, -0.5)]
     params = [

@@ -72,6 +72,38 @@ def test_chat_plain_and_streamed_agree(client):
     assert "".join(pieces) == text
 
 
+def test_logprobs_through_the_client_equal_offline(client, offline):
+    # Chat (whole and streamed) and completions, each in OpenAI's shape, their values
+    # the offline engine's for the same greedy tokens.
+    messages = [{"role": "user", "content": QUESTION}]
+    kw = dict(model="smollm2-135m", max_tokens=6, temperature=0)
+    (want,) = offline.chat([messages], SamplingParams(max_tokens=6, logprobs=3))
+    whole = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, **kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) == len(want.logprobs)
+    for entry, lp in zip(content, want.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(lp.logprob, abs=1e-3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [v for _, v in lp.top], abs=1e-3
+        )
+        assert entry.token == offline.decode([lp.token_id])
+        assert bytes(entry.bytes).decode() == entry.token
+    streamed = client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=3, stream=True, **kw
+    )
+    pieces = [e for c in streamed if c.choices and c.choices[0].logprobs
+              for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [e.logprob for e in pieces] == [e.logprob for e in content]
+    prompt = "The history of the Roman Empire begins with"
+    (want,) = offline.generate([prompt], SamplingParams(max_tokens=6, logprobs=2))
+    got = client.completions.create(prompt=prompt, logprobs=2, **kw).choices[0]
+    assert got.logprobs.token_logprobs == pytest.approx(
+        [lp.logprob for lp in want.logprobs], abs=1e-3
+    )
+    assert "".join(got.logprobs.tokens) == got.text
+    assert got.logprobs.text_offset[0] == 0 and all(len(d) == 2 for d in got.logprobs.top_logprobs)
+
+
 def test_a_streaming_client_that_disconnects_aborts_its_request(client, server):
     before = metric(server, "ostinato_aborted_requests_total")
     stream = client.completions.create(

@@ -97,7 +97,6 @@ CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 COMPLETIONS_ONLY = {"echo", "suffix", "best_of"}
 ASKING = {
     "n": (2, 1),
-    "top_logprobs": (2, None),
     "suffix": ("end", None),
     "best_of": (2, 1),
     "tools": ([{"type": "function"}], None),
@@ -107,7 +106,7 @@ ASKING = {
 }
 
 
-@pytest.mark.parametrize("field", sorted(set(NOT_HONOURED) - {"logprobs"}))
+@pytest.mark.parametrize("field", sorted(NOT_HONOURED))
 def test_what_is_not_honoured_is_refused_by_name_and_its_no_op_accepted(engine, field):
     asking, no_op = ASKING[field]
     send = complete if field in COMPLETIONS_ONLY else chat
@@ -118,11 +117,22 @@ def test_what_is_not_honoured_is_refused_by_name_and_its_no_op_accepted(engine, 
     assert send(c, max_tokens=2, **{field: no_op}).status_code == 200
 
 
-def test_logprobs_are_refused_in_both_shapes(engine):
+def test_logprobs_reach_the_engine_in_both_shapes(engine):
     c = client(engine)
-    refused(chat(c, logprobs=True), "logprobs")
-    refused(complete(c, logprobs=2), "logprobs")
+    assert chat(c, logprobs=True, top_logprobs=4, max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].logprobs == 4
+    assert chat(c, logprobs=True, max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].logprobs == 0
     assert chat(c, logprobs=False, max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].logprobs is None
+    assert complete(c, logprobs=2, max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].logprobs == 2
+    submitted = len(engine.submitted)
+    refused(chat(c, top_logprobs=2), "top_logprobs")  # (needs logprobs: true)
+    refused(chat(c, logprobs=True, top_logprobs=21), "top_logprobs")
+    refused(complete(c, logprobs=2, echo=True), "logprobs")
+    refused(complete(c, logprobs=-1), "logprobs")
+    assert len(engine.submitted) == submitted
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ _HOMES = {
     "SamplingParams": "ostinato.engine.core.params",
     "FinishReason": "ostinato.engine.core.scheduler",
     "SpeculativeConfig": "ostinato.engine.spec.speculative",
+    "TokenLogprob": "ostinato.engine.core.logprob",
 }
 
 __all__ = [
@@ -41,12 +42,14 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
+    "TokenLogprob",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
     from ostinato.engine.api.engine import Engine
     from ostinato.engine.api.engine_args import CacheArgs, EngineArgs, GraphArgs, ParallelArgs
     from ostinato.engine.api.llm import LLM, RequestOutput
+    from ostinato.engine.core.logprob import TokenLogprob
     from ostinato.engine.core.params import SamplingParams
     from ostinato.engine.core.scheduler import FinishReason
     from ostinato.engine.kernels.options import KernelOptions

@@ -209,6 +209,8 @@ class Engine:
                 "seed: not with speculative decoding, whose verify steps draw from the "
                 "engine's generator; leave seed out, or serve without speculation"
             )
+        if self.speculative is not None and any(p.logprobs is not None for p in checked):
+            raise ValueError("logprobs: not with speculative decoding (its verify steps)")
         adjusts = next((p for p in checked if p.adjusts_logits), None)
         if self.speculative is not None and adjusts is not None:
             name = "logit_bias" if adjusts.logit_bias else "presence_penalty / frequency_penalty"

@@ -17,6 +17,7 @@ from ostinato.engine.api.engine import Engine, Session, Tracked
 from ostinato.engine.api.engine_args import EngineArgs
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.api.startup import build, check_args
+from ostinato.engine.core.logprob import TokenLogprob
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import FinishReason, Request
 from ostinato.engine.parallel.peers import Peers
@@ -28,13 +29,15 @@ TokenCallback = Callable[[int, int], None]
 
 @dataclass
 class RequestOutput:
-    """One prompt's result, in the order the prompts were given."""
+    """One prompt's result, in the order the prompts were given. ``logprobs``: one per
+    token of ``token_ids`` where ``SamplingParams.logprobs`` asked, else None."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: FinishReason
     text: str | None = None
     request_id: str = ""  # the id given to generate, or the one it made up
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _part(name: str, doc: str) -> property:
@@ -266,7 +269,8 @@ class LLM:
         r, stop = t.request, t.request.stop_text  # (the text ends before a stop string)
         text = self.decode(r.output) if self.tokenizer is not None else None
         text = stop.cut(text) if stop is not None and text else text
-        return RequestOutput(r.prompt, r.output, r.finish_reason, text, t.request_id)
+        logprobs = list(r.logprobs) if r.params.logprobs is not None else None
+        return RequestOutput(r.prompt, r.output, r.finish_reason, text, t.request_id, logprobs)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Releases every graph and, under tensor parallelism, leaves the process group

@@ -14,6 +14,7 @@ from ostinato.distributed.failure import RankFailure, wait_for_device
 from ostinato.distributed.groups import ParallelGroups
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, Scheduler
 from ostinato.engine.sample.adjust import output_history
+from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.step_sampler import StepOutput, StepSampler
 from ostinato.engine.spec.speculative import SpeculativeStats
 from ostinato.engine.worker.inputs import PreviousSample
@@ -24,14 +25,16 @@ from ostinato.ubatch.slicing import can_split
 @dataclass(frozen=True)
 class InFlight:
     """A step on the device: its batch, its sampled tokens (device), their host copy
-    (pinned, filled asynchronously) and the event that marks the copy done (None on
-    the CPU, where it is done already)."""
+    (pinned, filled asynchronously), the host copy of their log probabilities where a
+    request asked, and the event that marks the copies done (None on the CPU, where
+    they are done already)."""
 
     step: ScheduledBatch
     sampled: PreviousSample
     host: torch.Tensor
     done: torch.cuda.Event | None
     resolved: list[int | list[int]] | None = None  # a verify step's tokens, already known
+    logprobs: StepLogprobs | None = None
 
 
 class StepLoop:
@@ -80,16 +83,20 @@ class StepLoop:
             inflight = launched
             yield
 
-    def copy_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Starts copying ``tokens`` to the host; the event marks it done (None: done)."""
+    def copy_back(
+        self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None
+    ) -> tuple[torch.Tensor, StepLogprobs | None, torch.cuda.Event | None]:
+        """Starts copying ``tokens`` (and ``logprobs``) to the host; the event marks it
+        done (None: done)."""
+        host_logprobs = logprobs.to_host() if logprobs is not None else None
         if self.device.type == "cuda":
             host = tokens.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return host, done
+            return host, host_logprobs, done
         # A copy, always: ``tokens`` may be a view of a graph's static output, which
         # the next step's replay overwrites before this step is resolved.
-        return tokens.to("cpu", copy=True), None
+        return tokens.to("cpu", copy=True), host_logprobs, None
 
     def wait_copy(self, done: torch.cuda.Event | None) -> None:
         """Waits for a copy back; under tensor or data parallelism the wait is bounded
@@ -173,10 +180,11 @@ class StepLoop:
             indices = [s.start + len(s.tokens) for s in step.scheduled]
             history = self._history(step, out, previous)
             tokens = self.sampler.tokens(params, out, indices, history)
+            logprobs = self.sampler.logprobs(params, out, tokens)
             self.scheduler.launched(step)
             index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
-            host, done = self.copy_back(tokens)
-        return InFlight(step, PreviousSample(tokens, index), host, done)
+            host, host_logprobs, done = self.copy_back(tokens, logprobs)
+        return InFlight(step, PreviousSample(tokens, index), host, done, None, host_logprobs)
 
     def _history(
         self, step: ScheduledBatch, out: StepOutput, previous: InFlight | None
@@ -204,4 +212,9 @@ class StepLoop:
         if launched.resolved is not None:
             return self.scheduler.resolve(launched.step, launched.resolved)
         self.wait_copy(launched.done)
-        return self.scheduler.resolve(launched.step, launched.host.tolist())
+        tokens = launched.host.tolist()
+        logprobs = launched.logprobs
+        if logprobs is None:
+            return self.scheduler.resolve(launched.step, tokens)
+        params = [s.request.params for s in launched.step.scheduled]
+        return self.scheduler.resolve(launched.step, tokens, logprobs.entries(params, tokens))

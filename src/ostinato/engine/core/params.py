@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from ostinato.mathutil import is_int
 
+MAX_LOGPROBS = 20
+"""The most alternatives a token's log probability comes with (OpenAI's top_logprobs)."""
+
 MIN_TEMPERATURE = 1e-5
 """Below this a temperature means greedy (logits of ~100 over it still fit in float32)."""
 
@@ -25,7 +28,9 @@ class SamplingParams:
     logits before its token is picked, each bias in [-100, 100] as OpenAI's.
     ``presence_penalty`` / ``frequency_penalty`` (each in [-2, 2], as OpenAI's): subtracted
     from the logit of every token the request has generated so far, once / once per time
-    it was generated (its output only, not its prompt, as vLLM's). Validated on
+    it was generated (its output only, not its prompt, as vLLM's). ``logprobs``: None,
+    or the number (0 to ``MAX_LOGPROBS``) of most likely alternatives to report with each
+    generated token's log probability (``core.logprob.TokenLogprob``). Validated on
     construction."""
 
     max_tokens: int = 16
@@ -38,6 +43,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -67,6 +73,9 @@ class SamplingParams:
             if not _is_real(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name}: must be a number in [-2, 2], got {value!r}")
             object.__setattr__(self, name, float(value))
+        k = self.logprobs
+        if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ostinato.engine.core.kv_cache import BlockPool, blocks_needed
 from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.logprob import TokenLogprob
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.stop_text import Decode, StopText
 
@@ -41,6 +42,7 @@ class Request:
     num_preemptions: int = 0
     num_pending: int = 0
     stop_text: StopText | None = None  # its stop strings, where it has any
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
 
     @property
     def num_tokens(self) -> int:
@@ -298,16 +300,21 @@ class Scheduler:
                 s.request.num_pending += 1
 
     def resolve(
-        self, step: ScheduledBatch, sampled: Sequence[int | Sequence[int]]
+        self,
+        step: ScheduledBatch,
+        sampled: Sequence[int | Sequence[int]],
+        logprobs: Sequence[TokenLogprob | None] = (),
     ) -> list[Request]:
         """Replaces ``step``'s pending tokens by ``sampled`` (one entry per scheduled
         request: a token, or for a request that verified a draft the tokens it accepted
         plus the one after) and applies the stop conditions to each token in turn;
-        returns the requests that finished.
+        returns the requests that finished. ``logprobs``: per scheduled request, its
+        token's ``TokenLogprob`` where it asked for them (a step without any: empty),
+        kept with the token.
         A token sampled for a request that finished meanwhile (an asynchronous step
         launched before its stop token was known) is dropped."""
         done = []
-        for s, got in zip(step.scheduled, sampled, strict=True):
+        for i, (s, got) in enumerate(zip(step.scheduled, sampled, strict=True)):
             req = s.request
             if not s.samples:
                 continue
@@ -319,6 +326,9 @@ class Scheduler:
                 # Accepted drafts and one more: K/V is valid for the inputs up to the last
                 # accepted draft; the rejected drafts' slots are written again later.
                 req.num_cached = s.start + len(tokens)
+            logprob = logprobs[i] if logprobs else None
+            if logprob is not None:
+                req.logprobs.append(logprob)  # (one token: verify steps have none)
             for token in tokens:
                 req.output.append(token)
                 if self._finish(req, token):

@@ -15,6 +15,7 @@ from ostinato.engine.core.scheduler import ScheduledBatch
 from ostinato.engine.core.transfer import to_device
 from ostinato.engine.sample.adjust import adjusted_logits
 from ostinato.engine.sample.graph_sampler import GraphSampler
+from ostinato.engine.sample.logprobs import StepLogprobs, wanted
 from ostinato.engine.sample.sampler import sample
 from ostinato.engine.sample.verify import verify
 
@@ -80,6 +81,15 @@ class StepSampler:
         tops = to_device(top_ps, torch.float32, self.device)
         logits = adjusted_logits(out.logits, params, history) if adjusted else out.logits
         return sample(logits, temps, tops, self.generator, all_greedy, seeded)
+
+    def logprobs(
+        self, params: Sequence[SamplingParams], out: StepOutput, tokens: torch.Tensor
+    ) -> StepLogprobs | None:
+        """The log probabilities of the step's ``tokens`` (``tokens``' result) and their
+        alternatives, from the raw logits, where a request asked (``StepLogprobs``);
+        None where none did. Queued on the device, like the tokens."""
+        k = wanted(params)
+        return None if k is None else StepLogprobs.of(out.logits, tokens, k)
 
     def verify(self, step: ScheduledBatch, out: StepOutput) -> list[int | list[int]]:
         """Per request of a verify step: its sampled token, or the draft tokens it keeps

@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -39,6 +40,7 @@ from ostinato.engine.serve.bodies import (
     refusal,
 )
 from ostinato.engine.serve.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
+from ostinato.engine.serve.logprob_shapes import LogprobShapes
 from ostinato.engine.serve.loop import EngineStatus, RequestHandle
 from ostinato.replay_stats import StatsSnapshot
 
@@ -228,11 +230,14 @@ class Responder:
     async def __call__(self, body: RequestBody, request: Request, chat: bool) -> Response:
         handle = await self._submit(body, chat)
         kind = "chatcmpl" if chat else "cmpl"
-        meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name)
+        meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name, chat)
+        echo = self._echo(body, handle)
+        shapes = None
+        if body.asked_logprobs() is not None:
+            shapes = LogprobShapes(chat, self._token_text, len(echo))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            stop, echo = self._stop_text(body), self._echo(body, handle)
-            events = self._stream(handle, meta, chat, usage, stop, echo)
+            events = self._stream(handle, meta, _Extras(usage, self._stop_text(body), echo, shapes))
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
@@ -242,7 +247,15 @@ class Responder:
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
         stop = self._stop_text(body)
         text = stop.cut(text) if stop is not None else text  # (never the stop string)
-        return JSONResponse(meta.whole(self._echo(body, handle) + text, tokens, handle, chat))
+        logprobs = shapes.piece(handle.logprobs[: len(tokens)]) if shapes is not None else None
+        return JSONResponse(meta.whole(echo + text, tokens, handle, logprobs))
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text in log probabilities (its id where the model has no tokenizer,
+        as vLLM writes it)."""
+        if self.engine.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.engine.decode([token_id])
 
     def _echo(self, body: RequestBody, handle: RequestHandle) -> str:
         """The prompt's text where a completion asks for it first (``echo``), else ""."""
@@ -277,6 +290,7 @@ class Responder:
                 logit_bias=body.bias_pairs(),
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
+                logprobs=body.asked_logprobs(),
             )
             return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:
@@ -344,79 +358,105 @@ class Responder:
         self._abort(handle)
 
     async def _stream(
-        self,
-        handle: RequestHandle,
-        meta: _Meta,
-        chat: bool,
-        usage: bool,
-        stop: StopText | None,
-        echo: str = "",
+        self, handle: RequestHandle, meta: _Meta, extras: _Extras
     ) -> AsyncIterator[str]:
         """One event per chunk of tokens whose text is whole (tokens that end inside a
-        multi-byte character wait for the rest, and travel with it); the last event
-        carries the finish reason and any text still held back; with ``usage``
-        (``stream_options.include_usage``) every event has ``usage: null`` and one more,
-        with no choices, carries the request's token counts. No event carries a stop
-        string, nor text that may begin one before the next tokens say. ``echo`` (the
-        prompt's text) comes first, in an event of its own."""
+        multi-byte character wait for the rest, and travel with it, with their log
+        probabilities where asked); the last event carries the finish reason and any
+        text still held back; with ``usage`` (``stream_options.include_usage``) every
+        event has ``usage: null`` and one more, with no choices, carries the request's
+        token counts. No event carries a stop string, nor text that may begin one before
+        the next tokens say. ``echo`` (the prompt's text) comes first, in an event of
+        its own."""
         decode = self.engine.decode if self.engine.tokenizer is not None else _no_text
-        text = TextStream(decode, stop)
+        text = TextStream(decode, extras.stop)
         finished, waiting, produced = False, [], 0
         try:
-            if echo:
-                yield _sse(meta.chunk(echo, [], None, chat, usage))
+            if extras.echo:
+                yield _sse(meta.chunk(extras.echo, [], None, extras.usage))
             async for chunk in self._timed(handle):
                 delta = text.push(chunk)
                 waiting += chunk
                 produced += len(chunk)
                 if delta:
-                    yield _sse(meta.chunk(delta, waiting, None, chat, usage))
+                    logprobs = extras.logprobs(handle, produced - len(waiting), waiting)
+                    yield _sse(meta.chunk(delta, waiting, None, extras.usage, logprobs))
                     waiting = []
             finished = True
-            yield _sse(meta.chunk(text.rest(), waiting, _finish(handle), chat, usage))
-            if usage:
-                yield _sse(
-                    {**meta.head(chat, True), "choices": [], "usage": _usage(handle, produced)}
-                )
+            logprobs = extras.logprobs(handle, produced - len(waiting), waiting)
+            yield _sse(meta.chunk(text.rest(), waiting, _finish(handle), extras.usage, logprobs))
+            if extras.usage:
+                usage = _usage(handle, produced)
+                yield _sse({**meta.head(True), "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
                 self._abort(handle)
 
 
+@dataclass(frozen=True)
+class _Extras:
+    """What a stream adds to its tokens' text: usage, stop strings, the echoed prompt and
+    the log probabilities' shapes (None: not asked)."""
+
+    usage: bool
+    stop: StopText | None
+    echo: str
+    shapes: LogprobShapes | None
+
+    def logprobs(self, handle: RequestHandle, start: int, tokens: list[int]) -> dict | None:
+        """The ``logprobs`` of an event holding ``tokens``, from the ``start``-th on."""
+        if self.shapes is None or not tokens:
+            return None
+        return self.shapes.piece(handle.logprobs[start : start + len(tokens)])
+
+
 class _Meta:
-    """The id, creation time and model of one response, and its JSON bodies."""
+    """The id, creation time, model and route (chat or completions) of one response, and
+    its JSON bodies; a choice has ``logprobs`` where the request asked for them."""
 
-    def __init__(self, response_id: str, model: str) -> None:
+    def __init__(self, response_id: str, model: str, chat: bool) -> None:
         self.id, self.model, self.created = response_id, model, int(time.time())
+        self.chat = chat
 
-    def head(self, chat: bool, chunk: bool) -> dict[str, Any]:
-        kind = "chat.completion" if chat else "text_completion"
+    def head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.id,
-            "object": f"{kind}.chunk" if chat and chunk else kind,
+            "object": f"{kind}.chunk" if self.chat and chunk else kind,
             "created": self.created,
             "model": self.model,
         }
 
     def chunk(
-        self, text: str, tokens: list[int], finish: str | None, chat: bool, usage: bool
+        self,
+        text: str,
+        tokens: list[int],
+        finish: str | None,
+        usage: bool,
+        logprobs: dict | None = None,
     ) -> dict:
-        if chat:
+        if self.chat:
             choice = {"index": 0, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": 0, "text": text, "token_ids": tokens}
-        body = {**self.head(chat, True), "choices": [{**choice, "finish_reason": finish}]}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        body = {**self.head(True), "choices": [{**choice, "finish_reason": finish}]}
         return {**body, "usage": None} if usage else body
 
-    def whole(self, text: str, tokens: list[int], handle: RequestHandle, chat: bool) -> dict:
+    def whole(
+        self, text: str, tokens: list[int], handle: RequestHandle, logprobs: dict | None
+    ) -> dict:
         finish = _finish(handle)
-        if chat:
+        if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text, "token_ids": tokens}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return {
-            **self.head(chat, False),
+            **self.head(False),
             "choices": [{**choice, "finish_reason": finish}],
             "usage": _usage(handle, len(tokens)),
         }

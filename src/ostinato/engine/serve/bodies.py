@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from ostinato.engine.core.params import MAX_LOGPROBS
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -43,8 +45,11 @@ class RequestBody(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
-    top_logprobs: StrictInt | None = None
+
+    def asked_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` as the body asks (None: no log probabilities);
+        ``ValueError`` naming the field where they cannot be given."""
+        return None
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; ``ValueError`` for a key that is no
@@ -74,10 +79,18 @@ class RequestBody(BaseModel):
 
 class CompletionBody(RequestBody):
     prompt: str | list[StrictInt]
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+    # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
     suffix: str | None = None
     best_of: StrictInt | None = None
+
+    def asked_logprobs(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise ValueError(
+                "logprobs: not with echo (the prompt's log probabilities are not computed)"
+            )
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -90,10 +103,17 @@ class ChatMessage(BaseModel):
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Not honoured yet (``NOT_HONOURED``): accepted at their no-op values only.
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
+
+    def asked_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _no_op(value: Any) -> bool:
@@ -103,8 +123,6 @@ def _no_op(value: Any) -> bool:
 # field -> (whether a value asks for an effect, what the server does not do)
 NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v != 1, "one choice per request (n=1)"),
-    "logprobs": (lambda v: not _no_op(v), "log probabilities"),
-    "top_logprobs": (lambda v: not _no_op(v), "log probabilities"),
     "suffix": (lambda v: not _no_op(v), "suffixes (insertion)"),
     "best_of": (lambda v: v not in (None, 1), "best-of sampling"),
     "tools": (lambda v: not _no_op(v), "tool calls"),

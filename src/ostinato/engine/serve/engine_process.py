@@ -241,6 +241,8 @@ def _portable(events: list[TokenEvent]) -> list[TokenEvent]:
     return [
         e
         if e.error is None
-        else TokenEvent(e.request_id, e.tokens, e.ended, e.finish, RuntimeError(str(e.error)))
+        else TokenEvent(
+            e.request_id, e.tokens, e.ended, e.finish, RuntimeError(str(e.error)), e.logprobs
+        )
         for e in events
     ]

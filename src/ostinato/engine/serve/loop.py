@@ -30,6 +30,7 @@ from typing import Any
 from ostinato.engine.api.engine import Session, Tracked
 from ostinato.engine.api.llm import LLM
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
+from ostinato.engine.core.logprob import TokenLogprob
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import FinishReason
 from ostinato.replay_stats import StatsSnapshot
@@ -57,14 +58,16 @@ class LoopStats:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """What one step did to one request: its new tokens and, if it ended, why (or the
-    error that ended it). A step's events travel together (``EngineLoop``'s ``publish``)."""
+    """What one step did to one request: its new tokens (with their log probabilities
+    where it asked) and, if it ended, why (or the error that ended it). A step's events
+    travel together (``EngineLoop``'s ``publish``)."""
 
     request_id: str
     tokens: list[int]
     ended: bool = False
     finish: FinishReason | None = None
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,12 +87,15 @@ class EngineStatus:
 class RequestHandle:
     """One request: its ``id``, a blocking iterator (``for token in handle``) and an async
     one (``async for token in handle``) over its token ids, and, once they end,
-    ``finish_reason``. An iterator raises the engine's error if the request failed."""
+    ``finish_reason``. An iterator raises the engine's error if the request failed.
+    ``logprobs``: where the request asked, one per token, each there before the
+    iterators hand out its token."""
 
     def __init__(self, request_id: str, prompt: list[int], aloop: Any = None) -> None:
         self.id = request_id
         self.prompt = prompt
         self.finish_reason: FinishReason | None = None
+        self.logprobs: list[TokenLogprob] = []
         self._aloop = aloop
         self._queue: queue.Queue[Any] = queue.Queue()
         self._aqueue: asyncio.Queue[Any] | None = asyncio.Queue() if aloop is not None else None
@@ -215,6 +221,8 @@ class Handles:
                 handle = self._by_id.get(e.request_id)
                 if handle is None:
                     continue
+                if e.logprobs:
+                    handle.logprobs.extend(e.logprobs)  # (before the tokens are handed out)
                 if e.tokens:
                     handle._put(e.tokens, post)
                 if e.ended:
@@ -407,22 +415,31 @@ class EngineLoop:
         """Each request's new tokens; the finished (or aborted) ones end."""
         events = []
         for request_id, live in list(self._live.items()):
+            start = live.emitted
             new = live.take()
             self.stats.tokens += len(new)
+            asked = live.request.params.logprobs is not None
+            logprobs = live.request.logprobs[start : start + len(new)] if asked else None
             if live.finish_reason is not None:
                 del self._live[request_id]
-                events.append(self._ended(request_id, live.finish_reason, new))
+                events.append(self._ended(request_id, live.finish_reason, new, logprobs))
             elif new:
-                events.append(TokenEvent(request_id, new))
+                events.append(TokenEvent(request_id, new, logprobs=logprobs))
         return events
 
-    def _ended(self, request_id: str, reason: FinishReason | None, new: list[int]) -> TokenEvent:
+    def _ended(
+        self,
+        request_id: str,
+        reason: FinishReason | None,
+        new: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> TokenEvent:
         self._engine.end(request_id)
         if reason is FinishReason.ABORT:
             self.stats.aborted += 1
         elif reason is not None:
             self.stats.finished += 1
-        return TokenEvent(request_id, new, True, reason)
+        return TokenEvent(request_id, new, True, reason, logprobs=logprobs)
 
     def _end_all(
         self, reason: FinishReason | None, error: BaseException | None, session: Session

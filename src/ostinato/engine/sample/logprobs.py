@@ -1,0 +1,60 @@
+"""Log probabilities of a step's tokens (``SamplingParams.logprobs``): computed on the
+device from the step's raw logits, copied back with its tokens, and turned into one
+``TokenLogprob`` per request that asked, once the host has them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.engine.core.logprob import TokenLogprob
+from ostinato.engine.core.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """Per row of a step: ``chosen``, its token's log probability (``[rows]``), and
+    ``top_ids`` / ``top_values``, its ``k`` most likely tokens' (``[rows, k]``, k the
+    most any request of the step asked for), on the device or, after ``to_host``, on
+    the host."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_values: torch.Tensor
+
+    @staticmethod
+    def of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> StepLogprobs:
+        """From ``logits`` (``[rows, vocab]``, any float dtype: log-softmax in float32)
+        and each row's chosen token (``[rows]``)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, tokens.long()[:, None]).squeeze(1)
+        top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        return StepLogprobs(chosen, top[1], top[0])
+
+    def to_host(self) -> StepLogprobs:
+        """A host copy (asynchronous from CUDA: read it after the step's copy event)."""
+        cuda = self.chosen.device.type == "cuda"
+        copy = {"non_blocking": True} if cuda else {"copy": True}
+        return StepLogprobs(
+            *(t.to("cpu", **copy) for t in (self.chosen, self.top_ids, self.top_values))
+        )
+
+    def entries(
+        self, params: Sequence[SamplingParams], tokens: Sequence[int]
+    ) -> list[TokenLogprob | None]:
+        """Per row (host copies), the request's ``TokenLogprob`` where it asked, else None."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        out: list[TokenLogprob | None] = []
+        for i, (p, token) in enumerate(zip(params, tokens, strict=True)):
+            k = p.logprobs
+            top = tuple(zip(ids[i][:k], values[i][:k], strict=True)) if k else ()
+            out.append(None if k is None else TokenLogprob(token, chosen[i], top))
+        return out
+
+
+def wanted(params: Sequence[SamplingParams]) -> int | None:
+    """The most alternatives a request of the step asked for; None where none asked."""
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return max(asked) if asked else None

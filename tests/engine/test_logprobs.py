@@ -1,0 +1,68 @@
+"""Log probabilities (``SamplingParams(logprobs=k)``): each generated token's, and its k
+most likely alternatives', equal the log-softmax of transformers' logits on the same
+weights (float32, CPU), greedy or sampled, batched with requests that ask for none."""
+
+import pytest
+import torch
+from hf_models import cpu_engine, write_checkpoint
+
+from ostinato.engine import LLM, SamplingParams, TokenLogprob
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_checkpoint("LlamaForCausalLM", path)
+
+
+def _reference(hf, prompt, tokens):
+    """transformers' log-softmax at each generated position ([len(tokens), vocab])."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+
+
+def _check(hf, prompt, out, k):
+    ref = _reference(hf, prompt, out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids)
+    for t, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert isinstance(lp, TokenLogprob) and lp.token_id == token
+        assert lp.logprob == pytest.approx(ref[t, token].item(), abs=1e-4)
+        assert len(lp.top) == k
+        want = ref[t].topk(k)
+        assert [i for i, _ in lp.top] == want.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(want.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_logprobs_equal_transformers_log_softmax(model, async_scheduling):
+    path, hf = model
+    llm = cpu_engine(path, async_scheduling=async_scheduling)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [7] * 12, [3, 4]]
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0, temperature=1.0, seed=3),
+        SamplingParams(max_tokens=12, ignore_eos=True),  # asks for none
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=20, top_p=0.5, temperature=0.7),
+    ]
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        if p.logprobs is None:
+            assert out.logprobs is None
+        else:
+            _check(hf, prompt, out, p.logprobs)
+    (alone,) = llm.generate([prompts[0]], params[0])
+    assert alone.token_ids == outs[0].token_ids
+    assert [lp.logprob for lp in alone.logprobs] == pytest.approx(
+        [lp.logprob for lp in outs[0].logprobs], abs=1e-5
+    )
+    llm.close()
+
+
+def test_logprobs_are_checked_and_refused_with_speculative_decoding():
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+    llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
+    with pytest.raises(ValueError, match="logprobs: not with speculative decoding"):
+        llm.generate([[1, 2, 3]], SamplingParams(logprobs=2))

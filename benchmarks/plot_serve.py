@@ -1,6 +1,7 @@
 """Plots server throughput over offline ``generate`` against the number of concurrent
 clients, per model and phase, from ``serve_load`` results (bars: the whole phase;
-dots: its steady window). Usage: python -m benchmarks.plot_serve OUT.png JSON..."""
+dots: its steady window), and, where a result has open-loop phases, TTFT and TPOT
+against the request rate below. Usage: python -m benchmarks.plot_serve OUT.png JSON..."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ def main(out: str, paths: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    fig, axes = plt.subplots(1, len(docs), figsize=(6 * len(docs), 4), squeeze=False)
+    rated = any(r.get("rate") is not None for d in docs for r in d["rows"])
+    fig, axes = plt.subplots(
+        2 if rated else 1, len(docs), figsize=(6 * len(docs), 8 if rated else 4), squeeze=False
+    )
     for ax, doc in zip(axes[0], docs, strict=True):
-        clients = sorted({r["clients"] for r in doc["rows"]})
+        clients = sorted({r["clients"] for r in doc["rows"] if r.get("rate") is None})
         width = 0.38
         for k, phase in enumerate(("fixed", "mixed")):
             rows = {r["clients"]: r for r in doc["rows"] if r["phase"] == phase}
@@ -35,8 +39,27 @@ def main(out: str, paths: list[str]) -> None:
         weights = " (random weights)" if doc["random_weights"] else ""
         ax.set_title(f"{doc['model']}{weights}, {doc['provenance']['device']}")
         ax.legend(fontsize=7)
+    if rated:
+        for ax, doc in zip(axes[1], docs, strict=True):
+            _latency(ax, doc)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def _latency(ax, doc: dict) -> None:
+    """TTFT (p50, p99) and TPOT (p50) against the open-loop request rate."""
+    rows = sorted((r for r in doc["rows"] if r.get("rate") is not None), key=lambda r: r["rate"])
+    labels = [f"{r['rate']:g}" for r in rows]
+    for key, q, style in (
+        ("ttft_ms", "p50", "o-"),
+        ("ttft_ms", "p99", "o--"),
+        ("tpot_ms", "p50", "s-"),
+    ):
+        ax.plot(labels, [r["server"][key][q] for r in rows], style, label=f"{key[:4].upper()} {q}")
+    ax.set_xlabel("requests per second (open loop)")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """Load on ``ostinato serve``: N concurrent streaming clients (the official ``openai``
 client) against the server, beside offline ``LLM.generate`` at batch size N on the same
-model, measured in one run.
+model, measured in one run; then requests arriving at fixed rates.
 
     python -m benchmarks.serve_load --out OUT/serve.json [--model llama-1.5b --random-weights]
 
-For each N of ``--clients`` two phases run against one server process:
+Every phase reports the field's metrics (``summarize``): time to first token (TTFT), time
+per output token after the first (TPOT, per request), inter-token latency (ITL, per
+token), end-to-end latency (sent to last token), each as mean / p50 / p90 / p99 ms, and
+request and output-token throughput over the phase's wall time.
+
+For each N of ``--clients`` two closed-loop phases run against one server process:
 
 - ``fixed``: N clients each send ``--requests-per-client`` requests one after the other,
   every prompt ``--prompt-len`` random tokens and every output ``--output-len`` tokens
@@ -17,6 +22,11 @@ For each N of ``--clients`` two phases run against one server process:
   real stops; one in ten clients hangs up after a few tokens. Time to first token and
   inter-token latency percentiles come from here (a chunk of k tokens arriving ``g``
   seconds after the last counts k gaps of ``g / k``).
+
+Then for each rate of ``--request-rates`` (requests per second; ``inf``: all at once) an
+open-loop phase, ``rate``: ``--rate-requests`` requests of random prompt and output
+lengths sent at the times of a seeded Poisson process, whether or not earlier ones have
+finished, as a service's users arrive.
 
 Clients run in several processes (``--client-procs``) so that parsing the streams does not
 become the bottleneck being measured; each row records how busy the busiest one was
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -80,14 +91,42 @@ def fixed_jobs(n: int, prompt_len: int, output_len: int, vocab: int, seed: int) 
     ]
 
 
-def mixed_jobs(n: int, vocab: int, seed: int) -> list[Job]:
+def mixed_jobs(n: int, vocab: int, seed: int, hang_ups: bool = True) -> list[Job]:
     rng = random.Random(seed)
     jobs = []
     for i in range(n):
         prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))]
-        hang_up = rng.randint(1, 8) if i % 10 == 9 else None
+        hang_up = rng.randint(1, 8) if hang_ups and i % 10 == 9 else None
         jobs.append(Job(prompt, rng.randint(16, 256), False, hang_up))
     return jobs
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the phase starts at which each of ``n`` requests is sent: a Poisson
+    process of ``rate`` requests per second (every one at 0 for an infinite rate)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, at, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        times.append(at)
+        at += rng.expovariate(rate)
+    return times
+
+
+@dataclass
+class Phase:
+    """One phase against the server: ``clients`` closed-loop clients (each sends its next
+    request when the last has ended), or with ``rate`` set, requests sent open-loop at
+    that many per second."""
+
+    name: str
+    jobs: list[Job]
+    clients: int = 0
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.clients}" if self.rate is None else f"rate@{self.rate:g}"
 
 
 async def _one(client: Any, who: int, index: int, job: Job) -> Reply:
@@ -118,6 +157,7 @@ async def _one(client: Any, who: int, index: int, job: Job) -> Reply:
 
 
 Queue = list[tuple[int, Job]]  # (index in the phase, job): one client's requests in order
+Timed = list[tuple[float, int, Job]]  # (seconds after the start, index in the phase, job)
 
 
 async def _clients(base: str, queues: dict[int, Queue]) -> list[Reply]:
@@ -134,12 +174,32 @@ async def _clients(base: str, queues: dict[int, Queue]) -> list[Reply]:
     return [r for replies in done for r in replies]
 
 
-def _client_process(base: str, queues: dict[int, Queue], ready: Any, out: Any) -> None:
+async def _open_loop(base: str, timed: Timed) -> list[Reply]:
+    """Each request sent at its time, whatever the others are doing (its own client id:
+    its index)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+    start = time.monotonic()
+
+    async def fire(at: float, index: int, job: Job) -> Reply:
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        return await _one(client, index, index, job)
+
+    replies = await asyncio.gather(*(fire(*t) for t in timed))
+    await client.close()
+    return list(replies)
+
+
+def _client_process(
+    base: str, queues: dict[int, Queue] | None, timed: Timed | None, ready: Any, out: Any
+) -> None:
     import openai  # noqa: F401  (imported before the clock starts)
 
     ready.wait()  # every client process is up: they start together
     wall, cpu = time.perf_counter(), time.process_time()
-    replies = asyncio.run(_clients(base, queues))
+    work = _clients(base, queues) if queues is not None else _open_loop(base, timed or [])
+    replies = asyncio.run(work)
     busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
     out.put((replies, busy))
 
@@ -158,15 +218,26 @@ def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> Load:
     c + 2N, ... one after the other), spread over ``procs`` processes that start
     together."""
     procs = max(1, min(procs, n_clients))
-    ctx = mp.get_context("spawn")
-    ready, out = ctx.Barrier(procs), ctx.Queue()
     queues = {c: list(enumerate(jobs))[c::n_clients] for c in range(n_clients)}
+    work = [({c: q for c, q in queues.items() if c % procs == p}, None) for p in range(procs)]
+    return _in_processes(base, work)
+
+
+def run_rate(base: str, jobs: list[Job], rate: float, procs: int, seed: int) -> Load:
+    """``jobs`` sent open-loop at ``rate`` per second (``arrivals``), spread round-robin
+    over ``procs`` processes that start together."""
+    procs = max(1, min(procs, len(jobs)))
+    times = arrivals(len(jobs), rate, seed)
+    timed = [(at, i, job) for i, (at, job) in enumerate(zip(times, jobs, strict=True))]
+    return _in_processes(base, [(None, timed[p::procs]) for p in range(procs)])
+
+
+def _in_processes(base: str, work: list[tuple[dict[int, Queue] | None, Timed | None]]) -> Load:
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Barrier(len(work)), ctx.Queue()
     children = [
-        ctx.Process(
-            target=_client_process,
-            args=(base, {c: q for c, q in queues.items() if c % procs == p}, ready, out),
-        )
-        for p in range(procs)
+        ctx.Process(target=_client_process, args=(base, queues, timed, ready, out))
+        for queues, timed in work
     ]
     for c in children:
         c.start()
@@ -209,30 +280,49 @@ def turnaround_ms(replies: list[Reply]) -> list[float]:
     return gaps
 
 
-def summarize(replies: list[Reply]) -> dict[str, Any]:
-    """Throughput over the phase's wall time and over its steady window (every client
-    busy), and TTFT / ITL / client turnaround percentiles in ms."""
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """Mean and p50 / p90 / p99 of ``values`` (None each where there are none)."""
+    mean = sum(values) / len(values) if values else None
+    return {"mean": mean, **{f"p{q}": percentile(values, q / 100) for q in (50, 90, 99)}}
+
+
+def summarize(replies: list[Reply], closed_loop: bool = True) -> dict[str, Any]:
+    """The field's metrics over one phase: request and output-token throughput over its
+    wall time (closed loop: also over its steady window, every client busy), and TTFT,
+    TPOT (per completed request: after its first token, ms per token), ITL (per token)
+    and end-to-end latency (sent to last token, completed requests) in ms, and each
+    client's turnaround."""
     done = [r for r in replies if r.chunks]
+    completed = [r for r in done if not r.hung_up and not r.error]
     wall = max(r.chunks[-1][0] for r in done) - min(r.sent for r in replies) if done else 0.0
     tokens = sum(len(r.tokens) for r in replies)
     ttft = [(r.chunks[0][0] - r.sent) * 1e3 for r in done]
-    gaps = turnaround_ms(replies)
+    tpot = [
+        (r.chunks[-1][0] - r.chunks[0][0]) * 1e3 / (len(r.tokens) - r.chunks[0][1])
+        for r in completed
+        if len(r.tokens) > r.chunks[0][1]
+    ]
     itl = []
     for r in done:
         for (t0, _), (t1, k) in zip(r.chunks, r.chunks[1:], strict=False):
             itl += [(t1 - t0) * 1e3 / k] * k
+    gaps = turnaround_ms(replies) if closed_loop else []
     return {
         "requests": len(replies),
+        "completed": len(completed),
         "errors": sum(1 for r in replies if r.error),
         "hung_up": sum(1 for r in replies if r.hung_up),
         "tokens": tokens,
         "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall else 0.0,
-        "ttft_ms": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99)},
-        "itl_ms": {"p50": percentile(itl, 0.5), "p99": percentile(itl, 0.99)},
+        "output_throughput": tokens / wall if wall else 0.0,  # tokens/s
+        "request_throughput": len(completed) / wall if wall else 0.0,  # requests/s
+        "ttft_ms": distribution(ttft),
+        "tpot_ms": distribution(tpot),
+        "itl_ms": distribution(itl),
+        "e2e_latency_ms": distribution([(r.chunks[-1][0] - r.sent) * 1e3 for r in completed]),
         "tokens_per_chunk": tokens / max(1, sum(len(r.chunks) for r in done)),
-        "steady": _steady(replies),
-        "turnaround_ms": {"p50": percentile(gaps, 0.5), "p99": percentile(gaps, 0.99)},
+        "steady": _steady(replies) if closed_loop else None,
+        "turnaround_ms": distribution(gaps),
     }
 
 
@@ -242,7 +332,7 @@ def _steady(replies: list[Reply]) -> dict[str, float] | None:
         return None
     start, end = window
     tokens = sum(k for r in replies for t, k in r.chunks if start < t <= end)
-    return {"seconds": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start)}
+    return {"seconds": end - start, "tokens": tokens, "output_throughput": tokens / (end - start)}
 
 
 def free_port() -> int:
@@ -382,33 +472,41 @@ def compare(replies: list[Reply], want: list[list[int]]) -> dict[str, int]:
 
 
 def run_server_phases(
-    args: argparse.Namespace, plan: dict[int, dict[str, list[Job]]], log: Path
-) -> tuple[dict[int, dict[str, Any]], float]:
-    """Every phase of every N against one server; the replies and counters per phase."""
-    engine = ["--max-num-seqs", str(max(plan)), *engine_args(args)]
+    args: argparse.Namespace, plan: list[Phase], log: Path
+) -> tuple[list[dict[str, Any]], float]:
+    """Every phase against one server, in order; the replies and counters of each."""
+    engine = ["--max-num-seqs", str(max_num_seqs(plan)), *engine_args(args)]
     server = Server(engine, log)
-    results: dict[int, dict[str, Any]] = {}
+    results: list[dict[str, Any]] = []
+    base = f"{server.base}/v1"
     try:
         warm = fixed_jobs(8, 32, 16, args.vocab_cap, seed=99)
-        run_load(f"{server.base}/v1", warm, 8, 1)  # first requests pay for lazy imports
-        for n, phases in plan.items():
-            results[n] = {}
-            for name, jobs in phases.items():
-                before = server.metrics()
-                load = run_load(f"{server.base}/v1", jobs, n, args.client_procs)
-                free = server.blocks_free()
-                counters = graph_counters(before, server.metrics())
-                results[n][name] = {
-                    "replies": load.replies,
-                    "client_busy": load.client_busy,
-                    "blocks_free": free,
-                    **counters,
-                }
-                seen = summarize(load.replies)
-                print(f"N={n} {name}: {seen['tokens_per_s']:.0f} tok/s, {seen['errors']} errors")
+        run_load(base, warm, 8, 1)  # first requests pay for lazy imports
+        for i, phase in enumerate(plan):
+            before = server.metrics()
+            if phase.rate is None:
+                load = run_load(base, phase.jobs, phase.clients, args.client_procs)
+            else:
+                load = run_rate(base, phase.jobs, phase.rate, args.client_procs, seed=i)
+            free = server.blocks_free()
+            counters = graph_counters(before, server.metrics())
+            results.append(
+                {"replies": load.replies, "client_busy": load.client_busy, "blocks_free": free}
+                | counters
+            )
+            seen = summarize(load.replies, phase.rate is None)
+            print(
+                f"{phase.label}: {seen['output_throughput']:.0f} tok/s, "
+                f"{seen['request_throughput']:.2f} req/s, {seen['errors']} errors"
+            )
     finally:
         server.stop()
     return results, server.ready_s
+
+
+def max_num_seqs(plan: list[Phase]) -> int:
+    """The server's (and the offline engine's) sequences: the most clients of a phase."""
+    return max([p.clients for p in plan] + [8])
 
 
 def main() -> None:
@@ -429,17 +527,13 @@ def main() -> None:
         help="processes the clients run in (default: the cores but 4, at most 12)",
     )
     parser.add_argument("--vocab-cap", type=int, default=30000, help="prompt ids below this")
+    parser.add_argument(
+        "--request-rates", default="4,16,64", help="open-loop phases: requests per second (inf)"
+    )
+    parser.add_argument("--rate-requests", type=int, default=128)
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plan = {
-        n: {
-            "fixed": fixed_jobs(
-                n * args.requests_per_client, args.prompt_len, args.output_len, args.vocab_cap, n
-            ),
-            "mixed": mixed_jobs(max(8, 3 * n), args.vocab_cap, 1000 + n),
-        }
-        for n in (int(c) for c in args.clients.split(","))
-    }
+    plan = plan_of(args)
     served, ready_s = run_server_phases(args, plan, args.out.with_suffix(".server.log"))
     report = offline_and_report(args, plan, served)
     report["server_ready_s"] = ready_s
@@ -447,17 +541,62 @@ def main() -> None:
     print(json.dumps(report["summary"], indent=2))
 
 
+def plan_of(args: argparse.Namespace) -> list[Phase]:
+    """The phases: for each N of ``--clients`` the fixed and mixed closed-loop ones, then
+    one open-loop phase per rate of ``--request-rates`` (none for an empty list)."""
+    plan = []
+    for n in (int(c) for c in args.clients.split(",")):
+        per = n * args.requests_per_client
+        jobs = fixed_jobs(per, args.prompt_len, args.output_len, args.vocab_cap, n)
+        plan.append(Phase("fixed", jobs, clients=n))
+        plan.append(Phase("mixed", mixed_jobs(max(8, 3 * n), args.vocab_cap, 1000 + n), n))
+    for i, rate in enumerate(float(r) for r in args.request_rates.split(",") if r.strip()):
+        jobs = mixed_jobs(args.rate_requests, args.vocab_cap, 2000 + i, hang_ups=False)
+        plan.append(Phase("rate", jobs, rate=rate))
+    return plan
+
+
+def _row(llm: Any, phase: Phase, got: dict[str, Any], batch: int) -> dict[str, Any]:
+    """One phase's row: the server's metrics, its outputs against offline greedy ones
+    and, closed loop, its throughput over offline ``generate`` in waves of N."""
+    closed = phase.rate is None
+    want, _ = offline(llm, phase.jobs, phase.clients if closed else batch)  # the reference
+    server = summarize(got["replies"], closed)
+    ratio = steady_ratio = offline_rate = None
+    if closed:  # the timing: the requests the server completed, as waves of N
+        kept = [i for i, r in enumerate(got["replies"]) if not r.hung_up]
+        _, seconds = offline(llm, [phase.jobs[i] for i in kept], phase.clients)
+        offline_rate = sum(len(want[i]) for i in kept) / seconds
+        ratio = server["output_throughput"] / offline_rate
+        if server["steady"]:
+            steady_ratio = server["steady"]["output_throughput"] / offline_rate
+    counters = ("client_busy", "graph_steps", "eager_steps", "padding_fraction")
+    return {
+        "phase": phase.name,
+        "clients": phase.clients if closed else None,
+        "rate": phase.rate,
+        "server": server,
+        "offline_output_throughput": offline_rate,
+        "ratio": ratio,
+        "steady_ratio": steady_ratio,
+        "correctness": compare(got["replies"], want),
+        "blocks_free_after": got["blocks_free"],
+        **{k: got[k] for k in counters},
+    }
+
+
 def offline_and_report(
-    args: argparse.Namespace, plan: dict[int, dict[str, list[Job]]], served: dict
+    args: argparse.Namespace, plan: list[Phase], served: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Runs every phase offline (waves of N) in this process and puts both side by side."""
+    """Runs every phase offline (closed loop: waves of N) in this process and puts both
+    side by side; an open-loop phase's offline run is its correctness reference only."""
     from ostinato.engine import LLM
     from ostinato.provenance import Provenance
 
     llm = LLM(
         args.model,
         random_weights=args.random_weights,
-        max_num_seqs=max(plan),
+        max_num_seqs=max_num_seqs(plan),
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         progress=False,
@@ -465,37 +604,15 @@ def offline_and_report(
     offline(llm, fixed_jobs(8, 32, 16, args.vocab_cap, seed=99), 8)  # warm-up
     first_ms = first_token_ms(llm, args.prompt_len, args.vocab_cap)
     rows, summary = [], {}
-    for n, phases in plan.items():
-        for name, jobs in phases.items():
-            got = served[n][name]
-            kept = [i for i, r in enumerate(got["replies"]) if not r.hung_up]
-            want, _ = offline(llm, jobs, n)  # the reference for every reply
-            # The timing: the requests the server completed, as waves of N.
-            _, seconds = offline(llm, [jobs[i] for i in kept], n)
-            tokens = sum(len(want[i]) for i in kept)
-            server = summarize(got["replies"])
-            row = {
-                "clients": n,
-                "phase": name,
-                "server": server,
-                "offline_tokens_per_s": tokens / seconds,
-                "ratio": server["tokens_per_s"] / (tokens / seconds),
-                "steady_ratio": (
-                    server["steady"]["tokens_per_s"] / (tokens / seconds)
-                    if server["steady"]
-                    else None
-                ),
-                "correctness": compare(got["replies"], want),
-                "blocks_free_after": got["blocks_free"],
-                **{
-                    k: got[k]
-                    for k in ("client_busy", "graph_steps", "eager_steps", "padding_fraction")
-                },
-            }
-            rows.append(row)
-            summary[f"{name}@{n}"] = round(row["ratio"], 3)
-            if row["steady_ratio"] is not None:
-                summary[f"{name}@{n} steady"] = round(row["steady_ratio"], 3)
+    for phase, got in zip(plan, served, strict=True):
+        row = _row(llm, phase, got, max_num_seqs(plan))
+        rows.append(row)
+        if row["ratio"] is not None:
+            summary[phase.label] = round(row["ratio"], 3)
+        if row["steady_ratio"] is not None:
+            summary[f"{phase.label} steady"] = round(row["steady_ratio"], 3)
+        if phase.rate is not None:
+            summary[f"{phase.label} ttft p50 ms"] = row["server"]["ttft_ms"]["p50"]
     llm.close()
     return {
         "provenance": asdict(Provenance.collect()),

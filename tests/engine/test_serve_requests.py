@@ -334,3 +334,31 @@ def test_a_logit_bias_reaches_the_engine_as_token_ids(engine):
     assert engine.submitted[-1][1].logit_bias == ((7, 5.0), (12, -100.0))
     refused(chat(c, logit_bias={"x": 1}), "logit_bias")
     refused(chat(c, logit_bias={"7": 101}), "logit_bias")
+
+
+class TextlessEngine(Engine):
+    """No tokenizer; its tokens (ids 10, 11, ...) arrive one by one, 20 ms apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokenizer = None
+
+    async def asubmit(self, prompt, params=None):
+        self.submitted.append((list(prompt), params))
+        aloop = asyncio.get_running_loop()
+        handle = RequestHandle(f"req-{len(self.submitted)}", list(prompt), aloop)
+        for i in range(params.max_tokens):
+            aloop.call_later(0.02 * (i + 1), handle._put, [10 + i])
+        aloop.call_later(0.02 * (params.max_tokens + 1), handle._end, FinishReason.LENGTH)
+        return handle
+
+
+def test_a_model_without_a_tokenizer_streams_its_token_ids_as_they_come():
+    # No text to wait for: each arrival is an event (not the whole answer at the end).
+    import json
+
+    stream = complete(client(TextlessEngine()), prompt=[1, 2, 3], max_tokens=4, stream=True).text
+    events = [json.loads(ln[6:]) for ln in stream.splitlines() if ln.startswith("data: {")]
+    ids = [e["choices"][0]["token_ids"] for e in events]
+    assert [t for chunk in ids for t in chunk] == [10, 11, 12, 13]
+    assert sum(1 for chunk in ids if chunk) >= 3, ids

@@ -367,9 +367,10 @@ class Responder:
         event has ``usage: null`` and one more, with no choices, carries the request's
         token counts. No event carries a stop string, nor text that may begin one before
         the next tokens say. ``echo`` (the prompt's text) comes first, in an event of
-        its own."""
-        decode = self.engine.decode if self.engine.tokenizer is not None else _no_text
-        text = TextStream(decode, extras.stop)
+        its own. A model without a tokenizer has no text to wait for: each chunk of
+        token ids is an event."""
+        textless = self.engine.tokenizer is None
+        text = TextStream(_no_text if textless else self.engine.decode, extras.stop)
         finished, waiting, produced = False, [], 0
         try:
             if extras.echo:
@@ -378,7 +379,7 @@ class Responder:
                 delta = text.push(chunk)
                 waiting += chunk
                 produced += len(chunk)
-                if delta:
+                if delta or textless:
                     logprobs = extras.logprobs(handle, produced - len(waiting), waiting)
                     yield _sse(meta.chunk(delta, waiting, None, extras.usage, logprobs))
                     waiting = []

@@ -1,0 +1,45 @@
+"""The load benchmark's metrics, computed from replies built by hand: TTFT, TPOT, ITL,
+end-to-end latency and throughputs as the field defines them, and open-loop arrivals at
+the rate asked."""
+
+import math
+
+import pytest
+
+from benchmarks.serve_load import Reply, arrivals, distribution, summarize
+
+
+def test_the_fields_metrics_from_replies_built_by_hand():
+    # Request 0: sent at 0, tokens at 1.0 (2 of them), 1.5, 2.0 (1 each): 4 tokens.
+    # Request 1: sent at 0.5, 1 token at 1.5, then hangs up (no TPOT, no latency).
+    # Request 2: sent at 1.0, 3 tokens at 2.5 in one chunk.
+    replies = [
+        Reply(0, 0, [1, 2, 3, 4], 0.0, [(1.0, 2), (1.5, 1), (2.0, 1)], "length"),
+        Reply(1, 1, [5], 0.5, [(1.5, 1)], None, hung_up=True),
+        Reply(2, 2, [6, 7, 8], 1.0, [(2.5, 3)], "stop"),
+    ]
+    got = summarize(replies, closed_loop=False)
+    assert got["wall_s"] == 2.5 and got["tokens"] == 8 and got["completed"] == 2
+    assert got["output_throughput"] == pytest.approx(8 / 2.5)
+    assert got["request_throughput"] == pytest.approx(2 / 2.5)
+    assert sorted([got["ttft_ms"]["p50"], got["ttft_ms"]["mean"]]) == pytest.approx(
+        [1000, (1000 + 1000 + 1500) / 3]
+    )
+    # TPOT: request 0 only (request 2's tokens all came with its first): 1000 ms / 2
+    assert got["tpot_ms"] == {"mean": 500.0, "p50": 500.0, "p90": 500.0, "p99": 500.0}
+    # ITL: request 0's gaps, one per token after the first chunk
+    assert got["itl_ms"]["mean"] == pytest.approx(500.0)
+    assert got["e2e_latency_ms"]["mean"] == pytest.approx((2000 + 1500) / 2)
+    assert got["steady"] is None
+
+
+def test_distribution_of_nothing_is_none():
+    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_arrivals_follow_the_rate_asked():
+    times = arrivals(4000, 50.0, seed=1)
+    assert times[0] == 0 and times == sorted(times)
+    assert len(times) / times[-1] == pytest.approx(50.0, rel=0.05)
+    assert arrivals(3, math.inf, seed=1) == [0.0, 0.0, 0.0]
+    assert arrivals(5, 2.0, seed=3) == arrivals(5, 2.0, seed=3)  # seeded

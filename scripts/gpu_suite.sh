@@ -22,8 +22,9 @@
 #   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
 #   bash scripts/gpu_suite.sh launchrules [SET] [SHAPE] [SIZES]  # a step under other launch rules
 #   bash scripts/gpu_suite.sh attention    # the attention kernel's and the decode step's GPU tests
-#   bash scripts/gpu_suite.sh staged   # the staged start's and seeded sampling's GPU tests, then
-#                                      # e2e of FULL, FULL_AND_PIECEWISE and the staged start
+#   bash scripts/gpu_suite.sh staged   # the staged start's and the sampling parameters' GPU
+#                                      # tests, then e2e of FULL, FULL_AND_PIECEWISE and the
+#                                      # staged start in both orders
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -156,13 +157,20 @@ ab)
     done
     ;;
 staged)
-    run_file tests/engine/test_gpu_piecewise.py 240
-    timeout 120 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
-        tests/engine/test_gpu_engine.py -k seeded 2>&1 | tee -a "$OUT/gpu_tests.log" \
-        | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
-    timeout 330 python3 -m benchmarks e2e --modes full,full_and_piecewise,full_and_piecewise+staged \
-        --no-transformers --batch-sizes 1,8,64 --out "$OUT/e2e_staged_h200.json" 2>&1 \
-        | tee "$OUT/e2e_staged.log"
+    # the staged start's GPU tests (measured, and every bucket moved) and the sampling
+    # parameters' (seed, logit bias, penalties, log probabilities); then e2e of FULL,
+    # FULL_AND_PIECEWISE and the staged start, in both orders, each bucket's two medians
+    # in the log
+    timeout 300 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        tests/engine/test_gpu_piecewise.py tests/engine/test_gpu_engine.py \
+        -k "staged or seeded or logit_bias or penalties or logprobs or default_engine" 2>&1 \
+        | tee -a "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
+    for order in full,full_and_piecewise,full_and_piecewise+staged \
+        full_and_piecewise+staged,full_and_piecewise,full; do
+        timeout 200 python3 -m benchmarks e2e --modes "$order" --no-transformers \
+            --batch-sizes 1,8,64 --out "$OUT/e2e_staged_${order%%,*}_h200.json" 2>&1 \
+            | tee "$OUT/e2e_staged_${order%%,*}.log" | grep -E "^ostinato|moved|kept" | tail -24
+    done
     ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \

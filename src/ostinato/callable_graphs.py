@@ -117,7 +117,7 @@ class _Call:
 def graphed(
     fn: Callable[..., Any],
     *,
-    max_batch_size: int = 64,
+    max_batch_size: int | None = None,
     capture_sizes: Sequence[int] | None = None,
     mode: str | GraphMode = "auto",
     seq_buckets: Sequence[int] | None = None,
@@ -146,29 +146,76 @@ def graphed(
     ``capture``:
     ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
     ``example = (args, kwargs)``) or ``"background"`` (on a thread; calls run eagerly
-    until their size is ready)."""
+    until their size is ready). ``max_batch_size`` (default 64) makes the ladder of
+    sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.
+    Every argument is checked here; an error names the argument as written."""
+    splitting = _check_ops(splitting_ops)
     return Graphed(
         fn,
         _Options(
             GraphConfig(
-                mode=_one_call_mode(mode, bool(splitting_ops), full_when),
-                capture_sizes=tuple(capture_sizes) if capture_sizes is not None else None,
-                max_capture_size=max_batch_size,
+                mode=_one_call_mode(mode, bool(splitting), full_when),
+                **_ladder(max_batch_size, capture_sizes),
             ),
             _check_buckets(seq_buckets),
-            seq_dim,
-            tuple(splitting_ops),
+            _check_dim(seq_dim),
+            splitting,
             full_when,
             _check_compiler(compiler),
             _check_choice("capture", capture, CAPTURE_WHEN),
-            copy_outputs,
-            check_padding,
+            _check_bool("copy_outputs", copy_outputs),
+            _check_bool("check_padding", check_padding),
             checked_int("max_signatures", max_signatures),
-            platform,
-            progress,
+            _check_platform(platform),
+            _check_bool("progress", progress),
         ),
         example,
     )
+
+
+def _ladder(max_batch_size: object, capture_sizes: object) -> dict[str, Any]:
+    """``GraphConfig``'s ladder fields from ``graphed``'s two ways of giving it."""
+    if capture_sizes is None:
+        size = 64 if max_batch_size is None else checked_int("max_batch_size", max_batch_size)
+        return {"max_capture_size": size}
+    if max_batch_size is not None:
+        raise ValueError(
+            f"max_batch_size={max_batch_size!r} and capture_sizes={capture_sizes!r}: give "
+            "one (a ladder up to max_batch_size, or exactly capture_sizes), not both"
+        )
+    if isinstance(capture_sizes, (str, bytes)) or not isinstance(capture_sizes, Sequence):
+        raise TypeError(
+            f"capture_sizes: expected a sequence of positive ints, got {capture_sizes!r}"
+        )
+    return {"capture_sizes": tuple(capture_sizes)}
+
+
+def _check_ops(ops: object) -> tuple[str, ...]:
+    if (
+        isinstance(ops, str)
+        or not isinstance(ops, Sequence)
+        or not all(isinstance(op, str) and "::" in op for op in ops)
+    ):
+        raise TypeError(f"splitting_ops: expected a sequence of 'lib::op' names, got {ops!r}")
+    return tuple(ops)
+
+
+def _check_platform(platform: object) -> Platform | None:
+    if platform is not None and not isinstance(platform, Platform):
+        raise TypeError(f"platform: expected an ostinato Platform or None, got {platform!r}")
+    return platform
+
+
+def _check_dim(dim: object) -> int:
+    if not is_int(dim):
+        raise TypeError(f"seq_dim: expected an int (a dimension), got {dim!r}")
+    return int(dim)  # type: ignore[call-overload]
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -568,7 +615,11 @@ def _one_call_mode(
 def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
     if buckets is None:
         return ()
-    if isinstance(buckets, (str, bytes)) or not all(is_int(b) and b >= 1 for b in buckets):
+    if (
+        isinstance(buckets, (str, bytes))
+        or not isinstance(buckets, Sequence)
+        or not all(is_int(b) and b >= 1 for b in buckets)
+    ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
     return tuple(sorted(set(buckets)))
 

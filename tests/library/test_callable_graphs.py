@@ -4,6 +4,7 @@ the persistent buffers hold) every argument form, random size streams against ea
 the padding check, the statistics against a brute-force count, and the named errors;
 on the plain CPU platform the eager fallback that says why once."""
 
+import inspect
 import random
 import warnings
 
@@ -180,7 +181,11 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
         (dict(capture="soon"), ValueError, "capture: one of"),
         (dict(seq_buckets="128"), TypeError, "seq_buckets"),
         (dict(max_signatures=0), TypeError, "max_signatures"),
-        (dict(max_batch_size="128"), TypeError, "max_capture_size"),
+        (dict(max_batch_size="128"), TypeError, "^max_batch_size: expected a positive int"),
+        (dict(capture_sizes="1,2"), TypeError, "^capture_sizes: expected a sequence"),
+        (dict(max_batch_size=4, capture_sizes=[8]), ValueError, "give one .* not both"),
+        (dict(splitting_ops="lib::op"), TypeError, "^splitting_ops: expected a sequence"),
+        (dict(copy_outputs="yes"), TypeError, "^copy_outputs: expected True or False"),
         (dict(example=((), {})), ValueError, "only used with capture='construction'"),
         (dict(mode="full_and_piecewise"), ValueError, "pass full_when="),
         (dict(mode="full_decode_only"), ValueError, "pass full_when="),
@@ -195,6 +200,17 @@ def test_bad_options_are_named(kwargs, error, words):
         ostinato.graphed(mlp(), **kwargs)
     with pytest.raises(TypeError, match="module or function"):
         ostinato.graphed(42)
+
+
+def test_every_bad_argument_is_named_as_written():
+    # Each of graphed's arguments given a value it cannot take: the error names that
+    # argument, never an internal field, and nothing is accepted to be ignored.
+    for name in inspect.signature(ostinato.graphed).parameters:
+        if name == "fn":
+            continue
+        with pytest.raises((TypeError, ValueError)) as exc:
+            ostinato.graphed(mlp(), **{name: object()})
+        assert str(exc.value).startswith(f"{name}"), (name, str(exc.value))
 
 
 def test_too_many_signatures_are_refused_with_the_fix():

@@ -1,7 +1,8 @@
 """Presence and frequency penalties: subtracted on the device from the logits of the tokens
-a request has generated so far (its pending token included, read on the device under
-asynchronous scheduling), checked against a direct computation over transformers'
-logits on the same weights; a request without them is untouched."""
+a request has generated so far (counted step after step, its pending token read on the
+device under asynchronous scheduling), checked against a direct computation, over
+transformers' logits on the same weights end to end; a request without them is
+untouched."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hf_models import cpu_engine, write_checkpoint
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledRequest
-from ostinato.engine.sample.adjust import adjusted_logits, output_history
+from ostinato.engine.sample.adjust import OutputCounts, adjusted_logits
 
 VOCAB = 50
 
@@ -19,34 +20,50 @@ def _scheduled(rid, output, params, pending=0):
     return ScheduledRequest(r, [0], len(r.prompt) + len(output))
 
 
-def test_penalties_and_bias_against_a_direct_computation():
+def _direct(logits, params, generated):
+    want = logits.clone()
+    for row, (p, tokens) in enumerate(zip(params, generated, strict=True)):
+        for token in set(tokens):
+            want[row, token] -= p.presence_penalty + p.frequency_penalty * tokens.count(token)
+        for token, bias in p.logit_bias:
+            want[row, token] += bias
+    return want
+
+
+def test_penalties_and_bias_against_a_direct_computation_step_after_step():
     torch.manual_seed(0)
-    logits = torch.randn(4, VOCAB)
     params = [
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 2.0}),
         SamplingParams(),  # untouched
         SamplingParams(frequency_penalty=-1.5),
         SamplingParams(presence_penalty=2.0),
     ]
-    outputs = [[3, 7, 7, 9], [7, 7], [1, 1, 1], []]
-    pending = [1, 1, 0, 1]
-    # the last step's tokens, still on the device: request i's at row index[i]
-    previous = (torch.tensor([11, 7, 40]), {0: 1, 1: 0, 3: 2})
-    scheduled = [
+    counts = OutputCounts(VOCAB, torch.device("cpu"))
+    # Step 1: requests 0 and 3 have a token still on the device (the last step's row
+    # index[i]); their generated tokens are those recorded, then that one.
+    outputs, pending = [[3, 7, 7, 9], [7, 7], [1, 1, 1], []], [1, 1, 0, 1]
+    step = [
         _scheduled(i, o, p, n)
         for i, (o, p, n) in enumerate(zip(outputs, params, pending, strict=True))
     ]
-    history = output_history(scheduled, previous, VOCAB, torch.device("cpu"))
-    got = adjusted_logits(logits, params, history)
-    full = [[3, 7, 7, 9, 7], [], [1, 1, 1], [40]]  # what each has generated, pending last
-    want = logits.clone()
-    for row, (p, tokens) in enumerate(zip(params, full, strict=True)):
-        for token in set(tokens):
-            want[row, token] -= p.presence_penalty + p.frequency_penalty * tokens.count(token)
-        for token, bias in p.logit_bias:
-            want[row, token] += bias
-    torch.testing.assert_close(got, want)
+    last = (torch.tensor([11, 7, 40]), {0: 1, 1: 0, 3: 2})
+    generated = [[3, 7, 7, 9, 7], [], [1, 1, 1], [40]]
+    logits = torch.randn(4, VOCAB)
+    got = adjusted_logits(logits, params, counts.for_step(step, last))
+    torch.testing.assert_close(got, _direct(logits, params, generated))
     assert torch.equal(got[1], logits[1])
+    # Step 2: request 3 is absent (forgotten); 0's token recorded, another pending; 2
+    # recorded one more.
+    step = [_scheduled(0, [3, 7, 7, 9, 7], params[0], 1), _scheduled(2, [1, 1, 1, 2], params[2])]
+    logits = torch.randn(2, VOCAB)
+    got = adjusted_logits(logits, params[::2], counts.for_step(step, (torch.tensor([5]), {0: 0})))
+    want = _direct(logits, params[::2], [[3, 7, 7, 9, 7, 5], [1, 1, 1, 2]])
+    torch.testing.assert_close(got, want)
+    # Step 3: request 3 back with two recorded tokens: counted anew from them.
+    step = [_scheduled(3, [40, 41], params[3])]
+    logits = torch.randn(1, VOCAB)
+    got = adjusted_logits(logits, params[3:], counts.for_step(step, None))
+    torch.testing.assert_close(got, _direct(logits, params[3:], [[40, 41]]))
 
 
 def test_penalties_must_be_in_openais_range():
@@ -99,3 +116,12 @@ def test_penalties_are_refused_with_speculative_decoding():
     llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
     with pytest.raises(ValueError, match="presence_penalty / frequency_penalty: not with"):
         llm.generate([[1, 2, 3]], SamplingParams(frequency_penalty=1.0))
+
+
+def test_the_rows_of_requests_gone_are_reused():
+    counts = OutputCounts(VOCAB, torch.device("cpu"))
+    p = SamplingParams(frequency_penalty=1.0)
+    for rid in range(100):  # one request after another: one row (and the zero row)
+        got = counts.for_step([_scheduled(rid, [rid % VOCAB] * 3, p)], None)
+        assert got[0, rid % VOCAB] == 3 and got.sum() == 3
+    assert len(counts.table) <= 2

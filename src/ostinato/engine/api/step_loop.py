@@ -13,7 +13,6 @@ from ostinato.distributed.agreement import StepAgreement, agree_on_step, idle_pr
 from ostinato.distributed.failure import RankFailure, wait_for_device
 from ostinato.distributed.groups import ParallelGroups
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, Scheduler
-from ostinato.engine.sample.adjust import output_history
 from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.step_sampler import StepOutput, StepSampler
 from ostinato.engine.spec.speculative import SpeculativeStats
@@ -178,23 +177,15 @@ class StepLoop:
             params = [s.request.params for s in step.scheduled]
             # the index of each token drawn, which a seeded request's draws depend on
             indices = [s.start + len(s.tokens) for s in step.scheduled]
-            history = self._history(step, out, previous)
-            tokens = self.sampler.tokens(params, out, indices, history)
+            last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
+            vocab = out.logits.shape[-1]
+            counts = self.sampler.output_counts(step.scheduled, vocab, last)
+            tokens = self.sampler.tokens(params, out, indices, counts)
             logprobs = self.sampler.logprobs(params, out, tokens)
             self.scheduler.launched(step)
             index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
             host, host_logprobs, done = self.copy_back(tokens, logprobs)
         return InFlight(step, PreviousSample(tokens, index), host, done, None, host_logprobs)
-
-    def _history(
-        self, step: ScheduledBatch, out: StepOutput, previous: InFlight | None
-    ) -> torch.Tensor | None:
-        """The output so far of the step's penalized requests (``adjust.output_history``,
-        its pending tokens read on the device); None where none is penalized."""
-        if not any(s.request.params.penalized for s in step.scheduled):
-            return None
-        last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
-        return output_history(step.scheduled, last, out.logits.shape[-1], self.device)
 
     def _verified(self, step: ScheduledBatch, out: StepOutput) -> InFlight:
         """A speculative engine's step, resolved at once: drafts verified, tokens kept."""

@@ -1,10 +1,12 @@
 """What changes a request's logits before its token is picked: its ``logit_bias`` and its
 presence and frequency penalties (``SamplingParams``), on the device.
 
-The penalties read the tokens each request has generated so far (``output_history``):
-those the host has recorded, then, under asynchronous scheduling, the one the last step
-sampled and the host has not read back yet, taken from the device, so a step never
-waits for it.
+The penalties read how often each request has generated each token (``OutputCounts``):
+one row of counts per penalized request on the device, brought up to date each step with
+the tokens it generated since the last, those the host has recorded and, under
+asynchronous scheduling, the one the last step sampled and the host has not read back
+yet, taken from the device, so a step never waits for it and costs what its rows do,
+not what they have generated.
 """
 
 from __future__ import annotations
@@ -17,52 +19,105 @@ from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledRequest
 from ostinato.engine.core.transfer import to_device
 
+Pending = tuple[torch.Tensor, Mapping[int, int]]
+"""The last step's sampled tokens on the device, and each request's row there (a
+``PreviousSample``'s ``tokens`` and ``index``)."""
 
-def output_history(
-    scheduled: Sequence[ScheduledRequest],
-    pending: tuple[torch.Tensor, Mapping[int, int]] | None,
-    vocab: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """``[rows, longest]`` long on ``device``: row i holds the tokens request i of the
-    step has generated so far, padded with ``vocab`` (no token). ``pending``: the last
-    step's sampled tokens on the device and the row of each request's there (a
-    ``PreviousSample``'s), where a request's is not recorded yet (``num_pending``); it
-    comes last. Only rows whose request is penalized are filled: the others are padding."""
-    rows: list[list[int]] = []
-    where: list[int] = []  # per row: its pending token's index in the last step's, or -1
-    for s in scheduled:
-        r = s.request
-        penalized = r.params.penalized
-        rows.append(r.output if penalized else [])
-        at = pending[1].get(r.id, -1) if pending is not None and r.num_pending else -1
-        where.append(at if penalized else -1)
-    width = max(len(row) for row in rows) + 1  # (+1: room for the pending token)
-    host = [row + [vocab] * (width - len(row)) for row in rows]
-    history = to_device(host, torch.long, device)
-    if any(at >= 0 for at in where):
-        assert pending is not None  # (the rows found there)
-        at = to_device(where, torch.long, device)
-        last = pending[0][at.clamp(min=0)]
-        # each pending token into its row's first free column
-        free = to_device([len(row) for row in rows], torch.long, device)
-        column = torch.where(at >= 0, last, torch.full_like(last, vocab))
-        history.scatter_(1, free[:, None], column[:, None])
-    return history
+
+class OutputCounts:
+    """Per penalized request, how many times it has generated each token, ``[vocab]``
+    float32 on ``device``. Guarantees: ``for_step`` returns, for each request of a step,
+    the counts of every token it has generated so far (a pending one included); a
+    request absent from a step is forgotten and counted anew from its recorded output
+    when it comes back (after a preemption, or a reset)."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.table = torch.zeros((1, vocab), dtype=torch.float32, device=device)  # row 0: zeros
+        self.rows: dict[int, int] = {}  # request id -> its row
+        self.counted: dict[int, int] = {}  # request id -> tokens counted in its row
+        self.free: list[int] = []
+
+    def for_step(
+        self, scheduled: Sequence[ScheduledRequest], pending: Pending | None
+    ) -> torch.Tensor:
+        """``[len(scheduled), vocab]``: each penalized request's counts, zeros for the
+        others (``pending``: where a request's last token is still on the device)."""
+        ids = {s.request.id for s in scheduled if s.request.params.penalized}
+        for gone in [r for r in self.rows if r not in ids]:
+            self.free.append(self.rows.pop(gone))
+            del self.counted[gone]
+        host: tuple[list[int], list[int]] = ([], [])  # rows, tokens recorded on the host
+        device: tuple[list[int], list[int]] = ([], [])  # rows, indices into pending tokens
+        for s in scheduled:
+            r = s.request
+            if r.id in ids:
+                self._update(r.id, r.output, r.num_pending, pending, host, device)
+        self._add(host[0], to_device(host[1], torch.long, self.device) if host[1] else None)
+        if device[1]:
+            assert pending is not None  # (the pending rows come from it)
+            at = to_device(device[1], torch.long, self.device)
+            self._add(device[0], pending[0][at])
+        rows = [self.rows.get(s.request.id, 0) for s in scheduled]
+        return self.table[to_device(rows, torch.long, self.device)]
+
+    def _update(
+        self,
+        rid: int,
+        output: list[int],
+        num_pending: int,
+        pending: Pending | None,
+        host: tuple[list[int], list[int]],
+        device: tuple[list[int], list[int]],
+    ) -> None:
+        """Queues request ``rid``'s tokens generated since its row was last brought up to
+        date (its row made, zeroed, where it has none)."""
+        if rid not in self.rows:
+            self.rows[rid] = self._new_row()
+            self.counted[rid] = 0
+        row, start = self.rows[rid], self.counted[rid]
+        for token in output[start:]:
+            host[0].append(row)
+            host[1].append(token)
+        counted = len(output)
+        at = pending[1].get(rid) if pending is not None and num_pending else None
+        if at is not None:
+            device[0].append(row)
+            device[1].append(at)
+            counted += 1
+        self.counted[rid] = counted
+
+    def _new_row(self) -> int:
+        if not self.free:
+            grown = torch.zeros_like(self.table).repeat(2, 1)  # (doubled: rows made rarely)
+            grown[: len(self.table)] = self.table
+            self.free = list(range(len(self.table), len(grown)))
+            self.table = grown
+        row = self.free.pop()
+        self.table[row].zero_()
+        return row
+
+    def _add(self, rows: list[int], tokens: torch.Tensor | None) -> None:
+        if tokens is None:
+            return
+        at = to_device(rows, torch.long, self.device)
+        self.table.index_put_((at, tokens), torch.ones_like(tokens, dtype=torch.float32), True)
 
 
 def adjusted_logits(
-    logits: torch.Tensor, params: Sequence[SamplingParams], history: torch.Tensor | None
+    logits: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor | None
 ) -> torch.Tensor:
     """``logits`` (``[rows, vocab]``) with each row's bias added and penalties subtracted
-    (a float32 copy: the step's logits may be a graph's static output). ``history``:
-    ``output_history``'s, needed where a row is penalized."""
+    (a float32 copy: the step's logits may be a graph's static output). ``counts``:
+    ``OutputCounts.for_step``'s, needed where a row is penalized."""
     out = logits.float().clone()
     _add_bias(out, params)
     if any(p.penalized for p in params):
-        if history is None:
-            raise ValueError("adjusted_logits: penalized rows need their output history")
-        _penalize(out, params, history)
+        if counts is None:
+            raise ValueError("adjusted_logits: penalized rows need their output counts")
+        presence = to_device([p.presence_penalty for p in params], torch.float32, out.device)
+        frequency = to_device([p.frequency_penalty for p in params], torch.float32, out.device)
+        out -= presence[:, None] * (counts > 0) + frequency[:, None] * counts
     return out
 
 
@@ -74,13 +129,3 @@ def _add_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     device = out.device
     index = (to_device(list(rows), torch.long, device), to_device(list(ids), torch.long, device))
     out.index_put_(index, to_device(list(values), torch.float32, device), accumulate=True)
-
-
-def _penalize(out: torch.Tensor, params: Sequence[SamplingParams], history: torch.Tensor) -> None:
-    rows, vocab = out.shape
-    counts = torch.zeros((rows, vocab + 1), dtype=torch.float32, device=out.device)
-    counts.scatter_add_(1, history, torch.ones_like(history, dtype=torch.float32))
-    counts = counts[:, :vocab]  # (column ``vocab``: the padding)
-    presence = to_device([p.presence_penalty for p in params], torch.float32, out.device)
-    frequency = to_device([p.frequency_penalty for p in params], torch.float32, out.device)
-    out -= presence[:, None] * (counts > 0) + frequency[:, None] * counts

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine.core.params import SamplingParams
-from ostinato.engine.core.scheduler import ScheduledBatch
+from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
 from ostinato.engine.core.transfer import to_device
-from ostinato.engine.sample.adjust import adjusted_logits
+from ostinato.engine.sample.adjust import OutputCounts, Pending, adjusted_logits
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.logprobs import StepLogprobs, wanted
 from ostinato.engine.sample.sampler import sample
@@ -51,20 +51,33 @@ class StepSampler:
     ) -> None:
         self.generator, self.device = generator, device
         self.graph_sampler = graph_sampler  # the sampling graphs, one per decode size
+        self.counts: OutputCounts | None = None  # made at the first penalized step
+
+    def output_counts(
+        self, scheduled: Sequence[ScheduledRequest], vocab: int, pending: Pending | None
+    ) -> torch.Tensor | None:
+        """The step's penalized requests' output counts (``adjust.OutputCounts``), None
+        where none is penalized (``pending``: the last step's tokens still on the
+        device)."""
+        if not any(s.request.params.penalized for s in scheduled):
+            return None
+        if self.counts is None:
+            self.counts = OutputCounts(vocab, self.device)
+        return self.counts.for_step(scheduled, pending)
 
     def tokens(
         self,
         params: Sequence[SamplingParams],
         out: StepOutput,
         indices: Sequence[int] = (),
-        history: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per request of the step (``params`` in the step's order; ``indices``:
         the index in its sequence of each token drawn, which a request's ``seed`` is
-        mixed with; ``history``: ``adjust.output_history``, where a request is
-        penalized); a view of a static buffer where a graph chose them, so copy it
-        before the next step. A step with a seeded sampled request, a logit bias or a
-        penalty samples eagerly."""
+        mixed with; ``counts``: ``output_counts``', where a request is penalized); a
+        view of a static buffer where a graph chose them, so copy it before the next
+        step. A step with a seeded sampled request, a logit bias or a penalty samples
+        eagerly."""
         all_greedy = all(p.greedy for p in params)
         adjusted = any(p.adjusts_logits for p in params)
         if all_greedy and out.greedy is not None and not adjusted:
@@ -79,7 +92,7 @@ class StepSampler:
                 return in_graph
         temps = to_device(temperatures, torch.float32, self.device)
         tops = to_device(top_ps, torch.float32, self.device)
-        logits = adjusted_logits(out.logits, params, history) if adjusted else out.logits
+        logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
         return sample(logits, temps, tops, self.generator, all_greedy, seeded)
 
     def logprobs(

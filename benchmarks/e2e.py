@@ -26,7 +26,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,18 @@ def _write_checkpoint(args: argparse.Namespace, folder: Path) -> int:
     return int(model.config.vocab_size)
 
 
+# Every sampling parameter a request can set, each with an effect: what "+sampling" adds.
+SAMPLING = dict(
+    temperature=0.8,
+    top_p=0.95,
+    seed=1234,
+    logit_bias={7: 0.5},
+    presence_penalty=0.2,
+    frequency_penalty=0.2,
+    logprobs=5,
+)
+
+
 def _ostinato_system(
     folder: Path, mode: str, dtype: torch.dtype, device: torch.device, args: argparse.Namespace
 ) -> tuple[Any, dict[str, float]]:
@@ -118,7 +130,9 @@ def _ostinato_system(
 
     # "MODE+staged": FULL graphs of the eager model first, MODE's graphs moved in where
     # measured faster; timed once the upgrade has ended (its seconds in the start-up).
-    mode, staged, _ = mode.partition("+staged")
+    # "MODE+sampling": every request with every sampling parameter (SAMPLING).
+    mode, *extras = mode.split("+")  # (the suffixes checked by main)
+    staged = "staged" in extras
     llm = LLM(
         str(folder),
         mode=mode,
@@ -132,6 +146,8 @@ def _ostinato_system(
         progress=False,
     )
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    if "sampling" in extras:
+        params = replace(params, **SAMPLING)
     startup = asdict(llm.startup) | {"graphs": float(llm.capture_report.num_graphs)}
     if staged:
         if not llm.wait_for_graphs(timeout=600):
@@ -324,7 +340,9 @@ def main(argv: list[str]) -> int:
         "--modes",
         default="full_and_piecewise,full,none",
         help="ostinato graph modes to run (comma-separated; MODE+staged: a staged start "
-        "upgrading to MODE, timed once the upgrade has ended)",
+        "upgrading to MODE, timed once the upgrade has ended; MODE+sampling: every request "
+        "with every sampling parameter: seed, temperature, top-p, logit bias, penalties, "
+        "log probabilities)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument(
@@ -352,8 +370,11 @@ def main(argv: list[str]) -> int:
     from ostinato import GraphMode
 
     for m in args.modes:
+        name, *extras = m.lower().split("+")
+        unknown = set(extras) - {"staged", "sampling"}
+        if unknown:
+            parser.error(f"argument --modes: {m}: known suffixes are +staged and +sampling")
         try:
-            name = m.strip().lower().removesuffix("+staged")
             if name != "auto":  # the engine's own name for its default
                 GraphMode.parse(name)
         except ValueError as exc:
@@ -365,7 +386,9 @@ def main(argv: list[str]) -> int:
             parser.error(f"argument --model: {exc}")
     if args.quick or not torch.cuda.is_available():
         args.shape, args.batch_sizes, args.prompt_len, args.new_tokens = "tiny", [1, 2], 16, 8
-        args.modes, args.dtype = ["none"], "float32"
+        # eager only, each suffix kept (+sampling runs on the CPU too; +staged does not)
+        sampling = any("+sampling" in m for m in args.modes)
+        args.modes, args.dtype = ["none", "none+sampling"][: 1 + sampling], "float32"
         what = "SmolLM2" if args.model == REAL_MODEL else "the tiny shape"
         print(f"CPU form (--quick or no CUDA): {what} in float32, eager only")
     provenance = asdict(Provenance.collect())

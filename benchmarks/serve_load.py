@@ -514,7 +514,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--random-weights", action="store_true")
-    parser.add_argument("--clients", default="1,8,32,128")
+    parser.add_argument("--clients", default="1,8,32,64")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

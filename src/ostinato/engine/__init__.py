@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 _HOMES = {
     "LLM": "ostinato.engine.api.llm",
-    "RequestOutput": "ostinato.engine.api.llm",
+    "RequestOutput": "ostinato.engine.api.outputs",
     "CacheArgs": "ostinato.engine.api.engine_args",
     "GraphArgs": "ostinato.engine.api.engine_args",
     "ParallelArgs": "ostinato.engine.api.engine_args",
@@ -48,7 +48,8 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
     from ostinato.engine.api.engine import Engine
     from ostinato.engine.api.engine_args import CacheArgs, EngineArgs, GraphArgs, ParallelArgs
-    from ostinato.engine.api.llm import LLM, RequestOutput
+    from ostinato.engine.api.llm import LLM
+    from ostinato.engine.api.outputs import RequestOutput
     from ostinato.engine.core.logprob import TokenLogprob
     from ostinato.engine.core.params import SamplingParams
     from ostinato.engine.core.scheduler import FinishReason

@@ -8,36 +8,23 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ostinato.adaptive_ladder import LadderChange
 from ostinato.distributed.failure import ParallelError
 from ostinato.engine.api.engine import Engine, Session, Tracked
 from ostinato.engine.api.engine_args import EngineArgs
+from ostinato.engine.api.outputs import RequestOutput
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.api.startup import build, check_args
-from ostinato.engine.core.logprob import TokenLogprob
 from ostinato.engine.core.params import SamplingParams
-from ostinato.engine.core.scheduler import FinishReason, Request
+from ostinato.engine.core.scheduler import Request
 from ostinato.engine.parallel.peers import Peers
 from ostinato.replay_stats import StatsSnapshot
 
 TokenCallback = Callable[[int, int], None]
 """``on_token(prompt_index, token_id)``: called for each token as it is produced."""
-
-
-@dataclass
-class RequestOutput:
-    """One prompt's result, in the order the prompts were given. ``logprobs``: one per
-    token of ``token_ids`` where ``SamplingParams.logprobs`` asked, else None."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: FinishReason
-    text: str | None = None
-    request_id: str = ""  # the id given to generate, or the one it made up
-    logprobs: list[TokenLogprob] | None = None
 
 
 def _part(name: str, doc: str) -> property:
@@ -266,11 +253,7 @@ class LLM:
         return self.engine.step() or []
 
     def _output(self, t: Tracked) -> RequestOutput:
-        r, stop = t.request, t.request.stop_text  # (the text ends before a stop string)
-        text = self.decode(r.output) if self.tokenizer is not None else None
-        text = stop.cut(text) if stop is not None and text else text
-        logprobs = list(r.logprobs) if r.params.logprobs is not None else None
-        return RequestOutput(r.prompt, r.output, r.finish_reason, text, t.request_id, logprobs)
+        return RequestOutput.of(t, self.decode if self.tokenizer is not None else None)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Releases every graph and, under tensor parallelism, leaves the process group

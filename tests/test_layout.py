@@ -18,7 +18,7 @@ LIBRARY_LAYERS = [
     {"config", "resolution", "dispatcher", "capture_planner"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
     | {"replay_stats"},
-    {"callable_graphs", "adaptive_ladder", "staged", ""},
+    {"callable_graphs", "adaptive_ladder", "staged", "backend", ""},
 ]
 # Side by side, neither imports the other.
 SIBLINGS = [

@@ -53,6 +53,7 @@ _HOMES = {
     "PaddingChangesRealRowsError": "ostinato.callable_graphs",
     "PlatformError": "ostinato.errors",
     "StagedRuntime": "ostinato.staged",
+    "compiled_graphs": "ostinato.backend",
     "StatsSnapshot": "ostinato.replay_stats",
     "auto_mode": "ostinato.runtime",
     "build_graph_runtime": "ostinato.runtime",
@@ -111,6 +112,7 @@ __all__ = [
     "auto_mode",
     "build_graph_runtime",
     "capture_phase",
+    "compiled_graphs",
     "choose_compiler",
     "current_forward_context",
     "current_platform",
@@ -127,6 +129,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
     from ostinato.adaptive_ladder import AdaptiveLadder, AdaptivePolicy
+    from ostinato.backend import compiled_graphs
     from ostinato.background import BackgroundCapture
     from ostinato.batch import BatchDescriptor, CaptureItem
     from ostinato.callable_graphs import Graphed, GraphedStats, PaddingChangesRealRowsError, graphed

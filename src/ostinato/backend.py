@@ -1,0 +1,120 @@
+"""``torch.compile(model, backend="ostinato")``: the graph Dynamo traced, served by
+``graphed`` (the same ladder, graphs and statistics), so moving from
+``mode="reduce-overhead"`` is one word. ``options=`` takes ``graphed``'s keyword
+arguments (``max_batch_size``, ``seq_buckets``, ...). Registered with Dynamo through the
+package's ``torch_dynamo_backends`` entry point.
+
+Dynamo hands over a graph whose inputs are the module's parameters and buffers (the same
+tensors at every call), the call's tensors, and, once a second batch size has made the
+batch dynamic, the sizes the graph is traced over (SymInts). The first compile is traced
+for one batch size: its graph runs as traced, eagerly, since Dynamo compiles again for any
+other size. The dynamic compile is graphed: each call's tensors are padded to their
+bucket, the sizes are read back from the padded tensors, and the graph runs at the
+bucket's size inside the graphs. A size that is not a dimension of an input tensor (a
+product of two) cannot be read back: that graph runs eagerly, and the log says so.
+
+Guarantees: outputs equal the traced graph's; the ``Graphed`` of every dynamic compile is
+kept in ``compiled_graphs()`` (its ``stats()``) for as long as Dynamo keeps the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ostinato.callable_graphs import Graphed, graphed
+
+logger = logging.getLogger(__name__)
+
+_COMPILED: weakref.WeakSet[Graphed] = weakref.WeakSet()
+
+
+def compiled_graphs() -> list[Graphed]:
+    """The ``Graphed`` of each graph compiled by the backend and still in use."""
+    return list(_COMPILED)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Where each of the graph's inputs comes from (by its position): the module's
+    tensors (kept), the call's tensors (graphed), and each size as (the position of the
+    call tensor it is a dimension of, that dimension)."""
+
+    kept: dict[int, torch.Tensor]
+    tensors: tuple[int, ...]
+    sizes: dict[int, tuple[int, int] | None]
+
+    def assemble(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The graph's inputs, in order, around the call's (padded) ``tensors``."""
+        by_index = dict(zip(self.tensors, tensors, strict=True))
+        sizes = {i: by_index[t].shape[d] for i, (t, d) in self.sizes.items()}
+        n = len(self.kept) + len(self.tensors) + len(self.sizes)
+        return [self.kept.get(i, by_index.get(i, sizes.get(i))) for i in range(n)]
+
+
+def ostinato_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """Dynamo's backend entry (see the module docstring)."""
+    if mode is not None:
+        raise ValueError(
+            f"mode={mode!r}: the ostinato backend takes no mode; its options go through "
+            "options={...} (graphed's keyword arguments)"
+        )
+    inputs = _inputs(gm, example_inputs)
+    if not inputs.sizes:
+        return gm.forward  # traced for one batch size: Dynamo compiles again for others
+    if None in inputs.sizes.values():
+        logger.warning(
+            "ostinato backend: a size of the traced graph is not a dimension of an input "
+            "tensor; this graph runs eagerly"
+        )
+        return gm.forward
+
+    def run(*tensors: torch.Tensor) -> Any:
+        return gm(*inputs.assemble(tensors))  # the sizes read from the padded tensors
+
+    fast = graphed(run, **(options or {}))  # (graphed checks them, by their names)
+    _COMPILED.add(fast)
+
+    def call(*args: Any) -> Any:
+        return fast(*(args[i] for i in inputs.tensors))
+
+    call.graphed = fast  # type: ignore[attr-defined]  (kept alive with Dynamo's graph)
+    return call
+
+
+def _inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> _Inputs:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kept, tensors, syms = {}, [], {}
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
+        if isinstance(value, torch.Tensor):
+            if getattr(value, "_dynamo_static_input_type", None) is not None:
+                kept[i] = value  # a parameter or buffer: the same tensor at every call
+            else:
+                tensors.append(i)
+        elif isinstance(value, torch.SymInt) or isinstance(
+            node.meta.get("example_value"), torch.SymInt
+        ):
+            syms[i] = node.meta.get("example_value", value)
+    sizes = {i: _dimension(sym, placeholders, tensors) for i, sym in syms.items()}
+    return _Inputs(kept, tuple(tensors), sizes)  # type: ignore[arg-type]
+
+
+def _dimension(sym: Any, placeholders: list[Any], tensors: list[int]) -> tuple[int, int] | None:
+    """(index into the call's tensors' inputs, dimension) whose size is ``sym``."""
+    for t in tensors:
+        fake = placeholders[t].meta.get("example_value")
+        for d, size in enumerate(getattr(fake, "shape", ())):
+            if isinstance(size, torch.SymInt) and str(size.node.expr) == str(sym.node.expr):
+                return t, d
+    return None

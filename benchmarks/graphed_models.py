@@ -3,12 +3,15 @@
 
     python -m benchmarks.graphed_models --out OUT/graphed.json [--models resnet50,bert]
 
-Models, random weights: torchvision's ResNet-50 and ViT-B/16 (224x224 images,
-class logits); transformers' BERT-base (random lengths too, by sequence buckets; last
-hidden state) and GPT-2 (logits), from their default configs. FULL_AND_PIECEWISE does
-not apply to them: none holds an op that must run outside a graph. ``ostinato FULL``
-captures the model's own kernels; ``ostinato FULL+inductor`` compiles it whole first
-(``compiler="inductor"``, a dynamic batch) and captures Inductor's kernels.
+Models, random weights: torchvision's ResNet-50, MobileNetV3-Large and ViT-B/16 (224x224
+images, class logits); transformers' BERT-base and DistilBERT (random lengths too, by
+sequence buckets; last hidden state) and GPT-2 (logits), from their default configs.
+FULL_AND_PIECEWISE does not apply to them: none holds an op that must run outside a graph.
+``ostinato default`` is what ``graphed(model)`` does without options (beyond the largest
+batch and the sequence buckets the stream needs); ``ostinato FULL+inductor`` compiles the
+model whole first (``compiler="inductor"``, a dynamic batch) and captures Inductor's
+kernels; ``ostinato backend`` is ``torch.compile(model, backend="ostinato")`` with the same
+options.
 
 For each model and system the stream runs twice: the first pass is the warm-up
 (compilation, capture; its total seconds are reported), the second is timed call by
@@ -32,7 +35,13 @@ from typing import Any
 
 import torch
 
-SYSTEMS = ("eager", "reduce-overhead", "ostinato FULL", "ostinato FULL+inductor")
+SYSTEMS = (
+    "eager",
+    "reduce-overhead",
+    "ostinato default",
+    "ostinato FULL+inductor",
+    "ostinato backend",
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,11 @@ def resnet50(at: Where) -> Workload:
     return Workload("resnet50", net, at.images, None)
 
 
+def mobilenet(at: Where) -> Workload:
+    net = at.ready(_torchvision().models.mobilenet_v3_large())
+    return Workload("mobilenet", net, at.images, None)
+
+
 def vit(at: Where) -> Workload:
     tv = _torchvision()
     net = at.ready(tv.models.vit_b_16(image_size=64 if at.tiny else 224))
@@ -102,7 +116,9 @@ def _torchvision() -> Any:
     try:
         import torchvision
     except ImportError as exc:
-        raise SystemExit("resnet50 and vit are torchvision's: pip install torchvision") from exc
+        raise SystemExit(
+            "resnet50, mobilenet and vit are torchvision's: pip install torchvision"
+        ) from exc
     return torchvision
 
 
@@ -117,6 +133,18 @@ def bert(at: Where) -> Workload:
     return Workload("bert", hidden, at.ids_and_mask, LENGTHS)
 
 
+def distilbert(at: Where) -> Workload:
+    import transformers as tf
+
+    small = dict(n_layers=2, dim=64, n_heads=2, hidden_dim=128)
+    net = at.ready(tf.DistilBertModel(tf.DistilBertConfig(**(small if at.tiny else {}))))
+
+    def hidden(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return net(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    return Workload("distilbert", hidden, at.ids_and_mask, LENGTHS)
+
+
 def gpt2(at: Where) -> Workload:
     import transformers as tf
 
@@ -125,7 +153,14 @@ def gpt2(at: Where) -> Workload:
     return Workload("gpt2", lambda ids: net(input_ids=ids, use_cache=False).logits, at.ids, LENGTHS)
 
 
-MODELS = {"resnet50": resnet50, "vit": vit, "bert": bert, "gpt2": gpt2}
+MODELS = {
+    "resnet50": resnet50,
+    "mobilenet": mobilenet,
+    "vit": vit,
+    "bert": bert,
+    "distilbert": distilbert,
+    "gpt2": gpt2,
+}
 
 
 def workloads(names: list[str], at: Where) -> list[Workload]:
@@ -147,10 +182,14 @@ def system(w: Workload, name: str, max_batch: int) -> tuple[Callable[..., Any], 
         return torch.compile(w.fn, mode="reduce-overhead"), None
     import ostinato
 
-    compiler = "inductor" if name.endswith("+inductor") else "auto"
-    fast = ostinato.graphed(
-        w.fn, max_batch_size=max_batch, mode="full", seq_buckets=w.seq_buckets, compiler=compiler
-    )
+    options: dict[str, Any] = {"max_batch_size": max_batch, "seq_buckets": w.seq_buckets}
+    if name == "ostinato backend":
+        return torch.compile(w.fn, backend="ostinato", options=options), None
+    if name == "ostinato FULL+inductor":
+        options |= {"mode": "full", "compiler": "inductor"}
+    elif name != "ostinato default":
+        raise ValueError(f"--systems: unknown {name!r}; choose from {', '.join(SYSTEMS)}")
+    fast = ostinato.graphed(w.fn, **options)
     return fast, fast
 
 
@@ -190,11 +229,7 @@ def run_system(
         b: statistics.median(timed(fn, x)[1] for _ in range(args.repeats)) for b, x in fixed.items()
     }
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if torch.cuda.is_available() else 0.0
-    graphs = None
-    if graphed is not None:
-        graphs = sum(
-            1 for s in graphed.stats().signatures for k in s.stats.buckets if k.capture_seconds
-        )
+    graphs = _graphs(graphed, name)
     every = [t for ts in by_batch.values() for t in ts]
     return SystemRow(
         w.name,
@@ -207,6 +242,24 @@ def run_system(
         diff,
         peak,
         graphs,
+    )
+
+
+def _graphs(graphed: Any, name: str) -> int | None:
+    """Graphs captured by an ostinato system (the backend's: every graphed it made)."""
+    import gc
+
+    import ostinato
+
+    if name == "ostinato backend":
+        gc.collect()  # (the graphs of earlier models, dropped with Dynamo's reset)
+        found = ostinato.compiled_graphs()
+    else:
+        found = [graphed] if graphed is not None else []
+    if not found:
+        return None
+    return sum(
+        1 for g in found for s in g.stats().signatures for k in s.stats.buckets if k.capture_seconds
     )
 
 
@@ -226,7 +279,7 @@ def write(args: argparse.Namespace, dtype: torch.dtype, rows: list[SystemRow]) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--models", default="resnet50,vit,bert,gpt2")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--calls", type=int, default=64, help="calls in the stream")
     parser.add_argument("--max-batch", type=int, default=32)

@@ -6,12 +6,13 @@ package's ``torch_dynamo_backends`` entry point.
 
 Dynamo hands over a graph whose inputs are the module's parameters and buffers (the same
 tensors at every call), the call's tensors, and, once a second batch size has made the
-batch dynamic, the sizes the graph is traced over (SymInts). The first compile is traced
-for one batch size: its graph runs as traced, eagerly, since Dynamo compiles again for any
-other size. The dynamic compile is graphed: each call's tensors are padded to their
-bucket, the sizes are read back from the padded tensors, and the graph runs at the
-bucket's size inside the graphs. A size that is not a dimension of an input tensor (a
-product of two) cannot be read back: that graph runs eagerly, and the log says so.
+batch dynamic, the sizes the graph is traced over (SymInts). A compile traced for one
+batch size (the first, and a batch of 1, which Dynamo specializes) is graphed at that size
+alone: Dynamo's guards send every other size elsewhere. The dynamic compile is graphed
+over the ladder: each call's tensors are padded to their bucket, the sizes are read back
+from the padded tensors, and the graph runs at the bucket's size inside the graphs. A
+graph whose call tensors do not share their first dimension, or with a size that is not a
+dimension of a call tensor (a product of two), runs eagerly, and the log says why.
 
 Guarantees: outputs equal the traced graph's; the ``Graphed`` of every dynamic compile is
 kept in ``compiled_graphs()`` (its ``stats()``) for as long as Dynamo keeps the graph.
@@ -71,19 +72,21 @@ def ostinato_backend(
             "options={...} (graphed's keyword arguments)"
         )
     inputs = _inputs(gm, example_inputs)
-    if not inputs.sizes:
-        return gm.forward  # traced for one batch size: Dynamo compiles again for others
-    if None in inputs.sizes.values():
-        logger.warning(
-            "ostinato backend: a size of the traced graph is not a dimension of an input "
-            "tensor; this graph runs eagerly"
-        )
+    why = _eager_because(inputs, example_inputs)
+    if why is not None:
+        logger.warning("ostinato backend: %s; this graph runs eagerly", why)
         return gm.forward
+    options = dict(options or {})
+    if not inputs.sizes:  # traced for one batch: graphs of that size alone
+        batch = example_inputs[inputs.tensors[0]].shape[0]
+        for name in ("max_batch_size", "capture_sizes", "seq_buckets"):
+            options.pop(name, None)
+        options["capture_sizes"] = (batch,)
 
     def run(*tensors: torch.Tensor) -> Any:
         return gm(*inputs.assemble(tensors))  # the sizes read from the padded tensors
 
-    fast = graphed(run, **(options or {}))  # (graphed checks them, by their names)
+    fast = graphed(run, **options)  # (graphed checks them, by their names)
     _COMPILED.add(fast)
 
     def call(*args: Any) -> Any:
@@ -91,6 +94,19 @@ def ostinato_backend(
 
     call.graphed = fast  # type: ignore[attr-defined]  (kept alive with Dynamo's graph)
     return call
+
+
+def _eager_because(inputs: _Inputs, example_inputs: Sequence[Any]) -> str | None:
+    """Why a graph cannot be graphed (None: it can)."""
+    if not inputs.tensors:
+        return "the traced graph takes no tensor of the call"
+    tensors = [example_inputs[i] for i in inputs.tensors]
+    firsts = {str(t.shape[0]) if t.dim() else "scalar" for t in tensors}
+    if len(firsts) > 1:
+        return f"its call tensors do not share their first dimension ({sorted(firsts)})"
+    if None in inputs.sizes.values():
+        return "a size of the traced graph is not a dimension of a call tensor"
+    return None
 
 
 def _inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> _Inputs:

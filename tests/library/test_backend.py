@@ -1,6 +1,6 @@
 """``torch.compile(model, backend="ostinato")`` through the test double for graphs: the
-backend found through its entry point, the first batch size run as traced, later ones
-replayed from graphs and equal to eager, the module's parameters and buffers kept as
+backend found through its entry point, the first batch size graphed at that size alone,
+later ones replayed over the ladder and equal to eager, the module's parameters and buffers kept as
 they are, and bad options named as the user wrote them."""
 
 import pytest
@@ -31,11 +31,12 @@ def test_calls_replay_graphs_and_equal_eager():
         for b in (3, 5, 7, 9, 12, 16, 20, 2):
             x = torch.randn(b, 4)
             torch.testing.assert_close(fast(x), m(x))
-    (graphs,) = [g for g in ostinato.compiled_graphs() if g.options.platform is options["platform"]]
-    stats = graphs.stats().signatures[0].stats
-    # 3 ran as traced (one size, before Dynamo made the batch dynamic); 20 is above the
-    # largest bucket; the six others replayed.
-    assert sum(b.replays for b in stats.buckets) == 6
+    mine = [g for g in ostinato.compiled_graphs() if g.options.platform is options["platform"]]
+    # Two compiles: 3 traced as it is (graphed at 3 alone), then the dynamic batch over the
+    # ladder. 20 is above the largest bucket; the seven others replayed.
+    ladders = sorted(str(g.options.config.capture_sizes) for g in mine)
+    assert ladders == ["(3,)", "None"]  # (None: max_batch_size's ladder)
+    assert sum(b.replays for g in mine for s in g.stats().signatures for b in s.stats.buckets) == 7
 
 
 def test_a_second_dynamic_dimension_is_read_from_the_padded_tensors():
@@ -49,7 +50,7 @@ def test_a_second_dynamic_dimension_is_read_from_the_padded_tensors():
         for b, t in ((2, 5), (3, 7), (4, 12), (1, 16)):
             x = torch.randn(b, t, 4)
             torch.testing.assert_close(fast(x), m(x))
-    # (Dynamo compiles a batch of 1 apart: it specializes sizes 0 and 1)
+    # (Dynamo compiles a batch of 1 apart, as it specializes sizes 0 and 1: graphed alone)
     mine = [g for g in ostinato.compiled_graphs() if g.options.platform is options["platform"]]
     signatures = [s for g in mine for s in g.stats().signatures]
     assert sum(b.replays for s in signatures for b in s.stats.buckets) == 4
@@ -59,7 +60,7 @@ def test_bad_options_are_named_as_written():
     torch._dynamo.reset()
     fast = torch.compile(model().eval(), backend="ostinato", options={"max_batch_size": "many"})
     with torch.inference_mode(), pytest.raises(Exception, match="max_batch_size: expected"):
-        fast(torch.randn(3, 4))
-        fast(torch.randn(5, 4))  # (the dynamic compile, where graphed is built)
+        fast(torch.randn(5, 4))
+        fast(torch.randn(7, 4))  # (the dynamic compile, where the ladder is built)
     with pytest.raises(ValueError, match="takes no mode"):
         ostinato_backend(torch.fx.symbolic_trace(torch.nn.ReLU()), [], mode="reduce-overhead")

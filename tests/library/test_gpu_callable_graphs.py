@@ -152,8 +152,9 @@ def test_gpt2_forward_through_graphed():
 
 
 def test_torch_compile_with_the_ostinato_backend_replays_cuda_graphs():
-    # torch.compile(model, backend="ostinato"): after the first size (run as traced), a
-    # random size stream replays CUDA graphs, equal to eager within float32 tolerance.
+    # torch.compile(model, backend="ostinato"): a random size stream replays CUDA graphs
+    # (the first size and batches of 1 from graphs of their own size: Dynamo traces them
+    # apart), equal to eager within float32 tolerance.
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = (
@@ -173,5 +174,4 @@ def test_torch_compile_with_the_ostinato_backend_replays_cuda_graphs():
             x = torch.randn(b, 64, device="cuda")
             torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
     stats = [s for g in ostinato.compiled_graphs() for s in g.stats().signatures]
-    # (the first size and batches of 1, which Dynamo compiles apart, run as traced)
-    assert sum(b.replays for s in stats for b in s.stats.buckets) > len(sizes) // 2
+    assert sum(b.replays for s in stats for b in s.stats.buckets) >= len(sizes) - 2

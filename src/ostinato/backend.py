@@ -14,8 +14,8 @@ from the padded tensors, and the graph runs at the bucket's size inside the grap
 graph whose call tensors do not share their first dimension, or with a size that is not a
 dimension of a call tensor (a product of two), runs eagerly, and the log says why.
 
-Guarantees: outputs equal the traced graph's; the ``Graphed`` of every dynamic compile is
-kept in ``compiled_graphs()`` (its ``stats()``) for as long as Dynamo keeps the graph.
+Guarantees: outputs equal the traced graph's; the ``Graphed`` of every compile it graphs
+is kept in ``compiled_graphs()`` (its ``stats()``) for as long as Dynamo keeps the graph.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> _Inputs:
 
 
 def _dimension(sym: Any, placeholders: list[Any], tensors: list[int]) -> tuple[int, int] | None:
-    """(index into the call's tensors' inputs, dimension) whose size is ``sym``."""
+    """(position of a call tensor among the graph's inputs, dimension) whose size is
+    ``sym``; None where no call tensor has it as a dimension."""
     for t in tensors:
         fake = placeholders[t].meta.get("example_value")
         for d, size in enumerate(getattr(fake, "shape", ())):

@@ -48,7 +48,7 @@ from torch.utils._pytree import (
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
 from ostinato.errors import OstinatoError
-from ostinato.mathutil import checked_int, is_int
+from ostinato.mathutil import checked_bool, checked_int, is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
 from ostinato.platform.cpu import CpuPlatform
@@ -163,11 +163,11 @@ def graphed(
             full_when,
             _check_compiler(compiler),
             _check_choice("capture", capture, CAPTURE_WHEN),
-            _check_bool("copy_outputs", copy_outputs),
-            _check_bool("check_padding", check_padding),
+            checked_bool("copy_outputs", copy_outputs),
+            checked_bool("check_padding", check_padding),
             checked_int("max_signatures", max_signatures),
             _check_platform(platform),
-            _check_bool("progress", progress),
+            checked_bool("progress", progress),
         ),
         example,
     )
@@ -210,12 +210,6 @@ def _check_dim(dim: object) -> int:
     if not is_int(dim):
         raise TypeError(f"seq_dim: expected an int (a dimension), got {dim!r}")
     return int(dim)  # type: ignore[call-overload]
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

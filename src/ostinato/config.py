@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ostinato.mathutil import is_int
+from ostinato.mathutil import checked_bool, is_int
 from ostinato.modes import GraphMode
 from ostinato.replay_check import DEFAULT_EVERY, ReplayCheck
 
@@ -128,8 +128,7 @@ class GraphConfig:
         if self.max_num_tokens is not None and not is_int(self.max_num_tokens):
             raise TypeError(f"max_num_tokens: expected an int or None, got {self.max_num_tokens!r}")
         for name in ("specialize_lora", "verify_graphs", "check_addresses"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+            checked_bool(name, getattr(self, name))
 
     @property
     def replay_check(self) -> ReplayCheck:

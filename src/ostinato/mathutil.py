@@ -1,4 +1,4 @@
-"""Small numeric helpers shared by every layer."""
+"""Small numeric helpers and argument checks shared by every layer."""
 
 from __future__ import annotations
 
@@ -22,3 +22,10 @@ def checked_int(name: str, value: object, least: int = 1) -> int:
         wanted = "a positive int" if least == 1 else f"an int >= {least}"
         raise TypeError(f"{name}: expected {wanted}, got {value!r}")
     return int(value)  # type: ignore[call-overload]
+
+
+def checked_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool; else ``TypeError`` naming the option ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value

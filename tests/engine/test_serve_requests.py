@@ -337,7 +337,8 @@ def test_a_logit_bias_reaches_the_engine_as_token_ids(engine):
 
 
 class TextlessEngine(Engine):
-    """No tokenizer; its tokens (ids 10, 11, ...) arrive one by one, 20 ms apart."""
+    """No tokenizer; its tokens (ids 10, 11, ...) arrive one by one, 100 ms apart (apart
+    enough that a busy machine's reader still sees them one by one)."""
 
     def __init__(self):
         super().__init__()
@@ -348,8 +349,8 @@ class TextlessEngine(Engine):
         aloop = asyncio.get_running_loop()
         handle = RequestHandle(f"req-{len(self.submitted)}", list(prompt), aloop)
         for i in range(params.max_tokens):
-            aloop.call_later(0.02 * (i + 1), handle._put, [10 + i])
-        aloop.call_later(0.02 * (params.max_tokens + 1), handle._end, FinishReason.LENGTH)
+            aloop.call_later(0.1 * (i + 1), handle._put, [10 + i])
+        aloop.call_later(0.1 * (params.max_tokens + 1), handle._end, FinishReason.LENGTH)
         return handle
 
 

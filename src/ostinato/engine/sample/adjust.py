@@ -53,7 +53,8 @@ class OutputCounts:
             r = s.request
             if r.id in ids:
                 self._update(r.id, r.output, r.num_pending, pending, host, device)
-        self._add(host[0], to_device(host[1], torch.long, self.device) if host[1] else None)
+        if host[1]:
+            self._add(host[0], to_device(host[1], torch.long, self.device))
         if device[1]:
             assert pending is not None  # (the pending rows come from it)
             at = to_device(device[1], torch.long, self.device)
@@ -97,9 +98,7 @@ class OutputCounts:
         self.table[row].zero_()
         return row
 
-    def _add(self, rows: list[int], tokens: torch.Tensor | None) -> None:
-        if tokens is None:
-            return
+    def _add(self, rows: list[int], tokens: torch.Tensor) -> None:
         at = to_device(rows, torch.long, self.device)
         self.table.index_put_((at, tokens), torch.ones_like(tokens, dtype=torch.float32), True)
 

@@ -454,11 +454,14 @@ def test_penalties_on_decode_graphs_equal_eager_steps():
     # FULL_AND_PIECEWISE with asynchronous scheduling: a penalized request's step reads
     # its pending token on the device and picks from its penalized logits; float32, so
     # the graphs' tokens equal eager steps'; a request without penalties keeps its own.
+    # (The tiny model's greedy text never repeats a token, so a positive penalty changes
+    # nothing; a negative one makes it repeat, which it does only where the count of the
+    # token still on the device is read.)
     from ostinato.engine import LLM, SamplingParams
 
     prompts = [[5, 6, 7, 8, 9, 10], [7] * 10, [5, 6, 7, 8, 9, 10]]
     params = [
-        SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=-2.0),
         SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=1.0),
         SamplingParams(max_tokens=24, ignore_eos=True),
     ]

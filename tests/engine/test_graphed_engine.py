@@ -124,10 +124,16 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     eager = sampled_tokens(engine("none", seed=11), 8)
     llm = engine(mode, seed=11)
     sampler = llm.engine.sampler.graph_sampler
-    assert sampler is not None and sorted(sampler.graphs) == [1, 2, 4, 8]
+    # each size with the top-p sort (True) and without, for steps whose top_p are all 1
+    assert sampler is not None and sorted(sampler.graphs) == [
+        (n, cut) for n in (1, 2, 4, 8) for cut in (False, True)
+    ]
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
-    assert sampler.graphs[8][0].replays == 11  # every decode step after the prefill
+    assert sampler.graphs[8, True][0].replays == 11  # every decode step after the prefill
+    assert sampler.graphs[8, False][0].replays == 0
+    uncut = sampled_tokens(engine("none", seed=11), 8, top_p=1.0)
+    assert sampled_tokens(engine(mode, seed=11), 8, top_p=1.0) == uncut
     # 3 requests replay size 4: the padding row draws too, and the CPU generator draws in
     # sequence, so the real rows' later draws differ from an eager run at 3 rows (same
     # distribution, other tokens; on CUDA, Philox can leave them equal).

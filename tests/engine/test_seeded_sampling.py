@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ostinato.engine import LLM, SamplingParams
-from ostinato.engine.sample.sampler import sample
+from ostinato.engine.sample.sampler import sample, seeded_races
 
 VOCAB = 1000
 
@@ -35,6 +35,24 @@ def test_a_seeded_row_depends_on_its_logits_and_seed_alone():
         int(sample(row[None], ones[:1], ones[:1], None, False, [(7, i)])[0]) for i in range(40)
     }
     assert len(index_draws) > 5  # each token of a sequence draws anew
+
+
+def test_seeded_draws_follow_the_distribution():
+    # 4000 seeded draws from 8 tokens, over seeds and over indices of one seed: each
+    # token's share within 4 sigma of its probability; the races are Exp(1).
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    n = 4000
+    keys = [(s, 3) for s in range(n // 2)] + [(5, i) for i in range(n // 2)]
+    ones = torch.ones(n)
+    tokens = sample(probs.log().expand(n, 8), ones, ones, None, False, keys)
+    share = torch.bincount(tokens, minlength=8) / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((share - probs).abs() < 4 * sigma).all(), share
+    race = seeded_races(keys[:200], 1000, torch.device("cpu"))
+    assert race.shape == (200, 1000) and bool((race > 0).all())
+    assert abs(race.mean().item() - 1) < 0.01 and abs(race.var().item() - 1) < 0.03
+    again = seeded_races(keys[100:101], 1000, torch.device("cpu"))
+    assert torch.equal(again[0], race[100])  # a row depends on its key alone
 
 
 def test_seed_must_be_a_non_negative_int():

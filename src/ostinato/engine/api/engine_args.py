@@ -181,8 +181,10 @@ class CacheArgs:
 
 @dataclass(frozen=True)
 class GraphArgs:
-    """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL_AND_PIECEWISE
-    on CUDA, NONE on the CPU), the capture sizes (default: the ladder up to
+    """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL graphs of
+    the model's own kernels on CUDA, measured fastest (FULL_AND_PIECEWISE where
+    attention cannot be captured whole, and as a staged start's upgrade), NONE on the
+    CPU), the capture sizes (default: the ladder up to
     ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
     None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
     and when to ``capture``: ``"blocking"`` (every graph before the engine returns),
@@ -199,7 +201,7 @@ class GraphArgs:
     mode: GraphMode | str = option(
         "auto",
         "graph mode: auto, none, piecewise, full, full_decode_only, full_and_piecewise "
-        "(auto: full_and_piecewise on CUDA, none on CPU)",
+        "(auto: full on CUDA, measured fastest; none on CPU)",
         _as_argument_error(parse_mode),
     )
     capture_sizes: tuple[int, ...] | None = option(

@@ -57,6 +57,7 @@ from ostinato.engine.worker.memory import (
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.platform import platform_for_device
+from ostinato.resolution import AttentionGraphSupport
 from ostinato.runtime import choose_compiler
 from ostinato.ubatch.policy import MicroBatching
 
@@ -86,9 +87,8 @@ def check_args(args: EngineArgs) -> Checked:
     parallel = args.parallel
     config = ParallelConfig(parallel.tensor_parallel_size, parallel.data_parallel_size)
     parse_all_reduce(parallel.all_reduce)
-    mode = parse_mode(args.graphs.mode)
     speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
-    capture = check_capture(args.graphs, parallel, speculative, mode)
+    capture = check_capture(args.graphs, parallel, speculative, parse_mode(args.graphs.mode))
     if capture == "staged" and not platform_for_device(device).supports_graphs:
         raise ValueError(
             f"capture='staged': upgrades graphs, which {device.type} has none of; "
@@ -96,6 +96,7 @@ def check_args(args: EngineArgs) -> Checked:
         )
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
+    mode = engine_mode(parse_mode(args.graphs.mode), capture, device, args)
     utilization = check_utilization(args.cache.gpu_memory_utilization)
     micro_batching = micro_batching_policy(parallel, mode)
     if device.type == "cpu":
@@ -103,6 +104,25 @@ def check_args(args: EngineArgs) -> Checked:
     return Checked(
         args, device, config, mode, speculative, capture, utilization, micro_batching
     )  # fmt: skip
+
+
+def engine_mode(
+    requested: GraphMode | None, capture: str, device: torch.device, args: EngineArgs
+) -> GraphMode | None:
+    """The mode the engine runs: ``requested``, or for ``"auto"`` (None) the one measured
+    fastest (benchmarks/RESULTS.md, start-up and e2e on an H200): FULL graphs of the
+    model's own kernels wherever its attention can be captured whole on a platform with
+    graphs. They decode as fast as FULL_AND_PIECEWISE's compiled pieces, prefill faster,
+    and are ready without a compile. A staged start keeps "auto" (its upgrade's mode:
+    FULL_AND_PIECEWISE); so does attention that cannot be captured whole (its pieces
+    are compiled around it)."""
+    if requested is not None or capture == "staged":
+        return requested
+    if not platform_for_device(device).supports_graphs:
+        return None
+    backend = args.backend or default_backend(device, args.kernels)
+    whole = backend.graph_support is AttentionGraphSupport.ALWAYS
+    return GraphMode.FULL if whole else None
 
 
 def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLimits]:

@@ -53,12 +53,20 @@ class OutputCounts:
             r = s.request
             if r.id in ids:
                 self._update(r.id, r.output, r.num_pending, pending, host, device)
+        flat = []  # indices into the table's elements, one per token to count
         if host[1]:
-            self._add(host[0], to_device(host[1], torch.long, self.device))
+            at = [r * self.vocab + t for r, t in zip(*host, strict=True)]
+            flat.append(to_device(at, torch.long, self.device))
         if device[1]:
             assert pending is not None  # (the pending rows come from it)
             at = to_device(device[1], torch.long, self.device)
-            self._add(device[0], pending[0][at])
+            starts = to_device([r * self.vocab for r in device[0]], torch.long, self.device)
+            flat.append(starts + pending[0][at].long())
+        if flat:
+            # One index_add_ on the flat table: an accumulating index_put_ sorts its
+            # indices on CUDA (about 0.4 ms of host time a call, measured on an H200).
+            at = flat[0] if len(flat) == 1 else torch.cat(flat)
+            self.table.view(-1).index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
         rows = [self.rows.get(s.request.id, 0) for s in scheduled]
         return self.table[to_device(rows, torch.long, self.device)]
 
@@ -98,10 +106,6 @@ class OutputCounts:
         self.table[row].zero_()
         return row
 
-    def _add(self, rows: list[int], tokens: torch.Tensor) -> None:
-        at = to_device(rows, torch.long, self.device)
-        self.table.index_put_((at, tokens), torch.ones_like(tokens, dtype=torch.float32), True)
-
 
 def adjusted_logits(
     logits: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor | None
@@ -109,22 +113,25 @@ def adjusted_logits(
     """``logits`` (``[rows, vocab]``) with each row's bias added and penalties subtracted
     (a float32 copy: the step's logits may be a graph's static output). ``counts``:
     ``OutputCounts.for_step``'s, needed where a row is penalized."""
-    out = logits.float().clone()
+    out = logits.to(torch.float32, copy=True)
     _add_bias(out, params)
     if any(p.penalized for p in params):
         if counts is None:
             raise ValueError("adjusted_logits: penalized rows need their output counts")
-        presence = to_device([p.presence_penalty for p in params], torch.float32, out.device)
-        frequency = to_device([p.frequency_penalty for p in params], torch.float32, out.device)
-        out -= presence[:, None] * (counts > 0) + frequency[:, None] * counts
+        both = [p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
+        presence, frequency = to_device(both, torch.float32, out.device).view(2, -1, 1)
+        out -= presence * (counts > 0) + frequency * counts
     return out
 
 
 def _add_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    pairs = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias]
+    vocab = out.shape[-1]
+    pairs = [(r * vocab + t, v) for r, p in enumerate(params) for t, v in p.logit_bias]
     if not pairs:
         return
-    rows, ids, values = zip(*pairs, strict=True)
+    flat, values = zip(*pairs, strict=True)
     device = out.device
-    index = (to_device(list(rows), torch.long, device), to_device(list(ids), torch.long, device))
-    out.index_put_(index, to_device(list(values), torch.float32, device), accumulate=True)
+    # (a token appears once in a request's bias, so the sum has one term per element)
+    out.view(-1).index_add_(
+        0, to_device(list(flat), torch.long, device), to_device(list(values), torch.float32, device)
+    )

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ostinato.engine.sample.sampler import sample
+from ostinato.engine.sample.sampler import sample, top_p_cut
 from ostinato.platform.base import Platform
 
 
@@ -61,33 +61,40 @@ class GraphSampler:
         ]
         self.hosts = [t.numpy() for t in self.stagings]  # views, made once
         self.turn = 0
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, tokens [n])
+        # (size, cut) -> (graph, tokens [size]); cut: with the top-p sort (``sample``)
+        self.graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
 
-    def _sample(self, n: int) -> torch.Tensor:
-        return sample(self.logits(n), self.temperatures[:n], self.top_ps[:n], self.generator, False)
+    def _sample(self, n: int, cut: bool) -> torch.Tensor:
+        temperatures, top_ps = self.temperatures[:n], self.top_ps[:n]
+        return sample(self.logits(n), temperatures, top_ps, self.generator, False, cut=cut)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
-        """Captures a graph for each of ``sizes`` (the decode graphs' padded sizes),
-        after the decode graphs (their logits buffer must exist)."""
+        """Captures two graphs for each of ``sizes`` (the decode graphs' padded sizes),
+        one with the top-p sort and one without (for steps whose every top_p is 1: the
+        sort is most of a sampling graph's time), after the decode graphs (their logits
+        buffer must exist)."""
         state = self.generator.get_state()
         for n in sizes:
-            self._sample(n)  # warm-up: lazy initialisation stays out of the graph
-            self.platform.synchronize()
-            graph = self.platform.new_graph()
-            register = getattr(graph, "register_generator_state", None)
-            if register is not None and self.generator.device.type == "cuda":
-                register(self.generator)
-            with self.platform.capture(graph, self.pool):
-                tokens = self._sample(n)
-            self.graphs[n] = (graph, tokens)
+            for cut in (True, False):
+                self._sample(n, cut)  # warm-up: lazy initialisation stays out of the graph
+                self.platform.synchronize()
+                graph = self.platform.new_graph()
+                register = getattr(graph, "register_generator_state", None)
+                if register is not None and self.generator.device.type == "cuda":
+                    register(self.generator)
+                with self.platform.capture(graph, self.pool):
+                    tokens = self._sample(n, cut)
+                self.graphs[n, cut] = (graph, tokens)
         self.generator.set_state(state)
 
     def sample(self, padded: int, temperatures: list[float], top_ps: list[float]) -> Any:
         """The tokens of the first ``len(temperatures)`` rows of the last decode step,
         replayed at ``padded`` rows (a view of the graph's output, valid until the
-        graph's next replay); None if no graph was captured for ``padded``."""
-        entry = self.graphs.get(padded)
+        graph's next replay); None if no graph was captured for ``padded``. Takes the
+        tokens eager ``sample`` takes with ``cut`` = whether a sampled row's top_p is
+        below 1."""
+        entry = self.graphs.get((padded, top_p_cut(temperatures, top_ps)))
         if entry is None:
             return None
         graph, tokens = entry

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ostinato.engine.core.transfer import to_device
 from ostinato.engine.sample.greedy import greedy_tokens
 
 
@@ -16,6 +17,7 @@ def sample(
     generator: torch.Generator | None = None,
     all_greedy: bool | None = None,
     seeded: Sequence[tuple[int, int] | None] = (),
+    cut: bool = True,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (``[rows, vocab]``, any float dtype; the
     softmax runs in float32).
@@ -26,6 +28,8 @@ def sample(
     read from the device, which waits for it). ``seeded[i] = (seed, index)``: row i draws
     from a generator of its own, seeded by ``seed`` and the index of the token drawn, so
     its token depends on its own logits and seed only (``None`` or absent: ``generator``).
+    ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
+    (the same distribution, other draws than with ``cut``).
     """
     greedy = greedy_tokens(logits)
     if all_greedy is None:
@@ -34,24 +38,53 @@ def sample(
         return greedy
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    # Keep a token if the mass before it is still below top_p (the first is always kept).
-    keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_ps[:, None]
-    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    order = None
+    if cut:
+        probs, order = probs.sort(dim=-1, descending=True)
+        # Keep a token if the mass before it is still below top_p (the first always is).
+        keep = (probs.cumsum(dim=-1) - probs) < top_ps[:, None]
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
     # The exponential race: argmax of p / E, E ~ Exp(1) i.i.d., picks token i with
     # probability p_i / sum(p). Unlike torch.multinomial it never waits for the device,
     # and it is made of ops a graph can hold.
-    race = torch.empty_like(sorted_p).exponential_(generator=generator)
-    for row, key in enumerate(seeded):
-        if key is not None:
-            race[row] = _seeded_race(*key, race.shape[1], race.device)
-    choice = (sorted_p / race).argmax(dim=-1)
-    sampled = order.gather(1, choice[:, None]).squeeze(1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    rows = [row for row, key in enumerate(seeded) if key is not None]
+    if rows:
+        keys = [seeded[row] for row in rows]
+        at = to_device(rows, torch.long, race.device)
+        race.index_copy_(0, at, seeded_races(keys, race.shape[1], race.device))
+    choice = (probs / race).argmax(dim=-1)
+    sampled = choice if order is None else order.gather(1, choice[:, None]).squeeze(1)
     return torch.where(temperatures > 0, sampled, greedy)
 
 
-def _seeded_race(seed: int, index: int, n: int, device: torch.device) -> torch.Tensor:
-    """``n`` Exp(1) draws that depend on ``seed`` and ``index`` alone."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))  # (golden-ratio mixing)
-    return torch.empty(n, device=device).exponential_(generator=g)
+def top_p_cut(temperatures: Sequence[float], top_ps: Sequence[float]) -> bool:
+    """``sample``'s ``cut``: whether a sampled row (temperature above 0) has top_p < 1."""
+    return any(t > 0 and p < 1 for t, p in zip(temperatures, top_ps, strict=True))
+
+
+_MASK = (1 << 32) - 1
+
+
+def seeded_races(keys: Sequence[tuple[int, int]], n: int, device: torch.device) -> torch.Tensor:
+    """``[len(keys), n]`` Exp(1) draws, row i depending on ``keys[i] = (seed, index)``
+    alone, the same on every device. A counter-based hash of (row key, column) in a
+    few element-wise ops for all rows at once (a generator per row cost two launches and
+    a host round of its own per row). The arithmetic stays below 2**63 in int64, so no
+    op overflows."""
+    row_keys = [_mix64(seed * 0x9E3779B97F4A7C15 + index) & _MASK for seed, index in keys]
+    x = to_device(row_keys, torch.long, device)[:, None]
+    x = (x + torch.arange(n, device=device) * 0x9E3779B1) & _MASK
+    for _ in range(2):  # two rounds of a 32-bit integer hash (multiplier below 2**31)
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK
+    x = (x >> 16) ^ x
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(u)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser on a Python int (exact, any size in; 64 bits out)."""
+    z &= (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return z ^ (z >> 31)

@@ -16,7 +16,7 @@ from ostinato.engine.core.transfer import to_device
 from ostinato.engine.sample.adjust import OutputCounts, Pending, adjusted_logits
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.logprobs import StepLogprobs, wanted
-from ostinato.engine.sample.sampler import sample
+from ostinato.engine.sample.sampler import sample, top_p_cut
 from ostinato.engine.sample.verify import verify
 
 
@@ -93,7 +93,8 @@ class StepSampler:
         temps = to_device(temperatures, torch.float32, self.device)
         tops = to_device(top_ps, torch.float32, self.device)
         logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
-        return sample(logits, temps, tops, self.generator, all_greedy, seeded)
+        cut = top_p_cut(temperatures, top_ps)
+        return sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)
 
     def logprobs(
         self, params: Sequence[SamplingParams], out: StepOutput, tokens: torch.Tensor

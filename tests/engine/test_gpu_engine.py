@@ -419,13 +419,16 @@ def test_the_embed_rope_kernel_copies_the_lookups_rows_in_and_out_of_graphs(dtyp
     assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True))
 
 
-def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs():
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs(mode):
+    # FULL (the default: decodes replay the mixed graphs, sampling runs eagerly) and
     # FULL_AND_PIECEWISE with its sampling graphs: a step with a seeded request samples
     # eagerly, from the seed alone (float32, so the logits do not hang on the batch).
     from ostinato.engine import LLM, SamplingParams
 
-    llm = LLM("tiny", dtype=torch.float32, max_model_len=256, max_num_seqs=8, progress=False)
-    assert llm.engine.sampler.graph_sampler is not None
+    llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
+              progress=False)  # fmt: skip
+    assert (llm.engine.sampler.graph_sampler is not None) == (mode == "full_and_piecewise")
     prompt = [5, 6, 7, 8, 9, 10]
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
     (alone,) = llm.generate([prompt], seeded)
@@ -440,7 +443,8 @@ def test_a_logit_bias_takes_a_decode_graph_step_off_its_argmax():
     # picks from its biased logits instead, and a request without one keeps its tokens.
     from ostinato.engine import LLM, SamplingParams
 
-    llm = LLM("tiny", dtype=torch.float32, max_model_len=256, max_num_seqs=8, progress=False)
+    llm = LLM("tiny", mode="full_and_piecewise", dtype=torch.float32, max_model_len=256,
+              max_num_seqs=8, progress=False)  # fmt: skip
     prompt = [5, 6, 7, 8, 9, 10]
     plain = SamplingParams(max_tokens=8, ignore_eos=True)
     (alone,) = llm.generate([prompt], plain)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ostinato.engine.core.transfer import to_device
+from ostinato.engine.core.transfer import to_device_split
 from ostinato.engine.sample.greedy import greedy_tokens
 
 
@@ -51,8 +51,8 @@ def sample(
     rows = [row for row, key in enumerate(seeded) if key is not None]
     if rows:
         keys = [seeded[row] for row in rows]
-        at = to_device(rows, torch.long, race.device)
-        race.index_copy_(0, at, seeded_races(keys, race.shape[1], race.device))
+        at, row_keys = to_device_split([rows, _row_keys(keys)], torch.long, race.device)
+        race.index_copy_(0, at, seeded_races(row_keys, race.shape[1]))
     choice = (probs / race).argmax(dim=-1)
     sampled = choice if order is None else order.gather(1, choice[:, None]).squeeze(1)
     return torch.where(temperatures > 0, sampled, greedy)
@@ -66,20 +66,24 @@ def top_p_cut(temperatures: Sequence[float], top_ps: Sequence[float]) -> bool:
 _MASK = (1 << 32) - 1
 
 
-def seeded_races(keys: Sequence[tuple[int, int]], n: int, device: torch.device) -> torch.Tensor:
-    """``[len(keys), n]`` Exp(1) draws, row i depending on ``keys[i] = (seed, index)``
-    alone, the same on every device. A counter-based hash of (row key, column) in a
-    few element-wise ops for all rows at once (a generator per row cost two launches and
-    a host round of its own per row). The arithmetic stays below 2**63 in int64, so no
-    op overflows."""
-    row_keys = [_mix64(seed * 0x9E3779B97F4A7C15 + index) & _MASK for seed, index in keys]
-    x = to_device(row_keys, torch.long, device)[:, None]
-    x = (x + torch.arange(n, device=device) * 0x9E3779B1) & _MASK
+def seeded_races(row_keys: torch.Tensor, n: int) -> torch.Tensor:
+    """``[len(row_keys), n]`` Exp(1) draws, row i depending on ``row_keys[i]`` alone (a
+    ``_row_keys`` value, int64 on the draws' device), the same on every device. A
+    counter-based hash of (row key, column) in a few element-wise ops for all rows at
+    once (a generator per row cost two launches and a host round of its own per row).
+    The arithmetic stays below 2**63 in int64, so no op overflows."""
+    x = row_keys[:, None]
+    x = (x + torch.arange(n, device=row_keys.device) * 0x9E3779B1) & _MASK
     for _ in range(2):  # two rounds of a 32-bit integer hash (multiplier below 2**31)
         x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK
     x = (x >> 16) ^ x
     u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
     return -torch.log(u)
+
+
+def _row_keys(keys: Sequence[tuple[int, int]]) -> list[int]:
+    """A 32-bit key per (seed, index): ``seeded_races``' rows."""
+    return [_mix64(seed * 0x9E3779B97F4A7C15 + index) & _MASK for seed, index in keys]
 
 
 def _mix64(z: int) -> int:

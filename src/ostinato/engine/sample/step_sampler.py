@@ -12,7 +12,7 @@ import torch
 
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
-from ostinato.engine.core.transfer import to_device
+from ostinato.engine.core.transfer import to_device_split
 from ostinato.engine.sample.adjust import OutputCounts, Pending, adjusted_logits
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.logprobs import StepLogprobs, wanted
@@ -90,8 +90,7 @@ class StepSampler:
             in_graph = self.graph_sampler.sample(out.graph_size, temperatures, top_ps)
             if in_graph is not None:
                 return in_graph
-        temps = to_device(temperatures, torch.float32, self.device)
-        tops = to_device(top_ps, torch.float32, self.device)
+        temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
         logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
         cut = top_p_cut(temperatures, top_ps)
         return sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)

@@ -263,3 +263,20 @@ def test_e2e_without_transformers_and_with_eager_pieces(tmp_path):
     doc = json.loads(out.read_text())
     assert {r["system"] for r in doc["rows"]} == {"ostinato none"}
     assert "ostinato's piecewise pieces: compiler='eager'" in doc["notes"]
+
+
+def test_sampling_cost_on_cpu_writes_a_row_per_batch_and_parameter(tmp_path):
+    from benchmarks import sampling_cost
+
+    out = tmp_path / "s.json"
+    argv = ["--out", str(out), "--model", "tiny", "--batch-sizes", "1,2"]
+    assert sampling_cost.main([*argv, "--short", "2", "--long", "10", "--repeats", "1"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "sampling_cost" and doc["mode"] == "NONE"
+    assert {"device", "torch", "commit", "date"} <= set(doc["provenance"])
+    rows = doc["rows"]
+    assert [(r["batch"], r["variant"]) for r in rows] == [
+        (b, v) for b in (1, 2) for v in sampling_cost.VARIANTS
+    ]
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert [r["vs_greedy"] for r in rows if r["variant"] == "greedy"] == [1.0, 1.0]

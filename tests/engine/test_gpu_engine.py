@@ -326,11 +326,15 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     # FULL_DECODE_ONLY: the decode graphs hold the same kernels as the eager steps, so the
     # logits are bitwise those of eager; 8 requests fill the captured size 8, and the
     # sampling graph then draws exactly what eager sampling draws from the same seed.
+    # FULL (the default): a decode replays the mixed graph, the LM head writes the
+    # logits the sampling graph reads, the same draws.
     eager = sampled(tiny_engine("none", torch.float32, seed=11), 8)
-    llm = tiny_engine("full_decode_only", torch.float32, seed=11)
-    in_graph = count_graph_samples(llm)
-    assert sampled(llm, 8) == eager
-    assert in_graph == [8] * 23  # every decode step after the prefill
+    for mode in ("full_decode_only", "full"):
+        llm = tiny_engine(mode, torch.float32, seed=11)
+        in_graph = count_graph_samples(llm)
+        assert sampled(llm, 8) == eager, mode
+        assert in_graph == [8] * 23, mode  # every decode step after the prefill
+        llm.close()
     # FULL_AND_PIECEWISE samples its decode steps in the same graphs.
     fp = tiny_engine("full_and_piecewise", torch.bfloat16, seed=11)
     in_graph = count_graph_samples(fp)
@@ -421,14 +425,14 @@ def test_the_embed_rope_kernel_copies_the_lookups_rows_in_and_out_of_graphs(dtyp
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
 def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs(mode):
-    # FULL (the default: decodes replay the mixed graphs, sampling runs eagerly) and
-    # FULL_AND_PIECEWISE with its sampling graphs: a step with a seeded request samples
-    # eagerly, from the seed alone (float32, so the logits do not hang on the batch).
+    # FULL (the default: decodes replay the mixed graphs) and FULL_AND_PIECEWISE, both
+    # with sampling graphs: a step with a seeded request samples eagerly, from the seed
+    # alone (float32, so the logits do not hang on the batch).
     from ostinato.engine import LLM, SamplingParams
 
     llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
               progress=False)  # fmt: skip
-    assert (llm.engine.sampler.graph_sampler is not None) == (mode == "full_and_piecewise")
+    assert llm.engine.sampler.graph_sampler is not None
     prompt = [5, 6, 7, 8, 9, 10]
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
     (alone,) = llm.generate([prompt], seeded)

@@ -118,9 +118,12 @@ def sampled_tokens(llm, b, temperature=0.8, top_p=0.9):
     return tokens(llm, prompts, params)
 
 
-def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(fake_graphs):
-    mode = "full_decode_only"  # (FULL_AND_PIECEWISE has the same decode graphs; the
-    # fake graph's recorder cannot run under Dynamo)
+@pytest.mark.parametrize("mode", ["full_decode_only", "full"])
+def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(fake_graphs, mode):
+    # FULL_DECODE_ONLY's decode graphs write the logits the sampling graphs read
+    # (FULL_AND_PIECEWISE has the same decode graphs; the fake graph's recorder cannot
+    # run under Dynamo); in FULL a decode replays the mixed graph of its size and the LM
+    # head after it writes them, for the sizes up to max_num_seqs.
     eager = sampled_tokens(engine("none", seed=11), 8)
     llm = engine(mode, seed=11)
     sampler = llm.engine.sampler.graph_sampler
@@ -150,7 +153,9 @@ def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs
     assert all(g.replays == 0 for g, _ in llm.engine.sampler.graph_sampler.graphs.values())
     spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
     assert spec.engine.sampler.graph_sampler is None  # verification samples its 1 + k rows
-    assert engine("full").engine.sampler.graph_sampler is None  # no uniform decode graphs
+    full = engine("full")  # (sampling graphs over the logits the LM head writes)
+    tokens(full, prompts, params)
+    assert all(g.replays == 0 for g, _ in full.engine.sampler.graph_sampler.graphs.values())
 
 
 def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_graphs):
@@ -169,8 +174,8 @@ def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_gr
     greedy = [i for i in range(len(params)) if i % 2 == 0]
     alone = engine("none", backend=None, num_blocks=10, seed=4)  # (the seed draws weights)
     want = [alone.generate([prompts[i]], [params[i]])[0].token_ids for i in greedy]
-    for asyn in (False, True):
-        llm = engine("full_decode_only", num_blocks=10, async_scheduling=asyn, seed=4)
+    for mode, asyn in (("full_decode_only", False), ("full_decode_only", True), ("full", True)):
+        llm = engine(mode, num_blocks=10, async_scheduling=asyn, seed=4)
         outs = llm.generate(prompts, mixed)
         assert llm.num_preemptions > 0
         assert sum(g.replays for g, _ in llm.engine.sampler.graph_sampler.graphs.values()) > 0

@@ -27,9 +27,10 @@ class StepOutput:
     ``logits``: in the model's dtype (``DecoderModel.compute_logits``), one row per
     scheduled request, or ``1 + len(draft)`` rows for a request verifying a draft
     (``[rows, vocab]``). ``greedy``: their argmax computed inside a uniform decode step
-    (``[padded]``, padding rows last), else None. ``graph_size``: the padded size of the
-    uniform decode graph the step replayed (its logits are what a sampling graph of that
-    size reads), else None."""
+    (``[padded]``, padding rows last), else None. ``graph_size``: the size of the
+    sampling graph that reads these logits where they are in its static input (the
+    uniform decode graph the step replayed, or in FULL mode the buffer the LM head
+    wrote after the mixed graph), else None."""
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Callable
 
@@ -120,6 +121,10 @@ class ModelRunner:
         # The staged start's upgrade (``start_upgrade``), once started.
         self.staged: StagedRuntime | None = None
         self.upgrade: GraphUpgrade | None = None
+        # FULL mode's decode logits, where its sampling graphs read them, and the sizes
+        # of those graphs (``capture_sampling``); None without.
+        self.sample_logits: torch.Tensor | None = None
+        self.sample_sizes: list[int] = []
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""
@@ -239,10 +244,16 @@ class ModelRunner:
         return self.kernels.fused_layers and runtime is GraphMode.FULL and d.num_tokens <= MAX_ROWS
 
     def run_logits(
-        self, dispatch: Dispatch, n: int, meta: StepAttention, rows: torch.Tensor
+        self,
+        dispatch: Dispatch,
+        n: int,
+        meta: StepAttention,
+        rows: torch.Tensor,
+        decode: bool = False,
     ) -> StepOutput:
-        """Runs the step as dispatched: the logits of ``rows`` (for a uniform decode,
-        all ``n`` rows, whose logits and argmax the step itself computed)."""
+        """Runs the step as dispatched: the logits of ``rows`` (for a uniform decode
+        dispatch, all ``n`` rows, whose logits and argmax the step itself computed;
+        ``decode``: the step is a uniform decode, whatever it was dispatched as)."""
         # Asked before the run, under the step's turn: a FULL dispatch whose graph is not
         # ready yet (background capture) runs eagerly, and its logits are no static output.
         # A step the staged upgrade runs (dispatched to it) is no replay of the first
@@ -261,7 +272,7 @@ class ModelRunner:
             logits, greedy = out
             size = d.num_tokens if replayed else None
             return StepOutput(logits, greedy, size)
-        return StepOutput(self.model.compute_logits(out[rows]))
+        return self._decode_logits(out[rows], decode)
 
     def plan_kernels(self) -> list[GemmTiming]:
         """The projections' plans, set once before anything compiles (``KernelPlan``)."""
@@ -355,29 +366,50 @@ class ModelRunner:
         return self.staged.stepping() if self.staged is not None else self.manager.stepping()
 
     def capture_sampling(self, generator: torch.Generator) -> GraphSampler | None:
-        """A sampling graph per uniform decode size of one token per request, reading
-        that size's static logits (``GraphSampler``), in the shared pool; None where
-        there are no such graphs (no FULL graphs, or verify steps of several tokens per
-        request, which verification samples)."""
+        """A sampling graph per uniform decode size of one token per request
+        (``GraphSampler``), in the shared pool, reading that size's static logits: the
+        decode graphs' outputs where the mode has decode graphs; in FULL mode, where
+        decodes replay the mixed graphs and the LM head runs after them, a buffer the
+        LM head writes (``sample_logits``). None where there are no FULL graphs, or for
+        verify steps of several tokens per request, which verification samples."""
         if self.graphs.dispatcher.uniform_decode_query_len != 1:
             return None
         try:
             full = self.graphs.dispatcher.keys(GraphMode.FULL)
         except ValueError:  # no FULL graphs in this mode
             return None
-        decode_sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
-        if not decode_sizes:
-            return None
-        sampler = GraphSampler(
-            self.manager.platform,
-            self.manager.pool,
-            generator,
-            lambda n: self.manager.outputs.view(n)[0],
-            decode_sizes[-1],
-            self.device,
-        )
-        sampler.capture(decode_sizes)
+        sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
+
+        def logits(n: int) -> torch.Tensor:
+            if self.sample_logits is not None:
+                return self.sample_logits[:n]
+            return self.manager.outputs.view(n)[0]
+
+        if not sizes:
+            sizes = sorted({d.num_tokens for d in full if d.num_tokens <= self.limits.max_num_seqs})
+            if not sizes:
+                return None
+            shape = (sizes[-1], self.model.config.vocab_size)
+            dtype = self.model.lm_head.weight.dtype
+            self.sample_logits = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.sample_sizes = sizes
+        platform, pool = self.manager.platform, self.manager.pool
+        sampler = GraphSampler(platform, pool, generator, logits, sizes[-1], self.device)
+        sampler.capture(sizes)
         return sampler
+
+    def _decode_logits(self, hidden: torch.Tensor, decode: bool) -> StepOutput:
+        """The logits of ``hidden``'s rows; for a uniform ``decode`` step in FULL mode,
+        in ``sample_logits``, with the size of the sampling graph that reads them."""
+        n = hidden.shape[0]
+        at = bisect.bisect_left(self.sample_sizes, n) if decode else len(self.sample_sizes)
+        if self.sample_logits is None or at == len(self.sample_sizes):
+            return StepOutput(self.model.compute_logits(hidden))
+        static = self.sample_logits[:n]
+        logits = self.model.compute_logits(hidden, static)
+        if logits.data_ptr() != static.data_ptr():  # (a planned LM head, or TP's gather)
+            static.copy_(logits)
+        return StepOutput(static, None, self.sample_sizes[at])
 
     def release(self) -> None:
         """Destroys every graph this runner captured (FULL and piecewise) and ends its
@@ -389,6 +421,7 @@ class ModelRunner:
         if self.upgrade is not None:
             self.upgrade.release()
         self.manager.release()
+        self.sample_logits = None
         if self.piecewise is not None:
             self.piecewise.release()
         if isinstance(self.forward, CompiledModel):
@@ -441,7 +474,7 @@ class ModelRunner:
             hidden = self.ubatch.run_eager(padded, layout.query_lens, layout.seq_lens)
             return StepOutput(self.model.compute_logits(hidden[layout.logit_rows]))
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
-        return self.run_logits(dispatch, n, meta, layout.logit_rows)
+        return self.run_logits(dispatch, n, meta, layout.logit_rows, step.uniform_decode)
 
 
 def _static_rows() -> tuple[torch.Tensor | None, torch.Tensor | None]:

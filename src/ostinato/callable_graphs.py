@@ -54,8 +54,9 @@ from ostinato.platform import Platform, current_platform
 from ostinato.platform.cpu import CpuPlatform
 from ostinato.replay_stats import StatsSnapshot
 from ostinato.runtime import GraphRuntime, build_graph_runtime, choose_compiler
+from ostinato.staged import StagedRuntime
 
-CAPTURE_WHEN = ("first_use", "construction", "background")
+CAPTURE_WHEN = ("first_use", "construction", "background", "staged")
 KEY_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 MAX_SIGNATURES = 8
 
@@ -71,10 +72,12 @@ class SignatureLimitError(OstinatoError, ValueError):
 @dataclass(frozen=True)
 class SignatureStats:
     """One signature (``key``: shapes past the dynamic dims, dtypes, constants) and its
-    buckets' statistics."""
+    buckets' statistics; with ``capture="staged"``, ``upgrade``: how far its upgrade is,
+    or why it stopped (``StagedRuntime.summary``)."""
 
     key: str
     stats: StatsSnapshot
+    upgrade: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,9 @@ class GraphedStats:
 
     def summary(self) -> str:
         lines = [f"{len(self.signatures)} signature(s), {self.replays} calls from graphs"]
-        lines += [f"  {s.key}: {s.stats.summary()}" for s in self.signatures]
+        for s in self.signatures:
+            lines.append(f"  {s.key}: {s.stats.summary()}")
+            lines += [f"    {s.upgrade}"] if s.upgrade else []
         if self.eager_too_long:
             lines.append(f"  {self.eager_too_long} eager: longer than the largest seq bucket")
         return "\n".join(lines)
@@ -146,10 +151,15 @@ def graphed(
     ``capture``:
     ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
     ``example = (args, kwargs)``) or ``"background"`` (on a thread; calls run eagerly
-    until their size is ready). ``max_batch_size`` (default 64) makes the ladder of
+    until their size is ready) or ``"staged"`` (FULL graphs of ``fn`` as it is, captured
+    on the first call; then a thread compiles ``fn`` whole with ``compiler``, Inductor for
+    ``"auto"``, captures its graphs bucket by bucket and moves each bucket to them where
+    it measures faster: ``ostinato.StagedRuntime``; ``wait_for_upgrades`` and ``stats``
+    say how far it is). ``max_batch_size`` (default 64) makes the ladder of
     sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.
     Every argument is checked here; an error names the argument as written."""
     splitting = _check_ops(splitting_ops)
+    _check_staged(capture, mode, splitting, compiler)
     return Graphed(
         fn,
         _Options(
@@ -273,8 +283,17 @@ class Graphed:
 
     def stats(self) -> GraphedStats:
         """Live statistics of every signature's buckets (safe from any thread)."""
-        sigs = tuple(SignatureStats(k, s.runtime.manager.stats()) for k, s in self._items())
+        sigs = tuple(
+            SignatureStats(k, s.runtime.manager.stats(), s.staged.summary() if s.staged else "")
+            for k, s in self._items()
+        )
         return GraphedStats(sigs, self._eager_too_long)
+
+    def wait_for_upgrades(self, timeout: float | None = None) -> bool:
+        """With ``capture="staged"``: waits until every signature's upgrade has ended
+        (each bucket decided, or the upgrade stopped: ``stats`` says which), at most
+        ``timeout`` seconds each; returns whether all have. True without staged capture."""
+        return all(s.staged.wait(timeout) for _, s in self._items() if s.staged is not None)
 
     def release(self) -> None:
         """Destroys every graph; the next call of a signature captures it anew."""
@@ -387,7 +406,10 @@ class _Signature:
             self.constants[slot] = None  # (tensors come from the buffers)
         self._oversize: list[Any] | None = None  # a call above the largest bucket
         self._out_spec: TreeSpec | None = None
-        self._compiled = _compiled(self._call_tree, options, platform)
+        staged = options.capture == "staged" and graphs
+        # A staged signature's first stage graphs ``fn`` as it is; its upgrade compiles.
+        self._compiled = None if staged else _compiled(self._call_tree, options, platform)
+        self.staged: StagedRuntime | None = None
         if options.check_padding and self.runtime.mode is not GraphMode.NONE:
             check_padding(self.fn, first)
         self._start_capture()
@@ -399,30 +421,49 @@ class _Signature:
     def run(self, call: _Call, full: bool = False) -> Any:
         """``call`` through its bucket's graph (``full``: the FULL graph of a mode that
         treats calls differently)."""
-        manager = self.runtime.manager
-        with torch.inference_mode(), manager.stepping():
-            dispatch = self.runtime.dispatch(call.batch, uniform_decode=full)
+        stage = self.staged or self.runtime.manager  # (where the step runs)
+        with torch.inference_mode(), stage.stepping():
+            dispatch = (self.staged or self.runtime).dispatch(call.batch, uniform_decode=full)
             padded = dispatch.descriptor.num_tokens
             if padded > self.rows:
                 self._oversize = call.leaves
             else:
                 self._write(call, padded)
             try:
-                outs = manager.run(dispatch, call.batch)
+                outs = stage.run(dispatch, call.batch)
             finally:
                 self._oversize = None
             return self._outputs(outs, call)
 
     def release(self) -> None:
-        self.runtime.manager.release()
+        if self.staged is not None:
+            self.staged.release()  # (the thread stopped, then both stages released)
+        else:
+            self.runtime.manager.release()
 
     def _start_capture(self) -> None:
         if self.runtime.mode is GraphMode.NONE:
             return
         if self.options.capture == "background":
             self.runtime.manager.capture_in_background()
-        else:
-            self.runtime.manager.capture()
+            return
+        self.runtime.manager.capture()
+        if self.options.capture == "staged":
+            self.staged = StagedRuntime(self.runtime, self._build_upgrade)
+
+    def _build_upgrade(self) -> GraphRuntime:
+        """The staged upgrade (on its thread): FULL graphs of ``fn`` compiled whole,
+        reading the same buffers, in a graph pool of its own."""
+        compiler = self.options.compiler
+        compiled = _WholeCompiled(self._call_tree, "inductor" if compiler == "auto" else compiler)
+
+        def step(d: BatchDescriptor) -> tuple[torch.Tensor, ...]:
+            outs, _ = tree_flatten(compiled(*(buf[: d.num_tokens] for buf in self.buffers)))
+            return tuple(outs)
+
+        config = dataclasses.replace(self.options.config, mode=GraphMode.FULL)
+        pool = self.platform.graph_pool_handle()
+        return build_graph_runtime(step, config, platform=self.platform, pool=pool)
 
     def _write(self, call: _Call, padded: int) -> None:
         n, seq_dim = call.batch, self.options.seq_dim
@@ -616,6 +657,26 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
     ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
     return tuple(sorted(set(buckets)))
+
+
+def _check_staged(
+    capture: object, mode: str | GraphMode, splitting: tuple[str, ...], compiler: str | None
+) -> None:
+    """``capture="staged"`` upgrades FULL graphs of ``fn`` to FULL graphs of ``fn``
+    compiled whole: it needs that mode and a compiler."""
+    if capture != "staged":
+        return
+    auto = isinstance(mode, str) and mode.strip().lower() == "auto"
+    if splitting or not (auto or GraphMode.parse(mode) is GraphMode.FULL):
+        raise ValueError(
+            "capture: 'staged' upgrades FULL graphs of fn to FULL graphs of fn compiled "
+            "whole; use mode 'auto' or 'full' without splitting_ops"
+        )
+    if compiler is None:
+        raise ValueError(
+            "compiler: capture='staged' compiles fn for its upgrade; use 'auto' (Inductor), "
+            "'inductor' or 'eager', not None"
+        )
 
 
 def _check_compiler(compiler: str | None) -> str | None:

@@ -317,3 +317,49 @@ def test_background_capture_answers_at_once_and_replays_once_ready():
     assert sig.runtime.manager.background.wait(30)
     torch.testing.assert_close(fast(x), eager(model, x))
     assert fast.stats().replays >= 1
+
+
+def test_a_staged_signature_serves_at_once_and_moves_buckets_to_its_compiled_graphs(
+    monkeypatch,
+):
+    # capture="staged": FULL graphs of the model as it is serve the first call; a thread
+    # compiles it whole ("eager" here: Dynamo's trace, no Inductor on the CPU) and captures
+    # its graphs, each bucket moved where timed faster (a timer that favours the upgrade
+    # up to 4 rows). Outputs equal eager before, during and after; the buckets above 4
+    # stay on the first stage, and stats() says how the upgrade ended.
+    from ostinato import staged
+
+    real = staged.wall_timer
+
+    def timer(runtime, dispatch, rows, meta):
+        seconds = real(runtime, dispatch, rows, meta)
+        return 0.0 if runtime is not first[0] and rows <= 4 else seconds + 1.0
+
+    monkeypatch.setattr(staged, "wall_timer", timer)
+    model, platform = mlp().eval(), FakePlatform()
+    fast = ostinato.graphed(
+        model, max_batch_size=8, platform=platform, capture="staged", compiler="eager"
+    )
+    x = torch.randn(3, 8)
+    first = []
+    torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    (sig,) = fast._signatures.values()
+    first.append(sig.runtime)
+    assert fast.wait_for_upgrades(timeout=120), fast.stats().summary()
+    assert sig.staged.error is None, sig.staged.summary()
+    assert {d.num_tokens for d in sig.staged.upgraded} == {1, 2, 4}
+    upgrade = sig.staged.upgrade.manager
+    timed = upgrade.stats().replays  # (the measurement's replays)
+    for n in (1, 3, 4, 5, 8, 11):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    assert upgrade.stats().replays - timed == 3  # the calls of 1, 3 and 4 rows
+    assert "3 of 4 buckets measured faster and moved" in fast.stats().summary()
+    fast.release()
+
+
+def test_staged_capture_is_refused_where_there_is_nothing_to_upgrade():
+    with pytest.raises(ValueError, match="compiler: capture='staged' compiles fn"):
+        ostinato.graphed(mlp(), capture="staged", compiler=None)
+    with pytest.raises(ValueError, match="capture: 'staged' upgrades FULL graphs"):
+        ostinato.graphed(mlp(), capture="staged", mode="piecewise", splitting_ops=["a::b"])

@@ -308,17 +308,19 @@ def sampled(llm: LLM, b: int) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def count_graph_samples(llm: LLM) -> list[int]:
-    """The rows of each step sampled inside a graph, appended as ``llm`` runs."""
-    rows, inner = [], llm.engine.sampler.graph_sampler.sample
+def count_graph_samples(llm: LLM, method: str = "sample") -> list[int]:
+    """The rows of each step sampled inside a graph by ``GraphSampler.<method>``,
+    appended as ``llm`` runs."""
+    sampler = llm.engine.sampler.graph_sampler
+    rows, inner = [], getattr(sampler, method)
 
-    def counting(padded, temperatures, top_ps):
-        tokens = inner(padded, temperatures, top_ps)
+    def counting(padded, *args):
+        tokens = inner(padded, *args)
         if tokens is not None:
             rows.append(len(tokens))
         return tokens
 
-    llm.engine.sampler.graph_sampler.sample = counting
+    setattr(sampler, method, counting)
     return rows
 
 
@@ -341,6 +343,34 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     out = sampled(fp, 8)
     assert in_graph == [8] * 23 and all(len(o) == 24 for o in out)
     assert all(0 <= t < fp.config.vocab_size for o in out for t in o)
+
+
+def test_biased_penalized_and_seeded_steps_sample_in_graphs_as_eager_does():
+    # Float32, 8 requests filling the captured size 8, each with some of a logit bias,
+    # penalties, a seed and top-p: every decode step replays the sampling graph's
+    # adjusted variant and takes the tokens eager sampling takes from the same seed.
+    r = random.Random(7)
+    prompts = [[r.randrange(1, 1000) for _ in range(r.randint(20, 60))] for _ in range(8)]
+    options = [
+        dict(temperature=0.9, logit_bias={7: 3.0}),
+        dict(temperature=0.8, top_p=0.9, seed=5),
+        dict(frequency_penalty=1.5),
+        dict(temperature=1.0, presence_penalty=0.7, seed=9),
+        dict(temperature=0.7, frequency_penalty=-0.5, logit_bias={3: 1.0}),
+        dict(presence_penalty=-1.0),
+        dict(temperature=0.9, top_p=0.8, logit_bias={42: 100.0}),
+        dict(temperature=1.1, seed=3, frequency_penalty=0.4),
+    ]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **o) for o in options]
+    eager = tiny_engine("none", torch.float32, seed=11).generate(prompts, params)
+    for mode in ("full", "full_decode_only"):
+        llm = tiny_engine(mode, torch.float32, seed=11)
+        rows = count_graph_samples(llm, "sample_adjusted")
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in eager], mode
+        assert rows == [8] * 23, rows  # every decode step after the prefill, in a graph
+        assert got[6].token_ids == [42] * 24
+        llm.close()
 
 
 @pytest.mark.parametrize("vocab", [49152, 128256])
@@ -426,8 +456,8 @@ def test_the_embed_rope_kernel_copies_the_lookups_rows_in_and_out_of_graphs(dtyp
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
 def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs(mode):
     # FULL (the default: decodes replay the mixed graphs) and FULL_AND_PIECEWISE, both
-    # with sampling graphs: a step with a seeded request samples eagerly, from the seed
-    # alone (float32, so the logits do not hang on the batch).
+    # with sampling graphs: a step with a seeded request samples in the adjusted variant,
+    # from the seed alone (float32, so the logits do not hang on the batch).
     from ostinato.engine import LLM, SamplingParams
 
     llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,

@@ -15,6 +15,7 @@ from benchmarks.spec import OracleProposer
 from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import TorchAttention
+from ostinato.engine.sample.graph_sampler import VARIANTS as GRAPH_VARIANTS
 from ostinato.engine.spec.speculative import SpeculativeConfig
 from ostinato.modes import GraphMode
 from ostinato.replay_check import GraphDemotedWarning
@@ -127,14 +128,15 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     eager = sampled_tokens(engine("none", seed=11), 8)
     llm = engine(mode, seed=11)
     sampler = llm.engine.sampler.graph_sampler
-    # each size with the top-p sort (True) and without, for steps whose top_p are all 1
-    assert sampler is not None and sorted(sampler.graphs) == [
-        (n, cut) for n in (1, 2, 4, 8) for cut in (False, True)
-    ]
+    # each size: (adjusted, cut) with the top-p sort, without it for steps whose top_p
+    # are all 1, and adjusted (bias, penalties, seeds) ones, greedy too (cut None)
+    assert sampler is not None and set(sampler.graphs) == {
+        (n, *v) for n in (1, 2, 4, 8) for v in GRAPH_VARIANTS
+    }
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
-    assert sampler.graphs[8, True][0].replays == 11  # every decode step after the prefill
-    assert sampler.graphs[8, False][0].replays == 0
+    assert sampler.graphs[8, False, True][0].replays == 11  # each decode after the prefill
+    assert sampler.graphs[8, False, False][0].replays == 0
     uncut = sampled_tokens(engine("none", seed=11), 8, top_p=1.0)
     assert sampled_tokens(engine(mode, seed=11), 8, top_p=1.0) == uncut
     # 3 requests replay size 4: the padding row draws too, and the CPU generator draws in
@@ -144,6 +146,35 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     graphed3 = sampled_tokens(engine(mode, seed=11), 3)
     assert graphed3 != eager3
     assert all(0 <= t < llm.config.vocab_size for out in graphed3 for t in out)
+
+
+@pytest.mark.parametrize("mode", ["full_decode_only", "full"])
+def test_biased_penalized_and_seeded_steps_sample_in_graphs_as_eager_does(fake_graphs, mode):
+    # 8 requests fill the captured size 8, each with some of a logit bias, penalties, a
+    # seed and top-p, two greedy with a penalty: every decode step replays an adjusted
+    # variant and takes eager's tokens (the same generator draws, the same arithmetic);
+    # an all-greedy penalized batch replays the greedy variant, which draws nothing.
+    prompts, _ = workload(n=8, seed=5)
+    options = [
+        dict(temperature=0.9, logit_bias={7: 3.0, 11: -2.0}),
+        dict(temperature=0.8, top_p=0.9, seed=5),
+        dict(frequency_penalty=1.5),
+        dict(temperature=1.0, presence_penalty=0.7, seed=9),
+        dict(temperature=0.7, frequency_penalty=-0.5, logit_bias={3: 1.0}),
+        dict(presence_penalty=-1.0),
+        dict(temperature=0.9, top_p=0.8, logit_bias={42: 100.0}),  # (42 every time)
+        dict(temperature=1.1, seed=3, frequency_penalty=0.4),
+    ]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, **o) for o in options]
+    want = tokens(engine("none", seed=11), prompts, params)
+    llm = engine(mode, seed=11)
+    graphs = llm.engine.sampler.graph_sampler.graphs
+    assert tokens(llm, prompts, params) == want
+    assert want[6] == [42] * 12
+    assert graphs[8, True, True][0].replays == 11  # every decode step after the prefill
+    greedy = [SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.0)] * 8
+    assert tokens(llm, prompts, greedy) == tokens(engine("none", seed=11), prompts, greedy)
+    assert graphs[8, True, None][0].replays == 11
 
 
 def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs):

@@ -116,17 +116,28 @@ def adjusted_logits(
     (a float32 copy: the step's logits may be a graph's static output). ``counts``:
     ``OutputCounts.for_step``'s, needed where a row is penalized."""
     out = logits.to(torch.float32, copy=True)
-    _add_bias(out, params)
+    add_bias(out, params)
     if any(p.penalized for p in params):
         if counts is None:
             raise ValueError("adjusted_logits: penalized rows need their output counts")
         both = [p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
-        presence, frequency = to_device(both, torch.float32, out.device).view(2, -1, 1)
-        out -= presence * (counts > 0) + frequency * counts
+        presence, frequency = to_device(both, torch.float32, out.device).view(2, -1)
+        penalize(out, presence, frequency, counts)
     return out
 
 
-def _add_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+def penalize(
+    out: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Subtracts each row's presence penalty from the logits of the tokens it has
+    generated and its frequency penalty times their counts (``out``: float32 logits, in
+    place; ``presence``, ``frequency``: ``[rows]``): one arithmetic for eager steps and
+    the sampling graphs, so both pick the same tokens."""
+    out -= presence[:, None] * (counts > 0) + frequency[:, None] * counts
+
+
+def add_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Adds each row's ``logit_bias`` to ``out`` (``[rows, vocab]`` float32, in place)."""
     vocab = out.shape[-1]
     pairs = [(r * vocab + t, v) for r, p in enumerate(params) for t, v in p.logit_bias]
     if not pairs:

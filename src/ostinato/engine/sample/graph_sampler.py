@@ -17,27 +17,41 @@ indexed by element position; measured: 3 rows padded to 4 drew what eager drew a
 at sizes where the advance differs, later steps draw other numbers; on the CPU the
 generator draws in sequence and the padding always shifts them. Either way the tokens
 follow the same distribution as eager sampling's.
+
+A step whose requests set a logit bias or penalties, or a seed, replays an adjusted
+variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, zeroed and filled
+between steps), subtracts the penalties from the output counts (``OutputCounts``' rows,
+copied in) with the arithmetic of eager steps (``adjust.penalize``), and draws a seeded
+row's exponentials from its key (``sampler.Seeds``), so it too takes eager's tokens. Its
+buffers cost ``2 * rows * vocab`` float32 (32 MiB at 32 rows of a 128k vocabulary).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ostinato.engine.sample.sampler import sample, top_p_cut
+from ostinato.engine.core.params import SamplingParams
+from ostinato.engine.sample.adjust import add_bias, penalize
+from ostinato.engine.sample.greedy import greedy_tokens
+from ostinato.engine.sample.sampler import Seeds, row_keys_and_mask, sample, top_p_cut
 from ostinato.platform.base import Platform
+
+# The graphs of each size: (adjusted, cut), cut None for an adjusted all-greedy step (no
+# draw: eager greedy steps draw nothing either, so later draws stay in step with eager's).
+VARIANTS = ((False, True), (False, False), (True, True), (True, False), (True, None))
+Key = tuple[int, bool, bool | None]  # (size, adjusted, cut)
 
 
 class GraphSampler:
-    """One sampling graph per uniform decode size, captured into the shared pool.
-
-    ``logits(n)``: the first ``n`` rows of the decode graphs' static logits
-    (``[n, vocab]``, fixed address per ``n``). Guarantees: ``sample`` returns None for a
-    size it has no graph for (the caller samples eagerly); the generator's state after
-    ``capture`` is what it was before; at a captured size the tokens equal eager
-    ``sample``'s from the same generator state.
+    """Sampling graphs per uniform decode size (``VARIANTS``), captured into the shared
+    pool. ``logits(n)``: the first ``n`` rows of the static logits the step wrote
+    (``[n, vocab]``, fixed address per ``n``). Guarantees: ``sample`` and
+    ``sample_adjusted`` return None for a size with no graph (the caller samples
+    eagerly); the generator's state after ``capture`` is what it was before; at a
+    captured size the tokens equal eager sampling's from the same generator state.
     """
 
     def __init__(
@@ -50,42 +64,60 @@ class GraphSampler:
         device: torch.device,
     ) -> None:
         self.platform, self.pool, self.generator, self.logits = platform, pool, generator, logits
-        self.temperatures = torch.zeros(max_rows, dtype=torch.float32, device=device)  # [R]
-        self.top_ps = torch.ones(max_rows, dtype=torch.float32, device=device)  # [R]
+        self.device = device
+        # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded.
+        self.floats = torch.zeros((4, max_rows), dtype=torch.float32, device=device)
+        self.ints = torch.zeros((2, max_rows), dtype=torch.long, device=device)
+        self.counts = self.bias = torch.zeros((0, 0), device=device)  # (sized by capture)
+        self.bias_dirty = False  # whether a row of ``bias`` may be non-zero
         # Pinned staging, two sets used in turn (as ``StepInputs`` does: under
         # asynchronous scheduling the host fills one while the other's copy may still be
-        # queued); row 0 temperatures, row 1 top-p; padding rows: greedy, top-p 1.
+        # queued); the host writes them through numpy views made once.
         pin = device.type == "cuda"
         self.stagings = [
-            torch.zeros((2, max_rows), dtype=torch.float32, pin_memory=pin) for _ in range(2)
+            (
+                torch.zeros((4, max_rows), dtype=torch.float32, pin_memory=pin),
+                torch.zeros((2, max_rows), dtype=torch.long, pin_memory=pin),
+            )
+            for _ in range(2)
         ]
-        self.hosts = [t.numpy() for t in self.stagings]  # views, made once
+        self.hosts = [(f.numpy(), i.numpy()) for f, i in self.stagings]
         self.turn = 0
-        # (size, cut) -> (graph, tokens [size]); cut: with the top-p sort (``sample``)
-        self.graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
+        self.graphs: dict[Key, tuple[Any, torch.Tensor]] = {}  # -> (graph, tokens [size])
 
-    def _sample(self, n: int, cut: bool) -> torch.Tensor:
-        temperatures, top_ps = self.temperatures[:n], self.top_ps[:n]
-        return sample(self.logits(n), temperatures, top_ps, self.generator, False, cut=cut)
+    def _sample(self, n: int, adjusted: bool, cut: bool | None) -> torch.Tensor:
+        temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
+        if not adjusted:
+            return sample(
+                self.logits(n), temperatures, top_ps, self.generator, False, cut=bool(cut)
+            )
+        out = self.logits(n).float() + self.bias[:n]
+        penalize(out, self.floats[2, :n], self.floats[3, :n], self.counts[:n])
+        if cut is None:
+            return greedy_tokens(out)
+        seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool())
+        return sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
-        """Captures two graphs for each of ``sizes`` (the decode graphs' padded sizes),
-        one with the top-p sort and one without (for steps whose every top_p is 1: the
-        sort is most of a sampling graph's time), after the decode graphs (their logits
-        buffer must exist)."""
+        """Captures every variant for each of ``sizes`` (the padded sizes whose logits
+        ``logits`` names), after the step's graphs (their logits buffer must exist)."""
+        rows, vocab = self.floats.shape[1], self.logits(sizes[-1]).shape[-1]
+        with torch.inference_mode(False):  # (written between steps, outside inference mode)
+            self.counts = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
+            self.bias = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
         state = self.generator.get_state()
         for n in sizes:
-            for cut in (True, False):
-                self._sample(n, cut)  # warm-up: lazy initialisation stays out of the graph
+            for adjusted, cut in VARIANTS:
+                self._sample(n, adjusted, cut)  # warm-up: lazy initialisation stays out
                 self.platform.synchronize()
                 graph = self.platform.new_graph()
                 register = getattr(graph, "register_generator_state", None)
                 if register is not None and self.generator.device.type == "cuda":
                     register(self.generator)
                 with self.platform.capture(graph, self.pool):
-                    tokens = self._sample(n, cut)
-                self.graphs[n, cut] = (graph, tokens)
+                    tokens = self._sample(n, adjusted, cut)
+                self.graphs[n, adjusted, cut] = (graph, tokens)
         self.generator.set_state(state)
 
     def sample(self, padded: int, temperatures: list[float], top_ps: list[float]) -> Any:
@@ -94,18 +126,61 @@ class GraphSampler:
         graph's next replay); None if no graph was captured for ``padded``. Takes the
         tokens eager ``sample`` takes with ``cut`` = whether a sampled row's top_p is
         below 1."""
-        entry = self.graphs.get((padded, top_p_cut(temperatures, top_ps)))
+        entry = self.graphs.get((padded, False, top_p_cut(temperatures, top_ps)))
         if entry is None:
             return None
-        graph, tokens = entry
-        n = len(temperatures)
-        staging, host = self.stagings[self.turn], self.hosts[self.turn]
+        self._stage(padded, [temperatures, top_ps])
+        entry[0].replay()
+        return entry[1][: len(temperatures)]
+
+    def sample_adjusted(
+        self,
+        padded: int,
+        params: Sequence[SamplingParams],
+        seeded: Sequence[tuple[int, int] | None],
+        counts: torch.Tensor | None,
+    ) -> Any:
+        """``sample`` for a step with a logit bias, a penalty or a seeded row: the tokens
+        eager sampling takes from ``adjust.adjusted_logits`` (``counts``: the step's
+        ``OutputCounts``, where a row is penalized) with ``seeded`` (``sample``'s)."""
+        temperatures, top_ps = [p.temperature for p in params], [p.top_p for p in params]
+        greedy = all(p.greedy for p in params)
+        entry = self.graphs.get((padded, True, None if greedy else top_p_cut(temperatures, top_ps)))
+        if entry is None:
+            return None
+        n = len(params)
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        ints = row_keys_and_mask(seeded or [None] * n)  # (``sample``'s empty: none seeded)
+        self._stage(padded, [temperatures, top_ps, presence, frequency], ints)
+        if counts is not None:
+            self.counts[:n].copy_(counts)
+        biased = any(p.logit_bias for p in params)
+        if biased or self.bias_dirty:
+            self.bias[:padded].zero_()
+            add_bias(self.bias[:n], params)
+            self.bias_dirty = biased
+        entry[0].replay()
+        return entry[1][:n]
+
+    def _stage(
+        self,
+        padded: int,
+        floats: list[list[float]],
+        ints: tuple[list[int], list[int]] | None = None,
+    ) -> None:
+        """Writes the step's per-row values (``floats``: temperatures, top-p, then the
+        penalties; ``ints``: seed keys and seeded flags) into the device buffers through
+        the next pinned staging; padding rows greedy, top-p 1, no penalty, unseeded."""
+        n = len(floats[0])
+        (staging_f, staging_i), (host_f, host_i) = self.stagings[self.turn], self.hosts[self.turn]
         self.turn ^= 1
-        host[0, :n] = temperatures
-        host[1, :n] = top_ps
-        host[0, n:padded] = 0.0
-        host[1, n:padded] = 1.0
-        self.temperatures[:padded].copy_(staging[0, :padded], non_blocking=True)
-        self.top_ps[:padded].copy_(staging[1, :padded], non_blocking=True)
-        graph.replay()
-        return tokens[:n]
+        host_f[:, :padded] = 0.0
+        host_f[1, :padded] = 1.0
+        for row, values in enumerate(floats):
+            host_f[row, :n] = values
+        self.floats[:, :padded].copy_(staging_f[:, :padded], non_blocking=True)
+        if ints is not None:
+            host_i[:, :padded] = 0
+            host_i[0, :n], host_i[1, :n] = ints
+            self.ints[:, :padded].copy_(staging_i[:, :padded], non_blocking=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +17,7 @@ def sample(
     top_ps: torch.Tensor,
     generator: torch.Generator | None = None,
     all_greedy: bool | None = None,
-    seeded: Sequence[tuple[int, int] | None] = (),
+    seeded: Sequence[tuple[int, int] | None] | Seeds = (),
     cut: bool = True,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (``[rows, vocab]``, any float dtype; the
@@ -27,7 +28,8 @@ def sample(
     ``all_greedy``: whether every temperature is 0, when the caller knows (else it is
     read from the device, which waits for it). ``seeded[i] = (seed, index)``: row i draws
     from a generator of its own, seeded by ``seed`` and the index of the token drawn, so
-    its token depends on its own logits and seed only (``None`` or absent: ``generator``).
+    its token depends on its own logits and seed only (``None`` or absent: ``generator``);
+    or the same on the device (``Seeds``, as a graph holds it).
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
     (the same distribution, other draws than with ``cut``).
     """
@@ -48,14 +50,37 @@ def sample(
     # probability p_i / sum(p). Unlike torch.multinomial it never waits for the device,
     # and it is made of ops a graph can hold.
     race = torch.empty_like(probs).exponential_(generator=generator)
-    rows = [row for row, key in enumerate(seeded) if key is not None]
-    if rows:
-        keys = [seeded[row] for row in rows]
-        at, row_keys = to_device_split([rows, _row_keys(keys)], torch.long, race.device)
-        race.index_copy_(0, at, seeded_races(row_keys, race.shape[1]))
+    seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, race.device)
+    if seeds is not None:
+        race = torch.where(seeds.mask[:, None], seeded_races(seeds.keys, race.shape[1]), race)
     choice = (probs / race).argmax(dim=-1)
     sampled = choice if order is None else order.gather(1, choice[:, None]).squeeze(1)
     return torch.where(temperatures > 0, sampled, greedy)
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """Per row of a step, on the device: ``keys`` (int64, ``seeded_races``' row keys) and
+    ``mask`` (bool: the row draws from its key, not the generator)."""
+
+    keys: torch.Tensor
+    mask: torch.Tensor
+
+
+def seeds_on(seeded: Sequence[tuple[int, int] | None], device: torch.device) -> Seeds | None:
+    """``sample``'s ``seeded`` list as ``Seeds`` on ``device``, in one copy (None where
+    no row is seeded)."""
+    if not any(key is not None for key in seeded):
+        return None
+    keys, mask = row_keys_and_mask(seeded)
+    keys_t, mask_t = to_device_split([keys, mask], torch.long, device)
+    return Seeds(keys_t, mask_t.bool())
+
+
+def row_keys_and_mask(seeded: Sequence[tuple[int, int] | None]) -> tuple[list[int], list[int]]:
+    """Per row, its ``seeded_races`` key (0 unseeded) and 1 where seeded, else 0."""
+    keys = [_row_keys([key])[0] if key is not None else 0 for key in seeded]
+    return keys, [int(key is not None) for key in seeded]
 
 
 def top_p_cut(temperatures: Sequence[float], top_ps: Sequence[float]) -> bool:

@@ -40,9 +40,10 @@ class StepOutput:
 class StepSampler:
     """Turns a ``StepOutput`` into tokens. Guarantees: an all-greedy step returns the
     argmax (the graph's own where it has one, no second pass over the logits); a
-    sampled uniform decode step replayed from a graph samples in its sampling graph
-    when one was captured for its size; every other step samples eagerly from
-    ``generator``; nothing here waits for the device."""
+    sampled, biased, penalized or seeded uniform decode step whose logits a sampling
+    graph reads samples in that graph; every other step samples eagerly from
+    ``generator``, with the same tokens at a captured size; nothing here waits for the
+    device."""
 
     def __init__(
         self,
@@ -77,8 +78,8 @@ class StepSampler:
         the index in its sequence of each token drawn, which a request's ``seed`` is
         mixed with; ``counts``: ``output_counts``', where a request is penalized); a
         view of a static buffer where a graph chose them, so copy it before the next
-        step. A step with a seeded sampled request, a logit bias or a penalty samples
-        eagerly."""
+        step. A step with a seeded sampled request, a logit bias or a penalty replays
+        the sampling graph's adjusted variant where there is one."""
         all_greedy = all(p.greedy for p in params)
         adjusted = any(p.adjusts_logits for p in params)
         if all_greedy and out.greedy is not None and not adjusted:
@@ -86,9 +87,12 @@ class StepSampler:
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         seeded = _seeded(params, indices)
-        graphs = self.graph_sampler is not None and out.graph_size is not None
-        if not all_greedy and graphs and not any(seeded) and not adjusted:
-            in_graph = self.graph_sampler.sample(out.graph_size, temperatures, top_ps)
+        sampler, size = self.graph_sampler, out.graph_size
+        if sampler is not None and size is not None and not (all_greedy and not adjusted):
+            if adjusted or any(seeded):
+                in_graph = sampler.sample_adjusted(size, params, seeded, counts)
+            else:
+                in_graph = sampler.sample(size, temperatures, top_ps)
             if in_graph is not None:
                 return in_graph
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)

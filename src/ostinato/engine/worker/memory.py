@@ -104,13 +104,15 @@ def graph_pool_bytes(
 
 
 # Peak bytes per logit element of ``sample`` (softmax, the sort's values and int64
-# indices, the top-p mask's temporaries, the exponential race): 25, rounded up.
-SAMPLING_BYTES_PER_LOGIT = 28
+# indices, the top-p mask's temporaries, the exponential race): 25, rounded up; and the
+# buffers beside the graphs: the adjusted variants' float32 counts and bias, and FULL
+# mode's logits buffer (at most float32).
+SAMPLING_BYTES_PER_LOGIT = 28 + 4 + 4 + 4
 
 
 def sampling_graph_bytes(config: ModelConfig, decode_rows: int) -> int:
-    """Estimate of what the sampling graphs add to the pool: their largest size samples
-    ``decode_rows`` rows of the full vocabulary (``GraphSampler``)."""
+    """Estimate of what the sampling graphs add: their largest size samples
+    ``decode_rows`` rows of the full vocabulary (``GraphSampler``), and their buffers."""
     return decode_rows * config.vocab_size * SAMPLING_BYTES_PER_LOGIT
 
 

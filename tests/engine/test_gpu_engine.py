@@ -514,8 +514,8 @@ def test_penalties_on_decode_graphs_equal_eager_steps():
 
 
 def test_logprobs_from_decode_graphs_equal_eager_steps():
-    # FULL_AND_PIECEWISE, asynchronous scheduling: the log probabilities are computed on
-    # the device from the decode graphs' static logits and copied back with the tokens;
+    # FULL_AND_PIECEWISE and FULL, asynchronous scheduling: the log probabilities come
+    # from the logprob graphs over the static logits, copied back with the tokens;
     # float32, so they equal eager steps' (greedy, and a sampled request with a seed).
     from ostinato.engine import LLM, SamplingParams
 
@@ -526,12 +526,13 @@ def test_logprobs_from_decode_graphs_equal_eager_steps():
         SamplingParams(max_tokens=16, ignore_eos=True),
     ]
     got = {}
-    for mode in ("none", "full_and_piecewise"):
+    for mode in ("none", "full_and_piecewise", "full"):
         llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
                   progress=False)  # fmt: skip
         got[mode] = llm.generate(prompts, params)
         llm.close()
-    for eager, graphed in zip(got["none"], got["full_and_piecewise"], strict=True):
+    graphs = got["full_and_piecewise"] + got["full"]
+    for eager, graphed in zip(got["none"] * 2, graphs, strict=True):
         assert eager.token_ids == graphed.token_ids
         if eager.logprobs is None:
             assert graphed.logprobs is None

@@ -177,6 +177,29 @@ def test_biased_penalized_and_seeded_steps_sample_in_graphs_as_eager_does(fake_g
     assert graphs[8, True, None][0].replays == 11
 
 
+def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
+    # 8 requests asking for log probabilities (greedy and sampled, 0 to 20 alternatives)
+    # fill the captured size 8: each decode step's come from the logprob graph, equal
+    # to eager steps' (the same tokens, log probabilities and alternatives).
+    prompts, _ = workload(n=8, seed=6)
+    ks = [0, 1, 5, 20, 3, 0, 20, 7]
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True, logprobs=k, temperature=0.9 * (i % 2))
+        for i, k in enumerate(ks)
+    ]
+    want = engine("none", seed=11).generate(prompts, params)
+    llm = engine("full", seed=11)
+    graph, _ = llm.engine.sampler.graph_sampler.logprob_graphs[8]
+    got = llm.generate(prompts, params)
+    assert graph.replays == 9  # every decode step after the prefill
+    for w, g, k in zip(want, got, ks, strict=True):
+        assert w.token_ids == g.token_ids and len(g.logprobs) == 10
+        for a, b in zip(w.logprobs, g.logprobs, strict=True):
+            assert a.token_id == b.token_id and len(b.top) == k
+            assert abs(a.logprob - b.logprob) < 1e-5
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
 def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs):
     llm = engine("full_decode_only")
     prompts, params = workload(n=4)

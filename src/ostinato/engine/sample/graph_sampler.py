@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 
-from ostinato.engine.core.params import SamplingParams
+from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
 from ostinato.engine.sample.adjust import add_bias, penalize
 from ostinato.engine.sample.greedy import greedy_tokens
+from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.sampler import Seeds, row_keys_and_mask, sample, top_p_cut
 from ostinato.platform.base import Platform
 
@@ -84,6 +85,10 @@ class GraphSampler:
         self.hosts = [(f.numpy(), i.numpy()) for f, i in self.stagings]
         self.turn = 0
         self.graphs: dict[Key, tuple[Any, torch.Tensor]] = {}  # -> (graph, tokens [size])
+        # Log probabilities (``StepLogprobs`` of MAX_LOGPROBS alternatives) per size, of
+        # the tokens copied into ``chosen``.
+        self.chosen = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.logprob_graphs: dict[int, tuple[Any, StepLogprobs]] = {}
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
@@ -118,7 +123,35 @@ class GraphSampler:
                 with self.platform.capture(graph, self.pool):
                     tokens = self._sample(n, adjusted, cut)
                 self.graphs[n, adjusted, cut] = (graph, tokens)
+            self.logprob_graphs[n] = self._capture_logprobs(n)
         self.generator.set_state(state)
+
+    def _capture_logprobs(self, n: int) -> tuple[Any, StepLogprobs]:
+        logits = self.logits(n)
+        k = min(MAX_LOGPROBS, logits.shape[-1])
+
+        def of() -> StepLogprobs:
+            return StepLogprobs.of(logits, self.chosen[:n], k)
+
+        of()  # warm-up
+        self.platform.synchronize()
+        graph = self.platform.new_graph()
+        with self.platform.capture(graph, self.pool):
+            out = of()
+        return graph, out
+
+    def logprobs(self, padded: int, tokens: torch.Tensor, k: int) -> StepLogprobs | None:
+        """``StepLogprobs.of`` the last step's logits (replayed at ``padded`` rows) for
+        ``tokens`` with ``k`` alternatives, views of the graph's outputs valid until its
+        next replay; None if no graph was captured for ``padded``."""
+        entry = self.logprob_graphs.get(padded)
+        if entry is None:
+            return None
+        n = tokens.shape[0]
+        self.chosen[:n].copy_(tokens)
+        entry[0].replay()
+        out = entry[1]
+        return StepLogprobs(out.chosen[:n], out.top_ids[:n, :k], out.top_values[:n, :k])
 
     def sample(self, padded: int, temperatures: list[float], top_ps: list[float]) -> Any:
         """The tokens of the first ``len(temperatures)`` rows of the last decode step,

@@ -107,7 +107,13 @@ class StepSampler:
         alternatives, from the raw logits, where a request asked (``StepLogprobs``);
         None where none did. Queued on the device, like the tokens."""
         k = wanted(params)
-        return None if k is None else StepLogprobs.of(out.logits, tokens, k)
+        if k is None:
+            return None
+        if self.graph_sampler is not None and out.graph_size is not None:
+            in_graph = self.graph_sampler.logprobs(out.graph_size, tokens, k)
+            if in_graph is not None:
+                return in_graph
+        return StepLogprobs.of(out.logits, tokens, k)
 
     def verify(self, step: ScheduledBatch, out: StepOutput) -> list[int | list[int]]:
         """Per request of a verify step: its sampled token, or the draft tokens it keeps

@@ -5,6 +5,7 @@ speculative verify graphs are exercised end to end without a GPU."""
 
 import random
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -128,15 +129,15 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     eager = sampled_tokens(engine("none", seed=11), 8)
     llm = engine(mode, seed=11)
     sampler = llm.engine.sampler.graph_sampler
-    # each size: (adjusted, cut) with the top-p sort, without it for steps whose top_p
-    # are all 1, and adjusted (bias, penalties, seeds) ones, greedy too (cut None)
+    # each size: (adjusted, cut, seeded): with the top-p sort, without it for steps whose
+    # top_p are all 1, adjusted (bias, penalties) with and without seeds, greedy too
     assert sampler is not None and set(sampler.graphs) == {
         (n, *v) for n in (1, 2, 4, 8) for v in GRAPH_VARIANTS
     }
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
-    assert sampler.graphs[8, False, True][0].replays == 11  # each decode after the prefill
-    assert sampler.graphs[8, False, False][0].replays == 0
+    assert sampler.graphs[8, False, True, False][0].replays == 11  # each decode after the prefill
+    assert sampler.graphs[8, False, False, False][0].replays == 0
     uncut = sampled_tokens(engine("none", seed=11), 8, top_p=1.0)
     assert sampled_tokens(engine(mode, seed=11), 8, top_p=1.0) == uncut
     # 3 requests replay size 4: the padding row draws too, and the CPU generator draws in
@@ -171,10 +172,15 @@ def test_biased_penalized_and_seeded_steps_sample_in_graphs_as_eager_does(fake_g
     graphs = llm.engine.sampler.graph_sampler.graphs
     assert tokens(llm, prompts, params) == want
     assert want[6] == [42] * 12
-    assert graphs[8, True, True][0].replays == 11  # every decode step after the prefill
+    assert graphs[8, True, True, True][0].replays == 11  # every decode step after the prefill
     greedy = [SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.0)] * 8
     assert tokens(llm, prompts, greedy) == tokens(engine("none", seed=11), prompts, greedy)
-    assert graphs[8, True, None][0].replays == 11
+    assert graphs[8, True, None, False][0].replays == 11
+    # sampled with penalties and no seed: the variant without the seeds' hash
+    unseeded, fresh = [replace(p, seed=None) for p in params], engine(mode, seed=11)
+    want = tokens(engine("none", seed=11), prompts, unseeded)
+    assert tokens(fresh, prompts, unseeded) == want
+    assert fresh.engine.sampler.graph_sampler.graphs[8, True, True, False][0].replays == 11
 
 
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
@@ -220,8 +226,6 @@ def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_gr
     # they do alone in an eager engine. (Sampled outputs themselves differ between sync
     # and async scheduling, graphs or not: the two schedule different steps around
     # preemption, so the draws fall to other rows; only the distribution is the same.)
-    from dataclasses import replace
-
     prompts, params = preempting_mix()
     sampled = [replace(p, temperature=0.9, top_p=0.8) for p in params]
     mixed = [s if i % 2 else p for i, (p, s) in enumerate(zip(params, sampled, strict=True))]

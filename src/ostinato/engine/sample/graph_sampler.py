@@ -223,8 +223,10 @@ class GraphSampler:
         host_f[1, :padded] = 1.0
         for row, values in enumerate(floats):
             host_f[row, :n] = values
-        self.floats[:, :padded].copy_(staging_f[:, :padded], non_blocking=True)
+        # Whole buffers: a slice of every row would be a strided copy, which goes through
+        # a pageable temporary and so would wait for the device.
+        self.floats.copy_(staging_f, non_blocking=True)
         if ints is not None:
             host_i[:, :padded] = 0
             host_i[0, :n], host_i[1, :n] = ints
-            self.ints[:, :padded].copy_(staging_i[:, :padded], non_blocking=True)
+            self.ints.copy_(staging_i, non_blocking=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 from collections.abc import Callable
 
@@ -79,10 +78,7 @@ class ModelRunner:
         self.compile_cache = compile_cache
         # RoPE goes where the backend says: in the model, or inside the attention op.
         model.rope_in_attention = getattr(backend, "applies_rope", False)
-        self.cache = cache
-        self.backend = backend
-        self.limits = limits
-        self.device = device
+        self.cache, self.backend, self.limits, self.device = cache, backend, limits, device
         self.inputs = StepInputs(limits, device)
         platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
@@ -121,10 +117,8 @@ class ModelRunner:
         # The staged start's upgrade (``start_upgrade``), once started.
         self.staged: StagedRuntime | None = None
         self.upgrade: GraphUpgrade | None = None
-        # FULL mode's decode logits, where its sampling graphs read them, and the sizes
-        # of those graphs (``capture_sampling``); None without.
+        # FULL mode's decode logits, where its sampling graphs read them (None without).
         self.sample_logits: torch.Tensor | None = None
-        self.sample_sizes: list[int] = []
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""
@@ -272,7 +266,7 @@ class ModelRunner:
             logits, greedy = out
             size = d.num_tokens if replayed else None
             return StepOutput(logits, greedy, size)
-        return self._decode_logits(out[rows], decode)
+        return self._decode_logits(out[rows], decode, d.num_tokens)
 
     def plan_kernels(self) -> list[GemmTiming]:
         """The projections' plans, set once before anything compiles (``KernelPlan``)."""
@@ -392,24 +386,24 @@ class ModelRunner:
             shape = (sizes[-1], self.model.config.vocab_size)
             dtype = self.model.lm_head.weight.dtype
             self.sample_logits = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.sample_sizes = sizes
         platform, pool = self.manager.platform, self.manager.pool
         sampler = GraphSampler(platform, pool, generator, logits, sizes[-1], self.device)
         sampler.capture(sizes)
         return sampler
 
-    def _decode_logits(self, hidden: torch.Tensor, decode: bool) -> StepOutput:
+    def _decode_logits(self, hidden: torch.Tensor, decode: bool, padded: int) -> StepOutput:
         """The logits of ``hidden``'s rows; for a uniform ``decode`` step in FULL mode,
-        in ``sample_logits``, with the size of the sampling graph that reads them."""
-        n = hidden.shape[0]
-        at = bisect.bisect_left(self.sample_sizes, n) if decode else len(self.sample_sizes)
-        if self.sample_logits is None or at == len(self.sample_sizes):
+        padded to ``padded`` rows (the mixed graph's size, which is the size of the
+        sampling graph that reads them: both follow the capture sizes), in
+        ``sample_logits``."""
+        buffer = self.sample_logits
+        if buffer is None or not decode or padded > buffer.shape[0]:
             return StepOutput(self.model.compute_logits(hidden))
-        static = self.sample_logits[:n]
+        static = buffer[: hidden.shape[0]]
         logits = self.model.compute_logits(hidden, static)
         if logits.data_ptr() != static.data_ptr():  # (a planned LM head, or TP's gather)
             static.copy_(logits)
-        return StepOutput(static, None, self.sample_sizes[at])
+        return StepOutput(static, None, padded)
 
     def release(self) -> None:
         """Destroys every graph this runner captured (FULL and piecewise) and ends its

@@ -28,6 +28,7 @@ buffers cost ``2 * rows * vocab`` float32 (32 MiB at 32 rows of a 128k vocabular
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,30 +125,28 @@ class GraphSampler:
         state = self.generator.get_state()
         for n in sizes:
             for variant in VARIANTS:
-                self._sample(n, *variant)  # warm-up: lazy initialisation stays out
-                self.platform.synchronize()
-                graph = self.platform.new_graph()
-                register = getattr(graph, "register_generator_state", None)
-                if register is not None and self.generator.device.type == "cuda":
-                    register(self.generator)
-                with self.platform.capture(graph, self.pool):
-                    tokens = self._sample(n, *variant)
-                self.graphs[(n, *variant)] = (graph, tokens)
-            self.logprob_graphs[n] = self._capture_logprobs(n)
+                sampled = functools.partial(self._sample, n, *variant)
+                self.graphs[(n, *variant)] = self._captured(sampled, draws=True)
+            self.logprob_graphs[n] = self._captured(self._logprobs_of(n), draws=False)
         self.generator.set_state(state)
 
-    def _capture_logprobs(self, n: int) -> tuple[Any, StepLogprobs]:
+    def _logprobs_of(self, n: int) -> Callable[[], StepLogprobs]:
         logits = self.logits(n)
         k = min(MAX_LOGPROBS, logits.shape[-1])
+        return lambda: StepLogprobs.of(logits, self.chosen[:n], k)
 
-        def of() -> StepLogprobs:
-            return StepLogprobs.of(logits, self.chosen[:n], k)
-
-        of()  # warm-up
+    def _captured(self, fn: Callable[[], Any], draws: bool) -> tuple[Any, Any]:
+        """A graph of ``fn`` in the shared pool and its outputs, after one warm-up run
+        (lazy initialisation stays out of the graph); ``draws``: ``fn`` draws from the
+        generator, which is registered with the graph."""
+        fn()
         self.platform.synchronize()
         graph = self.platform.new_graph()
+        register = getattr(graph, "register_generator_state", None)
+        if draws and register is not None and self.generator.device.type == "cuda":
+            register(self.generator)
         with self.platform.capture(graph, self.pool):
-            out = of()
+            out = fn()
         return graph, out
 
     def logprobs(self, padded: int, tokens: torch.Tensor, k: int) -> StepLogprobs | None:

@@ -148,25 +148,21 @@ def graphed(
     pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. Without them,
     ``compiler="inductor"`` compiles ``fn`` whole before its FULL graphs are captured
     (fused kernels for a compilation's start-up); ``"auto"`` captures ``fn`` as it is.
-    ``capture``:
-    ``"first_use"`` (each signature on its first call), ``"construction"`` (now, for
-    ``example = (args, kwargs)``) or ``"background"`` (on a thread; calls run eagerly
-    until their size is ready) or ``"staged"`` (FULL graphs of ``fn`` as it is, captured
-    on the first call; then a thread compiles ``fn`` whole with ``compiler``, Inductor for
-    ``"auto"``, captures its graphs bucket by bucket and moves each bucket to them where
-    it measures faster: ``ostinato.StagedRuntime``; ``wait_for_upgrades`` and ``stats``
-    say how far it is). ``max_batch_size`` (default 64) makes the ladder of
-    sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.
+    ``capture``: ``"first_use"`` (each signature on its first call), ``"construction"``
+    (now, for ``example = (args, kwargs)``), ``"background"`` (on a thread; calls run
+    eagerly until their size is ready) or ``"staged"`` (FULL graphs of ``fn`` as it is at
+    once; a thread compiles ``fn`` whole with ``compiler``, Inductor for ``"auto"``, and
+    swaps its graphs in per bucket where they time faster: ``ostinato.StagedRuntime``;
+    ``wait_for_upgrades``). ``max_batch_size`` (default 64) makes the ladder of sizes up
+    to it, ``capture_sizes`` names the sizes instead: give one or neither.
     Every argument is checked here; an error names the argument as written."""
     splitting = _check_ops(splitting_ops)
-    _check_staged(capture, mode, splitting, compiler)
+    resolved = _one_call_mode(mode, bool(splitting), full_when)
+    _check_staged(capture, resolved, splitting, compiler)
     return Graphed(
         fn,
         _Options(
-            GraphConfig(
-                mode=_one_call_mode(mode, bool(splitting), full_when),
-                **_ladder(max_batch_size, capture_sizes),
-            ),
+            GraphConfig(mode=resolved, **_ladder(max_batch_size, capture_sizes)),
             _check_buckets(seq_buckets),
             _check_dim(seq_dim),
             splitting,
@@ -660,14 +656,14 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
 
 
 def _check_staged(
-    capture: object, mode: str | GraphMode, splitting: tuple[str, ...], compiler: str | None
+    capture: object, mode: GraphMode, splitting: tuple[str, ...], compiler: str | None
 ) -> None:
     """``capture="staged"`` upgrades FULL graphs of ``fn`` to FULL graphs of ``fn``
-    compiled whole: it needs that mode and a compiler."""
+    compiled whole: it needs that mode (``mode``: ``_one_call_mode``'s), no pieces, and a
+    compiler."""
     if capture != "staged":
         return
-    auto = isinstance(mode, str) and mode.strip().lower() == "auto"
-    if splitting or not (auto or GraphMode.parse(mode) is GraphMode.FULL):
+    if splitting or mode is not GraphMode.FULL:
         raise ValueError(
             "capture: 'staged' upgrades FULL graphs of fn to FULL graphs of fn compiled "
             "whole; use mode 'auto' or 'full' without splitting_ops"

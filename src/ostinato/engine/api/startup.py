@@ -88,7 +88,8 @@ def check_args(args: EngineArgs) -> Checked:
     config = ParallelConfig(parallel.tensor_parallel_size, parallel.data_parallel_size)
     parse_all_reduce(parallel.all_reduce)
     speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
-    capture = check_capture(args.graphs, parallel, speculative, parse_mode(args.graphs.mode))
+    requested = parse_mode(args.graphs.mode)
+    capture = check_capture(args.graphs, parallel, speculative, requested)
     if capture == "staged" and not platform_for_device(device).supports_graphs:
         raise ValueError(
             f"capture='staged': upgrades graphs, which {device.type} has none of; "
@@ -96,7 +97,7 @@ def check_args(args: EngineArgs) -> Checked:
         )
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
-    mode = engine_mode(parse_mode(args.graphs.mode), capture, device, args)
+    mode = engine_mode(requested, capture, device, args)
     utilization = check_utilization(args.cache.gpu_memory_utilization)
     micro_batching = micro_batching_policy(parallel, mode)
     if device.type == "cpu":

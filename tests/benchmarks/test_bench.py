@@ -278,5 +278,7 @@ def test_sampling_cost_on_cpu_writes_a_row_per_batch_and_parameter(tmp_path):
     assert [(r["batch"], r["variant"]) for r in rows] == [
         (b, v) for b in (1, 2) for v in sampling_cost.VARIANTS
     ]
-    assert all(r["step_ms"] > 0 for r in rows)
+    # (a step's time is a difference of two timings, whose sign a busy machine may flip:
+    # what holds under any load is how the row is made from its runs)
+    assert all(len(r["runs_ms"]) == 1 and r["step_ms"] == r["runs_ms"][0] for r in rows)
     assert [r["vs_greedy"] for r in rows if r["variant"] == "greedy"] == [1.0, 1.0]

@@ -345,6 +345,23 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     assert all(0 <= t < fp.config.vocab_size for o in out for t in o)
 
 
+def test_greedy_decode_steps_in_full_mode_take_the_greedy_graphs_argmax():
+    # FULL: a decode replays the mixed graph and the LM head writes the logits; the
+    # argmax is the greedy graph's replay of its size (8 full, 3 padded to 4), the
+    # tokens those of eager greedy decoding in float32.
+    r = random.Random(5)
+    prompts = [[r.randrange(1, 1000) for _ in range(r.randint(20, 60))] for _ in range(8)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eager = tiny_engine("none", torch.float32).generate(prompts, params)
+    llm = tiny_engine("full", torch.float32)
+    rows = count_graph_samples(llm, "greedy")
+    for n in (8, 3):
+        got = llm.generate(prompts[:n], params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in eager[:n]], n
+    assert rows == [8] * 15 + [3] * 15, rows  # every decode step after the prefill
+    llm.close()
+
+
 def test_biased_penalized_and_seeded_steps_sample_in_graphs_as_eager_does():
     # Float32, 8 requests filling the captured size 8, each with some of a logit bias,
     # penalties, a seed and top-p: every decode step replays the sampling graph's

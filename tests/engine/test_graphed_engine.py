@@ -16,6 +16,7 @@ from benchmarks.spec import OracleProposer
 from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import TorchAttention
+from ostinato.engine.sample.graph_sampler import GREEDY
 from ostinato.engine.sample.graph_sampler import VARIANTS as GRAPH_VARIANTS
 from ostinato.engine.spec.speculative import SpeculativeConfig
 from ostinato.modes import GraphMode
@@ -131,8 +132,10 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     sampler = llm.engine.sampler.graph_sampler
     # each size: (adjusted, cut, seeded): with the top-p sort, without it for steps whose
     # top_p are all 1, adjusted (bias, penalties) with and without seeds, greedy too
+    # FULL's steps end before the LM head: its sizes also have the argmax alone
+    variants = (*GRAPH_VARIANTS, GREEDY) if mode == "full" else GRAPH_VARIANTS
     assert sampler is not None and set(sampler.graphs) == {
-        (n, *v) for n in (1, 2, 4, 8) for v in GRAPH_VARIANTS
+        (n, *v) for n in (1, 2, 4, 8) for v in variants
     }
     # 8 requests fill the captured size 8: the graph draws what the eager sampler draws.
     assert sampled_tokens(llm, 8) == eager
@@ -147,6 +150,17 @@ def test_sampling_runs_in_a_graph_of_its_own_and_equals_eager_at_captured_sizes(
     graphed3 = sampled_tokens(engine(mode, seed=11), 3)
     assert graphed3 != eager3
     assert all(0 <= t < llm.config.vocab_size for out in graphed3 for t in out)
+
+
+def test_greedy_decode_steps_in_full_mode_take_the_argmax_in_a_graph(fake_graphs):
+    # FULL's decodes replay the mixed graph, then the LM head writes the logits: the
+    # argmax of a full size-8 step comes from the greedy graph of size 8, the eager one's.
+    prompts, _ = workload(n=8, seed=4)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 8
+    want = tokens(engine("none", seed=11), prompts, params)
+    llm = engine("full", seed=11)
+    assert tokens(llm, prompts, params) == want
+    assert llm.engine.sampler.graph_sampler.graphs[(8, *GREEDY)][0].replays == 11
 
 
 @pytest.mark.parametrize("mode", ["full_decode_only", "full"])
@@ -214,8 +228,9 @@ def test_greedy_steps_and_speculative_engines_take_no_sampling_graph(fake_graphs
     spec = engine("full_decode_only", speculative=SpeculativeConfig.parse("ngram", 2))
     assert spec.engine.sampler.graph_sampler is None  # verification samples its 1 + k rows
     full = engine("full")  # (sampling graphs over the logits the LM head writes)
-    tokens(full, prompts, params)
-    assert all(g.replays == 0 for g, _ in full.engine.sampler.graph_sampler.graphs.values())
+    tokens(full, prompts, params)  # greedy: the greedy graph's argmax, no sampling graph
+    replayed = {k for k, (g, _) in full.engine.sampler.graph_sampler.graphs.items() if g.replays}
+    assert replayed and all(k[1:] == GREEDY for k in replayed)
 
 
 def test_greedy_rows_of_sampled_steps_under_async_scheduling_stay_greedy(fake_graphs):

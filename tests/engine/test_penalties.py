@@ -112,6 +112,29 @@ def test_penalized_greedy_tokens_equal_a_direct_computation(model, async_schedul
     llm.close()
 
 
+def test_the_counts_read_the_last_steps_tokens_before_the_next_step_runs(model, monkeypatch):
+    # The last step's tokens may sit in a sampling graph's output, which shares the graph
+    # pool with the step's graphs: their replay may overwrite it. Here every forward
+    # overwrites them, as such a replay would; the penalized tokens stay those of a
+    # direct computation (they would count garbage if read after the forward).
+    path, hf = model
+    llm = cpu_engine(path, async_scheduling=True)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def overwriting(step, agreement=None, previous=None):
+        out = execute(step, agreement, previous)
+        if previous is not None and len(previous.tokens):
+            previous.tokens.fill_(10**9)
+        return out
+
+    monkeypatch.setattr(runner, "execute", overwriting)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.5)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert llm.generate([prompt], params)[0].token_ids == _reference(hf, prompt, 12, 0.0, 1.5)
+    llm.close()
+
+
 def test_penalties_are_refused_with_speculative_decoding():
     llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
     with pytest.raises(ValueError, match="presence_penalty / frequency_penalty: not with"):

@@ -169,6 +169,14 @@ class StepLoop:
         Holds the step's turn throughout: a background capture writes dummy inputs into
         the same buffers, and the sampler reads the step's outputs."""
         with self.runner.stepping():
+            # The penalties' counts take the last step's tokens before this step's graphs
+            # run: those tokens may sit in a sampling graph's output, which shares the
+            # pool with the step's graphs and so may be overwritten by their replay.
+            last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
+            vocab = self.runner.model.config.vocab_size
+            counts = None
+            if not self.speculative:
+                counts = self.sampler.output_counts(step.scheduled, vocab, last)
             out = self.runner.execute(step, agreement, previous and previous.sampled)
             if not step.scheduled:
                 return None
@@ -177,9 +185,6 @@ class StepLoop:
             params = [s.request.params for s in step.scheduled]
             # the index of each token drawn, which a seeded request's draws depend on
             indices = [s.start + len(s.tokens) for s in step.scheduled]
-            last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
-            vocab = out.logits.shape[-1]
-            counts = self.sampler.output_counts(step.scheduled, vocab, last)
             tokens = self.sampler.tokens(params, out, indices, counts)
             logprobs = self.sampler.logprobs(params, out, tokens)
             self.scheduler.launched(step)

@@ -1,10 +1,12 @@
 """Temperature / top-p sampling of a uniform decode step inside graphs.
 
 The uniform decode graphs end in the LM head and the argmax, so a greedy step is one
-replay. A step that samples needs softmax, a sort over the vocabulary and random
-draws, which would double a greedy step's cost if every decode graph held them; so each
-decode size gets a second, small graph that reads the decode graph's static logits and
-per-row temperature and top-p buffers and writes the sampled tokens. A sampled step is
+replay. In FULL mode a decode replays the mixed graph of its size and the LM head runs
+after it, so each size also gets a greedy graph (``GREEDY``) over the logits it wrote.
+A step that samples needs softmax, a sort over the vocabulary and random draws, which
+would double a greedy step's cost if every decode graph held them; so each decode size
+gets a second, small graph that reads the decode graph's static logits and per-row
+temperature and top-p buffers and writes the sampled tokens. A sampled step is
 then two replays and no eager kernel: no launch per op, no host work between them.
 
 The random draws come from the engine's generator, registered with each graph (CUDA's
@@ -54,16 +56,19 @@ VARIANTS = (
     (True, False, True),
     (True, None, False),
 )
+# The argmax alone, for steps whose own graphs end before the LM head (FULL mode's).
+GREEDY = (False, None, False)
 Key = tuple[int, bool, bool | None, bool]  # (size, adjusted, cut, seeded)
 
 
 class GraphSampler:
-    """Sampling graphs per uniform decode size (``VARIANTS``), captured into the shared
-    pool. ``logits(n)``: the first ``n`` rows of the static logits the step wrote
-    (``[n, vocab]``, fixed address per ``n``). Guarantees: ``sample`` and
-    ``sample_adjusted`` return None for a size with no graph (the caller samples
-    eagerly); the generator's state after ``capture`` is what it was before; at a
-    captured size the tokens equal eager sampling's from the same generator state.
+    """Sampling graphs per uniform decode size (``VARIANTS``, and ``GREEDY`` with
+    ``greedy``), captured into the shared pool. ``logits(n)``: the first ``n`` rows of
+    the static logits the step wrote (``[n, vocab]``, fixed address per ``n``).
+    Guarantees: ``sample``, ``sample_adjusted`` and ``greedy`` return None for a size
+    with no graph (the caller samples eagerly); the generator's state after
+    ``capture`` is what it was before; at a captured size the tokens equal eager
+    sampling's from the same generator state.
     """
 
     def __init__(
@@ -74,9 +79,11 @@ class GraphSampler:
         logits: Callable[[int], torch.Tensor],
         max_rows: int,
         device: torch.device,
+        greedy: bool = False,
     ) -> None:
         self.platform, self.pool, self.generator, self.logits = platform, pool, generator, logits
         self.device = device
+        self.variants = (*VARIANTS, GREEDY) if greedy else VARIANTS
         # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded.
         self.floats = torch.zeros((4, max_rows), dtype=torch.float32, device=device)
         self.ints = torch.zeros((2, max_rows), dtype=torch.long, device=device)
@@ -103,6 +110,8 @@ class GraphSampler:
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
+        if not adjusted and cut is None:
+            return greedy_tokens(self.logits(n))
         if not adjusted:
             return sample(
                 self.logits(n), temperatures, top_ps, self.generator, False, cut=bool(cut)
@@ -124,7 +133,7 @@ class GraphSampler:
             self.bias = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
         state = self.generator.get_state()
         for n in sizes:
-            for variant in VARIANTS:
+            for variant in self.variants:
                 sampled = functools.partial(self._sample, n, *variant)
                 self.graphs[(n, *variant)] = self._captured(sampled, draws=True)
             self.logprob_graphs[n] = self._captured(self._logprobs_of(n), draws=False)
@@ -151,8 +160,8 @@ class GraphSampler:
 
     def logprobs(self, padded: int, tokens: torch.Tensor, k: int) -> StepLogprobs | None:
         """``StepLogprobs.of`` the last step's logits (replayed at ``padded`` rows) for
-        ``tokens`` with ``k`` alternatives, views of the graph's outputs valid until its
-        next replay; None if no graph was captured for ``padded``."""
+        ``tokens`` with ``k`` alternatives, views of the graph's outputs valid until the
+        next replay of any graph in the pool; None if no graph was captured for ``padded``."""
         entry = self.logprob_graphs.get(padded)
         if entry is None:
             return None
@@ -165,15 +174,24 @@ class GraphSampler:
     def sample(self, padded: int, temperatures: list[float], top_ps: list[float]) -> Any:
         """The tokens of the first ``len(temperatures)`` rows of the last decode step,
         replayed at ``padded`` rows (a view of the graph's output, valid until the
-        graph's next replay); None if no graph was captured for ``padded``. Takes the
-        tokens eager ``sample`` takes with ``cut`` = whether a sampled row's top_p is
-        below 1."""
+        next replay of any graph in the pool, whose buffers may share its memory); None
+        if no graph was captured for ``padded``. Takes the tokens eager ``sample`` takes
+        with ``cut`` = whether a sampled row's top_p is below 1."""
         entry = self.graphs.get((padded, False, top_p_cut(temperatures, top_ps), False))
         if entry is None:
             return None
         self._stage(padded, [temperatures, top_ps])
         entry[0].replay()
         return entry[1][: len(temperatures)]
+
+    def greedy(self, padded: int, n: int) -> Any:
+        """The argmax of the first ``n`` rows of the last decode step, replayed at
+        ``padded`` rows (``sample``'s view); None without a greedy graph of that size."""
+        entry = self.graphs.get((padded, *GREEDY))
+        if entry is None:
+            return None
+        entry[0].replay()
+        return entry[1][:n]
 
     def sample_adjusted(
         self,

@@ -1,7 +1,7 @@
 """The one owner of how a step's tokens are chosen, decided once per step from what the
 step produced (``StepOutput``): the decode graph's own argmax when every request is
-greedy, the sampling graph of the step's size when one was captured, eager sampling
-otherwise, and verification when the step checks drafts."""
+greedy (in FULL mode the greedy graph's), the sampling graph of the step's size when one
+was captured, eager sampling otherwise, and verification when the step checks drafts."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
 from ostinato.engine.core.transfer import to_device_split
 from ostinato.engine.sample.adjust import OutputCounts, Pending, adjusted_logits
 from ostinato.engine.sample.graph_sampler import GraphSampler
+from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs, wanted
 from ostinato.engine.sample.sampler import sample, top_p_cut
 from ostinato.engine.sample.verify import verify
@@ -82,13 +83,13 @@ class StepSampler:
         the sampling graph's adjusted variant where there is one."""
         all_greedy = all(p.greedy for p in params)
         adjusted = any(p.adjusts_logits for p in params)
-        if all_greedy and out.greedy is not None and not adjusted:
-            return out.greedy
+        if all_greedy and not adjusted:
+            return self._greedy(out, len(params))
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         seeded = _seeded(params, indices)
         sampler, size = self.graph_sampler, out.graph_size
-        if sampler is not None and size is not None and not (all_greedy and not adjusted):
+        if sampler is not None and size is not None:
             if adjusted or any(seeded):
                 in_graph = sampler.sample_adjusted(size, params, seeded, counts)
             else:
@@ -99,6 +100,17 @@ class StepSampler:
         logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
         cut = top_p_cut(temperatures, top_ps)
         return sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)
+
+    def _greedy(self, out: StepOutput, n: int) -> torch.Tensor:
+        """The argmax of an all-greedy step without adjustments: the step's own, else
+        the greedy graph of its size, else eager (no per-row values to copy)."""
+        if out.greedy is not None:
+            return out.greedy
+        if self.graph_sampler is not None and out.graph_size is not None:
+            in_graph = self.graph_sampler.greedy(out.graph_size, n)
+            if in_graph is not None:
+                return in_graph
+        return greedy_tokens(out.logits)
 
     def logprobs(
         self, params: Sequence[SamplingParams], out: StepOutput, tokens: torch.Tensor

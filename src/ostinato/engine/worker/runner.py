@@ -387,7 +387,8 @@ class ModelRunner:
             dtype = self.model.lm_head.weight.dtype
             self.sample_logits = torch.zeros(shape, dtype=dtype, device=self.device)
         platform, pool = self.manager.platform, self.manager.pool
-        sampler = GraphSampler(platform, pool, generator, logits, sizes[-1], self.device)
+        greedy = self.sample_logits is not None  # (no argmax in the step's own graphs)
+        sampler = GraphSampler(platform, pool, generator, logits, sizes[-1], self.device, greedy)
         sampler.capture(sizes)
         return sampler
 

@@ -42,13 +42,14 @@ OSTINATO_VARIANTS = {
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """A CUDA-only FULL_AND_PIECEWISE variant with other kernels: the attention fusions
-    off (``TritonAttention(fused=False)``: RoPE in the model, two ``index_copy_`` K/V
-    writes) or other ``KernelOptions`` (the layers unfused, PDL off, measured GEMM
-    plans), to measure what each changes."""
+    """A CUDA-only variant with other kernels (FULL_AND_PIECEWISE unless ``mode`` says
+    FULL): the attention fusions off (``TritonAttention(fused=False)``: RoPE in the
+    model, two ``index_copy_`` K/V writes) or other ``KernelOptions`` (the layers
+    unfused, PDL off, measured GEMM plans), to measure what each changes."""
 
     fused: bool = True
     kernels: KernelOptions = KernelOptions()
+    mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
 
 
 _LAYERS_UNFUSED = KernelOptions(pdl=False, fused_layers=False)  # the default until fusion
@@ -60,6 +61,16 @@ KERNEL_VARIANTS = {
     ),
     "ostinato FULL_AND_PIECEWISE no-pdl": KernelVariant(kernels=KernelOptions(pdl=False)),
     "ostinato FULL_AND_PIECEWISE small-gemm": KernelVariant(kernels=KernelOptions(small_gemm=True)),
+    # The same choices under the engine's default mode, FULL:
+    "ostinato FULL small-gemm": KernelVariant(
+        kernels=KernelOptions(small_gemm=True), mode=GraphMode.FULL
+    ),
+    "ostinato FULL layers-unfused pdl": KernelVariant(
+        kernels=KernelOptions(fused_layers=False), mode=GraphMode.FULL
+    ),
+    "ostinato FULL layers-unfused pdl+small-gemm": KernelVariant(
+        kernels=KernelOptions(small_gemm=True, fused_layers=False), mode=GraphMode.FULL
+    ),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
@@ -447,8 +458,8 @@ def _variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | 
             return None  # variants of CUDA kernels
         variant = KERNEL_VARIANTS[name]
         return setup.runner(
-            GraphMode.FULL_AND_PIECEWISE,
-            "inductor",
+            variant.mode,
+            "inductor" if variant.mode is GraphMode.FULL_AND_PIECEWISE else None,
             TritonAttention(fused=variant.fused, pdl=variant.kernels.resolved(setup.device).pdl),
             variant.kernels,
         )

@@ -111,7 +111,7 @@ def test_engine_refuses_kernels_of_the_wrong_type():
 
 def test_engine_on_cpu_accepts_options_and_turns_them_off():
     llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
-    assert llm.engine.runner.kernels == KernelOptions(pdl=False)
+    assert llm.engine.runner.kernels == KernelOptions(pdl=False, small_gemm=False)
     assert llm.engine.runner.kernel_plan.timings == []
     assert all(linear.plan == () for linear, _ in llm.engine.model.linears())
 
@@ -164,7 +164,7 @@ def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks():
     with pytest.raises(ValueError, match="build it with KernelOptions.resolved"):
         runner_kernels(built, torch.device("cuda"))
     # Off CUDA nothing launches with it: the runner follows the resolved options.
-    assert runner_kernels(built, torch.device("cpu")) == KernelOptions(pdl=False)
+    assert runner_kernels(built, torch.device("cpu")) == KernelOptions(pdl=False, small_gemm=False)
 
 
 def test_pdl_applies_to_decode_sized_launches_only():

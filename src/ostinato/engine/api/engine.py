@@ -335,7 +335,12 @@ class Engine:
                 f"runs {self.mode.name}{how})"
             )
         if self.runner.kernel_plan.small_gemm_rows:
-            raise ValueError("replan_graphs: not with KernelOptions(small_gemm=True)")
+            raise ValueError(
+                "replan_graphs: the small-GEMM plans were measured for the captured sizes "
+                "(KernelOptions(small_gemm=True), the default on CUDA), so sizes moved to "
+                "would run unplanned; build the engine with "
+                "kernels=KernelOptions(small_gemm=False) to move its ladder"
+            )
         policy = AdaptivePolicy(budget_bytes, every=1, max_resizes=1, min_gain=0.0, granule=granule)
         return AdaptiveLadder(self.runner.manager, policy).between_steps()
 

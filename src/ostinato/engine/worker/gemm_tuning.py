@@ -28,6 +28,7 @@ from ostinato.platform.cuda import graph_call_us
 logger = logging.getLogger(__name__)
 
 REPEATS = 20
+GemmKey = tuple[int, int, torch.dtype, bool, bool]  # (n, k, dtype, swiglu, bias)
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,12 @@ def _graph_us(fn: Callable[[], object], device: torch.device) -> float:
         return graph_call_us(fn, REPEATS)
 
 
-def _measure(
+def _candidates(
     linear: Linear, swiglu: bool, rows: int, pdl: bool, device: torch.device
-) -> GemmTiming:
+) -> tuple[Callable[[], object], list[tuple[int, Callable[[], object]]]]:
+    """cuBLAS's call and each fitting Triton config's (its 1-based index into
+    ``CONFIGS``) on one random input of ``rows`` rows: the calls measured, the same
+    arguments whether they compile ahead or run."""
     from ostinato.engine.kernels import small_gemm as triton_gemm
     from ostinato.engine.kernels.silu_mul import silu_mul
 
@@ -75,18 +79,46 @@ def _measure(
         y = torch.nn.functional.linear(x, w, b)
         return silu_mul(y, pdl) if swiglu else y
 
+    def call(config: object) -> Callable[[], object]:
+        return lambda: triton_gemm.small_gemm(x, w, b, counters, config, swiglu, pdl)
+
+    fitting = [
+        (i, call(config))
+        for i, config in enumerate(triton_gemm.CONFIGS, start=1)
+        if triton_gemm.fits(config, rows, k, 2 if swiglu else 1)
+    ]
+    return cublas, fitting
+
+
+def _measure(
+    linear: Linear, swiglu: bool, rows: int, pdl: bool, device: torch.device
+) -> GemmTiming:
+    cublas, fitting = _candidates(linear, swiglu, rows, pdl, device)
     cublas_us = _graph_us(cublas, device)
     best_us, best = float("inf"), 0
-    for i, config in enumerate(triton_gemm.CONFIGS, start=1):
-        if not triton_gemm.fits(config, rows, k, 2 if swiglu else 1):
-            continue
-        us = _graph_us(
-            lambda c=config: triton_gemm.small_gemm(x, w, b, counters, c, swiglu, pdl), device
-        )
+    for i, fn in fitting:
+        us = _graph_us(fn, device)
         if us < best_us:
             best_us, best = us, i
-    shape = GemmShape(n, k, str(w.dtype).removeprefix("torch."), swiglu, b is not None)
+    w = linear.weight
+    n, k = w.shape
+    shape = GemmShape(n, k, str(w.dtype).removeprefix("torch."), swiglu, linear.bias is not None)
     return GemmTiming(shape, rows, cublas_us, best_us, best)
+
+
+def _compile_candidates(
+    linears: Sequence[tuple[Linear, bool]], sizes: Sequence[int], pdl: bool
+) -> None:
+    """Compiles every Triton candidate ``_measure`` will time for ``linears`` together on
+    a thread pool (``launch.compile_ahead``), running none: one at a time, at their
+    first calls, they made a cold start's planning a minute longer (1.5 B shape, H200)."""
+    from ostinato.engine.kernels.launch import compile_ahead
+
+    with compile_ahead():
+        for linear, swiglu in linears:
+            for r in sizes:
+                for _, fn in _candidates(linear, swiglu, r, pdl, linear.weight.device)[1]:
+                    fn()
 
 
 def plan_small_gemms(
@@ -101,27 +133,37 @@ def plan_small_gemms(
     gives each linear its plan (``Linear.use_plan``): Triton where it was at least
     ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements (none for a
     plan found in ``cache``, where new plans are stored). Linears with 32-bit weights,
-    or off CUDA, get an empty plan (plain ``nn.Linear``)."""
+    or off CUDA, get an empty plan (plain ``nn.Linear``). The candidates of the shapes
+    to measure compile together first."""
     timings: list[GemmTiming] = []
-    plans: dict[tuple[int, int, torch.dtype, bool, bool], tuple[int, ...]] = {}
+    plans: dict[GemmKey, tuple[int, ...]] = {}
     stored = cache.load_plans() if cache is not None else {}
-    measured: dict[str, list[int]] = {}
+    found: list[tuple[Linear, bool, GemmKey | None, str | None]] = []
+    missing: dict[GemmKey, tuple[Linear, bool]] = {}
     sizes: list[int] | None = None  # found at the first CUDA linear (the kernel needs Triton)
     for linear, swiglu in linears:
         w = linear.weight
         if w.device.type == "cuda" and sizes is None:
             sizes = _plan_sizes(rows)
         if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
-            linear.use_plan((), 0, pdl)
+            found.append((linear, swiglu, None, None))
             continue
         key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
         cache_key = cache and cache.plan_key(w.device, key, sizes, f"pdl={pdl} gain={min_gain}")
         if key not in plans and cache_key in stored:
             plans[key] = tuple(stored[cache_key])
         if key not in plans:
+            missing.setdefault(key, (linear, swiglu))
+        found.append((linear, swiglu, key, cache_key or None))
+    if missing and sizes:
+        _compile_candidates(list(missing.values()), sizes, pdl)
+    measured: dict[str, list[int]] = {}
+    for linear, swiglu, key, cache_key in found:
+        if key is not None and key not in plans:
+            assert sizes is not None  # (a keyed linear is a CUDA one)
             plan = [0] * (sizes[-1] + 1)
             for r in sizes:
-                t = _measure(linear, swiglu, r, pdl, w.device)
+                t = _measure(linear, swiglu, r, pdl, linear.weight.device)
                 timings.append(t)
                 if t.triton_us * (1 + min_gain) <= t.cublas_us:
                     plan[r] = t.config
@@ -129,14 +171,19 @@ def plan_small_gemms(
             if cache_key:
                 measured[cache_key] = plan
             logger.info("ostinato: small GEMM %s: plan %s", key, plans[key])
-        plan = plans[key]
-        if any(plan):
-            linear.use_plan(plan, counters_needed(w.shape[0]), pdl)
-        else:  # cuBLAS at every size: plain nn.Linear, no split-K counters to hold
-            linear.use_plan((), 0, pdl)
+        _use(linear, plans[key] if key is not None else (), pdl)
     if cache is not None and measured:
         cache.store_plans(measured)
     return timings
+
+
+def _use(linear: Linear, plan: tuple[int, ...], pdl: bool) -> None:
+    """Gives ``linear`` ``plan``; one of cuBLAS alone is no plan (plain ``nn.Linear``,
+    no split-K counters held)."""
+    if any(plan):
+        linear.use_plan(plan, counters_needed(linear.weight.shape[0]), pdl)
+    else:
+        linear.use_plan((), 0, pdl)
 
 
 def _plan_sizes(rows: Sequence[int]) -> list[int]:

@@ -22,6 +22,9 @@ def drive(sched, rng, steps=10_000):
             r = s.request
             assert s.tokens == (r.prompt + r.output)[s.start : s.start + len(s.tokens)]
             assert len(r.blocks) * sched.block_size >= s.start + len(s.tokens)
+            # A step writes only blocks its request holds alone (shared ones are read).
+            written = range(s.start // sched.block_size, len(r.blocks))
+            assert all(sched.pool.holders(r.blocks[b]) == 1 for b in written)
         sched.update(step, [rng.randrange(3, 100) for _ in step.scheduled])
     raise AssertionError("did not finish")
 
@@ -84,3 +87,62 @@ def test_abort_frees_waiting_and_running_requests():
     sched.abort([a, b])
     assert not sched.has_work and sched.pool.num_free == 19
     assert a.finish_reason is b.finish_reason is FinishReason.ABORT
+
+
+def test_the_samples_of_a_prompt_read_its_full_blocks_from_the_first():
+    # n = 3, a 10-token prompt in blocks of 4: the two full blocks (tokens 0-7) are
+    # computed once, by the first sample; the others hold them too and compute from
+    # token 8 (their last prompt token's logits are their own), in blocks of their own.
+    sched = Scheduler(BlockPool(40), EngineLimits(8, 64, 64, 4))
+    leader = sched.add(list(range(1, 11)), SamplingParams(max_tokens=5, ignore_eos=True, n=3))
+    assert len(leader.group) == 3 and all(o.leader is leader for o in leader.others)
+    first = sched.schedule()
+    assert [(s.request, s.start) for s in first.scheduled] == [(leader, 0)]  # the rest wait
+    sched.update(first, [7])
+    second = sched.schedule()
+    assert [(s.request, s.start, len(s.tokens)) for s in second.scheduled] == [
+        (leader, 10, 1),
+        *((o, 8, 2) for o in leader.others),
+    ]
+    for o in leader.others:
+        assert o.blocks[:2] == leader.blocks[:2] and not set(o.blocks[2:]) & set(leader.blocks)
+    assert all(sched.pool.holders(b) == 3 for b in leader.blocks[:2])
+    drive(sched, random.Random(0))
+    assert all(r.finished and len(r.output) == 5 for r in leader.group)
+    assert sched.pool.num_free == 39
+
+
+def test_random_workloads_with_samples_always_finish_and_return_every_block():
+    # Preemption of leaders and samples, chunked prefills, aborts of a leader (which end
+    # its samples): every block comes back, and a step never writes a shared block.
+    rng = random.Random(2)
+    for _ in range(40):
+        block = rng.choice([2, 4, 16])
+        max_len = rng.randrange(16, 80)
+        limits = EngineLimits(rng.randrange(1, 6), rng.randrange(1, 40), max_len, block)
+        blocks = ceil_div(max_len, block) + 1 + rng.randrange(0, 20)
+        sched = Scheduler(BlockPool(blocks), limits, eos_token_ids=(3,))
+        reqs = [
+            sched.add(
+                [rng.randrange(5, 100) for _ in range(rng.randrange(1, max_len))],
+                SamplingParams(max_tokens=rng.randrange(1, 50), n=rng.randrange(1, 5)),
+            )
+            for _ in range(rng.randrange(1, 6))
+        ]
+        if rng.random() < 0.3:  # a step, then one prompt's leader aborted
+            step = sched.schedule()
+            sched.update(step, [rng.randrange(3, 100) for _ in step.scheduled])
+            sched.abort([rng.choice(reqs)])
+        drive(sched, rng)
+        assert all(r.all_finished for r in reqs)
+        assert sched.pool.num_free == blocks - 1
+
+
+def test_aborting_a_leader_ends_its_samples():
+    sched = Scheduler(BlockPool(40), EngineLimits(8, 64, 64, 4))
+    leader = sched.add(list(range(1, 11)), SamplingParams(max_tokens=5, n=3))
+    sched.update(sched.schedule(), [7])
+    sched.update(sched.schedule(), [7, 8, 9])
+    sched.abort([leader])
+    assert all(r.finish_reason is FinishReason.ABORT for r in leader.group)
+    assert not sched.has_work and sched.pool.num_free == 39

@@ -116,7 +116,8 @@ class LLM:
         request_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (token ids, or text when there is a tokenizer);
-        returns outputs in prompt order.
+        returns outputs in prompt order (a prompt's ``SamplingParams.n`` samples in its
+        output's ``samples``).
 
         All or nothing: every prompt and parameter is checked before anything is queued
         (``ValueError`` / ``TypeError`` naming the prompt and the problem), and if the
@@ -138,6 +139,11 @@ class LLM:
             self._generating_thread, owner = threading.get_ident(), self.engine.new_call()
             try:
                 checked = self.engine.checked(prompts, params)
+                if on_token is not None and any(p.n > 1 for _, p in checked):
+                    raise ValueError(
+                        "on_token: not with n > 1 (a callback names the prompt, not the "
+                        "sample); read each output's samples after generate returns"
+                    )
                 ids = self._request_ids(request_ids, len(checked))
                 self.peers.check_usable()
                 self.engine.reserve(ids, owner)

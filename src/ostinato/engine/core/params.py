@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ostinato.mathutil import is_int
 
 MAX_LOGPROBS = 20
 """The most alternatives a token's log probability comes with (OpenAI's top_logprobs)."""
+
+MAX_SAMPLES = 128
+"""The most samples one prompt may ask for (``SamplingParams.n``; OpenAI's bound)."""
 
 MIN_TEMPERATURE = 1e-5
 """Below this a temperature means greedy (logits of ~100 over it still fit in float32)."""
@@ -30,8 +33,10 @@ class SamplingParams:
     from the logit of every token the request has generated so far, once / once per time
     it was generated (its output only, not its prompt, as vLLM's). ``logprobs``: None,
     or the number (0 to ``MAX_LOGPROBS``) of most likely alternatives to report with each
-    generated token's log probability (``core.logprob.TokenLogprob``). Validated on
-    construction."""
+    generated token's log probability (``core.logprob.TokenLogprob``). ``n``: how many
+    samples of the prompt to generate (1 to ``MAX_SAMPLES``); they share the prompt's
+    prefill where the scheduler can (``Scheduler.add``), and with a ``seed`` each draws
+    from its own (``sample``). Validated on construction."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -44,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -78,6 +84,20 @@ class SamplingParams:
             raise ValueError(f"logprobs: None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n: must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
+
+    def sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` (0 to ``n - 1``) of an ``n``-sample request:
+        these with ``n = 1``; sample 0 keeps the seed, each other draws from its own,
+        derived from the seed and ``index`` (so the samples differ, and each is
+        reproducible)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample: index must be in [0, {self.n}), got {index}")
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index * 0x9E3779B97F4A7C15) % 2**63  # (the golden-ratio stride)
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

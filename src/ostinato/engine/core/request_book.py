@@ -18,7 +18,7 @@ class _Entry:
     abort: bool = False
 
     def live(self) -> bool:
-        return self.request is None or not self.request.finished
+        return self.request is None or not self.request.all_finished
 
 
 class RequestBook:

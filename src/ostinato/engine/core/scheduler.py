@@ -43,6 +43,10 @@ class Request:
     num_pending: int = 0
     stop_text: StopText | None = None  # its stop strings, where it has any
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    # The samples of a prompt asked ``n`` times: the first one (``leader``) holds the
+    # others; each other one reads the leader's full prompt blocks (``Scheduler._shared``).
+    others: list[Request] = field(default_factory=list)
+    leader: Request | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,16 @@ class Request:
     def finished(self) -> bool:
         """True once a finish reason is set."""
         return self.finish_reason is not None
+
+    @property
+    def group(self) -> list[Request]:
+        """This request and the other samples it leads (none for most requests)."""
+        return [self, *self.others]
+
+    @property
+    def all_finished(self) -> bool:
+        """True once this request and every sample it leads have finished."""
+        return all(r.finished for r in self.group)
 
 
 Proposal = Callable[[list["Request"], list[int]], Sequence[Sequence[int]]]
@@ -146,14 +160,24 @@ class Scheduler:
         self._ids = itertools.count()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        """Queues a request; raises ``ValueError`` (see ``check``) if it could never run."""
+        """Queues a request, one per sample where ``params.n`` > 1 (each with
+        ``params.sample(i)``; the first is returned and leads the others, which queue
+        behind it and read its full prompt blocks once it has computed them); raises
+        ``ValueError`` (see ``check``) if it could never run."""
         self.check(prompt)
         if params.stop and self.decode is None:
             raise ValueError("stop: stop strings need the model's tokenizer; this model has none")
-        stop = StopText(params.stop, self.decode) if params.stop else None
-        req = Request(next(self._ids), list(prompt), params, stop_text=stop)
-        self.waiting.append(req)
-        return req
+        samples = []
+        for i in range(params.n):
+            p = params.sample(i)
+            stop = StopText(p.stop, self.decode) if p.stop else None
+            samples.append(Request(next(self._ids), list(prompt), p, stop_text=stop))
+        leader = samples[0]
+        leader.others = samples[1:]
+        for other in leader.others:
+            other.leader = leader
+        self.waiting.extend(samples)
+        return leader
 
     def check(self, prompt: list[int]) -> None:
         """Raises ``ValueError`` naming the limit if ``prompt`` could never be scheduled."""
@@ -198,18 +222,37 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token on the device: recompute it once known
-            need = blocks_needed(req.num_tokens, self.block_size)
+            shared = self._shared(req)
+            if shared is None:
+                break  # its leader computes the prompt blocks it will read
+            need = blocks_needed(req.num_tokens, self.block_size) - len(shared)
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
             req.blocks = self.pool.allocate(need)
+            req.blocks = self.pool.share(shared) + req.blocks
+            req.num_cached = len(shared) * self.block_size
             self.running.append(req)
-            chunk = min(req.num_tokens, budget)
+            chunk = min(req.num_tokens - req.num_cached, budget)
             scheduled.append(self._chunk(req, chunk))
             budget -= chunk
         if drafting:
             self._add_drafts(drafting)
         return ScheduledBatch(scheduled)
+
+    def _shared(self, req: Request) -> list[int] | None:
+        """The blocks ``req`` reads from its leader instead of computing them: the
+        leader's full blocks of the prompt (all but its last token, whose logits ``req``
+        needs), which the leader never writes again. [] where it computes its own (no
+        leader, preempted once, speculative decoding, a prompt within one block, or the
+        leader ended); None while the leader has yet to compute them."""
+        leader, full = req.leader, (len(req.prompt) - 1) // self.block_size
+        if leader is None or req.num_preemptions or self.num_speculative or not full:
+            return []
+        if leader.finished:
+            return []  # (its blocks are freed)
+        computed = leader.num_cached >= full * self.block_size and len(leader.blocks) >= full
+        return leader.blocks[:full] if computed and leader in self.running else None
 
     def _awaits_last_token(self, req: Request) -> bool:
         """True when ``req``'s pending token is its last one by count (``max_tokens`` or
@@ -351,9 +394,10 @@ class Scheduler:
         return req.finished
 
     def abort(self, requests: list[Request]) -> None:
-        """Ends ``requests`` (finish reason ABORT) wherever they are and frees their KV
-        blocks; finished ones are left alone. A token a step still on the device samples
-        for one of them is dropped when that step resolves."""
+        """Ends ``requests`` and the samples they lead (finish reason ABORT) wherever they
+        are and frees their KV blocks; finished ones are left alone. A token a step still
+        on the device samples for one of them is dropped when that step resolves."""
+        requests = [r for req in requests for r in req.group]  # (a leader ends its samples)
         ids = {r.id for r in requests if not r.finished}
         if not ids:
             return

@@ -76,6 +76,7 @@ class StepMirror:
         return request
 
     def abort(self, requests: list[Request]) -> None:
+        requests = [r for req in requests for r in req.group]  # (as the scheduler ends them)
         live = tuple(r.id for r in requests if not r.finished)
         self.scheduler.abort(requests)
         if live:

@@ -294,6 +294,11 @@ class EngineLoop:
         if self._stop.is_set():
             raise RuntimeError("submit: the engine loop is stopped")
         ((tokens, p),) = self._engine.checked([prompt], params)
+        if p.n > 1:
+            raise ValueError(
+                f"n: a handle streams one sample, got n={p.n}; submit the prompt n times "
+                "(with seeds of their own where you set one), or use LLM.generate"
+            )
         self._engine.reserve([request_id], request_id)
         self._submitted.put((request_id, tokens, p))
         self._wake.set()

@@ -33,3 +33,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    """A random Llama checkpoint (float32, safetensors) and transformers' model of it,
+    one per test module: the reference the engine's CPU tests compare with."""
+    from hf_models import write_checkpoint
+
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_checkpoint("LlamaForCausalLM", path)

@@ -4,15 +4,9 @@ weights (float32, CPU), greedy or sampled, batched with requests that ask for no
 
 import pytest
 import torch
-from hf_models import cpu_engine, write_checkpoint
+from hf_models import cpu_engine
 
 from ostinato.engine import LLM, SamplingParams, TokenLogprob
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    return path, write_checkpoint("LlamaForCausalLM", path)
 
 
 def _reference(hf, prompt, tokens):
@@ -35,8 +29,8 @@ def _check(hf, prompt, out, k):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_logprobs_equal_transformers_log_softmax(model, async_scheduling):
-    path, hf = model
+def test_logprobs_equal_transformers_log_softmax(llama_checkpoint, async_scheduling):
+    path, hf = llama_checkpoint
     llm = cpu_engine(path, async_scheduling=async_scheduling)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [7] * 12, [3, 4]]
     params = [

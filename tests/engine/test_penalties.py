@@ -6,7 +6,7 @@ untouched."""
 
 import pytest
 import torch
-from hf_models import cpu_engine, write_checkpoint
+from hf_models import cpu_engine
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledRequest
@@ -87,15 +87,9 @@ def _reference(hf, prompt, n, presence, frequency):
     return tokens
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    return path, write_checkpoint("LlamaForCausalLM", path)
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_penalized_greedy_tokens_equal_a_direct_computation(model, async_scheduling):
-    path, hf = model
+def test_penalized_greedy_tokens_equal_a_direct_computation(llama_checkpoint, async_scheduling):
+    path, hf = llama_checkpoint
     llm = cpu_engine(path, async_scheduling=async_scheduling)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [7] * 12]
     penalties = [(0.0, 1.5), (1.0, 0.0), (0.5, -0.5)]
@@ -112,12 +106,14 @@ def test_penalized_greedy_tokens_equal_a_direct_computation(model, async_schedul
     llm.close()
 
 
-def test_the_counts_read_the_last_steps_tokens_before_the_next_step_runs(model, monkeypatch):
+def test_the_counts_read_the_last_steps_tokens_before_the_next_step_runs(
+    llama_checkpoint, monkeypatch
+):
     # The last step's tokens may sit in a sampling graph's output, which shares the graph
     # pool with the step's graphs: their replay may overwrite it. Here every forward
     # overwrites them, as such a replay would; the penalized tokens stay those of a
     # direct computation (they would count garbage if read after the forward).
-    path, hf = model
+    path, hf = llama_checkpoint
     llm = cpu_engine(path, async_scheduling=True)
     runner = llm.engine.runner
     execute = runner.execute

@@ -5,17 +5,11 @@ greedy tokens on the same weights."""
 
 import pytest
 import torch
-from hf_models import cpu_engine, write_checkpoint
+from hf_models import cpu_engine
 
 from ostinato.engine import FinishReason, SamplingParams
 
 PROMPT = [(7 * i + 3) % 200 + 5 for i in range(41)]  # 41 tokens: two full blocks of 16 shared
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    return path, write_checkpoint("LlamaForCausalLM", path)
 
 
 def _hf_greedy(hf, prompt, n):
@@ -26,8 +20,8 @@ def _hf_greedy(hf, prompt, n):
     return ids[0, len(prompt) :].tolist()
 
 
-def test_greedy_samples_share_the_prefill_and_equal_transformers(model):
-    path, hf = model
+def test_greedy_samples_share_the_prefill_and_equal_transformers(llama_checkpoint):
+    path, hf = llama_checkpoint
     llm = cpu_engine(path)
     shared = []
     schedule = llm.engine.scheduler._shared
@@ -41,8 +35,8 @@ def test_greedy_samples_share_the_prefill_and_equal_transformers(model):
     llm.close()
 
 
-def test_seeded_samples_differ_and_each_equals_its_request_alone(model):
-    path, _ = model
+def test_seeded_samples_differ_and_each_equals_its_request_alone(llama_checkpoint):
+    path, _ = llama_checkpoint
     llm = cpu_engine(path)
     params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=11, n=3)
     (out,) = llm.generate([PROMPT], params)
@@ -54,8 +48,8 @@ def test_seeded_samples_differ_and_each_equals_its_request_alone(model):
     llm.close()
 
 
-def test_samples_refused_where_they_cannot_be_told_apart(model):
-    path, _ = model
+def test_samples_refused_where_they_cannot_be_told_apart(llama_checkpoint):
+    path, _ = llama_checkpoint
     llm = cpu_engine(path)
     with pytest.raises(ValueError, match="on_token: not with n > 1"):
         llm.generate([PROMPT], SamplingParams(n=2), on_token=lambda i, t: None)
@@ -67,10 +61,10 @@ def test_samples_refused_where_they_cannot_be_told_apart(model):
     llm.close()
 
 
-def test_an_abort_ends_every_sample_of_the_request(model):
+def test_an_abort_ends_every_sample_of_the_request(llama_checkpoint):
     # An abort of the request's id, asked between steps, ends all three samples (the
     # id names the first; the others go with it) and frees every block.
-    path, _ = model
+    path, _ = llama_checkpoint
     llm = cpu_engine(path)
     inner = llm.engine.steps
 

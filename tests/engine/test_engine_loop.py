@@ -144,3 +144,25 @@ def test_generate_waits_while_a_loop_serves(llm):
     assert not done.wait(0.3)
     assert loop.stop()
     assert done.wait(30)
+
+
+def test_samples_stream_on_handles_of_their_own_and_an_abort_ends_them_all(llm):
+    # n = 3 seeded samples: the handle is the first sample's, ``others`` the rest; each
+    # streams LLM.generate's sample of the same index. Aborting the id after the first
+    # tokens ends every sample, and every block comes back.
+    prompt = list(range(40, 80))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=4, n=3)
+    (want,) = llm.generate([prompt], params)
+    loop = EngineLoop(llm)
+    handle = loop.submit(prompt, params)
+    assert [h.id for h in handle.samples] == [handle.id, f"{handle.id}#1", f"{handle.id}#2"]
+    assert [list(h) for h in handle.samples] == [s.token_ids for s in want.samples]
+    assert all(h.finish_reason is FinishReason.LENGTH for h in handle.samples)
+    long = loop.submit(prompt[:10], SamplingParams(max_tokens=80, ignore_eos=True, n=3))
+    first = next(iter(long))
+    assert loop.abort(long.id)
+    rest = [first, *long]
+    assert len(rest) < 80 and all(h.finish_reason is FinishReason.ABORT for h in long.samples)
+    assert all(len(list(h)) < 80 for h in long.others)
+    assert loop.stop()
+    assert not llm.has_work and llm.free_kv_blocks == llm.num_kv_blocks - 1

@@ -140,7 +140,7 @@ def test_metrics_count_steps_by_how_they_ran(client, server):
     [
         (dict(prompt="hi", temperature=-1), "temperature"),
         (dict(prompt=[1, 10**7]), "prompt"),
-        (dict(prompt="hi", n=2), "n"),
+        (dict(prompt="hi", n=129), "n"),
         (dict(prompt=""), "prompt"),
     ],
 )
@@ -234,3 +234,23 @@ def test_echo_returns_the_prompt_before_the_completion(client):
         model="smollm2-135m", prompt=prompt, max_tokens=6, temperature=0
     )
     assert got.choices[0].text == prompt + plain.choices[0].text
+
+
+def test_n_samples_are_the_offline_engines_whole_and_streamed(client, offline):
+    # Three seeded samples of one prompt: three choices, each the offline engine's sample
+    # of the same index (the same derived seeds), whole and streamed alike.
+    prompt = "Once upon a time, in a land far away,"
+    kw = dict(model="smollm2-135m", prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=3)
+    got = client.completions.create(**kw)
+    (want,) = offline.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3)
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [s.text for s in want.samples]
+    assert len({c.text for c in got.choices}) > 1
+    assert got.usage.completion_tokens == sum(len(s.token_ids) for s in want.samples)
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [s.text for s in want.samples]

@@ -5,6 +5,7 @@ default, usage in a stream), and the drain of a stopping server. The real server
 the real model is ``test_serve.py``."""
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -96,7 +97,6 @@ def test_an_unknown_field_is_refused_by_name(engine):
 CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 COMPLETIONS_ONLY = {"echo", "suffix", "best_of"}
 ASKING = {
-    "n": (2, 1),
     "suffix": ("end", None),
     "best_of": (2, 1),
     "tools": ([{"type": "function"}], None),
@@ -363,3 +363,60 @@ def test_a_model_without_a_tokenizer_streams_its_token_ids_as_they_come():
     ids = [e["choices"][0]["token_ids"] for e in events]
     assert [t for chunk in ids for t in chunk] == [10, 11, 12, 13]
     assert sum(1 for chunk in ids if chunk) >= 3, ids
+
+
+class Samples(Letters):
+    """``Letters`` per sample: sample i answers with tokens i + 1, i + 2, ... (its own
+    handle among the first one's ``others``), finish reason stop."""
+
+    async def asubmit(self, prompt, params=None):
+        self.submitted.append((list(prompt), params))
+        aloop = asyncio.get_running_loop()
+        rid = f"req-{len(self.submitted)}"
+        handle = RequestHandle(rid, list(prompt), aloop)
+        handle.others = [
+            RequestHandle(f"{rid}#{i}", list(prompt), aloop) for i in range(1, params.n)
+        ]
+        for i, h in enumerate(handle.samples):
+            for t in range(i + 1, i + 1 + params.max_tokens):
+                h._put([t])
+            h._end(FinishReason.STOP)
+        return handle
+
+
+def test_n_samples_come_back_as_choices_whole_and_streamed():
+    engine = Samples()
+    c = client(engine)
+    whole = complete(c, n=3, max_tokens=2).json()
+    assert engine.submitted[-1][1].n == 3
+    assert [(ch["index"], ch["text"]) for ch in whole["choices"]] == [
+        (0, "ab"),
+        (1, "bc"),
+        (2, "cd"),
+    ]
+    assert whole["usage"]["completion_tokens"] == 6
+    answer = chat(c, n=2, max_tokens=3).json()["choices"]
+    assert [ch["message"]["content"] for ch in answer] == ["abc", "bcd"]
+    with c.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 3,
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
+        events = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+        ]
+    texts, finishes = ["", "", ""], [None] * 3
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        finishes[choice["index"]] = choice["finish_reason"] or finishes[choice["index"]]
+    assert texts == ["ab", "bc", "cd"] and finishes == ["stop"] * 3
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    refused(complete(c, n=0), "n")
+    refused(complete(c, n=129), "n")

@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -237,18 +237,32 @@ class Responder:
             shapes = LogprobShapes(chat, self._token_text, len(echo))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handle, meta, _Extras(usage, self._stop_text(body), echo, shapes))
+            extras = _Extras(usage, lambda: self._stop_text(body), echo, shapes)
+            events = self._stream(handle, meta, extras)
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
         try:
-            tokens = [t async for chunk in self._timed(handle) for t in chunk]
+            answers = await asyncio.gather(
+                *(self._answer(h, self._stop_text(body), echo, shapes) for h in handle.samples)
+            )
         finally:
             watcher.cancel()
+        return JSONResponse(meta.whole(answers, len(handle.prompt)))
+
+    async def _answer(
+        self,
+        handle: RequestHandle,
+        stop: StopText | None,
+        echo: str,
+        shapes: LogprobShapes | None,
+    ) -> _Choice:
+        """One sample's whole answer: its text (never the stop string), tokens, finish
+        reason and log probabilities where asked."""
+        tokens = [t async for chunk in self._timed(handle) for t in chunk]
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
-        stop = self._stop_text(body)
-        text = stop.cut(text) if stop is not None else text  # (never the stop string)
+        text = stop.cut(text) if stop is not None else text
         logprobs = shapes.piece(handle.logprobs[: len(tokens)]) if shapes is not None else None
-        return JSONResponse(meta.whole(echo + text, tokens, handle, logprobs))
+        return _Choice(echo + text, tokens, _finish(handle), logprobs)
 
     def _token_text(self, token_id: int) -> str:
         """A token's text in log probabilities (its id where the model has no tokenizer,
@@ -291,6 +305,7 @@ class Responder:
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 logprobs=body.asked_logprobs(),
+                n=body.n,
             )
             return await self.engine.asubmit(ids, params)
         except (ValueError, TypeError) as exc:
@@ -360,39 +375,75 @@ class Responder:
     async def _stream(
         self, handle: RequestHandle, meta: _Meta, extras: _Extras
     ) -> AsyncIterator[str]:
-        """One event per chunk of tokens whose text is whole (tokens that end inside a
-        multi-byte character wait for the rest, and travel with it, with their log
-        probabilities where asked); the last event carries the finish reason and any
-        text still held back; with ``usage`` (``stream_options.include_usage``) every
-        event has ``usage: null`` and one more, with no choices, carries the request's
-        token counts. No event carries a stop string, nor text that may begin one before
-        the next tokens say. ``echo`` (the prompt's text) comes first, in an event of
-        its own. A model without a tokenizer has no text to wait for: each chunk of
-        token ids is an event."""
-        textless = self.engine.tokenizer is None
-        text = TextStream(_no_text if textless else self.engine.decode, extras.stop)
-        finished, waiting, produced = False, [], 0
+        """Every sample's events (``_sample_events``), each as it comes, then with
+        ``usage`` (``stream_options.include_usage``) one more event with no choices
+        carrying the request's token counts, then ``[DONE]``. A client that goes away
+        mid-stream aborts the request (every sample)."""
+        queue: asyncio.Queue[dict | None] = asyncio.Queue()
+        produced = [0] * len(handle.samples)
+
+        async def feed(i: int, sample: RequestHandle) -> None:
+            try:
+                async for event in self._sample_events(i, sample, meta, extras, produced):
+                    queue.put_nowait(event)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(feed(i, h)) for i, h in enumerate(handle.samples)]
+        finished = False
         try:
-            if extras.echo:
-                yield _sse(meta.chunk(extras.echo, [], None, extras.usage))
-            async for chunk in self._timed(handle):
-                delta = text.push(chunk)
-                waiting += chunk
-                produced += len(chunk)
-                if delta or textless:
-                    logprobs = extras.logprobs(handle, produced - len(waiting), waiting)
-                    yield _sse(meta.chunk(delta, waiting, None, extras.usage, logprobs))
-                    waiting = []
+            left = len(tasks)
+            while left:
+                event = await queue.get()
+                if event is None:
+                    left -= 1
+                else:
+                    yield _sse(event)
+            for task in tasks:
+                task.result()  # (an engine error ends the stream with it)
             finished = True
-            logprobs = extras.logprobs(handle, produced - len(waiting), waiting)
-            yield _sse(meta.chunk(text.rest(), waiting, _finish(handle), extras.usage, logprobs))
             if extras.usage:
-                usage = _usage(handle, produced)
+                usage = _usage(len(handle.prompt), sum(produced))
                 yield _sse({**meta.head(True), "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
+            for task in tasks:
+                task.cancel()
             if not finished:  # the client went away mid-stream
                 self._abort(handle)
+
+    async def _sample_events(
+        self,
+        index: int,
+        handle: RequestHandle,
+        meta: _Meta,
+        extras: _Extras,
+        produced: list[int],
+    ) -> AsyncIterator[dict]:
+        """Sample ``index``'s events: one per chunk of tokens whose text is whole (tokens
+        that end inside a multi-byte character wait for the rest, and travel with it,
+        with their log probabilities where asked); the last carries the finish reason
+        and any text still held back; with ``usage`` each has ``usage: null``. No event
+        carries a stop string, nor text that may begin one before the next tokens say.
+        ``echo`` (the prompt's text) comes first, in an event of its own. A model without
+        a tokenizer has no text to wait for: each chunk of token ids is an event.
+        ``produced[index]`` counts the tokens."""
+        textless = self.engine.tokenizer is None
+        text = TextStream(_no_text if textless else self.engine.decode, extras.stop())
+        waiting: list[int] = []
+        if extras.echo:
+            yield meta.chunk(index, extras.echo, [], None, extras.usage)
+        async for chunk in self._timed(handle):
+            delta = text.push(chunk)
+            waiting += chunk
+            produced[index] += len(chunk)
+            if delta or textless:
+                logprobs = extras.logprobs(handle, produced[index] - len(waiting), waiting)
+                yield meta.chunk(index, delta, waiting, None, extras.usage, logprobs)
+                waiting = []
+        logprobs = extras.logprobs(handle, produced[index] - len(waiting), waiting)
+        finish = _finish(handle)
+        yield meta.chunk(index, text.rest(), waiting, finish, extras.usage, logprobs)
 
 
 @dataclass(frozen=True)
@@ -401,7 +452,7 @@ class _Extras:
     the log probabilities' shapes (None: not asked)."""
 
     usage: bool
-    stop: StopText | None
+    stop: Callable[[], StopText | None]  # a fresh matcher per sample
     echo: str
     shapes: LogprobShapes | None
 
@@ -431,44 +482,53 @@ class _Meta:
 
     def chunk(
         self,
+        index: int,
         text: str,
         tokens: list[int],
         finish: str | None,
         usage: bool,
         logprobs: dict | None = None,
     ) -> dict:
+        """A streamed event of sample ``index``."""
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}}
+            choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": 0, "text": text, "token_ids": tokens}
+            choice = {"index": index, "text": text, "token_ids": tokens}
         if logprobs is not None:
             choice["logprobs"] = logprobs
         body = {**self.head(True), "choices": [{**choice, "finish_reason": finish}]}
         return {**body, "usage": None} if usage else body
 
-    def whole(
-        self, text: str, tokens: list[int], handle: RequestHandle, logprobs: dict | None
-    ) -> dict:
-        finish = _finish(handle)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text, "token_ids": tokens}
-        if logprobs is not None:
-            choice["logprobs"] = logprobs
-        return {
-            **self.head(False),
-            "choices": [{**choice, "finish_reason": finish}],
-            "usage": _usage(handle, len(tokens)),
-        }
+    def whole(self, answers: Sequence[_Choice], prompt_tokens: int) -> dict:
+        """The whole response: one choice per sample, in order, and the usage of all."""
+        choices = []
+        for index, a in enumerate(answers):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": a.text}}
+            else:
+                choice = {"index": index, "text": a.text, "token_ids": a.tokens}
+            if a.logprobs is not None:
+                choice["logprobs"] = a.logprobs
+            choices.append({**choice, "finish_reason": a.finish})
+        produced = sum(len(a.tokens) for a in answers)
+        return {**self.head(False), "choices": choices, "usage": _usage(prompt_tokens, produced)}
 
 
-def _usage(handle: RequestHandle, produced: int) -> dict[str, int]:
-    prompt = len(handle.prompt)
+@dataclass(frozen=True)
+class _Choice:
+    """One sample's whole answer (``Responder._answer``)."""
+
+    text: str
+    tokens: list[int]
+    finish: str | None
+    logprobs: dict | None
+
+
+def _usage(prompt_tokens: int, produced: int) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": produced,
-        "total_tokens": prompt + produced,
+        "total_tokens": prompt_tokens + produced,
     }
 
 

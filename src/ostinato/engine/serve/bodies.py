@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from ostinato.engine.core.params import MAX_LOGPROBS
+from ostinato.engine.core.params import MAX_LOGPROBS, MAX_SAMPLES
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -35,7 +35,7 @@ class RequestBody(BaseModel):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: StrictInt = Field(default=1, ge=1)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_SAMPLES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # (vLLM's extension: generate max_tokens whatever comes)
@@ -122,7 +122,6 @@ def _no_op(value: Any) -> bool:
 
 # field -> (whether a value asks for an effect, what the server does not do)
 NOT_HONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v != 1, "one choice per request (n=1)"),
     "suffix": (lambda v: not _no_op(v), "suffixes (insertion)"),
     "best_of": (lambda v: v not in (None, 1), "best-of sampling"),
     "tools": (lambda v: not _no_op(v), "tool calls"),

@@ -88,12 +88,14 @@ class EngineProcess:
     async def asubmit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """``submit`` for asyncio: waits for the engine's answer without blocking."""
         rid = f"req-{next(self._ids)}"
-        handle = self._handles.register(RequestHandle(rid, [], asyncio.get_running_loop()))
+        handle = self._handles.register(rid, asyncio.get_running_loop(), params)
         try:
-            handle.prompt = await asyncio.wrap_future(self._enqueue(rid, prompt, params))
+            prompt_ids = await asyncio.wrap_future(self._enqueue(rid, prompt, params))
         except BaseException:
             self._handles.discard(rid)
             raise
+        for h in handle.samples:
+            h.prompt = prompt_ids
         return handle
 
     def abort(self, request_id: str) -> bool:

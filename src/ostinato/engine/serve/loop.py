@@ -89,13 +89,16 @@ class RequestHandle:
     one (``async for token in handle``) over its token ids, and, once they end,
     ``finish_reason``. An iterator raises the engine's error if the request failed.
     ``logprobs``: where the request asked, one per token, each there before the
-    iterators hand out its token."""
+    iterators hand out its token. With ``SamplingParams.n`` > 1 the handle is the first
+    sample's, and ``others`` are the rest, each a handle of its own (aborting this
+    handle's id ends them all)."""
 
     def __init__(self, request_id: str, prompt: list[int], aloop: Any = None) -> None:
         self.id = request_id
         self.prompt = prompt
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[TokenLogprob] = []
+        self.others: list[RequestHandle] = []  # samples 2 to n (``SamplingParams.n``)
         self._aloop = aloop
         self._queue: queue.Queue[Any] = queue.Queue()
         self._aqueue: asyncio.Queue[Any] | None = asyncio.Queue() if aloop is not None else None
@@ -124,6 +127,11 @@ class RequestHandle:
             if isinstance(item, BaseException):
                 raise item
             yield from item
+
+    @property
+    def samples(self) -> list[RequestHandle]:
+        """The handles of every sample: this one (the first sample), then ``others``."""
+        return [self, *self.others]
 
     async def __aiter__(self) -> AsyncIterator[int]:
         async for chunk in self.chunks():
@@ -192,22 +200,32 @@ class Handles:
     ) -> RequestHandle:
         """A handle for a new request, registered before ``enqueue`` queues the request
         (its first events may come at once) and dropped again if ``enqueue`` refuses it."""
-        handle = self.register(RequestHandle(request_id, [], aloop))
+        handle = self.register(request_id, aloop, params)
         try:
-            handle.prompt = enqueue(request_id, prompt, params)
+            prompt_ids = enqueue(request_id, prompt, params)
         except BaseException:
             self.discard(request_id)
             raise
+        for h in handle.samples:
+            h.prompt = prompt_ids
         return handle
 
-    def register(self, handle: RequestHandle) -> RequestHandle:
+    def register(self, request_id: str, aloop: Any, params: Any) -> RequestHandle:
+        """A handle for ``request_id`` and, where ``params`` asks for ``n`` > 1 samples,
+        one per other sample (``sample_id``), all registered."""
+        n = params.n if isinstance(params, SamplingParams) else 1
+        handle = RequestHandle(request_id, [], aloop)
+        handle.others = [RequestHandle(sample_id(request_id, i), [], aloop) for i in range(1, n)]
         with self._lock:
-            self._by_id[handle.id] = handle
+            self._by_id.update({h.id: h for h in handle.samples})
         return handle
 
     def discard(self, request_id: str) -> None:
+        """Drops the handle of ``request_id`` and of its other samples."""
         with self._lock:
-            self._by_id.pop(request_id, None)
+            handle = self._by_id.pop(request_id, None)
+            for other in handle.others if handle is not None else ():
+                self._by_id.pop(other.id, None)
 
     def ids(self) -> list[str]:
         """The ids of the requests open now."""
@@ -238,6 +256,12 @@ class Handles:
             handle._end(None if error else FinishReason.ABORT, error)
 
 
+def sample_id(request_id: str, index: int) -> str:
+    """The id the events of sample ``index`` of request ``request_id`` go under (the
+    first sample's are the request's own)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 Publish = Callable[[list[TokenEvent]], None]
 
 
@@ -257,6 +281,7 @@ class EngineLoop:
         self._sink = publish or self._handles.deliver
         self._submitted: queue.Queue[tuple[str, list[int], SamplingParams]] = queue.Queue()
         self._live: dict[str, Tracked] = {}
+        self._owners: dict[str, str] = {}  # a later sample's id -> its request's id
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -290,15 +315,11 @@ class EngineLoop:
 
     def enqueue(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> list[int]:
         """Checks and queues one request under ``request_id`` (its events are published
-        under that id); returns its prompt's token ids."""
+        under that id, those of its sample ``i`` > 0 under ``sample_id``); returns its
+        prompt's token ids."""
         if self._stop.is_set():
             raise RuntimeError("submit: the engine loop is stopped")
         ((tokens, p),) = self._engine.checked([prompt], params)
-        if p.n > 1:
-            raise ValueError(
-                f"n: a handle streams one sample, got n={p.n}; submit the prompt n times "
-                "(with seeds of their own where you set one), or use LLM.generate"
-            )
         self._engine.reserve([request_id], request_id)
         self._submitted.put((request_id, tokens, p))
         self._wake.set()
@@ -397,7 +418,11 @@ class EngineLoop:
             if session.aborted_early(request_id):  # aborted before it was queued
                 ended.append(self._ended(request_id, FinishReason.ABORT, []))
                 continue
-            self._live[request_id] = session.admit(request_id, prompt, params)
+            tracked = session.admit(request_id, prompt, params)
+            self._live[request_id] = tracked
+            for i, other in enumerate(tracked.request.others, start=1):
+                self._live[sample_id(request_id, i)] = Tracked(sample_id(request_id, i), other)
+                self._owners[sample_id(request_id, i)] = request_id
 
     def _step(self, steps: Iterator[None], session: Session) -> Iterator[None] | None:
         """Runs one step; the iterator to go on with (None once it ended or failed)."""
@@ -427,7 +452,11 @@ class EngineLoop:
             logprobs = live.request.logprobs[start : start + len(new)] if asked else None
             if live.finish_reason is not None:
                 del self._live[request_id]
-                events.append(self._ended(request_id, live.finish_reason, new, logprobs))
+                # The request's id stays reserved (abortable) until its last sample ends.
+                group = live.request.leader or live.request
+                events.append(
+                    self._ended(request_id, live.finish_reason, new, logprobs, group.all_finished)
+                )
             elif new:
                 events.append(TokenEvent(request_id, new, logprobs=logprobs))
         return events
@@ -438,8 +467,13 @@ class EngineLoop:
         reason: FinishReason | None,
         new: list[int],
         logprobs: list[TokenLogprob] | None = None,
+        release: bool = True,
     ) -> TokenEvent:
-        self._engine.end(request_id)
+        """The last event of ``request_id`` (a request, or one of its samples); with
+        ``release`` the id of the request it belongs to is released (``Engine.end``)."""
+        owner = self._owners.pop(request_id, request_id)
+        if release:
+            self._engine.end(owner)
         if reason is FinishReason.ABORT:
             self.stats.aborted += 1
         elif reason is not None:

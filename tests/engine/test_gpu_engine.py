@@ -1,6 +1,7 @@
 """GPU tests of the reference engine: the paged kernel, HF parity in bf16, graphs vs eager."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -557,3 +558,23 @@ def test_logprobs_from_decode_graphs_equal_eager_steps():
         for a, b in zip(eager.logprobs, graphed.logprobs, strict=True):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
             assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+def test_samples_share_the_prompt_blocks_and_each_equals_its_request_alone():
+    # n = 4 seeded samples of a 120-token prompt (seven full blocks of 16 read from the
+    # first sample) on the default graphs, float32: each sample's tokens are those of
+    # the same request run alone (its derived seed), and greedy samples all equal the
+    # greedy answer.
+    r = random.Random(9)
+    prompt = [r.randrange(1, 1000) for _ in range(120)]
+    llm = tiny_engine("auto", torch.float32)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=21, n=4)
+    (out,) = llm.generate([prompt], params)
+    alone = [llm.generate([prompt], params.sample(i))[0].token_ids for i in range(4)]
+    assert [s.token_ids for s in out.samples] == alone
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    (many,) = llm.generate([prompt], replace(greedy, n=3))
+    (one,) = llm.generate([prompt], greedy)
+    assert [s.token_ids for s in many.samples] == [one.token_ids] * 3
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+    llm.close()

@@ -154,10 +154,10 @@ def test_generate_takes_the_kernel_options(capsys, monkeypatch):
     args = ["--prompt-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos"]
     code, plain, err = run(GEN + args, capsys)
     assert code == 0, err
-    code, out, err = run(GEN + args + ["--no-pdl", "--small-gemm", "--no-fused-layers"], capsys)
+    code, out, err = run(GEN + args + ["--no-pdl", "--no-small-gemm", "--no-fused-layers"], capsys)
     assert code == 0, err
     options = [(k.pdl, k.small_gemm, k.fused_layers) for k in seen]
-    assert options == [(True, False, True), (False, True, False)]  # the defaults, then not
+    assert options == [(True, True, True), (False, False, False)]  # the defaults, then not
     result = [line for line in out.splitlines() if line.startswith("prompt ")]
     assert result == [line for line in plain.splitlines() if line.startswith("prompt ")]
 

@@ -364,8 +364,9 @@ class Responder:
             yield chunk
 
     def _abort(self, handle: RequestHandle) -> None:
-        self.engine.abort(handle.id)
-        self.metrics.aborted.inc()
+        """Ends the request (every sample); counted where it was still live."""
+        if self.engine.abort(handle.id):
+            self.metrics.aborted.inc()
 
     async def _abort_on_disconnect(self, request: Request, handle: RequestHandle) -> None:
         while not await request.is_disconnected():

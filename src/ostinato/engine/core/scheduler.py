@@ -229,8 +229,7 @@ class Scheduler:
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
-            req.blocks = self.pool.allocate(need)
-            req.blocks = self.pool.share(shared) + req.blocks
+            req.blocks = self.pool.share(shared) + self.pool.allocate(need)
             req.num_cached = len(shared) * self.block_size
             self.running.append(req)
             chunk = min(req.num_tokens - req.num_cached, budget)

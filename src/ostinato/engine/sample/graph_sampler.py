@@ -110,15 +110,11 @@ class GraphSampler:
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
-        if not adjusted and cut is None:
-            return greedy_tokens(self.logits(n))
-        if not adjusted:
-            return sample(
-                self.logits(n), temperatures, top_ps, self.generator, False, cut=bool(cut)
-            )
-        out = self.logits(n).float() + self.bias[:n]
-        penalize(out, self.floats[2, :n], self.floats[3, :n], self.counts[:n])
-        if cut is None:
+        out = self.logits(n)
+        if adjusted:
+            out = out.float() + self.bias[:n]
+            penalize(out, self.floats[2, :n], self.floats[3, :n], self.counts[:n])
+        if cut is None:  # (greedy: no draw)
             return greedy_tokens(out)
         seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
         return sample(out, temperatures, top_ps, self.generator, False, seeds, cut)

@@ -90,12 +90,10 @@ class EngineProcess:
         rid = f"req-{next(self._ids)}"
         handle = self._handles.register(rid, asyncio.get_running_loop(), params)
         try:
-            prompt_ids = await asyncio.wrap_future(self._enqueue(rid, prompt, params))
+            handle.accepted(await asyncio.wrap_future(self._enqueue(rid, prompt, params)))
         except BaseException:
             self._handles.discard(rid)
             raise
-        for h in handle.samples:
-            h.prompt = prompt_ids
         return handle
 
     def abort(self, request_id: str) -> bool:

@@ -133,6 +133,11 @@ class RequestHandle:
         """The handles of every sample: this one (the first sample), then ``others``."""
         return [self, *self.others]
 
+    def accepted(self, prompt: list[int]) -> None:
+        """Records the prompt's token ids, once the engine took it, on every sample."""
+        for h in self.samples:
+            h.prompt = prompt
+
     async def __aiter__(self) -> AsyncIterator[int]:
         async for chunk in self.chunks():
             for token in chunk:
@@ -202,12 +207,10 @@ class Handles:
         (its first events may come at once) and dropped again if ``enqueue`` refuses it."""
         handle = self.register(request_id, aloop, params)
         try:
-            prompt_ids = enqueue(request_id, prompt, params)
+            handle.accepted(enqueue(request_id, prompt, params))
         except BaseException:
             self.discard(request_id)
             raise
-        for h in handle.samples:
-            h.prompt = prompt_ids
         return handle
 
     def register(self, request_id: str, aloop: Any, params: Any) -> RequestHandle:

@@ -166,3 +166,24 @@ def test_samples_stream_on_handles_of_their_own_and_an_abort_ends_them_all(llm):
     assert all(len(list(h)) < 80 for h in long.others)
     assert loop.stop()
     assert not llm.has_work and llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_every_sample_of_a_request_aborted_before_admission_ends(llm, monkeypatch):
+    # An abort that lands before the loop queues the request (every one, here) ends the
+    # handles of all its samples, with no tokens: none is left waiting for ever.
+    from ostinato.engine.api.engine import Session
+
+    monkeypatch.setattr(Session, "aborted_early", lambda self, request_id: True)
+    loop = EngineLoop(llm)
+    handle = loop.submit([1, 2, 3], SamplingParams(max_tokens=4, n=3))
+    got = []
+    reader = threading.Thread(
+        target=lambda: got.extend(list(h) for h in handle.samples), daemon=True
+    )
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), "a sample's handle never ended"
+    assert got == [[], [], []]
+    assert all(h.finish_reason is FinishReason.ABORT for h in handle.samples)
+    assert loop.stop()
+    assert llm.free_kv_blocks == llm.num_kv_blocks - 1

@@ -265,6 +265,11 @@ def sample_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
+def _ids(request_id: str, params: SamplingParams) -> list[str]:
+    """The ids of every sample of a request (``sample_id``)."""
+    return [sample_id(request_id, i) for i in range(params.n)]
+
+
 Publish = Callable[[list[TokenEvent]], None]
 
 
@@ -419,7 +424,9 @@ class EngineLoop:
                 return ended
             self.stats.requests += 1
             if session.aborted_early(request_id):  # aborted before it was queued
-                ended.append(self._ended(request_id, FinishReason.ABORT, []))
+                ended += [
+                    self._ended(rid, FinishReason.ABORT, []) for rid in _ids(request_id, params)
+                ]
                 continue
             tracked = session.admit(request_id, prompt, params)
             self._live[request_id] = tracked
@@ -490,11 +497,13 @@ class EngineLoop:
             session.abort(list(self._live.values()))
         ids = list(self._live)
         self._live.clear()
+        self._owners.clear()
         while True:  # submitted but never admitted
             try:
-                ids.append(self._submitted.get_nowait()[0])
+                request_id, _, params = self._submitted.get_nowait()
             except queue.Empty:
                 break
+            ids += _ids(request_id, params)
         for rid in ids:
             self._engine.end(rid)
         self._publish([TokenEvent(rid, [], True, reason, error) for rid in ids])

@@ -146,10 +146,11 @@ def test_generate_waits_while_a_loop_serves(llm):
     assert done.wait(30)
 
 
-def test_samples_stream_on_handles_of_their_own_and_an_abort_ends_them_all(llm):
+def test_samples_stream_on_handles_of_their_own_and_an_abort_ends_them_all(llm, monkeypatch):
     # n = 3 seeded samples: the handle is the first sample's, ``others`` the rest; each
     # streams LLM.generate's sample of the same index. Aborting the id after the first
-    # tokens ends every sample, and every block comes back.
+    # tokens ends every sample, and every block comes back. (For the abort each step
+    # waits until the test has asked it, so no busy machine lets the samples finish.)
     prompt = list(range(40, 80))
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=4, n=3)
     (want,) = llm.generate([prompt], params)
@@ -158,9 +159,21 @@ def test_samples_stream_on_handles_of_their_own_and_an_abort_ends_them_all(llm):
     assert [h.id for h in handle.samples] == [handle.id, f"{handle.id}#1", f"{handle.id}#2"]
     assert [list(h) for h in handle.samples] == [s.token_ids for s in want.samples]
     assert all(h.finish_reason is FinishReason.LENGTH for h in handle.samples)
+    assert loop.stop()
+    asked, steps = threading.Event(), llm.engine.steps
+
+    def waiting_steps():
+        for i, step in enumerate(steps()):
+            yield step
+            if i:  # (asynchronous scheduling resolves the first tokens a step later)
+                asked.wait(60)
+
+    monkeypatch.setattr(llm.engine, "steps", waiting_steps)
+    loop = EngineLoop(llm)
     long = loop.submit(prompt[:10], SamplingParams(max_tokens=80, ignore_eos=True, n=3))
     first = next(iter(long))
     assert loop.abort(long.id)
+    asked.set()
     rest = [first, *long]
     assert len(rest) < 80 and all(h.finish_reason is FinishReason.ABORT for h in long.samples)
     assert all(len(list(h)) < 80 for h in long.others)

@@ -235,6 +235,12 @@ def test_fused_kernels_in_a_graph_replay_the_eager_bits_on_new_inputs(split):
         assert torch.equal(c["k_cache"], k_graph)
 
 
+# The fused layers' Triton GEMM by rule. Measured small-GEMM plans (the default) apply in
+# graph modes only, so an eager runner would launch other kernels than the graphs, and a
+# projection measured faster on cuBLAS would leave a layer more kernels than the rule's.
+RULE_PLANS = KernelOptions(small_gemm=False)
+
+
 def _smollm2_setup(batch_sizes=(1, 8)):
     # SmolLM2-135M's shape with random weights (benchmarks/configs), 30 layers.
     from dataclasses import replace
@@ -253,7 +259,7 @@ def test_a_decode_step_replayed_is_bitwise_the_eager_step_of_the_same_kernels(ba
     step = setup.decode_batch(list(range(3, 3 + batch)))
     logits = []
     for mode in (GraphMode.NONE, GraphMode.FULL):
-        runner = setup.runner(mode, None)
+        runner = setup.runner(mode, None, kernels=RULE_PLANS)
         assert all(layer.fused for layer in runner.model.layers)
         with torch.inference_mode():
             runner.capture()
@@ -268,7 +274,7 @@ def test_a_fused_decode_layer_is_at_most_six_kernels(batch):
     from ostinato.modes import GraphMode
 
     setup = _smollm2_setup(batch_sizes=(batch,))
-    runner = setup.runner(GraphMode.FULL, None)
+    runner = setup.runner(GraphMode.FULL, None, kernels=RULE_PLANS)
     with torch.inference_mode():
         runner.capture()
         census = kernel_census(setup.decode_step(runner, batch))
@@ -301,7 +307,7 @@ def test_a_planned_lm_head_takes_the_final_norm_into_its_kernel(batch):
     runs = ((GraphMode.NONE, True), (GraphMode.FULL_DECODE_ONLY, True))
     for mode, planned in (*runs, (GraphMode.FULL_DECODE_ONLY, False)):
         with rules_in_force(LaunchRules(plan_lm_head=planned)):
-            runner = setup.runner(mode, None)
+            runner = setup.runner(mode, None, kernels=RULE_PLANS)
             with torch.inference_mode():
                 runner.capture()
                 assert any(runner.model.lm_head.plan) == planned

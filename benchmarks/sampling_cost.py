@@ -48,14 +48,17 @@ class Row:
     runs_ms: list[float]
 
 
-def step_ms(llm: Any, prompts: list[list[int]], params: Any, short: int, long: int) -> float:
-    """Milliseconds per decode step: (long generate - short generate) / (long - short)."""
+def step_ms(
+    llm: Any, prompts: list[list[int]], params: Any, short: int, long: int, **generate: Any
+) -> float:
+    """Milliseconds per decode step: (long generate - short generate) / (long - short);
+    ``generate``: more keywords of ``llm.generate``."""
 
     def timed(n: int) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        llm.generate(prompts, replace(params, max_tokens=n))
+        llm.generate(prompts, replace(params, max_tokens=n), **generate)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start

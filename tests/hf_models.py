@@ -68,3 +68,41 @@ def assert_greedy_matches_hf(llm, hf, prompts, max_tokens, pad_token_id=0):
                 pad_token_id=pad_token_id,
             )
         assert o.token_ids == ref[0, len(p) :].tolist()
+
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(hf, folder: Path, seed: int, rank: int = 8, modules=None, **config):
+    """A PEFT LoRA adapter of ``hf`` with random A and B (PEFT zeroes B at creation:
+    drawn here so it changes the output), saved to ``folder``; returns the PEFT model
+    (wrapping a copy of ``hf``) that computes it."""
+    import copy
+
+    import peft
+
+    lora = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=modules or ALL_MODULES, **config
+    )
+    model = peft.get_peft_model(copy.deepcopy(hf), lora)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def peft_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``model``'s greedy continuation of ``prompt`` (``n`` tokens, EOS ignored)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt], device=device),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -33,13 +33,16 @@ class Engine:
     """Answers every request with ``max_tokens`` tokens of id 7, finish reason length."""
 
     max_model_len = 64
+    lora_names = ["tuned"]
 
     def __init__(self):
         self.tokenizer = Tokenizer()
         self.submitted = []
+        self.loras = []
 
-    async def asubmit(self, prompt, params=None):
+    async def asubmit(self, prompt, params=None, lora=None):
         self.submitted.append((list(prompt), params))
+        self.loras.append(lora)
         handle = RequestHandle(
             f"req-{len(self.submitted)}", list(prompt), asyncio.get_running_loop()
         )
@@ -148,6 +151,18 @@ def test_logprobs_reach_the_engine_in_both_shapes(engine):
 )
 def test_types_are_strict(engine, body, param):
     refused(chat(client(engine), **body), param)
+
+
+def test_a_lora_adapter_is_a_model_of_its_own(engine):
+    c = client(engine)
+    cards = c.get("/v1/models").json()["data"]
+    assert [m["id"] for m in cards] == [MODEL, "tuned"] and cards[1]["parent"] == MODEL
+    for model in (MODEL, "tuned"):
+        r = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+    assert engine.loras == [None, "tuned"]
+    r = c.post("/v1/completions", json={"model": "tuned2", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_another_model_is_404_model_not_found(engine):
@@ -284,7 +299,7 @@ class Letters(Engine):
     """Answers with tokens 1, 2, 3, ... whose text is a, b, c, ... (it stops at nothing
     itself: the server's own cut is what is tested)."""
 
-    async def asubmit(self, prompt, params=None):
+    async def asubmit(self, prompt, params=None, lora=None):
         self.submitted.append((list(prompt), params))
         handle = RequestHandle(
             f"req-{len(self.submitted)}", list(prompt), asyncio.get_running_loop()
@@ -344,7 +359,7 @@ class TextlessEngine(Engine):
         super().__init__()
         self.tokenizer = None
 
-    async def asubmit(self, prompt, params=None):
+    async def asubmit(self, prompt, params=None, lora=None):
         self.submitted.append((list(prompt), params))
         aloop = asyncio.get_running_loop()
         handle = RequestHandle(f"req-{len(self.submitted)}", list(prompt), aloop)
@@ -369,7 +384,7 @@ class Samples(Letters):
     """``Letters`` per sample: sample i answers with tokens i + 1, i + 2, ... (its own
     handle among the first one's ``others``), finish reason stop."""
 
-    async def asubmit(self, prompt, params=None):
+    async def asubmit(self, prompt, params=None, lora=None):
         self.submitted.append((list(prompt), params))
         aloop = asyncio.get_running_loop()
         rid = f"req-{len(self.submitted)}"

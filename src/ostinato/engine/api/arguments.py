@@ -5,10 +5,11 @@ is loaded."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
-from ostinato.engine.api.engine_args import CacheArgs, GraphArgs, ParallelArgs
+from ostinato.engine.api.engine_args import CacheArgs, GraphArgs, LoraArgs, ParallelArgs
 from ostinato.engine.api.prompts import model_len
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
@@ -138,6 +139,44 @@ def micro_batching_policy(
             "graph per size) or 'none'"
         )
     return policy
+
+
+def check_lora(
+    lora: LoraArgs, parallel: ParallelArgs, speculative: SpeculativeConfig | None, capture: str
+) -> LoraArgs:
+    """``LoraArgs``, checked (``lora_modules`` as a tuple of ``(name, path)`` strings
+    ``"name=path"``); refuses, naming why, adapters given without ``enable_lora`` and
+    LoRA with what does not run it yet: several ranks, speculative decoding (its draft
+    and verify steps), and staged capture (its upgrade's graphs)."""
+    if not isinstance(lora, LoraArgs):
+        raise TypeError(f"lora: expected a LoraArgs, got {type(lora).__name__}")
+    modules = tuple(lora.lora_modules or ())
+    if isinstance(lora.lora_modules, str):
+        modules = (lora.lora_modules,)
+    for entry in modules:
+        name, sep, path = str(entry).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules: {entry!r} is not name=path")
+    if len({str(m).partition("=")[0] for m in modules}) < len(modules):
+        raise ValueError(f"lora_modules: a name is given twice in {list(modules)}")
+    for name in ("max_loras", "max_lora_rank"):
+        value = getattr(lora, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    if not lora.enable_lora:
+        if modules:
+            raise ValueError("lora_modules: given without enable_lora=True")
+        return lora
+    why = None
+    if parallel.tensor_parallel_size * parallel.data_parallel_size > 1:
+        why = "tensor or data parallelism"
+    elif speculative is not None:
+        why = "speculative decoding"
+    elif capture == "staged":
+        why = "capture='staged'"
+    if why is not None:
+        raise ValueError(f"enable_lora: not with {why} yet; LoRA runs on one GPU")
+    return replace(lora, lora_modules=modules)
 
 
 MAX_CPU_THREADS = 4

@@ -11,6 +11,7 @@ scheduler or the request book.
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +25,11 @@ from ostinato.distributed.failure import RankFailure
 from ostinato.distributed.groups import ParallelGroups
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce
 from ostinato.engine.api.engine_args import EngineArgs
+from ostinato.engine.api.lora_registry import LoraNames, LoraRegistry, resolve_without_lora
 from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
 from ostinato.engine.api.step_loop import StepLoop
 from ostinato.engine.core.kv_cache import KVCache
+from ostinato.engine.core.lora_slots import LoraAdapter
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.request_book import RequestBook
 from ostinato.engine.core.scheduler import FinishReason, Request, Scheduler
@@ -97,6 +100,7 @@ class EngineParts:
     sampler: StepSampler = None  # type: ignore[assignment]
     drafter: SelfDraftProposer | None = None
     background: BackgroundCapture | StagedRuntime | None = None  # captures or upgrades
+    adapters: LoraRegistry | None = None  # with enable_lora
     capture_report: CaptureReport = None  # type: ignore[assignment]
     draft_report: CaptureReport | None = None
     graph_memory: GraphMemoryCheck | None = None
@@ -165,6 +169,7 @@ class Engine:
     def __init__(self, parts: EngineParts, peer_failure: Callable[[], RankFailure | None]) -> None:
         self.parts = parts
         self.requests = RequestBook()  # live requests by public id; aborts from any thread
+        self._ids = itertools.count()  # ids of requests their caller did not name
         self.loop = StepLoop(
             parts.runner,
             parts.scheduler,
@@ -196,9 +201,11 @@ class Engine:
         self,
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> list[tuple[list[int], SamplingParams]]:
-        """Every prompt as token ids with its parameters, all checked before anything is
-        queued (``ValueError`` / ``TypeError`` naming the prompt and the problem)."""
+        lora: LoraNames = None,
+    ) -> list[tuple[list[int], SamplingParams, LoraAdapter | None]]:
+        """Every prompt as token ids with its parameters and LoRA adapter (``lora``: a
+        name for all, or one per prompt; ``adapters_for``), all checked before anything
+        is queued (``ValueError`` / ``TypeError`` naming the prompt and the problem)."""
         fits = self.scheduler.check
         tokens = check_prompts(prompts, self.tokenizer, self.config.vocab_size, fits)
         checked = check_params(params, len(tokens))
@@ -219,7 +226,39 @@ class Engine:
         bad = next((t for p in checked for t, _ in p.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} outside the vocabulary [0, {vocab})")
-        return list(zip(tokens, checked, strict=True))
+        adapters = self.adapters_for(lora, len(tokens))
+        return list(zip(tokens, checked, adapters, strict=True))
+
+    def lora(self, what: str) -> LoraRegistry:
+        """The LoRA adapters (``LoraRegistry``: ``load`` checks an adapter against the
+        model and packs it, from any thread; it reaches a device slot when a request
+        first uses it); ``what`` names the call refused without ``enable_lora``."""
+        adapters = self.parts.adapters
+        if adapters is None:
+            raise ValueError(f"{what}: this engine was built without LoRA; use enable_lora=True")
+        return adapters
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The loaded LoRA adapters' names (empty without ``enable_lora``)."""
+        adapters = self.parts.adapters
+        return adapters.names if adapters is not None else []
+
+    def adapters_for(self, names: LoraNames, count: int) -> list[LoraAdapter | None]:
+        """The adapter of each of ``count`` prompts (``LoraRegistry.resolve``); without
+        LoRA, only None is accepted."""
+        adapters = self.parts.adapters
+        if adapters is None:
+            return resolve_without_lora(names, count)
+        return adapters.resolve(names, count)
+
+    def request_ids(self, given: Sequence[str] | None, n: int) -> list[str]:
+        """``given`` (one id per prompt of ``n``), or ``n`` new ids ``generate-K``."""
+        if given is None:
+            return [f"generate-{next(self._ids)}" for _ in range(n)]
+        if isinstance(given, str) or len(given) != n:
+            raise ValueError(f"request_ids: expected a sequence of {n} ids, one per prompt")
+        return list(given)
 
     def reserve(self, request_ids: Sequence[str], owner: Hashable) -> None:
         """Claims ids for new requests of ``owner``, all or none (``RequestBook.reserve``);
@@ -374,9 +413,15 @@ class Session:
         self.engine = engine
         self.mirror = StepMirror(engine.scheduler, steps, send)
 
-    def admit(self, request_id: str, tokens: list[int], params: SamplingParams) -> Tracked:
-        """Queues a checked request under its reserved id."""
-        request = self.mirror.add(tokens, params)
+    def admit(
+        self,
+        request_id: str,
+        tokens: list[int],
+        params: SamplingParams,
+        lora: LoraAdapter | None = None,
+    ) -> Tracked:
+        """Queues a checked request under its reserved id (with ``lora``'s adapter)."""
+        request = self.mirror.add(tokens, params, lora)
         self.engine.requests.bind(request_id, request)
         return Tracked(request_id, request)
 

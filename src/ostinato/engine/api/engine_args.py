@@ -257,19 +257,46 @@ class ParallelArgs:
     )
 
 
+def _lora_module(text: str) -> str:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not name=path")
+    return text
+
+
+@dataclass(frozen=True)
+class LoraArgs:
+    """LoRA adapters: ``enable_lora`` makes room on the device for ``max_loras`` adapters
+    of rank up to ``max_lora_rank`` (their slots; requests of more adapters wait for
+    one); ``lora_modules`` (``"name=path"`` each, PEFT folders) are loaded at start-up,
+    and more with ``LLM.load_lora``. ``specialize_lora``: steps without a LoRA row
+    replay graphs without the LoRA GEMMs (twice the graphs)."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (slots on the device)")
+    max_loras: int = option(4, "adapters held on the device at once", positive_int)
+    max_lora_rank: int = option(16, "the largest adapter rank", positive_int)
+    lora_modules: tuple[str, ...] = option(
+        (), "adapters to load at start-up: name=path (PEFT folders)", _lora_module, nargs="+"
+    )
+    specialize_lora: bool = option(
+        True, "capture graphs without the LoRA GEMMs for steps with no LoRA row"
+    )
+
+
 # The groups by the ``EngineArgs`` field that holds each.
 GROUPS: dict[str, type] = {
     "cache": CacheArgs,
     "graphs": GraphArgs,
     "parallel": ParallelArgs,
     "kernels": KernelOptions,
+    "lora": LoraArgs,
 }
 
 
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything an engine is built from. The groups (``cache``, ``graphs``,
-    ``parallel``, ``kernels``) hold most options; the rest are here. ``build`` makes one
+    ``parallel``, ``kernels``, ``lora``) hold most options; the rest are here. ``build`` makes one
     from ``LLM``'s keywords; a worker process receives the same value."""
 
     model: Any = option(None, "the model (see LLM)", cli=False)
@@ -277,6 +304,7 @@ class EngineArgs:
     graphs: GraphArgs = field(default_factory=GraphArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     kernels: KernelOptions = field(default_factory=KernelOptions)
+    lora: LoraArgs = field(default_factory=LoraArgs)
     device: str | None = option(
         None,
         "cpu, cuda or cuda:N (default: cuda when available)",
@@ -360,7 +388,7 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"default": default, "help": meta.get("help")}
         if meta.get("parse") is not None:
             kwargs["type"] = meta["parse"]
-        for key in ("choices", "metavar"):
+        for key in ("choices", "metavar", "nargs"):
             if meta.get(key) is not None:
                 kwargs[key] = meta[key]
         parser.add_argument(flag, **kwargs)

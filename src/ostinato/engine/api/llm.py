@@ -4,7 +4,6 @@ tokens and text out."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +14,7 @@ from ostinato.adaptive_ladder import LadderChange
 from ostinato.distributed.failure import ParallelError
 from ostinato.engine.api.engine import Engine, Session, Tracked
 from ostinato.engine.api.engine_args import EngineArgs
+from ostinato.engine.api.lora_registry import LoraNames
 from ostinato.engine.api.outputs import RequestOutput
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.api.startup import build, check_args
@@ -62,7 +62,6 @@ class LLM:
         checked = check_args(args)
         self._one_call = threading.Lock()  # the scheduler and the step buffers: one owner
         self._generating_thread: int | None = None
-        self._ids = itertools.count()
         worker_args = replace(args, progress=False)
         self.peers = Peers(checked.parallel, checked.device, LLM, worker_args)
         try:
@@ -102,6 +101,7 @@ class LLM:
     free_kv_blocks = _engine("free_kv_blocks", "KV blocks free now.")
     num_preemptions = _engine("num_preemptions", "Requests preempted (recomputed later) so far.")
     has_work = _engine("has_work", "Whether requests are queued or running.")
+    lora_names = _engine("lora_names", "The loaded LoRA adapters' names.")
 
     def graph_stats(self) -> StatsSnapshot:
         """This process's live statistics per bucket (``Engine.graph_stats``)."""
@@ -114,10 +114,11 @@ class LLM:
         *,
         on_token: TokenCallback | None = None,
         request_ids: Sequence[str] | None = None,
+        lora: LoraNames = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (token ids, or text when there is a tokenizer);
         returns outputs in prompt order (a prompt's ``SamplingParams.n`` samples in its
-        output's ``samples``).
+        output's ``samples``); ``lora``: an adapter's name for all, or one per prompt.
 
         All or nothing: every prompt and parameter is checked before anything is queued
         (``ValueError`` / ``TypeError`` naming the prompt and the problem), and if the
@@ -138,13 +139,13 @@ class LLM:
         with self._one_call:
             self._generating_thread, owner = threading.get_ident(), self.engine.new_call()
             try:
-                checked = self.engine.checked(prompts, params)
-                if on_token is not None and any(p.n > 1 for _, p in checked):
+                checked = self.engine.checked(prompts, params, lora)
+                if on_token is not None and any(p.n > 1 for _, p, _ in checked):
                     raise ValueError(
                         "on_token: not with n > 1 (a callback names the prompt, not the "
                         "sample); read each output's samples after generate returns"
                     )
-                ids = self._request_ids(request_ids, len(checked))
+                ids = self.engine.request_ids(request_ids, len(checked))
                 self.peers.check_usable()
                 self.engine.reserve(ids, owner)
                 if self.peers.workers is None:
@@ -154,18 +155,19 @@ class LLM:
                 self._generating_thread = None
                 self.engine.end(owner)
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads a PEFT adapter as ``name``, from any thread (``LoraRegistry.load``)."""
+        self.engine.lora("load_lora").load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets adapter ``name``; refused while running requests use it."""
+        self.engine.lora("unload_lora").unload(name)
+
     def abort(self, request_id: str) -> bool:
         """Ends request ``request_id`` (finish reason ABORT) at the engine's next step
         boundary and frees its KV blocks; callable from any thread. False when no live
         request has that id. Requests of this process only."""
         return self.engine.abort(request_id)
-
-    def _request_ids(self, given: Sequence[str] | None, n: int) -> list[str]:
-        if given is None:
-            return [f"generate-{next(self._ids)}" for _ in range(n)]
-        if isinstance(given, str) or len(given) != n:
-            raise ValueError(f"request_ids: expected a sequence of {n} ids, one per prompt")
-        return list(given)
 
     def _run(self, checked: list, ids: list[str], on_token: TokenCallback | None) -> list:
         """This process's requests, stepped to the end through one session."""
@@ -173,7 +175,7 @@ class LLM:
         engine.reset_if_interrupted()
         session = Session(engine, engine.steps)
         try:
-            tracked = [session.admit(i, t, p) for i, (t, p) in zip(ids, checked, strict=True)]
+            tracked = [session.admit(i, *c) for i, c in zip(ids, checked, strict=True)]
             session.apply_aborts()
             with self.peers.watching() as watchdog:
                 for _ in session.steps():
@@ -204,6 +206,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_token: TokenCallback | None = None,
+        lora: LoraNames = None,
     ) -> list[RequestOutput]:
         """``generate`` over chat messages (``[{"role": "user", "content": ...}]``, or a
         list of such conversations), formatted by the model's chat template."""
@@ -212,7 +215,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.chat_prompt(list(c)) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, on_token=on_token)
+        return self.generate(prompts, params, on_token=on_token, lora=lora)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` in the model's chat template, ready to answer."""

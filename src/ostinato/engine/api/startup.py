@@ -25,6 +25,7 @@ from ostinato.distributed.groups import (
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.api.arguments import (
     check_capture,
+    check_lora,
     engine_limits,
     limit_cpu_threads,
     micro_batching_policy,
@@ -32,10 +33,12 @@ from ostinato.engine.api.arguments import (
     resolve_dtype,
 )
 from ostinato.engine.api.engine import EngineParts, StartupTimes
-from ostinato.engine.api.engine_args import EngineArgs, parse_mode, resolve_device
+from ostinato.engine.api.engine_args import EngineArgs, LoraArgs, parse_mode, resolve_device
+from ostinato.engine.api.lora_registry import LoraRegistry
 from ostinato.engine.api.prompts import decode_text
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.core.lora_slots import LoraSlots
 from ostinato.engine.core.scheduler import Proposal, Scheduler
 from ostinato.engine.core.stop_text import Decode
 from ostinato.engine.kernels.options import KernelOptions
@@ -44,6 +47,7 @@ from ostinato.engine.loading.source import ModelSource, open_model
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.lora import LoraShape
 from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.spec.self_draft import SelfDraftProposer
 from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig
@@ -77,6 +81,14 @@ class Checked:
     capture: str  # GraphArgs.capture, checked
     utilization: float
     micro_batching: MicroBatching | None
+    lora: LoraArgs  # checked
+
+    def lora_shape(self, limits: EngineLimits) -> LoraShape | None:
+        """The LoRA slots the model holds (None without ``enable_lora``)."""
+        lora = self.lora
+        if not lora.enable_lora:
+            return None
+        return LoraShape(lora.max_loras, lora.max_lora_rank, limits.max_num_batched_tokens)
 
 
 def check_args(args: EngineArgs) -> Checked:
@@ -100,10 +112,11 @@ def check_args(args: EngineArgs) -> Checked:
     mode = engine_mode(requested, capture, device, args)
     utilization = check_utilization(args.cache.gpu_memory_utilization)
     micro_batching = micro_batching_policy(parallel, mode)
+    lora = check_lora(args.lora, parallel, speculative, capture)
     if device.type == "cpu":
         limit_cpu_threads(config.world_size)
     return Checked(
-        args, device, config, mode, speculative, capture, utilization, micro_batching
+        args, device, config, mode, speculative, capture, utilization, micro_batching, lora
     )  # fmt: skip
 
 
@@ -154,6 +167,7 @@ def graph_config(c: Checked, limits: EngineLimits, upgrade: bool = False) -> Gra
         capture_sizes=graphs.capture_sizes,
         max_capture_size=graphs.max_capture_size,
         max_num_tokens=limits.max_num_batched_tokens,
+        specialize_lora=c.lora.enable_lora and c.lora.specialize_lora,
         verify=graphs.verify,
         verify_every=graphs.verify_every,
     )
@@ -203,21 +217,31 @@ def memory_plan(
         tp=parts.parallel.tp,
         decode_query_len=1 + c.speculative.k if c.speculative else 1,
         upgrade_tokens=graphs.largest_size if c.capture == "staged" else 0,
+        lora=c.lora_shape(limits),
     )
     logger.info("ostinato: memory plan: %s", plan.summary())
     return plan
 
 
-def load_weights(parts: EngineParts, source: ModelSource, seed: int, limits: EngineLimits) -> float:
-    """Makes the model on the device and loads (or draws) its weights; seconds."""
+def load_weights(
+    parts: EngineParts,
+    source: ModelSource,
+    seed: int,
+    limits: EngineLimits,
+    lora: LoraShape | None = None,
+) -> float:
+    """Makes the model on the device (with ``lora``'s empty slots) and loads (or draws)
+    its weights; seconds."""
     torch.manual_seed(seed)
     start = time.perf_counter()
     # Weights are made in place on the device, in their dtype: no CPU copy, no float32
     # detour.
     with torch.device("meta"):
         kernels = parts.kernels.resolved(parts.device)
-        model = DecoderModel(parts.config, parts.parallel.tp, kernels, limits.max_model_len)
+        model = DecoderModel(parts.config, parts.parallel.tp, kernels, limits.max_model_len, lora)
     model = model.to(parts.dtype).to_empty(device=parts.device)
+    if model.lora is not None:
+        model.lora.clear()  # (to_empty left them unwritten)
     if source.load is None:
         # Asked for (a preset, a config, or random_weights=True), so not a warning.
         logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
@@ -295,8 +319,21 @@ def make_runner(
         propose=propose,
         num_speculative=spec.k if spec else 0,
         decode=_decoder(parts.tokenizer),
+        lora_slots=LoraSlots(c.lora.max_loras) if c.lora.enable_lora else None,
     )
     return propose
+
+
+def lora_registry(parts: EngineParts, c: Checked) -> LoraRegistry | None:
+    """The engine's adapters, ``lora_modules`` loaded (None without ``enable_lora``)."""
+    slots = parts.scheduler.lora_slots
+    if parts.model is None or parts.model.lora is None or slots is None:
+        return None
+    registry = LoraRegistry(parts.model.lora, parts.config, slots)
+    for entry in c.lora.lora_modules:
+        name, _, path = entry.partition("=")
+        registry.load(name.strip(), path.strip())
+    return registry
 
 
 def _decoder(tokenizer: Any) -> Decode | None:
@@ -385,8 +422,9 @@ def _build_on(
     graphs = graph_config(c, limits)
     parts.memory = memory_plan(parts, c, limits, graphs)
     num_blocks = parts.memory.num_blocks if parts.memory else c.args.cache.num_blocks
-    weights_s = load_weights(parts, source, c.args.seed, limits)
+    weights_s = load_weights(parts, source, c.args.seed, limits, c.lora_shape(limits))
     propose = make_runner(parts, c, limits, graphs, num_blocks or limits.full_blocks)
+    parts.adapters = lora_registry(parts, c)
     capture_start = time.perf_counter()
     capture(parts, c, propose, limits)
     compile_s = parts.runner.compile_seconds

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ostinato.engine.core.kv_cache import BlockPool, blocks_needed
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.logprob import TokenLogprob
+from ostinato.engine.core.lora_slots import LoraAdapter, LoraLoad, LoraSlots
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.stop_text import Decode, StopText
 
@@ -47,6 +48,10 @@ class Request:
     # others; each other one reads the leader's full prompt blocks (``Scheduler._shared``).
     others: list[Request] = field(default_factory=list)
     leader: Request | None = None
+    # The LoRA adapter it runs with (None: the base model), and the device slot holding
+    # it while the request runs (-1 otherwise).
+    lora: LoraAdapter | None = None
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +109,16 @@ class ScheduledRequest:
 
 @dataclass
 class ScheduledBatch:
-    """What one model step runs. ``uniform_decode``: every request decodes one token."""
+    """What one model step runs. ``uniform_decode``: every request decodes one token.
+    ``lora_loads``: adapters to write into their device slots before it runs."""
 
     scheduled: list[ScheduledRequest]
+    lora_loads: list[LoraLoad] = field(default_factory=list)
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether any of its requests runs with a LoRA adapter."""
+        return any(s.request.lora_slot >= 0 for s in self.scheduled)
 
     @property
     def num_tokens(self) -> int:
@@ -132,7 +144,9 @@ class Scheduler:
     when a request needs a block and none is free, the most recently admitted running
     request is preempted (its blocks freed, to be recomputed later from prompt + output
     so far). Requests that could never fit raise ``ValueError`` at ``add``; requests
-    that merely do not fit now wait.
+    that merely do not fit now wait. With ``lora_slots``, a request naming an adapter
+    also waits for a device slot holding it (``LoraSlots``), which it holds while it
+    runs.
     """
 
     def __init__(
@@ -143,8 +157,10 @@ class Scheduler:
         propose: Proposal | None = None,
         num_speculative: int = 0,
         decode: Decode | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         self.pool = pool
+        self.lora_slots = lora_slots
         self.limits = limits
         self.block_size = limits.block_size
         self.max_num_seqs = limits.max_num_seqs
@@ -159,19 +175,24 @@ class Scheduler:
         self.num_speculative = num_speculative if propose is not None else 0
         self._ids = itertools.count()
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Request:
+    def add(
+        self, prompt: list[int], params: SamplingParams, lora: LoraAdapter | None = None
+    ) -> Request:
         """Queues a request, one per sample where ``params.n`` > 1 (each with
         ``params.sample(i)``; the first is returned and leads the others, which queue
-        behind it and read its full prompt blocks once it has computed them); raises
-        ``ValueError`` (see ``check``) if it could never run."""
+        behind it and read its full prompt blocks once it has computed them), with
+        ``lora``'s adapter where given; raises ``ValueError`` (see ``check``) if it could
+        never run."""
         self.check(prompt)
         if params.stop and self.decode is None:
             raise ValueError("stop: stop strings need the model's tokenizer; this model has none")
+        if lora is not None and self.lora_slots is None:
+            raise ValueError(f"lora: {lora.name!r} asked of an engine built without LoRA")
         samples = []
         for i in range(params.n):
             p = params.sample(i)
             stop = StopText(p.stop, self.decode) if p.stop else None
-            samples.append(Request(next(self._ids), list(prompt), p, stop_text=stop))
+            samples.append(Request(next(self._ids), list(prompt), p, stop_text=stop, lora=lora))
         leader = samples[0]
         leader.others = samples[1:]
         for other in leader.others:
@@ -226,7 +247,7 @@ class Scheduler:
             if shared is None:
                 break  # its leader computes the prompt blocks it will read
             need = blocks_needed(req.num_tokens, self.block_size) - len(shared)
-            if need > self.pool.num_free:
+            if need > self.pool.num_free or not self._take_lora_slot(req):
                 break
             self.waiting.popleft()
             req.blocks = self.pool.share(shared) + self.pool.allocate(need)
@@ -237,7 +258,20 @@ class Scheduler:
             budget -= chunk
         if drafting:
             self._add_drafts(drafting)
-        return ScheduledBatch(scheduled)
+        loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        return ScheduledBatch(scheduled, loads)
+
+    def _take_lora_slot(self, req: Request) -> bool:
+        """Gives ``req`` a slot holding its adapter (True with none asked); False when
+        every slot is in use: it waits (first come, first served)."""
+        if req.lora is None:
+            return True
+        assert self.lora_slots is not None  # (``add`` refuses an adapter without slots)
+        slot = self.lora_slots.acquire(req.lora)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
 
     def _shared(self, req: Request) -> list[int] | None:
         """The blocks ``req`` reads from its leader instead of computing them: the
@@ -415,9 +449,12 @@ class Scheduler:
         of ``running``), nothing is owned afterwards. Safe to call again."""
         for req in [*self.running, *self.waiting]:
             req.blocks = []
+            req.lora_slot = -1
         self.running = []
         self.waiting = deque()
         self.pool.reset()
+        if self.lora_slots is not None:
+            self.lora_slots.reset()
 
     def _release(self, req: Request) -> None:
         # Blocks freed here may still be written by a step already on the device; a
@@ -428,3 +465,7 @@ class Scheduler:
             self.waiting.remove(req)  # preempted while its last token was on the device
         self.pool.free(req.blocks)
         req.blocks = []
+        if req.lora_slot >= 0:
+            assert self.lora_slots is not None
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1

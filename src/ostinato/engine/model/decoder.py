@@ -27,6 +27,7 @@ from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
 )
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
+from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, lora_step
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
 
 
@@ -114,12 +115,20 @@ class Attention(nn.Module):
         self.row_stats = hands_row_stats(self.kernels, tp)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        lora: LoraRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[n, heads, d]``, k and v ``[n, kv_heads, d]`` for rows ``x``: QK-normed
-        (Qwen3) and rotated (unless ``cos`` is None)."""
+        """q ``[n, heads, d]``, k and v ``[n, kv_heads, d]`` for rows ``x`` (each row's
+        LoRA delta added where ``lora``): QK-normed (Qwen3) and rotated (unless ``cos``
+        is None)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add(self.layer, "qkv", qkv, x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.heads, self.head_dim)
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
@@ -129,19 +138,25 @@ class Attention(nn.Module):
             return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraRows | None = None
+    ) -> torch.Tensor:
         # v (and with rope_in_attention q and k) stay strided views of the QKV
         # projection: the backend takes any token and head strides, and a copy to make
         # them contiguous would be a kernel per layer. ``out`` is contiguous.
         if self.rope_in_attention:
-            q, k, v = self.project(x, None, None)
+            q, k, v = self.project(x, None, None, lora)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale, cos, sin)
         else:
-            q, k, v = self.project(x, cos, sin)
+            q, k, v = self.project(x, cos, sin, lora)
             out = torch.empty_like(q)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.view(x.shape[0], self.q_size)))
+        rows = out.view(x.shape[0], self.q_size)
+        o = self.o_proj(rows)
+        if lora is not None:
+            o = lora.add(self.layer, "o", o, rows)
+        return self.tp.all_reduce(o)
 
     def forward_fused(
         self,
@@ -188,21 +203,31 @@ class Mlp(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections."""
 
     def __init__(
-        self, config: ModelConfig, tp: TensorParallel, kernels: KernelOptions | None = None
+        self,
+        config: ModelConfig,
+        tp: TensorParallel,
+        kernels: KernelOptions | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.layer = layer
         self.inter = tp.split(config.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
         self.kernels = kernels or KernelOptions()  # read where SiLU·mul launches
         self.row_stats = hands_row_stats(self.kernels, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
         # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
-        # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel.
-        up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
-        return self.tp.all_reduce(self.down_proj(up))
+        # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel. With
+        # LoRA the delta is added between the two.
+        if lora is None:
+            up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
+            return self.tp.all_reduce(self.down_proj(up))
+        gate_up = lora.add(self.layer, "gate_up", self.gate_up_proj(x), x)
+        up = torch.ops.ostinato.silu_mul(gate_up, self.kernels.pdl)
+        return self.tp.all_reduce(lora.add(self.layer, "down", self.down_proj(up), up))
 
     def forward_fused(
         self,
@@ -244,7 +269,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer, tp, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = Mlp(config, tp, kernels)
+        self.mlp = Mlp(config, tp, kernels, layer)
 
     def forward(
         self,
@@ -253,13 +278,15 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         stats: RowStats | None = None,
+        lora: LoraRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+        # A step with LoRA rows runs unfused: the fused ops have no place for the deltas.
         # Traced by torch.compile (the piecewise graphs: prefills, mixed steps), the layer
         # runs unfused: its norm and QKV projection then stay inside the graphs, where the
         # fused op would run between them, eagerly, at every size (short prefills are
         # host-bound). The fused kernels serve the eager model, which the runner hands
         # the FULL decode graphs (``ModelRunner._forward_for``).
-        if self.fused and not torch.compiler.is_compiling():
+        if self.fused and lora is None and not torch.compiler.is_compiling():
             attn, norm = self.self_attn, self.input_layernorm
             h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
             return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)
@@ -267,8 +294,9 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add(x, residual)
-        h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin), residual)
-        return self.mlp(h), residual, None
+        attended = self.self_attn(h, cos, sin, lora)
+        h, residual = self.post_attention_layernorm.add(attended, residual)
+        return self.mlp(h, lora), residual, None
 
 
 class DecoderModel(nn.Module):
@@ -285,13 +313,15 @@ class DecoderModel(nn.Module):
         tp: TensorParallel | None = None,
         kernels: KernelOptions | None = None,
         max_positions: int | None = None,
+        lora: LoraShape | None = None,
     ) -> None:
         """``max_positions``: a bound on every position the model will run at (the
         engine's ``max_model_len``). With it, the cos and sin of each position are made
         once, when the model reaches its device, and a step looks its rows up: one kernel
         instead of seven (cast, product, concatenation, cos, sin, two roundings), equal
         bitwise.
-        Without it (or for another dtype than the weights'), each step computes them."""
+        Without it (or for another dtype than the weights'), each step computes them.
+        ``lora``: hold that many LoRA adapters (``model.lora``, empty slots; one GPU)."""
         super().__init__()
         tp = tp or TensorParallel()
         if max_positions is not None and max_positions < 1:
@@ -319,6 +349,9 @@ class DecoderModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, self.vocab_local, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if lora is not None and tp.group is not None:
+            raise ValueError("lora: not with tensor parallelism yet; use one GPU")
+        self.lora = LoraWeights(config, lora) if lora is not None else None
         # On the device the model is made on (a ``torch.device`` context included).
         inv_freq = rope_inv_freq(config).to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -419,8 +452,11 @@ class DecoderModel(nn.Module):
         residual sum before it (None with no layer run) and its row statistics."""
         x, cos, sin = self._inputs(input_ids, positions)
         residual, stats = None, None
+        lora = None
+        if self.lora is not None and lora_step():
+            lora = self.lora.rows(input_ids.shape[0], x.dtype)
         for layer in self.layers[:num_layers]:
-            x, residual, stats = layer(x, residual, cos, sin, stats)
+            x, residual, stats = layer(x, residual, cos, sin, stats, lora)
         return x, residual, stats
 
     def _inputs(

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ostinato.engine.core.lora_slots import LoraAdapter
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import Request, Scheduler
 
@@ -70,8 +71,12 @@ class StepMirror:
         self._send = send
         self._changes: list[SchedulerChange] = []
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        request = self.scheduler.add(prompt, params)
+    def add(
+        self, prompt: list[int], params: SamplingParams, lora: LoraAdapter | None = None
+    ) -> Request:
+        if lora is not None and self._send is not None:
+            raise ValueError("lora: not with worker processes (tensor parallelism)")
+        request = self.scheduler.add(prompt, params, lora)
         self._record(Added(list(prompt), params))
         return request
 

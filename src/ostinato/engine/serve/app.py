@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ostinato.engine.api.lora_registry import UnknownAdapter
 from ostinato.engine.api.text_stream import TextStream
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.stop_text import StopText
@@ -51,8 +52,11 @@ class Engine(Protocol):
 
     tokenizer: Any
     max_model_len: int  # prompt and output tokens of one request, at most
+    lora_names: list[str]  # the LoRA adapters a request's ``model`` may name
 
-    async def asubmit(self, prompt: Any, params: SamplingParams | None = None) -> RequestHandle: ...
+    async def asubmit(
+        self, prompt: Any, params: SamplingParams | None = None, lora: str | None = None
+    ) -> RequestHandle: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -202,7 +206,9 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "ostinato"}
-        return {"object": "list", "data": [card]}
+        # An adapter is a model of its own, as vLLM lists it: its parent the base.
+        adapters = [{**card, "id": n, "parent": model_name} for n in engine.lora_names]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
@@ -286,8 +292,11 @@ class Responder:
     async def _submit(self, body: RequestBody, chat: bool) -> RequestHandle:
         """Checks ``body`` (the model, what is refused, the prompt's room in the context)
         and queues it; ``BadRequest`` / ``ModelNotFound`` name what is wrong."""
+        lora = None
         if body.model is not None and body.model != self.model_name:
-            raise ModelNotFound(f"The model `{body.model}` does not exist.")
+            if body.model not in self.engine.lora_names:
+                raise ModelNotFound(f"The model `{body.model}` does not exist.")
+            lora = body.model  # a LoRA adapter of the base model
         refused = refusal(body)
         if refused is not None:
             raise BadRequest(refused[1], refused[0])
@@ -307,7 +316,9 @@ class Responder:
                 logprobs=body.asked_logprobs(),
                 n=body.n,
             )
-            return await self.engine.asubmit(ids, params)
+            return await self.engine.asubmit(ids, params, lora)
+        except UnknownAdapter:  # unloaded since it was listed
+            raise ModelNotFound(f"The model `{body.model}` does not exist.") from None
         except (ValueError, TypeError) as exc:
             field = str(exc).split(":", 1)[0].split()[0]
             prompt_param = "messages" if chat else "prompt"

@@ -63,7 +63,7 @@ class EngineProcess:
         if first[0] == "failed":
             self._reap(30)
             raise EngineDead(f"the engine could not start:\n{first[1]}")
-        _, self.tokenizer, self.startup, self.max_model_len = first
+        _, self.tokenizer, self.startup, self.max_model_len, self.lora_names = first
         self._ids = itertools.count()
         self._handles = Handles()
         self._waiting: dict[str, concurrent.futures.Future[Any]] = {}
@@ -79,18 +79,24 @@ class EngineProcess:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_ids(self.tokenizer, messages)
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
-        """Queues ``prompt`` in the engine; returns its handle once the engine accepted it
-        (``ValueError`` / ``TypeError`` as the engine's checks say)."""
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
+    ) -> RequestHandle:
+        """Queues ``prompt`` in the engine (with LoRA adapter ``lora``); returns its
+        handle once the engine accepted it (``ValueError`` / ``TypeError`` as the
+        engine's checks say)."""
         rid = f"req-{next(self._ids)}"
-        return self._handles.open(rid, None, self._enqueue_and_wait, prompt, params)
+        return self._handles.open(rid, None, self._enqueue_and_wait, prompt, params, lora)
 
-    async def asubmit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+    async def asubmit(
+        self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
+    ) -> RequestHandle:
         """``submit`` for asyncio: waits for the engine's answer without blocking."""
         rid = f"req-{next(self._ids)}"
         handle = self._handles.register(rid, asyncio.get_running_loop(), params)
         try:
-            handle.accepted(await asyncio.wrap_future(self._enqueue(rid, prompt, params)))
+            asked = self._enqueue(rid, prompt, params, lora)
+            handle.accepted(await asyncio.wrap_future(asked))
         except BaseException:
             self._handles.discard(rid)
             raise
@@ -133,12 +139,14 @@ class EngineProcess:
             return self._proc.exitcode
 
     def _enqueue(
-        self, rid: str, prompt: Prompt, params: SamplingParams | None
+        self, rid: str, prompt: Prompt, params: SamplingParams | None, lora: str | None
     ) -> concurrent.futures.Future[Any]:
-        return self._ask(rid, ("submit", rid, prompt, params))
+        return self._ask(rid, ("submit", rid, prompt, params, lora))
 
-    def _enqueue_and_wait(self, rid: str, prompt: Prompt, params: Any) -> list[int]:
-        return self._enqueue(rid, prompt, params).result(REPLY_TIMEOUT_S)
+    def _enqueue_and_wait(
+        self, rid: str, prompt: Prompt, params: Any, lora: str | None
+    ) -> list[int]:
+        return self._enqueue(rid, prompt, params, lora).result(REPLY_TIMEOUT_S)
 
     def _ask(self, key: str, message: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -202,7 +210,8 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
             conn.send(message)
 
     loop = EngineLoop(llm, publish=lambda events: send(("events", _portable(events))))
-    send(("ready", llm.tokenizer, llm.describe() if describe else "", loop.max_model_len))
+    described = llm.describe() if describe else ""
+    send(("ready", llm.tokenizer, described, loop.max_model_len, llm.lora_names))
     try:
         _answer(conn, loop, send)
     finally:
@@ -229,9 +238,9 @@ def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:
         elif kind == "status":
             send(("status", rest[0], loop.status()))
         elif kind == "submit":
-            rid, prompt, params = rest
+            rid, prompt, params, lora = rest
             try:
-                send(("accepted", rid, loop.enqueue(rid, prompt, params)))
+                send(("accepted", rid, loop.enqueue(rid, prompt, params, lora)))
             except (ValueError, TypeError, RuntimeError) as exc:
                 send(("refused", rid, exc))
 

@@ -189,7 +189,7 @@ def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
         aqueue.put_nowait(item)
 
 
-Enqueue = Callable[[str, Prompt, Any], list[int]]
+Enqueue = Callable[[str, Prompt, Any, Any], list[int]]  # (id, prompt, params, LoRA name)
 
 
 class Handles:
@@ -201,13 +201,19 @@ class Handles:
         self._by_id: dict[str, RequestHandle] = {}
 
     def open(
-        self, request_id: str, aloop: Any, enqueue: Enqueue, prompt: Prompt, params: Any
+        self,
+        request_id: str,
+        aloop: Any,
+        enqueue: Enqueue,
+        prompt: Prompt,
+        params: Any,
+        lora: str | None = None,
     ) -> RequestHandle:
         """A handle for a new request, registered before ``enqueue`` queues the request
         (its first events may come at once) and dropped again if ``enqueue`` refuses it."""
         handle = self.register(request_id, aloop, params)
         try:
-            handle.accepted(enqueue(request_id, prompt, params))
+            handle.accepted(enqueue(request_id, prompt, params, lora))
         except BaseException:
             self.discard(request_id)
             raise
@@ -287,7 +293,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._handles = Handles()
         self._sink = publish or self._handles.deliver
-        self._submitted: queue.Queue[tuple[str, list[int], SamplingParams]] = queue.Queue()
+        self._submitted: queue.Queue[tuple[str, list[int], SamplingParams, Any]] = queue.Queue()
         self._live: dict[str, Tracked] = {}
         self._owners: dict[str, str] = {}  # a later sample's id -> its request's id
         self._wake = threading.Event()
@@ -311,25 +317,42 @@ class EngineLoop:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_ids(self.llm.tokenizer, messages)
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+    @property
+    def lora_names(self) -> list[str]:
+        """The engine's LoRA adapters' names (requests name one as their ``lora``)."""
+        return self.llm.lora_names
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
+    ) -> RequestHandle:
         """Queues ``prompt`` (token ids, or text with a tokenizer); returns its handle.
         Checks everything first: ``ValueError`` / ``TypeError`` name the problem."""
-        return self._handles.open(f"req-{next(self._ids)}", None, self.enqueue, prompt, params)
+        rid = f"req-{next(self._ids)}"
+        return self._handles.open(rid, None, self.enqueue, prompt, params, lora)
 
-    async def asubmit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+    async def asubmit(
+        self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
+    ) -> RequestHandle:
         """``submit`` for asyncio: the handle's tokens arrive on the running event loop."""
         aloop = asyncio.get_running_loop()
-        return self._handles.open(f"req-{next(self._ids)}", aloop, self.enqueue, prompt, params)
+        rid = f"req-{next(self._ids)}"
+        return self._handles.open(rid, aloop, self.enqueue, prompt, params, lora)
 
-    def enqueue(self, request_id: str, prompt: Prompt, params: SamplingParams | None) -> list[int]:
+    def enqueue(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        lora: str | None = None,
+    ) -> list[int]:
         """Checks and queues one request under ``request_id`` (its events are published
         under that id, those of its sample ``i`` > 0 under ``sample_id``); returns its
         prompt's token ids."""
         if self._stop.is_set():
             raise RuntimeError("submit: the engine loop is stopped")
-        ((tokens, p),) = self._engine.checked([prompt], params)
+        ((tokens, p, adapter),) = self._engine.checked([prompt], params, lora)
         self._engine.reserve([request_id], request_id)
-        self._submitted.put((request_id, tokens, p))
+        self._submitted.put((request_id, tokens, p, adapter))
         self._wake.set()
         return tokens
 
@@ -419,7 +442,7 @@ class EngineLoop:
         ended = []
         while True:
             try:
-                request_id, prompt, params = self._submitted.get_nowait()
+                request_id, prompt, params, adapter = self._submitted.get_nowait()
             except queue.Empty:
                 return ended
             self.stats.requests += 1
@@ -428,7 +451,7 @@ class EngineLoop:
                     self._ended(rid, FinishReason.ABORT, []) for rid in _ids(request_id, params)
                 ]
                 continue
-            tracked = session.admit(request_id, prompt, params)
+            tracked = session.admit(request_id, prompt, params, adapter)
             self._live[request_id] = tracked
             for i, other in enumerate(tracked.request.others, start=1):
                 self._live[sample_id(request_id, i)] = Tracked(sample_id(request_id, i), other)
@@ -500,7 +523,7 @@ class EngineLoop:
         self._owners.clear()
         while True:  # submitted but never admitted
             try:
-                request_id, _, params = self._submitted.get_nowait()
+                request_id, _, params, _ = self._submitted.get_nowait()
             except queue.Empty:
                 break
             ids += _ids(request_id, params)

@@ -67,11 +67,17 @@ class PreviousSample:
 
 class StepInputs:
     """Input ids, positions, token-to-request map, slot mapping (``[max_num_batched_tokens]``
-    each) and block tables (``[max_num_seqs, blocks_per_seq]``), plus pinned staging."""
+    each) and block tables (``[max_num_seqs, blocks_per_seq]``), plus pinned staging.
+    ``lora_rows``: the model's per-token LoRA slot input (``LoraWeights.row_slots``),
+    written with the rest each step (each row its request's slot, -1 for none and for
+    padding); None without LoRA."""
 
-    def __init__(self, limits: EngineLimits, device: torch.device) -> None:
+    def __init__(
+        self, limits: EngineLimits, device: torch.device, lora_rows: torch.Tensor | None = None
+    ) -> None:
         self.limits = limits
         self.device = device
+        self.lora_rows = lora_rows
         t = limits.max_num_batched_tokens
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)  # [T]
         self.positions = torch.full((t,), PADDING.position, dtype=torch.long, device=device)
@@ -84,8 +90,9 @@ class StepInputs:
         # step N's copies from the other may still be queued (asynchronous scheduling); by
         # then step N-1, the other set's last reader, has been read back.
         pin = device.type == "cuda"
+        rows = 4 if lora_rows is None else 5
         self.stagings = [
-            torch.zeros((4, t), dtype=torch.long, pin_memory=pin)  # ids, pos, req, slot
+            torch.zeros((rows, t), dtype=torch.long, pin_memory=pin)  # ids, pos, req, slot(, lora)
             for _ in range(2)
         ]
         self.tables_stagings = [
@@ -176,6 +183,8 @@ class StepInputs:
         staging[1, :rows] = positions
         staging[2, :rows] = token_req
         staging[3, :rows] = slots
+        if self.lora_rows is not None:
+            staging[4, :rows] = -1  # (no adapter)
         self.tables_staging[:rows, : tables.shape[1]] = tables
         self.copy_staged(rows, rows)
 
@@ -184,6 +193,8 @@ class StepInputs:
         the kernels recorded depend only on the shape)."""
         rows = slice(start, stop)
         PADDING.fill(self.input_ids, self.positions, self.token_req, self.slot_mapping, rows)
+        if self.lora_rows is not None:
+            self.lora_rows[rows] = -1
 
     def write(
         self, step: ScheduledBatch, padded: int, previous: PreviousSample | None = None
@@ -196,7 +207,7 @@ class StepInputs:
         a fixed number of tensor operations per step whatever the batch size.
         """
         self.turn ^= 1
-        ids, pos, req_of, slots = self.staging_np[self.turn]
+        ids, pos, req_of, slots = self.staging_np[self.turn][:4]
         tables = self.tables_np[self.turn]
         bs = self.limits.block_size
         scheduled = step.scheduled
@@ -233,6 +244,10 @@ class StepInputs:
         query_lens, seq_lens = lens, (starts + counts).tolist()
         rows_from, source = _from_previous(scheduled, firsts.tolist(), previous)
         PADDING.fill(ids, pos, req_of, slots, slice(n, padded))
+        if self.lora_rows is not None:
+            lora = self.staging_np[self.turn][4]
+            lora[:n] = np.repeat([s.request.lora_slot for s in scheduled], counts)
+            lora[n:padded] = -1
         self.copy_staged(padded, len(step.scheduled))
         if rows_from:
             assert previous is not None
@@ -264,6 +279,8 @@ class StepInputs:
         self.positions[:rows].copy_(staging[1, :rows], non_blocking=True)
         self.token_req[:rows].copy_(staging[2, :rows], non_blocking=True)
         self.slot_mapping[:rows].copy_(staging[3, :rows], non_blocking=True)
+        if self.lora_rows is not None:
+            self.lora_rows[:rows].copy_(staging[4, :rows], non_blocking=True)
         self.block_tables[:num_reqs].copy_(self.tables_staging[:num_reqs], non_blocking=True)
 
 

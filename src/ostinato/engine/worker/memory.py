@@ -19,6 +19,7 @@ from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.lora import LoraShape, slot_bytes
 
 logger = logging.getLogger(__name__)
 MiB = 2**20
@@ -129,6 +130,7 @@ def plan_memory(
     tp: TensorParallel | None = None,
     decode_query_len: int = 1,
     upgrade_tokens: int = 0,
+    lora: LoraShape | None = None,
 ) -> MemoryPlan:
     """Chooses the KV block count, or raises ``EngineMemoryError``.
 
@@ -136,13 +138,16 @@ def plan_memory(
     to every sequence at ``max_model_len``, and at least one such sequence.
     ``decode_query_len``: rows of logits per decoding request (1 + k when speculating).
     ``upgrade_tokens``: the largest capture of a staged upgrade's graphs (0: none), which
-    are reserved beside the first stage's (``MemoryPlan.upgrade``).
+    are reserved beside the first stage's (``MemoryPlan.upgrade``). ``lora``: the LoRA
+    slots the model holds, counted with its weights.
     """
     budget = int(utilization * total) - (total - free)
     tp = tp or TensorParallel()
     weights = weight_bytes(config, dtype, tp) + rope_table_bytes(
         config, limits.max_model_len, dtype
     )
+    if lora is not None:
+        weights += slot_bytes(config, lora, dtype)
     logit_rows = limits.max_num_seqs * decode_query_len
     acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)

@@ -79,7 +79,8 @@ class ModelRunner:
         # RoPE goes where the backend says: in the model, or inside the attention op.
         model.rope_in_attention = getattr(backend, "applies_rope", False)
         self.cache, self.backend, self.limits, self.device = cache, backend, limits, device
-        self.inputs = StepInputs(limits, device)
+        lora_rows = model.lora.row_slots if model.lora is not None else None
+        self.inputs = StepInputs(limits, device, lora_rows)
         platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
             self._step,
@@ -90,6 +91,7 @@ class ModelRunner:
             perturb_padding=self._scramble_padding,
             max_num_reqs=limits.max_num_seqs,
             uniform_decode_query_len=uniform_decode_query_len,
+            lora_enabled=model.lora is not None,
             platform=platform,
             progress=progress,
         )
@@ -440,8 +442,11 @@ class ModelRunner:
         empty ``step`` then runs as a dummy step of padding rows.
         """
         n = step.num_tokens
+        for load in step.lora_loads:  # (between steps: the slots' graphs need no recapture)
+            assert self.model.lora is not None
+            self.model.lora.load(load.slot, load.adapter.packed)
         if agreement is None:  # (the staged upgrade's routes, where it has moved any)
-            dispatch = (self.staged or self.graphs).dispatch(n, step.uniform_decode)
+            dispatch = (self.staged or self.graphs).dispatch(n, step.uniform_decode, step.has_lora)
         else:
             dispatch = self.graphs.dispatch(agreement.num_tokens, agreement.uniform_decode)
             if dispatch.mode is not agreement.mode or dispatch.padded_tokens < n:

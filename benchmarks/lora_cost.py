@@ -1,0 +1,162 @@
+"""What LoRA adapters add to a decode step: ``LLM.generate`` on a preset shape (random
+weights), every row on a rank-``--rank`` adapter (two adapters, alternating rows), and
+steps with no LoRA row, against an engine built without LoRA.
+
+    python -m benchmarks.lora_cost --out OUT/lora.json [--model llama-1.5b]
+        [--batch-sizes 1,8] [--rank 16] [--repeats 3]
+
+Three engines live side by side (a small fixed KV cache each): ``base`` (no LoRA),
+``specialised`` (``enable_lora``; steps without a LoRA row replay graphs without the
+LoRA GEMMs) and ``unspecialised`` (``specialize_lora=False``: every graph has them).
+A step's time is ``sampling_cost.step_ms``'s difference of two generates. Every
+(engine, rows) case is warmed, then timed ``--repeats`` times, the cases interleaved
+round by round; the median is reported with its ratio to the base engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.sampling_cost import step_ms
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (batch size, case): the median step and its ratio to the base engine's."""
+
+    batch: int
+    case: str
+    step_ms: float
+    vs_base: float
+    runs_ms: list[float]
+
+
+def write_adapter(config: Any, folder: Path, rank: int, seed: int) -> None:
+    """A random PEFT LoRA adapter of every projection of a model of ``config``."""
+    from safetensors.torch import save_file
+
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if module in MODULES[:4] else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                "target_modules": list(MODULES), "bias": "none"}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+
+
+def engines(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The three engines, the LoRA ones with two adapters of ``args.rank``."""
+    from ostinato.engine import LLM
+
+    cuda = torch.cuda.is_available()
+    common = dict(
+        mode=args.mode,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        max_num_seqs=max(args.batch_sizes),
+        max_model_len=args.prompt_len + args.long + 16,
+        num_blocks=max(args.batch_sizes) * (args.prompt_len + args.long + 32) // 16 + 8,
+        progress=False,
+    )
+    built = {"base": LLM(args.model, **common)}
+    for i in range(2):
+        write_adapter(built["base"].config, folder / f"a{i}", args.rank, seed=i)
+    lora = dict(enable_lora=True, max_lora_rank=args.rank, lora_modules=(
+        f"a0={folder / 'a0'}", f"a1={folder / 'a1'}"))  # fmt: skip
+    built["specialised"] = LLM(args.model, **common, **lora)
+    built["unspecialised"] = LLM(args.model, **common, **lora, specialize_lora=False)
+    return built
+
+
+CASES = [("base", False), ("specialised", False), ("specialised", True),
+         ("unspecialised", False), ("unspecialised", True)]  # fmt: skip
+
+
+def measure(built: dict[str, Any], args: argparse.Namespace) -> list[Row]:
+    from ostinato.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=args.long, ignore_eos=True)
+    prompt = list(range(100, 100 + args.prompt_len))
+    rows = []
+    for b in args.batch_sizes:
+        prompts = [prompt] * b
+        names = {False: None, True: [f"a{i % 2}" for i in range(b)]}
+        runs: dict[tuple[str, bool], list[float]] = {case: [] for case in CASES}
+        for round_ in range(-1, args.repeats):  # round -1 warms every case
+            short, long = (2, 4) if round_ < 0 else (args.short, args.long)
+            for engine, lora in CASES:
+                t = step_ms(built[engine], prompts, params, short, long, lora=names[lora])
+                if round_ >= 0:
+                    runs[(engine, lora)].append(t)
+        base = statistics.median(runs[("base", False)])
+        for (engine, lora), times in runs.items():
+            label = f"{engine}, {'every row on an adapter' if lora else 'no LoRA row'}"
+            median = statistics.median(times)
+            rows.append(Row(b, label, median, median / base, times))
+            print(f"B={b:3d} {label:45s} {median:7.3f} ms/step  {median / base:5.3f}x", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="llama-1.5b")
+    parser.add_argument("--mode", default="auto")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--short", type=int, default=16)
+    parser.add_argument("--long", type=int, default=80)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if not 0 < args.short < args.long or min(args.batch_sizes) < 1 or args.repeats < 1:
+        parser.error("need 0 < --short < --long, batch sizes >= 1 and --repeats >= 1")
+
+    from ostinato.provenance import Provenance
+
+    with tempfile.TemporaryDirectory() as folder:
+        built = engines(args, Path(folder))
+        try:
+            rows = measure(built, args)
+            mode = built["base"].mode.name
+        finally:
+            for llm in built.values():
+                llm.close()
+    doc = {
+        "benchmark": "lora_cost",
+        "provenance": asdict(Provenance.collect()),
+        "model": args.model,
+        "mode": mode,
+        "rank": args.rank,
+        "prompt_len": args.prompt_len,
+        "tokens": [args.short, args.long],
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""LoRA slots on the device: every adapter a step may use, in fixed buffers graphs read.
+
+Each projection group of a layer (QKV, O, gate/up, down: the model's fused projections)
+holds ``max_loras`` slots of ``max_rank`` rows per member projection. ``a`` stacks every
+slot's A matrices (``[slots * members * rank, in]``); ``b`` their B matrices, transposed
+and scaled, each in the output columns of its member and zero elsewhere
+(``[slots * members * rank, out]``). A step's delta is then two GEMMs whatever the mix
+of adapters: ``s = x @ a.T``, each row's columns of other slots zeroed by a per-row mask,
+``y += s @ b``. The mask comes from ``row_slots``, a per-token input written before each
+step (-1: no adapter, so padding and base rows add exactly zero), so one captured graph
+serves every mix of adapters and loading one into a slot needs no recapture.
+
+Guarantees: a slot holds exactly what ``load`` last wrote (rows past an adapter's rank
+are zero); ``row_slots`` never moves; nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ostinato.context import current_forward_context
+from ostinato.engine.model.config import ModelConfig
+
+# The projection groups of a decoder layer and the checkpoint projections in each, in
+# the order of the fused projection's output columns.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+MODULES: tuple[str, ...] = tuple(m for members in GROUPS.values() for m in members)
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """How many adapters the device holds at once (``max_loras``), their largest rank,
+    and the most token rows a step has (the ``row_slots`` input)."""
+
+    max_loras: int
+    max_rank: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_rank", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+
+
+def slot_bytes(config: ModelConfig, shape: LoraShape, dtype: torch.dtype) -> int:
+    """Device bytes of ``LoraWeights(config, shape)`` in ``dtype`` (the slots' ``a`` and
+    ``b``; the per-token input is negligible)."""
+    sizes = projection_shapes(config)
+    per_layer = 0
+    for members in GROUPS.values():
+        rows = shape.max_loras * len(members) * shape.max_rank
+        per_layer += rows * (sizes[members[0]][0] + sum(sizes[m][1] for m in members))
+    return per_layer * config.num_layers * dtype.itemsize
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each LoRA target projection of one layer (one GPU)."""
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
+    return {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+    }  # fmt: skip
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # a projection's (A, B), or a slot's (a, b) rows
+
+# One adapter in the slots' layout, per layer and group: (A rows, B rows), float32 on
+# the host (``LoraWeights.pack``); ``load`` copies them into a slot.
+Packed = list[dict[str, Pair]]
+
+
+class LoraProjection(nn.Module):
+    """The slots of one projection group (see the module docstring)."""
+
+    def __init__(self, in_features: int, outs: tuple[int, ...], shape: LoraShape) -> None:
+        super().__init__()
+        self.outs, self.shape = outs, shape
+        width = shape.max_loras * len(outs) * shape.max_rank
+        # Not persistent: no checkpoint has them; zeroed by ``clear`` once on the device.
+        self.register_buffer("a", torch.zeros(width, in_features), persistent=False)
+        self.register_buffer("b", torch.zeros(width, sum(outs)), persistent=False)
+
+    def pack(self, parts: list[Pair | None], scaling: float) -> Pair:
+        """One slot's rows (``[members * rank, in]``, ``[members * rank, out]``, float32)
+        from each member's ``(A [r, in], B [out, r])`` (None: not adapted)."""
+        rank, widths = self.shape.max_rank, self.outs
+        a = torch.zeros(len(widths) * rank, self.a.shape[1])
+        b = torch.zeros(len(widths) * rank, sum(widths))
+        start = 0
+        for i, (part, width) in enumerate(zip(parts, widths, strict=True)):
+            if part is not None:
+                lora_a, lora_b = part
+                r = lora_a.shape[0]
+                a[i * rank : i * rank + r] = lora_a.float()
+                b[i * rank : i * rank + r, start : start + width] = lora_b.float().t() * scaling
+            start += width
+        return a, b
+
+    def load(self, slot: int, rows: Pair) -> None:
+        """Writes one slot (``pack``'s rows, or zeros for ``None``) in place."""
+        span = slice(slot * rows[0].shape[0], (slot + 1) * rows[0].shape[0])
+        self.a[span].copy_(rows[0], non_blocking=True)
+        self.b[span].copy_(rows[1], non_blocking=True)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``y`` (``[n, out]``, the base projection of ``x``) plus each row's adapter
+        delta, in place; ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0."""
+        n = x.shape[0]
+        s = torch.mm(x, self.a.t()).view(n, self.shape.max_loras, -1) * mask.unsqueeze(-1)
+        return y.addmm_(s.view(n, -1), self.b)
+
+
+class LoraWeights(nn.Module):
+    """Every layer's LoRA slots and the per-token slot input (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, shape: LoraShape) -> None:
+        super().__init__()
+        self.shape = shape
+        sizes = projection_shapes(config)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    group: LoraProjection(
+                        sizes[members[0]][0], tuple(sizes[m][1] for m in members), shape
+                    )
+                    for group, members in GROUPS.items()
+                }
+            )
+            for _ in range(config.num_layers)
+        )
+        self.register_buffer(
+            "row_slots", torch.full((shape.max_tokens,), -1, dtype=torch.long), persistent=False
+        )
+        self.register_buffer("slot_ids", torch.arange(shape.max_loras), persistent=False)
+
+    def clear(self) -> None:
+        """Empties every slot and marks every row adapter-free (after ``to_empty``)."""
+        with torch.no_grad():
+            for projection in self.modules():
+                if isinstance(projection, LoraProjection):
+                    projection.a.zero_()
+                    projection.b.zero_()
+            self.row_slots.fill_(-1)
+            self.slot_ids.copy_(torch.arange(self.shape.max_loras))
+
+    def reset_parameters(self) -> None:
+        """``clear`` (a model drawn anew holds no adapter)."""
+        self.clear()
+
+    def pack(self, weights: dict[tuple[int, str], Pair], scaling: float) -> Packed:
+        """An adapter's ``(layer, module) -> (A, B)`` in the slots' layout (``load``),
+        pinned on the host where the slots are on CUDA."""
+        pin = self.slot_ids.device.type == "cuda"
+        packed: Packed = []
+        for i, layer in enumerate(self.layers):
+            groups = {}
+            for group, members in GROUPS.items():
+                parts = [weights.get((i, m)) for m in members]
+                a, b = layer[group].pack(parts, scaling)
+                dtype = layer[group].a.dtype
+                a, b = a.to(dtype), b.to(dtype)
+                groups[group] = (a.pin_memory(), b.pin_memory()) if pin else (a, b)
+            packed.append(groups)
+        return packed
+
+    @torch.no_grad()
+    def load(self, slot: int, packed: Packed | None) -> None:
+        """Writes an adapter (``pack``'s value) into ``slot``; None empties it."""
+        if not 0 <= slot < self.shape.max_loras:
+            raise ValueError(f"LoRA slot {slot} outside [0, {self.shape.max_loras})")
+        for i, layer in enumerate(self.layers):
+            for group in GROUPS:
+                projection = layer[group]
+                if packed is None:
+                    rows = projection.a.shape[0] // self.shape.max_loras
+                    zeros = (
+                        projection.a.new_zeros(rows, projection.a.shape[1]),
+                        projection.b.new_zeros(rows, projection.b.shape[1]),
+                    )
+                    projection.load(slot, zeros)
+                else:
+                    projection.load(slot, packed[i][group])
+
+    def rows(self, n: int, dtype: torch.dtype) -> LoraRows:
+        """The first ``n`` rows' slots as the layers apply them."""
+        mask = (self.row_slots[:n, None] == self.slot_ids).to(dtype)
+        return LoraRows(mask, self)
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """One step's adapters: each row's slot as a mask (``[n, max_loras]``) and the slots."""
+
+    mask: torch.Tensor
+    weights: LoraWeights
+
+    def add(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y``, layer ``layer``'s ``group`` projection of ``x``, plus each row's delta."""
+        return self.weights.layers[layer][group].add_to(y, x, self.mask)
+
+
+def lora_step() -> bool:
+    """Whether the step being run applies LoRA: always where it is traced (compiled
+    pieces serve every step), and otherwise unless its batch descriptor says it has no
+    LoRA row (graphs specialised by ``GraphConfig.specialize_lora`` skip the GEMMs)."""
+    if torch.compiler.is_compiling():
+        return True
+    context = current_forward_context()
+    descriptor = context.batch_descriptor if context is not None else None
+    return descriptor is None or descriptor.has_lora

@@ -1,0 +1,211 @@
+"""LoRA adapters in the engine, against transformers with PEFT on the same weights
+(float32, CPU), mixed in one batch with other adapters and the base model; the slots'
+bookkeeping under random mixes; every bad input named."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+pytest.importorskip("peft")
+from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint  # noqa: E402
+
+from ostinato.engine import SamplingParams  # noqa: E402
+from ostinato.engine.core.lora_slots import LoraAdapter, LoraSlots  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_base")
+    hf = write_checkpoint("LlamaForCausalLM", folder)
+    adapters = {
+        "a": write_adapter(hf, folder / "adapter_a", seed=1, rank=8),
+        "b": write_adapter(hf, folder / "adapter_b", seed=2, rank=4, use_rslora=True),
+        "c": write_adapter(
+            hf, folder / "adapter_c", seed=3, rank=8, modules=["q_proj", "down_proj"]
+        ),
+    }
+    return folder, hf, adapters
+
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(20 + 9 * i)] for i in range(6)]
+NAMES = ["a", None, "b", "c", "a", None]
+
+
+@pytest.mark.parametrize("specialize", [True, False])
+def test_greedy_tokens_of_mixed_adapters_equal_peft_each_alone(checkpoint, specialize):
+    folder, hf, adapters = checkpoint
+    llm = cpu_engine(folder, enable_lora=True, max_loras=3, max_lora_rank=8, max_num_seqs=6,
+                     specialize_lora=specialize)  # fmt: skip
+    for name in adapters:
+        llm.load_lora(name, str(folder / f"adapter_{name}"))
+    assert llm.lora_names == ["a", "b", "c"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, lora=NAMES)
+    for prompt, name, out in zip(PROMPTS, NAMES, outs, strict=True):
+        reference = hf if name is None else adapters[name]
+        assert out.token_ids == peft_greedy(reference, prompt, 24), name
+    # Each adapter changes the tokens (the test would pass with LoRA ignored otherwise).
+    base = llm.generate(PROMPTS[:1], params)[0].token_ids
+    assert outs[0].token_ids != base
+    llm.close()
+
+
+def test_more_adapters_than_slots_wait_for_a_slot_and_stay_correct(checkpoint):
+    folder, hf, adapters = checkpoint
+    llm = cpu_engine(folder, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_seqs=4)
+    for name in adapters:
+        llm.load_lora(name, str(folder / f"adapter_{name}"))
+    names = ["a", "b", "c", "b"]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:4], params, lora=names)
+    for prompt, name, out in zip(PROMPTS[:4], names, outs, strict=True):
+        assert out.token_ids == peft_greedy(adapters[name], prompt, 10), name
+    slots = llm.engine.scheduler.lora_slots
+    assert slots.users == [0]
+    llm.close()
+
+
+def test_unload_and_reload_under_the_same_name(checkpoint):
+    folder, hf, adapters = checkpoint
+    llm = cpu_engine(folder, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm.load_lora("x", str(folder / "adapter_a"))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = llm.generate(PROMPTS[:1], params, lora="x")[0].token_ids
+    llm.unload_lora("x")
+    assert llm.lora_names == []
+    with pytest.raises(ValueError, match="no adapter named 'x'"):
+        llm.generate(PROMPTS[:1], params, lora="x")
+    llm.load_lora("x", str(folder / "adapter_b"))
+    again = llm.generate(PROMPTS[:1], params, lora="x")[0].token_ids
+    assert first == peft_greedy(adapters["a"], PROMPTS[0], 8)
+    assert again == peft_greedy(adapters["b"], PROMPTS[0], 8)
+    llm.close()
+
+
+def test_lora_modules_load_at_start_up(checkpoint):
+    folder, hf, adapters = checkpoint
+    llm = cpu_engine(
+        folder, enable_lora=True, max_lora_rank=8, lora_modules=(f"b={folder / 'adapter_b'}",)
+    )
+    assert llm.lora_names == ["b"]
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True), lora="b")
+    assert out[0].token_ids == peft_greedy(adapters["b"], PROMPTS[0], 6)
+    llm.close()
+
+
+def test_bad_adapters_and_requests_are_named(checkpoint, tmp_path):
+    folder, hf, adapters = checkpoint
+    llm = cpu_engine(folder, enable_lora=True, max_loras=2, max_lora_rank=4)
+    with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank=4"):
+        llm.load_lora("a", str(folder / "adapter_a"))
+    with pytest.raises(ValueError, match="adapter_config.json not found"):
+        llm.load_lora("none", str(tmp_path))
+    with pytest.raises(ValueError, match="one name per prompt"):
+        llm.generate(PROMPTS[:2], lora=["b"])
+    llm.load_lora("b", str(folder / "adapter_b"))
+    with pytest.raises(ValueError, match="is loaded; unload it first"):
+        llm.load_lora("b", str(folder / "adapter_b"))
+    # Target modules the engine does not adapt, and shapes of another model.
+    embed = tmp_path / "embed"
+    write_adapter(hf, embed, seed=4, rank=2, modules=["q_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match=r"target modules \['embed_tokens'\] are not supported"):
+        llm.load_lora("embed", str(embed))
+    other_folder = tmp_path / "other"
+    other = write_checkpoint("LlamaForCausalLM", other_folder, hidden_size=64, head_dim=8)
+    write_adapter(other, tmp_path / "other_adapter", seed=5, rank=2)
+    with pytest.raises(ValueError, match="trained for another model"):
+        llm.load_lora("other", str(tmp_path / "other_adapter"))
+    dora = tmp_path / "dora"
+    write_adapter(hf, dora, seed=6, rank=2)
+    settings = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA is not supported"):
+        llm.load_lora("dora", str(dora))
+    with pytest.raises(ValueError, match="no adapter named 'zzz'"):
+        llm.unload_lora("zzz")
+    assert llm.lora_names == ["b"]
+    llm.close()
+    base = cpu_engine(folder)
+    with pytest.raises(ValueError, match="built without LoRA"):
+        base.generate(PROMPTS[:1], lora="b")
+    with pytest.raises(ValueError, match="built without LoRA"):
+        base.load_lora("b", str(folder / "adapter_b"))
+    base.close()
+
+
+def test_lora_options_are_checked_before_anything_loads(checkpoint):
+    folder, _, _ = checkpoint
+    with pytest.raises(ValueError, match="lora_modules: given without enable_lora"):
+        cpu_engine(folder, lora_modules=("a=/x",))
+    with pytest.raises(ValueError, match="is not name=path"):
+        cpu_engine(folder, enable_lora=True, lora_modules=("nopath",))
+    with pytest.raises(ValueError, match="max_loras: expected an integer >= 1"):
+        cpu_engine(folder, enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="not with speculative decoding"):
+        cpu_engine(folder, enable_lora=True, speculative="ngram")
+
+
+def test_unloading_an_adapter_in_use_is_refused(checkpoint):
+    folder, _, _ = checkpoint
+    llm = cpu_engine(folder, enable_lora=True, max_lora_rank=8)
+    llm.load_lora("a", str(folder / "adapter_a"))
+    refused = []
+
+    def on_token(i: int, token: int) -> None:
+        if not refused:
+            with pytest.raises(ValueError, match="in use by running requests"):
+                llm.unload_lora("a")
+            refused.append(True)
+
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), lora="a", on_token=on_token)
+    assert refused
+    llm.unload_lora("a")  # finished: free
+    llm.close()
+
+
+def _adapter(name: str) -> LoraAdapter:
+    return LoraAdapter(name, 1, None)
+
+
+def test_slots_under_random_mixes_are_free_or_owned_by_a_running_request():
+    # 1,000 steps of random admissions and finishes against a model of the slots: a slot
+    # is used exactly by the requests holding it, its adapter changes only while unused,
+    # a load is taken for every change, and a request waits only when every slot is used.
+    rng = random.Random(0)
+    adapters = [_adapter(f"n{i}") for i in range(7)]
+    slots = LoraSlots(3)
+    running: list[tuple[LoraAdapter, int]] = []
+    device: list[LoraAdapter | None] = [None] * 3  # what the loads wrote
+    for _ in range(1000):
+        for _ in range(rng.randint(0, 3)):
+            adapter = rng.choice(adapters)
+            slot = slots.acquire(adapter)
+            if slot is None:
+                assert all(u > 0 for u in slots.users)
+                continue
+            running.append((adapter, slot))
+        for load in slots.take_loads():
+            device[load.slot] = load.adapter
+        if rng.random() < 0.1 and adapters:
+            victim = rng.choice(adapters)
+            if any(a is victim for a, _ in running):
+                with pytest.raises(RuntimeError):
+                    slots.forget(victim)
+            else:
+                slots.forget(victim)
+        for adapter, slot in running:
+            assert device[slot] is adapter and slots.held[slot] is adapter
+        for s in range(3):
+            assert slots.users[s] == sum(1 for _, slot in running if slot == s)
+        rng.shuffle(running)
+        for _ in range(rng.randint(0, len(running))):
+            _, slot = running.pop()
+            slots.release(slot)
+    while running:
+        slots.release(running.pop()[1])
+    assert slots.users == [0, 0, 0]
+    with pytest.raises(RuntimeError, match="released more often"):
+        slots.release(0)

@@ -68,10 +68,10 @@ def _near_greedy(model, prompt: list[int], tokens: list[int]) -> tuple[float, fl
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
 def test_mixed_adapters_in_bf16_graphs_follow_peft_over_256_tokens(checkpoint, mode):
-    # bf16 rounds differently from PEFT's float32 reference, so near-ties may flip: each
-    # token must be the reference's argmax or within a sliver of it, and almost all must
-    # be exactly it. The base model's path is checked the same way against the adapters
-    # (it must fail there: the test would pass with LoRA ignored otherwise).
+    # bf16 rounds differently from PEFT's float32 reference, so near-ties flip (the base
+    # model's bf16 path agreed on 94% of 256 tokens on an H200): each token must be the
+    # reference's argmax or within 5% of a logit std of it, and most must be exactly it.
+    # The base model's path, against adapter a, must fail that: LoRA ignored would not.
     folder, hf, adapters = checkpoint
     llm = engine(folder, mode, torch.bfloat16)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=256, ignore_eos=True), lora=NAMES)
@@ -79,10 +79,9 @@ def test_mixed_adapters_in_bf16_graphs_follow_peft_over_256_tokens(checkpoint, m
     for prompt, name, out in zip(PROMPTS, NAMES, outs, strict=True):
         reference = (hf if name is None else adapters[name]).cuda().float()
         share, gap = _near_greedy(reference, prompt, out.token_ids)
-        assert share >= 0.95 and gap < 0.05, (mode, name, share, gap)
-    base = outs[1].token_ids
-    share, _ = _near_greedy(adapters["a"].cuda().float(), PROMPTS[1], base)
-    assert share < 0.9, share
+        assert share >= 0.85 and gap < 0.05, (mode, name, share, gap)
+    _, gap = _near_greedy(adapters["a"].cuda().float(), PROMPTS[1], outs[1].token_ids)
+    assert gap > 0.5, gap  # the base model's path is far from adapter a's
 
 
 def test_specialised_graphs_skip_the_lora_gemms_for_base_steps(checkpoint):

@@ -454,7 +454,7 @@ class DecoderModel(nn.Module):
         residual, stats = None, None
         lora = None
         if self.lora is not None and lora_step():
-            lora = self.lora.rows(input_ids.shape[0], x.dtype)
+            lora = self.lora.rows(x)
         for layer in self.layers[:num_layers]:
             x, residual, stats = layer(x, residual, cos, sin, stats, lora)
         return x, residual, stats

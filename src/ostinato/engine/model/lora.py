@@ -34,6 +34,24 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 MODULES: tuple[str, ...] = tuple(m for members in GROUPS.values() for m in members)
 
+# The step's per-row slot mask, an op opaque to torch.compile: the slice of ``row_slots``
+# by the step's token count happens inside it (Inductor on torch 2.11 failed to compile
+# that slice of a buffer by the compiled graph's unbacked token count).
+_lib = torch.library.Library("ostinato", "FRAGMENT")
+_lib.define("lora_mask(Tensor x, Tensor row_slots, Tensor slot_ids) -> Tensor")
+
+
+def _lora_mask(x: torch.Tensor, row_slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    return (row_slots[: x.shape[0], None] == slot_ids).to(x.dtype)
+
+
+_lib.impl("lora_mask", _lora_mask, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ostinato::lora_mask", lib=_lib)
+def _(x: torch.Tensor, row_slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], slot_ids.shape[0]))
+
 
 @dataclass(frozen=True)
 class LoraShape:
@@ -191,10 +209,9 @@ class LoraWeights(nn.Module):
                 else:
                     projection.load(slot, packed[i][group])
 
-    def rows(self, n: int, dtype: torch.dtype) -> LoraRows:
-        """The first ``n`` rows' slots as the layers apply them."""
-        mask = (self.row_slots[:n, None] == self.slot_ids).to(dtype)
-        return LoraRows(mask, self)
+    def rows(self, x: torch.Tensor) -> LoraRows:
+        """The slots of ``x``'s rows (the step's first rows) as the layers apply them."""
+        return LoraRows(torch.ops.ostinato.lora_mask(x, self.row_slots, self.slot_ids), self)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ greedy path."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -70,16 +72,21 @@ def _near_greedy(model, prompt: list[int], tokens: list[int]) -> tuple[float, fl
 def test_mixed_adapters_in_bf16_graphs_follow_peft_over_256_tokens(checkpoint, mode):
     # bf16 rounds differently from PEFT's float32 reference, so near-ties flip (the base
     # model's bf16 path agreed on 94% of 256 tokens on an H200): each token must be the
-    # reference's argmax or within 5% of a logit std of it, and most must be exactly it.
+    # reference's argmax or as near it as PEFT's own bf16 path gets (within 2x, or 5% of
+    # a logit std), and most must be exactly it.
     # The base model's path, against adapter a, must fail that: LoRA ignored would not.
     folder, hf, adapters = checkpoint
     llm = engine(folder, mode, torch.bfloat16)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=256, ignore_eos=True), lora=NAMES)
     llm.close()
     for prompt, name, out in zip(PROMPTS, NAMES, outs, strict=True):
-        reference = (hf if name is None else adapters[name]).cuda().float()
+        model = hf if name is None else adapters[name]
+        theirs = peft_greedy(copy.deepcopy(model).cuda().to(torch.bfloat16), prompt, 256)
+        reference = model.cuda()
         share, gap = _near_greedy(reference, prompt, out.token_ids)
-        assert share >= 0.85 and gap < 0.05, (mode, name, share, gap)
+        _, their_gap = _near_greedy(reference, prompt, theirs)
+        print(f"{mode} {name}: ours {share:.3f} {gap:.3f}, PEFT bf16 gap {their_gap:.3f}")
+        assert share >= 0.85 and gap <= max(0.05, 2 * their_gap), (mode, name, share, gap)
     _, gap = _near_greedy(adapters["a"].cuda().float(), PROMPTS[1], outs[1].token_ids)
     assert gap > 0.5, gap  # the base model's path is far from adapter a's
 

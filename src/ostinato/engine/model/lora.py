@@ -133,9 +133,13 @@ class LoraProjection(nn.Module):
     def add_to(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``y`` (``[n, out]``, the base projection of ``x``) plus each row's adapter
         delta, in place; ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0."""
-        n = x.shape[0]
-        s = torch.mm(x, self.a.t()).view(n, self.shape.max_loras, -1) * mask.unsqueeze(-1)
-        return y.addmm_(s.view(n, -1), self.b)
+        # No reshape or broadcast names the row count: compiled, it is an unbacked size,
+        # on which torch 2.11 would guard (``addmm_`` checks its input's broadcast).
+        s = torch.mm(x, self.a.t()).unflatten(1, (self.shape.max_loras, -1))
+        s = (s * mask.unsqueeze(-1)).flatten(1)
+        if torch.compiler.is_compiling():
+            return y + torch.mm(s, self.b)
+        return y.addmm_(s, self.b)
 
 
 class LoraWeights(nn.Module):

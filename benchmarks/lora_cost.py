@@ -41,8 +41,9 @@ class Row:
     runs_ms: list[float]
 
 
-def write_adapter(config: Any, folder: Path, rank: int, seed: int) -> None:
-    """A random PEFT LoRA adapter of every projection of a model of ``config``."""
+def write_adapter(config: Any, folder: Path, rank: int, seed: int, scale: float = 0.01) -> None:
+    """A random PEFT LoRA adapter (entries of std ``scale``) of every projection of a model
+    of ``config``."""
     from safetensors.torch import save_file
 
     h, q = config.hidden_size, config.num_heads * config.head_dim
@@ -55,8 +56,8 @@ def write_adapter(config: Any, folder: Path, rank: int, seed: int) -> None:
         for module, (fan_in, fan_out) in shapes.items():
             block = "self_attn" if module in MODULES[:4] else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,

@@ -42,6 +42,11 @@ class CaptureReport:
         return len(self.records)
 
     @property
+    def lora_graphs(self) -> int:
+        """Graphs recorded for steps with LoRA rows (``BatchDescriptor.has_lora``)."""
+        return sum(1 for r in self.records if r.descriptor.has_lora)
+
+    @property
     def pool_bytes(self) -> int:
         """Total pool growth over all captures."""
         return sum(r.pool_bytes for r in self.records)
@@ -57,9 +62,10 @@ class CaptureReport:
         return sum(r.seconds for r in self.records)
 
     def summary(self) -> str:
-        """One line: graph count, memory and time."""
+        """One line: graph count (those with LoRA where any), memory and time."""
+        lora = f" ({self.lora_graphs} with LoRA)" if self.lora_graphs else ""
         return (
-            f"{self.num_graphs} graphs captured in {self.seconds:.2f} s; "
+            f"{self.num_graphs} graphs{lora} captured in {self.seconds:.2f} s; "
             f"graph memory {self.pool_bytes / 2**20:.1f} MiB in the pool, "
             f"{self.device_bytes / 2**20:.1f} MiB on the device"
         )

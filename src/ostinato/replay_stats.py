@@ -78,6 +78,11 @@ class StatsSnapshot:
         return sum(b.replays for b in self.buckets)
 
     @property
+    def lora_replays(self) -> int:
+        """Replays of graphs captured with LoRA (``BatchDescriptor.has_lora``)."""
+        return sum(b.replays for b in self.buckets if b.descriptor.has_lora)
+
+    @property
     def eager(self) -> int:
         """Steps that ran eagerly, for whatever reason."""
         return sum(self.eager_steps.values())
@@ -106,8 +111,9 @@ class StatsSnapshot:
         checks = ""
         if self.checked_replays or self.demoted:
             checks = f"; {self.checked_replays} checked, {len(self.demoted)} buckets demoted"
+        lora = f" ({self.lora_replays} with LoRA)" if self.lora_replays else ""
         return (
-            f"{steps} steps: {self.replays} from graphs over "
+            f"{steps} steps: {self.replays}{lora} from graphs over "
             f"{sum(1 for b in self.buckets if b.replays)} buckets, {eager}; padding "
             f"{self.padding_fraction:.1%} of replayed rows "
             f"({self.padded_rows - self.real_rows} of {self.padded_rows}){checks}"

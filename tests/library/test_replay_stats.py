@@ -107,3 +107,21 @@ def test_stats_read_from_another_thread_while_steps_run():
         reader.join()
     assert len(seen) > 10 and seen == sorted(seen)  # counts only grow
     assert m.stats().replays + m.stats().eager == 2000
+
+
+def test_specialised_lora_graphs_are_counted_apart():
+    x, w = torch.zeros(64, 3), torch.randn(3, 2)
+    config = GraphConfig(mode=GraphMode.FULL, capture_sizes=SIZES, specialize_lora=True)
+    d = Dispatcher(config, lora_enabled=True)
+    m = GraphManager(lambda b: x[: b.num_tokens] @ w, d, platform=FakePlatform(), progress=False)
+    report = m.capture()
+    assert report.num_graphs == 2 * len(SIZES) and report.lora_graphs == len(SIZES)
+    assert f"({len(SIZES)} with LoRA)" in report.summary()
+    rng = random.Random(3)
+    lora = [rng.random() < 0.5 for _ in range(200)]
+    for has_lora in lora:
+        n = rng.randint(1, 16)
+        m.run(d.dispatch(n, False, has_lora), n)
+    stats = m.stats()
+    assert stats.lora_replays == sum(lora) and stats.replays == len(lora)
+    assert f"{len(lora)} ({sum(lora)} with LoRA) from graphs" in stats.summary()

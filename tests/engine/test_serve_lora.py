@@ -1,0 +1,52 @@
+"""`ostinato serve --lora-modules` as a real process with SmolLM2-135M-Instruct and two
+random adapters on the CPU, through the official `openai` client: the adapters are models
+of their own, a request naming one equals the offline engine's with that adapter, an
+unknown model is 404."""
+
+import pytest
+from smollm2 import gguf_path
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from serve_harness import served  # noqa: E402
+
+from benchmarks.lora_cost import write_adapter  # noqa: E402
+from ostinato.engine import LLM, SamplingParams  # noqa: E402
+
+PROMPT = "The history of the Roman Empire begins with"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    gguf_path()
+    folder = tmp_path_factory.mktemp("serve_lora")
+    base = LLM(device="cpu", max_model_len=256, max_num_seqs=4, progress=False)
+    for i, name in enumerate(("calm", "wild")):
+        write_adapter(base.config, folder / name, rank=4, seed=i, scale=0.05)
+    base.close()
+    return {name: str(folder / name) for name in ("calm", "wild")}
+
+
+def test_adapters_are_served_as_models_and_equal_the_offline_engine(adapters):
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    args = ["--device", "cpu", "--max-model-len", "256", "--quiet", "--enable-lora",
+            "--max-lora-rank", "4", "--max-loras", "1", "--lora-modules", *modules]  # fmt: skip
+    offline = LLM(device="cpu", max_model_len=256, max_num_seqs=4, progress=False,
+                  enable_lora=True, max_lora_rank=4, lora_modules=tuple(modules))  # fmt: skip
+    params = SamplingParams(max_tokens=12)
+    want = {name: offline.generate([PROMPT], params, lora=name)[0].text for name in adapters}
+    want["smollm2-135m"] = offline.generate([PROMPT], params)[0].text
+    offline.close()
+    assert len(set(want.values())) == 3  # each adapter changes the answer
+    with served(args) as server:
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m", "calm", "wild"]
+        for model, text in want.items():  # one slot: the adapters take turns in it
+            got = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=12, temperature=0
+            )
+            assert got.choices[0].text == text, model
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="tame", prompt=PROMPT, max_tokens=2)
+        assert missing.value.code == "model_not_found"

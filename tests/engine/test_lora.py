@@ -209,3 +209,26 @@ def test_slots_under_random_mixes_are_free_or_owned_by_a_running_request():
     assert slots.users == [0, 0, 0]
     with pytest.raises(RuntimeError, match="released more often"):
         slots.release(0)
+
+
+def test_adapters_load_and_unload_while_the_engine_loop_serves(checkpoint):
+    from ostinato.engine.serve.loop import EngineLoop
+
+    folder, hf, adapters = checkpoint
+    llm = cpu_engine(folder, enable_lora=True, max_loras=2, max_lora_rank=8)
+    loop = EngineLoop(llm)
+    try:
+        long = loop.submit(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        stream = iter(long)
+        base = [next(stream)]  # the loop is stepping now
+        llm.load_lora("a", str(folder / "adapter_a"))
+        tuned = loop.submit(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True), "a")
+        assert list(tuned) == peft_greedy(adapters["a"], PROMPTS[2], 12)
+        llm.unload_lora("a")  # its request finished: the slot is free
+        with pytest.raises(ValueError, match="no adapter named 'a'"):
+            loop.submit(PROMPTS[2], SamplingParams(max_tokens=2), "a")
+        base += list(stream)
+        assert base == peft_greedy(hf, PROMPTS[0], 40)
+    finally:
+        assert loop.stop()
+        llm.close()

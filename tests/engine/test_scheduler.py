@@ -12,13 +12,19 @@ from ostinato.engine.core.scheduler import Scheduler
 from ostinato.mathutil import ceil_div
 
 
-def drive(sched, rng, steps=10_000):
-    """Runs the scheduler with random sampled tokens until no work is left."""
-    for _ in range(steps):
+def drive(sched, rng, steps=10_000, abort_every=0):
+    """Runs the scheduler with random sampled tokens until no work is left (aborting a
+    random running request about every ``abort_every`` steps, 0: never); returns the
+    number of steps run."""
+    device = [None] * (sched.lora_slots.capacity if sched.lora_slots else 0)  # loads written
+    for done in range(steps):
         if not sched.has_work:
-            return
+            return done
         step = sched.schedule()
         assert step.scheduled, "an empty step with work pending is a hang"
+        for load in step.lora_loads:
+            device[load.slot] = load.adapter
+        check_lora_slots(sched, step, device)
         assert step.num_tokens <= sched.max_num_batched_tokens
         for s in step.scheduled:
             r = s.request
@@ -28,7 +34,26 @@ def drive(sched, rng, steps=10_000):
             written = range(s.start // sched.block_size, len(r.blocks))
             assert all(sched.pool.holders(r.blocks[b]) == 1 for b in written)
         sched.update(step, [rng.randrange(3, 100) for _ in step.scheduled])
+        if abort_every and sched.running and rng.randrange(abort_every) == 0:
+            sched.abort([rng.choice(sched.running)])
     raise AssertionError("did not finish")
+
+
+def check_lora_slots(sched, step, device):
+    """Every slot is free or used exactly by the running requests that hold it, each
+    holding its own adapter, written to the device by the time its step runs."""
+    slots = sched.lora_slots
+    if slots is None:
+        return
+    for s in range(slots.capacity):
+        users = [r for r in sched.running if r.lora_slot == s]
+        assert slots.users[s] == len(users)
+        assert all(slots.held[s] is r.lora is device[s] for r in users)
+    assert all(r.lora_slot == -1 for r in sched.waiting)
+    assert all((r.lora is None) == (r.lora_slot == -1) for r in sched.running)
+    for sr in step.scheduled:
+        r = sr.request
+        assert r.lora is None or device[r.lora_slot] is r.lora
 
 
 def test_preempted_requests_longer_than_the_budget_are_readmitted():
@@ -130,3 +155,29 @@ def test_aborting_a_leader_ends_its_samples():
     sched.abort([leader])
     assert all(r.finish_reason is FinishReason.ABORT for r in leader.group)
     assert not sched.has_work and sched.pool.num_free == 39
+
+
+def test_random_adapter_mixes_leave_every_slot_free_or_held_by_a_running_request():
+    # Thousands of steps over random workloads of up to 5 adapters and 1 to 3 slots, with
+    # preemption, chunked prefills, samples and aborts; drive checks the slots every step.
+    from ostinato.engine.core.lora_slots import LoraAdapter, LoraSlots
+
+    rng = random.Random(66)
+    adapters = [LoraAdapter(f"a{i}", 4, None) for i in range(5)]
+    steps = preemptions = 0
+    for _ in range(30):
+        limits = EngineLimits(rng.randrange(1, 6), rng.randrange(4, 40), 64, 4)
+        slots = LoraSlots(rng.randrange(1, 4))
+        sched = Scheduler(BlockPool(17 + rng.randrange(0, 20)), limits, lora_slots=slots)
+        reqs = [
+            sched.add(
+                [rng.randrange(5, 100) for _ in range(rng.randrange(1, 40))],
+                SamplingParams(max_tokens=rng.randrange(1, 30), n=rng.randrange(1, 3)),
+                rng.choice([None, *adapters]),
+            )
+            for _ in range(rng.randrange(2, 12))
+        ]
+        steps += drive(sched, rng, abort_every=15)
+        preemptions += sched.num_preemptions
+        assert all(r.all_finished for r in reqs) and slots.users == [0] * slots.capacity
+    assert steps > 1000 and preemptions > 0, (steps, preemptions)

@@ -442,11 +442,13 @@ class ModelRunner:
         empty ``step`` then runs as a dummy step of padding rows.
         """
         n = step.num_tokens
+        lora = self.model.lora
         for load in step.lora_loads:  # (between steps: the slots' graphs need no recapture)
-            assert self.model.lora is not None
-            self.model.lora.load(load.slot, load.adapter.packed)
+            assert lora is not None
+            lora.load(load.slot, load.adapter.packed)
         if agreement is None:  # (the staged upgrade's routes, where it has moved any)
-            dispatch = (self.staged or self.graphs).dispatch(n, step.uniform_decode, step.has_lora)
+            has_lora = lora is not None and step.has_lora  # (no per-request scan without)
+            dispatch = (self.staged or self.graphs).dispatch(n, step.uniform_decode, has_lora)
         else:
             dispatch = self.graphs.dispatch(agreement.num_tokens, agreement.uniform_decode)
             if dispatch.mode is not agreement.mode or dispatch.padded_tokens < n:

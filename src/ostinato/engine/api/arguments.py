@@ -9,7 +9,13 @@ from dataclasses import replace
 
 import torch
 
-from ostinato.engine.api.engine_args import CacheArgs, GraphArgs, LoraArgs, ParallelArgs
+from ostinato.engine.api.engine_args import (
+    CacheArgs,
+    GraphArgs,
+    LoraArgs,
+    ParallelArgs,
+    lora_module,
+)
 from ostinato.engine.api.prompts import model_len
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
@@ -144,20 +150,16 @@ def micro_batching_policy(
 def check_lora(
     lora: LoraArgs, parallel: ParallelArgs, speculative: SpeculativeConfig | None, capture: str
 ) -> LoraArgs:
-    """``LoraArgs``, checked (``lora_modules`` as a tuple of ``(name, path)`` strings
-    ``"name=path"``); refuses, naming why, adapters given without ``enable_lora`` and
-    LoRA with what does not run it yet: several ranks, speculative decoding (its draft
-    and verify steps), and staged capture (its upgrade's graphs)."""
+    """``LoraArgs``, checked (``lora_modules`` a tuple of ``"name=path"`` entries, each
+    read by ``lora_module``); refuses, naming why, adapters given without
+    ``enable_lora`` and LoRA with what does not run it yet: several ranks, speculative
+    decoding (its draft and verify steps), and staged capture (its upgrade's graphs)."""
     if not isinstance(lora, LoraArgs):
         raise TypeError(f"lora: expected a LoraArgs, got {type(lora).__name__}")
-    modules = tuple(lora.lora_modules or ())
-    if isinstance(lora.lora_modules, str):
-        modules = (lora.lora_modules,)
-    for entry in modules:
-        name, sep, path = str(entry).partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"lora_modules: {entry!r} is not name=path")
-    if len({str(m).partition("=")[0] for m in modules}) < len(modules):
+    given = lora.lora_modules
+    modules = (given,) if isinstance(given, str) else tuple(given or ())
+    names = [lora_module(entry)[0] for entry in modules]
+    if len(set(names)) < len(names):
         raise ValueError(f"lora_modules: a name is given twice in {list(modules)}")
     for name in ("max_loras", "max_lora_rank"):
         value = getattr(lora, name)

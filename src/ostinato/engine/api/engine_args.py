@@ -257,11 +257,13 @@ class ParallelArgs:
     )
 
 
-def _lora_module(text: str) -> str:
-    name, sep, path = text.partition("=")
+def lora_module(entry: str) -> tuple[str, str]:
+    """One ``lora_modules`` entry, ``"name=path"``, as ``(name, path)``; ``ValueError``
+    names an entry of another form."""
+    name, sep, path = str(entry).partition("=")
     if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not name=path")
-    return text
+        raise ValueError(f"lora_modules: {entry!r} is not name=path")
+    return name.strip(), path.strip()
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,10 @@ class LoraArgs:
     max_loras: int = option(4, "adapters held on the device at once", positive_int)
     max_lora_rank: int = option(16, "the largest adapter rank", positive_int)
     lora_modules: tuple[str, ...] = option(
-        (), "adapters to load at start-up: name=path (PEFT folders)", _lora_module, nargs="+"
+        (),
+        "adapters to load at start-up: name=path (PEFT folders)",
+        _as_argument_error(lora_module),
+        nargs="+",
     )
     specialize_lora: bool = option(
         True, "capture graphs without the LoRA GEMMs for steps with no LoRA row"

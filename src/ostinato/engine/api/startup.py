@@ -33,7 +33,13 @@ from ostinato.engine.api.arguments import (
     resolve_dtype,
 )
 from ostinato.engine.api.engine import EngineParts, StartupTimes
-from ostinato.engine.api.engine_args import EngineArgs, LoraArgs, parse_mode, resolve_device
+from ostinato.engine.api.engine_args import (
+    EngineArgs,
+    LoraArgs,
+    lora_module,
+    parse_mode,
+    resolve_device,
+)
 from ostinato.engine.api.lora_registry import LoraRegistry
 from ostinato.engine.api.prompts import decode_text
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
@@ -330,9 +336,8 @@ def lora_registry(parts: EngineParts, c: Checked) -> LoraRegistry | None:
     if parts.model is None or parts.model.lora is None or slots is None:
         return None
     registry = LoraRegistry(parts.model.lora, parts.config, slots)
-    for entry in c.lora.lora_modules:
-        name, _, path = entry.partition("=")
-        registry.load(name.strip(), path.strip())
+    for name, path in map(lora_module, c.lora.lora_modules):
+        registry.load(name, path)
     return registry
 
 

@@ -93,11 +93,6 @@ class LoraSlots:
             loads, self._loads = self._loads, []
         return loads
 
-    def users_of(self, adapter: LoraAdapter) -> int:
-        """Running requests using ``adapter`` now."""
-        slot = self.slot_of(adapter)
-        return 0 if slot is None else self.users[slot]
-
     def forget(self, adapter: LoraAdapter) -> None:
         """Drops ``adapter`` from its slot (unloaded); refused while a request uses it."""
         with self._lock:

@@ -72,12 +72,20 @@ class LoraShape:
 def slot_bytes(config: ModelConfig, shape: LoraShape, dtype: torch.dtype) -> int:
     """Device bytes of ``LoraWeights(config, shape)`` in ``dtype`` (the slots' ``a`` and
     ``b``; the per-token input is negligible)."""
-    sizes = projection_shapes(config)
     per_layer = 0
-    for members in GROUPS.values():
-        rows = shape.max_loras * len(members) * shape.max_rank
-        per_layer += rows * (sizes[members[0]][0] + sum(sizes[m][1] for m in members))
+    for fan_in, outs in group_shapes(config).values():
+        per_layer += shape.max_loras * len(outs) * shape.max_rank * (fan_in + sum(outs))
     return per_layer * config.num_layers * dtype.itemsize
+
+
+def group_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each projection group's input features and its members' output features: the
+    layout of its slots (``LoraProjection``)."""
+    sizes = projection_shapes(config)
+    return {
+        group: (sizes[members[0]][0], tuple(sizes[m][1] for m in members))
+        for group, members in GROUPS.items()
+    }
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -125,7 +133,7 @@ class LoraProjection(nn.Module):
         return a, b
 
     def load(self, slot: int, rows: Pair) -> None:
-        """Writes one slot (``pack``'s rows, or zeros for ``None``) in place."""
+        """Writes one slot (``pack``'s rows) in place."""
         span = slice(slot * rows[0].shape[0], (slot + 1) * rows[0].shape[0])
         self.a[span].copy_(rows[0], non_blocking=True)
         self.b[span].copy_(rows[1], non_blocking=True)
@@ -148,14 +156,12 @@ class LoraWeights(nn.Module):
     def __init__(self, config: ModelConfig, shape: LoraShape) -> None:
         super().__init__()
         self.shape = shape
-        sizes = projection_shapes(config)
+        groups = group_shapes(config)
         self.layers = nn.ModuleList(
             nn.ModuleDict(
                 {
-                    group: LoraProjection(
-                        sizes[members[0]][0], tuple(sizes[m][1] for m in members), shape
-                    )
-                    for group, members in GROUPS.items()
+                    group: LoraProjection(fan_in, outs, shape)
+                    for group, (fan_in, outs) in groups.items()
                 }
             )
             for _ in range(config.num_layers)
@@ -196,22 +202,13 @@ class LoraWeights(nn.Module):
         return packed
 
     @torch.no_grad()
-    def load(self, slot: int, packed: Packed | None) -> None:
-        """Writes an adapter (``pack``'s value) into ``slot``; None empties it."""
+    def load(self, slot: int, packed: Packed) -> None:
+        """Writes an adapter (``pack``'s value) into ``slot``."""
         if not 0 <= slot < self.shape.max_loras:
             raise ValueError(f"LoRA slot {slot} outside [0, {self.shape.max_loras})")
         for i, layer in enumerate(self.layers):
             for group in GROUPS:
-                projection = layer[group]
-                if packed is None:
-                    rows = projection.a.shape[0] // self.shape.max_loras
-                    zeros = (
-                        projection.a.new_zeros(rows, projection.a.shape[1]),
-                        projection.b.new_zeros(rows, projection.b.shape[1]),
-                    )
-                    projection.load(slot, zeros)
-                else:
-                    projection.load(slot, packed[i][group])
+                layer[group].load(slot, packed[i][group])
 
     def rows(self, x: torch.Tensor) -> LoraRows:
         """The slots of ``x``'s rows (the step's first rows) as the layers apply them."""

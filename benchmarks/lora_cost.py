@@ -19,13 +19,13 @@ import argparse
 import json
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.sampling_cost import step_ms
+from benchmarks.sampling_cost import parse, step_ms, step_parser, write_rows
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -118,23 +118,9 @@ def measure(built: dict[str, Any], args: argparse.Namespace) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default="llama-1.5b")
-    parser.add_argument("--mode", default="auto")
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser = step_parser(__doc__, "1,8")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--short", type=int, default=16)
-    parser.add_argument("--long", type=int, default=80)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if not 0 < args.short < args.long or min(args.batch_sizes) < 1 or args.repeats < 1:
-        parser.error("need 0 < --short < --long, batch sizes >= 1 and --repeats >= 1")
-
-    from ostinato.provenance import Provenance
-
+    args = parse(parser, argv)
     with tempfile.TemporaryDirectory() as folder:
         built = engines(args, Path(folder))
         try:
@@ -143,19 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for llm in built.values():
                 llm.close()
-    doc = {
-        "benchmark": "lora_cost",
-        "provenance": asdict(Provenance.collect()),
-        "model": args.model,
-        "mode": mode,
-        "rank": args.rank,
-        "prompt_len": args.prompt_len,
-        "tokens": [args.short, args.long],
-        "rows": [asdict(r) for r in rows],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {args.out}")
+    write_rows(args, "lora_cost", mode, rows, rank=args.rank)
     return 0
 
 

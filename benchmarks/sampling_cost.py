@@ -93,23 +93,52 @@ def measure(llm: Any, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_parser(doc: str, batch_sizes: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that times steps with ``step_ms`` (``parse`` them)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="llama-1.5b")
     parser.add_argument("--mode", default="auto")
-    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--batch-sizes", default=batch_sizes)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
     parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``step_parser``'s options, checked; the batch sizes as a list."""
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if not 0 < args.short < args.long or min(args.batch_sizes) < 1 or args.repeats < 1:
         parser.error("need 0 < --short < --long, batch sizes >= 1 and --repeats >= 1")
+    return args
+
+
+def write_rows(args: argparse.Namespace, name: str, mode: str, rows: list, **extra: Any) -> None:
+    """The benchmark's JSON at ``args.out``: provenance, the options, ``rows``."""
+    from ostinato.provenance import Provenance
+
+    doc = {
+        "benchmark": name,
+        "provenance": asdict(Provenance.collect()),
+        "model": args.model,
+        "mode": mode,
+        **extra,
+        "prompt_len": args.prompt_len,
+        "tokens": [args.short, args.long],
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(step_parser(__doc__, "1,8,64"), argv)
 
     from ostinato.engine import LLM
-    from ostinato.provenance import Provenance
 
     cuda = torch.cuda.is_available()
     llm = LLM(
@@ -125,18 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = llm.mode.name
     finally:
         llm.close()
-    doc = {
-        "benchmark": "sampling_cost",
-        "provenance": asdict(Provenance.collect()),
-        "model": args.model,
-        "mode": mode,
-        "prompt_len": args.prompt_len,
-        "tokens": [args.short, args.long],
-        "rows": [asdict(r) for r in rows],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {args.out}")
+    write_rows(args, "sampling_cost", mode, rows)
     return 0
 
 

@@ -205,10 +205,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "ostinato"}
-        # An adapter is a model of its own, as vLLM lists it: its parent the base.
-        adapters = [{**card, "id": n, "parent": model_name} for n in engine.lora_names]
-        return {"object": "list", "data": [card, *adapters]}
+        return {"object": "list", "data": model_cards(model_name, engine.lora_names)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
@@ -223,6 +220,13 @@ def build_app(
         return await answer(body, request, chat=True)
 
     return app
+
+
+def model_cards(model_name: str, adapters: list[str]) -> list[dict[str, Any]]:
+    """``/v1/models``' entries: the served model, then each LoRA adapter as a model of its
+    own whose parent is the served one (as vLLM lists them)."""
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "ostinato"}
+    return [card, *({**card, "id": n, "parent": model_name} for n in adapters)]
 
 
 class Responder:

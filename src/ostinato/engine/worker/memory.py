@@ -146,8 +146,7 @@ def plan_memory(
     weights = weight_bytes(config, dtype, tp) + rope_table_bytes(
         config, limits.max_model_len, dtype
     )
-    if lora is not None:
-        weights += slot_bytes(config, lora, dtype)
+    weights += slot_bytes(config, lora, dtype) if lora is not None else 0
     logit_rows = limits.max_num_seqs * decode_query_len
     acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
     graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)

@@ -140,6 +140,9 @@ def test_lora_options_are_checked_before_anything_loads(checkpoint):
     folder, _, _ = checkpoint
     with pytest.raises(ValueError, match="lora_modules: given without enable_lora"):
         cpu_engine(folder, lora_modules=("a=/x",))
+    for option in (dict(max_loras=2), dict(max_lora_rank=8), dict(specialize_lora=False)):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}: given without enable_lora"):
+            cpu_engine(folder, **option)
     with pytest.raises(ValueError, match="is not name=path"):
         cpu_engine(folder, enable_lora=True, lora_modules=("nopath",))
     with pytest.raises(ValueError, match="max_loras: expected an integer >= 1"):

@@ -5,7 +5,7 @@ is loaded."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -166,8 +166,10 @@ def check_lora(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
     if not lora.enable_lora:
-        if modules:
-            raise ValueError("lora_modules: given without enable_lora=True")
+        # Each would be ignored: refused instead (a value other than its default).
+        for f in fields(LoraArgs):
+            if f.name != "enable_lora" and getattr(lora, f.name) not in (f.default, ()):
+                raise ValueError(f"{f.name}: given without enable_lora=True")
         return lora
     why = None
     if parallel.tensor_parallel_size * parallel.data_parallel_size > 1:

@@ -56,7 +56,11 @@ from ostinato.replay_stats import StatsSnapshot
 from ostinato.runtime import GraphRuntime, build_graph_runtime, choose_compiler
 from ostinato.staged import StagedRuntime
 
-CAPTURE_WHEN = ("first_use", "construction", "background", "staged")
+CAPTURE_WHEN = ("auto", "first_use", "construction", "background", "staged")
+# Held by every capture graphed makes and by a staged upgrade's thread while it runs its
+# compiled function (Inductor's autotuning synchronizes the device): a capture cannot
+# overlap a device-wide synchronize, nor another thread's use of the default generator.
+_DEVICE = threading.RLock()
 KEY_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 MAX_SIGNATURES = 8
 
@@ -73,36 +77,52 @@ class SignatureLimitError(OstinatoError, ValueError):
 class SignatureStats:
     """One signature (``key``: shapes past the dynamic dims, dtypes, constants) and its
     buckets' statistics; with ``capture="staged"``, ``upgrade``: how far its upgrade is,
-    or why it stopped (``StagedRuntime.summary``)."""
+    or why it stopped (``StagedRuntime.summary``), and ``upgraded``: the statistics of
+    the upgrade's graphs (the calls of buckets that moved; None before it is built)."""
 
     key: str
     stats: StatsSnapshot
     upgrade: str = ""
+    upgraded: StatsSnapshot | None = None
+
+    @property
+    def replays(self) -> int:
+        """Calls that ran from graphs, on either stage."""
+        return self.stats.replays + (self.upgraded.replays if self.upgraded else 0)
 
 
 @dataclass(frozen=True)
 class GraphedStats:
     """Every signature's buckets, and the calls that ran eagerly because a dynamic
-    sequence was longer than the largest of ``seq_buckets``."""
+    sequence was longer than the largest of ``seq_buckets`` (``eager_too_long``) or
+    because their signature's graphs waited for another signature's staged upgrade to
+    finish running its compiler (``eager_device_busy``; captured at a later call)."""
 
     signatures: tuple[SignatureStats, ...]
     eager_too_long: int
+    eager_device_busy: int = 0
 
     @property
     def replays(self) -> int:
-        return sum(s.stats.replays for s in self.signatures)
+        return sum(s.replays for s in self.signatures)
 
     @property
     def eager(self) -> int:
-        return sum(s.stats.eager for s in self.signatures) + self.eager_too_long
+        eager = sum(s.stats.eager for s in self.signatures)
+        return eager + self.eager_too_long + self.eager_device_busy
 
     def summary(self) -> str:
         lines = [f"{len(self.signatures)} signature(s), {self.replays} calls from graphs"]
         for s in self.signatures:
             lines.append(f"  {s.key}: {s.stats.summary()}")
             lines += [f"    {s.upgrade}"] if s.upgrade else []
+            lines += [f"    upgraded: {s.upgraded.summary()}"] if s.upgraded else []
         if self.eager_too_long:
             lines.append(f"  {self.eager_too_long} eager: longer than the largest seq bucket")
+        if self.eager_device_busy:
+            lines.append(
+                f"  {self.eager_device_busy} eager: graphs waited for an upgrade's compile"
+            )
         return "\n".join(lines)
 
 
@@ -130,7 +150,7 @@ def graphed(
     splitting_ops: Sequence[str] = (),
     full_when: Callable[..., bool] | None = None,
     compiler: str | None = "auto",
-    capture: str = "first_use",
+    capture: str = "auto",
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
     copy_outputs: bool = True,
     check_padding: bool = True,
@@ -148,7 +168,9 @@ def graphed(
     pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. Without them,
     ``compiler="inductor"`` compiles ``fn`` whole before its FULL graphs are captured
     (fused kernels for a compilation's start-up); ``"auto"`` captures ``fn`` as it is.
-    ``capture``: ``"first_use"`` (each signature on its first call), ``"construction"``
+    ``capture``: ``"auto"`` (``"staged"`` where it applies: FULL graphs without
+    ``splitting_ops`` and ``compiler="auto"``; else ``"first_use"``), ``"first_use"``
+    (each signature on its first call), ``"construction"``
     (now, for ``example = (args, kwargs)``), ``"background"`` (on a thread; calls run
     eagerly until their size is ready) or ``"staged"`` (FULL graphs of ``fn`` as it is at
     once; a thread compiles ``fn`` whole with ``compiler``, Inductor for ``"auto"``, and
@@ -158,6 +180,7 @@ def graphed(
     Every argument is checked here; an error names the argument as written."""
     splitting = _check_ops(splitting_ops)
     resolved = _one_call_mode(mode, bool(splitting), full_when)
+    capture = _capture_when(capture, resolved, splitting, compiler)
     _check_staged(capture, resolved, splitting, compiler)
     return Graphed(
         fn,
@@ -168,7 +191,7 @@ def graphed(
             splitting,
             full_when,
             _check_compiler(compiler),
-            _check_choice("capture", capture, CAPTURE_WHEN),
+            capture,
             checked_bool("copy_outputs", copy_outputs),
             checked_bool("check_padding", check_padding),
             checked_int("max_signatures", max_signatures),
@@ -249,6 +272,7 @@ class Graphed:
         self._signatures: dict[tuple[Any, ...], _Signature] = {}
         self._lock = threading.Lock()  # (two threads' first calls build one signature)
         self._eager_too_long = 0
+        self._eager_device_busy = 0
         self._warned = False
         if options.capture == "construction":
             if example is None:
@@ -265,7 +289,11 @@ class Graphed:
         if call.length and not call.bucket:  # longer than every seq bucket
             self._eager_too_long += 1
             return self.fn(*args, **kwargs)
-        return self._signature(call).run(call, self._full(args, kwargs))
+        signature = self._signature(call)
+        if not signature.try_ready():  # an upgrade's compile holds the device: eager
+            self._eager_device_busy += 1
+            return self.fn(*args, **kwargs)
+        return signature.run(call, self._full(args, kwargs))
 
     def _full(self, args: Any, kwargs: Any) -> bool:
         """Whether this call may replay a FULL graph in a mode that treats calls
@@ -279,11 +307,8 @@ class Graphed:
 
     def stats(self) -> GraphedStats:
         """Live statistics of every signature's buckets (safe from any thread)."""
-        sigs = tuple(
-            SignatureStats(k, s.runtime.manager.stats(), s.staged.summary() if s.staged else "")
-            for k, s in self._items()
-        )
-        return GraphedStats(sigs, self._eager_too_long)
+        signatures = tuple(s.stats(k) for k, s in self._items())
+        return GraphedStats(signatures, self._eager_too_long, self._eager_device_busy)
 
     def wait_for_upgrades(self, timeout: float | None = None) -> bool:
         """With ``capture="staged"``: waits until every signature's upgrade has ended
@@ -408,7 +433,25 @@ class _Signature:
         self.staged: StagedRuntime | None = None
         if options.check_padding and self.runtime.mode is not GraphMode.NONE:
             check_padding(self.fn, first)
-        self._start_capture()
+        self._ready_lock = threading.Lock()
+        self.ready = self._start_capture(wait=options.capture == "construction")
+
+    def try_ready(self) -> bool:
+        """Whether the signature's graphs are captured (or capturing in the background),
+        capturing them now if the device is free; False while another signature's
+        upgrade runs its compiler (a capture cannot overlap its synchronizations)."""
+        if not self.ready:
+            with self._ready_lock:
+                self.ready = self.ready or self._start_capture(wait=False)
+        return self.ready
+
+    def stats(self, key: str) -> SignatureStats:
+        first = self.runtime.manager.stats()
+        if self.staged is None:
+            return SignatureStats(key, first)
+        upgrade = self.staged.upgrade  # (read once: a failure drops it)
+        upgraded = upgrade.manager.stats() if upgrade is not None else None
+        return SignatureStats(key, first, self.staged.summary(), upgraded)
 
     def describe(self) -> str:
         shapes = ", ".join(f"{list(s)}:{str(d).removeprefix('torch.')}" for s, d, _ in self.key[2])
@@ -417,6 +460,8 @@ class _Signature:
     def run(self, call: _Call, full: bool = False) -> Any:
         """``call`` through its bucket's graph (``full``: the FULL graph of a mode that
         treats calls differently)."""
+        if self.staged is not None:
+            self.staged.advance()  # (one bucket of the upgrade, once it is compiled)
         stage = self.staged or self.runtime.manager  # (where the step runs)
         with torch.inference_mode(), stage.stepping():
             dispatch = (self.staged or self.runtime).dispatch(call.batch, uniform_decode=full)
@@ -437,15 +482,28 @@ class _Signature:
         else:
             self.runtime.manager.release()
 
-    def _start_capture(self) -> None:
+    def _start_capture(self, wait: bool) -> bool:
+        """Captures the first graphs (and starts a staged upgrade); without ``wait``,
+        only if no upgrade's thread holds the device. Returns whether it started."""
         if self.runtime.mode is GraphMode.NONE:
-            return
+            return True
         if self.options.capture == "background":
             self.runtime.manager.capture_in_background()
-            return
-        self.runtime.manager.capture()
+            return True
+        if not _DEVICE.acquire(blocking=wait):
+            return False
+        try:
+            self.runtime.manager.capture()
+        finally:
+            _DEVICE.release()
         if self.options.capture == "staged":
-            self.staged = StagedRuntime(self.runtime, self._build_upgrade)
+            # Captured on the caller's thread (advance): its code between calls may
+            # synchronize the device or draw random numbers, which a capture on the
+            # upgrade's thread would break.
+            self.staged = StagedRuntime(
+                self.runtime, self._build_upgrade, on_steps=True, device_lock=_DEVICE
+            )
+        return True
 
     def _build_upgrade(self) -> GraphRuntime:
         """The staged upgrade (on its thread): FULL graphs of ``fn`` compiled whole,
@@ -459,7 +517,13 @@ class _Signature:
 
         config = dataclasses.replace(self.options.config, mode=GraphMode.FULL)
         pool = self.platform.graph_pool_handle()
-        return build_graph_runtime(step, config, platform=self.platform, pool=pool)
+        upgrade = build_graph_runtime(step, config, platform=self.platform, pool=pool)
+        # Compiled here, not in the captures on the caller's thread: the largest bucket
+        # (the dynamic batch) and the smallest (Dynamo specializes a batch of 1).
+        with _DEVICE, torch.inference_mode():
+            for size in sorted({upgrade.dispatcher.max_size, min(config.sizes)}):
+                step(BatchDescriptor(num_tokens=size))
+        return upgrade
 
     def _write(self, call: _Call, padded: int) -> None:
         n, seq_dim = call.batch, self.options.seq_dim
@@ -653,6 +717,21 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
     ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
     return tuple(sorted(set(buckets)))
+
+
+def _capture_when(
+    capture: object, mode: GraphMode, splitting: tuple[str, ...], compiler: object
+) -> str:
+    """``capture`` checked, ``"auto"`` resolved: staged where FULL graphs of ``fn`` as it
+    is can be upgraded to Inductor's (measured faster than graphs of eager kernels on
+    every model of ``benchmarks/graphed_models``, but a compile of tens of seconds that
+    the staged start keeps off the first calls); a compiler the caller named is used
+    from the first graph."""
+    capture = _check_choice("capture", capture, CAPTURE_WHEN)
+    if capture != "auto":
+        return capture
+    staged = mode is GraphMode.FULL and not splitting and compiler == "auto"
+    return "staged" if staged else "first_use"
 
 
 def _check_staged(

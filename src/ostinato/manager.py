@@ -324,8 +324,11 @@ class GraphManager:
         _check_rows(out, d)
         self.outputs.write(out, d.num_tokens)
 
-    def run(self, dispatch: Dispatch, num_tokens: int, attn_metadata: Any = None) -> Outputs:
-        """Runs one step as ``dispatch`` says; outputs are sliced to ``num_tokens`` rows.
+    def run(
+        self, dispatch: Dispatch, num_tokens: int, attn_metadata: Any = None, record: bool = True
+    ) -> Outputs:
+        """Runs one step as ``dispatch`` says; outputs are sliced to ``num_tokens`` rows;
+        ``record=False``: not counted in ``stats()`` (a measurement's runs).
 
         Raises ``ValueError`` if ``num_tokens`` is negative or larger than the dispatch's
         padded size: those rows were never computed; ``KeyError`` for a FULL dispatch
@@ -352,7 +355,8 @@ class GraphManager:
                 if not self.ready(dispatch):
                     self.background.want(d)
                     mode = GraphMode.NONE
-        self._stats.record(dispatch, num_tokens, mode, reason)
+        if record:
+            self._stats.record(dispatch, num_tokens, mode, reason)
         if mode is GraphMode.FULL:
             self._full.replay(d, attn_metadata)
             if self.check.sampling:

@@ -29,6 +29,15 @@ Guarantees:
   the upgrade's graphs and logs a warning naming why; ``error`` keeps the failure.
 - ``release()`` stops the thread after the item in progress and releases both stages.
 
+With ``on_steps``, the thread only builds the upgrade (``build_upgrade`` may run it
+eagerly, to compile it, but captures nothing): its captures and measurements happen on
+the steps' thread, one bucket per ``advance()`` (a step calls it before its own), and
+``wait`` advances through the rest; each advance holds ``device_lock`` (shared with the
+caller's other device work that must not overlap a capture). That is for callers that
+cannot keep their own device work out of a capture in progress on another thread (a
+device-wide synchronize, the default CUDA generator's offsets): ``graphed``, whose
+caller's code runs between its calls.
+
 Build the upgrade in a graph pool of its own (``pool=platform.graph_pool_handle()``), so
 that releasing it gives its memory back without touching the first stage's graphs.
 """
@@ -44,7 +53,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -60,6 +69,14 @@ logger = logging.getLogger(__name__)
 
 # Times one run of a stage: (runtime, dispatch, rows, attention metadata) -> seconds
 Timer = Callable[[GraphRuntime, Dispatch, int, Any], float]
+
+
+class DeviceLock(Protocol):
+    """A lock over device work that must not overlap a capture (``threading.RLock``)."""
+
+    def acquire(self, blocking: bool = True) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 # The buckets of one kind of step: the first stage's, the upgrade's
@@ -92,7 +109,7 @@ def wall_timer(runtime: GraphRuntime, dispatch: Dispatch, rows: int, attn_metada
     platform = runtime.manager.platform
     platform.synchronize()
     start = time.perf_counter()
-    runtime.manager.run(dispatch, rows, attn_metadata)
+    runtime.manager.run(dispatch, rows, attn_metadata, record=False)
     platform.synchronize()
     return time.perf_counter() - start
 
@@ -112,6 +129,8 @@ class StagedRuntime:
         margin: float = 0.02,
         memory_budget: int | None = None,
         timer: Timer | None = None,
+        on_steps: bool = False,
+        device_lock: DeviceLock | None = None,
     ) -> None:
         if repeats < 1 or not 0 <= margin < 1:
             raise ValueError(
@@ -126,6 +145,9 @@ class StagedRuntime:
         self.seconds: float | None = None
         self._build, self._prepare, self._timer = build_upgrade, prepare, timer
         self._repeats, self._margin, self._budget = repeats, margin, memory_budget
+        self._on_steps = on_steps
+        self._device_lock = device_lock  # (held by advance)
+        self._pending: list[CaptureItem] = []  # on_steps: the upgrade's buckets to come
         self._moved: dict[Route, UpgradeDispatch] = {}  # replaced whole, never changed
         self._used: Counter[Asked] = Counter()
         self._turn = Turn()
@@ -186,8 +208,49 @@ class StagedRuntime:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits until ``done`` (at most ``timeout`` seconds); returns ``done``."""
-        return self._done.wait(timeout)
+        """Waits until ``done`` (at most ``timeout`` seconds for the thread); returns
+        ``done``. With ``on_steps`` the rest of the buckets are captured and measured
+        here, on the caller's thread, once the thread has built the upgrade."""
+        if not self._on_steps:
+            return self._done.wait(timeout)
+        self._thread.join(timeout)
+        while not self._thread.is_alive() and not self.done and not self._stop.is_set():
+            with self.stepping():
+                self.advance(wait=True)
+        return self.done
+
+    def advance(self, wait: bool = False) -> None:
+        """With ``on_steps``, once the upgrade is built: captures the next of its buckets
+        (the one steps used most) and measures it, on this thread; nothing otherwise, nor
+        while another holds ``device_lock`` unless ``wait``. A failure ends the upgrade
+        as on the thread (the first stage serves on)."""
+        if not self._on_steps or self.done or self._stop.is_set() or self._thread.is_alive():
+            return
+        lock = self._device_lock
+        if lock is not None and not lock.acquire(blocking=wait):
+            return  # (busy: a later step advances)
+        try:
+            self._advance()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _advance(self) -> None:
+        with self._turn:
+            try:
+                upgrade = self.upgrade
+                if upgrade is None or not self._pending:
+                    raise RuntimeError(self.error or "the upgrade was not built")
+                item = self._by_use(upgrade, self._pending).pop(0)
+                self._pending.remove(item)
+                with torch.inference_mode(), capture_phase():
+                    upgrade.manager.capture_item(item)
+                    self._within_budget(upgrade)
+                    self._measure(upgrade, item.descriptor)
+            except BaseException as exc:
+                self._fail(exc)
+            if not self._pending:
+                self._finish()
 
     def summary(self) -> str:
         """One line: how far the upgrade is, or why it stopped."""
@@ -221,19 +284,31 @@ class StagedRuntime:
                 upgrade = self._build()
                 with self._turn:
                     self.upgrade = upgrade
+                    self._pending = upgrade.manager.capture_plan()
+                if self._on_steps:
+                    return  # (captured and measured by the steps: advance)
                 with capture_phase():
                     self._upgrade_all(upgrade)
         except BaseException as exc:  # the thread's end: nothing above it would see it
-            self.error = exc
-            with self._turn:
-                self._drop_upgrade()
-            logger.warning("ostinato: %s", self.summary())
+            self._fail(exc)
         finally:
             sys.setswitchinterval(interval)
-            self.seconds = time.perf_counter() - self._start
-            self._done.set()
+        if not self._on_steps or self.error is not None or not self._pending:
+            self._finish()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        with self._turn:
+            self._pending = []
+            self._drop_upgrade()
+
+    def _finish(self) -> None:
+        self.seconds = time.perf_counter() - self._start
+        self._done.set()
         if self.error is None:
             logger.info("ostinato: %s", self.summary())
+        else:
+            logger.warning("ostinato: %s", self.summary())
 
     def _by_use(self, upgrade: GraphRuntime, items: list[CaptureItem]) -> list[CaptureItem]:
         """``items``, the buckets steps used most first (sorted again after each item,
@@ -265,8 +340,9 @@ class StagedRuntime:
 
     def _measure(self, upgrade: GraphRuntime, d: BatchDescriptor) -> None:
         """Times the upgrade's bucket ``d`` and the first stage's for the same steps on the
-        same inputs, one pair of runs per turn; moves those steps to the upgrade where
-        its median is faster by the margin."""
+        same inputs, one pair of runs per turn (on the thread; all in the step's turn
+        with ``on_steps``); moves those steps to the upgrade where its median is faster
+        by the margin."""
         first_d = self.first.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
         upgrade_d = upgrade.dispatch(d.num_tokens, d.uniform_decode, d.has_lora)
         if upgrade_d.descriptor != d or first_d.padded_tokens != d.num_tokens:
@@ -281,7 +357,8 @@ class StagedRuntime:
                 timer = self._timer or wall_timer  # (looked up here: a test may replace it)
                 times[0].append(timer(self.first, first_d, d.num_tokens, meta))
                 times[1].append(timer(upgrade, upgrade_d, d.num_tokens, meta))
-            self._turn.hand_over(timeout=1.0)
+            if not self._on_steps:  # (a step holds the turn through its advance)
+                self._turn.hand_over(timeout=1.0)
         first_s, upgrade_s = statistics.median(times[0]), statistics.median(times[1])
         faster = upgrade_s < first_s * (1 - self._margin)
         with self._turn:

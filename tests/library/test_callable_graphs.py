@@ -15,6 +15,7 @@ from fakes import FakePlatform
 import ostinato
 from ostinato import GraphMode
 from ostinato.callable_graphs import PaddingChangesRealRowsError, SignatureLimitError
+from ostinato.platform.cpu import CpuPlatform
 
 
 def mlp():
@@ -29,7 +30,7 @@ def eager(fn, *args, **kwargs):
 
 def test_a_random_size_stream_equals_eager_and_is_counted_per_bucket():
     model, platform = mlp().eval(), FakePlatform()
-    fast = ostinato.graphed(model, max_batch_size=16, platform=platform)
+    fast = ostinato.graphed(model, max_batch_size=16, platform=platform, capture="first_use")
     rng = random.Random(1)
     sizes = [rng.randint(1, 24) for _ in range(40)]
     for n in sizes:
@@ -66,7 +67,7 @@ class Several(torch.nn.Module):
 
 def test_several_inputs_keywords_constants_and_dict_outputs():
     model, platform = Several().eval(), FakePlatform()
-    fast = ostinato.graphed(model, max_batch_size=8, platform=platform)
+    fast = ostinato.graphed(model, max_batch_size=8, platform=platform, capture="first_use")
     for n, scale in [(3, 1.0), (5, 2.0), (3, 1.0), (8, 2.0)]:
         x, a, b, mask = (torch.randn(n, 8) for _ in range(4))
         got = fast(x, (a, b), scale=scale, mask=mask)
@@ -78,11 +79,13 @@ def test_several_inputs_keywords_constants_and_dict_outputs():
 def test_outputs_belong_to_the_caller_unless_asked_otherwise():
     model = mlp().eval()
     x, y = torch.randn(3, 8), torch.randn(3, 8)
-    fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform())
+    fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), capture="first_use")
     first = fast(x)
     fast(y)
     torch.testing.assert_close(first, eager(model, x))
-    views = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), copy_outputs=False)
+    views = ostinato.graphed(
+        model, max_batch_size=8, platform=FakePlatform(), capture="first_use", copy_outputs=False
+    )
     first = views(x)
     views(y)  # the next replay writes the same static buffers
     torch.testing.assert_close(first, eager(model, y))
@@ -108,7 +111,9 @@ def test_a_second_dynamic_dimension_by_buckets():
         pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         return h + pooled[:, None, :], pooled
 
-    fast = ostinato.graphed(encoder, max_batch_size=4, seq_buckets=(8, 16), platform=FakePlatform())
+    fast = ostinato.graphed(
+        encoder, max_batch_size=4, seq_buckets=(8, 16), platform=FakePlatform(), capture="first_use"
+    )
     rng = random.Random(2)
     lengths = []
     for _ in range(12):
@@ -130,15 +135,19 @@ def test_a_second_dynamic_dimension_by_buckets():
 def test_padding_that_changes_real_rows_is_named():
     bn = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))  # training mode
     with pytest.raises(PaddingChangesRealRowsError, match=r"\.eval\(\)"):
-        ostinato.graphed(bn, max_batch_size=8, platform=FakePlatform())(torch.randn(3, 8))
+        ostinato.graphed(bn, max_batch_size=8, platform=FakePlatform(), capture="first_use")(
+            torch.randn(3, 8)
+        )
 
     def centre(x):
         return x - x.mean(0)  # a reduction over the batch
 
     with pytest.raises(PaddingChangesRealRowsError, match="output #0"):
-        ostinato.graphed(centre, max_batch_size=8, platform=FakePlatform())(torch.randn(3, 8))
+        ostinato.graphed(centre, max_batch_size=8, platform=FakePlatform(), capture="first_use")(
+            torch.randn(3, 8)
+        )
     unchecked = ostinato.graphed(
-        centre, max_batch_size=8, platform=FakePlatform(), check_padding=False
+        centre, max_batch_size=8, platform=FakePlatform(), capture="first_use", check_padding=False
     )
     unchecked(torch.randn(3, 8))  # the caller said the mixing is intended
 
@@ -170,7 +179,9 @@ def test_on_the_cpu_every_call_runs_eagerly_and_says_why_once():
     ],
 )
 def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
-    fast = ostinato.graphed(lambda x, *rest: x, max_batch_size=8, platform=FakePlatform())
+    fast = ostinato.graphed(
+        lambda x, *rest: x, max_batch_size=8, platform=FakePlatform(), capture="first_use"
+    )
     with pytest.raises(error, match=words):
         call(fast)
 
@@ -215,7 +226,11 @@ def test_every_bad_argument_is_named_as_written():
 
 def test_too_many_signatures_are_refused_with_the_fix():
     fast = ostinato.graphed(
-        lambda x: x * 2, max_batch_size=4, platform=FakePlatform(), max_signatures=2
+        lambda x: x * 2,
+        max_batch_size=4,
+        platform=FakePlatform(),
+        capture="first_use",
+        max_signatures=2,
     )
     fast(torch.randn(2, 3))
     fast(torch.randn(2, 5))
@@ -326,7 +341,11 @@ def test_a_staged_signature_serves_at_once_and_moves_buckets_to_its_compiled_gra
     # compiles it whole ("eager" here: Dynamo's trace, no Inductor on the CPU) and captures
     # its graphs, each bucket moved where timed faster (a timer that favours the upgrade
     # up to 4 rows). Outputs equal eager before, during and after; the buckets above 4
-    # stay on the first stage, and stats() says how the upgrade ended.
+    # stay on the first stage, and stats() says how the upgrade ended. Every graph is
+    # captured on the caller's thread (the thread only compiles), and the measurements'
+    # replays count nowhere.
+    import threading
+
     from ostinato import staged
 
     real = staged.wall_timer
@@ -337,6 +356,13 @@ def test_a_staged_signature_serves_at_once_and_moves_buckets_to_its_compiled_gra
 
     monkeypatch.setattr(staged, "wall_timer", timer)
     model, platform = mlp().eval(), FakePlatform()
+    captured_on, real_capture = set(), platform.capture
+
+    def capture(graph, pool):
+        captured_on.add(threading.current_thread())
+        return real_capture(graph, pool)
+
+    platform.capture = capture
     fast = ostinato.graphed(
         model, max_batch_size=8, platform=platform, capture="staged", compiler="eager"
     )
@@ -349,11 +375,13 @@ def test_a_staged_signature_serves_at_once_and_moves_buckets_to_its_compiled_gra
     assert sig.staged.error is None, sig.staged.summary()
     assert {d.num_tokens for d in sig.staged.upgraded} == {1, 2, 4}
     upgrade = sig.staged.upgrade.manager
-    timed = upgrade.stats().replays  # (the measurement's replays)
+    assert upgrade.stats().replays == 0 and sig.runtime.manager.stats().replays == 1
     for n in (1, 3, 4, 5, 8, 11):
         x = torch.randn(n, 8)
         torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
-    assert upgrade.stats().replays - timed == 3  # the calls of 1, 3 and 4 rows
+    assert upgrade.stats().replays == 3  # the calls of 1, 3 and 4 rows
+    assert fast.stats().replays == 6 and fast.stats().eager == 1  # (both stages; 11 rows)
+    assert captured_on == {threading.current_thread()}
     assert "3 of 4 buckets measured faster and moved" in fast.stats().summary()
     fast.release()
 
@@ -363,3 +391,61 @@ def test_staged_capture_is_refused_where_there_is_nothing_to_upgrade():
         ostinato.graphed(mlp(), capture="staged", compiler=None)
     with pytest.raises(ValueError, match="capture: 'staged' upgrades FULL graphs"):
         ostinato.graphed(mlp(), capture="staged", mode="piecewise", splitting_ops=["a::b"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "when"),
+    [
+        ({}, "staged"),  # the default: graphs at once, Inductor's swapped in
+        ({"mode": "full"}, "staged"),
+        ({"compiler": "inductor"}, "first_use"),  # a named compiler from the first graph
+        ({"compiler": "eager"}, "first_use"),
+        ({"compiler": None}, "first_use"),
+        ({"mode": "piecewise", "splitting_ops": ["a::b"]}, "first_use"),
+        ({"mode": "none"}, "first_use"),
+        ({"capture": "background"}, "background"),
+    ],
+)
+def test_the_default_capture_is_staged_where_an_upgrade_applies(kwargs, when):
+    assert ostinato.graphed(mlp(), **kwargs).options.capture == when
+
+
+def test_without_graphs_the_staged_default_runs_eagerly_and_starts_no_compile():
+    # The CPU platform has no graphs: the default neither captures nor compiles.
+    fast = ostinato.graphed(mlp(), max_batch_size=8, platform=CpuPlatform())
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="every call runs eagerly"):
+        torch.testing.assert_close(fast(x), eager(fast.fn, x))
+    (sig,) = fast._signatures.values()
+    assert sig.staged is None and fast.wait_for_upgrades(0)
+
+
+def test_a_signature_whose_capture_would_overlap_an_upgrades_compile_runs_eagerly_until_free():
+    # While an upgrade's thread runs its compiler (it holds the device lock: its
+    # autotuning synchronizes the device, which no capture may overlap), a new
+    # signature's calls run eagerly instead of waiting; the first call after it ends
+    # captures. stats() counts both.
+    import threading
+
+    from ostinato import callable_graphs
+
+    model = mlp().eval()
+    fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), capture="first_use")
+    held, free = threading.Event(), threading.Event()
+
+    def compiling():
+        with callable_graphs._DEVICE:
+            held.set()
+            free.wait(30)
+
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    held.wait(30)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(fast(x), eager(fast.fn, x))
+    assert fast.stats().eager_device_busy == 1 and fast.stats().replays == 0
+    free.set()
+    thread.join()
+    torch.testing.assert_close(fast(x), eager(fast.fn, x))
+    assert fast.stats().replays == 1 and "waited for an upgrade" in fast.stats().summary()
+    fast.release()

@@ -2,8 +2,10 @@
 eager (FULL; PIECEWISE split at a custom op; FULL_AND_PIECEWISE), the statistics
 counting every replay, and models nobody here wrote (random weights) through it:
 torchvision's ResNet-50 and ViT-B/16, transformers' BERT encoder (batch and length
-buckets) and GPT-2 forward. Float32 with TF32 off, so that eager and graphs differ only
-by the kernels a padded batch picks."""
+buckets) and GPT-2 forward, each through ``graphed``'s default (graphs of the model as it
+is, then Inductor's swapped in where they time faster): equal to eager before the swap and
+after it. Float32 with TF32 off, so that eager and graphs differ only by the kernels a
+padded batch picks (and Inductor's fusions)."""
 
 import random
 
@@ -37,11 +39,22 @@ def stream(fast, model, shape, sizes, atol):
         torch.testing.assert_close(fast(x), want, atol=atol, rtol=1e-3)
 
 
+def upgraded(fast, run):
+    """``run()`` (a stream through the default ``fast``) before and after its staged
+    upgrade has ended; the upgrade ended without error for every signature."""
+    run()
+    assert fast.wait_for_upgrades(timeout=400), fast.stats().summary()
+    for sig in fast.stats().signatures:
+        assert "graph upgrade done" in sig.upgrade, fast.stats().summary()
+    run()
+    fast.release()
+
+
 def test_full_graphs_on_a_random_size_stream():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     model = model.cuda().eval()
-    fast = ostinato.graphed(model, max_batch_size=32, mode="full")
+    fast = ostinato.graphed(model, max_batch_size=32, mode="full", capture="first_use")
     sizes = [random.Random(3).randint(1, 40) for _ in range(30)]
     stream(fast, model, (64,), sizes, atol=1e-5)
     stats = fast.stats()
@@ -99,13 +112,18 @@ def test_torchvision_models_on_a_random_size_stream(name):
     fast = ostinato.graphed(model, max_batch_size=16)
     rng = random.Random(5)
     sizes = [rng.randint(1, 16) for _ in range(6)] + [17]
-    for n in sizes:
-        x = torch.randn(n, 3, 224, 224, device="cuda")
-        with torch.inference_mode():
-            want = model(x)
-        close(fast(x), want)
+
+    def run():
+        for n in sizes:
+            x = torch.randn(n, 3, 224, 224, device="cuda")
+            with torch.inference_mode():
+                want = model(x)
+            close(fast(x), want)
+
+    run()
     stats = fast.stats()
     assert stats.replays == 6 and stats.eager == 1
+    upgraded(fast, run)
 
 
 def test_bert_encoder_by_batch_and_length_buckets():
@@ -117,17 +135,22 @@ def test_bert_encoder_by_batch_and_length_buckets():
         return model(input_ids=ids, attention_mask=mask).last_hidden_state
 
     fast = ostinato.graphed(hidden, max_batch_size=8, seq_buckets=(16, 32, 64))
-    rng = random.Random(6)
-    for _ in range(8):
-        n, length = rng.randint(1, 8), rng.randint(3, 64)
-        ids = torch.randint(0, 30000, (n, length), device="cuda")
-        mask = torch.ones(n, length, dtype=torch.long, device="cuda")
-        mask[0, length // 2 :] = 0  # a padded sequence of the caller's own
-        with torch.inference_mode():
-            want = hidden(ids, mask)
-        # Padding positions are masked keys: the real positions' outputs do not see them.
-        close(fast(ids, mask), want)
+
+    def run():
+        rng = random.Random(6)
+        for _ in range(8):
+            n, length = rng.randint(1, 8), rng.randint(3, 64)
+            ids = torch.randint(0, 30000, (n, length), device="cuda")
+            mask = torch.ones(n, length, dtype=torch.long, device="cuda")
+            mask[0, length // 2 :] = 0  # a padded sequence of the caller's own
+            with torch.inference_mode():
+                want = hidden(ids, mask)
+            # Padding positions are masked keys: the real positions' outputs do not see them.
+            close(fast(ids, mask), want)
+
+    run()
     assert fast.stats().replays == 8
+    upgraded(fast, run)
 
 
 def test_gpt2_forward_through_graphed():
@@ -140,15 +163,20 @@ def test_gpt2_forward_through_graphed():
         return model(input_ids=ids, use_cache=False).logits
 
     fast = ostinato.graphed(logits, max_batch_size=8, seq_buckets=(16, 32))
-    rng = random.Random(4)
-    for _ in range(8):
-        n, length = rng.randint(1, 8), rng.randint(2, 32)
-        ids = torch.randint(0, 1000, (n, length), device="cuda")
-        with torch.inference_mode():
-            want = logits(ids)
-        # Causal attention: padding after the real positions does not reach them.
-        torch.testing.assert_close(fast(ids), want, atol=1e-4, rtol=1e-3)
+
+    def run():
+        rng = random.Random(4)
+        for _ in range(8):
+            n, length = rng.randint(1, 8), rng.randint(2, 32)
+            ids = torch.randint(0, 1000, (n, length), device="cuda")
+            with torch.inference_mode():
+                want = logits(ids)
+            # Causal attention: padding after the real positions does not reach them.
+            torch.testing.assert_close(fast(ids), want, atol=1e-4, rtol=1e-3)
+
+    run()
     assert fast.stats().replays == 8
+    upgraded(fast, run)
 
 
 def test_torch_compile_with_the_ostinato_backend_replays_cuda_graphs():

@@ -55,7 +55,7 @@ def fast_below(rows):
     ``rows`` rows and 10% slower above."""
 
     def timed(rt, dispatch, n, meta):
-        rt.manager.run(dispatch, n, meta)
+        rt.manager.run(dispatch, n, meta, record=False)  # (as wall_timer)
         if rt.manager.step.stage == "first":
             return 1.0
         return 0.5 if n <= rows else 1.1
@@ -158,7 +158,7 @@ def test_a_decode_moves_to_the_upgrades_decode_graph_a_mixed_step_to_its_pieces(
     platform = FakePlatform()
 
     def timed(rt, dispatch, n, meta):
-        rt.manager.run(dispatch, n, meta)
+        rt.manager.run(dispatch, n, meta, record=False)  # (as wall_timer)
         if rt.manager.step.stage == "first":
             return 1.0
         return 0.5 if dispatch.descriptor.uniform_decode else 2.0
@@ -214,3 +214,48 @@ def test_bad_settings_name_themselves():
         staged(r, repeats=0)
     with pytest.raises(ValueError, match="memory_budget >= 0"):
         staged(r, memory_budget=-1)
+
+
+class CountingLock:
+    def __init__(self):
+        self.entered = 0
+
+    def acquire(self, blocking=True):
+        self.entered += 1
+        return True
+
+    def release(self):
+        return None
+
+
+def test_on_steps_the_thread_only_builds_and_each_advance_captures_one_bucket_here():
+    # on_steps: the thread builds the upgrade and captures nothing; each advance() (a
+    # step's, under the device lock) captures and measures one bucket on the calling
+    # thread; wait() advances through the rest. Measurement runs are not counted as steps.
+    r, up, lock = Runner(), FakePlatform(), CountingLock()
+    captured_on = []
+    real = up.capture
+
+    def capture(graph, pool):
+        captured_on.append(threading.current_thread())
+        return real(graph, pool)
+
+    up.capture = capture
+    s = staged(r, upgrade_platform=up, timer=fast_below(4), on_steps=True, device_lock=lock)
+    for _ in range(300):  # the build, on the thread
+        if s.upgrade is not None and not s._thread.is_alive():
+            break
+        threading.Event().wait(0.01)
+    assert s.upgrade is not None and not captured_on and not s.done
+    replays = s.first.manager.stats().replays
+    s.advance()
+    assert len(captured_on) == 1 and len(s.decisions) == 1 and lock.entered == 1
+    assert s.first.manager.stats().replays == replays  # (the measurement's runs)
+    serve(r, s, 5)  # steps between advances run as ever
+    assert s.wait(30) and s.error is None, s.summary()
+    assert set(captured_on) == {threading.current_thread()}
+    assert len(s.decisions) == len(SIZES) and lock.entered == len(SIZES)
+    assert {d.num_tokens for d in s.upgraded} == {1, 2, 4}
+    s.advance()  # done: nothing more
+    assert lock.entered == len(SIZES)
+    s.release()

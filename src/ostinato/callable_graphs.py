@@ -311,10 +311,15 @@ class Graphed:
         return GraphedStats(signatures, self._eager_too_long, self._eager_device_busy)
 
     def wait_for_upgrades(self, timeout: float | None = None) -> bool:
-        """With ``capture="staged"``: waits until every signature's upgrade has ended
-        (each bucket decided, or the upgrade stopped: ``stats`` says which), at most
-        ``timeout`` seconds each; returns whether all have. True without staged capture."""
-        return all(s.staged.wait(timeout) for _, s in self._items() if s.staged is not None)
+        """With ``capture="staged"``: captures every signature still waiting for the
+        device (``eager_device_busy``), then waits until every signature's upgrade has
+        ended (each bucket decided, or the upgrade stopped: ``stats`` says which), its
+        compile at most ``timeout`` seconds each; returns whether all have. True without
+        staged capture."""
+        signatures = [s for _, s in self._items()]
+        for s in signatures:
+            s.try_ready(wait=True)
+        return all(s.staged.wait(timeout) for s in signatures if s.staged is not None)
 
     def release(self) -> None:
         """Destroys every graph; the next call of a signature captures it anew."""
@@ -436,13 +441,14 @@ class _Signature:
         self._ready_lock = threading.Lock()
         self.ready = self._start_capture(wait=options.capture == "construction")
 
-    def try_ready(self) -> bool:
+    def try_ready(self, wait: bool = False) -> bool:
         """Whether the signature's graphs are captured (or capturing in the background),
-        capturing them now if the device is free; False while another signature's
-        upgrade runs its compiler (a capture cannot overlap its synchronizations)."""
+        capturing them now if the device is free (or once it is, with ``wait``); False
+        while another signature's upgrade runs its compiler (a capture cannot overlap
+        its synchronizations)."""
         if not self.ready:
             with self._ready_lock:
-                self.ready = self.ready or self._start_capture(wait=False)
+                self.ready = self.ready or self._start_capture(wait=wait)
         return self.ready
 
     def stats(self, key: str) -> SignatureStats:

@@ -423,8 +423,8 @@ def test_without_graphs_the_staged_default_runs_eagerly_and_starts_no_compile():
 def test_a_signature_whose_capture_would_overlap_an_upgrades_compile_runs_eagerly_until_free():
     # While an upgrade's thread runs its compiler (it holds the device lock: its
     # autotuning synchronizes the device, which no capture may overlap), a new
-    # signature's calls run eagerly instead of waiting; the first call after it ends
-    # captures. stats() counts both.
+    # signature's calls run eagerly instead of waiting; wait_for_upgrades (or the first
+    # call after the compile ends) captures it. stats() counts both.
     import threading
 
     from ostinato import callable_graphs
@@ -446,6 +446,9 @@ def test_a_signature_whose_capture_would_overlap_an_upgrades_compile_runs_eagerl
     assert fast.stats().eager_device_busy == 1 and fast.stats().replays == 0
     free.set()
     thread.join()
+    assert fast.wait_for_upgrades(5)  # captures the waiting signature
+    (sig,) = fast.stats().signatures
+    assert all(b.capture_seconds > 0 for b in sig.stats.buckets)
     torch.testing.assert_close(fast(x), eager(fast.fn, x))
     assert fast.stats().replays == 1 and "waited for an upgrade" in fast.stats().summary()
     fast.release()

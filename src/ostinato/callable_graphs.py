@@ -15,6 +15,11 @@ a second dimension dynamic (``seq_dim`` of every tensor argument that has it, pa
 with zeros to the smallest bucket that holds it; outputs with a bucket's length there
 are cut back).
 
+By default (``capture="auto"``) a signature's first graphs hold ``fn``'s own kernels,
+captured at its first call; a thread compiles ``fn`` with Inductor meanwhile, and later
+calls capture and time its graphs, one bucket per call on the caller's thread, moving each
+bucket where they are faster (``wait_for_upgrades`` does the rest at once).
+
 Guarantees: outputs equal ``fn``'s on the same arguments (the graph computes the padded
 batch; padding rows start as zeros) and, with ``copy_outputs`` (the default), belong to
 the caller; without it they are views valid until the next call. With ``check_padding``
@@ -522,7 +527,8 @@ class _Signature:
             return tuple(outs)
 
         config = dataclasses.replace(self.options.config, mode=GraphMode.FULL)
-        pool = self.platform.graph_pool_handle()
+        with _DEVICE:  # (CUDA's pool handle is kept alive by a capture of its own)
+            pool = self.platform.graph_pool_handle()
         upgrade = build_graph_runtime(step, config, platform=self.platform, pool=pool)
         # Compiled here, not in the captures on the caller's thread: the largest bucket
         # (the dynamic batch) and the smallest (Dynamo specializes a batch of 1).

@@ -308,7 +308,7 @@ class StagedRuntime:
         if self.error is None:
             logger.info("ostinato: %s", self.summary())
         else:
-            logger.warning("ostinato: %s", self.summary())
+            logger.warning("ostinato: %s", self.summary(), exc_info=self.error)
 
     def _by_use(self, upgrade: GraphRuntime, items: list[CaptureItem]) -> list[CaptureItem]:
         """``items``, the buckets steps used most first (sorted again after each item,

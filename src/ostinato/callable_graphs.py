@@ -173,15 +173,13 @@ def graphed(
     pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. Without them,
     ``compiler="inductor"`` compiles ``fn`` whole before its FULL graphs are captured
     (fused kernels for a compilation's start-up); ``"auto"`` captures ``fn`` as it is.
-    ``capture``: ``"auto"`` (``"staged"`` where it applies: FULL graphs without
-    ``splitting_ops`` and ``compiler="auto"``; else ``"first_use"``), ``"first_use"``
-    (each signature on its first call), ``"construction"``
-    (now, for ``example = (args, kwargs)``), ``"background"`` (on a thread; calls run
-    eagerly until their size is ready) or ``"staged"`` (FULL graphs of ``fn`` as it is at
-    once; a thread compiles ``fn`` whole with ``compiler``, Inductor for ``"auto"``, and
-    swaps its graphs in per bucket where they time faster: ``ostinato.StagedRuntime``;
-    ``wait_for_upgrades``). ``max_batch_size`` (default 64) makes the ladder of sizes up
-    to it, ``capture_sizes`` names the sizes instead: give one or neither.
+    ``capture``: ``"auto"`` (``"staged"`` for FULL graphs without ``splitting_ops`` and
+    with ``compiler="auto"``, else ``"first_use"``), ``"first_use"`` (each signature on
+    its first call), ``"construction"`` (now, for ``example = (args, kwargs)``),
+    ``"background"`` (on a thread; calls run eagerly until their size is ready) or
+    ``"staged"`` (graphs of ``fn`` as it is at once, then Inductor's per bucket where
+    timed faster: see the module docstring). ``max_batch_size`` (default 64) makes the
+    ladder of sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.
     Every argument is checked here; an error names the argument as written."""
     splitting = _check_ops(splitting_ops)
     resolved = _one_call_mode(mode, bool(splitting), full_when)

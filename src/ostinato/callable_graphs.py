@@ -525,9 +525,12 @@ class _Signature:
             return tuple(outs)
 
         config = dataclasses.replace(self.options.config, mode=GraphMode.FULL)
-        with _DEVICE:  # (CUDA's pool handle is kept alive by a capture of its own)
-            pool = self.platform.graph_pool_handle()
-        upgrade = build_graph_runtime(step, config, platform=self.platform, pool=pool)
+        # The first stage's pool and static outputs: the two stages never replay at once
+        # (one caller's thread), so the upgrade adds its graphs' own memory only.
+        first = self.runtime.manager
+        upgrade = build_graph_runtime(
+            step, config, platform=self.platform, pool=first.pool, outputs=first.outputs
+        )
         # Compiled here, not in the captures on the caller's thread: the largest bucket
         # (the dynamic batch) and the smallest (Dynamo specializes a batch of 1).
         with _DEVICE, torch.inference_mode():

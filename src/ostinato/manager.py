@@ -88,6 +88,7 @@ class GraphManager:
         pool: Any = None,
         check: ReplayCheck | None = None,
         perturb_padding: PerturbFn | None = None,
+        outputs: StaticOutputs | None = None,
     ) -> None:
         self.step = step
         self.dispatcher = dispatcher
@@ -102,7 +103,12 @@ class GraphManager:
         self.pool = pool if pool is not None else shared_pool(self.platform)
         self.report = CaptureReport()
         rows = max((k.num_tokens for k in dispatcher.keys(GraphMode.FULL)), default=0)
-        self.outputs = StaticOutputs(rows)
+        if outputs is not None and outputs.rows < rows:
+            raise ValueError(
+                f"outputs: shared static outputs of {outputs.rows} rows, fewer than the "
+                f"largest FULL size {rows}"
+            )
+        self.outputs = outputs if outputs is not None else StaticOutputs(rows)
         self._full = GraphWrapper(
             self._step_into_static,
             GraphMode.FULL,

@@ -19,6 +19,7 @@ from ostinato.manager import GraphManager, PerturbFn, PrepareFn, StepFn
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
 from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
+from ostinato.static_outputs import StaticOutputs
 
 COMPILERS = ("inductor", "eager")
 
@@ -86,12 +87,14 @@ def build_graph_runtime(
     platform: Platform | None = None,
     pool: Any = None,
     progress: bool = True,
+    outputs: StaticOutputs | None = None,
 ) -> GraphRuntime:
     """Resolves ``config.mode`` (``"auto"`` included) against ``attention``, piecewise
     availability and ``platform`` (default: the current one; pass ``CpuPlatform()`` for a
     runner whose tensors are on the CPU), logs every downgrade with its reason, and builds
-    the dispatcher and the manager. ``step``, ``prepare`` and ``perturb_padding`` are
-    ``GraphManager``'s."""
+    the dispatcher and the manager. ``step``, ``prepare``, ``perturb_padding`` and
+    ``outputs`` (another manager's static outputs, shared: the two steps must return
+    the same shapes and never replay at once) are ``GraphManager``'s."""
     platform = platform or current_platform()
     requested = config.mode or auto_mode(platform.supports_graphs, piecewise_available)
     resolution = resolve_mode(
@@ -118,5 +121,6 @@ def build_graph_runtime(
         progress=progress,
         platform=platform,
         pool=pool,
+        outputs=outputs,
     )
     return GraphRuntime(resolution, manager)

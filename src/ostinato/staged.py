@@ -257,7 +257,7 @@ class StagedRuntime:
         if self.error is not None:
             return f"graph upgrade stopped, the first stage serves: {self.error}"
         moved = len(self._moved)
-        if not self.done:
+        if self.seconds is None:
             return (
                 f"graph upgrade in progress: {len(self.decisions)} buckets measured, {moved} moved"
             )
@@ -303,12 +303,12 @@ class StagedRuntime:
             self._drop_upgrade()
 
     def _finish(self) -> None:
-        self.seconds = time.perf_counter() - self._start
-        self._done.set()
+        self.seconds = time.perf_counter() - self._start  # (the summary says done now)
         if self.error is None:
             logger.info("ostinato: %s", self.summary())
         else:
             logger.warning("ostinato: %s", self.summary(), exc_info=self.error)
+        self._done.set()  # (after the log: a waiter may read it)
 
     def _by_use(self, upgrade: GraphRuntime, items: list[CaptureItem]) -> list[CaptureItem]:
         """``items``, the buckets steps used most first (sorted again after each item,

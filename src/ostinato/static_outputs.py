@@ -51,9 +51,20 @@ class StaticOutputs:
 
     def write(self, out: Outputs, n: int) -> None:
         """Copies the ``n`` rows of ``out`` into the buffers (inside a capture: recorded),
-        each output that is not already those rows of its buffer."""
+        each output that is not already those rows of its buffer; ``ValueError`` where
+        ``out`` is not shaped like them (buffers shared by two steps that differ)."""
         assert self.buffers is not None
-        for buf, t in zip(self.buffers, as_tuple(out), strict=True):
+        outs = as_tuple(out)
+        if len(outs) != len(self.buffers) or any(
+            t.dtype != buf.dtype or t.shape[1:] != buf.shape[1:]
+            for t, buf in zip(outs, self.buffers, strict=False)
+        ):
+            raise ValueError(
+                f"static outputs: the step returned {_shapes(outs)}, its buffers hold "
+                f"{_shapes(self.buffers)}; steps sharing buffers must return the same "
+                "shapes past the rows and dtypes"
+            )
+        for buf, t in zip(self.buffers, outs, strict=True):
             if not _is_rows_of(t, buf, n):
                 buf[:n].copy_(t)
 
@@ -64,6 +75,10 @@ class StaticOutputs:
     def _slice(self, n: int) -> Outputs:
         rows = self.into(n)
         return rows if self.is_tuple else rows[0]
+
+
+def _shapes(ts: tuple[torch.Tensor, ...]) -> list[str]:
+    return [f"{list(t.shape[1:])}:{str(t.dtype).removeprefix('torch.')}" for t in ts]
 
 
 def _is_rows_of(t: torch.Tensor, buf: torch.Tensor, n: int) -> bool:

@@ -102,6 +102,28 @@ def test_full_replay_returns_static_outputs_sliced_to_real_size():
     torch.testing.assert_close(aux, r.x[:3].sum(1))
 
 
+def test_two_managers_share_static_outputs_and_refuse_a_step_shaped_otherwise():
+    # A second manager over the first's buffers (a staged upgrade): its graphs write
+    # where the first's replays are read; a step of other shapes or dtypes is named.
+    p, r, first = build(GraphMode.FULL)
+    first.capture()
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2, 4, 8)))
+    second = GraphManager(r.step, d, platform=p, pool="pool", outputs=first.outputs)
+    second.capture()
+    r.x[:3] = torch.randn(3, 3)
+    out = second.run(second.dispatcher.dispatch(3), 3)
+    assert out.data_ptr() == first.outputs.buffers[0].data_ptr()
+    torch.testing.assert_close(out, r.x[:3] @ r.w)
+    other = GraphManager(
+        lambda d: (r.x[: d.num_tokens] @ r.w).double(), d, platform=p, outputs=first.outputs
+    )
+    with pytest.raises(GraphCaptureError, match="static outputs: the step returned"):
+        other.capture()
+    small = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(16,)))
+    with pytest.raises(ValueError, match="outputs: shared static outputs of 8 rows"):
+        GraphManager(r.step, small, platform=p, outputs=first.outputs)
+
+
 def test_single_output_is_returned_as_tensor():
     p, r, m = build(GraphMode.FULL)
     m.capture()

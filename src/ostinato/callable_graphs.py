@@ -176,7 +176,8 @@ def graphed(
     ``capture``: ``"auto"`` (``"staged"`` for FULL graphs without ``splitting_ops`` and
     with ``compiler="auto"``, else ``"first_use"``), ``"first_use"`` (each signature on
     its first call), ``"construction"`` (now, for ``example = (args, kwargs)``),
-    ``"background"`` (on a thread; calls run eagerly until their size is ready) or
+    ``"background"`` (on a thread; calls run eagerly until their size is ready; the
+    caller's own device synchronizations and CUDA random numbers must wait for it) or
     ``"staged"`` (graphs of ``fn`` as it is at once, then Inductor's per bucket where
     timed faster: see the module docstring). ``max_batch_size`` (default 64) makes the
     ladder of sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.

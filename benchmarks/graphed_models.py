@@ -13,12 +13,13 @@ model whole first (``compiler="inductor"``, a dynamic batch) and captures Induct
 kernels; ``ostinato backend`` is ``torch.compile(model, backend="ostinato")`` with the same
 options.
 
-For each model and system the stream runs twice: the first pass is the warm-up
-(compilation, capture; its total seconds are reported), the second is timed call by
-call (mean ms per call, and per batch size). A staged system (``ostinato default``)
-serves its first pass from graphs of the model as it is while its upgrade compiles; the
-timed pass waits for the upgrade to end first (``upgrade_s``: from the end of the first
-pass, ``notes``: what moved), so that it times the graphs it will keep.
+For each model and system the stream runs three times: the first pass is the warm-up
+(compilation, capture; its total seconds are reported), the second settles what the
+first left half done (reduce-overhead records a size's graph at its second call), the
+third is timed call by call (mean ms per call, and per batch size). A staged system
+(``ostinato default``) serves its first pass from graphs of the model as it is while its
+upgrade compiles; the later passes wait for the upgrade to end first (``upgrade_s``: from
+the end of the first pass, ``notes``: what moved), so that they time the graphs it keeps.
 Then batch 1 and 8 are timed alone (``--repeats`` calls each), outputs are compared with
 eager, and the peak memory each system added is read. ``--tiny`` shrinks every model
 (for a CPU smoke run).
@@ -222,6 +223,8 @@ def run_system(
     inputs = [w.inputs(b, n) for b, n in stream]
     warmup = sum(timed(fn, x)[1] for x in inputs) / 1e3
     upgrade_s, notes = _upgrade(graphed)
+    for x in inputs:  # (settled: every size of the stream at its steady state)
+        timed(fn, x)
     by_batch: dict[int, list[float]] = {}
     for (b, _), x in zip(stream, inputs, strict=True):
         by_batch.setdefault(b, []).append(timed(fn, x)[1])
@@ -318,17 +321,32 @@ def main() -> None:
             for _ in range(args.calls)
         ]
         for name in args.systems.split(","):
-            row = run_system(w, name, stream, args)
-            print(
-                f"{w.name:9s} {name:16s} warm-up {row.warmup_s:7.2f} s  mean {row.mean_ms:7.3f} ms"
-                f"  B=1 {row.ms_b1:7.3f}  B=8 {row.ms_b8:7.3f} ms  |diff| {row.max_abs_diff:.3g}",
-                flush=True,
-            )
-            if row.upgrade_s is not None:
-                print(f"{'':26s} upgrade ended {row.upgrade_s:.1f} s after the first pass")
-                print("\n".join(f"{'':26s} {note}" for note in row.notes), flush=True)
-            rows.append(row)
+            rows.append(run_system(w, name, stream, args))
+            report(rows[-1], rows)
             write(args, dtype, rows)  # after every row: a run cut short keeps what it measured
+
+
+def report(row: SystemRow, rows: list[SystemRow]) -> None:
+    """Prints ``row``; for an ostinato system, also its per-size time against
+    reduce-overhead's on the same model (the worst and the best size)."""
+    print(
+        f"{row.model:9s} {row.system:16s} warm-up {row.warmup_s:7.2f} s  mean {row.mean_ms:7.3f} ms"
+        f"  B=1 {row.ms_b1:7.3f}  B=8 {row.ms_b8:7.3f} ms  |diff| {row.max_abs_diff:.3g}",
+        flush=True,
+    )
+    if row.upgrade_s is not None:
+        print(f"{'':26s} upgrade ended {row.upgrade_s:.1f} s after the first pass")
+        print("\n".join(f"{'':26s} {note}" for note in row.notes), flush=True)
+    ro = next((r for r in rows if r.model == row.model and r.system == "reduce-overhead"), None)
+    if ro is None or not row.system.startswith("ostinato"):
+        return
+    ratios = {b: ms / ro.ms_by_batch[b] for b, ms in row.ms_by_batch.items()}
+    worst, best = max(ratios, key=ratios.__getitem__), min(ratios, key=ratios.__getitem__)
+    print(
+        f"{'':26s} per size / reduce-overhead: {ratios[worst]:.2f}x at B={worst} (worst), "
+        f"{ratios[best]:.2f}x at B={best} (best)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

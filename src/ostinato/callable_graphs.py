@@ -100,8 +100,9 @@ class SignatureStats:
 class GraphedStats:
     """Every signature's buckets, and the calls that ran eagerly because a dynamic
     sequence was longer than the largest of ``seq_buckets`` (``eager_too_long``) or
-    because their signature's graphs waited for another signature's staged upgrade to
-    finish running its compiler (``eager_device_busy``; captured at a later call)."""
+    because their signature's first capture waited for the device: another signature's
+    upgrade running its compiler, or a capture on another thread (``eager_device_busy``;
+    captured at a later call)."""
 
     signatures: tuple[SignatureStats, ...]
     eager_too_long: int
@@ -126,7 +127,8 @@ class GraphedStats:
             lines.append(f"  {self.eager_too_long} eager: longer than the largest seq bucket")
         if self.eager_device_busy:
             lines.append(
-                f"  {self.eager_device_busy} eager: graphs waited for an upgrade's compile"
+                f"  {self.eager_device_busy} eager: the capture waited for the device (an "
+                "upgrade's compile or another capture)"
             )
         return "\n".join(lines)
 
@@ -294,7 +296,7 @@ class Graphed:
             self._eager_too_long += 1
             return self.fn(*args, **kwargs)
         signature = self._signature(call)
-        if not signature.try_ready():  # an upgrade's compile holds the device: eager
+        if not signature.try_ready():  # the device is busy (a compile, a capture): eager
             self._eager_device_busy += 1
             return self.fn(*args, **kwargs)
         return signature.run(call, self._full(args, kwargs))

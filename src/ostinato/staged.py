@@ -39,7 +39,8 @@ device-wide synchronize, the default CUDA generator's offsets): ``graphed``, who
 caller's code runs between its calls.
 
 Build the upgrade in a graph pool of its own (``pool=platform.graph_pool_handle()``), so
-that releasing it gives its memory back without touching the first stage's graphs.
+that releasing it gives its memory back without touching the first stage's graphs, or in
+the first stage's pool (as ``graphed`` does) where a lower peak matters more than that.
 """
 
 from __future__ import annotations
@@ -249,6 +250,9 @@ class StagedRuntime:
                     self._measure(upgrade, item.descriptor)
             except BaseException as exc:
                 self._fail(exc)
+                if not isinstance(exc, Exception):  # (a Ctrl-C stays the caller's)
+                    self._finish()
+                    raise
             if not self._pending:
                 self._finish()
 

@@ -216,6 +216,14 @@ def test_bad_settings_name_themselves():
         staged(r, memory_budget=-1)
 
 
+def built(s):
+    """Waits (at most 3 s) until an on_steps upgrade's thread has built it and ended."""
+    for _ in range(300):
+        if s.upgrade is not None and not s._thread.is_alive():
+            return
+        threading.Event().wait(0.01)
+
+
 class CountingLock:
     def __init__(self):
         self.entered = 0
@@ -242,10 +250,7 @@ def test_on_steps_the_thread_only_builds_and_each_advance_captures_one_bucket_he
 
     up.capture = capture
     s = staged(r, upgrade_platform=up, timer=fast_below(4), on_steps=True, device_lock=lock)
-    for _ in range(300):  # the build, on the thread
-        if s.upgrade is not None and not s._thread.is_alive():
-            break
-        threading.Event().wait(0.01)
+    built(s)
     assert s.upgrade is not None and not captured_on and not s.done
     replays = s.first.manager.stats().replays
     s.advance()
@@ -258,4 +263,21 @@ def test_on_steps_the_thread_only_builds_and_each_advance_captures_one_bucket_he
     assert {d.num_tokens for d in s.upgraded} == {1, 2, 4}
     s.advance()  # done: nothing more
     assert lock.entered == len(SIZES)
+    s.release()
+
+
+def test_a_ctrl_c_inside_an_advance_ends_the_upgrade_and_reaches_the_caller():
+    # on_steps: the caller's thread captures, so its KeyboardInterrupt must not be taken
+    # for the upgrade's failure and swallowed; the first stage serves on.
+    r = Runner()
+
+    def interrupted(rt, dispatch, n, meta):
+        raise KeyboardInterrupt
+
+    s = staged(r, timer=interrupted, on_steps=True)
+    built(s)
+    with pytest.raises(KeyboardInterrupt):
+        s.advance()
+    assert s.done and isinstance(s.error, KeyboardInterrupt) and s.upgrade is None
+    assert not any(serve(r, s, 5))
     s.release()

@@ -149,27 +149,17 @@ def plan_memory(
     weights += slot_bytes(config, lora, dtype) if lora is not None else 0
     logit_rows = limits.max_num_seqs * decode_query_len
     acts = activation_bytes(config, limits.max_num_batched_tokens, logit_rows, dtype)
-    graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)
-    upgrade = graph_pool_bytes(config, upgrade_tokens, dtype, logit_rows) if upgrade_tokens else 0
-    graphs += upgrade
-    if max_capture_tokens > 0 and decode_query_len == 1:  # the sampling graphs
-        graphs += sampling_graph_bytes(config, min(logit_rows, max_capture_tokens))
+    graphs, upgrade = _graph_bytes(
+        config, dtype, max_capture_tokens, upgrade_tokens, logit_rows, decode_query_len
+    )
     block = kv_block_bytes(config, limits.block_size, dtype, tp.size)
     wanted = num_blocks if num_blocks is not None else limits.full_blocks
     least = num_blocks if num_blocks is not None else limits.blocks_per_seq + 1
     room = budget - weights - acts - graphs
     fits = max(0, room // block) if room > 0 else 0
     if fits < least:
-        others = total - free
-        raise EngineMemoryError(
-            f"device memory: the model needs {weights / MiB:.0f} MiB of weights + "
-            f"{least * block / MiB:.0f} MiB of KV cache ({least} blocks) + ~"
-            f"{(graphs + acts) / MiB:.0f} MiB for graphs and activations, but only "
-            f"{max(budget, 0) / MiB:.0f} MiB may be used (gpu_memory_utilization={utilization} "
-            f"of {total / MiB:.0f} MiB, {others / MiB:.0f} MiB already in use). Lower "
-            "max_model_len, max_num_batched_tokens or max_capture_size, use a smaller dtype, "
-            "raise gpu_memory_utilization, or free device memory."
-        )
+        needs = (weights, least * block, graphs + acts)
+        raise EngineMemoryError(_too_little(needs, least, budget, utilization, free, total))
     chosen = min(wanted, fits)
     if chosen < wanted:
         logger.warning(
@@ -179,6 +169,41 @@ def plan_memory(
             wanted,
         )
     return MemoryPlan(budget, weights, acts, graphs, block, chosen, upgrade)
+
+
+def _graph_bytes(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_capture_tokens: int,
+    upgrade_tokens: int,
+    logit_rows: int,
+    decode_query_len: int,
+) -> tuple[int, int]:
+    """(every graph pool's bytes, the staged upgrade's share of them): the first stage's
+    graphs, the upgrade's beside them, and the sampling graphs of one-token decodes."""
+    graphs = graph_pool_bytes(config, max_capture_tokens, dtype, logit_rows)
+    upgrade = graph_pool_bytes(config, upgrade_tokens, dtype, logit_rows) if upgrade_tokens else 0
+    graphs += upgrade
+    if max_capture_tokens > 0 and decode_query_len == 1:  # the sampling graphs
+        graphs += sampling_graph_bytes(config, min(logit_rows, max_capture_tokens))
+    return graphs, upgrade
+
+
+def _too_little(
+    needs: tuple[int, int, int], least: int, budget: int, utilization: float, free: int, total: int
+) -> str:
+    """Why the plan fails: ``needs`` (weights, the least KV cache, graphs and activations)
+    against what ``gpu_memory_utilization`` leaves, and what to change."""
+    weights, kv, rest = needs
+    return (
+        f"device memory: the model needs {weights / MiB:.0f} MiB of weights + "
+        f"{kv / MiB:.0f} MiB of KV cache ({least} blocks) + ~"
+        f"{rest / MiB:.0f} MiB for graphs and activations, but only "
+        f"{max(budget, 0) / MiB:.0f} MiB may be used (gpu_memory_utilization={utilization} "
+        f"of {total / MiB:.0f} MiB, {(total - free) / MiB:.0f} MiB already in use). Lower "
+        "max_model_len, max_num_batched_tokens or max_capture_size, use a smaller dtype, "
+        "raise gpu_memory_utilization, or free device memory."
+    )
 
 
 @dataclass(frozen=True)

@@ -99,18 +99,7 @@ class ModelRunner:
         # pieces, the small-GEMM plans and compile-ahead follow here too. Off CUDA no
         # launch option reaches a kernel, so a model built with them runs as resolved.
         self.kernels = runner_kernels(model.kernels, device)
-        for linear, _ in model.linears():  # no plan left by an earlier runner of the model
-            linear.use_plan((), 0, False)
-        # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
-        # kernel's fixed cost shows); none in NONE mode.
-        small_gemm_rows = (
-            graph_config.sizes
-            if self.kernels.small_gemm and self.graphs.mode is not GraphMode.NONE
-            else ()
-        )
-        self.kernel_plan = KernelPlan(
-            model, self.kernels, limits, small_gemm_rows, compile_cache, self._padding_context
-        )
+        self.kernel_plan = self._kernel_plan(graph_config.sizes, compile_cache)
         self.piecewise = self._piecewise(compiler, graph_config.check_addresses)
         self.forward: Forward = (
             model if self.piecewise is None else CompiledModel(model, self.piecewise)
@@ -121,6 +110,21 @@ class ModelRunner:
         self.upgrade: GraphUpgrade | None = None
         # FULL mode's decode logits, where its sampling graphs read them (None without).
         self.sample_logits: torch.Tensor | None = None
+
+    def _kernel_plan(
+        self, sizes: tuple[int, ...], compile_cache: CompileCache | None
+    ) -> KernelPlan:
+        """The projections' plans of this runner's kernel options, every plan an earlier
+        runner of the model left cleared first."""
+        for linear, _ in self.model.linears():
+            linear.use_plan((), 0, False)
+        # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
+        # kernel's fixed cost shows); none in NONE mode.
+        graphs = self.graphs.mode is not GraphMode.NONE
+        rows = sizes if self.kernels.small_gemm and graphs else ()
+        return KernelPlan(
+            self.model, self.kernels, self.limits, rows, compile_cache, self._padding_context
+        )
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""

@@ -144,7 +144,9 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             name = _hf_name(t.name)
             try:
-                data = dequantize(t.data, t.tensor_type)
+                # A plain view of the mapped bytes: gguf splits the rows into groups, and
+                # each slice of a np.memmap pays the subclass's bookkeeping.
+                data = dequantize(np.asarray(t.data), t.tensor_type)
             except NotImplementedError:
                 raise WeightsError(
                     f"{self.path}: tensor {t.name} has type {t.tensor_type.name}, which the "

@@ -215,9 +215,10 @@ class StagedRuntime:
         if not self._on_steps:
             return self._done.wait(timeout)
         self._thread.join(timeout)
+        # (advance takes the device lock, then the turn, as a step's advance does: taking
+        # the turn first here would deadlock with a step holding the lock)
         while not self._thread.is_alive() and not self.done and not self._stop.is_set():
-            with self.stepping():
-                self.advance(wait=True)
+            self.advance(wait=True)
         return self.done
 
     def advance(self, wait: bool = False) -> None:

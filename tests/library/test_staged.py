@@ -281,3 +281,30 @@ def test_a_ctrl_c_inside_an_advance_ends_the_upgrade_and_reaches_the_caller():
     assert s.done and isinstance(s.error, KeyboardInterrupt) and s.upgrade is None
     assert not any(serve(r, s, 5))
     s.release()
+
+
+def test_wait_takes_the_device_lock_before_the_turn_as_a_steps_advance_does():
+    # A step on another thread holds the device lock and then wants the turn (its
+    # advance); wait() on this thread must not hold the turn while it waits for the lock.
+    r, lock = Runner(), threading.RLock()
+    s = staged(r, timer=fast_below(4), on_steps=True, device_lock=lock)
+    built(s)
+    inside = threading.Event()
+
+    def step():
+        with lock:
+            inside.set()
+            threading.Event().wait(0.3)  # (the waiter reaches its lock meanwhile)
+            with s.stepping():
+                pass
+
+    stepper = threading.Thread(target=step, daemon=True)
+    stepper.start()
+    assert inside.wait(5)
+    waiter = threading.Thread(target=s.wait, args=(30,), daemon=True)
+    waiter.start()
+    stepper.join(30)
+    waiter.join(30)
+    assert not stepper.is_alive() and not waiter.is_alive(), "deadlock"
+    assert s.done and s.error is None, s.summary()
+    s.release()

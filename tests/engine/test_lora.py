@@ -124,6 +124,15 @@ def test_bad_adapters_and_requests_are_named(checkpoint, tmp_path):
     (dora / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA is not supported"):
         llm.load_lora("dora", str(dora))
+    (dora / "adapter_config.json").write_text(
+        json.dumps({k: v for k, v in settings.items() if k != "r"})
+    )
+    with pytest.raises(ValueError, match="r must be a positive integer, got None"):
+        llm.load_lora("no_rank", str(dora))
+    (dora / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="adapter_config.json is not JSON"):
+        llm.load_lora("broken", str(dora))
+    assert llm.lora_names == ["b"]  # (nothing half-loaded)
     with pytest.raises(ValueError, match="no adapter named 'zzz'"):
         llm.unload_lora("zzz")
     assert llm.lora_names == ["b"]

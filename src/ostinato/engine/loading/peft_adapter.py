@@ -45,8 +45,8 @@ def read_peft_adapter(
     one of the q, k, v, o, gate, up and down projections, or a shape does not fit."""
     folder = Path(path)
     settings = _settings(name, folder)
-    rank = settings["r"]
-    if not isinstance(rank, int) or rank < 1:
+    rank = settings.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise LoraAdapterError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise LoraAdapterError(
@@ -68,7 +68,12 @@ def _settings(name: str, folder: Path) -> dict[str, Any]:
             f"LoRA adapter {name!r}: {file} not found; give a PEFT adapter folder "
             "(adapter_config.json and adapter_model.safetensors)"
         )
-    settings = json.loads(file.read_text())
+    try:
+        settings = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {file} is not JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {file} holds no settings object")
     if settings.get("peft_type", "LORA") != "LORA":
         kind = settings["peft_type"]
         raise LoraAdapterError(f"LoRA adapter {name!r}: peft_type {kind!r}, not LORA")

@@ -217,8 +217,9 @@ def test_bad_settings_name_themselves():
 
 
 def built(s):
-    """Waits (at most 3 s) until an on_steps upgrade's thread has built it and ended."""
-    for _ in range(300):
+    """Waits (at most 30 s: a busy machine) until an on_steps upgrade's thread has built
+    it and ended."""
+    for _ in range(3000):
         if s.upgrade is not None and not s._thread.is_alive():
             return
         threading.Event().wait(0.01)

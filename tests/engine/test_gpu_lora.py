@@ -103,3 +103,26 @@ def test_specialised_graphs_skip_the_lora_gemms_for_base_steps(checkpoint):
     used = {b.descriptor.has_lora for b in llm.graph_stats().buckets if b.replays}
     assert used == {True, False}
     llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
+    # The decode graphs' expand (each row gathers its slot of B) against the dense path's
+    # arithmetic (every slot, masked) in float64; rows without a slot stay bitwise.
+    from ostinato.engine.kernels.lora_expand import lora_expand
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    slots_n, width, n = 4, 48, 2560
+    s = torch.randn(rows, slots_n * width, device="cuda", generator=gen).to(dtype)
+    b = (torch.randn(slots_n * width, n, device="cuda", generator=gen) * 0.05).to(dtype)
+    y = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
+    slots = torch.randint(-1, slots_n, (64,), device="cuda", generator=gen)
+    mask = (slots[:rows, None] == torch.arange(slots_n, device="cuda")).double()
+    masked = (s.double().unflatten(1, (slots_n, -1)) * mask.unsqueeze(-1)).flatten(1)
+    want = y.double() + masked @ b.double()
+    got = lora_expand(y.clone(), s, b, slots, slots_n).double()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
+    none = slots[:rows] < 0
+    assert torch.equal(got[none], y.double()[none])

@@ -138,9 +138,20 @@ class LoraProjection(nn.Module):
         self.a[span].copy_(rows[0], non_blocking=True)
         self.b[span].copy_(rows[1], non_blocking=True)
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def add_to(
+        self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
         """``y`` (``[n, out]``, the base projection of ``x``) plus each row's adapter
-        delta, in place; ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0."""
+        delta, in place; ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0;
+        ``slots``: the rows' slots (``row_slots``). A few rows on CUDA, eagerly (the
+        decode graphs), expand in one kernel that gathers each row's slot of B
+        (``lora_expand``) instead of a mask multiply and a GEMM over every slot."""
+        if x.is_cuda and not torch.compiler.is_compiling():
+            from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
+
+            if x.shape[0] <= lora_expand.MAX_ROWS:
+                s = torch.mm(x, self.a.t())
+                return lora_expand.lora_expand(y, s, self.b, slots, self.shape.max_loras)
         # No reshape or broadcast names the row count: compiled, it is an unbacked size,
         # on which torch 2.11 would guard (``addmm_`` checks its input's broadcast).
         s = torch.mm(x, self.a.t()).unflatten(1, (self.shape.max_loras, -1))
@@ -224,7 +235,8 @@ class LoraRows:
 
     def add(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, layer ``layer``'s ``group`` projection of ``x``, plus each row's delta."""
-        return self.weights.layers[layer][group].add_to(y, x, self.mask)
+        projection = self.weights.layers[layer][group]
+        return projection.add_to(y, x, self.mask, self.weights.row_slots)
 
 
 def lora_step() -> bool:

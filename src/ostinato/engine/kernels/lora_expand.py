@@ -1,0 +1,69 @@
+"""The LoRA expand of a few rows in one kernel, each row gathering its own slot's B.
+
+For decode steps (at most ``MAX_ROWS`` rows) ``LoraProjection.add_to`` runs its shrink
+as one GEMM over every slot (``s = x @ a.T``, ``[rows, max_loras * W]``), then this
+kernel instead of the dense path's mask multiply and expand GEMM (two kernels): a program
+per (row, block of output columns) reads the row's slot, its ``W`` entries of ``s`` and
+the slot's ``W`` rows of ``B`` for its columns, and writes ``y + s_slot @ B_slot`` in
+place, accumulated in float32 and rounded once, as the expand GEMM does. A row without a
+slot (-1) writes nothing. No program walks ``K``: the shrink did, once, in the GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ostinato.engine.kernels.launch import launch
+
+MAX_ROWS = 16  # decode steps; larger steps take the dense path (B is read once a row)
+BLOCK_N = 128
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, s_ptr, b_ptr, slots_ptr, N, stride_y, stride_s, stride_b,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    valid = slot >= 0  # (a row without a slot loads nothing and writes nothing)
+    w = tl.arange(0, W_PAD)
+    w_ok = (w < W) & valid
+    rows = tl.maximum(slot, 0) * W + w
+    s = tl.load(s_ptr + row * stride_s + rows, mask=w_ok, other=0.0).to(tl.float32)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = (cols < N) & valid
+    b = tl.load(
+        b_ptr + rows[:, None] * stride_b + cols[None, :],
+        mask=w_ok[:, None] & c_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    delta = tl.sum(b * s[:, None], axis=0)
+    out = y_ptr + row * stride_y + cols
+    y = tl.load(out, mask=c_ok, other=0.0).to(tl.float32)
+    tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=c_ok)
+
+
+def lora_expand(
+    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, max_loras: int
+) -> torch.Tensor:
+    """``y[i] += s[i, slot rows] @ b[slot rows]`` in place for each row ``i`` with
+    ``slots[i] >= 0`` (``s`` ``[rows, max_loras * W]``, every slot's shrink; ``b``
+    ``[max_loras * W, N]``; ``slots`` at least ``y``'s rows, int64); returns ``y``."""
+    n, width = y.shape[0], b.shape[0] // max_loras
+    if n > MAX_ROWS or y.shape[1] != b.shape[1] or s.shape != (n, b.shape[0]):
+        raise ValueError(
+            f"lora_expand: y {tuple(y.shape)}, s {tuple(s.shape)}, b {tuple(b.shape)}: "
+            f"needs at most {MAX_ROWS} rows, y [rows, N], s [rows, b's rows]"
+        )
+    if y.stride(-1) != 1 or s.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("lora_expand: every operand needs a contiguous last dimension")
+    grid = (n, triton.cdiv(b.shape[1], BLOCK_N))
+    launch(
+        _lora_expand_kernel, grid, y, s, b, slots, b.shape[1],
+        y.stride(0), s.stride(0), b.stride(0),
+        W=width, W_PAD=triton.next_power_of_2(width), BLOCK_N=BLOCK_N, num_warps=4,
+    )  # fmt: skip
+    return y

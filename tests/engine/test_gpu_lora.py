@@ -126,3 +126,25 @@ def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
     none = slots[:rows] < 0
     assert torch.equal(got[none], y.double()[none])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows):
+    # The gate/up group's expand with SiLU·mul in the same kernel against the unfused
+    # path: the dense sum rounded to the dtype, then ostinato::silu_mul.
+    from ostinato.engine.kernels.lora_expand import lora_expand
+
+    gen = torch.Generator(device="cuda").manual_seed(10 + rows)
+    slots_n, width, n = 4, 32, 2 * 1792
+    s = torch.randn(rows, slots_n * width, device="cuda", generator=gen).to(dtype)
+    b = (torch.randn(slots_n * width, n, device="cuda", generator=gen) * 0.05).to(dtype)
+    y = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
+    slots = torch.randint(-1, slots_n, (64,), device="cuda", generator=gen)
+    mask = (slots[:rows, None] == torch.arange(slots_n, device="cuda")).double()
+    masked = (s.double().unflatten(1, (slots_n, -1)) * mask.unsqueeze(-1)).flatten(1)
+    total = (y.double() + masked @ b.double()).to(dtype)
+    want = torch.ops.ostinato.silu_mul(total, False).double()
+    got = lora_expand(y.clone(), s, b, slots, slots_n, swiglu=True).double()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (1e-6 if dtype is torch.float32 else 1e-2), err

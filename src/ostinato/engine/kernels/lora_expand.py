@@ -7,6 +7,11 @@ per (row, block of output columns) reads the row's slot, its ``W`` entries of ``
 the slot's ``W`` rows of ``B`` for its columns, and writes ``y + s_slot @ B_slot`` in
 place, accumulated in float32 and rounded once, as the expand GEMM does. A row without a
 slot (-1) writes nothing. No program walks ``K``: the shrink did, once, in the GEMM.
+
+With ``swiglu`` (the gate/up group) the kernel also applies SiLU·mul, the next kernel of
+the unfused MLP: each program takes a block of gate columns and the same block of up
+columns, rounds ``y + delta`` of each to the input dtype (as the unfused path stores
+them) and writes ``silu(gate) * up`` to a new tensor, for every row.
 """
 
 from __future__ import annotations
@@ -22,36 +27,57 @@ BLOCK_N = 128
 
 
 @triton.jit
-def _lora_expand_kernel(
-    y_ptr, s_ptr, b_ptr, slots_ptr, N, stride_y, stride_s, stride_b,
-    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + row)
-    valid = slot >= 0  # (a row without a slot loads nothing and writes nothing)
-    w = tl.arange(0, W_PAD)
-    w_ok = (w < W) & valid
-    rows = tl.maximum(slot, 0) * W + w
-    s = tl.load(s_ptr + row * stride_s + rows, mask=w_ok, other=0.0).to(tl.float32)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ok = (cols < N) & valid
+def _slot_delta(b_ptr, s, rows, w_ok, cols, c_ok, stride_b):
+    """The float32 delta ``s @ B[rows]`` at ``cols`` (zero where a mask is off)."""
     b = tl.load(
         b_ptr + rows[:, None] * stride_b + cols[None, :],
         mask=w_ok[:, None] & c_ok[None, :],
         other=0.0,
     ).to(tl.float32)
-    delta = tl.sum(b * s[:, None], axis=0)
-    out = y_ptr + row * stride_y + cols
-    y = tl.load(out, mask=c_ok, other=0.0).to(tl.float32)
-    tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=c_ok)
+    return tl.sum(b * s[:, None], axis=0)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, s_ptr, b_ptr, slots_ptr, out_ptr, N, stride_y, stride_s, stride_b, stride_out,
+    W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    valid = slot >= 0  # (a row without a slot loads no B)
+    w = tl.arange(0, W_PAD)
+    w_ok = (w < W) & valid
+    rows = tl.maximum(slot, 0) * W + w
+    s = tl.load(s_ptr + row * stride_s + rows, mask=w_ok, other=0.0).to(tl.float32)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N  # (N: the output's columns; with SWIGLU half of B's)
+    delta = _slot_delta(b_ptr, s, rows, w_ok, cols, c_ok, stride_b)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=c_ok, other=0.0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    if SWIGLU:
+        up_delta = _slot_delta(b_ptr, s, rows, w_ok, cols + N, c_ok, stride_b)
+        up = tl.load(y_ptr + row * stride_y + N + cols, mask=c_ok, other=0.0).to(tl.float32)
+        gate = (y + delta).to(dtype).to(tl.float32)
+        up = (up + up_delta).to(dtype).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + row * stride_out + cols, act.to(dtype), mask=c_ok)
+    else:
+        tl.store(y_ptr + row * stride_y + cols, (y + delta).to(dtype), mask=c_ok & valid)
 
 
 def lora_expand(
-    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, max_loras: int
+    y: torch.Tensor,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    max_loras: int,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """``y[i] += s[i, slot rows] @ b[slot rows]`` in place for each row ``i`` with
     ``slots[i] >= 0`` (``s`` ``[rows, max_loras * W]``, every slot's shrink; ``b``
-    ``[max_loras * W, N]``; ``slots`` at least ``y``'s rows, int64); returns ``y``."""
+    ``[max_loras * W, N]``; ``slots`` at least ``y``'s rows, int64); returns ``y``. With
+    ``swiglu``: returns a new ``silu(g) * u`` (``[rows, N / 2]``) of the gate and up halves
+    of that sum, each rounded to ``y``'s dtype first; ``y`` is left as it was."""
     n, width = y.shape[0], b.shape[0] // max_loras
     if n > MAX_ROWS or y.shape[1] != b.shape[1] or s.shape != (n, b.shape[0]):
         raise ValueError(
@@ -60,10 +86,12 @@ def lora_expand(
         )
     if y.stride(-1) != 1 or s.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_expand: every operand needs a contiguous last dimension")
-    grid = (n, triton.cdiv(b.shape[1], BLOCK_N))
+    cols = b.shape[1] // 2 if swiglu else b.shape[1]
+    out = torch.empty((n, cols), dtype=y.dtype, device=y.device) if swiglu else y
     launch(
-        _lora_expand_kernel, grid, y, s, b, slots, b.shape[1],
-        y.stride(0), s.stride(0), b.stride(0),
-        W=width, W_PAD=triton.next_power_of_2(width), BLOCK_N=BLOCK_N, num_warps=4,
+        _lora_expand_kernel, (n, triton.cdiv(cols, BLOCK_N)), y, s, b, slots, out, cols,
+        y.stride(0), s.stride(0), b.stride(0), out.stride(0),
+        W=width, W_PAD=triton.next_power_of_2(width), BLOCK_N=BLOCK_N, SWIGLU=swiglu,
+        num_warps=4,
     )  # fmt: skip
-    return y
+    return out

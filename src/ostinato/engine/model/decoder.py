@@ -225,8 +225,7 @@ class Mlp(nn.Module):
         if lora is None:
             up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
             return self.tp.all_reduce(self.down_proj(up))
-        gate_up = lora.add(self.layer, "gate_up", self.gate_up_proj(x), x)
-        up = torch.ops.ostinato.silu_mul(gate_up, self.kernels.pdl)
+        up = lora.swiglu(self.layer, self.gate_up_proj(x), x, self.kernels.pdl)
         return self.tp.all_reduce(lora.add(self.layer, "down", self.down_proj(up), up))
 
     def forward_fused(

@@ -139,19 +139,30 @@ class LoraProjection(nn.Module):
         self.b[span].copy_(rows[1], non_blocking=True)
 
     def add_to(
-        self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        slots: torch.Tensor,
+        swiglu_pdl: bool | None = None,
     ) -> torch.Tensor:
         """``y`` (``[n, out]``, the base projection of ``x``) plus each row's adapter
         delta, in place; ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0;
-        ``slots``: the rows' slots (``row_slots``). A few rows on CUDA, eagerly (the
-        decode graphs), expand in one kernel that gathers each row's slot of B
-        (``lora_expand``) instead of a mask multiply and a GEMM over every slot."""
+        ``slots``: the rows' slots (``row_slots``). With ``swiglu_pdl`` (not None: the
+        gate/up group), SiLU·mul of that sum instead (``ostinato::silu_mul``, with PDL
+        as it says). A few rows on CUDA, eagerly (the decode graphs), expand in one
+        kernel that gathers each row's slot of B (``lora_expand``, SiLU·mul included)
+        instead of a mask multiply and a GEMM over every slot."""
+        swiglu = swiglu_pdl is not None
         if x.is_cuda and not torch.compiler.is_compiling():
             from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
 
             if x.shape[0] <= lora_expand.MAX_ROWS:
                 s = torch.mm(x, self.a.t())
-                return lora_expand.lora_expand(y, s, self.b, slots, self.shape.max_loras)
+                return lora_expand.lora_expand(y, s, self.b, slots, self.shape.max_loras, swiglu)
+        if swiglu:
+            total = self.add_to(y, x, mask, slots)
+            return torch.ops.ostinato.silu_mul(total, swiglu_pdl)
         # No reshape or broadcast names the row count: compiled, it is an unbacked size,
         # on which torch 2.11 would guard (``addmm_`` checks its input's broadcast).
         s = torch.mm(x, self.a.t()).unflatten(1, (self.shape.max_loras, -1))
@@ -237,6 +248,12 @@ class LoraRows:
         """``y``, layer ``layer``'s ``group`` projection of ``x``, plus each row's delta."""
         projection = self.weights.layers[layer][group]
         return projection.add_to(y, x, self.mask, self.weights.row_slots)
+
+    def swiglu(self, layer: int, y: torch.Tensor, x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        """SiLU·mul of layer ``layer``'s gate/up projection ``y`` of ``x`` plus each row's
+        delta (``ostinato::silu_mul``'s ``pdl`` where that op runs)."""
+        projection = self.weights.layers[layer]["gate_up"]
+        return projection.add_to(y, x, self.mask, self.weights.row_slots, swiglu_pdl=pdl)
 
 
 def lora_step() -> bool:

@@ -133,6 +133,7 @@ def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
 def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows):
     # The gate/up group's expand with SiLU·mul in the same kernel against the unfused
     # path: the dense sum rounded to the dtype, then ostinato::silu_mul.
+    import ostinato.engine.model.silu_mul_op  # noqa: F401  (registers ostinato::silu_mul)
     from ostinato.engine.kernels.lora_expand import lora_expand
 
     gen = torch.Generator(device="cuda").manual_seed(10 + rows)

@@ -41,6 +41,7 @@ def _slot_delta(b_ptr, s, rows, w_ok, cols, c_ok, stride_b):
 def _lora_expand_kernel(
     y_ptr, s_ptr, b_ptr, slots_ptr, out_ptr, N, stride_y, stride_s, stride_b, stride_out,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -61,8 +62,10 @@ def _lora_expand_kernel(
         up = (up + up_delta).to(dtype).to(tl.float32)
         act = gate * tl.sigmoid(gate) * up
         tl.store(out_ptr + row * stride_out + cols, act.to(dtype), mask=c_ok)
-    else:
+    elif IN_PLACE:
         tl.store(y_ptr + row * stride_y + cols, (y + delta).to(dtype), mask=c_ok & valid)
+    else:  # (every row: out is a new tensor)
+        tl.store(out_ptr + row * stride_out + cols, (y + delta).to(dtype), mask=c_ok)
 
 
 def lora_expand(
@@ -72,12 +75,14 @@ def lora_expand(
     slots: torch.Tensor,
     max_loras: int,
     swiglu: bool = False,
+    in_place: bool = True,
 ) -> torch.Tensor:
     """``y[i] += s[i, slot rows] @ b[slot rows]`` in place for each row ``i`` with
     ``slots[i] >= 0`` (``s`` ``[rows, max_loras * W]``, every slot's shrink; ``b``
-    ``[max_loras * W, N]``; ``slots`` at least ``y``'s rows, int64); returns ``y``. With
-    ``swiglu``: returns a new ``silu(g) * u`` (``[rows, N / 2]``) of the gate and up halves
-    of that sum, each rounded to ``y``'s dtype first; ``y`` is left as it was."""
+    ``[max_loras * W, N]``; ``slots`` at least ``y``'s rows, int64); returns ``y``.
+    Without ``in_place``: the sum in a new contiguous tensor, ``y`` (any row stride) left
+    as it was. With ``swiglu``: returns a new ``silu(g) * u`` (``[rows, N / 2]``) of the
+    gate and up halves of that sum, each rounded to ``y``'s dtype first."""
     n, width = y.shape[0], b.shape[0] // max_loras
     if n > MAX_ROWS or y.shape[1] != b.shape[1] or s.shape != (n, b.shape[0]):
         raise ValueError(
@@ -87,11 +92,12 @@ def lora_expand(
     if y.stride(-1) != 1 or s.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_expand: every operand needs a contiguous last dimension")
     cols = b.shape[1] // 2 if swiglu else b.shape[1]
-    out = torch.empty((n, cols), dtype=y.dtype, device=y.device) if swiglu else y
+    fresh = swiglu or not in_place
+    out = torch.empty((n, cols), dtype=y.dtype, device=y.device) if fresh else y
     launch(
         _lora_expand_kernel, (n, triton.cdiv(cols, BLOCK_N)), y, s, b, slots, out, cols,
         y.stride(0), s.stride(0), b.stride(0), out.stride(0),
         W=width, W_PAD=triton.next_power_of_2(width), BLOCK_N=BLOCK_N, SWIGLU=swiglu,
-        num_warps=4,
+        IN_PLACE=not fresh, num_warps=4,
     )  # fmt: skip
     return out

@@ -125,9 +125,10 @@ class Attention(nn.Module):
         LoRA delta added where ``lora``): QK-normed (Qwen3) and rotated (unless ``cos``
         is None)."""
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if lora is not None:
-            qkv = lora.add(self.layer, "qkv", qkv, x)
+        if lora is None:
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = lora.project(self.layer, "qkv", self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.heads, self.head_dim)
         k = k.view(n, self.kv_heads, self.head_dim)
@@ -153,9 +154,7 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         rows = out.view(x.shape[0], self.q_size)
-        o = self.o_proj(rows)
-        if lora is not None:
-            o = lora.add(self.layer, "o", o, rows)
+        o = self.o_proj(rows) if lora is None else lora.project(self.layer, "o", self.o_proj, rows)
         return self.tp.all_reduce(o)
 
     def forward_fused(
@@ -225,8 +224,8 @@ class Mlp(nn.Module):
         if lora is None:
             up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
             return self.tp.all_reduce(self.down_proj(up))
-        up = lora.swiglu(self.layer, self.gate_up_proj(x), x, self.kernels.pdl)
-        return self.tp.all_reduce(lora.add(self.layer, "down", self.down_proj(up), up))
+        up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
+        return self.tp.all_reduce(lora.project(self.layer, "down", self.down_proj, up))
 
     def forward_fused(
         self,
@@ -351,6 +350,7 @@ class DecoderModel(nn.Module):
         if lora is not None and tp.group is not None:
             raise ValueError("lora: not with tensor parallelism yet; use one GPU")
         self.lora = LoraWeights(config, lora) if lora is not None else None
+        self._join_lora()
         # On the device the model is made on (a ``torch.device`` context included).
         inv_freq = rope_inv_freq(config).to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -360,12 +360,24 @@ class DecoderModel(nn.Module):
         # Module.to(dtype) would round the RoPE frequencies to bf16, which shifts the
         # angles of late positions by whole radians; keep them float32 like transformers.
         super()._apply(fn, recurse)
+        self._join_lora()  # (the conversion made the weights and the slots' A anew)
         if self.config.tie_word_embeddings:
             # A conversion that makes new parameters (to_empty from meta) unties them.
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self.rope_table = self._rope_table()
         return self
+
+    def _join_lora(self) -> None:
+        """Each projection's weight and its LoRA slots' A in one buffer (``join``)."""
+        if self.lora is None:
+            return
+        for layer, slots in zip(self.layers, self.lora.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            slots["qkv"].join(attn.qkv_proj)
+            slots["o"].join(attn.o_proj)
+            slots["gate_up"].join(mlp.gate_up_proj)
+            slots["down"].join(mlp.down_proj)
 
     def _rope_table(self) -> torch.Tensor | None:
         """The RoPE table of ``max_positions`` positions, in the weights' dtype, where the

@@ -115,6 +115,24 @@ class LoraProjection(nn.Module):
         # Not persistent: no checkpoint has them; zeroed by ``clear`` once on the device.
         self.register_buffer("a", torch.zeros(width, in_features), persistent=False)
         self.register_buffer("b", torch.zeros(width, sum(outs)), persistent=False)
+        # The projection's weight and ``a`` in one buffer, once ``join`` made it.
+        self.joint: torch.Tensor | None = None
+
+    def join(self, linear: nn.Linear) -> None:
+        """Puts ``linear``'s weight and ``a`` in one buffer (``[out + width, in]``, the
+        weight in its first rows), their values kept: one GEMM then yields the projection
+        and every slot's shrink. ``linear.weight`` (a parameter still) and ``a`` become
+        views of it; call again after anything that makes them anew (``Module._apply``)."""
+        weight = linear.weight
+        rows = weight.shape[0]
+        joint = weight.new_empty((rows + self.a.shape[0], weight.shape[1]))
+        if joint.device.type != "meta":
+            with torch.no_grad():
+                joint[:rows].copy_(weight)
+                joint[rows:].copy_(self.a)
+        linear.weight = nn.Parameter(joint[:rows], requires_grad=weight.requires_grad)
+        self.a = joint[rows:]
+        self.joint = joint
 
     def pack(self, parts: list[Pair | None], scaling: float) -> Pair:
         """One slot's rows (``[members * rank, in]``, ``[members * rank, out]``, float32)
@@ -138,38 +156,40 @@ class LoraProjection(nn.Module):
         self.a[span].copy_(rows[0], non_blocking=True)
         self.b[span].copy_(rows[1], non_blocking=True)
 
-    def add_to(
+    def project(
         self,
-        y: torch.Tensor,
+        linear: nn.Linear,
         x: torch.Tensor,
         mask: torch.Tensor,
         slots: torch.Tensor,
         swiglu_pdl: bool | None = None,
     ) -> torch.Tensor:
-        """``y`` (``[n, out]``, the base projection of ``x``) plus each row's adapter
-        delta, in place; ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0;
-        ``slots``: the rows' slots (``row_slots``). With ``swiglu_pdl`` (not None: the
-        gate/up group), SiLU·mul of that sum instead (``ostinato::silu_mul``, with PDL
-        as it says). A few rows on CUDA, eagerly (the decode graphs), expand in one
-        kernel that gathers each row's slot of B (``lora_expand``, SiLU·mul included)
-        instead of a mask multiply and a GEMM over every slot."""
+        """``linear(x)`` plus each row's adapter delta, a new contiguous tensor (``join``
+        first); ``mask`` ``[n, max_loras]``: 1 in the row's slot, else 0; ``slots``: the
+        rows' slots (``row_slots``). With ``swiglu_pdl`` (not None: the gate/up group),
+        SiLU·mul of that sum instead (``ostinato::silu_mul``, with PDL as it says).
+        One GEMM over the joint weight gives the projection and every slot's shrink; a
+        few rows on CUDA, eagerly (the decode graphs), then expand in one kernel that
+        gathers each row's slot of B (``lora_expand``, SiLU·mul included) instead of a
+        mask multiply and a GEMM over every slot."""
+        assert self.joint is not None, "LoraProjection.project before join"
+        rows = linear.weight.shape[0]
+        full = torch.mm(x, self.joint.t())
+        y, s = full[:, :rows], full[:, rows:]
+        if linear.bias is not None:
+            y = y + linear.bias
         swiglu = swiglu_pdl is not None
         if x.is_cuda and not torch.compiler.is_compiling():
             from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
 
             if x.shape[0] <= lora_expand.MAX_ROWS:
-                s = torch.mm(x, self.a.t())
-                return lora_expand.lora_expand(y, s, self.b, slots, self.shape.max_loras, swiglu)
-        if swiglu:
-            total = self.add_to(y, x, mask, slots)
-            return torch.ops.ostinato.silu_mul(total, swiglu_pdl)
+                max_loras = self.shape.max_loras
+                return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False)
         # No reshape or broadcast names the row count: compiled, it is an unbacked size,
-        # on which torch 2.11 would guard (``addmm_`` checks its input's broadcast).
-        s = torch.mm(x, self.a.t()).unflatten(1, (self.shape.max_loras, -1))
-        s = (s * mask.unsqueeze(-1)).flatten(1)
-        if torch.compiler.is_compiling():
-            return y + torch.mm(s, self.b)
-        return y.addmm_(s, self.b)
+        # on which torch 2.11 would guard.
+        s = (s.unflatten(1, (self.shape.max_loras, -1)) * mask.unsqueeze(-1)).flatten(1)
+        total = y + torch.mm(s, self.b)
+        return total if not swiglu else torch.ops.ostinato.silu_mul(total, swiglu_pdl)
 
 
 class LoraWeights(nn.Module):
@@ -244,16 +264,17 @@ class LoraRows:
     mask: torch.Tensor
     weights: LoraWeights
 
-    def add(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y``, layer ``layer``'s ``group`` projection of ``x``, plus each row's delta."""
+    def project(self, layer: int, group: str, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s ``group`` projection (``linear``) of ``x``, plus each row's
+        delta."""
         projection = self.weights.layers[layer][group]
-        return projection.add_to(y, x, self.mask, self.weights.row_slots)
+        return projection.project(linear, x, self.mask, self.weights.row_slots)
 
-    def swiglu(self, layer: int, y: torch.Tensor, x: torch.Tensor, pdl: bool) -> torch.Tensor:
-        """SiLU·mul of layer ``layer``'s gate/up projection ``y`` of ``x`` plus each row's
-        delta (``ostinato::silu_mul``'s ``pdl`` where that op runs)."""
+    def swiglu(self, layer: int, linear: nn.Linear, x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        """SiLU·mul of layer ``layer``'s gate/up projection (``linear``) of ``x`` plus each
+        row's delta (``ostinato::silu_mul``'s ``pdl`` where that op runs)."""
         projection = self.weights.layers[layer]["gate_up"]
-        return projection.add_to(y, x, self.mask, self.weights.row_slots, swiglu_pdl=pdl)
+        return projection.project(linear, x, self.mask, self.weights.row_slots, swiglu_pdl=pdl)
 
 
 def lora_step() -> bool:

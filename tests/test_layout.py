@@ -3,6 +3,7 @@ including those inside functions), has no cycle and respects the layers."""
 
 import ast
 import functools
+import re
 from collections import defaultdict
 from dataclasses import fields
 from pathlib import Path
@@ -307,3 +308,11 @@ def test_benchmarks_use_public_api_and_the_named_hooks():
             continue
         bad = sorted(_engine_imports(path) - allowed)
         assert not bad, f"benchmarks/{path.name} imports engine internals {bad}"
+
+
+def test_the_readme_stays_under_200_lines_without_commit_hashes():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert len(text.splitlines()) < 200
+    words = re.findall(r"\b[0-9a-f]{7,40}\b", text)
+    hashes = [w for w in words if re.search("[a-f]", w) and re.search("[0-9]", w)]
+    assert not hashes, f"README names commits {hashes}"

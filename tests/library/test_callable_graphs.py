@@ -11,9 +11,10 @@ import warnings
 import pytest
 import torch
 from fakes import FakePlatform
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ostinato
-from ostinato import GraphMode
+from ostinato import GraphMode, callable_graphs
 from ostinato.callable_graphs import PaddingChangesRealRowsError, SignatureLimitError
 from ostinato.platform.cpu import CpuPlatform
 
@@ -150,6 +151,58 @@ def test_padding_that_changes_real_rows_is_named():
         centre, max_batch_size=8, platform=FakePlatform(), capture="first_use", check_padding=False
     )
     unchecked(torch.randn(3, 8))  # the caller said the mixing is intended
+
+
+def _allclose_in_float64(a, b):
+    a, b = a.double(), b.double()
+    atol = 1e-3 * max(a.abs().max().item(), 1e-6)
+    if torch.allclose(a, b, rtol=1e-3, atol=atol, equal_nan=True):
+        return None
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
+def test_the_padding_comparison_by_chunks_equals_one_in_float64_whole(monkeypatch, chunk):
+    monkeypatch.setattr(callable_graphs, "_CHUNK_ELEMENTS", chunk)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        rows, cols = 1 + trial % 9, 1 + trial % 5
+        a = torch.randn(rows, cols, generator=gen) * 10 ** (trial % 4)
+        b = a.clone()
+        if trial % 3:  # a change near or past the tolerance, in a random row
+            r, c = (
+                torch.randint(rows, (1,), generator=gen),
+                torch.randint(cols, (1,), generator=gen),
+            )
+            b[r, c] += (
+                (1e-3 if trial % 3 == 1 else 1e-1) * a.abs().max() * torch.rand(1, generator=gen)
+            )
+        for dtype in (torch.float32, torch.bfloat16):
+            x, y = a.to(dtype), b.to(dtype)
+            got, want = callable_graphs.real_rows_differ(x, y), _allclose_in_float64(x, y)
+            assert (got is None) == (want is None), (trial, dtype, got, want)
+            if got is not None:
+                assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_the_padding_check_holds_no_float_copy_of_a_whole_output(monkeypatch):
+    """Logits of a language model at 33 rows are large: the check's copies stay a chunk."""
+    monkeypatch.setattr(callable_graphs, "_CHUNK_ELEMENTS", 64)
+    largest = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype in (torch.float32, torch.float64):
+                largest.append(out.numel())
+            return out
+
+    x = torch.randn(33, 1000).to(torch.bfloat16)
+    with Sizes():
+        assert callable_graphs.real_rows_differ(x[:32], x[:32].clone()) is None
+    assert max(largest) <= 1000  # one row at a time (a row is over the chunk)
+    bad = torch.tensor([[True, False], [False, False]])
+    assert callable_graphs.real_rows_differ(bad, ~bad) == 1.0  # booleans compare too
 
 
 def test_on_the_cpu_every_call_runs_eagerly_and_says_why_once():

@@ -69,6 +69,7 @@ class SystemRow:
     ms_b8: float
     max_abs_diff: float  # against eager, over the checked calls
     peak_mib: float
+    peak_mib_by_phase: dict[str, float]  # first pass, upgrade (staged), the rest
     graphs: int | None = None  # ostinato: graphs captured
     upgrade_s: float | None = None  # staged: the upgrade's wait after the first pass
     notes: list[str] = field(default_factory=list)
@@ -222,7 +223,9 @@ def run_system(
     fn, graphed = system(w, name, args.max_batch)
     inputs = [w.inputs(b, n) for b, n in stream]
     warmup = sum(timed(fn, x)[1] for x in inputs) / 1e3
+    phases = {"first pass": _peak_mib(base)}
     upgrade_s, notes = _upgrade(graphed)
+    phases["upgrade"] = _peak_mib(base)
     for x in inputs:  # (settled: every size of the stream at its steady state)
         timed(fn, x)
     by_batch: dict[int, list[float]] = {}
@@ -236,7 +239,7 @@ def run_system(
     ms = {
         b: statistics.median(timed(fn, x)[1] for _ in range(args.repeats)) for b, x in fixed.items()
     }
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if torch.cuda.is_available() else 0.0
+    phases["rest"] = _peak_mib(base)
     graphs = _graphs(graphed, name)
     every = [t for ts in by_batch.values() for t in ts]
     return SystemRow(
@@ -248,11 +251,21 @@ def run_system(
         ms[1],
         ms[8],
         diff,
-        peak,
+        max(phases.values()),
+        phases,
         graphs,
         upgrade_s,
         notes,
     )
+
+
+def _peak_mib(base: int) -> float:
+    """The peak allocated above ``base`` since the last call (MiB; 0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def _upgrade(graphed: Any) -> tuple[float | None, list[str]]:
@@ -334,6 +347,8 @@ def report(row: SystemRow, rows: list[SystemRow]) -> None:
         f"  B=1 {row.ms_b1:7.3f}  B=8 {row.ms_b8:7.3f} ms  |diff| {row.max_abs_diff:.3g}",
         flush=True,
     )
+    phases = ", ".join(f"{k} {v:.0f}" for k, v in row.peak_mib_by_phase.items())
+    print(f"{'':26s} peak {row.peak_mib:.0f} MiB ({phases})", flush=True)
     if row.upgrade_s is not None:
         print(f"{'':26s} upgrade ended {row.upgrade_s:.1f} s after the first pass")
         print("\n".join(f"{'':26s} {note}" for note in row.notes), flush=True)

@@ -1,6 +1,8 @@
 """Plots a ``python -m benchmarks.graphed_models`` result: per model, mean ms per call at
-each batch size of the stream for every system, with each system's warm-up seconds and
-graph count in the legend. Usage: python -m benchmarks.plot_graphed OUT.png RESULT.json"""
+each batch size of the stream for every system (each size alone where the result has
+those medians), with each system's warm-up seconds, peak memory and graph count in the
+legend. Several results (one model each) plot side by side.
+Usage: python -m benchmarks.plot_graphed OUT.png RESULT.json [RESULT.json ...]"""
 
 from __future__ import annotations
 
@@ -11,21 +13,29 @@ from pathlib import Path
 
 def legend(row: dict) -> str:
     graphs = f", {row['graphs']} graphs" if row.get("graphs") is not None else ""
-    return f"{row['system']} (warm-up {row['warmup_s']:.1f} s{graphs})"
+    peak = f", peak {row['peak_mib']:.0f} MiB" if row.get("peak_mib") else ""
+    return f"{row['system']} (warm-up {row['warmup_s']:.1f} s{peak}{graphs})"
 
 
-def main(out: str, path: str) -> None:
+def main(out: str, *paths: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    doc = json.loads(Path(path).read_text())
-    models = list(dict.fromkeys(r["model"] for r in doc["rows"]))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        for row in (r for r in doc["rows"] if r["model"] == model):
-            points = sorted((int(b), ms) for b, ms in row["ms_by_batch"].items())
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [r for doc in docs for r in doc["rows"]]
+    doc = docs[0]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cols = min(3, len(models))
+    grid = (-(-len(models) // cols), cols)
+    fig, axes = plt.subplots(*grid, figsize=(5.5 * cols, 4.2 * grid[0]), squeeze=False)
+    for ax in axes.flat[len(models) :]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models, strict=False):
+        for row in (r for r in rows if r["model"] == model):
+            by_size = row.get("median_ms_by_size") or row["ms_by_batch"]
+            points = sorted((int(b), ms) for b, ms in by_size.items())
             ax.plot(*zip(*points, strict=True), marker=".", label=legend(row))
         ax.set_title(model)
         ax.set_xlabel("batch size")

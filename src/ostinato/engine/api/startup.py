@@ -361,7 +361,9 @@ def capture(parts: EngineParts, c: Checked, propose: Proposal | None, limits: En
         parts.background = runner.capture_in_background()
     else:
         runner.capture()
+        start = time.perf_counter()
         sampling_graphs = runner.capture_sampling(generator)
+        parts.sampling_capture_s = time.perf_counter() - start
     if c.capture == "staged":
         upgrade = graph_config(c, limits, upgrade=True)
         platform = platform_for_device(parts.device)
@@ -439,4 +441,6 @@ def _build_on(
         compile_s,
         time.perf_counter() - capture_start - compile_s,
         background=parts.background is not None,
+        recording_s=parts.runner.manager.report.seconds,
+        sampling_s=parts.sampling_capture_s,
     )

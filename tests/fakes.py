@@ -9,6 +9,7 @@ captured tensors, writes to the same outputs, and runs no Python of the captured
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,3 +183,17 @@ def engine_on(monkeypatch, platform: Platform) -> None:
 
     for module in (llm_module, runner_module, self_draft_module):
         monkeypatch.setattr(module, "platform_for_device", lambda device: platform)
+
+
+def capture_threads(platform: FakePlatform) -> list[threading.Thread]:
+    """The threads ``platform``'s captures run on from now on, in order (filled as they
+    happen)."""
+    seen: list[threading.Thread] = []
+    real = platform.capture
+
+    def capture(graph: Any, pool: Any) -> Any:
+        seen.append(threading.current_thread())
+        return real(graph, pool)
+
+    platform.capture = capture  # type: ignore[method-assign]
+    return seen

@@ -52,7 +52,8 @@ from torch.utils._pytree import (
 
 from ostinato.batch import BatchDescriptor
 from ostinato.config import GraphConfig
-from ostinato.errors import OstinatoError
+from ostinato.dispatcher import Dispatch
+from ostinato.errors import GraphCaptureError, OstinatoError
 from ostinato.mathutil import checked_bool, checked_int, is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
@@ -178,8 +179,9 @@ def graphed(
     ``capture``: ``"auto"`` (``"staged"`` for FULL graphs without ``splitting_ops`` and
     with ``compiler="auto"``, else ``"first_use"``), ``"first_use"`` (each signature on
     its first call), ``"construction"`` (now, for ``example = (args, kwargs)``),
-    ``"background"`` (on a thread; calls run eagerly until their size is ready; the
-    caller's own device synchronizations and CUDA random numbers must wait for it) or
+    ``"background"`` (no wait for the ladder: each call captures at most one graph on
+    the caller's thread, its own bucket's if missing, else the next; a call whose
+    bucket has none runs eagerly, as while another signature compiles) or
     ``"staged"`` (graphs of ``fn`` as it is at once, then Inductor's per bucket where
     timed faster: see the module docstring). ``max_batch_size`` (default 64) makes the
     ladder of sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.
@@ -477,6 +479,8 @@ class _Signature:
         stage = self.staged or self.runtime.manager  # (where the step runs)
         with torch.inference_mode(), stage.stepping():
             dispatch = (self.staged or self.runtime).dispatch(call.batch, uniform_decode=full)
+            if self.options.capture == "background":
+                self._capture_next(dispatch)
             padded = dispatch.descriptor.num_tokens
             if padded > self.rows:
                 self._oversize = call.leaves
@@ -500,7 +504,10 @@ class _Signature:
         if self.runtime.mode is GraphMode.NONE:
             return True
         if self.options.capture == "background":
-            self.runtime.manager.capture_in_background()
+            # One graph per call, on the caller's thread (``_capture_next``): a capture
+            # on another thread would break the caller's own device synchronizations
+            # and random numbers between calls.
+            self.runtime.manager.capture_on_steps()
             return True
         if not _DEVICE.acquire(blocking=wait):
             return False
@@ -516,6 +523,22 @@ class _Signature:
                 self.runtime, self._build_upgrade, on_steps=True, device_lock=_DEVICE
             )
         return True
+
+    def _capture_next(self, dispatch: Dispatch) -> None:
+        """``capture="background"``: one more graph before this call (its own bucket's
+        first), unless another signature's compile holds the device. A failed capture
+        is a warning: the graphs are released and the calls go on eagerly."""
+        if not _DEVICE.acquire(blocking=False):
+            return
+        try:
+            self.runtime.manager.capture_next(dispatch.descriptor)
+        except GraphCaptureError as exc:
+            warnings.warn(
+                f"ostinato.graphed: {self.describe()} runs eagerly from now on: {exc}",
+                stacklevel=4,
+            )
+        finally:
+            _DEVICE.release()
 
     def _build_upgrade(self) -> GraphRuntime:
         """The staged upgrade (on its thread): FULL graphs of ``fn`` compiled whole,

@@ -21,14 +21,17 @@ _in_capture_phase: ContextVar[bool] = ContextVar("ostinato_capture_phase", defau
 
 
 @contextlib.contextmanager
-def capture_phase() -> Iterator[None]:
+def capture_phase(collect: bool = True) -> Iterator[None]:
     """Inside this block graphs may be captured; garbage collection is paused.
 
-    One full collection runs on entry; the collector is re-enabled on exit (only if it
-    was enabled before). Pausing it matters because a capture may be triggered once per
-    piece per size, and a collection between captures costs far more than the capture.
+    With ``collect``, one full collection runs on entry (memory freed before the
+    captures); the collector is re-enabled on exit (only if it was enabled before).
+    Pausing it matters because a capture may be triggered once per piece per size, and
+    a collection between captures costs far more than the capture. A phase of one
+    capture between a caller's steps skips the entry collection for the same reason.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     token = _in_capture_phase.set(True)

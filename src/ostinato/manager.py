@@ -123,6 +123,7 @@ class GraphManager:
         # background capture records: the two never interleave.
         self._turn = Turn()
         self.background: BackgroundCapture | None = None
+        self._later: list[CaptureItem] | None = None  # capture_on_steps' items left
         self._stats = ReplayStats(dispatcher.max_size)
 
     def capture_plan(self) -> list[CaptureItem]:
@@ -166,6 +167,33 @@ class GraphManager:
             self.capture_plan(), self.capture_item, self._release_graphs, self._turn, prologue
         )
         return self.background
+
+    def capture_on_steps(self) -> None:
+        """Captures nothing now: ``capture_next``, called by the caller between steps,
+        records ``capture_plan()`` one item at a time, on the caller's thread; until its
+        item is captured a step runs eagerly (``NOT_CAPTURED_YET``). For callers whose
+        own code between steps uses the device (random numbers, synchronizations), which
+        a capture on another thread would break."""
+        if self.background is not None or self._later is not None:
+            raise RuntimeError("capture_on_steps: this manager already captures")
+        self._later = self.capture_plan()
+
+    def capture_next(self, want: BatchDescriptor | None = None) -> bool:
+        """After ``capture_on_steps``: captures the item for ``want`` if it is still to
+        be captured, else the next in plan order; returns whether one was captured. A
+        failure releases every graph and drops the rest of the plan (the steps then run
+        eagerly) and raises ``GraphCaptureError``, as ``capture`` does."""
+        if not self._later:
+            return False
+        item = next((i for i in self._later if i.descriptor == want), self._later[0])
+        self._later.remove(item)
+        try:
+            with torch.inference_mode(), capture_phase(collect=False):
+                self.capture_item(item)
+        except BaseException:
+            self._later = []
+            raise
+        return True
 
     def stepping(self) -> contextlib.AbstractContextManager[None]:
         """The step's turn: hold it (``with manager.stepping():``) from writing a step's
@@ -289,7 +317,7 @@ class GraphManager:
         total is what the pool grew by (a dropped graph's memory stays in the pool, for
         the next captures)."""
         mode = self.dispatcher.mode
-        if mode is not GraphMode.FULL or self.background is not None:
+        if mode is not GraphMode.FULL or self.background is not None or self._later is not None:
             raise ValueError(
                 f"resize: only a FULL-mode manager captured with capture() can change its "
                 f"ladder between steps (this one is {mode.name}"
@@ -356,6 +384,8 @@ class GraphManager:
         reason = None
         if mode is GraphMode.FULL and d in self.demoted:
             mode, reason = GraphMode.NONE, EagerReason.DEMOTED
+        elif self._later is not None and not self.ready(dispatch):
+            mode = GraphMode.NONE  # (captured by a later capture_next, or failed)
         elif self.background is not None and not self.ready(dispatch):
             with self._turn:  # (the caller holds it too: re-entrant)
                 if not self.ready(dispatch):
@@ -399,6 +429,8 @@ class GraphManager:
         manager must not replay afterwards. Safe to call more than once."""
         if self.background is not None:
             self.background.stop()
+        if self._later is not None:
+            self._later = []
         self._release_graphs()
 
     def _release_graphs(self) -> None:

@@ -4,13 +4,15 @@ the persistent buffers hold) every argument form, random size streams against ea
 the padding check, the statistics against a brute-force count, and the named errors;
 on the plain CPU platform the eager fallback that says why once."""
 
+import contextlib
 import inspect
 import random
+import threading
 import warnings
 
 import pytest
 import torch
-from fakes import FakePlatform
+from fakes import FakePlatform, capture_threads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ostinato
@@ -376,15 +378,55 @@ def test_a_named_compiler_compiles_the_whole_function_once_for_every_bucket():
     assert 1 <= frames["ok"] <= 2
 
 
-def test_background_capture_answers_at_once_and_replays_once_ready():
+@contextlib.contextmanager
+def device_held_elsewhere():
+    """Inside, another thread holds graphed's device lock (as another signature's compile
+    does)."""
+    held, free = threading.Event(), threading.Event()
+
+    def hold():
+        with callable_graphs._DEVICE:
+            held.set()
+            free.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(30)
+    try:
+        yield
+    finally:
+        free.set()
+        thread.join()
+
+
+def test_background_capture_takes_one_graph_per_call_on_the_callers_thread():
     model, platform = mlp().eval(), FakePlatform()
+    threads = capture_threads(platform)
     fast = ostinato.graphed(model, max_batch_size=8, platform=platform, capture="background")
     x = torch.randn(3, 8)
-    torch.testing.assert_close(fast(x), eager(model, x))  # eager or replayed: equal
-    (sig,) = fast._signatures.values()
-    assert sig.runtime.manager.background.wait(30)
+    for calls in range(1, 6):  # the ladder is 1, 2, 4, 8: its own bucket, then one more
+        torch.testing.assert_close(fast(x), eager(model, x))
+        assert len(platform.graphs) == min(calls, 4)
+    assert set(threads) == {threading.current_thread()}
+    assert fast.stats().replays == 5 and fast.stats().eager == 0
+
+
+def test_background_capture_runs_eagerly_while_the_device_is_held_or_after_a_failure():
+    model = mlp().eval()
+    fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), capture="background")
+    x = torch.randn(3, 8)
+    with device_held_elsewhere():
+        torch.testing.assert_close(fast(x), eager(model, x))
+    assert fast.stats().eager == 1 and fast.stats().replays == 0
     torch.testing.assert_close(fast(x), eager(model, x))
-    assert fast.stats().replays >= 1
+    assert fast.stats().replays == 1
+    broken = FakePlatform(fail_capture=RuntimeError("no capture today"))
+    failing = ostinato.graphed(model, max_batch_size=8, platform=broken, capture="background")
+    with pytest.warns(UserWarning, match="runs eagerly from now on"):
+        torch.testing.assert_close(failing(x), eager(model, x))
+    for _ in range(3):
+        torch.testing.assert_close(failing(x), eager(model, x))
+    assert failing.stats().replays == 0 and failing.stats().eager == 4
 
 
 def test_a_staged_signature_serves_at_once_and_moves_buckets_to_its_compiled_graphs(
@@ -478,27 +520,12 @@ def test_a_signature_whose_capture_would_overlap_an_upgrades_compile_runs_eagerl
     # autotuning synchronizes the device, which no capture may overlap), a new
     # signature's calls run eagerly instead of waiting; wait_for_upgrades (or the first
     # call after the compile ends) captures it. stats() counts both.
-    import threading
-
-    from ostinato import callable_graphs
-
     model = mlp().eval()
     fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), capture="first_use")
-    held, free = threading.Event(), threading.Event()
-
-    def compiling():
-        with callable_graphs._DEVICE:
-            held.set()
-            free.wait(30)
-
-    thread = threading.Thread(target=compiling)
-    thread.start()
-    held.wait(30)
     x = torch.randn(3, 8)
-    torch.testing.assert_close(fast(x), eager(fast.fn, x))
-    assert fast.stats().eager_device_busy == 1 and fast.stats().replays == 0
-    free.set()
-    thread.join()
+    with device_held_elsewhere():
+        torch.testing.assert_close(fast(x), eager(fast.fn, x))
+        assert fast.stats().eager_device_busy == 1 and fast.stats().replays == 0
     assert fast.wait_for_upgrades(5)  # captures the waiting signature
     (sig,) = fast.stats().signatures
     assert all(b.capture_seconds > 0 for b in sig.stats.buckets)

@@ -228,3 +228,24 @@ def test_a_staged_graphed_model_equals_eager_before_and_after_its_inductor_upgra
     assert "graph upgrade done" in sig.upgrade, sig.upgrade
     stream(fast, model, (64,), sizes, atol=1e-4)
     fast.release()
+
+
+def test_background_capture_leaves_the_callers_random_numbers_and_syncs_alone():
+    # Between calls the caller draws CUDA random numbers and synchronizes the device,
+    # which a capture running on another thread would break ("Offset increment outside
+    # graph capture", "operation not permitted when stream is capturing"): background
+    # captures one graph per call, on the caller's thread.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    model = model.cuda().eval()
+    fast = ostinato.graphed(model, max_batch_size=32, mode="full", capture="background")
+    sizes = [random.Random(5).randint(1, 32) for _ in range(30)]
+    for n in sizes:
+        x = torch.randn(n, 64, device="cuda")  # the default generator, between calls
+        torch.cuda.synchronize()
+        with torch.inference_mode():
+            want = model(x)
+        torch.testing.assert_close(fast(x), want, atol=1e-5, rtol=1e-3)
+    stats = fast.stats()
+    assert stats.replays == len(sizes) and stats.eager == 0, stats.summary()
+    fast.release()

@@ -314,3 +314,38 @@ def test_a_sampled_check_still_compares_a_step_that_writes_in_place():
     with pytest.warns(GraphDemotedWarning):
         out, _ = m.run(d.dispatch(2), 2)
     torch.testing.assert_close(out, r.x[:2] @ r.w)
+
+
+def test_capture_on_steps_takes_the_wanted_item_first_and_runs_the_rest_eagerly():
+    p, r, m = build(GraphMode.FULL)
+    m.capture_on_steps()
+    assert not p.graphs  # nothing captured up front
+    r.x[:4] = torch.randn(4, 3)
+    d4 = m.dispatcher.dispatch(3)
+    eager = m.run(d4, 3).clone()  # not captured yet: eagerly
+    assert m.stats().eager_steps and m.stats().replays == 0
+    assert m.capture_next(d4.descriptor)
+    torch.testing.assert_close(m.run(d4, 3), eager)  # replayed now
+    assert m.stats().replays == 1
+    assert len(p.graphs) == 1 and r.steps[-1][1] is GraphMode.FULL  # size 4, first
+    captured = 1
+    while m.capture_next(d4.descriptor):  # the rest, largest first
+        captured += 1
+    assert captured == 4 and len(p.graphs) == 4
+    assert not m.capture_next()
+    with pytest.raises(RuntimeError, match="already captures"):
+        m.capture_on_steps()
+    with pytest.raises(ValueError, match="resize"):
+        m.resize((2, 8))
+
+
+def test_a_failed_capture_on_steps_drops_the_plan_and_the_steps_run_eagerly():
+    p, r, m = build(GraphMode.FULL)
+    p.fail_capture = RuntimeError("no capture today")
+    m.capture_on_steps()
+    with pytest.raises(GraphCaptureError):
+        m.capture_next()
+    assert not m.capture_next()  # nothing left to try
+    d = m.dispatcher.dispatch(2)
+    m.run(d, 2)
+    assert m.stats().replays == 0 and m.stats().eager == 1

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from fakes import FakePlatform
+from fakes import FakePlatform, capture_threads
 
 from ostinato import GraphConfig, GraphMode, StagedRuntime, build_graph_runtime
 
@@ -242,14 +242,7 @@ def test_on_steps_the_thread_only_builds_and_each_advance_captures_one_bucket_he
     # step's, under the device lock) captures and measures one bucket on the calling
     # thread; wait() advances through the rest. Measurement runs are not counted as steps.
     r, up, lock = Runner(), FakePlatform(), CountingLock()
-    captured_on = []
-    real = up.capture
-
-    def capture(graph, pool):
-        captured_on.append(threading.current_thread())
-        return real(graph, pool)
-
-    up.capture = capture
+    captured_on = capture_threads(up)
     s = staged(r, upgrade_platform=up, timer=fast_below(4), on_steps=True, device_lock=lock)
     built(s)
     assert s.upgrade is not None and not captured_on and not s.done

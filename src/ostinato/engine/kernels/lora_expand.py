@@ -1,8 +1,9 @@
 """The LoRA expand of a few rows in one kernel, each row gathering its own slot's B.
 
-For decode steps (at most ``MAX_ROWS`` rows) ``LoraProjection.add_to`` runs its shrink
-as one GEMM over every slot (``s = x @ a.T``, ``[rows, max_loras * W]``), then this
-kernel instead of the dense path's mask multiply and expand GEMM (two kernels): a program
+For decode steps (at most ``MAX_ROWS`` rows) ``LoraProjection.project``'s one GEMM over
+the joint weight yields every slot's shrink beside the projection (``s = x @ a.T``,
+``[rows, max_loras * W]``), then this kernel runs instead of the dense path's mask
+multiply and expand GEMM (two kernels): a program
 per (row, block of output columns) reads the row's slot, its ``W`` entries of ``s`` and
 the slot's ``W`` rows of ``B`` for its columns, and writes ``y + s_slot @ B_slot`` in
 place, accumulated in float32 and rounded once, as the expand GEMM does. A row without a

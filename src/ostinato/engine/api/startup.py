@@ -245,9 +245,16 @@ def load_weights(
     with torch.device("meta"):
         kernels = parts.kernels.resolved(parts.device)
         model = DecoderModel(parts.config, parts.parallel.tp, kernels, limits.max_model_len, lora)
-    model = model.to(parts.dtype).to_empty(device=parts.device)
+    # Unwritten memory on the device, as Module.to_empty makes it, but through
+    # torch.empty: to_empty's empty_like of a meta tensor runs torch's Python references,
+    # whose first use imports sympy and the symbolic-shapes module (0.4 s of a start that
+    # compiles nothing).
+    device = parts.device
+    model = model.to(parts.dtype)._apply(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)
+    )
     if model.lora is not None:
-        model.lora.clear()  # (to_empty left them unwritten)
+        model.lora.clear()  # (left unwritten)
     if source.load is None:
         # Asked for (a preset, a config, or random_weights=True), so not a warning.
         logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)

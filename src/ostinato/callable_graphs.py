@@ -531,7 +531,7 @@ class _Signature:
         if not _DEVICE.acquire(blocking=False):
             return
         try:
-            self.runtime.manager.capture_next(dispatch.descriptor)
+            self.runtime.manager.capture_next(dispatch)
         except GraphCaptureError as exc:
             warnings.warn(
                 f"ostinato.graphed: {self.describe()} runs eagerly from now on: {exc}",

@@ -178,14 +178,16 @@ class GraphManager:
             raise RuntimeError("capture_on_steps: this manager already captures")
         self._later = self.capture_plan()
 
-    def capture_next(self, want: BatchDescriptor | None = None) -> bool:
-        """After ``capture_on_steps``: captures the item for ``want`` if it is still to
-        be captured, else the next in plan order; returns whether one was captured. A
-        failure releases every graph and drops the rest of the plan (the steps then run
-        eagerly) and raises ``GraphCaptureError``, as ``capture`` does."""
+    def capture_next(self, want: Dispatch | None = None) -> bool:
+        """After ``capture_on_steps``: captures the item ``want`` (a step's dispatch)
+        replays if it is still to be captured, else the next in plan order; returns
+        whether one was captured. A failure releases every graph and drops the rest of the
+        plan (the steps then run eagerly) and raises ``GraphCaptureError``, as ``capture``
+        does."""
         if not self._later:
             return False
-        item = next((i for i in self._later if i.descriptor == want), self._later[0])
+        wanted = CaptureItem(want.descriptor, want.mode) if want is not None else None
+        item = next((i for i in self._later if i == wanted), self._later[0])
         self._later.remove(item)
         try:
             with torch.inference_mode(), capture_phase(collect=False):

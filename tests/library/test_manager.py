@@ -324,12 +324,12 @@ def test_capture_on_steps_takes_the_wanted_item_first_and_runs_the_rest_eagerly(
     d4 = m.dispatcher.dispatch(3)
     eager = m.run(d4, 3).clone()  # not captured yet: eagerly
     assert m.stats().eager_steps and m.stats().replays == 0
-    assert m.capture_next(d4.descriptor)
+    assert m.capture_next(d4)
     torch.testing.assert_close(m.run(d4, 3), eager)  # replayed now
     assert m.stats().replays == 1
     assert len(p.graphs) == 1 and r.steps[-1][1] is GraphMode.FULL  # size 4, first
     captured = 1
-    while m.capture_next(d4.descriptor):  # the rest, largest first
+    while m.capture_next(d4):  # the rest, largest first
         captured += 1
     assert captured == 4 and len(p.graphs) == 4
     assert not m.capture_next()

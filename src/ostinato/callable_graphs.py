@@ -11,9 +11,9 @@ lists, dicts); outputs may be any tree of tensors. Arguments that are not tensor
 (``None``, numbers, strings, dtypes, devices) are part of the graph's key: each distinct
 set, like each distinct shape past the dynamic dims, is a signature with graphs of its
 own, up to ``max_signatures``; anything else is refused by name. ``seq_buckets`` makes
-a second dimension dynamic (``seq_dim`` of every tensor argument that has it, padded
-with zeros to the smallest bucket that holds it; outputs with a bucket's length there
-are cut back).
+a second dimension dynamic (``seq_dim``, 1 by default, of every tensor argument that has
+it, padded with zeros to the smallest bucket that holds it; outputs with a bucket's
+length there are cut back).
 
 By default (``capture="auto"``) a signature's first graphs hold ``fn``'s own kernels,
 captured at its first call; a thread compiles ``fn`` with Inductor meanwhile, and later
@@ -154,7 +154,7 @@ def graphed(
     capture_sizes: Sequence[int] | None = None,
     mode: str | GraphMode = "auto",
     seq_buckets: Sequence[int] | None = None,
-    seq_dim: int = 1,
+    seq_dim: int | None = None,
     splitting_ops: Sequence[str] = (),
     full_when: Callable[..., bool] | None = None,
     compiler: str | None = "auto",
@@ -195,7 +195,7 @@ def graphed(
         _Options(
             GraphConfig(mode=resolved, **_ladder(max_batch_size, capture_sizes)),
             _check_buckets(seq_buckets),
-            _check_dim(seq_dim),
+            _check_dim(seq_dim, seq_buckets),
             splitting,
             full_when,
             _check_compiler(compiler),
@@ -243,9 +243,22 @@ def _check_platform(platform: object) -> Platform | None:
     return platform
 
 
-def _check_dim(dim: object) -> int:
+def _check_dim(dim: object, buckets: object) -> int:
+    """``seq_dim`` as given (1 by default), refused without ``seq_buckets`` (it would be
+    ignored) and below 1 (dim 0 is the batch)."""
+    if dim is None:
+        return 1
     if not is_int(dim):
         raise TypeError(f"seq_dim: expected an int (a dimension), got {dim!r}")
+    if buckets is None:
+        raise ValueError(
+            f"seq_dim={dim!r}: only used with seq_buckets (it says where their sequence "
+            "is); pass seq_buckets too, or leave seq_dim out"
+        )
+    if dim < 1:  # type: ignore[operator]
+        raise ValueError(
+            f"seq_dim: the sequence's dimension, 1 or more (dim 0 is the batch), got {dim!r}"
+        )
     return int(dim)  # type: ignore[call-overload]
 
 

@@ -259,6 +259,9 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
         (dict(mode="full_decode_only", full_when=3), TypeError, "full_when: expected a function"),
         (dict(mode="sometimes"), ValueError, "unknown graph mode"),
         (dict(compiler="tvm"), ValueError, "compiler: 'auto', 'inductor', 'eager' or None"),
+        (dict(seq_dim=2), ValueError, "^seq_dim=2: only used with seq_buckets"),
+        (dict(seq_buckets=[8], seq_dim=0), ValueError, r"^seq_dim: .* \(dim 0 is the batch\)"),
+        (dict(seq_buckets=[8], seq_dim=-1), ValueError, "^seq_dim: the sequence's dimension"),
     ],
 )
 def test_bad_options_are_named(kwargs, error, words):

@@ -81,16 +81,18 @@ def ostinato_backend(
     # that graph again, with Inductor, on a thread, which no GPU test has covered yet: asked
     # for by name (options={"capture": "staged"}) only.
     options.setdefault("capture", "first_use")
-    if not inputs.sizes:  # traced for one batch: graphs of that size alone
-        batch = example_inputs[inputs.tensors[0]].shape[0]
-        for name in ("max_batch_size", "capture_sizes", "seq_buckets"):
-            options.pop(name, None)
-        options["capture_sizes"] = (batch,)
 
     def run(*tensors: torch.Tensor) -> Any:
         return gm(*inputs.assemble(tensors))  # the sizes read from the padded tensors
 
-    fast = graphed(run, **options)  # (graphed checks them, by their names)
+    # Every option checked as given, by its name (graphed captures nothing before a call),
+    # also where a graph traced for one batch then drops the ladder's.
+    fast = graphed(run, **options)
+    if not inputs.sizes:  # traced for one batch: graphs of that size alone
+        batch = example_inputs[inputs.tensors[0]].shape[0]
+        for name in ("max_batch_size", "capture_sizes", "seq_buckets", "seq_dim"):
+            options.pop(name, None)
+        fast = graphed(run, capture_sizes=(batch,), **options)
     _COMPILED.add(fast)
 
     def call(*args: Any) -> Any:

@@ -11,6 +11,7 @@ import torch
 
 from ostinato.engine.api.engine_args import (
     CacheArgs,
+    EngineArgs,
     GraphArgs,
     LoraArgs,
     ParallelArgs,
@@ -106,6 +107,38 @@ def check_capture(
     if capture == "staged":
         _check_staged(graphs, mode)
     return capture
+
+
+_GRAPH_OPTIONS = ("capture_sizes", "max_capture_size", "capture", "verify", "verify_every")
+
+
+def refuse_ignored(args: EngineArgs, requested: GraphMode | None, device: torch.device) -> None:
+    """Refuses, naming it, an option given (a value other than its default) where nothing
+    would read it: the ladder, capture and checks with ``mode='none'`` asked for;
+    ``verify_every`` without ``verify='sample'``; ``all_reduce`` on one rank;
+    ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free memory."""
+    graphs, defaults = args.graphs, {f.name: f.default for f in fields(GraphArgs)}
+    if requested is GraphMode.NONE:
+        for name in _GRAPH_OPTIONS:
+            if getattr(graphs, name) != defaults[name]:
+                raise ValueError(f"{name}: given with mode='none', which captures no graphs")
+    if graphs.verify_every != defaults["verify_every"] and graphs.verify != "sample":
+        raise ValueError(
+            f"verify_every={graphs.verify_every!r}: only used with verify='sample', got "
+            f"verify={graphs.verify!r}"
+        )
+    parallel = args.parallel
+    all_reduce = {f.name: f.default for f in fields(ParallelArgs)}["all_reduce"]
+    if parallel.all_reduce != all_reduce and parallel.tensor_parallel_size == 1:
+        raise ValueError(
+            f"all_reduce={parallel.all_reduce!r}: only used with tensor_parallel_size > 1"
+        )
+    utilization = {f.name: f.default for f in fields(CacheArgs)}["gpu_memory_utilization"]
+    if args.cache.gpu_memory_utilization != utilization and device.type == "cpu":
+        raise ValueError(
+            "gpu_memory_utilization: the cpu's KV cache is not sized from free memory; "
+            "give num_blocks, or leave it out"
+        )
 
 
 def _check_staged(graphs: GraphArgs, mode: GraphMode | None) -> None:

@@ -30,6 +30,7 @@ from ostinato.engine.api.arguments import (
     limit_cpu_threads,
     micro_batching_policy,
     parse_speculative,
+    refuse_ignored,
     resolve_dtype,
 )
 from ostinato.engine.api.engine import EngineParts, StartupTimes
@@ -107,6 +108,7 @@ def check_args(args: EngineArgs) -> Checked:
     parse_all_reduce(parallel.all_reduce)
     speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
     requested = parse_mode(args.graphs.mode)
+    refuse_ignored(args, requested, device)
     capture = check_capture(args.graphs, parallel, speculative, requested)
     if capture == "staged" and not platform_for_device(device).supports_graphs:
         raise ValueError(

@@ -168,10 +168,9 @@ def graphed(
 ) -> Graphed:
     """``fn`` (a module or function) as graphs; see the module docstring. ``mode``:
     ``"auto"`` (FULL, or PIECEWISE with ``splitting_ops``), ``"full"``, ``"piecewise"``,
-    ``"none"``, and the two that treat calls differently: ``"full_and_piecewise"`` (a
-    call ``full_when(*args, **kwargs)`` accepts replays one FULL graph, any other call
-    replays the pieces) and ``"full_decode_only"`` (the others run eagerly); those two
-    need ``full_when``, which no other mode takes.
+    ``"none"`` (no graph: the ladder and capture options are refused), and two that need
+    ``full_when``: ``"full_and_piecewise"`` (a call ``full_when(*args, **kwargs)`` accepts
+    replays one FULL graph, others the pieces) and ``"full_decode_only"`` (others eager).
     ``splitting_ops``: custom ops (``"lib::op"``) that run eagerly between captured
     pieces (PIECEWISE, FULL_AND_PIECEWISE), compiled by ``compiler``. Without them,
     ``compiler="inductor"`` compiles ``fn`` whole before its FULL graphs are captured
@@ -179,15 +178,15 @@ def graphed(
     ``capture``: ``"auto"`` (``"staged"`` for FULL graphs without ``splitting_ops`` and
     with ``compiler="auto"``, else ``"first_use"``), ``"first_use"`` (each signature on
     its first call), ``"construction"`` (now, for ``example = (args, kwargs)``),
-    ``"background"`` (no wait for the ladder: each call captures at most one graph on
-    the caller's thread, its own bucket's if missing, else the next; a call whose
-    bucket has none runs eagerly, as while another signature compiles) or
-    ``"staged"`` (graphs of ``fn`` as it is at once, then Inductor's per bucket where
-    timed faster: see the module docstring). ``max_batch_size`` (default 64) makes the
-    ladder of sizes up to it, ``capture_sizes`` names the sizes instead: give one or neither.
-    Every argument is checked here; an error names the argument as written."""
+    ``"background"`` (each call captures one graph at most, on the caller's thread: its
+    bucket's if missing, else the next; eager while the device is busy) or ``"staged"``
+    (graphs of ``fn`` as it is at once, then Inductor's per bucket where timed faster).
+    ``max_batch_size`` (default 64) makes the ladder of sizes up to it, ``capture_sizes``
+    names the sizes instead: give one or neither. Every argument is checked here; an
+    error names the argument as written."""
     splitting = _check_ops(splitting_ops)
     resolved = _one_call_mode(mode, bool(splitting), full_when)
+    _refuse_unread(resolved, max_batch_size, capture_sizes, capture, check_padding, progress)
     capture = _capture_when(capture, resolved, splitting, compiler)
     _check_staged(capture, resolved, splitting, compiler)
     return Graphed(
@@ -795,6 +794,18 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
     ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
     return tuple(sorted(set(buckets)))
+
+
+def _refuse_unread(mode: GraphMode, *given: object) -> None:
+    """With ``mode="none"`` asked for, the options only graphs read, given (each a value
+    other than its default: ``max_batch_size``, ``capture_sizes``, ``capture``,
+    ``check_padding``, ``progress``), are refused by name instead of ignored."""
+    if mode is not GraphMode.NONE:
+        return
+    names = ("max_batch_size", "capture_sizes", "capture", "check_padding", "progress")
+    for name, value, default in zip(names, given, (None, None, "auto", True, False), strict=True):
+        if value != default:
+            raise ValueError(f"{name}={value!r}: given with mode='none', which makes no graph")
 
 
 def _capture_when(

@@ -59,6 +59,7 @@ BAD = [
     (["--prompt", "hi"], "text given but the model has no tokenizer"),
     (["--prompt", "hi", "--prompt-ids", "1"], "give --prompt-ids or --prompt, not both"),
     (["--chat"], "--chat: the model has no chat template"),
+    (["--prompt-ids", "1", "--no-chat"], "--chat/--no-chat: formats text prompts"),
     (["--prompt-ids", ",".join(["1"] * 70)], "--prompt-ids 0: 70 tokens leave no room"),
     (["--speculative", "medusa"], "--speculative: method 'medusa' is not one of"),
     (["--speculative", "self:x"], "--speculative: 'self:x': write self:N"),

@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.prompt_ids and args.prompt:
             parser.error("give --prompt-ids or --prompt, not both")
+        if args.prompt_ids and args.chat is not None:  # (it would be ignored)
+            parser.error("--chat/--no-chat: formats text prompts; --prompt-ids go as they are")
         _check_prompts_early(parser, args)
         return _generate(args)
     except KeyboardInterrupt:

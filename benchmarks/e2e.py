@@ -133,8 +133,6 @@ def _ostinato_system(
     # "MODE+sampling": every request with every sampling parameter (SAMPLING).
     mode, *extras = mode.split("+")  # (the suffixes checked by main)
     staged = "staged" in extras
-    # (a ladder only where there are graphs: the engine refuses one with mode "none")
-    ladder = {} if mode == "none" else {"max_capture_size": max(512, max(args.batch_sizes))}
     llm = LLM(
         str(folder),
         mode=mode,
@@ -143,8 +141,8 @@ def _ostinato_system(
         device=device,
         max_num_seqs=max(args.batch_sizes),
         max_model_len=args.prompt_len + args.new_tokens + 16,
+        max_capture_size=max(512, max(args.batch_sizes)),
         compiler=args.piece_compiler,
-        **ladder,
         progress=False,
     )
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from ostinato.callable_graphs import Graphed, graphed
-from ostinato.modes import GraphMode
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +77,6 @@ def ostinato_backend(
         logger.warning("ostinato backend: %s; this graph runs eagerly", why)
         return gm.forward
     options = dict(options or {})
-    if _no_graphs(options):  # eager, the options checked (the ladder's are refused)
-        graphed(gm.forward, **options)
-        return gm.forward
     # Graphs of Dynamo's graph as traced, from the first call. A staged start would compile
     # that graph again, with Inductor, on a thread, which no GPU test has covered yet: asked
     # for by name (options={"capture": "staged"}) only.
@@ -104,15 +100,6 @@ def ostinato_backend(
 
     call.graphed = fast  # type: ignore[attr-defined]  (kept alive with Dynamo's graph)
     return call
-
-
-def _no_graphs(options: dict[str, Any]) -> bool:
-    """Whether ``options`` ask for mode "none" (a mode graphed does not know is left for
-    graphed to name)."""
-    try:
-        return GraphMode.parse(options.get("mode", "auto")) is GraphMode.NONE
-    except ValueError:
-        return False
 
 
 def _eager_because(inputs: _Inputs, example_inputs: Sequence[Any]) -> str | None:

@@ -168,7 +168,7 @@ def graphed(
 ) -> Graphed:
     """``fn`` (a module or function) as graphs; see the module docstring. ``mode``:
     ``"auto"`` (FULL, or PIECEWISE with ``splitting_ops``), ``"full"``, ``"piecewise"``,
-    ``"none"`` (no graph: the ladder and capture options are refused), and two that need
+    ``"none"`` (no graph: the A/B switch, every other option kept), and two that need
     ``full_when``: ``"full_and_piecewise"`` (a call ``full_when(*args, **kwargs)`` accepts
     replays one FULL graph, others the pieces) and ``"full_decode_only"`` (others eager).
     ``splitting_ops``: custom ops (``"lib::op"``) that run eagerly between captured
@@ -186,7 +186,6 @@ def graphed(
     error names the argument as written."""
     splitting = _check_ops(splitting_ops)
     resolved = _one_call_mode(mode, bool(splitting), full_when)
-    _refuse_unread(resolved, max_batch_size, capture_sizes, capture, check_padding, progress)
     capture = _capture_when(capture, resolved, splitting, compiler)
     _check_staged(capture, resolved, splitting, compiler)
     return Graphed(
@@ -794,18 +793,6 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
     ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
     return tuple(sorted(set(buckets)))
-
-
-def _refuse_unread(mode: GraphMode, *given: object) -> None:
-    """With ``mode="none"`` asked for, the options only graphs read, given (each a value
-    other than its default: ``max_batch_size``, ``capture_sizes``, ``capture``,
-    ``check_padding``, ``progress``), are refused by name instead of ignored."""
-    if mode is not GraphMode.NONE:
-        return
-    names = ("max_batch_size", "capture_sizes", "capture", "check_padding", "progress")
-    for name, value, default in zip(names, given, (None, None, "auto", True, False), strict=True):
-        if value != default:
-            raise ValueError(f"{name}={value!r}: given with mode='none', which makes no graph")
 
 
 def _capture_when(

@@ -67,10 +67,6 @@ def test_cpu_threads_are_limited_unless_the_user_chose(monkeypatch):
 @pytest.mark.parametrize(
     "given, message",
     [
-        (dict(mode="none", capture_sizes=(1, 2)), "capture_sizes: given with mode='none'"),
-        (dict(mode="none", max_capture_size=8), "max_capture_size: given with mode='none'"),
-        (dict(mode="none", capture="background"), "capture: given with mode='none'"),
-        (dict(mode="none", verify="sample"), "verify: given with mode='none'"),
         (dict(verify_every=10), "verify_every=10: only used with verify='sample'"),
         (dict(all_reduce="one-shot"), "all_reduce='one-shot': only used with tensor_parallel"),
         (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization: the cpu's KV cache"),
@@ -78,12 +74,12 @@ def test_cpu_threads_are_limited_unless_the_user_chose(monkeypatch):
 )
 def test_an_option_nothing_would_read_is_refused_by_name(given, message):
     from ostinato.engine.api.arguments import refuse_ignored
-    from ostinato.engine.api.engine_args import parse_mode
 
     args = EngineArgs.build("tiny", **given)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        refuse_ignored(args, parse_mode(args.graphs.mode), torch.device("cpu"))
-    # The same options where something reads them pass.
+        refuse_ignored(args, torch.device("cpu"))
+    # The same options where something reads them pass; mode "none" keeps the ladder's.
     fine = EngineArgs.build("tiny", verify="sample", verify_every=10, tensor_parallel_size=2)
-    refuse_ignored(fine, None, torch.device("cpu"))
-    refuse_ignored(EngineArgs.build("tiny", gpu_memory_utilization=0.5), None, torch.device("cuda"))
+    refuse_ignored(fine, torch.device("cpu"))
+    refuse_ignored(EngineArgs.build("tiny", gpu_memory_utilization=0.5), torch.device("cuda"))
+    refuse_ignored(EngineArgs.build("tiny", mode="none", max_capture_size=8), torch.device("cpu"))

@@ -65,16 +65,3 @@ def test_bad_options_are_named_as_written():
         fast(torch.randn(5, 4))
     with pytest.raises(ValueError, match="takes no mode"):
         ostinato_backend(torch.fx.symbolic_trace(torch.nn.ReLU()), [], mode="reduce-overhead")
-
-
-def test_mode_none_runs_dynamos_graph_eagerly_and_refuses_a_ladder():
-    torch._dynamo.reset()
-    net = model().eval()
-    x = torch.randn(3, 4)
-    plain = torch.compile(net, backend="ostinato", options={"mode": "none"})
-    with torch.inference_mode():
-        torch.testing.assert_close(plain(x), net(x))
-    torch._dynamo.reset()
-    laddered = torch.compile(net, backend="ostinato", options={"mode": "none", "max_batch_size": 8})
-    with torch.inference_mode(), pytest.raises(Exception, match="max_batch_size=8: given with"):
-        laddered(x)

@@ -537,20 +537,3 @@ def test_a_signature_whose_capture_would_overlap_an_upgrades_compile_runs_eagerl
         fast.stats().replays == 1 and "the capture waited for the device" in fast.stats().summary()
     )
     fast.release()
-
-
-def test_options_only_graphs_read_are_refused_with_mode_none():
-    for given in [
-        dict(max_batch_size=8),
-        dict(capture_sizes=[1, 2]),
-        dict(capture="background"),
-        dict(check_padding=False),
-        dict(progress=True),
-    ]:
-        (name,) = given
-        with pytest.raises(ValueError, match=f"^{name}=.*given with mode='none'"):
-            ostinato.graphed(mlp(), mode="none", **given)
-    model = mlp().eval()
-    plain = ostinato.graphed(model, mode="none", copy_outputs=False, compiler="eager")
-    x = torch.randn(3, 8)
-    torch.testing.assert_close(plain(x), eager(model, x))

@@ -109,19 +109,13 @@ def check_capture(
     return capture
 
 
-_GRAPH_OPTIONS = ("capture_sizes", "max_capture_size", "capture", "verify", "verify_every")
-
-
-def refuse_ignored(args: EngineArgs, requested: GraphMode | None, device: torch.device) -> None:
+def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     """Refuses, naming it, an option given (a value other than its default) where nothing
-    would read it: the ladder, capture and checks with ``mode='none'`` asked for;
-    ``verify_every`` without ``verify='sample'``; ``all_reduce`` on one rank;
-    ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free memory."""
+    would read it: ``verify_every`` without ``verify='sample'``; ``all_reduce`` on one
+    rank; ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free
+    memory. (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips
+    with every other option as it was, and the start-up line says no graph was made.)"""
     graphs, defaults = args.graphs, {f.name: f.default for f in fields(GraphArgs)}
-    if requested is GraphMode.NONE:
-        for name in _GRAPH_OPTIONS:
-            if getattr(graphs, name) != defaults[name]:
-                raise ValueError(f"{name}: given with mode='none', which captures no graphs")
     if graphs.verify_every != defaults["verify_every"] and graphs.verify != "sample":
         raise ValueError(
             f"verify_every={graphs.verify_every!r}: only used with verify='sample', got "

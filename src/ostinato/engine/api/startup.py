@@ -108,7 +108,7 @@ def check_args(args: EngineArgs) -> Checked:
     parse_all_reduce(parallel.all_reduce)
     speculative = parse_speculative(args.speculative, args.num_speculative_tokens)
     requested = parse_mode(args.graphs.mode)
-    refuse_ignored(args, requested, device)
+    refuse_ignored(args, device)
     capture = check_capture(args.graphs, parallel, speculative, requested)
     if capture == "staged" and not platform_for_device(device).supports_graphs:
         raise ValueError(

@@ -105,6 +105,23 @@ def test_specialised_graphs_skip_the_lora_gemms_for_base_steps(checkpoint):
     llm.close()
 
 
+SLOTS = 4  # adapter slots of the expand kernel's tests
+
+
+def expand_case(seed, rows, dtype, width, n):
+    """Random operands of ``lora_expand`` (``s``, ``b``, ``y`` in ``dtype``, ``slots`` with
+    -1 for rows without one) and the dense path's sum in float64: every slot's shrink
+    masked to the row's own, expanded and added to ``y``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s = torch.randn(rows, SLOTS * width, device="cuda", generator=gen).to(dtype)
+    b = (torch.randn(SLOTS * width, n, device="cuda", generator=gen) * 0.05).to(dtype)
+    y = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
+    slots = torch.randint(-1, SLOTS, (64,), device="cuda", generator=gen)
+    mask = (slots[:rows, None] == torch.arange(SLOTS, device="cuda")).double()
+    masked = (s.double().unflatten(1, (SLOTS, -1)) * mask.unsqueeze(-1)).flatten(1)
+    return s, b, y, slots, y.double() + masked @ b.double()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
@@ -112,16 +129,8 @@ def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
     # arithmetic (every slot, masked) in float64; rows without a slot stay bitwise.
     from ostinato.engine.kernels.lora_expand import lora_expand
 
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    slots_n, width, n = 4, 48, 2560
-    s = torch.randn(rows, slots_n * width, device="cuda", generator=gen).to(dtype)
-    b = (torch.randn(slots_n * width, n, device="cuda", generator=gen) * 0.05).to(dtype)
-    y = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
-    slots = torch.randint(-1, slots_n, (64,), device="cuda", generator=gen)
-    mask = (slots[:rows, None] == torch.arange(slots_n, device="cuda")).double()
-    masked = (s.double().unflatten(1, (slots_n, -1)) * mask.unsqueeze(-1)).flatten(1)
-    want = y.double() + masked @ b.double()
-    got = lora_expand(y.clone(), s, b, slots, slots_n).double()
+    s, b, y, slots, want = expand_case(rows, rows, dtype, width=48, n=2560)
+    got = lora_expand(y.clone(), s, b, slots, SLOTS).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
     none = slots[:rows] < 0
@@ -136,16 +145,8 @@ def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows)
     import ostinato.engine.model.silu_mul_op  # noqa: F401  (registers ostinato::silu_mul)
     from ostinato.engine.kernels.lora_expand import lora_expand
 
-    gen = torch.Generator(device="cuda").manual_seed(10 + rows)
-    slots_n, width, n = 4, 32, 2 * 1792
-    s = torch.randn(rows, slots_n * width, device="cuda", generator=gen).to(dtype)
-    b = (torch.randn(slots_n * width, n, device="cuda", generator=gen) * 0.05).to(dtype)
-    y = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
-    slots = torch.randint(-1, slots_n, (64,), device="cuda", generator=gen)
-    mask = (slots[:rows, None] == torch.arange(slots_n, device="cuda")).double()
-    masked = (s.double().unflatten(1, (slots_n, -1)) * mask.unsqueeze(-1)).flatten(1)
-    total = (y.double() + masked @ b.double()).to(dtype)
-    want = torch.ops.ostinato.silu_mul(total, False).double()
-    got = lora_expand(y.clone(), s, b, slots, slots_n, swiglu=True).double()
+    s, b, y, slots, dense = expand_case(10 + rows, rows, dtype, width=32, n=2 * 1792)
+    want = torch.ops.ostinato.silu_mul(dense.to(dtype), False).double()
+    got = lora_expand(y.clone(), s, b, slots, SLOTS, swiglu=True).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err

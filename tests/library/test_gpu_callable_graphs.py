@@ -39,6 +39,13 @@ def stream(fast, model, shape, sizes, atol):
         torch.testing.assert_close(fast(x), want, atol=atol, rtol=1e-3)
 
 
+def mlp():
+    """A small MLP on the GPU (64 -> 256 -> 64, GELU), seeded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    return model.cuda().eval()
+
+
 def upgraded(fast, run):
     """``run()`` (a stream through the default ``fast``) before and after its staged
     upgrade has ended; the upgrade ended without error for every signature."""
@@ -51,9 +58,7 @@ def upgraded(fast, run):
 
 
 def test_full_graphs_on_a_random_size_stream():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    model = model.cuda().eval()
+    model = mlp()
     fast = ostinato.graphed(model, max_batch_size=32, mode="full", capture="first_use")
     sizes = [random.Random(3).randint(1, 40) for _ in range(30)]
     stream(fast, model, (64,), sizes, atol=1e-5)
@@ -64,9 +69,7 @@ def test_full_graphs_on_a_random_size_stream():
 
 
 def test_full_graphs_of_inductor_kernels_compiled_once():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    model = model.cuda().eval()
+    model = mlp()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps them: earlier tests' frames
     fast = ostinato.graphed(model, max_batch_size=32, mode="full", compiler="inductor")
@@ -235,9 +238,7 @@ def test_background_capture_leaves_the_callers_random_numbers_and_syncs_alone():
     # which a capture running on another thread would break ("Offset increment outside
     # graph capture", "operation not permitted when stream is capturing"): background
     # captures one graph per call, on the caller's thread.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    model = model.cuda().eval()
+    model = mlp()
     fast = ostinato.graphed(model, max_batch_size=32, mode="full", capture="background")
     sizes = [random.Random(5).randint(1, 32) for _ in range(30)]
     for n in sizes:

@@ -115,24 +115,27 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     rank; ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free
     memory. (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips
     with every other option as it was, and the start-up line says no graph was made.)"""
-    graphs, defaults = args.graphs, {f.name: f.default for f in fields(GraphArgs)}
-    if graphs.verify_every != defaults["verify_every"] and graphs.verify != "sample":
+    graphs, parallel, cache = args.graphs, args.parallel, args.cache
+    if _given(graphs, "verify_every") and graphs.verify != "sample":
         raise ValueError(
             f"verify_every={graphs.verify_every!r}: only used with verify='sample', got "
             f"verify={graphs.verify!r}"
         )
-    parallel = args.parallel
-    all_reduce = {f.name: f.default for f in fields(ParallelArgs)}["all_reduce"]
-    if parallel.all_reduce != all_reduce and parallel.tensor_parallel_size == 1:
+    if _given(parallel, "all_reduce") and parallel.tensor_parallel_size == 1:
         raise ValueError(
             f"all_reduce={parallel.all_reduce!r}: only used with tensor_parallel_size > 1"
         )
-    utilization = {f.name: f.default for f in fields(CacheArgs)}["gpu_memory_utilization"]
-    if args.cache.gpu_memory_utilization != utilization and device.type == "cpu":
+    if _given(cache, "gpu_memory_utilization") and device.type == "cpu":
         raise ValueError(
             "gpu_memory_utilization: the cpu's KV cache is not sized from free memory; "
             "give num_blocks, or leave it out"
         )
+
+
+def _given(group: object, name: str) -> bool:
+    """Whether the option group's field ``name`` holds a value other than its default."""
+    default = next(f.default for f in fields(group) if f.name == name)  # type: ignore[arg-type]
+    return getattr(group, name) != default
 
 
 def _check_staged(graphs: GraphArgs, mode: GraphMode | None) -> None:

@@ -111,7 +111,6 @@ class EngineParts:
     capture_report: CaptureReport = None  # type: ignore[assignment]
     draft_report: CaptureReport | None = None
     graph_memory: GraphMemoryCheck | None = None
-    sampling_capture_s: float = 0.0  # the sampling graphs' share of the capture
     startup: StartupTimes = None  # type: ignore[assignment]
     spec_stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 

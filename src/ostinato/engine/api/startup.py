@@ -357,22 +357,24 @@ def _decoder(tokenizer: Any) -> Decode | None:
     return lambda ids: decode_text(tokenizer, ids)
 
 
-def capture(parts: EngineParts, c: Checked, propose: Proposal | None, limits: EngineLimits) -> None:
+def capture(
+    parts: EngineParts, c: Checked, propose: Proposal | None, limits: EngineLimits
+) -> float:
     """Captures the runner's graphs, the sampling graphs and the draft graphs (or starts
     the background capture, or after the first stage the staged upgrade), and makes the
-    sampler."""
+    sampler; returns the seconds the sampling graphs took."""
     generator = torch.Generator(device=parts.device).manual_seed(c.args.seed)
     runner = parts.runner
     # In the background the sampling graphs are not captured (they read the FULL graphs'
     # static outputs, which do not exist yet): sampling runs eagerly.
-    sampling_graphs = None
+    sampling_graphs, sampling_s = None, 0.0
     if c.capture == "background":
         parts.background = runner.capture_in_background()
     else:
         runner.capture()
         start = time.perf_counter()
         sampling_graphs = runner.capture_sampling(generator)
-        parts.sampling_capture_s = time.perf_counter() - start
+        sampling_s = time.perf_counter() - start
     if c.capture == "staged":
         upgrade = graph_config(c, limits, upgrade=True)
         platform = platform_for_device(parts.device)
@@ -389,6 +391,7 @@ def capture(parts: EngineParts, c: Checked, propose: Proposal | None, limits: En
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
         # captures them in the same order (they hold the LM head's all-gather).
         parts.draft_report = propose.capture()
+    return sampling_s
 
 
 def build(
@@ -442,7 +445,7 @@ def _build_on(
     propose = make_runner(parts, c, limits, graphs, num_blocks or limits.full_blocks)
     parts.adapters = lora_registry(parts, c)
     capture_start = time.perf_counter()
-    capture(parts, c, propose, limits)
+    sampling_s = capture(parts, c, propose, limits)
     compile_s = parts.runner.compile_seconds
     parts.startup = StartupTimes(
         open_s,
@@ -451,5 +454,5 @@ def _build_on(
         time.perf_counter() - capture_start - compile_s,
         background=parts.background is not None,
         recording_s=parts.runner.manager.report.seconds,
-        sampling_s=parts.sampling_capture_s,
+        sampling_s=sampling_s,
     )

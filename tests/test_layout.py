@@ -18,7 +18,7 @@ LIBRARY_LAYERS = [
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher", "capture_planner"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
-    | {"replay_stats"},
+    | {"replay_stats", "whole_compile"},
     {"callable_graphs", "adaptive_ladder", "staged", "backend", ""},
 ]
 # Side by side, neither imports the other.

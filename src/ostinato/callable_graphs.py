@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,7 @@ from ostinato.platform.cpu import CpuPlatform
 from ostinato.replay_stats import StatsSnapshot
 from ostinato.runtime import GraphRuntime, build_graph_runtime, choose_compiler
 from ostinato.staged import StagedRuntime
+from ostinato.whole_compile import AsModule, CallTree, SharedCompiles, WholeCompiled
 
 CAPTURE_WHEN = ("auto", "first_use", "construction", "background", "staged")
 # Held by every capture graphed makes and by a staged upgrade's thread while it runs its
@@ -289,6 +289,7 @@ class Graphed:
             raise TypeError(f"graphed: expected a module or function, got {type(fn).__name__}")
         self.fn, self.options = fn, options
         self._signatures: dict[tuple[Any, ...], _Signature] = {}
+        self._compiles = SharedCompiles()
         self._lock = threading.Lock()  # (two threads' first calls build one signature)
         self._eager_too_long = 0
         self._eager_device_busy = 0
@@ -346,6 +347,7 @@ class Graphed:
             signatures, self._signatures = list(self._signatures.values()), {}
         for s in signatures:
             s.release()
+        self._compiles.clear()
 
     def _items(self) -> list[tuple[str, _Signature]]:
         with self._lock:
@@ -363,7 +365,8 @@ class Graphed:
             if key not in self._signatures:
                 if len(self._signatures) >= self.options.max_signatures:
                     raise SignatureLimitError(_too_many(key, self.options.max_signatures))
-                made = self._signatures[key] = _Signature(self.fn, call, self.options, key)
+                made = _Signature(self.fn, call, self.options, key, self._compiles)
+                self._signatures[key] = made
                 self._say_why_eager(made)
                 self._keep_resolution(made)
             return self._signatures[key]
@@ -432,11 +435,18 @@ class _Signature:
     ``[largest bucket, *shape]``, and the runtime whose step reads them."""
 
     def __init__(
-        self, fn: Callable[..., Any], first: _Call, options: _Options, key: tuple[Any, ...]
+        self,
+        fn: Callable[..., Any],
+        first: _Call,
+        options: _Options,
+        key: tuple[Any, ...],
+        compiles: SharedCompiles,
     ) -> None:
-        self.fn, self.options, self.key = fn, options, key
-        self.spec, self.slots, self.bucket = first.spec, first.slots, first.bucket
-        self.constants = list(first.leaves)
+        self.fn, self.options, self.key, self.compiles = fn, options, key, compiles
+        self.slots, self.bucket = first.slots, first.bucket
+        # (tensors come from the buffers: no leaf of the first call is kept for them)
+        constants = tuple(None if i in first.slots else x for i, x in enumerate(first.leaves))
+        self.tree = CallTree(fn, constants, tuple(first.slots), first.spec)
         device = first.leaves[first.slots[0]].device
         self.platform = platform = options.platform or _platform_for(device)
         self.runtime = _runtime(self._step, options, platform)
@@ -447,13 +457,11 @@ class _Signature:
             torch.zeros((self.rows, *shape), dtype=dtype, device=dev)
             for shape, dtype, dev in key[2]
         ]
-        for slot in self.slots:
-            self.constants[slot] = None  # (tensors come from the buffers)
         self._oversize: list[Any] | None = None  # a call above the largest bucket
         self._out_spec: TreeSpec | None = None
         staged = options.capture == "staged" and graphs
         # A staged signature's first stage graphs ``fn`` as it is; its upgrade compiles.
-        self._compiled = None if staged else _compiled(self._call_tree, options, platform)
+        self._compiled = None if staged else _compiled(self, options, platform)
         self.staged: StagedRuntime | None = None
         if options.check_padding and self.runtime.mode is not GraphMode.NONE:
             check_padding(self.fn, first)
@@ -555,7 +563,7 @@ class _Signature:
         """The staged upgrade (on its thread): FULL graphs of ``fn`` compiled whole,
         reading the same buffers, in a graph pool of its own."""
         compiler = self.options.compiler
-        compiled = _WholeCompiled(self._call_tree, "inductor" if compiler == "auto" else compiler)
+        compiled = self.whole("inductor" if compiler == "auto" else compiler)
 
         def step(d: BatchDescriptor) -> tuple[torch.Tensor, ...]:
             outs, _ = tree_flatten(compiled(*(buf[: d.num_tokens] for buf in self.buffers)))
@@ -592,16 +600,15 @@ class _Signature:
             tensors = [self._oversize[s] for s in self.slots]
         else:
             tensors = [buf[: d.num_tokens] for buf in self.buffers]
-        call = self._compiled or self._call_tree
+        call = self._compiled or self.tree
         outs, self._out_spec = tree_flatten(call(*tensors))
         return tuple(outs)
 
-    def _call_tree(self, *tensors: torch.Tensor) -> Any:
-        leaves = list(self.constants)
-        for slot, t in zip(self.slots, tensors, strict=True):
-            leaves[slot] = t
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        return self.fn(*args, **kwargs)
+    def whole(self, compiler: str) -> WholeCompiled:
+        """``fn`` compiled whole by ``compiler``, one compilation for this signature and
+        those that differ from it only in their sequence bucket."""
+        seq_dim = self.options.seq_dim if self.options.seq_buckets else None
+        return self.compiles.whole(self.tree, self.key, compiler, seq_dim)
 
     def _outputs(self, outs: Any, call: _Call) -> Any:
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
@@ -692,47 +699,21 @@ def _runtime(step: Any, options: _Options, platform: Platform) -> GraphRuntime:
     )
 
 
-def _compiled(fn: Callable[..., Any], options: _Options, platform: Platform) -> Any:
-    """``fn`` (every argument a tensor with the batch on dim 0) compiled: by the
-    piecewise backend with ``splitting_ops``; whole by ``compiler`` when one was named
-    (FULL graphs of its kernels); else None (FULL graphs of ``fn``'s own kernels)."""
+def _compiled(signature: _Signature, options: _Options, platform: Platform) -> Any:
+    """The signature's function (every argument a tensor with the batch on dim 0)
+    compiled: by the piecewise backend with ``splitting_ops``; whole by ``compiler`` when
+    one was named (FULL graphs of its kernels, shared with the signatures that differ
+    only in their bucket); else None (FULL graphs of ``fn``'s own kernels)."""
     if not platform.supports_graphs:
         return None
     if not options.splitting_ops:
         whole = options.compiler not in ("auto", None)
-        return _WholeCompiled(fn, options.compiler) if whole else None
+        return signature.whole(options.compiler) if whole else None
     from ostinato.piecewise import CompiledModel, PiecewiseBackend
 
     compiler = choose_compiler(options.compiler, options.config.mode, platform) or "eager"
     backend = PiecewiseBackend(options.splitting_ops, compiler=compiler, platform=platform)
-    return CompiledModel(_AsModule(fn), backend)
-
-
-class _WholeCompiled:
-    """``torch.compile(fn, backend=compiler)``, the batch dimension dynamic where ``fn``
-    allows it (one compilation for every bucket; else one per bucket), through an entry
-    function of its own (Dynamo's limit of 8 variants is per code object)."""
-
-    def __init__(self, fn: Callable[..., Any], compiler: str) -> None:
-        from ostinato.piecewise.backend import forget_entry, own_entry
-
-        entry = own_entry(_AsModule(fn))
-        self._compiled = torch.compile(entry, backend=compiler)
-        self._forget = weakref.finalize(self, forget_entry, entry.__code__, entry.__globals__)
-
-    def __call__(self, *tensors: torch.Tensor) -> Any:
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self._compiled(*tensors)
-
-
-class _AsModule(torch.nn.Module):
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *tensors: torch.Tensor) -> Any:
-        return self.fn(*tensors)
+    return CompiledModel(AsModule(signature.tree), backend)
 
 
 def _platform_for(device: torch.device) -> Platform:

@@ -537,3 +537,49 @@ def test_a_signature_whose_capture_would_overlap_an_upgrades_compile_runs_eagerl
         fast.stats().replays == 1 and "the capture waited for the device" in fast.stats().summary()
     )
     fast.release()
+
+
+class PerToken(torch.nn.Module):
+    """Token embeddings and one linear layer: any length, the padding tokens apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids))
+
+
+def test_signatures_that_differ_only_in_their_bucket_share_one_compilation():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = PerToken().eval()
+    torch._dynamo.reset()
+    counters.clear()
+    fast = ostinato.graphed(
+        model,
+        max_batch_size=8,
+        seq_buckets=(4, 8, 16),
+        compiler="eager",
+        capture="first_use",
+        platform=FakePlatform(),
+    )
+    graphs = []
+    for n, length in [(2, 3), (5, 7), (3, 16), (8, 2)]:
+        ids = torch.randint(0, 50, (n, length))
+        torch.testing.assert_close(fast(ids), eager(model, ids), atol=1e-6, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    signatures = list(fast._signatures.values())
+    assert len(signatures) == 3  # one per bucket
+    assert len({id(s._compiled) for s in signatures}) == 1  # one compilation among them
+    # The first bucket's ladder compiled (a batch of 1 apart: Dynamo specializes it);
+    # the others traced nothing new: the sequence was dynamic from the start.
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 3
+    other = ostinato.graphed(
+        model, max_batch_size=8, compiler="eager", capture="first_use", platform=FakePlatform()
+    )
+    other(torch.randint(0, 50, (2, 3)))
+    other(torch.randint(0, 50, (2, 5)))  # no buckets: each length is a family of its own
+    assert len({id(s._compiled) for s in other._signatures.values()}) == 2

@@ -28,6 +28,7 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.presets import shape
 from ostinato.engine.sample.sampler import sample
 from ostinato.engine.worker.gemm_tuning import GemmTiming
+from ostinato.engine.worker.layer_tuning import LayerTiming
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.mathutil import ceil_div
 from ostinato.modes import GraphMode
@@ -155,6 +156,8 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     # Per variant with small_gemm: the start-up measurement of cuBLAS vs the Triton GEMM.
     small_gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)
+    # Per variant with fused layers in graphs: the start-up timing of fused vs unfused layers.
+    layer_plan: dict[str, list[LayerTiming]] = field(default_factory=dict)
     # Under --tp with "auto": per-call µs of each all-reduce algorithm in a captured graph,
     # by message size in bytes ({"sizes": [...], "nccl": [...], "one-shot": [...], ...}).
     all_reduce_us: dict[str, list[float]] = field(default_factory=dict)
@@ -484,6 +487,10 @@ def _time_variant(
     capture_s = time.perf_counter() - start - runner.compile_seconds
     if runner.kernel_plan.timings:
         result.small_gemm[name] = runner.kernel_plan.timings
+    if runner.kernel_plan.layer_timings:
+        result.layer_plan[name] = runner.kernel_plan.layer_timings
+        unfused = sorted(runner.model.unfused_rows)
+        print(f"{name}: fused layers measured slower (unfused) at rows {unfused}")
     result.costs.append(
         VariantCost(
             name,

@@ -453,3 +453,39 @@ def served_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
         return tokens
     finally:
         assert loop.stop()
+
+
+def layer_plan_agreement(rank: int, world: int, port: int, out: str) -> None:
+    """Plan the tiny model's layers with timings of this rank's own (rank 1's unfused
+    steps slower at 4 rows, rank 0's faster), rank 0 with its plan already cached; record
+    what each rank chose and which sizes it timed."""
+    set_env(rank, world, port)
+    import torch.distributed as dist
+
+    from ostinato.engine.kernels.options import KernelOptions
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import shape
+    from ostinato.engine.worker import layer_tuning
+    from ostinato.engine.worker.compile_cache import CompileCache
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions())
+    cache = CompileCache(Path(out) / f"cache{rank}")
+    CompileCache.plan_key = lambda self, device, key, rows, extra: repr((key, rows, extra))
+    if rank == 0:  # a plan only this rank's cache holds: both must measure anyway
+        sizes = [1, 2, 4]
+        cache.store_plans(
+            {cache.plan_key(None, layer_tuning.layer_key(model), sizes, "layers"): []}
+        )
+    timed = []
+
+    def timer(rows: int, unfused: bool) -> float:
+        timed.append((rows, unfused))
+        if rows == 4 and unfused:
+            return 80.0 if rank == 0 else 120.0
+        return 100.0
+
+    layer_tuning.plan_layers(model, [1, 2, 4], timer, cache, dist.group.WORLD)
+    torch.save((sorted(model.unfused_rows), timed), Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()

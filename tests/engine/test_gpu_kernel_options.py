@@ -280,3 +280,22 @@ def test_compile_ahead_compiles_every_kernel_before_its_first_launch(tmp_path):
     assert at_launch == [], f"compiled at a launch, not ahead (specialisation missed): {at_launch}"
     plain = tiny_engine("full_and_piecewise", torch.float32)
     assert doc["tokens"] == greedy_tokens(plain, 16)
+
+
+def test_fused_layers_are_measured_per_size_and_the_choice_read_back(tmp_path):
+    # FULL graphs, fused layers (the defaults): each captured size of at most 16 rows
+    # timed fused and unfused in a graph, the faster kept; the next engine on the same
+    # cache reads the choice; the engine with it follows eager.
+    llm = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
+    plan, model = llm.engine.runner.kernel_plan, llm.engine.model
+    sizes = sorted({s for s in plan.layer_rows if s <= 16})
+    timings = plan.layer_timings
+    assert sizes and [t.rows for t in timings] == sizes
+    assert all(t.fused_us > 0 and t.unfused_us > 0 for t in timings)
+    assert model.unfused_rows == {t.rows for t in timings if t.unfused_wins}
+    print([(t.rows, round(t.fused_us, 1), round(t.unfused_us, 1)) for t in timings])
+    again = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
+    assert again.engine.runner.kernel_plan.layer_timings == []
+    assert again.engine.model.unfused_rows == model.unfused_rows
+    eager = tiny_engine("none", torch.bfloat16)
+    assert "FULL" in lockstep(eager, llm, tolerance=2e-2)

@@ -264,10 +264,19 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.fused = kernels.fused_layers
+        # Row counts at which the fused ops measured slower (``DecoderModel.unfused_rows``).
+        self.unfused_rows: frozenset[int] = frozenset()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer, tp, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = Mlp(config, tp, kernels, layer)
+
+    def fuses(self, rows: int, lora: LoraRows | None = None) -> bool:
+        """Whether a step of ``rows`` rows runs this layer's fused ops: with fused layers,
+        eagerly, without LoRA rows, at a row count where they did not measure slower."""
+        if not self.fused or lora is not None or torch.compiler.is_compiling():
+            return False
+        return rows not in self.unfused_rows
 
     def forward(
         self,
@@ -284,7 +293,7 @@ class DecoderLayer(nn.Module):
         # fused op would run between them, eagerly, at every size (short prefills are
         # host-bound). The fused kernels serve the eager model, which the runner hands
         # the FULL decode graphs (``ModelRunner._forward_for``).
-        if self.fused and lora is None and not torch.compiler.is_compiling():
+        if self.fuses(x.shape[0], lora):
             attn, norm = self.self_attn, self.input_layernorm
             h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
             return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)
@@ -403,6 +412,18 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.rope_in_attention = value
 
+    @property
+    def unfused_rows(self) -> frozenset[int]:
+        """Row counts at which the layers run unfused although ``fused_layers`` is on
+        (where a measurement found the fused ops slower: ``worker.layer_tuning``); the
+        final norm and the LM head then run apart too. Empty by default."""
+        return self.layers[0].unfused_rows if len(self.layers) else frozenset()
+
+    @unfused_rows.setter
+    def unfused_rows(self, rows: frozenset[int]) -> None:
+        for layer in self.layers:
+            layer.unfused_rows = frozenset(rows)
+
     def linears(self, lm_head: bool = True) -> list[tuple[Linear, bool]]:
         """Every projection (the layers' and, with ``lm_head``, the LM head's) with
         whether its output goes through SiLU·mul (the gate/up projections): what the
@@ -448,7 +469,8 @@ class DecoderModel(nn.Module):
         into ``out``."""
         x, residual, stats = self._layers(input_ids, positions, None)
         head, norm = self.lm_head, self.norm
-        if not (self.kernels.fused_layers and head.plan):
+        fused = self.kernels.fused_layers and input_ids.shape[0] not in self.unfused_rows
+        if not (fused and head.plan):
             return self.compute_logits(self._final_norm(x, residual), out)
         y, _ = torch.ops.ostinato.norm_linear(
             x, residual, norm.weight, norm.eps, head.weight, head.counters, list(head.plan),

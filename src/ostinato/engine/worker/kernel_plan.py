@@ -25,6 +25,7 @@ from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import GemmTiming, default_plans, plan_small_gemms
 from ostinato.engine.worker.inputs import StepInputs
+from ostinato.engine.worker.layer_tuning import LayerTiming, StepTimer, plan_layers
 from ostinato.piecewise import PiecewiseBackend
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> hidden
@@ -44,12 +45,16 @@ class KernelPlan:
         small_gemm_rows: tuple[int, ...],
         compile_cache: CompileCache | None,
         padding: Padding,
+        layer_timer: StepTimer | None = None,
+        layer_rows: tuple[int, ...] = (),
     ) -> None:
         self.model, self.kernels, self.limits = model, kernels, limits
         self.small_gemm_rows = small_gemm_rows
         self.compile_cache = compile_cache
         self.padding = padding
+        self.layer_timer, self.layer_rows = layer_timer, layer_rows
         self.timings: list[GemmTiming] | None = None
+        self.layer_timings: list[LayerTiming] = []  # what the layer plan measured
         self.compile_seconds = 0.0
         self._kernels_pending = kernels.compile_ahead  # compiled ahead once
 
@@ -61,8 +66,9 @@ class KernelPlan:
     @torch.inference_mode()
     def plan(self) -> list[GemmTiming]:
         """Measures and sets the small-GEMM plans once, then with ``fused_layers`` gives
-        the Triton GEMM to every layer projection left without one; returns the
-        measurements (empty when not asked for)."""
+        the Triton GEMM to every layer projection left without one and, with a
+        ``layer_timer``, measures at which of ``layer_rows`` the layers run fused
+        (``layer_tuning``); returns the GEMM measurements (empty when not asked for)."""
         if self.timings is None:
             model, pdl = self.model, self.kernels.pdl
             rows = self.small_gemm_rows
@@ -75,6 +81,10 @@ class KernelPlan:
                 # The LM head only where LaunchRules.plan_lm_head says: once a step,
                 # and the widest GEMM, where a tile picked by rule risks the most.
                 default_plans(model.linears(lm_head=rules().plan_lm_head), pdl)
+            if self.layer_timer is not None:
+                self.layer_timings = plan_layers(
+                    model, self.layer_rows, self.layer_timer, self.compile_cache, model.tp.group
+                )
         return self.timings
 
     @torch.inference_mode()

@@ -31,6 +31,7 @@ from ostinato.engine.worker.gemm_tuning import GemmTiming
 from ostinato.engine.worker.graph_upgrade import GraphUpgrade
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.kernel_plan import Forward, KernelPlan
+from ostinato.engine.worker.layer_tuning import StepTimer, graph_timer
 from ostinato.engine.worker.ubatch_steps import UbatchSteps
 from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
@@ -118,13 +119,27 @@ class ModelRunner:
         runner of the model left cleared first."""
         for linear, _ in self.model.linears():
             linear.use_plan((), 0, False)
+        self.model.unfused_rows = frozenset()
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
-        # kernel's fixed cost shows); none in NONE mode.
+        # kernel's fixed cost shows); none in NONE mode. The fused layers are measured
+        # against the unfused at the same sizes, where FULL graphs replay them on CUDA.
         graphs = self.graphs.mode is not GraphMode.NONE
         rows = sizes if self.kernels.small_gemm and graphs else ()
+        measured = self.kernels.fused_layers and graphs and self.device.type == "cuda"
+        timer = self._layer_timer() if measured else None
         return KernelPlan(
-            self.model, self.kernels, self.limits, rows, compile_cache, self._padding_context
-        )
+            self.model, self.kernels, self.limits, rows, compile_cache, self._padding_context,
+            timer, sizes,
+        )  # fmt: skip
+
+    def _layer_timer(self) -> StepTimer:
+        """Times decode steps as the FULL decode graphs run them (``layer_tuning``)."""
+
+        def context(n: int) -> contextlib.AbstractContextManager:
+            d = BatchDescriptor(n, n, uniform_decode=True)
+            return forward_context(GraphMode.FULL, d, self.dummy_metadata(d))
+
+        return graph_timer(self.model, self.inputs.input_ids, self.inputs.positions, context)
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""

@@ -1,0 +1,144 @@
+"""Fused decoder layers or not, per captured decode size, chosen by measurement.
+
+``KernelOptions.fused_layers`` runs each layer's norm-then-projection pairs as one op. Whether
+that is faster depends on the shape, the row count, the tensor-parallel size and the GPU: on
+two H200s the 8 B shape's one-row step took 4.65 ms fused against 3.23 ms unfused, where the
+1.5 B shape is 5% faster fused. So at first start every captured size of at most ``MAX_ROWS``
+rows runs a decode step both ways, each inside a CUDA graph as the decode graphs run it, and
+a size where the unfused layers are faster by ``MARGIN`` runs them
+(``DecoderModel.unfused_rows``).
+
+Guarantees: every rank of a tensor-parallel group makes the same choice (the timings are the
+slowest rank's, and the ranks measure or read the cache together); the choice is kept in the
+compile cache beside the GEMM plans, keyed by everything it depended on, so a later start
+measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.platform.cuda import graph_call_us
+
+logger = logging.getLogger(__name__)
+
+MARGIN = 0.01
+"""How much faster the unfused layers must measure to be chosen (below it: noise, and the
+fused ops launch fewer kernels)."""
+
+StepTimer = Callable[[int, bool], float]
+"""``(rows, unfused) -> µs`` of one decode step of ``rows`` rows, the layers fused or not."""
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One captured size's decode step, fused and unfused (µs, the slowest rank's)."""
+
+    rows: int
+    fused_us: float
+    unfused_us: float
+
+    @property
+    def unfused_wins(self) -> bool:
+        """Whether this size runs the layers unfused."""
+        return self.unfused_us * (1 + MARGIN) <= self.fused_us
+
+
+def plan_layers(
+    model: DecoderModel,
+    rows: Sequence[int],
+    timer: StepTimer,
+    cache: CompileCache | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[LayerTiming]:
+    """Sets ``model.unfused_rows`` to the sizes of ``rows`` (those of at most ``MAX_ROWS``)
+    where ``timer`` found the unfused layers faster, or to what ``cache`` holds for this
+    model; returns the timings (empty where nothing was measured). Collective over
+    ``group`` where one is given."""
+    model.unfused_rows = frozenset()
+    sizes = sorted({r for r in rows if r <= MAX_ROWS})
+    if not sizes or not model.kernels.fused_layers:
+        return []
+    device = model.embed_tokens.weight.device
+    key = cache.plan_key(device, layer_key(model), sizes, "layers") if cache else None
+    stored = cache.load_plans() if cache is not None else {}
+    if _everyone(key in stored, group, device):
+        assert key is not None  # (found in the cache)
+        model.unfused_rows = frozenset(stored[key])
+        return []
+    timings = _measure(sizes, timer, group, device)
+    chosen = [t.rows for t in timings if t.unfused_wins]
+    model.unfused_rows = frozenset(chosen)
+    logger.info("ostinato: fused layers measured slower at rows %s: unfused there", chosen)
+    if cache is not None and key is not None:
+        cache.store_plans({key: chosen})
+    return timings
+
+
+def layer_key(model: DecoderModel) -> list[object]:
+    """What a layer plan depends on besides the device and the sizes: the model's shape
+    and dtype, the tensor-parallel size, the launch options, the attention backend's
+    placement of RoPE and the projections' GEMM plans (set before this is measured)."""
+    c, w = model.config, model.embed_tokens.weight
+    plans = repr([linear.plan for linear, _ in model.linears()]).encode()
+    return [
+        c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
+        c.vocab_size, w.dtype, model.tp.size, model.kernels, model.rope_in_attention,
+        hashlib.sha256(plans).hexdigest()[:16],
+    ]  # fmt: skip
+
+
+def _everyone(found: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every rank of ``group`` found its plan (one rank's cache file may have
+    been written by another between their reads: then all of them measure)."""
+    if group is None:
+        return found
+    flag = torch.tensor([int(found)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _measure(
+    sizes: list[int], timer: StepTimer, group: dist.ProcessGroup | None, device: torch.device
+) -> list[LayerTiming]:
+    table = torch.tensor([[timer(r, False), timer(r, True)] for r in sizes], dtype=torch.float64)
+    if group is not None:
+        on_device = table.to(device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+        table = on_device.cpu()
+    return [LayerTiming(r, f, u) for r, (f, u) in zip(sizes, table.tolist(), strict=True)]
+
+
+def graph_timer(
+    model: DecoderModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    context: Callable[[int], AbstractContextManager[object]],
+    steps: int = 4,
+    replays: int = 5,
+) -> StepTimer:
+    """A ``StepTimer`` on the GPU: ``steps`` decode steps of the model's ``logits`` over the
+    first rows of the persistent ``input_ids`` and ``positions``, inside ``context(rows)``
+    (a decode graph's padding rows and attention context), captured in one CUDA graph and
+    replayed ``replays`` times; the first step runs eagerly (kernels compile outside the
+    capture)."""
+
+    def step_us(rows: int, unfused: bool) -> float:
+        model.unfused_rows = frozenset({rows}) if unfused else frozenset()
+        ids, pos = input_ids[:rows], positions[:rows]
+        with context(rows), torch.cuda.device(ids.device):
+            step = lambda: model.logits(ids, pos)  # noqa: E731
+            step()
+            return graph_call_us(step, steps, replays)
+
+    return step_us

@@ -1,0 +1,136 @@
+"""Fused layers or not, per captured size, by measurement (``worker.layer_tuning``): the
+choice against brute force over random timings, what a size chosen unfused runs, the
+compile cache, the ranks' agreement (gloo), and where the runner measures at all."""
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dist_workers import free_port, layer_plan_agreement
+from test_fused_layers import _tiny_decode
+
+from ostinato.engine import KernelOptions
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+from ostinato.engine.model import decoder, fused_ops
+from ostinato.engine.model.attention import TorchAttention
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.presets import shape
+from ostinato.engine.worker import runner as runner_module
+from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.layer_tuning import MARGIN, plan_layers
+from ostinato.modes import GraphMode
+
+
+def _model(**kernels) -> DecoderModel:
+    return DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions(**kernels))
+
+
+@pytest.fixture
+def cpu_keys(monkeypatch):
+    # plan_key names the CUDA device; on the CPU a key of everything else stands in.
+    monkeypatch.setattr(
+        CompileCache, "plan_key", lambda self, device, key, rows, extra: repr((key, rows, extra))
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_size_runs_unfused_only_where_it_measured_faster_by_the_margin(seed):
+    rng = random.Random(seed)
+    sizes = sorted(rng.sample([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64], 6))
+    times = {(r, u): rng.uniform(90, 110) for r in sizes for u in (False, True)}
+    model, timed = _model(), []
+
+    def timer(rows, unfused):
+        timed.append(rows)
+        return times[rows, unfused]
+
+    timings = plan_layers(model, sizes, timer)
+    small = [r for r in sizes if r <= MAX_ROWS]
+    assert sorted(set(timed)) == small and [t.rows for t in timings] == small
+    want = {r for r in small if times[r, True] * (1 + MARGIN) <= times[r, False]}
+    assert model.unfused_rows == want
+    assert all(layer.unfused_rows == want for layer in model.layers)
+
+
+def test_nothing_is_measured_without_fused_layers_or_small_sizes():
+    def timer(rows, unfused):
+        raise AssertionError("timed")
+
+    assert plan_layers(_model(fused_layers=False), [1, 2], timer) == []
+    model = _model()
+    model.unfused_rows = frozenset({1})  # an earlier plan is cleared
+    assert plan_layers(model, [32, 64], timer) == [] and model.unfused_rows == frozenset()
+
+
+def test_a_plan_is_measured_once_then_read_from_the_compile_cache(tmp_path, cpu_keys):
+    cache, calls = CompileCache(tmp_path), []
+
+    def timer(rows, unfused):
+        calls.append(rows)
+        return 50.0 if unfused and rows == 2 else 100.0
+
+    assert plan_layers(_model(), [1, 2, 4], timer, cache)
+    again = _model()
+    assert plan_layers(again, [1, 2, 4], timer, cache) == [] and len(calls) == 6
+    assert again.unfused_rows == frozenset({2})
+    # Another launch option, or other sizes, is another plan.
+    assert plan_layers(_model(pdl=False), [1, 2, 4], timer, cache) and len(calls) == 12
+    assert plan_layers(_model(), [1, 2], timer, cache) and len(calls) == 16
+
+
+def test_ranks_measure_together_and_take_the_slowest_ranks_timings(tmp_path):
+    # Rank 0 alone has a cached plan and alone measured its unfused 4-row step faster:
+    # both measure, and with rank 1's slower timing neither runs 4 rows unfused.
+    mp.spawn(layer_plan_agreement, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    results = [torch.load(Path(tmp_path) / f"{r}.pt") for r in range(2)]
+    for chosen, timed in results:
+        assert chosen == []
+        assert sorted(timed) == [(r, u) for r in (1, 2, 4) for u in (False, True)]
+
+
+def test_a_size_chosen_unfused_runs_the_unfused_layers_with_the_same_logits():
+    setup, step = _tiny_decode()  # a decode step of 4 rows
+    runner = setup.runner(GraphMode.NONE, None, TorchAttention(), KernelOptions())
+    layers, logits = len(runner.model.layers), []
+    for unfused in (frozenset(), frozenset({4}), frozenset({3, 8})):
+        runner.model.unfused_rows = unfused
+        add = decoder.RMSNorm.add
+        with (
+            mock.patch.object(fused_ops, "_norm_into", wraps=fused_ops._norm_into) as norms,
+            mock.patch.object(decoder.RMSNorm, "add", autospec=True, side_effect=add) as adds,
+            torch.inference_mode(),
+        ):
+            runner.model.lm_head.use_plan((0, 1, 1, 1, 1), 4, False)
+            logits.append(runner.execute(step).logits.clone())
+        fused = 4 not in unfused
+        assert norms.call_count == (layers if fused else 0), norms.call_count
+        assert adds.call_count == (0 if fused else 2 * layers), adds.call_count
+    runner.release()
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
+def test_the_runner_times_layers_only_on_cuda_with_graphs_and_fused_layers():
+    setup, _ = _tiny_decode()
+    for mode in (GraphMode.NONE, GraphMode.FULL):
+        runner = setup.runner(mode, None, TorchAttention(), KernelOptions())
+        assert runner.kernel_plan.layer_timer is None  # the CPU
+        runner.release()
+    # As on a GPU: a CUDA device whose graphs are FULL (the CPU resolves every mode to NONE).
+    runner = setup.runner(GraphMode.FULL, None, TorchAttention(), KernelOptions())
+    graphs, runner.graphs = runner.graphs, SimpleNamespace(mode=GraphMode.FULL)
+    runner.device = torch.device("cuda")
+    with mock.patch.object(runner_module, "graph_timer", return_value="timer") as made:
+        assert runner._kernel_plan((1, 2, 4), None).layer_timer == "timer"
+        runner.kernels = KernelOptions(fused_layers=False)
+        assert runner._kernel_plan((1, 2, 4), None).layer_timer is None
+        runner.kernels = KernelOptions()
+        runner.graphs = SimpleNamespace(mode=GraphMode.NONE)
+        assert runner._kernel_plan((1, 2, 4), None).layer_timer is None
+    assert made.call_count == 1
+    runner.graphs, runner.device = graphs, torch.device("cpu")
+    runner.release()

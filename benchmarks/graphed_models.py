@@ -11,7 +11,8 @@ FULL_AND_PIECEWISE does not apply to them: none holds an op that must run outsid
 batch and the sequence buckets the stream needs); ``ostinato FULL+inductor`` compiles the
 model whole first (``compiler="inductor"``, a dynamic batch) and captures Inductor's
 kernels; ``ostinato backend`` is ``torch.compile(model, backend="ostinato")`` with the same
-options.
+options; ``ostinato default views`` is the default with ``copy_outputs=False`` (outputs
+valid until the next call, as reduce-overhead's; the default copies every output).
 
 For each model and system the stream runs three times: the first pass is the warm-up
 (compilation, capture; its total seconds are reported), the second settles what the
@@ -45,6 +46,7 @@ SYSTEMS = (
     "eager",
     "reduce-overhead",
     "ostinato default",
+    "ostinato default views",
     "ostinato FULL+inductor",
     "ostinato backend",
 )
@@ -196,6 +198,10 @@ def system(w: Workload, name: str, max_batch: int) -> tuple[Callable[..., Any], 
         return torch.compile(w.fn, backend="ostinato", options=options), None
     if name == "ostinato FULL+inductor":
         options |= {"mode": "full", "compiler": "inductor"}
+    elif name == "ostinato default views":
+        # Outputs as views of the static buffers, valid until the next call (as
+        # reduce-overhead's): no copy of every output a call, which the default makes.
+        options |= {"copy_outputs": False}
     elif name != "ostinato default":
         raise ValueError(f"--systems: unknown {name!r}; choose from {', '.join(SYSTEMS)}")
     fast = ostinato.graphed(w.fn, **options)

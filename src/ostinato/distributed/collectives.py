@@ -18,6 +18,20 @@ def on_group_device(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return t.cuda() if dist.get_backend(group) == "nccl" else t
 
 
+def largest_over_group(
+    rows: list[list[float]], group: dist.ProcessGroup | None
+) -> list[list[float]]:
+    """Each value of ``rows`` replaced by the largest any rank of ``group`` holds at its
+    place (every rank calls this with rows of the same shape), so that timings measured
+    on each rank become the slowest rank's and every rank decides alike; ``rows`` as
+    they are without a group."""
+    if group is None or not rows:
+        return rows
+    t = on_group_device(torch.tensor(rows, dtype=torch.float64), group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of ``x`` over ``group`` (``x`` itself without a group)."""
     if group is None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ostinato.distributed.collectives import largest_over_group
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
@@ -72,11 +73,12 @@ def plan_layers(
     device = model.embed_tokens.weight.device
     key = cache.plan_key(device, layer_key(model), sizes, "layers") if cache else None
     stored = cache.load_plans() if cache is not None else {}
-    if _everyone(key in stored, group, device):
+    if _everyone(key in stored, group):
         assert key is not None  # (found in the cache)
         model.unfused_rows = frozenset(stored[key])
         return []
-    timings = _measure(sizes, timer, group, device)
+    times = largest_over_group([[timer(r, False), timer(r, True)] for r in sizes], group)
+    timings = [LayerTiming(r, f, u) for r, (f, u) in zip(sizes, times, strict=True)]
     chosen = [t.rows for t in timings if t.unfused_wins]
     model.unfused_rows = frozenset(chosen)
     logger.info("ostinato: fused layers measured slower at rows %s: unfused there", chosen)
@@ -98,25 +100,11 @@ def layer_key(model: DecoderModel) -> list[object]:
     ]  # fmt: skip
 
 
-def _everyone(found: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+def _everyone(found: bool, group: dist.ProcessGroup | None) -> bool:
     """Whether every rank of ``group`` found its plan (one rank's cache file may have
     been written by another between their reads: then all of them measure)."""
-    if group is None:
-        return found
-    flag = torch.tensor([int(found)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _measure(
-    sizes: list[int], timer: StepTimer, group: dist.ProcessGroup | None, device: torch.device
-) -> list[LayerTiming]:
-    table = torch.tensor([[timer(r, False), timer(r, True)] for r in sizes], dtype=torch.float64)
-    if group is not None:
-        on_device = table.to(device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
-        table = on_device.cpu()
-    return [LayerTiming(r, f, u) for r, (f, u) in zip(sizes, table.tolist(), strict=True)]
+    missing = largest_over_group([[float(not found)]], group)
+    return missing[0][0] == 0.0
 
 
 def graph_timer(

@@ -13,11 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ostinato.batch import BatchDescriptor
-from ostinato.distributed.collectives import on_group_device
+from ostinato.distributed.collectives import largest_over_group
 
 
 @dataclass(frozen=True)
@@ -47,11 +44,7 @@ def measure(
     rank of ``group`` must call this with the same candidates: the timed graphs hold
     collectives that pair up across ranks). With a ``group``, each time is the largest
     over its ranks, so every rank gets the same timings and makes the same choice."""
-    times = [(time_ms(d, False), time_ms(d, True)) for d in candidates]
-    if group is not None and times:
-        t = on_group_device(torch.tensor(times, dtype=torch.float64), group)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        times = [(float(p), float(u)) for p, u in t.tolist()]
+    times = largest_over_group([[time_ms(d, False), time_ms(d, True)] for d in candidates], group)
     return [UbatchTiming(d, p, u) for d, (p, u) in zip(candidates, times, strict=True)]
 
 

@@ -455,6 +455,12 @@ def served_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
         assert loop.stop()
 
 
+def cpu_plan_key(self, device, key, rows, extra) -> str:
+    """``CompileCache.plan_key`` on the CPU, which has no device properties to name:
+    a key of everything else."""
+    return repr((key, rows, extra))
+
+
 def layer_plan_agreement(rank: int, world: int, port: int, out: str) -> None:
     """Plan the tiny model's layers with timings of this rank's own (rank 1's unfused
     steps slower at 4 rows, rank 0's faster), rank 0 with its plan already cached; record
@@ -472,7 +478,7 @@ def layer_plan_agreement(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions())
     cache = CompileCache(Path(out) / f"cache{rank}")
-    CompileCache.plan_key = lambda self, device, key, rows, extra: repr((key, rows, extra))
+    CompileCache.plan_key = cpu_plan_key
     if rank == 0:  # a plan only this rank's cache holds: both must measure anyway
         sizes = [1, 2, 4]
         cache.store_plans(

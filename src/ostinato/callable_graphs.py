@@ -561,7 +561,7 @@ class _Signature:
 
     def _build_upgrade(self) -> GraphRuntime:
         """The staged upgrade (on its thread): FULL graphs of ``fn`` compiled whole,
-        reading the same buffers, in a graph pool of its own."""
+        reading the same buffers, in the first stage's pool and static outputs."""
         compiler = self.options.compiler
         compiled = self.whole("inductor" if compiler == "auto" else compiler)
 

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_workers import free_port, layer_plan_agreement
+from dist_workers import cpu_plan_key, free_port, layer_plan_agreement
 from test_fused_layers import _tiny_decode
 
 from ostinato.engine import KernelOptions
@@ -33,9 +33,7 @@ def _model(**kernels) -> DecoderModel:
 @pytest.fixture
 def cpu_keys(monkeypatch):
     # plan_key names the CUDA device; on the CPU a key of everything else stands in.
-    monkeypatch.setattr(
-        CompileCache, "plan_key", lambda self, device, key, rows, extra: repr((key, rows, extra))
-    )
+    monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
 
 
 @pytest.mark.parametrize("seed", range(20))

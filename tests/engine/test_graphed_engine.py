@@ -197,6 +197,29 @@ def test_biased_penalized_and_seeded_steps_sample_in_graphs_as_eager_does(fake_g
     assert fresh.engine.sampler.graph_sampler.graphs[8, True, True, False][0].replays == 11
 
 
+def test_a_steps_biases_follow_its_rows_as_requests_end(fake_graphs):
+    # Requests end at different steps, so the rows under each bias move; the sampling
+    # graph's bias buffer is rewritten only when a step's rows' biases differ from the
+    # last step's. A bias of 100 makes its token certain: a stale row would show. (Seeded:
+    # padded steps would otherwise draw other numbers than eager's on the CPU.)
+    prompts, _ = workload(n=8, seed=6)
+    params = [
+        SamplingParams(
+            max_tokens=3 + 2 * i,
+            ignore_eos=True,
+            temperature=0.9,
+            seed=i,
+            logit_bias={5 * i: 100.0} if i % 2 else {},
+        )
+        for i in range(8)
+    ]
+    want = tokens(engine("none", seed=11), prompts, params)
+    assert tokens(engine("full", seed=11), prompts, params) == want
+    for i in range(1, 8, 2):
+        assert want[i] == [5 * i] * len(want[i])
+    assert all(5 * j not in want[i] for i in range(0, 8, 2) for j in range(1, 8, 2))
+
+
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
     # 8 requests asking for log probabilities (greedy and sampled, 0 to 20 alternatives)
     # fill the captured size 8: each decode step's come from the logprob graph, equal

@@ -3,11 +3,11 @@
 The uniform decode graphs end in the LM head and the argmax, so a greedy step is one
 replay. In FULL mode a decode replays the mixed graph of its size and the LM head runs
 after it, so each size also gets a greedy graph (``GREEDY``) over the logits it wrote.
-A step that samples needs softmax, a sort over the vocabulary and random draws, which
-would double a greedy step's cost if every decode graph held them; so each decode size
-gets a second, small graph that reads the decode graph's static logits and per-row
-temperature and top-p buffers and writes the sampled tokens. A sampled step is
-then two replays and no eager kernel: no launch per op, no host work between them.
+A step that samples needs a softmax, top-p and random draws (on CUDA one kernel per
+step, ``kernels.sampling``), so each decode size gets a second, small graph that reads
+the decode graph's static logits and per-row temperature and top-p buffers and writes
+the sampled tokens. A sampled step is then two replays and no eager kernel: no launch
+per op, no host work between them.
 
 The random draws come from the engine's generator, registered with each graph (CUDA's
 graph-safe RNG): every replay advances the generator as an eager call of the same size
@@ -21,10 +21,11 @@ generator draws in sequence and the padding always shifts them. Either way the t
 follow the same distribution as eager sampling's.
 
 A step whose requests set a logit bias or penalties, or a seed, replays an adjusted
-variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, zeroed and filled
-between steps), subtracts the penalties from the output counts (``OutputCounts``' rows,
-copied in) with the arithmetic of eager steps (``adjust.penalize``), and draws a seeded
-row's exponentials from its key (``sampler.Seeds``), so it too takes eager's tokens. Its
+variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, rewritten between
+steps where the rows' biases differ from the last step's), subtracts the penalties from
+the output counts (``OutputCounts``' rows, copied in) with the arithmetic of eager steps
+(``adjust.penalize``), and draws a seeded row's numbers from its key (``sampler.Seeds``),
+so it too takes eager's tokens. Its
 buffers cost ``2 * rows * vocab`` float32 (32 MiB at 32 rows of a 128k vocabulary).
 """
 
@@ -45,8 +46,8 @@ from ostinato.platform.base import Platform
 
 # The graphs of each size: (adjusted, cut, seeded). cut None: an adjusted all-greedy step
 # (no draw: eager greedy steps draw nothing either, so later draws stay in step with
-# eager's). seeded: the hash of every row's key, some 20 passes over [rows, vocab] int64,
-# only in the steps that need it (0.6 ms at 64 rows of a 128k vocabulary, estimated).
+# eager's). seeded: the seeded rows' keys in place of those drawn from the generator
+# (with torch, the hash of every row's key: some 20 passes over [rows, vocab] int64).
 VARIANTS = (
     (False, True, False),
     (False, False, False),
@@ -88,7 +89,7 @@ class GraphSampler:
         self.floats = torch.zeros((4, max_rows), dtype=torch.float32, device=device)
         self.ints = torch.zeros((2, max_rows), dtype=torch.long, device=device)
         self.counts = self.bias = torch.zeros((0, 0), device=device)  # (sized by capture)
-        self.bias_dirty = False  # whether a row of ``bias`` may be non-zero
+        self.bias_key: tuple | None = None  # the step whose biases ``bias`` holds
         # Pinned staging, two sets used in turn (as ``StepInputs`` does: under
         # asynchronous scheduling the host fills one while the other's copy may still be
         # queued); the host writes them through numpy views made once.
@@ -212,11 +213,13 @@ class GraphSampler:
         self._stage(padded, [temperatures, top_ps, presence, frequency], ints)
         if counts is not None:
             self.counts[:n].copy_(counts)
-        biased = any(p.logit_bias for p in params)
-        if biased or self.bias_dirty:
+        # The biases of a request never change, so a step with the same rows' biases as
+        # the last (the same pairs, which compare by identity first) finds them written.
+        key = (padded, tuple(p.logit_bias for p in params))
+        if key != self.bias_key:
             self.bias[:padded].zero_()
             add_bias(self.bias[:n], params)
-            self.bias_dirty = biased
+            self.bias_key = key
         entry[0].replay()
         return entry[1][:n]
 

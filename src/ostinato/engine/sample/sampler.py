@@ -24,38 +24,66 @@ def sample(
     softmax runs in float32).
 
     Rows with temperature 0 take the argmax; others sample from the softmax at that
-    temperature restricted to the smallest set of tokens whose probability reaches top_p.
-    ``all_greedy``: whether every temperature is 0, when the caller knows (else it is
-    read from the device, which waits for it). ``seeded[i] = (seed, index)``: row i draws
-    from a generator of its own, seeded by ``seed`` and the index of the token drawn, so
-    its token depends on its own logits and seed only (``None`` or absent: ``generator``);
-    or the same on the device (``Seeds``, as a graph holds it).
+    temperature restricted to the smallest set of most likely tokens whose probability
+    reaches top_p (the tokens tied with its least likely one kept too). ``all_greedy``:
+    whether every temperature is 0, when the caller knows (else it is read from the
+    device, which waits for it). ``seeded[i] = (seed, index)``: row i draws from a key
+    of its own, made of ``seed`` and the index of the token drawn, so its token depends on
+    its own logits and seed only (``None`` or absent: the row's draws come from
+    ``generator``); or the same on the device (``Seeds``, as a graph holds it).
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
-    (the same distribution, other draws than with ``cut``).
+    where the step samples with torch (the same tokens).
+
+    On CUDA one kernel per step draws (``kernels.sampling``): each row's draws come from a
+    key, the seeded rows' own or one drawn from ``generator``, so a graph replay takes
+    the tokens an eager call takes from the same generator state. Elsewhere torch ops.
     """
-    greedy = greedy_tokens(logits)
     if all_greedy is None:
         all_greedy = not bool((temperatures > 0).any())
     if all_greedy:
-        return greedy
+        return greedy_tokens(logits)
+    seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, logits.device)
+    if logits.is_cuda:
+        from ostinato.engine.kernels.sampling import sample_rows
+
+        return sample_rows(logits, temperatures, top_ps, row_keys(seeds, logits, generator))
+    greedy = greedy_tokens(logits)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
-    order = None
-    if cut:
-        probs, order = probs.sort(dim=-1, descending=True)
-        # Keep a token if the mass before it is still below top_p (the first always is).
-        keep = (probs.cumsum(dim=-1) - probs) < top_ps[:, None]
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
     # The exponential race: argmax of p / E, E ~ Exp(1) i.i.d., picks token i with
     # probability p_i / sum(p). Unlike torch.multinomial it never waits for the device,
     # and it is made of ops a graph can hold.
     race = torch.empty_like(probs).exponential_(generator=generator)
-    seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, race.device)
     if seeds is not None:
         race = torch.where(seeds.mask[:, None], seeded_races(seeds.keys, race.shape[1]), race)
+    if cut:
+        probs = torch.where(nucleus(probs, top_ps), probs, torch.zeros_like(probs))
     choice = (probs / race).argmax(dim=-1)
-    sampled = choice if order is None else order.gather(1, choice[:, None]).squeeze(1)
-    return torch.where(temperatures > 0, sampled, greedy)
+    return torch.where(temperatures > 0, choice, greedy)
+
+
+def row_keys(
+    seeds: Seeds | None, logits: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Each row's 32-bit key for ``seeded_races``' draws (int64 ``[rows]`` on the
+    logits' device): a seeded row's own, else one drawn from ``generator``."""
+    rows = logits.shape[0]
+    drawn = torch.randint(0, 1 << 32, (rows,), generator=generator, device=logits.device)
+    return drawn if seeds is None else torch.where(seeds.mask, seeds.keys, drawn)
+
+
+def nucleus(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Where each row keeps a token (``[rows, vocab]`` bool, ``probs``' order): the mass
+    of the tokens more likely than it is below the row's top_p."""
+    ordered, order = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(dim=-1) - ordered
+    # Tied tokens all count the mass strictly above them: that before the tie's first.
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    at = torch.arange(ordered.shape[1], device=probs.device).expand_as(ordered)
+    first = torch.where(starts, at, torch.zeros_like(at)).cummax(dim=-1).values
+    keep = before.gather(1, first) < top_ps[:, None]
+    return torch.zeros_like(keep).scatter(1, order, keep)
 
 
 @dataclass(frozen=True)

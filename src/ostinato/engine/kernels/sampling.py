@@ -1,0 +1,337 @@
+"""A step's token draws and log probabilities, graph-safe, a row spread over many programs.
+
+torch's sampler walks a row of a large vocabulary with one thread block per reduction
+(softmax, log-softmax, argmax: about 30 µs each for 152k logits at one row on an H200)
+and sorts the whole row for top-p (radix sort and scans, about 45 µs); one program per
+row doing all of it is no better (one SM: about 100 µs a pass over 152k logits with the
+hash, measured). Here each of ``CHUNK`` logits of a row has a program, and a short kernel
+per row combines the programs' results, as ``kernels.argmax`` does:
+
+- ``sample_rows``: each chunk's max and softmax sum of ``z`` (the adjusted logits over the
+  temperature) and the winner of its Gumbel race, ``z + G`` with ``G`` drawn from the
+  row's key by ``sampler.seeded_races``' hash; combined, the race's winner is a draw
+  from ``softmax(z)``. Top-p: while the mass strictly above the winner's ``z`` reaches
+  ``top_p`` the winner is outside the nucleus, and the race's winner among the tokens
+  above it (the same draws) is the next candidate. The candidate that stops it is the
+  race's winner over the nucleus (every token above it is in the nucleus), a draw from
+  it. ``ROUNDS`` such checks run spread out (a row that is done skips them); a row still
+  not done then finishes in one program. No sort.
+- ``row_logprobs``: each chunk's max, softmax sum and its ``k`` largest; combined per row.
+
+Temperature 0 rows take the first maximum, as ``torch.argmax`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ostinato.engine.kernels.launch import launch
+
+CHUNK = 2048  # logits a program reads: 75 programs for a row of a 152k vocabulary
+WARPS = 4
+ROUNDS = 2  # top-p checks spread over the chunks before a row finishes alone
+FINISH_BLOCK = 4096
+MAX_CHUNKS = 1 << 14  # the combining programs hold a row's chunk results in one tile
+MASK = tl.constexpr(0xFFFFFFFF)
+GOLDEN = tl.constexpr(0x9E3779B1)
+MIX = tl.constexpr(0x45D9F3B)
+LOW = tl.constexpr(0xFFFFFFFF)
+EMPTY = tl.constexpr(-(2**63))  # below every packed key
+
+
+@triton.jit
+def _gumbel(key, cols):
+    """``-log(E)`` for ``sampler.seeded_races``' ``E`` of (``key``, ``cols``)."""
+    x = (key + cols * GOLDEN) & MASK
+    x = (((x >> 16) ^ x) * MIX) & MASK
+    x = (((x >> 16) ^ x) * MIX) & MASK
+    x = (x >> 16) ^ x
+    u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _scaled(logits_ptr, row, stride, cols, live, inv_t):
+    """The logits of ``cols`` over the temperature (``-inf`` past the row)."""
+    x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
+    return x.to(tl.float32) * inv_t
+
+
+@triton.jit
+def _packed(g, cols, live, vocab):
+    """The largest of ``g`` and its first column as one int64 that orders as (value,
+    then the smaller column): ``kernels.argmax``' key."""
+    best = tl.max(g, axis=0)
+    first = tl.min(tl.where(live & (g == best), cols, vocab), axis=0)
+    bits = best.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = tl.where(best == 0.0, 0, key)
+    return (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
+
+
+@triton.jit
+def _row_values(row, temps_ptr):
+    """A row's 1 / temperature (1 for greedy rows) and whether it is greedy."""
+    t = tl.load(temps_ptr + row)
+    greedy = t <= 0.0
+    return 1.0 / tl.where(greedy, 1.0, t), greedy
+
+
+@triton.jit
+def _chunk_kernel(
+    logits_ptr, stride, temps_ptr, keys_ptr, stats_ptr, races_ptr, vocab, chunks,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """A chunk's max and softmax sum of z and the winner of its race (argmax if greedy)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    inv_t, greedy = _row_values(row, temps_ptr)
+    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    live = cols < vocab
+    z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
+    m = tl.max(z, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(z - shift), axis=0)
+    key = tl.load(keys_ptr + row)
+    g = tl.where(greedy, z, z + _gumbel(key, cols))
+    g = tl.where(live, g, float("-inf"))
+    at = row * chunks + chunk
+    tl.store(stats_ptr + 2 * at, m)
+    tl.store(stats_ptr + 2 * at + 1, total)
+    tl.store(races_ptr + at, _packed(g, cols, live, vocab))
+
+
+@triton.jit
+def _combined(stats_ptr, row, c, here, chunks):
+    """A row's max (0 where every logit is -inf) and softmax sum relative to it, from its
+    chunks' ``(max, sum)`` pairs."""
+    ms = tl.load(stats_ptr + 2 * (row * chunks + c), mask=here, other=float("-inf"))
+    totals = tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=here, other=0.0)
+    m = tl.max(ms, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    return shift, tl.sum(totals * tl.exp(ms - shift), axis=0)
+
+
+@triton.jit
+def _pick_kernel(temps_ptr, top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_ptr,
+                 chunks, CHUNKS: tl.constexpr):  # fmt: skip
+    """A row's max and softmax sum over its chunks and the race's winner; done where
+    greedy or top-p is 1."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    here = c < chunks
+    shift, total = _combined(stats_ptr, row, c, here, chunks)
+    best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
+    tl.store(out_ptr + row, (best & LOW) ^ LOW)
+    tl.store(rowstate_ptr + 2 * row, shift)
+    tl.store(rowstate_ptr + 2 * row + 1, total)
+    done = (tl.load(temps_ptr + row) <= 0.0) | (tl.load(top_p_ptr + row) >= 1.0)
+    tl.store(done_ptr + row, done.to(tl.int32))
+
+
+@triton.jit
+def _above_kernel(
+    logits_ptr, stride, temps_ptr, keys_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr,
+    out_ptr, vocab, chunks, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """For a row not done: a chunk's mass above its candidate's z and the winner of the
+    race among the tokens there."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(done_ptr + row) != 0:
+        return
+    chunk = tl.program_id(1)
+    inv_t, greedy = _row_values(row, temps_ptr)
+    s = tl.load(out_ptr + row)
+    z_s = _scaled(logits_ptr, row, stride, s, s < vocab, inv_t)
+    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    live = cols < vocab
+    z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
+    up = live & (z > z_s)
+    m = tl.load(rowstate_ptr + 2 * row)
+    above = tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
+    g = tl.where(up, z + _gumbel(tl.load(keys_ptr + row), cols), float("-inf"))
+    at = row * chunks + chunk
+    tl.store(stats_ptr + 2 * at + 1, above)
+    tl.store(races_ptr + at, _packed(g, cols, up, vocab))
+
+
+@triton.jit
+def _check_kernel(top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_ptr, chunks,
+                  CHUNKS: tl.constexpr):  # fmt: skip
+    """For a row not done: done if the mass above its candidate is below top_p, else the
+    race's winner above it is the next candidate."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(done_ptr + row) != 0:
+        return
+    c = tl.arange(0, CHUNKS)
+    here = c < chunks
+    above = tl.sum(tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=here, other=0.0), axis=0)
+    inside = above < tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
+    best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
+    if inside:
+        tl.store(done_ptr + row, 1)
+    else:
+        tl.store(out_ptr + row, (best & LOW) ^ LOW)
+
+
+@triton.jit
+def _finish_kernel(
+    logits_ptr, stride, temps_ptr, top_p_ptr, keys_ptr, rowstate_ptr, done_ptr, out_ptr, vocab,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """For a row still not done: the checks of ``_above_kernel`` and ``_check_kernel``
+    in one program, until its candidate is inside the nucleus."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(done_ptr + row) != 0:
+        return
+    inv_t, greedy = _row_values(row, temps_ptr)
+    m, total = tl.load(rowstate_ptr + 2 * row), tl.load(rowstate_ptr + 2 * row + 1)
+    limit = tl.load(top_p_ptr + row) * total
+    key = tl.load(keys_ptr + row)
+    s = tl.load(out_ptr + row)
+    cut = tl.full((), 1, tl.int1)
+    while cut:
+        z_s = _scaled(logits_ptr, row, stride, s, s < vocab, inv_t)
+        above = tl.full((), 0.0, tl.float32)
+        best = tl.full((), EMPTY, tl.int64)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK).to(tl.int64)
+            live = cols < vocab
+            z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
+            up = live & (z > z_s)
+            above += tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
+            g = tl.where(up, z + _gumbel(key, cols), float("-inf"))
+            best = tl.maximum(best, _packed(g, cols, up, vocab))
+        cut = above >= limit
+        s = tl.where(cut, (best & LOW) ^ LOW, s)
+    tl.store(out_ptr + row, s)
+
+
+def sample_rows(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[rows, vocab]`` CUDA floats): temperature 0
+    rows the first maximum, others a draw from the softmax at their temperature over the
+    smallest set of most likely tokens whose mass reaches top_p (tokens tied with its
+    least likely one kept too), made from ``keys`` (int64 ``[rows]``, below 2**32) alone.
+    ``temperatures`` and ``top_ps``: float32 ``[rows]``, top_p in (0, 1]."""
+    rows, vocab = logits.shape
+    device = logits.device
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    chunks = triton.cdiv(vocab, CHUNK)
+    if rows == 0:
+        return out
+    if chunks > MAX_CHUNKS:
+        raise ValueError(f"sample_rows: at most {MAX_CHUNKS * CHUNK} columns, got {vocab}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    # Scratch: per chunk (max or mass above, sum) and race key; per row (max, sum), done.
+    stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
+    races = torch.empty((rows, chunks), dtype=torch.int64, device=device)
+    rowstate = torch.empty((rows, 2), dtype=torch.float32, device=device)
+    done = torch.empty(rows, dtype=torch.int32, device=device)
+    row_args = (logits, logits.stride(0), temperatures)
+    spread = {"CHUNK": CHUNK, "num_warps": WARPS}
+    combine = {"CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
+    launch(_chunk_kernel, (rows, chunks), *row_args, keys, stats, races, vocab, chunks, **spread)
+    launch(
+        _pick_kernel, (rows,), temperatures, top_ps, stats, races, rowstate, done, out, chunks,
+        **combine,
+    )  # fmt: skip
+    for _ in range(ROUNDS):
+        launch(
+            _above_kernel, (rows, chunks), *row_args, keys, stats, races, rowstate, done, out,
+            vocab, chunks, **spread,
+        )  # fmt: skip
+        launch(
+            _check_kernel, (rows,), top_ps, stats, races, rowstate, done, out, chunks, **combine
+        )  # fmt: skip
+    launch(
+        _finish_kernel, (rows,), *row_args, top_ps, keys, rowstate, done, out, vocab,
+        BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(vocab)), num_warps=16,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vocab, chunks, k,
+                          K, CHUNK: tl.constexpr):  # fmt: skip
+    """A chunk's max and softmax sum of the raw logits, and its ``k`` largest."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    live = cols < vocab
+    x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
+    x = x.to(tl.float32)
+    m = tl.max(x, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    at = row * chunks + chunk
+    tl.store(stats_ptr + 2 * at, m)
+    tl.store(stats_ptr + 2 * at + 1, tl.sum(tl.exp(x - shift), axis=0))
+    for j in range(k):  # the largest left, the smaller column first on ties
+        v = tl.max(x, axis=0)
+        i = tl.min(tl.where(live & (x == v), cols, vocab), axis=0)
+        tl.store(ids_ptr + at * K + j, i)
+        tl.store(values_ptr + at * K + j, v)
+        x = tl.where(cols == i, float("-inf"), x)
+
+
+@triton.jit
+def _logprob_row_kernel(
+    logits_ptr, stride, tokens_ptr, stats_ptr, ids_ptr, values_ptr, chosen_ptr, top_ids_ptr,
+    top_values_ptr, chunks, k, K, CHUNKS: tl.constexpr, CANDIDATES: tl.constexpr,
+):  # fmt: skip
+    """A row's log-sum-exp over its chunks, its token's log probability and the ``k``
+    largest of the chunks' candidates."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    shift, total = _combined(stats_ptr, row, c, c < chunks, chunks)
+    lse = shift + tl.log(total)
+    token = tl.load(tokens_ptr + row)
+    tl.store(chosen_ptr + row, tl.load(logits_ptr + row * stride + token).to(tl.float32) - lse)
+    n = tl.arange(0, CANDIDATES)
+    valid = (n < chunks * K) & ((n % K) < k)
+    v = tl.load(values_ptr + row * chunks * K + n, mask=valid, other=float("-inf"))
+    ids = tl.load(ids_ptr + row * chunks * K + n, mask=valid, other=-1)
+    big = tl.full((), 1 << 62, tl.int64)
+    for j in range(k):
+        best = tl.max(v, axis=0)
+        i = tl.min(tl.where(valid & (v == best), ids, big), axis=0)
+        tl.store(top_ids_ptr + row * k + j, i)
+        tl.store(top_values_ptr + row * k + j, best - lse)
+        v = tl.where(ids == i, float("-inf"), v)
+
+
+def row_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` (``[rows, vocab]`` CUDA floats): the log probability of
+    ``tokens``' entry (``[rows]``), and the ``k`` most likely tokens' ids and log
+    probabilities (``[rows, k]``, most likely first, the smaller id first on ties), from
+    a float32 log-softmax."""
+    rows, vocab = logits.shape
+    device = logits.device
+    chosen = torch.empty(rows, dtype=torch.float32, device=device)
+    top_ids = torch.empty((rows, k), dtype=torch.int64, device=device)
+    top_values = torch.empty((rows, k), dtype=torch.float32, device=device)
+    chunks = triton.cdiv(vocab, CHUNK)
+    if rows == 0:
+        return chosen, top_ids, top_values
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    big_k = max(1, k)  # (a chunk's candidates: k of them, at least one slot)
+    stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
+    ids = torch.empty((rows, chunks, big_k), dtype=torch.int64, device=device)
+    values = torch.empty((rows, chunks, big_k), dtype=torch.float32, device=device)
+    launch(
+        _logprob_chunk_kernel, (rows, chunks), logits, logits.stride(0), stats, ids, values,
+        vocab, chunks, k, K=big_k, CHUNK=CHUNK, num_warps=WARPS,
+    )  # fmt: skip
+    launch(
+        _logprob_row_kernel, (rows,), logits, logits.stride(0), tokens, stats, ids, values,
+        chosen, top_ids, top_values, chunks, k, K=big_k, CHUNKS=triton.next_power_of_2(chunks),
+        CANDIDATES=triton.next_power_of_2(chunks * big_k), num_warps=8,
+    )  # fmt: skip
+    return chosen, top_ids, top_values

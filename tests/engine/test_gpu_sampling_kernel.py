@@ -1,0 +1,135 @@
+"""The sampling kernels (``kernels.sampling``) against torch's sampler and log-softmax.
+
+A row's draws come from its key alone, so the kernel and the torch path of ``sample``
+with every row seeded by the same keys take the same tokens: the same hash, the same
+nucleus. They can part only where float32 arithmetic in another order moves a token
+across the nucleus's edge or a near-tie of the race, so the checks allow a few rows in a
+thousand. On GPUs (marker ``gpu``); under Triton's CPU interpreter
+(``TRITON_INTERPRET=1``, with Triton installed) the same checks run on the CPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ostinato.engine.sample.sampler import Seeds, sample
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Under the interpreter the checks are CPU tests; else they need a GPU.
+GPU = pytest.mark.skipif(False, reason="") if INTERPRETED else pytest.mark.gpu
+
+
+def _device() -> torch.device:
+    return torch.device("cpu") if INTERPRETED else torch.device("cuda")
+
+
+def _rows(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row temperatures (a quarter greedy) and top-p (a third uncut)."""
+    t = torch.rand(n, generator=g) * 1.5 + 0.2
+    t[torch.rand(n, generator=g) < 0.25] = 0.0
+    p = torch.rand(n, generator=g) * 0.9 + 0.05
+    p[torch.rand(n, generator=g) < 0.33] = 1.0
+    return t, p
+
+
+def _reference(logits: torch.Tensor, t, p, keys) -> torch.Tensor:
+    """``sample``'s torch path on the CPU, every row seeded by ``keys``."""
+    cpu = logits.float().cpu()
+    seeds = Seeds(keys.cpu(), torch.ones(len(keys), dtype=torch.bool))
+    return sample(cpu, t, p, None, False, seeds)
+
+
+def _check(vocab: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
+    from ostinato.engine.kernels.sampling import sample_rows
+
+    device = _device()
+    g = torch.Generator().manual_seed(vocab + rows)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    t, p = _rows(rows, g)
+    keys = torch.randint(0, 1 << 32, (rows,), generator=g)
+    got = sample_rows(logits.to(device), t.to(device), p.to(device), keys.to(device))
+    want = _reference(logits, t, p, keys)
+    greedy = t <= 0
+    assert torch.equal(got.cpu()[greedy], want[greedy])  # the argmax: no arithmetic to part
+    return int((got.cpu() == want).sum()), rows
+
+
+@GPU
+@pytest.mark.parametrize("vocab", [1000, 4097, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rounds", [0, 2])
+def test_kernel_draws_equal_torchs_from_the_same_keys(vocab, dtype, rounds, monkeypatch):
+    # rounds 0: every top-p row finishes in one program; 2: the default spread checks
+    from ostinato.engine.kernels import sampling
+
+    monkeypatch.setattr(sampling, "ROUNDS", rounds)
+    same, n = _check(vocab, dtype, 64 if not INTERPRETED else 8)
+    assert same >= n - max(1, n // 100), f"{same} of {n} rows equal"
+
+
+@GPU
+def test_kernel_draws_follow_the_nucleus_distribution():
+    # 20000 rows of one 8-token distribution, each its own key: top_p 0.7 keeps the three
+    # most likely tokens (0.3 + 0.2 + 0.15 reaches 0.65 < 0.7, so the fourth too), and
+    # each kept token's share is within 4 sigma of its renormalised probability.
+    from ostinato.engine.kernels.sampling import sample_rows
+
+    device, n = _device(), 20000 if not INTERPRETED else 2000
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    logits = probs.log().expand(n, 8).contiguous().to(device)
+    ones = torch.ones(n, device=device)
+    keys = torch.randperm(1 << 20)[:n].to(device) * 4099
+    tokens = sample_rows(logits, ones, ones * 0.7, keys).cpu()
+    # the fourth and fifth tie at 0.1: the mass above both is 0.65 < 0.7, so both stay
+    kept = probs.clone()
+    kept[5:] = 0
+    kept /= kept.sum()
+    share = torch.bincount(tokens, minlength=8) / n
+    sigma = (kept * (1 - kept) / n).sqrt()
+    assert ((share - kept).abs() <= 4 * sigma + 1e-9).all(), share
+
+
+@GPU
+@pytest.mark.parametrize("vocab", [1000, 151936])
+def test_row_logprobs_equal_log_softmax_and_topk(vocab):
+    from ostinato.engine.kernels.sampling import row_logprobs
+
+    device = _device()
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(16, vocab, generator=g) * 3
+    tokens = torch.randint(0, vocab, (16,), generator=g)
+    chosen, ids, values = row_logprobs(logits.to(device), tokens.to(device), 5)
+    logp = torch.log_softmax(logits, dim=-1)
+    top = logp.topk(5, dim=-1)
+    torch.testing.assert_close(chosen.cpu(), logp.gather(1, tokens[:, None]).squeeze(1))
+    assert torch.equal(ids.cpu(), top.indices)  # (random floats: no ties)
+    torch.testing.assert_close(values.cpu(), top.values)
+    none = row_logprobs(logits.to(device), tokens.to(device), 0)
+    assert none[1].shape == (16, 0)
+
+
+@pytest.mark.gpu
+def test_a_replayed_sampling_graph_takes_the_eager_calls_tokens():
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(3)
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(8, 32000, generator=g) * 3).to(device)
+    t, p = (v.to(device) for v in _rows(8, g))
+    t[0] = 1.0  # (at least one sampled row)
+    sample(logits, t, p, gen, False)  # warm-up: compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(gen)
+    state = gen.get_state()
+    with torch.cuda.graph(graph):
+        out = sample(logits, t, p, gen, False)
+    gen.set_state(state)
+    for _ in range(3):
+        before = gen.get_state()
+        graph.replay()
+        replayed = out.clone()
+        after = gen.get_state()
+        gen.set_state(before)
+        eager = sample(logits, t, p, gen, False)
+        assert torch.equal(replayed, eager)
+        assert torch.equal(gen.get_state(), after)  # both advance it alike

@@ -9,7 +9,7 @@ from gpu_harness import greedy_tokens, lockstep, tiny_engine
 from hf_models import write_checkpoint
 from workloads import sync_and_async_outputs
 
-from ostinato.engine import LLM, KernelOptions, SamplingParams
+from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import AttentionMetadata, TorchAttention
 from ostinato.mathutil import ceil_div
 
@@ -239,20 +239,16 @@ def test_logits_match_hf_in_bf16(llama_dir, mode):
         assert rel_err(ours[i], want) < 2e-2, (mode, i)
 
 
-def _tokens(mode, dtype, **kw):
-    llm = tiny_engine(mode, dtype, **kw)
+def _tokens(mode, dtype):
+    llm = tiny_engine(mode, dtype)
     return llm, greedy_tokens(llm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_tokens_identical_with_and_without_graphs(dtype):
-    # The graphs hold the eager engine's layers: an eager step never runs the fused
-    # decode layers (they are FULL mode's), whose bf16 rounding differs and moves
-    # near-ties of the tiny random model (their parity: test_gpu_fused_layers).
-    eager_layers = KernelOptions(fused_layers=False)
     eager, want = _tokens("none", dtype)
-    full, got_full = _tokens("full", dtype, kernels=eager_layers)
-    decode_only, got_decode = _tokens("full_decode_only", dtype, kernels=eager_layers)
+    full, got_full = _tokens("full", dtype)
+    decode_only, got_decode = _tokens("full_decode_only", dtype)
     assert full.mode.name == "FULL" and full.capture_report.num_graphs > 0
     assert decode_only.mode.name == "FULL_DECODE_ONLY"
     assert got_full == want

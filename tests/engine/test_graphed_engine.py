@@ -220,6 +220,21 @@ def test_a_steps_biases_follow_its_rows_as_requests_end(fake_graphs):
     assert all(5 * j not in want[i] for i in range(0, 8, 2) for j in range(1, 8, 2))
 
 
+def test_every_sampled_step_has_a_graph_among_the_cuda_variants():
+    # On CUDA one graph serves top-p and seeds or not (the kernels cost the same): every
+    # key a step can ask for maps to one of CUDA_VARIANTS; elsewhere to VARIANTS itself.
+    from ostinato.engine.sample.graph_sampler import CUDA_VARIANTS, GraphSampler
+
+    asked = [(False, cut, False) for cut in (True, False)]
+    asked += [(True, cut, seeded) for cut in (True, False) for seeded in (True, False)]
+    asked += [(True, None, False)]
+    sampler = object.__new__(GraphSampler)
+    for one_for_all, variants in ((True, CUDA_VARIANTS), (False, GRAPH_VARIANTS)):
+        sampler.one_for_all = one_for_all
+        keys = {sampler._key(8, *a)[1:] for a in asked}
+        assert keys == set(variants), one_for_all
+
+
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
     # 8 requests asking for log probabilities (greedy and sampled, 0 to 20 alternatives)
     # fill the captured size 8: each decode step's come from the logprob graph, equal

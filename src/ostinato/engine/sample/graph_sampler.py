@@ -57,15 +57,20 @@ VARIANTS = (
     (True, False, True),
     (True, None, False),
 )
+# On CUDA the sampling kernels cost the same with or without top-p and seeds (each row's
+# draws come from a key, its seed's or one drawn from the generator, whose draws are the
+# same either way), so one graph serves a sampled step of either kind: 3 variants, not 7.
+CUDA_VARIANTS = ((False, True, False), (True, True, True), (True, None, False))
 # The argmax alone, for steps whose own graphs end before the LM head (FULL mode's).
 GREEDY = (False, None, False)
 Key = tuple[int, bool, bool | None, bool]  # (size, adjusted, cut, seeded)
 
 
 class GraphSampler:
-    """Sampling graphs per uniform decode size (``VARIANTS``, and ``GREEDY`` with
-    ``greedy``), captured into the shared pool. ``logits(n)``: the first ``n`` rows of
-    the static logits the step wrote (``[n, vocab]``, fixed address per ``n``).
+    """Sampling graphs per uniform decode size (``VARIANTS``, on CUDA ``CUDA_VARIANTS``;
+    and ``GREEDY`` with ``greedy``), captured into the shared pool. ``logits(n)``: the
+    first ``n`` rows of the static logits the step wrote (``[n, vocab]``, fixed address
+    per ``n``).
     Guarantees: ``sample``, ``sample_adjusted`` and ``greedy`` return None for a size
     with no graph (the caller samples eagerly); the generator's state after
     ``capture`` is what it was before; at a captured size the tokens equal eager
@@ -84,7 +89,9 @@ class GraphSampler:
     ) -> None:
         self.platform, self.pool, self.generator, self.logits = platform, pool, generator, logits
         self.device = device
-        self.variants = (*VARIANTS, GREEDY) if greedy else VARIANTS
+        self.one_for_all = device.type == "cuda"  # (``CUDA_VARIANTS``)
+        variants = CUDA_VARIANTS if self.one_for_all else VARIANTS
+        self.variants = (*variants, GREEDY) if greedy else variants
         # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded.
         self.floats = torch.zeros((4, max_rows), dtype=torch.float32, device=device)
         self.ints = torch.zeros((2, max_rows), dtype=torch.long, device=device)
@@ -174,7 +181,7 @@ class GraphSampler:
         next replay of any graph in the pool, whose buffers may share its memory); None
         if no graph was captured for ``padded``. Takes the tokens eager ``sample`` takes
         with ``cut`` = whether a sampled row's top_p is below 1."""
-        entry = self.graphs.get((padded, False, top_p_cut(temperatures, top_ps), False))
+        entry = self.graphs.get(self._key(padded, False, top_p_cut(temperatures, top_ps), False))
         if entry is None:
             return None
         self._stage(padded, [temperatures, top_ps])
@@ -203,7 +210,7 @@ class GraphSampler:
         temperatures, top_ps = [p.temperature for p in params], [p.top_p for p in params]
         greedy = all(p.greedy for p in params)
         cut = None if greedy else top_p_cut(temperatures, top_ps)
-        entry = self.graphs.get((padded, True, cut, not greedy and any(seeded)))
+        entry = self.graphs.get(self._key(padded, True, cut, not greedy and any(seeded)))
         if entry is None:
             return None
         n = len(params)
@@ -222,6 +229,12 @@ class GraphSampler:
             self.bias_key = key
         entry[0].replay()
         return entry[1][:n]
+
+    def _key(self, padded: int, adjusted: bool, cut: bool | None, seeded: bool) -> Key:
+        """The graph that samples such a step (on CUDA one serves top-p and seeds or not)."""
+        if self.one_for_all and cut is not None:
+            return (padded, adjusted, True, adjusted)
+        return (padded, adjusted, cut, seeded)
 
     def _stage(
         self,

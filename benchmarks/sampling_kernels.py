@@ -43,10 +43,13 @@ def timed(fn: Callable[[], object], reps: int = 20) -> float:
     return round(best, 2)
 
 
-def torch_sample(logits: torch.Tensor, t: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The torch sampler the kernels replaced (its sort only where a top_p is below 1)."""
+def torch_sample(
+    logits: torch.Tensor, t: torch.Tensor, top_p: torch.Tensor, cut: bool
+) -> torch.Tensor:
+    """The torch sampler the kernels replaced (``cut``: some top_p is below 1, so the sort
+    runs; decided by the caller, as a graph cannot read the device)."""
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
-    if bool((top_p < 1).any()):
+    if cut:
         probs, order = probs.sort(dim=-1, descending=True)
         keep = (probs.cumsum(dim=-1) - probs) < top_p[:, None]
         probs = torch.where(keep, probs, torch.zeros_like(probs))
@@ -75,7 +78,7 @@ def cases(vocab: int, rows: int) -> list[tuple[str, Callable, Callable]]:
         out.append(
             (
                 f"sample top_p={p}",
-                functools.partial(torch_sample, logits, t, top_p),
+                functools.partial(torch_sample, logits, t, top_p, p < 1),
                 functools.partial(sampling.sample_rows, logits, t, top_p, keys),
             )
         )

@@ -34,6 +34,7 @@ bucket.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ from ostinato.platform.cpu import CpuPlatform
 from ostinato.replay_stats import StatsSnapshot
 from ostinato.runtime import GraphRuntime, build_graph_runtime, choose_compiler
 from ostinato.staged import StagedRuntime
+from ostinato.static_outputs import OutputArena
 from ostinato.whole_compile import AsModule, CallTree, SharedCompiles, WholeCompiled
 
 CAPTURE_WHEN = ("auto", "first_use", "construction", "background", "staged")
@@ -290,6 +292,9 @@ class Graphed:
         self.fn, self.options = fn, options
         self._signatures: dict[tuple[Any, ...], _Signature] = {}
         self._compiles = SharedCompiles()
+        # Every signature's static outputs in one storage, sized for the largest bucket:
+        # calls run one at a time (its lock), so each overwrites the last one's outputs.
+        self._arena = OutputArena()
         self._lock = threading.Lock()  # (two threads' first calls build one signature)
         self._eager_too_long = 0
         self._eager_device_busy = 0
@@ -365,7 +370,7 @@ class Graphed:
             if key not in self._signatures:
                 if len(self._signatures) >= self.options.max_signatures:
                     raise SignatureLimitError(_too_many(key, self.options.max_signatures))
-                made = _Signature(self.fn, call, self.options, key, self._compiles)
+                made = _Signature(self.fn, call, self.options, key, self._compiles, self._arena)
                 self._signatures[key] = made
                 self._say_why_eager(made)
                 self._keep_resolution(made)
@@ -441,8 +446,10 @@ class _Signature:
         options: _Options,
         key: tuple[Any, ...],
         compiles: SharedCompiles,
+        arena: OutputArena,
     ) -> None:
         self.fn, self.options, self.key, self.compiles = fn, options, key, compiles
+        self.arena = arena
         self.slots, self.bucket = first.slots, first.bucket
         # (tensors come from the buffers: no leaf of the first call is kept for them)
         constants = tuple(None if i in first.slots else x for i, x in enumerate(first.leaves))
@@ -452,6 +459,8 @@ class _Signature:
         self.runtime = _runtime(self._step, options, platform)
         # Without graphs every call runs on the caller's own tensors: no buffers.
         graphs = self.runtime.mode is not GraphMode.NONE
+        if graphs:
+            self.runtime.manager.outputs.share(arena, self._reserve)
         self.rows = self.runtime.dispatcher.max_size if graphs else 0
         self.buffers = [  # [largest bucket, *shape past the batch]
             torch.zeros((self.rows, *shape), dtype=dtype, device=dev)
@@ -492,24 +501,25 @@ class _Signature:
 
     def run(self, call: _Call, full: bool = False) -> Any:
         """``call`` through its bucket's graph (``full``: the FULL graph of a mode that
-        treats calls differently)."""
-        if self.staged is not None:
-            self.staged.advance()  # (one bucket of the upgrade, once it is compiled)
-        stage = self.staged or self.runtime.manager  # (where the step runs)
-        with torch.inference_mode(), stage.stepping():
-            dispatch = (self.staged or self.runtime).dispatch(call.batch, uniform_decode=full)
-            if self.options.capture == "background":
-                self._capture_next(dispatch)
-            padded = dispatch.descriptor.num_tokens
-            if padded > self.rows:
-                self._oversize = call.leaves
-            else:
-                self._write(call, padded)
-            try:
-                outs = stage.run(dispatch, call.batch)
-            finally:
-                self._oversize = None
-            return self._outputs(outs, call)
+        treats calls differently), under the outputs' lock until its outputs are copied."""
+        with self.arena.lock:
+            if self.staged is not None:
+                self.staged.advance()  # (one bucket of the upgrade, once it is compiled)
+            stage = self.staged or self.runtime.manager  # (where the step runs)
+            with torch.inference_mode(), stage.stepping():
+                dispatch = (self.staged or self.runtime).dispatch(call.batch, uniform_decode=full)
+                if self.options.capture == "background":
+                    self._capture_next(dispatch)
+                padded = dispatch.descriptor.num_tokens
+                if padded > self.rows:
+                    self._oversize = call.leaves
+                else:
+                    self._write(call, padded)
+                try:
+                    outs = stage.run(dispatch, call.batch)
+                finally:
+                    self._oversize = None
+                return self._outputs(outs, call)
 
     def release(self) -> None:
         if self.staged is not None:
@@ -531,7 +541,8 @@ class _Signature:
         if not _DEVICE.acquire(blocking=wait):
             return False
         try:
-            self.runtime.manager.capture()
+            with self.arena.lock:  # (its warm-up and capture write the shared outputs)
+                self.runtime.manager.capture()
         finally:
             _DEVICE.release()
         if self.options.capture == "staged":
@@ -603,6 +614,14 @@ class _Signature:
         call = self._compiled or self.tree
         outs, self._out_spec = tree_flatten(call(*tensors))
         return tuple(outs)
+
+    def _reserve(self, shape: tuple[int, ...]) -> int:
+        """Room for an output of ``shape`` at the largest sequence bucket, where its
+        sequence dimension is the bucket's (those ``_outputs`` narrows)."""
+        numel, dim = math.prod(shape), self.options.seq_dim
+        if self.bucket and len(shape) > dim and shape[dim] == self.bucket:
+            return numel // self.bucket * max(self.options.seq_buckets)
+        return numel
 
     def whole(self, compiler: str) -> WholeCompiled:
         """``fn`` compiled whole by ``compiler``, one compilation for this signature and

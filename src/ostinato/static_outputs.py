@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Callable
+
 import torch
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+Reserve = Callable[[tuple[int, ...]], int]
+"""Elements to reserve for a buffer of this shape (at least its own): room for the larger
+outputs of the other steps that will share the storage."""
+
+
+class OutputArena:
+    """Storage shared by the static outputs of steps that never run at once (a
+    ``graphed`` callable's signatures): per output position, dtype and device one flat
+    buffer, and each step's buffers views of its first elements. A step that needs more
+    than the buffer holds gets a new, larger one, which later steps share; the older one
+    lives on in the views made of it, so no view ever moves.
+
+    ``lock``: held by whoever runs or captures one of the sharing steps, from before it
+    writes its outputs until its caller has copied (or queued the copy of) what it reads.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._flat: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(
+        self, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+        reserve: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """A ``shape`` view of the first elements of output ``index``'s storage, which
+        holds at least ``reserve`` elements when it has to be made."""
+        numel = math.prod(shape)
+        flat = self._flat.get((index, dtype, device))
+        if flat is None or flat.numel() < numel:
+            flat = torch.empty(max(numel, reserve), dtype=dtype, device=device)
+            self._flat[(index, dtype, device)] = flat
+        return flat[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        """Bytes of the storage the next step would share (older storage not counted)."""
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
 
 
 def as_tuple(out: Outputs) -> tuple[torch.Tensor, ...]:
@@ -28,6 +68,15 @@ class StaticOutputs:
         self.buffers: tuple[torch.Tensor, ...] | None = None
         self.is_tuple = False
         self._views: list[Outputs] = []
+        self._arena: OutputArena | None = None
+        self._reserve: Reserve | None = None
+
+    def share(self, arena: OutputArena, reserve: Reserve | None = None) -> None:
+        """Takes the buffers from ``arena`` when they are allocated (``reserve``: how
+        much to make room for where the storage is made); before ``allocate`` only."""
+        if self.allocated:
+            raise RuntimeError("static outputs: share() after the buffers were allocated")
+        self._arena, self._reserve = arena, reserve
 
     @property
     def allocated(self) -> bool:
@@ -38,10 +87,15 @@ class StaticOutputs:
         """Allocates buffers shaped like ``out`` (tokens on dim 0) with ``rows`` rows."""
         outs = as_tuple(out)
         self.is_tuple = isinstance(out, (tuple, list))
-        self.buffers = tuple(
-            torch.empty((self.rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in outs
-        )
+        self.buffers = tuple(self._buffer(i, t) for i, t in enumerate(outs))
         self._views = [self._slice(n) for n in range(self.rows + 1)]
+
+    def _buffer(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        shape = (self.rows, *t.shape[1:])
+        if self._arena is None:
+            return torch.empty(shape, dtype=t.dtype, device=t.device)
+        reserve = self._reserve(shape) if self._reserve is not None else 0
+        return self._arena.take(index, shape, t.dtype, t.device, reserve)
 
     def into(self, n: int) -> tuple[torch.Tensor, ...]:
         """The first ``n`` rows of every buffer, in the step's order: where a step may

@@ -583,3 +583,56 @@ def test_signatures_that_differ_only_in_their_bucket_share_one_compilation():
     other(torch.randint(0, 50, (2, 3)))
     other(torch.randint(0, 50, (2, 5)))  # no buckets: each length is a family of its own
     assert len({id(s._compiled) for s in other._signatures.values()}) == 2
+
+
+def _per_position(ids):
+    """A sequence model's shape of output: ``[batch, seq, 5]`` (logits-like) and a pooled
+    ``[batch, 5]``."""
+    h = torch.tanh(ids[..., :5] * 2 + ids.sum(-1, keepdim=True))
+    return h, h.sum(1)  # (padding positions give tanh(0) = 0: the sum ignores them)
+
+
+def test_every_bucket_shares_one_output_storage_sized_once_for_the_largest():
+    # Three sequence buckets, the smallest called first: its static outputs are made
+    # for the largest bucket (16), and the other buckets' outputs are views of the same
+    # storage, so their graphs hold one [rows, 16, 5] buffer in all, not three.
+    fast = ostinato.graphed(
+        _per_position, max_batch_size=4, seq_buckets=(4, 8, 16), platform=FakePlatform(),
+        capture="first_use",
+    )  # fmt: skip
+    for length in (3, 12, 7, 16, 1):
+        ids = torch.randn(3, length, 6)
+        torch.testing.assert_close(fast(ids), eager(_per_position, ids))
+    signatures = list(fast._signatures.values())
+    assert sorted(s.bucket for s in signatures) == [4, 8, 16]
+    starts = {s.runtime.manager.outputs.buffers[0].data_ptr() for s in signatures}
+    pooled = {s.runtime.manager.outputs.buffers[1].data_ptr() for s in signatures}
+    assert len(starts) == 1 and len(pooled) == 1  # one storage per output, shared
+    rows = signatures[0].rows
+    assert fast._arena.nbytes() == (rows * 16 * 5 + rows * 5) * 4  # made once, largest
+
+
+def test_two_threads_calling_two_buckets_get_their_own_outputs():
+    # The buckets' outputs share storage, so a call holds it from its replay until its
+    # outputs are copied: threads calling two buckets at once each get their own answer.
+    fast = ostinato.graphed(
+        _per_position, max_batch_size=4, seq_buckets=(4, 16), platform=FakePlatform(),
+        capture="first_use",
+    )  # fmt: skip
+    errors = []
+
+    def calls(length: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(100):
+                ids = torch.randn(2, length, 6, generator=g)
+                torch.testing.assert_close(fast(ids), eager(_per_position, ids))
+        except AssertionError as exc:  # (raised in a thread: kept for the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(n, n)) for n in (3, 13)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

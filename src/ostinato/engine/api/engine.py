@@ -54,9 +54,10 @@ class StartupTimes:
     """Where the construction's seconds went: opening the model (config, tokenizer, and
     on a model-cache miss the conversion), making or loading the weights on the device,
     compiling the model's pieces (Inductor), capturing the graphs, and the total (the
-    rest: process groups, the KV cache, the memory plan). Of the capture: the step
-    graphs' recording alone (``recording_s``, the capture report's seconds) and the
-    sampling graphs (``sampling_s``); the rest of it plans the kernels and warms up."""
+    rest: process groups, the KV cache, the memory plan). Of the capture: the kernels'
+    plans and their compile or load ahead (``kernels_s``), the step graphs' recording
+    alone (``recording_s``, the capture report's seconds) and the sampling graphs
+    (``sampling_s``); the rest of it warms up and times the layer plan where measured."""
 
     open_s: float
     weights_s: float
@@ -66,10 +67,11 @@ class StartupTimes:
     background: bool = False
     recording_s: float = 0.0
     sampling_s: float = 0.0
+    kernels_s: float = 0.0
 
     def summary(self) -> str:
         """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0;
-        recording 0.7, sampling 0.9)``; with background capture, ``start-up 2.1 s (open
+        kernels 0.3, recording 0.7, sampling 0.9)``; with background capture, ``start-up 2.1 s (open
         0.4, weights 1.0; compile and capture in the background)``."""
         head = (
             f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights {self.weights_s:.1f}"
@@ -78,7 +80,8 @@ class StartupTimes:
             return head + "; compile and capture in the background)"
         return (
             head + f", compile {self.compile_s:.1f}, capture {self.capture_s:.1f}; "
-            f"recording {self.recording_s:.1f}, sampling {self.sampling_s:.1f})"
+            f"kernels {self.kernels_s:.1f}, recording {self.recording_s:.1f}, "
+            f"sampling {self.sampling_s:.1f})"
         )
 
 

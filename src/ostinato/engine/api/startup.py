@@ -455,4 +455,5 @@ def _build_on(
         background=parts.background is not None,
         recording_s=parts.runner.manager.report.seconds,
         sampling_s=sampling_s,
+        kernels_s=max(0.0, parts.runner.prepare_seconds - compile_s),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -111,6 +112,9 @@ class ModelRunner:
         self.upgrade: GraphUpgrade | None = None
         # FULL mode's decode logits, where its sampling graphs read them (None without).
         self.sample_logits: torch.Tensor | None = None
+        # The capture's preparation: kernel plans, the kernels' compile (or load from
+        # Triton's cache) ahead, the micro-batch measurement; seconds, set by ``capture``.
+        self.prepare_seconds = 0.0
 
     def _kernel_plan(
         self, sizes: tuple[int, ...], compile_cache: CompileCache | None
@@ -322,8 +326,10 @@ class ModelRunner:
         group = self.model.tp.group
         if group is not None:
             dist.barrier(group=group)
+        start = time.perf_counter()
         self.compile()  # plans the kernels first
         self.ubatch.choose(self.step_as, self.dummy_metadata)
+        self.prepare_seconds = time.perf_counter() - start
         report = self.manager.capture()
         if group is not None:
             dist.barrier(group=group)

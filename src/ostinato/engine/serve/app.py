@@ -395,8 +395,31 @@ class Responder:
         ``usage`` (``stream_options.include_usage``) one more event with no choices
         carrying the request's token counts, then ``[DONE]``. A client that goes away
         mid-stream aborts the request (every sample)."""
-        queue: asyncio.Queue[dict | None] = asyncio.Queue()
         produced = [0] * len(handle.samples)
+        finished = False
+        try:
+            async for event in self._events(handle, meta, extras, produced):
+                yield _sse(event)
+            finished = True
+            if extras.usage:
+                usage = _usage(len(handle.prompt), sum(produced))
+                yield _sse({**meta.head(True), "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream
+                self._abort(handle)
+
+    async def _events(
+        self, handle: RequestHandle, meta: _Meta, extras: _Extras, produced: list[int]
+    ) -> AsyncIterator[dict]:
+        """The samples' events as they come: one sample's straight from it (no task or
+        queue between: each event then wakes one task, not two); several merged through
+        a queue, a task per sample."""
+        if not handle.others:
+            async for event in self._sample_events(0, handle, meta, extras, produced):
+                yield event
+            return
+        queue: asyncio.Queue[dict | None] = asyncio.Queue()
 
         async def feed(i: int, sample: RequestHandle) -> None:
             try:
@@ -406,7 +429,6 @@ class Responder:
                 queue.put_nowait(None)
 
         tasks = [asyncio.create_task(feed(i, h)) for i, h in enumerate(handle.samples)]
-        finished = False
         try:
             left = len(tasks)
             while left:
@@ -414,19 +436,12 @@ class Responder:
                 if event is None:
                     left -= 1
                 else:
-                    yield _sse(event)
+                    yield event
             for task in tasks:
                 task.result()  # (an engine error ends the stream with it)
-            finished = True
-            if extras.usage:
-                usage = _usage(len(handle.prompt), sum(produced))
-                yield _sse({**meta.head(True), "choices": [], "usage": usage})
-            yield "data: [DONE]\n\n"
         finally:
             for task in tasks:
                 task.cancel()
-            if not finished:  # the client went away mid-stream
-                self._abort(handle)
 
     async def _sample_events(
         self,

@@ -133,3 +133,25 @@ def test_a_replayed_sampling_graph_takes_the_eager_calls_tokens():
         eager = sample(logits, t, p, gen, False)
         assert torch.equal(replayed, eager)
         assert torch.equal(gen.get_state(), after)  # both advance it alike
+
+
+@GPU
+@pytest.mark.parametrize("rounds", [0, 2])
+def test_rows_with_nan_logits_still_name_one_of_their_columns(rounds, monkeypatch):
+    # A broken model's NaN must not send an index past the vocabulary to the next step's
+    # embedding: a greedy row takes its first NaN (torch.argmax's answer), a sampled one
+    # a column of its own.
+    from ostinato.engine.kernels import sampling
+
+    monkeypatch.setattr(sampling, "ROUNDS", rounds)
+    device, vocab = _device(), 5000
+    logits = torch.randn(4, vocab)
+    logits[0, 100] = float("nan")
+    logits[1, 17] = float("nan")
+    logits[2] = float("nan")
+    t, p = torch.tensor([0.0, 1.0, 0.7, 0.9]), torch.tensor([1.0, 0.9, 0.5, 0.3])
+    keys = torch.randint(0, 1 << 32, (4,))
+    got = sampling.sample_rows(logits.to(device), t.to(device), p.to(device), keys.to(device))
+    got = got.cpu()
+    assert bool(((got >= 0) & (got < vocab)).all()), got
+    assert int(got[0]) == int(torch.argmax(logits[0])) == 100

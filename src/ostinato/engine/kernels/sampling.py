@@ -62,12 +62,17 @@ def _scaled(logits_ptr, row, stride, cols, live, inv_t):
 @triton.jit
 def _packed(g, cols, live, vocab):
     """The largest of ``g`` and its first column as one int64 that orders as (value,
-    then the smaller column): ``kernels.argmax``' key."""
+    then the smaller column): ``kernels.argmax``' key, a NaN the largest (so a row of
+    NaN logits still names one of its own columns, as ``torch.argmax`` does)."""
     best = tl.max(g, axis=0)
-    first = tl.min(tl.where(live & (g == best), cols, vocab), axis=0)
+    nan = (g != g) & live
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    hit = tl.where(any_nan, nan, live & (g == best))
+    first = tl.min(tl.where(hit, cols, vocab), axis=0)
     bits = best.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     key = tl.where(best == 0.0, 0, key)
+    key = tl.where(any_nan, 0x7FFFFFFF, key)
     return (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
 
 
@@ -168,12 +173,13 @@ def _check_kernel(top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_p
     c = tl.arange(0, CHUNKS)
     here = c < chunks
     above = tl.sum(tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=here, other=0.0), axis=0)
-    inside = above < tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
+    # (outside, not "not inside": a NaN sum keeps the candidate, a column of the row)
+    outside = above >= tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
     best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
-    if inside:
-        tl.store(done_ptr + row, 1)
-    else:
+    if outside:
         tl.store(out_ptr + row, (best & LOW) ^ LOW)
+    else:
+        tl.store(done_ptr + row, 1)
 
 
 @triton.jit

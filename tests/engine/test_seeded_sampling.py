@@ -112,3 +112,20 @@ def test_a_logit_bias_moves_its_request_only(llm):
     for bad in ({-1: 1}, {3: 101}, {3: float("nan")}, [(1,)]):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_the_nucleus_keeps_a_token_where_the_mass_above_it_is_below_top_p():
+    # Against its definition, token by token: kept where the mass of the strictly more
+    # likely tokens is below top_p, so tokens tied at the nucleus's edge stay together
+    # (a sort keeps them in whatever order it leaves ties); rows with many ties.
+    from ostinato.engine.sample.sampler import nucleus
+
+    g = torch.Generator().manual_seed(4)
+    for _ in range(50):
+        levels = torch.rand(6, generator=g)
+        probs = levels[torch.randint(0, 6, (5, 40), generator=g)]  # five rows of ties
+        probs /= probs.sum(dim=-1, keepdim=True)
+        top_ps = torch.rand(5, generator=g) * 0.9 + 0.05
+        above = (probs[:, None, :] > probs[:, :, None]).float() @ probs[:, :, None]
+        want = above.squeeze(-1) < top_ps[:, None]
+        assert torch.equal(nucleus(probs, top_ps), want)

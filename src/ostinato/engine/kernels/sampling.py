@@ -233,6 +233,9 @@ def sample_rows(
         raise ValueError(f"sample_rows: at most {MAX_CHUNKS * CHUNK} columns, got {vocab}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    # (the kernels read one value per row at stride 1; no copy where that holds already)
+    temperatures, top_ps = temperatures.float().contiguous(), top_ps.float().contiguous()
+    keys = keys.long().contiguous()
     # Scratch: per chunk (max or mass above, sum) and race key; per row (max, sum), done.
     stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
     races = torch.empty((rows, chunks), dtype=torch.int64, device=device)
@@ -327,6 +330,7 @@ def row_logprobs(
         return chosen, top_ids, top_values
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    tokens = tokens.long().contiguous()
     big_k = max(1, k)  # (a chunk's candidates: k of them, at least one slot)
     stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
     ids = torch.empty((rows, chunks, big_k), dtype=torch.int64, device=device)

@@ -34,7 +34,7 @@ def sample(
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
     where the step samples with torch (the same tokens).
 
-    On CUDA one kernel per step draws (``kernels.sampling``): each row's draws come from a
+    On CUDA the sampling kernels draw (``kernels.sampling``): each row's draws come from a
     key, the seeded rows' own or one drawn from ``generator``, so a graph replay takes
     the tokens an eager call takes from the same generator state. Elsewhere torch ops.
     """

@@ -28,6 +28,31 @@ EMPTY = tl.constexpr(-(2**63))  # below every packed key
 
 
 @triton.jit
+def packed_max(x, cols, live, vocab):
+    """The largest of ``x`` where ``live`` and its first column there, as one int64 that
+    orders as (value, then the smaller column), a NaN above every value and the first
+    NaN its column (``torch.argmax``'s answer); ``unpacked`` gives the column back."""
+    nan = (x != x) & live
+    best = tl.max(x, axis=0)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    hit = tl.where(any_nan, nan, live & (x == best))
+    first = tl.min(tl.where(hit, cols, vocab), axis=0)
+    # Float bits as an int32 that orders as the floats do: a negative float's magnitude
+    # bits flipped. -0.0 is +0.0 (argmax ties them) and any NaN is above +inf.
+    bits = best.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = tl.where(best == 0.0, 0, key)
+    key = tl.where(any_nan, 0x7FFFFFFF, key)
+    return (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
+
+
+@triton.jit
+def unpacked(key):
+    """The column of a ``packed_max`` key."""
+    return (key & LOW) ^ LOW
+
+
+@triton.jit
 def _chunk_best_kernel(
     logits_ptr, keys_ptr, vocab, stride_r, chunks, CHUNK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -37,20 +62,7 @@ def _chunk_best_kernel(
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     live = cols < vocab
     x = tl.load(logits_ptr + row * stride_r + cols, mask=live, other=float("-inf"))
-    x = x.to(tl.float32)
-    nan = x != x
-    best = tl.max(x, axis=0)
-    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
-    hit = tl.where(any_nan, nan, x == best) & live
-    first = tl.min(tl.where(hit, cols, vocab), axis=0)
-    # Float bits as an int32 that orders as the floats do: a negative float's magnitude
-    # bits flipped. -0.0 is +0.0 (argmax ties them) and any NaN is above +inf.
-    bits = best.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(best == 0.0, 0, key)
-    key = tl.where(any_nan, 0x7FFFFFFF, key)
-    packed = (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
-    tl.store(keys_ptr + row * chunks + chunk, packed)
+    tl.store(keys_ptr + row * chunks + chunk, packed_max(x.to(tl.float32), cols, live, vocab))
 
 
 @triton.jit
@@ -59,8 +71,7 @@ def _row_best_kernel(keys_ptr, out_ptr, chunks, CHUNKS: tl.constexpr, USE_PDL: t
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     keys = tl.load(keys_ptr + row * chunks + c, mask=c < chunks, other=EMPTY)
-    best = tl.max(keys, axis=0)
-    tl.store(out_ptr + row, (best & LOW) ^ LOW)
+    tl.store(out_ptr + row, unpacked(tl.max(keys, axis=0)))
 
 
 def argmax_rows(

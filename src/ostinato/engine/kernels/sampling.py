@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.engine.kernels.argmax import EMPTY, packed_max, unpacked
 from ostinato.engine.kernels.launch import launch
 
 CHUNK = 2048  # logits a program reads: 75 programs for a row of a 152k vocabulary
@@ -37,8 +38,6 @@ MAX_CHUNKS = 1 << 14  # the combining programs hold a row's chunk results in one
 MASK = tl.constexpr(0xFFFFFFFF)
 GOLDEN = tl.constexpr(0x9E3779B1)
 MIX = tl.constexpr(0x45D9F3B)
-LOW = tl.constexpr(0xFFFFFFFF)
-EMPTY = tl.constexpr(-(2**63))  # below every packed key
 
 
 @triton.jit
@@ -57,23 +56,6 @@ def _scaled(logits_ptr, row, stride, cols, live, inv_t):
     """The logits of ``cols`` over the temperature (``-inf`` past the row)."""
     x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
     return x.to(tl.float32) * inv_t
-
-
-@triton.jit
-def _packed(g, cols, live, vocab):
-    """The largest of ``g`` and its first column as one int64 that orders as (value,
-    then the smaller column): ``kernels.argmax``' key, a NaN the largest (so a row of
-    NaN logits still names one of its own columns, as ``torch.argmax`` does)."""
-    best = tl.max(g, axis=0)
-    nan = (g != g) & live
-    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
-    hit = tl.where(any_nan, nan, live & (g == best))
-    first = tl.min(tl.where(hit, cols, vocab), axis=0)
-    bits = best.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(best == 0.0, 0, key)
-    key = tl.where(any_nan, 0x7FFFFFFF, key)
-    return (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
 
 
 @triton.jit
@@ -96,16 +78,22 @@ def _chunk_kernel(
     cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     live = cols < vocab
     z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
-    m = tl.max(z, axis=0)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(z - shift), axis=0)
     key = tl.load(keys_ptr + row)
     g = tl.where(greedy, z, z + _gumbel(key, cols))
     g = tl.where(live, g, float("-inf"))
     at = row * chunks + chunk
+    _store_stats(stats_ptr, at, z)
+    tl.store(races_ptr + at, packed_max(g, cols, live, vocab))
+
+
+@triton.jit
+def _store_stats(stats_ptr, at, z):
+    """A chunk's max of ``z`` and its softmax sum relative to it (to the max 0 where
+    every entry is -inf), at pair ``at`` of ``stats``; ``_combined`` reads them."""
+    m = tl.max(z, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
     tl.store(stats_ptr + 2 * at, m)
-    tl.store(stats_ptr + 2 * at + 1, total)
-    tl.store(races_ptr + at, _packed(g, cols, live, vocab))
+    tl.store(stats_ptr + 2 * at + 1, tl.sum(tl.exp(z - shift), axis=0))
 
 
 @triton.jit
@@ -129,7 +117,7 @@ def _pick_kernel(temps_ptr, top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_
     here = c < chunks
     shift, total = _combined(stats_ptr, row, c, here, chunks)
     best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
-    tl.store(out_ptr + row, (best & LOW) ^ LOW)
+    tl.store(out_ptr + row, unpacked(best))
     tl.store(rowstate_ptr + 2 * row, shift)
     tl.store(rowstate_ptr + 2 * row + 1, total)
     done = (tl.load(temps_ptr + row) <= 0.0) | (tl.load(top_p_ptr + row) >= 1.0)
@@ -159,7 +147,7 @@ def _above_kernel(
     g = tl.where(up, z + _gumbel(tl.load(keys_ptr + row), cols), float("-inf"))
     at = row * chunks + chunk
     tl.store(stats_ptr + 2 * at + 1, above)
-    tl.store(races_ptr + at, _packed(g, cols, up, vocab))
+    tl.store(races_ptr + at, packed_max(g, cols, up, vocab))
 
 
 @triton.jit
@@ -177,7 +165,7 @@ def _check_kernel(top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_p
     outside = above >= tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
     best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
     if outside:
-        tl.store(out_ptr + row, (best & LOW) ^ LOW)
+        tl.store(out_ptr + row, unpacked(best))
     else:
         tl.store(done_ptr + row, 1)
 
@@ -209,9 +197,9 @@ def _finish_kernel(
             up = live & (z > z_s)
             above += tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
             g = tl.where(up, z + _gumbel(key, cols), float("-inf"))
-            best = tl.maximum(best, _packed(g, cols, up, vocab))
+            best = tl.maximum(best, packed_max(g, cols, up, vocab))
         cut = above >= limit
-        s = tl.where(cut, (best & LOW) ^ LOW, s)
+        s = tl.where(cut, unpacked(best), s)
     tl.store(out_ptr + row, s)
 
 
@@ -274,11 +262,8 @@ def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vo
     live = cols < vocab
     x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
     x = x.to(tl.float32)
-    m = tl.max(x, axis=0)
-    shift = tl.where(m == float("-inf"), 0.0, m)
     at = row * chunks + chunk
-    tl.store(stats_ptr + 2 * at, m)
-    tl.store(stats_ptr + 2 * at + 1, tl.sum(tl.exp(x - shift), axis=0))
+    _store_stats(stats_ptr, at, x)
     for j in range(k):  # the largest left, the smaller column first on ties
         v = tl.max(x, axis=0)
         i = tl.min(tl.where(live & (x == v), cols, vocab), axis=0)

@@ -550,7 +550,10 @@ class _Signature:
             # synchronize the device or draw random numbers, which a capture on the
             # upgrade's thread would break.
             self.staged = StagedRuntime(
-                self.runtime, self._build_upgrade, on_steps=True, device_lock=_DEVICE
+                self.runtime,
+                self._build_upgrade,
+                on_steps=True,
+                device_lock=_DeviceThenOutputs(self.arena.lock),
             )
         return True
 
@@ -638,6 +641,28 @@ class _Signature:
             outs[i] = t.clone() if self.options.copy_outputs else t
         assert self._out_spec is not None
         return tree_unflatten(outs, self._out_spec)
+
+
+@dataclass(frozen=True)
+class _DeviceThenOutputs:
+    """A staged upgrade's device lock: ``_DEVICE``, then the lock of the static outputs
+    the signatures share (an advance captures and times into them, also from
+    ``wait_for_upgrades``, beside another thread's calls), in the order a first capture
+    takes them."""
+
+    outputs: Any  # (the arena's RLock)
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if not _DEVICE.acquire(blocking=blocking):
+            return False
+        if not self.outputs.acquire(blocking=blocking):
+            _DEVICE.release()
+            return False
+        return True
+
+    def release(self) -> None:
+        self.outputs.release()
+        _DEVICE.release()
 
 
 def check_padding(fn: Callable[..., Any], call: _Call) -> None:

@@ -636,3 +636,26 @@ def test_two_threads_calling_two_buckets_get_their_own_outputs():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_an_upgrades_captures_wait_for_the_shared_outputs():
+    # wait_for_upgrades captures and times the upgrade's buckets on its caller's thread,
+    # writing the static outputs every signature shares: while another thread's call
+    # holds them (here: the test holds their lock), it waits, then finishes.
+    model = mlp().eval()
+    fast = ostinato.graphed(
+        model, max_batch_size=8, platform=FakePlatform(), capture="staged", compiler="eager"
+    )
+    fast(torch.randn(3, 8))
+    (sig,) = fast._signatures.values()
+    sig.staged._thread.join()  # (the upgrade built: what is left is captures and timings)
+    waiter = threading.Thread(target=fast.wait_for_upgrades, kwargs={"timeout": 120})
+    with fast._arena.lock:
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not sig.staged.done
+    waiter.join()
+    assert sig.staged.done and sig.staged.error is None, sig.staged.summary()
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(fast(x), eager(model, x), atol=1e-6, rtol=1e-5)
+    fast.release()

@@ -3,8 +3,8 @@
 The uniform decode graphs end in the LM head and the argmax, so a greedy step is one
 replay. In FULL mode a decode replays the mixed graph of its size and the LM head runs
 after it, so each size also gets a greedy graph (``GREEDY``) over the logits it wrote.
-A step that samples needs a softmax, top-p and random draws (on CUDA one kernel per
-step, ``kernels.sampling``), so each decode size gets a second, small graph that reads
+A step that samples needs a softmax, top-p and random draws (on CUDA a few short
+kernels, ``kernels.sampling``), so each decode size gets a second, small graph that reads
 the decode graph's static logits and per-row temperature and top-p buffers and writes
 the sampled tokens. A sampled step is then two replays and no eager kernel: no launch
 per op, no host work between them.
@@ -25,8 +25,8 @@ variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, rewritten be
 steps where the rows' biases differ from the last step's), subtracts the penalties from
 the output counts (``OutputCounts``' rows, copied in) with the arithmetic of eager steps
 (``adjust.penalize``), and draws a seeded row's numbers from its key (``sampler.Seeds``),
-so it too takes eager's tokens. Its
-buffers cost ``2 * rows * vocab`` float32 (32 MiB at 32 rows of a 128k vocabulary).
+so it too takes eager's tokens. Its buffers cost ``2 * rows * vocab`` float32 (32 MiB at
+32 rows of a 128k vocabulary).
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ class StepLogprobs:
     @staticmethod
     def of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> StepLogprobs:
         """From ``logits`` (``[rows, vocab]``, any float dtype: log-softmax in float32)
-        and each row's chosen token (``[rows]``); on CUDA one kernel
+        and each row's chosen token (``[rows]``); on CUDA two kernels
         (``kernels.sampling.row_logprobs``, the smaller id first among tied values)."""
         if logits.is_cuda:
             from ostinato.engine.kernels.sampling import row_logprobs
 
-            return StepLogprobs(*row_logprobs(logits, tokens.long(), k))
+            return StepLogprobs(*row_logprobs(logits, tokens, k))
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, tokens.long()[:, None]).squeeze(1)
         top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())

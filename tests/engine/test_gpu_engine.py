@@ -11,6 +11,7 @@ from workloads import sync_and_async_outputs
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import AttentionMetadata, TorchAttention
+from ostinato.engine.worker import kernel_plan
 from ostinato.mathutil import ceil_div
 
 pytestmark = pytest.mark.gpu
@@ -245,7 +246,17 @@ def _tokens(mode, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_identical_with_and_without_graphs(dtype):
+def test_greedy_tokens_identical_with_and_without_graphs(dtype, monkeypatch):
+    # Eager steps run the fused layers at every size. The graphed engines' layer plan
+    # is a timing (worker.layer_tuning): a size where the unfused layers measure faster
+    # runs them, whose bf16 rounding differs and moves the tiny random model's near-ties
+    # (that plan's own check, within tolerance: test_gpu_kernel_options). Pinned here to
+    # fused at every size, the graphs must change no token.
+    def fused_everywhere(model, *args, **kwargs):
+        model.unfused_rows = frozenset()
+        return []
+
+    monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)
     eager, want = _tokens("none", dtype)
     full, got_full = _tokens("full", dtype)
     decode_only, got_decode = _tokens("full_decode_only", dtype)

@@ -414,7 +414,8 @@ def engine_args(args: argparse.Namespace) -> list[str]:
 
 
 def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Steps from graphs and eagerly, and padded versus real rows, during a phase."""
+    """Steps from graphs and eagerly, padded versus real rows, and the engine's steps,
+    tokens, seconds in steps and seconds handing tokens on, during a phase."""
 
     def delta(prefix: str) -> float:
         return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
@@ -424,6 +425,10 @@ def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[st
         "graph_steps": delta("ostinato_graph_replays_total"),
         "eager_steps": delta("ostinato_eager_steps_total"),
         "padding_fraction": 1 - real / padded if padded else 0.0,
+        "engine_steps": delta("ostinato_engine_steps_total"),
+        "engine_tokens": delta("ostinato_engine_tokens_total"),
+        "engine_busy_s": delta("ostinato_engine_busy_seconds_total"),
+        "engine_publish_s": delta("ostinato_engine_publish_seconds_total"),
     }
 
 
@@ -571,6 +576,12 @@ def _row(llm: Any, phase: Phase, got: dict[str, Any], batch: int) -> dict[str, A
         if server["steady"]:
             steady_ratio = server["steady"]["output_throughput"] / offline_rate
     counters = ("client_busy", "graph_steps", "eager_steps", "padding_fraction")
+    engine = {k: got[k] for k in got if k.startswith("engine_")}
+    if engine.get("engine_steps"):  # how the phase's wall time went in the engine
+        wall = server["wall_s"]
+        engine["engine_busy"] = engine["engine_busy_s"] / wall
+        engine["engine_publish"] = engine["engine_publish_s"] / wall
+        engine["tokens_per_step"] = engine["engine_tokens"] / engine["engine_steps"]
     return {
         "phase": phase.name,
         "clients": phase.clients if closed else None,
@@ -582,6 +593,7 @@ def _row(llm: Any, phase: Phase, got: dict[str, Any], batch: int) -> dict[str, A
         "correctness": compare(got["replies"], want),
         "blocks_free_after": got["blocks_free"],
         **{k: got[k] for k in counters},
+        **engine,
     }
 
 

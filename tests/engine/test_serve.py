@@ -135,6 +135,17 @@ def test_metrics_count_steps_by_how_they_ran(client, server):
     assert metric(server, "ostinato_generated_tokens_total") >= 3
 
 
+def test_metrics_say_how_busy_the_engine_was(client, server):
+    before = [metric(server, f"ostinato_engine_{m}_total") for m in ("busy_seconds", "tokens")]
+    published = metric(server, "ostinato_engine_publish_seconds_total")
+    client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=3)
+    busy, tokens = (
+        metric(server, f"ostinato_engine_{m}_total") for m in ("busy_seconds", "tokens")
+    )
+    assert busy > before[0] and tokens - before[1] >= 3
+    assert metric(server, "ostinato_engine_publish_seconds_total") > published
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [

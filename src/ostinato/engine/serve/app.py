@@ -102,8 +102,8 @@ class Metrics:
 
 class EngineCollector:
     """Series read from one ``EngineStatus`` at each scrape: queue and running requests,
-    steps and their mean time, steps from graphs per bucket, eager steps by reason, and
-    real versus padded rows."""
+    steps, their mean time and total, the time spent handing tokens on, tokens, steps
+    from graphs per bucket, eager steps by reason, and real versus padded rows."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -115,6 +115,17 @@ class EngineCollector:
         yield CounterMetricFamily("ostinato_engine_steps", "Engine steps run", status.steps)
         yield GaugeMetricFamily(
             "ostinato_step_seconds_mean", "Mean of the last steps", status.step_seconds_mean
+        )
+        yield CounterMetricFamily(
+            "ostinato_engine_busy_seconds", "Seconds the engine spent in steps", status.busy_seconds
+        )
+        yield CounterMetricFamily(
+            "ostinato_engine_publish_seconds",
+            "Seconds the engine's loop spent handing tokens to the streams",
+            status.publish_seconds,
+        )
+        yield CounterMetricFamily(
+            "ostinato_engine_tokens", "Tokens the engine generated", status.tokens
         )
         yield from _graph_series(status.graph_stats)
 

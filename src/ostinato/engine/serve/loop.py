@@ -50,10 +50,13 @@ class LoopStats:
     tokens: int = 0
     steps: int = 0
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # last
+    busy_seconds: float = 0.0  # in steps, since the start
+    publish_seconds: float = 0.0  # handing the steps' tokens on (``publish``)
 
     def record_step(self, seconds: float) -> None:
         self.steps += 1
         self.step_seconds.append(seconds)
+        self.busy_seconds += seconds
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class EngineStatus:
     running: int
     steps: int
     step_seconds_mean: float
+    busy_seconds: float  # in steps since the start: over a wall interval, how busy
+    publish_seconds: float  # handing tokens to the streams (a slow reader shows here)
+    tokens: int  # generated since the start
     kv_blocks: int
     free_kv_blocks: int
     capturing: bool
@@ -382,6 +388,9 @@ class EngineLoop:
             running=self.running,
             steps=self.stats.steps,
             step_seconds_mean=sum(seconds) / max(1, len(seconds)),
+            busy_seconds=self.stats.busy_seconds,
+            publish_seconds=self.stats.publish_seconds,
+            tokens=self.stats.tokens,
             kv_blocks=llm.num_kv_blocks,
             free_kv_blocks=llm.free_kv_blocks,
             capturing=background is not None and not background.done,
@@ -397,7 +406,9 @@ class EngineLoop:
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if events:
+            start = time.perf_counter()
             self._sink(events)
+            self.stats.publish_seconds += time.perf_counter() - start
 
     def _run(self) -> None:
         # The server's event loop shares the interpreter: when this thread's wait on the

@@ -111,3 +111,42 @@ def test_threads_waiting_for_the_child_together_all_see_its_exit_code():
     for w in waiters:
         w.join(60)
     assert codes == [0] * 8
+
+
+def test_events_wait_for_no_slow_reader_and_arrive_in_order():
+    # A parent that reads late (a send blocked until released): the engine's loop still
+    # hands every step's events over at once; they then travel merged, in order, and
+    # close() sends what is left.
+    from ostinato.engine.serve.engine_process import _Outbox
+    from ostinato.engine.serve.loop import TokenEvent
+
+    sent, release = [], threading.Event()
+
+    def slow_send(message):
+        release.wait(10)
+        sent.append(message)
+
+    outbox = _Outbox(slow_send)
+    start = time.perf_counter()
+    for step in range(50):
+        outbox.put([TokenEvent("a", [step]), TokenEvent("b", [100 + step])])
+    assert time.perf_counter() - start < 1.0 and not sent  # nobody waited on the reader
+    release.set()
+    outbox.close()
+    events = [e for kind, batch in sent for e in batch if kind == "events"]
+    assert [e.tokens[0] for e in events if e.request_id == "a"] == list(range(50))
+    assert [e.tokens[0] for e in events if e.request_id == "b"] == list(range(100, 150))
+    assert len(sent) < 50  # merged while the reader was slow
+
+
+def test_events_stop_quietly_once_the_parent_is_gone():
+    from ostinato.engine.serve.engine_process import _Outbox
+    from ostinato.engine.serve.loop import TokenEvent
+
+    def gone(message):
+        raise BrokenPipeError
+
+    outbox = _Outbox(gone)
+    outbox.put([TokenEvent("a", [1])])
+    outbox.close(timeout=5)
+    assert not outbox._thread.is_alive()

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
@@ -209,13 +209,15 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
         with lock:
             conn.send(message)
 
-    loop = EngineLoop(llm, publish=lambda events: send(("events", _portable(events))))
+    outbox = _Outbox(send)
+    loop = EngineLoop(llm, publish=outbox.put)
     described = llm.describe() if describe else ""
     send(("ready", llm.tokenizer, described, loop.max_model_len, llm.lora_names))
     try:
         _answer(conn, loop, send)
     finally:
         stopped = loop.stop()
+        outbox.close()  # (the loop's last events, those ending its requests, sent)
         closed = llm.close()
     # Every request is ended, every event sent and the engine released: exit here, not
     # through the interpreter's finalization, whose teardown of torch's and the engine's
@@ -243,6 +245,45 @@ def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:
                 send(("accepted", rid, loop.enqueue(rid, prompt, params, lora)))
             except (ValueError, TypeError, RuntimeError) as exc:
                 send(("refused", rid, exc))
+
+
+class _Outbox:
+    """The engine's events on their way to the parent. The loop's thread hands a step's
+    events over without waiting; a thread of its own sends all that gathered as one
+    message, in the order they came. Why: the parent reads while its event loop serves
+    every stream, and a send blocked on a full pipe would stall the steps."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        self._send = send
+        self._pending: list[TokenEvent] = []
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ostinato-events", daemon=True)
+        self._thread.start()
+
+    def put(self, events: list[TokenEvent]) -> None:
+        with self._ready:
+            self._pending += events
+            self._ready.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Sends what is left, then stops the thread."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._pending or self._closed)
+                events, self._pending = self._pending, []
+            if not events:
+                return  # closed, and everything sent
+            try:
+                self._send(("events", _portable(events)))
+            except OSError:
+                return  # the parent is gone
 
 
 def _portable(events: list[TokenEvent]) -> list[TokenEvent]:

@@ -74,6 +74,7 @@ class SystemRow:
     max_abs_diff: float  # against eager, over the checked calls
     peak_mib: float
     peak_mib_by_phase: dict[str, float]  # first pass, upgrade (staged), the rest
+    peak_reserved_mib: float  # the caching allocator's reserve: graph pools included
     median_ms_by_size: dict[int, float]  # each size of the stream alone, length 64
     graphs: int | None = None  # ostinato: graphs captured
     upgrade_s: float | None = None  # staged: the upgrade's wait after the first pass
@@ -227,13 +228,17 @@ def run_system(
 ) -> SystemRow:
     torch._dynamo.reset()
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # (the reserve counted from here: the last system's freed)
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    base_reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
     fn, graphed = system(w, name, args.max_batch)
     inputs = [w.inputs(b, n) for b, n in stream]
     warmup = sum(timed(fn, x)[1] for x in inputs) / 1e3
+    reserved = _peak_reserved_mib(base_reserved)  # (read before _peak_mib resets the peaks)
     phases = {"first pass": _peak_mib(base)}
     upgrade_s, notes = _upgrade(graphed)
+    reserved = max(reserved, _peak_reserved_mib(base_reserved))
     phases["upgrade"] = _peak_mib(base)
     for x in inputs:  # (settled: every size of the stream at its steady state)
         timed(fn, x)
@@ -246,6 +251,7 @@ def run_system(
         diff = max(diff, (got.float() - want.float()).abs().max().item())
     ms = medians(fn, w, (1, 8), args.repeats)
     per_size = medians(fn, w, sorted(by_batch), args.size_repeats)
+    reserved = max(reserved, _peak_reserved_mib(base_reserved))
     phases["rest"] = _peak_mib(base)
     graphs = _graphs(graphed, name)
     every = [t for ts in by_batch.values() for t in ts]
@@ -260,6 +266,7 @@ def run_system(
         diff,
         max(phases.values()),
         phases,
+        reserved,
         per_size,
         graphs,
         upgrade_s,
@@ -279,6 +286,15 @@ def medians(
             timed(fn, x)
         found[b] = statistics.median(timed(fn, x)[1] for _ in range(repeats))
     return found
+
+
+def _peak_reserved_mib(base: int) -> float:
+    """The peak reserved by the caching allocator above ``base`` since the last reset of
+    the peaks (MiB; 0 without CUDA): allocated tensors, blocks cached for reuse and the
+    graphs' private pools, which the allocated peak does not see between replays."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return (torch.cuda.max_memory_reserved() - base) / 2**20
 
 
 def _peak_mib(base: int) -> float:
@@ -373,7 +389,10 @@ def report(row: SystemRow, rows: list[SystemRow]) -> None:
         flush=True,
     )
     phases = ", ".join(f"{k} {v:.0f}" for k, v in row.peak_mib_by_phase.items())
-    print(f"{'':26s} peak {row.peak_mib:.0f} MiB ({phases})", flush=True)
+    print(
+        f"{'':26s} peak {row.peak_mib:.0f} MiB ({phases}); reserved {row.peak_reserved_mib:.0f}",
+        flush=True,
+    )
     if row.upgrade_s is not None:
         print(f"{'':26s} upgrade ended {row.upgrade_s:.1f} s after the first pass")
         print("\n".join(f"{'':26s} {note}" for note in row.notes), flush=True)

@@ -400,12 +400,22 @@ class Server:
         self.log.close()
 
 
+def memory_share(args: argparse.Namespace) -> dict[str, float]:
+    """The engines' ``gpu_memory_utilization`` where their KV cache is sized from free
+    device memory (CUDA); on the CPU the engine refuses it, so nothing."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}
+
+
 def engine_args(args: argparse.Namespace) -> list[str]:
     """``ostinato serve``'s engine options from a benchmark's own: model, random
     weights, max model length and memory share."""
     engine = ["--max-model-len", str(args.max_model_len), "--quiet"]
     engine += ["--served-model-name", MODEL_NAME]  # what the requests name
-    engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if memory_share(args):
+        engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         engine += ["--model", args.model]
     if args.random_weights:
@@ -524,7 +534,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="CUDA only")
     parser.add_argument(
         "--client-procs",
         type=int,
@@ -610,8 +620,8 @@ def offline_and_report(
         random_weights=args.random_weights,
         max_num_seqs=max_num_seqs(plan),
         max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
         progress=False,
+        **memory_share(args),
     )
     offline(llm, fixed_jobs(8, 32, 16, args.vocab_cap, seed=99), 8)  # warm-up
     first_ms = first_token_ms(llm, args.prompt_len, args.vocab_cap)

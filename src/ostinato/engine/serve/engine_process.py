@@ -282,7 +282,7 @@ class _Outbox:
                 return  # closed, and everything sent
             try:
                 self._send(("events", _portable(events)))
-            except OSError:
+            except (OSError, ValueError):  # (ValueError: the pipe was closed here)
                 return  # the parent is gone
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ from torch.utils._pytree import (
 )
 
 from ostinato.batch import BatchDescriptor
+from ostinato.compile_artifacts import ArtifactStore
 from ostinato.config import GraphConfig
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
@@ -105,11 +107,15 @@ class GraphedStats:
     sequence was longer than the largest of ``seq_buckets`` (``eager_too_long``) or
     because their signature's first capture waited for the device: another signature's
     upgrade running its compiler, or a capture on another thread (``eager_device_busy``;
-    captured at a later call)."""
+    captured at a later call); and how many compiled functions were loaded from the
+    cache folder (``compiled_loaded``) or kept there for the next process
+    (``compiled_kept``)."""
 
     signatures: tuple[SignatureStats, ...]
     eager_too_long: int
     eager_device_busy: int = 0
+    compiled_loaded: int = 0
+    compiled_kept: int = 0
 
     @property
     def replays(self) -> int:
@@ -132,6 +138,11 @@ class GraphedStats:
             lines.append(
                 f"  {self.eager_device_busy} eager: the capture waited for the device (an "
                 "upgrade's compile or another capture)"
+            )
+        if self.compiled_loaded or self.compiled_kept:
+            lines.append(
+                f"  compiled functions: {self.compiled_loaded} loaded from the cache folder, "
+                f"{self.compiled_kept} kept there for the next process"
             )
         return "\n".join(lines)
 
@@ -167,6 +178,7 @@ def graphed(
     max_signatures: int = MAX_SIGNATURES,
     platform: Platform | None = None,
     progress: bool = False,
+    cache_dir: str | os.PathLike[str] | bool | None = None,
 ) -> Graphed:
     """``fn`` (a module or function) as graphs; see the module docstring. ``mode``:
     ``"auto"`` (FULL, or PIECEWISE with ``splitting_ops``), ``"full"``, ``"piecewise"``,
@@ -184,8 +196,11 @@ def graphed(
     bucket's if missing, else the next; eager while the device is busy) or ``"staged"``
     (graphs of ``fn`` as it is at once, then Inductor's per bucket where timed faster).
     ``max_batch_size`` (default 64) makes the ladder of sizes up to it, ``capture_sizes``
-    names the sizes instead: give one or neither. Every argument is checked here; an
-    error names the argument as written."""
+    names the sizes instead: give one or neither. ``cache_dir``: where a compilation of
+    ``fn`` (by a named compiler, or a staged upgrade's) is kept for the next process and
+    looked for first (``compile_artifacts``): None the user cache folder
+    (``$OSTINATO_CACHE_DIR`` first), a path, or False to keep nothing. Every argument is
+    checked here; an error names the argument as written."""
     splitting = _check_ops(splitting_ops)
     resolved = _one_call_mode(mode, bool(splitting), full_when)
     capture = _capture_when(capture, resolved, splitting, compiler)
@@ -205,6 +220,7 @@ def graphed(
             checked_int("max_signatures", max_signatures),
             _check_platform(platform),
             checked_bool("progress", progress),
+            ArtifactStore.from_arg(cache_dir),
         ),
         example,
     )
@@ -276,6 +292,7 @@ class _Options:
     max_signatures: int
     platform: Platform | None
     progress: bool
+    store: ArtifactStore | None
 
 
 class Graphed:
@@ -291,7 +308,7 @@ class Graphed:
             raise TypeError(f"graphed: expected a module or function, got {type(fn).__name__}")
         self.fn, self.options = fn, options
         self._signatures: dict[tuple[Any, ...], _Signature] = {}
-        self._compiles = SharedCompiles()
+        self._compiles = SharedCompiles(options.store)
         # Every signature's static outputs in one storage, sized for the largest bucket:
         # calls run one at a time (its lock), so each overwrites the last one's outputs.
         self._arena = OutputArena()
@@ -333,7 +350,8 @@ class Graphed:
     def stats(self) -> GraphedStats:
         """Live statistics of every signature's buckets (safe from any thread)."""
         signatures = tuple(s.stats(k) for k, s in self._items())
-        return GraphedStats(signatures, self._eager_too_long, self._eager_device_busy)
+        loaded, kept = self._compiles.artifacts()
+        return GraphedStats(signatures, self._eager_too_long, self._eager_device_busy, loaded, kept)
 
     def wait_for_upgrades(self, timeout: float | None = None) -> bool:
         """With ``capture="staged"``: captures every signature still waiting for the
@@ -454,7 +472,7 @@ class _Signature:
         # (tensors come from the buffers: no leaf of the first call is kept for them)
         constants = tuple(None if i in first.slots else x for i, x in enumerate(first.leaves))
         self.tree = CallTree(fn, constants, tuple(first.slots), first.spec)
-        device = first.leaves[first.slots[0]].device
+        self.device = device = first.leaves[first.slots[0]].device
         self.platform = platform = options.platform or _platform_for(device)
         self.runtime = _runtime(self._step, options, platform)
         # Without graphs every call runs on the caller's own tensors: no buffers.
@@ -630,7 +648,7 @@ class _Signature:
         """``fn`` compiled whole by ``compiler``, one compilation for this signature and
         those that differ from it only in their sequence bucket."""
         seq_dim = self.options.seq_dim if self.options.seq_buckets else None
-        return self.compiles.whole(self.tree, self.key, compiler, seq_dim)
+        return self.compiles.whole(self.tree, self.key, compiler, seq_dim, self.device)
 
     def _outputs(self, outs: Any, call: _Call) -> Any:
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]

@@ -14,6 +14,7 @@ places), so its outputs are the function's on the same tensors.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -22,6 +23,11 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from ostinato import compile_artifacts
+from ostinato.compile_artifacts import ArtifactStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,22 +52,71 @@ class WholeCompiled:
     """``torch.compile(fn, backend=compiler)``, the batch dimension (and ``seq_dim`` of
     the tensors that have it) dynamic where ``fn`` allows it: one compilation for every
     bucket; else one per bucket. Through an entry function of its own (Dynamo's limit of
-    8 variants is per code object)."""
+    8 variants is per code object).
 
-    def __init__(self, fn: Callable[..., Any], compiler: str, seq_dim: int | None = None) -> None:
+    With a ``store`` and a ``key`` (``compile_artifacts``), a call first tries the
+    compiled functions an earlier process kept, then compiles ahead of time and keeps
+    what it made; a function Dynamo cannot trace whole, or a torch that cannot save
+    one, is compiled as above. ``loaded`` / ``saved``: how many artifacts were."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        compiler: str,
+        seq_dim: int | None = None,
+        store: ArtifactStore | None = None,
+        key: str | None = None,
+    ) -> None:
         from ostinato.piecewise.backend import forget_entry, own_entry
 
-        entry = own_entry(AsModule(fn))
-        self.seq_dim = seq_dim
+        self.module = AsModule(fn)
+        entry = own_entry(self.module)
+        self.seq_dim, self.compiler = seq_dim, compiler
         self._compiled = torch.compile(entry, backend=compiler)
         self._forget = weakref.finalize(self, forget_entry, entry.__code__, entry.__globals__)
+        self._store = store if key is not None and compile_artifacts.supported() else None
+        self._key = key
+        self._kept: list[Any] | None = None  # loaded at the first call (a compile's thread)
+        self.loaded = self.saved = 0
 
     def __call__(self, *tensors: torch.Tensor) -> Any:
+        if self._store is not None:
+            # Asked before the marks below: a loaded artifact's guards want the tensors
+            # as they were at its compilation, which the marks were consumed by.
+            for compiled in self._artifacts():
+                if compiled.guard_check(self.module, *tensors):
+                    return compiled(self.module, *tensors)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             if self.seq_dim is not None and t.dim() > self.seq_dim:
                 torch._dynamo.maybe_mark_dynamic(t, self.seq_dim)
-        return self._compiled(*tensors)
+        made = self._ahead_of_time(tensors) if self._store is not None else None
+        if made is None:
+            return self._compiled(*tensors)
+        self._artifacts().append(made)
+        return made(self.module, *tensors)
+
+    def _artifacts(self) -> list[Any]:
+        if self._kept is None:
+            assert self._store is not None and self._key is not None
+            self._kept = self._store.load(self._key)
+            self.loaded = len(self._kept)
+        return self._kept
+
+    def _ahead_of_time(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """``fn`` compiled ahead of time for calls like this one, and kept; None (and
+        no more tries) where Dynamo cannot trace it whole or torch cannot save it."""
+        assert self._store is not None and self._key is not None
+        try:
+            whole = torch.compile(self.module, fullgraph=True, backend=self.compiler)
+            made = whole.forward.aot_compile((tensors, {}))
+        except Exception as exc:  # a graph break, or an object torch cannot serialize
+            logger.info("ostinato: %s not compiled ahead of time (%s)", self._key, exc)
+            self._store = None
+            return None
+        if self._store.save(self._key, len(self._kept or []), made):
+            self.saved += 1
+        return made
 
 
 class AsModule(torch.nn.Module):
@@ -89,14 +144,22 @@ def family_key(key: tuple[Any, ...], seq_dim: int | None) -> tuple[Any, ...]:
 
 
 class SharedCompiles:
-    """Per ``graphed`` function: one ``WholeCompiled`` per (compiler, family)."""
+    """Per ``graphed`` function: one ``WholeCompiled`` per (compiler, family), keeping
+    Inductor's compiled functions in ``store`` where one is given (``compile_artifacts``;
+    the other compilers compile nothing worth keeping)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: ArtifactStore | None = None) -> None:
+        self.store = store
         self._made: dict[tuple[Any, ...], WholeCompiled] = {}
         self._lock = threading.Lock()  # (two signatures' upgrades may ask at once)
 
     def whole(
-        self, tree: CallTree, key: tuple[Any, ...], compiler: str, seq_dim: int | None
+        self,
+        tree: CallTree,
+        key: tuple[Any, ...],
+        compiler: str,
+        seq_dim: int | None,
+        device: torch.device,
     ) -> WholeCompiled:
         """The family's compilation of ``tree`` (made from the first member's tree: the
         members' trees differ only in the lengths of their tensors)."""
@@ -104,8 +167,19 @@ class SharedCompiles:
         with self._lock:
             found = self._made.get(family)
             if found is None:
-                found = self._made[family] = WholeCompiled(tree, compiler, seq_dim)
+                stored = None
+                if self.store is not None and compiler == "inductor":  # (others: tests)
+                    named = (family, seq_dim)
+                    stored = compile_artifacts.artifact_key(tree.fn, named, compiler, device)
+                found = WholeCompiled(tree, compiler, seq_dim, self.store, stored)
+                self._made[family] = found
             return found
+
+    def artifacts(self) -> tuple[int, int]:
+        """Compiled functions loaded from the store and kept there, over every family."""
+        with self._lock:
+            made = list(self._made.values())
+        return sum(w.loaded for w in made), sum(w.saved for w in made)
 
     def clear(self) -> None:
         """Forgets every compilation (their code goes with the last reference)."""

@@ -72,10 +72,52 @@ def test_full_graphs_of_inductor_kernels_compiled_once():
     model = mlp()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps them: earlier tests' frames
-    fast = ostinato.graphed(model, max_batch_size=32, mode="full", compiler="inductor")
+    fast = ostinato.graphed(
+        model, max_batch_size=32, mode="full", compiler="inductor", cache_dir=False
+    )  # (compiled in this process: Dynamo counts its frames)
     stream(fast, model, (64,), [5, 32, 1, 17, 9, 40], atol=1e-4)
     assert fast.stats().replays == 5 and fast.stats().eager == 1
     assert 1 <= torch._dynamo.utils.counters["frames"]["ok"] <= 3
+
+
+SECOND_PROCESS = """
+import json, sys, torch, ostinato
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+model = model.cuda().eval()
+fast = ostinato.graphed(
+    model, max_batch_size=32, mode="full", compiler="inductor", cache_dir=sys.argv[1]
+)
+worst = 0.0
+with torch.inference_mode():
+    for n in (5, 32, 1, 17):
+        x = torch.randn(n, 64, device="cuda")
+        worst = max(worst, (fast(x) - model(x)).abs().max().item())
+s = fast.stats()
+print(json.dumps([s.compiled_loaded, s.compiled_kept, s.replays, worst]))
+"""
+
+
+def test_a_second_process_starts_from_the_compiled_functions_the_first_kept(tmp_path):
+    # Inductor's compilation kept as ahead-of-time artifacts: the second process loads
+    # them (no Dynamo trace, no compile) and its graphs equal eager.
+    import json
+    import subprocess
+    import sys
+
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", SECOND_PROCESS, str(tmp_path)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (loaded1, kept1, replays1, worst1), (loaded2, kept2, replays2, worst2) = runs
+    assert loaded1 == 0 and kept1 >= 1 and replays1 == 4
+    assert loaded2 == kept1 and kept2 == 0 and replays2 == 4
+    assert max(worst1, worst2) < 1e-4
 
 
 @pytest.fixture(autouse=True)

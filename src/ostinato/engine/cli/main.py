@@ -142,7 +142,7 @@ def keep_bytecode(cache_dir: str | None) -> str | None:
     package = Path(spec.origin).parent
     if (package / "__pycache__").is_dir() or os.access(package, os.W_OK):
         return None
-    from ostinato.engine.loading.cache_root import default_cache_root
+    from ostinato.cache_root import default_cache_root
 
     folder = str((Path(cache_dir) if cache_dir else default_cache_root()) / "bytecode")
     sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = folder

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ostinato import __version__
-from ostinato.engine.loading.cache_root import ENV_VAR, default_cache_root
+from ostinato.cache_root import ENV_VAR, default_cache_root
 from ostinato.engine.model.config import ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,139 @@
+"""Compiled functions kept across processes: ``torch.compile``'s ahead-of-time path saves
+Dynamo's trace and the compiler's output as one artifact, and the next process loads it
+instead of tracing and compiling again.
+
+An artifact is a file under ``<cache root>/compiled`` named by a key of everything the
+compilation depended on: the torch and Python versions, the device, the compiler, the
+family of call signatures it serves, and the function itself (a module's class, its
+architecture and the names, shapes and dtypes of its parameters and buffers; a plain
+function's qualified name and code). A family may hold several artifacts (Dynamo
+specializes a batch of one, for instance), each tried in turn.
+
+Guarantees: an artifact runs a call only where its guards accept the call (the same
+check Dynamo makes before reusing compiled code in one process); a function without a
+stable identity (a lambda, a closure) keeps nothing; an artifact that cannot be loaded
+(corrupt, or made by another torch) is named in a warning, removed and made again; a
+folder that cannot be written is a warning, and nothing is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ostinato.cache_root import default_cache_root
+
+logger = logging.getLogger(__name__)
+
+FOLDER = "compiled"
+SUFFIX = ".aot"
+
+
+def supported() -> bool:
+    """Whether this torch can save and load compiled functions."""
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
+def identity(fn: Any) -> list[str] | None:
+    """What names ``fn``'s code across processes, or None where nothing does: a module's
+    class, architecture and parameter and buffer shapes (not values: they are read at
+    each call); a function's qualified name and bytecode."""
+    if isinstance(fn, torch.nn.Module):
+        kind = type(fn)
+        tensors = [
+            f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}"
+            for name, t in [*fn.named_parameters(), *fn.named_buffers()]
+        ]
+        return [f"{kind.__module__}.{kind.__qualname__}", repr(fn), *tensors]
+    code = getattr(fn, "__code__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if code is None or "<lambda>" in qualname or "<locals>" in qualname or code.co_freevars:
+        return None
+    digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()
+    return [f"{fn.__module__}.{qualname}", digest]
+
+
+def artifact_key(fn: Any, family: Any, compiler: str, device: torch.device) -> str | None:
+    """The key of ``fn``'s compilation by ``compiler`` for call signature ``family`` on
+    ``device``; None where ``fn`` has no stable identity."""
+    named = identity(fn)
+    if named is None:
+        return None
+    where = [device.type]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where += [props.name, f"{props.major}.{props.minor}"]
+    parts = [torch.__version__, sys.version, platform.machine(), compiler, *where]
+    parts += [repr(family), *named]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+class ArtifactStore:
+    """The artifacts under ``root/compiled`` (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.folder = Path(root).expanduser() / FOLDER
+        self._warned = False
+
+    @classmethod
+    def from_arg(cls, cache_dir: object) -> ArtifactStore | None:
+        """The store ``cache_dir`` asks for: None or True the default cache root
+        (``cache_root``), a path that root, False none."""
+        if cache_dir is False:
+            return None
+        if cache_dir is None or cache_dir is True:
+            return cls(default_cache_root())
+        if not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"cache_dir: expected a path, True, False or None, got {type(cache_dir).__name__}"
+            )
+        return cls(cache_dir)
+
+    def load(self, key: str) -> list[Callable[..., Any]]:
+        """Every artifact kept under ``key``, loaded, in the order they were made; one
+        that cannot be loaded is named in a warning and removed."""
+        found = []
+        for path in sorted(self.folder.glob(f"{key}-*{SUFFIX}"), key=_index):
+            try:
+                with path.open("rb") as f:
+                    found.append(torch.compiler.load_compiled_function(f))
+            except Exception as exc:  # any failure to load is a stale or broken file
+                warnings.warn(
+                    f"ostinato: compiled function {path} cannot be loaded "
+                    f"({type(exc).__name__}: {exc}); removed, it will be compiled again",
+                    stacklevel=2,
+                )
+                path.unlink(missing_ok=True)
+        return found
+
+    def save(self, key: str, index: int, compiled: Any) -> bool:
+        """Keeps ``compiled`` (an ahead-of-time compiled function) as artifact ``index``
+        of ``key``; False, with one warning per store, where it cannot be written."""
+        path = self.folder / f"{key}-{index}{SUFFIX}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(str(path))
+        except Exception as exc:  # an unwritable folder, or a function torch cannot save
+            if not self._warned:
+                warnings.warn(
+                    f"ostinato: compiled function not kept in {self.folder} "
+                    f"({type(exc).__name__}: {exc}); the next process compiles again",
+                    stacklevel=2,
+                )
+                self._warned = True
+            return False
+        logger.info("ostinato: compiled function kept in %s", path)
+        return True
+
+
+def _index(path: Path) -> int:
+    return int(path.stem.rpartition("-")[2])

@@ -1,0 +1,139 @@
+"""Compiled functions kept across processes (``compile_artifacts``), with Inductor on the
+CPU: a first process compiles ahead of time and keeps what it made, a second one loads
+it and compiles nothing; artifacts serve only calls their guards accept; a broken
+artifact is named, removed and made again; an unwritable folder is a warning."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from fakes import FakePlatform
+from torch.utils._pytree import tree_flatten
+
+import ostinato
+from ostinato import compile_artifacts
+from ostinato.compile_artifacts import ArtifactStore, artifact_key, identity
+from ostinato.whole_compile import CallTree, WholeCompiled
+
+pytestmark = pytest.mark.skipif(
+    not compile_artifacts.supported(), reason="this torch cannot save compiled functions"
+)
+
+
+class Scaled(torch.nn.Module):
+    """A module called with a keyword tensor and a constant, as ``graphed`` calls one."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(width, 2 * width)
+        self.b = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x, mask=None, scale=1.0):
+        y = self.b(torch.nn.functional.gelu(self.a(x))) * scale
+        return {"out": y if mask is None else y * mask}
+
+
+def plain(x):
+    return x * 2
+
+
+def _whole(model: torch.nn.Module, store: ArtifactStore | None) -> WholeCompiled:
+    x = torch.randn(4, 16)
+    leaves, spec = tree_flatten(((x,), {"mask": x, "scale": 0.5}))
+    constants = tuple(None if i in (0, 1) else v for i, v in enumerate(leaves))
+    tree = CallTree(model, constants, (0, 1), spec)
+    key = artifact_key(model, ("family", spec, constants), "inductor", torch.device("cpu"))
+    return WholeCompiled(tree, "inductor", None, store, key)
+
+
+def _check(whole: WholeCompiled, model: torch.nn.Module, sizes=(8, 1, 5)) -> None:
+    with torch.no_grad():
+        for n in sizes:
+            x, mask = torch.randn(n, 16), torch.rand(n, 16)
+            want = model(x, mask=mask, scale=0.5)["out"]
+            torch.testing.assert_close(whole(x, mask)["out"], want, atol=1e-5, rtol=1e-5)
+
+
+def test_what_names_a_function_across_processes():
+    one, other = identity(Scaled()), identity(Scaled(32))
+    assert one == identity(Scaled()) and one != other  # shapes, not values
+    assert identity(Scaled().to(torch.float64)) != one
+    assert identity(plain) == identity(plain) and identity(plain) is not None
+    assert identity(lambda x: x) is None
+    scale = 3.0
+    assert identity(lambda x: x * scale) is None  # a closure: nothing is kept
+    family = ("family",)
+    key = artifact_key(Scaled(), family, "inductor", torch.device("cpu"))
+    assert key == artifact_key(Scaled(), family, "inductor", torch.device("cpu"))
+    assert key != artifact_key(Scaled(), ("other",), "inductor", torch.device("cpu"))
+    assert artifact_key(lambda x: x, family, "inductor", torch.device("cpu")) is None
+
+
+def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    whole = _whole(model, ArtifactStore(tmp_path))
+    _check(whole, model)
+    # A dynamic batch, and a batch of one (which Dynamo specializes): two artifacts.
+    assert whole.loaded == 0 and whole.saved == 2
+    code = (
+        "import json, sys, torch; import test_compile_artifacts as t; "
+        "from ostinato.compile_artifacts import ArtifactStore; "
+        "m = t.Scaled().eval(); m.load_state_dict(torch.load(sys.argv[1] + '/weights.pt')); "
+        "w = t._whole(m, ArtifactStore(sys.argv[1])); t._check(w, m, (3, 1, 16)); "
+        "print(json.dumps([w.loaded, w.saved]))"
+    )
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # (a guard: Dynamo's global state)
+    run = [sys.executable, "-c", code, str(tmp_path)]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [2, 0]  # compiled nothing
+
+
+def test_a_broken_artifact_is_named_removed_and_made_again(tmp_path):
+    model = Scaled().eval()
+    _check(_whole(model, ArtifactStore(tmp_path)), model, (8,))
+    (kept,) = (tmp_path / "compiled").iterdir()
+    kept.write_bytes(b"not a compiled function")
+    again = _whole(model, ArtifactStore(tmp_path))
+    with pytest.warns(UserWarning, match="cannot be loaded.*removed"):
+        _check(again, model, (8,))
+    assert again.loaded == 0 and again.saved == 1
+    assert kept.exists() and kept.read_bytes() != b"not a compiled function"
+
+
+def test_an_unwritable_folder_is_one_warning_and_the_answers_stay_right(tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("")  # (a folder cannot be made under it)
+    model = Scaled().eval()
+    whole = _whole(model, ArtifactStore(root))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _check(whole, model)
+    assert len([w for w in seen if "not kept" in str(w.message)]) == 1
+    assert whole.saved == 0
+
+
+def test_graphed_keeps_a_named_compilers_functions_where_asked(tmp_path):
+    model = Scaled().eval()
+    fast = ostinato.graphed(
+        model, max_batch_size=8, compiler="inductor", platform=FakePlatform(), cache_dir=tmp_path
+    )
+    # (The test double's replay re-runs the ops it saw dispatched, which compiled code
+    # bypasses: the answers are checked above and on the GPU, the wiring here.)
+    with torch.no_grad():
+        fast(torch.randn(5, 16))
+    assert fast.options.store.folder == tmp_path / "compiled"
+    assert list((tmp_path / "compiled").glob("*.aot"))
+    off = ostinato.graphed(model, compiler="inductor", platform=FakePlatform(), cache_dir=False)
+    assert off.options.store is None
+    with pytest.raises(TypeError, match="cache_dir"):
+        ostinato.graphed(model, cache_dir=3)

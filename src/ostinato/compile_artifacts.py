@@ -18,6 +18,7 @@ folder that cannot be written is a warning, and nothing is kept.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -41,6 +42,14 @@ SUFFIX = ".aot"
 def supported() -> bool:
     """Whether this torch can save and load compiled functions."""
     return hasattr(torch.compiler, "load_compiled_function")
+
+
+def enabled() -> contextlib.AbstractContextManager[object]:
+    """Where this torch gates ahead-of-time compilation behind Dynamo's config (torch
+    2.11 does; later ones need nothing), the context that opens the gate."""
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
 
 
 def identity(fn: Any) -> list[str] | None:

@@ -85,7 +85,7 @@ class WholeCompiled:
             # as they were at its compilation, which the marks were consumed by.
             for compiled in self._artifacts():
                 if compiled.guard_check(self.module, *tensors):
-                    return compiled(self.module, *tensors)
+                    return self._run(compiled, tensors)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             if self.seq_dim is not None and t.dim() > self.seq_dim:
@@ -93,8 +93,26 @@ class WholeCompiled:
         made = self._ahead_of_time(tensors) if self._store is not None else None
         if made is None:
             return self._compiled(*tensors)
-        self._artifacts().append(made)
-        return made(self.module, *tensors)
+        out = self._run(made, tensors)
+        if self._store is not None:  # it ran: kept, for this process and the next
+            kept = self._artifacts()
+            if self._store.save(self._key or "", len(kept), made):
+                self.saved += 1
+            kept.append(made)
+        return out
+
+    def _run(self, compiled: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """``compiled`` on ``tensors``; where it fails, no artifact is used or kept from
+        then on (the call runs the in-process compilation instead)."""
+        try:
+            return compiled(self.module, *tensors)
+        except Exception as exc:  # torch's ahead-of-time path is experimental
+            logger.warning(
+                "ostinato: a compiled function failed (%s: %s); compiling in-process, "
+                "nothing kept", type(exc).__name__, exc,
+            )  # fmt: skip
+            self._store, self._kept = None, []
+            return self._compiled(*tensors)
 
     def _artifacts(self) -> list[Any]:
         if self._kept is None:
@@ -104,19 +122,19 @@ class WholeCompiled:
         return self._kept
 
     def _ahead_of_time(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        """``fn`` compiled ahead of time for calls like this one, and kept; None (and
-        no more tries) where Dynamo cannot trace it whole or torch cannot save it."""
-        assert self._store is not None and self._key is not None
+        """``fn`` compiled ahead of time for calls like this one; None (and no more
+        tries) where Dynamo cannot trace it whole."""
         try:
-            whole = torch.compile(self.module, fullgraph=True, backend=self.compiler)
-            made = whole.forward.aot_compile((tensors, {}))
-        except Exception as exc:  # a graph break, or an object torch cannot serialize
-            logger.info("ostinato: %s not compiled ahead of time (%s)", self._key, exc)
+            with compile_artifacts.enabled():
+                whole = torch.compile(self.module, fullgraph=True, backend=self.compiler)
+                return whole.forward.aot_compile((tensors, {}))
+        except Exception as exc:  # a graph break, or a torch without the ahead-of-time path
+            logger.warning(
+                "ostinato: not compiled ahead of time, so not kept for the next process "
+                "(compiled here as usual): %s: %s", type(exc).__name__, exc,
+            )  # fmt: skip
             self._store = None
             return None
-        if self._store.save(self._key, len(self._kept or []), made):
-            self.saved += 1
-        return made
 
 
 class AsModule(torch.nn.Module):

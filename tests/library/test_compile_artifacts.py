@@ -137,3 +137,24 @@ def test_graphed_keeps_a_named_compilers_functions_where_asked(tmp_path):
     assert off.options.store is None
     with pytest.raises(TypeError, match="cache_dir"):
         ostinato.graphed(model, cache_dir=3)
+
+
+def test_a_compiled_function_that_fails_leaves_the_call_to_the_usual_compile(
+    tmp_path, monkeypatch, caplog
+):
+    # torch's ahead-of-time path is experimental: where what it made fails, the call is
+    # answered by the in-process compilation, once, and nothing is kept.
+    model = Scaled().eval()
+    whole = _whole(model, ArtifactStore(tmp_path))
+
+    def broken(*args):
+        raise RuntimeError("made badly")
+
+    monkeypatch.setattr(whole, "_ahead_of_time", lambda tensors: broken)
+    calls = []
+    real = whole._compiled
+    monkeypatch.setattr(whole, "_compiled", lambda *t: calls.append(1) or real(*t))
+    with caplog.at_level("WARNING", logger="ostinato.whole_compile"):
+        _check(whole, model, (8, 3))
+    assert "made badly" in caplog.text and len(calls) == 2  # one answer per call
+    assert whole.saved == 0 and not (tmp_path / "compiled").exists()

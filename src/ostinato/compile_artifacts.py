@@ -10,16 +10,20 @@ function's qualified name and code). A family may hold several artifacts (Dynamo
 specializes a batch of one, for instance), each tried in turn.
 
 Guarantees: an artifact runs a call only where its guards accept the call (the same
-check Dynamo makes before reusing compiled code in one process); a function without a
-stable identity (a lambda, a closure) keeps nothing; an artifact that cannot be loaded
-(corrupt, or made by another torch) is named in a warning, removed and made again; a
-folder that cannot be written is a warning, and nothing is kept.
+check Dynamo makes before reusing compiled code in one process) and where every source
+it was traced from reads as it did (an edited ``forward`` is compiled anew); a function
+without a stable identity (a lambda, a closure) keeps nothing; an artifact that cannot be
+used (corrupt, made by another torch, or from older source) is named in a warning,
+removed and made again; a folder that cannot be written is a warning, and nothing is
+kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
+import inspect
 import logging
 import os
 import platform
@@ -114,10 +118,14 @@ class ArtifactStore:
         for path in sorted(self.folder.glob(f"{key}-*{SUFFIX}"), key=_index):
             try:
                 with path.open("rb") as f:
-                    found.append(torch.compiler.load_compiled_function(f))
+                    compiled = torch.compiler.load_compiled_function(f)
+                changed = changed_source(compiled)
+                if changed is not None:
+                    raise ValueError(f"made from another version of {changed}")
+                found.append(compiled)
             except Exception as exc:  # any failure to load is a stale or broken file
                 warnings.warn(
-                    f"ostinato: compiled function {path} cannot be loaded "
+                    f"ostinato: compiled function {path} cannot be used "
                     f"({type(exc).__name__}: {exc}); removed, it will be compiled again",
                     stacklevel=2,
                 )
@@ -142,6 +150,18 @@ class ArtifactStore:
             return False
         logger.info("ostinato: compiled function kept in %s", path)
         return True
+
+
+def changed_source(compiled: Any) -> str | None:
+    """The first source ``compiled`` was traced from that reads differently now (its
+    module and lines), or None: Dynamo records a checksum of every function it inlined,
+    which its guards do not check."""
+    for code in sorted(compiled.source_info().inlined_sources, key=lambda c: c.module):
+        lines = inspect.getsourcelines(importlib.import_module(code.module))[0]
+        now = "".join(lines[code.firstlineno - 1 : code.lastlineno - 1])
+        if hashlib.sha256(now.encode()).hexdigest() != code.checksum:
+            return f"{code.module} (lines {code.firstlineno}-{code.lastlineno})"
+    return None
 
 
 def _index(path: Path) -> int:

@@ -104,7 +104,7 @@ def test_a_broken_artifact_is_named_removed_and_made_again(tmp_path):
     (kept,) = (tmp_path / "compiled").iterdir()
     kept.write_bytes(b"not a compiled function")
     again = _whole(model, ArtifactStore(tmp_path))
-    with pytest.warns(UserWarning, match="cannot be loaded.*removed"):
+    with pytest.warns(UserWarning, match="cannot be used.*removed"):
         _check(again, model, (8,))
     assert again.loaded == 0 and again.saved == 1
     assert kept.exists() and kept.read_bytes() != b"not a compiled function"
@@ -158,3 +158,42 @@ def test_a_compiled_function_that_fails_leaves_the_call_to_the_usual_compile(
         _check(whole, model, (8, 3))
     assert "made badly" in caplog.text and len(calls) == 2  # one answer per call
     assert whole.saved == 0 and not (tmp_path / "compiled").exists()
+
+
+EDITED = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask=None, scale=1.0):
+        return {"out": self.a(x) * FACTOR}
+"""
+RUN_EDITED = (
+    "import json, sys, torch, warnings; sys.path.insert(0, sys.argv[1]); import edited; "
+    "from test_compile_artifacts import _whole; "
+    "from ostinato.compile_artifacts import ArtifactStore; "
+    "torch.manual_seed(0); m = edited.Net().eval(); x = torch.randn(4, 16); "
+    "w = _whole(m, ArtifactStore(sys.argv[1])); "
+    "warnings.simplefilter('ignore')\n"
+    "with torch.no_grad(): got = w(x, x)['out']; want = m(x)['out']\n"
+    "print(json.dumps([w.loaded, w.saved, torch.allclose(got, want, atol=1e-5)]))"
+)
+
+
+def test_an_edited_forward_is_compiled_anew(tmp_path):
+    # The key names the class and its shapes, not its code: an artifact traced from a
+    # forward that has changed since is refused by its recorded source checksums.
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    seen = []
+    for factor in ("2.0", "2.0", "3.0"):
+        (tmp_path / "edited.py").write_text(EDITED.replace("FACTOR", factor))
+        run = [sys.executable, "-c", RUN_EDITED, str(tmp_path)]
+        out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert seen == [[0, 1, True], [1, 0, True], [0, 1, True]]

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 FOLDER = "compiled"
 SUFFIX = ".aot"
+MAX_PER_KEY = 8
+"""Artifacts kept under one key at most: each process whose calls no kept artifact's
+guards accept (another thread count, say) adds one, and the folder must not grow for
+ever."""
 
 
 def supported() -> bool:
@@ -134,7 +138,11 @@ class ArtifactStore:
 
     def save(self, key: str, index: int, compiled: Any) -> bool:
         """Keeps ``compiled`` (an ahead-of-time compiled function) as artifact ``index``
-        of ``key``; False, with one warning per store, where it cannot be written."""
+        of ``key``; False, with one warning per store, where it cannot be written, and
+        False where ``key`` holds ``MAX_PER_KEY`` already."""
+        if index >= MAX_PER_KEY:
+            logger.info("ostinato: %s holds %d compiled functions; not kept", key, index)
+            return False
         path = self.folder / f"{key}-{index}{SUFFIX}"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

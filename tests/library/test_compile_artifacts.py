@@ -197,3 +197,11 @@ def test_an_edited_forward_is_compiled_anew(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert seen == [[0, 1, True], [1, 0, True], [0, 1, True]]
+
+
+def test_a_key_holds_a_bounded_number_of_artifacts(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_artifacts, "MAX_PER_KEY", 1)
+    model = Scaled().eval()
+    whole = _whole(model, ArtifactStore(tmp_path))
+    _check(whole, model)  # two variants made (a dynamic batch and a batch of one)
+    assert whole.saved == 1 and len(list((tmp_path / "compiled").iterdir())) == 1

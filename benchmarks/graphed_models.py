@@ -235,11 +235,11 @@ def run_system(
     fn, graphed = system(w, name, args.max_batch)
     inputs = [w.inputs(b, n) for b, n in stream]
     warmup = sum(timed(fn, x)[1] for x in inputs) / 1e3
-    reserved = _peak_reserved_mib(base_reserved)  # (read before _peak_mib resets the peaks)
-    phases = {"first pass": _peak_mib(base)}
+    phases: dict[str, float] = {}  # the allocated peak of each phase
+    reserved: dict[str, float] = {}  # and the reserved one
+    phases["first pass"], reserved["first pass"] = _peaks(base, base_reserved)
     upgrade_s, notes = _upgrade(graphed)
-    reserved = max(reserved, _peak_reserved_mib(base_reserved))
-    phases["upgrade"] = _peak_mib(base)
+    phases["upgrade"], reserved["upgrade"] = _peaks(base, base_reserved)
     for x in inputs:  # (settled: every size of the stream at its steady state)
         timed(fn, x)
     by_batch: dict[int, list[float]] = {}
@@ -251,8 +251,7 @@ def run_system(
         diff = max(diff, (got.float() - want.float()).abs().max().item())
     ms = medians(fn, w, (1, 8), args.repeats)
     per_size = medians(fn, w, sorted(by_batch), args.size_repeats)
-    reserved = max(reserved, _peak_reserved_mib(base_reserved))
-    phases["rest"] = _peak_mib(base)
+    phases["rest"], reserved["rest"] = _peaks(base, base_reserved)
     graphs = _graphs(graphed, name)
     every = [t for ts in by_batch.values() for t in ts]
     return SystemRow(
@@ -266,7 +265,7 @@ def run_system(
         diff,
         max(phases.values()),
         phases,
-        reserved,
+        max(reserved.values()),
         per_size,
         graphs,
         upgrade_s,
@@ -288,22 +287,17 @@ def medians(
     return found
 
 
-def _peak_reserved_mib(base: int) -> float:
-    """The peak reserved by the caching allocator above ``base`` since the last reset of
-    the peaks (MiB; 0 without CUDA): allocated tensors, blocks cached for reuse and the
-    graphs' private pools, which the allocated peak does not see between replays."""
+def _peaks(base: int, base_reserved: int) -> tuple[float, float]:
+    """The peaks since the last call (MiB; 0 without CUDA): allocated above ``base``, and
+    reserved by the caching allocator above ``base_reserved`` (allocated tensors, blocks
+    cached for reuse and the graphs' private pools, which the allocated peak does not
+    see between replays)."""
     if not torch.cuda.is_available():
-        return 0.0
-    return (torch.cuda.max_memory_reserved() - base) / 2**20
-
-
-def _peak_mib(base: int) -> float:
-    """The peak allocated above ``base`` since the last call (MiB; 0 without CUDA)."""
-    if not torch.cuda.is_available():
-        return 0.0
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return 0.0, 0.0
+    allocated = (torch.cuda.max_memory_allocated() - base) / 2**20
+    reserved = (torch.cuda.max_memory_reserved() - base_reserved) / 2**20
     torch.cuda.reset_peak_memory_stats()
-    return peak
+    return allocated, reserved
 
 
 def _upgrade(graphed: Any) -> tuple[float | None, list[str]]:

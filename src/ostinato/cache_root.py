@@ -19,3 +19,18 @@ def default_cache_root() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "ostinato"
+
+
+def root_from_arg(cache_dir: object) -> Path | None:
+    """The root a ``cache_dir`` argument asks for: None or True the default
+    (``default_cache_root``), a path that folder, False none (no cache); ``TypeError``
+    naming ``cache_dir`` for anything else."""
+    if cache_dir is False:
+        return None
+    if cache_dir is None or cache_dir is True:
+        return default_cache_root()
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"cache_dir: expected a path, True, False or None, got {type(cache_dir).__name__}"
+        )
+    return Path(cache_dir)

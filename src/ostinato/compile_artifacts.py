@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ostinato.cache_root import default_cache_root
+from ostinato.cache_root import root_from_arg
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +103,9 @@ class ArtifactStore:
 
     @classmethod
     def from_arg(cls, cache_dir: object) -> ArtifactStore | None:
-        """The store ``cache_dir`` asks for: None or True the default cache root
-        (``cache_root``), a path that root, False none."""
-        if cache_dir is False:
-            return None
-        if cache_dir is None or cache_dir is True:
-            return cls(default_cache_root())
-        if not isinstance(cache_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"cache_dir: expected a path, True, False or None, got {type(cache_dir).__name__}"
-            )
-        return cls(cache_dir)
+        """The store ``cache_dir`` asks for (``cache_root.root_from_arg``), or None."""
+        root = root_from_arg(cache_dir)
+        return None if root is None else cls(root)
 
     def load(self, key: str) -> list[Callable[..., Any]]:
         """Every artifact kept under ``key``, loaded, in the order they were made; one

@@ -10,14 +10,9 @@ import pytest
 import torch
 from smollm2 import gguf_path
 
+from ostinato.cache_root import ENV_VAR, default_cache_root
 from ostinato.engine.loading import source as source_module
-from ostinato.engine.loading.model_cache import (
-    ENV_VAR,
-    MANIFEST,
-    WEIGHTS,
-    ModelCache,
-    default_cache_root,
-)
+from ostinato.engine.loading.model_cache import MANIFEST, WEIGHTS, ModelCache
 from ostinato.engine.loading.source import open_model
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ostinato import __version__
-from ostinato.cache_root import ENV_VAR, default_cache_root
+from ostinato.cache_root import ENV_VAR, root_from_arg
 from ostinato.engine.model.config import ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
@@ -106,15 +106,8 @@ class ModelCache:
     @classmethod
     def from_arg(cls, cache_dir: CacheDirArg) -> ModelCache | None:
         """The cache ``cache_dir`` asks for (see ``CacheDirArg``), or None for no cache."""
-        if cache_dir is False:
-            return None
-        if cache_dir is None or cache_dir is True:
-            return cls(default_cache_root())
-        if not isinstance(cache_dir, (str, Path)):
-            raise TypeError(
-                f"cache_dir: expected a path, True, False or None, got {type(cache_dir).__name__}"
-            )
-        return cls(cache_dir)
+        root = root_from_arg(cache_dir)
+        return None if root is None else cls(root)
 
     def _key(self, identity: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
         return {"format": FORMAT, "ostinato": __version__, "dtype": _dtype_name(dtype), **identity}

@@ -196,15 +196,11 @@ def graphed(
     bucket's if missing, else the next; eager while the device is busy) or ``"staged"``
     (graphs of ``fn`` as it is at once, then Inductor's per bucket where timed faster).
     ``max_batch_size`` (default 64) makes the ladder of sizes up to it, ``capture_sizes``
-    names the sizes instead: give one or neither. ``cache_dir``: where a compilation of
-    ``fn`` (by a named compiler, or a staged upgrade's) is kept for the next process and
-    looked for first (``compile_artifacts``): None the user cache folder
-    (``$OSTINATO_CACHE_DIR`` first), a path, or False to keep nothing. Every argument is
-    checked here; an error names the argument as written."""
-    splitting = _check_ops(splitting_ops)
-    resolved = _one_call_mode(mode, bool(splitting), full_when)
-    capture = _capture_when(capture, resolved, splitting, compiler)
-    _check_staged(capture, resolved, splitting, compiler)
+    names the sizes instead: give one or neither. ``cache_dir``: where Inductor's
+    compilations of ``fn`` are kept for the next process (``compile_artifacts``; None: the
+    user cache folder, False: nowhere). Every argument is checked here; an error names
+    the argument as written."""
+    splitting, resolved, capture = _modes(splitting_ops, mode, full_when, capture, compiler)
     return Graphed(
         fn,
         _Options(
@@ -220,7 +216,7 @@ def graphed(
             checked_int("max_signatures", max_signatures),
             _check_platform(platform),
             checked_bool("progress", progress),
-            ArtifactStore.from_arg(cache_dir),
+            _artifact_store(cache_dir, splitting, capture, compiler),
         ),
         example,
     )
@@ -803,6 +799,22 @@ def _same(what: str, name: str, t: torch.Tensor, dim: int, size: int | None) -> 
     return t.shape[dim]
 
 
+def _modes(
+    splitting_ops: Sequence[str],
+    mode: str | GraphMode,
+    full_when: Callable[..., bool] | None,
+    capture: str,
+    compiler: str | None,
+) -> tuple[tuple[str, ...], GraphMode, str]:
+    """``graphed``'s splitting ops, resolved mode and capture, checked together (each
+    depends on the ones before it)."""
+    splitting = _check_ops(splitting_ops)
+    resolved = _one_call_mode(mode, bool(splitting), full_when)
+    when = _capture_when(capture, resolved, splitting, compiler)
+    _check_staged(when, resolved, splitting, compiler)
+    return splitting, resolved, when
+
+
 def _one_call_mode(
     mode: str | GraphMode, has_splitting_ops: bool, full_when: Callable[..., bool] | None
 ) -> GraphMode:
@@ -871,6 +883,24 @@ def _check_staged(
             "compiler: capture='staged' compiles fn for its upgrade; use 'auto' (Inductor), "
             "'inductor' or 'eager', not None"
         )
+
+
+def _artifact_store(
+    cache_dir: object, splitting: tuple[str, ...], capture: str, compiler: str | None
+) -> ArtifactStore | None:
+    """Where Inductor's whole compilations of ``fn`` are kept (``ArtifactStore.from_arg``).
+    A folder named (or True) where nothing compiles ``fn`` whole with Inductor (a named
+    compiler ``"inductor"``, or a staged upgrade's ``"auto"``; never with pieces) would be
+    ignored: refused by name."""
+    store = ArtifactStore.from_arg(cache_dir)
+    inductor = compiler == "inductor" or (capture == "staged" and compiler == "auto")
+    if cache_dir not in (None, False) and (splitting or not inductor):
+        raise ValueError(
+            f"cache_dir: nothing to keep: with compiler={compiler!r}, capture={capture!r}"
+            f"{' and splitting_ops' if splitting else ''} fn is not compiled whole by "
+            "Inductor; leave cache_dir out, or use compiler='inductor' without splitting_ops"
+        )
+    return store
 
 
 def _check_compiler(compiler: str | None) -> str | None:

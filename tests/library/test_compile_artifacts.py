@@ -137,6 +137,15 @@ def test_graphed_keeps_a_named_compilers_functions_where_asked(tmp_path):
     assert off.options.store is None
     with pytest.raises(TypeError, match="cache_dir"):
         ostinato.graphed(model, cache_dir=3)
+    # A folder named where nothing would be kept is refused, not ignored.
+    for kwargs in (
+        {"compiler": "eager"},
+        {"compiler": "auto", "capture": "first_use"},
+        {"compiler": "inductor", "splitting_ops": ("aten::softmax",)},
+    ):
+        with pytest.raises(ValueError, match="cache_dir: nothing to keep"):
+            ostinato.graphed(model, cache_dir=tmp_path, **kwargs)
+    ostinato.graphed(model, cache_dir=tmp_path)  # (staged, Inductor's upgrade: kept)
 
 
 def test_a_compiled_function_that_fails_leaves_the_call_to_the_usual_compile(

@@ -52,7 +52,7 @@ from torch.utils._pytree import (
 )
 
 from ostinato.batch import BatchDescriptor
-from ostinato.compile_artifacts import ArtifactStore
+from ostinato.compile_artifacts import ArtifactStore, identity
 from ostinato.config import GraphConfig
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
@@ -216,7 +216,7 @@ def graphed(
             checked_int("max_signatures", max_signatures),
             _check_platform(platform),
             checked_bool("progress", progress),
-            _artifact_store(cache_dir, splitting, capture, compiler),
+            _artifact_store(cache_dir, fn, splitting, capture, compiler),
         ),
         example,
     )
@@ -886,19 +886,31 @@ def _check_staged(
 
 
 def _artifact_store(
-    cache_dir: object, splitting: tuple[str, ...], capture: str, compiler: str | None
+    cache_dir: object,
+    fn: Callable[..., Any],
+    splitting: tuple[str, ...],
+    capture: str,
+    compiler: str | None,
 ) -> ArtifactStore | None:
     """Where Inductor's whole compilations of ``fn`` are kept (``ArtifactStore.from_arg``).
-    A folder named (or True) where nothing compiles ``fn`` whole with Inductor (a named
-    compiler ``"inductor"``, or a staged upgrade's ``"auto"``; never with pieces) would be
-    ignored: refused by name."""
+    A folder named (or True) that would be ignored is refused by name: where nothing
+    compiles ``fn`` whole with Inductor (a named compiler ``"inductor"``, or a staged
+    upgrade's ``"auto"``; never with pieces), or where ``fn`` has no identity another
+    process could find (a lambda, a closure: ``compile_artifacts.identity``)."""
     store = ArtifactStore.from_arg(cache_dir)
+    if cache_dir in (None, False):
+        return store  # (the default keeps what it can, silently where it cannot)
     inductor = compiler == "inductor" or (capture == "staged" and compiler == "auto")
-    if cache_dir not in (None, False) and (splitting or not inductor):
+    if splitting or not inductor:
         raise ValueError(
             f"cache_dir: nothing to keep: with compiler={compiler!r}, capture={capture!r}"
             f"{' and splitting_ops' if splitting else ''} fn is not compiled whole by "
             "Inductor; leave cache_dir out, or use compiler='inductor' without splitting_ops"
+        )
+    if identity(fn) is None:
+        raise ValueError(
+            "cache_dir: nothing to keep: fn is a lambda or a closure, which another process "
+            "cannot find again; pass a module or a module-level function, or leave cache_dir out"
         )
     return store
 

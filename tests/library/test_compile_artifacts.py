@@ -145,6 +145,8 @@ def test_graphed_keeps_a_named_compilers_functions_where_asked(tmp_path):
     ):
         with pytest.raises(ValueError, match="cache_dir: nothing to keep"):
             ostinato.graphed(model, cache_dir=tmp_path, **kwargs)
+    with pytest.raises(ValueError, match="cache_dir: nothing to keep: fn is a lambda"):
+        ostinato.graphed(lambda x: model(x), compiler="inductor", cache_dir=tmp_path)
     ostinato.graphed(model, cache_dir=tmp_path)  # (staged, Inductor's upgrade: kept)
 
 

@@ -308,7 +308,10 @@ def _upgrade(graphed: Any) -> tuple[float | None, list[str]]:
     start = time.perf_counter()
     graphed.wait_for_upgrades()
     waited = time.perf_counter() - start
-    lines = [f"{s.key}: {s.upgrade}" for s in graphed.stats().signatures if s.upgrade]
+    stats = graphed.stats()
+    lines = [f"{s.key}: {s.upgrade}" for s in stats.signatures if s.upgrade]
+    if lines:  # (the artifacts: what this process compiled, against what it loaded)
+        lines.append(f"compiled: {stats.compiled_loaded} loaded, {stats.compiled_kept} kept")
     return (waited, lines) if lines else (None, [])  # (none without graphs: the CPU)
 
 

@@ -896,7 +896,7 @@ def _artifact_store(
     A folder named (or True) that would be ignored is refused by name: where nothing
     compiles ``fn`` whole with Inductor (a named compiler ``"inductor"``, or a staged
     upgrade's ``"auto"``; never with pieces), or where ``fn`` has no identity another
-    process could find (a lambda, a closure: ``compile_artifacts.identity``)."""
+    process could find (a closure over a tensor: ``compile_artifacts.identity``)."""
     store = ArtifactStore.from_arg(cache_dir)
     if cache_dir in (None, False):
         return store  # (the default keeps what it can, silently where it cannot)
@@ -909,8 +909,9 @@ def _artifact_store(
         )
     if identity(fn) is None:
         raise ValueError(
-            "cache_dir: nothing to keep: fn is a lambda or a closure, which another process "
-            "cannot find again; pass a module or a module-level function, or leave cache_dir out"
+            "cache_dir: nothing to keep: fn has no name another process could find (it "
+            "captures a value other than a module, a function or a constant, such as a "
+            "tensor); capture the module instead, or leave cache_dir out"
         )
     return store
 

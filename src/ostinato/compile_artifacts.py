@@ -6,16 +6,16 @@ An artifact is a file under ``<cache root>/compiled`` named by a key of everythi
 compilation depended on: the torch and Python versions, the device, the compiler, the
 family of call signatures it serves, and the function itself (a module's class, its
 architecture and the names, shapes and dtypes of its parameters and buffers; a plain
-function's qualified name and code). A family may hold several artifacts (Dynamo
-specializes a batch of one, for instance), each tried in turn.
+function's qualified name and code, and what a closure captured). A family may hold
+several artifacts (Dynamo specializes a batch of one, for instance), each tried in turn.
 
 Guarantees: an artifact runs a call only where its guards accept the call (the same
 check Dynamo makes before reusing compiled code in one process) and where every source
 it was traced from reads as it did (an edited ``forward`` is compiled anew); a function
-without a stable identity (a lambda, a closure) keeps nothing; an artifact that cannot be
-used (corrupt, made by another torch, or from older source) is named in a warning,
-removed and made again; a folder that cannot be written is a warning, and nothing is
-kept.
+without a stable identity (a closure over a tensor, an FX graph) keeps nothing; an
+artifact that cannot be used (corrupt, made by another torch, or from older source) is
+named in a warning, removed and made again; a folder that cannot be written is a
+warning, and nothing is kept.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import logging
 import os
 import platform
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +64,13 @@ def enabled() -> contextlib.AbstractContextManager[object]:
 def identity(fn: Any) -> list[str] | None:
     """What names ``fn``'s code across processes, or None where nothing does: a module's
     class, architecture and parameter and buffer shapes (not values: they are read at
-    each call); a function's qualified name and bytecode."""
+    each call); a function's qualified name, line and bytecode, and for a closure (a
+    lambda too) the identity of each captured value, which may be a module, a function
+    or a constant (None for anything else: a tensor, say, whose value Dynamo may bake
+    in); a bound method's object and function. An FX ``GraphModule`` has none: its code
+    is generated, not named."""
+    if isinstance(fn, torch.fx.GraphModule):
+        return None
     if isinstance(fn, torch.nn.Module):
         kind = type(fn)
         tensors = [
@@ -71,12 +78,39 @@ def identity(fn: Any) -> list[str] | None:
             for name, t in [*fn.named_parameters(), *fn.named_buffers()]
         ]
         return [f"{kind.__module__}.{kind.__qualname__}", repr(fn), *tensors]
+    if inspect.ismethod(fn):
+        owner, func = identity(fn.__self__), identity(fn.__func__)
+        return None if owner is None or func is None else [*owner, *func]
     code = getattr(fn, "__code__", None)
-    qualname = getattr(fn, "__qualname__", "")
-    if code is None or "<lambda>" in qualname or "<locals>" in qualname or code.co_freevars:
+    if not isinstance(code, types.CodeType):
         return None
-    digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()
-    return [f"{fn.__module__}.{qualname}", digest]
+    named = [f"{fn.__module__}.{fn.__qualname__}:{code.co_firstlineno}", _code_digest(code)]
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            captured = _captured(cell.cell_contents)
+        except ValueError:  # (a cell not yet filled)
+            return None
+        if captured is None:
+            return None
+        named += [f"{name}=", *captured]
+    return named
+
+
+def _captured(value: Any) -> list[str] | None:
+    """The identity of a value a closure captured (see ``identity``)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return [repr(value)]  # (constants: Dynamo bakes them into the trace)
+    return identity(value)
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of ``code``'s bytecode and constants, nested code objects by their own
+    digest (their repr carries an address, which differs in every process)."""
+    parts = [code.co_code]
+    for const in code.co_consts:
+        is_code = isinstance(const, types.CodeType)
+        parts.append(_code_digest(const).encode() if is_code else repr(const).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
 
 
 def artifact_key(fn: Any, family: Any, compiler: str, device: torch.device) -> str | None:

@@ -59,19 +59,51 @@ def _check(whole: WholeCompiled, model: torch.nn.Module, sizes=(8, 1, 5)) -> Non
             torch.testing.assert_close(whole(x, mask)["out"], want, atol=1e-5, rtol=1e-5)
 
 
+def outputs_of(model: torch.nn.Module, scale: float = 0.5):
+    """A closure over a module and a constant, as users wrap a model for ``graphed``."""
+
+    def out(x, mask):
+        return {"out": model(x, mask=mask, scale=scale)["out"] + sum(i for i in range(3))}
+
+    return out
+
+
 def test_what_names_a_function_across_processes():
     one, other = identity(Scaled()), identity(Scaled(32))
     assert one == identity(Scaled()) and one != other  # shapes, not values
     assert identity(Scaled().to(torch.float64)) != one
     assert identity(plain) == identity(plain) and identity(plain) is not None
-    assert identity(lambda x: x) is None
-    scale = 3.0
-    assert identity(lambda x: x * scale) is None  # a closure: nothing is kept
+    # A closure is named by its code and what it captured: modules by their shapes,
+    # constants by value; a captured tensor (or an FX graph's generated code) by nothing.
+    assert identity(outputs_of(Scaled())) == identity(outputs_of(Scaled()))
+    assert identity(outputs_of(Scaled())) != identity(outputs_of(Scaled(32)))
+    assert identity(outputs_of(Scaled())) != identity(outputs_of(Scaled(), 2.0))
+    assert identity(lambda x: x) is not None and identity(lambda x: x) != identity(plain)
+    weight = torch.ones(3)
+    assert identity(lambda x: x * weight) is None
+    assert identity(torch.fx.symbolic_trace(Scaled())) is None
+    model, again = Scaled(), Scaled(32)
+    assert identity(model.forward) != identity(again.forward)  # (the bound object counts)
+    # Nested code (the generator above) by its digest, not its address: the same in
+    # another process.
+    code = "import test_compile_artifacts as t; print(t.identity(t.outputs_of(t.Scaled())))"
+    assert _in_process(code) == str(identity(outputs_of(Scaled())))
     family = ("family",)
     key = artifact_key(Scaled(), family, "inductor", torch.device("cpu"))
     assert key == artifact_key(Scaled(), family, "inductor", torch.device("cpu"))
     assert key != artifact_key(Scaled(), ("other",), "inductor", torch.device("cpu"))
-    assert artifact_key(lambda x: x, family, "inductor", torch.device("cpu")) is None
+    assert artifact_key(lambda x: x * weight, family, "inductor", torch.device("cpu")) is None
+
+
+def _in_process(code: str, *args: str) -> str:
+    """The last line ``code`` prints in a new Python process, with this folder importable."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # (a guard: Dynamo's global state)
+    run = [sys.executable, "-c", code, *args]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
 
 
 def test_a_second_process_loads_what_the_first_compiled(tmp_path):
@@ -89,13 +121,41 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
         "w = t._whole(m, ArtifactStore(sys.argv[1])); t._check(w, m, (3, 1, 16)); "
         "print(json.dumps([w.loaded, w.saved]))"
     )
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
-    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # (a guard: Dynamo's global state)
-    run = [sys.executable, "-c", code, str(tmp_path)]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [2, 0]  # compiled nothing
+    assert json.loads(_in_process(code, str(tmp_path))) == [2, 0]  # compiled nothing
+
+
+def _closure_whole(model: torch.nn.Module, store: ArtifactStore | None) -> WholeCompiled:
+    fn = outputs_of(model)
+    x = torch.randn(4, 16)
+    leaves, spec = tree_flatten(((x, x), {}))
+    tree = CallTree(fn, (None, None), (0, 1), spec)
+    key = artifact_key(fn, ("family", spec), "inductor", torch.device("cpu"))
+    return WholeCompiled(tree, "inductor", None, store, key)
+
+
+def _check_closure(whole: WholeCompiled, model: torch.nn.Module, sizes=(8, 1, 5)) -> None:
+    with torch.no_grad():
+        for n in sizes:
+            x, mask = torch.randn(n, 16), torch.rand(n, 16)
+            want = model(x, mask=mask, scale=0.5)["out"] + 3
+            torch.testing.assert_close(whole(x, mask)["out"], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_closure_over_a_model_is_loaded_by_the_next_process_and_reads_its_weights(tmp_path):
+    # The second process's model has other weights: a loaded function reads the module's
+    # parameters at each call (a baked-in copy of the first one's would fail here).
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    whole = _closure_whole(model, ArtifactStore(tmp_path))
+    _check_closure(whole, model)
+    assert whole.loaded == 0 and whole.saved == 2
+    code = (
+        "import json, sys, torch; import test_compile_artifacts as t; "
+        "from ostinato.compile_artifacts import ArtifactStore; torch.manual_seed(1); "
+        "m = t.Scaled().eval(); w = t._closure_whole(m, ArtifactStore(sys.argv[1])); "
+        "t._check_closure(w, m, (3, 1, 16)); print(json.dumps([w.loaded, w.saved]))"
+    )
+    assert json.loads(_in_process(code, str(tmp_path))) == [2, 0]
 
 
 def test_a_broken_artifact_is_named_removed_and_made_again(tmp_path):
@@ -145,8 +205,10 @@ def test_graphed_keeps_a_named_compilers_functions_where_asked(tmp_path):
     ):
         with pytest.raises(ValueError, match="cache_dir: nothing to keep"):
             ostinato.graphed(model, cache_dir=tmp_path, **kwargs)
-    with pytest.raises(ValueError, match="cache_dir: nothing to keep: fn is a lambda"):
-        ostinato.graphed(lambda x: model(x), compiler="inductor", cache_dir=tmp_path)
+    weight = torch.ones(16)
+    with pytest.raises(ValueError, match="cache_dir: nothing to keep: fn has no name"):
+        ostinato.graphed(lambda x: model(x) * weight, compiler="inductor", cache_dir=tmp_path)
+    ostinato.graphed(lambda x: model(x), compiler="inductor", cache_dir=tmp_path)
     ostinato.graphed(model, cache_dir=tmp_path)  # (staged, Inductor's upgrade: kept)
 
 

@@ -21,6 +21,7 @@ from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
 from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, setup_fused_reduce_norm
 from ostinato.engine.model.attention import AttentionBackend, TritonAttention
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.config import ModelConfig
@@ -80,6 +81,15 @@ BLOCK = 16
 
 
 SMOLLM2_CONFIG = str(Path(__file__).parent / "configs" / "smollm2_135m.json")
+
+
+def fused_all_reduce_norm(
+    tp: TensorParallel, device: torch.device, dtype: torch.dtype, hidden: int
+) -> FusedReduceNorm | None:
+    """The all-reduce fused with the norm, measured as the engine sets it up with
+    ``all_reduce="auto"`` (for ``parallel``'s workers; None where it measured slower)."""
+    assert tp.group is not None and tp.symmetric_group is not None
+    return setup_fused_reduce_norm(tp.group, tp.symmetric_group, device, dtype, hidden)
 
 
 def model_config(name: str) -> dict[str, Any]:

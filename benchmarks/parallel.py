@@ -59,6 +59,11 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
         )
         tp_info = replace(groups.tp, symmetric_group=reducer and reducer.group_name)
         plan = reducer.plan.describe() if reducer else "nccl"
+        fused = None
+        if reducer is not None and choice == "auto":  # (as the engine sets it up)
+            hidden = cfg.model["hidden_size"]
+            fused = decode.fused_all_reduce_norm(tp_info, groups.device, dtype, hidden)
+            plan += f"; fused with the norm up to {fused.max_rows if fused else 0} rows"
         log(f"all-reduce plan: {plan}")
         # Every rank profiles: the census replays graphs that hold all-reduces, and a rank
         # that ran them alone waited for its peer forever (the TP=2 census hung).
@@ -76,6 +81,8 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
                 "sizes": [float(s) for s in t.sizes],
                 **{a.value: us for a, us in t.us.items()},
             }
+        if fused is not None:
+            fused.release()
         if reducer is not None:
             reducer.release()
         if merged is None:

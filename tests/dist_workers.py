@@ -284,6 +284,63 @@ def symmetric_all_reduce_checks(rank: int, world: int, port: int, out: str) -> N
         os._exit(0)
 
 
+def fused_reduce_norm_checks(rank: int, world: int, port: int, out: str) -> None:
+    """The all-reduce fused with the residual add and RMSNorm against the two ops, bitwise
+    on random bf16 rows: eagerly at every row count up to the buffer, then a graph of
+    65 calls (an 8 B step's count: odd, so the buffer halves alternate across replays)
+    replayed 50 times on new inputs; then the start-up measurement's choice."""
+    set_env(rank, world, port)
+    from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
+    from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, tp_all_reduce
+    from ostinato.engine.model import all_reduce_norm_op as op
+
+    dump_stacks_after(out, 240)
+    groups = init_parallel(ParallelConfig(tensor_parallel_size=world), "cuda")
+    dev, dtype, hidden = groups.device, torch.bfloat16, 4096
+    reducer = SymmetricAllReduce(groups.tp.group, dev, dtype, 1 << 22)
+    fused = op.FusedReduceNorm(groups.tp.group, dev, dtype, hidden)
+    op._FUSED[reducer.group_name], fused.max_rows = fused, op.MAX_ROWS
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    same = torch.Generator(device=dev).manual_seed(1234)  # (equal on every rank)
+    weight = torch.rand(hidden, generator=same, device=dev).to(dtype) + 0.5
+
+    def two_ops(x, r):
+        summed = tp_all_reduce(x, reducer.group_name)
+        return torch.ops.ostinato.add_rms_norm(summed, r, weight, 1e-5)
+
+    checks = []
+    for rows in (1, 2, 3, 8, 16, 17, 33, 64):
+        x = torch.randn(rows, hidden, generator=gen, device=dev).to(dtype)
+        r = torch.randn(rows, hidden, generator=same, device=dev).to(dtype)
+        got, want = fused(x, r, weight, 1e-5), two_ops(x, r)
+        checks.append((rows, "eager", all(map(torch.equal, got, want))))
+    xs = torch.randn(65, 8, hidden, generator=gen, device=dev).to(dtype)
+    r0 = torch.randn(8, hidden, generator=same, device=dev).to(dtype)
+    graph, outs = torch.cuda.CUDAGraph(), []
+    fused(xs[0], r0, weight, 1e-5)  # (eagerly first)
+    with torch.cuda.graph(graph):
+        res = r0
+        for i in range(65):
+            h, res = op.tp_all_reduce_add_rms_norm(xs[i], res, weight, 1e-5, reducer.group_name)
+            outs.append(h)
+    ok = True
+    for _ in range(50):
+        xs.copy_(torch.randn(xs.shape, generator=gen, device=dev).to(dtype))
+        graph.replay()
+        res = r0
+        for i in range(65):
+            h, res = two_ops(xs[i], res)
+            ok = ok and torch.equal(h, outs[i])
+    checks.append((8, "graph x50", ok))
+    fused.release()
+    chosen = op.setup_fused_reduce_norm(groups.tp.group, reducer.group_name, dev, dtype, hidden)
+    rows = chosen.max_rows if chosen is not None else 0
+    torch.save({"checks": checks, "max_rows": rows}, Path(out) / f"{rank}.pt")
+    reducer.release()
+    if not shutdown_parallel():
+        os._exit(0)
+
+
 def dump_stacks_after(out: str, seconds: float) -> None:
     """Writes every thread's stack to ``out/stacks.txt`` if this process still runs
     after ``seconds``: a hung GPU test then shows where it waits."""

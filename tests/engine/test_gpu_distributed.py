@@ -12,6 +12,7 @@ from dist_workers import (
     dp_prompts,
     engine,
     free_port,
+    fused_reduce_norm_checks,
     spawned_engine_run,
     symmetric_all_reduce_checks,
     tp_logits_and_tokens,
@@ -56,6 +57,8 @@ def one_gpu(model_dir, mode, dtype):
         ("full", torch.bfloat16, "two-shot"),
         ("full_and_piecewise", torch.bfloat16, "one-shot"),
         ("full_and_piecewise", torch.bfloat16, "auto"),
+        ("full", torch.bfloat16, "auto"),
+        ("none", torch.float32, "auto"),
     ],
 )
 def test_tp2_matches_one_gpu(model_dir, tmp_path, mode, dtype, all_reduce):
@@ -94,6 +97,16 @@ def test_symmetric_all_reduce_equals_nccl_eager_in_graphs_and_compiled(tmp_path)
         assert not bad, bad
         assert len(got["checks"]) == 3 * (4 * 2 + 1)
     print("measured plan:", got["plan"], got["us"])
+
+
+def test_all_reduce_fused_with_the_norm_equals_the_two_ops_eager_and_in_graphs(tmp_path):
+    mp.spawn(fused_reduce_norm_checks, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        bad = [c for c in got["checks"] if not c[-1]]
+        assert not bad, bad
+        assert len(got["checks"]) == 9
+    print("fused all-reduce + norm chosen up to rows:", got["max_rows"])
 
 
 def in_own_process(target, args, timeout_s, what, out) -> int:

@@ -34,6 +34,7 @@ from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.request_book import RequestBook
 from ostinato.engine.core.scheduler import FinishReason, Request, Scheduler
 from ostinato.engine.kernels.options import KernelOptions
+from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.parallel.step_mirror import SchedulerChange, StepMirror
@@ -102,6 +103,7 @@ class EngineParts:
     compile_cache: CompileCache | None
     parallel: ParallelGroups = None  # type: ignore[assignment]  (set by init_parallel)
     all_reduce: SymmetricAllReduce | None = None
+    all_reduce_norm: FusedReduceNorm | None = None  # the all-reduce fused with the norm
     memory: MemoryPlan | None = None
     model: DecoderModel | None = None
     cache: KVCache | None = None
@@ -125,7 +127,9 @@ class EngineParts:
             self.drafter.release()
         if self.all_reduce is not None:
             self.all_reduce.release()
-        self.runner = self.drafter = self.all_reduce = None  # type: ignore[assignment]
+        if self.all_reduce_norm is not None:
+            self.all_reduce_norm.release()
+        self.runner = self.drafter = self.all_reduce = self.all_reduce_norm = None  # type: ignore[assignment]
         self.model = self.cache = self.scheduler = self.sampler = None  # type: ignore[assignment]
         gc.collect()
         if self.device.type == "cuda":

@@ -51,6 +51,7 @@ from ostinato.engine.core.stop_text import Decode
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.loading.model_cache import ModelCache
 from ostinato.engine.loading.source import ModelSource, open_model
+from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, setup_fused_reduce_norm
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.decoder import DecoderModel
@@ -183,24 +184,29 @@ def graph_config(c: Checked, limits: EngineLimits, upgrade: bool = False) -> Gra
 
 def setup_all_reduce(
     parallel: ParallelGroups, choice: str, hidden: int, dtype: torch.dtype, limits: EngineLimits
-) -> tuple[ParallelGroups, SymmetricAllReduce | None]:
+) -> tuple[ParallelGroups, SymmetricAllReduce | None, FusedReduceNorm | None]:
     """The symmetric-memory all-reduce asked for (None: NCCL alone, or no tensor
-    parallelism), and the groups that name it."""
+    parallelism), the groups that name it, and with ``"auto"`` the all-reduce fused with
+    the norm after it where start-up measured it faster (``all_reduce_norm_op``)."""
     tp = parallel.tp
     if tp.group is None:
-        return parallel, None
+        return parallel, None, None
     if parallel.device.type != "cuda":
         if choice in ("one-shot", "two-shot"):
             raise ValueError(
                 f"all_reduce={choice!r}: symmetric memory needs CUDA; this run is on "
                 f"{parallel.device.type}; use 'auto' or 'nccl'"
             )
-        return parallel, None
+        return parallel, None, None
     max_bytes = limits.max_num_batched_tokens * hidden * dtype.itemsize
     reducer = setup_symmetric_all_reduce(tp.group, parallel.device, dtype, choice, max_bytes)
-    if reducer is not None:
-        parallel = replace(parallel, tp=replace(tp, symmetric_group=reducer.group_name))
-    return parallel, reducer
+    if reducer is None:
+        return parallel, None, None
+    parallel = replace(parallel, tp=replace(tp, symmetric_group=reducer.group_name))
+    if choice != "auto":
+        return parallel, reducer, None
+    name, device = reducer.group_name, parallel.device
+    return parallel, reducer, setup_fused_reduce_norm(tp.group, name, device, dtype, hidden)
 
 
 def memory_plan(
@@ -435,7 +441,7 @@ def _build_on(
 ) -> None:
     if parts.parallel.world_size > 1:
         parts.device = parts.parallel.device
-    parts.parallel, parts.all_reduce = setup_all_reduce(
+    parts.parallel, parts.all_reduce, parts.all_reduce_norm = setup_all_reduce(
         parts.parallel, c.args.parallel.all_reduce, parts.config.hidden_size, parts.dtype, limits
     )
     graphs = graph_config(c, limits)

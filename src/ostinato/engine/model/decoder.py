@@ -20,6 +20,7 @@ from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
+    all_reduce_norm_op,
     attention_op,
     embed_rope_op,
     fused_ops,
@@ -29,6 +30,7 @@ from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, lora_step
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
+from ostinato.turns import current_turn
 
 
 class RMSNorm(nn.Module):
@@ -52,6 +54,22 @@ class RMSNorm(nn.Module):
         """(the norm of ``x + residual``, ``x + residual``), in one kernel on CUDA."""
         pdl = self.kernels.pdl
         return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps, pdl)
+
+    def reduce_add(
+        self, x: torch.Tensor, residual: torch.Tensor, tp: TensorParallel
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add(sum of x over tp's group, residual)``: ``x`` is this rank's partial sum.
+        With the group's symmetric memory, one op that fuses the all-reduce into the
+        norm where start-up measured that faster (``all_reduce_norm_op``); inside a
+        micro-batch's turn the all-reduce stays apart, on the turn's stream."""
+        if tp.group is None:
+            return self.add(x, residual)
+        turn = None if torch.compiler.is_compiling() else current_turn()
+        if tp.symmetric_group is None or turn is not None:
+            return self.add(tp.all_reduce(x), residual)
+        return torch.ops.ostinato.tp_all_reduce_add_rms_norm(
+            x, residual, self.weight, self.eps, tp.symmetric_group, self.kernels.pdl
+        )
 
 
 @dataclass(frozen=True)
@@ -140,8 +158,15 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraRows | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoraRows | None = None,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """The block's output; with ``reduce`` False under tensor parallelism this rank's
+        partial sum of it, for the norm after it to reduce (``RMSNorm.reduce_add``)."""
         # v (and with rope_in_attention q and k) stay strided views of the QKV
         # projection: the backend takes any token and head strides, and a copy to make
         # them contiguous would be a kernel per layer. ``out`` is contiguous.
@@ -155,7 +180,7 @@ class Attention(nn.Module):
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         rows = out.view(x.shape[0], self.q_size)
         o = self.o_proj(rows) if lora is None else lora.project(self.layer, "o", self.o_proj, rows)
-        return self.tp.all_reduce(o)
+        return self.tp.all_reduce(o) if reduce else o
 
     def forward_fused(
         self,
@@ -217,15 +242,20 @@ class Mlp(nn.Module):
         self.kernels = kernels or KernelOptions()  # read where SiLU·mul launches
         self.row_stats = hands_row_stats(self.kernels, tp)
 
-    def forward(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, lora: LoraRows | None = None, reduce: bool = True
+    ) -> torch.Tensor:
+        """The block's output (``reduce`` as in ``Attention.forward``)."""
         # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
         # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel. With
         # LoRA the delta is added between the two.
         if lora is None:
             up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
-            return self.tp.all_reduce(self.down_proj(up))
-        up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
-        return self.tp.all_reduce(lora.project(self.layer, "down", self.down_proj, up))
+            y = self.down_proj(up)
+        else:
+            up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
+            y = lora.project(self.layer, "down", self.down_proj, up)
+        return self.tp.all_reduce(y) if reduce else y
 
     def forward_fused(
         self,
@@ -253,7 +283,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections. The residual sum is
     carried beside the hidden states and each add happens inside the next norm (as
     vLLM's layers do): ``forward(x, residual)`` returns the MLP's output and the sum
-    before it, which the next layer's (or the final) norm adds. With
+    before it, which the next layer's (or the final) norm adds (unfused under tensor
+    parallelism, this rank's partial sum of it: each block's all-reduce happens inside
+    the norm after it, ``RMSNorm.reduce_add``). With
     ``KernelOptions.fused_layers`` each norm runs inside the op of the projection after
     it (``fused_ops``): the same function, in fewer kernels; on one GPU the row
     statistics of each sum travel too (``RowStats``, None into the first layer and out
@@ -297,13 +329,16 @@ class DecoderLayer(nn.Module):
             attn, norm = self.self_attn, self.input_layernorm
             h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
             return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)
+        # Unfused, each block hands its partial sum to the norm after it, which reduces
+        # it over the group (under tensor parallelism the returned x is a partial sum).
+        tp = self.self_attn.tp
         if residual is None:  # the first layer: x is the embedding
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add(x, residual)
-        attended = self.self_attn(h, cos, sin, lora)
-        h, residual = self.post_attention_layernorm.add(attended, residual)
-        return self.mlp(h, lora), residual, None
+            h, residual = self.input_layernorm.reduce_add(x, residual, tp)
+        attended = self.self_attn(h, cos, sin, lora, reduce=False)
+        h, residual = self.post_attention_layernorm.reduce_add(attended, residual, tp)
+        return self.mlp(h, lora, reduce=False), residual, None
 
 
 class DecoderModel(nn.Module):
@@ -452,11 +487,17 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states; ``num_layers`` runs only the first layers (a
         self-draft: the truncated model with the same final norm and LM head)."""
-        x, residual, _ = self._layers(input_ids, positions, num_layers)
-        return self._final_norm(x, residual)
+        x, residual, _, partial = self._layers(input_ids, positions, num_layers)
+        return self._final_norm(x, residual, partial)
 
-    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
+    def _final_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, partial: bool
+    ) -> torch.Tensor:
+        if residual is None:
+            return self.norm(x)
+        if partial:  # (this rank's part of the last block's output: reduced in the norm)
+            return self.norm.reduce_add(x, residual, self.tp)[0]
+        return self.norm.add(x, residual)[0]
 
     def logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
@@ -467,11 +508,11 @@ class DecoderModel(nn.Module):
         GEMM for these rows, its norm from the last layer's row statistics where ready.
         An LM head without a plan (the default) runs the norm kernel, then cuBLAS
         into ``out``."""
-        x, residual, stats = self._layers(input_ids, positions, None)
+        x, residual, stats, partial = self._layers(input_ids, positions, None)
         head, norm = self.lm_head, self.norm
         fused = self.kernels.fused_layers and input_ids.shape[0] not in self.unfused_rows
-        if not (fused and head.plan):
-            return self.compute_logits(self._final_norm(x, residual), out)
+        if partial or not (fused and head.plan):
+            return self.compute_logits(self._final_norm(x, residual, partial), out)
         y, _ = torch.ops.ostinato.norm_linear(
             x, residual, norm.weight, norm.eps, head.weight, head.counters, list(head.plan),
             False, self.kernels.pdl, *RowStats.args(stats),
@@ -480,17 +521,21 @@ class DecoderModel(nn.Module):
 
     def _layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None, bool]:
         """The first ``num_layers`` layers (all with None): the last one's output, the
-        residual sum before it (None with no layer run) and its row statistics."""
+        residual sum before it (None with no layer run), its row statistics, and whether
+        that output is this rank's partial sum (an unfused layer under tensor
+        parallelism: the final norm reduces it)."""
         x, cos, sin = self._inputs(input_ids, positions)
         residual, stats = None, None
         lora = None
         if self.lora is not None and lora_step():
             lora = self.lora.rows(x)
-        for layer in self.layers[:num_layers]:
+        run = self.layers[:num_layers]
+        for layer in run:
             x, residual, stats = layer(x, residual, cos, sin, stats, lora)
-        return x, residual, stats
+        unfused = len(run) > 0 and not run[-1].fuses(x.shape[0], lora)
+        return x, residual, stats, unfused and self.tp.group is not None
 
     def _inputs(
         self, input_ids: torch.Tensor, positions: torch.Tensor

@@ -1,0 +1,97 @@
+"""The all-reduce fused with the residual add and RMSNorm (``all_reduce_norm_op``): the
+measured threshold against brute force, what the kernel takes, and the kernel's
+protocol under Triton's CPU interpreter with two and three ranks as processes over
+shared memory (with Triton installed; the GPU test runs it on two H200s)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, rows_faster
+
+
+def test_the_threshold_is_the_longest_prefix_of_counts_measured_faster():
+    g = torch.Generator().manual_seed(0)
+    ladder = [1, 2, 4, 8, 16, 32, 64]
+    for _ in range(500):
+        fused = (torch.rand(7, generator=g) * 10).tolist()
+        apart = (torch.rand(7, generator=g) * 10).tolist()
+        want = 0
+        for k in range(len(ladder) + 1):  # brute force: every prefix all faster
+            if all(fused[i] < apart[i] for i in range(k)):
+                want = ladder[k - 1] if k else 0
+        assert rows_faster(ladder, fused, apart) == want
+    assert rows_faster(ladder, [1.0] * 7, [1.0] * 7) == 0  # a tie keeps the two ops
+
+
+def test_the_kernel_takes_its_dtype_and_width_up_to_its_rows_only():
+    fused = object.__new__(FusedReduceNorm)  # (no symmetric memory on the CPU)
+    fused.dtype, fused.hidden, fused.max_rows = torch.bfloat16, 64, 16
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert fused.serves(x, x)
+    assert not fused.serves(torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(17, 64))
+    assert not fused.serves(torch.zeros(17, 64, dtype=torch.bfloat16), x)
+    assert not fused.serves(x.float(), x.float())
+    assert not fused.serves(x[:, :32], x[:, :32])
+    assert not fused.serves(x[:0], x[:0])
+    fused.max_rows = 0
+    assert not fused.serves(x[:1], x[:1])
+
+
+_RANKS = """
+import os, sys, torch, multiprocessing as mp
+from ostinato.engine.kernels.all_reduce_norm import PROGRAMS, all_reduce_add_norm_rows
+from ostinato.engine.model.norm_op import add_rms_norm_reference
+
+world, hidden, dtype = int(sys.argv[1]), 64, torch.float16
+half = 8 * hidden
+# Shared before the fork: every rank sees every buffer at the same address.
+bufs = [torch.zeros(2 * half, dtype=dtype).share_memory_() for _ in range(world)]
+pads = [torch.zeros(256, dtype=torch.int32).share_memory_() for _ in range(world)]
+table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+steps = [1, 5, 8, 3, 8]  # an odd count of calls: the halves alternate unevenly
+g = torch.Generator().manual_seed(0)
+xs = [[torch.randn(n, hidden, generator=g).to(dtype) for _ in range(world)] for n in steps]
+rs = [torch.randn(n, hidden, generator=g).to(dtype) for n in steps]
+w = torch.rand(hidden, generator=g).to(dtype) + 0.5
+
+def rank(k, q):
+    calls = torch.zeros(PROGRAMS, dtype=torch.int32)
+    bad = []
+    for i, n in enumerate(steps):
+        out, total = torch.empty(n, hidden, dtype=dtype), torch.empty(n, hidden, dtype=dtype)
+        all_reduce_add_norm_rows(xs[i][k], rs[i], w, 1e-5, out, total, table(bufs),
+                                 table(pads), calls, half, k, world)
+        s = sum(x.float() for x in xs[i]).to(dtype)
+        want = add_rms_norm_reference(s, rs[i], w, 1e-5)
+        if not (torch.equal(out, want[0]) and torch.equal(total, want[1])):
+            bad.append(i)
+    q.put((k, bad, calls.tolist()))
+
+ctx = mp.get_context("fork")
+q = ctx.Queue()
+procs = [ctx.Process(target=rank, args=(k, q)) for k in range(world)]
+[p.start() for p in procs]
+got = sorted(q.get(timeout=240) for _ in range(world))
+[p.join() for p in procs]
+assert all(not bad for _, bad, _ in got), got
+assert all(c == [len(steps)] * PROGRAMS for _, _, c in got), got
+assert all(not any(p.tolist()) for p in pads), "a flag left raised"
+print("ok", world)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_protocol_under_the_interpreter_equals_the_two_ops(world):
+    here = Path(__file__).parents[2] / "src"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(here)}
+    run = [sys.executable, "-c", _RANKS, str(world)]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith(f"ok {world}")

@@ -249,7 +249,8 @@ class ParallelArgs:
     )
     all_reduce: str = option(
         "auto",
-        "tensor parallelism's all-reduce: auto (timed at start-up), nccl, one-shot, two-shot",
+        "tensor parallelism's all-reduce: auto (timed at start-up, and fused with the norm "
+        "after it where that times faster), nccl, one-shot, two-shot",
         choices=("auto", "nccl", "one-shot", "two-shot"),
     )
     micro_batching: MicroBatching | bool = option(

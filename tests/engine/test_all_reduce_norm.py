@@ -8,11 +8,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_workers import cpu_plan_key
 
+from ostinato.distributed.all_reduce_plan import AllReduceAlgo, AllReducePlan
+from ostinato.engine.api import startup
 from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, rows_faster
+from ostinato.engine.worker.compile_cache import CompileCache
 
 
 def test_the_threshold_is_the_longest_prefix_of_counts_measured_faster():
@@ -41,6 +47,35 @@ def test_the_kernel_takes_its_dtype_and_width_up_to_its_rows_only():
     assert not fused.serves(x[:0], x[:0])
     fused.max_rows = 0
     assert not fused.serves(x[:1], x[:1])
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_start_up_measures_the_fused_rows_once_then_reads_them(tmp_path, monkeypatch, one_rank):
+    monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
+    asked = []
+
+    def setup(group, name, device, dtype, hidden, max_rows=None):
+        asked.append(max_rows)
+        return SimpleNamespace(max_rows=16 if max_rows is None else max_rows)
+
+    monkeypatch.setattr(startup, "setup_fused_reduce_norm", setup)
+    plan = AllReducePlan.only(AllReduceAlgo.ONE_SHOT, 1 << 20)
+    reducer = SimpleNamespace(group=one_rank, group_name="g", dtype=torch.bfloat16, plan=plan)
+    cache, cpu = CompileCache(tmp_path), torch.device("cpu")
+    assert startup.fused_reduce_norm(reducer, cpu, 64, cache).max_rows == 16
+    assert startup.fused_reduce_norm(reducer, cpu, 64, cache).max_rows == 16
+    assert asked == [None, 16]  # measured once, then read
+    startup.fused_reduce_norm(reducer, cpu, 128, cache)  # another width: measured
+    reducer.plan = AllReducePlan.nccl()  # the two ops it is timed against changed
+    startup.fused_reduce_norm(reducer, cpu, 64, cache)
+    startup.fused_reduce_norm(reducer, cpu, 64, None)  # no cache: measured, nothing kept
+    assert asked == [None, 16, None, None, None]
 
 
 _RANKS = """

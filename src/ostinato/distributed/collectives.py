@@ -32,6 +32,14 @@ def largest_over_group(
     return t.tolist()
 
 
+def every_rank(holds: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``holds`` is true on every rank of ``group`` (this rank's value alone
+    without a group): where ranks read a cached choice, they use it only where all of
+    them found it, else all of them measure."""
+    missing = largest_over_group([[float(not holds)]], group)
+    return missing[0][0] == 0.0
+
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of ``x`` over ``group`` (``x`` itself without a group)."""
     if group is None:

@@ -15,6 +15,7 @@ import torch
 
 from ostinato.config import GraphConfig
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
+from ostinato.distributed.collectives import every_rank
 from ostinato.distributed.failure import RankFailure
 from ostinato.distributed.groups import (
     ParallelConfig,
@@ -51,7 +52,11 @@ from ostinato.engine.core.stop_text import Decode
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.loading.model_cache import ModelCache
 from ostinato.engine.loading.source import ModelSource, open_model
-from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, setup_fused_reduce_norm
+from ostinato.engine.model.all_reduce_norm_op import (
+    LADDER,
+    FusedReduceNorm,
+    setup_fused_reduce_norm,
+)
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.decoder import DecoderModel
@@ -183,11 +188,16 @@ def graph_config(c: Checked, limits: EngineLimits, upgrade: bool = False) -> Gra
 
 
 def setup_all_reduce(
-    parallel: ParallelGroups, choice: str, hidden: int, dtype: torch.dtype, limits: EngineLimits
+    parallel: ParallelGroups,
+    choice: str,
+    hidden: int,
+    dtype: torch.dtype,
+    limits: EngineLimits,
+    cache: CompileCache | None = None,
 ) -> tuple[ParallelGroups, SymmetricAllReduce | None, FusedReduceNorm | None]:
     """The symmetric-memory all-reduce asked for (None: NCCL alone, or no tensor
     parallelism), the groups that name it, and with ``"auto"`` the all-reduce fused with
-    the norm after it where start-up measured it faster (``all_reduce_norm_op``)."""
+    the norm after it where it measured faster (``fused_reduce_norm``)."""
     tp = parallel.tp
     if tp.group is None:
         return parallel, None, None
@@ -205,8 +215,26 @@ def setup_all_reduce(
     parallel = replace(parallel, tp=replace(tp, symmetric_group=reducer.group_name))
     if choice != "auto":
         return parallel, reducer, None
-    name, device = reducer.group_name, parallel.device
-    return parallel, reducer, setup_fused_reduce_norm(tp.group, name, device, dtype, hidden)
+    return parallel, reducer, fused_reduce_norm(reducer, parallel.device, hidden, cache)
+
+
+def fused_reduce_norm(
+    reducer: SymmetricAllReduce, device: torch.device, hidden: int, cache: CompileCache | None
+) -> FusedReduceNorm | None:
+    """``setup_fused_reduce_norm`` for ``reducer``'s group, its row count read from
+    ``cache`` beside the kernel plans where every rank finds it there (keyed by the
+    device, the dtype, the width, the group's size and ``reducer``'s plan, which the
+    two ops it is timed against follow), else measured and kept there."""
+    group, name = reducer.group, reducer.group_name
+    shape = [reducer.dtype, hidden, group.size(), reducer.plan.describe()]
+    key = cache.plan_key(device, shape, LADDER, "all_reduce_norm") if cache else None
+    stored = cache.load_plans() if cache is not None else {}
+    found = key is not None and key in stored
+    rows = stored[key][0] if every_rank(found, group) and key is not None else None
+    fused = setup_fused_reduce_norm(group, name, device, reducer.dtype, hidden, rows)
+    if cache is not None and key is not None and rows is None:
+        cache.store_plans({key: [fused.max_rows if fused is not None else 0]})
+    return fused
 
 
 def memory_plan(
@@ -442,8 +470,9 @@ def _build_on(
     if parts.parallel.world_size > 1:
         parts.device = parts.parallel.device
     parts.parallel, parts.all_reduce, parts.all_reduce_norm = setup_all_reduce(
-        parts.parallel, c.args.parallel.all_reduce, parts.config.hidden_size, parts.dtype, limits
-    )
+        parts.parallel, c.args.parallel.all_reduce, parts.config.hidden_size, parts.dtype, limits,
+        parts.compile_cache,
+    )  # fmt: skip
     graphs = graph_config(c, limits)
     parts.memory = memory_plan(parts, c, limits, graphs)
     num_blocks = parts.memory.num_blocks if parts.memory else c.args.cache.num_blocks

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 64
 """Rows the staging buffer holds (decode steps; a longer call takes the two ops)."""
 
+LADDER = tuple(1 << i for i in range(MAX_ROWS.bit_length()) if 1 << i <= MAX_ROWS)
+"""The row counts start-up times (1, 2, 4, ... ``MAX_ROWS``)."""
+
 _FUSED: dict[str, FusedReduceNorm] = {}
 
 
@@ -128,12 +131,15 @@ def _(
 
 def setup_fused_reduce_norm(
     group: dist.ProcessGroup, group_name: str, device: torch.device, dtype: torch.dtype,
-    hidden: int,
+    hidden: int, max_rows: int | None = None,
 ) -> FusedReduceNorm | None:  # fmt: skip
     """The fused op for ``group`` (whose ``SymmetricAllReduce`` is ``group_name``), checked
-    against the two ops and timed against them at 1 to ``MAX_ROWS`` rows in captured
-    graphs, the slowest rank's times deciding; None (with a log line) where it cannot be
-    set up, disagrees, or is never faster. Collective over ``group``."""
+    against the two ops and timed against them at each row count of ``LADDER`` in
+    captured graphs, the slowest rank's times deciding (``max_rows``: a count measured
+    before, which every rank passes alike, and nothing is timed); None (with a log line)
+    where it cannot be set up, disagrees, or is never faster. Collective over ``group``."""
+    if max_rows == 0:  # (measured never faster before)
+        return None
     try:
         fused = FusedReduceNorm(group, device, dtype, hidden)
     except Exception as exc:  # noqa: BLE001  (any set-up failure means: not available)
@@ -145,21 +151,20 @@ def setup_fused_reduce_norm(
         logger.warning("ostinato: fused all-reduce + norm disagrees with the two ops; unused")
         fused.release()
         return None
-    ladder = [1 << i for i in range(MAX_ROWS.bit_length()) if 1 << i <= MAX_ROWS]
-    times = [[_time(fused, group_name, n, use) for n in ladder] for use in (True, False)]
-    fast, slow = largest_over_group(times, group)
-    fused.max_rows = rows_faster(ladder, fast, slow)
-    pairs = zip(ladder, fast, slow, strict=True)
-    said = ", ".join(f"{n}: {a:.1f}/{b:.1f}" for n, a, b in pairs)
-    logger.info(
-        "ostinato: fused all-reduce + norm up to %d rows (us fused/apart: %s)",
-        fused.max_rows,
-        said,
-    )
+    fused.max_rows = _measured_rows(fused, group_name) if max_rows is None else max_rows
     if fused.max_rows == 0:
         fused.release()
         return None
     return fused
+
+
+def _measured_rows(fused: FusedReduceNorm, group_name: str) -> int:
+    times = [[_time(fused, group_name, n, use) for n in LADDER] for use in (True, False)]
+    fast, slow = largest_over_group(times, fused.group)
+    rows = rows_faster(list(LADDER), fast, slow)
+    said = ", ".join(f"{n}: {a:.1f}/{b:.1f}" for n, a, b in zip(LADDER, fast, slow, strict=True))
+    logger.info("ostinato: fused all-reduce + norm up to %d rows (us fused/apart: %s)", rows, said)
+    return rows
 
 
 def rows_faster(ladder: list[int], fused_us: list[float], apart_us: list[float]) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ostinato.distributed.collectives import largest_over_group
+from ostinato.distributed.collectives import every_rank, largest_over_group
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
@@ -73,7 +73,7 @@ def plan_layers(
     device = model.embed_tokens.weight.device
     key = cache.plan_key(device, layer_key(model), sizes, "layers") if cache else None
     stored = cache.load_plans() if cache is not None else {}
-    if _everyone(key in stored, group):
+    if every_rank(key in stored, group):
         assert key is not None  # (found in the cache)
         model.unfused_rows = frozenset(stored[key])
         return []
@@ -98,13 +98,6 @@ def layer_key(model: DecoderModel) -> list[object]:
         c.vocab_size, w.dtype, model.tp.size, model.kernels, model.rope_in_attention,
         hashlib.sha256(plans).hexdigest()[:16],
     ]  # fmt: skip
-
-
-def _everyone(found: bool, group: dist.ProcessGroup | None) -> bool:
-    """Whether every rank of ``group`` found its plan (one rank's cache file may have
-    been written by another between their reads: then all of them measure)."""
-    missing = largest_over_group([[float(not found)]], group)
-    return missing[0][0] == 0.0
 
 
 def graph_timer(

@@ -75,7 +75,7 @@ def _all_reduce_add_norm_kernel(
 ):
     pid = tl.program_id(0)
     calls = tl.load(calls_ptr + pid)
-    base = (calls % 2).to(tl.int64) * half
+    base = (calls & 1).to(tl.int64) * half  # (& not %: the count wraps past 2**31 - 1)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     dtype = x_ptr.dtype.element_ty

@@ -235,6 +235,35 @@ def test_every_sampled_step_has_a_graph_among_the_cuda_variants():
         assert keys == set(variants), one_for_all
 
 
+def test_compile_ahead_queues_every_sampling_graphs_kernels_in_one_pass(monkeypatch):
+    # KernelOptions.compile_ahead: before the captures, one pass inside compile_ahead()
+    # over every variant of every size and each size's log probabilities (what each
+    # capture's warm-up would otherwise compile, one after the other).
+    import contextlib
+
+    from ostinato.engine.kernels import launch
+    from ostinato.engine.sample.graph_sampler import CUDA_VARIANTS, GraphSampler
+
+    depth = []
+
+    @contextlib.contextmanager
+    def ahead():
+        depth.append(1)
+        yield
+        depth.pop()
+
+    monkeypatch.setattr(launch, "compile_ahead", ahead)
+    sampler = object.__new__(GraphSampler)
+    sampler.variants = CUDA_VARIANTS
+    calls = []
+    sampler._sample = lambda n, *variant: calls.append((n, variant, len(depth)))
+    sampler._logprobs_of = lambda n: lambda: calls.append((n, "logprobs", len(depth)))
+    sampler._compile_ahead([1, 8])
+    want = [(n, v) for n in (1, 8) for v in (*CUDA_VARIANTS, "logprobs")]
+    assert [(n, v) for n, v, _ in calls] == want
+    assert all(inside == 1 for _, _, inside in calls) and not depth
+
+
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
     # 8 requests asking for log probabilities (greedy and sampled, 0 to 20 alternatives)
     # fill the captured size 8: each decode step's come from the logprob graph, equal

@@ -128,20 +128,37 @@ class GraphSampler:
         return sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int]) -> None:
+    def capture(self, sizes: list[int], ahead: bool = False) -> None:
         """Captures every variant for each of ``sizes`` (the padded sizes whose logits
-        ``logits`` names), after the step's graphs (their logits buffer must exist)."""
+        ``logits`` names), after the step's graphs (their logits buffer must exist).
+        ``ahead`` (``KernelOptions.compile_ahead``, CUDA): every graph's kernels compile
+        together on a thread pool first (``launch.compile_ahead``), not one after the
+        other at each capture's warm-up."""
         rows, vocab = self.floats.shape[1], self.logits(sizes[-1]).shape[-1]
         with torch.inference_mode(False):  # (written between steps, outside inference mode)
             self.counts = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
             self.bias = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
         state = self.generator.get_state()
+        if ahead:
+            self._compile_ahead(sizes)
         for n in sizes:
             for variant in self.variants:
                 sampled = functools.partial(self._sample, n, *variant)
                 self.graphs[(n, *variant)] = self._captured(sampled, draws=True)
             self.logprob_graphs[n] = self._captured(self._logprobs_of(n), draws=False)
         self.generator.set_state(state)
+
+    def _compile_ahead(self, sizes: list[int]) -> None:
+        """One pass over what the captures will run, inside ``compile_ahead()``: every
+        kernel launch only queues its compilation (the torch ops run, on scratch; the
+        generator's state is restored after the captures)."""
+        from ostinato.engine.kernels.launch import compile_ahead
+
+        with compile_ahead():
+            for n in sizes:
+                for variant in self.variants:
+                    self._sample(n, *variant)
+                self._logprobs_of(n)()
 
     def _logprobs_of(self, n: int) -> Callable[[], StepLogprobs]:
         logits = self.logits(n)

@@ -416,7 +416,7 @@ class ModelRunner:
         platform, pool = self.manager.platform, self.manager.pool
         greedy = self.sample_logits is not None  # (no argmax in the step's own graphs)
         sampler = GraphSampler(platform, pool, generator, logits, sizes[-1], self.device, greedy)
-        sampler.capture(sizes)
+        sampler.capture(sizes, ahead=self.kernels.compile_ahead)
         return sampler
 
     def _decode_logits(self, hidden: torch.Tensor, decode: bool, padded: int) -> StepOutput:

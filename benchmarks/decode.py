@@ -89,7 +89,7 @@ def fused_all_reduce_norm(
     """The all-reduce fused with the norm, measured as the engine sets it up with
     ``all_reduce="auto"`` (for ``parallel``'s workers; None where it measured slower)."""
     assert tp.group is not None and tp.symmetric_group is not None
-    return setup_fused_reduce_norm(tp.group, tp.symmetric_group, device, dtype, hidden)
+    return setup_fused_reduce_norm(tp.group, device, dtype, hidden)
 
 
 def model_config(name: str) -> dict[str, Any]:

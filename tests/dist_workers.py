@@ -333,7 +333,7 @@ def fused_reduce_norm_checks(rank: int, world: int, port: int, out: str) -> None
             ok = ok and torch.equal(h, outs[i])
     checks.append((8, "graph x50", ok))
     fused.release()
-    chosen = op.setup_fused_reduce_norm(groups.tp.group, reducer.group_name, dev, dtype, hidden)
+    chosen = op.setup_fused_reduce_norm(groups.tp.group, dev, dtype, hidden)
     rows = chosen.max_rows if chosen is not None else 0
     torch.save({"checks": checks, "max_rows": rows}, Path(out) / f"{rank}.pt")
     reducer.release()

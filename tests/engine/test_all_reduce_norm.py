@@ -60,7 +60,7 @@ def test_start_up_measures_the_fused_rows_once_then_reads_them(tmp_path, monkeyp
     monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
     asked = []
 
-    def setup(group, name, device, dtype, hidden, max_rows=None):
+    def setup(group, device, dtype, hidden, max_rows=None):
         asked.append(max_rows)
         return SimpleNamespace(max_rows=16 if max_rows is None else max_rows)
 

@@ -89,23 +89,25 @@ def test_dp2_with_different_batches_matches_running_alone(model_dir, tmp_path, m
         assert torch.load(tmp_path / f"{rank}.pt") == [o.token_ids for o in want]
 
 
-def test_symmetric_all_reduce_equals_nccl_eager_in_graphs_and_compiled(tmp_path):
-    mp.spawn(symmetric_all_reduce_checks, args=(2, free_port(), str(tmp_path)), nprocs=2)
+def spawned_checks(worker, tmp_path, count: int) -> dict:
+    """Runs ``worker`` on two ranks; every check each rank recorded passed, and there were
+    ``count`` of them; rank 1's record."""
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
         bad = [c for c in got["checks"] if not c[-1]]
         assert not bad, bad
-        assert len(got["checks"]) == 3 * (4 * 2 + 1)
+        assert len(got["checks"]) == count
+    return got
+
+
+def test_symmetric_all_reduce_equals_nccl_eager_in_graphs_and_compiled(tmp_path):
+    got = spawned_checks(symmetric_all_reduce_checks, tmp_path, 3 * (4 * 2 + 1))
     print("measured plan:", got["plan"], got["us"])
 
 
 def test_all_reduce_fused_with_the_norm_equals_the_two_ops_eager_and_in_graphs(tmp_path):
-    mp.spawn(fused_reduce_norm_checks, args=(2, free_port(), str(tmp_path)), nprocs=2)
-    for rank in (0, 1):
-        got = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
-        bad = [c for c in got["checks"] if not c[-1]]
-        assert not bad, bad
-        assert len(got["checks"]) == 9
+    got = spawned_checks(fused_reduce_norm_checks, tmp_path, 9)
     print("fused all-reduce + norm chosen up to rows:", got["max_rows"])
 
 

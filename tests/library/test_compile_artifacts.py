@@ -51,11 +51,12 @@ def _whole(model: torch.nn.Module, store: ArtifactStore | None) -> WholeCompiled
     return WholeCompiled(tree, "inductor", None, store, key)
 
 
-def _check(whole: WholeCompiled, model: torch.nn.Module, sizes=(8, 1, 5)) -> None:
+def _check(whole: WholeCompiled, model: torch.nn.Module, sizes=(8, 1, 5), plus=0.0) -> None:
+    """``whole`` answers as ``model`` does (``plus`` added: ``outputs_of``'s closure)."""
     with torch.no_grad():
         for n in sizes:
             x, mask = torch.randn(n, 16), torch.rand(n, 16)
-            want = model(x, mask=mask, scale=0.5)["out"]
+            want = model(x, mask=mask, scale=0.5)["out"] + plus
             torch.testing.assert_close(whole(x, mask)["out"], want, atol=1e-5, rtol=1e-5)
 
 
@@ -133,27 +134,19 @@ def _closure_whole(model: torch.nn.Module, store: ArtifactStore | None) -> Whole
     return WholeCompiled(tree, "inductor", None, store, key)
 
 
-def _check_closure(whole: WholeCompiled, model: torch.nn.Module, sizes=(8, 1, 5)) -> None:
-    with torch.no_grad():
-        for n in sizes:
-            x, mask = torch.randn(n, 16), torch.rand(n, 16)
-            want = model(x, mask=mask, scale=0.5)["out"] + 3
-            torch.testing.assert_close(whole(x, mask)["out"], want, atol=1e-5, rtol=1e-5)
-
-
 def test_a_closure_over_a_model_is_loaded_by_the_next_process_and_reads_its_weights(tmp_path):
     # The second process's model has other weights: a loaded function reads the module's
     # parameters at each call (a baked-in copy of the first one's would fail here).
     torch.manual_seed(0)
     model = Scaled().eval()
     whole = _closure_whole(model, ArtifactStore(tmp_path))
-    _check_closure(whole, model)
+    _check(whole, model, plus=3)
     assert whole.loaded == 0 and whole.saved == 2
     code = (
         "import json, sys, torch; import test_compile_artifacts as t; "
         "from ostinato.compile_artifacts import ArtifactStore; torch.manual_seed(1); "
         "m = t.Scaled().eval(); w = t._closure_whole(m, ArtifactStore(sys.argv[1])); "
-        "t._check_closure(w, m, (3, 1, 16)); print(json.dumps([w.loaded, w.saved]))"
+        "t._check(w, m, (3, 1, 16), plus=3); print(json.dumps([w.loaded, w.saved]))"
     )
     assert json.loads(_in_process(code, str(tmp_path))) == [2, 0]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ostinato.distributed.collectives import all_reduce_sum
 from ostinato.distributed.failure import FailureBoard, HealthCheck, ParallelError
 from ostinato.distributed.symm_all_reduce import tp_all_reduce
-from ostinato.turns import current_turn
+from ostinato.turns import CollectiveTurn, current_turn
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,7 @@ class TensorParallel:
         up (it routes each size to the faster algorithm), else NCCL; ``x`` alone."""
         if self.group is None:
             return x
-        # Micro-batches never run inside compiled code; the check stays out of its trace.
-        turn = None if torch.compiler.is_compiling() else current_turn()
+        turn = _turn()
         if turn is not None:  # a micro-batch: the collective runs while the other computes
             turn.begin_collective()
             out = self._all_reduce(x)
@@ -76,6 +75,13 @@ class TensorParallel:
             turn.end_collective()
             return out
         return self._all_reduce(x)
+
+    def fusable_group(self) -> str | None:
+        """The symmetric group's name where an all-reduce may run inside the op that
+        consumes it (``engine.model.all_reduce_norm_op``): set up, and not inside a
+        micro-batch's turn, whose collectives ``all_reduce`` issues on the turn's own
+        stream; else None."""
+        return self.symmetric_group if _turn() is None else None
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.symmetric_group is not None:
@@ -336,3 +342,9 @@ def shutdown_parallel(timeout_s: float = 30.0) -> bool:
         logger.warning("ostinato: destroy_process_group did not finish in %.0f s", timeout_s)
         return False
     return True
+
+
+def _turn() -> CollectiveTurn | None:
+    """The micro-batch turn this thread runs in, or None (also inside compiled code:
+    micro-batches never run there, and the check stays out of its trace)."""
+    return None if torch.compiler.is_compiling() else current_turn()

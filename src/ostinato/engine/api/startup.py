@@ -225,13 +225,13 @@ def fused_reduce_norm(
     ``cache`` beside the kernel plans where every rank finds it there (keyed by the
     device, the dtype, the width, the group's size and ``reducer``'s plan, which the
     two ops it is timed against follow), else measured and kept there."""
-    group, name = reducer.group, reducer.group_name
+    group = reducer.group
     shape = [reducer.dtype, hidden, group.size(), reducer.plan.describe()]
     key = cache.plan_key(device, shape, LADDER, "all_reduce_norm") if cache else None
     stored = cache.load_plans() if cache is not None else {}
     found = key is not None and key in stored
     rows = stored[key][0] if every_rank(found, group) and key is not None else None
-    fused = setup_fused_reduce_norm(group, name, device, reducer.dtype, hidden, rows)
+    fused = setup_fused_reduce_norm(group, device, reducer.dtype, hidden, rows)
     if cache is not None and key is not None and rows is None:
         cache.store_plans({key: [fused.max_rows if fused is not None else 0]})
     return fused

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ostinato.engine.model.norm_op  # noqa: F401  (registers ostinato::add_rms_norm)
-from ostinato.distributed.collectives import largest_over_group
+from ostinato.distributed.collectives import every_rank, largest_over_group
 from ostinato.distributed.symm_all_reduce import tp_all_reduce
 from ostinato.platform.cuda import graph_call_us
 
@@ -112,6 +112,18 @@ def tp_all_reduce_add_rms_norm(
     fused = _FUSED.get(group_name)
     if fused is not None and fused.serves(x, residual):
         return fused(x, residual, weight, eps)
+    return _apart(x, residual, weight, eps, group_name, pdl)
+
+
+def _apart(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_name: str,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two ops: the group's all-reduce, then ``ostinato::add_rms_norm``."""
     summed = tp_all_reduce(x, group_name)
     return torch.ops.ostinato.add_rms_norm(summed, residual, weight, eps, pdl)
 
@@ -130,10 +142,10 @@ def _(
 
 
 def setup_fused_reduce_norm(
-    group: dist.ProcessGroup, group_name: str, device: torch.device, dtype: torch.dtype,
-    hidden: int, max_rows: int | None = None,
+    group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, hidden: int,
+    max_rows: int | None = None,
 ) -> FusedReduceNorm | None:  # fmt: skip
-    """The fused op for ``group`` (whose ``SymmetricAllReduce`` is ``group_name``), checked
+    """The fused op for ``group`` (which has a ``SymmetricAllReduce``), checked
     against the two ops and timed against them at each row count of ``LADDER`` in
     captured graphs, the slowest rank's times deciding (``max_rows``: a count measured
     before, which every rank passes alike, and nothing is timed); None (with a log line)
@@ -145,21 +157,21 @@ def setup_fused_reduce_norm(
     except Exception as exc:  # noqa: BLE001  (any set-up failure means: not available)
         logger.info("ostinato: fused all-reduce + norm unavailable (%s)", exc)
         return None
-    _FUSED[group_name] = fused
+    _FUSED[fused.group_name] = fused
     fused.max_rows = MAX_ROWS
-    if not _agrees(fused, group_name):
+    if not _agrees(fused):
         logger.warning("ostinato: fused all-reduce + norm disagrees with the two ops; unused")
         fused.release()
         return None
-    fused.max_rows = _measured_rows(fused, group_name) if max_rows is None else max_rows
+    fused.max_rows = _measured_rows(fused) if max_rows is None else max_rows
     if fused.max_rows == 0:
         fused.release()
         return None
     return fused
 
 
-def _measured_rows(fused: FusedReduceNorm, group_name: str) -> int:
-    times = [[_time(fused, group_name, n, use) for n in LADDER] for use in (True, False)]
+def _measured_rows(fused: FusedReduceNorm) -> int:
+    times = [[_time(fused, n, use) for n in LADDER] for use in (True, False)]
     fast, slow = largest_over_group(times, fused.group)
     rows = rows_faster(list(LADDER), fast, slow)
     said = ", ".join(f"{n}: {a:.1f}/{b:.1f}" for n, a, b in zip(LADDER, fast, slow, strict=True))
@@ -188,24 +200,22 @@ def _inputs(fused: FusedReduceNorm, rows: int) -> tuple[torch.Tensor, torch.Tens
     return x, residual, weight
 
 
-def _agrees(fused: FusedReduceNorm, group_name: str) -> bool:
+def _agrees(fused: FusedReduceNorm) -> bool:
     ok = True
     for rows in (1, 3, MAX_ROWS):
         x, residual, weight = _inputs(fused, rows)
         got = fused(x, residual, weight, 1e-6)
-        want = torch.ops.ostinato.add_rms_norm(tp_all_reduce(x, group_name), residual, weight, 1e-6)
+        want = _apart(x, residual, weight, 1e-6, fused.group_name)
         ok = ok and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    flag = torch.tensor([0.0 if ok else 1.0], device=fused.buffer.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=fused.group)
-    return flag.item() == 0.0
+    return every_rank(ok, fused.group)
 
 
-def _time(fused: FusedReduceNorm, group_name: str, rows: int, use: bool) -> float:
+def _time(fused: FusedReduceNorm, rows: int, use: bool) -> float:
     x, residual, weight = _inputs(fused, rows)
-    keep = fused.max_rows
+    keep, name = fused.max_rows, fused.group_name
     fused.max_rows = MAX_ROWS if use else 0
     try:
-        call = lambda: tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6, group_name)  # noqa: E731
+        call = lambda: tp_all_reduce_add_rms_norm(x, residual, weight, 1e-6, name)  # noqa: E731
         call()  # (eagerly first, on every rank)
         return graph_call_us(call, calls=16)
     finally:

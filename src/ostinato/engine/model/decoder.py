@@ -30,7 +30,6 @@ from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, lora_step
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
-from ostinato.turns import current_turn
 
 
 class RMSNorm(nn.Module):
@@ -59,16 +58,14 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor, tp: TensorParallel
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``add(sum of x over tp's group, residual)``: ``x`` is this rank's partial sum.
-        With the group's symmetric memory, one op that fuses the all-reduce into the
-        norm where start-up measured that faster (``all_reduce_norm_op``); inside a
-        micro-batch's turn the all-reduce stays apart, on the turn's stream."""
-        if tp.group is None:
-            return self.add(x, residual)
-        turn = None if torch.compiler.is_compiling() else current_turn()
-        if tp.symmetric_group is None or turn is not None:
+        Where the group may fuse it (``TensorParallel.fusable_group``), one op that runs
+        the all-reduce inside the norm where start-up measured that faster
+        (``all_reduce_norm_op``); else the group's all-reduce, then the norm."""
+        group = tp.fusable_group()
+        if group is None:
             return self.add(tp.all_reduce(x), residual)
         return torch.ops.ostinato.tp_all_reduce_add_rms_norm(
-            x, residual, self.weight, self.eps, tp.symmetric_group, self.kernels.pdl
+            x, residual, self.weight, self.eps, group, self.kernels.pdl
         )
 
 

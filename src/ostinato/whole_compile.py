@@ -18,7 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,19 +33,50 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CallTree:
     """``fn`` called on its argument tree: ``constants`` (a leaf per place, None where a
-    tensor goes), the tensors' places (``slots``) and the tree (``spec``)."""
+    tensor goes), the tensors' places (``slots``) and the tree (``spec``).
+
+    A flat call (positional and keyword leaves, nothing nested) is rebuilt without the
+    pytree walk: tracing ``tree_unflatten`` guards on the identity of the tree's node
+    types (``tuple``, ``dict``), a guard Dynamo cannot save with a compiled function
+    (torch 2.11: "ID_MATCH guard cannot be serialized"), so no such call could be kept."""
 
     fn: Callable[..., Any]
     constants: tuple[Any, ...]
     slots: tuple[int, ...]
     spec: TreeSpec
+    keywords: tuple[str, ...] | None = field(init=False)  # None: nested, unflattened
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keywords", flat_keywords(self.spec))
 
     def __call__(self, *tensors: torch.Tensor) -> Any:
         leaves = list(self.constants)
         for slot, t in zip(self.slots, tensors, strict=True):
             leaves[slot] = t
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        return self.fn(*args, **kwargs)
+        if self.keywords is None:
+            args, kwargs = tree_unflatten(leaves, self.spec)
+            return self.fn(*args, **kwargs)
+        split = len(leaves) - len(self.keywords)
+        kwargs = {name: leaves[split + i] for i, name in enumerate(self.keywords)}
+        return self.fn(*leaves[:split], **kwargs)
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    children = getattr(spec, "children", None)  # (newer torch; children_specs before)
+    return list(children()) if callable(children) else list(spec.children_specs)
+
+
+def flat_keywords(spec: TreeSpec) -> tuple[str, ...] | None:
+    """For the tree of ``(args, kwargs)`` whose every argument is a leaf, the keywords'
+    names in the leaves' order (after the positional ones); None for any other tree."""
+    if spec.type is not tuple or spec.num_children != 2:
+        return None
+    args, kwargs = _children(spec)
+    if args.type is not tuple or kwargs.type is not dict:
+        return None
+    if not all(c.is_leaf() for c in _children(args) + _children(kwargs)):
+        return None
+    return tuple(kwargs.context)
 
 
 class WholeCompiled:

@@ -271,3 +271,32 @@ def test_a_key_holds_a_bounded_number_of_artifacts(tmp_path, monkeypatch):
     whole = _whole(model, ArtifactStore(tmp_path))
     _check(whole, model)  # two variants made (a dynamic batch and a batch of one)
     assert whole.saved == 1 and len(list((tmp_path / "compiled").iterdir())) == 1
+
+
+def test_a_flat_call_is_rebuilt_without_the_pytree_walk_and_a_nested_one_with_it(monkeypatch):
+    # Dynamo's trace of tree_unflatten guards on the identity of tuple and dict, which
+    # torch 2.11 cannot save with a compiled function (seen on an H200 with BERT): a call
+    # of plain leaves must not walk the tree; a nested one still needs it.
+    import ostinato.whole_compile as whole_compile
+
+    seen = []
+
+    def fn(*args, **kwargs):
+        seen.append((args, kwargs))
+        return args[0]
+
+    x = torch.ones(2)
+    flat_leaves, flat = tree_flatten(((x, 3), {"mask": x, "scale": 0.5}))
+    nested_leaves, nested = tree_flatten((([x, x],), {"mask": x}))
+    assert whole_compile.flat_keywords(flat) == ("mask", "scale")
+    assert whole_compile.flat_keywords(nested) is None
+    assert whole_compile.flat_keywords(tree_flatten(((x,), {}))[1]) == ()
+    walked = []
+    real = whole_compile.tree_unflatten
+    monkeypatch.setattr(whole_compile, "tree_unflatten", lambda *a: walked.append(1) or real(*a))
+    y = torch.zeros(2)
+    CallTree(fn, (None, 3, None, 0.5), (0, 2), flat)(y, x)
+    assert not walked
+    assert seen[-1][0] == (y, 3) and seen[-1][1] == {"mask": x, "scale": 0.5}
+    CallTree(fn, (None, None, None), (0, 1, 2), nested)(y, x, x)
+    assert walked == [1] and seen[-1][0][0][0] is y and seen[-1][1]["mask"] is x

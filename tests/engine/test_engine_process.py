@@ -117,7 +117,7 @@ def test_events_wait_for_no_slow_reader_and_arrive_in_order():
     # A parent that reads late (a send blocked until released): the engine's loop still
     # hands every step's events over at once; they then travel merged, in order, and
     # close() sends what is left.
-    from ostinato.engine.serve.engine_process import _Outbox
+    from ostinato.engine.serve.engine_process import _Outbox, _unwire
     from ostinato.engine.serve.loop import TokenEvent
 
     sent, release = [], threading.Event()
@@ -133,7 +133,7 @@ def test_events_wait_for_no_slow_reader_and_arrive_in_order():
     assert time.perf_counter() - start < 1.0 and not sent  # nobody waited on the reader
     release.set()
     outbox.close()
-    events = [e for kind, batch in sent for e in batch if kind == "events"]
+    events = [e for kind, batch in sent for e in _unwire(batch) if kind == "events"]
     assert [e.tokens[0] for e in events if e.request_id == "a"] == list(range(50))
     assert [e.tokens[0] for e in events if e.request_id == "b"] == list(range(100, 150))
     assert len(sent) < 50  # merged while the reader was slow
@@ -150,3 +150,31 @@ def test_events_stop_quietly_once_the_parent_is_gone():
     outbox.put([TokenEvent("a", [1])])
     outbox.close(timeout=5)
     assert not outbox._thread.is_alive()
+
+
+def test_events_cross_the_pipe_whole_as_plain_tuples():
+    import pickle
+
+    from ostinato.engine.core.scheduler import FinishReason
+    from ostinato.engine.serve.engine_process import _unwire, _wire
+    from ostinato.engine.serve.loop import TokenEvent
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no")
+
+    events = [
+        TokenEvent("a", [1, 2]),
+        TokenEvent("b", [3], True, FinishReason.LENGTH, logprobs=[("x", -0.5)]),
+        TokenEvent("c", [], True, None, Unpicklable("the step failed")),
+    ]
+    rows = pickle.loads(pickle.dumps(_wire(events)))
+    assert all(type(row) is tuple for row in rows)  # nothing of the engine's types
+    back = _unwire(rows)
+    assert [(e.request_id, e.tokens, e.ended, e.finish, e.logprobs) for e in back] == [
+        ("a", [1, 2], False, None, None),
+        ("b", [3], True, FinishReason.LENGTH, [("x", -0.5)]),
+        ("c", [], True, None, None),
+    ]
+    assert back[0].error is None and back[1].error is None
+    assert isinstance(back[2].error, RuntimeError) and str(back[2].error) == "the step failed"

@@ -132,3 +132,48 @@ def test_the_runner_times_layers_only_on_cuda_with_graphs_and_fused_layers():
     assert made.call_count == 1
     runner.graphs, runner.device = graphs, torch.device("cpu")
     runner.release()
+
+
+def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any_timing(
+    monkeypatch,
+):
+    # The GPU test of compile_ahead found the unfused layers' kernels compiled at the
+    # timer's first launches, one after another: every (size, fused or not) the timings
+    # launch must first be queued inside one compile_ahead(), before any is timed.
+    import contextlib
+
+    from ostinato.engine.worker import layer_tuning
+
+    inside, launched, timed = [False], [], []
+
+    @contextlib.contextmanager
+    def ahead():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    class Model:
+        unfused_rows = frozenset()
+
+        def logits(self, ids, pos):
+            launched.append((len(ids), bool(self.unfused_rows), inside[0]))
+
+    def graph_call_us(step, steps, replays):
+        timed.append(len(launched))
+        return 1.0
+
+    monkeypatch.setattr(layer_tuning, "compile_ahead", ahead)
+    monkeypatch.setattr(layer_tuning, "graph_call_us", graph_call_us)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    ids = torch.zeros(64, dtype=torch.long)
+    context = lambda n: contextlib.nullcontext()  # noqa: E731
+    timer = layer_tuning.graph_timer(Model(), ids, ids, context, rows_ahead=(1, 4, 32))
+    timer(4, True)
+    timer(1, False)
+    first = [(n, u) for n, u, was_inside in launched[:4] if was_inside]
+    assert sorted(first) == [(1, False), (1, True), (4, False), (4, True)]  # not 32 (> MAX_ROWS)
+    assert not any(was_inside for *_, was_inside in launched[4:]) and timed[0] > 4
+    plain = layer_tuning.graph_timer(Model(), ids, ids, context)
+    launched.clear()
+    plain(2, False)
+    assert launched == [(2, False, False)]

@@ -59,11 +59,11 @@ class LoopStats:
         self.busy_seconds += seconds
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+@dataclass(slots=True)  # not frozen: a step makes one per running request, and a
+class TokenEvent:  # frozen dataclass's __init__ took three times as long (64: 58 / 18 µs)
     """What one step did to one request: its new tokens (with their log probabilities
     where it asked) and, if it ended, why (or the error that ended it). A step's events
-    travel together (``EngineLoop``'s ``publish``)."""
+    travel together (``EngineLoop``'s ``publish``); nothing changes one once published."""
 
     request_id: str
     tokens: list[int]

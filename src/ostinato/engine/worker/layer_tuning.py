@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ostinato.distributed.collectives import every_rank, largest_over_group
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+from ostinato.engine.kernels.launch import compile_ahead
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.cuda import graph_call_us
@@ -105,6 +106,7 @@ def graph_timer(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     context: Callable[[int], AbstractContextManager[object]],
+    rows_ahead: Sequence[int] = (),
     steps: int = 4,
     replays: int = 5,
 ) -> StepTimer:
@@ -112,14 +114,28 @@ def graph_timer(
     first rows of the persistent ``input_ids`` and ``positions``, inside ``context(rows)``
     (a decode graph's padding rows and attention context), captured in one CUDA graph and
     replayed ``replays`` times; the first step runs eagerly (kernels compile outside the
-    capture)."""
+    capture). With ``rows_ahead`` (``KernelOptions.compile_ahead``), the first call first
+    queues that eager step for each of those sizes (at most ``MAX_ROWS``), fused and
+    unfused, inside ``launch.compile_ahead()``: the layers' kernels of every variant the
+    timings launch compile together on a thread pool, not one after another."""
+    ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
 
-    def step_us(rows: int, unfused: bool) -> float:
+    def eager(rows: int, unfused: bool) -> Callable[[], torch.Tensor]:
         model.unfused_rows = frozenset({rows}) if unfused else frozenset()
         ids, pos = input_ids[:rows], positions[:rows]
-        with context(rows), torch.cuda.device(ids.device):
-            step = lambda: model.logits(ids, pos)  # noqa: E731
-            step()
-            return graph_call_us(step, steps, replays)
+        step = lambda: model.logits(ids, pos)  # noqa: E731
+        step()
+        return step
+
+    def step_us(rows: int, unfused: bool) -> float:
+        if ahead:
+            with compile_ahead():
+                for r in ahead:
+                    for u in (False, True):
+                        with context(r), torch.cuda.device(input_ids.device):
+                            eager(r, u)
+            ahead.clear()
+        with context(rows), torch.cuda.device(input_ids.device):
+            return graph_call_us(eager(rows, unfused), steps, replays)
 
     return step_us

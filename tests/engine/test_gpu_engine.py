@@ -589,3 +589,28 @@ def test_samples_share_the_prompt_blocks_and_each_equals_its_request_alone():
     assert [s.token_ids for s in many.samples] == [one.token_ids] * 3
     assert llm.free_kv_blocks == llm.num_kv_blocks - 1
     llm.close()
+
+
+def test_the_default_ladder_graphs_mixed_steps_up_to_the_token_budget(monkeypatch):
+    # The ladder goes on past 512, every 128 tokens, to a step's token budget: a prefill
+    # of 6 x 300 tokens replays a FULL graph (padded to 1920) instead of running eagerly,
+    # and every token equals the eager engine's (float32, the layers fused everywhere as
+    # in the test above).
+    def fused_everywhere(model, *args, **kwargs):
+        model.unfused_rows = frozenset()
+        return []
+
+    monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 1000) for _ in range(300)] for _ in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(max_model_len=1024, max_num_batched_tokens=2048)
+    want = [o.token_ids for o in tiny_engine("none", torch.float32, **kw).generate(prompts, params)]
+    full = tiny_engine("full", torch.float32, **kw)
+    step = full.engine.runner.graphs.dispatch(1800)
+    assert step.mode.name == "FULL" and step.padded_tokens == 1920
+    got = [o.token_ids for o in full.generate(prompts, params)]
+    stats = full.graph_stats()
+    assert stats.eager == 0, stats.eager_steps
+    assert any(b.descriptor.num_tokens == 1920 and b.replays for b in stats.buckets)
+    assert got == want

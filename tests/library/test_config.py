@@ -10,6 +10,10 @@ def test_default_ladder_shape():
     assert [s for s in sizes if s > 256] == list(range(272, 513, 16))
     assert sizes[-1] == 512
     assert GraphConfig().sizes == tuple(sizes)
+    wide = default_capture_sizes(2048)
+    assert wide[: len(sizes)] == sizes  # the same below 512, every 128 above
+    assert wide[len(sizes) :] == list(range(640, 2049, 128))
+    assert default_capture_sizes(700)[-3:] == [512, 640, 700]
 
 
 @pytest.mark.parametrize("top", [1, 3, 7, 100, 256, 300, 1000])
@@ -68,7 +72,7 @@ def test_ladder_length_equals_the_built_ladder():
     "kwargs, error, message",
     [
         (dict(max_capture_size="128"), TypeError, "max_capture_size: expected an int, got '128'"),
-        (dict(max_capture_size=10**9), ValueError, "makes a ladder of 62500019 sizes"),
+        (dict(max_capture_size=10**9), ValueError, "makes a ladder of 7812547 sizes"),
         (dict(capture_sizes=tuple(range(1, 2000))), ValueError, "1999 sizes, more than 1024"),
         (dict(num_warmups=1.5), TypeError, "num_warmups: expected an int"),
         (dict(max_num_tokens="64"), TypeError, "max_num_tokens: expected an int or None"),

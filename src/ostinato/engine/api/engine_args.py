@@ -184,10 +184,11 @@ class GraphArgs:
     """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL graphs of
     the model's own kernels on CUDA, measured fastest (FULL_AND_PIECEWISE where
     attention cannot be captured whole, and as a staged start's upgrade), NONE on the
-    CPU), the capture sizes (default: the ladder up to
-    ``max_capture_size``), and ``compiler`` for the pieces (``"inductor"``, ``"eager"``,
-    None for no compilation, ``"auto"``: Inductor where the mode needs pieces, on CUDA),
-    and when to ``capture``: ``"blocking"`` (every graph before the engine returns),
+    CPU), the capture sizes (default: the ladder up to ``max_capture_size``, by default
+    a step's token budget: ``startup.capture_limit``), and ``compiler`` for the pieces
+    (``"inductor"``, ``"eager"``, None for no compilation, ``"auto"``: Inductor where
+    the mode needs pieces, on CUDA), and when to ``capture``: ``"blocking"`` (every
+    graph before the engine returns),
     ``"background"`` (the engine returns once its weights and KV cache are ready; steps
     run eagerly, or replay what is ready, while a thread compiles and captures), or
     ``"staged"`` (FULL graphs of the eager model, which compile nothing, before the
@@ -207,7 +208,12 @@ class GraphArgs:
     capture_sizes: tuple[int, ...] | None = option(
         None, "batch sizes to capture, e.g. 1,2,4,8 (default: the ladder)", _sizes
     )
-    max_capture_size: int = option(512, "the ladder's largest size", positive_int)
+    max_capture_size: int | None = option(
+        None,
+        "the ladder's largest size (default: a step's token budget, max_num_batched_tokens; "
+        "FULL_DECODE_ONLY: 512)",
+        positive_int,
+    )
     compiler: str | None = option(
         "auto",
         "how pieces are compiled: auto, inductor, eager, none",

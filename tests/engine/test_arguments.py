@@ -85,7 +85,7 @@ def test_an_option_nothing_would_read_is_refused_by_name(given, message):
     refuse_ignored(EngineArgs.build("tiny", mode="none", max_capture_size=8), torch.device("cpu"))
 
 
-def test_the_ladder_ends_at_a_steps_token_budget_unless_asked_or_decode_only():
+def test_the_ladder_ends_at_a_steps_token_budget_up_to_2048_unless_asked_or_decode_only():
     from ostinato.config import GraphConfig, default_capture_sizes
     from ostinato.engine.api.startup import capture_limit
     from ostinato.engine.core.limits import EngineLimits
@@ -97,6 +97,10 @@ def test_the_ladder_ends_at_a_steps_token_budget_unless_asked_or_decode_only():
         assert capture_limit(None, mode, limits) == 2048
     assert capture_limit(None, GraphMode.FULL_DECODE_ONLY, limits) == 512
     assert capture_limit(96, GraphMode.FULL, limits) == 96
+    long = EngineLimits(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=8192,
+                        block_size=16)  # fmt: skip
+    assert capture_limit(None, None, long) == 2048  # (larger steps: bound by the device)
+    assert capture_limit(4096, None, long) == 4096
     assert GraphArgs().max_capture_size is None  # the default is the budget, not a number
     config = GraphConfig(max_capture_size=2048, max_num_tokens=2048)
     assert config.sizes == tuple(default_capture_sizes(2048))

@@ -185,7 +185,7 @@ class GraphArgs:
     the model's own kernels on CUDA, measured fastest (FULL_AND_PIECEWISE where
     attention cannot be captured whole, and as a staged start's upgrade), NONE on the
     CPU), the capture sizes (default: the ladder up to ``max_capture_size``, by default
-    a step's token budget: ``startup.capture_limit``), and ``compiler`` for the pieces
+    a step's token budget, at most 2048: ``startup.capture_limit``), and ``compiler`` for the pieces
     (``"inductor"``, ``"eager"``, None for no compilation, ``"auto"``: Inductor where
     the mode needs pieces, on CUDA), and when to ``capture``: ``"blocking"`` (every
     graph before the engine returns),
@@ -210,7 +210,7 @@ class GraphArgs:
     )
     max_capture_size: int | None = option(
         None,
-        "the ladder's largest size (default: a step's token budget, max_num_batched_tokens; "
+        "the ladder's largest size (default: max_num_batched_tokens, at most 2048; "
         "FULL_DECODE_ONLY: 512)",
         positive_int,
     )

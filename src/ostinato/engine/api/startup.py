@@ -171,17 +171,23 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
     return source, compile_cache, engine_limits(c.args.cache, source.config)
 
 
+LADDER_TOP = 2048
+"""The default ladder's largest size at most: where it was measured (a 2048-token step of the
+1.5 B shape took 7.5 ms on an H200's device against 9-10 ms of host time eagerly); a larger
+step is bound by the device, and its graph costs memory and capture time."""
+
+
 def capture_limit(asked: int | None, mode: GraphMode | None, limits: EngineLimits) -> int:
-    """The ladder's largest size: as asked; by default a step's token budget, so that a
-    mixed step of any size replays a graph (on an H200, 64 streams of the 1.5 B shape
-    were served 23% faster than with the ladder ending at 512 and larger steps eager, whose
-    launches cost 9-10 ms of host time, 18 at a token count not seen before); 512 for
-    FULL_DECODE_ONLY, whose graphs serve decode steps only."""
+    """The ladder's largest size: as asked; by default a step's token budget, at most
+    ``LADDER_TOP``, so that a mixed step replays a graph (on an H200, 64 streams of the
+    1.5 B shape were served 23% faster than with the ladder ending at 512 and larger steps
+    eager, whose launches cost 9-10 ms of host time, 14-18 at a token count not seen
+    before); 512 for FULL_DECODE_ONLY, whose graphs serve decode steps only."""
     if asked is not None:
         return asked
     if mode is GraphMode.FULL_DECODE_ONLY:
         return DEFAULT_MAX_CAPTURE_SIZE
-    return limits.max_num_batched_tokens
+    return min(limits.max_num_batched_tokens, LADDER_TOP)
 
 
 def graph_config(c: Checked, limits: EngineLimits, upgrade: bool = False) -> GraphConfig:

@@ -231,11 +231,12 @@ class Scheduler:
                 break
             if req not in self.running or self._awaits_last_token(req):
                 continue  # preempted below to make room, or done once its token resolves
-            chunk = min(req.num_tokens - req.num_cached, budget)
-            room = self._draft_room(req, budget) if chunk == 1 else 0
+            total = req.num_tokens
+            chunk = min(total - req.num_cached, budget)
+            room = self._draft_room(req, budget) if chunk == 1 and self.num_speculative else 0
             if not self._reserve(req, req.num_cached + chunk + room):
                 continue
-            scheduled.append(self._chunk(req, chunk))
+            scheduled.append(self._chunk(req, chunk, total))
             if room:
                 drafting.append((scheduled[-1], room))
             budget -= chunk + room
@@ -254,7 +255,7 @@ class Scheduler:
             req.num_cached = len(shared) * self.block_size
             self.running.append(req)
             chunk = min(req.num_tokens - req.num_cached, budget)
-            scheduled.append(self._chunk(req, chunk))
+            scheduled.append(self._chunk(req, chunk, req.num_tokens))
             budget -= chunk
         if drafting:
             self._add_drafts(drafting)
@@ -290,10 +291,10 @@ class Scheduler:
     def _awaits_last_token(self, req: Request) -> bool:
         """True when ``req``'s pending token is its last one by count (``max_tokens`` or
         ``max_model_len``): nothing more to schedule until it is resolved."""
+        if not req.num_pending:
+            return False
         generated = len(req.output) + req.num_pending
-        return req.num_pending > 0 and (
-            generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len
-        )
+        return generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len
 
     def _draft_room(self, req: Request, budget: int) -> int:
         """How many tokens to propose after ``req``'s last one: at most
@@ -323,9 +324,10 @@ class Scheduler:
             entry.tokens = entry.tokens + entry.draft
 
     @staticmethod
-    def _chunk(req: Request, n: int) -> ScheduledRequest:
+    def _chunk(req: Request, n: int, total: int) -> ScheduledRequest:
+        """The next ``n`` of ``req``'s ``total`` tokens (``num_tokens``, which the caller
+        has: the scheduling loop runs once per request per step)."""
         start = req.num_cached
-        total = req.num_tokens
         if n == 1 and start == total - 1 and req.num_pending:
             return ScheduledRequest(req, [PENDING_TOKEN], start, from_previous=True)
         if n == 1 and start == total - 1 and req.output:
@@ -341,6 +343,8 @@ class Scheduler:
         Returns False if ``req`` itself had to be preempted, or the free blocks do not
         suffice and preemption is off.
         """
+        if num_tokens <= len(req.blocks) * self.block_size:
+            return True  # (a decode within its last block: most steps of most requests)
         need = blocks_needed(num_tokens, self.block_size) - len(req.blocks)
         if not preempt and need > self.pool.num_free:
             return False

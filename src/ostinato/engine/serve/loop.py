@@ -487,14 +487,14 @@ class EngineLoop:
 
     def _emit(self) -> list[TokenEvent]:
         """Each request's new tokens; the finished (or aborted) ones end."""
-        events = []
+        events, tokens = [], 0
         for request_id, live in list(self._live.items()):
-            start = live.emitted
+            start, request = live.emitted, live.request
             new = live.take()
-            self.stats.tokens += len(new)
-            asked = live.request.params.logprobs is not None
-            logprobs = live.request.logprobs[start : start + len(new)] if asked else None
-            if live.finish_reason is not None:
+            tokens += len(new)
+            asked = request.params.logprobs is not None
+            logprobs = request.logprobs[start : start + len(new)] if asked else None
+            if request.finish_reason is not None:
                 del self._live[request_id]
                 # The request's id stays reserved (abortable) until its last sample ends.
                 group = live.request.leader or live.request
@@ -502,7 +502,8 @@ class EngineLoop:
                     self._ended(request_id, live.finish_reason, new, logprobs, group.all_finished)
                 )
             elif new:
-                events.append(TokenEvent(request_id, new, logprobs=logprobs))
+                events.append(TokenEvent(request_id, new, False, None, None, logprobs))
+        self.stats.tokens += tokens
         return events
 
     def _ended(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from ostinato.config import DEFAULT_MAX_CAPTURE_SIZE
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.ubatch.policy import MicroBatching
 
@@ -179,18 +180,24 @@ class CacheArgs:
     )
 
 
+LADDER_TOP = 2048
+"""The default ladder's largest size at most: where it was measured (a 2048-token step of the
+1.5 B shape took 7.5 ms on an H200's device against 9-10 ms of host time eagerly); a larger
+step is bound by the device, and its graph costs memory and capture time."""
+
+
 @dataclass(frozen=True)
 class GraphArgs:
     """Which graphs: ``mode`` (a ``GraphMode`` or its name; ``"auto"``: FULL graphs of
     the model's own kernels on CUDA, measured fastest (FULL_AND_PIECEWISE where
     attention cannot be captured whole, and as a staged start's upgrade), NONE on the
     CPU), the capture sizes (default: the ladder up to ``max_capture_size``, by default
-    a step's token budget, at most 2048: ``startup.capture_limit``), and ``compiler`` for the pieces
-    (``"inductor"``, ``"eager"``, None for no compilation, ``"auto"``: Inductor where
-    the mode needs pieces, on CUDA), and when to ``capture``: ``"blocking"`` (every
-    graph before the engine returns),
-    ``"background"`` (the engine returns once its weights and KV cache are ready; steps
-    run eagerly, or replay what is ready, while a thread compiles and captures), or
+    a step's token budget, at most ``LADDER_TOP``: ``startup.capture_limit``), and
+    ``compiler`` for the pieces (``"inductor"``, ``"eager"``, None for no compilation,
+    ``"auto"``: Inductor where the mode needs pieces, on CUDA), and when to ``capture``:
+    ``"blocking"`` (every graph before the engine returns), ``"background"`` (the engine
+    returns once its weights and KV cache are ready; steps run eagerly, or replay what is
+    ready, while a thread compiles and captures), or
     ``"staged"`` (FULL graphs of the eager model, which compile nothing, before the
     engine returns; then a thread compiles and captures the mode's graphs and moves each
     bucket to them where it measures faster: ``ostinato.staged``).
@@ -210,8 +217,8 @@ class GraphArgs:
     )
     max_capture_size: int | None = option(
         None,
-        "the ladder's largest size (default: max_num_batched_tokens, at most 2048; "
-        "FULL_DECODE_ONLY: 512)",
+        f"the ladder's largest size (default: max_num_batched_tokens, at most {LADDER_TOP}; "
+        f"FULL_DECODE_ONLY: {DEFAULT_MAX_CAPTURE_SIZE})",
         positive_int,
     )
     compiler: str | None = option(

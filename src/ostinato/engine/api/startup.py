@@ -36,6 +36,7 @@ from ostinato.engine.api.arguments import (
 )
 from ostinato.engine.api.engine import EngineParts, StartupTimes
 from ostinato.engine.api.engine_args import (
+    LADDER_TOP,
     EngineArgs,
     LoraArgs,
     lora_module,
@@ -169,12 +170,6 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
     with torch.device("meta"):  # names a size tp does not divide, before anything starts
         DecoderModel(source.config, TensorParallel(0, c.parallel.tensor_parallel_size))
     return source, compile_cache, engine_limits(c.args.cache, source.config)
-
-
-LADDER_TOP = 2048
-"""The default ladder's largest size at most: where it was measured (a 2048-token step of the
-1.5 B shape took 7.5 ms on an H200's device against 9-10 ms of host time eagerly); a larger
-step is bound by the device, and its graph costs memory and capture time."""
 
 
 def capture_limit(asked: int | None, mode: GraphMode | None, limits: EngineLimits) -> int:

@@ -254,8 +254,9 @@ class Scheduler:
             req.blocks = self.pool.share(shared) + self.pool.allocate(need)
             req.num_cached = len(shared) * self.block_size
             self.running.append(req)
-            chunk = min(req.num_tokens - req.num_cached, budget)
-            scheduled.append(self._chunk(req, chunk, req.num_tokens))
+            total = req.num_tokens
+            chunk = min(total - req.num_cached, budget)
+            scheduled.append(self._chunk(req, chunk, total))
             budget -= chunk
         if drafting:
             self._add_drafts(drafting)

@@ -497,10 +497,9 @@ class EngineLoop:
             if request.finish_reason is not None:
                 del self._live[request_id]
                 # The request's id stays reserved (abortable) until its last sample ends.
-                group = live.request.leader or live.request
-                events.append(
-                    self._ended(request_id, live.finish_reason, new, logprobs, group.all_finished)
-                )
+                group = request.leader or request
+                reason = request.finish_reason
+                events.append(self._ended(request_id, reason, new, logprobs, group.all_finished))
             elif new:
                 events.append(TokenEvent(request_id, new, False, None, None, logprobs))
         self.stats.tokens += tokens

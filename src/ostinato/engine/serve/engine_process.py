@@ -290,8 +290,8 @@ class _Outbox:
 Wire = tuple[str, list[int], bool, str | None, str | None, Any]
 """A ``TokenEvent`` on the pipe: request id, tokens, ended, finish reason's value, error's
 text, log probabilities. Why plain tuples: a step's events are pickled in the engine's
-process, beside its step thread, and 64 dataclass events pickled in 46 µs where these
-take 7 (a CPU core of this project's build machine)."""
+process, beside its step thread, and 64 dataclass events took 46 µs to pickle where
+these take 11 with their conversion (``benchmarks/results/serve_ladder_h200/cpu_host_costs``)."""
 
 
 def _wire(events: list[TokenEvent]) -> list[Wire]:

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from ostinato.config import DEFAULT_MAX_CAPTURE_SIZE
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.ubatch.policy import MicroBatching
 
@@ -218,7 +217,9 @@ class GraphArgs:
     max_capture_size: int | None = option(
         None,
         f"the ladder's largest size (default: max_num_batched_tokens, at most {LADDER_TOP}; "
-        f"FULL_DECODE_ONLY: {DEFAULT_MAX_CAPTURE_SIZE})",
+        # (512: config.DEFAULT_MAX_CAPTURE_SIZE, not imported: it would import torch,
+        # which ``--help`` does not)
+        "FULL_DECODE_ONLY: 512)",
         positive_int,
     )
     compiler: str | None = option(

@@ -1,10 +1,13 @@
 """The runner's persistent inputs: the row layout of a step and the padding convention."""
 
+import random
+
 import torch
 
 from ostinato.engine import SamplingParams
+from ostinato.engine.core.kv_cache import BlockPool
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest, Scheduler
 from ostinato.engine.worker.inputs import PADDING, StepInputs
 
 LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
@@ -71,3 +74,27 @@ def test_a_drafting_request_needs_the_logits_of_its_last_token_and_each_draft():
     assert layout.logit_rows.tolist() == [0, 1, 2, 3]
     assert inputs.input_ids[:4].tolist() == [4, 7, 8, 6]
     assert inputs.positions[:5].tolist() == [3, 4, 5, 1, -1]
+
+
+def test_block_tables_and_slots_follow_a_preempting_schedule():
+    # Only changed table rows are staged again; through admissions, growth, preemptions
+    # (a new list for the same request) and finishes (another request in the row), the
+    # device tables and slots still hold each scheduled request's blocks.
+    limits = EngineLimits(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=48, block_size=4)
+    sched = Scheduler(BlockPool(13), limits)
+    inputs = StepInputs(limits, torch.device("cpu"))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    reqs = [sched.add(list(range(1, 2 + 5 * i)), params) for i in range(6)]
+    while sched.has_work:
+        step = sched.schedule()
+        inputs.write(step, step.num_tokens)
+        row = 0
+        for r, s in enumerate(step.scheduled):
+            blocks = s.request.blocks
+            assert inputs.block_tables[r, : len(blocks)].tolist() == blocks
+            for p in range(s.start, s.start + len(s.tokens)):
+                assert inputs.slot_mapping[row] == blocks[p // 4] * 4 + p % 4
+                row += 1
+        sched.update(step, [rng.randrange(3, 100) for _ in step.scheduled])
+    assert sum(r.num_preemptions for r in reqs) > 0

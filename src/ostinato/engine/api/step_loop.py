@@ -58,6 +58,18 @@ class StepLoop:
         self.parallel, self.device = parallel, runner.device
         self.speculative, self.spec_stats = speculative, spec_stats
         self.peer_failure = peer_failure
+        # Where sampled tokens land on the host, with the events that mark each copy
+        # done: two of each, used in turn (step N+1 is launched before step N's tokens
+        # are read, and step N+2 after), made once. A copy into a new tensor allocated
+        # pinned memory and an event every step.
+        self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if self.device.type == "cuda":
+            rows = scheduler.max_num_seqs
+            self._landing = [
+                (torch.empty(rows, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+                for _ in range(2)
+            ]
+        self._turn = 0
 
     def sync_steps(self) -> Iterator[None]:
         """One step at a time: schedule, run, wait for its tokens. Yields after each."""
@@ -86,11 +98,17 @@ class StepLoop:
         self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None
     ) -> tuple[torch.Tensor, StepLogprobs | None, torch.cuda.Event | None]:
         """Starts copying ``tokens`` (and ``logprobs``) to the host; the event marks it
-        done (None: done)."""
+        done (None: done). On CUDA the host tensor and the event are reused by the copy
+        after next: read the tokens (``resolve``) before launching two more steps."""
         host_logprobs = logprobs.to_host() if logprobs is not None else None
         if self.device.type == "cuda":
-            host = tokens.to("cpu", non_blocking=True)
-            done = torch.cuda.Event()
+            self._turn ^= 1
+            landing, done = self._landing[self._turn]
+            if tokens.dtype == landing.dtype and tokens.shape[0] <= landing.shape[0]:
+                host = landing[: tokens.shape[0]]
+                host.copy_(tokens, non_blocking=True)
+            else:
+                host = tokens.to("cpu", non_blocking=True)
             done.record()
             return host, host_logprobs, done
         # A copy, always: ``tokens`` may be a view of a graph's static output, which

@@ -31,7 +31,9 @@ class FinishReason(enum.Enum):
 class Request:
     """A prompt and its generation so far. ``num_cached`` tokens have K/V in ``blocks``.
     ``num_pending`` (0 or 1): a token sampled by a step still on the device, counted in
-    ``num_tokens`` but not yet in ``output`` (asynchronous scheduling)."""
+    ``num_tokens`` but not yet in ``output`` (asynchronous scheduling). A ``blocks``
+    list only grows; any other change gives the request a new list (the step inputs
+    stage only what a list gained since they last saw it)."""
 
     id: int
     prompt: list[int]
@@ -87,7 +89,7 @@ PENDING_TOKEN = 0
 """Stands in ``ScheduledRequest.tokens`` for a token still on the device."""
 
 
-@dataclass
+@dataclass(slots=True)  # (one per request per step)
 class ScheduledRequest:
     """One request's part of a step: ``tokens`` at positions ``start ..``.
 
@@ -226,11 +228,14 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         drafting: list[tuple[ScheduledRequest, int]] = []
         budget = self.max_num_batched_tokens
+        preemptions = self.num_preemptions  # (a membership test per request only after one)
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running or self._awaits_last_token(req):
-                continue  # preempted below to make room, or done once its token resolves
+            if self._awaits_last_token(req) or (
+                self.num_preemptions != preemptions and req not in self.running
+            ):
+                continue  # done once its token resolves, or preempted to make room
             total = req.num_tokens
             chunk = min(total - req.num_cached, budget)
             room = self._draft_room(req, budget) if chunk == 1 and self.num_speculative else 0

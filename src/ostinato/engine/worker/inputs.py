@@ -49,11 +49,18 @@ class StepLayout:
     """Where each scheduled request's rows are: ``logit_rows`` (device: the rows whose
     logits the step needs, in request order: each request's last row, preceded by the
     rows of its draft tokens' predecessors when it verifies a draft) and the host lengths
-    (``query_lens`` and ``seq_lens``)."""
+    (``query_lens`` and ``seq_lens``). ``leading``: those rows are ``0 .. k - 1``."""
 
     logit_rows: torch.Tensor
     query_lens: list[int]
     seq_lens: list[int]
+    leading: bool = False
+
+    @property
+    def logit_index(self) -> torch.Tensor | slice:
+        """``logit_rows`` as an index: a slice where they are the leading rows (a view,
+        where a tensor index is a gather kernel and its launch)."""
+        return slice(0, self.logit_rows.shape[0]) if self.leading else self.logit_rows
 
 
 @dataclass(frozen=True)
@@ -88,28 +95,45 @@ class StepInputs:
         )
         # Pinned host staging, two sets used in turn: the host fills one for step N+1 while
         # step N's copies from the other may still be queued (asynchronous scheduling); by
-        # then step N-1, the other set's last reader, has been read back.
+        # then step N-1, the other set's last reader, has been read back. The request rows
+        # are staged as int32, the device buffer's type: a copy that converts goes through
+        # a device temporary and a second kernel.
         pin = device.type == "cuda"
-        rows = 4 if lora_rows is None else 5
+        rows = 3 if lora_rows is None else 4
         self.stagings = [
-            torch.zeros((rows, t), dtype=torch.long, pin_memory=pin)  # ids, pos, req, slot(, lora)
+            torch.zeros((rows, t), dtype=torch.long, pin_memory=pin)  # ids, pos, slot(, lora)
             for _ in range(2)
         ]
+        self.req_stagings = [torch.zeros(t, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.tables_stagings = [
             torch.zeros_like(self.block_tables, device="cpu", pin_memory=pin) for _ in range(2)
+        ]
+        # Each set's copies as (device buffer, staged row) pairs, views made once.
+        device_rows = [self.input_ids, self.positions, self.slot_mapping]
+        device_rows += [] if lora_rows is None else [lora_rows]
+        self.copies = [
+            [*zip(device_rows, st.unbind(0), strict=True), (self.token_req, req)]
+            for st, req in zip(self.stagings, self.req_stagings, strict=True)
         ]
         # 0, 1, 2, ...: the logit rows of a step of one row per request, read, never written.
         self.row_numbers = torch.arange(t, device=device)  # [T]
         self.turn = 0
         # numpy views of the same pinned memory: per-step writes without tensor objects.
         self.staging_np = [st.numpy() for st in self.stagings]
+        self.req_np = [req.numpy() for req in self.req_stagings]
         self.tables_np = [tb.numpy() for tb in self.tables_stagings]
+        # Per set, the block list each staged table row holds and how many of its blocks
+        # are written there (``_stage_tables``).
+        self.table_lists: list[list[list[int] | None]] = [
+            [None] * limits.max_num_seqs for _ in range(2)
+        ]
+        self.table_lens = [[0] * limits.max_num_seqs for _ in range(2)]
         self.ranges = np.arange(max(t, limits.max_num_seqs * limits.blocks_per_seq))
 
     @property
     def staging(self) -> torch.Tensor:
-        """The staging set ``copy_staged`` copies from now: ``[4, T]`` ids, positions,
-        request rows, slots."""
+        """The staging set ``copy_staged`` copies from now: ``[3, T]`` ids, positions,
+        slots (``[4, T]`` with the LoRA slots); the request rows are ``req_stagings``'."""
         return self.stagings[self.turn]
 
     @property
@@ -181,11 +205,12 @@ class StepInputs:
         rows = len(positions)
         staging = self.staging
         staging[1, :rows] = positions
-        staging[2, :rows] = token_req
-        staging[3, :rows] = slots
+        self.req_stagings[self.turn][:rows] = token_req
+        staging[2, :rows] = slots
         if self.lora_rows is not None:
-            staging[4, :rows] = -1  # (no adapter)
+            staging[3, :rows] = -1  # (no adapter)
         self.tables_staging[:rows, : tables.shape[1]] = tables
+        self.table_lists[self.turn] = [None] * self.limits.max_num_seqs  # (rows overwritten)
         self.copy_staged(rows, rows)
 
     def write_padding(self, stop: int, start: int = 0) -> None:
@@ -207,8 +232,8 @@ class StepInputs:
         a fixed number of tensor operations per step whatever the batch size.
         """
         self.turn ^= 1
-        ids, pos, req_of, slots = self.staging_np[self.turn][:4]
-        tables = self.tables_np[self.turn]
+        ids, pos, slots = self.staging_np[self.turn][:3]
+        req_of = self.req_np[self.turn]
         bs = self.limits.block_size
         scheduled = step.scheduled
         # Whole-step numpy writes from a few per-request lists (no numpy call per
@@ -217,42 +242,55 @@ class StepInputs:
         starts = np.array([s.start for s in scheduled], dtype=np.int64)
         counts = np.array(lens, dtype=np.int64)
         n = int(counts.sum())
-        if n == len(scheduled):  # one row per request (decodes): row r is request r's
+        one_row_each = n == len(scheduled)  # (decodes): row r is request r's
+        if one_row_each:
             firsts = rows = self.ranges[:n]
             pos[:n] = starts
         else:
             firsts = np.cumsum(counts) - counts  # each request's first row
             rows = np.repeat(self.ranges[: len(scheduled)], counts)
             pos[:n] = np.repeat(starts - firsts, counts) + self.ranges[:n]
-        ids[:n] = list(itertools.chain.from_iterable(s.tokens for s in scheduled))
-        req_of[:n] = rows
-        blocks = [s.request.blocks for s in scheduled]
-        held = np.array([len(b) for b in blocks], dtype=np.int64)
-        total = int(held.sum())
-        if total:
-            table_rows = np.repeat(self.ranges[: len(scheduled)], held)
-            table_cols = self.ranges[:total] - np.repeat(np.cumsum(held) - held, held)
-            tables[table_rows, table_cols] = list(itertools.chain.from_iterable(blocks))
-        p = pos[:n]
-        slots[:n] = tables[rows, p // bs] * bs + p % bs
-        ends = (firsts + counts).tolist()
-        last = [
-            i
-            for s, end in zip(scheduled, ends, strict=True)
-            for i in range(end - 1 - len(s.draft), end)
-        ]
-        query_lens, seq_lens = lens, (starts + counts).tolist()
         rows_from, source = _from_previous(scheduled, firsts.tolist(), previous)
+        if len(rows_from) < len(scheduled):  # (else every input is a previous sample)
+            ids[:n] = list(itertools.chain.from_iterable(s.tokens for s in scheduled))
+        req_of[:n] = rows
+        self._stage_tables([s.request.blocks for s in scheduled])
+        p = pos[:n]
+        slots[:n] = self.tables_np[self.turn][rows, p // bs] * bs + p % bs
+        query_lens, seq_lens = lens, (starts + counts).tolist()
         PADDING.fill(ids, pos, req_of, slots, slice(n, padded))
         if self.lora_rows is not None:
-            lora = self.staging_np[self.turn][4]
+            lora = self.staging_np[self.turn][3]
             lora[:n] = np.repeat([s.request.lora_slot for s in scheduled], counts)
             lora[n:padded] = -1
         self.copy_staged(padded, len(step.scheduled))
         if rows_from:
             assert previous is not None
             self.take_previous(previous.tokens, rows_from, source)
-        return StepLayout(self.on_device(last), query_lens, seq_lens)
+        if one_row_each:
+            return StepLayout(self.row_numbers[:n], query_lens, seq_lens, leading=True)
+        ends = (firsts + counts).tolist()
+        last = [
+            i
+            for s, end in zip(scheduled, ends, strict=True)
+            for i in range(end - 1 - len(s.draft), end)
+        ]
+        logit_rows = self.on_device(last)
+        return StepLayout(logit_rows, query_lens, seq_lens, _counts_up(last))
+
+    def _stage_tables(self, blocks: list[list[int]]) -> None:
+        """Stages each request's block list (``blocks``, in step order) into its row of
+        this turn's block-table staging, writing only what changed since this set last
+        held it. Relies on the scheduler's rule for ``Request.blocks``: a list only grows
+        while a request holds it (admission, a preemption or a release gives the request
+        a new list). Why: rewriting every row took a third of a decode step's staging."""
+        tables = self.tables_np[self.turn]
+        held, written = self.table_lists[self.turn], self.table_lens[self.turn]
+        for r, b in enumerate(blocks):
+            k = written[r] if held[r] is b else 0
+            if k != len(b):
+                tables[r, k : len(b)] = b[k:]
+                held[r], written[r] = b, len(b)
 
     def take_previous(self, tokens: torch.Tensor, rows: list[int], source: list[int]) -> None:
         """``input_ids[rows[i]] = tokens[source[i]]`` on the device. A steady decode (the
@@ -274,13 +312,8 @@ class StepInputs:
     def copy_staged(self, rows: int, num_reqs: int) -> None:
         """Copies the first ``rows`` staged rows and ``num_reqs`` staged block-table rows
         to the device buffers."""
-        staging = self.staging
-        self.input_ids[:rows].copy_(staging[0, :rows], non_blocking=True)
-        self.positions[:rows].copy_(staging[1, :rows], non_blocking=True)
-        self.token_req[:rows].copy_(staging[2, :rows], non_blocking=True)
-        self.slot_mapping[:rows].copy_(staging[3, :rows], non_blocking=True)
-        if self.lora_rows is not None:
-            self.lora_rows[:rows].copy_(staging[4, :rows], non_blocking=True)
+        for buffer, staged in self.copies[self.turn]:
+            buffer[:rows].copy_(staged[:rows], non_blocking=True)
         self.block_tables[:num_reqs].copy_(self.tables_staging[:num_reqs], non_blocking=True)
 
 

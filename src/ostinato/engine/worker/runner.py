@@ -270,7 +270,7 @@ class ModelRunner:
         dispatch: Dispatch,
         n: int,
         meta: StepAttention,
-        rows: torch.Tensor,
+        rows: torch.Tensor | slice,
         decode: bool = False,
     ) -> StepOutput:
         """Runs the step as dispatched: the logits of ``rows`` (for a uniform decode
@@ -502,9 +502,9 @@ class ModelRunner:
         )
         if ubatch and dispatch.mode is GraphMode.NONE:  # (a FULL graph holds its split)
             hidden = self.ubatch.run_eager(padded, layout.query_lens, layout.seq_lens)
-            return StepOutput(self.model.compute_logits(hidden[layout.logit_rows]))
+            return StepOutput(self.model.compute_logits(hidden[layout.logit_index]))
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
-        return self.run_logits(dispatch, n, meta, layout.logit_rows, step.uniform_decode)
+        return self.run_logits(dispatch, n, meta, layout.logit_index, step.uniform_decode)
 
 
 def _static_rows() -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -9,9 +9,10 @@ architecture and the names, shapes and dtypes of its parameters and buffers; a p
 function's qualified name and code, and what a closure captured). A family may hold
 several artifacts (Dynamo specializes a batch of one, for instance), each tried in turn.
 
-Guarantees: an artifact runs a call only where its guards accept the call (the same
-check Dynamo makes before reusing compiled code in one process) and where every source
-it was traced from reads as it did (an edited ``forward`` is compiled anew); a function
+Guarantees: an artifact runs a call only where its guards accept the call (the check
+Dynamo makes before reusing compiled code in one process, less the guards it cannot save
+and those on globals: ``savable_guards``) and where every source it was traced from
+reads as it did (an edited ``forward`` is compiled anew); a function
 without a stable identity (a closure over a tensor, an FX graph) keeps nothing; an
 artifact that cannot be used (corrupt, made by another torch, or from older source) is
 named in a warning, removed and made again; a folder that cannot be written is a
@@ -61,6 +62,36 @@ def enabled() -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+def savable_guards(entries: list[Any]) -> list[bool]:
+    """Dynamo's guard filter (``guard_filter_fn``) for a function compiled to be kept:
+    every guard but two kinds. Those Dynamo cannot save check the identity of objects
+    the trace reached (the function a module holds as its activation, the code of a
+    method whose signature a model reads): kept, they made such a function unsavable
+    ("ID_MATCH guard cannot be serialized"), and a closure over a transformers model
+    kept nothing. Those on globals (a library's registries and flags, the interpreter's
+    hooks) name the traced frames' globals by aliases a loading process does not have.
+    The key and the source check stand for both: ``identity`` names each function a
+    module holds, ``changed_source`` checks the code of every function the trace
+    inlined. Left unchecked: a library global changed between processes (an attention
+    function registered anew, say). Tensor, shape and grad-mode guards all stay."""
+    unsavable = set(_unsavable_guard_types())
+    return [
+        not ({e.guard_type, *e.derived_guard_types} & unsavable or e.is_global) for e in entries
+    ]
+
+
+def _unsavable_guard_types() -> tuple[str, ...]:
+    from torch._dynamo.guards import CheckFunctionManager
+
+    # (Dynamo's own list where it has one; its value on torch 2.11 to 2.13 otherwise)
+    return getattr(
+        CheckFunctionManager,
+        "UNSUPPORTED_SERIALIZATION_GUARD_TYPES",
+        ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
+         "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"),
+    )  # fmt: skip
+
+
 def identity(fn: Any) -> list[str] | None:
     """What names ``fn``'s code across processes, or None where nothing does: a module's
     class, architecture and parameter and buffer shapes (not values: they are read at
@@ -77,7 +108,7 @@ def identity(fn: Any) -> list[str] | None:
             f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}"
             for name, t in [*fn.named_parameters(), *fn.named_buffers()]
         ]
-        return [f"{kind.__module__}.{kind.__qualname__}", repr(fn), *tensors]
+        return [f"{kind.__module__}.{kind.__qualname__}", repr(fn), *tensors, *_held(fn)]
     if inspect.ismethod(fn):
         owner, func = identity(fn.__self__), identity(fn.__func__)
         return None if owner is None or func is None else [*owner, *func]
@@ -94,6 +125,18 @@ def identity(fn: Any) -> list[str] | None:
             return None
         named += [f"{name}=", *captured]
     return named
+
+
+def _held(module: torch.nn.Module) -> list[str]:
+    """The functions ``module`` and its submodules hold as attributes (an activation,
+    say), by qualified name: a trace calls them, and its guard on which one it was
+    cannot be kept (``savable_guards``)."""
+    return [
+        f"{path}.{attr}={getattr(v, '__module__', None)}.{getattr(v, '__qualname__', v)}"
+        for path, m in module.named_modules()
+        for attr, v in vars(m).items()
+        if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.MethodType))
+    ]
 
 
 def _captured(value: Any) -> list[str] | None:

@@ -157,7 +157,12 @@ class WholeCompiled:
         tries) where Dynamo cannot trace it whole."""
         try:
             with compile_artifacts.enabled():
-                whole = torch.compile(self.module, fullgraph=True, backend=self.compiler)
+                whole = torch.compile(
+                    self.module,
+                    fullgraph=True,
+                    backend=self.compiler,
+                    options={"guard_filter_fn": compile_artifacts.savable_guards},
+                )
                 return whole.forward.aot_compile((tensors, {}))
         except Exception as exc:  # a graph break, or a torch without the ahead-of-time path
             logger.warning(

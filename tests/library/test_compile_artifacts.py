@@ -3,6 +3,8 @@ CPU: a first process compiles ahead of time and keeps what it made, a second one
 it and compiles nothing; artifacts serve only calls their guards accept; a broken
 artifact is named, removed and made again; an unwritable folder is a warning."""
 
+import functools
+import inspect
 import json
 import os
 import subprocess
@@ -35,6 +37,44 @@ class Scaled(torch.nn.Module):
 
     def forward(self, x, mask=None, scale=1.0):
         y = self.b(torch.nn.functional.gelu(self.a(x))) * scale
+        return {"out": y if mask is None else y * mask}
+
+
+class Activation(torch.nn.Module):
+    """A function held by a module, as transformers' activations hold theirs."""
+
+    def __init__(self, act=torch.nn.functional.gelu) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(x)
+
+
+def wrapped(forward):
+    """A decorator, as transformers' models wrap their ``forward``."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Activated(Scaled):
+    """``Scaled`` as a transformers model is made: a wrapped ``forward``, an activation
+    module holding a function. Traced through a closure over it, Dynamo guards on the
+    wrapped code's and the function's identity: guards it cannot save."""
+
+    def __init__(self, width: int = 16, act=torch.nn.functional.gelu) -> None:
+        super().__init__(width)
+        self.activation = Activation(act)
+
+    @wrapped
+    def forward(self, x, mask=None, scale=1.0):
+        # (transformers' chunked feed-forward reads its function's signature so)
+        assert len(inspect.signature(self.activation.forward).parameters) == 1
+        y = self.b(self.activation(self.a(x))) * scale
         return {"out": y if mask is None else y * mask}
 
 
@@ -79,6 +119,9 @@ def test_what_names_a_function_across_processes():
     assert identity(outputs_of(Scaled())) == identity(outputs_of(Scaled()))
     assert identity(outputs_of(Scaled())) != identity(outputs_of(Scaled(32)))
     assert identity(outputs_of(Scaled())) != identity(outputs_of(Scaled(), 2.0))
+    # The functions a module holds, by name (their identity guards are not kept).
+    assert identity(Activated()) == identity(Activated())
+    assert identity(Activated()) != identity(Activated(act=torch.relu))
     assert identity(lambda x: x) is not None and identity(lambda x: x) != identity(plain)
     weight = torch.ones(3)
     assert identity(lambda x: x * weight) is None
@@ -149,6 +192,23 @@ def test_a_closure_over_a_model_is_loaded_by_the_next_process_and_reads_its_weig
         "t._check(w, m, (3, 1, 16), plus=3); print(json.dumps([w.loaded, w.saved]))"
     )
     assert json.loads(_in_process(code, str(tmp_path))) == [2, 0]
+
+
+def test_a_closure_over_a_model_holding_its_activation_is_kept(tmp_path):
+    # Traced through the closure, the activation's identity is guarded by ID_MATCH,
+    # which Dynamo cannot save: such a function (BERT's, on the H200) kept nothing.
+    torch.manual_seed(0)
+    model = Activated().eval()
+    whole = _closure_whole(model, ArtifactStore(tmp_path))
+    _check(whole, model, plus=3)
+    assert whole.loaded == 0 and whole.saved >= 1
+    code = (
+        "import json, sys, torch; import test_compile_artifacts as t; "
+        "from ostinato.compile_artifacts import ArtifactStore; torch.manual_seed(1); "
+        "m = t.Activated().eval(); w = t._closure_whole(m, ArtifactStore(sys.argv[1])); "
+        "t._check(w, m, (3, 1, 16), plus=3); print(json.dumps([w.loaded, w.saved]))"
+    )
+    assert json.loads(_in_process(code, str(tmp_path))) == [whole.saved, 0]
 
 
 def test_a_broken_artifact_is_named_removed_and_made_again(tmp_path):

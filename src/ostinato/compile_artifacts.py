@@ -83,13 +83,7 @@ def savable_guards(entries: list[Any]) -> list[bool]:
 def _unsavable_guard_types() -> tuple[str, ...]:
     from torch._dynamo.guards import CheckFunctionManager
 
-    # (Dynamo's own list where it has one; its value on torch 2.11 to 2.13 otherwise)
-    return getattr(
-        CheckFunctionManager,
-        "UNSUPPORTED_SERIALIZATION_GUARD_TYPES",
-        ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
-         "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"),
-    )  # fmt: skip
+    return CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
 
 
 def identity(fn: Any) -> list[str] | None:

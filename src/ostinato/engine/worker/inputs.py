@@ -275,8 +275,9 @@ class StepInputs:
             for s, end in zip(scheduled, ends, strict=True)
             for i in range(end - 1 - len(s.draft), end)
         ]
-        logit_rows = self.on_device(last)
-        return StepLayout(logit_rows, query_lens, seq_lens, _counts_up(last))
+        if _counts_up(last):  # (a view of ``row_numbers``: no copy)
+            return StepLayout(self.row_numbers[: len(last)], query_lens, seq_lens, leading=True)
+        return StepLayout(to_device(last, torch.long, self.device), query_lens, seq_lens)
 
     def _stage_tables(self, blocks: list[list[int]]) -> None:
         """Stages each request's block list (``blocks``, in step order) into its row of
@@ -301,13 +302,6 @@ class StepInputs:
             return
         at = to_device(source, torch.long, self.device)
         self.input_ids.index_copy_(0, to_device(rows, torch.long, self.device), tokens[at])
-
-    def on_device(self, rows: list[int]) -> torch.Tensor:
-        """``rows`` as a device index: a view of ``row_numbers`` where they are 0, 1, 2, ...
-        (one row per request, no copy), else copied there."""
-        if _counts_up(rows):
-            return self.row_numbers[: len(rows)]
-        return to_device(rows, torch.long, self.device)
 
     def copy_staged(self, rows: int, num_reqs: int) -> None:
         """Copies the first ``rows`` staged rows and ``num_reqs`` staged block-table rows

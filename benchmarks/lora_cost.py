@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.ready import ready
 from benchmarks.sampling_cost import parse, step_ms, step_parser, write_rows
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,7 +86,7 @@ def engines(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         f"a0={folder / 'a0'}", f"a1={folder / 'a1'}"))  # fmt: skip
     built["specialised"] = LLM(args.model, **common, **lora)
     built["unspecialised"] = LLM(args.model, **common, **lora, specialize_lora=False)
-    return built
+    return {name: ready(llm) for name, llm in built.items()}
 
 
 CASES = [("base", False), ("specialised", False), ("specialised", True),

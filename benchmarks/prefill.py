@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ready import ready
 from ostinato.engine import LLM, SamplingParams
 from ostinato.provenance import Provenance
 
@@ -83,6 +84,7 @@ def main() -> int:
         max_num_batched_tokens=tokens,
         progress=False,
     )
+    ready(llm)
     rows = [time_case(llm, b, n, args.repeats, args.seed) for b, n in cases]
     for r in rows:
         rate = f"{r.tokens_per_s:.0f} tok/s"

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.ready import ready
+
 # One entry per parameter a request can set, each with an effect, and all of them.
 VARIANTS: dict[str, dict[str, Any]] = {
     "greedy": {},
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=False,
     )
     try:
-        rows = measure(llm, args)
+        rows = measure(ready(llm), args)
         mode = llm.mode.name
     finally:
         llm.close()

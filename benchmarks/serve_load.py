@@ -59,6 +59,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ready import ready
+
 MODEL_NAME = "served"
 
 
@@ -385,7 +387,11 @@ class Server:
                 time.sleep(0.5)
         if self.proc.poll() is not None:
             raise RuntimeError(f"the server exited; see {log}")
-        self.ready_s = time.monotonic() - self.started
+        self.ready_s = time.monotonic() - self.started  # answering (graphs may be capturing)
+        while self.health()["graphs"] != "ready":  # timed phases replay, as offline does
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited; see {log}")
+            time.sleep(0.2)
 
     def health(self) -> dict[str, Any]:
         import httpx
@@ -661,6 +667,7 @@ def offline_and_report(
         **memory_share(args),
         **capture_sizes(args),
     )
+    ready(llm)
     offline(llm, fixed_jobs(8, 32, 16, args.vocab_cap, seed=99), 8)  # warm-up
     first_ms = first_token_ms(llm, args.prompt_len, args.vocab_cap)
     rows, summary = [], {}

@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ready import ready
 from benchmarks.serve_load import MODEL_NAME, Server, engine_args, fixed_jobs
 
 
@@ -52,7 +53,7 @@ def engine_rows(kwargs: dict[str, Any], prompts: list[list[int]]) -> dict[str, f
     from ostinato.engine import LLM, EngineLoop, EngineProcess, SamplingParams
 
     one, two = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=2)
-    llm = LLM(**kwargs)
+    llm = ready(LLM(**kwargs))
     rows = {"offline": median_ms(lambda p: llm.generate([p], one), prompts)}
     loop = EngineLoop(llm)
     rows["engine_loop"] = median_ms(lambda p: first_of(loop.submit(p, two)), prompts)

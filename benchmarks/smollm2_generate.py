@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from smollm2 import PROMPTS  # noqa: E402
 
+from benchmarks.ready import ready
 from ostinato.engine import LLM, SamplingParams  # noqa: E402
 
 MODES = ("none", "full", "full_decode_only", "full_and_piecewise")
@@ -64,6 +65,7 @@ def main() -> int:
         llm = LLM(
             mode=mode, dtype=dtype, max_model_len=512, max_num_seqs=max(sizes), progress=False
         )
+        ready(llm)
         for b in sizes:
             prompts = prompts_for(llm, b)
             llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.ready import ready
 from ostinato.engine.cli.args import OneLineParser, int_list
 from ostinato.provenance import Provenance
 
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> SpecResult:
     # EOS ignored: chat answers to short questions end after a few tokens, and tokens/s
     # would then measure the prefill, not decoding.
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    plain_llm = LLM(args.model, **kw)
+    plain_llm = ready(LLM(args.model, **kw))
     result = SpecResult(
         plain_llm.source_name,
         plain_llm.mode.name,
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> SpecResult:
         for name, spec in zip(names, configs, strict=True):
             if args.proposers and name not in args.proposers:
                 continue
-            llm = LLM(args.model, speculative=spec, **kw)
+            llm = ready(LLM(args.model, speculative=spec, **kw))
             _measure(run, llm, name, k)
             llm.close()
     result.notes.append(

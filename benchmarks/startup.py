@@ -1,7 +1,8 @@
 """Start-up from a fresh process to the printed answer: ``ostinato generate`` with every
-cache empty and then filled, the default (FULL graphs), FULL_AND_PIECEWISE, background and
-staged capture, for the default model (SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; and
-transformers loading the same GGUF file and generating, the peer a user would otherwise run.
+cache empty and then filled, the default (FULL graphs captured in the background), a
+blocking capture, FULL_AND_PIECEWISE and staged capture, for the default model
+(SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; and transformers loading the same
+GGUF file and generating, the peer a user would otherwise run.
 
     python -m benchmarks.startup --out OUT/startup.json [--device cuda] [--max-tokens 32]
 
@@ -12,7 +13,9 @@ Each run is a new Python process whose caches live in one folder per scenario
 seconds read by this parent: ``first_token_s`` when the first streamed token text
 appeared on the child's stdout, ``answer_s`` when its throughput line did, ``exit_s``
 when it ended; ``phases`` is the start-up line the engine printed (open, weights,
-compile, capture).
+compile, capture). ``--rounds R`` runs the scenarios R times in turn (the later rounds
+leave out the empty-cache ones and name theirs "#2", "#3", ...): the machine's noise shows
+beside the differences.
 """
 
 from __future__ import annotations
@@ -125,15 +128,15 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     return [
         ("smollm2 default, caches empty", smol, "smol"),
         ("smollm2 default, caches filled", smol, "smol"),
-        ("smollm2 background, caches filled", [*smol, "--capture", "background"], "smol"),
-        ("smollm2 background, caches empty", [*smol, "--capture", "background"], "smol-bg"),
+        ("smollm2 blocking, caches filled", [*smol, "--capture", "blocking"], "smol"),
+        ("smollm2 blocking, caches empty", [*smol, "--capture", "blocking"], "smol-block"),
         ("smollm2 staged, caches filled", [*smol, "--capture", "staged"], "smol"),
         ("smollm2 full_and_piecewise, caches filled", [*smol, "--mode", FAP], "smol"),
         ("smollm2 default, caches filled, no bytecode", smol, "smol"),
         ("smollm2 staged, caches filled, no bytecode", [*smol, "--capture", "staged"], "smol"),
         ("llama-1.5b default, caches empty", big, "big"),
         ("llama-1.5b default, caches filled", big, "big"),
-        ("llama-1.5b background, caches filled", [*big, "--capture", "background"], "big"),
+        ("llama-1.5b blocking, caches filled", [*big, "--capture", "blocking"], "big"),
         ("llama-1.5b staged, caches filled", [*big, "--capture", "staged"], "big"),
         ("llama-1.5b full_and_piecewise, caches filled", [*big, "--mode", FAP], "big"),
         ("llama-1.5b default, caches filled, no bytecode", big, "big"),
@@ -148,6 +151,16 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     ]
 
 
+def planned(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
+    """The scenarios ``--only`` names, ``--rounds`` times over (the later rounds without
+    the empty-cache ones, each name marked with its round)."""
+    parts = args.only.split(",") if args.only else None
+    chosen = [s for s in scenarios(args) if parts is None or any(p in s[0] for p in parts)]
+    later = [s for s in chosen if "caches empty" not in s[0]]
+    again = [(f"{n} #{r}", c, k) for r in range(2, args.rounds + 1) for n, c, k in later]
+    return chosen + again
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -157,17 +170,16 @@ def main() -> None:
         "--only", default=None, help="comma-separated: run the scenarios whose name has one"
     )
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ostinato-startup-"))
     runs = []
-    for name, command, key in scenarios(args):
-        if args.only and not any(part in name for part in args.only.split(",")):
-            continue
+    for name, command, key in planned(args):
         env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
                                                               "TRITON_CACHE_DIR")}  # fmt: skip
         env |= {"OSTINATO_CACHE_DIR": str(root / key), "PYTHONUNBUFFERED": "1"}
         env.pop("PYTHONPYCACHEPREFIX", None)
-        if name.endswith("no bytecode"):
+        if "no bytecode" in name:
             env["PYTHONDONTWRITEBYTECODE"] = "1"
         else:
             env.pop("PYTHONDONTWRITEBYTECODE", None)

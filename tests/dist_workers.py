@@ -102,7 +102,7 @@ def engine(
         all_reduce=all_reduce,
         backend=backend,
         progress=False,
-        **kw,
+        **{"capture": "blocking", **kw},
     )
 
 

@@ -15,8 +15,10 @@ PROMPTS = [[1 + i, 2 + 3 * i, 3, 4 + i * i % 97] * (1 + i % 3) for i in range(8)
 
 
 def tiny_engine(mode: str, dtype: torch.dtype, **kw) -> LLM:
-    """The tiny random Llama (seed 3, so every engine has the same weights)."""
-    base = dict(max_model_len=256, max_num_seqs=8, progress=False, seed=3)
+    """The tiny random Llama (seed 3, so every engine has the same weights), its graphs
+    captured before the first step (``capture="auto"`` would capture FULL graphs in the
+    background, so which steps replay would hang on timing)."""
+    base = dict(max_model_len=256, max_num_seqs=8, progress=False, seed=3, capture="blocking")
     return LLM("tiny", mode=mode, dtype=dtype, **{**base, **kw})
 
 

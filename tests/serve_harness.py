@@ -120,3 +120,14 @@ def served_token_ids(args: list[str], prompts: list[list[int]], max_tokens: int)
             t.join(120)
         assert all(i in got for i in range(len(prompts))), "a stream did not finish"
         return [got[i] for i in range(len(prompts))]
+
+
+def graphs_ready(base: str, within_s: float = 120.0) -> bool:
+    """Whether the server at ``base`` says its graphs are ready (``/health``: a
+    background capture ended) within ``within_s`` seconds."""
+    deadline = time.time() + within_s
+    while httpx.get(f"{base}/health").json()["graphs"] != "ready":
+        if time.time() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

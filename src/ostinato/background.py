@@ -73,7 +73,10 @@ class BackgroundCapture:
     ``capture_one(item)`` captures one item (raising on failure); ``release()`` destroys
     every graph; ``turn`` is the manager's step lock; ``prologue``, if given, runs on the
     thread first, without the turn (the engine compiles its model there, on scratch
-    inputs of its own).
+    inputs of its own); ``epilogue``, if given, runs on the thread once every item is
+    captured (not after a stop), holding the turn, before ``done`` is set (the engine
+    captures its sampling graphs there, which read the graphs' outputs), and fails as
+    an item does.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class BackgroundCapture:
         release: Callable[[], None],
         turn: Turn,
         prologue: Callable[[], None] | None = None,
+        epilogue: Callable[[], None] | None = None,
     ) -> None:
         self.total = len(plan)
         self.captured = 0
@@ -91,7 +95,7 @@ class BackgroundCapture:
         self._pending = list(plan)
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
         self._capture_one, self._release, self._turn = capture_one, release, turn
-        self._prologue = prologue
+        self._prologue, self._epilogue = prologue, epilogue
         self._stop = threading.Event()
         self._done = threading.Event()
         self._start = time.perf_counter()
@@ -163,6 +167,8 @@ class BackgroundCapture:
             with self._turn:
                 item = self._next()
                 if item is None:
+                    if self._epilogue is not None:
+                        self._epilogue()
                     return
                 self._capture_one(item)
                 self.captured += 1

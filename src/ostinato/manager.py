@@ -148,10 +148,13 @@ class GraphManager:
         return self.report
 
     def capture_in_background(
-        self, prologue: Callable[[], None] | None = None
+        self,
+        prologue: Callable[[], None] | None = None,
+        epilogue: Callable[[], None] | None = None,
     ) -> BackgroundCapture:
         """Starts capturing ``capture_plan()`` on a thread and returns at once (see
-        ``ostinato.background``); ``prologue`` runs on the thread first. The report
+        ``ostinato.background``); ``prologue`` runs on the thread first, ``epilogue``
+        last, once every graph is captured, holding the step turn. The report
         fills as graphs are captured; a failure releases every graph and leaves the
         steps eager. The capture check is refused: its replays would overwrite the
         static outputs of a step in flight (sampling while serving is allowed)."""
@@ -164,7 +167,12 @@ class GraphManager:
                 "or sample replays while serving (verify='sample')"
             )
         self.background = BackgroundCapture(
-            self.capture_plan(), self.capture_item, self._release_graphs, self._turn, prologue
+            self.capture_plan(),
+            self.capture_item,
+            self._release_graphs,
+            self._turn,
+            prologue,
+            epilogue,
         )
         return self.background
 
@@ -312,18 +320,20 @@ class GraphManager:
         (into the shared pool) and destroys those it drops, and dispatches over the new
         ladder from the next step on. Returns the sizes added and dropped.
 
-        Only a FULL-mode manager whose blocking capture is done (no uniform decode
-        graphs, no background capture), and the largest size stays: the static outputs
+        Only a FULL-mode manager whose capture is done (blocking, or a background
+        capture that ended without error; no uniform decode graphs, no captures left
+        for the steps), and the largest size stays: the static outputs
         are sized for it. Never call it inside ``stepping()`` or from another thread
         while a step runs. The capture report keeps every capture, dropped ones too: its
         total is what the pool grew by (a dropped graph's memory stays in the pool, for
         the next captures)."""
-        mode = self.dispatcher.mode
-        if mode is not GraphMode.FULL or self.background is not None or self._later is not None:
+        mode, background = self.dispatcher.mode, self.background
+        capturing = background is not None and not (background.done and background.error is None)
+        if mode is not GraphMode.FULL or capturing or self._later is not None:
             raise ValueError(
-                f"resize: only a FULL-mode manager captured with capture() can change its "
+                f"resize: only a FULL-mode manager whose capture is done can change its "
                 f"ladder between steps (this one is {mode.name}"
-                f"{', capturing in the background' if self.background else ''})"
+                f"{', capturing in the background' if capturing else ''})"
             )
         dispatcher = self.dispatcher.with_sizes(sizes)
         if dispatcher.max_size != self.dispatcher.max_size:

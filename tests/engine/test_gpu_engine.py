@@ -229,7 +229,8 @@ def test_logits_match_hf_in_bf16(llama_dir, mode):
 
     hf = transformers.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.bfloat16)
     hf = hf.to(DEVICE).eval()
-    llm = LLM(llama_dir, mode=mode, max_model_len=256, max_num_seqs=8, progress=False)
+    llm = LLM(llama_dir, mode=mode, max_model_len=256, max_num_seqs=8, progress=False,
+              capture="blocking")  # fmt: skip
     prompts = [[1, 5, 9, 200, 3], [7], list(range(10, 60))]
     for p in prompts:
         llm.engine.scheduler.add(p, SamplingParams())
@@ -490,7 +491,7 @@ def test_a_seeded_request_gets_the_same_tokens_alone_and_batched_on_graphs(mode)
     from ostinato.engine import LLM, SamplingParams
 
     llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
-              progress=False)  # fmt: skip
+              capture="blocking", progress=False)  # fmt: skip
     assert llm.engine.sampler.graph_sampler is not None
     prompt = [5, 6, 7, 8, 9, 10]
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
@@ -535,7 +536,7 @@ def test_penalties_on_decode_graphs_equal_eager_steps():
     got = {}
     for mode in ("none", "full_and_piecewise"):
         llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
-                  progress=False)  # fmt: skip
+                  capture="blocking", progress=False)  # fmt: skip
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         llm.close()
     assert got["none"] == got["full_and_piecewise"]
@@ -557,7 +558,7 @@ def test_logprobs_from_decode_graphs_equal_eager_steps():
     got = {}
     for mode in ("none", "full_and_piecewise", "full"):
         llm = LLM("tiny", mode=mode, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
-                  progress=False)  # fmt: skip
+                  capture="blocking", progress=False)  # fmt: skip
         got[mode] = llm.generate(prompts, params)
         llm.close()
     graphs = got["full_and_piecewise"] + got["full"]

@@ -27,7 +27,7 @@ def fresh_pool():
 
 def small(**kw):
     base = dict(max_model_len=128, max_num_seqs=4, max_capture_size=16, progress=False)
-    return LLM("tiny", **{**base, **kw})
+    return LLM("tiny", **{"capture": "blocking", **base, **kw})
 
 
 def hog_all_but(keep_bytes):

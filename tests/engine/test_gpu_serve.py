@@ -17,7 +17,14 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from serve_harness import all_blocks_free, metric, metric_sum, served, wait_for_abort  # noqa: E402
+from serve_harness import (  # noqa: E402
+    all_blocks_free,
+    graphs_ready,
+    metric,
+    metric_sum,
+    served,
+    wait_for_abort,
+)
 
 from ostinato.engine import LLM, SamplingParams  # noqa: E402
 
@@ -53,6 +60,7 @@ def offline():
     # GGUF weights run float32 on CUDA: a request's greedy answer does not hang on the
     # rows batched with it, so the server's answers must equal these solo ones.
     llm = LLM(device="cuda", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+    assert llm.wait_for_graphs(120)  # (the default captures in the background)
     params = SamplingParams(max_tokens=32)
     texts = [llm.generate([p], params)[0].text for p in PROMPTS]
     chat = llm.chat([CHAT], SamplingParams(max_tokens=24))[0].text
@@ -69,6 +77,7 @@ def stream_text(client, prompt):
 
 def test_concurrent_streams_equal_solo_greedy_on_graphs(server, offline):
     texts, chat_text = offline
+    assert graphs_ready(server)  # the default server captures in the background
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     replays = metric_sum(server, "ostinato_graph_replays_total")
     got: dict[int, str] = {}

@@ -29,7 +29,7 @@ def engine(mode, dtype=None, **kw):
         max_num_seqs=8,
         max_capture_size=64,
         progress=False,
-        **kw,
+        **{"capture": "blocking", **kw},
     )
 
 

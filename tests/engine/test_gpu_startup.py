@@ -17,7 +17,8 @@ PARAMS = SamplingParams(max_tokens=32)
 
 def engine(**kw):
     gguf_path()
-    return LLM(max_model_len=512, max_num_seqs=8, max_capture_size=64, progress=False, **kw)
+    base = dict(max_model_len=512, max_num_seqs=8, max_capture_size=64, progress=False)
+    return LLM(**{**base, "capture": "blocking", **kw})
 
 
 def prompts(llm):

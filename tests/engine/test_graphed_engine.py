@@ -44,6 +44,9 @@ def engine(mode, **kw):
         backend=DenseGraphAttention(),
         progress=False,
         seed=3,
+        # (the default, "auto", captures FULL graphs on a thread: the tests of the
+        # graphs capture first, and the background's own tests say so)
+        capture="blocking",
     )
     return LLM(mode=mode, **{**base, **kw})
 
@@ -345,6 +348,56 @@ def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, 
     llm.close()
 
 
+@pytest.mark.parametrize("mode", ["full", "full_decode_only", "none", "piecewise"])
+def test_the_default_capture_is_background_for_graphs_that_compile_nothing(fake_graphs, mode):
+    """``capture="auto"``: FULL graphs of the eager model are captured on a thread, the
+    sampling graphs last (then a sampled decode step replays one); modes with compiled
+    pieces, or none, capture before the engine returns. Tokens equal a blocking
+    capture's; a finished background capture lets the ladder be replanned."""
+    compiler = "eager" if mode == "piecewise" else None
+    prompts, params = workload(n=6, seed=5)
+    want = tokens(engine(mode, compiler=compiler), prompts, params)
+    llm = engine(mode, compiler=compiler, capture="auto", async_scheduling=False)
+    background = mode in ("full", "full_decode_only")
+    assert (llm.background is not None) == background
+    assert tokens(llm, prompts, params) == want
+    assert llm.wait_for_graphs(timeout=60)
+    sampler = llm.engine.sampler.graph_sampler
+    assert (sampler is not None) == background
+    if background:
+        sampled = SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True)
+        replays = sum(g.replays for g in fake_graphs.graphs)
+        llm.generate([[5, 6, 7], [8, 9]], sampled)
+        assert sum(g.replays for g in fake_graphs.graphs) > replays
+        assert "graphs: background" not in llm.describe()
+    if mode == "full":
+        llm.replan_graphs(4 * 1024, granule=1024)  # refused while a capture runs
+    llm.close()
+
+
+def test_auto_capture_stays_blocking_where_background_is_refused():
+    from ostinato.engine.api.arguments import auto_capture
+    from ostinato.engine.api.engine_args import GraphArgs, ParallelArgs
+    from ostinato.engine.spec.speculative import SpeculativeConfig
+    from ostinato.modes import GraphMode
+
+    graphs, one = GraphArgs(), ParallelArgs()
+    full = GraphMode.FULL
+    assert auto_capture(graphs, one, None, full, True) == "background"
+    assert auto_capture(graphs, one, None, GraphMode.FULL_DECODE_ONLY, True) == "background"
+    assert auto_capture(graphs, one, None, full, False) == "blocking"  # no graphs here
+    for mode in (None, GraphMode.NONE, GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE):
+        assert auto_capture(graphs, one, None, mode, True) == "blocking"  # compiles
+    assert auto_capture(GraphArgs(verify="capture"), one, None, full, True) == "blocking"
+    two = ParallelArgs(tensor_parallel_size=2)
+    assert auto_capture(graphs, two, None, full, True) == "blocking"
+    split = ParallelArgs(micro_batching=True)
+    assert auto_capture(graphs, split, None, full, True) == "blocking"
+    spec = SpeculativeConfig("self", 2, 1)
+    assert auto_capture(graphs, one, spec, full, True) == "blocking"
+    assert auto_capture(graphs, one, SpeculativeConfig("ngram", 2), full, True) == "background"
+
+
 @pytest.mark.parametrize(
     "to, faster",
     [("piecewise", True), ("piecewise", False), ("full_and_piecewise", True)],
@@ -396,7 +449,7 @@ def test_staged_capture_refuses_what_it_cannot_upgrade():
 
 
 def test_background_capture_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="capture: one of blocking, background, staged"):
+    with pytest.raises(ValueError, match="capture: one of auto, blocking, background, staged"):
         engine("full", capture="lazy")
     with pytest.raises(ValueError, match="speculative='self'"):
         engine("full", capture="background", speculative="self:1")

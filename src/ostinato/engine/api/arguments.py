@@ -66,7 +66,7 @@ def parse_speculative(
 _MICRO_BATCH_MODES = (GraphMode.NONE, GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
 
 
-CAPTURE_WHEN = ("blocking", "background", "staged")
+CAPTURE_WHEN = ("auto", "blocking", "background", "staged")
 
 
 def check_capture(
@@ -85,7 +85,7 @@ def check_capture(
     capture = graphs.capture
     if capture not in CAPTURE_WHEN:
         raise ValueError(f"capture: one of {', '.join(CAPTURE_WHEN)}, got {capture!r}")
-    if capture == "blocking":
+    if capture in ("auto", "blocking"):
         return capture
     if graphs.verify == "capture":
         raise ValueError(
@@ -107,6 +107,31 @@ def check_capture(
     if capture == "staged":
         _check_staged(graphs, mode)
     return capture
+
+
+def auto_capture(
+    graphs: GraphArgs,
+    parallel: ParallelArgs,
+    speculative: SpeculativeConfig | None,
+    mode: GraphMode | None,
+    graphs_here: bool,
+) -> str:
+    """What ``capture="auto"`` runs (benchmarks/RESULTS.md, start-up on an H200):
+    ``"background"`` where the graphs are FULL graphs of the model's own kernels, which
+    compile nothing (FULL or FULL_DECODE_ONLY on a platform with graphs, ``graphs_here``; the 1.5 B
+    shape answered 4.2 s after exec against 5.4 blocking), and where ``check_capture``
+    would allow it; ``"blocking"`` elsewhere: for modes with compiled pieces (Dynamo's
+    trace on the capture thread slowed the steps beside it to about 2 tokens a
+    second), several ranks or micro-batching, self-drafting, the capture check."""
+    whole = mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+    one_rank = parallel.tensor_parallel_size * parallel.data_parallel_size == 1
+    allowed = (
+        one_rank
+        and parallel.micro_batching is False
+        and graphs.verify != "capture"
+        and (speculative is None or speculative.method != "self")
+    )
+    return "background" if whole and allowed and graphs_here else "blocking"
 
 
 def refuse_ignored(args: EngineArgs, device: torch.device) -> None:

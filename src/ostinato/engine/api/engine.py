@@ -348,7 +348,7 @@ class Engine:
         """One line: the model, device, graph mode, start-up phases and graphs."""
         parts = self.parts
         background = parts.background
-        capturing = isinstance(background, BackgroundCapture)
+        capturing = isinstance(background, BackgroundCapture) and not background.done
         graphs = "graphs: background" if capturing else parts.capture_report.summary()
         if isinstance(background, StagedRuntime):
             graphs += f"; {background.summary()}"
@@ -377,15 +377,22 @@ class Engine:
         """Between steps (none in flight): moves the FULL ladder to the sizes that pad least
         for the steps run so far, charged the pool bytes each size took at capture, within
         ``budget_bytes`` (``ostinato.adaptive_ladder``). Returns the change, or None when
-        the ladder held already pads least within the budget. Only in FULL mode, with
-        blocking capture and without small-GEMM plans (planned per captured size);
-        ``ValueError`` names what stands in the way."""
+        the ladder held already pads least within the budget. Only in FULL mode, its
+        graphs captured (blocking, or a background capture that finished; not staged)
+        and without small-GEMM plans (planned per captured size); ``ValueError`` names
+        what stands in the way."""
         background = self.parts.background
-        if self.mode is not GraphMode.FULL or background is not None:
+        settled = (
+            isinstance(background, BackgroundCapture)
+            and background.done
+            and background.error is None
+        )
+        if self.mode is not GraphMode.FULL or (background is not None and not settled):
             how = ", capturing in the background" if background else ""
             raise ValueError(
-                "replan_graphs: needs graph mode FULL with blocking capture (this engine "
-                f"runs {self.mode.name}{how})"
+                "replan_graphs: needs graph mode FULL with its graphs captured: blocking, "
+                f"or wait_for_graphs() after a background capture (this engine runs "
+                f"{self.mode.name}{how})"
             )
         if self.runner.kernel_plan.small_gemm_rows:
             raise ValueError(

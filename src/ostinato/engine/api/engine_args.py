@@ -194,6 +194,8 @@ class GraphArgs:
     a step's token budget, at most ``LADDER_TOP``: ``startup.capture_limit``), and
     ``compiler`` for the pieces (``"inductor"``, ``"eager"``, None for no compilation,
     ``"auto"``: Inductor where the mode needs pieces, on CUDA), and when to ``capture``:
+    ``"auto"`` (background where the graphs compile nothing and nothing forbids it,
+    measured sooner to the first answer; blocking elsewhere: ``arguments.auto_capture``),
     ``"blocking"`` (every graph before the engine returns), ``"background"`` (the engine
     returns once its weights and KV cache are ready; steps run eagerly, or replay what is
     ready, while a thread compiles and captures), or
@@ -230,12 +232,13 @@ class GraphArgs:
         metavar="{auto,inductor,eager,none}",
     )
     capture: str = option(
-        "blocking",
+        "auto",
         "capture every graph before the first step (blocking); start at once and "
         "capture while steps run eagerly (background); or capture FULL graphs of the "
         "eager model first and upgrade to the mode's compiled graphs where they "
-        "measure faster (staged)",
-        choices=("blocking", "background", "staged"),
+        "measure faster (staged); auto: background where the graphs compile nothing "
+        "(one GPU, no capture check, no self-drafting), else blocking",
+        choices=("auto", "blocking", "background", "staged"),
     )
     verify: str = option(
         "off",

@@ -25,6 +25,7 @@ from ostinato.distributed.groups import (
 )
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, setup_symmetric_all_reduce
 from ostinato.engine.api.arguments import (
+    auto_capture,
     check_capture,
     check_lora,
     engine_limits,
@@ -125,6 +126,9 @@ def check_args(args: EngineArgs) -> Checked:
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
     mode = engine_mode(requested, capture, device, args)
+    if capture == "auto":
+        graphs_here = platform_for_device(device).supports_graphs
+        capture = auto_capture(args.graphs, parallel, speculative, mode, graphs_here)
     utilization = check_utilization(args.cache.gpu_memory_utilization)
     micro_batching = micro_batching_policy(parallel, mode)
     lora = check_lora(args.lora, parallel, speculative, capture)
@@ -410,18 +414,20 @@ def capture(
 ) -> float:
     """Captures the runner's graphs, the sampling graphs and the draft graphs (or starts
     the background capture, or after the first stage the staged upgrade), and makes the
-    sampler; returns the seconds the sampling graphs took."""
+    sampler; returns the seconds the sampling graphs took (in the background: none
+    here, they are captured on its thread after the step graphs)."""
     generator = torch.Generator(device=parts.device).manual_seed(c.args.seed)
     runner = parts.runner
-    # In the background the sampling graphs are not captured (they read the FULL graphs'
-    # static outputs, which do not exist yet): sampling runs eagerly.
-    sampling_graphs, sampling_s = None, 0.0
+    parts.sampler = StepSampler(generator, parts.device)
+    sampling_s = 0.0
     if c.capture == "background":
-        parts.background = runner.capture_in_background()
+        # The sampling graphs read the step graphs' static outputs: captured after them,
+        # on the thread, holding the step turn; until then sampling runs eagerly.
+        parts.background = runner.capture_in_background(lambda: _finish(parts, generator))
     else:
         runner.capture()
         start = time.perf_counter()
-        sampling_graphs = runner.capture_sampling(generator)
+        parts.sampler.graph_sampler = runner.capture_sampling(generator)
         sampling_s = time.perf_counter() - start
     if c.capture == "staged":
         upgrade = graph_config(c, limits, upgrade=True)
@@ -433,13 +439,25 @@ def capture(
     if parts.memory is not None and c.capture != "background":
         # The reserve that sized the KV cache, against what the capture really took.
         parts.graph_memory = check_graph_memory(parts.memory, parts.capture_report.pool_bytes)
-    parts.sampler = StepSampler(generator, parts.device, sampling_graphs)
     if isinstance(propose, SelfDraftProposer):
         parts.drafter = propose
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
         # captures them in the same order (they hold the LM head's all-gather).
         parts.draft_report = propose.capture()
     return sampling_s
+
+
+def _finish(parts: EngineParts, generator: torch.Generator) -> None:
+    """The end of a background capture, on its thread, holding the step turn: the
+    sampling graphs, handed to the sampler, and the graph memory checked against the
+    reserve that sized the KV cache (logged; ``describe`` shows it)."""
+    # Outside inference mode, which the capture thread runs in: the steps write the
+    # sampling graphs' inputs in place, from a thread that is not in it.
+    with torch.inference_mode(False):
+        parts.sampler.graph_sampler = parts.runner.capture_sampling(generator)
+    if parts.memory is not None:
+        pool = parts.runner.manager.report.pool_bytes
+        parts.graph_memory = check_graph_memory(parts.memory, pool)
 
 
 def build(

@@ -338,11 +338,14 @@ class ModelRunner:
             dist.barrier(group=group)
         return report
 
-    def capture_in_background(self) -> BackgroundCapture:
+    def capture_in_background(
+        self, epilogue: Callable[[], None] | None = None
+    ) -> BackgroundCapture:
         """What ``capture`` does, on a thread (``ostinato.background``): returns at once.
         The thread compiles first, on scratch inputs of its own; until it is done, steps
         run the uncompiled model (the same function; Inductor's fused kernels may round
-        differently), then the compiled one, eagerly until their size's graph is ready.
+        differently), then the compiled one, eagerly until their size's graph is ready;
+        ``epilogue`` runs on it last, holding the step turn, once every graph is ready.
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
         if self.model.tp.group is not None or self.ubatch.candidates:
@@ -353,7 +356,7 @@ class ModelRunner:
         self.plan_kernels()  # sets the projections' plans: before any step runs
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
-            return self.manager.capture_in_background()
+            return self.manager.capture_in_background(epilogue=epilogue)
         self.forward = self.model
 
         def compile_first() -> None:
@@ -361,7 +364,7 @@ class ModelRunner:
             with self.manager.stepping():
                 self.forward = compiled
 
-        return self.manager.capture_in_background(prologue=compile_first)
+        return self.manager.capture_in_background(prologue=compile_first, epilogue=epilogue)
 
     def start_upgrade(
         self, config: GraphConfig, compiler: str, memory_budget: int | None = None

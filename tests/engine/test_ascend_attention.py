@@ -253,6 +253,7 @@ def engine(mode, backend, **kw):
         max_capture_size=16,
         progress=False,
         seed=3,
+        capture="blocking",  # (the replays are checked from the first step on)
     )
     return LLM(mode=mode, backend=backend, **{**base, **kw})
 

@@ -100,3 +100,16 @@ def test_unsupported_tensor_type_is_named(monkeypatch):
         model = DecoderModel(ckpt.config)
     with pytest.raises(WeightsError, match="token_embd.weight has type Q8_0"):
         ckpt.load_into(model)
+
+
+def test_the_plain_reader_reads_what_ggufs_own_reader_reads():
+    import gguf
+    import numpy as np
+
+    stock, ours = gguf.GGUFReader(str(gguf_path())), GGUFCheckpoint(gguf_path()).reader
+    assert type(ours.data) is np.ndarray  # (slices of it skip np.memmap's bookkeeping)
+    assert list(stock.fields) == list(ours.fields)
+    assert all(stock.fields[k].contents() == ours.fields[k].contents() for k in stock.fields)
+    assert [t.name for t in stock.tensors] == [t.name for t in ours.tensors]
+    pairs = zip(stock.tensors, ours.tensors, strict=True)
+    assert all(np.array_equal(a.data, b.data) for a, b in pairs)

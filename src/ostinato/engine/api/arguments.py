@@ -118,11 +118,13 @@ def auto_capture(
 ) -> str:
     """What ``capture="auto"`` runs (benchmarks/RESULTS.md, start-up on an H200):
     ``"background"`` where the graphs are FULL graphs of the model's own kernels, which
-    compile nothing (FULL or FULL_DECODE_ONLY on a platform with graphs, ``graphs_here``; the 1.5 B
-    shape answered 4.2 s after exec against 5.4 blocking), and where ``check_capture``
-    would allow it; ``"blocking"`` elsewhere: for modes with compiled pieces (Dynamo's
-    trace on the capture thread slowed the steps beside it to about 2 tokens a
-    second), several ranks or micro-batching, self-drafting, the capture check."""
+    compile nothing (FULL or FULL_DECODE_ONLY, on a platform with graphs: ``graphs_here``;
+    SmolLM2 answered 3.3-4.2 s after exec against 7.0-9.9 blocking, the 1.5 B shape 4.1-4.5
+    against 6.1-13.1; measured on CUDA, the other platforms' graphs compile nothing
+    either), and where ``check_capture`` would allow it; ``"blocking"`` elsewhere: modes
+    with compiled pieces (Dynamo's trace on the capture thread slowed the steps beside it
+    to about 2 tokens a second), several ranks or micro-batching, self-drafting, the
+    capture check."""
     whole = mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
     one_rank = parallel.tensor_parallel_size * parallel.data_parallel_size == 1
     allowed = (

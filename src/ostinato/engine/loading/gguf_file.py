@@ -71,7 +71,7 @@ class GGUFCheckpoint:
             ) from None
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            self.reader = plain_reader(gguf, self.path)
         except Exception as exc:  # a truncated or foreign file
             raise WeightsError(f"{self.path}: not a readable GGUF file ({exc})") from None
         self.arch = self._field("general.architecture")
@@ -144,9 +144,7 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             name = _hf_name(t.name)
             try:
-                # A plain view of the mapped bytes: gguf splits the rows into groups, and
-                # each slice of a np.memmap pays the subclass's bookkeeping.
-                data = dequantize(np.asarray(t.data), t.tensor_type)
+                data = dequantize(t.data, t.tensor_type)  # (a plain view: ``plain_reader``)
             except NotImplementedError:
                 raise WeightsError(
                     f"{self.path}: tensor {t.name} has type {t.tensor_type.name}, which the "
@@ -197,6 +195,24 @@ class GGUFCheckpoint:
             yield
         finally:
             gguf.GGUFReader = original
+
+
+def plain_reader(gguf: Any, path: Path) -> Any:
+    """``gguf.GGUFReader`` of ``path`` over a plain array view of its memory map: the same
+    bytes, read the same way. The reader slices its map once per metadata part (some
+    250k for SmolLM2's vocabulary and merges), and each slice of a ``np.memmap`` pays the
+    subclass's bookkeeping: 2.6-2.9 s against 1.1 s on a CPU of the test machine."""
+
+    class PlainReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:  # (the reader's own np.memmap)
+            self._plain = np.asarray(mapped)
+
+    return PlainReader(str(path))
 
 
 def _hf_name(gguf_name: str) -> str:

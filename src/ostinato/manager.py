@@ -209,8 +209,10 @@ class GraphManager:
         """The step's turn: hold it (``with manager.stepping():``) from writing a step's
         inputs until its outputs are read or queued for reading, so that a background
         capture never writes dummy inputs in between. Re-entrant; a no-op without a
-        background capture."""
-        return self._turn if self.background is not None else _NO_TURN
+        background capture, and once it is done (its thread touches nothing after: the
+        steps then pay no lock, as after a blocking capture)."""
+        background = self.background
+        return self._turn if background is not None and not background.done else _NO_TURN
 
     def ready(self, dispatch: Dispatch) -> bool:
         """Whether ``run(dispatch, ...)`` runs as dispatched (NONE; a captured FULL graph;

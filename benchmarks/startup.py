@@ -1,8 +1,9 @@
 """Start-up from a fresh process to the printed answer: ``ostinato generate`` with every
 cache empty and then filled, the default (FULL graphs captured in the background), a
 blocking capture, FULL_AND_PIECEWISE and staged capture, for the default model
-(SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; and transformers loading the same
-GGUF file and generating, the peer a user would otherwise run.
+(SmolLM2-135M-Instruct, GGUF) and the 1.5 B shape; ``ostinato serve`` of each to its
+first completion; and transformers loading the same GGUF file and generating, the peer
+a user would otherwise run.
 
     python -m benchmarks.startup --out OUT/startup.json [--device cuda] [--max-tokens 32]
 
@@ -12,10 +13,11 @@ Each run is a new Python process whose caches live in one folder per scenario
 "no bytecode" (``PYTHONDONTWRITEBYTECODE=1``, as on a host that sets it). Times are wall
 seconds read by this parent: ``first_token_s`` when the first streamed token text
 appeared on the child's stdout, ``answer_s`` when its throughput line did, ``exit_s``
-when it ended; ``phases`` is the start-up line the engine printed (open, weights,
-compile, capture). ``--rounds R`` runs the scenarios R times in turn (the later rounds
-leave out the empty-cache ones and name theirs "#2", "#3", ...): the machine's noise shows
-beside the differences.
+when it ended (``ostinato serve``'s runs: its first streamed completion, ``served``);
+``phases`` is the start-up line the engine printed (open, weights, compile, capture).
+``--rounds R`` runs the scenarios R times in turn (the later rounds leave out the
+empty-cache ones and name theirs "#2", "#3", ...): the machine's noise shows beside the
+differences.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import argparse
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -116,6 +120,62 @@ print(f"loaded in {loaded:.1f} s; {out.shape[1] - ids.shape[1]} tokens in x s: x
 
 
 FAP = "full_and_piecewise"  # (the default before FULL measured faster)
+PORT = "{port}"  # a serve scenario's port, chosen when it runs
+
+
+def served(
+    name: str, command: list[str], env: dict[str, str], timeout_s: float, tokens: int
+) -> Run:
+    """``ostinato serve`` from exec to its first completion (``tokens`` tokens of a
+    4-token prompt, streamed, greedy), asked as soon as its port answers ``/v1/models``
+    (retried every 50 ms until then): ``first_token_s`` when the first chunk arrived,
+    ``answer_s`` when the completion ended; then stopped with SIGINT (``exit_s``: when it
+    had exited)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(port) if part == PORT else part for part in command]
+    run, base = Run(name, command), f"http://127.0.0.1:{port}/v1"
+    log = tempfile.TemporaryFile()
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    model = _first_model(base, proc, start + timeout_s)
+    # Token ids, as the 1.5 B preset's generate runs use (its random model has no
+    # tokenizer); EOS ignored, so every run streams ``tokens`` tokens.
+    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": tokens, "temperature": 0}
+    body |= {"ignore_eos": True}
+    with httpx.stream("POST", f"{base}/completions", json=body | {"stream": True}) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line and run.first_token_s is None:
+                run.first_token_s = time.perf_counter() - start
+    run.answer_s = time.perf_counter() - start
+    proc.send_signal(signal.SIGINT)
+    run.returncode = proc.wait(timeout=timeout_s)
+    run.exit_s = time.perf_counter() - start
+    log.seek(0)
+    text = log.read().decode(errors="replace")
+    run.phases = next((_phases(line) for line in text.splitlines() if "start-up" in line), {})
+    run.tail = "\n".join(text.splitlines()[-6:])
+    print(f"{name}: first token {run.first_token_s}, answer {run.answer_s}, exit "
+          f"{run.exit_s:.1f} s, {run.phases}", flush=True)  # fmt: skip
+    return run
+
+
+def _first_model(base: str, proc: subprocess.Popen, deadline: float) -> str:
+    """The first model ``base`` serves, once it answers (``RuntimeError`` if the server
+    exits or ``deadline`` passes first)."""
+    import httpx
+
+    while time.perf_counter() < deadline and proc.poll() is None:
+        try:
+            return httpx.get(f"{base}/models", timeout=5).json()["data"][0]["id"]
+        except httpx.TransportError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the server never answered (exit status {proc.poll()})")
 
 
 def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
@@ -125,11 +185,14 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     common = ["--device", args.device, "--max-tokens", str(args.max_tokens)]
     smol = [*gen, "--prompt", QUESTION, *common]
     big = [*gen, "--model", "llama-1.5b", "--prompt-ids", "1,2,3,4", "--ignore-eos", *common]
+    serve = [sys.executable, "-m", "ostinato.engine", "serve", "--quiet", "--device", args.device]
+    serve += ["--port", PORT]
     return [
         ("smollm2 default, caches empty", smol, "smol"),
         ("smollm2 default, caches filled", smol, "smol"),
         ("smollm2 blocking, caches filled", [*smol, "--capture", "blocking"], "smol"),
         ("smollm2 blocking, caches empty", [*smol, "--capture", "blocking"], "smol-block"),
+        ("smollm2 serve default, caches filled", serve, "smol"),
         ("smollm2 staged, caches filled", [*smol, "--capture", "staged"], "smol"),
         ("smollm2 full_and_piecewise, caches filled", [*smol, "--mode", FAP], "smol"),
         ("smollm2 default, caches filled, no bytecode", smol, "smol"),
@@ -137,6 +200,7 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
         ("llama-1.5b default, caches empty", big, "big"),
         ("llama-1.5b default, caches filled", big, "big"),
         ("llama-1.5b blocking, caches filled", [*big, "--capture", "blocking"], "big"),
+        ("llama-1.5b serve default, caches filled", [*serve, "--model", "llama-1.5b"], "big"),
         ("llama-1.5b staged, caches filled", [*big, "--capture", "staged"], "big"),
         ("llama-1.5b full_and_piecewise, caches filled", [*big, "--mode", FAP], "big"),
         ("llama-1.5b default, caches filled, no bytecode", big, "big"),
@@ -184,7 +248,10 @@ def main() -> None:
         else:
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             env["PYTHONPYCACHEPREFIX"] = str(root / key / "bytecode")
-        runs.append(timed(name, command, env, args.timeout))
+        if PORT in command:
+            runs.append(served(name, command, env, args.timeout, args.max_tokens))
+        else:
+            runs.append(timed(name, command, env, args.timeout))
     doc = {"provenance": asdict(Provenance.collect()), "runs": [asdict(r) for r in runs]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

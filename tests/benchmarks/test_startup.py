@@ -1,0 +1,34 @@
+"""The start-up benchmark's plan and its serve runs (on the CPU, the tiny model)."""
+
+import argparse
+import os
+import sys
+
+import pytest
+
+from benchmarks.startup import PORT, planned, served
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
+    args = argparse.Namespace(
+        device="cuda", max_tokens=8, only="llama-1.5b default,llama-1.5b blocking", rounds=2
+    )
+    names = [name for name, _, _ in planned(args)]
+    first = [n for n in names if "#" not in n]
+    assert first[0] == "llama-1.5b default, caches empty"
+    assert all(n.startswith(("llama-1.5b default", "llama-1.5b blocking")) for n in first)
+    assert [n for n in names if "#" in n] == [f"{n} #2" for n in first if "empty" not in n]
+
+
+def test_a_serve_run_is_timed_to_its_first_streamed_completion():
+    command = [sys.executable, "-m", "ostinato.engine", "serve", "--quiet", "--device", "cpu"]
+    command += ["--port", PORT, "--model", "tiny"]
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    run = served("tiny serve", command, env, timeout_s=120, tokens=8)
+    assert run.returncode == 0, run.tail  # stopped by SIGINT, cleanly
+    assert 0 < run.first_token_s <= run.answer_s <= run.exit_s
+    assert run.phases["total"] > 0 and PORT not in run.command

@@ -395,7 +395,7 @@ def test_auto_capture_stays_blocking_where_background_is_refused():
     assert auto_capture(graphs, split, None, full, True) == "blocking"
     spec = SpeculativeConfig("self", 2, 1)
     assert auto_capture(graphs, one, spec, full, True) == "blocking"
-    assert auto_capture(graphs, one, SpeculativeConfig("ngram", 2), full, True) == "background"
+    assert auto_capture(graphs, one, SpeculativeConfig("ngram", 2), full, True) == "blocking"
 
 
 @pytest.mark.parametrize(

@@ -123,15 +123,15 @@ def auto_capture(
     against 6.1-13.1; measured on CUDA, the other platforms' graphs compile nothing
     either), and where ``check_capture`` would allow it; ``"blocking"`` elsewhere: modes
     with compiled pieces (Dynamo's trace on the capture thread slowed the steps beside it
-    to about 2 tokens a second), several ranks or micro-batching, self-drafting, the
-    capture check."""
+    to about 2 tokens a second), several ranks or micro-batching, the capture check, and
+    speculative decoding (self-drafting cannot; the others were not measured)."""
     whole = mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
     one_rank = parallel.tensor_parallel_size * parallel.data_parallel_size == 1
     allowed = (
         one_rank
         and parallel.micro_batching is False
         and graphs.verify != "capture"
-        and (speculative is None or speculative.method != "self")
+        and speculative is None
     )
     return "background" if whole and allowed and graphs_here else "blocking"
 

@@ -237,7 +237,7 @@ class GraphArgs:
         "capture while steps run eagerly (background); or capture FULL graphs of the "
         "eager model first and upgrade to the mode's compiled graphs where they "
         "measure faster (staged); auto: background where the graphs compile nothing "
-        "(one GPU, no capture check, no self-drafting), else blocking",
+        "(one GPU, no capture check, no speculative decoding), else blocking",
         choices=("auto", "blocking", "background", "staged"),
     )
     verify: str = option(

@@ -107,6 +107,12 @@ class BackgroundCapture:
         """True once the thread has finished (every item captured, stopped or failed)."""
         return self._done.is_set()
 
+    @property
+    def finished(self) -> bool:
+        """True once ``done`` without an error: every graph captured (unless stopped), the
+        thread touching nothing more."""
+        return self.done and self.error is None
+
     def wait(self, timeout: float | None = None) -> bool:
         """Waits until ``done`` (at most ``timeout`` seconds); returns ``done``."""
         return self._done.wait(timeout)

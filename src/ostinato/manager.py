@@ -330,7 +330,7 @@ class GraphManager:
         total is what the pool grew by (a dropped graph's memory stays in the pool, for
         the next captures)."""
         mode, background = self.dispatcher.mode, self.background
-        capturing = background is not None and not (background.done and background.error is None)
+        capturing = background is not None and not background.finished
         if mode is not GraphMode.FULL or capturing or self._later is not None:
             raise ValueError(
                 f"resize: only a FULL-mode manager whose capture is done can change its "

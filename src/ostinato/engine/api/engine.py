@@ -382,11 +382,7 @@ class Engine:
         and without small-GEMM plans (planned per captured size); ``ValueError`` names
         what stands in the way."""
         background = self.parts.background
-        settled = (
-            isinstance(background, BackgroundCapture)
-            and background.done
-            and background.error is None
-        )
+        settled = isinstance(background, BackgroundCapture) and background.finished
         if self.mode is not GraphMode.FULL or (background is not None and not settled):
             how = ", capturing in the background" if background else ""
             raise ValueError(

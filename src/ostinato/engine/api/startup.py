@@ -421,13 +421,20 @@ def capture(
     parts.sampler = StepSampler(generator, parts.device)
     sampling_s = 0.0
     if c.capture == "background":
+
+        def on_thread() -> None:
+            # Outside inference mode, which the capture thread runs in: the steps write
+            # the sampling graphs' inputs in place, from a thread that is not in it.
+            with torch.inference_mode(False):
+                _finish(parts, generator)
+
         # The sampling graphs read the step graphs' static outputs: captured after them,
         # on the thread, holding the step turn; until then sampling runs eagerly.
-        parts.background = runner.capture_in_background(lambda: _finish(parts, generator))
+        parts.background = runner.capture_in_background(on_thread)
     else:
         runner.capture()
         start = time.perf_counter()
-        parts.sampler.graph_sampler = runner.capture_sampling(generator)
+        _finish(parts, generator)
         sampling_s = time.perf_counter() - start
     if c.capture == "staged":
         upgrade = graph_config(c, limits, upgrade=True)
@@ -436,9 +443,6 @@ def capture(
         budget = parts.memory.upgrade if parts.memory is not None else None
         parts.background = runner.start_upgrade(upgrade, compiler or "inductor", budget)
     parts.capture_report = runner.manager.report
-    if parts.memory is not None and c.capture != "background":
-        # The reserve that sized the KV cache, against what the capture really took.
-        parts.graph_memory = check_graph_memory(parts.memory, parts.capture_report.pool_bytes)
     if isinstance(propose, SelfDraftProposer):
         parts.drafter = propose
         # The k-step draft loop, one graph per batch size, in the same pool; every rank
@@ -448,13 +452,10 @@ def capture(
 
 
 def _finish(parts: EngineParts, generator: torch.Generator) -> None:
-    """The end of a background capture, on its thread, holding the step turn: the
-    sampling graphs, handed to the sampler, and the graph memory checked against the
-    reserve that sized the KV cache (logged; ``describe`` shows it)."""
-    # Outside inference mode, which the capture thread runs in: the steps write the
-    # sampling graphs' inputs in place, from a thread that is not in it.
-    with torch.inference_mode(False):
-        parts.sampler.graph_sampler = parts.runner.capture_sampling(generator)
+    """The end of a capture (blocking, or on the background thread holding the step
+    turn): the sampling graphs, handed to the sampler, and the graph memory checked
+    against the reserve that sized the KV cache (logged; ``describe`` shows it)."""
+    parts.sampler.graph_sampler = parts.runner.capture_sampling(generator)
     if parts.memory is not None:
         pool = parts.runner.manager.report.pool_bytes
         parts.graph_memory = check_graph_memory(parts.memory, pool)

@@ -10,7 +10,7 @@ from hf_models import cpu_engine
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledRequest
-from ostinato.engine.sample.adjust import OutputCounts, adjusted_logits
+from ostinato.engine.sample.adjust import OutputCounts, adjusted_logits, count_sampled
 
 VOCAB = 50
 
@@ -30,6 +30,17 @@ def _direct(logits, params, generated):
     return want
 
 
+def _adjusted(counts, step, last, logits, params, drawn=None):
+    """A step as the sampler runs it: the rows brought up to date, the adjusted logits,
+    then the tokens ``drawn`` counted in the rows (as a sampling graph counts them)."""
+    rows = counts.for_step(step, last)
+    device_rows, row_counts = rows.read()
+    got = adjusted_logits(logits, params, row_counts)
+    if drawn is not None:
+        count_sampled(rows.table, device_rows, torch.tensor(drawn))
+    return got
+
+
 def test_penalties_and_bias_against_a_direct_computation_step_after_step():
     torch.manual_seed(0)
     params = [
@@ -38,9 +49,10 @@ def test_penalties_and_bias_against_a_direct_computation_step_after_step():
         SamplingParams(frequency_penalty=-1.5),
         SamplingParams(presence_penalty=2.0),
     ]
-    counts = OutputCounts(VOCAB, torch.device("cpu"))
+    counts = OutputCounts(VOCAB, 4, torch.device("cpu"))
     # Step 1: requests 0 and 3 have a token still on the device (the last step's row
-    # index[i]); their generated tokens are those recorded, then that one.
+    # index[i]); their generated tokens are those recorded, then that one. The step
+    # draws 20-23, which the sampler counts.
     outputs, pending = [[3, 7, 7, 9], [7, 7], [1, 1, 1], []], [1, 1, 0, 1]
     step = [
         _scheduled(i, o, p, n)
@@ -49,21 +61,42 @@ def test_penalties_and_bias_against_a_direct_computation_step_after_step():
     last = (torch.tensor([11, 7, 40]), {0: 1, 1: 0, 3: 2})
     generated = [[3, 7, 7, 9, 7], [], [1, 1, 1], [40]]
     logits = torch.randn(4, VOCAB)
-    got = adjusted_logits(logits, params, counts.for_step(step, last))
+    got = _adjusted(counts, step, last, logits, params, drawn=[20, 21, 22, 23])
     torch.testing.assert_close(got, _direct(logits, params, generated))
     assert torch.equal(got[1], logits[1])
-    # Step 2: request 3 is absent (forgotten); 0's token recorded, another pending; 2
-    # recorded one more.
-    step = [_scheduled(0, [3, 7, 7, 9, 7], params[0], 1), _scheduled(2, [1, 1, 1, 2], params[2])]
+    # Step 2: request 3 is absent (forgotten); 0's pending token is the 20 it drew, 2
+    # recorded its 22. Both were counted when drawn: the pending tokens (here 5, which
+    # no request drew) are not read again.
+    step = [
+        _scheduled(0, [3, 7, 7, 9, 7], params[0], 1),
+        _scheduled(2, [1, 1, 1, 22], params[2]),
+    ]
     logits = torch.randn(2, VOCAB)
-    got = adjusted_logits(logits, params[::2], counts.for_step(step, (torch.tensor([5]), {0: 0})))
-    want = _direct(logits, params[::2], [[3, 7, 7, 9, 7, 5], [1, 1, 1, 2]])
+    got = _adjusted(counts, step, (torch.tensor([5]), {0: 0}), logits, params[::2], [30, 31])
+    want = _direct(logits, params[::2], [[3, 7, 7, 9, 7, 20], [1, 1, 1, 22]])
     torch.testing.assert_close(got, want)
     # Step 3: request 3 back with two recorded tokens: counted anew from them.
     step = [_scheduled(3, [40, 41], params[3])]
     logits = torch.randn(1, VOCAB)
-    got = adjusted_logits(logits, params[3:], counts.for_step(step, None))
+    got = _adjusted(counts, step, None, logits, params[3:])
     torch.testing.assert_close(got, _direct(logits, params[3:], [[40, 41]]))
+
+
+def test_a_chunk_that_draws_no_token_counts_nothing_and_a_lost_draw_is_recounted():
+    counts = OutputCounts(VOCAB, 2, torch.device("cpu"))
+    p = SamplingParams(frequency_penalty=1.0)
+    chunk = ScheduledRequest(Request(0, [1, 2, 3], p, output=[4]), [0], 1, samples=False)
+    rows = counts.for_step([chunk], None)
+    assert rows.rows == [counts.scratch]  # (its drawn token is not kept: not counted)
+    assert counts.counted[0] == 1
+    rows = counts.for_step([_scheduled(0, [4], p)], None)
+    _, got = rows.read()
+    assert got[0, 4] == 1 and got.sum() == 1
+    # The token this step drew never reached the output (here: counted, then lost):
+    # the row is made anew from what the output holds.
+    count_sampled(rows.table, torch.tensor(rows.rows), torch.tensor([9]))
+    _, got = counts.for_step([_scheduled(0, [4], p)], None).read()
+    assert got[0, 4] == 1 and got.sum() == 1
 
 
 def test_penalties_must_be_in_openais_range():
@@ -137,10 +170,14 @@ def test_penalties_are_refused_with_speculative_decoding():
         llm.generate([[1, 2, 3]], SamplingParams(frequency_penalty=1.0))
 
 
-def test_the_rows_of_requests_gone_are_reused():
-    counts = OutputCounts(VOCAB, torch.device("cpu"))
+def test_the_rows_of_requests_gone_are_reused_and_the_table_never_moves():
+    counts = OutputCounts(VOCAB, 2, torch.device("cpu"))
+    table = counts.table
     p = SamplingParams(frequency_penalty=1.0)
-    for rid in range(100):  # one request after another: one row (and the zero row)
-        got = counts.for_step([_scheduled(rid, [rid % VOCAB] * 3, p)], None)
+    for rid in range(100):  # one request after another: one row of the two
+        _, got = counts.for_step([_scheduled(rid, [rid % VOCAB] * 3, p)], None).read()
         assert got[0, rid % VOCAB] == 3 and got.sum() == 3
-    assert len(counts.table) <= 2
+    assert counts.table is table and len(table) == 3  # (two rows and the scratch row)
+    three = [_scheduled(rid, [1], p) for rid in range(3)]
+    with pytest.raises(RuntimeError, match="more than 2 penalized requests in one step"):
+        counts.for_step(three, None)

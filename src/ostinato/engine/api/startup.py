@@ -63,6 +63,7 @@ from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.lora import LoraShape
+from ostinato.engine.sample.adjust import OutputCounts
 from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.spec.self_draft import SelfDraftProposer
 from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig
@@ -418,7 +419,9 @@ def capture(
     here, they are captured on its thread after the step graphs)."""
     generator = torch.Generator(device=parts.device).manual_seed(c.args.seed)
     runner = parts.runner
-    parts.sampler = StepSampler(generator, parts.device)
+    vocab = runner.model.config.vocab_size
+    counts = OutputCounts(vocab, limits.max_num_seqs, parts.device)
+    parts.sampler = StepSampler(generator, parts.device, counts)
     sampling_s = 0.0
     if c.capture == "background":
 
@@ -455,7 +458,8 @@ def _finish(parts: EngineParts, generator: torch.Generator) -> None:
     """The end of a capture (blocking, or on the background thread holding the step
     turn): the sampling graphs, handed to the sampler, and the graph memory checked
     against the reserve that sized the KV cache (logged; ``describe`` shows it)."""
-    parts.sampler.graph_sampler = parts.runner.capture_sampling(generator)
+    sampler = parts.sampler
+    sampler.graph_sampler = parts.runner.capture_sampling(generator, sampler.counts)
     if parts.memory is not None:
         pool = parts.runner.manager.report.pool_bytes
         parts.graph_memory = check_graph_memory(parts.memory, pool)

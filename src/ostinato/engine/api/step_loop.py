@@ -191,10 +191,9 @@ class StepLoop:
             # run: those tokens may sit in a sampling graph's output, which shares the
             # pool with the step's graphs and so may be overwritten by their replay.
             last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
-            vocab = self.runner.model.config.vocab_size
             counts = None
             if not self.speculative:
-                counts = self.sampler.output_counts(step.scheduled, vocab, last)
+                counts = self.sampler.output_counts(step.scheduled, last)
             out = self.runner.execute(step, agreement, previous and previous.sampled)
             if not step.scheduled:
                 return None

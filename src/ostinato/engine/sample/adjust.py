@@ -2,16 +2,19 @@
 presence and frequency penalties (``SamplingParams``), on the device.
 
 The penalties read how often each request has generated each token (``OutputCounts``):
-one row of counts per penalized request on the device, brought up to date each step with
-the tokens it generated since the last, those the host has recorded and, under
-asynchronous scheduling, the one the last step sampled and the host has not read back
-yet, taken from the device, so a step never waits for it and costs what its rows do,
-not what they have generated.
+one row of counts per penalized request in a table made once, so the sampling graphs
+read it where it is. Whoever samples a step's token counts it in the table at once, on
+the device (``count_sampled``: the sampling graph, or the eager step), so a request
+that stays in the batch costs the host nothing; the host adds tokens only to a row made
+anew (a request's first penalized step, or its return after a preemption), from those
+it has recorded and, under asynchronous scheduling, the one the last step sampled and
+the host has not read back yet, taken from the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,53 +27,96 @@ Pending = tuple[torch.Tensor, Mapping[int, int]]
 ``PreviousSample``'s ``tokens`` and ``index``)."""
 
 
-class OutputCounts:
-    """Per penalized request, how many times it has generated each token, ``[vocab]``
-    float32 on ``device``. Guarantees: ``for_step`` returns, for each request of a step,
-    the counts of every token it has generated so far (a pending one included); a
-    request absent from a step is forgotten and counted anew from its recorded output
-    when it comes back (after a preemption, or a reset)."""
+@dataclass(frozen=True)
+class StepCounts:
+    """A step's rows of ``OutputCounts.table``: one per scheduled request, the request's
+    own where it is penalized and samples this step, else the scratch row (which nothing
+    reads with a penalty)."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
-        self.vocab, self.device = vocab, device
-        self.table = torch.zeros((1, vocab), dtype=torch.float32, device=device)  # row 0: zeros
+    table: torch.Tensor
+    rows: list[int]
+
+    def read(self, device_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows on the device (``device_rows`` where the caller has them there) and
+        their counts, ``[len(rows), vocab]``."""
+        if device_rows is None:
+            device_rows = to_device(self.rows, torch.long, self.table.device)
+        return device_rows, self.table[device_rows]
+
+
+class OutputCounts:
+    """Per penalized request, how many times it has generated each token: a row of
+    ``table`` (``[capacity + 1, vocab]`` float32 on ``device``, made once at its first
+    use; the last row is scratch). ``capacity``: the most requests a step schedules.
+
+    Guarantees: after ``for_step``, each penalized request's row counts every token it
+    generated before the step (a pending one included), and once the step's sampler has
+    called ``count_sampled`` the token it drew too; a request absent from a step is
+    forgotten and counted anew from its recorded output when it comes back (after a
+    preemption, or a reset); the table never moves (graphs read it)."""
+
+    def __init__(self, vocab: int, capacity: int, device: torch.device) -> None:
+        self.vocab, self.capacity, self.device = vocab, capacity, device
+        self._table: torch.Tensor | None = None
         self.rows: dict[int, int] = {}  # request id -> its row
-        self.counted: dict[int, int] = {}  # request id -> tokens counted in its row
-        self.free: list[int] = []
+        self.counted: dict[int, int] = {}  # request id -> its tokens counted, or to be
+        self.free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            shape = (self.capacity + 1, self.vocab)
+            self._table = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return self._table
+
+    @property
+    def scratch(self) -> int:
+        """The row of a request that is not penalized, and of padding rows."""
+        return self.capacity
 
     def for_step(
         self, scheduled: Sequence[ScheduledRequest], pending: Pending | None
-    ) -> torch.Tensor:
-        """``[len(scheduled), vocab]``: each penalized request's counts, zeros for the
-        others (``pending``: where a request's last token is still on the device)."""
+    ) -> StepCounts:
+        """The step's rows (``StepCounts``), each penalized request's brought up to date
+        (``pending``: where a request's last token is still on the device). The step's
+        sampler must count the tokens it draws (``count_sampled``)."""
         ids = {s.request.id for s in scheduled if s.request.params.penalized}
         for gone in [r for r in self.rows if r not in ids]:
             self.free.append(self.rows.pop(gone))
             del self.counted[gone]
         host: tuple[list[int], list[int]] = ([], [])  # rows, tokens recorded on the host
         device: tuple[list[int], list[int]] = ([], [])  # rows, indices into pending tokens
+        rows = []
         for s in scheduled:
             r = s.request
-            if r.id in ids:
-                self._update(r.id, r.output, r.num_pending, pending, host, device)
-        rows = [self.rows.get(s.request.id, 0) for s in scheduled]
-        # Every index this step needs, in one copy: the flat table indices of the
-        # tokens the host has recorded, the pending tokens' places and their rows'
-        # starts, and the step's rows.
+            if r.id not in ids:
+                rows.append(self.scratch)
+                continue
+            self._update(r.id, r.output, r.num_pending, pending, host, device)
+            self.counted[r.id] += s.samples  # (the token this step draws, counted then)
+            rows.append(self.rows[r.id] if s.samples else self.scratch)
+        if host[0] or device[0]:
+            self._add(host, device, pending)
+        return StepCounts(self.table, rows)
+
+    def _add(
+        self,
+        host: tuple[list[int], list[int]],
+        device: tuple[list[int], list[int]],
+        pending: Pending | None,
+    ) -> None:
+        """Adds the queued tokens to their rows, in one ``index_add_`` on the flat table
+        (an accumulating ``index_put_`` sorts its indices on CUDA: about 0.4 ms of host
+        time a call, measured on an H200)."""
         host_at = [r * self.vocab + t for r, t in zip(*host, strict=True)]
         starts = [r * self.vocab for r in device[0]]
-        host_at_t, at, starts_t, rows_t = to_device_split(
-            [host_at, device[1], starts, rows], torch.long, self.device
+        at_t, index_t, starts_t = to_device_split(
+            [host_at, device[1], starts], torch.long, self.device
         )
         if device[1]:
             assert pending is not None  # (the pending rows come from it)
-            host_at_t = torch.cat([host_at_t, starts_t + pending[0][at].long()])
-        if len(host_at_t):
-            # One index_add_ on the flat table: an accumulating index_put_ sorts its
-            # indices on CUDA (about 0.4 ms of host time a call, measured on an H200).
-            ones = torch.ones_like(host_at_t, dtype=torch.float32)
-            self.table.view(-1).index_add_(0, host_at_t, ones)
-        return self.table[rows_t]
+            at_t = torch.cat([at_t, starts_t + pending[0][index_t].long()])
+        self.table.view(-1).index_add_(0, at_t, torch.ones_like(at_t, dtype=torch.float32))
 
     def _update(
         self,
@@ -81,8 +127,12 @@ class OutputCounts:
         host: tuple[list[int], list[int]],
         device: tuple[list[int], list[int]],
     ) -> None:
-        """Queues request ``rid``'s tokens generated since its row was last brought up to
-        date (its row made, zeroed, where it has none)."""
+        """Queues request ``rid``'s tokens that its row has not counted (its row made,
+        zeroed, where it has none): in a request that stays in the batch, none."""
+        known = len(output) + num_pending
+        if rid in self.rows and self.counted[rid] > known:
+            # (a drawn token that never reached the output: counted anew)
+            self.free.append(self.rows.pop(rid))
         if rid not in self.rows:
             self.rows[rid] = self._new_row()
             self.counted[rid] = 0
@@ -90,23 +140,29 @@ class OutputCounts:
         for token in output[start:]:
             host[0].append(row)
             host[1].append(token)
-        counted = len(output)
         at = pending[1].get(rid) if pending is not None and num_pending else None
-        if at is not None:
+        if at is not None and start <= len(output):
             device[0].append(row)
             device[1].append(at)
-            counted += 1
-        self.counted[rid] = counted
+        self.counted[rid] = known
 
     def _new_row(self) -> int:
         if not self.free:
-            grown = torch.zeros_like(self.table).repeat(2, 1)  # (doubled: rows made rarely)
-            grown[: len(self.table)] = self.table
-            self.free = list(range(len(self.table), len(grown)))
-            self.table = grown
+            raise RuntimeError(
+                f"OutputCounts: more than {self.capacity} penalized requests in one step"
+            )
         row = self.free.pop()
         self.table[row].zero_()
         return row
+
+
+def count_sampled(table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Adds one to each row's count of the token drawn for it (``rows``, ``tokens``:
+    ``[n]`` on the table's device; a step's rows are distinct but for the scratch row,
+    so the adds are an ``index_add_``): the same ops in a sampling graph and an eager
+    step."""
+    at = rows * table.shape[1] + tokens.long()
+    table.view(-1).index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
 
 
 def adjusted_logits(

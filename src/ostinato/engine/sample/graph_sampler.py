@@ -22,11 +22,12 @@ follow the same distribution as eager sampling's.
 
 A step whose requests set a logit bias or penalties, or a seed, replays an adjusted
 variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, rewritten between
-steps where the rows' biases differ from the last step's), subtracts the penalties from
-the output counts (``OutputCounts``' rows, copied in) with the arithmetic of eager steps
-(``adjust.penalize``), and draws a seeded row's numbers from its key (``sampler.Seeds``),
-so it too takes eager's tokens. Its buffers cost ``2 * rows * vocab`` float32 (32 MiB at
-32 rows of a 128k vocabulary).
+steps where the rows' biases differ from the last step's), subtracts the penalties read
+from the output counts' table (``OutputCounts``, through the step's rows) with the
+arithmetic of eager steps (``adjust.penalize``), draws a seeded row's numbers from its
+key (``sampler.Seeds``), so it too takes eager's tokens, and counts the tokens it drew
+in the table (``adjust.count_sampled``). Its bias costs ``rows * vocab`` float32 (16 MiB
+at 32 rows of a 128k vocabulary).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ from typing import Any
 import torch
 
 from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
-from ostinato.engine.sample.adjust import add_bias, penalize
+from ostinato.engine.sample.adjust import (
+    OutputCounts,
+    StepCounts,
+    add_bias,
+    count_sampled,
+    penalize,
+)
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.sampler import Seeds, row_keys_and_mask, sample, top_p_cut
@@ -85,17 +92,19 @@ class GraphSampler:
         logits: Callable[[int], torch.Tensor],
         max_rows: int,
         device: torch.device,
+        counts: OutputCounts,
         greedy: bool = False,
     ) -> None:
         self.platform, self.pool, self.generator, self.logits = platform, pool, generator, logits
-        self.device = device
+        self.device, self.counts = device, counts
         self.one_for_all = device.type == "cuda"  # (``CUDA_VARIANTS``)
         variants = CUDA_VARIANTS if self.one_for_all else VARIANTS
         self.variants = (*variants, GREEDY) if greedy else variants
-        # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded.
+        # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded,
+        # row of the output counts.
         self.floats = torch.zeros((4, max_rows), dtype=torch.float32, device=device)
-        self.ints = torch.zeros((2, max_rows), dtype=torch.long, device=device)
-        self.counts = self.bias = torch.zeros((0, 0), device=device)  # (sized by capture)
+        self.ints = torch.zeros((3, max_rows), dtype=torch.long, device=device)
+        self.bias = self.table = torch.zeros((0, 0), device=device)  # (made by capture)
         self.bias_key: tuple | None = None  # the step whose biases ``bias`` holds
         # Pinned staging, two sets used in turn (as ``StepInputs`` does: under
         # asynchronous scheduling the host fills one while the other's copy may still be
@@ -104,7 +113,7 @@ class GraphSampler:
         self.stagings = [
             (
                 torch.zeros((4, max_rows), dtype=torch.float32, pin_memory=pin),
-                torch.zeros((2, max_rows), dtype=torch.long, pin_memory=pin),
+                torch.zeros((3, max_rows), dtype=torch.long, pin_memory=pin),
             )
             for _ in range(2)
         ]
@@ -120,12 +129,17 @@ class GraphSampler:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
         out = self.logits(n)
         if adjusted:
+            table, rows = self.table, self.ints[2, :n]
             out = out.float() + self.bias[:n]
-            penalize(out, self.floats[2, :n], self.floats[3, :n], self.counts[:n])
+            penalize(out, self.floats[2, :n], self.floats[3, :n], table[rows])
         if cut is None:  # (greedy: no draw)
-            return greedy_tokens(out)
-        seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
-        return sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
+            tokens = greedy_tokens(out)
+        else:
+            seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
+            tokens = sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
+        if adjusted:
+            count_sampled(table, rows, tokens)
+        return tokens
 
     @torch.inference_mode()
     def capture(self, sizes: list[int], ahead: bool = False) -> None:
@@ -136,8 +150,9 @@ class GraphSampler:
         other at each capture's warm-up."""
         rows, vocab = self.floats.shape[1], self.logits(sizes[-1]).shape[-1]
         with torch.inference_mode(False):  # (written between steps, outside inference mode)
-            self.counts = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
             self.bias = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
+            self.table = self.counts.table  # (made now if not yet: graphs read it there)
+        self.ints[2].fill_(self.counts.scratch)  # (the captures' draws count nowhere)
         state = self.generator.get_state()
         if ahead:
             self._compile_ahead(sizes)
@@ -219,11 +234,12 @@ class GraphSampler:
         padded: int,
         params: Sequence[SamplingParams],
         seeded: Sequence[tuple[int, int] | None],
-        counts: torch.Tensor | None,
+        counts: StepCounts | None,
     ) -> Any:
         """``sample`` for a step with a logit bias, a penalty or a seeded row: the tokens
-        eager sampling takes from ``adjust.adjusted_logits`` (``counts``: the step's
-        ``OutputCounts``, where a row is penalized) with ``seeded`` (``sample``'s)."""
+        eager sampling takes from ``adjust.adjusted_logits`` (``counts``: the step's rows
+        of the output counts, where a row is penalized; the tokens drawn are counted
+        there) with ``seeded`` (``sample``'s)."""
         temperatures, top_ps = [p.temperature for p in params], [p.top_p for p in params]
         greedy = all(p.greedy for p in params)
         cut = None if greedy else top_p_cut(temperatures, top_ps)
@@ -233,10 +249,9 @@ class GraphSampler:
         n = len(params)
         presence = [p.presence_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
-        ints = row_keys_and_mask(seeded or [None] * n)  # (``sample``'s empty: none seeded)
-        self._stage(padded, [temperatures, top_ps, presence, frequency], ints)
-        if counts is not None:
-            self.counts[:n].copy_(counts)
+        keys, mask = row_keys_and_mask(seeded or [None] * n)  # (``sample``'s empty: none seeded)
+        rows = counts.rows if counts is not None else [self.counts.scratch] * n
+        self._stage(padded, [temperatures, top_ps, presence, frequency], (keys, mask, rows))
         # The biases of a request never change, so a step with the same rows' biases as
         # the last (the same pairs, which compare by identity first) finds them written.
         key = (padded, tuple(p.logit_bias for p in params))
@@ -257,11 +272,12 @@ class GraphSampler:
         self,
         padded: int,
         floats: list[list[float]],
-        ints: tuple[list[int], list[int]] | None = None,
+        ints: tuple[list[int], list[int], list[int]] | None = None,
     ) -> None:
         """Writes the step's per-row values (``floats``: temperatures, top-p, then the
-        penalties; ``ints``: seed keys and seeded flags) into the device buffers through
-        the next pinned staging; padding rows greedy, top-p 1, no penalty, unseeded."""
+        penalties; ``ints``: seed keys, seeded flags and rows of the output counts) into
+        the device buffers through the next pinned staging; padding rows greedy, top-p
+        1, no penalty, unseeded, counted in the scratch row."""
         n = len(floats[0])
         (staging_f, staging_i), (host_f, host_i) = self.stagings[self.turn], self.hosts[self.turn]
         self.turn ^= 1
@@ -273,6 +289,7 @@ class GraphSampler:
         # a pageable temporary and so would wait for the device.
         self.floats.copy_(staging_f, non_blocking=True)
         if ints is not None:
-            host_i[:, :padded] = 0
-            host_i[0, :n], host_i[1, :n] = ints
+            host_i[:2, :padded] = 0
+            host_i[2, :padded] = self.counts.scratch
+            host_i[0, :n], host_i[1, :n], host_i[2, :n] = ints
             self.ints.copy_(staging_i, non_blocking=True)

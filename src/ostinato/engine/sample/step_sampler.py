@@ -13,7 +13,13 @@ import torch
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
 from ostinato.engine.core.transfer import to_device_split
-from ostinato.engine.sample.adjust import OutputCounts, Pending, adjusted_logits
+from ostinato.engine.sample.adjust import (
+    OutputCounts,
+    Pending,
+    StepCounts,
+    adjusted_logits,
+    count_sampled,
+)
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs, wanted
@@ -50,22 +56,21 @@ class StepSampler:
         self,
         generator: torch.Generator,
         device: torch.device,
+        counts: OutputCounts,
         graph_sampler: GraphSampler | None = None,
     ) -> None:
         self.generator, self.device = generator, device
+        self.counts = counts  # the penalties' output counts, read by the sampling graphs
         self.graph_sampler = graph_sampler  # the sampling graphs, one per decode size
-        self.counts: OutputCounts | None = None  # made at the first penalized step
 
     def output_counts(
-        self, scheduled: Sequence[ScheduledRequest], vocab: int, pending: Pending | None
-    ) -> torch.Tensor | None:
-        """The step's penalized requests' output counts (``adjust.OutputCounts``), None
-        where none is penalized (``pending``: the last step's tokens still on the
-        device)."""
+        self, scheduled: Sequence[ScheduledRequest], pending: Pending | None
+    ) -> StepCounts | None:
+        """The step's rows of the penalties' output counts (``adjust.OutputCounts``),
+        None where no request is penalized (``pending``: the last step's tokens still
+        on the device). ``tokens`` counts the tokens it draws for them."""
         if not any(s.request.params.penalized for s in scheduled):
             return None
-        if self.counts is None:
-            self.counts = OutputCounts(vocab, self.device)
         return self.counts.for_step(scheduled, pending)
 
     def tokens(
@@ -73,14 +78,15 @@ class StepSampler:
         params: Sequence[SamplingParams],
         out: StepOutput,
         indices: Sequence[int] = (),
-        counts: torch.Tensor | None = None,
+        counts: StepCounts | None = None,
     ) -> torch.Tensor:
         """One token per request of the step (``params`` in the step's order; ``indices``:
         the index in its sequence of each token drawn, which a request's ``seed`` is
-        mixed with; ``counts``: ``output_counts``', where a request is penalized); a
-        view of a static buffer where a graph chose them, so copy it before the next
-        step. A step with a seeded sampled request, a logit bias or a penalty replays
-        the sampling graph's adjusted variant where there is one."""
+        mixed with; ``counts``: ``output_counts``', where a request is penalized, whose
+        rows then count the tokens drawn); a view of a static buffer where a graph chose
+        them, so copy it before the next step. A step with a seeded sampled request, a
+        logit bias or a penalty replays the sampling graph's adjusted variant where there
+        is one."""
         all_greedy = all(p.greedy for p in params)
         adjusted = any(p.adjusts_logits for p in params)
         if all_greedy and not adjusted:
@@ -97,9 +103,13 @@ class StepSampler:
             if in_graph is not None:
                 return in_graph
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
-        logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
+        rows, row_counts = counts.read() if counts is not None else (None, None)
+        logits = adjusted_logits(out.logits, params, row_counts) if adjusted else out.logits
         cut = top_p_cut(temperatures, top_ps)
-        return sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)
+        tokens = sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)
+        if counts is not None:
+            count_sampled(counts.table, rows, tokens)
+        return tokens
 
     def _greedy(self, out: StepOutput, n: int) -> torch.Tensor:
         """The argmax of an all-greedy step without adjustments: the step's own, else

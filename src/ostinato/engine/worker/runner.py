@@ -24,6 +24,7 @@ from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.sample.adjust import OutputCounts
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
@@ -392,12 +393,15 @@ class ModelRunner:
         staged upgrade's or the background capture's (a no-op with neither)."""
         return self.staged.stepping() if self.staged is not None else self.manager.stepping()
 
-    def capture_sampling(self, generator: torch.Generator) -> GraphSampler | None:
+    def capture_sampling(
+        self, generator: torch.Generator, counts: OutputCounts
+    ) -> GraphSampler | None:
         """A sampling graph per uniform decode size of one token per request
         (``GraphSampler``), in the shared pool, reading that size's static logits: the
         decode graphs' outputs where the mode has decode graphs; in FULL mode, where
         decodes replay the mixed graphs and the LM head runs after them, a buffer the
-        LM head writes (``sample_logits``). None where there are no FULL graphs, or for
+        LM head writes (``sample_logits``); the penalties read and count in ``counts``.
+        None where there are no FULL graphs, or for
         verify steps of several tokens per request, which verification samples."""
         if self.graphs.dispatcher.uniform_decode_query_len != 1:
             return None
@@ -421,7 +425,9 @@ class ModelRunner:
             self.sample_logits = torch.zeros(shape, dtype=dtype, device=self.device)
         platform, pool = self.manager.platform, self.manager.pool
         greedy = self.sample_logits is not None  # (no argmax in the step's own graphs)
-        sampler = GraphSampler(platform, pool, generator, logits, sizes[-1], self.device, greedy)
+        sampler = GraphSampler(
+            platform, pool, generator, logits, sizes[-1], self.device, counts, greedy
+        )
         sampler.capture(sizes, ahead=self.kernels.compile_ahead)
         return sampler
 

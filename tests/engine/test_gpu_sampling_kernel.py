@@ -109,6 +109,58 @@ def test_row_logprobs_equal_log_softmax_and_topk(vocab):
     assert none[1].shape == (16, 0)
 
 
+@GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_penalize_kernel_equals_the_torch_arithmetic(dtype, with_bias):
+    # Rows read the table through their indices (two rows share one; the scratch row
+    # with no penalty); float32 within an ulp of torch's (the kernel's penalty is an fma).
+    from ostinato.engine.kernels.penalize import penalize_rows
+
+    device = _device()
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 5, 5003
+    logits = (torch.randn(n, vocab, generator=g) * 4).to(dtype)
+    bias = torch.randn(n, vocab, generator=g) if with_bias else None
+    table = torch.randint(0, 4, (4, vocab), generator=g).float()
+    rows = torch.tensor([0, 2, 2, 3, 1])
+    presence = torch.tensor([0.5, -1.0, 0.0, 2.0, 0.0])
+    frequency = torch.tensor([0.25, 0.4, -1.5, 0.0, 0.0])
+    want = logits.float() + (bias if with_bias else 0.0)
+    counts = table[rows]
+    want = want - (presence[:, None] * (counts > 0) + frequency[:, None] * counts)
+    on = [t.to(device) if t is not None else None for t in (logits, bias, presence, frequency)]
+    got = penalize_rows(*on, table.to(device), rows.to(device))
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-7, atol=2e-6)
+
+
+@pytest.mark.gpu
+def test_row_logprobs_write_the_alternatives_a_device_count_asks_for_inside_a_graph():
+    # A graph captured for 20 alternatives computes as many as ``live_k`` holds at each
+    # replay (clamped to 20); the columns after them keep what was there.
+    from ostinato.engine.kernels.sampling import row_logprobs
+
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(8, 151936, generator=g) * 3).to(device)
+    tokens = torch.randint(0, 151936, (8,), generator=g).to(device)
+    live = torch.full((1,), 20, dtype=torch.long, device=device)
+    row_logprobs(logits, tokens, 20, live)  # warm-up: compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chosen, ids, values = row_logprobs(logits, tokens, 20, live)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    for k in (5, 0, 20, 64):
+        ids.fill_(-7)
+        live.fill_(k)
+        graph.replay()
+        top = logp.topk(min(k, 20), dim=-1)
+        torch.testing.assert_close(chosen, logp.gather(1, tokens[:, None]).squeeze(1))
+        assert torch.equal(ids[:, : min(k, 20)], top.indices)  # (random floats: no ties)
+        torch.testing.assert_close(values[:, : min(k, 20)], top.values)
+        assert (ids[:, min(k, 20) :] == -7).all()
+
+
 @pytest.mark.gpu
 def test_a_replayed_sampling_graph_takes_the_eager_calls_tokens():
     device = torch.device("cuda")

@@ -34,10 +34,9 @@ def _adjusted(counts, step, last, logits, params, drawn=None):
     """A step as the sampler runs it: the rows brought up to date, the adjusted logits,
     then the tokens ``drawn`` counted in the rows (as a sampling graph counts them)."""
     rows = counts.for_step(step, last)
-    device_rows, row_counts = rows.read()
-    got = adjusted_logits(logits, params, row_counts)
+    got = adjusted_logits(logits, params, rows)
     if drawn is not None:
-        count_sampled(rows.table, device_rows, torch.tensor(drawn))
+        count_sampled(rows.table, rows.device_rows, torch.tensor(drawn))
     return got
 
 
@@ -90,12 +89,13 @@ def test_a_chunk_that_draws_no_token_counts_nothing_and_a_lost_draw_is_recounted
     assert rows.rows == [counts.scratch]  # (its drawn token is not kept: not counted)
     assert counts.counted[0] == 1
     rows = counts.for_step([_scheduled(0, [4], p)], None)
-    _, got = rows.read()
+    got = rows.table[rows.device_rows]
     assert got[0, 4] == 1 and got.sum() == 1
     # The token this step drew never reached the output (here: counted, then lost):
     # the row is made anew from what the output holds.
     count_sampled(rows.table, torch.tensor(rows.rows), torch.tensor([9]))
-    _, got = counts.for_step([_scheduled(0, [4], p)], None).read()
+    rows = counts.for_step([_scheduled(0, [4], p)], None)
+    got = rows.table[rows.device_rows]
     assert got[0, 4] == 1 and got.sum() == 1
 
 
@@ -175,7 +175,8 @@ def test_the_rows_of_requests_gone_are_reused_and_the_table_never_moves():
     table = counts.table
     p = SamplingParams(frequency_penalty=1.0)
     for rid in range(100):  # one request after another: one row of the two
-        _, got = counts.for_step([_scheduled(rid, [rid % VOCAB] * 3, p)], None).read()
+        rows = counts.for_step([_scheduled(rid, [rid % VOCAB] * 3, p)], None)
+        got = rows.table[rows.device_rows]
         assert got[0, rid % VOCAB] == 3 and got.sum() == 3
     assert counts.table is table and len(table) == 3  # (two rows and the scratch row)
     three = [_scheduled(rid, [1], p) for rid in range(3)]

@@ -254,8 +254,11 @@ def sample_rows(
 
 @triton.jit
 def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vocab, chunks, k,
-                          K, CHUNK: tl.constexpr):  # fmt: skip
-    """A chunk's max and softmax sum of the raw logits, and its ``k`` largest."""
+                          k_ptr, K, CHUNK: tl.constexpr, LIVE_K: tl.constexpr):  # fmt: skip
+    """A chunk's max and softmax sum of the raw logits, and its ``k`` largest (LIVE_K:
+    as many as ``k_ptr`` holds)."""
+    if LIVE_K:
+        k = tl.minimum(tl.load(k_ptr), k)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
@@ -275,10 +278,13 @@ def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vo
 @triton.jit
 def _logprob_row_kernel(
     logits_ptr, stride, tokens_ptr, stats_ptr, ids_ptr, values_ptr, chosen_ptr, top_ids_ptr,
-    top_values_ptr, chunks, k, K, CHUNKS: tl.constexpr, CANDIDATES: tl.constexpr,
+    top_values_ptr, chunks, k, k_ptr, K, CHUNKS: tl.constexpr, CANDIDATES: tl.constexpr,
+    LIVE_K: tl.constexpr,
 ):  # fmt: skip
     """A row's log-sum-exp over its chunks, its token's log probability and the ``k``
-    largest of the chunks' candidates."""
+    largest of the chunks' candidates (LIVE_K: as many as ``k_ptr`` holds)."""
+    if LIVE_K:
+        k = tl.minimum(tl.load(k_ptr), k)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     shift, total = _combined(stats_ptr, row, c, c < chunks, chunks)
@@ -299,12 +305,15 @@ def _logprob_row_kernel(
 
 
 def row_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, k: int
+    logits: torch.Tensor, tokens: torch.Tensor, k: int, live_k: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` (``[rows, vocab]`` CUDA floats): the log probability of
     ``tokens``' entry (``[rows]``), and the ``k`` most likely tokens' ids and log
     probabilities (``[rows, k]``, most likely first, the smaller id first on ties), from
-    a float32 log-softmax."""
+    a float32 log-softmax. ``live_k`` (a one-element int64 tensor on the device, read
+    when the kernels run: a graph's replay reads its value then): only its value's
+    first columns (at most ``k``) are written, the rest left as they were; the top-k is a pass
+    over each chunk per alternative, so a step pays for the alternatives it asked for."""
     rows, vocab = logits.shape
     device = logits.device
     chosen = torch.empty(rows, dtype=torch.float32, device=device)
@@ -320,13 +329,16 @@ def row_logprobs(
     stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
     ids = torch.empty((rows, chunks, big_k), dtype=torch.int64, device=device)
     values = torch.empty((rows, chunks, big_k), dtype=torch.float32, device=device)
+    live = {"LIVE_K": live_k is not None}
+    k_ptr = live_k if live_k is not None else chosen  # (not read without LIVE_K)
     launch(
         _logprob_chunk_kernel, (rows, chunks), logits, logits.stride(0), stats, ids, values,
-        vocab, chunks, k, K=big_k, CHUNK=CHUNK, num_warps=WARPS,
+        vocab, chunks, k, k_ptr, K=big_k, CHUNK=CHUNK, num_warps=WARPS, **live,
     )  # fmt: skip
     launch(
         _logprob_row_kernel, (rows,), logits, logits.stride(0), tokens, stats, ids, values,
-        chosen, top_ids, top_values, chunks, k, K=big_k, CHUNKS=triton.next_power_of_2(chunks),
-        CANDIDATES=triton.next_power_of_2(chunks * big_k), num_warps=8,
+        chosen, top_ids, top_values, chunks, k, k_ptr, K=big_k,
+        CHUNKS=triton.next_power_of_2(chunks), CANDIDATES=triton.next_power_of_2(chunks * big_k),
+        num_warps=8, **live,
     )  # fmt: skip
     return chosen, top_ids, top_values

@@ -13,6 +13,7 @@ the host has not read back yet, taken from the device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ Pending = tuple[torch.Tensor, Mapping[int, int]]
 ``PreviousSample``'s ``tokens`` and ``index``)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepCounts:
     """A step's rows of ``OutputCounts.table``: one per scheduled request, the request's
     own where it is penalized and samples this step, else the scratch row (which nothing
@@ -36,12 +37,10 @@ class StepCounts:
     table: torch.Tensor
     rows: list[int]
 
-    def read(self, device_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows on the device (``device_rows`` where the caller has them there) and
-        their counts, ``[len(rows), vocab]``."""
-        if device_rows is None:
-            device_rows = to_device(self.rows, torch.long, self.table.device)
-        return device_rows, self.table[device_rows]
+    @functools.cached_property
+    def device_rows(self) -> torch.Tensor:
+        """``rows`` on the table's device (copied once)."""
+        return to_device(self.rows, torch.long, self.table.device)
 
 
 class OutputCounts:
@@ -166,30 +165,42 @@ def count_sampled(table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor)
 
 
 def adjusted_logits(
-    logits: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor | None
+    logits: torch.Tensor, params: Sequence[SamplingParams], counts: StepCounts | None
 ) -> torch.Tensor:
     """``logits`` (``[rows, vocab]``) with each row's bias added and penalties subtracted
     (a float32 copy: the step's logits may be a graph's static output). ``counts``:
     ``OutputCounts.for_step``'s, needed where a row is penalized."""
     out = logits.to(torch.float32, copy=True)
     add_bias(out, params)
-    if any(p.penalized for p in params):
-        if counts is None:
-            raise ValueError("adjusted_logits: penalized rows need their output counts")
-        both = [p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
-        presence, frequency = to_device(both, torch.float32, out.device).view(2, -1)
-        penalize(out, presence, frequency, counts)
-    return out
+    if not any(p.penalized for p in params):
+        return out
+    if counts is None:
+        raise ValueError("adjusted_logits: penalized rows need their output counts")
+    both = [p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
+    presence, frequency = to_device(both, torch.float32, out.device).view(2, -1)
+    return penalized(out, None, presence, frequency, counts.table, counts.device_rows)
 
 
-def penalize(
-    out: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, counts: torch.Tensor
-) -> None:
-    """Subtracts each row's presence penalty from the logits of the tokens it has
-    generated and its frequency penalty times their counts (``out``: float32 logits, in
-    place; ``presence``, ``frequency``: ``[rows]``): one arithmetic for eager steps and
-    the sampling graphs, so both pick the same tokens."""
-    out -= presence[:, None] * (counts > 0) + frequency[:, None] * counts
+def penalized(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """float32 ``logits + bias`` (``bias``: ``[rows, vocab]``, None: none) less each
+    row's presence penalty on the tokens it has generated and its frequency penalty
+    times their counts (``presence``, ``frequency``: ``[rows]``; the counts:
+    ``table[rows]``): one arithmetic for eager steps and the sampling graphs, so both
+    pick the same tokens (on CUDA one kernel, ``kernels.penalize``)."""
+    if logits.is_cuda:
+        from ostinato.engine.kernels.penalize import penalize_rows
+
+        return penalize_rows(logits, bias, presence, frequency, table, rows)
+    out = logits.float() if bias is None else logits.float() + bias
+    counts = table[rows]
+    return out - (presence[:, None] * (counts > 0) + frequency[:, None] * counts)
 
 
 def add_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:

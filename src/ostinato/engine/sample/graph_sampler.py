@@ -24,7 +24,7 @@ A step whose requests set a logit bias or penalties, or a seed, replays an adjus
 variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, rewritten between
 steps where the rows' biases differ from the last step's), subtracts the penalties read
 from the output counts' table (``OutputCounts``, through the step's rows) with the
-arithmetic of eager steps (``adjust.penalize``), draws a seeded row's numbers from its
+arithmetic of eager steps (``adjust.penalized``), draws a seeded row's numbers from its
 key (``sampler.Seeds``), so it too takes eager's tokens, and counts the tokens it drew
 in the table (``adjust.count_sampled``). Its bias costs ``rows * vocab`` float32 (16 MiB
 at 32 rows of a 128k vocabulary).
@@ -44,7 +44,7 @@ from ostinato.engine.sample.adjust import (
     StepCounts,
     add_bias,
     count_sampled,
-    penalize,
+    penalized,
 )
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs
@@ -121,8 +121,11 @@ class GraphSampler:
         self.turn = 0
         self.graphs: dict[Key, tuple[Any, torch.Tensor]] = {}  # -> (graph, tokens [size])
         # Log probabilities (``StepLogprobs`` of MAX_LOGPROBS alternatives) per size, of
-        # the tokens copied into ``chosen``.
+        # the tokens copied into ``chosen``; on CUDA only ``live_k`` alternatives are
+        # computed (a pass over the logits each), written when a step asks for another k.
         self.chosen = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.live_k = torch.full((1,), MAX_LOGPROBS, dtype=torch.long, device=device)
+        self.live_k_value = MAX_LOGPROBS
         self.logprob_graphs: dict[int, tuple[Any, StepLogprobs]] = {}
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
@@ -130,8 +133,8 @@ class GraphSampler:
         out = self.logits(n)
         if adjusted:
             table, rows = self.table, self.ints[2, :n]
-            out = out.float() + self.bias[:n]
-            penalize(out, self.floats[2, :n], self.floats[3, :n], table[rows])
+            penalties = self.floats[2, :n], self.floats[3, :n]
+            out = penalized(out, self.bias[:n], *penalties, table, rows)
         if cut is None:  # (greedy: no draw)
             tokens = greedy_tokens(out)
         else:
@@ -178,7 +181,7 @@ class GraphSampler:
     def _logprobs_of(self, n: int) -> Callable[[], StepLogprobs]:
         logits = self.logits(n)
         k = min(MAX_LOGPROBS, logits.shape[-1])
-        return lambda: StepLogprobs.of(logits, self.chosen[:n], k)
+        return lambda: StepLogprobs.of(logits, self.chosen[:n], k, self.live_k)
 
     def _captured(self, fn: Callable[[], Any], draws: bool) -> tuple[Any, Any]:
         """A graph of ``fn`` in the shared pool and its outputs, after one warm-up run
@@ -203,6 +206,9 @@ class GraphSampler:
             return None
         n = tokens.shape[0]
         self.chosen[:n].copy_(tokens)
+        if k != self.live_k_value:
+            self.live_k.fill_(k)
+            self.live_k_value = k
         entry[0].replay()
         out = entry[1]
         return StepLogprobs(out.chosen[:n], out.top_ids[:n, :k], out.top_values[:n, :k])

@@ -25,14 +25,18 @@ class StepLogprobs:
     top_values: torch.Tensor
 
     @staticmethod
-    def of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> StepLogprobs:
+    def of(
+        logits: torch.Tensor, tokens: torch.Tensor, k: int, live_k: torch.Tensor | None = None
+    ) -> StepLogprobs:
         """From ``logits`` (``[rows, vocab]``, any float dtype: log-softmax in float32)
         and each row's chosen token (``[rows]``); on CUDA two kernels
-        (``kernels.sampling.row_logprobs``, the smaller id first among tied values)."""
+        (``kernels.sampling.row_logprobs``, the smaller id first among tied values), which
+        with ``live_k`` (a device int64 ``[1]``, at most ``k``) write only that many
+        alternatives, as many as it holds when they run; elsewhere all ``k``."""
         if logits.is_cuda:
             from ostinato.engine.kernels.sampling import row_logprobs
 
-            return StepLogprobs(*row_logprobs(logits, tokens, k))
+            return StepLogprobs(*row_logprobs(logits, tokens, k, live_k))
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, tokens.long()[:, None]).squeeze(1)
         top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())

@@ -103,12 +103,11 @@ class StepSampler:
             if in_graph is not None:
                 return in_graph
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
-        rows, row_counts = counts.read() if counts is not None else (None, None)
-        logits = adjusted_logits(out.logits, params, row_counts) if adjusted else out.logits
+        logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
         cut = top_p_cut(temperatures, top_ps)
         tokens = sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)
         if counts is not None:
-            count_sampled(counts.table, rows, tokens)
+            count_sampled(counts.table, counts.device_rows, tokens)
         return tokens
 
     def _greedy(self, out: StepOutput, n: int) -> torch.Tensor:

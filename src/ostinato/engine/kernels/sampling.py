@@ -283,8 +283,9 @@ def _logprob_row_kernel(
 ):  # fmt: skip
     """A row's log-sum-exp over its chunks, its token's log probability and the ``k``
     largest of the chunks' candidates (LIVE_K: as many as ``k_ptr`` holds)."""
+    live_k = k  # (``k`` stays the outputs' row stride)
     if LIVE_K:
-        k = tl.minimum(tl.load(k_ptr), k)
+        live_k = tl.minimum(tl.load(k_ptr), k)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     shift, total = _combined(stats_ptr, row, c, c < chunks, chunks)
@@ -292,11 +293,11 @@ def _logprob_row_kernel(
     token = tl.load(tokens_ptr + row)
     tl.store(chosen_ptr + row, tl.load(logits_ptr + row * stride + token).to(tl.float32) - lse)
     n = tl.arange(0, CANDIDATES)
-    valid = (n < chunks * K) & ((n % K) < k)
+    valid = (n < chunks * K) & ((n % K) < live_k)
     v = tl.load(values_ptr + row * chunks * K + n, mask=valid, other=float("-inf"))
     ids = tl.load(ids_ptr + row * chunks * K + n, mask=valid, other=-1)
     big = tl.full((), 1 << 62, tl.int64)
-    for j in range(k):
+    for j in range(live_k):
         best = tl.max(v, axis=0)
         i = tl.min(tl.where(valid & (v == best), ids, big), axis=0)
         tl.store(top_ids_ptr + row * k + j, i)

@@ -106,7 +106,7 @@ def graph_pool_bytes(
 
 # Peak bytes per logit element of ``sample`` (softmax, the sort's values and int64
 # indices, the top-p mask's temporaries, the exponential race): 25, rounded up; and the
-# buffers beside the graphs: the adjusted variants' float32 counts and bias, and FULL
+# buffers beside the graphs: the adjusted variants' float32 bias, the counts' table, and FULL
 # mode's logits buffer (at most float32).
 SAMPLING_BYTES_PER_LOGIT = 28 + 4 + 4 + 4
 

@@ -169,19 +169,27 @@ def _start_engine(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    try:
-        from ostinato.engine.serve.server import serve
-    except ImportError as exc:
-        fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
     if args.data_parallel_size > 1:
         fail(
             "serve: --data-parallel-size is not served yet (each replica would need requests "
             "of its own); serve with --tensor-parallel-size, or run one server per device"
         )
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        fail("serve: needs the serve extra (pip install 'ostinato[serve]'): fastapi and uvicorn")
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
+    from ostinato.engine.serve.engine_process import EngineProcess
+
+    # The engine's process starts first: it imports torch and builds the engine while
+    # this one imports the server's own modules (torch among them), not after.
+    engine = EngineProcess.begin({"args": _engine_args(args)})
+    try:
+        from ostinato.engine.serve.server import serve
+    except BaseException:
+        engine.abandon()
+        raise
     serve(
-        {"args": _engine_args(args)},
+        engine,
         args.served_model_name or args.model or "smollm2-135m",
         args.host,
         args.port,

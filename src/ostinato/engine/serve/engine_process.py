@@ -8,6 +8,11 @@ the H200 (1.5 B shape, 32 streaming clients) the server then ran at 0.43 of offl
 ``generate``. Apart, the engine steps at its own pace and a server that falls behind
 sends several tokens per event.
 
+Start-up: ``EngineProcess.begin`` starts the child and returns at once, and this module
+imports nothing heavy at its top (the engine, torch, the loop come in where they are
+used), so ``ostinato serve`` starts the engine before it imports torch and the web
+framework for itself, and the two proceed side by side (``ready`` then waits).
+
 Guarantees: the same as ``EngineLoop`` (``submit`` raises the engine's ``ValueError`` /
 ``TypeError`` naming the field; a request's tokens are those it gets alone; aborts land
 at the next step boundary), plus: if the child dies, every open request ends with
@@ -27,12 +32,13 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.core.params import SamplingParams
-from ostinato.engine.core.scheduler import FinishReason
-from ostinato.engine.serve.loop import EngineLoop, EngineStatus, Handles, RequestHandle, TokenEvent
+
+if TYPE_CHECKING:  # (imported where used: see the module docstring)
+    from ostinato.engine.serve.loop import EngineLoop, EngineStatus, RequestHandle, TokenEvent
 
 REPLY_TIMEOUT_S = 60.0  # an answer to a submit or a status query (the child is alive)
 
@@ -47,6 +53,18 @@ class EngineProcess:
     describing it. ``EngineDead`` if it could not be built (with the child's error)."""
 
     def __init__(self, llm_kwargs: dict[str, Any], describe: bool = True) -> None:
+        self._begin(llm_kwargs, describe)
+        self.ready()
+
+    @classmethod
+    def begin(cls, llm_kwargs: dict[str, Any], describe: bool = True) -> EngineProcess:
+        """Starts the engine's process and returns at once, the engine still building
+        there; ``ready`` waits for it. Nothing else may be called before ``ready``."""
+        engine = cls.__new__(cls)
+        engine._begin(llm_kwargs, describe)
+        return engine
+
+    def _begin(self, llm_kwargs: dict[str, Any], describe: bool) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
         # One thread at a time waits for the child: two concurrent waitpid calls let the
         # loser see ECHILD and report a reaped child as still running (exit code None).
@@ -57,6 +75,20 @@ class EngineProcess:
         )
         self._proc.start()
         child_end.close()
+
+    def abandon(self) -> None:
+        """Ends a process ``begin`` started whose engine will not be served (``ready``
+        not called, or interrupted): killed if still running, reaped, its pipe closed."""
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._reap(5)
+        self._conn.close()
+
+    def ready(self) -> EngineProcess:
+        """Waits until the engine is built (``EngineDead`` if it could not be, with the
+        child's error); returns this process."""
+        from ostinato.engine.serve.loop import Handles
+
         try:
             first = self._conn.recv()
         except EOFError:
@@ -73,6 +105,7 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="ostinato-engine-reader")
         self._reader.daemon = True
         self._reader.start()
+        return self
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return decode_text(self.tokenizer, token_ids)
@@ -199,6 +232,7 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     tqdm.set_lock(threading.RLock())
     try:
         from ostinato.engine.api.llm import LLM
+        from ostinato.engine.serve.loop import EngineLoop
 
         llm = LLM(**llm_kwargs)
     except BaseException:
@@ -311,6 +345,9 @@ def _wire(events: list[TokenEvent]) -> list[Wire]:
 
 def _unwire(rows: list[Wire]) -> list[TokenEvent]:
     """The events ``_wire`` sent (an error as a ``RuntimeError`` of its text)."""
+    from ostinato.engine.core.scheduler import FinishReason
+    from ostinato.engine.serve.loop import TokenEvent
+
     return [
         TokenEvent(
             rid,

@@ -15,7 +15,6 @@ import logging
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
@@ -68,7 +67,7 @@ def exposed_without_key(host: str, api_key: str | None) -> bool:
 
 
 def serve(
-    llm_kwargs: dict[str, Any],
+    engine: EngineProcess,
     model_name: str,
     host: str,
     port: int,
@@ -77,16 +76,20 @@ def serve(
     max_body_bytes: int,
     shutdown_timeout: float,
 ) -> None:
-    """Starts the engine (``LLM(**llm_kwargs)``) in a process of its own, prints its
-    start-up line, and serves until a signal, then drains (module docstring) and stops
-    the engine."""
+    """Serves ``engine`` (``EngineProcess.begin``'s: its process may still be building
+    it, which ``ready`` waits for), prints its start-up line, and serves until a signal,
+    then drains (module docstring) and stops the engine."""
     if exposed_without_key(host, api_key):
         print(
             f"warning: serving on {host} without an API key: anyone who reaches this port "
             "can use the engine (give --api-key or OSTINATO_API_KEY)",
             flush=True,
         )
-    engine = EngineProcess(llm_kwargs)
+    try:
+        engine.ready()
+    except BaseException:  # (a Ctrl-C while it builds, or its failure: nothing to serve)
+        engine.abandon()
+        raise
     print(engine.startup, flush=True)
     print(f"serving {model_name} at http://{host}:{port}/v1", flush=True)
     app = build_app(engine, model_name, max_body_bytes=max_body_bytes, api_key=api_key)

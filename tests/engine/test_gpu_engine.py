@@ -549,11 +549,14 @@ def test_logprobs_from_decode_graphs_equal_eager_steps():
     # float32, so they equal eager steps' (greedy, and a sampled request with a seed).
     from ostinato.engine import LLM, SamplingParams
 
-    prompts = [[5, 6, 7, 8, 9, 10], [7] * 10, [11, 12]]
+    # Rows after the first ask for alternatives too: the graphs compute the step's most
+    # (5) of their 20 columns, and every row must read its own.
+    prompts = [[5, 6, 7, 8, 9, 10], [7] * 10, [11, 12], [13, 14, 15]]
     params = [
         SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5),
-        SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0, temperature=1.0, seed=7),
+        SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3, temperature=1.0, seed=7),
         SamplingParams(max_tokens=16, ignore_eos=True),
+        SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0),
     ]
     got = {}
     for mode in ("none", "full_and_piecewise", "full"):

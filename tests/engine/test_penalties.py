@@ -10,7 +10,7 @@ from hf_models import cpu_engine
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledRequest
-from ostinato.engine.sample.adjust import OutputCounts, adjusted_logits, count_sampled
+from ostinato.engine.sample.adjust import OutputCounts, adjusted_logits, count_tokens
 
 VOCAB = 50
 
@@ -36,7 +36,7 @@ def _adjusted(counts, step, last, logits, params, drawn=None):
     rows = counts.for_step(step, last)
     got = adjusted_logits(logits, params, rows)
     if drawn is not None:
-        count_sampled(rows.table, rows.device_rows, torch.tensor(drawn))
+        count_tokens(rows.table, rows.device_rows, torch.tensor(drawn))
     return got
 
 
@@ -93,7 +93,7 @@ def test_a_chunk_that_draws_no_token_counts_nothing_and_a_lost_draw_is_recounted
     assert got[0, 4] == 1 and got.sum() == 1
     # The token this step drew never reached the output (here: counted, then lost):
     # the row is made anew from what the output holds.
-    count_sampled(rows.table, torch.tensor(rows.rows), torch.tensor([9]))
+    count_tokens(rows.table, torch.tensor(rows.rows), torch.tensor([9]))
     rows = counts.for_step([_scheduled(0, [4], p)], None)
     got = rows.table[rows.device_rows]
     assert got[0, 4] == 1 and got.sum() == 1

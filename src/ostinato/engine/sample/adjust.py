@@ -4,7 +4,7 @@ presence and frequency penalties (``SamplingParams``), on the device.
 The penalties read how often each request has generated each token (``OutputCounts``):
 one row of counts per penalized request in a table made once, so the sampling graphs
 read it where it is. Whoever samples a step's token counts it in the table at once, on
-the device (``count_sampled``: the sampling graph, or the eager step), so a request
+the device (``count_tokens``: the sampling graph, or the eager step), so a request
 that stays in the batch costs the host nothing; the host adds tokens only to a row made
 anew (a request's first penalized step, or its return after a preemption), from those
 it has recorded and, under asynchronous scheduling, the one the last step sampled and
@@ -50,7 +50,7 @@ class OutputCounts:
 
     Guarantees: after ``for_step``, each penalized request's row counts every token it
     generated before the step (a pending one included), and once the step's sampler has
-    called ``count_sampled`` the token it drew too; a request absent from a step is
+    called ``count_tokens`` the token it drew too; a request absent from a step is
     forgotten and counted anew from its recorded output when it comes back (after a
     preemption, or a reset); the table never moves (graphs read it)."""
 
@@ -78,7 +78,7 @@ class OutputCounts:
     ) -> StepCounts:
         """The step's rows (``StepCounts``), each penalized request's brought up to date
         (``pending``: where a request's last token is still on the device). The step's
-        sampler must count the tokens it draws (``count_sampled``)."""
+        sampler must count the tokens it draws (``count_tokens``)."""
         ids = {s.request.id for s in scheduled if s.request.params.penalized}
         for gone in [r for r in self.rows if r not in ids]:
             self.free.append(self.rows.pop(gone))
@@ -104,18 +104,15 @@ class OutputCounts:
         device: tuple[list[int], list[int]],
         pending: Pending | None,
     ) -> None:
-        """Adds the queued tokens to their rows, in one ``index_add_`` on the flat table
-        (an accumulating ``index_put_`` sorts its indices on CUDA: about 0.4 ms of host
-        time a call, measured on an H200)."""
-        host_at = [r * self.vocab + t for r, t in zip(*host, strict=True)]
-        starts = [r * self.vocab for r in device[0]]
-        at_t, index_t, starts_t = to_device_split(
-            [host_at, device[1], starts], torch.long, self.device
+        """Counts the queued tokens in their rows (``count_tokens``): those recorded on
+        the host, then those still in ``pending`` on the device."""
+        rows_t, tokens_t, index_t = to_device_split(
+            [host[0] + device[0], host[1], device[1]], torch.long, self.device
         )
         if device[1]:
             assert pending is not None  # (the pending rows come from it)
-            at_t = torch.cat([at_t, starts_t + pending[0][index_t].long()])
-        self.table.view(-1).index_add_(0, at_t, torch.ones_like(at_t, dtype=torch.float32))
+            tokens_t = torch.cat([tokens_t, pending[0][index_t].long()])
+        count_tokens(self.table, rows_t, tokens_t)
 
     def _update(
         self,
@@ -155,11 +152,12 @@ class OutputCounts:
         return row
 
 
-def count_sampled(table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Adds one to each row's count of the token drawn for it (``rows``, ``tokens``:
-    ``[n]`` on the table's device; a step's rows are distinct but for the scratch row,
-    so the adds are an ``index_add_``): the same ops in a sampling graph and an eager
-    step."""
+def count_tokens(table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Adds one to row ``rows[i]``'s count of ``tokens[i]`` for each i (``[n]`` on the
+    table's device), in one ``index_add_`` on the flat table (an accumulating
+    ``index_put_`` sorts its indices on CUDA: about 0.4 ms of host time a call, measured
+    on an H200): the same ops for a step's draws in a sampling graph and an eager step,
+    and for the tokens of a row made anew."""
     at = rows * table.shape[1] + tokens.long()
     table.view(-1).index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
 

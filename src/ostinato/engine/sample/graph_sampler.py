@@ -26,7 +26,7 @@ steps where the rows' biases differ from the last step's), subtracts the penalti
 from the output counts' table (``OutputCounts``, through the step's rows) with the
 arithmetic of eager steps (``adjust.penalized``), draws a seeded row's numbers from its
 key (``sampler.Seeds``), so it too takes eager's tokens, and counts the tokens it drew
-in the table (``adjust.count_sampled``). Its bias costs ``rows * vocab`` float32 (16 MiB
+in the table (``adjust.count_tokens``). Its bias costs ``rows * vocab`` float32 (16 MiB
 at 32 rows of a 128k vocabulary).
 """
 
@@ -43,7 +43,7 @@ from ostinato.engine.sample.adjust import (
     OutputCounts,
     StepCounts,
     add_bias,
-    count_sampled,
+    count_tokens,
     penalized,
 )
 from ostinato.engine.sample.greedy import greedy_tokens
@@ -141,7 +141,7 @@ class GraphSampler:
             seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
             tokens = sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
         if adjusted:
-            count_sampled(table, rows, tokens)
+            count_tokens(table, rows, tokens)
         return tokens
 
     @torch.inference_mode()

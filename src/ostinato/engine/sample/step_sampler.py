@@ -18,7 +18,7 @@ from ostinato.engine.sample.adjust import (
     Pending,
     StepCounts,
     adjusted_logits,
-    count_sampled,
+    count_tokens,
 )
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
@@ -107,7 +107,7 @@ class StepSampler:
         cut = top_p_cut(temperatures, top_ps)
         tokens = sample(logits, temps, tops, self.generator, all_greedy, seeded, cut)
         if counts is not None:
-            count_sampled(counts.table, counts.device_rows, tokens)
+            count_tokens(counts.table, counts.device_rows, tokens)
         return tokens
 
     def _greedy(self, out: StepOutput, n: int) -> torch.Tensor:

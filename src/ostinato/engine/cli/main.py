@@ -174,8 +174,6 @@ def _serve(args: argparse.Namespace) -> int:
             "serve: --data-parallel-size is not served yet (each replica would need requests "
             "of its own); serve with --tensor-parallel-size, or run one server per device"
         )
-    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
-        fail("serve: needs the serve extra (pip install 'ostinato[serve]'): fastapi and uvicorn")
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
     from ostinato.engine.serve.engine_process import EngineProcess
@@ -185,8 +183,10 @@ def _serve(args: argparse.Namespace) -> int:
     engine = EngineProcess.begin({"args": _engine_args(args)})
     try:
         from ostinato.engine.serve.server import serve
-    except BaseException:
+    except BaseException as exc:
         engine.abandon()
+        if isinstance(exc, ImportError):
+            fail(f"serve: needs the serve extra (pip install 'ostinato[serve]'): {exc}")
         raise
     serve(
         engine,

@@ -22,6 +22,19 @@ def tiny_engine(mode: str, dtype: torch.dtype, **kw) -> LLM:
     return LLM("tiny", mode=mode, dtype=dtype, **{**base, **kw})
 
 
+def pin_fused_layers(monkeypatch) -> None:
+    """The graphs' layer plan fused at every size. The plan is a timing
+    (``worker.layer_tuning``): a size where the unfused layers measure faster runs them,
+    whose bf16 rounding and kernels differ from the fused layers' eager steps."""
+    from ostinato.engine.worker import kernel_plan
+
+    def fused_everywhere(model, *args, **kwargs):
+        model.unfused_rows = frozenset()
+        return []
+
+    monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)
+
+
 def greedy_tokens(llm: LLM, max_tokens: int = 32) -> list[list[int]]:
     """Greedy token ids for ``PROMPTS``."""
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -5,13 +5,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gpu_harness import greedy_tokens, lockstep, tiny_engine
+from gpu_harness import greedy_tokens, lockstep, pin_fused_layers, tiny_engine
 from hf_models import write_checkpoint
 from workloads import sync_and_async_outputs
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import AttentionMetadata, TorchAttention
-from ostinato.engine.worker import kernel_plan
 from ostinato.mathutil import ceil_div
 
 pytestmark = pytest.mark.gpu
@@ -253,11 +252,7 @@ def test_greedy_tokens_identical_with_and_without_graphs(dtype, monkeypatch):
     # runs them, whose bf16 rounding differs and moves the tiny random model's near-ties
     # (that plan's own check, within tolerance: test_gpu_kernel_options). Pinned here to
     # fused at every size, the graphs must change no token.
-    def fused_everywhere(model, *args, **kwargs):
-        model.unfused_rows = frozenset()
-        return []
-
-    monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)
+    pin_fused_layers(monkeypatch)
     eager, want = _tokens("none", dtype)
     full, got_full = _tokens("full", dtype)
     decode_only, got_decode = _tokens("full_decode_only", dtype)
@@ -600,11 +595,7 @@ def test_the_default_ladder_graphs_mixed_steps_up_to_the_token_budget(monkeypatc
     # of 6 x 300 tokens replays a FULL graph (padded to 1920) instead of running eagerly,
     # and every token equals the eager engine's (float32, the layers fused everywhere as
     # in the test above).
-    def fused_everywhere(model, *args, **kwargs):
-        model.unfused_rows = frozenset()
-        return []
-
-    monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)
+    pin_fused_layers(monkeypatch)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 1000) for _ in range(300)] for _ in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)

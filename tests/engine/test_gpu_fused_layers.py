@@ -6,7 +6,14 @@ kernels per layer; and the engine's greedy tokens with and without the fusion.""
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_harness import greedy_tokens, lockstep, row_stats_of, stats_rows, tiny_engine
+from gpu_harness import (
+    greedy_tokens,
+    lockstep,
+    pin_fused_layers,
+    row_stats_of,
+    stats_rows,
+    tiny_engine,
+)
 
 from ostinato.engine import KernelOptions
 from ostinato.engine.model.norm_op import add_rms_norm_reference, rms_norm_reference
@@ -271,17 +278,11 @@ def test_a_decode_step_replayed_is_bitwise_the_eager_step_of_the_same_kernels(ba
 @pytest.mark.parametrize("batch", [1, 8, 16])
 def test_a_fused_decode_layer_is_at_most_six_kernels(batch, monkeypatch):
     from benchmarks.census import kernel_census
-    from ostinato.engine.worker import kernel_plan
     from ostinato.modes import GraphMode
 
-    # The graphs' layer plan is a timing (worker.layer_tuning): at a size where the
-    # unfused layers measure faster (as B = 8 did on a shared H200) the step runs them.
-    # This census is of the fused layer, so it pins them fused at every size.
-    def fused_everywhere(model, *args, **kwargs):
-        model.unfused_rows = frozenset()
-        return []
-
-    monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)
+    # At a size where the unfused layers measure faster (as B = 8 did on a shared H200)
+    # the step runs them; this census is of the fused layer.
+    pin_fused_layers(monkeypatch)
     setup = _smollm2_setup(batch_sizes=(batch,))
     runner = setup.runner(GraphMode.FULL, None, kernels=RULE_PLANS)
     with torch.inference_mode():

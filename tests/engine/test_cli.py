@@ -49,8 +49,9 @@ BAD = [
     (["--top-p", "2"], "--top-p: must be in (0.0, 1.0]"),
     (["--top-p", "nan"], "--top-p: must be in (0.0, 1.0]"),
     (["--mode", "bogus"], "--mode: unknown graph mode 'bogus'"),
-    (["--device", "tpu"], "--device: 'tpu' is not a device PyTorch knows"),
-    (["--device", "cuda"], "--device: 'cuda' asked for, but CUDA is not available"),
+    (["--device", "tpu"], "--device: 'tpu' is not a device the engine runs on"),
+    (["--device", "cuda:x"], "--device: 'cuda:x' is not a device the engine runs on"),
+    (["--device", "cuda"], "device: 'cuda' asked for, but CUDA is not available"),
     (["--max-model-len", "0"], "--max-model-len: must be >= 1"),
     (["--max-model-len", "4096"], "max_model_len: 4096 exceeds the 2048 positions"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be in"),
@@ -130,6 +131,21 @@ def test_bad_bench_and_command_options(args, message, capsys):
     assert message in err, err
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "absent"], "no such file or folder"),
+        (["--model", "tiny", "--max-model-len", "4096"], "4096 exceeds the 2048 positions"),
+    ],
+)
+def test_serve_names_an_error_of_its_engine_process_in_one_line(extra, message, capsys):
+    # serve builds its engine in a process of its own; what fails there comes back as
+    # the engine's own error, said as generate says it (no child traceback).
+    code, _, err = run(["serve", "--device", "cpu", "--quiet", *extra], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
 def test_generate_with_token_ids(capsys):
     code, out, err = run(
         GEN + ["--prompt-ids", "1,2,3", "--prompt-ids", "7 8", "--max-tokens", "5", "--ignore-eos"],
@@ -190,20 +206,46 @@ def test_every_option_has_help_and_shows_its_default(capsys):
         assert "--" + f.name.replace("_", "-") in out and f.metadata.get("help")
 
 
-def test_help_imports_neither_torch_nor_transformers():
+def run_python(code: str) -> str:
+    """``code``'s standard output, run in a fresh interpreter (which must exit 0)."""
     import subprocess
     import sys
 
-    code = (
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    out = run_python(
         "import sys\n"
         "from ostinato.engine.cli.main import main\n"
         "try:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "--capture" in done.stdout and "--no-cache" in done.stdout
+    assert "--capture" in out and "--no-cache" in out
+
+
+def test_serve_starts_the_engine_process_before_it_imports_torch():
+    # `ostinato serve` parses and checks its flags, then begins the engine's process
+    # with nothing heavy imported (the child imports torch and builds the engine while
+    # this process imports the server). A flag checked through torch would make the
+    # child wait for this process's import of it (1.7 s on the CPU).
+    out = run_python(
+        "import sys\n"
+        "from ostinato.engine.serve.engine_process import EngineProcess\n"
+        "def begin(cls, kwargs, describe=True):\n"
+        "    heavy = ('torch', 'fastapi', 'transformers', 'ostinato.engine.api.llm')\n"
+        "    print(sorted(m for m in heavy if m in sys.modules), kwargs['args'].device)\n"
+        "    sys.exit(0)\n"
+        "EngineProcess.begin = classmethod(begin)\n"
+        "from ostinato.engine.cli.main import main\n"
+        "main(['serve', '--model', 'tiny', '--device', 'cuda:1', '--dtype', 'float32',\n"
+        "      '--mode', 'full', '--max-model-len', '64', '--max-num-seqs', '4',\n"
+        "      '--capture', 'blocking', '--speculative', 'self:1'])\n"
+    )
+    assert out.strip() == "[] cuda:1", out
 
 
 def test_bytecode_is_kept_in_the_cache_only_where_torch_cannot_keep_it(tmp_path, monkeypatch):

@@ -180,21 +180,6 @@ def test_events_cross_the_pipe_whole_as_plain_tuples():
     assert isinstance(back[2].error, RuntimeError) and str(back[2].error) == "the step failed"
 
 
-def test_the_engine_process_starts_before_the_server_imports_torch():
-    # `ostinato serve` begins the engine's process with this module alone imported, then
-    # imports the server (torch, the web framework) while the child builds the engine.
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from ostinato.engine.serve.engine_process import EngineProcess; "
-        "print(sorted(m for m in ('torch', 'fastapi', 'ostinato.engine.api.llm') "
-        "if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
-
-
 def test_a_begun_engine_is_served_once_ready_or_abandoned():
     begun = EngineProcess.begin(KWARGS, describe=False)
     assert begun.ready() is begun

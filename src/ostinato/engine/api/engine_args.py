@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -100,13 +101,30 @@ def parse_mode(spec: GraphMode | str) -> GraphMode | None:
         raise ValueError(f"mode: unknown graph mode {spec!r}; use auto, {names}") from None
 
 
+DEVICE_TEXT = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+def device_syntax(spec: str) -> str:
+    """``spec`` if it is written as a device the engine runs on (``cpu``, ``cuda``,
+    ``cuda:N``), checked without importing torch (the command line checks its flags
+    before ``serve`` starts the engine's process, which imports torch); ``ValueError``
+    otherwise. Whether this machine has that device is ``resolve_device``'s check."""
+    if DEVICE_TEXT.fullmatch(spec) is None:
+        raise ValueError(
+            f"device: {spec!r} is not a device the engine runs on; use cpu, cuda or cuda:N"
+        )
+    return spec
+
+
 def resolve_device(spec: str | torch.device | None) -> torch.device:
     """The device to run on (default: CUDA when available, else CPU); ``ValueError``
-    names a device PyTorch does not know or one this machine lacks."""
+    names a device the engine does not run on or one this machine lacks."""
     import torch
 
     if spec is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(spec, str):
+        device_syntax(spec)
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError):
@@ -331,7 +349,7 @@ class EngineArgs:
     device: str | None = option(
         None,
         "cpu, cuda or cuda:N (default: cuda when available)",
-        _as_argument_error(resolve_device),
+        _as_argument_error(device_syntax),
     )
     dtype: Any = option(
         None,

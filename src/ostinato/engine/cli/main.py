@@ -326,13 +326,16 @@ def main(argv: list[str] | None = None) -> int:
         print("ostinato: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT, the shell's convention
     except Exception as exc:
+        from ostinato.engine.serve.engine_process import EngineDead
         from ostinato.errors import OstinatoError
 
         expected = (ValueError, TypeError, MemoryError, OSError, OstinatoError)
-        if not isinstance(exc, expected) or tracebacks_on():
+        # (serve's engine is built in its own process: its error comes back as the cause)
+        shown = exc.__cause__ if isinstance(exc, EngineDead) else exc
+        if not isinstance(shown, expected) or tracebacks_on():
             raise
         # Engine errors name their cause and fix; a traceback would add nothing for a user.
-        fail(f"error: {exc} (set OSTINATO_TRACEBACK=1 for the traceback)")
+        fail(f"error: {shown} (set OSTINATO_TRACEBACK=1 for the traceback)")
 
 
 if __name__ == "__main__":

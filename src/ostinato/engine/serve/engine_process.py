@@ -27,6 +27,7 @@ import concurrent.futures
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -95,7 +96,7 @@ class EngineProcess:
             raise EngineDead(f"the engine process exited (code {self._reap(5)})") from None
         if first[0] == "failed":
             self._reap(30)
-            raise EngineDead(f"the engine could not start:\n{first[1]}")
+            raise EngineDead(f"the engine could not start:\n{first[1]}") from first[2]
         _, self.tokenizer, self.startup, self.max_model_len, self.lora_names = first
         self._ids = itertools.count()
         self._handles = Handles()
@@ -235,8 +236,8 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
         from ostinato.engine.serve.loop import EngineLoop
 
         llm = LLM(**llm_kwargs)
-    except BaseException:
-        conn.send(("failed", traceback.format_exc()))
+    except BaseException as exc:
+        conn.send(("failed", traceback.format_exc(), _portable(exc)))
         return
     lock = threading.Lock()
 
@@ -280,6 +281,16 @@ def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:
                 send(("accepted", rid, loop.enqueue(rid, prompt, params, lora)))
             except (ValueError, TypeError, RuntimeError) as exc:
                 send(("refused", rid, exc))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives the pipe (pickled and read back), else a ``RuntimeError``
+    of its text: the parent raises it as the cause of ``EngineDead``."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 class _Outbox:

@@ -20,8 +20,10 @@ benchmarks' oracle, which drafts tokens known in advance, is one).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ostinato.engine.core.scheduler import Proposal, Request
+if TYPE_CHECKING:  # (annotations only: the command line parses --speculative without torch)
+    from ostinato.engine.core.scheduler import Proposal, Request
 
 METHODS = ("ngram", "self", "custom")
 

@@ -7,13 +7,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenLogprob:
     """``logprob``: the natural log of the probability the model gave ``token_id``: the
     log-softmax of its raw logits, in float32 (before temperature, top-p, bias and
-    penalties, as vLLM reports them by default). ``top``: the ``k`` most likely tokens'
-    (id, logprob), most likely first."""
+    penalties, as vLLM reports them by default). ``top_ids`` / ``top_logprobs``: the
+    ``k`` most likely tokens' ids and log probabilities, most likely first; ``top``
+    pairs them.
+
+    Made by the engine once per token and row, so made cheaply: two tuples, not a
+    tuple of pairs, and not frozen (a frozen dataclass's ``__init__`` took 1 µs against
+    0.27; a step of 64 rows asking for 20 alternatives made 1,344 tuples, and with the
+    garbage collections they set off the host's share of the step cost more than the
+    log-probability kernels on the H200). Read it; nothing in the engine changes one
+    once made."""
 
     token_id: int
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    @property
+    def top(self) -> tuple[tuple[int, float], ...]:
+        """The alternatives as ``(id, logprob)`` pairs, most likely first."""
+        return tuple(zip(self.top_ids, self.top_logprobs, strict=True))

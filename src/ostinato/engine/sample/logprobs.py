@@ -58,8 +58,13 @@ class StepLogprobs:
         out: list[TokenLogprob | None] = []
         for i, (p, token) in enumerate(zip(params, tokens, strict=True)):
             k = p.logprobs
-            top = tuple(zip(ids[i][:k], values[i][:k], strict=True)) if k else ()
-            out.append(None if k is None else TokenLogprob(token, chosen[i], top))
+            if k is None:
+                out.append(None)
+                continue
+            row_ids, row_values = ids[i], values[i]
+            if k < len(row_ids):  # (a request asking fewer than the step's most)
+                row_ids, row_values = row_ids[:k], row_values[:k]
+            out.append(TokenLogprob(token, chosen[i], tuple(row_ids), tuple(row_values)))
         return out
 
 

@@ -77,6 +77,47 @@ def tp_logits_and_tokens(
         os._exit(0)  # the result is saved; do not wait in a hung teardown
 
 
+SAMPLED = SamplingParams(
+    max_tokens=8,
+    ignore_eos=True,
+    temperature=0.8,
+    top_p=0.9,
+    seed=7,
+    logit_bias={3: 2.0, 5: -1.0},
+    presence_penalty=0.5,
+    frequency_penalty=0.4,
+    logprobs=3,
+)
+"""Every sampling parameter at once, one seed: the draws are the same wherever the
+logits are (a request's seeded draws do not depend on its batch or its rank)."""
+
+
+def sampled_outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    """Each prompt's ``SAMPLED`` tokens, with the alternatives' ids and log probabilities
+    of every token (the values to 4 places: ranks reduce in another order)."""
+    outs = llm.generate(prompts, SAMPLED)
+    return [
+        (
+            o.token_ids,
+            [e.top_ids for e in o.logprobs],
+            [[round(v, 4) for v in e.top_logprobs] for e in o.logprobs],
+        )
+        for o in outs
+    ]
+
+
+def tp_sampled(
+    rank: int, world: int, port: int, model_dir: str, out: str, device: str, mode: str
+) -> None:
+    """``sampled_outputs`` of ``PROMPTS`` and ``dp_prompts(0)`` under tensor parallelism
+    (float32), saved to ``out/{rank}.pt``. Every rank runs this."""
+    set_env(rank, world, port)
+    llm = engine(model_dir, device, mode, torch.float32, tp=world)
+    torch.save(sampled_outputs(llm, PROMPTS + dp_prompts(0)), Path(out) / f"{rank}.pt")
+    if not llm.close():
+        os._exit(0)  # the result is saved; do not wait in a hung teardown
+
+
 def engine(
     model_dir: str,
     device: str,

@@ -16,10 +16,12 @@ from dist_workers import (
     engine,
     free_port,
     one_rank_raises,
+    sampled_outputs,
     served_tokens,
     static_ubatch_logits,
     torchrun_rank_fails,
     tp_logits_and_tokens,
+    tp_sampled,
 )
 from hf_models import write_checkpoint
 
@@ -55,6 +57,22 @@ def test_tensor_parallel_shards_compute_the_unsharded_model(arch, overrides, tmp
         got = torch.load(out / f"{rank}.pt")
         torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
         assert got["tokens"] == tokens
+
+
+def test_tensor_parallel_draws_with_every_sampling_parameter_as_one_process(tmp_path):
+    # Penalties (their output counts), bias, top-p, a seed and logprobs under TP = 2:
+    # every rank draws the tokens one process draws, and reports the same alternatives.
+    model_dir = tmp_path / "model"
+    write_checkpoint("LlamaForCausalLM", model_dir, rope_theta=500000.0)
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(tp_sampled, args=(2, free_port(), str(model_dir), str(out), "cpu", "none"), nprocs=2)
+    want = sampled_outputs(
+        engine(str(model_dir), "cpu", "none", torch.float32), PROMPTS + dp_prompts(0)
+    )
+    assert len({tuple(t) for t, _, _ in want}) > 1  # (the prompts drew different tokens)
+    for rank in (0, 1):
+        assert torch.load(out / f"{rank}.pt") == want
 
 
 def test_data_parallel_replicas_agree_on_mode_and_size(tmp_path):

@@ -13,9 +13,11 @@ from dist_workers import (
     engine,
     free_port,
     fused_reduce_norm_checks,
+    sampled_outputs,
     spawned_engine_run,
     symmetric_all_reduce_checks,
     tp_logits_and_tokens,
+    tp_sampled,
 )
 from hf_models import write_checkpoint
 
@@ -74,6 +76,19 @@ def test_tp2_matches_one_gpu(model_dir, tmp_path, mode, dtype, all_reduce):
         assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
         if dtype == torch.float32:
             assert got["tokens"] == want_tokens
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_tp2_draws_with_every_sampling_parameter_as_one_gpu(model_dir, tmp_path, mode):
+    # Penalties, bias, top-p, a seed and logprobs (float32), in the sampling graphs with
+    # mode="full": every rank draws one GPU's tokens and reports its alternatives.
+    args = (2, free_port(), str(model_dir), str(tmp_path), "cuda", mode)
+    mp.spawn(tp_sampled, args=args, nprocs=2)
+    want = sampled_outputs(
+        engine(str(model_dir), "cuda", mode, torch.float32), PROMPTS + dp_prompts(0)
+    )
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"{rank}.pt") == want
 
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])

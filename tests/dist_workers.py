@@ -94,16 +94,23 @@ logits are (a request's seeded draws do not depend on its batch or its rank)."""
 
 def sampled_outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     """Each prompt's ``SAMPLED`` tokens, with the alternatives' ids and log probabilities
-    of every token (the values to 4 places: ranks reduce in another order)."""
+    of every token."""
     outs = llm.generate(prompts, SAMPLED)
     return [
-        (
-            o.token_ids,
-            [e.top_ids for e in o.logprobs],
-            [[round(v, 4) for v in e.top_logprobs] for e in o.logprobs],
-        )
+        (o.token_ids, [e.top_ids for e in o.logprobs], [e.top_logprobs for e in o.logprobs])
         for o in outs
     ]
+
+
+def assert_same_draws(got: list[tuple], want: list[tuple]) -> None:
+    """The same tokens and alternatives, their log probabilities within 1e-4 (ranks
+    reduce in another order: float32 values differ in their last places)."""
+    import pytest
+
+    assert [(t, ids) for t, ids, _ in got] == [(t, ids) for t, ids, _ in want]
+    for (_, _, values), (_, _, wanted) in zip(got, want, strict=True):
+        for row, wanted_row in zip(values, wanted, strict=True):
+            assert row == pytest.approx(wanted_row, abs=1e-4)
 
 
 def tp_sampled(

@@ -114,6 +114,37 @@ def test_sizes_a_step_asked_for_are_captured_first():
     assert r.prepared[:2] == [4, 1] and sorted(r.prepared) == sorted(SIZES)
 
 
+def test_steps_replaying_back_to_back_hold_off_the_rest_of_the_plan():
+    # Steps at size 1 run eagerly until its graph is captured (they asked for it), then
+    # replay it back to back: meanwhile no other item takes the turn from them. Once
+    # they pause, the rest of the plan is captured.
+    p, r, m, dispatcher = build()
+    go = threading.Event()
+    capture = m.capture_in_background(prologue=lambda: go.wait(10))
+
+    def step():
+        with m.stepping():
+            dispatch = dispatcher.dispatch(1)
+            ready = m.ready(dispatch)
+            r.x[:1] = 2.0
+            torch.testing.assert_close(m.run(dispatch, 1), r.x[:1] @ r.w)
+        return ready
+
+    step()
+    go.set()
+    deadline = time.monotonic() + 10
+    while not step():
+        assert time.monotonic() < deadline
+    assert r.prepared == [1]
+    until = time.monotonic() + 0.2
+    replays = 0
+    while time.monotonic() < until:
+        replays += step()
+    assert replays > 100 and r.prepared == [1] and not capture.done
+    assert capture.wait(10) and capture.error is None  # the steps paused
+    assert sorted(r.prepared) == sorted(SIZES)
+
+
 def test_a_failed_capture_leaves_the_steps_eager_and_says_why(caplog):
     p, r, m, dispatcher = build(fail=GraphCaptureError("device said no"))
     with caplog.at_level(logging.WARNING):

@@ -10,9 +10,10 @@ captured before the rest of the plan.
 Steps come first. An item holds the turn for tens of milliseconds (the first, with the
 largest size's warm-ups and the process's first capture, for over half a second), which
 a step arriving meanwhile waits out. So the thread starts an item only when the steps
-have paused (none ended in the last ``PAUSE_S``), or when a step ran eagerly at a size
-still to capture (its graph is what speeds that step up): steps that replay their graphs
-back to back run at full speed, and the rest of the plan is captured in their pauses.
+have paused (no step holds the turn, waits for it or released it in the last
+``PAUSE_S``), or when a step ran eagerly at a size still to capture (its graph is what
+speeds that step up): steps that replay their graphs back to back run at full speed, and
+the rest of the plan is captured in their pauses.
 Before this, steps and items alternated one to one: on the H200 a served stream got a
 token every 40 ms while the 1.5 B shape's 63 graphs were captured. After each item, a
 step waiting for the turn gets it before the next item starts.
@@ -46,20 +47,40 @@ from ostinato.platform.base import isolated_capture
 logger = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0002
-PAUSE_S = 0.005  # no step ended for this long: the steps have paused (e.g. between requests)
+PAUSE_S = 0.005  # no step for this long: the steps have paused (e.g. between requests)
 
 
 class Turn:
     """A re-entrant lock held by a step or a capture item, which knows whether a step is
-    waiting for it (so the capture thread can hand it over between items)."""
+    waiting for it (so the capture thread can hand it over between items) and whether
+    the steps are running (``steps_active``)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._waiting = 0
+        self._held = 0  # a step's holds (re-entrant)
         self._changed = threading.Condition()
-        self.last_step_end = 0.0  # time.monotonic() when a step last released the turn
+        self._last_step_end = 0.0  # time.monotonic() when a step last released the turn
 
     def __enter__(self) -> None:
+        self._acquire()
+        self._held += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._held -= 1
+        self._last_step_end = time.monotonic()
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The capture's hold of the turn (``with turn:`` is a step's)."""
+        self._acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _acquire(self) -> None:
         with self._changed:
             self._waiting += 1
         self._lock.acquire()
@@ -67,18 +88,11 @@ class Turn:
             self._waiting -= 1
             self._changed.notify_all()
 
-    def __exit__(self, *exc: object) -> None:
-        self.last_step_end = time.monotonic()
-        self._lock.release()
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """The capture's hold of the turn (``with turn:`` is a step's)."""
-        self.__enter__()
-        try:
-            yield
-        finally:
-            self._lock.release()
+    def steps_active(self, pause_s: float) -> bool:
+        """Whether a step holds the turn, waits for it, or released it less than
+        ``pause_s`` seconds ago."""
+        recent = time.monotonic() - self._last_step_end < pause_s
+        return self._held > 0 or self._waiting > 0 or recent
 
     def hand_over(self, timeout: float) -> None:
         """Waits (at most ``timeout``) until no thread is waiting for the turn."""
@@ -188,13 +202,13 @@ class BackgroundCapture:
             logger.info("ostinato: %s", self.summary())
 
     def _await_pause(self) -> None:
-        """Waits while steps run back to back (module docstring), unless a step wants a
-        size still to capture or the thread is asked to stop."""
-        while not self._stop.is_set() and not self._wanted_pending():
-            quiet = time.monotonic() - self._turn.last_step_end
-            if quiet >= PAUSE_S:
-                return
-            self._stop.wait(PAUSE_S - quiet)
+        """Waits while the steps run (module docstring), unless a step wants a size still
+        to capture or the thread is asked to stop."""
+        while not self._may_start() and not self._stop.is_set():
+            self._stop.wait(PAUSE_S / 5)
+
+    def _may_start(self) -> bool:
+        return self._wanted_pending() or not self._turn.steps_active(PAUSE_S)
 
     def _wanted_pending(self) -> bool:
         wanted = self._wanted  # (steps add to it, holding the turn; read here without it)
@@ -204,6 +218,8 @@ class BackgroundCapture:
         while not self._stop.is_set():
             self._await_pause()
             with self._turn.capturing():
+                if not self._may_start():
+                    continue  # a step came while the turn was taken: it goes first
                 item = self._next()
                 if item is None:
                     if self._epilogue is not None:

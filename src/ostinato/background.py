@@ -13,7 +13,8 @@ a step arriving meanwhile waits out. So the thread starts an item only when the 
 have paused (no step holds the turn, waits for it or released it in the last
 ``PAUSE_S``), or when a step ran eagerly at a size still to capture (its graph is what
 speeds that step up): steps that replay their graphs back to back run at full speed, and
-the rest of the plan is captured in their pauses.
+the rest of the plan is captured in their pauses, and under steps that never pause, one
+item every ``MAX_WAIT_S`` (so the plan, and the sampling graphs after it, still finish).
 Before this, steps and items alternated one to one: on the H200 a served stream got a
 token every 40 ms while the 1.5 B shape's 63 graphs were captured. After each item, a
 step waiting for the turn gets it before the next item starts.
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0002
 PAUSE_S = 0.005  # no step for this long: the steps have paused (e.g. between requests)
+MAX_WAIT_S = 1.0  # the longest the thread waits for a pause before it takes an item anyway
 
 
 class Turn:
@@ -131,6 +133,7 @@ class BackgroundCapture:
         self._prologue, self._epilogue = prologue, epilogue
         self._stop = threading.Event()
         self._done = threading.Event()
+        self._waiting_since = 0.0  # when the thread began to wait for the steps to pause
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="ostinato-capture", daemon=True)
         self._thread.start()
@@ -203,12 +206,14 @@ class BackgroundCapture:
 
     def _await_pause(self) -> None:
         """Waits while the steps run (module docstring), unless a step wants a size still
-        to capture or the thread is asked to stop."""
+        to capture, ``MAX_WAIT_S`` passed, or the thread is asked to stop."""
+        self._waiting_since = time.monotonic()
         while not self._may_start() and not self._stop.is_set():
             self._stop.wait(PAUSE_S / 5)
 
     def _may_start(self) -> bool:
-        return self._wanted_pending() or not self._turn.steps_active(PAUSE_S)
+        waited = time.monotonic() - self._waiting_since >= MAX_WAIT_S
+        return waited or self._wanted_pending() or not self._turn.steps_active(PAUSE_S)
 
     def _wanted_pending(self) -> bool:
         wanted = self._wanted  # (steps add to it, holding the turn; read here without it)

@@ -152,6 +152,24 @@ def test_steps_replaying_back_to_back_hold_off_the_rest_of_the_plan(hold_s, monk
     assert sorted(r.prepared) == sorted(SIZES)
 
 
+def test_steps_that_never_pause_still_let_the_plan_finish(monkeypatch):
+    # Back-to-back steps at a captured size hold the rest of the plan off, but for at
+    # most MAX_WAIT_S an item: the plan, and whatever comes after it, finishes.
+    import ostinato.background as background
+
+    monkeypatch.setattr(background, "MAX_WAIT_S", 0.05)
+    p, r, m, dispatcher = build()
+    capture = m.capture_in_background()
+    deadline = time.monotonic() + 10
+    while not capture.done:  # steps at size 1 with no pause between them
+        with m.stepping():
+            dispatch = dispatcher.dispatch(1)
+            r.x[:1] = 2.0
+            torch.testing.assert_close(m.run(dispatch, 1), r.x[:1] @ r.w)
+        assert time.monotonic() < deadline, capture.summary()
+    assert capture.error is None and sorted(r.prepared) == sorted(SIZES)
+
+
 def test_a_failed_capture_leaves_the_steps_eager_and_says_why(caplog):
     p, r, m, dispatcher = build(fail=GraphCaptureError("device said no"))
     with caplog.at_level(logging.WARNING):

@@ -133,7 +133,6 @@ class BackgroundCapture:
         self._prologue, self._epilogue = prologue, epilogue
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._waiting_since = 0.0  # when the thread began to wait for the steps to pause
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="ostinato-capture", daemon=True)
         self._thread.start()
@@ -204,15 +203,19 @@ class BackgroundCapture:
         if self.error is None and not self._stop.is_set():
             logger.info("ostinato: %s", self.summary())
 
-    def _await_pause(self) -> None:
+    def _await_pause(self) -> float:
         """Waits while the steps run (module docstring), unless a step wants a size still
-        to capture, ``MAX_WAIT_S`` passed, or the thread is asked to stop."""
-        self._waiting_since = time.monotonic()
-        while not self._may_start() and not self._stop.is_set():
+        to capture, ``MAX_WAIT_S`` passed, or the thread is asked to stop; returns when
+        it began to wait."""
+        since = time.monotonic()
+        while not self._may_start(since) and not self._stop.is_set():
             self._stop.wait(PAUSE_S / 5)
+        return since
 
-    def _may_start(self) -> bool:
-        waited = time.monotonic() - self._waiting_since >= MAX_WAIT_S
+    def _may_start(self, since: float) -> bool:
+        """Whether an item may start, the thread having waited for a pause since
+        ``since``."""
+        waited = time.monotonic() - since >= MAX_WAIT_S
         return waited or self._wanted_pending() or not self._turn.steps_active(PAUSE_S)
 
     def _wanted_pending(self) -> bool:
@@ -221,9 +224,9 @@ class BackgroundCapture:
 
     def _capture_all(self) -> None:
         while not self._stop.is_set():
-            self._await_pause()
+            since = self._await_pause()
             with self._turn.capturing():
-                if not self._may_start():
+                if not self._may_start(since):
                     continue  # a step came while the turn was taken: it goes first
                 item = self._next()
                 if item is None:

@@ -34,15 +34,12 @@ class LogprobShapes:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                {self.text(i): v for i, v in zip(e.top_ids, e.top_logprobs, strict=True)}
-                for e in entries
-            ],
+            "top_logprobs": [{self.text(i): v for i, v in e.top} for e in entries],
             "text_offset": offsets,
         }
 
     def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
-        top = [self._token(i, v) for i, v in zip(e.top_ids, e.top_logprobs, strict=True)]
+        top = [self._token(i, v) for i, v in e.top]
         return {**self._token(e.token_id, e.logprob), "top_logprobs": top}
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:

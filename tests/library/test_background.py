@@ -78,6 +78,18 @@ def serve(r, m, dispatcher, steps, seed=0, seen=None):
     return modes
 
 
+def step_at_one(r, m, dispatcher, hold_s=0.0):
+    """One step of one token, its output checked, holding the turn ``hold_s`` longer;
+    returns whether it replayed (its graph was ready)."""
+    with m.stepping():
+        dispatch = dispatcher.dispatch(1)
+        ready = m.ready(dispatch)
+        r.x[:1] = 2.0
+        torch.testing.assert_close(m.run(dispatch, 1), r.x[:1] @ r.w)
+        time.sleep(hold_s)
+    return ready
+
+
 def test_steps_run_correctly_while_the_graphs_are_captured():
     p, r, m, dispatcher = build(delay=0.002)
     go = threading.Event()
@@ -129,13 +141,7 @@ def test_steps_replaying_back_to_back_hold_off_the_rest_of_the_plan(hold_s, monk
     capture = m.capture_in_background(prologue=lambda: go.wait(10))
 
     def step():
-        with m.stepping():
-            dispatch = dispatcher.dispatch(1)
-            ready = m.ready(dispatch)
-            r.x[:1] = 2.0
-            torch.testing.assert_close(m.run(dispatch, 1), r.x[:1] @ r.w)
-            time.sleep(hold_s)
-        return ready
+        return step_at_one(r, m, dispatcher, hold_s)
 
     step()
     go.set()
@@ -162,10 +168,7 @@ def test_steps_that_never_pause_still_let_the_plan_finish(monkeypatch):
     capture = m.capture_in_background()
     deadline = time.monotonic() + 10
     while not capture.done:  # steps at size 1 with no pause between them
-        with m.stepping():
-            dispatch = dispatcher.dispatch(1)
-            r.x[:1] = 2.0
-            torch.testing.assert_close(m.run(dispatch, 1), r.x[:1] @ r.w)
+        step_at_one(r, m, dispatcher)
         assert time.monotonic() < deadline, capture.summary()
     assert capture.error is None and sorted(r.prepared) == sorted(SIZES)
 

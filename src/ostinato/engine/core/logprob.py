@@ -16,11 +16,10 @@ class TokenLogprob:
     pairs them.
 
     Made by the engine once per token and row, so made cheaply: two tuples, not a
-    tuple of pairs, and not frozen (a frozen dataclass's ``__init__`` took 1 µs against
-    0.27; a step of 64 rows asking for 20 alternatives made 1,344 tuples, and with the
-    garbage collections they set off the host's share of the step cost more than the
-    log-probability kernels on the H200). Read it; nothing in the engine changes one
-    once made."""
+    tuple of pairs, and not frozen (64 rows of 20 alternatives: made in 10 µs against 81
+    on the development CPU, ``benchmarks/results/start_and_steps_first_h200``; in a
+    profile at 64 rows on the H200, making them took longer than the log-probability
+    kernels). Read it; nothing in the engine changes one once made."""
 
     token_id: int
     logprob: float

@@ -132,10 +132,12 @@ def test_steps_replaying_back_to_back_hold_off_the_rest_of_the_plan(hold_s, monk
     # replay it back to back: meanwhile no other item takes the turn from them, whether
     # each holds the turn briefly or longer than the pause (an eager step on a GPU
     # holds it for milliseconds). Once they pause, the rest of the plan is captured.
-    # (A pause of 50 ms, not 5: a busy test machine may stall this thread between steps.)
+    # (A pause of 200 ms, not 5, and no forced item: a busy test machine may stall this
+    # thread between steps, or take long to reach the loop.)
     import ostinato.background as background
 
-    monkeypatch.setattr(background, "PAUSE_S", 0.05)
+    monkeypatch.setattr(background, "PAUSE_S", 0.2)
+    monkeypatch.setattr(background, "MAX_WAIT_S", 60.0)
     p, r, m, dispatcher = build()
     go = threading.Event()
     capture = m.capture_in_background(prologue=lambda: go.wait(10))

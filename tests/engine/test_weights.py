@@ -122,3 +122,26 @@ def test_legacy_non_zip_pytorch_model_bin(reference, tmp_path):
         f.unlink()
     torch.save(hf.state_dict(), folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     assert logits(folder)[1] == want
+
+
+def test_random_weights_are_the_seeds_and_leave_the_default_generator_alone():
+    from ostinato.engine.model.config import ModelConfig
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.model.presets import SHAPES
+
+    def drawn(seed, own):
+        model = DecoderModel(ModelConfig.from_hf(SHAPES["tiny"]))
+        if own:
+            model.reset_parameters(torch.Generator().manual_seed(seed))
+        else:
+            torch.manual_seed(seed)
+            model.reset_parameters()
+        return model.state_dict()
+
+    own, default, other = drawn(3, True), drawn(3, False), drawn(4, True)
+    assert all(torch.equal(own[k], default[k]) for k in own)
+    down = "layers.0.mlp.down_proj.weight"
+    assert not torch.equal(own[down], other[down])
+    state = torch.get_rng_state()
+    LLM("tiny", device="cpu", max_model_len=64, max_num_seqs=2, progress=False, seed=5)
+    assert torch.equal(torch.get_rng_state(), state)

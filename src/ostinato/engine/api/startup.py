@@ -292,8 +292,9 @@ def load_weights(
     lora: LoraShape | None = None,
 ) -> float:
     """Makes the model on the device (with ``lora``'s empty slots) and loads (or draws)
-    its weights; seconds."""
-    torch.manual_seed(seed)
+    its weights; seconds. Random weights come from a generator of their own, seeded with
+    ``seed``: torch's default one is left as it was, and a graph another thread is capturing
+    (which holds the default generator) cannot fail the draw."""
     start = time.perf_counter()
     # Weights are made in place on the device, in their dtype: no CPU copy, no float32
     # detour.
@@ -313,7 +314,8 @@ def load_weights(
     if source.load is None:
         # Asked for (a preset, a config, or random_weights=True), so not a warning.
         logger.info("ostinato: %s: random weights (seed %d)", source.name, seed)
-        model.reset_parameters()  # drawn on the device: a seed gives one model per device type
+        # Drawn on the device: a seed gives one model per device type.
+        model.reset_parameters(torch.Generator(device=device).manual_seed(seed))
     else:
         source.load(model)
     parts.model = model.eval()

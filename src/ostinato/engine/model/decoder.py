@@ -9,6 +9,7 @@ forward context, so the same module runs eagerly, padded, captured, or compiled.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,6 +339,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, lora, reduce=False), residual, None
 
 
+def _draw_linear(linear: nn.Linear, generator: torch.Generator | None) -> None:
+    """``nn.Linear.reset_parameters``, drawing from ``generator``."""
+    nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5), generator=generator)
+    if linear.bias is not None:
+        fan_in = linear.weight.shape[1]
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(linear.bias, -bound, bound, generator=generator)
+
+
 class DecoderModel(nn.Module):
     """``forward(input_ids, positions) -> hidden states``; ``compute_logits(hidden)``.
 
@@ -427,11 +437,21 @@ class DecoderModel(nn.Module):
             return None
         return rope_table(self.inv_freq, self.max_positions, self.embed_tokens.weight.dtype)
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Draws every parameter anew, in place (on whatever device and dtype they are),
-        with each module's own initialisation; ties stay tied."""
+        with each module's own initialisation; ties stay tied. The draws come from
+        ``generator`` (torch's default one without it), in the order and with the
+        distributions of the modules' own ``reset_parameters``, so a generator seeded with
+        s draws what ``torch.manual_seed(s)`` then ``reset_parameters()`` draws."""
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
+            if module is self:
+                continue
+            if isinstance(module, nn.Linear):
+                _draw_linear(module, generator)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, generator=generator)
+                module._fill_padding_idx_with_zero()
+            elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
     @property

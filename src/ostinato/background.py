@@ -43,7 +43,7 @@ import torch
 
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.guard import capture_phase
-from ostinato.platform.base import isolated_capture
+from ostinato.platform.base import exclusive_device, isolated_capture
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,9 @@ class BackgroundCapture:
     def _capture_all(self) -> None:
         while not self._stop.is_set():
             since = self._await_pause()
-            with self._turn.capturing():
+            # The process's device first, then the turn: an item waiting while another
+            # engine is built does not hold this engine's steps back.
+            with exclusive_device(), self._turn.capturing():
                 if not self._may_start(since):
                     continue  # a step came while the turn was taken: it goes first
                 item = self._next()

@@ -18,6 +18,7 @@ from ostinato import (
     GraphManager,
     GraphMode,
 )
+from ostinato.platform import exclusive_device
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -110,6 +111,30 @@ def test_steps_run_correctly_while_the_graphs_are_captured():
     assert all(serve(r, m, dispatcher, steps=50, seed=2))
     assert sum(g.replays for g in p.graphs) == replays + 50
     assert "graphs ready" in capture.summary()
+
+
+def test_no_item_starts_while_another_engine_holds_the_device_and_steps_go_on():
+    # An engine being built holds the process's device (``exclusive_device``): this
+    # engine's capture waits for it without holding the turn its own steps need.
+    p, r, m, dispatcher = build()
+    building, served = threading.Event(), []
+
+    def build_elsewhere():
+        with exclusive_device():
+            building.set()
+            time.sleep(0.5)
+
+    other = threading.Thread(target=build_elsewhere)
+    other.start()
+    assert building.wait(10)
+    capture = m.capture_in_background()
+    steps = threading.Thread(target=lambda: served.extend(serve(r, m, dispatcher, 30)))
+    steps.start()
+    steps.join(5)
+    assert len(served) == 30 and not any(served)  # every step ran, eagerly
+    assert capture.captured == 0 and other.is_alive()
+    other.join()
+    assert capture.wait(10) and capture.captured == len(SIZES)
 
 
 def test_sizes_a_step_asked_for_are_captured_first():

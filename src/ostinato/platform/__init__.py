@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from ostinato.errors import PlatformError
-from ostinato.platform.base import Graph, Platform
+from ostinato.platform.base import Graph, Platform, exclusive_device
 from ostinato.platform.cpu import CpuPlatform
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "Platform",
     "CpuPlatform",
     "current_platform",
+    "exclusive_device",
     "load_platform",
     "platform_for_device",
     "use_platform",

@@ -101,6 +101,22 @@ class Platform(ABC):
 
 _capture_thread = threading.local()
 
+# One capture at a time in a process (``exclusive_device``).
+_device_gate = threading.RLock()
+
+
+@contextlib.contextmanager
+def exclusive_device() -> Iterator[None]:
+    """Held by every capture ostinato makes, from before its begin to after its end, and
+    by an engine while it is built or closed; re-entrant. So no two captures in a process
+    overlap (each holds torch's default generator, which fails a second one), and an engine
+    built while another captures in the background waits for the item in progress instead
+    of breaking it with a device synchronize or a draw from that generator; the other
+    engine's next item waits for the build. Device work outside ostinato does not take it:
+    keep such work out of a capture in progress (``LLM.wait_for_graphs``)."""
+    with _device_gate:
+        yield
+
 
 @contextlib.contextmanager
 def isolated_capture() -> Iterator[None]:

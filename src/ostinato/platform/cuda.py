@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from ostinato.platform.base import Graph, Platform, capture_is_isolated, paused_collection
+from ostinato.platform.base import (
+    Graph,
+    Platform,
+    capture_is_isolated,
+    exclusive_device,
+    paused_collection,
+)
 
 
 class CudaPlatform(Platform):
@@ -40,7 +46,7 @@ class CudaPlatform(Platform):
         # Outside inference mode: a buffer made inside it is an inference tensor, which
         # a later call outside inference mode (the pool recovery after a failed capture)
         # may not write to.
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), exclusive_device():
             if self._keeper_buffer is None:
                 self._keeper_buffer = torch.zeros(1, device="cuda")
             keeper = torch.cuda.CUDAGraph()
@@ -73,8 +79,8 @@ class CudaPlatform(Platform):
         # cannot report it after failing.
         requested = pool if pool is not None else self.graph_pool_handle()
         pool = self._pool_replacements.get(requested, requested)
-        torch.cuda.synchronize()
-        with paused_collection(torch.cuda), torch.cuda.stream(self._stream()):
+        with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(self._stream()):
+            torch.cuda.synchronize()
             mode = "thread_local" if capture_is_isolated() else "global"
             try:
                 graph.capture_begin(pool=pool, capture_error_mode=mode)
@@ -157,11 +163,12 @@ def graph_call_us(fn: Callable[[], object], calls: int, replays: int = 5) -> flo
     graph, replayed once untimed and then ``replays`` times under events: launch cost on
     the host is out of it, every kernel ``fn`` launches (and the gaps between them) is
     in it. Run ``fn`` once eagerly first where lazy set-up must not be captured."""
-    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    with exclusive_device():
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

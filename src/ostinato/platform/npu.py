@@ -15,7 +15,7 @@ import torch
 
 from ostinato.errors import PlatformError
 from ostinato.param_updates import UpdatableTask, UpdateOrder
-from ostinato.platform.base import Graph, Platform, paused_collection
+from ostinato.platform.base import Graph, Platform, exclusive_device, paused_collection
 
 try:
     import torch_npu  # noqa: F401  (registers torch.npu)
@@ -65,7 +65,7 @@ class NpuPlatform(Platform):
 
     @contextlib.contextmanager
     def capture(self, graph: Graph, pool: Any) -> Iterator[None]:
-        with paused_collection(torch.npu), torch.npu.graph(graph, pool=pool):
+        with exclusive_device(), paused_collection(torch.npu), torch.npu.graph(graph, pool=pool):
             yield
 
     def synchronize(self) -> None:

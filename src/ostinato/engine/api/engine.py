@@ -45,6 +45,7 @@ from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.memory import GraphMemoryCheck, MemoryPlan
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
+from ostinato.platform import exclusive_device
 from ostinato.replay_stats import StatsSnapshot
 from ostinato.resolution import ModeResolution
 from ostinato.staged import StagedRuntime
@@ -133,7 +134,8 @@ class EngineParts:
         self.model = self.cache = self.scheduler = self.sampler = None  # type: ignore[assignment]
         gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            with exclusive_device():  # not during another engine's capture
+                torch.cuda.empty_cache()
 
 
 @dataclass

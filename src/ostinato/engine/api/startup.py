@@ -76,7 +76,7 @@ from ostinato.engine.worker.memory import (
 )
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
-from ostinato.platform import platform_for_device
+from ostinato.platform import exclusive_device, platform_for_device
 from ostinato.resolution import AttentionGraphSupport
 from ostinato.runtime import choose_compiler
 from ostinato.ubatch.policy import MicroBatching
@@ -496,7 +496,8 @@ def build(
     try:
         parts.parallel = init_parallel(c.parallel, c.device.type, launch_env=launch, health=health)
         joined(parts.parallel)
-        _build_on(parts, c, source, limits, open_s)
+        with exclusive_device():  # not during another engine's capture (its docstring)
+            _build_on(parts, c, source, limits, open_s)
     except BaseException:
         parts.release()
         raise

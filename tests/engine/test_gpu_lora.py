@@ -150,3 +150,28 @@ def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows)
     got = lora_expand(y.clone(), s, b, slots, SLOTS, swiglu=True).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_norm_with_each_rows_delta_equals_the_expand_then_the_norm(dtype, rows):
+    # The O projection's expand inside the norm after it (ostinato::lora_add_rms_norm)
+    # against the two kernels it replaces: the expand into a new tensor, then
+    # add_rms_norm. The delta sums in another order, so bf16 may round an element to
+    # its neighbour; rows without a slot stay bitwise.
+    import ostinato.engine.model.norm_op  # noqa: F401  (registers the ops)
+    from ostinato.engine.kernels.lora_expand import lora_expand
+
+    s, b, y, slots, _ = expand_case(20 + rows, rows, dtype, width=16, n=1536)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    residual = torch.randn(rows, 1536, device="cuda", generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(1536, device="cuda", generator=gen)).to(dtype)
+    x = torch.cat([y, y[:, :64]], dim=1)[:, :1536]  # a strided view, as the joint GEMM's
+    expanded = lora_expand(x, s, b, slots, SLOTS, in_place=False)
+    want = torch.ops.ostinato.add_rms_norm(expanded, residual, weight, 1e-5, False)
+    got = torch.ops.ostinato.lora_add_rms_norm(x, residual, weight, 1e-5, s, b, slots, SLOTS)
+    for g, w in zip(got, want, strict=True):
+        err = ((g.double() - w.double()).norm() / w.double().norm()).item()
+        assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
+        none = slots[:rows] < 0
+        assert torch.equal(g[none], w[none])

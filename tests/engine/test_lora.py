@@ -4,8 +4,13 @@ bookkeeping under random mixes; every bad input named."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +249,64 @@ def test_adapters_load_and_unload_while_the_engine_loop_serves(checkpoint):
     finally:
         assert loop.stop()
         llm.close()
+
+
+_INTERPRETED = """
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, sys.argv[1])
+from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint
+
+import ostinato.engine.model.lora as lora
+import ostinato.engine.model.norm_op as norm_op
+from ostinato.engine import SamplingParams
+from ostinato.engine.kernels.rms_norm import RowDelta, rms_norm_rows
+
+# The norm's kernel with each row's delta against the delta added first, then the kernel.
+g = torch.Generator().manual_seed(0)
+S, W, D, n = 3, 16, 96, 5
+s, b = torch.randn(n, S * W, generator=g), torch.randn(S * W, D, generator=g) * 0.05
+x = torch.randn(n, D + 8, generator=g)[:, :D]
+res, w = torch.randn(n, D, generator=g), torch.randn(D, generator=g)
+slots = torch.tensor([2, -1, 0, 1, -1, 2, 2, 2])
+out, total = torch.empty(n, D), torch.empty(n, D)
+rms_norm_rows(x, res, w, 1e-5, out, total, False, RowDelta(s, b, slots, S))
+want_out, want_total = torch.empty(n, D), torch.empty(n, D)
+rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want_total)
+torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
+torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+assert torch.equal(out[slots[:n] < 0], want_out[slots[:n] < 0])
+
+# The engine on the kernels' path (as on CUDA, rows of decode steps): PEFT's tokens.
+lora.expands_in_kernel = lambda x: x.shape[0] <= 16 and not torch.compiler.is_compiling()
+folder = Path(tempfile.mkdtemp())
+hf = write_checkpoint("LlamaForCausalLM", folder)
+adapters = {"a": write_adapter(hf, folder / "a", seed=1, rank=8),
+            "b": write_adapter(hf, folder / "b", seed=2, rank=4, use_rslora=True)}
+llm = cpu_engine(folder, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4)
+for name in adapters:
+    llm.load_lora(name, str(folder / name))
+prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(12 + 5 * i)] for i in range(3)]
+names = ["a", None, "b"]
+outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), lora=names)
+for prompt, name, o in zip(prompts, names, outs):
+    reference = hf if name is None else adapters[name]
+    assert o.token_ids == peft_greedy(reference, prompt, 8), name
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_decode_path_of_lora_equals_peft_under_the_triton_interpreter():
+    # What CUDA decode steps run (each row's expand gathered in a kernel, the O
+    # projection's inside the norm's kernel), on the CPU through Triton's interpreter.
+    tests = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests.parent / "src")}
+    run = [sys.executable, "-c", _INTERPRETED, str(tests)]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")

@@ -1,8 +1,11 @@
-"""The RMSNorm kernel behind ``ostinato::rms_norm`` and ``ostinato::add_rms_norm`` on
-CUDA: one program per row, the whole row in registers, so a norm (with the residual add
-before it) is one launch at any row count."""
+"""The RMSNorm kernel behind ``ostinato::rms_norm``, ``ostinato::add_rms_norm`` and
+``ostinato::lora_add_rms_norm`` on CUDA: one program per row, the whole row in
+registers, so a norm (with the residual add before it, and a row's LoRA expand before
+that) is one launch at any row count."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,15 +28,31 @@ def _rms_norm_kernel(
     stride_t,
     dim,
     eps,
+    s_ptr,
+    b_ptr,
+    slots_ptr,
+    stride_s,
+    stride_b,
     ADD: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LORA_W: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if LORA_W > 0:  # x + s[row, its slot's W columns] @ b[those W rows], rounded once
+        slot = tl.load(slots_ptr + row)
+        valid = slot >= 0  # (a row without a slot adds zero)
+        first = tl.maximum(slot, 0) * LORA_W
+        delta = tl.zeros([BLOCK], dtype=tl.float32)
+        for w in tl.static_range(LORA_W):
+            sw = tl.load(s_ptr + row * stride_s + first + w, mask=valid, other=0.0)
+            bw = tl.load(b_ptr + (first + w) * stride_b + cols, mask=mask & valid, other=0.0)
+            delta += sw.to(tl.float32) * bw.to(tl.float32)
+        x = (x.to(tl.float32) + delta).to(x_ptr.dtype.element_ty)
     if ADD:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # as x + r
@@ -46,6 +65,23 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclass(frozen=True)
+class RowDelta:
+    """A few rows' LoRA expand, added to a norm's input in its kernel: row ``i`` adds
+    ``s[i, W * slots[i] : W * (slots[i] + 1)] @ b[those rows]`` (nothing where its slot is
+    -1), ``W = b.shape[0] // max_loras``; ``s`` ``[rows, b's rows]`` every slot's shrink,
+    ``slots`` at least as many rows, int64 (``model.lora``)."""
+
+    s: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    max_loras: int
+
+    @property
+    def width(self) -> int:
+        return self.b.shape[0] // self.max_loras
+
+
 def rms_norm_rows(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -54,11 +90,14 @@ def rms_norm_rows(
     out: torch.Tensor,
     total: torch.Tensor | None,
     pdl: bool = False,
+    delta: RowDelta | None = None,
 ) -> None:
     """``out[r] = weight * rms_norm(x[r] (+ residual[r]))`` for every row of the 2-D
     ``x`` (any row stride); with ``residual``, ``total[r] = x[r] + residual[r]`` too.
     ``pdl``: launch with programmatic dependent launch (compute capability 9.0+) when
-    ``pdl_for`` allows it for this many rows."""
+    ``pdl_for`` allows it for this many rows. ``delta``: each row's LoRA expand added to
+    ``x`` first (in float32, the sum rounded to ``x``'s dtype, as ``kernels.lora_expand``
+    writes it)."""
     rows, dim = x.shape
     if rows == 0:
         return
@@ -71,6 +110,7 @@ def rms_norm_rows(
     r = residual if add else x
     t = total if add else out
     block = triton.next_power_of_2(dim)
+    lora = _lora_args(delta, x, dim)
     launch(
         _rms_norm_kernel,
         (rows,),
@@ -85,9 +125,28 @@ def rms_norm_rows(
         t.stride(0),
         dim,
         eps,
+        *lora,
         ADD=add,
         BLOCK=block,
         USE_PDL=pdl_arg(pdl),
+        LORA_W=delta.width if delta is not None else 0,
         num_warps=min(16, max(1, block // 256)),
         launch_pdl=pdl,
     )
+
+
+def _lora_args(delta: RowDelta | None, x: torch.Tensor, dim: int) -> tuple:
+    """The kernel's ``s``, ``b``, ``slots`` and their row strides (``x`` in their place,
+    unread, without a delta)."""
+    if delta is None:
+        return x, x, x, 0, 0
+    s, b, slots = delta.s, delta.b, delta.slots
+    if s.shape != (x.shape[0], b.shape[0]) or b.shape[1] != dim or slots.shape[0] < x.shape[0]:
+        raise ValueError(
+            f"rms_norm_rows: a LoRA delta of s {tuple(s.shape)}, b {tuple(b.shape)}, slots "
+            f"{tuple(slots.shape)} does not fit {x.shape[0]} rows of {dim}: needs s [rows, "
+            "b's rows], b [max_loras * W, dim] and a slot per row"
+        )
+    if s.stride(-1) != 1 or b.stride(-1) != 1 or b.shape[0] % delta.max_loras:
+        raise ValueError("rms_norm_rows: s and b need contiguous rows, b max_loras * W of them")
+    return s, b, slots, s.stride(0), b.stride(0)

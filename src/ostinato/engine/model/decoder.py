@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, lora_step
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
+
+if TYPE_CHECKING:
+    from ostinato.engine.kernels.rms_norm import RowDelta
 
 
 class RMSNorm(nn.Module):
@@ -54,6 +57,19 @@ class RMSNorm(nn.Module):
         """(the norm of ``x + residual``, ``x + residual``), in one kernel on CUDA."""
         pdl = self.kernels.pdl
         return torch.ops.ostinato.add_rms_norm(x, residual, self.weight, self.eps, pdl)
+
+    def add_delta(
+        self, x: torch.Tensor, residual: torch.Tensor, delta: RowDelta | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add(x + each row's LoRA delta, residual)``: with a ``delta`` (the projection
+        before left it: ``LoraRows.project_for_norm``) the norm's kernel adds it first."""
+        if delta is None:
+            return self.add(x, residual)
+        pdl = self.kernels.pdl
+        s, b, slots, max_loras = delta.s, delta.b, delta.slots, delta.max_loras
+        return torch.ops.ostinato.lora_add_rms_norm(
+            x, residual, self.weight, self.eps, s, b, slots, max_loras, pdl
+        )
 
     def reduce_add(
         self, x: torch.Tensor, residual: torch.Tensor, tp: TensorParallel
@@ -168,6 +184,15 @@ class Attention(nn.Module):
         # v (and with rope_in_attention q and k) stay strided views of the QKV
         # projection: the backend takes any token and head strides, and a copy to make
         # them contiguous would be a kernel per layer. ``out`` is contiguous.
+        rows = self.attend(x, cos, sin, lora)
+        o = self.o_proj(rows) if lora is None else lora.project(self.layer, "o", self.o_proj, rows)
+        return self.tp.all_reduce(o) if reduce else o
+
+    def attend(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraRows | None
+    ) -> torch.Tensor:
+        """The attention's output rows (``[n, heads * head_dim]``), before the O
+        projection."""
         if self.rope_in_attention:
             q, k, v = self.project(x, None, None, lora)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -176,9 +201,7 @@ class Attention(nn.Module):
             q, k, v = self.project(x, cos, sin, lora)
             out = torch.empty_like(q)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
-        rows = out.view(x.shape[0], self.q_size)
-        o = self.o_proj(rows) if lora is None else lora.project(self.layer, "o", self.o_proj, rows)
-        return self.tp.all_reduce(o) if reduce else o
+        return out.view(x.shape[0], self.q_size)
 
     def forward_fused(
         self,
@@ -334,8 +357,15 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.reduce_add(x, residual, tp)
-        attended = self.self_attn(h, cos, sin, lora, reduce=False)
-        h, residual = self.post_attention_layernorm.reduce_add(attended, residual, tp)
+        if lora is None:
+            attended = self.self_attn(h, cos, sin, None, reduce=False)
+            h, residual = self.post_attention_layernorm.reduce_add(attended, residual, tp)
+        else:  # (one GPU: LoRA is refused with tensor parallelism)
+            # The O projection's expand runs in the norm's kernel where it can.
+            attn = self.self_attn
+            rows = attn.attend(h, cos, sin, lora)
+            o, delta = lora.project_for_norm(attn.layer, "o", attn.o_proj, rows)
+            h, residual = self.post_attention_layernorm.add_delta(o, residual, delta)
         return self.mlp(h, lora, reduce=False), residual, None
 
 

@@ -17,12 +17,16 @@ are zero); ``row_slots`` never moves; nothing here synchronises with the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ostinato.context import current_forward_context
 from ostinato.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from ostinato.engine.kernels.rms_norm import RowDelta
 
 # The projection groups of a decoder layer and the checkpoint projections in each, in
 # the order of the fused projection's output columns.
@@ -172,24 +176,53 @@ class LoraProjection(nn.Module):
         few rows on CUDA, eagerly (the decode graphs), then expand in one kernel that
         gathers each row's slot of B (``lora_expand``, SiLU·mul included) instead of a
         mask multiply and a GEMM over every slot."""
+        y, s = self._joint(linear, x)
+        swiglu = swiglu_pdl is not None
+        if expands_in_kernel(x):
+            from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
+
+            max_loras = self.shape.max_loras
+            return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False)
+        # No reshape or broadcast names the row count: compiled, it is an unbacked size,
+        # on which torch 2.11 would guard.
+        s = (s.unflatten(1, (self.shape.max_loras, -1)) * mask.unsqueeze(-1)).flatten(1)
+        total = y + torch.mm(s, self.b)
+        return total if not swiglu else torch.ops.ostinato.silu_mul(total, swiglu_pdl)
+
+    def project_for_norm(
+        self, linear: nn.Linear, x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, RowDelta | None]:
+        """``project``'s sum, left for the norm after it to finish where the expand would
+        run as a kernel (``expands_in_kernel``): ``linear(x)`` (a strided view) and the
+        rows' delta, which ``ostinato::lora_add_rms_norm`` adds in the norm's own kernel
+        (one launch less a layer); elsewhere ``project``'s sum and None."""
+        if not expands_in_kernel(x):
+            return self.project(linear, x, mask, slots), None
+        from ostinato.engine.kernels.rms_norm import RowDelta  # (Triton: CUDA only)
+
+        y, s = self._joint(linear, x)
+        return y, RowDelta(s, self.b, slots, self.shape.max_loras)
+
+    def _joint(self, linear: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear(x)`` and every slot's shrink, from one GEMM over the joint weight."""
         assert self.joint is not None, "LoraProjection.project before join"
         rows = linear.weight.shape[0]
         full = torch.mm(x, self.joint.t())
         y, s = full[:, :rows], full[:, rows:]
         if linear.bias is not None:
             y = y + linear.bias
-        swiglu = swiglu_pdl is not None
-        if x.is_cuda and not torch.compiler.is_compiling():
-            from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
+        return y, s
 
-            if x.shape[0] <= lora_expand.MAX_ROWS:
-                max_loras = self.shape.max_loras
-                return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False)
-        # No reshape or broadcast names the row count: compiled, it is an unbacked size,
-        # on which torch 2.11 would guard.
-        s = (s.unflatten(1, (self.shape.max_loras, -1)) * mask.unsqueeze(-1)).flatten(1)
-        total = y + torch.mm(s, self.b)
-        return total if not swiglu else torch.ops.ostinato.silu_mul(total, swiglu_pdl)
+
+def expands_in_kernel(x: torch.Tensor) -> bool:
+    """Whether the expand of ``x``'s rows gathers each row's slot of B in a kernel: on
+    CUDA, eagerly (the decode graphs record the eager model), at most
+    ``lora_expand.MAX_ROWS`` rows; else the dense path (a mask multiply and a GEMM)."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    from ostinato.engine.kernels.lora_expand import MAX_ROWS  # (Triton: CUDA only)
+
+    return x.shape[0] <= MAX_ROWS
 
 
 class LoraWeights(nn.Module):
@@ -269,6 +302,14 @@ class LoraRows:
         delta."""
         projection = self.weights.layers[layer][group]
         return projection.project(linear, x, self.mask, self.weights.row_slots)
+
+    def project_for_norm(
+        self, layer: int, group: str, linear: nn.Linear, x: torch.Tensor
+    ) -> tuple[torch.Tensor, RowDelta | None]:
+        """``project`` with the delta left for the norm after it where it can add it
+        (``LoraProjection.project_for_norm``)."""
+        projection = self.weights.layers[layer][group]
+        return projection.project_for_norm(linear, x, self.mask, self.weights.row_slots)
 
     def swiglu(self, layer: int, linear: nn.Linear, x: torch.Tensor, pdl: bool) -> torch.Tensor:
         """SiLU·mul of layer ``layer``'s gate/up projection (``linear``) of ``x`` plus each

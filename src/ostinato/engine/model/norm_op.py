@@ -22,6 +22,10 @@ _lib.define(
     "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool pdl=False) "
     "-> (Tensor, Tensor)"
 )
+_lib.define(
+    "lora_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, Tensor s, "
+    "Tensor b, Tensor slots, int max_loras, bool pdl=False) -> (Tensor, Tensor)"
+)
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -83,10 +87,62 @@ def _add_rms_norm_cuda(
     return out, total
 
 
+def lora_rows(
+    x: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, max_loras: int
+) -> torch.Tensor:
+    """``x`` plus each row's LoRA expand (``kernels.rms_norm.RowDelta``), summed in float32
+    and rounded to ``x``'s dtype, as the kernel does."""
+    width = b.shape[0] // max_loras
+    n = x.shape[0]
+    row_slots = slots[:n]
+    cols = row_slots.clamp(min=0)[:, None] * width + torch.arange(width, device=x.device)
+    delta = torch.einsum("nw,nwd->nd", s.gather(1, cols).float(), b[cols].float())
+    delta = delta * (row_slots >= 0)[:, None]
+    return (x.float() + delta).to(x.dtype)
+
+
+def lora_add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    max_loras: int,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch arithmetic: ``add_rms_norm`` of ``lora_rows(x, ...)`` and ``residual``."""
+    return add_rms_norm_reference(lora_rows(x, s, b, slots, max_loras), residual, weight, eps)
+
+
+def _lora_add_rms_norm_cuda(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    max_loras: int,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ostinato.engine.kernels.rms_norm import RowDelta, rms_norm_rows
+
+    check_residual(x, residual)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    delta = RowDelta(s, b, slots, max_loras)
+    rms_norm_rows(x, residual, weight, eps, out, total, pdl, delta)
+    return out, total
+
+
 _lib.impl("rms_norm", rms_norm_reference, "CompositeExplicitAutograd")
 _lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
 _lib.impl("add_rms_norm", add_rms_norm_reference, "CompositeExplicitAutograd")
 _lib.impl("add_rms_norm", _add_rms_norm_cuda, "CUDA")
+_lib.impl("lora_add_rms_norm", lora_add_rms_norm_reference, "CompositeExplicitAutograd")
+_lib.impl("lora_add_rms_norm", _lora_add_rms_norm_cuda, "CUDA")
 
 
 @torch.library.register_fake("ostinato::rms_norm", lib=_lib)
@@ -97,6 +153,22 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> t
 @torch.library.register_fake("ostinato::add_rms_norm", lib=_lib)
 def _(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    return out, torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("ostinato::lora_add_rms_norm", lib=_lib)
+def _(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    max_loras: int,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     return out, torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -264,7 +264,7 @@ from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint
 import ostinato.engine.model.lora as lora
 import ostinato.engine.model.norm_op as norm_op
 from ostinato.engine import SamplingParams
-from ostinato.engine.kernels.rms_norm import RowDelta, rms_norm_rows
+from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
 # The norm's kernel with each row's delta against the delta added first, then the kernel.
 g = torch.Generator().manual_seed(0)
@@ -274,7 +274,7 @@ x = torch.randn(n, D + 8, generator=g)[:, :D]
 res, w = torch.randn(n, D, generator=g), torch.randn(D, generator=g)
 slots = torch.tensor([2, -1, 0, 1, -1, 2, 2, 2])
 out, total = torch.empty(n, D), torch.empty(n, D)
-rms_norm_rows(x, res, w, 1e-5, out, total, False, RowDelta(s, b, slots, S))
+rms_norm_rows(x, res, w, 1e-5, out, total, False, (s, b, slots, S))
 want_out, want_total = torch.empty(n, D), torch.empty(n, D)
 rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want_total)
 torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)

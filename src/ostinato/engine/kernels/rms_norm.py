@@ -5,8 +5,6 @@ that) is one launch at any row count."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -65,23 +63,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@dataclass(frozen=True)
-class RowDelta:
-    """A few rows' LoRA expand, added to a norm's input in its kernel: row ``i`` adds
-    ``s[i, W * slots[i] : W * (slots[i] + 1)] @ b[those rows]`` (nothing where its slot is
-    -1), ``W = b.shape[0] // max_loras``; ``s`` ``[rows, b's rows]`` every slot's shrink,
-    ``slots`` at least as many rows, int64 (``model.lora``)."""
-
-    s: torch.Tensor
-    b: torch.Tensor
-    slots: torch.Tensor
-    max_loras: int
-
-    @property
-    def width(self) -> int:
-        return self.b.shape[0] // self.max_loras
-
-
 def rms_norm_rows(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -90,14 +71,16 @@ def rms_norm_rows(
     out: torch.Tensor,
     total: torch.Tensor | None,
     pdl: bool = False,
-    delta: RowDelta | None = None,
+    delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """``out[r] = weight * rms_norm(x[r] (+ residual[r]))`` for every row of the 2-D
     ``x`` (any row stride); with ``residual``, ``total[r] = x[r] + residual[r]`` too.
     ``pdl``: launch with programmatic dependent launch (compute capability 9.0+) when
-    ``pdl_for`` allows it for this many rows. ``delta``: each row's LoRA expand added to
-    ``x`` first (in float32, the sum rounded to ``x``'s dtype, as ``kernels.lora_expand``
-    writes it)."""
+    ``pdl_for`` allows it for this many rows. ``delta`` (``s``, ``b``, ``slots``,
+    ``max_loras``): each row's LoRA expand added to ``x`` first, ``s[i, W * slots[i] : W *
+    (slots[i] + 1)] @ b[those rows]`` with ``W = b.shape[0] // max_loras`` (nothing where
+    the slot is -1), in float32, the sum rounded to ``x``'s dtype as ``kernels.lora_expand``
+    writes it; ``s`` ``[rows, b's rows]`` (every slot's shrink), ``slots`` int64."""
     rows, dim = x.shape
     if rows == 0:
         return
@@ -129,24 +112,26 @@ def rms_norm_rows(
         ADD=add,
         BLOCK=block,
         USE_PDL=pdl_arg(pdl),
-        LORA_W=delta.width if delta is not None else 0,
+        LORA_W=delta[1].shape[0] // delta[3] if delta is not None else 0,
         num_warps=min(16, max(1, block // 256)),
         launch_pdl=pdl,
     )
 
 
-def _lora_args(delta: RowDelta | None, x: torch.Tensor, dim: int) -> tuple:
+def _lora_args(
+    delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, x: torch.Tensor, dim: int
+) -> tuple:
     """The kernel's ``s``, ``b``, ``slots`` and their row strides (``x`` in their place,
     unread, without a delta)."""
     if delta is None:
         return x, x, x, 0, 0
-    s, b, slots = delta.s, delta.b, delta.slots
+    s, b, slots, max_loras = delta
     if s.shape != (x.shape[0], b.shape[0]) or b.shape[1] != dim or slots.shape[0] < x.shape[0]:
         raise ValueError(
             f"rms_norm_rows: a LoRA delta of s {tuple(s.shape)}, b {tuple(b.shape)}, slots "
             f"{tuple(slots.shape)} does not fit {x.shape[0]} rows of {dim}: needs s [rows, "
             "b's rows], b [max_loras * W, dim] and a slot per row"
         )
-    if s.stride(-1) != 1 or b.stride(-1) != 1 or b.shape[0] % delta.max_loras:
+    if s.stride(-1) != 1 or b.stride(-1) != 1 or b.shape[0] % max_loras:
         raise ValueError("rms_norm_rows: s and b need contiguous rows, b max_loras * W of them")
     return s, b, slots, s.stride(0), b.stride(0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,11 +29,8 @@ from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
 )
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
-from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, lora_step
+from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, RowDelta, lora_step
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
-
-if TYPE_CHECKING:
-    from ostinato.engine.kernels.rms_norm import RowDelta
 
 
 class RMSNorm(nn.Module):
@@ -278,6 +275,12 @@ class Mlp(nn.Module):
             y = lora.project(self.layer, "down", self.down_proj, up)
         return self.tp.all_reduce(y) if reduce else y
 
+    def forward_lora(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, RowDelta | None]:
+        """The block with each row's LoRA delta, the down projection's left for the norm
+        after it where it can add it (``LoraRows.project_for_norm``)."""
+        up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
+        return lora.project_for_norm(self.layer, "down", self.down_proj, up)
+
     def forward_fused(
         self,
         x: torch.Tensor,
@@ -337,9 +340,11 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        stats: RowStats | None = None,
+        stats: RowStats | RowDelta | None = None,
         lora: LoraRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | RowDelta | None]:
+        # ``stats``: what the block before hands this layer's first norm (the fused ops'
+        # row statistics, or a LoRA step's down-projection delta), as this returns its own.
         # A step with LoRA rows runs unfused: the fused ops have no place for the deltas.
         # Traced by torch.compile (the piecewise graphs: prefills, mixed steps), the layer
         # runs unfused: its norm and QKV projection then stay inside the graphs, where the
@@ -347,9 +352,13 @@ class DecoderLayer(nn.Module):
         # host-bound). The fused kernels serve the eager model, which the runner hands
         # the FULL decode graphs (``ModelRunner._forward_for``).
         if self.fuses(x.shape[0], lora):
+            assert not isinstance(stats, RowDelta)  # (a LoRA step fuses no layer)
             attn, norm = self.self_attn, self.input_layernorm
             h, residual, stats = attn.forward_fused(x, residual, norm, cos, sin, stats)
             return self.mlp.forward_fused(h, residual, self.post_attention_layernorm, stats)
+        if lora is not None:  # (one GPU: LoRA is refused with tensor parallelism)
+            assert not isinstance(stats, RowStats)
+            return self._forward_lora(x, residual, cos, sin, stats, lora)
         # Unfused, each block hands its partial sum to the norm after it, which reduces
         # it over the group (under tensor parallelism the returned x is a partial sum).
         tp = self.self_attn.tp
@@ -357,16 +366,32 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.reduce_add(x, residual, tp)
-        if lora is None:
-            attended = self.self_attn(h, cos, sin, None, reduce=False)
-            h, residual = self.post_attention_layernorm.reduce_add(attended, residual, tp)
-        else:  # (one GPU: LoRA is refused with tensor parallelism)
-            # The O projection's expand runs in the norm's kernel where it can.
-            attn = self.self_attn
-            rows = attn.attend(h, cos, sin, lora)
-            o, delta = lora.project_for_norm(attn.layer, "o", attn.o_proj, rows)
-            h, residual = self.post_attention_layernorm.add_delta(o, residual, delta)
-        return self.mlp(h, lora, reduce=False), residual, None
+        attended = self.self_attn(h, cos, sin, None, reduce=False)
+        h, residual = self.post_attention_layernorm.reduce_add(attended, residual, tp)
+        return self.mlp(h, None, reduce=False), residual, None
+
+    def _forward_lora(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        delta: RowDelta | None,
+        lora: LoraRows,
+    ) -> tuple[torch.Tensor, torch.Tensor, RowDelta | None]:
+        """The unfused layer with each row's LoRA delta. The O and down projections leave
+        theirs to the norm after them where it can add it in its kernel (``delta``: the
+        last layer's down projection's, returned likewise), one launch less each."""
+        if residual is None:  # the first layer: x is the embedding
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_delta(x, residual, delta)
+        attn = self.self_attn
+        rows = attn.attend(h, cos, sin, lora)
+        o, o_delta = lora.project_for_norm(attn.layer, "o", attn.o_proj, rows)
+        h, residual = self.post_attention_layernorm.add_delta(o, residual, o_delta)
+        y, down_delta = self.mlp.forward_lora(h, lora)
+        return y, residual, down_delta
 
 
 def _draw_linear(linear: nn.Linear, generator: torch.Generator | None) -> None:
@@ -534,17 +559,22 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states; ``num_layers`` runs only the first layers (a
         self-draft: the truncated model with the same final norm and LM head)."""
-        x, residual, _, partial = self._layers(input_ids, positions, num_layers)
-        return self._final_norm(x, residual, partial)
+        x, residual, handed, partial = self._layers(input_ids, positions, num_layers)
+        return self._final_norm(x, residual, partial, handed)
 
     def _final_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, partial: bool
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        partial: bool,
+        handed: RowStats | RowDelta | None = None,
     ) -> torch.Tensor:
         if residual is None:
             return self.norm(x)
         if partial:  # (this rank's part of the last block's output: reduced in the norm)
             return self.norm.reduce_add(x, residual, self.tp)[0]
-        return self.norm.add(x, residual)[0]
+        delta = handed if isinstance(handed, RowDelta) else None  # (a LoRA step's last)
+        return self.norm.add_delta(x, residual, delta)[0]
 
     def logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
@@ -558,8 +588,8 @@ class DecoderModel(nn.Module):
         x, residual, stats, partial = self._layers(input_ids, positions, None)
         head, norm = self.lm_head, self.norm
         fused = self.kernels.fused_layers and input_ids.shape[0] not in self.unfused_rows
-        if partial or not (fused and head.plan):
-            return self.compute_logits(self._final_norm(x, residual, partial), out)
+        if partial or isinstance(stats, RowDelta) or not (fused and head.plan):
+            return self.compute_logits(self._final_norm(x, residual, partial, stats), out)
         y, _ = torch.ops.ostinato.norm_linear(
             x, residual, norm.weight, norm.eps, head.weight, head.counters, list(head.plan),
             False, self.kernels.pdl, *RowStats.args(stats),
@@ -568,9 +598,10 @@ class DecoderModel(nn.Module):
 
     def _layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | RowDelta | None, bool]:
         """The first ``num_layers`` layers (all with None): the last one's output, the
-        residual sum before it (None with no layer run), its row statistics, and whether
+        residual sum before it (None with no layer run), what it hands the final norm
+        (its row statistics, or a LoRA step's delta), and whether
         that output is this rank's partial sum (an unfused layer under tensor
         parallelism: the final norm reduces it)."""
         x, cos, sin = self._inputs(input_ids, positions)

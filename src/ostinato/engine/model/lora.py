@@ -17,16 +17,12 @@ are zero); ``row_slots`` never moves; nothing here synchronises with the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ostinato.context import current_forward_context
 from ostinato.engine.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from ostinato.engine.kernels.rms_norm import RowDelta
 
 # The projection groups of a decoder layer and the checkpoint projections in each, in
 # the order of the fused projection's output columns.
@@ -55,6 +51,19 @@ _lib.impl("lora_mask", _lora_mask, "CompositeExplicitAutograd")
 @torch.library.register_fake("ostinato::lora_mask", lib=_lib)
 def _(x: torch.Tensor, row_slots: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], slot_ids.shape[0]))
+
+
+@dataclass(frozen=True)
+class RowDelta:
+    """A few rows' LoRA expand, left for the norm after the projection to add in its own
+    kernel (``ostinato::lora_add_rms_norm``): row ``i`` adds ``s[i, W * slots[i] : W *
+    (slots[i] + 1)] @ b[those rows]``, ``W = b.shape[0] // max_loras``, nothing where its
+    slot is -1; ``s`` is every slot's shrink (``[rows, b's rows]``)."""
+
+    s: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    max_loras: int
 
 
 @dataclass(frozen=True)
@@ -198,8 +207,6 @@ class LoraProjection(nn.Module):
         (one launch less a layer); elsewhere ``project``'s sum and None."""
         if not expands_in_kernel(x):
             return self.project(linear, x, mask, slots), None
-        from ostinato.engine.kernels.rms_norm import RowDelta  # (Triton: CUDA only)
-
         y, s = self._joint(linear, x)
         return y, RowDelta(s, self.b, slots, self.shape.max_loras)
 

@@ -90,8 +90,8 @@ def _add_rms_norm_cuda(
 def lora_rows(
     x: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, max_loras: int
 ) -> torch.Tensor:
-    """``x`` plus each row's LoRA expand (``kernels.rms_norm.RowDelta``), summed in float32
-    and rounded to ``x``'s dtype, as the kernel does."""
+    """``x`` plus each row's LoRA expand (``model.lora.RowDelta``), summed in float32 and
+    rounded to ``x``'s dtype, as the kernel does."""
     width = b.shape[0] // max_loras
     n = x.shape[0]
     row_slots = slots[:n]
@@ -127,13 +127,12 @@ def _lora_add_rms_norm_cuda(
     max_loras: int,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from ostinato.engine.kernels.rms_norm import RowDelta, rms_norm_rows
+    from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
     check_residual(x, residual)
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
-    delta = RowDelta(s, b, slots, max_loras)
-    rms_norm_rows(x, residual, weight, eps, out, total, pdl, delta)
+    rms_norm_rows(x, residual, weight, eps, out, total, pdl, (s, b, slots, max_loras))
     return out, total
 
 

@@ -169,20 +169,15 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        lora: LoraRows | None = None,
-        reduce: bool = True,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, reduce: bool = True
     ) -> torch.Tensor:
         """The block's output; with ``reduce`` False under tensor parallelism this rank's
-        partial sum of it, for the norm after it to reduce (``RMSNorm.reduce_add``)."""
+        partial sum of it, for the norm after it to reduce (``RMSNorm.reduce_add``). (A
+        LoRA step: ``attend``, then ``LoraRows.project_for_norm``.)"""
         # v (and with rope_in_attention q and k) stay strided views of the QKV
         # projection: the backend takes any token and head strides, and a copy to make
         # them contiguous would be a kernel per layer. ``out`` is contiguous.
-        rows = self.attend(x, cos, sin, lora)
-        o = self.o_proj(rows) if lora is None else lora.project(self.layer, "o", self.o_proj, rows)
+        o = self.o_proj(self.attend(x, cos, sin, None))
         return self.tp.all_reduce(o) if reduce else o
 
     def attend(
@@ -260,19 +255,13 @@ class Mlp(nn.Module):
         self.kernels = kernels or KernelOptions()  # read where SiLU·mul launches
         self.row_stats = hands_row_stats(self.kernels, tp)
 
-    def forward(
-        self, x: torch.Tensor, lora: LoraRows | None = None, reduce: bool = True
-    ) -> torch.Tensor:
-        """The block's output (``reduce`` as in ``Attention.forward``)."""
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The block's output (``reduce`` as in ``Attention.forward``; a LoRA step:
+        ``forward_lora``)."""
         # silu(gate) * up belongs to the gate/up projection: fused into its epilogue where
-        # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel. With
-        # LoRA the delta is added between the two.
-        if lora is None:
-            up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
-            y = self.down_proj(up)
-        else:
-            up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
-            y = lora.project(self.layer, "down", self.down_proj, up)
+        # its plan picks the small Triton GEMM, else one ostinato::silu_mul kernel.
+        up = self.gate_up_proj.forward_swiglu(x, self.kernels.pdl)
+        y = self.down_proj(up)
         return self.tp.all_reduce(y) if reduce else y
 
     def forward_lora(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, RowDelta | None]:
@@ -366,9 +355,9 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.reduce_add(x, residual, tp)
-        attended = self.self_attn(h, cos, sin, None, reduce=False)
+        attended = self.self_attn(h, cos, sin, reduce=False)
         h, residual = self.post_attention_layernorm.reduce_add(attended, residual, tp)
-        return self.mlp(h, None, reduce=False), residual, None
+        return self.mlp(h, reduce=False), residual, None
 
     def _forward_lora(
         self,

@@ -316,3 +316,15 @@ def test_the_readme_stays_under_200_lines_without_commit_hashes():
     words = re.findall(r"\b[0-9a-f]{7,40}\b", text)
     hashes = [w for w in words if re.search("[a-f]", w) and re.search("[0-9]", w)]
     assert not hashes, f"README names commits {hashes}"
+
+
+def test_graphs_are_captured_only_by_the_platform():
+    # A capture elsewhere would not hold ``exclusive_device``, which keeps captures in a
+    # process from overlapping and an engine's build out of them.
+    capture = re.compile(r"\bcapture_begin\(|\btorch\.(cuda|npu)\.graph\(")
+    outside = [
+        str(path.relative_to(SRC))
+        for path in sorted((SRC / "ostinato").rglob("*.py"))
+        if "platform" not in path.relative_to(SRC).parts and capture.search(path.read_text())
+    ]
+    assert not outside, f"capture through Platform.capture instead: {outside}"

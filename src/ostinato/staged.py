@@ -63,7 +63,7 @@ from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.dispatcher import Dispatch
 from ostinato.guard import capture_phase
 from ostinato.manager import Outputs
-from ostinato.platform.base import isolated_capture
+from ostinato.platform.base import exclusive_device, isolated_capture
 from ostinato.runtime import GraphRuntime
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,9 @@ class StagedRuntime:
         pending = self._by_use(upgrade, upgrade.manager.capture_plan())
         while pending and not self._stop.is_set():
             item = pending.pop(0)
-            with self._turn:
+            # The process's device before the turn, as background capture takes them: a
+            # wait for another engine's build does not hold the steps back.
+            with exclusive_device(), self._turn:
                 upgrade.manager.capture_item(item)
             self._within_budget(upgrade)
             self._turn.hand_over(timeout=1.0)

@@ -453,6 +453,9 @@ def test_background_capture_refuses_what_it_cannot_do():
         engine("full", capture="lazy")
     with pytest.raises(ValueError, match="speculative='self'"):
         engine("full", capture="background", speculative="self:1")
+    # (no fake platform here: the CPU's own, which has no graphs to capture on a thread)
+    with pytest.raises(ValueError, match="capture='background': captures graphs on a thread"):
+        engine("full", capture="background")
 
 
 class StaleAttention(TorchAttention):

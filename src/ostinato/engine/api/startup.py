@@ -119,10 +119,11 @@ def check_args(args: EngineArgs) -> Checked:
     requested = parse_mode(args.graphs.mode)
     refuse_ignored(args, device)
     capture = check_capture(args.graphs, parallel, speculative, requested)
-    if capture == "staged" and not platform_for_device(device).supports_graphs:
+    if capture in ("staged", "background") and not platform_for_device(device).supports_graphs:
+        what = "upgrades graphs" if capture == "staged" else "captures graphs on a thread"
         raise ValueError(
-            f"capture='staged': upgrades graphs, which {device.type} has none of; "
-            "use capture='blocking'"
+            f"capture={capture!r}: {what}, which {device.type} has none of; "
+            "use capture='blocking' (or 'auto')"
         )
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")

@@ -114,26 +114,30 @@ def test_steps_run_correctly_while_the_graphs_are_captured():
 
 
 def test_no_item_starts_while_another_engine_holds_the_device_and_steps_go_on():
-    # An engine being built holds the process's device (``exclusive_device``): this
-    # engine's capture waits for it without holding the turn its own steps need.
+    # An engine being built holds the process's device (``exclusive_device``) until the
+    # steps below have run: this engine's capture waits for it without holding the turn
+    # its own steps need.
     p, r, m, dispatcher = build()
-    building, served = threading.Event(), []
+    building, built, served = threading.Event(), threading.Event(), []
 
     def build_elsewhere():
         with exclusive_device():
             building.set()
-            time.sleep(0.5)
+            built.wait(30)
 
     other = threading.Thread(target=build_elsewhere)
     other.start()
-    assert building.wait(10)
-    capture = m.capture_in_background()
-    steps = threading.Thread(target=lambda: served.extend(serve(r, m, dispatcher, 30)))
-    steps.start()
-    steps.join(5)
-    assert len(served) == 30 and not any(served)  # every step ran, eagerly
-    assert capture.captured == 0 and other.is_alive()
-    other.join()
+    try:
+        assert building.wait(10)
+        capture = m.capture_in_background()
+        steps = threading.Thread(target=lambda: served.extend(serve(r, m, dispatcher, 30)))
+        steps.start()
+        steps.join(10)
+        assert len(served) == 30 and not any(served)  # every step ran, eagerly
+        assert capture.captured == 0
+    finally:
+        built.set()
+        other.join()
     assert capture.wait(10) and capture.captured == len(SIZES)
 
 

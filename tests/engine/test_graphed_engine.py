@@ -244,7 +244,7 @@ def test_compile_ahead_queues_every_sampling_graphs_kernels_in_one_pass(monkeypa
     # capture's warm-up would otherwise compile, one after the other).
     import contextlib
 
-    from ostinato.engine.kernels import launch
+    from ostinato.engine.sample import graph_sampler
     from ostinato.engine.sample.graph_sampler import CUDA_VARIANTS, GraphSampler
 
     depth = []
@@ -255,7 +255,7 @@ def test_compile_ahead_queues_every_sampling_graphs_kernels_in_one_pass(monkeypa
         yield
         depth.pop()
 
-    monkeypatch.setattr(launch, "compile_ahead", ahead)
+    monkeypatch.setattr(graph_sampler, "compile_ahead", ahead)
     sampler = object.__new__(GraphSampler)
     sampler.variants = CUDA_VARIANTS
     calls = []
@@ -265,6 +265,30 @@ def test_compile_ahead_queues_every_sampling_graphs_kernels_in_one_pass(monkeypa
     want = [(n, v) for n in (1, 8) for v in (*CUDA_VARIANTS, "logprobs")]
     assert [(n, v) for n, v, _ in calls] == want
     assert all(inside == 1 for _, _, inside in calls) and not depth
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_penalized_sample_counts_its_tokens_except_while_compiling_ahead(monkeypatch, ahead):
+    # Inside compile_ahead() the sampling kernels only compile: the tokens they would
+    # write are unwritten memory, and counting them indexed the table out of bounds (a
+    # device-side assert on an H200 that broke the process's CUDA context).
+    from ostinato.engine.sample import graph_sampler
+    from ostinato.engine.sample.graph_sampler import GraphSampler
+
+    counted = []
+    monkeypatch.setattr(graph_sampler, "compiling_ahead", lambda: ahead)
+    monkeypatch.setattr(graph_sampler, "count_tokens", lambda *a: counted.append(a))
+    sampler = object.__new__(GraphSampler)
+    rows, vocab = 4, 11
+    sampler.floats = torch.ones(4, rows)
+    sampler.ints = torch.zeros(3, rows, dtype=torch.long)
+    sampler.bias = torch.zeros(rows, vocab)
+    sampler.table = torch.zeros(rows, vocab)
+    logits = torch.randn(rows, vocab)
+    sampler.logits = lambda n: logits[:n]
+    tokens = sampler._sample(2, True, None, False)
+    assert tokens.tolist() == logits[:2].argmax(-1).tolist()
+    assert len(counted) == (0 if ahead else 1)
 
 
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):

@@ -111,7 +111,8 @@ def test_engine_refuses_kernels_of_the_wrong_type():
 
 def test_engine_on_cpu_accepts_options_and_turns_them_off():
     llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
-    assert llm.engine.runner.kernels == KernelOptions(pdl=False, small_gemm=False)
+    off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
+    assert llm.engine.runner.kernels == off
     assert llm.engine.runner.kernel_plan.timings == []
     assert all(linear.plan == () for linear, _ in llm.engine.model.linears())
 
@@ -137,7 +138,7 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     ahead = LLM("tiny", kernels=KernelOptions(compile_ahead=True), **kw)
     assert entered == [True] and ahead.engine.runner.compile_seconds > 0
     assert ahead.engine.runner.compile() == 0.0 and entered == [True]  # once per runner
-    plain = LLM("tiny", **kw)
+    plain = LLM("tiny", kernels=KernelOptions(compile_ahead=False), **kw)
     assert entered == [True]
     assert [o.token_ids for o in ahead.generate(prompts, params)] == [
         o.token_ids for o in plain.generate(prompts, params)

@@ -177,3 +177,27 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
     launched.clear()
     plain(2, False)
     assert launched == [(2, False, False)]
+
+
+def test_compile_ahead_holds_only_for_a_start_that_measured_its_plans(tmp_path, cpu_keys):
+    # Plans read back from the compile cache mean an earlier start compiled the kernels:
+    # its compile-ahead passes would only look them up, beside the first steps.
+    from ostinato.engine.core.limits import EngineLimits
+    from ostinato.engine.worker.kernel_plan import KernelPlan
+
+    cache, limits = CompileCache(tmp_path), EngineLimits(4, 64, 64, 16)
+
+    def plan(kernels: KernelOptions, cache: CompileCache | None) -> KernelPlan:
+        kp = KernelPlan(
+            _model(), kernels, limits, (), cache, None, lambda rows, unfused: 1.0, (1, 2, 4)
+        )
+        kp.plan()
+        return kp
+
+    ahead = KernelOptions(compile_ahead=True)
+    first = plan(ahead, cache)
+    assert first.layer_timings and first.ahead and first.compiles_kernels
+    again = plan(ahead, cache)  # every plan from the cache
+    assert not again.layer_timings and not again.ahead and not again.compiles_kernels
+    assert plan(ahead, None).ahead  # no cache: measured again
+    assert not plan(KernelOptions(compile_ahead=False), None).ahead

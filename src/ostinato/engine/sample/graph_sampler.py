@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
+from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead
 from ostinato.engine.sample.adjust import (
     OutputCounts,
     StepCounts,
@@ -140,7 +141,9 @@ class GraphSampler:
         else:
             seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
             tokens = sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
-        if adjusted:
+        # Inside ``compile_ahead()`` the kernels that write ``tokens`` do not run: counting
+        # its unwritten ids would index the table out of bounds (a device-side assert).
+        if adjusted and not compiling_ahead():
             count_tokens(table, rows, tokens)
         return tokens
 
@@ -170,8 +173,6 @@ class GraphSampler:
         """One pass over what the captures will run, inside ``compile_ahead()``: every
         kernel launch only queues its compilation (the torch ops run, on scratch; the
         generator's state is restored after the captures)."""
-        from ostinato.engine.kernels.launch import compile_ahead
-
         with compile_ahead():
             for n in sizes:
                 for variant in self.variants:

@@ -35,7 +35,9 @@ Padding = Callable[[StepInputs, int], contextlib.AbstractContextManager]  # an e
 class KernelPlan:
     """Plans and compiles once for one runner (see the module docstring).
     ``small_gemm_rows``: the row counts the small-GEMM plans cover (the captured sizes);
-    ``timings``: what planning measured (None before ``plan``); ``compile_seconds``."""
+    ``timings``: what planning measured (None before ``plan``); ``compile_seconds``;
+    ``ahead``: whether this start compiles the kernels ahead (``compile_ahead``, unless
+    every plan came from the cache: ``plan``)."""
 
     def __init__(
         self,
@@ -56,7 +58,10 @@ class KernelPlan:
         self.timings: list[GemmTiming] | None = None
         self.layer_timings: list[LayerTiming] = []  # what the layer plan measured
         self.compile_seconds = 0.0
-        self._kernels_pending = kernels.compile_ahead  # compiled ahead once
+        # Whether this start compiles ahead (``plan`` may turn it off), and whether the
+        # pass that does is still to come (once).
+        self.ahead = kernels.compile_ahead
+        self._kernels_pending = kernels.compile_ahead
 
     @property
     def compiles_kernels(self) -> bool:
@@ -85,7 +90,16 @@ class KernelPlan:
                 self.layer_timings = plan_layers(
                     model, self.layer_rows, self.layer_timer, self.compile_cache, model.tp.group
                 )
+            self._ahead_only_after_measuring(planned=bool(rows) or self.layer_timer is not None)
         return self.timings
+
+    def _ahead_only_after_measuring(self, planned: bool) -> None:
+        """Compile-ahead stays on only where planning measured something. Plans read
+        back from the compile cache mean an earlier start compiled these kernels: its
+        passes would only look them up, on the capture thread beside the first steps
+        (an H200's 1.5 B start answered 0.3 s later with them)."""
+        if planned and not self.timings and not self.layer_timings:
+            self.ahead = self._kernels_pending = False
 
     @torch.inference_mode()
     def compile_on(

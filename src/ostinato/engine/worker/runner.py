@@ -428,7 +428,7 @@ class ModelRunner:
         sampler = GraphSampler(
             platform, pool, generator, logits, sizes[-1], self.device, counts, greedy
         )
-        sampler.capture(sizes, ahead=self.kernels.compile_ahead)
+        sampler.capture(sizes, ahead=self.kernel_plan.ahead)
         return sampler
 
     def _decode_logits(self, hidden: torch.Tensor, decode: bool, padded: int) -> StepOutput:

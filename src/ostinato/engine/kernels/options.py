@@ -85,7 +85,8 @@ class KernelOptions:
         default=True,
         metadata={
             "help": "compile the engine's Triton kernels together on a thread pool at "
-            "start-up, before their first launches (CUDA)"
+            "start-up, before their first launches, where the start measures its kernel "
+            "plans (CUDA)"
         },
     )
     fused_layers: bool = field(

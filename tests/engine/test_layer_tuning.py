@@ -76,6 +76,8 @@ def test_a_plan_is_measured_once_then_read_from_the_compile_cache(tmp_path, cpu_
     again = _model()
     assert plan_layers(again, [1, 2, 4], timer, cache) == [] and len(calls) == 6
     assert again.unfused_rows == frozenset({2})
+    # compile_ahead only moves compile time: the same plan.
+    assert plan_layers(_model(compile_ahead=False), [1, 2, 4], timer, cache) == []
     # Another launch option, or other sizes, is another plan.
     assert plan_layers(_model(pdl=False), [1, 2, 4], timer, cache) and len(calls) == 12
     assert plan_layers(_model(), [1, 2], timer, cache) and len(calls) == 16

@@ -20,7 +20,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -94,9 +94,11 @@ def layer_key(model: DecoderModel) -> list[object]:
     placement of RoPE and the projections' GEMM plans (set before this is measured)."""
     c, w = model.config, model.embed_tokens.weight
     plans = repr([linear.plan for linear, _ in model.linears()]).encode()
+    # compile_ahead only moves compile time: a plan measured with it holds without it.
+    kernels = replace(model.kernels, compile_ahead=False)
     return [
         c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
-        c.vocab_size, w.dtype, model.tp.size, model.kernels, model.rope_in_attention,
+        c.vocab_size, w.dtype, model.tp.size, kernels, model.rope_in_attention,
         hashlib.sha256(plans).hexdigest()[:16],
     ]  # fmt: skip
 

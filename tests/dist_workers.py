@@ -600,3 +600,23 @@ def layer_plan_agreement(rank: int, world: int, port: int, out: str) -> None:
     layer_tuning.plan_layers(model, [1, 2, 4], timer, cache, dist.group.WORLD)
     torch.save((sorted(model.unfused_rows), timed), Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
+
+
+def ahead_agreement(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 measured a GEMM plan, rank 1 found all of its plans cached: record whether
+    each still compiles ahead (its passes run the model, whose all-reduces both join)."""
+    set_env(rank, world, port)
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ostinato.engine.worker.kernel_plan import KernelPlan
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    plan = object.__new__(KernelPlan)
+    plan.model = SimpleNamespace(tp=SimpleNamespace(group=dist.group.WORLD))
+    plan.ahead = plan._kernels_pending = True
+    plan.timings, plan.layer_timings = (["measured"] if rank == 0 else []), []
+    plan._ahead_only_after_measuring(planned=True)
+    torch.save((plan.ahead, plan.compiles_kernels), Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_workers import cpu_plan_key, free_port, layer_plan_agreement
+from dist_workers import ahead_agreement, cpu_plan_key, free_port, layer_plan_agreement
 from test_fused_layers import _tiny_decode
 
 from ostinato.engine import KernelOptions
@@ -203,3 +203,8 @@ def test_compile_ahead_holds_only_for_a_start_that_measured_its_plans(tmp_path, 
     assert not again.layer_timings and not again.ahead and not again.compiles_kernels
     assert plan(ahead, None).ahead  # no cache: measured again
     assert not plan(KernelOptions(compile_ahead=False), None).ahead
+
+
+def test_ranks_compile_ahead_together_where_any_of_them_measured(tmp_path):
+    mp.spawn(ahead_agreement, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    assert [torch.load(Path(tmp_path) / f"{r}.pt") for r in range(2)] == [(True, True)] * 2

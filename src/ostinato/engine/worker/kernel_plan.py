@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ostinato.distributed.collectives import every_rank
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.kernels.launch import compile_ahead, layout_rows
@@ -97,8 +98,10 @@ class KernelPlan:
         """Compile-ahead stays on only where planning measured something. Plans read
         back from the compile cache mean an earlier start compiled these kernels: its
         passes would only look them up, on the capture thread beside the first steps
-        (an H200's 1.5 B start answered 0.3 s later with them)."""
-        if planned and not self.timings and not self.layer_timings:
+        (an H200's 1.5 B start answered 0.3 s later with them). Decided by every rank
+        together: the passes run the model, whose all-reduces every rank must join."""
+        cached = planned and not self.timings and not self.layer_timings
+        if self.ahead and every_rank(cached, self.model.tp.group):
             self.ahead = self._kernels_pending = False
 
     @torch.inference_mode()

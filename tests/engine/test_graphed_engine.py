@@ -372,6 +372,31 @@ def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, 
     llm.close()
 
 
+def test_a_background_starts_line_names_the_kernel_plans_it_waited_for(fake_graphs, monkeypatch):
+    # The plans are made before the thread starts (a first start measures them for tens
+    # of seconds on a GPU): the start-up line says so, and counts none of the thread's
+    # compile as its own.
+    import time
+
+    from ostinato.engine.worker.runner import ModelRunner
+
+    plan = ModelRunner.plan_kernels
+
+    def slow_plan(self):
+        time.sleep(0.3)
+        return plan(self)
+
+    monkeypatch.setattr(ModelRunner, "plan_kernels", slow_plan)
+    llm = engine("piecewise", compiler="eager", capture="background", async_scheduling=False)
+    startup = llm.engine.parts.startup
+    assert startup.background and startup.kernels_s >= 0.3 and startup.compile_s == 0.0
+    assert f"kernel plans {startup.kernels_s:.1f}; compile and capture in the background" in (
+        llm.describe()
+    )
+    assert llm.wait_for_graphs(timeout=60)
+    llm.close()
+
+
 @pytest.mark.parametrize("mode", ["full", "full_decode_only", "none", "piecewise"])
 def test_the_default_capture_is_background_for_graphs_that_compile_nothing(fake_graphs, mode):
     """``capture="auto"``: FULL graphs of the eager model are captured on a thread, the

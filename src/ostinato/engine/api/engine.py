@@ -73,13 +73,16 @@ class StartupTimes:
 
     def summary(self) -> str:
         """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0;
-        kernels 0.3, recording 0.7, sampling 0.9)``; with background capture, ``start-up 2.1 s (open
-        0.4, weights 1.0; compile and capture in the background)``."""
+        kernels 0.3, recording 0.7, sampling 0.9)``; with background capture, ``start-up
+        2.1 s (open 0.4, weights 1.0; compile and capture in the background)``, naming
+        the kernels' plans too where they took a tenth of a second or more (a first
+        start's are measured before the thread starts: tens of seconds)."""
         head = (
             f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights {self.weights_s:.1f}"
         )
         if self.background:
-            return head + "; compile and capture in the background)"
+            plans = f", kernel plans {self.kernels_s:.1f}" if self.kernels_s >= 0.1 else ""
+            return head + plans + "; compile and capture in the background)"
         return (
             head + f", compile {self.compile_s:.1f}, capture {self.capture_s:.1f}; "
             f"kernels {self.kernels_s:.1f}, recording {self.recording_s:.1f}, "

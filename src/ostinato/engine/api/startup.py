@@ -522,7 +522,8 @@ def _build_on(
     parts.adapters = lora_registry(parts, c)
     capture_start = time.perf_counter()
     sampling_s = capture(parts, c, propose, limits)
-    compile_s = parts.runner.compile_seconds
+    # A background capture compiles on its thread: none of that is this call's.
+    compile_s = 0.0 if c.capture == "background" else parts.runner.compile_seconds
     parts.startup = StartupTimes(
         open_s,
         weights_s,

@@ -354,7 +354,9 @@ class ModelRunner:
                 "capture='background': not with tensor parallelism or micro-batching, whose "
                 "graphs every rank captures in the same order; use capture='blocking'"
             )
+        start = time.perf_counter()
         self.plan_kernels()  # sets the projections' plans: before any step runs
+        self.prepare_seconds = time.perf_counter() - start  # (the thread compiles)
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
             return self.manager.capture_in_background(epilogue=epilogue)

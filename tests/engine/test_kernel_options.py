@@ -156,16 +156,19 @@ def test_the_model_carries_one_kernel_options_object_to_every_launching_module()
     assert launching and all(m.kernels is options for m in launching)
 
 
-def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks():
+def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks(monkeypatch):
+    from ostinato.engine.kernels import options
     from ostinato.engine.worker.runner import runner_kernels
 
     built = KernelOptions(pdl=True)
-    # Without Triton (this machine) a CUDA device resolves PDL off: the model's kernels
-    # would launch with an option the device cannot run.
+    # Without Triton (as on CI; pinned here, where Triton may be installed) a CUDA device
+    # resolves PDL off: the model's kernels would launch with an option it cannot run.
+    monkeypatch.setattr(options, "triton_runs_on", lambda device: False)
     with pytest.raises(ValueError, match="build it with KernelOptions.resolved"):
         runner_kernels(built, torch.device("cuda"))
     # Off CUDA nothing launches with it: the runner follows the resolved options.
-    assert runner_kernels(built, torch.device("cpu")) == KernelOptions(pdl=False, small_gemm=False)
+    off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
+    assert runner_kernels(built, torch.device("cpu")) == off
 
 
 def test_pdl_applies_to_decode_sized_launches_only():

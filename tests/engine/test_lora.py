@@ -280,6 +280,9 @@ rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want
 torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
 torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
 assert torch.equal(out[slots[:n] < 0], want_out[slots[:n] < 0])
+# The op's CUDA implementation (add_rms_norm's, with the delta) launches the same.
+op_out, op_total = norm_op._lora_add_rms_norm_cuda(x, res, w, 1e-5, s, b, slots, S)
+assert torch.equal(op_out, out) and torch.equal(op_total, total)
 
 # The engine on the kernels' path (as on CUDA, rows of decode steps): PEFT's tokens.
 lora.expands_in_kernel = lambda x: x.shape[0] <= 16 and not torch.compiler.is_compiling()

@@ -74,8 +74,15 @@ def _rms_norm_cuda(
 
 
 def _add_rms_norm_cuda(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    pdl: bool = False,
+    delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` in one kernel; with ``delta`` (``lora_add_rms_norm``'s ``s``,
+    ``b``, ``slots``, ``max_loras``) each row's LoRA expand added to ``x`` first."""
     from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
     check_residual(x, residual)
@@ -83,7 +90,7 @@ def _add_rms_norm_cuda(
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
     dim = x.shape[-1]
     rows = (t.reshape(-1, dim) for t in (x, residual))
-    rms_norm_rows(*rows, weight, eps, out.view(-1, dim), total.view(-1, dim), pdl)
+    rms_norm_rows(*rows, weight, eps, out.view(-1, dim), total.view(-1, dim), pdl, delta)
     return out, total
 
 
@@ -127,13 +134,7 @@ def _lora_add_rms_norm_cuda(
     max_loras: int,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from ostinato.engine.kernels.rms_norm import rms_norm_rows
-
-    check_residual(x, residual)
-    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
-    total = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rms_norm_rows(x, residual, weight, eps, out, total, pdl, (s, b, slots, max_loras))
-    return out, total
+    return _add_rms_norm_cuda(x, residual, weight, eps, pdl, (s, b, slots, max_loras))
 
 
 _lib.impl("rms_norm", rms_norm_reference, "CompositeExplicitAutograd")

@@ -6,10 +6,12 @@ through ``launch`` starts its kernel's compilation for those arguments on a pool
 threads instead (``triton.AsyncCompileMode``; Triton's compiler passes and ``ptxas``
 release the GIL) and runs nothing, so an eager pass over the model queues every
 kernel's compilation in a few milliseconds and the compilations proceed together, and
-beside whatever the caller does next in the block (Dynamo's trace, Inductor). Leaving
-the block waits for all of them; each then sits in its kernel's cache, and a later
-launch with arguments of the same layout (dtypes, alignment, the integers Triton
-specialises on) compiles nothing.
+beside whatever the caller does next in the block (Dynamo's trace, Inductor). On a host
+of 4 cores or more they are collected instead and, where there are many, compiled in
+worker processes (``compile_pool``: threads share one GIL with Triton's front end)
+when the block ends. Leaving the block waits for all of them; each then sits in its
+kernel's cache, and a later launch with arguments of the same layout (dtypes,
+alignment, the integers Triton specialises on) compiles nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from typing import Any
 
 import torch
 
+from ostinato.engine.kernels import compile_pool
 from ostinato.engine.kernels.launch_rules import rules
+
+# Fewer kernels than this compile on threads unless the workers run already: a worker's
+# start (torch's import, 3-4 s) costs more than the GIL does them.
+PROCESS_MIN_KERNELS = 16
 
 _ahead: ContextVar[bool] = ContextVar("ostinato_triton_compile_ahead", default=False)
 
@@ -65,14 +72,32 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
         mode = getattr(triton, "AsyncCompileMode", None)
         if mode is None:
             yield
-            return
-        with (
-            ThreadPoolExecutor(workers or default_workers(), "ostinato-triton") as pool,
-            mode(pool),
-        ):
-            yield
+        elif compile_pool.process_workers() and compile_pool.supported():
+            with compile_pool.Collector() as collector:
+                yield
+            _compile_collected(collector, mode, workers)
+        else:
+            with _threads(workers) as pool, mode(pool):
+                yield
     finally:
         _ahead.reset(token)
+
+
+def _threads(workers: int | None) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers or default_workers(), "ostinato-triton")
+
+
+def _compile_collected(collector: compile_pool.Collector, mode: Any, workers: int | None) -> None:
+    """Compiles what ``collector`` recorded: in worker processes where there are at least
+    ``PROCESS_MIN_KERNELS`` or the workers were started by an earlier block (then each
+    is a disk-cache hit here), else on threads."""
+    many = len(collector.requests) >= PROCESS_MIN_KERNELS
+    if collector.requests and (many or compile_pool.pool_started()):
+        compile_pool.shared_pool().compile(collector.requests)
+        collector.load()
+        return
+    with _threads(workers) as pool, mode(pool):
+        collector.load()
 
 
 @functools.cache

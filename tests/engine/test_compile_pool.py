@@ -1,0 +1,175 @@
+"""compile_pool on the CPU: the worker protocol and its errors, the worker count, and,
+where Triton is installed, the whole path (a ``compile_ahead`` block's warm-up recorded
+and not compiled, compiled for sm90 by a real worker process, read back into the kernel
+from Triton's disk cache) with a stand-in for the CUDA driver, which this machine lacks.
+On a GPU: test_gpu_kernel_options.py."""
+
+import math
+import os
+
+import pytest
+
+from ostinato.engine.kernels import compile_pool
+from ostinato.engine.kernels.compile_pool import Request, WorkerError, WorkerPool
+
+
+def test_the_worker_count_follows_the_cores(monkeypatch):
+    for cores, workers in ((1, 0), (3, 0), (4, 4), (12, 12), (64, 16)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert compile_pool.process_workers() == workers
+
+
+def test_a_pool_without_workers_is_refused_by_name():
+    with pytest.raises(ValueError, match="WorkerPool: workers must be >= 1, got 0"):
+        WorkerPool(0)
+
+
+def test_a_kernel_a_worker_cannot_compile_is_named_with_the_worker_s_error():
+    pool = WorkerPool(2)
+    try:
+        bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
+        with pytest.raises(WorkerError, match=r"compiling ostinato.no_such_module._kernel: "):
+            pool.compile([bad, bad])
+        # The workers live on and answer the next request the same way.
+        with pytest.raises(WorkerError, match="no_such_module"):
+            pool.compile([bad])
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_dies_is_named_and_replaced(monkeypatch):
+    pool = WorkerPool(1)
+    try:
+        bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
+        with pytest.raises(WorkerError):
+            pool.compile([bad])
+        worker = pool._checkout()
+        worker.proc.kill()
+        worker.proc.wait()
+        with pytest.raises(WorkerError, match=r"the compile worker for .*_kernel exited"):
+            worker.compile(bad)
+        pool._idle.put(worker)
+        with pytest.raises(WorkerError, match="compiling"):  # a fresh worker answers
+            pool.compile([bad])
+    finally:
+        pool.close()
+
+
+class StandInDriver:
+    """The CUDA driver's face that Triton's launch path reads before a launch: device
+    0, an sm90 target. Nothing here runs a kernel."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+@pytest.fixture
+def triton_on_sm90(monkeypatch, tmp_path):
+    triton = pytest.importorskip("triton")
+    if not compile_pool.supported():
+        pytest.skip("needs Triton's jit_cache_hook and preload (3.4 or newer)")
+    from triton.runtime.driver import driver
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(driver, "_active", StandInDriver())  # put back as it was after
+    return triton
+
+
+class FakeTensor:
+    """What a launch reads of a tensor (dtype, shape, strides, an address); a Triton
+    warm-up takes it for one."""
+
+    def __init__(self, dtype, *shape):
+        self.dtype, self.shape = dtype, shape
+
+    def stride(self, dim=None):
+        strides = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
+        return strides if dim is None else strides[dim]
+
+    def data_ptr(self):
+        return 0
+
+
+def _warm_smem_gemm():
+    """A shared-memory (Gluon) GEMM launch's warm-up, as ``small_gemm`` makes it."""
+    import torch
+
+    from ostinato.engine.kernels.gemm_launch import CONFIGS, PLAIN
+    from ostinato.engine.kernels.smem_gemm import launch_smem
+
+    (config,) = [c for c in CONFIGS if c.smem]
+    x, w = FakeTensor(torch.bfloat16, 8, 256), FakeTensor(torch.bfloat16, 128, 256)
+    out = FakeTensor(torch.bfloat16, 8, 128)
+    launch_smem(
+        x, w, None, out, config, epilogue=PLAIN, grid=(128 // config.block_n, 1, 0, 0),
+        norm=None, stats=(x, 1, False, False), residual=None, add_out=False,
+        rope=((x, x, x, x, x, None, None), (0, 0, 0, 0, 0)), pdl=False,
+    )  # fmt: skip
+
+
+def test_a_block_s_kernels_compile_in_workers_and_load_from_the_disk_cache(
+    triton_on_sm90, monkeypatch
+):
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    from ostinato.engine.kernels import launch as launch_module
+    from ostinato.engine.kernels.silu_mul import _silu_mul_kernel
+    from ostinato.engine.kernels.smem_gemm import _smem_gemm_kernel
+
+    monkeypatch.setattr(compile_pool, "process_workers", lambda: 2)
+    monkeypatch.setattr(launch_module, "PROCESS_MIN_KERNELS", 2)
+    compiled_here = []
+    hook = lambda *, fn, is_manual_warmup, **_: compiled_here.append(is_manual_warmup)  # noqa: E731
+    triton_on_sm90.knobs.runtime.jit_cache_hook = hook
+    try:
+        x, out = MockTensor(torch.bfloat16), MockTensor(torch.bfloat16)
+        caches = _silu_mul_kernel.device_caches
+        with launch_module.compile_ahead():
+            for block in (64, 128):
+                for _ in range(2):  # the same specialisation twice: one request
+                    launch_module.launch(
+                        _silu_mul_kernel, (1, 1), x, out, 64, 128, 64,
+                        BLOCK=block, USE_PDL=0, num_warps=4,
+                    )  # fmt: skip
+            _warm_smem_gemm()  # a Gluon kernel: its own front end
+            assert not caches[0][0]  # recorded, not compiled
+        kernels = caches[0][0]
+        assert len(kernels) == 2  # both read back into the kernel's own cache
+        assert len(_smem_gemm_kernel.device_caches[0][0]) == 1
+        assert all(k.metadata.target.arch == 90 for k in kernels.values())
+        assert compiled_here and all(compiled_here)  # the earlier hook saw every one
+        assert triton_on_sm90.knobs.runtime.jit_cache_hook is hook  # and is back
+        written = [f for _, _, files in os.walk(os.environ["TRITON_CACHE_DIR"]) for f in files]
+        assert sum(f.endswith(".cubin") for f in written) == 3  # by the workers
+        # A later block of fewer kernels goes to the workers too, now that they run.
+        monkeypatch.setattr(launch_module, "PROCESS_MIN_KERNELS", 100)
+        sent = []
+        real = WorkerPool.compile
+        monkeypatch.setattr(WorkerPool, "compile", lambda p, r: (sent.append(len(r)), real(p, r)))
+        with launch_module.compile_ahead():
+            launch_module.launch(
+                _silu_mul_kernel, (1, 1), x, out, 64, 128, 64, BLOCK=256, USE_PDL=0, num_warps=4
+            )
+        assert sent == [1] and len(caches[0][0]) == 3
+    finally:
+        triton_on_sm90.knobs.runtime.jit_cache_hook = None
+        _silu_mul_kernel.device_caches.clear()
+        _smem_gemm_kernel.device_caches.clear()
+        compile_pool.shared_pool().close()

@@ -1,4 +1,4 @@
-"""Launching ostinato's Triton kernels, or only compiling them, on a thread pool, ahead.
+"""Launching ostinato's Triton kernels, or only compiling them, together, ahead.
 
 A cold start-up compiles each of the engine's kernels at its first launch, one after the
 other, in the middle of the first forward pass. Inside ``compile_ahead()`` a launch

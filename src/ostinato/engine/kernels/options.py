@@ -55,10 +55,11 @@ class KernelOptions:
     ``compile_ahead`` (on by default where Triton runs): at start-up, before the first
     forward pass, one eager pass per kernel layout (a prefill at the largest size, a
     one-token decode) queues the compilation of every ostinato Triton kernel it would
-    launch on a thread pool (``launch.compile_ahead``), running none; so do the layer
-    plan's timings (every size, fused and unfused) and the sampling graphs' captures.
-    They compile together and beside Dynamo's trace and Inductor, instead of one by one
-    at their first launches. Outputs are unchanged; it only moves compile time. A start
+    launch (``launch.compile_ahead``), running none; so do the layer plan's timings
+    (every size, fused and unfused) and the sampling graphs' captures. They compile
+    together, in worker processes on a host of 4 cores or more (``compile_pool``), else
+    on a thread pool beside Dynamo's trace and Inductor, instead of one by one at their
+    first launches. Outputs are unchanged; it only moves compile time. A start
     whose plans all come from the compile cache skips it (``KernelPlan.plan``): an
     earlier start compiled the kernels. On by default because it measured faster where
     there is anything to compile and level elsewhere: on an H200, with every cache
@@ -84,9 +85,9 @@ class KernelOptions:
     compile_ahead: bool = field(
         default=True,
         metadata={
-            "help": "compile the engine's Triton kernels together on a thread pool at "
-            "start-up, before their first launches, where the start measures its kernel "
-            "plans (CUDA)"
+            "help": "compile the engine's Triton kernels together (worker processes, or "
+            "threads under 4 cores) at start-up, before their first launches, where the "
+            "start measures its kernel plans (CUDA)"
         },
     )
     fused_layers: bool = field(

@@ -152,7 +152,7 @@ class GraphSampler:
         """Captures every variant for each of ``sizes`` (the padded sizes whose logits
         ``logits`` names), after the step's graphs (their logits buffer must exist).
         ``ahead`` (``KernelOptions.compile_ahead``, CUDA): every graph's kernels compile
-        together on a thread pool first (``launch.compile_ahead``), not one after the
+        together first (``launch.compile_ahead``: processes or threads), not one after the
         other at each capture's warm-up."""
         rows, vocab = self.floats.shape[1], self.logits(sizes[-1]).shape[-1]
         with torch.inference_mode(False):  # (written between steps, outside inference mode)

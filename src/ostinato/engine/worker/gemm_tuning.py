@@ -110,7 +110,7 @@ def _compile_candidates(
     linears: Sequence[tuple[Linear, bool]], sizes: Sequence[int], pdl: bool
 ) -> None:
     """Compiles every Triton candidate ``_measure`` will time for ``linears`` together on
-    a thread pool (``launch.compile_ahead``), running none: one at a time, at their
+    (``launch.compile_ahead``: processes or threads), running none: one at a time, at their
     first calls, they made a cold start's planning a minute longer (1.5 B shape, H200)."""
     from ostinato.engine.kernels.launch import compile_ahead
 

@@ -4,7 +4,7 @@ one-time compilation of the model's pieces and the engine's Triton kernels.
 
 Guarantees: the plans are set once, before anything compiles (they are constants of the
 compiled graph); the compile runs once, on padding rows, and with ``compile_ahead`` the
-engine's Triton kernels compile together on a thread pool beside Dynamo and Inductor.
+engine's Triton kernels compile together (``launch.compile_ahead``).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class KernelPlan:
     @contextlib.contextmanager
     def _kernels_ahead(self, inputs: StepInputs) -> Iterator[None]:
         """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
-        thread pool (``launch.compile_ahead``), queued first by one eager pass of the
+        pool (``launch.compile_ahead``: processes or threads), queued first by one eager pass of the
         model per layout the steps launch (``layout_rows``: with and without PDL,
         attention splitting its keys or not), each followed by the decode graphs' greedy
         argmax over a few of its rows. Nothing launched inside runs, so the caller's

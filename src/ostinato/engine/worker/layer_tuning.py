@@ -119,7 +119,7 @@ def graph_timer(
     capture). With ``rows_ahead`` (``KernelOptions.compile_ahead``), the first call first
     queues that eager step for each of those sizes (at most ``MAX_ROWS``), fused and
     unfused, inside ``launch.compile_ahead()``: the layers' kernels of every variant the
-    timings launch compile together on a thread pool, not one after another."""
+    timings launch compile together (processes or threads), not one after another."""
     ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
 
     def eager(rows: int, unfused: bool) -> Callable[[], torch.Tensor]:

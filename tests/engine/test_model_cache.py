@@ -195,3 +195,54 @@ def test_the_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
     source = open_model(path, cache=None)
     assert source.tokenizer is not None and len(made) == 1
+
+
+def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from ostinato.engine.loading.gguf_file import GGUFCheckpoint
+
+    path, cache = gguf_path(), ModelCache(tmp_path / "cache")
+    release = threading.Event()
+    real = GGUFCheckpoint.tokenizer
+
+    def slow(self):
+        assert release.wait(30)
+        return real(self)
+
+    monkeypatch.setattr(GGUFCheckpoint, "tokenizer", slow)
+    source = open_model(path, cache=cache, later=True)
+    # The weights are ready; the tokenizer, then the entry, come on their thread.
+    assert source.load is not None and source.tokenizer is None and not source.pending.done()
+    assert not (cache.root / "models").exists() or not _entries(cache)
+    release.set()
+    tokenizer = source.finish()
+    assert tokenizer is not None and source.tokenizer is tokenizer and source.pending is None
+    assert cache.lookup(path, torch.float32) is not None
+    assert source.finish() is tokenizer  # again: the same, at once
+
+
+def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(
+    tmp_path, monkeypatch
+):
+    from ostinato.engine import LLM, SamplingParams
+    from ostinato.engine.loading.gguf_file import GGUFCheckpoint
+
+    path = gguf_path()
+    # A first start (empty model cache): its tokenizer arrives at the end of the build,
+    # and the stop strings, which decode with it, work from the first request.
+    llm = LLM(str(path), device="cpu", cache_dir=str(tmp_path / "a"), num_blocks=80)
+    plain = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12))[0]
+    stop = plain.text.strip().split()[1]
+    cut = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, stop=[stop]))[0]
+    assert cut.finish_reason.value == "stop" and stop not in cut.text
+    assert plain.text.startswith(cut.text)
+
+    def broken(self):
+        raise RuntimeError("tokenizer conversion failed")
+
+    monkeypatch.setattr(GGUFCheckpoint, "tokenizer", broken)
+    with pytest.raises(RuntimeError, match="tokenizer conversion failed"):
+        LLM(str(path), device="cpu", cache_dir=str(tmp_path / "b"), num_blocks=80)

@@ -54,7 +54,9 @@ from ostinato.staged import StagedRuntime
 @dataclass
 class StartupTimes:
     """Where the construction's seconds went: opening the model (config, tokenizer, and
-    on a model-cache miss the conversion), making or loading the weights on the device,
+    on a model-cache miss the conversion, whose tokenizer and cache entry are made beside
+    the later phases and waited for at the end, in the total), making or loading the
+    weights on the device,
     compiling the model's pieces (Inductor), capturing the graphs, and the total (the
     rest: process groups, the KV cache, the memory plan). Of the capture: the kernels'
     plans and their compile or load ahead (``kernels_s``), the step graphs' recording
@@ -105,6 +107,7 @@ class EngineParts:
     kernels: KernelOptions
     speculative: SpeculativeConfig | None
     compile_cache: CompileCache | None
+    tokenizer_pending: bool = False  # a converted model's, until the end of ``build``
     parallel: ParallelGroups = None  # type: ignore[assignment]  (set by init_parallel)
     all_reduce: SymmetricAllReduce | None = None
     all_reduce_norm: FusedReduceNorm | None = None  # the all-reduce fused with the norm

@@ -5,11 +5,11 @@ runs them in order and times them (``StartupTimes``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -77,6 +77,7 @@ from ostinato.engine.worker.memory import (
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 from ostinato.platform import exclusive_device, platform_for_device
+from ostinato.platform.base import isolated_capture
 from ostinato.resolution import AttentionGraphSupport
 from ostinato.runtime import choose_compiler
 from ostinato.ubatch.policy import MicroBatching
@@ -172,6 +173,7 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
         c.args.random_weights,
         model_cache,
         resolve_dtype(c.args.dtype, c.device, torch.float32),  # a converted source's dtype
+        later=True,  # a conversion's tokenizer beside the start: ``build`` waits for it
     )
     with torch.device("meta"):  # names a size tp does not divide, before anything starts
         DecoderModel(source.config, TensorParallel(0, c.parallel.tensor_parallel_size))
@@ -389,7 +391,7 @@ def make_runner(
         parts.eos_token_ids,
         propose=propose,
         num_speculative=spec.k if spec else 0,
-        decode=_decoder(parts.tokenizer),
+        decode=_decoder(parts),
         lora_slots=LoraSlots(c.lora.max_loras) if c.lora.enable_lora else None,
     )
     return propose
@@ -406,11 +408,12 @@ def lora_registry(parts: EngineParts, c: Checked) -> LoraRegistry | None:
     return registry
 
 
-def _decoder(tokenizer: Any) -> Decode | None:
-    """Token ids to text with ``tokenizer`` (None without one): the stop strings' text."""
-    if tokenizer is None:
+def _decoder(parts: EngineParts) -> Decode | None:
+    """Token ids to text with the model's tokenizer (None without one): the stop
+    strings' text. Read at each call: a converted model's arrives at the end of ``build``."""
+    if parts.tokenizer is None and not parts.tokenizer_pending:
         return None
-    return lambda ids: decode_text(tokenizer, ids)
+    return lambda ids: decode_text(parts.tokenizer, ids)
 
 
 def capture(
@@ -487,6 +490,7 @@ def build(
         dtype=resolve_dtype(c.args.dtype, c.device, source.dtype),
         config=source.config,
         tokenizer=source.tokenizer,
+        tokenizer_pending=source.pending is not None,
         source_name=source.name,
         eos_token_ids=source.eos_token_ids,
         kernels=c.args.kernels,
@@ -497,8 +501,12 @@ def build(
     try:
         parts.parallel = init_parallel(c.parallel, c.device.type, launch_env=launch, health=health)
         joined(parts.parallel)
-        with exclusive_device():  # not during another engine's capture (its docstring)
+        # A pending tokenizer is built on a thread beside the start: captures until then
+        # forbid unsafe calls on their own thread only (CUDA's thread-local mode).
+        isolated = isolated_capture() if source.pending else contextlib.nullcontext()
+        with exclusive_device(), isolated:  # (exclusive: its docstring)
             _build_on(parts, c, source, limits, open_s)
+        parts.tokenizer, parts.tokenizer_pending = source.finish(), False
     except BaseException:
         parts.release()
         raise

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,9 @@ ModelSpec = str | Path | dict[str, Any] | ModelConfig | None
 @dataclass
 class ModelSource:
     """A model ready to be built: ``load`` is None for random weights; ``dtype`` is the
-    checkpoint's own precision where it has one that bfloat16 would lose."""
+    checkpoint's own precision where it has one that bfloat16 would lose. ``pending``:
+    the tokenizer still being built on a thread (``open_model(..., later=True)``), with
+    the model-cache entry written after it; ``finish`` waits for both."""
 
     name: str
     config: ModelConfig
@@ -45,6 +49,14 @@ class ModelSource:
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    pending: Future | None = None
+
+    def finish(self) -> Any:
+        """Waits for the pending tokenizer and cache entry (re-raising what failed there);
+        returns the tokenizer."""
+        if self.pending is not None:
+            self.tokenizer, self.pending = self.pending.result(), None
+        return self.tokenizer
 
 
 def open_model(
@@ -52,10 +64,22 @@ def open_model(
     random_weights: bool = False,
     cache: ModelCache | None = None,
     dtype: torch.dtype | None = None,
+    later: bool = False,
 ) -> ModelSource:
     """Resolves ``model`` (see the module docstring). ``None`` is SmolLM2-135M-Instruct.
     ``dtype``: the dtype the engine will run, if the caller chose one (a converted
-    source is cached in it; GGUF's default is float32)."""
+    source is cached in it; GGUF's default is float32). ``later``: a GGUF conversion
+    returns once its weights are ready, its tokenizer and cache entry ``pending``
+    (``ModelSource.finish``); otherwise everything is done on return."""
+    source = _open(model, random_weights, cache, dtype)
+    if not later:
+        source.finish()
+    return source
+
+
+def _open(
+    model: ModelSpec, random_weights: bool, cache: ModelCache | None, dtype: torch.dtype | None
+) -> ModelSource:
     if model is None:
         model = SMOLLM2
     if isinstance(model, ModelConfig):
@@ -105,24 +129,45 @@ def _gguf(
         if hit is not None:
             return _cached(str(path), hit)
     ckpt = GGUFCheckpoint(path)
-    tokenizer = ckpt.tokenizer()
     if random_weights or cache is None:
         load = None if random_weights else ckpt.load_into
         return ModelSource(
-            str(path), ckpt.config, load, tokenizer, ckpt.eos_token_ids, torch.float32
+            str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
         )
     tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}
-    folder = cache.store(path, run_dtype, ckpt.config, ckpt.eos_token_ids, tensors, tokenizer)
-    if folder is not None:
-        logger.info("ostinato: %s converted once into the model cache at %s", path, folder)
+
+    def tokenizer_then_entry() -> Any:
+        tokenizer = ckpt.tokenizer()
+        folder = cache.store(path, run_dtype, ckpt.config, ckpt.eos_token_ids, tensors, tokenizer)
+        if folder is not None:
+            logger.info("ostinato: %s converted once into the model cache at %s", path, folder)
+        return tokenizer
+
     return ModelSource(
         str(path),
         ckpt.config,
         lambda model: assign_tensors(model, tensors.items(), str(path)),
-        tokenizer,
-        ckpt.eos_token_ids,
-        torch.float32,
+        eos_token_ids=ckpt.eos_token_ids,
+        dtype=torch.float32,
+        # Neither is needed before the first step: they go beside the rest of the start
+        # (the weights, the KV cache, the kernel plans). Both hold the GIL at first, so
+        # they start after the dequantization, which the weights need.
+        pending=_on_thread(tokenizer_then_entry),
     )
+
+
+def _on_thread(work: Callable[[], Any]) -> Future:
+    """``work()`` on a thread of its own (not a daemon: the interpreter waits for it)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # handed to whoever waits (``ModelSource.finish``)
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="ostinato-tokenizer", daemon=False).start()
+    return future
 
 
 def _cached(name: str, entry: CachedModel) -> ModelSource:

@@ -55,6 +55,34 @@ def test_a_worker_that_dies_is_named_and_replaced(monkeypatch):
         pool.close()
 
 
+def test_a_worker_that_takes_too_long_is_stopped_and_named(monkeypatch):
+    monkeypatch.setattr(compile_pool, "REQUEST_SECONDS", 0.05)  # its start takes longer
+    pool = WorkerPool(1)
+    try:
+        bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
+        with pytest.raises(WorkerError, match=r"_kernel took more than 0 s; its worker was"):
+            pool.compile([bad])
+        monkeypatch.setattr(compile_pool, "REQUEST_SECONDS", 600.0)
+        with pytest.raises(WorkerError, match="compiling"):  # a fresh worker answers
+            pool.compile([bad])
+    finally:
+        pool.close()
+
+
+def test_a_failure_cancels_the_requests_not_yet_started(monkeypatch):
+    pool, started = WorkerPool(1), []
+
+    def one(request):
+        started.append(request.name)
+        raise WorkerError(f"compiling {request.name}: boom")
+
+    monkeypatch.setattr(pool, "_one", one)
+    requests = [Request("m", f"k{i}", "{}", ("cuda", 90, 32)) for i in range(20)]
+    with pytest.raises(WorkerError, match="k0: boom"):
+        pool.compile(requests)
+    assert len(started) < 20  # one thread: the rest were cancelled, not run
+
+
 class StandInDriver:
     """The CUDA driver's face that Triton's launch path reads before a launch: device
     0, an sm90 target. Nothing here runs a kernel."""

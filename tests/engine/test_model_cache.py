@@ -224,9 +224,7 @@ def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
     assert source.finish() is tokenizer  # again: the same, at once
 
 
-def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(
-    tmp_path, monkeypatch
-):
+def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(tmp_path, monkeypatch):
     from ostinato.engine import LLM, SamplingParams
     from ostinato.engine.loading.gguf_file import GGUFCheckpoint
 

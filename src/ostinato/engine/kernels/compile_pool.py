@@ -13,7 +13,8 @@ Guarantees: a kernel loaded here is the one Triton would have compiled at its la
 (the same specialisation, options and target, read back by Triton's own cache key);
 a failed compile raises, naming the kernel and the worker's error; a worker never
 touches a GPU (it builds for the parent's target, with no device visible) and exits
-on its own after ``IDLE_SECONDS`` without work.
+on its own after ``IDLE_SECONDS`` without work; one that takes ``REQUEST_SECONDS``
+over a kernel is stopped and named.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 IDLE_SECONDS = 120.0  # a worker's life without requests (start-up compiles come in bursts)
+# Past this a request is taken for hung (the slowest kernel of ours compiles in seconds,
+# a worker's first request also pays torch's import).
+REQUEST_SECONDS = 600.0
 MAX_WORKERS = 16  # as many as an H200 host's cores for one GPU
 MIN_CORES = 4  # below, the workers' own start-up (torch's import) outweighs the gain
 
@@ -76,10 +81,10 @@ _collecting: ContextVar[Collector | None] = ContextVar("ostinato_collector", def
 
 
 class Collector:
-    """Inside ``collect()``, records every warm-up of an ostinato kernel on this thread
-    (``launch`` inside ``compile_ahead``) as a ``Request`` and skips its compile; other
-    threads, other kernels and real launches compile as usual. ``load`` then reads each
-    recorded kernel from Triton's disk cache into its function."""
+    """Inside ``with Collector()``, records every warm-up of an ostinato kernel on this
+    thread (``launch`` inside ``compile_ahead``) as a ``Request`` and skips its compile;
+    other threads, other kernels and real launches compile as usual. ``load``, after the
+    block, reads each recorded kernel from Triton's disk cache into its function."""
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
@@ -127,7 +132,7 @@ class Collector:
 
     def load(self) -> None:
         """Reads every recorded kernel into its function (a disk-cache hit after the
-        workers; a compile here where there was none). Call outside ``collect``."""
+        workers; a compile here where there was none). Call after the block."""
         for r in self.requests:
             self._functions[(r.module, r.name)].preload(r.spec)
 
@@ -166,6 +171,15 @@ class _Worker:
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # it died: the empty reply below says so
+        # One reply line in flight at most, so nothing waits in stdout's buffer here.
+        ready, _, _ = select.select([self.proc.stdout], [], [], REQUEST_SECONDS)
+        if not ready:
+            self.proc.kill()
+            self.proc.wait()  # dead before it goes back to the pool, which replaces it
+            raise WorkerError(
+                f"compiling {request.module}.{request.name} took more than "
+                f"{REQUEST_SECONDS:.0f} s; its worker was stopped"
+            )
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
@@ -201,11 +215,15 @@ class WorkerPool:
 
     def compile(self, requests: Iterable[Request]) -> None:
         """Compiles every request into Triton's disk cache, ``workers`` at a time;
-        raises the first failure (``WorkerError``) once all have finished."""
+        raises the first failure (``WorkerError``, or an interrupt) once the compiles
+        under way have ended, the requests not yet started cancelled."""
         requests = list(requests)
-        with ThreadPoolExecutor(min(self.workers, len(requests) or 1)) as threads:
+        threads = ThreadPoolExecutor(min(self.workers, len(requests) or 1))
+        try:
             for future in [threads.submit(self._one, r) for r in requests]:
                 future.result()
+        finally:
+            threads.shutdown(wait=True, cancel_futures=True)
 
     def _one(self, request: Request) -> None:
         worker = self._checkout()
@@ -317,6 +335,9 @@ def main() -> None:
     ``IDLE_SECONDS`` without a request."""
     # The parent sends a request only after the reply to the last one, so no line ever
     # waits in stdin's buffer while select() watches the descriptor.
+    # Ctrl-C reaches the whole process group: the parent decides, and a worker ends at
+    # the end of its input when the parent does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], IDLE_SECONDS)
         line = sys.stdin.readline() if ready else ""

@@ -164,9 +164,10 @@ def graph_call_us(fn: Callable[[], object], calls: int, replays: int = 5) -> flo
     the host is out of it, every kernel ``fn`` launches (and the gaps between them) is
     in it. Run ``fn`` once eagerly first where lazy set-up must not be captured."""
     graph = torch.cuda.CUDAGraph()
+    mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
     with exclusive_device():
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=mode):
             for _ in range(calls):
                 fn()
     graph.replay()

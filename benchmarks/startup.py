@@ -61,10 +61,10 @@ def _phases(line: str) -> dict[str, float]:
         return {}
     found = {"total": float(m.group(1))}
     for part in re.split(r"[,;] ", m.group(2)):
-        words = part.split()
-        if len(words) == 2:
+        *name, value = part.split() or [""]
+        if name:  # "open 0.4" -> open; "kernel plans 19.0" -> kernel_plans
             try:
-                found[words[0]] = float(words[1])
+                found["_".join(name)] = float(value)
             except ValueError:
                 pass
     return found

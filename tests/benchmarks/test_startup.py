@@ -23,6 +23,15 @@ def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
     assert [n for n in names if "#" in n] == [f"{n} #2" for n in first if "empty" not in n]
 
 
+def test_the_start_up_line_s_phases_are_read_with_names_of_several_words():
+    from benchmarks.startup import _phases
+
+    line = "start-up 19.9 s (open 0.0, weights 0.2, kernel plans 19.0, gemm plan 12.1; x y)"
+    assert _phases(line) == {
+        "total": 19.9, "open": 0.0, "weights": 0.2, "kernel_plans": 19.0, "gemm_plan": 12.1,
+    }  # fmt: skip
+
+
 def test_a_serve_run_is_timed_to_its_first_streamed_completion():
     command = [sys.executable, "-m", "ostinato.engine", "serve", "--quiet", "--device", "cpu"]
     command += ["--port", PORT, "--model", "tiny"]

@@ -205,6 +205,31 @@ def test_compile_ahead_holds_only_for_a_start_that_measured_its_plans(tmp_path, 
     assert not plan(KernelOptions(compile_ahead=False), None).ahead
 
 
+def test_the_start_up_line_names_the_gemm_and_layer_plans_apart(tmp_path, cpu_keys):
+    import time
+
+    from ostinato.engine.api.engine import StartupTimes
+    from ostinato.engine.core.limits import EngineLimits
+    from ostinato.engine.worker.kernel_plan import KernelPlan
+
+    def slow_layer(rows, unfused):
+        time.sleep(0.05)
+        return 1.0
+
+    kp = KernelPlan(
+        _model(), KernelOptions(), EngineLimits(4, 64, 64, 16), (), CompileCache(tmp_path),
+        None, slow_layer, (1, 2),
+    )  # fmt: skip
+    kp.plan()
+    assert kp.layer_seconds >= 0.2 and kp.gemm_seconds < kp.layer_seconds  # 4 timings
+    times = StartupTimes(0.4, 1.0, 0.0, 0.0, 30.0, background=True, kernels_s=19.0)
+    times.gemm_plan_s, times.layer_plan_s = 12.1, kp.layer_seconds
+    line = times.summary()
+    assert f"kernel plans 19.0, gemm plan 12.1, layer plan {kp.layer_seconds:.1f};" in line
+    times.gemm_plan_s = times.layer_plan_s = 0.04  # under a tenth: not named
+    assert "kernel plans 19.0; compile" in times.summary()
+
+
 def test_ranks_compile_ahead_together_where_any_of_them_measured(tmp_path):
     mp.spawn(ahead_agreement, args=(2, free_port(), str(tmp_path)), nprocs=2)
     assert [torch.load(Path(tmp_path) / f"{r}.pt") for r in range(2)] == [(True, True)] * 2

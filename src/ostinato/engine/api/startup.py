@@ -541,4 +541,6 @@ def _build_on(
         recording_s=parts.runner.manager.report.seconds,
         sampling_s=sampling_s,
         kernels_s=max(0.0, parts.runner.prepare_seconds - compile_s),
+        gemm_plan_s=parts.runner.kernel_plan.gemm_seconds,
+        layer_plan_s=parts.runner.kernel_plan.layer_seconds,
     )

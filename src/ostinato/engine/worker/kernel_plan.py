@@ -37,6 +37,7 @@ class KernelPlan:
     """Plans and compiles once for one runner (see the module docstring).
     ``small_gemm_rows``: the row counts the small-GEMM plans cover (the captured sizes);
     ``timings``: what planning measured (None before ``plan``); ``compile_seconds``;
+    ``gemm_seconds`` and ``layer_seconds``: what the GEMM and layer plans took;
     ``ahead``: whether this start compiles the kernels ahead (``compile_ahead``, unless
     every plan came from the cache: ``plan``)."""
 
@@ -59,6 +60,7 @@ class KernelPlan:
         self.timings: list[GemmTiming] | None = None
         self.layer_timings: list[LayerTiming] = []  # what the layer plan measured
         self.compile_seconds = 0.0
+        self.gemm_seconds = self.layer_seconds = 0.0  # what ``plan`` took, by plan
         # Whether this start compiles ahead (``plan`` may turn it off), and whether the
         # pass that does is still to come (once).
         self.ahead = kernels.compile_ahead
@@ -78,6 +80,7 @@ class KernelPlan:
         if self.timings is None:
             model, pdl = self.model, self.kernels.pdl
             rows = self.small_gemm_rows
+            start = time.perf_counter()
             self.timings = (
                 plan_small_gemms(model.linears(), rows, pdl, cache=self.compile_cache)
                 if rows
@@ -87,10 +90,12 @@ class KernelPlan:
                 # The LM head only where LaunchRules.plan_lm_head says: once a step,
                 # and the widest GEMM, where a tile picked by rule risks the most.
                 default_plans(model.linears(lm_head=rules().plan_lm_head), pdl)
+            self.gemm_seconds = time.perf_counter() - start
             if self.layer_timer is not None:
                 self.layer_timings = plan_layers(
                     model, self.layer_rows, self.layer_timer, self.compile_cache, model.tp.group
                 )
+            self.layer_seconds = time.perf_counter() - start - self.gemm_seconds
             self._ahead_only_after_measuring(planned=bool(rows) or self.layer_timer is not None)
         return self.timings
 

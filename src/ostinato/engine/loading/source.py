@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,16 +156,11 @@ def _gguf(
 
 
 def _on_thread(work: Callable[[], Any]) -> Future:
-    """``work()`` on a thread of its own (not a daemon: the interpreter waits for it)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as e:  # handed to whoever waits (``ModelSource.finish``)
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="ostinato-tokenizer", daemon=False).start()
+    """``work()`` on a thread of its own; the interpreter waits for it at exit, and
+    ``ModelSource.finish`` gets its result or its error."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="ostinato-tokenizer")
+    future = executor.submit(work)
+    executor.shutdown(wait=False)  # the thread ends with ``work``
     return future
 
 

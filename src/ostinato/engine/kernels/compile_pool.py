@@ -270,47 +270,30 @@ def shared_pool() -> WorkerPool:
 
 
 def compile_request(request: Request) -> str | None:
-    """In a worker: compiles ``request`` as Triton's ``preload`` would, for the named
-    target rather than a device's, then builds its C launcher (both land in Triton's
-    disk cache); returns why the launcher was not built, if it was not."""
-    import triton
-    import triton.language as tl
+    """In a worker: compiles ``request`` with Triton's own ``preload``, for the named
+    target rather than a device's (``_TargetOnly``), then builds its C launcher (both
+    land in Triton's disk cache); returns why the launcher was not built, if it was not."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import convert_to_tuple_if_list
+    from triton.runtime.driver import driver
 
-    fn = getattr(importlib.import_module(request.module), request.name)
-    obj = json.loads(request.spec)
-    constexprs = {
-        tuple(k): tl.dtype(v)
-        if tl.dtype.is_dtype(v)
-        else tl.constexpr(v["constexpr"])
-        if isinstance(v, dict) and "constexpr" in v
-        else v
-        for k, v in zip(obj["constant_keys"], obj["constant_vals"], strict=True)
-    }
-    attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"], strict=True))
-    signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
     target = GPUTarget(*request.target)
-    options = make_backend(target).parse_options(options)
-    kernel = triton.compile(
-        _source_class(fn)(fn, signature, constexprs, attrs),
-        target=target,
-        options=options.__dict__,
-    )
-    return _build_launcher(kernel, target)
+    driver.set_active(_TargetOnly(target))
+    fn = getattr(importlib.import_module(request.module), request.name)
+    return _build_launcher(fn.preload(request.spec), target)
 
 
-def _source_class(fn: Any) -> Any:
-    # What ``JITFunction.create_binder`` picks at a first launch, which needs a device.
-    if fn.is_gluon():
-        from triton.experimental.gluon._runtime import GluonASTSource
+class _TargetOnly:
+    """What Triton's ``preload`` asks of the active driver, answered without a device:
+    device 0, of the parent's target. A worker never launches, so nothing else is asked."""
 
-        return GluonASTSource
-    from triton.compiler import ASTSource
+    def __init__(self, target: Any) -> None:
+        self.target = target
 
-    return ASTSource
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
 
 
 def _build_launcher(kernel: Any, target: Any) -> str | None:

@@ -218,7 +218,7 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
 def planned(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     """The scenarios ``--only`` names, ``--rounds`` times over (the later rounds without
     the empty-cache ones, each name marked with its round)."""
-    parts = args.only.split(",") if args.only else None
+    parts = args.only
     chosen = [s for s in scenarios(args) if parts is None or any(p in s[0] for p in parts)]
     later = [s for s in chosen if "caches empty" not in s[0]]
     again = [(f"{n} #{r}", c, k) for r in range(2, args.rounds + 1) for n, c, k in later]
@@ -231,7 +231,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
-        "--only", default=None, help="comma-separated: run the scenarios whose name has one"
+        "--only",
+        action="append",
+        default=None,
+        help="run the scenarios whose name contains this text (repeatable; names hold commas)",
     )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=1)

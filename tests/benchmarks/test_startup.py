@@ -14,13 +14,23 @@ pytest.importorskip("httpx")
 
 def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
     args = argparse.Namespace(
-        device="cuda", max_tokens=8, only="llama-1.5b default,llama-1.5b blocking", rounds=2
+        device="cuda",
+        max_tokens=8,
+        only=["llama-1.5b default", "llama-1.5b blocking"],
+        rounds=2,
     )
     names = [name for name, _, _ in planned(args)]
     first = [n for n in names if "#" not in n]
     assert first[0] == "llama-1.5b default, caches empty"
     assert all(n.startswith(("llama-1.5b default", "llama-1.5b blocking")) for n in first)
     assert [n for n in names if "#" in n] == [f"{n} #2" for n in first if "empty" not in n]
+
+
+def test_a_chosen_name_may_hold_commas():
+    args = argparse.Namespace(
+        device="cuda", max_tokens=8, only=["smollm2 default, caches empty"], rounds=1
+    )
+    assert [name for name, _, _ in planned(args)] == ["smollm2 default, caches empty"]
 
 
 def test_the_start_up_line_s_phases_are_read_with_names_of_several_words():

@@ -202,19 +202,19 @@ def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
 ):
     import threading
 
-    from ostinato.engine.loading.gguf_file import GGUFCheckpoint
+    from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
 
     path, cache = gguf_path(), ModelCache(tmp_path / "cache")
     release = threading.Event()
-    real = GGUFCheckpoint.tokenizer
+    real = TokenizerChild.wait
 
     def slow(self):
-        assert release.wait(30)
+        assert release.wait(60)
         return real(self)
 
-    monkeypatch.setattr(GGUFCheckpoint, "tokenizer", slow)
+    monkeypatch.setattr(TokenizerChild, "wait", slow)
     source = open_model(path, cache=cache, later=True)
-    # The weights are ready; the tokenizer, then the entry, come on their thread.
+    # The weights are ready; the tokenizer (a child process's) and the entry come later.
     assert source.load is not None and source.tokenizer is None and not source.pending.done()
     assert not (cache.root / "models").exists() or not _entries(cache)
     release.set()
@@ -222,6 +222,39 @@ def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
     assert tokenizer is not None and source.tokenizer is tokenizer and source.pending is None
     assert cache.lookup(path, torch.float32) is not None
     assert source.finish() is tokenizer  # again: the same, at once
+
+
+def test_the_child_process_s_tokenizer_is_the_one_transformers_builds_here(tmp_path):
+    from ostinato.engine.loading.gguf_file import GGUFCheckpoint
+
+    path = gguf_path()
+    here = GGUFCheckpoint(path).tokenizer()
+    child = open_model(path, cache=ModelCache(tmp_path / "cache")).tokenizer
+    text = "<|im_start|>user\nThe capital of France, in 1889, was Paris.<|im_end|> ünïcödé  x"
+    assert child.encode(text) == here.encode(text)
+    ids = here.encode(text)
+    assert child.decode(ids) == here.decode(ids)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert child.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == here.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _failing_child(monkeypatch):
+    from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
+
+    monkeypatch.setattr(TokenizerChild, "module", "ostinato.no_such_module")
+
+
+def test_a_failed_child_is_named_and_the_tokenizer_built_here(tmp_path, monkeypatch, caplog):
+    _failing_child(monkeypatch)
+    path, cache = gguf_path(), ModelCache(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        source = open_model(path, cache=cache)
+    assert "exited with status 1" in caplog.text and "no_such_module" in caplog.text
+    assert source.tokenizer is not None and source.tokenizer.encode("Paris")
+    hit = cache.lookup(path, torch.float32)
+    assert hit is not None and hit.tokenizer_dir is not None
 
 
 def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(tmp_path, monkeypatch):
@@ -241,6 +274,9 @@ def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(tmp_
     def broken(self):
         raise RuntimeError("tokenizer conversion failed")
 
+    # The child fails, then the conversion in this process too: the start fails.
+    _failing_child(monkeypatch)
     monkeypatch.setattr(GGUFCheckpoint, "tokenizer", broken)
     with pytest.raises(RuntimeError, match="tokenizer conversion failed"):
         LLM(str(path), device="cpu", cache_dir=str(tmp_path / "b"), num_blocks=80)
+    assert not list((tmp_path / "b").rglob(".tmp-*"))  # no partial entry left

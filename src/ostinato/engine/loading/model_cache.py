@@ -32,6 +32,7 @@ import os
 import shutil
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ from ostinato.engine.model.config import ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
 
+# Writes a tokenizer's files into the folder it is given.
+SaveTokenizer = Callable[[Path], None]
 FORMAT = 1  # bump when an entry's layout or meaning changes
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer"
@@ -154,16 +157,18 @@ class ModelCache:
         config: ModelConfig,
         eos_token_ids: tuple[int, ...],
         tensors: dict[str, torch.Tensor],
-        tokenizer: Any,
+        save_tokenizer: SaveTokenizer | None,
     ) -> Path | None:
-        """Writes the entry of ``source`` (``tensors`` in HF names, already in ``dtype``)
-        and returns its folder; None, with a warning, when the cache cannot be written."""
+        """Writes the entry of ``source`` (``tensors`` in HF names, already in ``dtype``;
+        ``save_tokenizer`` writes the tokenizer's files into the folder it is given, after
+        the weights) and returns its folder; None, with a warning, when the cache cannot
+        be written."""
         key = self._key(source_identity(source), dtype)
         final = self._entry_path(key)
         tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir(parents=True)
-            _write_entry(tmp, key, config, eos_token_ids, tensors, tokenizer)
+            _write_entry(tmp, key, config, eos_token_ids, tensors, save_tokenizer)
             _publish(tmp, final)
         except OSError as exc:
             _remove(tmp)
@@ -173,6 +178,9 @@ class ModelCache:
                 self.root, exc, ENV_VAR,
             )  # fmt: skip
             return None
+        except BaseException:
+            _remove(tmp)  # (the tokenizer's failure, say: the caller's to report)
+            raise
         self._prune_siblings(final, key["path"])
         return final
 
@@ -196,13 +204,13 @@ def _write_entry(
     config: ModelConfig,
     eos_token_ids: tuple[int, ...],
     tensors: dict[str, torch.Tensor],
-    tokenizer: Any,
+    save_tokenizer: SaveTokenizer | None,
 ) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder / TOKENIZER))
+    if save_tokenizer is not None:
+        save_tokenizer(folder / TOKENIZER)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     manifest = {
         "key": key,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from ostinato.engine.loading.gguf_file import GGUFCheckpoint
-from ostinato.engine.loading.model_cache import CachedModel, ModelCache
+from ostinato.engine.loading.gguf_tokenizer import TokenizerChild, TokenizerChildError
+from ostinato.engine.loading.model_cache import CachedModel, ModelCache, SaveTokenizer
 from ostinato.engine.loading.tokenizer_file import load_tokenizer
 from ostinato.engine.loading.weights import assign_tensors, checkpoint_files, load_weights
 from ostinato.engine.model.config import ModelConfig, ModelConfigError
@@ -39,8 +41,8 @@ ModelSpec = str | Path | dict[str, Any] | ModelConfig | None
 class ModelSource:
     """A model ready to be built: ``load`` is None for random weights; ``dtype`` is the
     checkpoint's own precision where it has one that bfloat16 would lose. ``pending``:
-    the tokenizer still being built on a thread (``open_model(..., later=True)``), with
-    the model-cache entry written after it; ``finish`` waits for both."""
+    the tokenizer still being built in a child process (``open_model(..., later=True)``),
+    with the model-cache entry written beside it; ``finish`` waits for both."""
 
     name: str
     config: ModelConfig
@@ -133,14 +135,32 @@ def _gguf(
         return ModelSource(
             str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
         )
-    tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}
+    # Started first: the child's imports take seconds (gguf_tokenizer).
+    child = TokenizerChild(path)
+    try:
+        tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}
+    except BaseException:
+        child.close()
+        raise
 
-    def tokenizer_then_entry() -> Any:
-        tokenizer = ckpt.tokenizer()
-        folder = cache.store(path, run_dtype, ckpt.config, ckpt.eos_token_ids, tensors, tokenizer)
+    def tokenizer_and_entry() -> Any:
+        made: list[Any] = []
+
+        def save(folder: Path) -> None:  # after the weights, written while the child works
+            tokenizer, copy = _tokenizer_of(ckpt, child)
+            made.append(tokenizer)
+            if copy is not None:
+                copy(folder)
+
+        try:
+            folder = cache.store(path, run_dtype, ckpt.config, ckpt.eos_token_ids, tensors, save)
+            if not made:  # the cache failed before the tokenizer's turn
+                made.append(_tokenizer_of(ckpt, child)[0])
+        finally:
+            child.close()
         if folder is not None:
             logger.info("ostinato: %s converted once into the model cache at %s", path, folder)
-        return tokenizer
+        return made[0]
 
     return ModelSource(
         str(path),
@@ -149,10 +169,25 @@ def _gguf(
         eos_token_ids=ckpt.eos_token_ids,
         dtype=torch.float32,
         # Neither is needed before the first step: they go beside the rest of the start
-        # (the weights, the KV cache, the kernel plans). Both hold the GIL at first, so
-        # they start after the dequantization, which the weights need.
-        pending=_on_thread(tokenizer_then_entry),
+        # (the weights, the KV cache, the kernel plans), the tokenizer in a child process.
+        pending=_on_thread(tokenizer_and_entry),
     )
+
+
+def _tokenizer_of(ckpt: GGUFCheckpoint, child: TokenizerChild) -> tuple[Any, SaveTokenizer | None]:
+    """The tokenizer ``child`` built, read back from its files, and how to copy them into
+    an entry; where the child failed, named in a warning, the tokenizer built here."""
+    try:
+        built = child.wait()
+    except TokenizerChildError as exc:
+        logger.warning("ostinato: %s; building the tokenizer in this process instead", exc)
+        tokenizer = ckpt.tokenizer()
+        if tokenizer is None:
+            return None, None
+        return tokenizer, lambda folder: tokenizer.save_pretrained(str(folder))
+    if built is None:  # transformers is not installed
+        return None, None
+    return _folder_tokenizer(built), lambda folder: shutil.copytree(built, folder)
 
 
 def _on_thread(work: Callable[[], Any]) -> Future:
@@ -169,9 +204,13 @@ def _cached(name: str, entry: CachedModel) -> ModelSource:
         load_weights(model, entry.folder)
 
     folder = entry.tokenizer_dir
-    # Without importing transformers where the entry allows it (seconds: tokenizer_file).
-    tokenizer = folder and (load_tokenizer(folder) or _hf_tokenizer(folder))
+    tokenizer = folder and _folder_tokenizer(folder)
     return ModelSource(name, entry.config, load, tokenizer, entry.eos_token_ids, torch.float32)
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    # Without importing transformers where the files allow it (seconds: tokenizer_file).
+    return load_tokenizer(folder) or _hf_tokenizer(folder)
 
 
 def _hf_folder(path: Path, random_weights: bool) -> ModelSource:

@@ -37,44 +37,6 @@ def test_a_kernel_a_worker_cannot_compile_is_named_with_the_worker_s_error():
         pool.close()
 
 
-def test_a_started_pool_s_workers_wait_idle_then_answer():
-    pool = WorkerPool(2)
-    try:
-        pool.start()
-        workers = [pool._idle.get_nowait() for _ in range(2)]
-        assert all(w.alive() for w in workers) and pool._idle.empty()
-        for w in workers:
-            pool._idle.put(w)
-        bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
-        with pytest.raises(WorkerError, match="no_such_module"):
-            pool.compile([bad, bad])
-        assert pool._idle.qsize() == 2  # the started ones answered: none was added
-    finally:
-        pool.close()
-
-
-class _Recorder:
-    started = 0
-
-    def start(self):
-        self.started += 1
-
-
-def test_workers_start_ahead_only_for_an_empty_triton_cache(tmp_path, monkeypatch):
-    pool = _Recorder()
-    monkeypatch.setattr(compile_pool, "shared_pool", lambda: pool)
-    monkeypatch.setattr(compile_pool, "supported", lambda: True)
-    monkeypatch.setattr(compile_pool, "process_workers", lambda: 4)
-    cache = tmp_path / "triton"
-    assert compile_pool.start_ahead(cache) and pool.started == 1  # no folder yet
-    cache.mkdir()
-    assert compile_pool.start_ahead(cache) and pool.started == 2  # an empty one
-    (cache / "ABCDEF").mkdir()
-    assert not compile_pool.start_ahead(cache) and pool.started == 2  # kernels in it
-    monkeypatch.setattr(compile_pool, "process_workers", lambda: 0)  # under 4 cores
-    assert not compile_pool.start_ahead(tmp_path / "other") and pool.started == 2
-
-
 def test_a_worker_that_dies_is_named_and_replaced(monkeypatch):
     pool = WorkerPool(1)
     try:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -53,7 +51,6 @@ from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.lora_slots import LoraSlots
 from ostinato.engine.core.scheduler import Proposal, Scheduler
 from ostinato.engine.core.stop_text import Decode
-from ostinato.engine.kernels import compile_pool
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.loading.model_cache import ModelCache
 from ostinato.engine.loading.source import ModelSource, open_model
@@ -171,9 +168,6 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
     compile_cache = model_cache and CompileCache(model_cache.root)
     if compile_cache is not None:
         compile_cache.point_compilers_here()  # before anything compiles
-        if c.device.type == "cuda" and c.args.kernels.compile_ahead:
-            # A first start's compile workers import while the model opens.
-            compile_pool.start_ahead(Path(os.environ["TRITON_CACHE_DIR"]))
     source = open_model(
         c.args.model,
         c.args.random_weights,

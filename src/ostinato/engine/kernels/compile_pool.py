@@ -33,7 +33,6 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 IDLE_SECONDS = 120.0  # a worker's life without requests (start-up compiles come in bursts)
@@ -226,12 +225,6 @@ class WorkerPool:
         finally:
             threads.shutdown(wait=True, cancel_futures=True)
 
-    def start(self) -> None:
-        """Starts every worker now, idle until asked: their imports (torch's, Triton's:
-        3-4 s) overlap what the caller does meanwhile instead of the first compiles."""
-        for _ in range(self.workers):
-            self._idle.put(_Worker())
-
     def _one(self, request: Request) -> None:
         worker = self._checkout()
         try:
@@ -276,20 +269,6 @@ def shared_pool() -> WorkerPool:
         return _pool
 
 
-def start_ahead(triton_cache: Path) -> bool:
-    """Starts the shared pool's workers now where this host uses them and
-    ``triton_cache`` (Triton's cache folder) holds no kernel yet: a first start, which
-    compiles. Returns whether it did. Where the cache holds kernels, a start may compile
-    none, and idle workers would only take cores from it."""
-    if not process_workers() or not supported():
-        return False
-    if triton_cache.is_dir() and any(triton_cache.iterdir()):
-        return False
-    pool = shared_pool()
-    pool.start()
-    return True
-
-
 def compile_request(request: Request) -> str | None:
     """In a worker: compiles ``request`` with Triton's own ``preload``, for the named
     target rather than a device's (``_TargetOnly``), then builds its C launcher (both
@@ -332,16 +311,6 @@ def _build_launcher(kernel: Any, target: Any) -> str | None:
     return None
 
 
-def _import_compiler() -> None:
-    """A worker's imports, before its first request: what every compile needs."""
-    try:
-        import torch  # noqa: F401  (the kernels' modules import it)
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.runtime.driver import driver  # noqa: F401
-    except ImportError:
-        pass  # the first request reports it
-
-
 def main() -> None:
     """A worker: one JSON ``Request`` a line on stdin, one JSON reply a line on stdout
     (``{"error": ..., "launcher": ...}``: the compile's error and why the launcher was
@@ -352,7 +321,6 @@ def main() -> None:
     # Ctrl-C reaches the whole process group: the parent decides, and a worker ends at
     # the end of its input when the parent does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _import_compiler()
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], IDLE_SECONDS)
         line = sys.stdin.readline() if ready else ""

@@ -10,8 +10,11 @@ a user would otherwise run.
 Each run is a new Python process whose caches live in one folder per scenario
 (``OSTINATO_CACHE_DIR``; Inductor's and Triton's caches go under it), its bytecode too
 (``PYTHONPYCACHEPREFIX``: written, as on a user's machine), except in the runs named
-"no bytecode" (``PYTHONDONTWRITEBYTECODE=1``, as on a host that sets it). Times are wall
-seconds read by this parent: ``first_token_s`` when the first streamed token text
+"no bytecode" (``PYTHONDONTWRITEBYTECODE=1``, as on a host that sets it). That folder
+starts empty, so a run with every cache empty also compiles the bytecode of torch,
+transformers and the standard library; the runs named "bytecode as installed" find
+them compiled first (``compile_installed``), as ``pip install`` leaves a user's machine.
+Times are wall seconds read by this parent: ``first_token_s`` when the first streamed token text
 appeared on the child's stdout, ``answer_s`` when its throughput line did, ``exit_s``
 when it ended (``ostinato serve``'s runs: its first streamed completion, ``served``);
 ``phases`` is the start-up line the engine printed (open, weights, compile, capture).
@@ -119,6 +122,36 @@ print(f"loaded in {loaded:.1f} s; {out.shape[1] - ids.shape[1]} tokens in x s: x
 """
 
 
+INSTALLED = "bytecode as installed"
+# What the engine's processes import beside the standard library: pip compiles each
+# package's bytecode when it installs it.
+PACKAGES = (
+    "ostinato", "torch", "transformers", "triton", "tokenizers", "safetensors", "gguf",
+    "jinja2", "numpy", "tqdm", "huggingface_hub", "sympy", "networkx", "filelock", "fsspec",
+    "yaml", "regex", "packaging", "requests", "typing_extensions", "fastapi", "starlette",
+    "pydantic", "uvicorn", "httpx", "markupsafe",
+)  # fmt: skip
+
+
+def compile_installed(env: dict[str, str]) -> float:
+    """Compiles the standard library and ``PACKAGES`` (those found) into the bytecode
+    folder ``env`` names, as a ``pip install`` leaves them; seconds (not part of a run)."""
+    import importlib.util
+    import sysconfig
+
+    folders = [sysconfig.get_paths()["stdlib"]]
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            folders.extend(spec.submodule_search_locations)
+        elif spec is not None and spec.origin:
+            folders.append(spec.origin)
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "compileall", "-q", "-j", "0", *folders]
+    subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
 FAP = "full_and_piecewise"  # (the default before FULL measured faster)
 PORT = "{port}"  # a serve scenario's port, chosen when it runs
 
@@ -189,6 +222,7 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     serve += ["--port", PORT]
     return [
         ("smollm2 default, caches empty", smol, "smol"),
+        (f"smollm2 default, caches empty, {INSTALLED}", smol, "smol-installed"),
         ("smollm2 default, caches filled", smol, "smol"),
         ("smollm2 blocking, caches filled", [*smol, "--capture", "blocking"], "smol"),
         ("smollm2 blocking, caches empty", [*smol, "--capture", "blocking"], "smol-block"),
@@ -198,6 +232,7 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
         ("smollm2 default, caches filled, no bytecode", smol, "smol"),
         ("smollm2 staged, caches filled, no bytecode", [*smol, "--capture", "staged"], "smol"),
         ("llama-1.5b default, caches empty", big, "big"),
+        (f"llama-1.5b default, caches empty, {INSTALLED}", big, "big-installed"),
         ("llama-1.5b default, caches filled", big, "big"),
         ("llama-1.5b blocking, caches filled", [*big, "--capture", "blocking"], "big"),
         ("llama-1.5b serve default, caches filled", [*serve, "--model", "llama-1.5b"], "big"),
@@ -251,6 +286,9 @@ def main() -> None:
         else:
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             env["PYTHONPYCACHEPREFIX"] = str(root / key / "bytecode")
+        if INSTALLED in name:
+            compiled = compile_installed(env)
+            print(f"{name}: bytecode compiled in {compiled:.1f} s first", flush=True)
         if PORT in command:
             runs.append(served(name, command, env, args.timeout, args.max_tokens))
         else:

@@ -30,7 +30,10 @@ def test_a_chosen_name_may_hold_commas():
     args = argparse.Namespace(
         device="cuda", max_tokens=8, only=["smollm2 default, caches empty"], rounds=1
     )
-    assert [name for name, _, _ in planned(args)] == ["smollm2 default, caches empty"]
+    assert [name for name, _, _ in planned(args)] == [
+        "smollm2 default, caches empty",
+        "smollm2 default, caches empty, bytecode as installed",
+    ]
 
 
 def test_the_start_up_line_s_phases_are_read_with_names_of_several_words():
@@ -51,3 +54,22 @@ def test_a_serve_run_is_timed_to_its_first_streamed_completion():
     assert run.returncode == 0, run.tail  # stopped by SIGINT, cleanly
     assert 0 < run.first_token_s <= run.answer_s <= run.exit_s
     assert run.phases["total"] > 0 and PORT not in run.command
+
+
+def test_bytecode_as_installed_is_compiled_into_the_run_s_prefix(tmp_path, monkeypatch):
+    import sysconfig
+
+    import benchmarks.startup as startup
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "mod.py").write_text("x = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    monkeypatch.setattr(startup, "PACKAGES", ("ostinato", "no_such_package_here"))
+    prefix = tmp_path / "bytecode"
+    startup.compile_installed(dict(os.environ, PYTHONPYCACHEPREFIX=str(prefix)))
+    compiled = {p.name.split(".")[0] for p in prefix.rglob("*.pyc")}
+    assert {"mod", "graph", "dispatcher"} <= compiled
+    args = argparse.Namespace(device="cuda", max_tokens=8)
+    names = [name for name, _, _ in startup.scenarios(args)]
+    assert f"smollm2 default, caches empty, {startup.INSTALLED}" in names

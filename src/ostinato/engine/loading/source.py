@@ -129,15 +129,16 @@ def _gguf(
         hit = cache.lookup(path, run_dtype)
         if hit is not None:
             return _cached(str(path), hit)
-    ckpt = GGUFCheckpoint(path)
     if random_weights or cache is None:
+        ckpt = GGUFCheckpoint(path)
         load = None if random_weights else ckpt.load_into
         return ModelSource(
             str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
         )
-    # Started first: the child's imports take seconds (gguf_tokenizer).
+    # Started first, before the file is even parsed: its imports take seconds.
     child = TokenizerChild(path)
     try:
+        ckpt = GGUFCheckpoint(path)
         tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}
     except BaseException:
         child.close()

@@ -113,3 +113,28 @@ def test_the_plain_reader_reads_what_ggufs_own_reader_reads():
     assert [t.name for t in stock.tensors] == [t.name for t in ours.tensors]
     pairs = zip(stock.tensors, ours.tensors, strict=True)
     assert all(np.array_equal(a.data, b.data) for a, b in pairs)
+
+
+def test_the_tokenizer_saves_the_files_autotokenizer_s_would(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = gguf_path()
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    GGUFCheckpoint(path).tokenizer().save_pretrained(str(ours))
+    auto = transformers.AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+    auto.save_pretrained(str(theirs))
+    names = sorted(p.name for p in theirs.iterdir())
+    assert names == sorted(p.name for p in ours.iterdir()) and "tokenizer.json" in names
+    for name in names:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
+def test_tokenizer_files_beside_the_gguf_leave_the_choice_to_autotokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from ostinato.engine.loading.gguf_file import _tokenizer_class
+
+    direct = getattr(transformers, "TokenizersBackend", None)
+    assert _tokenizer_class(transformers, tmp_path) is (direct or transformers.AutoTokenizer)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert _tokenizer_class(transformers, tmp_path) is transformers.AutoTokenizer

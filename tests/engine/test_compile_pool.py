@@ -14,8 +14,28 @@ from ostinato.engine.kernels.compile_pool import Request, WorkerError, WorkerPoo
 
 
 def test_the_worker_count_follows_the_cores(monkeypatch):
+    monkeypatch.setattr(compile_pool, "quota_cores", lambda: None)
     for cores, workers in ((1, 0), (3, 0), (4, 4), (12, 12), (64, 16)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert compile_pool.process_workers() == workers
+
+
+def test_a_container_s_cpu_quota_caps_the_workers(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)))
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    (v1 / "cpu").mkdir(parents=True)
+    for text, cores in (("max 100000\n", None), ("250000 100000\n", 3), ("600000 100000", 6)):
+        (v2 / "cpu.max").write_text(text)
+        assert compile_pool.quota_cores(str(v2)) == cores
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert compile_pool.quota_cores(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("800000\n")
+    assert compile_pool.quota_cores(str(v1)) == 8
+    assert compile_pool.quota_cores(str(tmp_path / "none")) is None
+    for quota, workers in ((None, 16), (3, 0), (8, 8)):
+        monkeypatch.setattr(compile_pool, "quota_cores", lambda q=quota: q)
         assert compile_pool.process_workers() == workers
 
 

@@ -56,11 +56,37 @@ class Request:
 
 
 def process_workers() -> int:
-    """Worker processes for a start on this host: one per core up to ``MAX_WORKERS``,
-    none under ``MIN_CORES`` cores (then ``compile_ahead`` keeps its threads)."""
+    """Worker processes for a start on this host: one per core this process may use (its
+    CPU affinity, and a container's CPU quota) up to ``MAX_WORKERS``, none under
+    ``MIN_CORES`` (then ``compile_ahead`` keeps its threads)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    cores = min(cores or 1, quota_cores() or MAX_WORKERS)
     return 0 if cores < MIN_CORES else min(MAX_WORKERS, cores)
+
+
+CGROUP = "/sys/fs/cgroup"
+
+
+def quota_cores(root: str = CGROUP) -> int | None:
+    """The cores a cgroup CPU quota allows (rounded up), or None without one: cgroup v2's
+    ``cpu.max``, else v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def supported() -> bool:

@@ -257,6 +257,17 @@ def test_a_failed_child_is_named_and_the_tokenizer_built_here(tmp_path, monkeypa
     assert hit is not None and hit.tokenizer_dir is not None
 
 
+def test_a_cache_that_cannot_be_written_still_gives_the_tokenizer(tmp_path, caplog):
+    path = gguf_path()
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING):
+        source = open_model(path, cache=ModelCache(blocked), later=True)
+        tokenizer = source.finish()
+    assert "cannot write the model cache" in caplog.text
+    assert tokenizer is not None and tokenizer.encode("Paris")
+
+
 def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(tmp_path, monkeypatch):
     from ostinato.engine import LLM, SamplingParams
     from ostinato.engine.loading.gguf_file import GGUFCheckpoint

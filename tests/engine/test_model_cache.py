@@ -257,6 +257,19 @@ def test_a_failed_child_is_named_and_the_tokenizer_built_here(tmp_path, monkeypa
     assert hit is not None and hit.tokenizer_dir is not None
 
 
+def test_without_transformers_a_first_start_has_no_tokenizer_and_its_entry_none(
+    tmp_path, monkeypatch
+):
+    from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
+
+    monkeypatch.setattr(TokenizerChild, "module", "no_transformers_child")
+    path, cache = gguf_path(), ModelCache(tmp_path / "cache")
+    source = open_model(path, cache=cache)
+    assert source.tokenizer is None and source.eos_token_ids == (2,)
+    hit = cache.lookup(path, torch.float32)
+    assert hit is not None and hit.tokenizer_dir is None
+
+
 def test_a_cache_that_cannot_be_written_still_gives_the_tokenizer(tmp_path, caplog):
     path = gguf_path()
     blocked = tmp_path / "a file, not a folder"

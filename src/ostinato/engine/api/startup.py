@@ -501,8 +501,9 @@ def build(
     try:
         parts.parallel = init_parallel(c.parallel, c.device.type, launch_env=launch, health=health)
         joined(parts.parallel)
-        # A pending tokenizer is built on a thread beside the start: captures until then
-        # forbid unsafe calls on their own thread only (CUDA's thread-local mode).
+        # A conversion's entry is written on a thread beside the start (and its tokenizer
+        # built there too where the child process failed): captures until then forbid
+        # unsafe calls on their own thread only (CUDA's thread-local mode).
         isolated = isolated_capture() if source.pending else contextlib.nullcontext()
         with exclusive_device(), isolated:  # (exclusive: its docstring)
             _build_on(parts, c, source, limits, open_s)

@@ -24,10 +24,17 @@ every 5 ms: PyTorch releases the GIL around every op, and a step's op that wants
 would otherwise wait for the capture thread's next switch, up to 5 ms per op (a decode
 step of hundreds of ops took seconds while Dynamo traced on the capture thread).
 
-Guarantees: the thread stops after the item in progress when asked (``stop``); a
-failure of any item releases every graph of the manager, is logged with its reason and
-kept in ``error``, and the steps go on eagerly; ``done`` is set once the plan is
-exhausted, stopped or failed, and ``seconds`` then says how long it took.
+After the plan (and its epilogue), ``afterwards`` may go on with work that needs the
+graphs captured first (the engine measures its kernel plans there and recaptures the
+sizes they change). It takes the device and the turn for one unit of work at a time
+(``unit()``), as an item is taken: when the steps pause.
+
+Guarantees: the thread stops after the item (or unit) in progress when asked (``stop``);
+a failure of any item releases every graph of the manager, is logged with its reason and
+kept in ``error``, and the steps go on eagerly; a failure of ``afterwards`` is logged
+and kept in ``afterwards_error``, and the graphs serve on; ``done`` is set once the plan
+and ``afterwards`` are exhausted, stopped or failed, and ``seconds`` then says how long
+it took (``capture_seconds``: the plan's part).
 """
 
 from __future__ import annotations
@@ -102,6 +109,14 @@ class Turn:
             self._changed.wait_for(lambda: self._waiting == 0, timeout)
 
 
+class CaptureStopped(Exception):
+    """Raised by ``BackgroundCapture.unit()`` once the thread was asked to stop."""
+
+
+# Work after the capture, given ``BackgroundCapture.unit`` to hold the turn per unit.
+Afterwards = Callable[[Callable[[], contextlib.AbstractContextManager[None]]], None]
+
+
 class BackgroundCapture:
     """The capture thread of one ``GraphManager`` (``GraphManager.capture_in_background``).
 
@@ -111,7 +126,7 @@ class BackgroundCapture:
     inputs of its own); ``epilogue``, if given, runs on the thread once every item is
     captured (not after a stop), holding the turn, before ``done`` is set (the engine
     captures its sampling graphs there, which read the graphs' outputs), and fails as
-    an item does.
+    an item does; ``afterwards``, if given, runs after it (module docstring).
     """
 
     def __init__(
@@ -122,11 +137,15 @@ class BackgroundCapture:
         turn: Turn,
         prologue: Callable[[], None] | None = None,
         epilogue: Callable[[], None] | None = None,
+        afterwards: Afterwards | None = None,
     ) -> None:
         self.total = len(plan)
         self.captured = 0
         self.error: BaseException | None = None
+        self.afterwards_error: Exception | None = None
         self.seconds: float | None = None
+        self.capture_seconds: float | None = None  # the plan and epilogue alone
+        self._afterwards = afterwards
         self._pending = list(plan)
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
         self._capture_one, self._release, self._turn = capture_one, release, turn
@@ -170,9 +189,16 @@ class BackgroundCapture:
         """One line: how many graphs are ready, and the error if capture failed."""
         if self.error is not None:
             return f"background capture failed, steps run eagerly: {self.error}"
-        if not self.done:
+        if self.capture_seconds is None:
             return f"graphs capturing in the background: {self.captured} of {self.total} ready"
-        return f"graphs ready in {self.seconds:.1f} s ({self.captured} of {self.total})"
+        ready = f"graphs ready in {self.capture_seconds:.1f} s ({self.captured} of {self.total})"
+        if self._afterwards is None:
+            return ready
+        if not self.done:
+            return f"{ready}; measuring after them"
+        if self.afterwards_error is not None:
+            return f"{ready}; what followed them failed: {self.afterwards_error}"
+        return f"{ready}; done after {self.seconds:.1f} s"
 
     def _next(self) -> CaptureItem | None:
         for d in list(self._wanted):
@@ -191,6 +217,8 @@ class BackgroundCapture:
                     self._prologue()
                 with capture_phase():
                     self._capture_all()
+                    self.capture_seconds = time.perf_counter() - self._start
+                    self._after()
         except BaseException as exc:  # the thread's end: nothing above it would see it
             self.error = exc
             with self._turn.capturing():
@@ -202,6 +230,34 @@ class BackgroundCapture:
             self._done.set()
         if self.error is None and not self._stop.is_set():
             logger.info("ostinato: %s", self.summary())
+
+    def _after(self) -> None:
+        """Runs ``afterwards`` once the plan is captured (not after a stop); its failure
+        is logged and kept, the graphs untouched."""
+        if self._afterwards is None or self._stop.is_set():
+            return
+        try:
+            self._afterwards(self.unit)
+        except CaptureStopped:
+            pass
+        except Exception as exc:
+            self.afterwards_error = exc
+            logger.warning("ostinato: after the capture: %s; the graphs serve on", exc)
+
+    @contextlib.contextmanager
+    def unit(self) -> Iterator[None]:
+        """For ``afterwards``, on the thread: holds the device and the step turn for one
+        unit of work, taken as an item is (when the steps pause), and hands the turn over
+        after it; raises ``CaptureStopped`` once the thread is asked to stop."""
+        while True:
+            since = self._await_pause()
+            if self._stop.is_set():
+                raise CaptureStopped("the background capture was stopped")
+            with exclusive_device(), self._turn.capturing():
+                if self._may_start(since):
+                    yield
+                    break
+        self._turn.hand_over(timeout=1.0)
 
     def _await_pause(self) -> float:
         """Waits while the steps run (module docstring), unless a step wants a size still

@@ -67,9 +67,10 @@ class GraphWrapper:
     capture phase unless ``lazy_capture``) and replayed afterwards.
 
     Guarantees: a replay runs exactly the captured kernels on the captured addresses, so
-    its results are bitwise those of an eager run on those addresses; graphs are never
-    re-captured; a failed capture raises ``GraphCaptureError`` naming the op and source
-    line that broke it, and leaves no entry behind. The wrapper does not copy inputs:
+    its results are bitwise those of an eager run on those addresses; a graph is never
+    re-captured unasked (``GraphManager.recapture`` asks); a failed capture raises
+    ``GraphCaptureError`` naming the op and source line that broke it, and leaves no
+    entry behind. The wrapper does not copy inputs:
     the caller keeps them in persistent buffers.
     """
 
@@ -121,6 +122,11 @@ class GraphWrapper:
             )
         self._replay(entry, step)
         return entry.output
+
+    def replay_entry(self, entry: GraphEntry, step: Any = None) -> None:
+        """Replays ``entry``, one of this wrapper's graphs whether it is in ``entries`` or
+        set aside (``GraphManager.recapture`` times an old graph against its successor)."""
+        self._replay(entry, step)
 
     def _replay(self, entry: GraphEntry, step: Any) -> None:
         platform = self.platform

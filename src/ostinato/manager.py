@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ostinato.background import BackgroundCapture, Turn
+from ostinato.background import Afterwards, BackgroundCapture, Turn
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.capture_report import CaptureMeter, CaptureReport
 from ostinato.context import forward_context
@@ -30,6 +30,8 @@ _NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
 PrepareFn = Callable[[BatchDescriptor], Any]
 PerturbFn = Callable[[BatchDescriptor, int], None]
+# ``recapture``'s choice: (a replay of the old graph, one of the new) -> keep the new one?
+KeepNew = Callable[[Callable[[], None], Callable[[], None]], bool]
 
 
 def _check_run_arguments(dispatch: object, num_tokens: object) -> None:
@@ -151,10 +153,12 @@ class GraphManager:
         self,
         prologue: Callable[[], None] | None = None,
         epilogue: Callable[[], None] | None = None,
+        afterwards: Afterwards | None = None,
     ) -> BackgroundCapture:
         """Starts capturing ``capture_plan()`` on a thread and returns at once (see
         ``ostinato.background``); ``prologue`` runs on the thread first, ``epilogue``
-        last, once every graph is captured, holding the step turn. The report
+        once every graph is captured, holding the step turn, and ``afterwards`` after
+        it, taking the turn for each unit of its work. The report
         fills as graphs are captured; a failure releases every graph and leaves the
         steps eager. The capture check is refused: its replays would overwrite the
         static outputs of a step in flight (sampling while serving is allowed)."""
@@ -173,6 +177,7 @@ class GraphManager:
             self._turn,
             prologue,
             epilogue,
+            afterwards,
         )
         return self.background
 
@@ -359,6 +364,35 @@ class GraphManager:
         self._drop(old[n] for n in dropped)
         self.dispatcher = dispatcher
         return added, dropped
+
+    def recapture(self, descriptor: BatchDescriptor, keep_new: KeepNew) -> bool:
+        """Captures ``descriptor``'s FULL graph again, for a step function that now
+        launches other kernels (the engine's measured kernel plans), into the shared pool
+        and onto the same static outputs, so whatever reads those (sampling graphs) reads
+        the new graph's as it read the old's. ``keep_new(old, new)`` is given a replay of
+        each on dummy inputs ``prepare`` wrote and says which graph stays; the other is
+        destroyed. Returns whether the new one stayed. A failed capture keeps the old
+        graph and raises ``GraphCaptureError``. Between steps only: the caller holds the
+        step turn (``stepping()``) or no step runs."""
+        entries = self._full.entries
+        if descriptor not in entries:
+            raise KeyError(f"recapture: no FULL graph was captured for {descriptor}")
+        old = entries.pop(descriptor)
+        try:
+            with capture_phase(collect=False), torch.inference_mode():
+                self._capture_one(CaptureItem(descriptor, GraphMode.FULL))
+        except BaseException:
+            entries[descriptor] = old  # (a failed capture leaves no entry of its own)
+            raise
+        new = entries[descriptor]
+        meta = self.prepare(descriptor) if self.prepare is not None else None
+        kept = keep_new(
+            lambda: self._full.replay_entry(old, meta), lambda: self._full.replay_entry(new, meta)
+        )
+        self.platform.synchronize()  # neither graph's replay is still queued
+        entries[descriptor] = new if kept else old
+        (old if kept else new).graph.reset()
+        return kept
 
     def _drop(self, descriptors: Iterable[BatchDescriptor]) -> None:
         for d in descriptors:

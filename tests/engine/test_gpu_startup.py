@@ -97,3 +97,56 @@ def test_a_failed_background_capture_leaves_the_engine_serving(monkeypatch):
     assert llm.capture_report.num_graphs == 0 or llm.engine.runner.manager.num_graphs == 0
     assert greedy(llm, ps) == want  # eager, and right
     closed(llm)
+
+
+def test_deferred_kernel_plans_give_the_tokens_of_plans_measured_first(tmp_path):
+    # Every cache empty: the start serves on the rules' layer plan (fused at every size)
+    # and measures the real one after its graphs, on their thread. float32: the tokens
+    # before, during and after equal those of a start that measured first.
+    blocking = engine(mode="full", cache_dir=tmp_path / "blocking")
+    ps = prompts(blocking)
+    want = greedy(blocking, ps)
+    closed(blocking)
+
+    llm = engine(mode="full", capture="auto", cache_dir=tmp_path / "deferred")
+    assert llm.engine.parts.startup.plans_deferred and llm.background is not None
+    first = greedy(llm, ps)
+    assert llm.wait_for_graphs(timeout=300), llm.background.summary()
+    assert llm.background.afterwards_error is None, llm.background.summary()
+    runner = llm.engine.runner
+    assert runner.kernel_plan.layer_timings  # measured, after the graphs
+    assert {d.num_tokens for d in runner.recaptured} <= set(runner.model.unfused_rows)
+    assert first == want and greedy(llm, ps) == want
+    print(llm.describe())
+    closed(llm)
+    again = engine(mode="full", capture="auto", cache_dir=tmp_path / "deferred")
+    assert not again.engine.parts.startup.plans_deferred  # stored by the first
+    closed(again)
+
+
+def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(tmp_path, monkeypatch):
+    # bf16 with random weights: the small-GEMM plans are measured after the graphs too,
+    # and the projections get new plans (and new split-K counters) while the rules'
+    # graphs still replay. Every recaptured graph kept: the tokens then equal, bit for
+    # bit, those of a start that read the same plans from the cache.
+    import ostinato.engine.worker.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "_faster_replay", lambda sync: lambda old, new: True)
+    kw = dict(model="tiny", dtype=torch.bfloat16, max_model_len=256, max_num_seqs=8)
+    kw |= dict(max_capture_size=32, progress=False, cache_dir=tmp_path, seed=1)
+    ps = [[(13 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
+    llm = LLM(mode="full", capture="auto", **kw)
+    assert llm.engine.parts.startup.plans_deferred
+    during = greedy(llm, ps)
+    assert llm.wait_for_graphs(timeout=300), llm.background.summary()
+    assert llm.background.afterwards_error is None, llm.background.summary()
+    runner = llm.engine.runner
+    assert runner.kernel_plan.timings, "no GEMM plan measured"
+    after = greedy(llm, ps)
+    print(llm.describe(), sorted(d.num_tokens for d in runner.recaptured))
+    closed(llm)
+    read = LLM(mode="full", capture="blocking", **kw)
+    assert read.engine.runner.kernel_plan.timings == []  # every plan read, none measured
+    assert greedy(read, ps) == after
+    assert len(during) == len(after)
+    closed(read)

@@ -373,8 +373,9 @@ def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, 
 
 
 def test_a_background_starts_line_names_the_kernel_plans_it_waited_for(fake_graphs, monkeypatch):
-    # The plans are made before the thread starts (a first start measures them for tens
-    # of seconds on a GPU): the start-up line says so, and counts none of the thread's
+    # With compiled pieces the plans are made before the thread starts (a first start
+    # measures them for tens of seconds on a GPU; graphs of the eager model defer them,
+    # test_deferred_plans): the start-up line says so, and counts none of the thread's
     # compile as its own.
     import time
 
@@ -382,9 +383,9 @@ def test_a_background_starts_line_names_the_kernel_plans_it_waited_for(fake_grap
 
     plan = ModelRunner.plan_kernels
 
-    def slow_plan(self):
+    def slow_plan(self, defer=False):
         time.sleep(0.3)
-        return plan(self)
+        return plan(self, defer)
 
     monkeypatch.setattr(ModelRunner, "plan_kernels", slow_plan)
     llm = engine("piecewise", compiler="eager", capture="background", async_scheduling=False)

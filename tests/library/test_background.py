@@ -239,3 +239,57 @@ def test_refused_twice_and_with_verify_graphs():
     m.capture_in_background().wait(10)
     with pytest.raises(RuntimeError, match="already captures"):
         m.capture_in_background()
+
+
+def test_work_afterwards_runs_after_the_epilogue_one_unit_per_turn_and_steps_stay_correct():
+    # The engine measures its kernel plans there: each unit clobbers the persistent
+    # inputs (as a timing or a recapture does) and must never land inside a step.
+    p, r, m, dispatcher = build()
+    order, units = [], []
+
+    def afterwards(unit):
+        order.append("afterwards")
+        for _ in range(30):
+            with unit():
+                units.append(m.background.done)
+                r.x[:] = -1e6  # a unit's own writes
+                time.sleep(0.001)
+
+    capture = m.capture_in_background(
+        epilogue=lambda: order.append("epilogue"), afterwards=afterwards
+    )
+    ran = serve(r, m, dispatcher, steps=300, seed=3)  # checks every output
+    assert capture.wait(10) and capture.error is None and capture.afterwards_error is None
+    assert order == ["epilogue", "afterwards"] and units == [False] * 30
+    assert capture.capture_seconds <= capture.seconds and "done after" in capture.summary()
+    assert any(ran)
+
+
+def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):
+    p, r, m, dispatcher = build()
+
+    def failing(unit):
+        with unit():
+            raise RuntimeError("plans said no")
+
+    with caplog.at_level(logging.WARNING):
+        capture = m.capture_in_background(afterwards=failing)
+        assert capture.wait(10)
+    assert capture.error is None and isinstance(capture.afterwards_error, RuntimeError)
+    assert m.num_graphs == len(SIZES) and all(serve(r, m, dispatcher, steps=10))
+    assert "plans said no" in caplog.text and "plans said no" in capture.summary()
+
+    p, r, m, dispatcher = build()
+    started, units = threading.Event(), []
+
+    def endless(unit):
+        started.set()
+        while True:
+            with unit():
+                units.append(1)
+            time.sleep(0.001)
+
+    capture = m.capture_in_background(afterwards=endless)
+    assert started.wait(10)
+    m.release()
+    assert capture.done and capture.afterwards_error is None and units

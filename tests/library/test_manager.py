@@ -349,3 +349,47 @@ def test_a_failed_capture_on_steps_drops_the_plan_and_the_steps_run_eagerly():
     d = m.dispatcher.dispatch(2)
     m.run(d, 2)
     assert m.stats().replays == 0 and m.stats().eager == 1
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_recapture_keeps_the_graph_keep_new_chooses_on_the_same_static_outputs(keep):
+    # The engine captures a size again after measuring its kernel plans: the step now
+    # computes otherwise; whichever graph stays writes where readers of the outputs read.
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    d = m.dispatcher.dispatch(4)
+    static = m.run(d, 4).data_ptr()
+    old_w = r.w.clone()
+    r.w = torch.randn(3, 5)  # the new step's own weight: the old graph still reads old_w
+    seen = []
+
+    def keep_new(old, new):
+        for replay in (old, new):
+            replay()
+            seen.append(m.outputs.view(4).clone())
+        return keep
+
+    before = len(p.graphs)
+    assert m.recapture(d.descriptor, keep_new) is keep
+    assert len(p.graphs) == before + 1 and p.graphs[-1].was_reset is not keep
+    x = r.x[:4]
+    torch.testing.assert_close(seen[0], x @ old_w)
+    torch.testing.assert_close(seen[1], x @ r.w)
+    r.x[:4] = torch.randn(4, 3)
+    out = m.run(d, 4)
+    assert out.data_ptr() == static
+    torch.testing.assert_close(out, r.x[:4] @ (r.w if keep else old_w))
+    assert m.stats().replays == 2  # the choice's replays are no steps
+
+
+def test_a_failed_recapture_keeps_the_old_graph_and_an_unknown_size_is_named():
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    d = m.dispatcher.dispatch(2)
+    p.fail_capture = RuntimeError("no capture today")
+    with pytest.raises(GraphCaptureError):
+        m.recapture(d.descriptor, lambda old, new: True)
+    assert m.ready(d) and m.num_graphs == 4  # every size kept
+    torch.testing.assert_close(m.run(d, 2), r.x[:2] @ r.w)
+    with pytest.raises(KeyError, match="no FULL graph was captured"):
+        m.recapture(BatchDescriptor(3), lambda old, new: True)

@@ -74,14 +74,15 @@ class StartupTimes:
     kernels_s: float = 0.0
     gemm_plan_s: float = 0.0  # of ``kernels_s``: the GEMM plan
     layer_plan_s: float = 0.0  # and the layer plan
+    plans_deferred: bool = False  # the rules' plans first, measured after the graphs
 
     def summary(self) -> str:
         """One line: ``start-up 12.3 s (open 0.4, weights 1.0, compile 8.0, capture 2.0;
         kernels 0.3, recording 0.7, sampling 0.9)``; with background capture, ``start-up
         2.1 s (open 0.4, weights 1.0; compile and capture in the background)``, naming
-        the kernels' plans too where they took a tenth of a second or more (a first
-        start's are measured before the thread starts: tens of seconds), and then the
-        GEMM and the layer plans apart (``gemm plan 12.1, layer plan 6.9``)."""
+        the kernels' plans too where they took a tenth of a second or more, and then the
+        GEMM and the layer plans apart (``gemm plan 12.1, layer plan 6.9``), or that
+        they are the rules' until measured after the graphs (a first start's)."""
         head = (
             f"start-up {self.total_s:.1f} s (open {self.open_s:.1f}, weights {self.weights_s:.1f}"
         )
@@ -89,7 +90,8 @@ class StartupTimes:
             plans = ""
             if self.kernels_s >= 0.1:
                 plans = f", kernel plans {self.kernels_s:.1f}{self._plans()}"
-            return head + plans + "; compile and capture in the background)"
+            later = ", then the kernel plans measured" if self.plans_deferred else ""
+            return head + plans + f"; compile and capture in the background{later})"
         return (
             head + f", compile {self.compile_s:.1f}, capture {self.capture_s:.1f}; "
             f"kernels {self.kernels_s:.1f}{self._plans()}, recording {self.recording_s:.1f}, "
@@ -370,6 +372,10 @@ class Engine:
         graphs = "graphs: background" if capturing else parts.capture_report.summary()
         if isinstance(background, StagedRuntime):
             graphs += f"; {background.summary()}"
+        recaptured = self.runner.recaptured
+        if recaptured:
+            kept = sum(recaptured.values())
+            graphs += f"; measured plans: {kept} of {len(recaptured)} graphs captured again"
         if parts.graph_memory is not None:
             graphs += f" ({parts.graph_memory.summary()})"
         manager = self.runner.manager

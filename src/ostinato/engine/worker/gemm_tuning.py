@@ -13,6 +13,7 @@ weights are tried (the Triton GEMM's dot would round float32 inputs to tf32).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 REPEATS = 20
 GemmKey = tuple[int, int, torch.dtype, bool, bool]  # (n, k, dtype, swiglu, bias)
+Turn = Callable[[], contextlib.AbstractContextManager[object]]  # holds the device for one timing
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def plan_small_gemms(
     pdl: bool,
     min_gain: float = 0.03,
     cache: CompileCache | None = None,
+    turn: Turn = contextlib.nullcontext,
 ) -> list[GemmTiming]:
     """Measures every distinct projection shape of ``linears`` (``(linear, swiglu)``)
     at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and
@@ -134,36 +137,21 @@ def plan_small_gemms(
     ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements (none for a
     plan found in ``cache``, where new plans are stored). Linears with 32-bit weights,
     or off CUDA, get an empty plan (plain ``nn.Linear``). The candidates of the shapes
-    to measure compile together first."""
+    to measure compile together first; each measurement runs inside ``turn()`` (a
+    background measurement's hold of the device between steps)."""
+    found = _lookup(linears, rows, pdl, min_gain, cache)
+    if found.missing and found.sizes:
+        _compile_candidates(list(found.missing.values()), found.sizes, pdl)
     timings: list[GemmTiming] = []
-    plans: dict[GemmKey, tuple[int, ...]] = {}
-    stored = cache.load_plans() if cache is not None else {}
-    found: list[tuple[Linear, bool, GemmKey | None, str | None]] = []
-    missing: dict[GemmKey, tuple[Linear, bool]] = {}
-    sizes: list[int] | None = None  # found at the first CUDA linear (the kernel needs Triton)
-    for linear, swiglu in linears:
-        w = linear.weight
-        if w.device.type == "cuda" and sizes is None:
-            sizes = _plan_sizes(rows)
-        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16) or not sizes:
-            found.append((linear, swiglu, None, None))
-            continue
-        key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
-        cache_key = cache and cache.plan_key(w.device, key, sizes, f"pdl={pdl} gain={min_gain}")
-        if key not in plans and cache_key in stored:
-            plans[key] = tuple(stored[cache_key])
-        if key not in plans:
-            missing.setdefault(key, (linear, swiglu))
-        found.append((linear, swiglu, key, cache_key or None))
-    if missing and sizes:
-        _compile_candidates(list(missing.values()), sizes, pdl)
     measured: dict[str, list[int]] = {}
-    for linear, swiglu, key, cache_key in found:
+    plans = found.plans
+    for linear, swiglu, key, cache_key in found.linears:
         if key is not None and key not in plans:
-            assert sizes is not None  # (a keyed linear is a CUDA one)
-            plan = [0] * (sizes[-1] + 1)
-            for r in sizes:
-                t = _measure(linear, swiglu, r, pdl, linear.weight.device)
+            assert found.sizes  # (a keyed linear is a CUDA one)
+            plan = [0] * (found.sizes[-1] + 1)
+            for r in found.sizes:
+                with turn():
+                    t = _measure(linear, swiglu, r, pdl, linear.weight.device)
                 timings.append(t)
                 if t.triton_us * (1 + min_gain) <= t.cublas_us:
                     plan[r] = t.config
@@ -177,9 +165,67 @@ def plan_small_gemms(
     return timings
 
 
+def small_gemm_plans_cached(
+    linears: Sequence[tuple[Linear, bool]],
+    rows: Sequence[int],
+    pdl: bool,
+    min_gain: float = 0.03,
+    cache: CompileCache | None = None,
+) -> bool:
+    """Whether ``plan_small_gemms`` with these arguments would measure nothing (every
+    plan it needs is in ``cache``, or there is nothing to plan). Reads only."""
+    return not _lookup(linears, rows, pdl, min_gain, cache).missing
+
+
+@dataclass
+class _Lookup:
+    """What the cache holds for ``plan_small_gemms``' linears: each linear with its
+    shape key and cache key (None where it gets no plan), the plans found by shape key,
+    one linear per shape key still to measure, and the row counts planned (None before
+    a CUDA linear)."""
+
+    linears: list[tuple[Linear, bool, GemmKey | None, str | None]]
+    plans: dict[GemmKey, tuple[int, ...]]
+    missing: dict[GemmKey, tuple[Linear, bool]]
+    sizes: list[int] | None
+
+
+def _lookup(
+    linears: Sequence[tuple[Linear, bool]],
+    rows: Sequence[int],
+    pdl: bool,
+    min_gain: float,
+    cache: CompileCache | None,
+) -> _Lookup:
+    stored = cache.load_plans() if cache is not None else {}
+    found = _Lookup([], {}, {}, None)
+    for linear, swiglu in linears:
+        w = linear.weight
+        if w.device.type == "cuda" and found.sizes is None:
+            found.sizes = _plan_sizes(rows)  # (needs Triton)
+        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
+            found.linears.append((linear, swiglu, None, None))
+            continue
+        if not found.sizes:
+            found.linears.append((linear, swiglu, None, None))
+            continue
+        key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
+        extra = f"pdl={pdl} gain={min_gain}"
+        cache_key = cache.plan_key(w.device, key, found.sizes, extra) if cache else None
+        if key not in found.plans and cache_key in stored:
+            found.plans[key] = tuple(stored[cache_key])
+        if key not in found.plans:
+            found.missing.setdefault(key, (linear, swiglu))
+        found.linears.append((linear, swiglu, key, cache_key))
+    return found
+
+
 def _use(linear: Linear, plan: tuple[int, ...], pdl: bool) -> None:
     """Gives ``linear`` ``plan``; one of cuBLAS alone is no plan (plain ``nn.Linear``,
-    no split-K counters held)."""
+    no split-K counters held). A linear that has the plan already keeps its counters:
+    graphs captured with them read them."""
+    if linear.plan == (tuple(plan) if any(plan) else ()) and linear.pdl == pdl:
+        return
     if any(plan):
         linear.use_plan(plan, counters_needed(linear.weight.shape[0]), pdl)
     else:

@@ -5,6 +5,14 @@ one-time compilation of the model's pieces and the engine's Triton kernels.
 Guarantees: the plans are set once, before anything compiles (they are constants of the
 compiled graph); the compile runs once, on padding rows, and with ``compile_ahead`` the
 engine's Triton kernels compile together (``launch.compile_ahead``).
+
+A start whose graphs are of the eager model and captured in the background may defer the
+measurement (``plan(defer=True)``): where the compile cache lacks a plan, the start runs
+the plans ``fused_layers`` gives by rule and the layers fused at every size, and
+``measure_deferred`` measures the real ones once the graphs serve (on the capture
+thread, one timing per hold of the device), sets and stores them, and names the sizes
+whose kernels changed, for the runner to capture again. The rules' split-K counters stay
+alive: graphs captured with them read them.
 """
 
 from __future__ import annotations
@@ -22,11 +30,23 @@ from ostinato.engine.kernels.launch import compile_ahead, layout_rows
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.linear import plan_entry
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.worker.compile_cache import CompileCache
-from ostinato.engine.worker.gemm_tuning import GemmTiming, default_plans, plan_small_gemms
+from ostinato.engine.worker.gemm_tuning import (
+    GemmTiming,
+    Turn,
+    default_plans,
+    plan_small_gemms,
+    small_gemm_plans_cached,
+)
 from ostinato.engine.worker.inputs import StepInputs
-from ostinato.engine.worker.layer_tuning import LayerTiming, StepTimer, plan_layers
+from ostinato.engine.worker.layer_tuning import (
+    LayerTiming,
+    StepTimer,
+    layer_plan_cached,
+    plan_layers,
+)
 from ostinato.piecewise import PiecewiseBackend
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> hidden
@@ -65,6 +85,8 @@ class KernelPlan:
         # pass that does is still to come (once).
         self.ahead = kernels.compile_ahead
         self._kernels_pending = kernels.compile_ahead
+        self.deferred = False  # plans by rule, measured later (``plan(defer=True)``)
+        self._retired: list[torch.Tensor] = []  # counters the rules' graphs read
 
     @property
     def compiles_kernels(self) -> bool:
@@ -72,32 +94,88 @@ class KernelPlan:
         return self._kernels_pending
 
     @torch.inference_mode()
-    def plan(self) -> list[GemmTiming]:
+    def plan(self, defer: bool = False) -> list[GemmTiming]:
         """Measures and sets the small-GEMM plans once, then with ``fused_layers`` gives
         the Triton GEMM to every layer projection left without one and, with a
         ``layer_timer``, measures at which of ``layer_rows`` the layers run fused
-        (``layer_tuning``); returns the GEMM measurements (empty when not asked for)."""
+        (``layer_tuning``); returns the GEMM measurements (empty when not asked for).
+        With ``defer``, where a plan is not in the compile cache, measures nothing and
+        sets the rules' plans instead (``deferred``; module docstring). Not under tensor
+        parallelism: the ranks would have to agree on the deferral."""
         if self.timings is None:
-            model, pdl = self.model, self.kernels.pdl
+            if defer and not self._cached():
+                self.timings = []
+                self._set_rules()
+                self.deferred = True
+                return self.timings
+            self.timings = self._measure(self.layer_timer, contextlib.nullcontext)
             rows = self.small_gemm_rows
-            start = time.perf_counter()
-            self.timings = (
-                plan_small_gemms(model.linears(), rows, pdl, cache=self.compile_cache)
-                if rows
-                else []
-            )
-            if self.kernels.fused_layers:
-                # The LM head only where LaunchRules.plan_lm_head says: once a step,
-                # and the widest GEMM, where a tile picked by rule risks the most.
-                default_plans(model.linears(lm_head=rules().plan_lm_head), pdl)
-            self.gemm_seconds = time.perf_counter() - start
-            if self.layer_timer is not None:
-                self.layer_timings = plan_layers(
-                    model, self.layer_rows, self.layer_timer, self.compile_cache, model.tp.group
-                )
-            self.layer_seconds = time.perf_counter() - start - self.gemm_seconds
             self._ahead_only_after_measuring(planned=bool(rows) or self.layer_timer is not None)
         return self.timings
+
+    def _measure(self, layer_timer: StepTimer | None, turn: Turn) -> list[GemmTiming]:
+        """The plans measured (or read from the cache) and set; the GEMM timings."""
+        model, pdl = self.model, self.kernels.pdl
+        rows, cache = self.small_gemm_rows, self.compile_cache
+        start = time.perf_counter()
+        timings = []
+        if rows:
+            timings = plan_small_gemms(model.linears(), rows, pdl, cache=cache, turn=turn)
+        self._set_rules()
+        self.gemm_seconds = time.perf_counter() - start
+        if layer_timer is not None:
+            group = model.tp.group
+            self.layer_timings = plan_layers(model, self.layer_rows, layer_timer, cache, group)
+        self.layer_seconds = time.perf_counter() - start - self.gemm_seconds
+        return timings
+
+    def _set_rules(self) -> None:
+        """With ``fused_layers``, the Triton GEMM by rule to every projection without a
+        plan; the LM head only where ``LaunchRules.plan_lm_head`` says (once a step, and
+        the widest GEMM, where a tile picked by rule risks the most)."""
+        if self.kernels.fused_layers:
+            default_plans(self.model.linears(lm_head=rules().plan_lm_head), self.kernels.pdl)
+
+    def _cached(self) -> bool:
+        """Whether every plan ``plan`` needs is in the compile cache (or none is needed).
+        Where the GEMM plans all are, the model gets them here: the layer plan's key
+        depends on them."""
+        model, rows, pdl = self.model, self.small_gemm_rows, self.kernels.pdl
+        cache = self.compile_cache
+        if rows and not small_gemm_plans_cached(model.linears(), rows, pdl, cache=cache):
+            return False
+        if self.layer_timer is None:
+            return True
+        if rows:
+            plan_small_gemms(model.linears(), rows, pdl, cache=cache)  # (reads only)
+        self._set_rules()
+        return layer_plan_cached(model, self.layer_rows, cache)
+
+    @torch.inference_mode()
+    def measure_deferred(self, layer_timer: StepTimer | None, turn: Turn) -> frozenset[int]:
+        """After ``plan(defer=True)`` deferred, once the graphs serve: measures the plans
+        (``layer_timer`` times the layers; every timing inside ``turn()``), sets them on
+        the model and stores them in the compile cache; returns the row counts whose
+        kernels changed (their graphs still run the rules' kernels). Once."""
+        if not self.deferred:
+            raise RuntimeError("measure_deferred: the plans were not deferred")
+        before = self._kernels_by_rows()
+        # Graphs captured with the rules' plans read these counters: kept alive.
+        self._retired += [linear.counters for linear, _ in self.model.linears()]
+        self.timings = self._measure(layer_timer, turn)
+        self.deferred = False  # (only now: ``ModelRunner.release`` waits while it is set)
+        after = self._kernels_by_rows()
+        return frozenset(r for r in before if before[r] != after[r])
+
+    def _kernels_by_rows(self) -> dict[int, tuple[object, ...]]:
+        """What decides the kernels a step of each row count a plan covers launches:
+        every projection's plan entry, and whether the layers run fused."""
+        linears = [linear for linear, _ in self.model.linears()]
+        unfused = self.model.unfused_rows
+        return {
+            r: (r in unfused, *(plan_entry(linear.plan, r) for linear in linears))
+            for r in range(1, MAX_ROWS + 1)
+        }
 
     def _ahead_only_after_measuring(self, planned: bool) -> None:
         """Compile-ahead stays on only where planning measured something. Plans read

@@ -16,6 +16,7 @@ measures nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.kernels.launch import compile_ahead
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.gemm_tuning import Turn
 from ostinato.platform.cuda import graph_call_us
 
 logger = logging.getLogger(__name__)
@@ -68,11 +70,10 @@ def plan_layers(
     model; returns the timings (empty where nothing was measured). Collective over
     ``group`` where one is given."""
     model.unfused_rows = frozenset()
-    sizes = sorted({r for r in rows if r <= MAX_ROWS})
-    if not sizes or not model.kernels.fused_layers:
+    sizes = _sizes(model, rows)
+    if not sizes:
         return []
-    device = model.embed_tokens.weight.device
-    key = cache.plan_key(device, layer_key(model), sizes, "layers") if cache else None
+    key = _cache_key(model, sizes, cache)
     stored = cache.load_plans() if cache is not None else {}
     if every_rank(key in stored, group):
         assert key is not None  # (found in the cache)
@@ -86,6 +87,28 @@ def plan_layers(
     if cache is not None and key is not None:
         cache.store_plans({key: chosen})
     return timings
+
+
+def layer_plan_cached(model: DecoderModel, rows: Sequence[int], cache: CompileCache | None) -> bool:
+    """Whether ``plan_layers`` with these arguments would measure nothing (its plan is
+    in ``cache``, or there is nothing to plan), for the GEMM plans ``model`` has now.
+    Reads only; one rank's answer."""
+    sizes = _sizes(model, rows)
+    if not sizes:
+        return True
+    key = _cache_key(model, sizes, cache)
+    return key is not None and cache is not None and key in cache.load_plans()
+
+
+def _sizes(model: DecoderModel, rows: Sequence[int]) -> list[int]:
+    """The sizes a layer plan covers: those of ``rows`` the fused ops take (none without
+    them)."""
+    return sorted({r for r in rows if r <= MAX_ROWS}) if model.kernels.fused_layers else []
+
+
+def _cache_key(model: DecoderModel, sizes: list[int], cache: CompileCache | None) -> str | None:
+    device = model.embed_tokens.weight.device
+    return cache.plan_key(device, layer_key(model), sizes, "layers") if cache else None
 
 
 def layer_key(model: DecoderModel) -> list[object]:
@@ -111,6 +134,7 @@ def graph_timer(
     rows_ahead: Sequence[int] = (),
     steps: int = 4,
     replays: int = 5,
+    turn: Turn = contextlib.nullcontext,
 ) -> StepTimer:
     """A ``StepTimer`` on the GPU: ``steps`` decode steps of the model's ``logits`` over the
     first rows of the persistent ``input_ids`` and ``positions``, inside ``context(rows)``
@@ -119,7 +143,9 @@ def graph_timer(
     capture). With ``rows_ahead`` (``KernelOptions.compile_ahead``), the first call first
     queues that eager step for each of those sizes (at most ``MAX_ROWS``), fused and
     unfused, inside ``launch.compile_ahead()``: the layers' kernels of every variant the
-    timings launch compile together (processes or threads), not one after another."""
+    timings launch compile together (processes or threads), not one after another.
+    Each timing runs inside ``turn()`` (a background measurement's hold of the device
+    between steps); the compile-ahead pass, which launches nothing, outside it."""
     ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
 
     def eager(rows: int, unfused: bool) -> Callable[[], torch.Tensor]:
@@ -137,7 +163,7 @@ def graph_timer(
                         with context(r), torch.cuda.device(input_ids.device):
                             eager(r, u)
             ahead.clear()
-        with context(rows), torch.cuda.device(input_ids.device):
+        with turn(), context(rows), torch.cuda.device(input_ids.device):
             return graph_call_us(eager(rows, unfused), steps, replays)
 
     return step_us

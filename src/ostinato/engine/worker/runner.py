@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import statistics
 import time
 from collections.abc import Callable
 
@@ -29,13 +31,13 @@ from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.worker.compile_cache import CompileCache
-from ostinato.engine.worker.gemm_tuning import GemmTiming
+from ostinato.engine.worker.gemm_tuning import GemmTiming, Turn
 from ostinato.engine.worker.graph_upgrade import GraphUpgrade
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.kernel_plan import Forward, KernelPlan
 from ostinato.engine.worker.layer_tuning import StepTimer, graph_timer
 from ostinato.engine.worker.ubatch_steps import UbatchSteps
-from ostinato.manager import GraphManager
+from ostinato.manager import GraphManager, KeepNew
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
@@ -43,6 +45,8 @@ from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.staged import StagedRuntime
 from ostinato.ubatch.policy import MicroBatching
+
+logger = logging.getLogger(__name__)
 
 # (input ids, positions, where to write them or None) -> logits
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -116,6 +120,9 @@ class ModelRunner:
         # The capture's preparation: kernel plans, the kernels' compile (or load from
         # Triton's cache) ahead, the micro-batch measurement; seconds, set by ``capture``.
         self.prepare_seconds = 0.0
+        # Graphs captured again after deferred plans were measured: whether the new one
+        # (measured plans) replaced the old (the rules') as faster.
+        self.recaptured: dict[BatchDescriptor, bool] = {}
 
     def _kernel_plan(
         self, sizes: tuple[int, ...], compile_cache: CompileCache | None
@@ -137,17 +144,26 @@ class ModelRunner:
             timer, sizes,
         )  # fmt: skip
 
-    def _layer_timer(self, sizes: tuple[int, ...]) -> StepTimer:
-        """Times decode steps as the FULL decode graphs run them (``layer_tuning``), the
-        kernels of every size compiled ahead first where ``compile_ahead`` asks."""
+    def _layer_timer(
+        self,
+        sizes: tuple[int, ...],
+        inputs: StepInputs | None = None,
+        turn: Turn = contextlib.nullcontext,
+    ) -> StepTimer:
+        """Times decode steps as the FULL decode graphs run them (``layer_tuning``) on
+        padding rows of ``inputs`` (default: the steps' own), each timing inside
+        ``turn()``, the kernels of every size compiled ahead first where
+        ``compile_ahead`` asks."""
+        inputs = inputs or self.inputs
 
         def context(n: int) -> contextlib.AbstractContextManager:
             d = BatchDescriptor(n, n, uniform_decode=True)
-            return forward_context(GraphMode.FULL, d, self.dummy_metadata(d))
+            uniform = self.graphs.dispatcher.uniform_decode_query_len  # (dummy_metadata's)
+            return forward_context(GraphMode.FULL, d, self._padding_metadata(inputs, n, uniform))
 
         ahead = sizes if self.kernels.compile_ahead else ()
-        inputs = self.inputs
-        return graph_timer(self.model, inputs.input_ids, inputs.positions, context, ahead)
+        model, ids, positions = self.model, inputs.input_ids, inputs.positions
+        return graph_timer(model, ids, positions, context, ahead, turn=turn)
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""
@@ -297,9 +313,10 @@ class ModelRunner:
             return StepOutput(logits, greedy, size)
         return self._decode_logits(out[rows], decode, d.num_tokens)
 
-    def plan_kernels(self) -> list[GemmTiming]:
-        """The projections' plans, set once before anything compiles (``KernelPlan``)."""
-        return self.kernel_plan.plan()
+    def plan_kernels(self, defer: bool = False) -> list[GemmTiming]:
+        """The projections' plans, set once before anything compiles (``KernelPlan``;
+        ``defer``: the rules' plans where the cache lacks the measured ones)."""
+        return self.kernel_plan.plan(defer)
 
     def compile(self) -> float:
         """Plans the kernels, then compiles the model (piecewise backend) once, at the
@@ -355,11 +372,15 @@ class ModelRunner:
                 "graphs every rank captures in the same order; use capture='blocking'"
             )
         start = time.perf_counter()
-        self.plan_kernels()  # sets the projections' plans: before any step runs
+        # Sets the projections' plans before any step runs. Graphs of the eager model
+        # can be captured again with other plans, so where the cache lacks them they
+        # are measured after the graphs (``_measure_plans``); compiled pieces cannot.
+        self.plan_kernels(defer=self.piecewise is None)
         self.prepare_seconds = time.perf_counter() - start  # (the thread compiles)
+        after = self._measure_plans if self.kernel_plan.deferred else None
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
-            return self.manager.capture_in_background(epilogue=epilogue)
+            return self.manager.capture_in_background(epilogue=epilogue, afterwards=after)
         self.forward = self.model
 
         def compile_first() -> None:
@@ -367,7 +388,23 @@ class ModelRunner:
             with self.manager.stepping():
                 self.forward = compiled
 
-        return self.manager.capture_in_background(prologue=compile_first, epilogue=epilogue)
+        return self.manager.capture_in_background(compile_first, epilogue, after)
+
+    def _measure_plans(self, turn: Turn) -> None:
+        """A background capture's ``afterwards`` where the plans were deferred: measures
+        them on scratch inputs of its own (``KernelPlan.measure_deferred``), then captures
+        again every graph of a size whose kernels changed, one per ``turn()``, keeping
+        whichever graph replays faster (``recaptured`` says which)."""
+        plan, inputs = self.kernel_plan, StepInputs(self.limits, self.device)
+        timer = None
+        if plan.layer_timer is not None:
+            timer = self._layer_timer(plan.layer_rows, inputs, turn)
+        changed = plan.measure_deferred(timer, turn)
+        keep_new = _faster_replay(self.manager.platform.synchronize)
+        for d in self.graphs.dispatcher.keys(GraphMode.FULL):
+            if d.num_tokens in changed:
+                with turn():
+                    self.recaptured[d] = self.manager.recapture(d, keep_new)
 
     def start_upgrade(
         self, config: GraphConfig, compiler: str, memory_budget: int | None = None
@@ -450,7 +487,25 @@ class ModelRunner:
     def release(self) -> None:
         """Destroys every graph this runner captured (FULL and piecewise) and ends its
         micro-batch threads; it must not run a graph mode afterwards. Safe to call more
-        than once."""
+        than once. Deferred kernel plans still to be measured are measured first (a
+        Ctrl-C skips that): a process that ends seconds after its start (a one-shot
+        ``generate``) would otherwise leave every later start on the rules' plans too."""
+        try:
+            self._finish_deferred_plans()
+        finally:
+            self._release()
+
+    def _finish_deferred_plans(self) -> None:
+        background = self.manager.background
+        if background is None or background.done or not self.kernel_plan.deferred:
+            return
+        logger.warning(
+            "ostinato: measuring the kernel plans before closing, for the next start "
+            "(once; Ctrl-C skips it)"
+        )
+        background.wait()
+
+    def _release(self) -> None:
         self.ubatch.close()
         if self.staged is not None:
             self.staged.release()  # stops the thread first, then both stages' graphs
@@ -541,3 +596,23 @@ def runner_kernels(built: KernelOptions, device: torch.device) -> KernelOptions:
             "build it with KernelOptions.resolved(device)"
         )
     return kernels
+
+
+def _faster_replay(synchronize: Callable[[], None], rounds: int = 5, replays: int = 5) -> KeepNew:
+    """``GraphManager.recapture``'s choice by wall time: ``rounds`` alternating rounds of
+    ``replays`` replays of each graph, the device synchronized around each; the new graph
+    stays unless its median is slower."""
+
+    def keep_new(old: Callable[[], None], new: Callable[[], None]) -> bool:
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(rounds):
+            for replay, seconds in ((old, times[0]), (new, times[1])):
+                synchronize()
+                start = time.perf_counter()
+                for _ in range(replays):
+                    replay()
+                synchronize()
+                seconds.append(time.perf_counter() - start)
+        return statistics.median(times[1]) <= statistics.median(times[0])
+
+    return keep_new

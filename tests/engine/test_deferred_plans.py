@@ -1,0 +1,175 @@
+"""Kernel plans deferred past the graphs (``KernelPlan.plan(defer=True)``): a background
+start whose plans are not cached runs the rules' plans, measures the real ones once its
+graphs serve, stores them, and captures again the sizes whose kernels they change,
+keeping the faster graph. On the CPU, with the test double for graphs and timings of
+our own (the GPU's are ``graph_call_us``); the GPU test is in ``test_gpu_startup``."""
+
+import contextlib
+
+import pytest
+import torch
+from dist_workers import cpu_plan_key
+from fakes import DenseGraphAttention, FakePlatform, engine_on
+
+from ostinato import use_platform
+from ostinato.engine import LLM, KernelOptions, SamplingParams
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.presets import shape
+from ostinato.engine.worker import kernel_plan as kernel_plan_module
+from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.kernel_plan import KernelPlan
+from ostinato.engine.worker.runner import ModelRunner
+from ostinato.modes import GraphMode
+
+LIMITS = EngineLimits(4, 64, 64, 16)
+
+
+@pytest.fixture
+def cpu_keys(monkeypatch):
+    # plan_key names the CUDA device; on the CPU a key of everything else stands in.
+    monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
+
+
+def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=()):
+    model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions())
+    return KernelPlan(model, KernelOptions(), LIMITS, small_gemm_rows, cache, None, timer, rows)
+
+
+def _timer(calls, faster_unfused=(2,)):
+    def timer(rows, unfused):
+        calls.append((rows, unfused))
+        return 50.0 if unfused and rows in faster_unfused else 100.0
+
+    return timer
+
+
+def test_a_start_without_cached_plans_runs_the_rules_and_measures_them_later(tmp_path, cpu_keys):
+    cache, calls = CompileCache(tmp_path), []
+    kp = _plan(cache, _timer(calls))
+    assert kp.plan(defer=True) == [] and kp.deferred and kp.ahead  # compiles the rules'
+    assert calls == [] and kp.model.unfused_rows == frozenset()
+    turns = []
+
+    @contextlib.contextmanager
+    def turn():
+        turns.append(1)
+        yield
+
+    changed = kp.measure_deferred(_timer(calls), turn)
+    assert changed == frozenset({2}) and kp.model.unfused_rows == frozenset({2})
+    assert not kp.deferred and len(calls) == 6
+    with pytest.raises(RuntimeError, match="not deferred"):
+        kp.measure_deferred(_timer(calls), turn)
+    # The next start finds the plan: nothing deferred, nothing timed.
+    again = _plan(cache, _timer(calls))
+    again.plan(defer=True)
+    assert not again.deferred and again.model.unfused_rows == frozenset({2}) and len(calls) == 6
+    # Without defer (a blocking start, compiled pieces) the plan is measured first.
+    first = _plan(CompileCache(tmp_path / "other"), _timer(calls))
+    first.plan()
+    assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 12
+
+
+def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_live_on(
+    tmp_path, cpu_keys, monkeypatch
+):
+    # On the CPU no projection gets a GEMM plan: stand in for the GPU's measurement.
+    monkeypatch.setattr(kernel_plan_module, "small_gemm_plans_cached", lambda *a, **k: False)
+    kp = _plan(CompileCache(tmp_path), _timer([], faster_unfused=()), small_gemm_rows=(1, 2))
+    qkv = kp.model.layers[0].self_attn.qkv_proj
+    qkv.use_plan((0, 3, 3), 4, False)  # as a rule would give it
+    counters = qkv.counters
+    assert kp.plan(defer=True) == [] and kp.deferred
+
+    def measured(linears, rows, pdl, cache=None, turn=None):
+        with turn():
+            qkv.use_plan((0, 3, 0), 4, False)  # cuBLAS measured faster at two rows
+        return []
+
+    monkeypatch.setattr(kernel_plan_module, "plan_small_gemms", measured)
+    assert kp.measure_deferred(None, contextlib.nullcontext) == frozenset({2})
+    assert any(t is counters for t in kp._retired) and qkv.counters is not counters
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    platform = FakePlatform()
+    engine_on(monkeypatch, platform)
+    with use_platform(platform):
+        yield platform
+
+
+def _engine(**kw):
+    return LLM(
+        "tiny",
+        device="cpu",
+        dtype=torch.float32,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_capture_size=16,
+        backend=DenseGraphAttention(),
+        progress=False,
+        seed=3,
+        mode="full",
+        async_scheduling=False,
+        **kw,
+    )
+
+
+def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_plans_change(
+    fake_graphs, monkeypatch, tmp_path, cpu_keys
+):
+    prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + 2 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in _engine(capture="blocking").generate(prompts, params)]
+    real = ModelRunner._kernel_plan
+    timed = []
+
+    def kernel_plan(self, sizes, cache):
+        # As on a GPU: the layers are timed (the CPU has no timer), cached in tmp_path.
+        kp = real(self, sizes, CompileCache(tmp_path))
+        kp.layer_timer = lambda rows, unfused: pytest.fail("timed before the graphs")
+        kp.layer_rows = sizes
+        return kp
+
+    def layer_timer(self, sizes, inputs=None, turn=contextlib.nullcontext):
+        assert inputs is not self.inputs  # scratch inputs: the steps' are never touched
+
+        def timer(rows, unfused):
+            with turn():
+                timed.append(self.manager.background.done)
+                return 50.0 if unfused and rows == 2 else 100.0
+
+        return timer
+
+    monkeypatch.setattr(ModelRunner, "_kernel_plan", kernel_plan)
+    monkeypatch.setattr(ModelRunner, "_layer_timer", layer_timer)
+    # Closed at once (a one-shot generate): the plans are measured and stored first.
+    _engine(capture="auto").close()
+    assert timed and not any(timed)
+    read = _engine(capture="auto")
+    assert not read.engine.parts.startup.plans_deferred
+    read.close()
+    (tmp_path / "compile" / "gemm_plans.json").unlink()
+    timed.clear()
+    llm = _engine(capture="auto")
+    runner = llm.engine.runner
+    assert llm.engine.parts.startup.plans_deferred  # (set at construction: no race)
+    assert "then the kernel plans measured" in llm.describe()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.wait_for_graphs(timeout=60)
+    assert timed and not any(timed)  # every timing inside the capture thread's turn
+    twos = {d for d in runner.graphs.dispatcher.keys(GraphMode.FULL) if d.num_tokens == 2}
+    assert twos and set(runner.recaptured) == twos and runner.model.unfused_rows == {2}
+    assert "captured again" in llm.describe()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    llm.close()
+    # The next start reads the plan: nothing deferred, nothing timed, nothing recaptured.
+    timed.clear()
+    llm = _engine(capture="auto")
+    assert not llm.engine.parts.startup.plans_deferred and llm.wait_for_graphs(timeout=60)
+    assert timed == [] and llm.engine.runner.recaptured == {}
+    assert llm.engine.runner.model.unfused_rows == {2}
+    llm.close()

@@ -387,6 +387,12 @@ class Engine:
             f"{parts.startup.summary()}; {graphs}"
         )
 
+    @property
+    def plans_pending(self) -> bool:
+        """Whether kernel plans deferred at start-up are still to be measured (after the
+        graphs, on their thread; ``release`` measures them first)."""
+        return self.runner.kernel_plan.deferred
+
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Waits (at most ``timeout`` seconds) for a background capture or a staged
         upgrade to end; True when every graph is ready (at once after a blocking

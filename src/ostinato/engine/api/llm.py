@@ -102,6 +102,7 @@ class LLM:
     num_preemptions = _engine("num_preemptions", "Requests preempted (recomputed later) so far.")
     has_work = _engine("has_work", "Whether requests are queued or running.")
     lora_names = _engine("lora_names", "The loaded LoRA adapters' names.")
+    plans_pending = _engine("plans_pending", "Whether deferred kernel plans await measuring.")
 
     def graph_stats(self) -> StatsSnapshot:
         """This process's live statistics per bucket (``Engine.graph_stats``)."""

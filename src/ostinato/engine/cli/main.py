@@ -243,9 +243,11 @@ def _generate(args: argparse.Namespace) -> int:
         )
     if llm.background is not None:
         print(llm.background.summary(), flush=True)
-        if not llm.background.done:
+        if not llm.background.done and not llm.plans_pending:
             # The answer is out; waiting for a compilation in progress to end would only
             # delay the exit (caches are written by renames: nothing is left half-made).
+            # Deferred kernel plans are the exception: ``close`` measures and keeps them,
+            # or every later start would run the rules' plans too.
             sys.stderr.flush()
             os._exit(0)
     llm.close()

@@ -162,7 +162,8 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     assert llm.wait_for_graphs(timeout=60)
     assert timed and not any(timed)  # every timing inside the capture thread's turn
     twos = {d for d in runner.graphs.dispatcher.keys(GraphMode.FULL) if d.num_tokens == 2}
-    assert twos and set(runner.recaptured) == twos and runner.model.unfused_rows == {2}
+    assert twos and set(runner.deferred_plans.recaptured) == twos
+    assert runner.model.unfused_rows == {2}
     assert "captured again" in llm.describe()
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     llm.close()
@@ -170,6 +171,6 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     timed.clear()
     llm = _engine(capture="auto")
     assert not llm.engine.parts.startup.plans_deferred and llm.wait_for_graphs(timeout=60)
-    assert timed == [] and llm.engine.runner.recaptured == {}
+    assert timed == [] and llm.engine.runner.deferred_plans.recaptured == {}
     assert llm.engine.runner.model.unfused_rows == {2}
     llm.close()

@@ -115,7 +115,8 @@ def test_deferred_kernel_plans_give_the_tokens_of_plans_measured_first(tmp_path)
     assert llm.background.afterwards_error is None, llm.background.summary()
     runner = llm.engine.runner
     assert runner.kernel_plan.layer_timings  # measured, after the graphs
-    assert {d.num_tokens for d in runner.recaptured} <= set(runner.model.unfused_rows)
+    recaptured = {d.num_tokens for d in runner.deferred_plans.recaptured}
+    assert recaptured <= set(runner.model.unfused_rows)
     assert first == want and greedy(llm, ps) == want
     print(llm.describe())
     closed(llm)
@@ -129,9 +130,9 @@ def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(tmp_path, 
     # and the projections get new plans (and new split-K counters) while the rules'
     # graphs still replay. Every recaptured graph kept: the tokens then equal, bit for
     # bit, those of a start that read the same plans from the cache.
-    import ostinato.engine.worker.runner as runner_module
+    import ostinato.engine.worker.deferred_plans as deferred_module
 
-    monkeypatch.setattr(runner_module, "_faster_replay", lambda sync: lambda old, new: True)
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: True)
     kw = dict(model="tiny", dtype=torch.bfloat16, max_model_len=256, max_num_seqs=8)
     kw |= dict(max_capture_size=32, progress=False, cache_dir=tmp_path, seed=1)
     ps = [[(13 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
@@ -143,7 +144,7 @@ def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(tmp_path, 
     runner = llm.engine.runner
     assert runner.kernel_plan.timings, "no GEMM plan measured"
     after = greedy(llm, ps)
-    print(llm.describe(), sorted(d.num_tokens for d in runner.recaptured))
+    print(llm.describe(), sorted(d.num_tokens for d in runner.deferred_plans.recaptured))
     closed(llm)
     read = LLM(mode="full", capture="blocking", **kw)
     assert read.engine.runner.kernel_plan.timings == []  # every plan read, none measured

@@ -372,10 +372,8 @@ class Engine:
         graphs = "graphs: background" if capturing else parts.capture_report.summary()
         if isinstance(background, StagedRuntime):
             graphs += f"; {background.summary()}"
-        recaptured = self.runner.recaptured
-        if recaptured:
-            kept = sum(recaptured.values())
-            graphs += f"; measured plans: {kept} of {len(recaptured)} graphs captured again"
+        if self.runner.deferred_plans.recaptured:
+            graphs += f"; {self.runner.deferred_plans.summary()}"
         if parts.graph_memory is not None:
             graphs += f" ({parts.graph_memory.summary()})"
         manager = self.runner.manager

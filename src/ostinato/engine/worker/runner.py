@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
-import statistics
 import time
 from collections.abc import Callable
 
@@ -31,13 +29,14 @@ from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.deferred_plans import DeferredPlans
 from ostinato.engine.worker.gemm_tuning import GemmTiming, Turn
 from ostinato.engine.worker.graph_upgrade import GraphUpgrade
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.kernel_plan import Forward, KernelPlan
 from ostinato.engine.worker.layer_tuning import StepTimer, graph_timer
 from ostinato.engine.worker.ubatch_steps import UbatchSteps
-from ostinato.manager import GraphManager, KeepNew
+from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
@@ -45,8 +44,6 @@ from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.staged import StagedRuntime
 from ostinato.ubatch.policy import MicroBatching
-
-logger = logging.getLogger(__name__)
 
 # (input ids, positions, where to write them or None) -> logits
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -120,9 +117,8 @@ class ModelRunner:
         # The capture's preparation: kernel plans, the kernels' compile (or load from
         # Triton's cache) ahead, the micro-batch measurement; seconds, set by ``capture``.
         self.prepare_seconds = 0.0
-        # Graphs captured again after deferred plans were measured: whether the new one
-        # (measured plans) replaced the old (the rules') as faster.
-        self.recaptured: dict[BatchDescriptor, bool] = {}
+        # Plans deferred past the graphs are measured by this, on the capture thread.
+        self.deferred_plans = DeferredPlans(self)
 
     def _kernel_plan(
         self, sizes: tuple[int, ...], compile_cache: CompileCache | None
@@ -374,10 +370,10 @@ class ModelRunner:
         start = time.perf_counter()
         # Sets the projections' plans before any step runs. Graphs of the eager model
         # can be captured again with other plans, so where the cache lacks them they
-        # are measured after the graphs (``_measure_plans``); compiled pieces cannot.
+        # are measured after the graphs (``DeferredPlans``); compiled pieces cannot.
         self.plan_kernels(defer=self.piecewise is None)
         self.prepare_seconds = time.perf_counter() - start  # (the thread compiles)
-        after = self._measure_plans if self.kernel_plan.deferred else None
+        after = self.deferred_plans if self.kernel_plan.deferred else None
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
             return self.manager.capture_in_background(epilogue=epilogue, afterwards=after)
@@ -390,21 +386,13 @@ class ModelRunner:
 
         return self.manager.capture_in_background(compile_first, epilogue, after)
 
-    def _measure_plans(self, turn: Turn) -> None:
-        """A background capture's ``afterwards`` where the plans were deferred: measures
-        them on scratch inputs of its own (``KernelPlan.measure_deferred``), then captures
-        again every graph of a size whose kernels changed, one per ``turn()``, keeping
-        whichever graph replays faster (``recaptured`` says which)."""
-        plan, inputs = self.kernel_plan, StepInputs(self.limits, self.device)
-        timer = None
-        if plan.layer_timer is not None:
-            timer = self._layer_timer(plan.layer_rows, inputs, turn)
-        changed = plan.measure_deferred(timer, turn)
-        keep_new = _faster_replay(self.manager.platform.synchronize)
-        for d in self.graphs.dispatcher.keys(GraphMode.FULL):
-            if d.num_tokens in changed:
-                with turn():
-                    self.recaptured[d] = self.manager.recapture(d, keep_new)
+    def layer_timer_on(self, inputs: StepInputs, turn: Turn) -> StepTimer | None:
+        """The layer plan's timer on padding rows of ``inputs``, each timing inside
+        ``turn()`` (``DeferredPlans``); None where the layers are not timed."""
+        plan = self.kernel_plan
+        if plan.layer_timer is None:
+            return None
+        return self._layer_timer(plan.layer_rows, inputs, turn)
 
     def start_upgrade(
         self, config: GraphConfig, compiler: str, memory_budget: int | None = None
@@ -491,19 +479,9 @@ class ModelRunner:
         Ctrl-C skips that): a process that ends seconds after its start (a one-shot
         ``generate``) would otherwise leave every later start on the rules' plans too."""
         try:
-            self._finish_deferred_plans()
+            self.deferred_plans.finish()
         finally:
             self._release()
-
-    def _finish_deferred_plans(self) -> None:
-        background = self.manager.background
-        if background is None or background.done or not self.kernel_plan.deferred:
-            return
-        logger.warning(
-            "ostinato: measuring the kernel plans before closing, for the next start "
-            "(once; Ctrl-C skips it)"
-        )
-        background.wait()
 
     def _release(self) -> None:
         self.ubatch.close()
@@ -596,23 +574,3 @@ def runner_kernels(built: KernelOptions, device: torch.device) -> KernelOptions:
             "build it with KernelOptions.resolved(device)"
         )
     return kernels
-
-
-def _faster_replay(synchronize: Callable[[], None], rounds: int = 5, replays: int = 5) -> KeepNew:
-    """``GraphManager.recapture``'s choice by wall time: ``rounds`` alternating rounds of
-    ``replays`` replays of each graph, the device synchronized around each; the new graph
-    stays unless its median is slower."""
-
-    def keep_new(old: Callable[[], None], new: Callable[[], None]) -> bool:
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(rounds):
-            for replay, seconds in ((old, times[0]), (new, times[1])):
-                synchronize()
-                start = time.perf_counter()
-                for _ in range(replays):
-                    replay()
-                synchronize()
-                seconds.append(time.perf_counter() - start)
-        return statistics.median(times[1]) <= statistics.median(times[0])
-
-    return keep_new

@@ -1,0 +1,111 @@
+"""Kernel plans measured after the graphs: the second half of a deferred plan.
+
+A background start whose plans are not in the compile cache runs the rules' plans
+(``KernelPlan.plan(defer=True)``) and captures its graphs with them. ``DeferredPlans``
+then runs on the capture thread as the capture's ``afterwards``: it measures the real
+plans on scratch inputs of its own (``KernelPlan.measure_deferred``; every timing holds
+the step turn, handed back between timings, so steps go on), and captures again each
+FULL graph of a size whose kernels the measured plans change (``GraphManager.recapture``:
+the shared pool, the same static outputs), keeping whichever of the two replays faster.
+
+Guarantees: the graphs change between steps only; a failure leaves every graph as it was
+(the background capture logs it); ``finish`` (before the runner's release) lets a
+measurement still to come or under way end first, so that the next start reads the plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ostinato.batch import BatchDescriptor
+from ostinato.engine.core.limits import EngineLimits
+from ostinato.engine.worker.gemm_tuning import Turn
+from ostinato.engine.worker.inputs import StepInputs
+from ostinato.engine.worker.kernel_plan import KernelPlan
+from ostinato.engine.worker.layer_tuning import StepTimer
+from ostinato.manager import GraphManager, KeepNew
+from ostinato.modes import GraphMode
+from ostinato.runtime import GraphRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class Measurable(Protocol):
+    """What ``DeferredPlans`` reads of its runner (``ModelRunner``; named here, not
+    imported, since the runner imports this module)."""
+
+    kernel_plan: KernelPlan
+    limits: EngineLimits
+    device: torch.device
+    graphs: GraphRuntime
+
+    @property
+    def manager(self) -> GraphManager: ...
+
+    def layer_timer_on(self, inputs: StepInputs, turn: Turn) -> StepTimer | None: ...
+
+
+class DeferredPlans:
+    """The measurement after ``runner``'s graphs (see the module docstring);
+    ``recaptured``: each graph captured again, and whether the new one stayed."""
+
+    def __init__(self, runner: Measurable) -> None:
+        self.runner = runner
+        self.recaptured: dict[BatchDescriptor, bool] = {}
+
+    def __call__(self, turn: Turn) -> None:
+        """The background capture's ``afterwards`` (``turn()``: one unit of work)."""
+        runner = self.runner
+        manager, plan = runner.manager, runner.kernel_plan
+        inputs = StepInputs(runner.limits, runner.device)
+        changed = plan.measure_deferred(runner.layer_timer_on(inputs, turn), turn)
+        keep_new = faster_replay(manager.platform.synchronize)
+        for d in runner.graphs.dispatcher.keys(GraphMode.FULL):
+            if d.num_tokens in changed:
+                with turn():
+                    self.recaptured[d] = manager.recapture(d, keep_new)
+
+    def finish(self) -> None:
+        """Waits for the background capture where plans are still to be measured (a
+        Ctrl-C stops the wait)."""
+        background = self.runner.manager.background
+        if background is None or background.done or not self.runner.kernel_plan.deferred:
+            return
+        logger.warning(
+            "ostinato: measuring the kernel plans before closing, for the next start "
+            "(once; Ctrl-C skips it)"
+        )
+        background.wait()
+
+    def summary(self) -> str:
+        """``measured plans: 3 graphs captured again, 2 kept`` (empty with none)."""
+        if not self.recaptured:
+            return ""
+        kept = sum(self.recaptured.values())
+        return f"measured plans: {len(self.recaptured)} graphs captured again, {kept} kept"
+
+
+def faster_replay(synchronize: Callable[[], None], rounds: int = 5, replays: int = 5) -> KeepNew:
+    """``GraphManager.recapture``'s choice by wall time: ``rounds`` alternating rounds of
+    ``replays`` replays of each graph, the device synchronized around each; the new graph
+    stays unless its median is slower."""
+
+    def keep_new(old: Callable[[], None], new: Callable[[], None]) -> bool:
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(rounds):
+            for replay, seconds in ((old, times[0]), (new, times[1])):
+                synchronize()
+                start = time.perf_counter()
+                for _ in range(replays):
+                    replay()
+                synchronize()
+                seconds.append(time.perf_counter() - start)
+        return statistics.median(times[1]) <= statistics.median(times[0])
+
+    return keep_new

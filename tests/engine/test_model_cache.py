@@ -304,3 +304,52 @@ def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(tmp_
     with pytest.raises(RuntimeError, match="tokenizer conversion failed"):
         LLM(str(path), device="cpu", cache_dir=str(tmp_path / "b"), num_blocks=80)
     assert not list((tmp_path / "b").rglob(".tmp-*"))  # no partial entry left
+
+
+def test_converted_answers_without_torch_and_names_only_a_stored_entry(tmp_path):
+    import subprocess
+    import sys
+
+    cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
+    assert not cache.converted(src, "float32")
+    _store(cache, src)
+    assert cache.converted(src, "float32") and not cache.converted(src, "bfloat16")
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from ostinato.engine.loading.model_cache import ModelCache\n"
+        f"print(ModelCache({str(cache.root)!r}).converted(Path({str(src)!r}), 'float32'))\n"
+        "assert 'torch' not in sys.modules, 'imported torch'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+
+
+def test_the_command_line_starts_the_tokenizer_child_first_and_the_engine_takes_it_up(
+    tmp_path, monkeypatch
+):
+    # Before this process imports torch, only where the cache has no entry of the file;
+    # open_model then uses that child, not a second one.
+    import argparse
+
+    from ostinato.engine.cli.main import _tokenizer_first
+    from ostinato.engine.loading import gguf_tokenizer
+
+    started = []
+    real_init = gguf_tokenizer.TokenizerChild.__init__
+
+    def counting(self, path):
+        started.append(path)
+        real_init(self, path)
+
+    monkeypatch.setattr(gguf_tokenizer.TokenizerChild, "__init__", counting)
+    monkeypatch.setattr(gguf_tokenizer, "_EARLY", {})
+    args = argparse.Namespace(model=str(gguf_path()), cache_dir=str(tmp_path / "cache"))
+    _tokenizer_first(argparse.Namespace(**vars(args), random_weights=True))
+    _tokenizer_first(argparse.Namespace(**vars(args), dtype=torch.float32))
+    assert started == []  # random weights need no tokenizer; a torch dtype: not asked
+    _tokenizer_first(args)
+    assert len(started) == 1 and len(gguf_tokenizer._EARLY) == 1
+    source = open_model(gguf_path(), cache=ModelCache(tmp_path / "cache"))
+    assert source.tokenizer is not None and len(started) == 1 and gguf_tokenizer._EARLY == {}
+    _tokenizer_first(args)  # converted now: nothing to start
+    assert len(started) == 1

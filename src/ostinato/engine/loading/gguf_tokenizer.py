@@ -10,12 +10,17 @@ files (``save_pretrained``), which the parent reads back as a cache hit does
 
     python -m ostinato.engine.loading.gguf_tokenizer FILE.gguf OUT_FOLDER
 
+The command line starts it before it imports torch (``start_early``), so that the
+child's imports (torch and transformers: seconds) overlap the parent's; the engine then
+takes that child up (``TokenizerChild.for_file``). One nobody takes up is ended at exit.
+
 Exit status 0: the files are in OUT_FOLDER; ``NO_TRANSFORMERS``: transformers is not
 installed, nothing written; anything else: failed, the error on stderr.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -53,6 +58,11 @@ class TokenizerChild:
             env=env,
         )
 
+    @classmethod
+    def for_file(cls, path: Path) -> TokenizerChild:
+        """The child ``start_early`` started for ``path``, else a new one."""
+        return _EARLY.pop(path.resolve(), None) or cls(path)
+
     def wait(self) -> Path | None:
         """Waits for the child: the folder holding the tokenizer's files, or None where
         transformers is not installed. Raises ``TokenizerChildError`` if it failed."""
@@ -74,6 +84,18 @@ class TokenizerChild:
             self._proc.wait()
         self._stderr.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_EARLY: dict[Path, TokenizerChild] = {}  # started before they were asked for, by file
+
+
+def start_early(path: Path) -> None:
+    """Starts the child for ``path`` now, for ``TokenizerChild.for_file`` to take up
+    (once per file); it is ended at exit if nobody does."""
+    key = path.resolve()
+    if key not in _EARLY:
+        child = _EARLY[key] = TokenizerChild(path)
+        atexit.register(child.close)
 
 
 def main() -> None:

@@ -136,7 +136,7 @@ def _gguf(
             str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
         )
     # Started first, before the file is even parsed: its imports take seconds.
-    child = TokenizerChild(path)
+    child = TokenizerChild.for_file(path)  # (the command line may have started it)
     try:
         ckpt = GGUFCheckpoint(path)
         tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}

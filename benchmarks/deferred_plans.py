@@ -1,0 +1,93 @@
+"""Decode speed through a first start whose kernel plans are deferred: rounds of greedy
+``generate`` from the moment the engine returns (its graphs captured in the background,
+the rules' plans, then the measurement and the swap) until the measurement has ended and
+a few rounds after; then the same rounds on an engine that read the measured plans from
+the cache (a later start).
+
+    python -m benchmarks.deferred_plans --out OUT.json [--model llama-1.5b] [--batch 8]
+
+Each round is ``--batch`` prompts of ``--prompt-len`` random tokens and ``--new-tokens``
+new ones (EOS ignored); its tokens per second count the new tokens over the round's wall
+time. Both engines use one fresh cache folder, so the first start measures its plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ostinato.engine import LLM, SamplingParams
+from ostinato.provenance import Provenance
+
+
+@dataclass
+class Round:
+    """One timed ``generate``: seconds since the engine returned, tokens per second, and
+    whether the background work (capture, measurement, swap) had ended before it."""
+
+    since_start_s: float
+    tokens_per_s: float
+    settled: bool
+
+
+def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool) -> list[Round]:
+    rng = random.Random(0)
+    vocab = llm.config.vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    start, rounds, after = time.perf_counter(), [], 0
+    while after < args.rounds_after:
+        settled = llm.background is None or llm.background.done
+        began = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - began
+        tokens = sum(len(o.token_ids) for o in outs)
+        rounds.append(Round(began - start, tokens / seconds, settled))
+        after += settled or not until_settled
+        if time.perf_counter() - start > args.timeout:
+            raise RuntimeError("the background work outlasted --timeout")
+    return rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="llama-1.5b")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds-after", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    cache = tempfile.mkdtemp(prefix="ostinato-deferred-")
+    kw = dict(max_model_len=256, max_num_seqs=max(8, args.batch), progress=False)
+    first = LLM(args.model, cache_dir=cache, capture="auto", **kw)
+    deferred = first.startup.plans_deferred
+    during = _rounds(first, args, until_settled=True)
+    described = first.describe()
+    first.close()
+    later = LLM(args.model, cache_dir=cache, capture="blocking", **kw)
+    after = _rounds(later, args, until_settled=False)
+    doc = {
+        "provenance": asdict(Provenance.collect()),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "first_start_deferred": deferred,
+        "first_start": [asdict(r) for r in during],
+        "first_start_described": described,
+        "later_start": [asdict(r) for r in after],
+    }
+    later.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    for name, rounds in (("first start", during), ("later start", after)):
+        for r in rounds:
+            print(f"{name}: +{r.since_start_s:6.2f} s  {r.tokens_per_s:8.1f} tok/s", r.settled)
+
+
+if __name__ == "__main__":
+    main()

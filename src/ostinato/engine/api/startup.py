@@ -544,5 +544,5 @@ def _build_on(
         kernels_s=max(0.0, parts.runner.prepare_seconds - compile_s),
         gemm_plan_s=parts.runner.kernel_plan.gemm_seconds,
         layer_plan_s=parts.runner.kernel_plan.layer_seconds,
-        plans_deferred=parts.runner.kernel_plan.deferred,
+        plans_deferred=parts.runner.kernel_plan.started_deferred,
     )

@@ -86,6 +86,7 @@ class KernelPlan:
         self.ahead = kernels.compile_ahead
         self._kernels_pending = kernels.compile_ahead
         self.deferred = False  # plans by rule, measured later (``plan(defer=True)``)
+        self.started_deferred = False  # (stays set once the measurement is done)
         self._retired: list[torch.Tensor] = []  # counters the rules' graphs read
 
     @property
@@ -106,7 +107,7 @@ class KernelPlan:
             if defer and not self._cached():
                 self.timings = []
                 self._set_rules()
-                self.deferred = True
+                self.deferred = self.started_deferred = True
                 return self.timings
             self.timings = self._measure(self.layer_timer, contextlib.nullcontext)
             rows = self.small_gemm_rows

@@ -174,3 +174,24 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     assert timed == [] and llm.engine.runner.deferred_plans.recaptured == {}
     assert llm.engine.runner.model.unfused_rows == {2}
     llm.close()
+
+
+@pytest.mark.parametrize("new_s, kept", [(0.0005, True), (0.004, False)])
+def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, kept):
+    import time
+
+    from ostinato.engine.worker.deferred_plans import faster_replay
+
+    synced, order = [], []
+
+    def replay(seconds, name):
+        def run():
+            order.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    keep_new = faster_replay(lambda: synced.append(1), rounds=3, replays=2)
+    assert keep_new(replay(0.002, "old"), replay(new_s, "new")) is kept
+    # Alternating rounds, each stage's replays back to back between two synchronizes.
+    assert order == ["old", "old", "new", "new"] * 3 and len(synced) == 12

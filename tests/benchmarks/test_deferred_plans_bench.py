@@ -1,5 +1,6 @@
-"""The deferred-plans benchmark on the CPU (no background capture there: every round of
-both starts is settled): its rounds and document."""
+"""The deferred-plans benchmark (``benchmarks/deferred_plans.py``) on the CPU (no
+background capture there: every round of both starts is settled): its rounds and
+document."""
 
 import json
 import sys

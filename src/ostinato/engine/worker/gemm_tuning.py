@@ -203,10 +203,8 @@ def _lookup(
         w = linear.weight
         if w.device.type == "cuda" and found.sizes is None:
             found.sizes = _plan_sizes(rows)  # (needs Triton)
-        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
-            found.linears.append((linear, swiglu, None, None))
-            continue
-        if not found.sizes:
+        planned = w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)
+        if not planned or not found.sizes:
             found.linears.append((linear, swiglu, None, None))
             continue
         key = (*w.shape, w.dtype, swiglu, linear.bias is not None)

@@ -182,8 +182,7 @@ def _tokenizer_first(args: argparse.Namespace) -> None:
     if getattr(args, "random_weights", False) or not isinstance(dtype, str):
         return
     try:
-        model = args.model or presets.SMOLLM2
-        path = presets.smollm2_path() if model == presets.SMOLLM2 else Path(model)
+        path = presets.model_path(args.model or presets.SMOLLM2)
         cache = ModelCache.from_arg(args.cache_dir)
         if path.suffix != ".gguf" or not path.is_file() or cache is None:
             return

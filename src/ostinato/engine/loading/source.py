@@ -30,7 +30,7 @@ from ostinato.engine.loading.tokenizer_file import load_tokenizer
 from ostinato.engine.loading.weights import assign_tensors, checkpoint_files, load_weights
 from ostinato.engine.model.config import ModelConfig, ModelConfigError
 from ostinato.engine.model.decoder import DecoderModel
-from ostinato.engine.model.presets import PRESETS, SHAPES, SMOLLM2, smollm2_path
+from ostinato.engine.model.presets import PRESETS, SHAPES, SMOLLM2, model_path
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _open(
         )
     if isinstance(model, str) and model in SHAPES and not Path(model).exists():
         return ModelSource(f"{model} (random weights)", ModelConfig.from_hf(SHAPES[model]), None)
-    path = smollm2_path() if model == SMOLLM2 and not Path(model).exists() else Path(model)
+    path = model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         return _gguf(path, random_weights, cache, dtype)
     if path.is_dir():

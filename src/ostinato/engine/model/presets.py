@@ -71,6 +71,14 @@ def shape(name: str) -> dict[str, Any]:
     return dict(SHAPES[name])
 
 
+def model_path(model: str | Path) -> Path:
+    """The file or folder ``model`` names: the installed SmolLM2 file for its preset name
+    (unless a path of that name exists), else ``model`` as a path."""
+    if model == SMOLLM2 and not Path(model).exists():
+        return smollm2_path()
+    return Path(model)
+
+
 def smollm2_path() -> Path:
     """The installed SmolLM2-135M-Instruct GGUF file; ``FileNotFoundError`` says how to
     install it."""

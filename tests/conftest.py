@@ -35,6 +35,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """The test double for graphs (``fakes.FakePlatform``), the one every engine part
+    builds its graphs on for the test."""
+    from fakes import FakePlatform, engine_on
+
+    from ostinato import use_platform
+
+    platform = FakePlatform()
+    engine_on(monkeypatch, platform)
+    with use_platform(platform):
+        yield platform
+
+
+@pytest.fixture
+def cpu_keys(monkeypatch):
+    """``CompileCache.plan_key`` names the CUDA device; on the CPU a key of everything
+    else stands in."""
+    from dist_workers import cpu_plan_key
+
+    from ostinato.engine.worker.compile_cache import CompileCache
+
+    monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
+
+
 @pytest.fixture(scope="module")
 def llama_checkpoint(tmp_path_factory):
     """A random Llama checkpoint (float32, safetensors) and transformers' model of it,

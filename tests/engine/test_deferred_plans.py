@@ -7,12 +7,9 @@ our own (the GPU's are ``graph_call_us``); the GPU test is in ``test_gpu_startup
 import contextlib
 
 import pytest
-import torch
-from dist_workers import cpu_plan_key
-from fakes import DenseGraphAttention, FakePlatform, engine_on
+from test_graphed_engine import engine
 
-from ostinato import use_platform
-from ostinato.engine import LLM, KernelOptions, SamplingParams
+from ostinato.engine import KernelOptions, SamplingParams
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
@@ -24,12 +21,6 @@ from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
 
 LIMITS = EngineLimits(4, 64, 64, 16)
-
-
-@pytest.fixture
-def cpu_keys(monkeypatch):
-    # plan_key names the CUDA device; on the CPU a key of everything else stands in.
-    monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
 
 
 def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=()):
@@ -93,29 +84,8 @@ def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_li
     assert any(t is counters for t in kp._retired) and qkv.counters is not counters
 
 
-@pytest.fixture
-def fake_graphs(monkeypatch):
-    platform = FakePlatform()
-    engine_on(monkeypatch, platform)
-    with use_platform(platform):
-        yield platform
-
-
 def _engine(**kw):
-    return LLM(
-        "tiny",
-        device="cpu",
-        dtype=torch.float32,
-        max_model_len=128,
-        max_num_seqs=8,
-        max_capture_size=16,
-        backend=DenseGraphAttention(),
-        progress=False,
-        seed=3,
-        mode="full",
-        async_scheduling=False,
-        **kw,
-    )
+    return engine("full", max_capture_size=16, async_scheduling=False, **kw)
 
 
 def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_plans_change(

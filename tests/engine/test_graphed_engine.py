@@ -9,11 +9,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fakes import DenseGraphAttention, FakePlatform, copies_into, engine_on
+from fakes import DenseGraphAttention, copies_into
 from workloads import preempting_mix, sync_and_async_outputs
 
 from benchmarks.spec import OracleProposer
-from ostinato import use_platform
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.sample.graph_sampler import GREEDY
@@ -23,14 +22,6 @@ from ostinato.modes import GraphMode
 from ostinato.replay_check import GraphDemotedWarning
 from ostinato.replay_stats import EagerReason
 from ostinato.resolution import AttentionGraphSupport
-
-
-@pytest.fixture
-def fake_graphs(monkeypatch):
-    platform = FakePlatform()
-    engine_on(monkeypatch, platform)
-    with use_platform(platform):
-        yield platform
 
 
 def engine(mode, **kw):

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_workers import ahead_agreement, cpu_plan_key, free_port, layer_plan_agreement
+from dist_workers import ahead_agreement, free_port, layer_plan_agreement
 from test_fused_layers import _tiny_decode
 
 from ostinato.engine import KernelOptions
@@ -28,12 +28,6 @@ from ostinato.modes import GraphMode
 
 def _model(**kernels) -> DecoderModel:
     return DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions(**kernels))
-
-
-@pytest.fixture
-def cpu_keys(monkeypatch):
-    # plan_key names the CUDA device; on the CPU a key of everything else stands in.
-    monkeypatch.setattr(CompileCache, "plan_key", cpu_plan_key)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -91,6 +91,30 @@ def ops_to_stage(batch, from_previous):
     return counter.ops
 
 
+def test_tokens_carried_to_the_next_step_survive_writes_to_the_pool_between_steps():
+    # A sampling graph's tokens are a view of the pool every graph shares, and work
+    # between two steps may replay a graph whose intermediates overlap them (a recapture
+    # timing the graph it would replace, on the H200: an illegal address in the next
+    # step's embedding). Here the sampler's tokens sit in a stand-in for the pool, which
+    # every callback between two steps overwrites: the next steps' decodes must still
+    # read the tokens drawn.
+    prompts, params = mix(4)
+    want = engine(False).generate(prompts, params)
+    llm = engine(True)
+    sampler = llm.engine.loop.sampler
+    pool = torch.zeros(16, dtype=torch.long)
+    drawn = sampler.tokens
+
+    def in_pool(*args, **kwargs):
+        tokens = drawn(*args, **kwargs)
+        pool[: tokens.shape[0]].copy_(tokens)
+        return pool[: tokens.shape[0]]
+
+    sampler.tokens = in_pool
+    got = llm.generate(prompts, params, on_token=lambda i, t: pool.fill_(-7))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 @pytest.mark.parametrize("from_previous", [False, True])
 def test_staging_a_step_does_fixed_tensor_work_whatever_the_batch(from_previous):
     assert ops_to_stage(2, from_previous) == ops_to_stage(32, from_previous)

@@ -10,6 +10,7 @@ from smollm2 import PROMPTS, QUESTION, gguf_path
 
 import ostinato.engine.loading.source as source_module
 from ostinato.engine import LLM, SamplingParams
+from ostinato.modes import GraphMode
 
 pytestmark = pytest.mark.gpu
 PARAMS = SamplingParams(max_tokens=32)
@@ -151,3 +152,33 @@ def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(tmp_path, 
     assert greedy(read, ps) == after
     assert len(during) == len(after)
     closed(read)
+
+
+def test_graphs_replayed_between_steps_leave_the_tokens_the_next_step_reads(tmp_path):
+    # A recapture (the measured plans' swap) times the graph it would replace between two
+    # steps. That graph was captured before the sampling graphs, whose outputs (the last
+    # step's tokens, which the next step's decodes gather) may lie where its
+    # intermediates do in the shared pool: on the 1.5 B shape its replay made the next
+    # step's embedding read out of bounds. Here every FULL graph is captured again and
+    # both graphs replayed between every two steps; the tokens must not change.
+    kw = dict(model="tiny", mode="full", capture="blocking", dtype=torch.float32)
+    kw |= dict(max_model_len=256, max_num_seqs=8, max_capture_size=32, progress=False)
+    llm = LLM(cache_dir=tmp_path, seed=1, **kw)
+    ps = [[(13 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
+    want = greedy(llm, ps)
+    manager = llm.engine.runner.manager
+    sizes = list(manager.dispatcher.keys(GraphMode.FULL))
+    assert llm.engine.loop.sampler.graph_sampler.graphs, "no sampling graph: nothing to check"
+
+    def both(old, new):
+        old(), new(), old()
+        return False
+
+    def recapture_all(index, token):
+        if index == 0:  # once a step (the first prompt decodes to the end)
+            for d in sizes:
+                assert manager.recapture(d, both) is False
+
+    got = [o.token_ids for o in llm.generate(ps, PARAMS, on_token=recapture_all)]
+    assert got == want
+    closed(llm)

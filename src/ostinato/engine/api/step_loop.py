@@ -70,6 +70,12 @@ class StepLoop:
                 for _ in range(2)
             ]
         self._turn = 0
+        # Where a launched step's tokens wait for the next step (its decodes gather
+        # them on the device): sampled tokens may be a view of a sampling graph's output,
+        # in the pool every graph shares, and work between two steps may replay a graph
+        # whose intermediates share that memory (a recapture timing the graph it would
+        # replace: an early graph's intermediates overlap outputs captured after it).
+        self._carry = torch.empty(scheduler.max_num_seqs, dtype=torch.long, device=self.device)
 
     def sync_steps(self) -> Iterator[None]:
         """One step at a time: schedule, run, wait for its tokens. Yields after each."""
@@ -114,6 +120,13 @@ class StepLoop:
         # A copy, always: ``tokens`` may be a view of a graph's static output, which
         # the next step's replay overwrites before this step is resolved.
         return tokens.to("cpu", copy=True), host_logprobs, None
+
+    def carried(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (one per request of a step) copied into the loop's own buffer,
+        queued on the device; nothing but the next step's copy writes there."""
+        kept = self._carry[: tokens.shape[0]]
+        kept.copy_(tokens)
+        return kept
 
     def wait_copy(self, done: torch.cuda.Event | None) -> None:
         """Waits for a copy back; under tensor or data parallelism the wait is bounded
@@ -206,6 +219,7 @@ class StepLoop:
             logprobs = self.sampler.logprobs(params, out, tokens)
             self.scheduler.launched(step)
             index = {s.request.id: i for i, s in enumerate(step.scheduled) if s.samples}
+            tokens = self.carried(tokens)
             host, host_logprobs, done = self.copy_back(tokens, logprobs)
         return InFlight(step, PreviousSample(tokens, index), host, done, None, host_logprobs)
 

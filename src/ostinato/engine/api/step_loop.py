@@ -123,7 +123,10 @@ class StepLoop:
 
     def carried(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (one per request of a step) copied into the loop's own buffer,
-        queued on the device; nothing but the next step's copy writes there."""
+        queued on the device; nothing but the next step's copy writes there (a copy of
+        their own where they outnumber its rows)."""
+        if tokens.shape[0] > self._carry.shape[0]:
+            return tokens.clone()
         kept = self._carry[: tokens.shape[0]]
         kept.copy_(tokens)
         return kept

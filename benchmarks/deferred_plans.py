@@ -77,6 +77,7 @@ def main() -> None:
     deferred = first.startup.plans_deferred
     during = _rounds(first, args, True, "first start")
     described = first.describe()
+    hold = first.background.longest_hold if first.background is not None else None
     first.close()
     later = LLM(args.model, cache_dir=cache, capture="blocking", **kw)
     after = _rounds(later, args, False, "later start")
@@ -86,6 +87,8 @@ def main() -> None:
         "first_start_deferred": deferred,
         "first_start": [asdict(r) for r in during],
         "first_start_described": described,
+        # The longest a step could wait for the capture thread, and what held it.
+        "first_start_longest_hold": asdict(hold) if hold is not None else None,
         "later_start": [asdict(r) for r in after],
     }
     later.close()

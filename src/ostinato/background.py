@@ -34,7 +34,9 @@ a failure of any item releases every graph of the manager, is logged with its re
 kept in ``error``, and the steps go on eagerly; a failure of ``afterwards`` is logged
 and kept in ``afterwards_error``, and the graphs serve on; ``done`` is set once the plan
 and ``afterwards`` are exhausted, stopped or failed, and ``seconds`` then says how long
-it took (``capture_seconds``: the plan's part).
+it took (``capture_seconds``: the plan's part). ``longest_hold`` names the thread's
+longest hold of the turn (an item, the epilogue or a unit), the longest a step could
+have waited for it; ``summary`` reports it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -113,6 +116,16 @@ class CaptureStopped(Exception):
     """Raised by ``BackgroundCapture.unit()`` once the thread was asked to stop."""
 
 
+@dataclass(frozen=True)
+class Hold:
+    """The thread's longest hold of the step turn: how long, and over what (an item's
+    descriptor, the epilogue, a unit of the work afterwards). A step that arrived as it
+    began waited that long."""
+
+    seconds: float
+    what: str
+
+
 # Work after the capture, given ``BackgroundCapture.unit`` to hold the turn per unit.
 Afterwards = Callable[[Callable[[], contextlib.AbstractContextManager[None]]], None]
 
@@ -145,6 +158,7 @@ class BackgroundCapture:
         self.afterwards_error: Exception | None = None
         self.seconds: float | None = None
         self.capture_seconds: float | None = None  # the plan and epilogue alone
+        self.longest_hold: Hold | None = None
         self._afterwards = afterwards
         self._pending = list(plan)
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
@@ -186,19 +200,27 @@ class BackgroundCapture:
         return not self._thread.is_alive()
 
     def summary(self) -> str:
-        """One line: how many graphs are ready, and the error if capture failed."""
+        """One line: how many graphs are ready, the error if capture failed, and once done
+        the longest a step waited for the thread (``longest_hold``)."""
         if self.error is not None:
             return f"background capture failed, steps run eagerly: {self.error}"
         if self.capture_seconds is None:
             return f"graphs capturing in the background: {self.captured} of {self.total} ready"
         ready = f"graphs ready in {self.capture_seconds:.1f} s ({self.captured} of {self.total})"
         if self._afterwards is None:
-            return ready
+            return ready + self._longest()
         if not self.done:
             return f"{ready}; measuring after them"
         if self.afterwards_error is not None:
             return f"{ready}; what followed them failed: {self.afterwards_error}"
-        return f"{ready}; done after {self.seconds:.1f} s"
+        return f"{ready}; done after {self.seconds:.1f} s{self._longest()}"
+
+    def _longest(self) -> str:
+        """``, steps could wait up to 0.61 s (the epilogue)``; empty before any hold."""
+        hold = self.longest_hold
+        if hold is None:
+            return ""
+        return f", steps could wait up to {hold.seconds:.2f} s ({hold.what})"
 
     def _next(self) -> CaptureItem | None:
         for d in list(self._wanted):
@@ -255,9 +277,21 @@ class BackgroundCapture:
                 raise CaptureStopped("the background capture was stopped")
             with exclusive_device(), self._turn.capturing():
                 if self._may_start(since):
-                    yield
+                    with self._held("a unit after the capture"):
+                        yield
                     break
         self._turn.hand_over(timeout=1.0)
+
+    @contextlib.contextmanager
+    def _held(self, what: str) -> Iterator[None]:
+        """Times a hold of the turn, kept in ``longest_hold`` where it is the longest."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            if self.longest_hold is None or seconds > self.longest_hold.seconds:
+                self.longest_hold = Hold(seconds, what)
 
     def _await_pause(self) -> float:
         """Waits while the steps run (module docstring), unless a step wants a size still
@@ -289,8 +323,10 @@ class BackgroundCapture:
                 item = self._next()
                 if item is None:
                     if self._epilogue is not None:
-                        self._epilogue()
+                        with self._held("the epilogue"):
+                            self._epilogue()
                     return
-                self._capture_one(item)
+                with self._held(f"the capture of {item.descriptor}"):
+                    self._capture_one(item)
                 self.captured += 1
             self._turn.hand_over(timeout=1.0)

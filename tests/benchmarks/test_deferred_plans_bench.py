@@ -18,4 +18,4 @@ def test_rounds_of_both_starts_are_written(tmp_path, monkeypatch):
     for key in ("first_start", "later_start"):
         rounds = doc[key]
         assert len(rounds) == 2 and all(r["tokens_per_s"] > 0 and r["settled"] for r in rounds)
-    assert doc["provenance"]["torch"]
+    assert doc["provenance"]["torch"] and doc["first_start_longest_hold"] is None  # (no thread)

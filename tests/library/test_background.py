@@ -265,6 +265,33 @@ def test_work_afterwards_runs_after_the_epilogue_one_unit_per_turn_and_steps_sta
     assert any(ran)
 
 
+@pytest.mark.parametrize("slow", ["epilogue", "unit", "item"])
+def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
+    # What a step arriving at the wrong moment waits for: the bound is one replay.
+    p, r, m, dispatcher = build()
+    pause = lambda part: time.sleep(0.08 if part == slow else 0)  # noqa: E731
+
+    def afterwards(unit):
+        for _ in range(3):
+            with unit():
+                pause("unit")
+
+    real = m._capture_one
+
+    def capture_one(item):
+        pause("item" if item.descriptor.num_tokens == 4 else "")
+        real(item)
+
+    m._capture_one = capture_one
+    capture = m.capture_in_background(epilogue=lambda: pause("epilogue"), afterwards=afterwards)
+    assert capture.wait(10) and capture.afterwards_error is None
+    hold = capture.longest_hold
+    assert hold is not None and 0.08 <= hold.seconds < 5, hold
+    names = {"epilogue": "the epilogue", "unit": "a unit after the capture", "item": "num_tokens=4"}
+    assert names[slow] in hold.what, hold
+    assert f"up to {hold.seconds:.2f} s ({hold.what})" in capture.summary()
+
+
 def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):
     p, r, m, dispatcher = build()
 

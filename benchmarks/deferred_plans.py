@@ -17,7 +17,9 @@ after 110 s of rounds at B = 8 or B = 1.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import logging
 import random
 import tempfile
 import time
@@ -54,7 +56,12 @@ def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) 
         seconds = time.perf_counter() - began
         tokens = sum(len(o.token_ids) for o in outs)
         rounds.append(Round(began - start, tokens / seconds, settled))
-        print(f"{name}: +{began - start:6.2f} s {tokens / seconds:8.1f} tok/s", settled, flush=True)
+        clock = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # (as the log lines')
+        print(
+            f"{clock} {name}: +{began - start:6.2f} s {tokens / seconds:8.1f} tok/s",
+            settled,
+            flush=True,
+        )
         after += settled or not until_settled
         if time.perf_counter() - start > args.timeout:
             break  # (the background work outlasted --timeout: the document says so)
@@ -71,6 +78,10 @@ def main() -> None:
     parser.add_argument("--rounds-after", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
+    # The engine's phases (capture, measurement) on the rounds' clock, to place stalls.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S"
+    )
     cache = tempfile.mkdtemp(prefix="ostinato-deferred-")
     kw = dict(max_model_len=256, max_num_seqs=max(8, args.batch), progress=False)
     first = LLM(args.model, cache_dir=cache, capture="auto", **kw)

@@ -237,9 +237,12 @@ class BackgroundCapture:
             with torch.inference_mode(), isolated_capture():
                 if self._prologue is not None:
                     self._prologue()
+                    logger.info("ostinato: background prologue done after %.1f s", self._since())
                 with capture_phase():
                     self._capture_all()
-                    self.capture_seconds = time.perf_counter() - self._start
+                    self.capture_seconds = self._since()
+                    if self._afterwards is not None and not self._stop.is_set():
+                        logger.info("ostinato: %s", self.summary())
                     self._after()
         except BaseException as exc:  # the thread's end: nothing above it would see it
             self.error = exc
@@ -252,6 +255,9 @@ class BackgroundCapture:
             self._done.set()
         if self.error is None and not self._stop.is_set():
             logger.info("ostinato: %s", self.summary())
+
+    def _since(self) -> float:
+        return time.perf_counter() - self._start
 
     def _after(self) -> None:
         """Runs ``afterwards`` once the plan is captured (not after a stop); its failure

@@ -65,6 +65,11 @@ class DeferredPlans:
         manager, plan = runner.manager, runner.kernel_plan
         inputs = StepInputs(runner.limits, runner.device)
         changed = plan.measure_deferred(runner.layer_timer_on(inputs, turn), turn)
+        logger.info(
+            "ostinato: kernel plans measured (GEMMs %.1f s, layers %.1f s); sizes to capture "
+            "again: %s",
+            plan.gemm_seconds, plan.layer_seconds, sorted(changed),
+        )  # fmt: skip
         keep_new = faster_replay(manager.platform.synchronize)
         for d in runner.graphs.dispatcher.keys(GraphMode.FULL):
             if d.num_tokens in changed:

@@ -154,8 +154,7 @@ class ModelRunner:
 
         def context(n: int) -> contextlib.AbstractContextManager:
             d = BatchDescriptor(n, n, uniform_decode=True)
-            uniform = self.graphs.dispatcher.uniform_decode_query_len  # (dummy_metadata's)
-            return forward_context(GraphMode.FULL, d, self._padding_metadata(inputs, n, uniform))
+            return forward_context(GraphMode.FULL, d, self.dummy_metadata(d, inputs))
 
         ahead = sizes if self.kernels.compile_ahead else ()
         model, ids, positions = self.model, inputs.input_ids, inputs.positions
@@ -198,13 +197,13 @@ class ModelRunner:
             self.inputs.metadata(n, query_lens, seq_lens, new_keys), self.cache, self.backend
         )
 
-    def dummy_metadata(self, d: BatchDescriptor) -> StepAttention:
-        """The attention context a graph of ``d`` is captured with: padding rows, and a
-        bound on the new keys that holds for every step it replays (a uniform decode's
-        query length, else its row count)."""
+    def dummy_metadata(self, d: BatchDescriptor, inputs: StepInputs | None = None) -> StepAttention:
+        """The attention context a graph of ``d`` is captured with: padding rows (in
+        ``inputs``, by default the steps' own), and a bound on the new keys that holds for
+        every step it replays (a uniform decode's query length, else its row count)."""
         uniform = self.graphs.dispatcher.uniform_decode_query_len
         new_keys = uniform if d.uniform_decode else d.num_tokens
-        return self._padding_metadata(self.inputs, d.num_tokens, new_keys)
+        return self._padding_metadata(inputs or self.inputs, d.num_tokens, new_keys)
 
     def _scramble_padding(self, d: BatchDescriptor, real: int) -> None:
         """The capture check's other padding: rows ``real..`` of a dummy step get other

@@ -82,15 +82,63 @@ def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_li
     monkeypatch.setattr(kernel_plan_module, "plan_small_gemms", measured)
     assert kp.measure_deferred(None, contextlib.nullcontext) == frozenset({2})
     assert any(t is counters for t in kp._retired) and qkv.counters is not counters
+    # The rules' graph replayed faster at two rows: the rules' entry there again, and the
+    # measured plan's counters alive for the graphs captured with them.
+    measured_counters = qkv.counters
+    kp.keep_rules_at(frozenset({2}), contextlib.nullcontext)
+    assert qkv.plan == (0, 3, 3) and qkv.counters is not measured_counters
+    assert any(t is measured_counters for t in kp._retired)
+    kp.keep_rules_at(frozenset({1}), contextlib.nullcontext)  # the same entry: untouched
+    assert qkv.plan == (0, 3, 3) and not any(t is qkv.counters for t in kp._retired)
+
+
+def test_where_the_rules_graphs_won_a_later_start_reads_the_rules_layers(tmp_path, cpu_keys):
+    cache, calls = CompileCache(tmp_path), []
+    kp = _plan(cache, _timer(calls, faster_unfused=(2, 4)))
+    kp.plan(defer=True)
+    changed = kp.measure_deferred(_timer(calls, faster_unfused=(2, 4)), contextlib.nullcontext)
+    assert changed == {2, 4}
+    kp.keep_rules_at(frozenset({4}), contextlib.nullcontext)  # fused won at 4 rows
+    assert kp.model.unfused_rows == frozenset({2})
+    timed = len(calls)
+    again = _plan(cache, _timer(calls))
+    again.plan(defer=True)
+    assert not again.deferred and again.model.unfused_rows == frozenset({2})
+    assert len(calls) == timed  # read, not timed
+
+
+@pytest.mark.parametrize(
+    "verdicts, won",
+    [
+        ({(1, False): False, (2, False): True}, {1}),
+        ({(2, False): False, (2, True): True}, set()),  # a size whose graphs disagree
+        ({(4, False): False, (4, True): False}, {4}),
+        ({}, set()),
+    ],
+)
+def test_the_rules_win_a_size_only_where_every_graph_of_it_lost(verdicts, won):
+    from ostinato.batch import BatchDescriptor
+    from ostinato.engine.worker.deferred_plans import rules_won
+
+    recaptured = {
+        BatchDescriptor(num_tokens=n, uniform_decode=u): kept for (n, u), kept in verdicts.items()
+    }
+    assert rules_won(recaptured) == won
 
 
 def _engine(**kw):
     return engine("full", max_capture_size=16, async_scheduling=False, **kw)
 
 
+@pytest.mark.parametrize("new_wins", [True, False])
 def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_plans_change(
-    fake_graphs, monkeypatch, tmp_path, cpu_keys
+    fake_graphs, monkeypatch, tmp_path, cpu_keys, new_wins
 ):
+    import ostinato.engine.worker.deferred_plans as deferred_module
+
+    # Which graph replays faster is the GPU's to say: both verdicts here.
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: new_wins)
+    unfused = {2} if new_wins else set()  # the rules' fused layers where their graph won
     prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + 2 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in _engine(capture="blocking").generate(prompts, params)]
@@ -132,8 +180,8 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     assert llm.wait_for_graphs(timeout=60)
     assert timed and not any(timed)  # every timing inside the capture thread's turn
     twos = {d for d in runner.graphs.dispatcher.keys(GraphMode.FULL) if d.num_tokens == 2}
-    assert twos and set(runner.deferred_plans.recaptured) == twos
-    assert runner.model.unfused_rows == {2}
+    assert twos and runner.deferred_plans.recaptured == dict.fromkeys(twos, new_wins)
+    assert runner.model.unfused_rows == unfused
     assert "captured again" in llm.describe()
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     llm.close()
@@ -142,7 +190,8 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     llm = _engine(capture="auto")
     assert not llm.engine.parts.startup.plans_deferred and llm.wait_for_graphs(timeout=60)
     assert timed == [] and llm.engine.runner.deferred_plans.recaptured == {}
-    assert llm.engine.runner.model.unfused_rows == {2}
+    assert llm.engine.runner.model.unfused_rows == unfused
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
     llm.close()
 
 

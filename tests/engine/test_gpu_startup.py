@@ -126,14 +126,18 @@ def test_deferred_kernel_plans_give_the_tokens_of_plans_measured_first(tmp_path)
     closed(again)
 
 
-def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("new_wins", [True, False])
+def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(
+    tmp_path, monkeypatch, new_wins
+):
     # bf16 with random weights: the small-GEMM plans are measured after the graphs too,
     # and the projections get new plans (and new split-K counters) while the rules'
-    # graphs still replay. Every recaptured graph kept: the tokens then equal, bit for
-    # bit, those of a start that read the same plans from the cache.
+    # graphs still replay. Every recaptured graph kept, or every rules' graph kept (the
+    # plans then take the rules' kernels back at those sizes, in the cache too): the
+    # tokens equal, bit for bit, those of a start that read the plans from the cache.
     import ostinato.engine.worker.deferred_plans as deferred_module
 
-    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: True)
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: new_wins)
     kw = dict(model="tiny", dtype=torch.bfloat16, max_model_len=256, max_num_seqs=8)
     kw |= dict(max_capture_size=32, progress=False, cache_dir=tmp_path, seed=1)
     ps = [[(13 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
@@ -147,8 +151,11 @@ def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(tmp_path, 
     after = greedy(llm, ps)
     print(llm.describe(), sorted(d.num_tokens for d in runner.deferred_plans.recaptured))
     closed(llm)
+    recaptured = runner.deferred_plans.recaptured
+    assert recaptured and set(recaptured.values()) == {new_wins}
     read = LLM(mode="full", capture="blocking", **kw)
     assert read.engine.runner.kernel_plan.timings == []  # every plan read, none measured
+    assert read.engine.runner.kernel_plan.layer_timings == []
     assert greedy(read, ps) == after
     assert len(during) == len(after)
     closed(read)

@@ -7,6 +7,8 @@ plans on scratch inputs of its own (``KernelPlan.measure_deferred``; every timin
 the step turn, handed back between timings, so steps go on), and captures again each
 FULL graph of a size whose kernels the measured plans change (``GraphManager.recapture``:
 the shared pool, the same static outputs), keeping whichever of the two replays faster.
+Where the rules' graphs won at a size, the model and the compile cache take the rules'
+kernels back there (``KernelPlan.keep_rules_at``): a later start captures what won.
 
 Guarantees: the graphs change between steps only; a failure leaves every graph as it was
 (the background capture logs it); ``finish`` (before the runner's release) lets a
@@ -75,6 +77,7 @@ class DeferredPlans:
             if d.num_tokens in changed:
                 with turn():
                     self.recaptured[d] = manager.recapture(d, keep_new)
+        plan.keep_rules_at(rules_won(self.recaptured), turn)
 
     def finish(self) -> None:
         """Waits for the background capture where plans are still to be measured (a
@@ -94,6 +97,14 @@ class DeferredPlans:
             return ""
         kept = sum(self.recaptured.values())
         return f"measured plans: {len(self.recaptured)} graphs captured again, {kept} kept"
+
+
+def rules_won(recaptured: dict[BatchDescriptor, bool]) -> frozenset[int]:
+    """The sizes where every graph captured again lost to the rules' graph it would have
+    replaced (a size whose graphs disagree keeps the measured plans)."""
+    sizes = {d.num_tokens for d in recaptured}
+    won = {d.num_tokens for d, kept in recaptured.items() if kept}
+    return frozenset(sizes - won)
 
 
 def faster_replay(synchronize: Callable[[], None], rounds: int = 5, replays: int = 5) -> KeepNew:

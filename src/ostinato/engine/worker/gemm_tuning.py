@@ -22,7 +22,7 @@ import torch
 
 from ostinato.engine.kernels.gemm_launch import counters_needed
 from ostinato.engine.kernels.launch_rules import rules
-from ostinato.engine.model.linear import Linear
+from ostinato.engine.model.linear import Linear, plan_entry
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.cuda import graph_call_us
 
@@ -163,6 +163,30 @@ def plan_small_gemms(
     if cache is not None and measured:
         cache.store_plans(measured)
     return timings
+
+
+def store_plans_of(
+    linears: Sequence[tuple[Linear, bool]],
+    rows: Sequence[int],
+    pdl: bool,
+    min_gain: float = 0.03,
+    cache: CompileCache | None = None,
+) -> None:
+    """Stores each planned projection's plan as it is now on the linear, under the key
+    ``plan_small_gemms`` reads for these arguments (a plan changed after its measurement:
+    ``KernelPlan.keep_rules_at``)."""
+    if cache is None:
+        return
+    found = _lookup(linears, rows, pdl, min_gain, cache)
+    plans: dict[str, list[int]] = {}
+    for linear, _, key, cache_key in found.linears:
+        if key is not None and cache_key is not None and found.sizes:
+            stored = [0] * (found.sizes[-1] + 1)
+            for r in found.sizes:
+                stored[r] = plan_entry(linear.plan, r)
+            plans[cache_key] = stored
+    if plans:
+        cache.store_plans(plans)
 
 
 def small_gemm_plans_cached(

@@ -25,7 +25,7 @@ import torch
 
 from ostinato.distributed.collectives import every_rank
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS, counters_needed
 from ostinato.engine.kernels.launch import compile_ahead, layout_rows
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
@@ -39,6 +39,7 @@ from ostinato.engine.worker.gemm_tuning import (
     default_plans,
     plan_small_gemms,
     small_gemm_plans_cached,
+    store_plans_of,
 )
 from ostinato.engine.worker.inputs import StepInputs
 from ostinato.engine.worker.layer_tuning import (
@@ -46,6 +47,7 @@ from ostinato.engine.worker.layer_tuning import (
     StepTimer,
     layer_plan_cached,
     plan_layers,
+    store_layer_plan,
 )
 from ostinato.piecewise import PiecewiseBackend
 
@@ -88,6 +90,7 @@ class KernelPlan:
         self.deferred = False  # plans by rule, measured later (``plan(defer=True)``)
         self.started_deferred = False  # (stays set once the measurement is done)
         self._retired: list[torch.Tensor] = []  # counters the rules' graphs read
+        self._rules: list[tuple[tuple[int, ...], bool]] = []  # each linear's, when deferred
 
     @property
     def compiles_kernels(self) -> bool:
@@ -161,12 +164,39 @@ class KernelPlan:
         if not self.deferred:
             raise RuntimeError("measure_deferred: the plans were not deferred")
         before = self._kernels_by_rows()
+        linears = [linear for linear, _ in self.model.linears()]
         # Graphs captured with the rules' plans read these counters: kept alive.
-        self._retired += [linear.counters for linear, _ in self.model.linears()]
+        self._retired += [linear.counters for linear in linears]
+        self._rules = [(tuple(linear.plan), linear.pdl) for linear in linears]
         self.timings = self._measure(layer_timer, turn)
         self.deferred = False  # (only now: ``ModelRunner.release`` waits while it is set)
         after = self._kernels_by_rows()
         return frozenset(r for r in before if before[r] != after[r])
+
+    @torch.inference_mode()
+    def keep_rules_at(self, rows: frozenset[int], turn: Turn) -> None:
+        """After ``measure_deferred``: at row counts ``rows``, where the rules' graphs
+        replayed faster than the measured plans' (``DeferredPlans``), the rules' kernels
+        again: their GEMM plan entries and fused layers on the model (inside ``turn()``)
+        and in the compile cache, so that a later start captures what won here rather than
+        what the timings of single kernels chose. The measured plans' counters stay alive
+        for the graphs captured with them."""
+        if not rows or not self._rules:
+            return
+        with turn():
+            for (linear, _), (rules, pdl) in zip(self.model.linears(), self._rules, strict=True):
+                plan = _rows_from(linear.plan, rules, rows)
+                if plan != tuple(linear.plan):
+                    self._retired.append(linear.counters)
+                    counters = counters_needed(linear.weight.shape[0]) if plan else 0
+                    linear.use_plan(plan, counters, pdl)
+            self._set_rules()  # (as a later start does after reading the plans)
+            self.model.unfused_rows = self.model.unfused_rows - rows
+        rows_planned, cache = self.small_gemm_rows, self.compile_cache
+        if rows_planned:
+            store_plans_of(self.model.linears(), rows_planned, self.kernels.pdl, cache=cache)
+        if self.layer_timer is not None:
+            store_layer_plan(self.model, self.layer_rows, cache)
 
     def _kernels_by_rows(self) -> dict[int, tuple[object, ...]]:
         """What decides the kernels a step of each row count a plan covers launches:
@@ -236,3 +266,12 @@ class KernelPlan:
                         logits = self.model.compute_logits(hidden)
                     greedy_tokens(logits, self.kernels.pdl)
             yield
+
+
+def _rows_from(
+    plan: tuple[int, ...], rules: tuple[int, ...], rows: frozenset[int]
+) -> tuple[int, ...]:
+    """``plan`` with ``rules``' entries at ``rows`` (no plan where every entry is cuBLAS's)."""
+    size = max(len(plan), len(rules), max(rows) + 1)
+    mixed = tuple(plan_entry(rules if r in rows else plan, r) for r in range(size))
+    return mixed if any(mixed) else ()

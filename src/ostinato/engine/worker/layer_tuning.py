@@ -89,6 +89,16 @@ def plan_layers(
     return timings
 
 
+def store_layer_plan(model: DecoderModel, rows: Sequence[int], cache: CompileCache | None) -> None:
+    """Stores ``model.unfused_rows`` as the layer plan over ``rows``, under the key
+    ``plan_layers`` reads for the model's GEMM plans as they are now (a plan changed after
+    its measurement: ``KernelPlan.keep_rules_at``)."""
+    sizes = _sizes(model, rows)
+    key = _cache_key(model, sizes, cache) if sizes else None
+    if cache is not None and key is not None:
+        cache.store_plans({key: sorted(r for r in model.unfused_rows if r in sizes)})
+
+
 def layer_plan_cached(model: DecoderModel, rows: Sequence[int], cache: CompileCache | None) -> bool:
     """Whether ``plan_layers`` with these arguments would measure nothing (its plan is
     in ``cache``, or there is nothing to plan), for the GEMM plans ``model`` has now.

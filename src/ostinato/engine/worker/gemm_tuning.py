@@ -74,7 +74,10 @@ def _candidates(
 
     w, b = linear.weight, linear.bias
     n, k = w.shape
-    x = torch.randn(rows, k, device=device, dtype=w.dtype)
+    # A generator of its own: the deferred measurement draws on the capture thread beside
+    # steps, and another engine's capture would hold the default generator.
+    draw = torch.Generator(device=device).manual_seed(rows)
+    x = torch.randn(rows, k, device=device, dtype=w.dtype, generator=draw)
     counters = torch.zeros(triton_gemm.counters_needed(n), dtype=torch.int32, device=device)
 
     def cublas() -> object:

@@ -90,6 +90,12 @@ def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_li
     assert any(t is measured_counters for t in kp._retired)
     kp.keep_rules_at(frozenset({1}), contextlib.nullcontext)  # the same entry: untouched
     assert qkv.plan == (0, 3, 3) and not any(t is qkv.counters for t in kp._retired)
+    # A mixed plan keeps the measured plan's length (the form read back from the cache,
+    # on which the layer plan's key depends), though the rules' plan runs to 16 rows.
+    rows_from = kernel_plan_module._rows_from
+    assert rows_from((0, 3, 0), (0, 3, 3, 3, 3), frozenset({2})) == (0, 3, 3)
+    assert rows_from((), (0, 3, 3), frozenset({2})) == (0, 0, 3)
+    assert rows_from((0, 5, 0), (0, 0, 0), frozenset({1})) == ()  # all cuBLAS: no plan
 
 
 def test_where_the_rules_graphs_won_a_later_start_reads_the_rules_layers(tmp_path, cpu_keys):

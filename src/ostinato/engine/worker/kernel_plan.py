@@ -183,18 +183,23 @@ class KernelPlan:
         for the graphs captured with them."""
         if not rows or not self._rules:
             return
+        changed = []
         with turn():
-            for (linear, _), (rules, pdl) in zip(self.model.linears(), self._rules, strict=True):
+            linears = self.model.linears()
+            for (linear, swiglu), (rules, pdl) in zip(linears, self._rules, strict=True):
                 plan = _rows_from(linear.plan, rules, rows)
                 if plan != tuple(linear.plan):
                     self._retired.append(linear.counters)
                     counters = counters_needed(linear.weight.shape[0]) if plan else 0
                     linear.use_plan(plan, counters, pdl)
+                    changed.append((linear, swiglu))
             self._set_rules()  # (as a later start does after reading the plans)
             self.model.unfused_rows = self.model.unfused_rows - rows
+        # Only the plans that changed: a later start reads them back into what the model
+        # now holds (an unchanged plan stored again could read back otherwise).
         rows_planned, cache = self.small_gemm_rows, self.compile_cache
-        if rows_planned:
-            store_plans_of(self.model.linears(), rows_planned, self.kernels.pdl, cache=cache)
+        if rows_planned and changed:
+            store_plans_of(changed, rows_planned, self.kernels.pdl, cache=cache)
         if self.layer_timer is not None:
             store_layer_plan(self.model, self.layer_rows, cache)
 
@@ -271,7 +276,9 @@ class KernelPlan:
 def _rows_from(
     plan: tuple[int, ...], rules: tuple[int, ...], rows: frozenset[int]
 ) -> tuple[int, ...]:
-    """``plan`` with ``rules``' entries at ``rows`` (no plan where every entry is cuBLAS's)."""
-    size = max(len(plan), len(rules), max(rows) + 1)
+    """``plan`` with ``rules``' entries at ``rows``, as long as ``plan`` (the form a plan
+    read from the cache takes) unless ``rows`` reach past it; no plan where every entry
+    is cuBLAS's."""
+    size = max(len(plan), max(rows) + 1)
     mixed = tuple(plan_entry(rules if r in rows else plan, r) for r in range(size))
     return mixed if any(mixed) else ()

@@ -139,7 +139,10 @@ class BackgroundCapture:
     inputs of its own); ``epilogue``, if given, runs on the thread once every item is
     captured (not after a stop), holding the turn, before ``done`` is set (the engine
     captures its sampling graphs there, which read the graphs' outputs), and fails as
-    an item does; ``afterwards``, if given, runs after it (module docstring).
+    an item does; ``before_epilogue``, if given, runs just before it without the turn
+    (the engine compiles the sampling graphs' kernels there; a step waiting for the
+    turn would wait that long), and fails as it does; ``afterwards``, if given, runs
+    after it (module docstring).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class BackgroundCapture:
         prologue: Callable[[], None] | None = None,
         epilogue: Callable[[], None] | None = None,
         afterwards: Afterwards | None = None,
+        before_epilogue: Callable[[], None] | None = None,
     ) -> None:
         self.total = len(plan)
         self.captured = 0
@@ -164,6 +168,7 @@ class BackgroundCapture:
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
         self._capture_one, self._release, self._turn = capture_one, release, turn
         self._prologue, self._epilogue = prologue, epilogue
+        self._before_epilogue = before_epilogue
         self._stop = threading.Event()
         self._done = threading.Event()
         self._start = time.perf_counter()
@@ -327,12 +332,27 @@ class BackgroundCapture:
                 if not self._may_start(since):
                     continue  # a step came while the turn was taken: it goes first
                 item = self._next()
-                if item is None:
-                    if self._epilogue is not None:
-                        with self._held("the epilogue"):
-                            self._epilogue()
-                    return
-                with self._held(f"the capture of {item.descriptor}"):
-                    self._capture_one(item)
-                self.captured += 1
+                if item is not None:
+                    with self._held(f"the capture of {item.descriptor}"):
+                        self._capture_one(item)
+                    self.captured += 1
+            if item is None:
+                self._end_plan()
+                return
             self._turn.hand_over(timeout=1.0)
+
+    def _end_plan(self) -> None:
+        """Once every item is captured: ``before_epilogue`` without the turn, then the
+        epilogue holding it, taken as an item is (when the steps pause)."""
+        if self._epilogue is None or self._stop.is_set():
+            return
+        if self._before_epilogue is not None:
+            self._before_epilogue()
+        while not self._stop.is_set():
+            since = self._await_pause()
+            with exclusive_device(), self._turn.capturing():
+                if self._may_start(since):
+                    with self._held("the epilogue"):
+                        self._epilogue()
+                    break
+        self._turn.hand_over(timeout=1.0)

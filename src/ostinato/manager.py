@@ -154,11 +154,13 @@ class GraphManager:
         prologue: Callable[[], None] | None = None,
         epilogue: Callable[[], None] | None = None,
         afterwards: Afterwards | None = None,
+        before_epilogue: Callable[[], None] | None = None,
     ) -> BackgroundCapture:
         """Starts capturing ``capture_plan()`` on a thread and returns at once (see
         ``ostinato.background``); ``prologue`` runs on the thread first, ``epilogue``
-        once every graph is captured, holding the step turn, and ``afterwards`` after
-        it, taking the turn for each unit of its work. The report
+        once every graph is captured, holding the step turn (``before_epilogue`` just
+        before it, without), and ``afterwards`` after it, taking the turn for each unit
+        of its work. The report
         fills as graphs are captured; a failure releases every graph and leaves the
         steps eager. The capture check is refused: its replays would overwrite the
         static outputs of a step in flight (sampling while serving is allowed)."""
@@ -178,6 +180,7 @@ class GraphManager:
             prologue,
             epilogue,
             afterwards,
+            before_epilogue,
         )
         return self.background
 

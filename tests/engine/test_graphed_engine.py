@@ -566,3 +566,34 @@ def test_replanned_graphs_pad_less_within_budget_and_keep_the_tokens(fake_graphs
     assert tokens(llm, prompts, params) == want  # (a prefill of 3 prompts is above 16)
     with pytest.raises(ValueError, match="needs graph mode FULL"):
         engine("full_decode_only").replan_graphs(1 << 30)
+
+
+def test_sampling_kernels_compiled_beside_steps_draw_and_count_nowhere_a_step_reads():
+    # compile_kernels runs on the capture thread without the step turn (before the
+    # epilogue): its pass must use a generator and a counts table of its own, and
+    # leave the sampler's own in place for the captures.
+    from fakes import FakePlatform
+
+    from ostinato.engine.sample.adjust import OutputCounts
+    from ostinato.engine.sample.graph_sampler import GraphSampler
+
+    live = torch.Generator().manual_seed(5)
+    state = live.get_state()
+    counts = OutputCounts(vocab=50, capacity=4, device=torch.device("cpu"))
+    logits = torch.zeros(8, 50)
+    sampler = GraphSampler(
+        FakePlatform(), None, live, lambda n: logits[:n], 8, torch.device("cpu"), counts
+    )
+    seen = []
+
+    def pass_(sizes):
+        seen.append((sampler.generator, sampler.table, tuple(sizes)))
+        sampler.generator.manual_seed(1)  # (a draw: moves the generator it was given)
+
+    sampler._compile_ahead = pass_
+    sampler.compile_kernels([1, 2, 8])
+    ((generator, table, sizes),) = seen
+    assert generator is not live and torch.equal(live.get_state(), state)
+    assert counts._table is None and table.shape == (5, 50)  # the steps' table not made
+    assert sampler.generator is live and sampler.compiled and sizes == (1, 2, 8)
+    assert sampler.bias.shape == (8, 50)

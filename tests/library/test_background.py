@@ -265,6 +265,34 @@ def test_work_afterwards_runs_after_the_epilogue_one_unit_per_turn_and_steps_sta
     assert any(ran)
 
 
+def test_before_the_epilogue_steps_run_and_the_epilogue_then_holds_the_turn():
+    # The engine compiles the sampling graphs' kernels there: seconds a step must not wait.
+    p, r, m, dispatcher = build()
+    order, stepped = [], threading.Event()
+
+    def step_meanwhile():
+        with m.stepping():
+            stepped.set()
+
+    def before():
+        order.append("before")
+        threading.Thread(target=step_meanwhile).start()
+        assert stepped.wait(5), "a step waited for the turn during before_epilogue"
+
+    def epilogue():
+        order.append("epilogue")
+        helper = threading.Thread(target=step_meanwhile)
+        stepped.clear()
+        helper.start()
+        assert not stepped.wait(0.05), "a step ran inside the epilogue"
+        order.append(m.num_graphs)
+
+    capture = m.capture_in_background(epilogue=epilogue, before_epilogue=before)
+    assert capture.wait(10) and capture.error is None, capture.summary()
+    assert stepped.wait(5)  # the held-back step ran once the epilogue let go
+    assert order == ["before", "epilogue", len(SIZES)]
+
+
 @pytest.mark.parametrize("slow", ["epilogue", "unit", "item"])
 def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
     # What a step arriving at the wrong moment waits for: the issue's bound is one replay.

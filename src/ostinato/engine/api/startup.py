@@ -74,7 +74,7 @@ from ostinato.engine.worker.memory import (
     check_utilization,
     plan_memory,
 )
-from ostinato.engine.worker.runner import ModelRunner
+from ostinato.engine.worker.runner import ModelRunner, SamplingGraphs
 from ostinato.modes import GraphMode
 from ostinato.platform import exclusive_device, platform_for_device
 from ostinato.platform.base import isolated_capture
@@ -430,16 +430,24 @@ def capture(
     parts.sampler = StepSampler(generator, parts.device, counts)
     sampling_s = 0.0
     if c.capture == "background":
+        made: list[SamplingGraphs] = []
+
+        def before() -> None:
+            # Made and compiled beside the steps, which do not see them yet: a step
+            # waiting for the turn would otherwise wait out the compile.
+            with torch.inference_mode(False):
+                made.append(runner.sampling_graphs(generator, counts))
+                runner.compile_sampling(made[0])
 
         def on_thread() -> None:
             # Outside inference mode, which the capture thread runs in: the steps write
             # the sampling graphs' inputs in place, from a thread that is not in it.
             with torch.inference_mode(False):
-                _finish(parts, generator)
+                _finish(parts, generator, made[0] if made else None)
 
         # The sampling graphs read the step graphs' static outputs: captured after them,
         # on the thread, holding the step turn; until then sampling runs eagerly.
-        parts.background = runner.capture_in_background(on_thread)
+        parts.background = runner.capture_in_background(on_thread, before)
     else:
         runner.capture()
         start = time.perf_counter()
@@ -460,12 +468,13 @@ def capture(
     return sampling_s
 
 
-def _finish(parts: EngineParts, generator: torch.Generator) -> None:
+def _finish(parts: EngineParts, generator: torch.Generator, made: SamplingGraphs = None) -> None:
     """The end of a capture (blocking, or on the background thread holding the step
-    turn): the sampling graphs, handed to the sampler, and the graph memory checked
-    against the reserve that sized the KV cache (logged; ``describe`` shows it)."""
+    turn): the sampling graphs (``made`` earlier, or made now), handed to the sampler,
+    and the graph memory checked against the reserve that sized the KV cache (logged;
+    ``describe`` shows it)."""
     sampler = parts.sampler
-    sampler.graph_sampler = parts.runner.capture_sampling(generator, sampler.counts)
+    sampler.graph_sampler = parts.runner.capture_sampling(generator, sampler.counts, made)
     if parts.memory is not None:
         pool = parts.runner.manager.report.pool_bytes
         parts.graph_memory = check_graph_memory(parts.memory, pool)

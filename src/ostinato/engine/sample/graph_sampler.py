@@ -128,6 +128,7 @@ class GraphSampler:
         self.live_k = torch.full((1,), MAX_LOGPROBS, dtype=torch.long, device=device)
         self.live_k_value = MAX_LOGPROBS
         self.logprob_graphs: dict[int, tuple[Any, StepLogprobs]] = {}
+        self.compiled = False  # (the graphs' kernels, by ``compile_kernels``)
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
@@ -153,14 +154,13 @@ class GraphSampler:
         ``logits`` names), after the step's graphs (their logits buffer must exist).
         ``ahead`` (``KernelOptions.compile_ahead``, CUDA): every graph's kernels compile
         together first (``launch.compile_ahead``: processes or threads), not one after the
-        other at each capture's warm-up."""
-        rows, vocab = self.floats.shape[1], self.logits(sizes[-1]).shape[-1]
-        with torch.inference_mode(False):  # (written between steps, outside inference mode)
-            self.bias = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
+        other at each capture's warm-up, unless ``compile_kernels`` compiled them."""
+        self._own_buffers(sizes)
+        with torch.inference_mode(False):
             self.table = self.counts.table  # (made now if not yet: graphs read it there)
         self.ints[2].fill_(self.counts.scratch)  # (the captures' draws count nowhere)
         state = self.generator.get_state()
-        if ahead:
+        if ahead and not self.compiled:
             self._compile_ahead(sizes)
         for n in sizes:
             for variant in self.variants:
@@ -168,6 +168,30 @@ class GraphSampler:
                 self.graphs[(n, *variant)] = self._captured(sampled, draws=True)
             self.logprob_graphs[n] = self._captured(self._logprobs_of(n), draws=False)
         self.generator.set_state(state)
+
+    @torch.inference_mode()
+    def compile_kernels(self, sizes: list[int]) -> None:
+        """``capture``'s compile-ahead pass done earlier, beside steps (before the
+        sampler is handed to them): it draws from a generator of its own and counts into
+        a table of its own, so it touches nothing a step reads or writes."""
+        self._own_buffers(sizes)
+        self.ints[2].fill_(self.counts.scratch)
+        generator, table = self.generator, self.table
+        shape = (self.counts.capacity + 1, self.counts.vocab)  # (as ``counts.table``)
+        self.generator = torch.Generator(device=self.device)
+        self.table = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        try:
+            self._compile_ahead(sizes)
+        finally:
+            self.generator, self.table = generator, table
+        self.compiled = True
+
+    def _own_buffers(self, sizes: list[int]) -> None:
+        """The logit biases (``[rows, vocab]``), made once for the largest of ``sizes``."""
+        rows, vocab = self.floats.shape[1], self.logits(sizes[-1]).shape[-1]
+        if self.bias.shape != (rows, vocab):
+            with torch.inference_mode(False):  # (written between steps, outside it)
+                self.bias = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
 
     def _compile_ahead(self, sizes: list[int]) -> None:
         """One pass over what the captures will run, inside ``compile_ahead()``: every

@@ -47,6 +47,8 @@ from ostinato.ubatch.policy import MicroBatching
 
 # (input ids, positions, where to write them or None) -> logits
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# A sampler made but not captured, with the sizes to capture (None: no sampling graphs).
+SamplingGraphs = tuple[GraphSampler, list[int]] | None
 
 
 class ModelRunner:
@@ -352,13 +354,16 @@ class ModelRunner:
         return report
 
     def capture_in_background(
-        self, epilogue: Callable[[], None] | None = None
+        self,
+        epilogue: Callable[[], None] | None = None,
+        before_epilogue: Callable[[], None] | None = None,
     ) -> BackgroundCapture:
         """What ``capture`` does, on a thread (``ostinato.background``): returns at once.
         The thread compiles first, on scratch inputs of its own; until it is done, steps
         run the uncompiled model (the same function; Inductor's fused kernels may round
         differently), then the compiled one, eagerly until their size's graph is ready;
-        ``epilogue`` runs on it last, holding the step turn, once every graph is ready.
+        ``epilogue`` runs on it last, holding the step turn, once every graph is ready
+        (``before_epilogue`` just before it, without the turn).
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
         if self.model.tp.group is not None or self.ubatch.candidates:
@@ -375,7 +380,9 @@ class ModelRunner:
         after = self.deferred_plans if self.kernel_plan.deferred else None
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
-            return self.manager.capture_in_background(epilogue=epilogue, afterwards=after)
+            return self.manager.capture_in_background(
+                epilogue=epilogue, afterwards=after, before_epilogue=before_epilogue
+            )
         self.forward = self.model
 
         def compile_first() -> None:
@@ -383,7 +390,7 @@ class ModelRunner:
             with self.manager.stepping():
                 self.forward = compiled
 
-        return self.manager.capture_in_background(compile_first, epilogue, after)
+        return self.manager.capture_in_background(compile_first, epilogue, after, before_epilogue)
 
     def layer_timer_on(self, inputs: StepInputs, turn: Turn) -> StepTimer | None:
         """The layer plan's timer on padding rows of ``inputs``, each timing inside
@@ -420,15 +427,33 @@ class ModelRunner:
         return self.staged.stepping() if self.staged is not None else self.manager.stepping()
 
     def capture_sampling(
-        self, generator: torch.Generator, counts: OutputCounts
+        self, generator: torch.Generator, counts: OutputCounts, made: SamplingGraphs = None
     ) -> GraphSampler | None:
+        """``sampling_graphs`` (or ``made``, what it returned earlier) captured: the
+        sampler, or None where there are none."""
+        made = made or self.sampling_graphs(generator, counts)
+        if made is None:
+            return None
+        sampler, sizes = made
+        sampler.capture(sizes, ahead=self.kernel_plan.ahead)
+        return sampler
+
+    def compile_sampling(self, made: SamplingGraphs) -> None:
+        """Compiles the kernels of ``made``'s graphs ahead (where this start compiles
+        ahead), touching nothing a step reads: what ``capture_sampling`` then need not
+        do while it holds the step turn."""
+        if made is not None and self.kernel_plan.ahead:
+            made[0].compile_kernels(made[1])
+
+    def sampling_graphs(self, generator: torch.Generator, counts: OutputCounts) -> SamplingGraphs:
         """A sampling graph per uniform decode size of one token per request
         (``GraphSampler``), in the shared pool, reading that size's static logits: the
         decode graphs' outputs where the mode has decode graphs; in FULL mode, where
         decodes replay the mixed graphs and the LM head runs after them, a buffer the
         LM head writes (``sample_logits``); the penalties read and count in ``counts``.
         None where there are no FULL graphs, or for
-        verify steps of several tokens per request, which verification samples."""
+        verify steps of several tokens per request, which verification samples. Made,
+        not captured (``capture_sampling``), with the sizes to capture."""
         if self.graphs.dispatcher.uniform_decode_query_len != 1:
             return None
         try:
@@ -454,8 +479,7 @@ class ModelRunner:
         sampler = GraphSampler(
             platform, pool, generator, logits, sizes[-1], self.device, counts, greedy
         )
-        sampler.capture(sizes, ahead=self.kernel_plan.ahead)
-        return sampler
+        return sampler, sizes
 
     def _decode_logits(self, hidden: torch.Tensor, decode: bool, padded: int) -> StepOutput:
         """The logits of ``hidden``'s rows; for a uniform ``decode`` step in FULL mode,

@@ -3,6 +3,7 @@ exactly what nn.Linear computes, and the engine and the benchmark take the optio
 
 import contextlib
 import itertools
+import random
 
 import pytest
 import torch
@@ -210,6 +211,32 @@ def test_layout_rows_take_every_pdl_and_split_layout_brute_force():
                 want = {layout(n, kv_heads, sms) for n in range(1, max_rows + 1)}
                 got = {layout(n, kv_heads, sms) for n in rows}
                 assert got == want, (sms, kv_heads, max_rows, rows)
+                assert set(layout_rows(max_rows, 16)) >= set(rows)
+
+
+def test_layout_rows_take_every_small_gemm_row_layout_brute_force():
+    # Below MAX_ROWS a projection's launch follows its plan entry at that row count (any
+    # plan: measured ones differ row by row) and, resident, the row count itself (its
+    # tile's rows, its row statistics' granule): a step of 2 rows once compiled five
+    # GEMMs in a capture, holding the steps' turn 1.9 s, when only 1 and 16 were passed.
+    from ostinato.engine.kernels.gemm_launch import MAX_ROWS, stats_granule
+    from ostinato.engine.kernels.launch import layout_rows
+    from ostinato.engine.kernels.launch_rules import rules
+    from ostinato.engine.model.linear import plan_entry
+
+    draw = random.Random(0)
+
+    def layout(n: int, plan: tuple[int, ...]) -> tuple[int, int, int]:
+        resident = n <= rules().resident_max_rows
+        block_m = 1 << (n - 1).bit_length() if resident else MAX_ROWS
+        return plan_entry(plan, n), block_m, stats_granule(n)
+
+    for max_rows in range(1, 80, 3):
+        for _ in range(20):
+            plan = tuple(draw.randrange(23) for _ in range(MAX_ROWS + 1))
+            rows = layout_rows(max_rows, MAX_ROWS)
+            want = {layout(n, plan) for n in range(1, max_rows + 1)}
+            assert {layout(n, plan) for n in rows} == want, (max_rows, plan, rows)
 
 
 def test_attention_splits_are_powers_of_two_that_never_grow_with_tokens():

@@ -129,11 +129,14 @@ def pdl_arg(pdl: bool) -> int:
     return TRIGGER_THEN_WAIT if rules().trigger_first else WAIT_THEN_TRIGGER
 
 
-def layout_rows(max_rows: int) -> tuple[int, ...]:
+def layout_rows(max_rows: int, every_up_to: int = 0) -> tuple[int, ...]:
     """Row counts (at most ``max_rows``) whose launches between them take every layout a
-    step of 1 to ``max_rows`` rows takes: with and without PDL, each at its fewest rows
-    (where attention splits its keys, if any such size does) and at its most (where it
-    does not, if any does not), since a kernel's split count falls as rows grow."""
+    step of 1 to ``max_rows`` rows takes: every count up to ``every_up_to`` (below it a
+    kernel's layout follows the row count itself: the small GEMM's per-row plan entries,
+    its resident launch's rows, its row statistics' granule), and above it, with and
+    without PDL, each at its fewest rows (where attention splits its keys, if any such
+    size does) and at its most (where it does not, if any does not), since a kernel's
+    split count falls as rows grow."""
     most = rules().pdl_max_rows
-    edges = (1, most, most + 1, max_rows)
+    edges = (1, most, most + 1, max_rows, *range(1, every_up_to + 1))
     return tuple(sorted({n for n in edges if n <= max_rows}, reverse=True))

@@ -53,9 +53,9 @@ class KernelOptions:
     1.014 against 0.950 / 1.065 (one run).
 
     ``compile_ahead`` (on by default where Triton runs): at start-up, before the first
-    forward pass, one eager pass per kernel layout (a prefill at the largest size, a
-    one-token decode) queues the compilation of every ostinato Triton kernel it would
-    launch (``launch.compile_ahead``), running none; so do the layer plan's timings
+    forward pass, eager passes at every kernel layout (each row count up to 16, a
+    prefill at the largest size) queue the compilation of every ostinato Triton kernel
+    they would launch (``launch.compile_ahead``), running none; so do the layer plan's timings
     (every size, fused and unfused) and the sampling graphs' captures. They compile
     together, in worker processes on a host of 4 cores or more (``compile_pool``), else
     on a thread pool beside Dynamo's trace and Inductor, instead of one by one at their

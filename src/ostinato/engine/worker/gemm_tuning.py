@@ -114,15 +114,18 @@ def _measure(
 def _compile_candidates(
     linears: Sequence[tuple[Linear, bool]], sizes: Sequence[int], pdl: bool
 ) -> None:
-    """Compiles every Triton candidate ``_measure`` will time for ``linears`` together on
-    (``launch.compile_ahead``: processes or threads), running none: one at a time, at their
-    first calls, they made a cold start's planning a minute longer (1.5 B shape, H200)."""
+    """Compiles every Triton kernel ``_measure`` will time for ``linears`` together
+    (``launch.compile_ahead``: processes or threads), running none: each Triton
+    candidate, and the SiLU·mul after cuBLAS's gate/up (cuBLAS itself runs, on the
+    candidates' own input). One at a time, at their first calls, they made a cold
+    start's planning a minute longer (1.5 B shape, H200)."""
     from ostinato.engine.kernels.launch import compile_ahead
 
     with compile_ahead():
         for linear, swiglu in linears:
             for r in sizes:
-                for _, fn in _candidates(linear, swiglu, r, pdl, linear.weight.device)[1]:
+                cublas, fitting = _candidates(linear, swiglu, r, pdl, linear.weight.device)
+                for fn in (cublas, *(fn for _, fn in fitting)):
                     fn()
 
 

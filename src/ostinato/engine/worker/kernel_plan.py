@@ -249,20 +249,23 @@ class KernelPlan:
     @contextlib.contextmanager
     def _kernels_ahead(self, inputs: StepInputs) -> Iterator[None]:
         """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
-        pool (``launch.compile_ahead``: processes or threads), queued first by one eager pass of the
-        model per layout the steps launch (``layout_rows``: with and without PDL,
-        attention splitting its keys or not), each followed by the decode graphs' greedy
-        argmax over a few of its rows. Nothing launched inside runs, so the caller's
-        compiled first pass overlaps the compilations and its output is not to be read."""
+        pool (``launch.compile_ahead``: processes or threads), queued first by eager passes
+        of the model at every layout the steps launch (``layout_rows``: every row count
+        the small GEMM plans; above, with and without PDL, attention splitting its keys
+        or not), each followed by the decode graphs' greedy argmax over a few of its
+        rows; up to ``MAX_ROWS`` rows both as a decode graph runs the model and as a mixed
+        step does. Nothing launched inside runs, so the caller's compiled first pass
+        overlaps the compilations and its output is not to be read."""
         if not self._kernels_pending:
             yield
             return
         self._kernels_pending = False
         with compile_ahead():
-            for n in layout_rows(self.limits.max_num_batched_tokens):
+            for n in layout_rows(self.limits.max_num_batched_tokens, MAX_ROWS):
                 ids, positions = inputs.input_ids[:n], inputs.positions[:n]
                 with self.padding(inputs, n):
-                    if n <= MAX_ROWS:  # as the decode graphs run it
+                    if n <= MAX_ROWS:  # as the decode graphs run it, and a mixed step
+                        self.model(ids, positions)
                         logits = self.model.logits(ids, positions)
                     else:
                         # The argmax's layouts differ only in PDL: a few rows take the

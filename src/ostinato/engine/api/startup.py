@@ -67,6 +67,7 @@ from ostinato.engine.sample.adjust import OutputCounts
 from ostinato.engine.sample.step_sampler import StepSampler
 from ostinato.engine.spec.self_draft import SelfDraftProposer
 from ostinato.engine.spec.speculative import NgramProposer, SpeculativeConfig
+from ostinato.engine.worker import sampling_graphs
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.memory import (
     MemoryPlan,
@@ -74,7 +75,8 @@ from ostinato.engine.worker.memory import (
     check_utilization,
     plan_memory,
 )
-from ostinato.engine.worker.runner import ModelRunner, SamplingGraphs
+from ostinato.engine.worker.runner import ModelRunner
+from ostinato.engine.worker.sampling_graphs import SamplingGraphs
 from ostinato.modes import GraphMode
 from ostinato.platform import exclusive_device, platform_for_device
 from ostinato.platform.base import isolated_capture
@@ -436,8 +438,8 @@ def capture(
             # Made and compiled beside the steps, which do not see them yet: a step
             # waiting for the turn would otherwise wait out the compile.
             with torch.inference_mode(False):
-                made.append(runner.sampling_graphs(generator, counts))
-                runner.compile_sampling(made[0])
+                made.append(sampling_graphs.make(runner, generator, counts))
+                sampling_graphs.compile_kernels(runner, made[0])
 
         def on_thread() -> None:
             # Outside inference mode, which the capture thread runs in: the steps write
@@ -474,7 +476,8 @@ def _finish(parts: EngineParts, generator: torch.Generator, made: SamplingGraphs
     and the graph memory checked against the reserve that sized the KV cache (logged;
     ``describe`` shows it)."""
     sampler = parts.sampler
-    sampler.graph_sampler = parts.runner.capture_sampling(generator, sampler.counts, made)
+    graphs = sampling_graphs.capture(parts.runner, generator, sampler.counts, made)
+    sampler.graph_sampler = graphs
     if parts.memory is not None:
         pool = parts.runner.manager.report.pool_bytes
         parts.graph_memory = check_graph_memory(parts.memory, pool)

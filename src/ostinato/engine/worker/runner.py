@@ -24,8 +24,6 @@ from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.attention import AttentionBackend
 from ostinato.engine.model.attention_op import StepAttention
 from ostinato.engine.model.decoder import DecoderModel
-from ostinato.engine.sample.adjust import OutputCounts
-from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.worker.compile_cache import CompileCache
@@ -47,8 +45,6 @@ from ostinato.ubatch.policy import MicroBatching
 
 # (input ids, positions, where to write them or None) -> logits
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# A sampler made but not captured, with the sizes to capture (None: no sampling graphs).
-SamplingGraphs = tuple[GraphSampler, list[int]] | None
 
 
 class ModelRunner:
@@ -425,61 +421,6 @@ class ModelRunner:
         """A step's turn, held from writing its inputs until its outputs are read: the
         staged upgrade's or the background capture's (a no-op with neither)."""
         return self.staged.stepping() if self.staged is not None else self.manager.stepping()
-
-    def capture_sampling(
-        self, generator: torch.Generator, counts: OutputCounts, made: SamplingGraphs = None
-    ) -> GraphSampler | None:
-        """``sampling_graphs`` (or ``made``, what it returned earlier) captured: the
-        sampler, or None where there are none."""
-        made = made or self.sampling_graphs(generator, counts)
-        if made is None:
-            return None
-        sampler, sizes = made
-        sampler.capture(sizes, ahead=self.kernel_plan.ahead)
-        return sampler
-
-    def compile_sampling(self, made: SamplingGraphs) -> None:
-        """Compiles the kernels of ``made``'s graphs ahead (where this start compiles
-        ahead), touching nothing a step reads: what ``capture_sampling`` then need not
-        do while it holds the step turn."""
-        if made is not None and self.kernel_plan.ahead:
-            made[0].compile_kernels(made[1])
-
-    def sampling_graphs(self, generator: torch.Generator, counts: OutputCounts) -> SamplingGraphs:
-        """A sampling graph per uniform decode size of one token per request
-        (``GraphSampler``), in the shared pool, reading that size's static logits: the
-        decode graphs' outputs where the mode has decode graphs; in FULL mode, where
-        decodes replay the mixed graphs and the LM head runs after them, a buffer the
-        LM head writes (``sample_logits``); the penalties read and count in ``counts``.
-        None where there are no FULL graphs, or for
-        verify steps of several tokens per request, which verification samples. Made,
-        not captured (``capture_sampling``), with the sizes to capture."""
-        if self.graphs.dispatcher.uniform_decode_query_len != 1:
-            return None
-        try:
-            full = self.graphs.dispatcher.keys(GraphMode.FULL)
-        except ValueError:  # no FULL graphs in this mode
-            return None
-        sizes = sorted(d.num_tokens for d in full if d.uniform_decode)
-
-        def logits(n: int) -> torch.Tensor:
-            if self.sample_logits is not None:
-                return self.sample_logits[:n]
-            return self.manager.outputs.view(n)[0]
-
-        if not sizes:
-            sizes = sorted({d.num_tokens for d in full if d.num_tokens <= self.limits.max_num_seqs})
-            if not sizes:
-                return None
-            shape = (sizes[-1], self.model.config.vocab_size)
-            dtype = self.model.lm_head.weight.dtype
-            self.sample_logits = torch.zeros(shape, dtype=dtype, device=self.device)
-        platform, pool = self.manager.platform, self.manager.pool
-        greedy = self.sample_logits is not None  # (no argmax in the step's own graphs)
-        sampler = GraphSampler(
-            platform, pool, generator, logits, sizes[-1], self.device, counts, greedy
-        )
-        return sampler, sizes
 
     def _decode_logits(self, hidden: torch.Tensor, decode: bool, padded: int) -> StepOutput:
         """The logits of ``hidden``'s rows; for a uniform ``decode`` step in FULL mode,

@@ -4,6 +4,7 @@ bookkeeping under random mixes; every bad input named."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ pytest.importorskip("peft")
 from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint  # noqa: E402
 
 from ostinato.engine import SamplingParams  # noqa: E402
+from ostinato.engine.api.lora_registry import AdapterInUse  # noqa: E402
 from ostinato.engine.core.lora_slots import LoraAdapter, LoraSlots  # noqa: E402
 
 
@@ -238,10 +240,16 @@ def test_adapters_load_and_unload_while_the_engine_loop_serves(checkpoint):
         long = loop.submit(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
         stream = iter(long)
         base = [next(stream)]  # the loop is stepping now
-        llm.load_lora("a", str(folder / "adapter_a"))
+        asyncio.run(loop.aload_lora("a", str(folder / "adapter_a")))  # (the server's call)
+        assert loop.lora_names == ["a"]
         tuned = loop.submit(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True), "a")
-        assert list(tuned) == peft_greedy(adapters["a"], PROMPTS[2], 12)
-        llm.unload_lora("a")  # its request finished: the slot is free
+        tokens = iter(tuned)
+        first = next(tokens)  # running now: its adapter is held
+        with pytest.raises(AdapterInUse, match="in use by running requests"):
+            asyncio.run(loop.aunload_lora("a"))
+        assert [first, *tokens] == peft_greedy(adapters["a"], PROMPTS[2], 12)
+        asyncio.run(loop.aunload_lora("a"))  # its request finished: the slot is free
+        assert loop.lora_names == []
         with pytest.raises(ValueError, match="no adapter named 'a'"):
             loop.submit(PROMPTS[2], SamplingParams(max_tokens=2), "a")
         base += list(stream)

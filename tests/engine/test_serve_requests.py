@@ -14,7 +14,13 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from ostinato.engine.api.lora_registry import (  # noqa: E402
+    AdapterInUse,
+    LoraNotEnabled,
+    UnknownAdapter,
+)
 from ostinato.engine.core.scheduler import FinishReason  # noqa: E402
+from ostinato.engine.loading.peft_adapter import LoraAdapterError  # noqa: E402
 from ostinato.engine.serve.app import build_app  # noqa: E402
 from ostinato.engine.serve.bodies import NOT_HONOURED  # noqa: E402
 from ostinato.engine.serve.loop import RequestHandle  # noqa: E402
@@ -33,12 +39,13 @@ class Engine:
     """Answers every request with ``max_tokens`` tokens of id 7, finish reason length."""
 
     max_model_len = 64
-    lora_names = ["tuned"]
 
     def __init__(self):
         self.tokenizer = Tokenizer()
         self.submitted = []
         self.loras = []
+        self.lora_names = ["tuned"]
+        self.lora_refusals = {}  # a path or name -> what the engine raises for it
 
     async def asubmit(self, prompt, params=None, lora=None):
         self.submitted.append((list(prompt), params))
@@ -53,6 +60,18 @@ class Engine:
 
     def abort(self, request_id):
         return True
+
+    async def aload_lora(self, name, path):
+        if path in self.lora_refusals:
+            raise self.lora_refusals[path]
+        self.lora_names = [*self.lora_names, name]
+
+    async def aunload_lora(self, name):
+        if name in self.lora_refusals:
+            raise self.lora_refusals[name]
+        if name not in self.lora_names:
+            raise UnknownAdapter(f"lora: no adapter named {name!r}")
+        self.lora_names = [n for n in self.lora_names if n != name]
 
     def status(self):
         raise AssertionError("not asked here")
@@ -435,3 +454,62 @@ def test_n_samples_come_back_as_choices_whole_and_streamed():
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
     refused(complete(c, n=0), "n")
     refused(complete(c, n=129), "n")
+
+
+def load_lora(c, **body):
+    return c.post("/v1/load_lora_adapter", json=body)
+
+
+def unload_lora(c, **body):
+    return c.post("/v1/unload_lora_adapter", json=body)
+
+
+def model_ids(c):
+    return [m["id"] for m in c.get("/v1/models").json()["data"]]
+
+
+def test_adapters_load_and_unload_at_run_time_only_where_the_server_allows_it(engine):
+    off = client(engine)
+    asked = (load_lora(off, lora_name="a", lora_path="/x"), unload_lora(off, lora_name="tuned"))
+    for response in asked:
+        assert response.status_code == 403, response.text
+        error = response.json()["error"]
+        assert error["code"] == "runtime_lora_disabled"
+        assert "--allow-runtime-lora" in error["message"]
+    assert engine.lora_names == ["tuned"]
+    c = client(engine, runtime_lora=True)
+    ok = load_lora(c, lora_name="calm", lora_path="/adapters/calm")
+    assert ok.status_code == 200 and "'calm' added" in ok.text
+    assert model_ids(c) == [MODEL, "tuned", "calm"]
+    assert complete(c, model="calm", max_tokens=2).status_code == 200
+    assert engine.loras[-1] == "calm"  # routed to the adapter it loaded
+    gone = unload_lora(c, lora_name="calm")
+    assert gone.status_code == 200 and "'calm' removed" in gone.text
+    assert model_ids(c) == [MODEL, "tuned"]
+    assert complete(c, model="calm", max_tokens=2).status_code == 404
+
+
+def test_what_the_lora_routes_refuse_names_its_field(engine):
+    c = client(engine, runtime_lora=True)
+    refused(load_lora(c, lora_name="a", lora_path="/x", load_inplace=True), "load_inplace")
+    refused(unload_lora(c, lora_name="tuned", lora_int_id=1), "lora_int_id")
+    refused(load_lora(c, lora_name="", lora_path="/x"), "lora_name")
+    refused(load_lora(c, lora_name=3, lora_path="/x"), "lora_name")
+    refused(load_lora(c, lora_name="a"), "lora_path")
+    error = refused(load_lora(c, lora_name=MODEL, lora_path="/x"), "lora_name")
+    assert "served model" in error["message"]
+    engine.lora_refusals = {
+        "/big": LoraAdapterError("LoRA adapter 'a': rank 64 exceeds max_lora_rank=16"),
+        "/taken": ValueError("lora: an adapter named 'tuned' is loaded; unload it first"),
+        "/off": LoraNotEnabled("load_lora: this engine was built without LoRA"),
+        "busy": AdapterInUse("unload_lora: 'busy' is in use by running requests"),
+    }
+    error = refused(load_lora(c, lora_name="a", lora_path="/big"), "lora_path")
+    assert "rank 64" in error["message"]
+    refused(load_lora(c, lora_name="tuned", lora_path="/taken"), "lora_name")
+    error = refused(load_lora(c, lora_name="a", lora_path="/off"), None)
+    assert "--enable-lora" in error["message"]
+    error = refused(unload_lora(c, lora_name="never"), "lora_name", 404)
+    assert error["code"] == "model_not_found"
+    refused(unload_lora(c, lora_name="busy"), "lora_name", 409)
+    assert engine.lora_names == ["tuned"]

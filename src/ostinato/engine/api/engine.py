@@ -25,7 +25,12 @@ from ostinato.distributed.failure import RankFailure
 from ostinato.distributed.groups import ParallelGroups
 from ostinato.distributed.symm_all_reduce import SymmetricAllReduce
 from ostinato.engine.api.engine_args import EngineArgs
-from ostinato.engine.api.lora_registry import LoraNames, LoraRegistry, resolve_without_lora
+from ostinato.engine.api.lora_registry import (
+    LoraNames,
+    LoraNotEnabled,
+    LoraRegistry,
+    resolve_without_lora,
+)
 from ostinato.engine.api.prompts import Prompt, check_params, check_prompts
 from ostinato.engine.api.step_loop import StepLoop
 from ostinato.engine.core.kv_cache import KVCache
@@ -269,7 +274,9 @@ class Engine:
         first uses it); ``what`` names the call refused without ``enable_lora``."""
         adapters = self.parts.adapters
         if adapters is None:
-            raise ValueError(f"{what}: this engine was built without LoRA; use enable_lora=True")
+            raise LoraNotEnabled(
+                f"{what}: this engine was built without LoRA; use enable_lora=True"
+            )
         return adapters
 
     @property

@@ -25,6 +25,14 @@ class UnknownAdapter(ValueError):
     """A request or call named an adapter that is not loaded (the server's 404)."""
 
 
+class LoraNotEnabled(ValueError):
+    """A LoRA call to an engine built without ``enable_lora``."""
+
+
+class AdapterInUse(ValueError):
+    """An adapter running requests use was asked to be unloaded (the server's 409)."""
+
+
 class LoraRegistry:
     """Adapters by name for one engine (see the module docstring)."""
 
@@ -58,7 +66,7 @@ class LoraRegistry:
         try:
             self.slots.forget(adapter)
         except RuntimeError:
-            raise ValueError(
+            raise AdapterInUse(
                 f"unload_lora: {name!r} is in use by running requests; abort them or let "
                 "them finish first"
             ) from None

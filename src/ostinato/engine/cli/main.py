@@ -107,6 +107,12 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="seconds requests in flight may run after SIGINT/SIGTERM before they are "
         "ended (finish reason abort)",
     )
+    srv.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="clients may load and unload LoRA adapters (POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter, folders on this machine); needs --enable-lora",
+    )
     _engine_options(srv)
     return srv
 
@@ -198,6 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
             "serve: --data-parallel-size is not served yet (each replica would need requests "
             "of its own); serve with --tensor-parallel-size, or run one server per device"
         )
+    if args.allow_runtime_lora and not args.enable_lora:
+        fail("serve: --allow-runtime-lora loads adapters into LoRA slots: add --enable-lora")
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
     from ostinato.engine.serve.engine_process import EngineProcess
@@ -220,6 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        runtime_lora=args.allow_runtime_lora,
     )
     return 0
 

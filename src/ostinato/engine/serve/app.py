@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream`` for
 server-sent events), ``GET /v1/models``, ``GET /health`` (ready once the engine answers;
-says whether graphs are still being captured) and ``GET /metrics`` (Prometheus text).
+says whether graphs are still being captured), ``GET /metrics`` (Prometheus text), and
+``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (``lora_routes``).
 
 Guarantees: nothing a client sends is silently ignored: a bad request, an unknown
 field, or a field asking for an effect this server does not give (``bodies``) is a 400
@@ -40,9 +41,11 @@ from ostinato.engine.serve.bodies import (
     RequestBody,
     refusal,
 )
+from ostinato.engine.serve.errors import BadRequest, ModelNotFound, error_response
 from ostinato.engine.serve.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
 from ostinato.engine.serve.logprob_shapes import LogprobShapes
 from ostinato.engine.serve.loop import EngineStatus, RequestHandle
+from ostinato.engine.serve.lora_routes import add_lora_routes
 from ostinato.replay_stats import StatsSnapshot
 
 
@@ -60,30 +63,15 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
+    async def aload_lora(self, name: str, path: str) -> None: ...
+
+    async def aunload_lora(self, name: str) -> None: ...
+
     def status(self) -> EngineStatus: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
-
-
-class BadRequest(Exception):
-    """A request the engine refuses: ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _error(
-    message: str, param: str | None, status: int = 400, code: str | None = None
-) -> JSONResponse:
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
-    return JSONResponse({"error": body}, status_code=status)
-
-
-class ModelNotFound(Exception):
-    """A request for a model this server does not serve (404, as OpenAI answers)."""
 
 
 class Metrics:
@@ -179,29 +167,32 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_key: str | None = None,
+    runtime_lora: bool = False,
 ) -> FastAPI:
     """The server's app over ``engine``, answering as model ``model_name``; bodies over
     ``max_body_bytes`` are refused before they are parsed, and with ``api_key`` every
-    route but ``/health`` needs it (``http_guard``)."""
+    route but ``/health`` needs it (``http_guard``). With ``runtime_lora`` clients may
+    load and unload LoRA adapters (``lora_routes``)."""
     app = FastAPI(title="ostinato")
     app.add_middleware(HttpGuard, max_body_bytes=max_body_bytes, api_key=api_key)
     answer = Responder(engine, model_name)
+    add_lora_routes(app, engine, model_name, runtime_lora)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if p != "body")
         if first["type"] == "extra_forbidden":
-            return _error(f"{param}: not a parameter of this endpoint", param)
-        return _error(f"{param}: {first['msg']}", param or None)
+            return error_response(f"{param}: not a parameter of this endpoint", param)
+        return error_response(f"{param}: {first['msg']}", param or None)
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
-        return _error(str(exc), exc.param)
+        return error_response(str(exc), exc.param)
 
     @app.exception_handler(ModelNotFound)
     async def not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
-        return _error(str(exc), "model", 404, "model_not_found")
+        return error_response(str(exc), "model", 404, "model_not_found")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ostinato.engine.core.params import MAX_LOGPROBS, MAX_SAMPLES
 
@@ -141,3 +141,22 @@ def refusal(body: RequestBody) -> tuple[str, str] | None:
         if name in type(body).model_fields and asks(getattr(body, name)):
             return name, f"{name}: not supported by this server ({what}); leave it out"
     return None
+
+
+class LoadLoraBody(BaseModel):
+    """``POST /v1/load_lora_adapter``: vLLM's body (its ``load_inplace`` is refused as an
+    unknown field: a loaded name is unloaded first)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+
+
+class UnloadLoraBody(BaseModel):
+    """``POST /v1/unload_lora_adapter``: the adapter's name (vLLM's ``lora_int_id`` is
+    refused as an unknown field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: StrictStr = Field(min_length=1)

@@ -137,6 +137,21 @@ class EngineProcess:
             raise
         return handle
 
+    async def aload_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT adapter at ``path`` (a path on the engine's machine) as
+        ``name`` in the engine (``LLM.load_lora``, on a thread of the child, so its steps
+        go on); the engine's error where it refuses. ``lora_names`` has it on return."""
+        await self._lora_call("load_lora", name, path)
+
+    async def aunload_lora(self, name: str) -> None:
+        """Unloads adapter ``name`` in the engine (``LLM.unload_lora``); the engine's
+        error where it refuses (``UnknownAdapter``, ``AdapterInUse``)."""
+        await self._lora_call("unload_lora", name)
+
+    async def _lora_call(self, kind: str, *args: str) -> None:
+        key = f"{kind}-{next(self._ids)}"
+        self.lora_names = await asyncio.wrap_future(self._ask(key, (kind, key, *args)))
+
     def abort(self, request_id: str) -> bool:
         """Asks the engine to end ``request_id`` at its next step boundary (True: asked;
         an id the engine no longer runs is ignored there)."""
@@ -213,7 +228,7 @@ class EngineProcess:
                 future = self._waiting.pop(rest[0])
                 if kind == "refused":
                     future.set_exception(rest[1])
-                else:  # "accepted" (the prompt's ids) or "status"
+                else:  # "accepted" (the prompt's ids), "status", or "lora" (the names)
                     future.set_result(rest[1])
         except (EOFError, OSError):
             self._dead = EngineDead(f"the engine process exited (code {self._reap(5)})")
@@ -281,6 +296,23 @@ def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:
                 send(("accepted", rid, loop.enqueue(rid, prompt, params, lora)))
             except (ValueError, TypeError, RuntimeError) as exc:
                 send(("refused", rid, exc))
+        elif kind in ("load_lora", "unload_lora"):
+            # On a thread: reading an adapter's files takes a while, and submits, aborts
+            # and status queries are answered meanwhile.
+            args = (loop, kind, rest, send)
+            threading.Thread(target=_lora_call, args=args, name="ostinato-lora").start()
+
+
+def _lora_call(loop: EngineLoop, kind: str, rest: list[Any], send: Any) -> None:
+    """``LLM.load_lora`` / ``unload_lora`` for the parent: its answer is the adapters'
+    names after it, or the engine's refusal."""
+    key, *args = rest
+    try:
+        getattr(loop.llm, kind)(*args)
+    except Exception as exc:  # (the engine's refusal, raised again in the parent)
+        send(("refused", key, _portable(exc)))
+        return
+    send(("lora", key, loop.lora_names))
 
 
 def _portable(exc: BaseException) -> BaseException:

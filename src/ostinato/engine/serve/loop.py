@@ -328,6 +328,15 @@ class EngineLoop:
         """The engine's LoRA adapters' names (requests name one as their ``lora``)."""
         return self.llm.lora_names
 
+    async def aload_lora(self, name: str, path: str) -> None:
+        """``LLM.load_lora`` off the event loop (it reads the adapter's files); its
+        errors as it raises them. Requests may name ``name`` once this returns."""
+        await asyncio.to_thread(self.llm.load_lora, name, path)
+
+    async def aunload_lora(self, name: str) -> None:
+        """``LLM.unload_lora`` (``UnknownAdapter``, ``AdapterInUse`` as it raises them)."""
+        await asyncio.to_thread(self.llm.unload_lora, name)
+
     def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
     ) -> RequestHandle:

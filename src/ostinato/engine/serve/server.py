@@ -75,10 +75,12 @@ def serve(
     api_key: str | None = None,
     max_body_bytes: int,
     shutdown_timeout: float,
+    runtime_lora: bool = False,
 ) -> None:
     """Serves ``engine`` (``EngineProcess.begin``'s: its process may still be building
     it, which ``ready`` waits for), prints its start-up line, and serves until a signal,
-    then drains (module docstring) and stops the engine."""
+    then drains (module docstring) and stops the engine. ``runtime_lora``: clients may
+    load and unload LoRA adapters (``lora_routes``)."""
     if exposed_without_key(host, api_key):
         print(
             f"warning: serving on {host} without an API key: anyone who reaches this port "
@@ -92,7 +94,13 @@ def serve(
         raise
     print(engine.startup, flush=True)
     print(f"serving {model_name} at http://{host}:{port}/v1", flush=True)
-    app = build_app(engine, model_name, max_body_bytes=max_body_bytes, api_key=api_key)
+    app = build_app(
+        engine,
+        model_name,
+        max_body_bytes=max_body_bytes,
+        api_key=api_key,
+        runtime_lora=runtime_lora,
+    )
     config = uvicorn.Config(
         app,
         host=host,

@@ -146,6 +146,41 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     ]
 
 
+def test_compile_ahead_passes_every_row_count_to_16_as_decode_and_as_mixed_steps(monkeypatch):
+    # Below 16 rows a launch's layout follows its row count (resident GEMM rows, per-row
+    # plans): each count is passed both as a decode graph runs the model (its logits) and
+    # as a mixed step does (its hidden states); above, the PDL and split edges.
+    from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+    from ostinato.engine.model.decoder import DecoderModel
+    from ostinato.engine.worker import kernel_plan
+
+    inside, passes = [], []
+
+    @contextlib.contextmanager
+    def recording_ahead():
+        inside.append(True)
+        yield
+        inside.clear()
+
+    def recorded(kind, real):
+        def call(self, input_ids, *args, **kwargs):
+            if inside:
+                passes.append((kind, input_ids.shape[0]))
+            return real(self, input_ids, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
+    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    monkeypatch.setattr(DecoderModel, "forward", recorded("mixed", DecoderModel.forward))
+    monkeypatch.setattr(DecoderModel, "logits", recorded("decode", DecoderModel.logits))
+    kw = dict(mode="none", compiler="eager", progress=False, max_num_batched_tokens=64)
+    LLM("tiny", kernels=KernelOptions(compile_ahead=True), **kw)
+    small = set(range(1, MAX_ROWS + 1))
+    assert {n for kind, n in passes if kind == "decode"} == small
+    assert {n for kind, n in passes if kind == "mixed"} >= small | {17, 64}
+
+
 def test_the_model_carries_one_kernel_options_object_to_every_launching_module():
     from ostinato.engine.model.config import ModelConfig
     from ostinato.engine.model.decoder import DecoderModel, Mlp, RMSNorm

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint  
 from ostinato.engine import SamplingParams  # noqa: E402
 from ostinato.engine.api.lora_registry import AdapterInUse  # noqa: E402
 from ostinato.engine.core.lora_slots import LoraAdapter, LoraSlots  # noqa: E402
+from ostinato.engine.loading.peft_adapter import LoraAdapterError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +141,12 @@ def test_bad_adapters_and_requests_are_named(checkpoint, tmp_path):
     (dora / "adapter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="adapter_config.json is not JSON"):
         llm.load_lora("broken", str(dora))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folder / "adapter_b", truncated)
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(LoraAdapterError, match="adapter_model.safetensors is not safetensors"):
+        llm.load_lora("truncated", str(truncated))
     assert llm.lora_names == ["b"]  # (nothing half-loaded)
     with pytest.raises(ValueError, match="no adapter named 'zzz'"):
         llm.unload_lora("zzz")

@@ -470,7 +470,11 @@ def model_ids(c):
 
 def test_adapters_load_and_unload_at_run_time_only_where_the_server_allows_it(engine):
     off = client(engine)
-    asked = (load_lora(off, lora_name="a", lora_path="/x"), unload_lora(off, lora_name="tuned"))
+    asked = (
+        load_lora(off, lora_name="a", lora_path="/x"),
+        unload_lora(off, lora_name="tuned"),
+        load_lora(off, lora_inplace="?"),  # whatever the body says
+    )
     for response in asked:
         assert response.status_code == 403, response.text
         error = response.json()["error"]
@@ -503,7 +507,10 @@ def test_what_the_lora_routes_refuse_names_its_field(engine):
         "/taken": ValueError("lora: an adapter named 'tuned' is loaded; unload it first"),
         "/off": LoraNotEnabled("load_lora: this engine was built without LoRA"),
         "busy": AdapterInUse("unload_lora: 'busy' is in use by running requests"),
+        "/broken": RuntimeError("Error while deserializing header: HeaderTooLarge"),
     }
+    error = refused(load_lora(c, lora_name="b", lora_path="/broken"), "lora_path")
+    assert "could not be read" in error["message"] and "HeaderTooLarge" in error["message"]
     error = refused(load_lora(c, lora_name="a", lora_path="/big"), "lora_path")
     assert "rank 64" in error["message"]
     refused(load_lora(c, lora_name="tuned", lora_path="/taken"), "lora_name")

@@ -113,8 +113,13 @@ def _weights(
     file = folder / "adapter_model.safetensors"
     if not file.is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: {file} not found")
+    try:
+        tensors = load_file(str(file))
+    except Exception as exc:  # (safetensors' own error type: a truncated or foreign file)
+        why = f"LoRA adapter {name!r}: {file} is not safetensors ({exc})"
+        raise LoraAdapterError(why) from None
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(file)).items():
+    for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None:
             raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is not supported")

@@ -309,10 +309,13 @@ def _lora_call(loop: EngineLoop, kind: str, rest: list[Any], send: Any) -> None:
     key, *args = rest
     try:
         getattr(loop.llm, kind)(*args)
+        answer: tuple[Any, ...] = ("lora", key, loop.lora_names)
     except Exception as exc:  # (the engine's refusal, raised again in the parent)
-        send(("refused", key, _portable(exc)))
-        return
-    send(("lora", key, loop.lora_names))
+        answer = ("refused", key, _portable(exc))
+    try:
+        send(answer)
+    except (OSError, ValueError):  # the parent is gone, or the engine stopped meanwhile
+        pass
 
 
 def _portable(exc: BaseException) -> BaseException:

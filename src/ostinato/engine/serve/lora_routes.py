@@ -39,30 +39,34 @@ class LoraEngine(Protocol):
 
 def add_lora_routes(app: FastAPI, engine: LoraEngine, model_name: str, allowed: bool) -> None:
     """The two routes of the module docstring on ``app``, over ``engine``, which serves
-    ``model_name``; ``allowed``: whether the server was started with ``FLAG``."""
+    ``model_name``; ``allowed``: whether the server was started with ``FLAG`` (without
+    it both answer 403 whatever the body)."""
+    if not allowed:
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            app.post(route)(_off)
+        return
 
     @app.post("/v1/load_lora_adapter")
     async def load(body: LoadLoraBody) -> Response:
         name = body.lora_name
-        if not allowed:
-            return _off()
         if name == model_name:
             return error_response(f"lora_name: {name!r} is the served model's name", "lora_name")
         try:
             await engine.aload_lora(name, body.lora_path)
-        except LoraAdapterError as exc:
-            return error_response(str(exc), "lora_path")
         except LoraNotEnabled as exc:
             return error_response(f"{exc} (ostinato serve: --enable-lora)", None)
+        except LoraAdapterError as exc:
+            return error_response(str(exc), "lora_path")
         except ValueError as exc:  # (the name: taken, or not a name)
             return error_response(str(exc), "lora_name")
+        except Exception as exc:  # (what reading the files raised: a broken file)
+            why = f"lora_path: LoRA adapter {name!r} could not be read: {type(exc).__name__}: {exc}"
+            return error_response(why, "lora_path")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(body: UnloadLoraBody) -> Response:
         name = body.lora_name
-        if not allowed:
-            return _off()
         try:
             await engine.aunload_lora(name)
         except UnknownAdapter as exc:
@@ -74,6 +78,6 @@ def add_lora_routes(app: FastAPI, engine: LoraEngine, model_name: str, allowed: 
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _off() -> JSONResponse:
+async def _off() -> JSONResponse:
     message = f"loading LoRA adapters while serving is off; start the server with {FLAG}"
     return error_response(message, None, 403, "runtime_lora_disabled")

@@ -250,13 +250,18 @@ def test_adapters_load_and_unload_while_the_engine_loop_serves(checkpoint):
         base = [next(stream)]  # the loop is stepping now
         asyncio.run(loop.aload_lora("a", str(folder / "adapter_a")))  # (the server's call)
         assert loop.lora_names == ["a"]
-        tuned = loop.submit(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True), "a")
-        tokens = iter(tuned)
-        first = next(tokens)  # running now: its adapter is held
+        # A request as long as the context allows holds the adapter while it runs (69
+        # steps after its first token: far longer than the unload takes to be asked).
+        held = loop.submit(PROMPTS[0], SamplingParams(max_tokens=70, ignore_eos=True), "a")
+        holding = iter(held)
+        next(holding)  # running now, on the adapter
         with pytest.raises(AdapterInUse, match="in use by running requests"):
             asyncio.run(loop.aunload_lora("a"))
-        assert [first, *tokens] == peft_greedy(adapters["a"], PROMPTS[2], 12)
-        asyncio.run(loop.aunload_lora("a"))  # its request finished: the slot is free
+        assert loop.abort(held.id)
+        list(holding)  # (ended at the next step boundary)
+        tuned = loop.submit(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True), "a")
+        assert list(tuned) == peft_greedy(adapters["a"], PROMPTS[2], 12)
+        asyncio.run(loop.aunload_lora("a"))  # its requests ended: the slot is free
         assert loop.lora_names == []
         with pytest.raises(ValueError, match="no adapter named 'a'"):
             loop.submit(PROMPTS[2], SamplingParams(max_tokens=2), "a")

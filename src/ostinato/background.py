@@ -277,18 +277,24 @@ class BackgroundCapture:
             self.afterwards_error = exc
             logger.warning("ostinato: after the capture: %s; the graphs serve on", exc)
 
-    @contextlib.contextmanager
-    def unit(self) -> Iterator[None]:
+    def unit(self) -> contextlib.AbstractContextManager[None]:
         """For ``afterwards``, on the thread: holds the device and the step turn for one
-        unit of work, taken as an item is (when the steps pause), and hands the turn over
-        after it; raises ``CaptureStopped`` once the thread is asked to stop."""
+        unit of work (``_holding``); raises ``CaptureStopped`` once the thread is asked to
+        stop."""
+        return self._holding("a unit after the capture")
+
+    @contextlib.contextmanager
+    def _holding(self, what: str) -> Iterator[None]:
+        """Holds the device and the step turn for ``what``, taken as an item is (when the
+        steps pause), timed (``_held``), and hands the turn over after it; raises
+        ``CaptureStopped`` once the thread is asked to stop."""
         while True:
             since = self._await_pause()
             if self._stop.is_set():
                 raise CaptureStopped("the background capture was stopped")
             with exclusive_device(), self._turn.capturing():
                 if self._may_start(since):
-                    with self._held("a unit after the capture"):
+                    with self._held(what):
                         yield
                     break
         self._turn.hand_over(timeout=1.0)
@@ -348,11 +354,8 @@ class BackgroundCapture:
             return
         if self._before_epilogue is not None:
             self._before_epilogue()
-        while not self._stop.is_set():
-            since = self._await_pause()
-            with exclusive_device(), self._turn.capturing():
-                if self._may_start(since):
-                    with self._held("the epilogue"):
-                        self._epilogue()
-                    break
-        self._turn.hand_over(timeout=1.0)
+        try:
+            with self._holding("the epilogue"):
+                self._epilogue()
+        except CaptureStopped:
+            pass  # (asked to stop while it waited for the steps to pause)

@@ -64,9 +64,14 @@ class OutputCounts:
     @property
     def table(self) -> torch.Tensor:
         if self._table is None:
-            shape = (self.capacity + 1, self.vocab)
-            self._table = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self._table = self.new_table()
         return self._table
+
+    def new_table(self) -> torch.Tensor:
+        """A zeroed table of ``table``'s shape, type and device (``table`` is one, made
+        at its first use; a compile pass counts into another)."""
+        shape = (self.capacity + 1, self.vocab)
+        return torch.zeros(shape, dtype=torch.float32, device=self.device)
 
     @property
     def scratch(self) -> int:

@@ -177,9 +177,8 @@ class GraphSampler:
         self._own_buffers(sizes)
         self.ints[2].fill_(self.counts.scratch)
         generator, table = self.generator, self.table
-        shape = (self.counts.capacity + 1, self.counts.vocab)  # (as ``counts.table``)
         self.generator = torch.Generator(device=self.device)
-        self.table = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.table = self.counts.new_table()
         try:
             self._compile_ahead(sizes)
         finally:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,7 +40,7 @@ from ostinato.engine.serve.bodies import (
     RequestBody,
     refusal,
 )
-from ostinato.engine.serve.errors import BadRequest, ModelNotFound, error_response
+from ostinato.engine.serve.errors import BadRequest, ModelNotFound, add_error_handlers
 from ostinato.engine.serve.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
 from ostinato.engine.serve.logprob_shapes import LogprobShapes
 from ostinato.engine.serve.loop import EngineStatus, RequestHandle
@@ -176,23 +175,8 @@ def build_app(
     app = FastAPI(title="ostinato")
     app.add_middleware(HttpGuard, max_body_bytes=max_body_bytes, api_key=api_key)
     answer = Responder(engine, model_name)
+    add_error_handlers(app)
     add_lora_routes(app, engine, model_name, runtime_lora)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body")
-        if first["type"] == "extra_forbidden":
-            return error_response(f"{param}: not a parameter of this endpoint", param)
-        return error_response(f"{param}: {first['msg']}", param or None)
-
-    @app.exception_handler(BadRequest)
-    async def refused(request: Request, exc: BadRequest) -> JSONResponse:
-        return error_response(str(exc), exc.param)
-
-    @app.exception_handler(ModelNotFound)
-    async def not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
-        return error_response(str(exc), "model", 404, "model_not_found")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The server's refusals in OpenAI's error shape: what a route raises (``BadRequest``,
-``ModelNotFound``) and the response every refusal becomes (``error_response``)."""
+``ModelNotFound``), the response every refusal becomes (``error_response``), and the
+app's handlers that make one of each (``add_error_handlers``)."""
 
 from __future__ import annotations
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 
@@ -25,3 +28,25 @@ def error_response(
     field it names (or None) and OpenAI's code where there is one."""
     body = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return JSONResponse({"error": body}, status_code=status)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """``app`` answers a body that fails validation with a 400 naming the field (an unknown
+    one as not a parameter), ``BadRequest`` with a 400 naming its ``param``, and
+    ``ModelNotFound`` with OpenAI's 404 ``model_not_found``."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body")
+        if first["type"] == "extra_forbidden":
+            return error_response(f"{param}: not a parameter of this endpoint", param)
+        return error_response(f"{param}: {first['msg']}", param or None)
+
+    @app.exception_handler(BadRequest)
+    async def refused(request: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(str(exc), exc.param)
+
+    @app.exception_handler(ModelNotFound)
+    async def not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
+        return error_response(str(exc), "model", 404, "model_not_found")

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ostinato.platform.base import Platform
+from ostinato.platform.base import Platform, exclusive_device
 
 
 class FakeGraph:
@@ -119,15 +119,31 @@ class FakePlatform(Platform):
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any) -> Iterator[None]:
         assert self.capturing is None, "nested capture"
-        self.capturing = graph
-        try:
-            with _Recorder(graph):
-                yield
-            if self.fail_capture is not None:
-                raise self.fail_capture
-        finally:
-            self.capturing = None
+        # As CUDA's: one capture at a time in a process, and a device-wide synchronize
+        # from another thread meanwhile fails (``synchronize``).
+        with exclusive_device():
+            self.capturing = graph
+            FakePlatform.capturing_thread = threading.get_ident()
+            try:
+                with _Recorder(graph):
+                    yield
+                if self.fail_capture is not None:
+                    raise self.fail_capture
+            finally:
+                self.capturing = None
+                FakePlatform.capturing_thread = None
         self.reserved += 1024  # each capture 'costs' 1 KiB of pool
+
+    # The thread of the capture in progress in this process, of any fake platform.
+    capturing_thread: int | None = None
+
+    def synchronize(self) -> None:
+        thread = FakePlatform.capturing_thread
+        if thread is not None and thread != threading.get_ident():
+            raise RuntimeError(
+                "FakePlatform: a device-wide synchronize during another thread's capture "
+                "(CUDA: operation not permitted when stream is capturing)"
+            )
 
     def memory_reserved(self) -> int:
         return self.reserved

@@ -20,7 +20,7 @@ from ostinato.graph import GraphWrapper
 from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
-from ostinato.platform import Graph, Platform, current_platform
+from ostinato.platform import Graph, Platform, current_platform, exclusive_device
 from ostinato.pool import shared_pool
 from ostinato.replay_check import GraphDemotedWarning, Mismatch, ReplayCheck, first_mismatch
 from ostinato.replay_stats import EagerReason, ReplayStats, StatsSnapshot
@@ -363,7 +363,7 @@ class GraphManager:
             except Exception:
                 self._drop(new[n] for n in added)
                 raise
-        self.platform.synchronize()  # no replay of a dropped graph is still queued
+        self.platform.synchronize_outside_capture()  # no replay of a dropped graph is queued
         self._drop(old[n] for n in dropped)
         self.dispatcher = dispatcher
         return added, dropped
@@ -389,10 +389,15 @@ class GraphManager:
             raise
         new = entries[descriptor]
         meta = self.prepare(descriptor) if self.prepare is not None else None
-        kept = keep_new(
-            lambda: self._full.replay_entry(old, meta), lambda: self._full.replay_entry(new, meta)
-        )
-        self.platform.synchronize()  # neither graph's replay is still queued
+        # ``keep_new`` synchronizes the device between its replays, which would fail
+        # another engine's capture in progress: it waits for that capture, then holds
+        # the device through the choice (and its timings do not count the wait).
+        with exclusive_device():
+            kept = keep_new(
+                lambda: self._full.replay_entry(old, meta),
+                lambda: self._full.replay_entry(new, meta),
+            )
+            self.platform.synchronize()  # neither graph's replay is still queued
         entries[descriptor] = new if kept else old
         (old if kept else new).graph.reset()
         return kept
@@ -485,7 +490,7 @@ class GraphManager:
         self._release_graphs()
 
     def _release_graphs(self) -> None:
-        self.platform.synchronize()
+        self.platform.synchronize_outside_capture()
         self._full.reset()
         self._pieces_ready.clear()
 

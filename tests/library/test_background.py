@@ -349,3 +349,35 @@ def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):
     assert started.wait(10)
     m.release()
     assert capture.done and capture.afterwards_error is None and units
+
+
+def test_a_device_sync_beside_another_threads_capture_waits_for_its_end():
+    # CUDA fails a capture when another thread synchronizes the whole device meanwhile (a
+    # second engine's compile-ahead broke the first's background capture on an H200);
+    # the synchronize of background work waits for the capture in progress instead.
+    p, other = FakePlatform(), FakePlatform()
+    capturing, release, order = threading.Event(), threading.Event(), []
+
+    def capture_elsewhere():
+        with other.capture(other.new_graph(), None):
+            capturing.set()
+            release.wait(30)
+            order.append("capture ended")
+
+    thread = threading.Thread(target=capture_elsewhere)
+    thread.start()
+    try:
+        assert capturing.wait(10)
+        with pytest.raises(RuntimeError, match="during another thread's capture"):
+            p.synchronize()  # (what the fake, as CUDA, refuses)
+        waiter = threading.Thread(
+            target=lambda: (p.synchronize_outside_capture(), order.append("synchronized"))
+        )
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and order == []
+    finally:
+        release.set()
+        thread.join(10)
+    waiter.join(10)
+    assert order == ["capture ended", "synchronized"]

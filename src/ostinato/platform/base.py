@@ -55,6 +55,16 @@ class Platform(ABC):
     def synchronize(self) -> None:  # noqa: B027 - a no-op where work is synchronous
         """Waits for all queued device work."""
 
+    def synchronize_outside_capture(self) -> None:
+        """``synchronize``, once no capture of this process is in progress: it holds
+        ``exclusive_device`` while it waits, because a device-wide synchronize during
+        another thread's capture fails that capture (CUDA refuses it even in thread-local
+        mode), as a second engine's background work did to the first's. For threads
+        that hold at most their own engine's step turn (background captures, upgrades);
+        not for one holding a turn that another thread's capture waits for."""
+        with exclusive_device():
+            self.synchronize()
+
     def memory_reserved(self) -> int:
         """Bytes the framework's caching allocator holds on the device."""
         return 0

@@ -212,7 +212,7 @@ class GraphSampler:
         (lazy initialisation stays out of the graph); ``draws``: ``fn`` draws from the
         generator, which is registered with the graph."""
         fn()
-        self.platform.synchronize()
+        self.platform.synchronize_outside_capture()  # (on the capture thread)
         graph = self.platform.new_graph()
         register = getattr(graph, "register_generator_state", None)
         if draws and register is not None and self.generator.device.type == "cuda":

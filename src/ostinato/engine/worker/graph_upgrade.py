@@ -75,7 +75,8 @@ class GraphUpgrade:
         )
         self.forward = CompiledModel(runner.model, self.piecewise)
         scratch = StepInputs(runner.limits, runner.device)
-        runner.kernel_plan.compile_on(scratch, self.forward, self.piecewise, platform.synchronize)
+        sync = platform.synchronize_outside_capture
+        runner.kernel_plan.compile_on(scratch, self.forward, self.piecewise, sync)
         self.runtime = build_graph_runtime(
             self._step,
             self.config,

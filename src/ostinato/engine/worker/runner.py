@@ -319,7 +319,8 @@ class ModelRunner:
         return self._compile_on(self.inputs, self.forward)
 
     def _compile_on(self, inputs: StepInputs, forward: Forward) -> float:
-        sync = self.manager.platform.synchronize
+        # (on the background thread too, beside another engine's captures)
+        sync = self.manager.platform.synchronize_outside_capture
         seconds = self.kernel_plan.compile_on(inputs, forward, self.piecewise, sync)
         if seconds > 0.0:
             self.kernel_plan.compile_seconds = seconds

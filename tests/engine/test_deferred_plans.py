@@ -7,6 +7,7 @@ our own (the GPU's are ``graph_call_us``); the GPU test is in ``test_gpu_startup
 import contextlib
 
 import pytest
+import torch
 from test_graphed_engine import engine
 
 from ostinato.engine import KernelOptions, SamplingParams
@@ -16,6 +17,7 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.presets import shape
 from ostinato.engine.worker import kernel_plan as kernel_plan_module
 from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.engine.worker.inputs import StepInputs
 from ostinato.engine.worker.kernel_plan import KernelPlan
 from ostinato.engine.worker.runner import ModelRunner
 from ostinato.modes import GraphMode
@@ -23,9 +25,9 @@ from ostinato.modes import GraphMode
 LIMITS = EngineLimits(4, 64, 64, 16)
 
 
-def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=()):
+def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=(), padding=None):
     model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions())
-    return KernelPlan(model, KernelOptions(), LIMITS, small_gemm_rows, cache, None, timer, rows)
+    return KernelPlan(model, KernelOptions(), LIMITS, small_gemm_rows, cache, padding, timer, rows)
 
 
 def _timer(calls, faster_unfused=(2,)):
@@ -61,6 +63,51 @@ def test_a_start_without_cached_plans_runs_the_rules_and_measures_them_later(tmp
     first = _plan(CompileCache(tmp_path / "other"), _timer(calls))
     first.plan()
     assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 12
+
+
+def test_plans_that_change_kernels_compile_them_ahead_before_the_graphs_are_captured_again(
+    tmp_path, cpu_keys, monkeypatch
+):
+    # The graphs captured again launch the measured plans' kernels, which the first
+    # compile-ahead (on the rules' plans) never saw: a launch's compile held the step turn
+    # (a blocking start: its own). So where a plan changed, every row count to 16 is
+    # passed again, as a decode graph and as a mixed step run it; nowhere else.
+    from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+
+    inside, passes = [], []
+
+    @contextlib.contextmanager
+    def recording_ahead():
+        inside.append(True)
+        yield
+        inside.clear()
+
+    def recorded(kind, width):
+        def call(self, input_ids, positions):
+            if inside:
+                passes.append((kind, input_ids.shape[0]))
+            return torch.zeros(input_ids.shape[0], width(self.config))
+
+        return call
+
+    monkeypatch.setattr(kernel_plan_module, "compile_ahead", recording_ahead)
+    monkeypatch.setattr(DecoderModel, "forward", recorded("mixed", lambda c: c.hidden_size))
+    monkeypatch.setattr(DecoderModel, "logits", recorded("decode", lambda c: c.vocab_size))
+    padding = lambda inputs, n: contextlib.nullcontext()  # noqa: E731
+    kp = _plan(CompileCache(tmp_path), _timer([]), padding=padding)
+    assert kp.plan(defer=True) == [] and kp.ahead
+    changed = kp.measure_deferred(_timer([]), contextlib.nullcontext)
+    inputs = StepInputs(LIMITS, torch.device("cpu"))
+    kp.compile_measured(inputs, frozenset())
+    assert changed and passes == []
+    kp.compile_measured(inputs, changed)
+    small = set(range(1, MAX_ROWS + 1))
+    assert {n for kind, n in passes if kind == "decode"} == small
+    assert {n for kind, n in passes if kind == "mixed"} == small
+    kp.ahead = False  # (compile_ahead off, or plans read from the cache: nothing)
+    passes.clear()
+    kp.compile_measured(inputs, changed)
+    assert passes == []
 
 
 def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_live_on(

@@ -238,17 +238,29 @@ def hook(*, fn, is_manual_warmup, **_):
     return None  # compile as usual
 
 triton.knobs.runtime.jit_cache_hook = hook
-mode, dtype = sys.argv[1], getattr(torch, sys.argv[2])
-llm = tiny_engine(mode, dtype, kernels=KernelOptions(compile_ahead=True))
+mode, dtype, capture = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3]
+llm = tiny_engine(mode, dtype, kernels=KernelOptions(compile_ahead=True), capture=capture)
+assert llm.wait_for_graphs(300), llm.background.summary()  # (plans measured, graphs again)
 tokens = greedy_tokens(llm, 16)
 print(json.dumps({"compiled": compiled, "tokens": tokens}))
 """
 
 
-@pytest.mark.parametrize("mode,dtype", [("full_and_piecewise", "float32"), ("full", "bfloat16")])
-def test_compile_ahead_compiles_every_kernel_before_its_first_launch(tmp_path, mode, dtype):
+@pytest.mark.parametrize(
+    "mode,dtype,capture",
+    [
+        ("full_and_piecewise", "float32", "blocking"),
+        ("full", "bfloat16", "blocking"),
+        ("full", "bfloat16", "background"),
+    ],
+)
+def test_compile_ahead_compiles_every_kernel_before_its_first_launch(
+    tmp_path, mode, dtype, capture
+):
     # A fresh process and Triton cache: nothing of ours is compiled yet. In bf16 the
-    # small GEMM runs, whose launches specialise on the row count (resident rows).
+    # small GEMM runs, whose launches specialise on the row count (resident rows). A
+    # background start measures its plans after its graphs and captures again the sizes
+    # they change: their kernels compile ahead too, not at those captures' launches.
     import json
     import os
     import subprocess
@@ -271,7 +283,7 @@ def test_compile_ahead_compiles_every_kernel_before_its_first_launch(tmp_path, m
         "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
     }
     child = subprocess.run(
-        [sys.executable, "-c", _AHEAD_CHILD, mode, dtype], env=env, capture_output=True,
+        [sys.executable, "-c", _AHEAD_CHILD, mode, dtype, capture], env=env, capture_output=True,
         text=True,
         timeout=240, check=False,
     )  # fmt: skip

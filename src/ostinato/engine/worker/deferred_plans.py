@@ -72,6 +72,7 @@ class DeferredPlans:
             "again: %s",
             plan.gemm_seconds, plan.layer_seconds, sorted(changed),
         )  # fmt: skip
+        plan.compile_measured(inputs, changed)
         keep_new = faster_replay(manager.platform.synchronize)
         for d in runner.graphs.dispatcher.keys(GraphMode.FULL):
             if d.num_tokens in changed:

@@ -174,6 +174,18 @@ class KernelPlan:
         return frozenset(r for r in before if before[r] != after[r])
 
     @torch.inference_mode()
+    def compile_measured(self, inputs: StepInputs, rows: frozenset[int]) -> None:
+        """After ``measure_deferred`` changed the kernels of ``rows`` (with
+        ``compile_ahead``): its passes again (``_kernels_ahead``) on the measured plans, up
+        to ``MAX_ROWS`` rows (where plans apply), so that the graphs captured again for
+        those sizes compile nothing at their launches, where a compile holds the step turn
+        (or a blocking start). Launches nothing; outside any turn."""
+        if rows and self.ahead:
+            self._kernels_pending = True
+            with self._kernels_ahead(inputs, MAX_ROWS):
+                pass
+
+    @torch.inference_mode()
     def keep_rules_at(self, rows: frozenset[int], turn: Turn) -> None:
         """After ``measure_deferred``: at row counts ``rows``, where the rules' graphs
         replayed faster than the measured plans' (``DeferredPlans``), the rules' kernels
@@ -247,8 +259,9 @@ class KernelPlan:
         return time.perf_counter() - start
 
     @contextlib.contextmanager
-    def _kernels_ahead(self, inputs: StepInputs) -> Iterator[None]:
-        """Once, with ``compile_ahead``: inside, the engine's Triton kernels compile on a
+    def _kernels_ahead(self, inputs: StepInputs, max_rows: int | None = None) -> Iterator[None]:
+        """Once (again where ``compile_measured`` asks), with ``compile_ahead``, up to
+        ``max_rows`` rows where given: inside, the engine's Triton kernels compile on a
         pool (``launch.compile_ahead``: processes or threads), queued first by eager passes
         of the model at every layout the steps launch (``layout_rows``: every row count
         the small GEMM plans; above, with and without PDL, attention splitting its keys
@@ -261,7 +274,8 @@ class KernelPlan:
             return
         self._kernels_pending = False
         with compile_ahead():
-            for n in layout_rows(self.limits.max_num_batched_tokens, MAX_ROWS):
+            largest = self.limits.max_num_batched_tokens
+            for n in layout_rows(min(largest, max_rows or largest), MAX_ROWS):
                 ids, positions = inputs.input_ids[:n], inputs.positions[:n]
                 with self.padding(inputs, n):
                     if n <= MAX_ROWS:  # as the decode graphs run it, and a mixed step

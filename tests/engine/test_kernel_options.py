@@ -154,7 +154,7 @@ def test_compile_ahead_passes_every_row_count_to_16_as_decode_and_as_mixed_steps
     from ostinato.engine.model.decoder import DecoderModel
     from ostinato.engine.worker import kernel_plan
 
-    inside, passes = [], []
+    inside, passes, calling = [], [], []
 
     @contextlib.contextmanager
     def recording_ahead():
@@ -164,9 +164,13 @@ def test_compile_ahead_passes_every_row_count_to_16_as_decode_and_as_mixed_steps
 
     def recorded(kind, real):
         def call(self, input_ids, *args, **kwargs):
-            if inside:
+            if inside and not calling:  # (the passes' own calls, not those inside them)
                 passes.append((kind, input_ids.shape[0]))
-            return real(self, input_ids, *args, **kwargs)
+            calling.append(kind)
+            try:
+                return real(self, input_ids, *args, **kwargs)
+            finally:
+                calling.pop()
 
         return call
 
@@ -174,11 +178,16 @@ def test_compile_ahead_passes_every_row_count_to_16_as_decode_and_as_mixed_steps
     monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
     monkeypatch.setattr(DecoderModel, "forward", recorded("mixed", DecoderModel.forward))
     monkeypatch.setattr(DecoderModel, "logits", recorded("decode", DecoderModel.logits))
+    head = recorded("mixed logits", DecoderModel.compute_logits)
+    monkeypatch.setattr(DecoderModel, "compute_logits", head)
     kw = dict(mode="none", compiler="eager", progress=False, max_num_batched_tokens=64)
     LLM("tiny", kernels=KernelOptions(compile_ahead=True), **kw)
     small = set(range(1, MAX_ROWS + 1))
     assert {n for kind, n in passes if kind == "decode"} == small
     assert {n for kind, n in passes if kind == "mixed"} >= small | {17, 64}
+    # A mixed step's logits: the LM head alone (the decode graphs fuse the final norm
+    # into it), at every row count a plan covers.
+    assert {n for kind, n in passes if kind == "mixed logits"} >= small
 
 
 def test_the_model_carries_one_kernel_options_object_to_every_launching_module():

@@ -267,8 +267,9 @@ class KernelPlan:
         the small GEMM plans; above, with and without PDL, attention splitting its keys
         or not), each followed by the decode graphs' greedy argmax over a few of its
         rows; up to ``MAX_ROWS`` rows both as a decode graph runs the model and as a mixed
-        step does. Nothing launched inside runs, so the caller's compiled first pass
-        overlaps the compilations and its output is not to be read."""
+        step does (its hidden states, then the LM head alone on its logit rows).
+        Nothing launched inside runs, so the caller's compiled first pass overlaps the
+        compilations and its output is not to be read."""
         if not self._kernels_pending:
             yield
             return
@@ -278,8 +279,9 @@ class KernelPlan:
             for n in layout_rows(min(largest, max_rows or largest), MAX_ROWS):
                 ids, positions = inputs.input_ids[:n], inputs.positions[:n]
                 with self.padding(inputs, n):
-                    if n <= MAX_ROWS:  # as the decode graphs run it, and a mixed step
-                        self.model(ids, positions)
+                    if n <= MAX_ROWS:  # as a mixed step runs it, and the decode graphs
+                        # (a mixed step's logit rows: the LM head alone, after the graph)
+                        self.model.compute_logits(self.model(ids, positions))
                         logits = self.model.logits(ids, positions)
                     else:
                         # The argmax's layouts differ only in PDL: a few rows take the

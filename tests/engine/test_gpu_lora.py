@@ -175,3 +175,43 @@ def test_the_norm_with_each_rows_delta_equals_the_expand_then_the_norm(dtype, ro
         assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
         none = slots[:rows] < 0
         assert torch.equal(g[none], w[none])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("launch", ["resident", "smem", "rule"])
+def test_the_joint_gemm_runs_the_projections_plan(rows, launch):
+    # A LoRA step's projection and shrinks come from one GEMM over the joint weight; where
+    # the projection has a small-row plan that GEMM is the plan's Triton kernel (the base
+    # step's measured choice), not cuBLAS, and equals the float32 product to bf16 rounding.
+    from ostinato.engine.kernels import gemm_launch as g
+    from ostinato.engine.kernels.launch import num_sms
+    from ostinato.engine.model.linear import Linear
+    from ostinato.engine.model.lora import LoraProjection, LoraShape
+
+    torch.manual_seed(rows)
+    k, out = 1536, 2048
+    linear = Linear(k, out, bias=False).cuda().bfloat16()
+    slots = LoraProjection(k, (out,), LoraShape(max_loras=3, max_rank=16, max_tokens=16))
+    slots = slots.cuda().bfloat16()
+    slots.a.normal_()
+    slots.join(linear)
+    weight_bytes = linear.weight.numel() * 2
+    entry = {
+        "resident": g.resident_config(k, 1, 0, rows),
+        "smem": g.smem_config(k, 1, rows),
+        "rule": g.pick_config(out, k, num_sms(linear.weight.device)),
+    }[launch]
+    if entry is None:
+        pytest.skip(f"no {launch} launch for {rows} rows over {k} columns ({weight_bytes} B)")
+    linear.use_plan((0,) + (entry,) * g.MAX_ROWS, 0, False)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y, s = slots._joint(linear, x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("_gemm_kernel" in name for name in names), names
+    want = x.float() @ slots.joint.float().t()
+    got = torch.cat([y, s], dim=1).float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+    assert torch.count_nonzero(slots.counters) == 0  # (left zero for the next replay)

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from ostinato.context import current_forward_context
+from ostinato.engine.kernels.gemm_launch import counters_needed
 from ostinato.engine.model.config import ModelConfig
+from ostinato.engine.model.linear import Linear
 
 # The projection groups of a decoder layer and the checkpoint projections in each, in
 # the order of the fused projection's output columns.
@@ -130,6 +132,8 @@ class LoraProjection(nn.Module):
         self.register_buffer("b", torch.zeros(width, sum(outs)), persistent=False)
         # The projection's weight and ``a`` in one buffer, once ``join`` made it.
         self.joint: torch.Tensor | None = None
+        # The joint GEMM's split-K counters where it runs the projection's plan.
+        self.register_buffer("counters", torch.zeros(0, dtype=torch.int32), persistent=False)
 
     def join(self, linear: nn.Linear) -> None:
         """Puts ``linear``'s weight and ``a`` in one buffer (``[out + width, in]``, the
@@ -146,6 +150,10 @@ class LoraProjection(nn.Module):
         linear.weight = nn.Parameter(joint[:rows], requires_grad=weight.requires_grad)
         self.a = joint[rows:]
         self.joint = joint
+        # Zero, as the small GEMM leaves them after every call.
+        self.counters = torch.zeros(
+            counters_needed(joint.shape[0]), dtype=torch.int32, device=joint.device
+        )
 
     def pack(self, parts: list[Pair | None], scaling: float) -> Pair:
         """One slot's rows (``[members * rank, in]``, ``[members * rank, out]``, float32)
@@ -211,10 +219,14 @@ class LoraProjection(nn.Module):
         return y, RowDelta(s, self.b, slots, self.shape.max_loras)
 
     def _joint(self, linear: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``linear(x)`` and every slot's shrink, from one GEMM over the joint weight."""
+        """``linear(x)`` and every slot's shrink, from one GEMM over the joint weight, run
+        as ``linear``'s small-row plan says for these rows (the tuned Triton GEMM, with
+        its PDL) where it has one, else cuBLAS's product as before: the rows' LoRA step
+        keeps the kernels the base step measured fastest for the projection's shape."""
         assert self.joint is not None, "LoraProjection.project before join"
         rows = linear.weight.shape[0]
-        full = torch.mm(x, self.joint.t())
+        plan, pdl = (list(linear.plan), linear.pdl) if isinstance(linear, Linear) else ([], False)
+        full = torch.ops.ostinato.linear(x, self.joint, None, self.counters, plan, False, pdl)
         y, s = full[:, :rows], full[:, rows:]
         if linear.bias is not None:
             y = y + linear.bias

@@ -137,6 +137,14 @@ def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_li
     assert any(t is measured_counters for t in kp._retired)
     kp.keep_rules_at(frozenset({1}), contextlib.nullcontext)  # the same entry: untouched
     assert qkv.plan == (0, 3, 3) and not any(t is qkv.counters for t in kp._retired)
+    # A projection the rules left to cuBLAS (no plan, PDL off) whose measured plan runs
+    # Triton with PDL: the rules' entry where they won, the measured entries elsewhere
+    # with the PDL they were measured (and compiled ahead) with.
+    head = kp.model.lm_head
+    kp._rules[-1] = ((), False)
+    head.use_plan((0, 5, 5), 4, True)
+    kp.keep_rules_at(frozenset({1}), contextlib.nullcontext)
+    assert head.plan == (0, 0, 5) and head.pdl
     # A mixed plan keeps the measured plan's length (the form read back from the cache,
     # on which the layer plan's key depends), though the rules' plan runs to 16 rows.
     rows_from = kernel_plan_module._rows_from

@@ -203,7 +203,9 @@ class KernelPlan:
                 if plan != tuple(linear.plan):
                     self._retired.append(linear.counters)
                     counters = counters_needed(linear.weight.shape[0]) if plan else 0
-                    linear.use_plan(plan, counters, pdl)
+                    # A side without a plan has PDL off, which says nothing of the other
+                    # side's Triton entries: they keep the PDL they were measured with.
+                    linear.use_plan(plan, counters, pdl or linear.pdl)
                     changed.append((linear, swiglu))
             self._set_rules()  # (as a later start does after reading the plans)
             self.model.unfused_rows = self.model.unfused_rows - rows

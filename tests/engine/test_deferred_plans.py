@@ -256,6 +256,56 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     llm.close()
 
 
+@pytest.mark.parametrize("new_wins", [True, False])
+def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_faster(
+    fake_graphs, monkeypatch, tmp_path, cpu_keys, new_wins
+):
+    # As a background start does, before it returns: the rules' graphs first, then the
+    # plans measured, each changed size captured again and the faster graph kept.
+    import ostinato.engine.worker.deferred_plans as deferred_module
+
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: new_wins)
+    unfused = {2} if new_wins else set()
+    prompts = [[(5 * i + j) % 900 + 1 for j in range(2 + 3 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in _engine(capture="blocking").generate(prompts, params)]
+    real = ModelRunner._kernel_plan
+    graphs_when_timed = []
+
+    def kernel_plan(self, sizes, cache):
+        kp = real(self, sizes, CompileCache(tmp_path))
+        kp.layer_timer = lambda rows, unfused: pytest.fail("timed before the graphs")
+        kp.layer_rows = sizes
+        return kp
+
+    def layer_timer(self, sizes, inputs=None, turn=contextlib.nullcontext):
+        assert inputs is not self.inputs
+
+        def timer(rows, unfused):
+            graphs_when_timed.append(self.manager.num_graphs)
+            return 50.0 if unfused and rows == 2 else 100.0
+
+        return timer
+
+    monkeypatch.setattr(ModelRunner, "_kernel_plan", kernel_plan)
+    monkeypatch.setattr(ModelRunner, "_layer_timer", layer_timer)
+    llm = _engine(capture="blocking")
+    runner = llm.engine.runner
+    assert graphs_when_timed and min(graphs_when_timed) > 0  # after the graphs
+    assert not runner.kernel_plan.deferred  # measured before the engine returned
+    twos = {d for d in runner.graphs.dispatcher.keys(GraphMode.FULL) if d.num_tokens == 2}
+    assert twos and runner.deferred_plans.recaptured == dict.fromkeys(twos, new_wins)
+    assert runner.model.unfused_rows == unfused
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    llm.close()
+    graphs_when_timed.clear()
+    again = _engine(capture="blocking")  # reads the plans: nothing timed or recaptured
+    assert graphs_when_timed == [] and again.engine.runner.deferred_plans.recaptured == {}
+    assert again.engine.runner.model.unfused_rows == unfused
+    assert [o.token_ids for o in again.generate(prompts, params)] == want
+    again.close()
+
+
 @pytest.mark.parametrize("new_s, kept", [(0.0005, True), (0.004, False)])
 def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, kept):
     import time

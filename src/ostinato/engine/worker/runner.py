@@ -337,18 +337,32 @@ class ModelRunner:
         (``UbatchSteps.choose``). Under tensor
         parallelism every rank captures (and times) the same descriptors in the same
         order, between two barriers, so the collectives recorded in the graphs pair up
-        across ranks."""
+        across ranks. Where a background start would defer its kernel plans (one GPU,
+        graphs of the eager model, plans not in the cache), so does this one, and measures
+        them after its graphs as that start does (``DeferredPlans``), before returning:
+        each size keeps the faster of its graphs on the rules' kernels and on the measured
+        plans, not the plans' per-GEMM timings alone."""
         group = self.model.tp.group
         if group is not None:
             dist.barrier(group=group)
         start = time.perf_counter()
-        self.compile()  # plans the kernels first
+        self.plan_kernels(defer=self._defers_plans())
+        self.compile()  # (the plans are set: compiles what is left)
         self.ubatch.choose(self.step_as, self.dummy_metadata)
         self.prepare_seconds = time.perf_counter() - start
         report = self.manager.capture()
+        if self.kernel_plan.deferred:
+            self.deferred_plans(contextlib.nullcontext)  # (no steps to hand a turn to)
         if group is not None:
             dist.barrier(group=group)
         return report
+
+    def _defers_plans(self) -> bool:
+        """Whether this start's plans may be measured after its graphs: graphs of the eager
+        model (compiled pieces cannot be captured again with other plans), one rank (the
+        ranks would have to agree), no micro-batching policy measuring its captures."""
+        single = self.model.tp.group is None and not self.ubatch.candidates
+        return single and self.piecewise is None and self.graphs.mode is not GraphMode.NONE
 
     def capture_in_background(
         self,
@@ -372,7 +386,7 @@ class ModelRunner:
         # Sets the projections' plans before any step runs. Graphs of the eager model
         # can be captured again with other plans, so where the cache lacks them they
         # are measured after the graphs (``DeferredPlans``); compiled pieces cannot.
-        self.plan_kernels(defer=self.piecewise is None)
+        self.plan_kernels(defer=self._defers_plans())
         self.prepare_seconds = time.perf_counter() - start  # (the thread compiles)
         after = self.deferred_plans if self.kernel_plan.deferred else None
         compiled = self.forward

@@ -27,7 +27,9 @@ step of hundreds of ops took seconds while Dynamo traced on the capture thread).
 After the plan (and its epilogue), ``afterwards`` may go on with work that needs the
 graphs captured first (the engine measures its kernel plans there and recaptures the
 sizes they change). It takes the device and the turn for one unit of work at a time
-(``unit()``), as an item is taken: when the steps pause.
+(``unit()``), as an item is taken: when the steps pause, or, under steps that never
+pause, after ``UNIT_SPACING`` times the last unit's hold (so short units come often and
+long ones rarely: about a tenth of the time held either way).
 
 Guarantees: the thread stops after the item (or unit) in progress when asked (``stop``);
 a failure of any item releases every graph of the manager, is logged with its reason and
@@ -60,6 +62,10 @@ logger = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0002
 PAUSE_S = 0.005  # no step for this long: the steps have paused (e.g. between requests)
 MAX_WAIT_S = 1.0  # the longest the thread waits for a pause before it takes an item anyway
+# A unit after the capture waits at most this many times its predecessor's hold for a
+# pause (within PAUSE_S..MAX_WAIT_S): under steps that never pause, units hold the turn
+# about a tenth of the time, so many short units finish as soon as a few long ones did.
+UNIT_SPACING = 9.0
 
 
 class Turn:
@@ -163,6 +169,7 @@ class BackgroundCapture:
         self.seconds: float | None = None
         self.capture_seconds: float | None = None  # the plan and epilogue alone
         self.longest_hold: Hold | None = None
+        self._unit_wait = MAX_WAIT_S  # (``unit``'s wait for a pause: see UNIT_SPACING)
         self._afterwards = afterwards
         self._pending = list(plan)
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
@@ -281,21 +288,27 @@ class BackgroundCapture:
         """For ``afterwards``, on the thread: holds the device and the step turn for one
         unit of work (``_holding``); raises ``CaptureStopped`` once the thread is asked to
         stop."""
-        return self._holding("a unit after the capture")
+        return self._holding("a unit after the capture", paced=True)
 
     @contextlib.contextmanager
-    def _holding(self, what: str) -> Iterator[None]:
+    def _holding(self, what: str, paced: bool = False) -> Iterator[None]:
         """Holds the device and the step turn for ``what``, taken as an item is (when the
-        steps pause), timed (``_held``), and hands the turn over after it; raises
-        ``CaptureStopped`` once the thread is asked to stop."""
+        steps pause; ``paced``: after ``UNIT_SPACING`` times the last paced hold at most),
+        timed (``_held``), and hands the turn over after it; raises ``CaptureStopped``
+        once the thread is asked to stop."""
+        max_wait = self._unit_wait if paced else MAX_WAIT_S
         while True:
-            since = self._await_pause()
+            since = self._await_pause(max_wait)
             if self._stop.is_set():
                 raise CaptureStopped("the background capture was stopped")
             with exclusive_device(), self._turn.capturing():
-                if self._may_start(since):
+                if self._may_start(since, max_wait):
+                    start = time.perf_counter()
                     with self._held(what):
                         yield
+                    if paced:
+                        held = time.perf_counter() - start
+                        self._unit_wait = min(MAX_WAIT_S, max(PAUSE_S, UNIT_SPACING * held))
                     break
         self._turn.hand_over(timeout=1.0)
 
@@ -310,19 +323,19 @@ class BackgroundCapture:
             if self.longest_hold is None or seconds > self.longest_hold.seconds:
                 self.longest_hold = Hold(seconds, what)
 
-    def _await_pause(self) -> float:
+    def _await_pause(self, max_wait: float = MAX_WAIT_S) -> float:
         """Waits while the steps run (module docstring), unless a step wants a size still
-        to capture, ``MAX_WAIT_S`` passed, or the thread is asked to stop; returns when
-        it began to wait."""
+        to capture, ``max_wait`` passed, or the thread is asked to stop; returns when it
+        began to wait."""
         since = time.monotonic()
-        while not self._may_start(since) and not self._stop.is_set():
+        while not self._may_start(since, max_wait) and not self._stop.is_set():
             self._stop.wait(PAUSE_S / 5)
         return since
 
-    def _may_start(self, since: float) -> bool:
+    def _may_start(self, since: float, max_wait: float = MAX_WAIT_S) -> bool:
         """Whether an item may start, the thread having waited for a pause since
-        ``since``."""
-        waited = time.monotonic() - since >= MAX_WAIT_S
+        ``since`` (for at most ``max_wait``)."""
+        waited = time.monotonic() - since >= max_wait
         return waited or self._wanted_pending() or not self._turn.steps_active(PAUSE_S)
 
     def _wanted_pending(self) -> bool:

@@ -105,6 +105,32 @@ def test_plan_on_cpu_is_empty_and_measures_nothing():
     assert linear.plan == ()
 
 
+@pytest.mark.parametrize("hold_s, holds", [(0.0, 5), (1e9, 1)])
+def test_a_gemm_measurement_holds_the_turn_in_slices_and_picks_as_one_hold_would(
+    monkeypatch, hold_s, holds
+):
+    # A background start times the candidates holding the steps' turn: never longer than
+    # HOLD_S past one timing, and the choice is the one timing them all at once makes.
+    from ostinato.engine.worker import gemm_tuning
+
+    us = {"cublas": 10.0, 1: 12.0, 2: 7.0, 3: 7.0, 4: 9.0}
+    calls = {name: (lambda name=name: name) for name in us}
+    fitting = [(i, calls[i]) for i in (1, 2, 3, 4)]
+    monkeypatch.setattr(gemm_tuning, "_candidates", lambda *a: (calls["cublas"], fitting))
+    monkeypatch.setattr(gemm_tuning, "_graph_us", lambda fn, device: us[fn()])
+    monkeypatch.setattr(gemm_tuning, "HOLD_S", hold_s)
+    taken = []
+
+    @contextlib.contextmanager
+    def turn():
+        taken.append(True)
+        yield
+
+    t = gemm_tuning._measure(Linear(8, 4), False, 2, False, torch.device("cpu"), turn)
+    assert len(taken) == holds
+    assert (t.cublas_us, t.triton_us, t.config) == (10.0, 7.0, 2)  # (the first of a tie)
+
+
 def test_engine_refuses_kernels_of_the_wrong_type():
     with pytest.raises(TypeError, match="kernels: expected a KernelOptions"):
         LLM("tiny", kernels={"pdl": True}, progress=False)

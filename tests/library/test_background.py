@@ -204,6 +204,39 @@ def test_steps_that_never_pause_still_let_the_plan_finish(monkeypatch):
     assert capture.error is None and sorted(r.prepared) == sorted(SIZES)
 
 
+def test_short_units_under_steps_that_never_pause_come_often_long_ones_rarely():
+    # After the plan, units wait for a pause at most UNIT_SPACING times the last unit's
+    # hold: short ones (a measurement split into many) finish in a fraction of the
+    # MAX_WAIT_S each that long ones wait, and the turn stays mostly the steps'.
+    import ostinato.background as background
+
+    p, r, m, dispatcher = build()
+    started, stop, held = [], threading.Event(), []
+
+    def steps_that_never_pause():
+        while not stop.is_set():
+            step_at_one(r, m, dispatcher)
+
+    def afterwards(unit):
+        stepper = threading.Thread(target=steps_that_never_pause)
+        stepper.start()
+        try:
+            for hold_s in [0.002] * 20 + [0.2]:
+                with unit():
+                    started.append(time.monotonic())
+                    time.sleep(hold_s)
+                    held.append(hold_s)
+        finally:
+            stop.set()
+            stepper.join()
+
+    capture = m.capture_in_background(afterwards=afterwards)
+    assert capture.wait(30) and capture.error is None and capture.afterwards_error is None
+    assert len(held) == 21
+    short = started[20] - started[0]  # 20 short units (each waited MAX_WAIT_S before)
+    assert short < 20 * background.MAX_WAIT_S / 4, short
+
+
 def test_a_failed_capture_leaves_the_steps_eager_and_says_why(caplog):
     p, r, m, dispatcher = build(fail=GraphCaptureError("device said no"))
     with caplog.at_level(logging.WARNING):

@@ -60,3 +60,23 @@ def test_logprobs_are_checked_and_refused_with_speculative_decoding():
     llm = LLM("tiny", device="cpu", max_model_len=128, progress=False, speculative="ngram")
     with pytest.raises(ValueError, match="logprobs: not with speculative decoding"):
         llm.generate([[1, 2, 3]], SamplingParams(logprobs=2))
+
+
+def test_a_steps_entries_take_each_requests_own_count_of_the_graphs_columns():
+    # A sampling graph's copy holds 20 alternatives a row whatever the step asked; each
+    # request gets its own count, most likely first, and one that asked none gets None.
+    from ostinato.engine.sample.logprobs import StepLogprobs
+
+    chosen = torch.tensor([-0.5, -1.0, -2.0, -3.0])
+    ids = torch.arange(80).reshape(4, 20)
+    values = -torch.arange(80, dtype=torch.float32).reshape(4, 20) / 10
+    step = StepLogprobs(chosen, ids, values)
+    params = [SamplingParams(logprobs=k) for k in (5, None, 2, 0)]
+    got = step.entries(params, [7, 8, 9, 10])
+    assert got[1] is None
+    for entry, row, k, token in ((got[0], 0, 5, 7), (got[2], 2, 2, 9), (got[3], 3, 0, 10)):
+        assert entry.token_id == token and entry.logprob == chosen[row].item()
+        assert entry.top_ids == tuple(ids[row, :k].tolist())
+        assert entry.top_logprobs == tuple(values[row, :k].tolist())
+    nobody = [SamplingParams(), SamplingParams()]
+    assert step.entries(nobody, [1, 2]) == [None, None]

@@ -187,6 +187,20 @@ def test_the_rules_win_a_size_only_where_every_graph_of_it_lost(verdicts, won):
     assert rules_won(recaptured) == won
 
 
+def _timed_plans_in(tmp_path):
+    """``ModelRunner._kernel_plan`` as on a GPU: the layers are timed (the CPU has no
+    timer; a timing before the graphs fails the test), the plans cached in ``tmp_path``."""
+    real = ModelRunner._kernel_plan
+
+    def kernel_plan(self, sizes, cache):
+        kp = real(self, sizes, CompileCache(tmp_path))
+        kp.layer_timer = lambda rows, unfused: pytest.fail("timed before the graphs")
+        kp.layer_rows = sizes
+        return kp
+
+    return kernel_plan
+
+
 def _engine(**kw):
     return engine("full", max_capture_size=16, async_scheduling=False, **kw)
 
@@ -203,15 +217,7 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + 2 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in _engine(capture="blocking").generate(prompts, params)]
-    real = ModelRunner._kernel_plan
     timed = []
-
-    def kernel_plan(self, sizes, cache):
-        # As on a GPU: the layers are timed (the CPU has no timer), cached in tmp_path.
-        kp = real(self, sizes, CompileCache(tmp_path))
-        kp.layer_timer = lambda rows, unfused: pytest.fail("timed before the graphs")
-        kp.layer_rows = sizes
-        return kp
 
     def layer_timer(self, sizes, inputs=None, turn=contextlib.nullcontext):
         assert inputs is not self.inputs  # scratch inputs: the steps' are never touched
@@ -223,7 +229,7 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
 
         return timer
 
-    monkeypatch.setattr(ModelRunner, "_kernel_plan", kernel_plan)
+    monkeypatch.setattr(ModelRunner, "_kernel_plan", _timed_plans_in(tmp_path))
     monkeypatch.setattr(ModelRunner, "_layer_timer", layer_timer)
     # Closed at once (a one-shot generate): the plans are measured and stored first.
     _engine(capture="auto").close()
@@ -269,14 +275,7 @@ def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_fast
     prompts = [[(5 * i + j) % 900 + 1 for j in range(2 + 3 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = [o.token_ids for o in _engine(capture="blocking").generate(prompts, params)]
-    real = ModelRunner._kernel_plan
     graphs_when_timed = []
-
-    def kernel_plan(self, sizes, cache):
-        kp = real(self, sizes, CompileCache(tmp_path))
-        kp.layer_timer = lambda rows, unfused: pytest.fail("timed before the graphs")
-        kp.layer_rows = sizes
-        return kp
 
     def layer_timer(self, sizes, inputs=None, turn=contextlib.nullcontext):
         assert inputs is not self.inputs
@@ -287,7 +286,7 @@ def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_fast
 
         return timer
 
-    monkeypatch.setattr(ModelRunner, "_kernel_plan", kernel_plan)
+    monkeypatch.setattr(ModelRunner, "_kernel_plan", _timed_plans_in(tmp_path))
     monkeypatch.setattr(ModelRunner, "_layer_timer", layer_timer)
     llm = _engine(capture="blocking")
     runner = llm.engine.runner

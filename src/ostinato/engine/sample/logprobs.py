@@ -58,8 +58,8 @@ class StepLogprobs:
         if most is None:
             return [None] * len(params)
         # Only the columns some request asked for become Python numbers: a graph's copy
-        # holds ``MAX_LOGPROBS`` of them (64 rows asking 5 of 20: 37 against 92 µs a step,
-        # development CPU).
+        # holds ``MAX_LOGPROBS`` of them (64 rows asking 5 of 20: 38-46 against 75-96 µs a
+        # step on the development CPU, benchmarks/results/logprobs_host_cpu).
         ids, values = self.top_ids[:, :most].tolist(), self.top_values[:, :most].tolist()
         rows = zip(params, tokens, self.chosen.tolist(), ids, values, strict=True)
         out: list[TokenLogprob | None] = []

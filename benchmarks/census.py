@@ -57,6 +57,23 @@ def census(averages: Iterable[Any], steps: int) -> KernelCensus:
     return KernelCensus(count / steps, busy / steps, tuple(names))
 
 
+def difference(more: KernelCensus, fewer: KernelCensus, steps: int) -> KernelCensus:
+    """Per step of the ``steps`` that ``more`` ran beyond ``fewer`` (each a census of one
+    call, ``steps=1``: a generate of more tokens and one of fewer), so what both calls
+    share (prefill, start, finish) cancels; a name whose count differs by a fraction of
+    a step is kept as measured."""
+    fewer_by = {k.name: k for k in fewer.by_name}
+    names = []
+    for k in more.by_name:
+        f = fewer_by.get(k.name, KernelLaunches(k.name, 0.0, 0.0))
+        per_step = (k.per_step - f.per_step) / steps
+        if per_step > 0:
+            names.append(KernelLaunches(k.name, per_step, (k.us_per_step - f.us_per_step) / steps))
+    names.sort(key=lambda k: (-k.per_step, -k.us_per_step))
+    kernels = (more.kernels - fewer.kernels) / steps
+    return KernelCensus(kernels, (more.busy_us - fewer.busy_us) / steps, tuple(names))
+
+
 def kernel_census(step: Callable[[], Any], steps: int = 5) -> KernelCensus:
     """Profiles ``steps`` calls of ``step`` on the device (CUDA, kernels inside graph
     replays included) and counts their kernels."""

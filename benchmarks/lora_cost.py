@@ -3,14 +3,17 @@ weights), every row on a rank-``--rank`` adapter (two adapters, alternating rows
 steps with no LoRA row, against an engine built without LoRA.
 
     python -m benchmarks.lora_cost --out OUT/lora.json [--model llama-1.5b]
-        [--batch-sizes 1,8] [--rank 16] [--repeats 3]
+        [--batch-sizes 1,8] [--rank 16] [--repeats 3] [--kernels]
 
 Three engines live side by side (a small fixed KV cache each): ``base`` (no LoRA),
 ``specialised`` (``enable_lora``; steps without a LoRA row replay graphs without the
 LoRA GEMMs) and ``unspecialised`` (``specialize_lora=False``: every graph has them).
 A step's time is ``sampling_cost.step_ms``'s difference of two generates. Every
 (engine, rows) case is warmed, then timed ``--repeats`` times, the cases interleaved
-round by round; the median is reported with its ratio to the base engine's.
+round by round; the median is reported with its ratio to the base engine's. With
+``--kernels`` (CUDA), each case's device kernels of one decode step too, kernels inside
+graph replays included (``census.difference`` of two profiled generates): what the
+adapter rows' extra time is made of.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import argparse
 import json
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.census import KernelCensus, difference, kernel_census
 from benchmarks.ready import ready
 from benchmarks.sampling_cost import parse, step_ms, step_parser, write_rows
 
@@ -118,19 +122,66 @@ def measure(built: dict[str, Any], args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+@dataclass(frozen=True)
+class KernelRow:
+    """One (batch size, case): the device kernels of one decode step."""
+
+    batch: int
+    case: str
+    census: KernelCensus
+
+
+def decode_census(
+    llm: Any, prompts: list[list[int]], short: int, steps: int, lora: Any
+) -> KernelCensus:
+    """The device kernels of one decode step: a generate of ``steps`` tokens more than
+    ``short``, less one of ``short`` (both profiled)."""
+    from ostinato.engine import SamplingParams
+
+    def profiled(n: int) -> KernelCensus:
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        return kernel_census(lambda: llm.generate(prompts, params, lora=lora), steps=1)
+
+    return difference(profiled(short + steps), profiled(short), steps)
+
+
+def kernel_rows(built: dict[str, Any], args: argparse.Namespace, steps: int = 8) -> list[KernelRow]:
+    """Each case's ``decode_census`` (after ``measure`` warmed every case)."""
+    prompt = list(range(100, 100 + args.prompt_len))
+    rows = []
+    for b in args.batch_sizes:
+        names = {False: None, True: [f"a{i % 2}" for i in range(b)]}
+        for engine, lora in CASES:
+            mix = decode_census(built[engine], [prompt] * b, args.short, steps, names[lora])
+            label = f"{engine}, {'every row on an adapter' if lora else 'no LoRA row'}"
+            rows.append(KernelRow(b, label, mix))
+            top = ", ".join(f"{k.name[:40]} {k.per_step:.0f}x {k.us_per_step:.0f}" for k in
+                            sorted(mix.by_name, key=lambda k: -k.us_per_step)[:6])  # fmt: skip
+            print(f"B={b:3d} {label:45s} {mix.kernels:6.0f} kernels {mix.busy_us:7.1f} µs busy: "
+                  f"{top}", flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = step_parser(__doc__, "1,8")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--kernels", action="store_true", help="also each case's device kernels (CUDA)"
+    )
     args = parse(parser, argv)
+    if args.kernels and not torch.cuda.is_available():
+        parser.error("--kernels profiles device kernels: it needs CUDA")
     with tempfile.TemporaryDirectory() as folder:
         built = engines(args, Path(folder))
         try:
             rows = measure(built, args)
+            kernels = kernel_rows(built, args) if args.kernels else []
             mode = built["base"].mode.name
         finally:
             for llm in built.values():
                 llm.close()
-    write_rows(args, "lora_cost", mode, rows, rank=args.rank)
+    extra = {"kernels": [asdict(r) for r in kernels]} if kernels else {}
+    write_rows(args, "lora_cost", mode, rows, rank=args.rank, **extra)
     return 0
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from benchmarks.cli import main
 
@@ -178,6 +179,33 @@ def test_kernel_census_counts_every_launch_and_its_device_time():
         ("gemm", 2.0, 6.0),
         ("copy", 1.0, 1.0),
     ]
+
+
+def test_census_difference_keeps_one_decode_steps_kernels():
+    from benchmarks.census import KernelCensus, KernelLaunches, difference
+
+    # A generate of 4 steps more than another: the prefill's kernels (both calls) cancel.
+    fewer = KernelCensus(7.0, 70.0, (KernelLaunches("prefill", 3.0, 30.0),
+                                     KernelLaunches("gemm", 4.0, 40.0)))  # fmt: skip
+    more = KernelCensus(23.0, 158.0, (KernelLaunches("gemm", 12.0, 80.0),
+                                      KernelLaunches("expand", 8.0, 48.0),
+                                      KernelLaunches("prefill", 3.0, 30.0)))  # fmt: skip
+    step = difference(more, fewer, steps=4)
+    assert (step.kernels, step.busy_us) == (4.0, 22.0)
+    assert [(k.name, k.per_step, k.us_per_step) for k in step.by_name] == [
+        ("expand", 2.0, 12.0),
+        ("gemm", 2.0, 10.0),
+    ]
+
+
+def test_lora_cost_kernels_need_cuda(tmp_path, capsys):
+    import benchmarks.lora_cost as lora_cost
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    with pytest.raises(SystemExit):
+        lora_cost.main(["--out", str(tmp_path / "x.json"), "--kernels"])
+    assert "--kernels profiles device kernels" in capsys.readouterr().err
 
 
 def test_table_shows_kernel_columns_only_where_profiled():

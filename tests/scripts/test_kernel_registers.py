@@ -1,0 +1,60 @@
+"""``scripts/kernel_registers.py``: a kernel compiled for sm_90a on this CPU machine and
+ptxas's register report read back."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import kernel_registers  # noqa: E402
+
+NORM_TYPES = "*bf16,*bf16,*bf16,*bf16,*bf16,i32,i32,i32,i32,i32,fp32,*bf16,*bf16,*i64,i32,i32"
+
+
+def test_the_report_is_read_as_ptxas_writes_it():
+    text = (
+        "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+        "ptxas info    : Function properties for k\n"
+        "    64 bytes stack frame, 64 bytes spill stores, 32 bytes spill loads\n"
+        "ptxas info    : Used 128 registers, used 1 barriers, 64 bytes cumulative stack size\n"
+    )
+    assert kernel_registers.parse_ptxas(text) == kernel_registers.Registers(128, 64, 32)
+    with pytest.raises(ValueError, match="no register report"):
+        kernel_registers.parse_ptxas("ptxas fatal : something else")
+
+
+def _ptxas() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        return Path(get_ptxas(90).path).exists()
+    except Exception:  # (a Triton without its NVIDIA tools)
+        return False
+
+
+@pytest.mark.skipif(not _ptxas(), reason="needs Triton's bundled ptxas")
+def test_a_norm_kernel_compiles_for_sm90_and_its_registers_are_reported(capsys):
+    from ostinato.engine.kernels.rms_norm import _rms_norm_kernel
+
+    plain = kernel_registers.registers(
+        _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
+        "LORA_W": 0}, warps=8,
+    )  # fmt: skip
+    delta = kernel_registers.registers(
+        _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
+        "LORA_W": 16}, warps=8,
+    )  # fmt: skip
+    assert 0 < plain.registers < delta.registers <= 255  # (the delta's tiles take some)
+    assert plain.spill_stores == 0
+    argv = ["ostinato.engine.kernels.rms_norm:_rms_norm_kernel", "--types", NORM_TYPES,
+            "--const", "ADD=1", "BLOCK=2048", "USE_PDL=0", "LORA_W=0", "--warps", "8"]  # fmt: skip
+    assert kernel_registers.main(argv) == 0
+    assert "registers, spills 0 B stored" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--types lists 2 types"):
+        kernel_registers.registers(_rms_norm_kernel, ["*bf16", "i32"], {"ADD": 1}, warps=8)

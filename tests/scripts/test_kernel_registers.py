@@ -56,5 +56,40 @@ def test_a_norm_kernel_compiles_for_sm90_and_its_registers_are_reported(capsys):
             "--const", "ADD=1", "BLOCK=2048", "USE_PDL=0", "LORA_W=0", "--warps", "8"]  # fmt: skip
     assert kernel_registers.main(argv) == 0
     assert "registers, spills 0 B stored" in capsys.readouterr().out
+    aligned = kernel_registers.main([*argv, "--aligned", "--divisible", "dim", "stride_x"])
+    assert aligned == 0 and "registers" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--divisible names no argument"):
+        kernel_registers.registers(
+            _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
+            "LORA_W": 0}, warps=8, divisible=frozenset({"nope"}),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="--types lists 2 types"):
         kernel_registers.registers(_rms_norm_kernel, ["*bf16", "i32"], {"ADD": 1}, warps=8)
+
+
+@pytest.mark.skipif(not _ptxas(), reason="needs Triton's bundled ptxas")
+def test_a_launch_on_cpu_tensors_is_recorded_and_compiled_as_the_gpu_would():
+    # The engine's own launch wrapper, called with CPU tensors, runs nothing: its launch
+    # is recorded, then compiled with Triton's specialisation of those arguments (the
+    # rows' stride a multiple of 16, pointers aligned), as a GPU launch compiles.
+    import torch
+
+    from ostinato.engine.kernels.rms_norm import _rms_norm_kernel, rms_norm_rows
+
+    x, res = torch.randn(8, 1536, dtype=torch.bfloat16), torch.randn(8, 1536, dtype=torch.bfloat16)
+    w = torch.randn(1536, dtype=torch.bfloat16)
+    out, total = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    (launch,) = kernel_registers.launched_registers(
+        lambda: rms_norm_rows(x, res, w, 1e-5, out, total, True)
+    )
+    assert launch.kernel == "_rms_norm_kernel" and launch.warps == 8
+    assert launch.constexprs["BLOCK"] == 2048 and launch.constexprs["USE_PDL"]
+    assert torch.all(out == 7.0)  # (nothing ran)
+    consts = {k: launch.constexprs[k] for k in ("ADD", "BLOCK", "USE_PDL", "LORA_W")}
+    free = [n for n in _rms_norm_kernel.arg_names if n not in launch.constexprs]
+    aligned = frozenset(n for n in free if n.endswith("_ptr")) | {"stride_x", "stride_r", "dim"}
+    aligned |= {"stride_o", "stride_t"}
+    by_hand = kernel_registers.registers(
+        _rms_norm_kernel, NORM_TYPES.split(","), consts, 8, divisible=aligned
+    )
+    assert launch.report.registers == by_hand.registers

@@ -30,6 +30,9 @@
 #   bash scripts/gpu_suite.sh lora TREE...  # per tree ("here", or a branch packed by
 #                                      # scripts/gpu_prepare.sh trees): its LoRA GPU tests, then
 #                                      # lora_cost with each case's kernel census (B = 1, 8)
+#   bash scripts/gpu_suite.sh holds TREE...  # per tree (as lora's): the background start's longest
+#                                      # hold of the step turn (deferred_plans, 1.5 B, B = 8),
+#                                      # then the GPU tests of the measurement's timings
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -200,13 +203,32 @@ lora)
             | grep -E "ms/step|Error|error" | tail -14)
     done
     ;;
+holds)
+    shift
+    for tree in "$@"; do
+        dir=.
+        if [ "$tree" != here ]; then
+            dir=/tmp/trees/$tree
+            mkdir -p "$dir" && tar -xzf ".gpu/trees/$tree.tar.gz" -C "$dir"
+        fi
+        (cd "$dir" && timeout 240 python3 -m benchmarks.deferred_plans --batch 8 --new-tokens 64 \
+            --rounds-after 2 --timeout 200 --out "$OUT/dp_$tree.json" 2>&1 \
+            | tee "$OUT/dp_$tree.log" | tail -4)
+        python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['first_start_longest_hold'])" \
+            "$OUT/dp_$tree.json"
+        (cd "$dir" && timeout 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+            tests/library/test_gpu_core.py tests/engine/test_gpu_kernel_options.py \
+            tests/engine/test_gpu_startup.py -k "timing_held or plan_picks or plans_measured_once or deferred or recaptured" 2>&1 \
+            | tee "$OUT/gpu_tests_holds_$tree.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed")
+    done
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds" >&2
     exit 2
     ;;
 esac

@@ -88,7 +88,9 @@ def main() -> None:
     deferred = first.startup.plans_deferred
     during = _rounds(first, args, True, "first start")
     described = first.describe()
-    hold = first.background.longest_hold if first.background is not None else None
+    background = first.background
+    hold = background.longest_hold if background is not None else None
+    holds = {k: asdict(v) for k, v in background.holds.items()} if background is not None else {}
     first.close()
     later = LLM(args.model, cache_dir=cache, capture="blocking", **kw)
     after = _rounds(later, args, False, "later start")
@@ -100,6 +102,8 @@ def main() -> None:
         "first_start_described": described,
         # The longest a step could wait for the capture thread, and what held it.
         "first_start_longest_hold": asdict(hold) if hold is not None else None,
+        # Every hold by kind (the captures, the epilogue, each unit's function).
+        "first_start_holds": holds,
         "later_start": [asdict(r) for r in after],
     }
     later.close()

@@ -37,8 +37,9 @@ kept in ``error``, and the steps go on eagerly; a failure of ``afterwards`` is l
 and kept in ``afterwards_error``, and the graphs serve on; ``done`` is set once the plan
 and ``afterwards`` are exhausted, stopped or failed, and ``seconds`` then says how long
 it took (``capture_seconds``: the plan's part). ``longest_hold`` names the thread's
-longest hold of the turn (an item, the epilogue or a unit), the longest a step could
-have waited for it; ``summary`` reports it.
+longest hold of the turn (an item, the epilogue or a unit, with the function that took
+the unit), the longest a step could have waited for it; ``summary`` reports it; ``holds``
+tallies every hold by kind (the captures, the epilogue, each unit's function).
 """
 
 from __future__ import annotations
@@ -132,6 +133,21 @@ class Hold:
     what: str
 
 
+@dataclass
+class HoldTally:
+    """The holds of one kind (``BackgroundCapture.holds``): how many, their seconds in
+    all, the longest."""
+
+    count: int = 0
+    seconds: float = 0.0
+    longest: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+        self.longest = max(self.longest, seconds)
+
+
 # Work after the capture, given ``BackgroundCapture.unit`` to hold the turn per unit.
 Afterwards = Callable[[Callable[[], contextlib.AbstractContextManager[None]]], None]
 
@@ -169,6 +185,7 @@ class BackgroundCapture:
         self.seconds: float | None = None
         self.capture_seconds: float | None = None  # the plan and epilogue alone
         self.longest_hold: Hold | None = None
+        self.holds: dict[str, HoldTally] = {}  # by kind: "captures", "the epilogue", a unit's
         self._unit_wait = MAX_WAIT_S  # (``unit``'s wait for a pause: see UNIT_SPACING)
         self._afterwards = afterwards
         self._pending = list(plan)
@@ -286,12 +303,16 @@ class BackgroundCapture:
 
     def unit(self) -> contextlib.AbstractContextManager[None]:
         """For ``afterwards``, on the thread: holds the device and the step turn for one
-        unit of work (``_holding``); raises ``CaptureStopped`` once the thread is asked to
-        stop."""
-        return self._holding("a unit after the capture", paced=True)
+        unit of work (``_holding``), named by the function that asked for it (in
+        ``longest_hold`` and ``holds``); raises ``CaptureStopped`` once the thread is asked
+        to stop."""
+        caller = sys._getframe(1)
+        module = caller.f_globals.get("__name__", "?").rpartition(".")[2]
+        site = f"{module}.{caller.f_code.co_name}"
+        return self._holding(f"a unit after the capture: {site}", paced=True, kind=site)
 
     @contextlib.contextmanager
-    def _holding(self, what: str, paced: bool = False) -> Iterator[None]:
+    def _holding(self, what: str, paced: bool = False, kind: str | None = None) -> Iterator[None]:
         """Holds the device and the step turn for ``what``, taken as an item is (when the
         steps pause; ``paced``: after ``UNIT_SPACING`` times the last paced hold at most),
         timed (``_held``), and hands the turn over after it; raises ``CaptureStopped``
@@ -304,7 +325,7 @@ class BackgroundCapture:
             with exclusive_device(), self._turn.capturing():
                 if self._may_start(since, max_wait):
                     start = time.perf_counter()
-                    with self._held(what):
+                    with self._held(what, kind or what):
                         yield
                     if paced:
                         held = time.perf_counter() - start
@@ -313,13 +334,15 @@ class BackgroundCapture:
         self._turn.hand_over(timeout=1.0)
 
     @contextlib.contextmanager
-    def _held(self, what: str) -> Iterator[None]:
-        """Times a hold of the turn, kept in ``longest_hold`` where it is the longest."""
+    def _held(self, what: str, kind: str) -> Iterator[None]:
+        """Times a hold of the turn: tallied under ``kind``, kept in ``longest_hold``
+        (as ``what``) where it is the longest."""
         start = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - start
+            self.holds.setdefault(kind, HoldTally()).add(seconds)
             if self.longest_hold is None or seconds > self.longest_hold.seconds:
                 self.longest_hold = Hold(seconds, what)
 
@@ -352,7 +375,7 @@ class BackgroundCapture:
                     continue  # a step came while the turn was taken: it goes first
                 item = self._next()
                 if item is not None:
-                    with self._held(f"the capture of {item.descriptor}"):
+                    with self._held(f"the capture of {item.descriptor}", "captures"):
                         self._capture_one(item)
                     self.captured += 1
             if item is None:

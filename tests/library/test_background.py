@@ -349,9 +349,19 @@ def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
     assert capture.wait(10) and capture.afterwards_error is None
     hold = capture.longest_hold
     assert hold is not None and 0.5 <= hold.seconds < 5, hold
-    names = {"epilogue": "the epilogue", "unit": "a unit after the capture", "item": "num_tokens=4"}
+    names = {
+        "epilogue": "the epilogue",
+        "unit": "a unit after the capture: test_background.afterwards",  # (who took it)
+        "item": "num_tokens=4",
+    }
     assert names[slow] in hold.what, hold
     assert f"up to {hold.seconds:.2f} s ({hold.what})" in capture.summary()
+    # Every hold tallied by kind: each capture, the epilogue, the units by their taker.
+    tally = capture.holds
+    assert sorted(tally) == ["captures", "test_background.afterwards", "the epilogue"], tally
+    assert tally["captures"].count == len(SIZES) and tally["test_background.afterwards"].count == 3
+    assert max(t.longest for t in tally.values()) == hold.seconds
+    assert tally["the epilogue"].seconds <= tally["the epilogue"].longest * 1.0001
 
 
 def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):

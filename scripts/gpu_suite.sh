@@ -218,7 +218,7 @@ holds)
             "$OUT/dp_$tree.json"
         (cd "$dir" && timeout 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
             tests/library/test_gpu_core.py tests/engine/test_gpu_kernel_options.py \
-            tests/engine/test_gpu_startup.py -k "timing_held or plan_picks or plans_measured_once or deferred or recaptured" 2>&1 \
+            tests/engine/test_gpu_startup.py -k "timing_held or plan_picks or plans_measured_once or deferred or recaptured or replayed_between" 2>&1 \
             | tee "$OUT/gpu_tests_holds_$tree.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed")
     done
     ;;

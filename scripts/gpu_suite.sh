@@ -214,11 +214,13 @@ holds)
         (cd "$dir" && timeout 240 python3 -m benchmarks.deferred_plans --batch 8 --new-tokens 64 \
             --rounds-after 2 --timeout 200 --out "$OUT/dp_$tree.json" 2>&1 \
             | tee "$OUT/dp_$tree.log" | tail -4)
-        python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['first_start_longest_hold'])" \
-            "$OUT/dp_$tree.json"
-        (cd "$dir" && timeout 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+print(d['first_start_longest_hold']); print(d.get('first_start_holds'))" "$OUT/dp_$tree.json"
+        k="timing_held or plan_picks or plans_measured_once or fused_layers_are_measured"
+        k="$k or deferred or recaptured or replayed_between"
+        (cd "$dir" && timeout 300 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
             tests/library/test_gpu_core.py tests/engine/test_gpu_kernel_options.py \
-            tests/engine/test_gpu_startup.py -k "timing_held or plan_picks or plans_measured_once or deferred or recaptured or replayed_between" 2>&1 \
+            tests/engine/test_gpu_startup.py -k "$k" 2>&1 \
             | tee "$OUT/gpu_tests_holds_$tree.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed")
     done
     ;;

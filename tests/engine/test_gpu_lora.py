@@ -122,15 +122,17 @@ def expand_case(seed, rows, dtype, width, n):
     return s, b, y, slots, y.double() + masked @ b.double()
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
+def test_the_expand_kernel_equals_the_dense_delta(dtype, rows, pdl):
     # The decode graphs' expand (each row gathers its slot of B) against the dense path's
-    # arithmetic (every slot, masked) in float64; rows without a slot stay bitwise.
+    # arithmetic (every slot, masked) in float64; rows without a slot stay bitwise. With
+    # PDL (an H200's launches) it waits for the GEMM before it like any other kernel.
     from ostinato.engine.kernels.lora_expand import lora_expand
 
     s, b, y, slots, want = expand_case(rows, rows, dtype, width=48, n=2560)
-    got = lora_expand(y.clone(), s, b, slots, SLOTS).double()
+    got = lora_expand(y.clone(), s, b, slots, SLOTS, pdl=pdl).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
     none = slots[:rows] < 0
@@ -147,7 +149,7 @@ def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows)
 
     s, b, y, slots, dense = expand_case(10 + rows, rows, dtype, width=32, n=2 * 1792)
     want = torch.ops.ostinato.silu_mul(dense.to(dtype), False).double()
-    got = lora_expand(y.clone(), s, b, slots, SLOTS, swiglu=True).double()
+    got = lora_expand(y.clone(), s, b, slots, SLOTS, swiglu=True, pdl=True).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
 

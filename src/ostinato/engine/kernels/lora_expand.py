@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.launch import launch, pdl_arg, pdl_for
+from ostinato.engine.kernels.pdl import pdl_enter
 
 MAX_ROWS = 16  # decode steps; larger steps take the dense path (B is read once a row)
 BLOCK_N = 128
@@ -42,8 +43,9 @@ def _slot_delta(b_ptr, s, rows, w_ok, cols, c_ok, stride_b):
 def _lora_expand_kernel(
     y_ptr, s_ptr, b_ptr, slots_ptr, out_ptr, N, stride_y, stride_s, stride_b, stride_out,
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    IN_PLACE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # (before the first load: y and s are the GEMM's just before)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
     valid = slot >= 0  # (a row without a slot loads no B)
@@ -77,13 +79,16 @@ def lora_expand(
     max_loras: int,
     swiglu: bool = False,
     in_place: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``y[i] += s[i, slot rows] @ b[slot rows]`` in place for each row ``i`` with
     ``slots[i] >= 0`` (``s`` ``[rows, max_loras * W]``, every slot's shrink; ``b``
     ``[max_loras * W, N]``; ``slots`` at least ``y``'s rows, int64); returns ``y``.
     Without ``in_place``: the sum in a new contiguous tensor, ``y`` (any row stride) left
     as it was. With ``swiglu``: returns a new ``silu(g) * u`` (``[rows, N / 2]``) of the
-    gate and up halves of that sum, each rounded to ``y``'s dtype first."""
+    gate and up halves of that sum, each rounded to ``y``'s dtype first. ``pdl``: launched
+    with programmatic dependent launch where ``pdl_for`` allows (its launch overlaps the
+    GEMM before it, as the base step's kernels do)."""
     n, width = y.shape[0], b.shape[0] // max_loras
     if n > MAX_ROWS or y.shape[1] != b.shape[1] or s.shape != (n, b.shape[0]):
         raise ValueError(
@@ -95,10 +100,11 @@ def lora_expand(
     cols = b.shape[1] // 2 if swiglu else b.shape[1]
     fresh = swiglu or not in_place
     out = torch.empty((n, cols), dtype=y.dtype, device=y.device) if fresh else y
+    pdl = pdl_for(pdl, n)
     launch(
         _lora_expand_kernel, (n, triton.cdiv(cols, BLOCK_N)), y, s, b, slots, out, cols,
         y.stride(0), s.stride(0), b.stride(0), out.stride(0),
         W=width, W_PAD=triton.next_power_of_2(width), BLOCK_N=BLOCK_N, SWIGLU=swiglu,
-        IN_PLACE=not fresh, num_warps=4,
+        IN_PLACE=not fresh, USE_PDL=pdl_arg(pdl), num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out

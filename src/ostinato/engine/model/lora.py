@@ -198,8 +198,8 @@ class LoraProjection(nn.Module):
         if expands_in_kernel(x):
             from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
 
-            max_loras = self.shape.max_loras
-            return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False)
+            max_loras, pdl = self.shape.max_loras, bool(swiglu_pdl) or _pdl(linear)
+            return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False, pdl)
         # No reshape or broadcast names the row count: compiled, it is an unbacked size,
         # on which torch 2.11 would guard.
         s = (s.unflatten(1, (self.shape.max_loras, -1)) * mask.unsqueeze(-1)).flatten(1)
@@ -225,12 +225,19 @@ class LoraProjection(nn.Module):
         keeps the kernels the base step measured fastest for the projection's shape."""
         assert self.joint is not None, "LoraProjection.project before join"
         rows = linear.weight.shape[0]
-        plan, pdl = (list(linear.plan), linear.pdl) if isinstance(linear, Linear) else ([], False)
-        full = torch.ops.ostinato.linear(x, self.joint, None, self.counters, plan, False, pdl)
+        plan = list(linear.plan) if isinstance(linear, Linear) else []
+        full = torch.ops.ostinato.linear(
+            x, self.joint, None, self.counters, plan, False, _pdl(linear)
+        )
         y, s = full[:, :rows], full[:, rows:]
         if linear.bias is not None:
             y = y + linear.bias
         return y, s
+
+
+def _pdl(linear: nn.Linear) -> bool:
+    """Whether ``linear``'s launches use PDL (its plan's flag; none without a plan)."""
+    return isinstance(linear, Linear) and linear.pdl
 
 
 def expands_in_kernel(x: torch.Tensor) -> bool:

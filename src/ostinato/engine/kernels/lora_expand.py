@@ -29,14 +29,14 @@ BLOCK_N = 128
 
 
 @triton.jit
-def _slot_delta(b_ptr, s, rows, w_ok, cols, c_ok, stride_b):
-    """The float32 delta ``s @ B[rows]`` at ``cols`` (zero where a mask is off)."""
+def _slot_b(b_ptr, rows, w_ok, cols, c_ok, stride_b):
+    """The slot's ``B[rows]`` at ``cols`` in float32 (zero where a mask is off)."""
     b = tl.load(
         b_ptr + rows[:, None] * stride_b + cols[None, :],
         mask=w_ok[:, None] & c_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
-    return tl.sum(b * s[:, None], axis=0)
+    )
+    return b.to(tl.float32)
 
 
 @triton.jit
@@ -45,21 +45,27 @@ def _lora_expand_kernel(
     W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
     IN_PLACE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)  # (before the first load: y and s are the GEMM's just before)
+    # The slot and its B come first, before the PDL wait: no kernel of the step writes
+    # them (``row_slots`` and the slots are written before the step), so their loads
+    # overlap the joint GEMM's tail; y and s are that GEMM's, read after the wait.
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
     valid = slot >= 0  # (a row without a slot loads no B)
     w = tl.arange(0, W_PAD)
     w_ok = (w < W) & valid
     rows = tl.maximum(slot, 0) * W + w
-    s = tl.load(s_ptr + row * stride_s + rows, mask=w_ok, other=0.0).to(tl.float32)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = cols < N  # (N: the output's columns; with SWIGLU half of B's)
-    delta = _slot_delta(b_ptr, s, rows, w_ok, cols, c_ok, stride_b)
+    b = _slot_b(b_ptr, rows, w_ok, cols, c_ok, stride_b)
+    if SWIGLU:
+        b_up = _slot_b(b_ptr, rows, w_ok, cols + N, c_ok, stride_b)
+    pdl_enter(USE_PDL)
+    s = tl.load(s_ptr + row * stride_s + rows, mask=w_ok, other=0.0).to(tl.float32)
+    delta = tl.sum(b * s[:, None], axis=0)
     y = tl.load(y_ptr + row * stride_y + cols, mask=c_ok, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     if SWIGLU:
-        up_delta = _slot_delta(b_ptr, s, rows, w_ok, cols + N, c_ok, stride_b)
+        up_delta = tl.sum(b_up * s[:, None], axis=0)
         up = tl.load(y_ptr + row * stride_y + N + cols, mask=c_ok, other=0.0).to(tl.float32)
         gate = (y + delta).to(dtype).to(tl.float32)
         up = (up + up_delta).to(dtype).to(tl.float32)

@@ -156,15 +156,18 @@ def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_the_norm_with_each_rows_delta_equals_the_expand_then_the_norm(dtype, rows):
+@pytest.mark.parametrize("width", [16, 64])  # B's rows loaded before the PDL wait, and not
+def test_the_norm_with_each_rows_delta_equals_the_expand_then_the_norm(dtype, rows, width):
     # The O projection's expand inside the norm after it (ostinato::lora_add_rms_norm)
     # against the two kernels it replaces: the expand into a new tensor, then
     # add_rms_norm. The delta sums in another order, so bf16 may round an element to
     # its neighbour; rows without a slot stay bitwise.
     import ostinato.engine.model.norm_op  # noqa: F401  (registers the ops)
     from ostinato.engine.kernels.lora_expand import lora_expand
+    from ostinato.engine.kernels.rms_norm import loads_b_ahead
 
-    s, b, y, slots, _ = expand_case(20 + rows, rows, dtype, width=16, n=1536)
+    assert loads_b_ahead(width, 2048, 8) == (width == 16)
+    s, b, y, slots, _ = expand_case(20 + rows, rows, dtype, width=width, n=1536)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     residual = torch.randn(rows, 1536, device="cuda", generator=gen).to(dtype)
     weight = (1 + 0.1 * torch.randn(1536, device="cuda", generator=gen)).to(dtype)

@@ -287,23 +287,27 @@ import ostinato.engine.model.norm_op as norm_op
 from ostinato.engine import SamplingParams
 from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
-# The norm's kernel with each row's delta against the delta added first, then the kernel.
+# The norm's kernel with each row's delta against the delta added first, then the kernel:
+# B's rows loaded before the PDL wait (W = 16 here), and one at a time (W = 64).
+from ostinato.engine.kernels.rms_norm import loads_b_ahead
+assert loads_b_ahead(16, 128, 1) and not loads_b_ahead(64, 128, 1)
 g = torch.Generator().manual_seed(0)
-S, W, D, n = 3, 16, 96, 5
-s, b = torch.randn(n, S * W, generator=g), torch.randn(S * W, D, generator=g) * 0.05
-x = torch.randn(n, D + 8, generator=g)[:, :D]
-res, w = torch.randn(n, D, generator=g), torch.randn(D, generator=g)
-slots = torch.tensor([2, -1, 0, 1, -1, 2, 2, 2])
-out, total = torch.empty(n, D), torch.empty(n, D)
-rms_norm_rows(x, res, w, 1e-5, out, total, False, (s, b, slots, S))
-want_out, want_total = torch.empty(n, D), torch.empty(n, D)
-rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want_total)
-torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
-torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-assert torch.equal(out[slots[:n] < 0], want_out[slots[:n] < 0])
-# The op's CUDA implementation (add_rms_norm's, with the delta) launches the same.
-op_out, op_total = norm_op._lora_add_rms_norm_cuda(x, res, w, 1e-5, s, b, slots, S)
-assert torch.equal(op_out, out) and torch.equal(op_total, total)
+for W in (16, 64):
+    S, D, n = 3, 96, 5
+    s, b = torch.randn(n, S * W, generator=g), torch.randn(S * W, D, generator=g) * 0.05
+    x = torch.randn(n, D + 8, generator=g)[:, :D]
+    res, w = torch.randn(n, D, generator=g), torch.randn(D, generator=g)
+    slots = torch.tensor([2, -1, 0, 1, -1, 2, 2, 2])
+    out, total = torch.empty(n, D), torch.empty(n, D)
+    rms_norm_rows(x, res, w, 1e-5, out, total, False, (s, b, slots, S))
+    want_out, want_total = torch.empty(n, D), torch.empty(n, D)
+    rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want_total)
+    torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[slots[:n] < 0], want_out[slots[:n] < 0])
+    # The op's CUDA implementation (add_rms_norm's, with the delta) launches the same.
+    op_out, op_total = norm_op._lora_add_rms_norm_cuda(x, res, w, 1e-5, s, b, slots, S)
+    assert torch.equal(op_out, out) and torch.equal(op_total, total)
 
 # The engine on the kernels' path (as on CUDA, rows of decode steps): PEFT's tokens.
 lora.expands_in_kernel = lambda x: x.shape[0] <= 16 and not torch.compiler.is_compiling()

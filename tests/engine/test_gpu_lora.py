@@ -139,6 +139,46 @@ def test_the_expand_kernel_equals_the_dense_delta(dtype, rows, pdl):
     assert torch.equal(got[none], y.double()[none])
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_qkv_expand_writes_the_cache_as_the_unfused_ops(dtype, rows, qk_norm):
+    # The QKV group's expand with the head norms, RoPE and the K/V write in one kernel
+    # (PDL on, as on an H200) against the dense sum, then the torch ops, in float64.
+    from ostinato.engine.kernels.lora_expand import lora_expand_qkv
+    from ostinato.engine.kernels.small_gemm import RopeKV
+    from ostinato.engine.model.norm_op import rms_norm_reference
+    from ostinato.engine.model.rope import apply_rope
+
+    heads, kv_heads, d = 12, 2, 128  # the 1.5 B shape's
+    s, b, y, slots, dense = expand_case(30 + rows, rows, dtype, width=48, n=2048)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    pos = torch.randint(0, 4000, (rows,), device="cuda", generator=gen).double()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda").double() / d)
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    k_cache = torch.randn(8, 16, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    v_cache = torch.randn(8, 16, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    kv_slots = torch.randperm(128, device="cuda", generator=gen)[:rows]
+    norms = [(1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).to(dtype) for _ in "qk"]
+    q_norm, k_norm = norms if qk_norm else (None, None)
+    want_k, want_v = k_cache.double(), v_cache.double()
+    rope = RopeKV(cos, sin, k_cache, v_cache, kv_slots, heads, kv_heads, q_norm, k_norm, 1e-5)
+    q = torch.empty(rows, heads * d, device="cuda", dtype=dtype)
+    lora_expand_qkv(y, s, b, slots, SLOTS, rope, q, pdl=True)
+
+    total = dense.to(dtype).double().view(rows, -1, d)
+    wq, wk, wv = total.split([heads, kv_heads, kv_heads], 1)
+    if qk_norm:
+        wq, wk = (rms_norm_reference(t, w.double(), 1e-5) for t, w in ((wq, q_norm), (wk, k_norm)))
+    want_k.view(-1, kv_heads, d)[kv_slots] = apply_rope(wk, cos.double(), sin.double())
+    want_v.view(-1, kv_heads, d)[kv_slots] = wv
+    tolerance = 1e-6 if dtype is torch.float32 else 1e-2
+    for got, want in ((q, wq.reshape(rows, -1)), (k_cache, want_k), (v_cache, want_v)):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < tolerance, err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows):

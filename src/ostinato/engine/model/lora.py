@@ -17,6 +17,7 @@ are zero); ``row_slots`` never moves; nothing here synchronises with the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -206,6 +207,18 @@ class LoraProjection(nn.Module):
         total = y + torch.mm(s, self.b)
         return total if not swiglu else torch.ops.ostinato.silu_mul(total, swiglu_pdl)
 
+    def project_rope_kv(
+        self, linear: nn.Linear, x: torch.Tensor, slots: torch.Tensor, rope: Any, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The QKV group where the expand runs as a kernel (``expands_in_kernel``): the
+        joint GEMM, then ``lora_expand.lora_expand_qkv`` (``rope``: a
+        ``small_gemm.RopeKV``): the query heads into ``out``, the keys and values into
+        the cache, as ``norm_qkv``'s kernel leaves them; returns ``out``."""
+        from ostinato.engine.kernels.lora_expand import lora_expand_qkv  # (Triton: CUDA only)
+
+        y, s = self._joint(linear, x)
+        return lora_expand_qkv(y, s, self.b, slots, self.shape.max_loras, rope, out, _pdl(linear))
+
     def project_for_norm(
         self, linear: nn.Linear, x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, RowDelta | None]:
@@ -336,6 +349,14 @@ class LoraRows:
         (``LoraProjection.project_for_norm``)."""
         projection = self.weights.layers[layer][group]
         return projection.project_for_norm(linear, x, self.mask, self.weights.row_slots)
+
+    def project_rope_kv(
+        self, layer: int, linear: nn.Linear, x: torch.Tensor, rope: Any, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``layer``'s QKV projection (``linear``) of ``x`` with each row's delta, its
+        K/V written to the cache (``LoraProjection.project_rope_kv``); the query heads."""
+        projection = self.weights.layers[layer]["qkv"]
+        return projection.project_rope_kv(linear, x, self.weights.row_slots, rope, out)
 
     def swiglu(self, layer: int, linear: nn.Linear, x: torch.Tensor, pdl: bool) -> torch.Tensor:
         """SiLU·mul of layer ``layer``'s gate/up projection (``linear``) of ``x`` plus each

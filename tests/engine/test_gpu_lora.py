@@ -122,19 +122,61 @@ def expand_case(seed, rows, dtype, width, n):
     return s, b, y, slots, y.double() + masked @ b.double()
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_the_expand_kernel_equals_the_dense_delta(dtype, rows):
+def test_the_expand_kernel_equals_the_dense_delta(dtype, rows, pdl):
     # The decode graphs' expand (each row gathers its slot of B) against the dense path's
-    # arithmetic (every slot, masked) in float64; rows without a slot stay bitwise.
+    # arithmetic (every slot, masked) in float64; rows without a slot stay bitwise. With
+    # PDL (an H200's launches) it waits for the GEMM before it like any other kernel.
     from ostinato.engine.kernels.lora_expand import lora_expand
 
     s, b, y, slots, want = expand_case(rows, rows, dtype, width=48, n=2560)
-    got = lora_expand(y.clone(), s, b, slots, SLOTS).double()
+    got = lora_expand(y.clone(), s, b, slots, SLOTS, pdl=pdl).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
     none = slots[:rows] < 0
     assert torch.equal(got[none], y.double()[none])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_qkv_expand_writes_the_cache_as_the_unfused_ops(dtype, rows, qk_norm):
+    # The QKV group's expand with the head norms, RoPE and the K/V write in one kernel
+    # (PDL on, as on an H200) against the dense sum, then the torch ops, in float64.
+    from ostinato.engine.kernels.lora_expand import lora_expand_qkv
+    from ostinato.engine.kernels.small_gemm import RopeKV
+    from ostinato.engine.model.norm_op import rms_norm_reference
+    from ostinato.engine.model.rope import apply_rope
+
+    heads, kv_heads, d = 12, 2, 128  # the 1.5 B shape's
+    s, b, y, slots, dense = expand_case(30 + rows, rows, dtype, width=48, n=2048)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    pos = torch.randint(0, 4000, (rows,), device="cuda", generator=gen).double()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda").double() / d)
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    k_cache = torch.randn(8, 16, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    v_cache = torch.randn(8, 16, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    kv_slots = torch.randperm(128, device="cuda", generator=gen)[:rows]
+    norms = [(1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).to(dtype) for _ in "qk"]
+    q_norm, k_norm = norms if qk_norm else (None, None)
+    want_k, want_v = k_cache.double(), v_cache.double()
+    rope = RopeKV(cos, sin, k_cache, v_cache, kv_slots, heads, kv_heads, q_norm, k_norm, 1e-5)
+    q = torch.empty(rows, heads * d, device="cuda", dtype=dtype)
+    lora_expand_qkv(y, s, b, slots, SLOTS, rope, q, pdl=True)
+
+    total = dense.to(dtype).double().view(rows, -1, d)
+    wq, wk, wv = total.split([heads, kv_heads, kv_heads], 1)
+    if qk_norm:
+        wq, wk = (rms_norm_reference(t, w.double(), 1e-5) for t, w in ((wq, q_norm), (wk, k_norm)))
+    want_k.view(-1, kv_heads, d)[kv_slots] = apply_rope(wk, cos.double(), sin.double())
+    want_v.view(-1, kv_heads, d)[kv_slots] = wv
+    tolerance = 1e-6 if dtype is torch.float32 else 1e-2
+    for got, want in ((q, wq.reshape(rows, -1)), (k_cache, want_k), (v_cache, want_v)):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < tolerance, err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -147,22 +189,25 @@ def test_the_expand_kernels_swiglu_equals_silu_mul_of_the_dense_sum(dtype, rows)
 
     s, b, y, slots, dense = expand_case(10 + rows, rows, dtype, width=32, n=2 * 1792)
     want = torch.ops.ostinato.silu_mul(dense.to(dtype), False).double()
-    got = lora_expand(y.clone(), s, b, slots, SLOTS, swiglu=True).double()
+    got = lora_expand(y.clone(), s, b, slots, SLOTS, swiglu=True, pdl=True).double()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-6 if dtype is torch.float32 else 1e-2), err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_the_norm_with_each_rows_delta_equals_the_expand_then_the_norm(dtype, rows):
+@pytest.mark.parametrize("width", [16, 64])  # B's rows loaded before the PDL wait, and not
+def test_the_norm_with_each_rows_delta_equals_the_expand_then_the_norm(dtype, rows, width):
     # The O projection's expand inside the norm after it (ostinato::lora_add_rms_norm)
     # against the two kernels it replaces: the expand into a new tensor, then
     # add_rms_norm. The delta sums in another order, so bf16 may round an element to
     # its neighbour; rows without a slot stay bitwise.
     import ostinato.engine.model.norm_op  # noqa: F401  (registers the ops)
     from ostinato.engine.kernels.lora_expand import lora_expand
+    from ostinato.engine.kernels.rms_norm import loads_b_ahead
 
-    s, b, y, slots, _ = expand_case(20 + rows, rows, dtype, width=16, n=1536)
+    assert loads_b_ahead(width, 2048, 8) == (width == 16)
+    s, b, y, slots, _ = expand_case(20 + rows, rows, dtype, width=width, n=1536)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     residual = torch.randn(rows, 1536, device="cuda", generator=gen).to(dtype)
     weight = (1 + 0.1 * torch.randn(1536, device="cuda", generator=gen)).to(dtype)

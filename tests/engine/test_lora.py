@@ -287,23 +287,27 @@ import ostinato.engine.model.norm_op as norm_op
 from ostinato.engine import SamplingParams
 from ostinato.engine.kernels.rms_norm import rms_norm_rows
 
-# The norm's kernel with each row's delta against the delta added first, then the kernel.
+# The norm's kernel with each row's delta against the delta added first, then the kernel:
+# B's rows loaded before the PDL wait (W = 16 here), and one at a time (W = 64).
+from ostinato.engine.kernels.rms_norm import loads_b_ahead
+assert loads_b_ahead(16, 128, 1) and not loads_b_ahead(64, 128, 1)
 g = torch.Generator().manual_seed(0)
-S, W, D, n = 3, 16, 96, 5
-s, b = torch.randn(n, S * W, generator=g), torch.randn(S * W, D, generator=g) * 0.05
-x = torch.randn(n, D + 8, generator=g)[:, :D]
-res, w = torch.randn(n, D, generator=g), torch.randn(D, generator=g)
-slots = torch.tensor([2, -1, 0, 1, -1, 2, 2, 2])
-out, total = torch.empty(n, D), torch.empty(n, D)
-rms_norm_rows(x, res, w, 1e-5, out, total, False, (s, b, slots, S))
-want_out, want_total = torch.empty(n, D), torch.empty(n, D)
-rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want_total)
-torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
-torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-assert torch.equal(out[slots[:n] < 0], want_out[slots[:n] < 0])
-# The op's CUDA implementation (add_rms_norm's, with the delta) launches the same.
-op_out, op_total = norm_op._lora_add_rms_norm_cuda(x, res, w, 1e-5, s, b, slots, S)
-assert torch.equal(op_out, out) and torch.equal(op_total, total)
+for W in (16, 64):
+    S, D, n = 3, 96, 5
+    s, b = torch.randn(n, S * W, generator=g), torch.randn(S * W, D, generator=g) * 0.05
+    x = torch.randn(n, D + 8, generator=g)[:, :D]
+    res, w = torch.randn(n, D, generator=g), torch.randn(D, generator=g)
+    slots = torch.tensor([2, -1, 0, 1, -1, 2, 2, 2])
+    out, total = torch.empty(n, D), torch.empty(n, D)
+    rms_norm_rows(x, res, w, 1e-5, out, total, False, (s, b, slots, S))
+    want_out, want_total = torch.empty(n, D), torch.empty(n, D)
+    rms_norm_rows(norm_op.lora_rows(x, s, b, slots, S), res, w, 1e-5, want_out, want_total)
+    torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[slots[:n] < 0], want_out[slots[:n] < 0])
+    # The op's CUDA implementation (add_rms_norm's, with the delta) launches the same.
+    op_out, op_total = norm_op._lora_add_rms_norm_cuda(x, res, w, 1e-5, s, b, slots, S)
+    assert torch.equal(op_out, out) and torch.equal(op_total, total)
 
 # The engine on the kernels' path (as on CUDA, rows of decode steps): PEFT's tokens.
 lora.expands_in_kernel = lambda x: x.shape[0] <= 16 and not torch.compiler.is_compiling()
@@ -332,5 +336,58 @@ def test_the_decode_path_of_lora_equals_peft_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests.parent / "src")}
     run = [sys.executable, "-c", _INTERPRETED, str(tests)]
     out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+_INTERPRETED_QKV = """
+import torch
+from ostinato.engine.kernels.lora_expand import lora_expand_qkv
+from ostinato.engine.kernels.small_gemm import RopeKV
+from ostinato.engine.model.norm_op import lora_rows, rms_norm_reference
+from ostinato.engine.model.rope import apply_rope
+
+# The QKV group's expand with the K/V write against the torch arithmetic: the sum
+# (lora_rows), the head norms, keys rotated and both written at their slots.
+g = torch.Generator().manual_seed(0)
+S, W, n, heads, kv_heads, d = 3, 8, 4, 4, 2, 32
+cols = (heads + 2 * kv_heads) * d
+for qk_norm in (False, True):
+    y = torch.randn(n, cols + 16, generator=g)[:, :cols]  # a strided view, as the GEMM's
+    s, b = torch.randn(n, S * W, generator=g), torch.randn(S * W, cols, generator=g) * 0.05
+    slots = torch.tensor([2, -1, 0, 2, 1, -1])
+    pos = torch.tensor([3.0, 17.0, 40.0, 5.0])
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    k_cache, v_cache = torch.randn(6, 4, kv_heads, d, generator=g), torch.zeros(6, 4, kv_heads, d)
+    kv_slots = torch.tensor([5, 9, 0, 22])
+    q_norm = 1 + 0.1 * torch.randn(d, generator=g) if qk_norm else None
+    k_norm = 1 + 0.1 * torch.randn(d, generator=g) if qk_norm else None
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    rope = RopeKV(cos, sin, k_cache, v_cache, kv_slots, heads, kv_heads, q_norm, k_norm, 1e-5)
+    out = torch.full((n, heads * d), 7.0)
+    assert lora_expand_qkv(y, s, b, slots, S, rope, out) is out
+
+    q, k, v = lora_rows(y, s, b, slots, S).view(n, -1, d).split([heads, kv_heads, kv_heads], 1)
+    if qk_norm:
+        q, k = rms_norm_reference(q, q_norm, 1e-5), rms_norm_reference(k, k_norm, 1e-5)
+    want_k.view(-1, kv_heads, d)[kv_slots] = apply_rope(k, cos, sin)
+    want_v.view(-1, kv_heads, d)[kv_slots] = v
+    torch.testing.assert_close(out, q.reshape(n, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache, want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache, want_v, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_qkv_expand_writes_the_cache_as_the_unfused_ops_under_the_interpreter():
+    # What a CUDA LoRA decode step runs for its QKV group after the joint GEMM, on the CPU
+    # through Triton's interpreter: the expand, the head norms, RoPE and the K/V write.
+    src = str(Path(__file__).parents[2] / "src")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": src}
+    run = [sys.executable, "-c", _INTERPRETED_QKV]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")

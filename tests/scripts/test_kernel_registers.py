@@ -44,16 +44,17 @@ def test_a_norm_kernel_compiles_for_sm90_and_its_registers_are_reported(capsys):
 
     plain = kernel_registers.registers(
         _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
-        "LORA_W": 0}, warps=8,
+        "LORA_W": 0, "LORA_W_PAD": 1, "LORA_AHEAD": 0}, warps=8,
     )  # fmt: skip
     delta = kernel_registers.registers(
         _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
-        "LORA_W": 16}, warps=8,
+        "LORA_W": 16, "LORA_W_PAD": 16, "LORA_AHEAD": 0}, warps=8,
     )  # fmt: skip
     assert 0 < plain.registers < delta.registers <= 255  # (the delta's tiles take some)
     assert plain.spill_stores == 0
     argv = ["ostinato.engine.kernels.rms_norm:_rms_norm_kernel", "--types", NORM_TYPES,
-            "--const", "ADD=1", "BLOCK=2048", "USE_PDL=0", "LORA_W=0", "--warps", "8"]  # fmt: skip
+            "--const", "ADD=1", "BLOCK=2048", "USE_PDL=0", "LORA_W=0", "LORA_W_PAD=1",
+            "LORA_AHEAD=0", "--warps", "8"]  # fmt: skip
     assert kernel_registers.main(argv) == 0
     assert "registers, spills 0 B stored" in capsys.readouterr().out
     aligned = kernel_registers.main([*argv, "--aligned", "--divisible", "dim", "stride_x"])
@@ -61,7 +62,8 @@ def test_a_norm_kernel_compiles_for_sm90_and_its_registers_are_reported(capsys):
     with pytest.raises(ValueError, match="--divisible names no argument"):
         kernel_registers.registers(
             _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
-            "LORA_W": 0}, warps=8, divisible=frozenset({"nope"}),
+            "LORA_W": 0, "LORA_W_PAD": 1, "LORA_AHEAD": 0}, warps=8,
+            divisible=frozenset({"nope"}),
         )  # fmt: skip
     with pytest.raises(ValueError, match="--types lists 2 types"):
         kernel_registers.registers(_rms_norm_kernel, ["*bf16", "i32"], {"ADD": 1}, warps=8)
@@ -85,7 +87,8 @@ def test_a_launch_on_cpu_tensors_is_recorded_and_compiled_as_the_gpu_would():
     assert launch.kernel == "_rms_norm_kernel" and launch.warps == 8
     assert launch.constexprs["BLOCK"] == 2048 and launch.constexprs["USE_PDL"]
     assert torch.all(out == 7.0)  # (nothing ran)
-    consts = {k: launch.constexprs[k] for k in ("ADD", "BLOCK", "USE_PDL", "LORA_W")}
+    named = [p.name for p in _rms_norm_kernel.params if p.is_constexpr]
+    consts = {k: launch.constexprs[k] for k in named}
     free = [n for n in _rms_norm_kernel.arg_names if n not in launch.constexprs]
     aligned = frozenset(n for n in free if n.endswith("_ptr")) | {"stride_x", "stride_r", "dim"}
     aligned |= {"stride_o", "stride_t"}

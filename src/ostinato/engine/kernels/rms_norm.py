@@ -12,6 +12,42 @@ import triton.language as tl
 from ostinato.engine.kernels.launch import launch, pdl_arg, pdl_for
 from ostinato.engine.kernels.pdl import pdl_enter
 
+# A LoRA delta's B rows load before the PDL wait where a thread holds at most this many
+# of their elements: rank 16 on the 1.5 B shape (8 warps) and the 8 B shape (16 warps,
+# so at most 128 registers a thread) compile for sm_90a to 96 registers without a spill,
+# launched as the engine launches them (``scripts/kernel_registers.py``'s
+# ``launched_registers``: Triton's alignment hints; a compile without them spilled).
+AHEAD_PER_THREAD = 128
+
+
+@triton.jit
+def _slot_b(b_ptr, slots_ptr, row, cols, mask, stride_b, W: tl.constexpr, W_PAD: tl.constexpr):
+    """The row's slot's ``W`` rows of B at ``cols`` (``[W_PAD, BLOCK]``, zero where masked
+    or the row has no slot), the slot's first row and which of the ``W_PAD`` are live."""
+    slot = tl.load(slots_ptr + row)
+    w = tl.arange(0, W_PAD)
+    w_ok = (w < W) & (slot >= 0)  # (a row without a slot adds zero)
+    first = tl.maximum(slot, 0) * W
+    ptrs = b_ptr + (first + w)[:, None] * stride_b + cols[None, :]
+    return tl.load(ptrs, mask=w_ok[:, None] & mask[None, :], other=0.0), first, w_ok
+
+
+@triton.jit
+def _delta_by_row(
+    s_ptr, b_ptr, slots_ptr, row, cols, mask, stride_s, stride_b, W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The row's float32 delta, its slot's B rows loaded one at a time."""
+    slot = tl.load(slots_ptr + row)
+    valid = slot >= 0
+    first = tl.maximum(slot, 0) * W
+    delta = tl.zeros([BLOCK], dtype=tl.float32)
+    for w in tl.static_range(W):
+        sw = tl.load(s_ptr + row * stride_s + first + w, mask=valid, other=0.0)
+        bw = tl.load(b_ptr + (first + w) * stride_b + cols, mask=mask & valid, other=0.0)
+        delta += sw.to(tl.float32) * bw.to(tl.float32)
+    return delta
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -35,21 +71,29 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     LORA_W: tl.constexpr,
+    LORA_W_PAD: tl.constexpr,
+    LORA_AHEAD: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    if LORA_AHEAD:
+        # The row's slot and its B rows before the wait: no kernel of the step writes
+        # them (``row_slots`` and the slots are written before it), so their read
+        # overlaps the previous kernel's tail; ``s`` is that kernel's, read after.
+        b, first, w_ok = _slot_b(b_ptr, slots_ptr, row, cols, mask, stride_b, LORA_W, LORA_W_PAD)
+    pdl_enter(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if LORA_W > 0:  # x + s[row, its slot's W columns] @ b[those W rows], rounded once
-        slot = tl.load(slots_ptr + row)
-        valid = slot >= 0  # (a row without a slot adds zero)
-        first = tl.maximum(slot, 0) * LORA_W
-        delta = tl.zeros([BLOCK], dtype=tl.float32)
-        for w in tl.static_range(LORA_W):
-            sw = tl.load(s_ptr + row * stride_s + first + w, mask=valid, other=0.0)
-            bw = tl.load(b_ptr + (first + w) * stride_b + cols, mask=mask & valid, other=0.0)
-            delta += sw.to(tl.float32) * bw.to(tl.float32)
+        if LORA_AHEAD:
+            sw = tl.load(
+                s_ptr + row * stride_s + first + tl.arange(0, LORA_W_PAD), mask=w_ok, other=0.0
+            )
+            delta = tl.sum(b.to(tl.float32) * sw.to(tl.float32)[:, None], axis=0)
+        else:  # (too many of B's rows to hold at once: one at a time)
+            delta = _delta_by_row(
+                s_ptr, b_ptr, slots_ptr, row, cols, mask, stride_s, stride_b, LORA_W, BLOCK
+            )
         x = (x.to(tl.float32) + delta).to(x_ptr.dtype.element_ty)
     if ADD:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -94,6 +138,8 @@ def rms_norm_rows(
     t = total if add else out
     block = triton.next_power_of_2(dim)
     lora = _lora_args(delta, x, dim)
+    width = delta[1].shape[0] // delta[3] if delta is not None else 0
+    warps = min(16, max(1, block // 256))
     launch(
         _rms_norm_kernel,
         (rows,),
@@ -112,10 +158,20 @@ def rms_norm_rows(
         ADD=add,
         BLOCK=block,
         USE_PDL=pdl_arg(pdl),
-        LORA_W=delta[1].shape[0] // delta[3] if delta is not None else 0,
-        num_warps=min(16, max(1, block // 256)),
+        LORA_W=width,
+        LORA_W_PAD=triton.next_power_of_2(max(width, 1)),
+        LORA_AHEAD=loads_b_ahead(width, block, warps),
+        num_warps=warps,
         launch_pdl=pdl,
     )
+
+
+def loads_b_ahead(width: int, block: int, warps: int) -> bool:
+    """Whether a program loads its row's ``width`` B rows (of ``block`` columns) before the
+    PDL wait: where each of its ``warps * 32`` threads holds ``AHEAD_PER_THREAD`` of
+    their elements at most."""
+    per_thread = triton.next_power_of_2(max(width, 1)) * block // (32 * warps)
+    return 0 < width and per_thread <= AHEAD_PER_THREAD
 
 
 def _lora_args(

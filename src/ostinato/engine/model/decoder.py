@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ostinato.context import get_forward_context
 from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
+from ostinato.engine.kernels.gemm_launch import rope_head_dim
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
@@ -27,9 +29,17 @@ from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
     fused_ops,
     norm_op,
 )
+from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.linear import Linear
-from ostinato.engine.model.lora import LoraRows, LoraShape, LoraWeights, RowDelta, lora_step
+from ostinato.engine.model.lora import (
+    LoraRows,
+    LoraShape,
+    LoraWeights,
+    RowDelta,
+    expands_in_kernel,
+    lora_step,
+)
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
 
 
@@ -185,7 +195,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The attention's output rows (``[n, heads * head_dim]``), before the O
         projection."""
-        if self.rope_in_attention:
+        q_rows = self._lora_queries(x, cos, sin, lora) if lora is not None else None
+        if q_rows is not None:  # (the keys and values are in the cache)
+            out = torch.empty(
+                (x.shape[0], self.heads, self.head_dim), dtype=x.dtype, device=x.device
+            )
+            torch.ops.ostinato.attention(q_rows, None, None, out, self.layer, self.scale, cos, sin)
+        elif self.rope_in_attention:
             q, k, v = self.project(x, None, None, lora)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale, cos, sin)
@@ -194,6 +210,31 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         return out.view(x.shape[0], self.q_size)
+
+    def _lora_queries(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraRows
+    ) -> torch.Tensor | None:
+        """Where a LoRA step's expand runs as a kernel and the Triton backend rotates and
+        caches (its layout; a power-of-two head dim): the QKV projection, each row's
+        delta, the head norms and the K/V write in two kernels (the joint GEMM, then
+        ``lora_expand_qkv``) instead of three; the query heads, unrotated. Else None."""
+        if not (self.rope_in_attention and expands_in_kernel(x) and rope_head_dim(self.head_dim)):
+            return None
+        step = get_forward_context().attn_metadata
+        if not isinstance(step.backend, TritonAttention):
+            return None
+        from ostinato.engine.kernels.small_gemm import RopeKV  # (Triton: CUDA only)
+
+        q_norm, k_norm = self.q_norm, self.k_norm
+        rope = RopeKV(
+            cos, sin, step.cache.k[self.layer], step.cache.v[self.layer],
+            step.metadata.slot_mapping, self.heads, self.kv_heads,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+        )  # fmt: skip
+        q = torch.empty((x.shape[0], self.q_size), dtype=x.dtype, device=x.device)
+        return lora.project_rope_kv(self.layer, self.qkv_proj, x, rope, q)
 
     def forward_fused(
         self,

@@ -17,6 +17,7 @@ are zero); ``row_slots`` never moves; nothing here synchronises with the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -198,13 +199,25 @@ class LoraProjection(nn.Module):
         if expands_in_kernel(x):
             from ostinato.engine.kernels import lora_expand  # (Triton: CUDA only)
 
-            max_loras = self.shape.max_loras
-            return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False)
+            max_loras, pdl = self.shape.max_loras, bool(swiglu_pdl) or _pdl(linear)
+            return lora_expand.lora_expand(y, s, self.b, slots, max_loras, swiglu, False, pdl)
         # No reshape or broadcast names the row count: compiled, it is an unbacked size,
         # on which torch 2.11 would guard.
         s = (s.unflatten(1, (self.shape.max_loras, -1)) * mask.unsqueeze(-1)).flatten(1)
         total = y + torch.mm(s, self.b)
         return total if not swiglu else torch.ops.ostinato.silu_mul(total, swiglu_pdl)
+
+    def project_rope_kv(
+        self, linear: nn.Linear, x: torch.Tensor, slots: torch.Tensor, rope: Any, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The QKV group where the expand runs as a kernel (``expands_in_kernel``): the
+        joint GEMM, then ``lora_expand.lora_expand_qkv`` (``rope``: a
+        ``small_gemm.RopeKV``): the query heads into ``out``, the keys and values into
+        the cache, as ``norm_qkv``'s kernel leaves them; returns ``out``."""
+        from ostinato.engine.kernels.lora_expand import lora_expand_qkv  # (Triton: CUDA only)
+
+        y, s = self._joint(linear, x)
+        return lora_expand_qkv(y, s, self.b, slots, self.shape.max_loras, rope, out, _pdl(linear))
 
     def project_for_norm(
         self, linear: nn.Linear, x: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
@@ -225,12 +238,19 @@ class LoraProjection(nn.Module):
         keeps the kernels the base step measured fastest for the projection's shape."""
         assert self.joint is not None, "LoraProjection.project before join"
         rows = linear.weight.shape[0]
-        plan, pdl = (list(linear.plan), linear.pdl) if isinstance(linear, Linear) else ([], False)
-        full = torch.ops.ostinato.linear(x, self.joint, None, self.counters, plan, False, pdl)
+        plan = list(linear.plan) if isinstance(linear, Linear) else []
+        full = torch.ops.ostinato.linear(
+            x, self.joint, None, self.counters, plan, False, _pdl(linear)
+        )
         y, s = full[:, :rows], full[:, rows:]
         if linear.bias is not None:
             y = y + linear.bias
         return y, s
+
+
+def _pdl(linear: nn.Linear) -> bool:
+    """Whether ``linear``'s launches use PDL (its plan's flag; none without a plan)."""
+    return isinstance(linear, Linear) and linear.pdl
 
 
 def expands_in_kernel(x: torch.Tensor) -> bool:
@@ -329,6 +349,14 @@ class LoraRows:
         (``LoraProjection.project_for_norm``)."""
         projection = self.weights.layers[layer][group]
         return projection.project_for_norm(linear, x, self.mask, self.weights.row_slots)
+
+    def project_rope_kv(
+        self, layer: int, linear: nn.Linear, x: torch.Tensor, rope: Any, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``layer``'s QKV projection (``linear``) of ``x`` with each row's delta, its
+        K/V written to the cache (``LoraProjection.project_rope_kv``); the query heads."""
+        projection = self.weights.layers[layer]["qkv"]
+        return projection.project_rope_kv(linear, x, self.weights.row_slots, rope, out)
 
     def swiglu(self, layer: int, linear: nn.Linear, x: torch.Tensor, pdl: bool) -> torch.Tensor:
         """SiLU·mul of layer ``layer``'s gate/up projection (``linear``) of ``x`` plus each

@@ -173,19 +173,12 @@ def graph_call_us(
     Without ``turn``: one untimed replay, then ``replays`` back to back under one pair
     of events, their mean. With ``turn`` (a background measurement beside steps): the
     capture outside it, which runs nothing (``fn`` must touch nothing a step uses), then
-    ``replays`` timings, each inside a ``turn()`` of its own (``held_replay_us``), their
-    median; a step waits at most one such timing, not the whole measurement."""
-    graph = torch.cuda.CUDAGraph()
-    mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
-    with exclusive_device():
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, capture_error_mode=mode):
-            for _ in range(calls):
-                fn()
+    ``held_replays_us``: a step waits at most one timing, not the whole measurement."""
+    graph = captured_calls(fn, calls)
     if turn is not None:
-        times = [held_replay_us(graph, turn) for _ in range(replays)]
+        us = held_replays_us(graph, replays, turn) / calls
         del graph
-        return statistics.median(times) / calls
+        return us
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -196,6 +189,26 @@ def graph_call_us(
     us = start.elapsed_time(end) * 1e3 / (replays * calls)
     del graph
     return us
+
+
+def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` back to back, captured into one CUDA graph (its own
+    pool), the device's other work drained first."""
+    graph = torch.cuda.CUDAGraph()
+    mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
+    with exclusive_device():
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            for _ in range(calls):
+                fn()
+    return graph
+
+
+def held_replays_us(graph: Any, replays: int, turn: Turn) -> float:
+    """The median µs of ``replays`` timed replays of ``graph``, each inside a ``turn()``
+    of its own (``held_replay_us``). What the graph reads must be its own, or written
+    again in each turn: steps run between."""
+    return statistics.median(held_replay_us(graph, turn) for _ in range(replays))
 
 
 def held_replay_us(graph: Any, turn: Turn) -> float:

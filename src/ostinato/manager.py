@@ -391,7 +391,9 @@ class GraphManager:
         entries = self._full.entries
         if descriptor not in entries:
             raise KeyError(f"recapture: no FULL graph was captured for {descriptor}")
-        with turn() if turn is not None else _NO_TURN:
+        with turn() if turn is not None else _NO_TURN, exclusive_device():
+            if turn is not None:  # (the steps' queued work reads the inputs ``prepare`` writes)
+                self.platform.synchronize()
             old = entries.pop(descriptor)
             try:
                 with capture_phase(collect=False), torch.inference_mode():

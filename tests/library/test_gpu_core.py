@@ -255,7 +255,7 @@ def test_a_timing_held_per_replay_captures_beside_another_threads_work():
     import contextlib
     import threading
 
-    from ostinato.platform import isolated_capture
+    from ostinato.platform.base import isolated_capture
     from ostinato.platform.cuda import graph_call_us
 
     x = torch.randn(512, 512, device=DEVICE)

@@ -254,6 +254,7 @@ def test_a_timing_held_per_replay_captures_beside_another_threads_work():
     # stream syncs, and the time must agree with the plain measurement.
     import contextlib
     import threading
+    import time
 
     from ostinato.platform.base import isolated_capture
     from ostinato.platform.cuda import graph_call_us
@@ -277,9 +278,12 @@ def test_a_timing_held_per_replay_captures_beside_another_threads_work():
         holds.append(steps[0])
         yield
 
+    x @ x  # cuBLAS's lazy set-up on this thread, which a capture must not hold
     plain = graph_call_us(lambda: x @ x, 20)
     thread = threading.Thread(target=steps_beside)
     thread.start()
+    while steps[0] == 0 and thread.is_alive():  # its own set-up done before a capture
+        time.sleep(0.001)
     try:
         with isolated_capture():
             held = [graph_call_us(lambda: x @ x, 20, turn=turn) for _ in range(3)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,8 +30,10 @@ _NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
 PrepareFn = Callable[[BatchDescriptor], Any]
 PerturbFn = Callable[[BatchDescriptor, int], None]
-# ``recapture``'s choice: (a replay of the old graph, one of the new) -> keep the new one?
-KeepNew = Callable[[Callable[[], None], Callable[[], None]], bool]
+# ``recapture``'s choice: (a replay of the old graph, one of the new, the hold of one round
+# of replays: ``with held():`` around each) -> keep the new one?
+Held = Callable[[], contextlib.AbstractContextManager[object]]
+KeepNew = Callable[[Callable[[], None], Callable[[], None], Held], bool]
 
 
 def _check_run_arguments(dispatch: object, num_tokens: object) -> None:
@@ -368,39 +370,84 @@ class GraphManager:
         self.dispatcher = dispatcher
         return added, dropped
 
-    def recapture(self, descriptor: BatchDescriptor, keep_new: KeepNew) -> bool:
+    def recapture(
+        self, descriptor: BatchDescriptor, keep_new: KeepNew, turn: Held | None = None
+    ) -> bool:
         """Captures ``descriptor``'s FULL graph again, for a step function that now
         launches other kernels (the engine's measured kernel plans), into the shared pool
         and onto the same static outputs, so whatever reads those (sampling graphs) reads
-        the new graph's as it read the old's. ``keep_new(old, new)`` is given a replay of
-        each on dummy inputs ``prepare`` wrote and says which graph stays; the other is
-        destroyed. Returns whether the new one stayed. A failed capture keeps the old
-        graph and raises ``GraphCaptureError``. Between steps only: the caller holds the
-        step turn (``stepping()``) or no step runs."""
+        the new graph's as it read the old's. ``keep_new(old, new, held)`` is given a
+        replay of each on dummy inputs ``prepare`` wrote, and ``held`` to hold around each
+        round of replays; it says which graph stays, and the other is destroyed. Returns
+        whether the new one stayed. A failed capture keeps the old graph and raises
+        ``GraphCaptureError``.
+
+        Between steps only. Without ``turn`` the caller holds the step turn
+        (``stepping()``) or no step runs. With ``turn`` (a background caller's hold of
+        it, not held on entry) the capture holds one turn, each round of the choice
+        another (the device drained and the dummy inputs written again in it: steps ran
+        between, replaying the old graph), and the swap a last one: a step waits for one
+        of those, not for the whole."""
         entries = self._full.entries
         if descriptor not in entries:
             raise KeyError(f"recapture: no FULL graph was captured for {descriptor}")
-        old = entries.pop(descriptor)
+        with turn() if turn is not None else _NO_TURN, exclusive_device():
+            if turn is not None:  # (the steps' queued work reads the inputs ``prepare`` writes)
+                self.platform.synchronize()
+            old = entries.pop(descriptor)
+            try:
+                with capture_phase(collect=False), torch.inference_mode():
+                    self._capture_one(CaptureItem(descriptor, GraphMode.FULL))
+            except BaseException:
+                entries[descriptor] = old  # (a failed capture leaves no entry of its own)
+                raise
+            new = entries[descriptor]
+            entries[descriptor] = old  # (steps replay it until the choice)
         try:
-            with capture_phase(collect=False), torch.inference_mode():
-                self._capture_one(CaptureItem(descriptor, GraphMode.FULL))
-        except BaseException:
-            entries[descriptor] = old  # (a failed capture leaves no entry of its own)
+            kept = self._choose(descriptor, keep_new, old, new, turn)
+            with turn() if turn is not None else _NO_TURN, exclusive_device():
+                self.platform.synchronize()  # neither graph's replay is still queued
+                entries[descriptor] = new if kept else old
+                (old if kept else new).graph.reset()
+        except BaseException:  # (a failed choice, or a turn refused: a stop)
+            if entries.get(descriptor) is not new:  # no step ever replayed it
+                with exclusive_device():
+                    self.platform.synchronize()  # (the choice's own replays)
+                    new.graph.reset()
             raise
-        new = entries[descriptor]
-        meta = self.prepare(descriptor) if self.prepare is not None else None
-        # ``keep_new`` synchronizes the device between its replays, which would fail
-        # another engine's capture in progress: it waits for that capture, then holds
-        # the device through the choice (and its timings do not count the wait).
-        with exclusive_device():
-            kept = keep_new(
-                lambda: self._full.replay_entry(old, meta),
-                lambda: self._full.replay_entry(new, meta),
-            )
-            self.platform.synchronize()  # neither graph's replay is still queued
-        entries[descriptor] = new if kept else old
-        (old if kept else new).graph.reset()
         return kept
+
+    def _choose(
+        self,
+        descriptor: BatchDescriptor,
+        keep_new: KeepNew,
+        old: Any,
+        new: Any,
+        turn: Held | None,
+    ) -> bool:
+        """``keep_new``'s choice between ``old`` and ``new`` (``recapture``)."""
+        meta: list[Any] = [None]
+        replays = (
+            lambda: self._full.replay_entry(old, meta[0]),
+            lambda: self._full.replay_entry(new, meta[0]),
+        )
+        if turn is None:
+            meta[0] = self.prepare(descriptor) if self.prepare is not None else None
+            # ``keep_new`` synchronizes the device between its replays, which would fail
+            # another engine's capture in progress: it waits for that capture, then holds
+            # the device through the choice (and its timings do not count the wait).
+            with exclusive_device():
+                return keep_new(*replays, contextlib.nullcontext)
+
+        @contextlib.contextmanager
+        def held() -> Iterator[None]:
+            with turn(), exclusive_device():
+                # The steps' queued work first: it reads the inputs ``prepare`` writes.
+                self.platform.synchronize()
+                meta[0] = self.prepare(descriptor) if self.prepare is not None else None
+                yield
+
+        return keep_new(*replays, held)
 
     def _drop(self, descriptors: Iterable[BatchDescriptor]) -> None:
         for d in descriptors:

@@ -212,7 +212,7 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     import ostinato.engine.worker.deferred_plans as deferred_module
 
     # Which graph replays faster is the GPU's to say: both verdicts here.
-    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: new_wins)
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda *graphs: new_wins)
     unfused = {2} if new_wins else set()  # the rules' fused layers where their graph won
     prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + 2 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -270,7 +270,7 @@ def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_fast
     # plans measured, each changed size captured again and the faster graph kept.
     import ostinato.engine.worker.deferred_plans as deferred_module
 
-    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: new_wins)
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda *graphs: new_wins)
     unfused = {2} if new_wins else set()
     prompts = [[(5 * i + j) % 900 + 1 for j in range(2 + 3 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -320,7 +320,14 @@ def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, k
 
         return run
 
+    @contextlib.contextmanager
+    def held():
+        order.append("(")
+        yield
+        order.append(")")
+
     keep_new = faster_replay(lambda: synced.append(1), rounds=3, replays=2)
-    assert keep_new(replay(0.002, "old"), replay(new_s, "new")) is kept
-    # Alternating rounds, each stage's replays back to back between two synchronizes.
-    assert order == ["old", "old", "new", "new"] * 3 and len(synced) == 12
+    assert keep_new(replay(0.002, "old"), replay(new_s, "new"), held) is kept
+    # Alternating rounds, each stage's replays back to back between two synchronizes,
+    # each round in a hold of its own.
+    assert order == ["(", "old", "old", ")", "(", "new", "new", ")"] * 3 and len(synced) == 12

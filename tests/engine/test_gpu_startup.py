@@ -137,7 +137,7 @@ def test_measured_gemm_plans_recaptured_run_as_a_start_that_read_them(
     # tokens equal, bit for bit, those of a start that read the plans from the cache.
     import ostinato.engine.worker.deferred_plans as deferred_module
 
-    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda old, new: new_wins)
+    monkeypatch.setattr(deferred_module, "faster_replay", lambda sync: lambda *graphs: new_wins)
     kw = dict(model="tiny", dtype=torch.bfloat16, max_model_len=256, max_num_seqs=8)
     kw |= dict(max_capture_size=32, progress=False, cache_dir=tmp_path, seed=1)
     ps = [[(13 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
@@ -177,7 +177,7 @@ def test_graphs_replayed_between_steps_leave_the_tokens_the_next_step_reads(tmp_
     sizes = list(manager.dispatcher.keys(GraphMode.FULL))
     assert llm.engine.loop.sampler.graph_sampler.graphs, "no sampling graph: nothing to check"
 
-    def both(old, new):
+    def both(old, new, held):
         old(), new(), old()
         return False
 

@@ -105,30 +105,34 @@ def test_plan_on_cpu_is_empty_and_measures_nothing():
     assert linear.plan == ()
 
 
-@pytest.mark.parametrize("hold_s, holds", [(0.0, 5), (1e9, 1)])
-def test_a_gemm_measurement_holds_the_turn_in_slices_and_picks_as_one_hold_would(
-    monkeypatch, hold_s, holds
-):
-    # A background start times the candidates holding the steps' turn: never longer than
-    # HOLD_S past one timing, and the choice is the one timing them all at once makes.
+def test_a_gemm_measurement_holds_the_turn_per_timed_replay_and_picks_the_fastest(monkeypatch):
+    # A background start times the candidates beside steps: each candidate's warm-up
+    # call inside a turn, its timing handed the turn (graph_call_us holds it per timed
+    # replay), and the choice the fastest candidate (the first of a tie).
     from ostinato.engine.worker import gemm_tuning
 
     us = {"cublas": 10.0, 1: 12.0, 2: 7.0, 3: 7.0, 4: 9.0}
     calls = {name: (lambda name=name: name) for name in us}
     fitting = [(i, calls[i]) for i in (1, 2, 3, 4)]
-    monkeypatch.setattr(gemm_tuning, "_candidates", lambda *a: (calls["cublas"], fitting))
-    monkeypatch.setattr(gemm_tuning, "_graph_us", lambda fn, device: us[fn()])
-    monkeypatch.setattr(gemm_tuning, "HOLD_S", hold_s)
-    taken = []
+    held, timed = [False], []
+
+    def graph_call_us(fn, calls, turn):
+        assert not held[0]  # (the capture runs beside steps)
+        timed.append(turn)
+        return us[fn()]
 
     @contextlib.contextmanager
     def turn():
-        taken.append(True)
+        held[0] = True
         yield
+        held[0] = False
 
+    monkeypatch.setattr(gemm_tuning, "_candidates", lambda *a: (calls["cublas"], fitting))
+    monkeypatch.setattr(gemm_tuning, "graph_call_us", graph_call_us)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     t = gemm_tuning._measure(Linear(8, 4), False, 2, False, torch.device("cpu"), turn)
-    assert len(taken) == holds
-    assert (t.cublas_us, t.triton_us, t.config) == (10.0, 7.0, 2)  # (the first of a tie)
+    assert timed == [turn] * 5
+    assert (t.cublas_us, t.triton_us, t.config) == (10.0, 7.0, 2)
 
 
 def test_engine_refuses_kernels_of_the_wrong_type():

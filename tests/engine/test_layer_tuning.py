@@ -154,12 +154,13 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
         def logits(self, ids, pos):
             launched.append((len(ids), bool(self.unfused_rows), inside[0]))
 
-    def graph_call_us(step, steps, replays):
+    def captured_calls(step, steps):
         timed.append(len(launched))
-        return 1.0
+        return "graph"
 
     monkeypatch.setattr(layer_tuning, "compile_ahead", ahead)
-    monkeypatch.setattr(layer_tuning, "graph_call_us", graph_call_us)
+    monkeypatch.setattr(layer_tuning, "captured_calls", captured_calls)
+    monkeypatch.setattr(layer_tuning, "held_replays_us", lambda graph, replays, turn: 4.0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     ids = torch.zeros(64, dtype=torch.long)
     context = lambda n: contextlib.nullcontext()  # noqa: E731
@@ -173,6 +174,46 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
     launched.clear()
     plain(2, False)
     assert launched == [(2, False, False)]
+
+
+def test_a_layer_timing_captures_in_one_turn_and_hands_its_replays_the_turn(monkeypatch):
+    # The eager step and the capture set the model's fused rows and write padding rows:
+    # one hold; the timed replays then each hold the turn apart (held_replays_us).
+    import contextlib
+
+    from ostinato.engine.worker import layer_tuning
+
+    held, seen = [False], []
+
+    @contextlib.contextmanager
+    def turn():
+        held[0] = True
+        yield
+        held[0] = False
+
+    class Model:
+        unfused_rows = frozenset()
+
+        def logits(self, ids, pos):
+            seen.append(("eager", held[0]))
+
+    def captured_calls(step, steps):
+        seen.append(("capture", held[0]))
+        return "graph"
+
+    def held_replays_us(graph, replays, given):
+        seen.append(("replays", held[0], given is turn, replays))
+        return 8.0
+
+    monkeypatch.setattr(layer_tuning, "captured_calls", captured_calls)
+    monkeypatch.setattr(layer_tuning, "held_replays_us", held_replays_us)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    ids = torch.zeros(8, dtype=torch.long)
+    timer = layer_tuning.graph_timer(
+        Model(), ids, ids, lambda n: contextlib.nullcontext(), steps=4, replays=5, turn=turn
+    )
+    assert timer(2, False) == 2.0  # (per step of the four)
+    assert seen == [("eager", True), ("capture", True), ("replays", False, True, 5)]
 
 
 def test_compile_ahead_holds_only_for_a_start_that_measured_its_plans(tmp_path, cpu_keys):

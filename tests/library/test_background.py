@@ -424,3 +424,57 @@ def test_a_device_sync_beside_another_threads_capture_waits_for_its_end():
         thread.join(10)
     waiter.join(10)
     assert order == ["capture ended", "synchronized"]
+
+
+def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkeypatch):
+    # graph_call_us with a turn: the capture (which runs nothing) outside the step turn,
+    # then each timed replay in a hold of its own, behind an untimed replay queued in the
+    # same hold; the median over the replays. The CUDA calls are stand-ins here (the GPU
+    # test: test_gpu_core's test_a_timing_held_per_replay_captures_beside_...).
+    import contextlib
+
+    from ostinato.platform import cuda
+
+    log, held, times = [], [False], iter([5.0, 1.0, 3.0, 9.0, 2.0])
+
+    class Graph:
+        def replay(self):
+            log.append(("replay", held[0]))
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = 0.0
+
+        def record(self):
+            log.append(("record", held[0]))
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(times) / 1e3  # ms
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode):
+        log.append(("capture", held[0]))
+        yield
+
+    @contextlib.contextmanager
+    def turn():
+        held[0] = True
+        log.append(("turn", True))
+        yield
+        held[0] = False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    us = cuda.graph_call_us(lambda: calls.append(1), 4, replays=5, turn=turn)
+    assert us == 3.0 / 4 and len(calls) == 4  # the median replay, per call
+    assert log[0] == ("capture", False)
+    holds = [log[i + 1 : i + 5] for i, entry in enumerate(log) if entry[0] == "turn"]
+    assert len(holds) == 5 and len(log) == 1 + 5 * 5
+    assert all(h == [("replay", True), ("record", True), ("replay", True), ("record", True)]
+               for h in holds)  # fmt: skip

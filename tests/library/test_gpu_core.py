@@ -245,3 +245,50 @@ def test_a_pool_made_in_inference_mode_survives_a_failed_capture_outside_it():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 3.0))
+
+
+def test_a_timing_held_per_replay_captures_beside_another_threads_work():
+    # A background GEMM measurement captures its timing graph while steps run on the
+    # engine's thread (thread-local capture), then holds the step turn one timed replay
+    # at a time: the capture must survive the other thread's launches, allocations and
+    # stream syncs, and the time must agree with the plain measurement.
+    import contextlib
+    import threading
+    import time
+
+    from ostinato.platform.base import isolated_capture
+    from ostinato.platform.cuda import graph_call_us
+
+    x = torch.randn(512, 512, device=DEVICE)
+    stop, steps = threading.Event(), [0]
+
+    def steps_beside() -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            y = torch.randn(256, 256, device=DEVICE)
+            while not stop.is_set():
+                y = (y @ y).clamp_(-1, 1)  # a new tensor each time: the default pool
+                stream.synchronize()
+                steps[0] += 1
+
+    holds = []
+
+    @contextlib.contextmanager
+    def turn():
+        holds.append(steps[0])
+        yield
+
+    x @ x  # cuBLAS's lazy set-up on this thread, which a capture must not hold
+    plain = graph_call_us(lambda: x @ x, 20)
+    thread = threading.Thread(target=steps_beside)
+    thread.start()
+    while steps[0] == 0 and thread.is_alive():  # its own set-up done before a capture
+        time.sleep(0.001)
+    try:
+        with isolated_capture():
+            held = [graph_call_us(lambda: x @ x, 20, turn=turn) for _ in range(3)]
+    finally:
+        stop.set()
+        thread.join()
+    assert len(holds) == 15 and steps[0] > 0
+    assert all(0.5 * plain < us < 2.0 * plain for us in held), (plain, held)

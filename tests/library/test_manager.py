@@ -363,7 +363,7 @@ def test_recapture_keeps_the_graph_keep_new_chooses_on_the_same_static_outputs(k
     r.w = torch.randn(3, 5)  # the new step's own weight: the old graph still reads old_w
     seen = []
 
-    def keep_new(old, new):
+    def keep_new(old, new, held):
         for replay in (old, new):
             replay()
             seen.append(m.outputs.view(4).clone())
@@ -382,14 +382,61 @@ def test_recapture_keeps_the_graph_keep_new_chooses_on_the_same_static_outputs(k
     assert m.stats().replays == 2  # the choice's replays are no steps
 
 
+def test_a_held_recapture_lets_steps_run_between_its_parts_on_the_old_graph():
+    # A background caller's recapture: the capture, each round of the choice and the swap
+    # each hold the turn apart; between them steps replay the old graph, and each round
+    # writes the dummy inputs again (a step wrote its own meanwhile).
+    import contextlib
+
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    d = m.dispatcher.dispatch(4)
+    old_w = r.w.clone()
+    r.w = torch.randn(3, 5)
+    log = []
+
+    @contextlib.contextmanager
+    def turn():
+        log.append("turn")
+        yield
+        r.x[:4] = torch.randn(4, 3)  # a step between two holds: real inputs
+        log.append(("step", torch.allclose(m.run(d, 4), r.x[:4] @ old_w)))
+
+    def keep_new(old, new, held):
+        for replay in (old, new):
+            with held():
+                replay()
+                log.append(("round", len(r.prepared)))
+        return True
+
+    assert m.recapture(d.descriptor, keep_new, turn) is True
+    rounds = [entry for entry in log if entry[0] == "round"]
+    steps = [entry for entry in log if entry[0] == "step"]
+    assert log.count("turn") == 4 and rounds[1][1] == rounds[0][1] + 1  # (one each)
+    assert steps[:3] == [("step", True)] * 3  # the old graph until the swap
+    r.x[:4] = torch.randn(4, 3)
+    torch.testing.assert_close(m.run(d, 4), r.x[:4] @ r.w)  # the new one after it
+
+    def failing(old, new, held):
+        with held():
+            raise RuntimeError("no verdict today")
+
+    graphs = len(p.graphs)
+    with pytest.raises(RuntimeError, match="no verdict"):
+        m.recapture(d.descriptor, failing, turn)
+    assert len(p.graphs) == graphs + 1 and p.graphs[-1].was_reset  # the new one destroyed
+    r.x[:4] = torch.randn(4, 3)
+    torch.testing.assert_close(m.run(d, 4), r.x[:4] @ r.w)  # the graph before kept
+
+
 def test_a_failed_recapture_keeps_the_old_graph_and_an_unknown_size_is_named():
     p, r, m = build(GraphMode.FULL)
     m.capture()
     d = m.dispatcher.dispatch(2)
     p.fail_capture = RuntimeError("no capture today")
     with pytest.raises(GraphCaptureError):
-        m.recapture(d.descriptor, lambda old, new: True)
+        m.recapture(d.descriptor, lambda old, new, held: True)
     assert m.ready(d) and m.num_graphs == 4  # every size kept
     torch.testing.assert_close(m.run(d, 2), r.x[:2] @ r.w)
     with pytest.raises(KeyError, match="no FULL graph was captured"):
-        m.recapture(BatchDescriptor(3), lambda old, new: True)
+        m.recapture(BatchDescriptor(3), lambda old, new, held: True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -158,18 +159,26 @@ class CudaPlatform(Platform):
             torch.cuda.set_sync_debug_mode(previous)
 
 
-def graph_call_us(fn: Callable[[], object], calls: int, replays: int = 5) -> float:
+Turn = Callable[[], contextlib.AbstractContextManager[object]]  # a hold of the step turn
+
+
+def graph_call_us(
+    fn: Callable[[], object], calls: int, replays: int = 5, turn: Turn | None = None
+) -> float:
     """Device µs per call of ``fn``, captured ``calls`` times back to back in one CUDA
-    graph, replayed once untimed and then ``replays`` times under events: launch cost on
-    the host is out of it, every kernel ``fn`` launches (and the gaps between them) is
-    in it. Run ``fn`` once eagerly first where lazy set-up must not be captured."""
-    graph = torch.cuda.CUDAGraph()
-    mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
-    with exclusive_device():
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, capture_error_mode=mode):
-            for _ in range(calls):
-                fn()
+    graph and replayed: launch cost on the host is out of it, every kernel ``fn``
+    launches (and the gaps between them) is in it. Run ``fn`` once eagerly first where
+    lazy set-up must not be captured.
+
+    Without ``turn``: one untimed replay, then ``replays`` back to back under one pair
+    of events, their mean. With ``turn`` (a background measurement beside steps): the
+    capture outside it, which runs nothing (``fn`` must touch nothing a step uses), then
+    ``held_replays_us``: a step waits at most one timing, not the whole measurement."""
+    graph = captured_calls(fn, calls)
+    if turn is not None:
+        us = held_replays_us(graph, replays, turn) / calls
+        del graph
+        return us
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -180,3 +189,39 @@ def graph_call_us(fn: Callable[[], object], calls: int, replays: int = 5) -> flo
     us = start.elapsed_time(end) * 1e3 / (replays * calls)
     del graph
     return us
+
+
+def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` back to back, captured into one CUDA graph (its own
+    pool), the device's other work drained first."""
+    graph = torch.cuda.CUDAGraph()
+    mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
+    with exclusive_device():
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            for _ in range(calls):
+                fn()
+    return graph
+
+
+def held_replays_us(graph: Any, replays: int, turn: Turn) -> float:
+    """The median µs of ``replays`` timed replays of ``graph``, each inside a ``turn()``
+    of its own (``held_replay_us``). What the graph reads must be its own, or written
+    again in each turn: steps run between."""
+    return statistics.median(held_replay_us(graph, turn) for _ in range(replays))
+
+
+def held_replay_us(graph: Any, turn: Turn) -> float:
+    """µs of one replay of ``graph``, inside ``turn()``: the device drained first (the
+    steps' queued work, on any stream, would share it), then an untimed replay queued
+    ahead of the timed one, so the timed one starts as the device finishes the first, not
+    when the host launches it. The hold: the drain and two replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with turn(), exclusive_device():
+        torch.cuda.synchronize()
+        graph.replay()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) * 1e3

@@ -31,7 +31,7 @@ from ostinato.engine.worker.gemm_tuning import Turn
 from ostinato.engine.worker.inputs import StepInputs
 from ostinato.engine.worker.kernel_plan import KernelPlan
 from ostinato.engine.worker.layer_tuning import StepTimer
-from ostinato.manager import GraphManager, KeepNew
+from ostinato.manager import GraphManager, Held, KeepNew
 from ostinato.modes import GraphMode
 from ostinato.runtime import GraphRuntime
 
@@ -75,9 +75,8 @@ class DeferredPlans:
         plan.compile_measured(inputs, changed)
         keep_new = faster_replay(manager.platform.synchronize)
         for d in runner.graphs.dispatcher.keys(GraphMode.FULL):
-            if d.num_tokens in changed:
-                with turn():
-                    self.recaptured[d] = manager.recapture(d, keep_new)
+            if d.num_tokens in changed:  # (each part in a turn of its own: ``recapture``)
+                self.recaptured[d] = manager.recapture(d, keep_new, turn)
         plan.keep_rules_at(rules_won(self.recaptured), turn)
 
     def finish(self) -> None:
@@ -110,19 +109,20 @@ def rules_won(recaptured: dict[BatchDescriptor, bool]) -> frozenset[int]:
 
 def faster_replay(synchronize: Callable[[], None], rounds: int = 5, replays: int = 5) -> KeepNew:
     """``GraphManager.recapture``'s choice by wall time: ``rounds`` alternating rounds of
-    ``replays`` replays of each graph, the device synchronized around each; the new graph
-    stays unless its median is slower."""
+    ``replays`` replays of each graph, each round inside ``held()`` and the device
+    synchronized around it; the new graph stays unless its median is slower."""
 
-    def keep_new(old: Callable[[], None], new: Callable[[], None]) -> bool:
+    def keep_new(old: Callable[[], None], new: Callable[[], None], held: Held) -> bool:
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(rounds):
             for replay, seconds in ((old, times[0]), (new, times[1])):
-                synchronize()
-                start = time.perf_counter()
-                for _ in range(replays):
-                    replay()
-                synchronize()
-                seconds.append(time.perf_counter() - start)
+                with held():
+                    synchronize()
+                    start = time.perf_counter()
+                    for _ in range(replays):
+                        replay()
+                    synchronize()
+                    seconds.append(time.perf_counter() - start)
         return statistics.median(times[1]) <= statistics.median(times[0])
 
     return keep_new

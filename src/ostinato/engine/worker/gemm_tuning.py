@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +29,6 @@ from ostinato.platform.cuda import graph_call_us
 logger = logging.getLogger(__name__)
 
 REPEATS = 20
-HOLD_S = 0.05  # a background measurement's hold of the step turn, at most one timing over
 GemmKey = tuple[int, int, torch.dtype, bool, bool]  # (n, k, dtype, swiglu, bias)
 Turn = Callable[[], contextlib.AbstractContextManager[object]]  # holds the device for one timing
 
@@ -59,10 +57,13 @@ class GemmTiming:
     config: int
 
 
-def _graph_us(fn: Callable[[], object], device: torch.device) -> float:
-    fn()  # compiles the Triton kernel, warms cuBLAS's handle
+def _graph_us(fn: Callable[[], object], device: torch.device, turn: Turn) -> float:
+    """µs per call of ``fn`` (``graph_call_us``: its inputs are its own, so the capture
+    runs beside steps and each timed replay holds ``turn()``)."""
+    with turn():
+        fn()  # warms cuBLAS's handle (Triton's kernels compiled ahead: a lookup)
     with torch.cuda.device(device):
-        return graph_call_us(fn, REPEATS)
+        return graph_call_us(fn, REPEATS, turn=turn)
 
 
 def _candidates(
@@ -105,20 +106,13 @@ def _measure(
     device: torch.device,
     turn: Turn = contextlib.nullcontext,
 ) -> GemmTiming:
-    """cuBLAS and every fitting candidate timed at ``rows`` rows, each timing inside a
-    ``turn()`` that it shares with the next ones until ``HOLD_S`` have passed (a timing is
-    never split): the LM head's candidates together held a background start's step turn
-    0.45 s on the H200 (1.5 B shape)."""
+    """cuBLAS and every fitting candidate timed at ``rows`` rows; a step waits at most
+    one timed replay of one candidate (``_graph_us``). Holding the step turn through
+    whole timings, a background start's steps waited up to 0.12 s on the H200 (1.5 B
+    shape, slices of 0.05 s and one timing over; the LM head's candidates held it 0.45 s
+    together)."""
     cublas, fitting = _candidates(linear, swiglu, rows, pdl, device)
-    calls = [(0, cublas), *fitting]
-    us: dict[int, float] = {}
-    while len(us) < len(calls):
-        with turn():
-            start = time.perf_counter()
-            for i, fn in calls[len(us) :]:
-                us[i] = _graph_us(fn, device)
-                if time.perf_counter() - start >= HOLD_S:
-                    break
+    us = {i: _graph_us(fn, device, turn) for i, fn in [(0, cublas), *fitting]}
     cublas_us = us.pop(0)
     best = min(us, key=us.__getitem__, default=0)
     best_us = us.get(best, float("inf"))

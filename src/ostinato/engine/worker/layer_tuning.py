@@ -32,7 +32,7 @@ from ostinato.engine.kernels.launch import compile_ahead
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import Turn
-from ostinato.platform.cuda import graph_call_us
+from ostinato.platform.cuda import captured_calls, held_replays_us
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,10 @@ def graph_timer(
     queues that eager step for each of those sizes (at most ``MAX_ROWS``), fused and
     unfused, inside ``launch.compile_ahead()``: the layers' kernels of every variant the
     timings launch compile together (processes or threads), not one after another.
-    Each timing runs inside ``turn()`` (a background measurement's hold of the device
-    between steps); the compile-ahead pass, which launches nothing, outside it."""
+    The eager step and the capture run inside one ``turn()`` (a background
+    measurement's hold of the device between steps), each timed replay inside another
+    (``held_replays_us``: the median); the compile-ahead pass, which launches nothing,
+    outside any."""
     ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
 
     def eager(rows: int, unfused: bool) -> Callable[[], torch.Tensor]:
@@ -173,7 +175,13 @@ def graph_timer(
                         with context(r), torch.cuda.device(input_ids.device):
                             eager(r, u)
             ahead.clear()
+        # The eager step and the capture set the model's fused rows and write the
+        # padding rows (``context``): one turn. The replays read only what the capture
+        # wrote (``input_ids``: a background measurement's scratch inputs), each in a
+        # turn of its own.
         with turn(), context(rows), torch.cuda.device(input_ids.device):
-            return graph_call_us(eager(rows, unfused), steps, replays)
+            graph = captured_calls(eager(rows, unfused), steps)
+        with torch.cuda.device(input_ids.device):
+            return held_replays_us(graph, replays, turn) / steps
 
     return step_us

@@ -148,8 +148,11 @@ class HoldTally:
         self.longest = max(self.longest, seconds)
 
 
-# Work after the capture, given ``BackgroundCapture.unit`` to hold the turn per unit.
-Afterwards = Callable[[Callable[[], contextlib.AbstractContextManager[None]]], None]
+# Holds the step turn (and the device) for one unit of work on the thread.
+Unit = Callable[[], contextlib.AbstractContextManager[None]]
+# Work on the thread in units (the epilogue, ``afterwards``): what it does inside a
+# ``unit()`` holds the turn, what it does outside runs beside the steps.
+InUnits = Callable[[Unit], None]
 
 
 class BackgroundCapture:
@@ -159,12 +162,12 @@ class BackgroundCapture:
     every graph; ``turn`` is the manager's step lock; ``prologue``, if given, runs on the
     thread first, without the turn (the engine compiles its model there, on scratch
     inputs of its own); ``epilogue``, if given, runs on the thread once every item is
-    captured (not after a stop), holding the turn, before ``done`` is set (the engine
-    captures its sampling graphs there, which read the graphs' outputs), and fails as
-    an item does; ``before_epilogue``, if given, runs just before it without the turn
-    (the engine compiles the sampling graphs' kernels there; a step waiting for the
-    turn would wait that long), and fails as it does; ``afterwards``, if given, runs
-    after it (module docstring).
+    captured (not after a stop), before ``done`` is set, and fails as an item does: it
+    holds the turn only inside each ``unit()`` it is given, taken as an item is (the
+    engine compiles its sampling graphs' kernels outside them, beside the steps, then
+    captures each size's graphs, which read the step graphs' outputs, in a unit of its
+    own: a step waits for one size, not for all); ``afterwards``, if given, runs after
+    it (module docstring).
     """
 
     def __init__(
@@ -174,9 +177,8 @@ class BackgroundCapture:
         release: Callable[[], None],
         turn: Turn,
         prologue: Callable[[], None] | None = None,
-        epilogue: Callable[[], None] | None = None,
-        afterwards: Afterwards | None = None,
-        before_epilogue: Callable[[], None] | None = None,
+        epilogue: InUnits | None = None,
+        afterwards: InUnits | None = None,
     ) -> None:
         self.total = len(plan)
         self.captured = 0
@@ -192,7 +194,6 @@ class BackgroundCapture:
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
         self._capture_one, self._release, self._turn = capture_one, release, turn
         self._prologue, self._epilogue = prologue, epilogue
-        self._before_epilogue = before_epilogue
         self._stop = threading.Event()
         self._done = threading.Event()
         self._start = time.perf_counter()
@@ -384,14 +385,17 @@ class BackgroundCapture:
             self._turn.hand_over(timeout=1.0)
 
     def _end_plan(self) -> None:
-        """Once every item is captured: ``before_epilogue`` without the turn, then the
-        epilogue holding it, taken as an item is (when the steps pause)."""
+        """Once every item is captured: the epilogue, holding the turn for each of its
+        units (``_epilogue_unit``)."""
         if self._epilogue is None or self._stop.is_set():
             return
-        if self._before_epilogue is not None:
-            self._before_epilogue()
         try:
-            with self._holding("the epilogue"):
-                self._epilogue()
+            self._epilogue(self._epilogue_unit)
         except CaptureStopped:
             pass  # (asked to stop while it waited for the steps to pause)
+
+    def _epilogue_unit(self) -> contextlib.AbstractContextManager[None]:
+        """For the epilogue: holds the device and the turn for one unit of it, taken as
+        an item is (when the steps pause, or after ``MAX_WAIT_S``), tallied as "the
+        epilogue"; raises ``CaptureStopped`` once the thread is asked to stop."""
+        return self._holding("the epilogue")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ostinato.background import Afterwards, BackgroundCapture, Turn
+from ostinato.background import BackgroundCapture, InUnits, Turn
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.capture_report import CaptureMeter, CaptureReport
 from ostinato.context import forward_context
@@ -154,15 +154,13 @@ class GraphManager:
     def capture_in_background(
         self,
         prologue: Callable[[], None] | None = None,
-        epilogue: Callable[[], None] | None = None,
-        afterwards: Afterwards | None = None,
-        before_epilogue: Callable[[], None] | None = None,
+        epilogue: InUnits | None = None,
+        afterwards: InUnits | None = None,
     ) -> BackgroundCapture:
         """Starts capturing ``capture_plan()`` on a thread and returns at once (see
         ``ostinato.background``); ``prologue`` runs on the thread first, ``epilogue``
-        once every graph is captured, holding the step turn (``before_epilogue`` just
-        before it, without), and ``afterwards`` after it, taking the turn for each unit
-        of its work. The report
+        once every graph is captured, and ``afterwards`` after it, each taking the step
+        turn for each unit of its work (the ``unit`` it is called with). The report
         fills as graphs are captured; a failure releases every graph and leaves the
         steps eager. The capture check is refused: its replays would overwrite the
         static outputs of a step in flight (sampling while serving is allowed)."""
@@ -182,7 +180,6 @@ class GraphManager:
             prologue,
             epilogue,
             afterwards,
-            before_epilogue,
         )
         return self.background
 

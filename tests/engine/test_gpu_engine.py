@@ -393,6 +393,26 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     assert all(0 <= t < fp.config.vocab_size for o in out for t in o)
 
 
+def test_a_background_start_samples_as_eager_sampling_while_its_sampling_graphs_capture():
+    # A background start captures the sampling graphs one size per hold of the step turn,
+    # steps sampling between (eagerly until their size's graphs are ready): each size's
+    # captures leave the generator where the steps left it, so the draws are eager
+    # sampling's from the same seed, during the capture and after it.
+    eager = tiny_engine("none", torch.float32, seed=11)
+    want = [sampled(eager, 8), sampled(eager, 8)]
+    eager.close()
+    llm = tiny_engine("full", torch.float32, seed=11, capture="background")
+    assert not llm.background.done  # (the first run overlaps the capture)
+    first = sampled(llm, 8)
+    assert llm.wait_for_graphs(timeout=120), llm.background.summary()
+    sizes = {key[0] for key in llm.engine.sampler.graph_sampler.graphs}
+    assert llm.background.holds["the epilogue"].count == len(sizes) > 1
+    in_graph = count_graph_samples(llm)
+    assert [first, sampled(llm, 8)] == want
+    assert in_graph == [8] * 23
+    llm.close()
+
+
 def test_greedy_decode_steps_in_full_mode_take_the_greedy_graphs_argmax():
     # FULL: a decode replays the mixed graph and the LM head writes the logits; the
     # argmax is the greedy graph's replay of its size (8 full, 3 padded to 4), the

@@ -282,6 +282,41 @@ def test_a_penalized_sample_counts_its_tokens_except_while_compiling_ahead(monke
     assert len(counted) == (0 if ahead else 1)
 
 
+def test_sampling_graphs_captured_a_size_per_unit_leave_the_steps_state_between():
+    # A background start captures one size per hold of the step turn, and steps sample
+    # between: each size's captures must leave the generator where the steps left it and
+    # count their draws only in the scratch row, whatever a step wrote before.
+    import contextlib
+
+    from fakes import FakePlatform
+
+    from ostinato.engine.sample.adjust import OutputCounts
+    from ostinato.engine.sample.graph_sampler import GraphSampler
+
+    rows, vocab = 4, 11
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab)
+    counts = OutputCounts(vocab, rows, torch.device("cpu"))
+    sampler = GraphSampler(
+        FakePlatform(), None, generator, lambda n: logits[:n], rows, torch.device("cpu"), counts
+    )
+    seen = []
+
+    @contextlib.contextmanager
+    def unit():
+        state = generator.get_state()
+        yield
+        assert torch.equal(generator.get_state(), state)  # the captures drew, then reset
+        seen.append(sorted({key[0] for key in sampler.graphs}))
+        torch.rand(3, generator=generator)  # a step between two units draws ...
+        sampler.ints[2].fill_(0)  # ... and writes its request's row of the counts
+
+    sampler.capture([1, 2, 4], unit=unit)
+    assert seen == [[1], [1, 2], [1, 2, 4]] and sorted(sampler.logprob_graphs) == [1, 2, 4]
+    table = counts.table
+    assert table[: counts.scratch].sum() == 0 and table[counts.scratch].sum() > 0
+
+
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
     # 8 requests asking for log probabilities (greedy and sampled, 0 to 20 alternatives)
     # fill the captured size 8: each decode step's come from the logprob graph, equal

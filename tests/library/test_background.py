@@ -289,7 +289,7 @@ def test_work_afterwards_runs_after_the_epilogue_one_unit_per_turn_and_steps_sta
                 time.sleep(0.001)
 
     capture = m.capture_in_background(
-        epilogue=lambda: order.append("epilogue"), afterwards=afterwards
+        epilogue=lambda unit: order.append("epilogue"), afterwards=afterwards
     )
     ran = serve(r, m, dispatcher, steps=300, seed=3)  # checks every output
     assert capture.wait(10) and capture.error is None and capture.afterwards_error is None
@@ -298,32 +298,36 @@ def test_work_afterwards_runs_after_the_epilogue_one_unit_per_turn_and_steps_sta
     assert any(ran)
 
 
-def test_before_the_epilogue_steps_run_and_the_epilogue_then_holds_the_turn():
-    # The engine compiles the sampling graphs' kernels there: seconds a step must not wait.
+def test_the_epilogue_holds_the_turn_only_inside_its_units_and_steps_run_between():
+    # The engine compiles the sampling graphs' kernels outside the units (seconds a step
+    # must not wait), then captures one size's graphs per unit.
     p, r, m, dispatcher = build()
-    order, stepped = [], threading.Event()
+    order = []
 
-    def step_meanwhile():
-        with m.stepping():
-            stepped.set()
+    def step_meanwhile() -> threading.Event:
+        stepped = threading.Event()
 
-    def before():
-        order.append("before")
-        threading.Thread(target=step_meanwhile).start()
-        assert stepped.wait(5), "a step waited for the turn during before_epilogue"
+        def step():
+            with m.stepping():
+                stepped.set()
 
-    def epilogue():
-        order.append("epilogue")
-        helper = threading.Thread(target=step_meanwhile)
-        stepped.clear()
-        helper.start()
-        assert not stepped.wait(0.05), "a step ran inside the epilogue"
+        threading.Thread(target=step).start()
+        return stepped
+
+    def epilogue(unit):
         order.append(m.num_graphs)
+        assert step_meanwhile().wait(5), "a step waited for the turn outside the units"
+        for i in range(3):
+            with unit():
+                held_back = step_meanwhile()
+                assert not held_back.wait(0.05), "a step ran inside a unit"
+                order.append(i)
+            assert held_back.wait(5), "the held-back step did not run after the unit"
 
-    capture = m.capture_in_background(epilogue=epilogue, before_epilogue=before)
+    capture = m.capture_in_background(epilogue=epilogue)
     assert capture.wait(10) and capture.error is None, capture.summary()
-    assert stepped.wait(5)  # the held-back step ran once the epilogue let go
-    assert order == ["before", "epilogue", len(SIZES)]
+    assert order == [len(SIZES), 0, 1, 2]
+    assert capture.holds["the epilogue"].count == 3
 
 
 @pytest.mark.parametrize("slow", ["epilogue", "unit", "item"])
@@ -345,7 +349,12 @@ def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
         real(item)
 
     m._capture_one = capture_one
-    capture = m.capture_in_background(epilogue=lambda: pause("epilogue"), afterwards=afterwards)
+
+    def epilogue(unit):
+        with unit():
+            pause("epilogue")
+
+    capture = m.capture_in_background(epilogue=epilogue, afterwards=afterwards)
     assert capture.wait(10) and capture.afterwards_error is None
     hold = capture.longest_hold
     assert hold is not None and 0.5 <= hold.seconds < 5, hold

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ostinato.background import Unit
 from ostinato.config import DEFAULT_MAX_CAPTURE_SIZE, GraphConfig
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.distributed.collectives import every_rank
@@ -432,24 +433,21 @@ def capture(
     parts.sampler = StepSampler(generator, parts.device, counts)
     sampling_s = 0.0
     if c.capture == "background":
-        made: list[SamplingGraphs] = []
 
-        def before() -> None:
-            # Made and compiled beside the steps, which do not see them yet: a step
-            # waiting for the turn would otherwise wait out the compile.
-            with torch.inference_mode(False):
-                made.append(sampling_graphs.make(runner, generator, counts))
-                sampling_graphs.compile_kernels(runner, made[0])
-
-        def on_thread() -> None:
+        def on_thread(unit: Unit) -> None:
             # Outside inference mode, which the capture thread runs in: the steps write
             # the sampling graphs' inputs in place, from a thread that is not in it.
             with torch.inference_mode(False):
-                _finish(parts, generator, made[0] if made else None)
+                # Made and compiled beside the steps, which do not see them yet: a step
+                # waiting for the turn would otherwise wait out the compile.
+                made = sampling_graphs.make(runner, generator, counts)
+                sampling_graphs.compile_kernels(runner, made)
+                _finish(parts, generator, made, unit)
 
         # The sampling graphs read the step graphs' static outputs: captured after them,
-        # on the thread, holding the step turn; until then sampling runs eagerly.
-        parts.background = runner.capture_in_background(on_thread, before)
+        # on the thread, a size per hold of the step turn; until its size is captured a
+        # step samples eagerly.
+        parts.background = runner.capture_in_background(on_thread)
     else:
         runner.capture()
         start = time.perf_counter()
@@ -470,13 +468,18 @@ def capture(
     return sampling_s
 
 
-def _finish(parts: EngineParts, generator: torch.Generator, made: SamplingGraphs = None) -> None:
-    """The end of a capture (blocking, or on the background thread holding the step
-    turn): the sampling graphs (``made`` earlier, or made now), handed to the sampler,
-    and the graph memory checked against the reserve that sized the KV cache (logged;
-    ``describe`` shows it)."""
+def _finish(
+    parts: EngineParts,
+    generator: torch.Generator,
+    made: SamplingGraphs = None,
+    unit: Unit | None = None,
+) -> None:
+    """The end of a capture (blocking, or on the background thread, each size inside a
+    ``unit()`` of the step turn): the sampling graphs (``made`` earlier, or made now),
+    handed to the sampler, and the graph memory checked against the reserve that sized
+    the KV cache (logged; ``describe`` shows it)."""
     sampler = parts.sampler
-    graphs = sampling_graphs.capture(parts.runner, generator, sampler.counts, made)
+    graphs = sampling_graphs.capture(parts.runner, generator, sampler.counts, made, unit)
     sampler.graph_sampler = graphs
     if parts.memory is not None:
         pool = parts.runner.manager.report.pool_bytes

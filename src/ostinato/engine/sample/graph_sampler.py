@@ -32,12 +32,14 @@ at 32 rows of a 128k vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from ostinato.background import Unit
 from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
 from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead
 from ostinato.engine.sample.adjust import (
@@ -149,25 +151,46 @@ class GraphSampler:
         return tokens
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int], ahead: bool = False) -> None:
+    def capture(self, sizes: list[int], ahead: bool = False, unit: Unit | None = None) -> None:
         """Captures every variant for each of ``sizes`` (the padded sizes whose logits
         ``logits`` names), after the step's graphs (their logits buffer must exist).
         ``ahead`` (``KernelOptions.compile_ahead``, CUDA): every graph's kernels compile
         together first (``launch.compile_ahead``: processes or threads), not one after the
-        other at each capture's warm-up, unless ``compile_kernels`` compiled them."""
-        self._own_buffers(sizes)
-        with torch.inference_mode(False):
-            self.table = self.counts.table  # (made now if not yet: graphs read it there)
-        self.ints[2].fill_(self.counts.scratch)  # (the captures' draws count nowhere)
-        state = self.generator.get_state()
-        if ahead and not self.compiled:
-            self._compile_ahead(sizes)
-        for n in sizes:
+        other at each capture's warm-up, unless ``compile_kernels`` compiled them.
+        ``unit`` (a background capture's): each size inside a ``unit()`` of its own, steps
+        sampling eagerly between them; each leaves the generator and the counts as the
+        steps left them."""
+        hold = unit or contextlib.nullcontext
+        with hold():
+            self._own_buffers(sizes)
+            with torch.inference_mode(False):
+                self.table = self.counts.table  # (made now if not yet: graphs read it there)
+            if ahead and not self.compiled:
+                with self._steps_state_kept():
+                    self._compile_ahead(sizes)
+            self._capture_size(sizes[0])
+        for n in sizes[1:]:
+            with hold():
+                self._capture_size(n)
+
+    def _capture_size(self, n: int) -> None:
+        """Every variant's graph of size ``n`` and its log-probability graph."""
+        with self._steps_state_kept():
             for variant in self.variants:
                 sampled = functools.partial(self._sample, n, *variant)
                 self.graphs[(n, *variant)] = self._captured(sampled, draws=True)
             self.logprob_graphs[n] = self._captured(self._logprobs_of(n), draws=False)
-        self.generator.set_state(state)
+
+    @contextlib.contextmanager
+    def _steps_state_kept(self) -> Iterator[None]:
+        """What runs inside counts its draws in the scratch row (a step before it may
+        have written its own rows) and leaves the generator's state as it found it."""
+        self.ints[2].fill_(self.counts.scratch)
+        state = self.generator.get_state()
+        try:
+            yield
+        finally:
+            self.generator.set_state(state)
 
     @torch.inference_mode()
     def compile_kernels(self, sizes: list[int]) -> None:

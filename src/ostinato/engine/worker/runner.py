@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ostinato.background import BackgroundCapture
+from ostinato.background import BackgroundCapture, InUnits
 from ostinato.batch import BatchDescriptor
 from ostinato.capture_report import CaptureReport
 from ostinato.config import GraphConfig
@@ -366,15 +366,14 @@ class ModelRunner:
 
     def capture_in_background(
         self,
-        epilogue: Callable[[], None] | None = None,
-        before_epilogue: Callable[[], None] | None = None,
+        epilogue: InUnits | None = None,
     ) -> BackgroundCapture:
         """What ``capture`` does, on a thread (``ostinato.background``): returns at once.
         The thread compiles first, on scratch inputs of its own; until it is done, steps
         run the uncompiled model (the same function; Inductor's fused kernels may round
         differently), then the compiled one, eagerly until their size's graph is ready;
-        ``epilogue`` runs on it last, holding the step turn, once every graph is ready
-        (``before_epilogue`` just before it, without the turn).
+        ``epilogue`` runs on it last, once every graph is ready, holding the step turn
+        inside each ``unit()`` it is given.
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
         if self.model.tp.group is not None or self.ubatch.candidates:
@@ -391,9 +390,7 @@ class ModelRunner:
         after = self.deferred_plans if self.kernel_plan.deferred else None
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
-            return self.manager.capture_in_background(
-                epilogue=epilogue, afterwards=after, before_epilogue=before_epilogue
-            )
+            return self.manager.capture_in_background(epilogue=epilogue, afterwards=after)
         self.forward = self.model
 
         def compile_first() -> None:
@@ -401,7 +398,7 @@ class ModelRunner:
             with self.manager.stepping():
                 self.forward = compiled
 
-        return self.manager.capture_in_background(compile_first, epilogue, after, before_epilogue)
+        return self.manager.capture_in_background(compile_first, epilogue, after)
 
     def layer_timer_on(self, inputs: StepInputs, turn: Turn) -> StepTimer | None:
         """The layer plan's timer on padding rows of ``inputs``, each timing inside

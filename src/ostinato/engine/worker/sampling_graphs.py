@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ostinato.background import Unit
 from ostinato.engine.sample.adjust import OutputCounts
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.modes import GraphMode
@@ -73,12 +74,14 @@ def capture(
     generator: torch.Generator,
     counts: OutputCounts,
     made: SamplingGraphs = None,
+    unit: Unit | None = None,
 ) -> GraphSampler | None:
     """``make``'s graphs (or ``made``, what it returned earlier) captured: the sampler, or
-    None where there are none."""
+    None where there are none. ``unit``: each size's graphs inside a ``unit()`` of
+    their own (``GraphSampler.capture``)."""
     made = made or make(runner, generator, counts)
     if made is None:
         return None
     sampler, sizes = made
-    sampler.capture(sizes, ahead=runner.kernel_plan.ahead)
+    sampler.capture(sizes, ahead=runner.kernel_plan.ahead, unit=unit)
     return sampler

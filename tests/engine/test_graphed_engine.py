@@ -604,8 +604,8 @@ def test_replanned_graphs_pad_less_within_budget_and_keep_the_tokens(fake_graphs
 
 
 def test_sampling_kernels_compiled_beside_steps_draw_and_count_nowhere_a_step_reads():
-    # compile_kernels runs on the capture thread without the step turn (before the
-    # epilogue): its pass must use a generator and a counts table of its own, and
+    # compile_kernels runs on the capture thread without the step turn (in the epilogue,
+    # outside its units): its pass must use a generator and a counts table of its own, and
     # leave the sampler's own in place for the captures.
     from fakes import FakePlatform
 

@@ -89,9 +89,12 @@ def main() -> None:
     during = _rounds(first, args, True, "first start")
     described = first.describe()
     background = first.background
+    # Read after close, which waits for a measurement still running (past --timeout, the
+    # rounds end before it does, and its last units would be missing).
+    first.close()
     hold = background.longest_hold if background is not None else None
     holds = {k: asdict(v) for k, v in background.holds.items()} if background is not None else {}
-    first.close()
+    background_s = background.seconds if background is not None else None
     later = LLM(args.model, cache_dir=cache, capture="blocking", **kw)
     after = _rounds(later, args, False, "later start")
     doc = {
@@ -104,6 +107,8 @@ def main() -> None:
         "first_start_longest_hold": asdict(hold) if hold is not None else None,
         # Every hold by kind (the captures, the epilogue, each unit's function).
         "first_start_holds": holds,
+        # How long the thread ran, capture and measurement (None: a blocking start).
+        "first_start_background_s": background_s,
         "later_start": [asdict(r) for r in after],
     }
     later.close()

@@ -33,6 +33,8 @@
 #   bash scripts/gpu_suite.sh holds TREE...  # per tree (as lora's): the background start's longest
 #                                      # hold of the step turn (deferred_plans, 1.5 B, B = 8),
 #                                      # then the GPU tests of the measurement's timings
+#   bash scripts/gpu_suite.sh sampling_ab TREE...  # per tree (as lora's): the sampling kernels'
+#                                      # GPU tests, then each sampling parameter's step cost
 # (the second call must follow the first or readme call while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -226,13 +228,22 @@ print(d['first_start_longest_hold']); print(d.get('first_start_holds'))" "$OUT/d
             | tee "$OUT/gpu_tests_holds_$tree.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed")
     done
     ;;
+sampling_ab)
+    shift
+    for tree in "$@"; do
+        dir=$(tree_dir "$tree")
+        (cd "$dir" && OUT="$OUT" run_file tests/engine/test_gpu_sampling_kernel.py 150 | tail -3)
+        (cd "$dir" && timeout 200 python3 -m benchmarks.sampling_cost --repeats 3 \
+            --out "$OUT/sampling_cost_$tree.json" 2>&1 | tee "$OUT/sampling_cost_$tree.log" | tail -12)
+    done
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab" >&2
     exit 2
     ;;
 esac

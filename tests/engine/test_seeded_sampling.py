@@ -3,6 +3,8 @@ so its tokens are the same alone or batched with any others, call after call, wh
 the engine's generator has drawn; another seed draws others. And a request's
 ``logit_bias``, added to its own logits only, greedy or sampled."""
 
+import random
+
 import pytest
 import torch
 
@@ -129,3 +131,16 @@ def test_the_nucleus_keeps_a_token_where_the_mass_above_it_is_below_top_p():
         above = (probs[:, None, :] > probs[:, :, None]).float() @ probs[:, :, None]
         want = above.squeeze(-1) < top_ps[:, None]
         assert torch.equal(nucleus(probs, top_ps), want)
+
+
+def test_row_keys_of_a_step_are_each_rows_own_and_zero_where_unseeded():
+    # One pass over the seeded rows (row_keys_and_mask): each key that row's alone.
+    from ostinato.engine.sample.sampler import row_keys_and_mask
+
+    r = random.Random(4)
+    draw = lambda: (r.randrange(-(2**70), 2**70), r.randrange(10**6))  # noqa: E731
+    seeded = [draw() if i % 3 else None for i in range(40)]
+    keys, mask = row_keys_and_mask(seeded)
+    assert keys == [_row_keys([s])[0] if s is not None else 0 for s in seeded]
+    assert mask == [int(s is not None) for s in seeded]
+    assert row_keys_and_mask([None, None]) == ([0, 0], [0, 0])

@@ -107,7 +107,8 @@ def seeds_on(seeded: Sequence[tuple[int, int] | None], device: torch.device) -> 
 
 def row_keys_and_mask(seeded: Sequence[tuple[int, int] | None]) -> tuple[list[int], list[int]]:
     """Per row, its ``seeded_races`` key (0 unseeded) and 1 where seeded, else 0."""
-    keys = [_row_keys([key])[0] if key is not None else 0 for key in seeded]
+    mixed = iter(_row_keys([key for key in seeded if key is not None]))  # (one pass)
+    keys = [next(mixed) if key is not None else 0 for key in seeded]
     return keys, [int(key is not None) for key in seeded]
 
 

@@ -56,7 +56,7 @@ import torch
 
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.guard import capture_phase
-from ostinato.platform.base import exclusive_device, isolated_capture
+from ostinato.platform.base import Held, exclusive_device, isolated_capture
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +148,10 @@ class HoldTally:
         self.longest = max(self.longest, seconds)
 
 
-# Holds the step turn (and the device) for one unit of work on the thread.
-Unit = Callable[[], contextlib.AbstractContextManager[None]]
-# Work on the thread in units (the epilogue, ``afterwards``): what it does inside a
-# ``unit()`` holds the turn, what it does outside runs beside the steps.
-InUnits = Callable[[Unit], None]
+# Work on the thread in units (the epilogue, ``afterwards``), given a ``Held`` that holds
+# the step turn and the device for one unit: what it does inside ``with unit():`` holds
+# them, what it does outside runs beside the steps.
+InUnits = Callable[[Held], None]
 
 
 class BackgroundCapture:

@@ -21,6 +21,7 @@ from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
 from ostinato.platform import Graph, Platform, current_platform, exclusive_device
+from ostinato.platform.base import Held
 from ostinato.pool import shared_pool
 from ostinato.replay_check import GraphDemotedWarning, Mismatch, ReplayCheck, first_mismatch
 from ostinato.replay_stats import EagerReason, ReplayStats, StatsSnapshot
@@ -32,7 +33,6 @@ PrepareFn = Callable[[BatchDescriptor], Any]
 PerturbFn = Callable[[BatchDescriptor, int], None]
 # ``recapture``'s choice: (a replay of the old graph, one of the new, the hold of one round
 # of replays: ``with held():`` around each) -> keep the new one?
-Held = Callable[[], contextlib.AbstractContextManager[object]]
 KeepNew = Callable[[Callable[[], None], Callable[[], None], Held], bool]
 
 

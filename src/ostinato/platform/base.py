@@ -13,6 +13,11 @@ from typing import Any, Protocol
 from ostinato.errors import PlatformError
 from ostinato.param_updates import UpdatableTask, UpdateOrder
 
+# A hold of a step turn for one unit of work beside the steps: ``with held():`` around it
+# (a background thread's ``BackgroundCapture.unit``; ``contextlib.nullcontext`` where no
+# step runs).
+Held = Callable[[], contextlib.AbstractContextManager[object]]
+
 
 class Graph(Protocol):
     """A captured graph: replay re-runs the recorded kernels on the same addresses."""

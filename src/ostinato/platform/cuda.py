@@ -11,6 +11,7 @@ import torch
 
 from ostinato.platform.base import (
     Graph,
+    Held,
     Platform,
     capture_is_isolated,
     exclusive_device,
@@ -159,11 +160,8 @@ class CudaPlatform(Platform):
             torch.cuda.set_sync_debug_mode(previous)
 
 
-Turn = Callable[[], contextlib.AbstractContextManager[object]]  # a hold of the step turn
-
-
 def graph_call_us(
-    fn: Callable[[], object], calls: int, replays: int = 5, turn: Turn | None = None
+    fn: Callable[[], object], calls: int, replays: int = 5, turn: Held | None = None
 ) -> float:
     """Device µs per call of ``fn``, captured ``calls`` times back to back in one CUDA
     graph and replayed: launch cost on the host is out of it, every kernel ``fn``
@@ -204,14 +202,14 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     return graph
 
 
-def held_replays_us(graph: Any, replays: int, turn: Turn) -> float:
+def held_replays_us(graph: Any, replays: int, turn: Held) -> float:
     """The median µs of ``replays`` timed replays of ``graph``, each inside a ``turn()``
     of its own (``held_replay_us``). What the graph reads must be its own, or written
     again in each turn: steps run between."""
     return statistics.median(held_replay_us(graph, turn) for _ in range(replays))
 
 
-def held_replay_us(graph: Any, turn: Turn) -> float:
+def held_replay_us(graph: Any, turn: Held) -> float:
     """µs of one replay of ``graph``, inside ``turn()``: the device drained first (the
     steps' queued work, on any stream, would share it), then an untimed replay queued
     ahead of the timed one, so the timed one starts as the device finishes the first, not

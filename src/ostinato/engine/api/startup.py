@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ostinato.background import Unit
 from ostinato.config import DEFAULT_MAX_CAPTURE_SIZE, GraphConfig
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.distributed.collectives import every_rank
@@ -80,7 +79,7 @@ from ostinato.engine.worker.runner import ModelRunner
 from ostinato.engine.worker.sampling_graphs import SamplingGraphs
 from ostinato.modes import GraphMode
 from ostinato.platform import exclusive_device, platform_for_device
-from ostinato.platform.base import isolated_capture
+from ostinato.platform.base import Held, isolated_capture
 from ostinato.resolution import AttentionGraphSupport
 from ostinato.runtime import choose_compiler
 from ostinato.ubatch.policy import MicroBatching
@@ -434,7 +433,7 @@ def capture(
     sampling_s = 0.0
     if c.capture == "background":
 
-        def on_thread(unit: Unit) -> None:
+        def on_thread(unit: Held) -> None:
             # Outside inference mode, which the capture thread runs in: the steps write
             # the sampling graphs' inputs in place, from a thread that is not in it.
             with torch.inference_mode(False):
@@ -472,7 +471,7 @@ def _finish(
     parts: EngineParts,
     generator: torch.Generator,
     made: SamplingGraphs = None,
-    unit: Unit | None = None,
+    unit: Held | None = None,
 ) -> None:
     """The end of a capture (blocking, or on the background thread, each size inside a
     ``unit()`` of the step turn): the sampling graphs (``made`` earlier, or made now),

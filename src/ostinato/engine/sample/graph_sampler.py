@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from ostinato.background import Unit
 from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
 from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead
 from ostinato.engine.sample.adjust import (
@@ -52,7 +51,7 @@ from ostinato.engine.sample.adjust import (
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.sampler import Seeds, row_keys_and_mask, sample, top_p_cut
-from ostinato.platform.base import Platform
+from ostinato.platform.base import Held, Platform
 
 # The graphs of each size: (adjusted, cut, seeded). cut None: an adjusted all-greedy step
 # (no draw: eager greedy steps draw nothing either, so later draws stay in step with
@@ -151,7 +150,7 @@ class GraphSampler:
         return tokens
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int], ahead: bool = False, unit: Unit | None = None) -> None:
+    def capture(self, sizes: list[int], ahead: bool = False, unit: Held | None = None) -> None:
         """Captures every variant for each of ``sizes`` (the padded sizes whose logits
         ``logits`` names), after the step's graphs (their logits buffer must exist).
         ``ahead`` (``KernelOptions.compile_ahead``, CUDA): every graph's kernels compile

@@ -27,12 +27,12 @@ import torch
 
 from ostinato.batch import BatchDescriptor
 from ostinato.engine.core.limits import EngineLimits
-from ostinato.engine.worker.gemm_tuning import Turn
 from ostinato.engine.worker.inputs import StepInputs
 from ostinato.engine.worker.kernel_plan import KernelPlan
 from ostinato.engine.worker.layer_tuning import StepTimer
-from ostinato.manager import GraphManager, Held, KeepNew
+from ostinato.manager import GraphManager, KeepNew
 from ostinato.modes import GraphMode
+from ostinato.platform.base import Held
 from ostinato.runtime import GraphRuntime
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Measurable(Protocol):
     @property
     def manager(self) -> GraphManager: ...
 
-    def layer_timer_on(self, inputs: StepInputs, turn: Turn) -> StepTimer | None: ...
+    def layer_timer_on(self, inputs: StepInputs, turn: Held) -> StepTimer | None: ...
 
 
 class DeferredPlans:
@@ -61,7 +61,7 @@ class DeferredPlans:
         self.runner = runner
         self.recaptured: dict[BatchDescriptor, bool] = {}
 
-    def __call__(self, turn: Turn) -> None:
+    def __call__(self, turn: Held) -> None:
         """The background capture's ``afterwards`` (``turn()``: one unit of work)."""
         runner = self.runner
         manager, plan = runner.manager, runner.kernel_plan

@@ -24,13 +24,13 @@ from ostinato.engine.kernels.gemm_launch import counters_needed
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.model.linear import Linear, plan_entry
 from ostinato.engine.worker.compile_cache import CompileCache
+from ostinato.platform.base import Held
 from ostinato.platform.cuda import graph_call_us
 
 logger = logging.getLogger(__name__)
 
 REPEATS = 20
 GemmKey = tuple[int, int, torch.dtype, bool, bool]  # (n, k, dtype, swiglu, bias)
-Turn = Callable[[], contextlib.AbstractContextManager[object]]  # holds the device for one timing
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class GemmTiming:
     config: int
 
 
-def _graph_us(fn: Callable[[], object], device: torch.device, turn: Turn) -> float:
+def _graph_us(fn: Callable[[], object], device: torch.device, turn: Held) -> float:
     """µs per call of ``fn`` (``graph_call_us``: its inputs are its own, so the capture
     runs beside steps and each timed replay holds ``turn()``)."""
     with turn():
@@ -104,7 +104,7 @@ def _measure(
     rows: int,
     pdl: bool,
     device: torch.device,
-    turn: Turn = contextlib.nullcontext,
+    turn: Held = contextlib.nullcontext,
 ) -> GemmTiming:
     """cuBLAS and every fitting candidate timed at ``rows`` rows; a step waits at most
     one timed replay of one candidate (``_graph_us``). Holding the step turn through
@@ -146,7 +146,7 @@ def plan_small_gemms(
     pdl: bool,
     min_gain: float = 0.03,
     cache: CompileCache | None = None,
-    turn: Turn = contextlib.nullcontext,
+    turn: Held = contextlib.nullcontext,
 ) -> list[GemmTiming]:
     """Measures every distinct projection shape of ``linears`` (``(linear, swiglu)``)
     at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and

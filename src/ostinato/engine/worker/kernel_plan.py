@@ -35,7 +35,6 @@ from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.gemm_tuning import (
     GemmTiming,
-    Turn,
     default_plans,
     plan_small_gemms,
     small_gemm_plans_cached,
@@ -50,6 +49,7 @@ from ostinato.engine.worker.layer_tuning import (
     store_layer_plan,
 )
 from ostinato.piecewise import PiecewiseBackend
+from ostinato.platform.base import Held
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> hidden
 Padding = Callable[[StepInputs, int], contextlib.AbstractContextManager]  # an eager step's
@@ -117,7 +117,7 @@ class KernelPlan:
             self._ahead_only_after_measuring(planned=bool(rows) or self.layer_timer is not None)
         return self.timings
 
-    def _measure(self, layer_timer: StepTimer | None, turn: Turn) -> list[GemmTiming]:
+    def _measure(self, layer_timer: StepTimer | None, turn: Held) -> list[GemmTiming]:
         """The plans measured (or read from the cache) and set; the GEMM timings."""
         model, pdl = self.model, self.kernels.pdl
         rows, cache = self.small_gemm_rows, self.compile_cache
@@ -156,7 +156,7 @@ class KernelPlan:
         return layer_plan_cached(model, self.layer_rows, cache)
 
     @torch.inference_mode()
-    def measure_deferred(self, layer_timer: StepTimer | None, turn: Turn) -> frozenset[int]:
+    def measure_deferred(self, layer_timer: StepTimer | None, turn: Held) -> frozenset[int]:
         """After ``plan(defer=True)`` deferred, once the graphs serve: measures the plans
         (``layer_timer`` times the layers; every timing inside ``turn()``), sets them on
         the model and stores them in the compile cache; returns the row counts whose
@@ -186,7 +186,7 @@ class KernelPlan:
                 pass
 
     @torch.inference_mode()
-    def keep_rules_at(self, rows: frozenset[int], turn: Turn) -> None:
+    def keep_rules_at(self, rows: frozenset[int], turn: Held) -> None:
         """After ``measure_deferred``: at row counts ``rows``, where the rules' graphs
         replayed faster than the measured plans' (``DeferredPlans``), the rules' kernels
         again: their GEMM plan entries and fused layers on the model (inside ``turn()``)

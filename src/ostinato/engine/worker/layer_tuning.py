@@ -31,7 +31,7 @@ from ostinato.engine.kernels.gemm_launch import MAX_ROWS
 from ostinato.engine.kernels.launch import compile_ahead
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
-from ostinato.engine.worker.gemm_tuning import Turn
+from ostinato.platform.base import Held
 from ostinato.platform.cuda import captured_calls, held_replays_us
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def graph_timer(
     rows_ahead: Sequence[int] = (),
     steps: int = 4,
     replays: int = 5,
-    turn: Turn = contextlib.nullcontext,
+    turn: Held = contextlib.nullcontext,
 ) -> StepTimer:
     """A ``StepTimer`` on the GPU: ``steps`` decode steps of the model's ``logits`` over the
     first rows of the persistent ``input_ids`` and ``positions``, inside ``context(rows)``

@@ -28,7 +28,7 @@ from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.step_sampler import StepOutput
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.deferred_plans import DeferredPlans
-from ostinato.engine.worker.gemm_tuning import GemmTiming, Turn
+from ostinato.engine.worker.gemm_tuning import GemmTiming
 from ostinato.engine.worker.graph_upgrade import GraphUpgrade
 from ostinato.engine.worker.inputs import PreviousSample, StepInputs
 from ostinato.engine.worker.kernel_plan import Forward, KernelPlan
@@ -38,6 +38,7 @@ from ostinato.manager import GraphManager
 from ostinato.modes import GraphMode
 from ostinato.piecewise import CompiledModel, PiecewiseBackend
 from ostinato.platform import platform_for_device
+from ostinato.platform.base import Held
 from ostinato.resolution import ModeResolution
 from ostinato.runtime import GraphRuntime, build_graph_runtime
 from ostinato.staged import StagedRuntime
@@ -142,7 +143,7 @@ class ModelRunner:
         self,
         sizes: tuple[int, ...],
         inputs: StepInputs | None = None,
-        turn: Turn = contextlib.nullcontext,
+        turn: Held = contextlib.nullcontext,
     ) -> StepTimer:
         """Times decode steps as the FULL decode graphs run them (``layer_tuning``) on
         padding rows of ``inputs`` (default: the steps' own), each timing inside
@@ -400,7 +401,7 @@ class ModelRunner:
 
         return self.manager.capture_in_background(compile_first, epilogue, after)
 
-    def layer_timer_on(self, inputs: StepInputs, turn: Turn) -> StepTimer | None:
+    def layer_timer_on(self, inputs: StepInputs, turn: Held) -> StepTimer | None:
         """The layer plan's timer on padding rows of ``inputs``, each timing inside
         ``turn()`` (``DeferredPlans``); None where the layers are not timed."""
         plan = self.kernel_plan

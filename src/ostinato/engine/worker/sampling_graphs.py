@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ostinato.background import Unit
 from ostinato.engine.sample.adjust import OutputCounts
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.modes import GraphMode
+from ostinato.platform.base import Held
 
 if TYPE_CHECKING:
     from ostinato.engine.worker.runner import ModelRunner
@@ -74,7 +74,7 @@ def capture(
     generator: torch.Generator,
     counts: OutputCounts,
     made: SamplingGraphs = None,
-    unit: Unit | None = None,
+    unit: Held | None = None,
 ) -> GraphSampler | None:
     """``make``'s graphs (or ``made``, what it returned earlier) captured: the sampler, or
     None where there are none. ``unit``: each size's graphs inside a ``unit()`` of

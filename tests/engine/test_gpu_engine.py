@@ -406,7 +406,7 @@ def test_a_background_start_samples_as_eager_sampling_while_its_sampling_graphs_
     first = sampled(llm, 8)
     assert llm.wait_for_graphs(timeout=120), llm.background.summary()
     sizes = {key[0] for key in llm.engine.sampler.graph_sampler.graphs}
-    assert llm.background.holds["the epilogue"].count == len(sizes) > 1
+    assert llm.background.holds["the epilogue"].count == len(sizes) + 1 > 2  # (+ buffers)
     in_graph = count_graph_samples(llm)
     assert [first, sampled(llm, 8)] == want
     assert in_graph == [8] * 23

@@ -312,7 +312,8 @@ def test_sampling_graphs_captured_a_size_per_unit_leave_the_steps_state_between(
         sampler.ints[2].fill_(0)  # ... and writes its request's row of the counts
 
     sampler.capture([1, 2, 4], unit=unit)
-    assert seen == [[1], [1, 2], [1, 2, 4]] and sorted(sampler.logprob_graphs) == [1, 2, 4]
+    assert seen == [[], [1], [1, 2], [1, 2, 4]]  # the buffers first, then a size per unit
+    assert sorted(sampler.logprob_graphs) == [1, 2, 4]
     table = counts.table
     assert table[: counts.scratch].sum() == 0 and table[counts.scratch].sum() > 0
 
@@ -603,10 +604,12 @@ def test_replanned_graphs_pad_less_within_budget_and_keep_the_tokens(fake_graphs
         engine("full_decode_only").replan_graphs(1 << 30)
 
 
-def test_sampling_kernels_compiled_beside_steps_draw_and_count_nowhere_a_step_reads():
-    # compile_kernels runs on the capture thread without the step turn (in the epilogue,
-    # outside its units): its pass must use a generator and a counts table of its own, and
-    # leave the sampler's own in place for the captures.
+@pytest.mark.parametrize("ahead", [True, False])
+def test_sampling_graphs_prepared_beside_steps_draw_and_count_nowhere_a_step_reads(ahead):
+    # prepare runs on the capture thread without the step turn (outside the epilogue's
+    # units): its pass (the kernels compiled ahead, or every graph's work run once) must
+    # use a generator and a counts table of its own, and leave the sampler's own in
+    # place for the captures.
     from fakes import FakePlatform
 
     from ostinato.engine.sample.adjust import OutputCounts
@@ -625,10 +628,20 @@ def test_sampling_kernels_compiled_beside_steps_draw_and_count_nowhere_a_step_re
         seen.append((sampler.generator, sampler.table, tuple(sizes)))
         sampler.generator.manual_seed(1)  # (a draw: moves the generator it was given)
 
-    sampler._compile_ahead = pass_
-    sampler.compile_kernels([1, 2, 8])
-    ((generator, table, sizes),) = seen
+    run_once = sampler._every_graphs_work
+
+    def once(n):
+        seen.append((sampler.generator, sampler.table, (n,)))
+        run_once(n)  # (the real pass: draws, and counts the penalized variants' tokens)
+
+    sampler._compile_ahead, sampler._every_graphs_work = pass_, once
+    sampler.prepare([1, 2, 8], ahead=ahead)
+    assert [s for _, _, s in seen] == ([(1, 2, 8)] if ahead else [(1,), (2,), (8,)])
+    generator, table, _ = seen[0]
+    assert all(g is generator and t is table for g, t, _ in seen)
     assert generator is not live and torch.equal(live.get_state(), state)
     assert counts._table is None and table.shape == (5, 50)  # the steps' table not made
-    assert sampler.generator is live and sampler.compiled and sizes == (1, 2, 8)
+    assert sampler.generator is live and sampler.compiled == ahead
     assert sampler.bias.shape == (8, 50)
+    if not ahead:
+        assert table.sum() > 0  # (the pass's own table counted its draws)

@@ -437,10 +437,11 @@ def capture(
             # Outside inference mode, which the capture thread runs in: the steps write
             # the sampling graphs' inputs in place, from a thread that is not in it.
             with torch.inference_mode(False):
-                # Made and compiled beside the steps, which do not see them yet: a step
-                # waiting for the turn would otherwise wait out the compile.
+                # Made and prepared beside the steps, which do not see them yet: a step
+                # waiting for the turn would otherwise wait out the compile (or the first
+                # runs' lazy set-up).
                 made = sampling_graphs.make(runner, generator, counts)
-                sampling_graphs.compile_kernels(runner, made)
+                sampling_graphs.prepare(runner, made)
                 _finish(parts, generator, made, unit)
 
         # The sampling graphs read the step graphs' static outputs: captured after them,

@@ -129,7 +129,7 @@ class GraphSampler:
         self.live_k = torch.full((1,), MAX_LOGPROBS, dtype=torch.long, device=device)
         self.live_k_value = MAX_LOGPROBS
         self.logprob_graphs: dict[int, tuple[Any, StepLogprobs]] = {}
-        self.compiled = False  # (the graphs' kernels, by ``compile_kernels``)
+        self.compiled = False  # (the graphs' kernels, by ``prepare``)
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
@@ -155,10 +155,10 @@ class GraphSampler:
         ``logits`` names), after the step's graphs (their logits buffer must exist).
         ``ahead`` (``KernelOptions.compile_ahead``, CUDA): every graph's kernels compile
         together first (``launch.compile_ahead``: processes or threads), not one after the
-        other at each capture's warm-up, unless ``compile_kernels`` compiled them.
-        ``unit`` (a background capture's): each size inside a ``unit()`` of its own, steps
-        sampling eagerly between them; each leaves the generator and the counts as the
-        steps left them."""
+        other at each capture's warm-up, unless ``prepare`` compiled them.
+        ``unit`` (a background capture's): the buffers (and any compile) inside a
+        ``unit()``, then each size inside one of its own, steps sampling eagerly between
+        them; each leaves the generator and the counts as the steps left them."""
         hold = unit or contextlib.nullcontext
         with hold():
             self._own_buffers(sizes)
@@ -167,8 +167,7 @@ class GraphSampler:
             if ahead and not self.compiled:
                 with self._steps_state_kept():
                     self._compile_ahead(sizes)
-            self._capture_size(sizes[0])
-        for n in sizes[1:]:
+        for n in sizes:
             with hold():
                 self._capture_size(n)
 
@@ -192,20 +191,27 @@ class GraphSampler:
             self.generator.set_state(state)
 
     @torch.inference_mode()
-    def compile_kernels(self, sizes: list[int]) -> None:
-        """``capture``'s compile-ahead pass done earlier, beside steps (before the
-        sampler is handed to them): it draws from a generator of its own and counts into
-        a table of its own, so it touches nothing a step reads or writes."""
+    def prepare(self, sizes: list[int], ahead: bool) -> None:
+        """What the captures of ``sizes`` would first do at their warm-ups, done earlier,
+        beside steps (before the sampler is handed to them): with ``ahead``, ``capture``'s
+        compile-ahead pass; without, each graph's work run once eagerly (kernel modules
+        loaded, first-call allocations made), so each capture's warm-up is quick. It
+        draws from a generator of its own and counts into a table of its own, so it
+        touches nothing a step reads or writes."""
         self._own_buffers(sizes)
         self.ints[2].fill_(self.counts.scratch)
         generator, table = self.generator, self.table
         self.generator = torch.Generator(device=self.device)
         self.table = self.counts.new_table()
         try:
-            self._compile_ahead(sizes)
+            if ahead:
+                self._compile_ahead(sizes)
+            else:
+                for n in sizes:
+                    self._every_graphs_work(n)
         finally:
             self.generator, self.table = generator, table
-        self.compiled = True
+        self.compiled = ahead
 
     def _own_buffers(self, sizes: list[int]) -> None:
         """The logit biases (``[rows, vocab]``), made once for the largest of ``sizes``."""
@@ -220,9 +226,13 @@ class GraphSampler:
         generator's state is restored after the captures)."""
         with compile_ahead():
             for n in sizes:
-                for variant in self.variants:
-                    self._sample(n, *variant)
-                self._logprobs_of(n)()
+                self._every_graphs_work(n)
+
+    def _every_graphs_work(self, n: int) -> None:
+        """What each of size ``n``'s graphs runs, run once eagerly."""
+        for variant in self.variants:
+            self._sample(n, *variant)
+        self._logprobs_of(n)()
 
     def _logprobs_of(self, n: int) -> Callable[[], StepLogprobs]:
         logits = self.logits(n)

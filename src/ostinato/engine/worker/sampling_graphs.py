@@ -1,10 +1,10 @@
 """A runner's sampling graphs: one ``GraphSampler`` graph per uniform decode size, in the
 step graphs' pool, reading the logits those graphs leave.
 
-Made first (``make``: the sampler and the sizes to capture, nothing captured), their
-kernels compiled ahead where the start compiles ahead (``compile_kernels``, touching
-nothing a step reads, so a background start does it beside the steps), then captured
-(``capture``, after the step graphs whose outputs they read).
+Made first (``make``: the sampler and the sizes to capture, nothing captured), prepared
+(``prepare``: their kernels compiled ahead where the start compiles ahead, else their work
+run once; touching nothing a step reads, so a background start does it beside the steps),
+then captured (``capture``, after the step graphs whose outputs they read).
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ def make(runner: ModelRunner, generator: torch.Generator, counts: OutputCounts) 
     return sampler, sizes
 
 
-def compile_kernels(runner: ModelRunner, made: SamplingGraphs) -> None:
-    """Compiles the kernels of ``made``'s graphs ahead (where ``runner``'s start compiles
-    ahead), touching nothing a step reads: what ``capture`` then need not do while it
-    holds the step turn."""
-    if made is not None and runner.kernel_plan.ahead:
-        made[0].compile_kernels(made[1])
+def prepare(runner: ModelRunner, made: SamplingGraphs) -> None:
+    """``GraphSampler.prepare`` for ``made``'s graphs (compiled ahead where ``runner``'s
+    start compiles ahead), touching nothing a step reads: what ``capture`` then need not
+    do while it holds the step turn."""
+    if made is not None:
+        made[0].prepare(made[1], runner.kernel_plan.ahead)
 
 
 def capture(

@@ -438,8 +438,9 @@ def test_a_device_sync_beside_another_threads_capture_waits_for_its_end():
 def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkeypatch):
     # graph_call_us with a turn: the capture (which runs nothing) outside the step turn,
     # then each timed replay in a hold of its own, behind an untimed replay queued in the
-    # same hold; the median over the replays. The CUDA calls are stand-ins here (the GPU
-    # test: test_gpu_core's test_a_timing_held_per_replay_captures_beside_...).
+    # same hold; the median over the replays; and not through ``torch.cuda.graph``,
+    # which empties the device's caches at every capture. The CUDA calls are stand-ins
+    # here (the GPU test: test_gpu_core's test_a_timing_held_per_replay_captures_...).
     import contextlib
 
     from ostinato.platform import cuda
@@ -447,6 +448,12 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     log, held, times = [], [False], iter([5.0, 1.0, 3.0, 9.0, 2.0])
 
     class Graph:
+        def capture_begin(self, capture_error_mode):
+            log.append(("capture", held[0]))
+
+        def capture_end(self):
+            pass
+
         def replay(self):
             log.append(("replay", held[0]))
 
@@ -463,10 +470,8 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
         def elapsed_time(self, end):
             return next(times) / 1e3  # ms
 
-    @contextlib.contextmanager
-    def graph(g, capture_error_mode):
-        log.append(("capture", held[0]))
-        yield
+    def graph(*args, **kwargs):
+        raise AssertionError("torch.cuda.graph: it empties the caches")
 
     @contextlib.contextmanager
     def turn():
@@ -479,6 +484,8 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "_side_stream", lambda: None)
     calls = []
     us = cuda.graph_call_us(lambda: calls.append(1), 4, replays=5, turn=turn)
     assert us == 3.0 / 4 and len(calls) == 4  # the median replay, per call

@@ -247,6 +247,25 @@ def test_a_pool_made_in_inference_mode_survives_a_failed_capture_outside_it():
     assert torch.equal(y, torch.full_like(x, 3.0))
 
 
+def test_a_timing_capture_keeps_the_allocators_cached_blocks():
+    # torch.cuda.graph empties the device's cache at every capture: each timing of a
+    # measurement beside the steps would free their cached blocks (a wait on the device)
+    # and make the steps allocate them again. captured_calls does not.
+    from ostinato.platform.cuda import captured_calls
+
+    x = torch.randn(256, 256, device=DEVICE)
+    x @ x  # cuBLAS's lazy set-up outside the capture
+    cached = torch.empty(64 << 20, dtype=torch.uint8, device=DEVICE)
+    del cached  # a block the allocator keeps for the next allocation
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    graph = captured_calls(lambda: x @ x, 4)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() >= reserved
+    del graph
+
+
 def test_a_timing_held_per_replay_captures_beside_another_threads_work():
     # A background GEMM measurement captures its timing graph while steps run on the
     # engine's thread (thread-local capture), then holds the step turn one timed replay

@@ -89,21 +89,8 @@ class CudaPlatform(Platform):
             except Exception:
                 self._reset_rng_capture_state()
                 raise
-            body_failed = False
-            try:
+            with _ended(graph, lambda: self._recover_from_failed_capture(requested, pool)):
                 yield
-            except BaseException:
-                body_failed = True
-                raise
-            finally:
-                try:
-                    graph.capture_end()
-                except Exception:
-                    self._recover_from_failed_capture(requested, pool)
-                    # After a failed body, ending the invalid capture raises a second,
-                    # vaguer error ("failed due to a previous error"); keep the first.
-                    if not body_failed:
-                        raise
 
     def _recover_from_failed_capture(self, requested: Any, pool: Any) -> None:
         # A capture_end that fails stops early: the allocator still routes this
@@ -191,15 +178,50 @@ def graph_call_us(
 
 def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
     """``calls`` calls of ``fn`` back to back, captured into one CUDA graph (its own
-    pool), the device's other work drained first."""
+    pool, freed with it), the device's other work drained first; no cache emptied."""
     graph = torch.cuda.CUDAGraph()
     mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
-    with exclusive_device():
+    # Not ``torch.cuda.graph``: it empties the device's and the pinned host's caches at
+    # every capture (each free waits for the device, and the steps' next allocations are
+    # made again), hundreds of times over a measurement beside the steps.
+    with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(_side_stream()):
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, capture_error_mode=mode):
+        graph.capture_begin(capture_error_mode=mode)
+        with _ended(graph):
             for _ in range(calls):
                 fn()
     return graph
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device: a capture's own stream
+
+
+def _side_stream() -> torch.cuda.Stream:
+    device = torch.cuda.current_device()
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def _ended(graph: Any, recover: Callable[[], None] | None = None) -> Iterator[None]:
+    """Ends ``graph``'s capture after the block. Where ending fails, ``recover`` runs,
+    and the error is raised unless the block's own is: after a failed block, ending the
+    invalid capture raises a second, vaguer error ("failed due to a previous error")."""
+    body_failed = False
+    try:
+        yield
+    except BaseException:
+        body_failed = True
+        raise
+    finally:
+        try:
+            graph.capture_end()
+        except Exception:
+            if recover is not None:
+                recover()
+            if not body_failed:
+                raise
 
 
 def held_replays_us(graph: Any, replays: int, turn: Held) -> float:

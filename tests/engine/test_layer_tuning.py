@@ -2,6 +2,7 @@
 choice against brute force over random timings, what a size chosen unfused runs, the
 compile cache, the ranks' agreement (gloo), and where the runner measures at all."""
 
+import contextlib
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,6 +58,33 @@ def test_nothing_is_measured_without_fused_layers_or_small_sizes():
     model = _model()
     model.unfused_rows = frozenset({1})  # an earlier plan is cleared
     assert plan_layers(model, [32, 64], timer) == [] and model.unfused_rows == frozenset()
+
+
+def test_a_threads_own_unfused_rows_leave_another_threads_steps_on_the_models_plan():
+    # A layer timing beside the steps runs its variant through unfused_here: the steps'
+    # thread (here the main one) keeps the model's plan while the timing's thread runs it.
+    import threading
+
+    model = _model()
+    model.unfused_rows = frozenset({4})
+    inside, seen = threading.Event(), threading.Event()
+    found = {}
+
+    def timing():
+        with model.unfused_here(frozenset({2})):
+            found["timing"] = [layer.fuses(r) for layer in model.layers[:1] for r in (2, 4)]
+            inside.set()
+            seen.wait(5)
+        found["after"] = [model.layers[0].fuses(r) for r in (2, 4)]
+
+    thread = threading.Thread(target=timing)
+    thread.start()
+    assert inside.wait(5)
+    steps = [model.layers[0].fuses(r) for r in (2, 4)]
+    seen.set()
+    thread.join()
+    assert found["timing"] == [False, True]  # its variant: unfused at 2 alone
+    assert steps == [True, False] and found["after"] == [True, False]  # the model's plan
 
 
 def test_a_plan_is_measured_once_then_read_from_the_compile_cache(tmp_path, cpu_keys):
@@ -130,6 +158,25 @@ def test_the_runner_times_layers_only_on_cuda_with_graphs_and_fused_layers():
     runner.release()
 
 
+class _VariantModel:
+    """The timer's view of a model: ``unfused_here`` (the variant, this thread's) and
+    ``logits``, which calls ``ran(rows, unfused)``."""
+
+    def __init__(self, ran) -> None:
+        self.here, self.ran = frozenset(), ran
+
+    @contextlib.contextmanager
+    def unfused_here(self, rows):
+        before, self.here = self.here, rows
+        try:
+            yield
+        finally:
+            self.here = before
+
+    def logits(self, ids, pos):
+        self.ran(len(ids), len(ids) in self.here)
+
+
 def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any_timing(
     monkeypatch,
 ):
@@ -148,11 +195,8 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
         yield
         inside[0] = False
 
-    class Model:
-        unfused_rows = frozenset()
-
-        def logits(self, ids, pos):
-            launched.append((len(ids), bool(self.unfused_rows), inside[0]))
+    def recording():
+        return _VariantModel(lambda rows, unfused: launched.append((rows, unfused, inside[0])))
 
     def captured_calls(step, steps):
         timed.append(len(launched))
@@ -164,21 +208,22 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     ids = torch.zeros(64, dtype=torch.long)
     context = lambda n: contextlib.nullcontext()  # noqa: E731
-    timer = layer_tuning.graph_timer(Model(), ids, ids, context, rows_ahead=(1, 4, 32))
+    timer = layer_tuning.graph_timer(recording(), ids, ids, context, rows_ahead=(1, 4, 32))
     timer(4, True)
     timer(1, False)
     first = [(n, u) for n, u, was_inside in launched[:4] if was_inside]
     assert sorted(first) == [(1, False), (1, True), (4, False), (4, True)]  # not 32 (> MAX_ROWS)
     assert not any(was_inside for *_, was_inside in launched[4:]) and timed[0] > 4
-    plain = layer_tuning.graph_timer(Model(), ids, ids, context)
+    plain = layer_tuning.graph_timer(recording(), ids, ids, context)
     launched.clear()
     plain(2, False)
     assert launched == [(2, False, False)]
 
 
-def test_a_layer_timing_captures_in_one_turn_and_hands_its_replays_the_turn(monkeypatch):
-    # The eager step and the capture set the model's fused rows and write padding rows:
-    # one hold; the timed replays then each hold the turn apart (held_replays_us).
+def test_a_layer_timing_holds_the_turn_for_its_eager_step_and_each_replay_alone(monkeypatch):
+    # The eager step runs on what the steps' graphs share (split-K counters): a hold; the
+    # capture runs nothing: none; the timed replays each hold the turn apart
+    # (held_replays_us). The variant is the timing thread's alone.
     import contextlib
 
     from ostinato.engine.worker import layer_tuning
@@ -191,14 +236,8 @@ def test_a_layer_timing_captures_in_one_turn_and_hands_its_replays_the_turn(monk
         yield
         held[0] = False
 
-    class Model:
-        unfused_rows = frozenset()
-
-        def logits(self, ids, pos):
-            seen.append(("eager", held[0]))
-
     def captured_calls(step, steps):
-        seen.append(("capture", held[0]))
+        seen.append(("capture", held[0], model.here))
         return "graph"
 
     def held_replays_us(graph, replays, given):
@@ -209,11 +248,17 @@ def test_a_layer_timing_captures_in_one_turn_and_hands_its_replays_the_turn(monk
     monkeypatch.setattr(layer_tuning, "held_replays_us", held_replays_us)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     ids = torch.zeros(8, dtype=torch.long)
+    model = _VariantModel(lambda rows, unfused: seen.append(("eager", held[0], unfused)))
     timer = layer_tuning.graph_timer(
-        Model(), ids, ids, lambda n: contextlib.nullcontext(), steps=4, replays=5, turn=turn
+        model, ids, ids, lambda n: contextlib.nullcontext(), steps=4, replays=5, turn=turn
     )
-    assert timer(2, False) == 2.0  # (per step of the four)
-    assert seen == [("eager", True), ("capture", True), ("replays", False, True, 5)]
+    assert timer(2, True) == 2.0  # (per step of the four)
+    assert seen == [
+        ("eager", True, True),
+        ("capture", False, frozenset({2})),
+        ("replays", False, True, 5),
+    ]
+    assert model.here == frozenset()  # (the variant ends with the timing)
 
 
 def test_compile_ahead_holds_only_for_a_start_that_measured_its_plans(tmp_path, cpu_keys):

@@ -9,7 +9,10 @@ forward context, so the same module runs eagerly, padded, captured, or compiled.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,6 +336,17 @@ class Mlp(nn.Module):
         return y, total, RowStats(new, self.down_proj.plan)
 
 
+# A thread's own unfused row counts (``DecoderModel.unfused_here``), over the model's.
+_UNFUSED_HERE: ContextVar[frozenset[int] | None] = ContextVar("unfused_here", default=None)
+
+
+def _unfused(own: frozenset[int]) -> frozenset[int]:
+    """The unfused row counts this thread's steps run: its own choice where it made one
+    (``DecoderModel.unfused_here``), else the model's (``own``)."""
+    here = _UNFUSED_HERE.get()
+    return own if here is None else here
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections. The residual sum is
     carried beside the hidden states and each add happens inside the next norm (as
@@ -362,7 +376,7 @@ class DecoderLayer(nn.Module):
         eagerly, without LoRA rows, at a row count where they did not measure slower."""
         if not self.fused or lora is not None or torch.compiler.is_compiling():
             return False
-        return rows not in self.unfused_rows
+        return rows not in _unfused(self.unfused_rows)
 
     def forward(
         self,
@@ -561,6 +575,17 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             layer.unfused_rows = frozenset(rows)
 
+    @contextlib.contextmanager
+    def unfused_here(self, rows: frozenset[int]) -> Iterator[None]:
+        """Inside, this thread's steps run the layers unfused at ``rows`` and fused
+        elsewhere, whatever ``unfused_rows`` says; other threads' steps are untouched (a
+        layer timing beside them runs its variant without their seeing it)."""
+        token = _UNFUSED_HERE.set(frozenset(rows))
+        try:
+            yield
+        finally:
+            _UNFUSED_HERE.reset(token)
+
     def linears(self, lm_head: bool = True) -> list[tuple[Linear, bool]]:
         """Every projection (the layers' and, with ``lm_head``, the LM head's) with
         whether its output goes through SiLU·mul (the gate/up projections): what the
@@ -617,7 +642,7 @@ class DecoderModel(nn.Module):
         into ``out``."""
         x, residual, stats, partial = self._layers(input_ids, positions, None)
         head, norm = self.lm_head, self.norm
-        fused = self.kernels.fused_layers and input_ids.shape[0] not in self.unfused_rows
+        fused = self.kernels.fused_layers and input_ids.shape[0] not in _unfused(self.unfused_rows)
         if partial or isinstance(stats, RowDelta) or not (fused and head.plan):
             return self.compute_logits(self._final_norm(x, residual, partial, stats), out)
         y, _ = torch.ops.ostinato.norm_linear(

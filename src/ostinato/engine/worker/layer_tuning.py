@@ -154,14 +154,19 @@ def graph_timer(
     queues that eager step for each of those sizes (at most ``MAX_ROWS``), fused and
     unfused, inside ``launch.compile_ahead()``: the layers' kernels of every variant the
     timings launch compile together (processes or threads), not one after another.
-    The eager step and the capture run inside one ``turn()`` (a background
-    measurement's hold of the device between steps), each timed replay inside another
-    (``held_replays_us``: the median); the compile-ahead pass, which launches nothing,
-    outside any."""
+    The variant is this thread's alone (``DecoderModel.unfused_here``). A background
+    measurement (``turn()``: its hold of the device between steps) holds the turn for
+    the eager step, which runs on what the steps' graphs share (the projections' split-K
+    counters among it), and for each timed replay apart
+    (``held_replays_us``: the median); the capture, which runs nothing, and the
+    compile-ahead pass, which launches nothing, hold none. ``input_ids``, ``positions``
+    and what ``context`` writes must then be the measurement's own."""
     ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
 
-    def eager(rows: int, unfused: bool) -> Callable[[], torch.Tensor]:
-        model.unfused_rows = frozenset({rows}) if unfused else frozenset()
+    def variant(rows: int, unfused: bool) -> AbstractContextManager[None]:
+        return model.unfused_here(frozenset({rows}) if unfused else frozenset())
+
+    def eager(rows: int) -> Callable[[], torch.Tensor]:
         ids, pos = input_ids[:rows], positions[:rows]
         step = lambda: model.logits(ids, pos)  # noqa: E731
         step()
@@ -172,16 +177,14 @@ def graph_timer(
             with compile_ahead():
                 for r in ahead:
                     for u in (False, True):
-                        with context(r), torch.cuda.device(input_ids.device):
-                            eager(r, u)
+                        with variant(r, u), context(r), torch.cuda.device(input_ids.device):
+                            eager(r)
             ahead.clear()
-        # The eager step and the capture set the model's fused rows and write the
-        # padding rows (``context``): one turn. The replays read only what the capture
-        # wrote (``input_ids``: a background measurement's scratch inputs), each in a
-        # turn of its own.
-        with turn(), context(rows), torch.cuda.device(input_ids.device):
-            graph = captured_calls(eager(rows, unfused), steps)
-        with torch.cuda.device(input_ids.device):
+        with variant(rows, unfused), torch.cuda.device(input_ids.device):
+            with turn(), context(rows):
+                step = eager(rows)
+            with context(rows):
+                graph = captured_calls(step, steps)
             return held_replays_us(graph, replays, turn) / steps
 
     return step_us

@@ -241,7 +241,8 @@ def test_a_pools_segments_asked_alone_are_those_of_the_whole_snapshot():
             kept.append([x * i for i in range(n)])  # (graph-owned outputs, kept alive)
         kept.append(graph)
     for pool in pools:
-        whole = [s for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] == tuple(pool)]
+        segments = torch.cuda.memory_snapshot()
+        whole = [s for s in segments if tuple(s["segment_pool_id"]) == tuple(pool)]
         alone = pool_segments(pool)
         assert sorted(s["address"] for s in alone) == sorted(s["address"] for s in whole)
         assert platform.pool_bytes(pool) == sum(s["total_size"] for s in whole) > 0

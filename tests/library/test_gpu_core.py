@@ -227,6 +227,27 @@ def test_pool_outlives_its_graphs():
         del w, lin
 
 
+def test_a_pools_segments_asked_alone_are_those_of_the_whole_snapshot():
+    # pool_segments asks torch for one pool's segments (no traces) where it takes a
+    # pool: the same segments the whole snapshot holds for that pool, two pools apart.
+    from ostinato.platform.cuda import CudaPlatform, pool_segments
+
+    platform = CudaPlatform()
+    pools = [platform.graph_pool_handle(), platform.graph_pool_handle()]
+    x, kept = torch.ones(1 << 20, device="cuda"), []
+    for pool, n in zip(pools, (1, 3), strict=True):
+        graph = platform.new_graph()
+        with platform.capture(graph, pool):
+            kept.append([x * i for i in range(n)])  # (graph-owned outputs, kept alive)
+        kept.append(graph)
+    for pool in pools:
+        segments = torch.cuda.memory_snapshot()
+        whole = [s for s in segments if tuple(s["segment_pool_id"]) == tuple(pool)]
+        alone = pool_segments(pool)
+        assert sorted(s["address"] for s in alone) == sorted(s["address"] for s in whole)
+        assert platform.pool_bytes(pool) == sum(s["total_size"] for s in whole) > 0
+
+
 def test_a_pool_made_in_inference_mode_survives_a_failed_capture_outside_it():
     # The pool's keeper buffer is made at the first pool; the recovery from a failed
     # capture makes another pool, here outside inference mode.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -120,11 +121,7 @@ class CudaPlatform(Platform):
     def pool_bytes(self, pool: Any) -> int:
         # The pool's own segments: memory_reserved would also count what other code
         # (a library's workspace, the default pool) allocates while a graph is captured.
-        return sum(
-            s["total_size"]
-            for s in torch.cuda.memory_snapshot()
-            if tuple(s["segment_pool_id"]) == tuple(pool)
-        )
+        return sum(s["total_size"] for s in pool_segments(pool))
 
     def device_used_memory(self) -> int:
         free, total = torch.cuda.mem_get_info()
@@ -145,6 +142,22 @@ class CudaPlatform(Platform):
             yield
         finally:
             torch.cuda.set_sync_debug_mode(previous)
+
+
+# What this torch's ``memory_snapshot`` can be asked (``mempool_id``, ``include_traces``).
+_SNAPSHOT_ASKS = frozenset(inspect.signature(torch.cuda.memory_snapshot).parameters)
+
+
+def pool_segments(pool: Any) -> list[dict[str, Any]]:
+    """The caching allocator's segments of the graph pool ``pool``. Asked of torch for
+    that pool alone and without traces where it takes those arguments: a snapshot of
+    every segment (and block) of a serving process takes milliseconds, and each capture
+    takes two, holding the step turn in a background start."""
+    if "mempool_id" not in _SNAPSHOT_ASKS:
+        segments = torch.cuda.memory_snapshot()
+        return [s for s in segments if tuple(s["segment_pool_id"]) == tuple(pool)]
+    light = {"include_traces": False} if "include_traces" in _SNAPSHOT_ASKS else {}
+    return torch.cuda.memory_snapshot(mempool_id=tuple(pool), **light)
 
 
 def graph_call_us(

@@ -110,6 +110,33 @@ def test_row_logprobs_equal_log_softmax_and_topk(vocab):
 
 
 @GPU
+def test_row_logprobs_break_ties_by_the_smaller_id_and_never_repeat_one():
+    # Logits of few distinct values (ties within and across chunks), rows masked by
+    # -inf (as a logit bias does) down to fewer finite columns than the alternatives
+    # asked for, and -0.0 beside +0.0. The alternatives are the stable order (value,
+    # then the smaller id): no id twice, -inf columns last in id order.
+    from ostinato.engine.kernels.sampling import CHUNK, row_logprobs
+
+    device = _device()
+    g = torch.Generator().manual_seed(3)
+    vocab, k = 2 * CHUNK + 37, 6
+    logits = torch.randint(-2, 3, (6, vocab), generator=g).float()
+    logits[1, :] = float("-inf")
+    logits[1, [5, CHUNK + 3]] = 1.0  # two finite columns, in two chunks
+    logits[2, :] = float("-inf")
+    logits[2, 2 * CHUNK + 1] = 0.5  # one, in the last chunk
+    logits[3, :] = torch.where(logits[3] == 0, -0.0, logits[3])
+    tokens = torch.randint(0, vocab, (6,), generator=g)
+    tokens[1], tokens[2] = 5, 2 * CHUNK + 1
+    chosen, ids, values = row_logprobs(logits.to(device), tokens.to(device), k)
+    logp = torch.log_softmax(logits, dim=-1)
+    order = torch.sort(-logp, dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(ids.cpu(), order), (ids.cpu(), order)
+    torch.testing.assert_close(values.cpu(), logp.gather(1, order))
+    torch.testing.assert_close(chosen.cpu(), logp.gather(1, tokens[:, None]).squeeze(1))
+
+
+@GPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_penalize_kernel_equals_the_torch_arithmetic(dtype, with_bias):

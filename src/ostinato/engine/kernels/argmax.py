@@ -37,19 +37,37 @@ def packed_max(x, cols, live, vocab):
     any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
     hit = tl.where(any_nan, nan, live & (x == best))
     first = tl.min(tl.where(hit, cols, vocab), axis=0)
-    # Float bits as an int32 that orders as the floats do: a negative float's magnitude
-    # bits flipped. -0.0 is +0.0 (argmax ties them) and any NaN is above +inf.
-    bits = best.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(best == 0.0, 0, key)
-    key = tl.where(any_nan, 0x7FFFFFFF, key)
+    key = tl.where(any_nan, 0x7FFFFFFF, ordered_bits(best))
     return (key.to(tl.int64) << 32) + (first.to(tl.int64) ^ LOW)
 
 
 @triton.jit
+def ordered_bits(x):
+    """Float32 ``x`` as an int32 that orders as the floats do: a negative float's
+    magnitude bits flipped; -0.0 is +0.0 (argmax ties them), a NaN above +inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x == 0.0, 0, key)
+
+
+@triton.jit
+def entry_keys(x, cols):
+    """Per entry of float32 ``x``, an int64 that orders as (value, then the smaller
+    column): one reduction finds both (``unpacked``, ``key_value`` read them back)."""
+    return (ordered_bits(x).to(tl.int64) << 32) + (cols.to(tl.int64) ^ LOW)
+
+
+@triton.jit
 def unpacked(key):
-    """The column of a ``packed_max`` key."""
+    """The column of a ``packed_max`` or ``entry_keys`` key."""
     return (key & LOW) ^ LOW
+
+
+@triton.jit
+def key_value(key):
+    """The float32 value of an ``entry_keys`` key (-0.0 read back as +0.0)."""
+    high = (key >> 32).to(tl.int32)
+    return tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit

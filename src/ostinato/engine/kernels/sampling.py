@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.argmax import EMPTY, packed_max, unpacked
+from ostinato.engine.kernels.argmax import EMPTY, entry_keys, key_value, packed_max, unpacked
 from ostinato.engine.kernels.launch import launch
 
 CHUNK = 2048  # logits a program reads: 75 programs for a row of a 152k vocabulary
@@ -256,7 +256,9 @@ def sample_rows(
 def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vocab, chunks, k,
                           k_ptr, K, CHUNK: tl.constexpr, LIVE_K: tl.constexpr):  # fmt: skip
     """A chunk's max and softmax sum of the raw logits, and its ``k`` largest (LIVE_K:
-    as many as ``k_ptr`` holds)."""
+    as many as ``k_ptr`` holds), the smaller column first on ties, each column once (one
+    reduction of ``entry_keys`` per alternative; past the chunk's live columns, ``vocab``
+    at ``-inf``)."""
     if LIVE_K:
         k = tl.minimum(tl.load(k_ptr), k)
     row = tl.program_id(0).to(tl.int64)
@@ -267,12 +269,13 @@ def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vo
     x = x.to(tl.float32)
     at = row * chunks + chunk
     _store_stats(stats_ptr, at, x)
-    for j in range(k):  # the largest left, the smaller column first on ties
-        v = tl.max(x, axis=0)
-        i = tl.min(tl.where(live & (x == v), cols, vocab), axis=0)
-        tl.store(ids_ptr + at * K + j, i)
-        tl.store(values_ptr + at * K + j, v)
-        x = tl.where(cols == i, float("-inf"), x)
+    keys = tl.where(live, entry_keys(x, cols), EMPTY)
+    for j in range(k):
+        best = tl.max(keys, axis=0)
+        none = best == EMPTY
+        tl.store(ids_ptr + at * K + j, tl.where(none, vocab, unpacked(best)))
+        tl.store(values_ptr + at * K + j, tl.where(none, float("-inf"), key_value(best)))
+        keys = tl.where(keys == best, EMPTY, keys)
 
 
 @triton.jit
@@ -282,7 +285,8 @@ def _logprob_row_kernel(
     LIVE_K: tl.constexpr,
 ):  # fmt: skip
     """A row's log-sum-exp over its chunks, its token's log probability and the ``k``
-    largest of the chunks' candidates (LIVE_K: as many as ``k_ptr`` holds)."""
+    largest of the chunks' candidates (LIVE_K: as many as ``k_ptr`` holds), in the
+    chunks' order: (value, then the smaller id), each id once."""
     live_k = k  # (``k`` stays the outputs' row stride)
     if LIVE_K:
         live_k = tl.minimum(tl.load(k_ptr), k)
@@ -295,14 +299,13 @@ def _logprob_row_kernel(
     n = tl.arange(0, CANDIDATES)
     valid = (n < chunks * K) & ((n % K) < live_k)
     v = tl.load(values_ptr + row * chunks * K + n, mask=valid, other=float("-inf"))
-    ids = tl.load(ids_ptr + row * chunks * K + n, mask=valid, other=-1)
-    big = tl.full((), 1 << 62, tl.int64)
+    ids = tl.load(ids_ptr + row * chunks * K + n, mask=valid, other=0)
+    keys = tl.where(valid, entry_keys(v, ids), EMPTY)
     for j in range(live_k):
-        best = tl.max(v, axis=0)
-        i = tl.min(tl.where(valid & (v == best), ids, big), axis=0)
-        tl.store(top_ids_ptr + row * k + j, i)
-        tl.store(top_values_ptr + row * k + j, best - lse)
-        v = tl.where(ids == i, float("-inf"), v)
+        best = tl.max(keys, axis=0)
+        tl.store(top_ids_ptr + row * k + j, unpacked(best))
+        tl.store(top_values_ptr + row * k + j, key_value(best) - lse)
+        keys = tl.where(keys == best, EMPTY, keys)
 
 
 def row_logprobs(

@@ -3,9 +3,11 @@
 ``BackgroundCapture`` captures a plan item by item on a thread of its own. Each item
 (its dummy inputs, warm-ups and capture) runs while it holds the manager's turn, the lock
 a step holds from writing its inputs to queueing its work, so a capture never writes a
-step's inputs and a step never reads a capture's. Between items the steps run: eagerly
-for a size whose graph is not ready, replayed once it is. Sizes that steps asked for are
-captured before the rest of the plan.
+step's inputs and a step never reads a capture's. Where the platform records without
+running anything (``Platform.records_apart``: CUDA), a FULL graph's recording lets go of
+the turn: the steps run while it records, and wait only for its dummy inputs and warm-up.
+Between items the steps run: eagerly for a size whose graph is not ready, replayed once
+it is. Sizes that steps asked for are captured before the rest of the plan.
 
 Steps come first. An item holds the turn for tens of milliseconds (the first, with the
 largest size's warm-ups and the process's first capture, for over half a second), which
@@ -99,6 +101,16 @@ class Turn:
         finally:
             self._lock.release()
 
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Inside ``capturing()``, on its thread: the steps may take the turn for the
+        block, which then waits for the turn back."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._acquire()
+
     def _acquire(self) -> None:
         with self._changed:
             self._waiting += 1
@@ -157,7 +169,9 @@ InUnits = Callable[[Held], None]
 class BackgroundCapture:
     """The capture thread of one ``GraphManager`` (``GraphManager.capture_in_background``).
 
-    ``capture_one(item)`` captures one item (raising on failure); ``release()`` destroys
+    ``capture_one(item, apart)`` captures one item (raising on failure), holding the
+    turn but inside ``with apart():``, where it only records (``Platform.records_apart``;
+    the steps may run meanwhile); ``release()`` destroys
     every graph; ``turn`` is the manager's step lock; ``prologue``, if given, runs on the
     thread first, without the turn (the engine compiles its model there, on scratch
     inputs of its own); ``epilogue``, if given, runs on the thread once every item is
@@ -172,7 +186,7 @@ class BackgroundCapture:
     def __init__(
         self,
         plan: list[CaptureItem],
-        capture_one: Callable[[CaptureItem], None],
+        capture_one: Callable[[CaptureItem, Held], None],
         release: Callable[[], None],
         turn: Turn,
         prologue: Callable[[], None] | None = None,
@@ -188,6 +202,8 @@ class BackgroundCapture:
         self.longest_hold: Hold | None = None
         self.holds: dict[str, HoldTally] = {}  # by kind: "captures", "the epilogue", a unit's
         self._unit_wait = MAX_WAIT_S  # (``unit``'s wait for a pause: see UNIT_SPACING)
+        self._apart_s = 0.0  # seconds spent inside ``_apart`` (not holds of the turn)
+        self._epilogue_units = 0
         self._afterwards = afterwards
         self._pending = list(plan)
         self._wanted: dict[BatchDescriptor, None] = {}  # ordered: first asked, first captured
@@ -335,13 +351,14 @@ class BackgroundCapture:
 
     @contextlib.contextmanager
     def _held(self, what: str, kind: str) -> Iterator[None]:
-        """Times a hold of the turn: tallied under ``kind``, kept in ``longest_hold``
-        (as ``what``) where it is the longest."""
-        start = time.perf_counter()
+        """Times a hold of the turn, less the time its item spent ``_apart`` (the parts
+        before and after summed): tallied under ``kind``, kept in ``longest_hold`` (as
+        ``what``) where it is the longest."""
+        start, apart = time.perf_counter(), self._apart_s
         try:
             yield
         finally:
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start - (self._apart_s - apart)
             self.holds.setdefault(kind, HoldTally()).add(seconds)
             if self.longest_hold is None or seconds > self.longest_hold.seconds:
                 self.longest_hold = Hold(seconds, what)
@@ -376,12 +393,24 @@ class BackgroundCapture:
                 item = self._next()
                 if item is not None:
                     with self._held(f"the capture of {item.descriptor}", "captures"):
-                        self._capture_one(item)
+                        self._capture_one(item, self._apart)
                     self.captured += 1
             if item is None:
                 self._end_plan()
                 return
             self._turn.hand_over(timeout=1.0)
+
+    @contextlib.contextmanager
+    def _apart(self) -> Iterator[None]:
+        """Inside an item: the turn released while the item only records (the steps may
+        run meanwhile), taken back after (waiting for a step that took it); the time
+        is no hold."""
+        start = time.perf_counter()
+        try:
+            with self._turn.released():
+                yield
+        finally:
+            self._apart_s += time.perf_counter() - start
 
     def _end_plan(self) -> None:
         """Once every item is captured: the epilogue, holding the turn for each of its
@@ -396,5 +425,7 @@ class BackgroundCapture:
     def _epilogue_unit(self) -> contextlib.AbstractContextManager[None]:
         """For the epilogue: holds the device and the turn for one unit of it, taken as
         an item is (when the steps pause, or after ``MAX_WAIT_S``), tallied as "the
-        epilogue"; raises ``CaptureStopped`` once the thread is asked to stop."""
-        return self._holding("the epilogue")
+        epilogue" (named by its number in ``longest_hold``); raises ``CaptureStopped``
+        once the thread is asked to stop."""
+        self._epilogue_units += 1
+        return self._holding(f"the epilogue's unit {self._epilogue_units}", kind="the epilogue")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,7 @@ from ostinato.guard import check_capture_allowed, locate_illegal_op
 from ostinato.modes import GraphMode
 from ostinato.param_updates import UpdatableTask, UpdateOrder, recording_tasks
 from ostinato.platform import Graph, Platform, current_platform
+from ostinato.platform.base import Held
 from ostinato.pool import shared_pool
 from ostinato.tensor_views import weak_ref_tensors
 
@@ -23,6 +26,23 @@ _ADDRESS_HINT = (
     "A graph reads its inputs from the addresses they had at capture. Copy new data into "
     "the captured buffer (buf[:n].copy_(x)) instead of passing a new tensor."
 )
+
+
+# Where a capture records (``recording_apart``): None, in the caller's context.
+_apart: ContextVar[Held | None] = ContextVar("ostinato_recording_apart", default=None)
+
+
+@contextlib.contextmanager
+def recording_apart(apart: Held) -> Iterator[None]:
+    """Inside, on this thread, a wrapper's capture records (and is measured) inside
+    ``with apart():`` (a background capture's release of the step turn, where the
+    platform records without running anything); a failed capture's diagnosis, which
+    runs the callable eagerly, comes after it."""
+    token = _apart.set(apart)
+    try:
+        yield
+    finally:
+        _apart.reset(token)
 
 
 @dataclass
@@ -166,12 +186,14 @@ class GraphWrapper:
         check_capture_allowed(what, self.options.lazy_capture)
         graph = self.platform.new_graph()
         addresses = _input_addresses(args, kwargs) if self.options.check_addresses else None
+        apart = _apart.get()
         try:
-            if self.meter is not None:
-                with self.meter.measure(descriptor, self.mode):
+            with apart() if apart is not None else contextlib.nullcontext():
+                if self.meter is not None:
+                    with self.meter.measure(descriptor, self.mode):
+                        output, tasks = self._record(graph, args, kwargs)
+                else:
                     output, tasks = self._record(graph, args, kwargs)
-            else:
-                output, tasks = self._record(graph, args, kwargs)
         except Exception as exc:
             raise self._capture_error(what, exc, args, kwargs) from exc
         self.entries[descriptor] = GraphEntry(

@@ -16,7 +16,7 @@ from ostinato.capture_report import CaptureMeter, CaptureReport
 from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch, Dispatcher
 from ostinato.errors import GraphCaptureError
-from ostinato.graph import GraphWrapper
+from ostinato.graph import GraphWrapper, recording_apart
 from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -229,12 +229,15 @@ class GraphManager:
             return d in self._full.entries and d not in self.demoted
         return mode is GraphMode.NONE or d in self._pieces_ready
 
-    def capture_item(self, item: CaptureItem) -> None:
+    def capture_item(self, item: CaptureItem, apart: Held | None = None) -> None:
         """Captures one item of ``capture_plan()`` (a FULL graph, or a PIECEWISE size's
         pieces); a failure releases every graph of this manager and raises
-        ``GraphCaptureError``, as ``capture()`` does."""
+        ``GraphCaptureError``, as ``capture()`` does. ``apart`` (a background capture's
+        release of the step turn): where the platform records without running anything,
+        a FULL graph records inside ``with apart():``, its dummy inputs and warm-ups
+        before it."""
         try:
-            self._capture_one(item)
+            self._capture_one(item, apart if self.platform.records_apart else None)
         except torch.OutOfMemoryError as exc:
             # Out of memory in a warm-up run, outside the graph wrapper.
             self.release()
@@ -250,7 +253,7 @@ class GraphManager:
         if item.mode is GraphMode.PIECEWISE:
             self._pieces_ready.add(item.descriptor)
 
-    def _capture_one(self, item: CaptureItem) -> None:
+    def _capture_one(self, item: CaptureItem, apart: Held | None) -> None:
         d = item.descriptor
         attn_metadata = self.prepare(d) if self.prepare is not None else None
         # The first FULL capture needs one eager output to size the static buffers.
@@ -264,9 +267,13 @@ class GraphManager:
                 self.outputs.allocate(out)
         # A FULL capture offers the step the static buffers' rows to write into.
         outputs = self.outputs.into(d.num_tokens) if full else None
+        if full and apart is not None:
+            # Steps write the inputs once the turn is let go: the warm-up reads them first.
+            self.platform.synchronize()
         with forward_context(item.mode, d, attn_metadata, outputs):
             if full:
-                self._full(d)
+                with recording_apart(apart) if apart is not None else contextlib.nullcontext():
+                    self._full(d)
             else:
                 with self._meter.measure(d, item.mode):
                     self.step(d)

@@ -88,7 +88,7 @@ def test_a_failed_background_capture_leaves_the_engine_serving(monkeypatch):
     want = greedy(blocking, ps)
     closed(blocking)
 
-    def fail(self, item):
+    def fail(self, item, apart):
         raise GraphCaptureError(f"injected failure capturing {item.descriptor}")
 
     monkeypatch.setattr(manager_module.GraphManager, "_capture_one", fail)

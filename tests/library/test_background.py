@@ -2,6 +2,7 @@
 test double for graphs. Steps see correct outputs whether they ran eagerly or replayed,
 sizes asked for are captured first, and a failure leaves the steps eager."""
 
+import contextlib
 import logging
 import threading
 import time
@@ -344,9 +345,9 @@ def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
 
     real = m._capture_one
 
-    def capture_one(item):
+    def capture_one(item, apart):
         pause("item" if item.descriptor.num_tokens == 4 else "")
-        real(item)
+        real(item, apart)
 
     m._capture_one = capture_one
 
@@ -371,6 +372,41 @@ def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
     assert tally["captures"].count == len(SIZES) and tally["test_background.afterwards"].count == 3
     assert max(t.longest for t in tally.values()) == hold.seconds
     assert tally["the epilogue"].seconds <= tally["the epilogue"].longest * 1.0001
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_a_full_graph_records_beside_the_steps_where_the_platform_records_apart(apart):
+    # CUDA records without running anything: the steps need not wait for the recording,
+    # only for the dummy inputs and the warm-up. (The test double runs what it records,
+    # so no step runs here while it does: a thread only takes the turn.)
+    p, r, m, dispatcher = build()
+    p.records_apart = apart
+    took: list[bool] = []  # per capture: whether a step took the turn inside it
+    real = p.capture
+
+    @contextlib.contextmanager
+    def capture(graph, pool):
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        stepper.join(0.5)  # (with the turn held, it waits for the item's end)
+        took.append(not stepper.is_alive())
+        time.sleep(0.3)
+        with real(graph, pool):
+            yield
+
+    def step():
+        with m.stepping():
+            pass
+
+    p.capture = capture
+    background = m.capture_in_background()
+    assert background.wait(30) and background.error is None
+    assert background.captured == len(SIZES) == len(m.report.records)
+    assert took == [apart] * len(SIZES), took  # the step ran inside the recording
+    # A hold is the item less its time apart: here the recording's 0.8 s.
+    longest = background.holds["captures"].longest
+    assert (longest < 0.3) if apart else (longest >= 0.8), longest
+    assert all(serve(r, m, dispatcher, 20))  # every size replays, correctly
 
 
 def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):

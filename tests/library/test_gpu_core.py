@@ -332,3 +332,44 @@ def test_a_timing_held_per_replay_captures_beside_another_threads_work():
         thread.join()
     assert len(holds) == 15 and steps[0] > 0
     assert all(0.5 * plain < us < 2.0 * plain for us in held), (plain, held)
+
+
+def test_a_background_capture_records_beside_steps_that_stay_right(monkeypatch):
+    # CUDA records without running anything, so a background FULL capture lets go of the
+    # step turn while it records: steps run, replaying or eager, inside recordings (none
+    # could while the turn was held), and each matches the eager model. float32.
+    import threading
+
+    from ostinato.graph import GraphWrapper
+
+    torch.manual_seed(0)
+    model = TinyModel(vocab=VOCAB, hidden=256, intermediate=512, layers=24)  # long recordings
+    model = model.to(DEVICE).eval()
+    config = GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2, 4, 8, 16, 32, 64))
+    runner = TinyRunner(model, config, DEVICE, progress=False)
+    manager = runner.graphs.manager
+    recording = threading.Event()
+    real = GraphWrapper._record
+
+    def record(self, graph, args, kwargs):
+        recording.set()
+        try:
+            return real(self, graph, args, kwargs)
+        finally:
+            recording.clear()
+
+    monkeypatch.setattr(GraphWrapper, "_record", record)
+    ids = torch.randint(0, VOCAB, (64,), device=DEVICE)
+    with torch.inference_mode():
+        model(ids[:3])  # (cuBLAS's set-up on this thread first)
+        background = manager.capture_in_background()
+        beside, draw = 0, random.Random(3)
+        while not background.done:
+            n = draw.randint(1, 64)
+            with manager.stepping():
+                out = runner.forward(ids[:n])
+                beside += recording.is_set()
+            torch.testing.assert_close(out, model(ids[:n]), atol=1e-4, rtol=1e-4)
+    assert background.error is None and manager.num_graphs == 7
+    assert beside > 0, background.summary()
+    assert background.holds["captures"].count == 7

@@ -41,6 +41,12 @@ class Platform(ABC):
     supports_graphs: bool = False
     sync_before_replay: bool = False
     """True where the runtime must be synchronized before each replay (Ascend)."""
+    records_apart: bool = False
+    """True where ``capture`` runs nothing (it records), from a thread of its own in a
+    mode that leaves other threads' device work alone (``isolated_capture``): a
+    background capture then records a FULL graph beside the steps, holding their turn
+    only for its dummy inputs and warm-ups (CUDA). False where capturing runs the work or
+    updates host parameters shared with the steps."""
     update_order: UpdateOrder = UpdateOrder.NONE
     """Whether captured ops take host parameters that must be updated before a replay,
     and in which order (``ostinato.param_updates``); NONE registers and pays nothing."""

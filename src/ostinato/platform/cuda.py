@@ -28,6 +28,8 @@ class CudaPlatform(Platform):
 
     def __init__(self) -> None:
         self.name = "rocm" if torch.version.hip else "cuda"
+        # (Recording beside running steps was measured on CUDA only: HIP keeps the turn.)
+        self.records_apart = torch.version.hip is None
         self._capture_stream: torch.cuda.Stream | None = None
         # Pools retired after a failed capture, and the pool that replaces each.
         self._pool_replacements: dict[Any, Any] = {}

@@ -253,7 +253,7 @@ class GraphManager:
         if item.mode is GraphMode.PIECEWISE:
             self._pieces_ready.add(item.descriptor)
 
-    def _capture_one(self, item: CaptureItem, apart: Held | None) -> None:
+    def _capture_one(self, item: CaptureItem, apart: Held | None = None) -> None:
         d = item.descriptor
         attn_metadata = self.prepare(d) if self.prepare is not None else None
         # The first FULL capture needs one eager output to size the static buffers.

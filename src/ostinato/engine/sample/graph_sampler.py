@@ -194,7 +194,7 @@ class GraphSampler:
     def prepare(self, sizes: list[int], ahead: bool) -> None:
         """What the captures of ``sizes`` would first do at their warm-ups, done earlier,
         beside steps (before the sampler is handed to them): with ``ahead``, ``capture``'s
-        compile-ahead pass; without, each graph's work run once eagerly (kernel modules
+        compile-ahead pass; then each graph's work run once eagerly (kernel modules
         loaded, first-call allocations made), so each capture's warm-up is quick. It
         draws from a generator of its own and counts into a table of its own, so it
         touches nothing a step reads or writes."""
@@ -206,9 +206,10 @@ class GraphSampler:
         try:
             if ahead:
                 self._compile_ahead(sizes)
-            else:
-                for n in sizes:
-                    self._every_graphs_work(n)
+            # (After a compile ahead too: a kernel's first launch loads it, which held
+            # the first size's capture for 70 ms on the H200.)
+            for n in sizes:
+                self._every_graphs_work(n)
         finally:
             self.generator, self.table = generator, table
         self.compiled = ahead

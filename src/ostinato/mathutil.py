@@ -16,11 +16,14 @@ def is_int(x: object) -> bool:
 
 
 def checked_int(name: str, value: object, least: int = 1) -> int:
-    """``value`` as an int if it is an integer of at least ``least``; else ``TypeError``
-    naming the option ``name``."""
-    if not is_int(value) or int(value) < least:  # type: ignore[call-overload]
-        wanted = "a positive int" if least == 1 else f"an int >= {least}"
+    """``value`` as an int if it is an integer of at least ``least``; else an error
+    naming the option ``name``: ``TypeError`` for what is no integer (a bool, a float, a
+    string), ``ValueError`` for an integer below ``least``."""
+    wanted = "a positive int" if least == 1 else f"an int >= {least}"
+    if not is_int(value):
         raise TypeError(f"{name}: expected {wanted}, got {value!r}")
+    if int(value) < least:  # type: ignore[call-overload]
+        raise ValueError(f"{name}: expected {wanted}, got {value!r}")
     return int(value)  # type: ignore[call-overload]
 
 

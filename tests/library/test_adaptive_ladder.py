@@ -100,8 +100,10 @@ def test_resize_is_refused_where_it_cannot_hold():
     r, p, m = manager(mode=GraphMode.FULL_AND_PIECEWISE, sizes=(1, 2, 4))
     with pytest.raises(ValueError, match="only a FULL-mode manager"):
         m.resize((1, 4))
-    with pytest.raises(TypeError, match="budget_bytes"):
+    with pytest.raises(ValueError, match="budget_bytes"):
         AdaptivePolicy(budget_bytes=0)
+    with pytest.raises(TypeError, match="budget_bytes"):
+        AdaptivePolicy(budget_bytes=2.5)
     with pytest.raises(ValueError, match="min_gain"):
         AdaptivePolicy(budget_bytes=KIB, min_gain=1.5)
 

@@ -143,7 +143,7 @@ def test_tolerances_and_mismatch_report():
 def test_bad_options_are_named_and_verify_graphs_is_the_capture_check():
     with pytest.raises(ValueError, match="verify: 'always'"):
         GraphConfig(verify="always")
-    with pytest.raises(TypeError, match="verify_every: expected a positive int, got 0"):
+    with pytest.raises(ValueError, match="verify_every: expected a positive int, got 0"):
         GraphConfig(verify="sample", verify_every=0)
     with pytest.raises(TypeError, match="verify_every"):
         ReplayCheck("sample", every="10")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -56,6 +57,11 @@ class GraphManager:
     of tensors (hidden states, then auxiliary outputs), each with tokens on dim 0.
     ``prepare(descriptor)``, if given, writes dummy inputs for a capture of that shape
     into the buffers and returns the attention metadata to put in the forward context.
+    ``warm_step(descriptor)``, if given, does ``step``'s work on inputs of its own, which
+    no step reads or writes (padding rows in buffers apart, in a forward context it
+    opens): a background capture on a platform that records apart
+    (``Platform.records_apart``) then warms a FULL graph up with it beside the steps, and
+    holds their turn only for ``prepare``.
 
     Guarantees: ``capture()`` captures every FULL descriptor of the dispatcher (mixed
     batches first, then uniform decode, each largest first) and runs every PIECEWISE
@@ -93,8 +99,10 @@ class GraphManager:
         check: ReplayCheck | None = None,
         perturb_padding: PerturbFn | None = None,
         outputs: StaticOutputs | None = None,
+        warm_step: StepFn | None = None,
     ) -> None:
         self.step = step
+        self.warm_step = warm_step
         self.dispatcher = dispatcher
         self.prepare = prepare
         self.num_warmups = num_warmups
@@ -255,30 +263,46 @@ class GraphManager:
 
     def _capture_one(self, item: CaptureItem, apart: Held | None = None) -> None:
         d = item.descriptor
-        attn_metadata = self.prepare(d) if self.prepare is not None else None
-        # The first FULL capture needs one eager output to size the static buffers.
         full = item.mode is GraphMode.FULL
+        beside = apart if full else None  # (``capture_item``: the steps may run meanwhile)
+        # The first FULL capture needs one eager output to size the static buffers.
         warmups = max(self.num_warmups, 1 if full and not self.outputs.allocated else 0)
-        for _ in range(warmups):
-            with forward_context(GraphMode.NONE, d, attn_metadata):
-                out = self.step(d)
-            _check_rows(out, d)
-            if full and not self.outputs.allocated:
-                self.outputs.allocate(out)
+        if beside is not None and self.warm_step is not None:
+            with beside():  # (on inputs of its own)
+                self._warm_up(d, full, warmups, functools.partial(self.warm_step, d))
+            warmups = 0
+        attn_metadata = self.prepare(d) if self.prepare is not None else None
+        if warmups:
+            self._warm_up(d, full, warmups, functools.partial(self._eager, d, attn_metadata))
+            if beside is not None:
+                # Steps write the inputs once the turn is let go: the warm-up reads them first.
+                self.platform.synchronize()
         # A FULL capture offers the step the static buffers' rows to write into.
         outputs = self.outputs.into(d.num_tokens) if full else None
-        if full and apart is not None:
-            # Steps write the inputs once the turn is let go: the warm-up reads them first.
-            self.platform.synchronize()
         with forward_context(item.mode, d, attn_metadata, outputs):
             if full:
-                with recording_apart(apart) if apart is not None else contextlib.nullcontext():
+                with recording_apart(beside) if beside is not None else contextlib.nullcontext():
                     self._full(d)
             else:
                 with self._meter.measure(d, item.mode):
                     self.step(d)
         if self.check.at_capture and full:
             self._verify(d, attn_metadata)
+
+    def _warm_up(
+        self, d: BatchDescriptor, full: bool, times: int, run: Callable[[], Outputs]
+    ) -> None:
+        """``times`` runs of ``run`` (the step's work at ``d``, eagerly) before a capture;
+        the first of a FULL graph sizes the static outputs."""
+        for _ in range(times):
+            out = run()
+            _check_rows(out, d)
+            if full and not self.outputs.allocated:
+                self.outputs.allocate(out)
+
+    def _eager(self, d: BatchDescriptor, attn_metadata: Any) -> Outputs:
+        with forward_context(GraphMode.NONE, d, attn_metadata):
+            return self.step(d)
 
     def _verify(self, d: BatchDescriptor, attn_metadata: Any) -> None:
         """The capture check: replay against eager bitwise, then (with a padding hook)

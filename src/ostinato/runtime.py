@@ -88,13 +88,14 @@ def build_graph_runtime(
     pool: Any = None,
     progress: bool = True,
     outputs: StaticOutputs | None = None,
+    warm_step: StepFn | None = None,
 ) -> GraphRuntime:
     """Resolves ``config.mode`` (``"auto"`` included) against ``attention``, piecewise
     availability and ``platform`` (default: the current one; pass ``CpuPlatform()`` for a
     runner whose tensors are on the CPU), logs every downgrade with its reason, and builds
-    the dispatcher and the manager. ``step``, ``prepare``, ``perturb_padding`` and
-    ``outputs`` (another manager's static outputs, shared: the two steps must return
-    the same shapes and never replay at once) are ``GraphManager``'s."""
+    the dispatcher and the manager. ``step``, ``prepare``, ``perturb_padding``,
+    ``warm_step`` and ``outputs`` (another manager's static outputs, shared: the two
+    steps must return the same shapes and never replay at once) are ``GraphManager``'s."""
     platform = platform or current_platform()
     requested = config.mode or auto_mode(platform.supports_graphs, piecewise_available)
     resolution = resolve_mode(
@@ -122,5 +123,6 @@ def build_graph_runtime(
         platform=platform,
         pool=pool,
         outputs=outputs,
+        warm_step=warm_step,
     )
     return GraphRuntime(resolution, manager)

@@ -645,3 +645,28 @@ def test_sampling_graphs_prepared_beside_steps_draw_and_count_nowhere_a_step_rea
     assert sampler.generator is live and sampler.compiled == ahead
     assert sampler.bias.shape == (8, 50)
     assert table.sum() > 0  # (the pass's own table counted its draws)
+
+
+def test_a_warm_up_beside_the_steps_touches_nothing_a_step_reads(fake_graphs):
+    # On CUDA a background capture warms each FULL graph up beside the steps, outside
+    # their turn (``_warm_step``): on inputs of its own, its K/V in the null block only,
+    # so a step's inputs and its requests' cache stay as the step left them.
+    llm = engine("full", max_capture_size=16)
+    prompts, params = workload(4)
+    tokens(llm, prompts, params)  # (the inputs and the cache hold real steps')
+    runner = llm.engine.runner
+    buffers = vars(runner.inputs).values()
+    inputs = [t.clone() for t in buffers if isinstance(t, torch.Tensor)]
+    cache = [t[1:].clone() for t in (*runner.cache.k, *runner.cache.v)]  # (block 0: null)
+    assert any(t.count_nonzero() > 0 for t in cache)
+    for d in runner.manager.dispatcher.keys(GraphMode.FULL):
+        with torch.inference_mode():  # (as on the capture thread)
+            out = runner._warm_step(d)
+        rows = [t.shape[0] for t in (out if isinstance(out, tuple) else (out,))]
+        assert rows == [d.num_tokens] * len(rows), (d, rows)
+    now = [t for t in vars(runner.inputs).values() if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(inputs, now, strict=True))
+    after = [t[1:] for t in (*runner.cache.k, *runner.cache.v)]
+    assert all(torch.equal(a, b) for a, b in zip(cache, after, strict=True))
+    assert runner._scratch is not None and runner._scratch is not runner.inputs
+    assert tokens(llm, prompts, params) == tokens(engine("none", backend=None), prompts, params)

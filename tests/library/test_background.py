@@ -409,6 +409,51 @@ def test_a_full_graph_records_beside_the_steps_where_the_platform_records_apart(
     assert all(serve(r, m, dispatcher, 20))  # every size replays, correctly
 
 
+def test_a_warm_up_on_inputs_apart_runs_beside_the_steps_and_prepare_holds_the_turn():
+    # With a warm_step (the step's work on inputs no step touches), a FULL item holds the
+    # turn only for prepare's dummy inputs: its warm-up and its recording run beside the
+    # steps. The steps' own ``step`` then runs only inside the recordings.
+    p = FakePlatform()
+    p.records_apart = True
+    r = Runner()
+    w = torch.zeros(16, 4)  # the warm-up's own inputs
+    free: dict[str, list[bool]] = {"warm": [], "prepare": [], "step": []}
+
+    def turn_free() -> bool:
+        stepper = threading.Thread(target=lambda: m.stepping().__enter__() or m._turn.__exit__())
+        stepper.start()
+        stepper.join(0.3)
+        return not stepper.is_alive()
+
+    def warm_step(d):
+        free["warm"].append(turn_free())
+        time.sleep(0.3)
+        return w[: d.num_tokens] @ r.w
+
+    def prepare(d):
+        free["prepare"].append(turn_free())
+        r.prepare(d)
+
+    def step(d):
+        free["step"].append(p.capturing is not None)  # (only recorded)
+        return r.step(d)
+
+    dispatcher = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=SIZES))
+    m = GraphManager(
+        step, dispatcher, prepare=prepare, warm_step=warm_step, platform=p, progress=False
+    )
+    background = m.capture_in_background()
+    assert background.wait(30) and background.error is None
+    assert background.captured == len(SIZES)
+    assert free == {"warm": [True] * 5, "prepare": [False] * 5, "step": [True] * 5}, free
+    assert background.holds["captures"].longest < 0.6  # (prepare's 0.3 s wait, not the warm-up's)
+    assert all(serve(r, m, dispatcher, 20))
+    # Without the platform's recording apart, the warm-up is the step's own, in the turn.
+    p2, r2, m2, d2 = build()
+    m2.warm_step = lambda d: pytest.fail("warmed up beside the steps")
+    assert m2.capture_in_background().wait(30) and m2.num_graphs == len(SIZES)
+
+
 def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):
     p, r, m, dispatcher = build()
 

@@ -84,6 +84,7 @@ class ModelRunner:
         self.cache, self.backend, self.limits, self.device = cache, backend, limits, device
         lora_rows = model.lora.row_slots if model.lora is not None else None
         self.inputs = StepInputs(limits, device, lora_rows)
+        self._scratch: StepInputs | None = None  # (``_warm_step``'s, made at its first call)
         platform = platform_for_device(device)
         self.graphs: GraphRuntime = build_graph_runtime(
             self._step,
@@ -92,6 +93,7 @@ class ModelRunner:
             piecewise_available=compiler is not None,
             prepare=self.dummy_metadata,
             perturb_padding=self._scramble_padding,
+            warm_step=self._warm_step,
             max_num_reqs=limits.max_num_seqs,
             uniform_decode_query_len=uniform_decode_query_len,
             lora_enabled=model.lora is not None,
@@ -204,6 +206,17 @@ class ModelRunner:
         new_keys = uniform if d.uniform_decode else d.num_tokens
         return self._padding_metadata(inputs or self.inputs, d.num_tokens, new_keys)
 
+    def _warm_step(self, d: BatchDescriptor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``_step`` of ``d``, eagerly, on padding rows of inputs of its own, which no step
+        reads or writes (their K/V go to the null block): a background capture's
+        warm-up, beside the steps."""
+        if d in self.ubatch.graphs:  # (never: a background capture refuses micro-batching)
+            raise RuntimeError(f"{d}: a micro-batched step has no warm-up on inputs apart")
+        if self._scratch is None:
+            self._scratch = StepInputs(self.limits, self.device)
+        with forward_context(GraphMode.NONE, d, self.dummy_metadata(d, self._scratch)):
+            return self.step_as(d, False, inputs=self._scratch)
+
     def _scramble_padding(self, d: BatchDescriptor, real: int) -> None:
         """The capture check's other padding: rows ``real..`` of a dummy step get other
         token ids, drawn the same on every rank (a graph whose first rows then change
@@ -236,11 +249,14 @@ class ModelRunner:
         ubatched: bool,
         mode: GraphMode | None = None,
         forward: Forward | None = None,
+        inputs: StepInputs | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``_step`` of a stage whose graphs are in ``mode`` and whose compiled model is
-        ``forward`` (default: this runner's own; ``GraphUpgrade`` passes its)."""
+        ``forward`` (default: this runner's own; ``GraphUpgrade`` passes its), on the rows
+        of ``inputs`` (default: the steps' own)."""
         n = d.num_tokens
-        ids, positions = self.inputs.input_ids[:n], self.inputs.positions[:n]
+        inputs = inputs or self.inputs
+        ids, positions = inputs.input_ids[:n], inputs.positions[:n]
         mode, forward = mode or self.graphs.mode, forward or self.forward
         if not d.uniform_decode:
             if ubatched:

@@ -18,7 +18,7 @@ LIBRARY_LAYERS = [
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher", "capture_planner"},
     {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
-    | {"replay_stats", "whole_compile"},
+    | {"replay_stats", "whole_compile", "recapture"},
     {"callable_graphs", "adaptive_ladder", "staged", "backend", ""},
 ]
 # Side by side, neither imports the other.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,9 +21,10 @@ from ostinato.graph import GraphWrapper, recording_apart
 from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
-from ostinato.platform import Graph, Platform, current_platform, exclusive_device
+from ostinato.platform import Graph, Platform, current_platform
 from ostinato.platform.base import Held
 from ostinato.pool import shared_pool
+from ostinato.recapture import KeepNew, Recapture
 from ostinato.replay_check import GraphDemotedWarning, Mismatch, ReplayCheck, first_mismatch
 from ostinato.replay_stats import EagerReason, ReplayStats, StatsSnapshot
 from ostinato.static_outputs import Outputs, StaticOutputs, as_tuple
@@ -32,9 +33,6 @@ _NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
 PrepareFn = Callable[[BatchDescriptor], Any]
 PerturbFn = Callable[[BatchDescriptor, int], None]
-# ``recapture``'s choice: (a replay of the old graph, one of the new, the hold of one round
-# of replays: ``with held():`` around each) -> keep the new one?
-KeepNew = Callable[[Callable[[], None], Callable[[], None], Held], bool]
 
 
 def _check_run_arguments(dispatch: object, num_tokens: object) -> None:
@@ -416,66 +414,11 @@ class GraphManager:
         another (the device drained and the dummy inputs written again in it: steps ran
         between, replaying the old graph), and the swap a last one: a step waits for one
         of those, not for the whole."""
-        entries = self._full.entries
-        if descriptor not in entries:
-            raise KeyError(f"recapture: no FULL graph was captured for {descriptor}")
-        with turn() if turn is not None else _NO_TURN, exclusive_device():
-            if turn is not None:  # (the steps' queued work reads the inputs ``prepare`` writes)
-                self.platform.synchronize()
-            old = entries.pop(descriptor)
-            try:
-                with capture_phase(collect=False), torch.inference_mode():
-                    self._capture_one(CaptureItem(descriptor, GraphMode.FULL))
-            except BaseException:
-                entries[descriptor] = old  # (a failed capture leaves no entry of its own)
-                raise
-            new = entries[descriptor]
-            entries[descriptor] = old  # (steps replay it until the choice)
-        try:
-            kept = self._choose(descriptor, keep_new, old, new, turn)
-            with turn() if turn is not None else _NO_TURN, exclusive_device():
-                self.platform.synchronize()  # neither graph's replay is still queued
-                entries[descriptor] = new if kept else old
-                (old if kept else new).graph.reset()
-        except BaseException:  # (a failed choice, or a turn refused: a stop)
-            if entries.get(descriptor) is not new:  # no step ever replayed it
-                with exclusive_device():
-                    self.platform.synchronize()  # (the choice's own replays)
-                    new.graph.reset()
-            raise
-        return kept
+        redo = Recapture(self._full, self._capture_full, self.prepare, self.platform)
+        return redo(descriptor, keep_new, turn)
 
-    def _choose(
-        self,
-        descriptor: BatchDescriptor,
-        keep_new: KeepNew,
-        old: Any,
-        new: Any,
-        turn: Held | None,
-    ) -> bool:
-        """``keep_new``'s choice between ``old`` and ``new`` (``recapture``)."""
-        meta: list[Any] = [None]
-        replays = (
-            lambda: self._full.replay_entry(old, meta[0]),
-            lambda: self._full.replay_entry(new, meta[0]),
-        )
-        if turn is None:
-            meta[0] = self.prepare(descriptor) if self.prepare is not None else None
-            # ``keep_new`` synchronizes the device between its replays, which would fail
-            # another engine's capture in progress: it waits for that capture, then holds
-            # the device through the choice (and its timings do not count the wait).
-            with exclusive_device():
-                return keep_new(*replays, contextlib.nullcontext)
-
-        @contextlib.contextmanager
-        def held() -> Iterator[None]:
-            with turn(), exclusive_device():
-                # The steps' queued work first: it reads the inputs ``prepare`` writes.
-                self.platform.synchronize()
-                meta[0] = self.prepare(descriptor) if self.prepare is not None else None
-                yield
-
-        return keep_new(*replays, held)
+    def _capture_full(self, d: BatchDescriptor) -> None:
+        self._capture_one(CaptureItem(d, GraphMode.FULL))
 
     def _drop(self, descriptors: Iterable[BatchDescriptor]) -> None:
         for d in descriptors:

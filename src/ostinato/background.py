@@ -5,14 +5,17 @@
 a step holds from writing its inputs to queueing its work, so a capture never writes a
 step's inputs and a step never reads a capture's. Where the platform records without
 running anything (``Platform.records_apart``: CUDA), a FULL graph's recording lets go of
-the turn: the steps run while it records, and wait only for its dummy inputs and warm-up.
+the turn: the steps run while it records, and wait only for its dummy inputs and
+warm-up; with the manager's ``warm_step`` (the step's work on inputs of its own) the
+warm-up runs beside them too, and the item holds the turn only to write the dummy
+inputs (0.2 ms at most for the 1.5 B shape's 63 graphs on an H200).
 Between items the steps run: eagerly for a size whose graph is not ready, replayed once
 it is. Sizes that steps asked for are captured before the rest of the plan.
 
-Steps come first. An item holds the turn for tens of milliseconds (the first, with the
-largest size's warm-ups and the process's first capture, for over half a second), which
-a step arriving meanwhile waits out. So the thread starts an item only when the steps
-have paused (no step holds the turn, waits for it or released it in the last
+Steps come first. An item holding the whole turn holds it for tens of milliseconds (the
+first, with the largest size's warm-ups and the process's first capture, for over half
+a second), which a step arriving meanwhile waits out. So the thread starts an item only
+when the steps have paused (no step holds the turn, waits for it or released it in the last
 ``PAUSE_S``), or when a step ran eagerly at a size still to capture (its graph is what
 speeds that step up): steps that replay their graphs back to back run at full speed, and
 the rest of the plan is captured in their pauses, and under steps that never pause, one

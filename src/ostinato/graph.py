@@ -187,13 +187,12 @@ class GraphWrapper:
         graph = self.platform.new_graph()
         addresses = _input_addresses(args, kwargs) if self.options.check_addresses else None
         apart = _apart.get()
+        beside = apart() if apart is not None else contextlib.nullcontext()
+        meter, nothing = self.meter, contextlib.nullcontext()
+        measured = nothing if meter is None else meter.measure(descriptor, self.mode)
         try:
-            with apart() if apart is not None else contextlib.nullcontext():
-                if self.meter is not None:
-                    with self.meter.measure(descriptor, self.mode):
-                        output, tasks = self._record(graph, args, kwargs)
-                else:
-                    output, tasks = self._record(graph, args, kwargs)
+            with beside, measured:
+                output, tasks = self._record(graph, args, kwargs)
         except Exception as exc:
             raise self._capture_error(what, exc, args, kwargs) from exc
         self.entries[descriptor] = GraphEntry(

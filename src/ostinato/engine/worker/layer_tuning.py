@@ -180,11 +180,10 @@ def graph_timer(
                         with variant(r, u), context(r), torch.cuda.device(input_ids.device):
                             eager(r)
             ahead.clear()
-        with variant(rows, unfused), torch.cuda.device(input_ids.device):
-            with turn(), context(rows):
+        with variant(rows, unfused), torch.cuda.device(input_ids.device), context(rows):
+            with turn():
                 step = eager(rows)
-            with context(rows):
-                graph = captured_calls(step, steps)
+            graph = captured_calls(step, steps)
             return held_replays_us(graph, replays, turn) / steps
 
     return step_us

@@ -2,7 +2,7 @@
 step graphs' pool, reading the logits those graphs leave.
 
 Made first (``make``: the sampler and the sizes to capture, nothing captured), prepared
-(``prepare``: their kernels compiled ahead where the start compiles ahead, else their work
+(``prepare``: their kernels compiled ahead where the start compiles ahead, then their work
 run once; touching nothing a step reads, so a background start does it beside the steps),
 then captured (``capture``, after the step graphs whose outputs they read).
 """

@@ -177,6 +177,31 @@ class GraphWrapper:
     def _capture(
         self, descriptor: BatchDescriptor | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        entry, output = self._new_entry(descriptor, args, kwargs)
+        self.entries[entry.descriptor] = entry
+        # The capturing call returns owning tensors so the pool keeps them alive while
+        # the rest of this step (maybe further captures) still reads them.
+        return weak_ref_tensors(output) if self.options.weak_ref_output else output
+
+    def record_anew(
+        self, descriptor: BatchDescriptor, args: tuple[Any, ...], diagnose: bool = True
+    ) -> GraphEntry:
+        """``descriptor``'s graph captured again (in the forward context the caller
+        opened) and its entry returned, not installed: the one in ``entries`` stays and
+        may replay meanwhile; the caller swaps them (``GraphManager.recapture``). Without
+        ``diagnose`` a failed capture is not run eagerly to find the op that broke it (it
+        may run beside steps whose inputs that run would read)."""
+        return self._new_entry(descriptor, args, {}, diagnose)[0]
+
+    def _new_entry(
+        self,
+        descriptor: BatchDescriptor | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        diagnose: bool = True,
+    ) -> tuple[GraphEntry, Any]:
+        """A new graph of the runnable on ``args`` for ``descriptor``: its entry, and the
+        capturing call's owning outputs."""
         what = f"{self.name} ({self.mode.name}, {descriptor})"
         if descriptor is None:
             raise ValueError(
@@ -194,13 +219,15 @@ class GraphWrapper:
             with beside, measured:
                 output, tasks = self._record(graph, args, kwargs)
         except Exception as exc:
+            if not diagnose:
+                raise GraphCaptureError(
+                    f"capturing {what} failed beside running steps (not run again eagerly to "
+                    f"find the op: that run would read their inputs). Underlying error: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             raise self._capture_error(what, exc, args, kwargs) from exc
-        self.entries[descriptor] = GraphEntry(
-            descriptor, graph, weak_ref_tensors(output), addresses, tasks
-        )
-        # The capturing call returns owning tensors so the pool keeps them alive while
-        # the rest of this step (maybe further captures) still reads them.
-        return weak_ref_tensors(output) if self.options.weak_ref_output else output
+        entry = GraphEntry(descriptor, graph, weak_ref_tensors(output), addresses, tasks)
+        return entry, output
 
     def _record(
         self, graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -17,7 +17,7 @@ from ostinato.capture_report import CaptureMeter, CaptureReport
 from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch, Dispatcher
 from ostinato.errors import GraphCaptureError
-from ostinato.graph import GraphWrapper, recording_apart
+from ostinato.graph import GraphEntry, GraphWrapper, recording_apart
 from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -302,11 +302,12 @@ class GraphManager:
         with forward_context(GraphMode.NONE, d, attn_metadata):
             return self.step(d)
 
-    def _verify(self, d: BatchDescriptor, attn_metadata: Any) -> None:
+    def _verify(self, d: BatchDescriptor, attn_metadata: Any, entry: Any = None) -> None:
         """The capture check: replay against eager bitwise, then (with a padding hook)
-        the real rows of two replays whose padding rows differ."""
+        the real rows of two replays whose padding rows differ. ``entry``: the graph to
+        check, where not ``d``'s in ``entries`` (one captured again)."""
         n = d.num_tokens
-        replayed = self._replay_copy(d, attn_metadata)
+        replayed = self._replay_copy(d, attn_metadata, entry)
         with forward_context(GraphMode.NONE, d, attn_metadata):
             eager = as_tuple(self.step(d))
         found = first_mismatch(replayed, eager, n, exact=True)
@@ -317,13 +318,18 @@ class GraphManager:
             return
         real = n // 2
         self.perturb_padding(d, real)
-        again = self._replay_copy(d, attn_metadata)
+        again = self._replay_copy(d, attn_metadata, entry)
         found = first_mismatch(again, replayed, real, exact=True)
         if found is not None:
             self._demote(d, found, f"changes its first {real} rows when the others change")
 
-    def _replay_copy(self, d: BatchDescriptor, attn_metadata: Any) -> tuple[torch.Tensor, ...]:
-        self._full.replay(d, attn_metadata)
+    def _replay_copy(
+        self, d: BatchDescriptor, attn_metadata: Any, entry: Any = None
+    ) -> tuple[torch.Tensor, ...]:
+        if entry is None:
+            self._full.replay(d, attn_metadata)
+        else:
+            self._full.replay_entry(entry, attn_metadata)
         return tuple(t.clone() for t in as_tuple(self.outputs.view(d.num_tokens)))
 
     def _demote(self, d: BatchDescriptor, found: Mismatch, what: str) -> None:
@@ -410,15 +416,36 @@ class GraphManager:
 
         Between steps only. Without ``turn`` the caller holds the step turn
         (``stepping()``) or no step runs. With ``turn`` (a background caller's hold of
-        it, not held on entry) the capture holds one turn, each round of the choice
-        another (the device drained and the dummy inputs written again in it: steps ran
-        between, replaying the old graph), and the swap a last one: a step waits for one
-        of those, not for the whole."""
-        redo = Recapture(self._full, self._capture_full, self.prepare, self.platform)
+        it, not held on entry) the capture holds one turn (only for its dummy inputs
+        where the platform records apart and a ``warm_step`` warms up beside the steps),
+        each round of the choice another (the device drained and the dummy inputs
+        written again in it: steps ran between, replaying the old graph), and the swap a
+        last one: a step waits for one of those, not for the whole."""
+        redo = Recapture(self._full, self._capture_anew, self.prepare, self.platform)
         return redo(descriptor, keep_new, turn)
 
-    def _capture_full(self, d: BatchDescriptor) -> None:
-        self._capture_one(CaptureItem(d, GraphMode.FULL))
+    def _capture_anew(self, d: BatchDescriptor, turn: Held | None) -> GraphEntry:
+        """``d``'s FULL graph captured again, its entry returned (``entries`` untouched:
+        the steps replay the old one meanwhile): in one hold of ``turn`` where given, or,
+        where the platform records apart and a ``warm_step`` is given, warmed up and
+        recorded beside the steps, the hold only writing the dummy inputs."""
+        beside = turn is not None and self.platform.records_apart and self.warm_step is not None
+        if beside:
+            self._warm_up(d, True, self.num_warmups, functools.partial(self.warm_step, d))
+        outputs = self.outputs.into(d.num_tokens)
+        with turn() if turn is not None else _NO_TURN:
+            if turn is not None:  # (the steps' queued work reads the inputs ``prepare`` writes)
+                self.platform.synchronize()
+            meta = self.prepare(d) if self.prepare is not None else None
+            if not beside:
+                self._warm_up(d, True, self.num_warmups, functools.partial(self._eager, d, meta))
+                with forward_context(GraphMode.FULL, d, meta, outputs):
+                    entry = self._full.record_anew(d, (d,))
+                if self.check.at_capture:
+                    self._verify(d, meta, entry)
+                return entry
+        with forward_context(GraphMode.FULL, d, meta, outputs):
+            return self._full.record_anew(d, (d,), diagnose=False)
 
     def _drop(self, descriptors: Iterable[BatchDescriptor]) -> None:
         for d in descriptors:

@@ -27,12 +27,13 @@ _NO_TURN = contextlib.nullcontext()
 
 @dataclass(frozen=True)
 class Recapture:
-    """What capturing a manager's graph again needs of it: its FULL wrapper, ``capture``
-    (one FULL capture into the wrapper's entries, warm-ups included), ``prepare`` (the
-    dummy inputs' metadata) and the platform."""
+    """What capturing a manager's graph again needs of it: its FULL wrapper,
+    ``capture_anew(descriptor, turn)`` (a new graph of that descriptor, warm-ups included,
+    its entry returned, not installed; holding ``turn`` where given, as the manager's
+    ``recapture`` says), ``prepare`` (the dummy inputs' metadata) and the platform."""
 
     full: GraphWrapper
-    capture: Callable[[BatchDescriptor], None]
+    capture_anew: Callable[[BatchDescriptor, Held | None], GraphEntry]
     prepare: Callable[[BatchDescriptor], Any] | None
     platform: Platform
 
@@ -41,18 +42,9 @@ class Recapture:
         entries = self.full.entries
         if descriptor not in entries:
             raise KeyError(f"recapture: no FULL graph was captured for {descriptor}")
-        with turn() if turn is not None else _NO_TURN, exclusive_device():
-            if turn is not None:  # (the steps' queued work reads the inputs ``prepare`` writes)
-                self.platform.synchronize()
-            old = entries.pop(descriptor)
-            try:
-                with capture_phase(collect=False), torch.inference_mode():
-                    self.capture(descriptor)
-            except BaseException:
-                entries[descriptor] = old  # (a failed capture leaves no entry of its own)
-                raise
-            new = entries[descriptor]
-            entries[descriptor] = old  # (steps replay it until the choice)
+        with exclusive_device(), capture_phase(collect=False), torch.inference_mode():
+            new = self.capture_anew(descriptor, turn)  # (steps replay the old one meanwhile)
+        old = entries[descriptor]
         try:
             kept = self._choose(descriptor, keep_new, old, new, turn)
             with turn() if turn is not None else _NO_TURN, exclusive_device():

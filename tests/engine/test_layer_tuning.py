@@ -220,10 +220,11 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
     assert launched == [(2, False, False)]
 
 
-def test_a_layer_timing_holds_the_turn_for_its_eager_step_and_each_replay_alone(monkeypatch):
-    # The eager step runs on what the steps' graphs share (split-K counters): a hold; the
-    # capture runs nothing: none; the timed replays each hold the turn apart
-    # (held_replays_us). The variant is the timing thread's alone.
+def test_a_layer_timing_holds_the_turn_for_each_replay_alone(monkeypatch):
+    # The eager step runs on the measurement's own inputs, its kernels queued behind the
+    # steps' on their shared stream: no hold; the capture runs nothing: none; the timed
+    # replays each hold the turn apart (held_replays_us). The variant is the timing
+    # thread's alone.
     import contextlib
 
     from ostinato.engine.worker import layer_tuning
@@ -254,7 +255,7 @@ def test_a_layer_timing_holds_the_turn_for_its_eager_step_and_each_replay_alone(
     )
     assert timer(2, True) == 2.0  # (per step of the four)
     assert seen == [
-        ("eager", True, True),
+        ("eager", False, True),
         ("capture", False, frozenset({2})),
         ("replays", False, True, 5),
     ]

@@ -429,6 +429,58 @@ def test_a_held_recapture_lets_steps_run_between_its_parts_on_the_old_graph():
     torch.testing.assert_close(m.run(d, 4), r.x[:4] @ r.w)  # the graph before kept
 
 
+def test_a_held_recapture_warms_up_and_records_beside_the_steps_where_the_platform_records_apart():
+    # CUDA records without running anything: with a warm_step (the step's work on inputs
+    # of its own), a background recapture holds the turn only for its dummy inputs; steps
+    # meanwhile replay the old graph, which stays in place until the swap.
+    import contextlib
+
+    p, r, m = build(GraphMode.FULL)
+    m.capture()
+    d = m.dispatcher.dispatch(4)
+    old_w = r.w.clone()
+    r.w = torch.randn(3, 5)
+    held = [False]
+    log = []
+
+    @contextlib.contextmanager
+    def turn():
+        held[0] = True
+        yield
+        held[0] = False
+
+    def warm_step(desc):
+        log.append(("warm", held[0], m.ready(d)))
+        return torch.zeros(desc.num_tokens, 3) @ r.w
+
+    def prepare(desc):
+        log.append(("prepare", held[0]))
+        return r.prepare(desc)
+
+    def step(desc):
+        if p.capturing is not None:
+            log.append(("record", held[0], m.ready(d)))
+        return r.step(desc)
+
+    m.step, m.prepare, m.warm_step, p.records_apart = step, prepare, warm_step, True
+
+    def keep_new(old, new, held_round):
+        with held_round():
+            new()
+        return True
+
+    assert m.recapture(d.descriptor, keep_new, turn) is True
+    assert log[:4] == [("warm", False, True)] * 2 + [("prepare", True), ("record", False, True)]
+    r.x[:4] = torch.randn(4, 3)
+    torch.testing.assert_close(m.run(d, 4), r.x[:4] @ r.w)  # the new graph after the swap
+    assert not torch.allclose(r.x[:4] @ old_w, r.x[:4] @ r.w)
+    # Without recording apart, the warm-ups are the step's own, in the hold.
+    p.records_apart, log[:] = False, []
+    m.recapture(d.descriptor, keep_new, turn)
+    assert ("prepare", True) in log and not any(e[0] == "warm" for e in log)
+    assert [e for e in log if e[0] == "record"] == [("record", True, True)]
+
+
 def test_a_failed_recapture_keeps_the_old_graph_and_an_unknown_size_is_named():
     p, r, m = build(GraphMode.FULL)
     m.capture()

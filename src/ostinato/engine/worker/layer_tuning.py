@@ -156,11 +156,12 @@ def graph_timer(
     timings launch compile together (processes or threads), not one after another.
     The variant is this thread's alone (``DecoderModel.unfused_here``). A background
     measurement (``turn()``: its hold of the device between steps) holds the turn for
-    the eager step, which runs on what the steps' graphs share (the projections' split-K
-    counters among it), and for each timed replay apart
-    (``held_replays_us``: the median); the capture, which runs nothing, and the
-    compile-ahead pass, which launches nothing, hold none. ``input_ids``, ``positions``
-    and what ``context`` writes must then be the measurement's own."""
+    each timed replay apart (``held_replays_us``: the median), so no step's work is
+    timed with it; the eager step, whose kernels queue behind the steps' on the stream
+    they share (the projections' split-K counters are used by one kernel at a time), the
+    capture, which runs nothing, and the compile-ahead pass, which launches nothing, hold
+    none. ``input_ids``, ``positions`` and what ``context`` writes must then be the
+    measurement's own."""
     ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
 
     def variant(rows: int, unfused: bool) -> AbstractContextManager[None]:
@@ -181,8 +182,7 @@ def graph_timer(
                             eager(r)
             ahead.clear()
         with variant(rows, unfused), torch.cuda.device(input_ids.device), context(rows):
-            with turn():
-                step = eager(rows)
+            step = eager(rows)
             graph = captured_calls(step, steps)
             return held_replays_us(graph, replays, turn) / steps
 

@@ -153,7 +153,11 @@ def test_the_runner_times_layers_only_on_cuda_with_graphs_and_fused_layers():
         runner.kernels = KernelOptions()
         runner.graphs = SimpleNamespace(mode=GraphMode.NONE)
         assert runner._kernel_plan((1, 2, 4), None).layer_timer is None
-    assert made.call_count == 1
+        assert made.call_count == 1 and "turn" not in made.call_args.kwargs
+        # Beside running steps each held replay is one step's (a step waits for two).
+        held = mock.Mock()
+        runner._layer_timer((1, 2), None, held)
+        assert made.call_args.kwargs == {"steps": 1, "replays": 9, "turn": held}
     runner.graphs, runner.device = graphs, torch.device("cpu")
     runner.release()
 

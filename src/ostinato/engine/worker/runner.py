@@ -145,12 +145,13 @@ class ModelRunner:
         self,
         sizes: tuple[int, ...],
         inputs: StepInputs | None = None,
-        turn: Held = contextlib.nullcontext,
+        turn: Held | None = None,
     ) -> StepTimer:
         """Times decode steps as the FULL decode graphs run them (``layer_tuning``) on
-        padding rows of ``inputs`` (default: the steps' own), each timing inside
-        ``turn()``, the kernels of every size compiled ahead first where
-        ``compile_ahead`` asks."""
+        padding rows of ``inputs`` (default: the steps' own), the kernels of every size
+        compiled ahead first where ``compile_ahead`` asks. With ``turn`` (beside running
+        steps) each timed replay holds it and replays one step, not four: a step waits
+        for two steps' replays, not eight."""
         inputs = inputs or self.inputs
 
         def context(n: int) -> contextlib.AbstractContextManager:
@@ -159,7 +160,9 @@ class ModelRunner:
 
         ahead = sizes if self.kernels.compile_ahead else ()
         model, ids, positions = self.model, inputs.input_ids, inputs.positions
-        return graph_timer(model, ids, positions, context, ahead, turn=turn)
+        if turn is None:
+            return graph_timer(model, ids, positions, context, ahead)
+        return graph_timer(model, ids, positions, context, ahead, steps=1, replays=9, turn=turn)
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""

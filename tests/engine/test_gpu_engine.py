@@ -394,9 +394,9 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
 
 
 def test_a_background_start_samples_as_eager_sampling_while_its_sampling_graphs_capture():
-    # A background start captures the sampling graphs one size per hold of the step turn,
-    # steps sampling between (eagerly until their size's graphs are ready): each size's
-    # captures leave the generator where the steps left it, so the draws are eager
+    # A background start captures the sampling graphs one graph per hold of the step turn,
+    # steps sampling between (eagerly until the graphs are ready): each graph's
+    # capture leaves the generator where the steps left it, so the draws are eager
     # sampling's from the same seed, during the capture and after it.
     eager = tiny_engine("none", torch.float32, seed=11)
     want = [sampled(eager, 8), sampled(eager, 8)]
@@ -405,8 +405,10 @@ def test_a_background_start_samples_as_eager_sampling_while_its_sampling_graphs_
     assert not llm.background.done  # (the first run overlaps the capture)
     first = sampled(llm, 8)
     assert llm.wait_for_graphs(timeout=120), llm.background.summary()
-    sizes = {key[0] for key in llm.engine.sampler.graph_sampler.graphs}
-    assert llm.background.holds["the epilogue"].count == len(sizes) + 1 > 2  # (+ buffers)
+    sampler = llm.engine.sampler.graph_sampler
+    sizes = {key[0] for key in sampler.graphs}
+    graphs = len(sizes) * (len(sampler.variants) + 1)  # (each size's log probabilities too)
+    assert llm.background.holds["the epilogue"].count == graphs + 1 > 2  # (+ buffers)
     in_graph = count_graph_samples(llm)
     assert [first, sampled(llm, 8)] == want
     assert in_graph == [8] * 23

@@ -282,10 +282,10 @@ def test_a_penalized_sample_counts_its_tokens_except_while_compiling_ahead(monke
     assert len(counted) == (0 if ahead else 1)
 
 
-def test_sampling_graphs_captured_a_size_per_unit_leave_the_steps_state_between():
-    # A background start captures one size per hold of the step turn, and steps sample
-    # between: each size's captures must leave the generator where the steps left it and
-    # count their draws only in the scratch row, whatever a step wrote before.
+def test_sampling_graphs_captured_a_graph_per_unit_leave_the_steps_state_between():
+    # A background start captures one graph per hold of the step turn, and steps sample
+    # between: each capture must leave the generator where the steps left it and count
+    # its draws only in the scratch row, whatever a step wrote before.
     import contextlib
 
     from fakes import FakePlatform
@@ -307,12 +307,17 @@ def test_sampling_graphs_captured_a_size_per_unit_leave_the_steps_state_between(
         state = generator.get_state()
         yield
         assert torch.equal(generator.get_state(), state)  # the captures drew, then reset
-        seen.append(sorted({key[0] for key in sampler.graphs}))
+        seen.append((len(sampler.graphs), sorted(sampler.logprob_graphs)))
         torch.rand(3, generator=generator)  # a step between two units draws ...
         sampler.ints[2].fill_(0)  # ... and writes its request's row of the counts
 
     sampler.capture([1, 2, 4], unit=unit)
-    assert seen == [[], [1], [1, 2], [1, 2, 4]]  # the buffers first, then a size per unit
+    v = len(sampler.variants)
+    want = [(0, [])]  # the buffers first, then each variant's graph, then log probabilities
+    for i, n in enumerate([1, 2, 4]):
+        done = sorted([1, 2, 4][:i])
+        want += [(v * i + j, done) for j in range(1, v + 1)] + [(v * (i + 1), [*done, n])]
+    assert seen == want, seen
     assert sorted(sampler.logprob_graphs) == [1, 2, 4]
     table = counts.table
     assert table[: counts.scratch].sum() == 0 and table[counts.scratch].sum() > 0

@@ -20,6 +20,11 @@ when the steps have paused (no step holds the turn, waits for it or released it 
 speeds that step up): steps that replay their graphs back to back run at full speed, and
 the rest of the plan is captured in their pauses, and under steps that never pause, one
 item every ``MAX_WAIT_S`` (so the plan, and the sampling graphs after it, still finish).
+Items that warm up and record beside the steps (``beside``: they hold the turn for their
+dummy inputs only) are paced as units are instead: each once the thread has waited
+``UNIT_SPACING`` times the last one's hold (within ``PAUSE_S`` .. ``MAX_WAIT_S``), so
+they follow each other closely (one a second took the 1.5 B shape's 63 graphs 82-88 s
+under steps that never paused, each holding the turn 0.2 ms).
 Before this, steps and items alternated one to one: on the H200 a served stream got a
 token every 40 ms while the 1.5 B shape's 63 graphs were captured. After each item, a
 step waiting for the turn gets it before the next item starts.
@@ -183,7 +188,9 @@ class BackgroundCapture:
     engine compiles its sampling graphs' kernels outside them, beside the steps, then
     captures each size's graphs, which read the step graphs' outputs, in a unit of its
     own: a step waits for one size, not for all); ``afterwards``, if given, runs after
-    it (module docstring).
+    it (module docstring); ``beside``: ``capture_one`` warms up and records beside the
+    steps, its hold of the turn brief, so items are paced as units are (module
+    docstring).
     """
 
     def __init__(
@@ -195,8 +202,10 @@ class BackgroundCapture:
         prologue: Callable[[], None] | None = None,
         epilogue: InUnits | None = None,
         afterwards: InUnits | None = None,
+        beside: bool = False,
     ) -> None:
         self.total = len(plan)
+        self._beside = beside
         self.captured = 0
         self.error: BaseException | None = None
         self.afterwards_error: Exception | None = None
@@ -206,6 +215,7 @@ class BackgroundCapture:
         self.holds: dict[str, HoldTally] = {}  # by kind: "captures", "the epilogue", a unit's
         self._unit_wait = MAX_WAIT_S  # (``unit``'s wait for a pause: see UNIT_SPACING)
         self._apart_s = 0.0  # seconds spent inside ``_apart`` (not holds of the turn)
+        self._last_hold = 0.0  # the seconds of the last hold ``_held`` timed
         self._epilogue_units = 0
         self._afterwards = afterwards
         self._pending = list(plan)
@@ -362,6 +372,7 @@ class BackgroundCapture:
             yield
         finally:
             seconds = time.perf_counter() - start - (self._apart_s - apart)
+            self._last_hold = seconds
             self.holds.setdefault(kind, HoldTally()).add(seconds)
             if self.longest_hold is None or seconds > self.longest_hold.seconds:
                 self.longest_hold = Hold(seconds, what)
@@ -386,18 +397,21 @@ class BackgroundCapture:
         return any(item.descriptor in wanted for item in self._pending)
 
     def _capture_all(self) -> None:
+        wait = MAX_WAIT_S  # (for a pause, at most; items ``beside``: paced by their holds)
         while not self._stop.is_set():
-            since = self._await_pause()
+            since = self._await_pause(wait)
             # The process's device first, then the turn: an item waiting while another
             # engine is built does not hold this engine's steps back.
             with exclusive_device(), self._turn.capturing():
-                if not self._may_start(since):
+                if not self._may_start(since, wait):
                     continue  # a step came while the turn was taken: it goes first
                 item = self._next()
                 if item is not None:
                     with self._held(f"the capture of {item.descriptor}", "captures"):
                         self._capture_one(item, self._apart)
                     self.captured += 1
+                    if self._beside:
+                        wait = min(MAX_WAIT_S, max(PAUSE_S, UNIT_SPACING * self._last_hold))
             if item is None:
                 self._end_plan()
                 return

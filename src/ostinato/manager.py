@@ -186,6 +186,7 @@ class GraphManager:
             prologue,
             epilogue,
             afterwards,
+            beside=self.platform.records_apart and self.warm_step is not None,
         )
         return self.background
 

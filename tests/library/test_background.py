@@ -205,6 +205,39 @@ def test_steps_that_never_pause_still_let_the_plan_finish(monkeypatch):
     assert capture.error is None and sorted(r.prepared) == sorted(SIZES)
 
 
+def test_items_beside_the_steps_under_steps_that_never_pause_wait_as_their_holds_are_short():
+    # Items that warm up and record beside the steps (the platform records apart, a
+    # warm_step given) hold the turn briefly: under steps that never pause each waits
+    # UNIT_SPACING times the last one's hold (at least PAUSE_S, at most MAX_WAIT_S), so
+    # they follow each other closely, where one a MAX_WAIT_S took the plan seconds.
+    import ostinato.background as background
+
+    p, r, m, dispatcher = build()
+    p.records_apart, m.warm_step = True, lambda d: r.step(d)
+    waits = []
+    real = background.BackgroundCapture._await_pause
+
+    def await_pause(self, max_wait=background.MAX_WAIT_S):
+        waits.append(max_wait)
+        return real(self, max_wait)
+
+    background.BackgroundCapture._await_pause = await_pause
+    try:
+        start = time.monotonic()
+        capture = m.capture_in_background()
+        while not capture.done:  # steps with no pause between them (no outputs read:
+            with m.stepping():  # this test double runs what it records, beside them)
+                time.sleep(0.001)
+            assert time.monotonic() - start < 30, capture.summary()
+    finally:
+        background.BackgroundCapture._await_pause = real
+    assert capture.error is None and sorted(r.prepared) == sorted(SIZES)
+    longest = capture.holds["captures"].longest
+    assert waits[0] == background.MAX_WAIT_S  # (before the first item: no hold yet)
+    assert all(w <= max(background.PAUSE_S, background.UNIT_SPACING * longest) for w in waits[1:])
+    assert max(waits[1:]) < background.MAX_WAIT_S, (waits, longest)
+
+
 def test_short_units_under_steps_that_never_pause_come_often_long_ones_rarely():
     # After the plan, units wait for a pause at most UNIT_SPACING times the last unit's
     # hold: short ones (a measurement split into many) finish in a fraction of the

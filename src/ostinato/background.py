@@ -20,14 +20,14 @@ when the steps have paused (no step holds the turn, waits for it or released it 
 speeds that step up): steps that replay their graphs back to back run at full speed, and
 the rest of the plan is captured in their pauses, and under steps that never pause, one
 item every ``MAX_WAIT_S`` (so the plan, and the sampling graphs after it, still finish).
+Before this, steps and items alternated one to one: on the H200 a served stream got a
+token every 40 ms while the 1.5 B shape's 63 graphs were captured. After each item, a
+step waiting for the turn gets it before the next item starts.
 Items that warm up and record beside the steps (``beside``: they hold the turn for their
 dummy inputs only) are paced as units are instead: each once the thread has waited
 ``UNIT_SPACING`` times the last one's hold (within ``PAUSE_S`` .. ``MAX_WAIT_S``), so
 they follow each other closely (one a second took the 1.5 B shape's 63 graphs 82-88 s
 under steps that never paused, each holding the turn 0.2 ms).
-Before this, steps and items alternated one to one: on the H200 a served stream got a
-token every 40 ms while the 1.5 B shape's 63 graphs were captured. After each item, a
-step waiting for the turn gets it before the next item starts.
 
 While it runs, the interpreter switches threads every ``SWITCH_INTERVAL_S`` instead of
 every 5 ms: PyTorch releases the GIL around every op, and a step's op that wants it back

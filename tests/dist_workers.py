@@ -335,7 +335,7 @@ def symmetric_all_reduce_checks(rank: int, world: int, port: int, out: str) -> N
 def fused_reduce_norm_checks(rank: int, world: int, port: int, out: str) -> None:
     """The all-reduce fused with the residual add and RMSNorm against the two ops, bitwise
     on random bf16 rows: eagerly at every row count up to the buffer, then a graph of
-    65 calls (an 8 B step's count: odd, so the buffer halves alternate across replays)
+    65 calls (an 8 B step's count: no multiple of the slots, so they rotate across replays)
     replayed 50 times on new inputs; then the start-up measurement's choice."""
     set_env(rank, world, port)
     from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel

@@ -80,34 +80,35 @@ def test_start_up_measures_the_fused_rows_once_then_reads_them(tmp_path, monkeyp
 
 _RANKS = """
 import os, sys, torch, multiprocessing as mp
-from ostinato.engine.kernels.all_reduce_norm import PROGRAMS, all_reduce_add_norm_rows
+from ostinato.engine.kernels.all_reduce_norm import (
+    PROGRAMS, SENTINEL, SLOTS, all_reduce_add_norm_rows, buffer_elements)
 from ostinato.engine.model.norm_op import add_rms_norm_reference
 
 world, hidden, dtype = int(sys.argv[1]), 64, torch.float16
-half = 8 * hidden
+segment = 8 * hidden
 # Shared before the fork: every rank sees every buffer at the same address.
-bufs = [torch.zeros(2 * half, dtype=dtype).share_memory_() for _ in range(world)]
-pads = [torch.zeros(256, dtype=torch.int32).share_memory_() for _ in range(world)]
-table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
-steps = [1, 5, 8, 3, 8]  # an odd count of calls: the halves alternate unevenly
+size = buffer_elements(8, hidden, world)
+bufs = [torch.full((size,), SENTINEL, dtype=dtype).share_memory_() for _ in range(world)]
+table = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64)
+steps = [1, 5, 8, 3, 8]  # not a multiple of SLOTS: the slot count wraps unevenly
 g = torch.Generator().manual_seed(0)
 xs = [[torch.randn(n, hidden, generator=g).to(dtype) for _ in range(world)] for n in steps]
+xs[0][0][0, :4] = -0.0  # the sentinel's value, sent: summed as +0.0
 rs = [torch.randn(n, hidden, generator=g).to(dtype) for n in steps]
 w = torch.rand(hidden, generator=g).to(dtype) + 0.5
 
 def rank(k, q):
-    # Two calls short of int32's end: the count wraps mid-run (after hours of serving).
-    calls = torch.full((PROGRAMS,), 2**31 - 3, dtype=torch.int32)
+    slots = torch.full((PROGRAMS,), SLOTS - 2, dtype=torch.int32)
     bad = []
     for i, n in enumerate(steps):
         out, total = torch.empty(n, hidden, dtype=dtype), torch.empty(n, hidden, dtype=dtype)
-        all_reduce_add_norm_rows(xs[i][k], rs[i], w, 1e-5, out, total, table(bufs),
-                                 table(pads), calls, half, k, world)
+        all_reduce_add_norm_rows(xs[i][k], rs[i], w, 1e-5, out, total, table, slots,
+                                 segment, k, world)
         s = sum(x.float() for x in xs[i]).to(dtype)
         want = add_rms_norm_reference(s, rs[i], w, 1e-5)
         if not (torch.equal(out, want[0]) and torch.equal(total, want[1])):
             bad.append(i)
-    q.put((k, bad, calls.tolist()))
+    q.put((k, bad, slots.tolist()))
 
 ctx = mp.get_context("fork")
 q = ctx.Queue()
@@ -116,8 +117,9 @@ procs = [ctx.Process(target=rank, args=(k, q)) for k in range(world)]
 got = sorted(q.get(timeout=240) for _ in range(world))
 [p.join() for p in procs]
 assert all(not bad for _, bad, _ in got), got
-assert all(c == [-(2**31) + len(steps) - 3] * PROGRAMS for _, _, c in got), got
-assert all(not any(p.tolist()) for p in pads), "a flag left raised"
+assert all(c == [(SLOTS - 2 + len(steps)) % SLOTS] * PROGRAMS for _, _, c in got), got
+sign = torch.tensor([SENTINEL], dtype=dtype).view(torch.int16)
+assert all(torch.equal(b.view(torch.int16), sign.expand(size)) for b in bufs), "a row left"
 print("ok", world)
 """
 

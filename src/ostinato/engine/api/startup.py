@@ -56,6 +56,7 @@ from ostinato.engine.loading.model_cache import ModelCache
 from ostinato.engine.loading.source import ModelSource, open_model
 from ostinato.engine.model.all_reduce_norm_op import (
     LADDER,
+    PROTOCOL,
     FusedReduceNorm,
     setup_fused_reduce_norm,
 )
@@ -251,7 +252,8 @@ def fused_reduce_norm(
     two ops it is timed against follow), else measured and kept there."""
     group = reducer.group
     shape = [reducer.dtype, hidden, group.size(), reducer.plan.describe()]
-    key = cache.plan_key(device, shape, LADDER, "all_reduce_norm") if cache else None
+    kind = f"all_reduce_norm/{PROTOCOL}"  # (another protocol's rows are measured anew)
+    key = cache.plan_key(device, shape, LADDER, kind) if cache else None
     stored = cache.load_plans() if cache is not None else {}
     found = key is not None and key in stored
     rows = stored[key][0] if every_rank(found, group) and key is not None else None

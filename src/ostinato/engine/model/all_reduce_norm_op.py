@@ -29,41 +29,44 @@ MAX_ROWS = 64
 LADDER = tuple(1 << i for i in range(MAX_ROWS.bit_length()) if 1 << i <= MAX_ROWS)
 """The row counts start-up times (1, 2, 4, ... ``MAX_ROWS``)."""
 
+PROTOCOL = "lamport-3"
+"""The kernel's protocol (sentinel data in three slots), named in the key of a kept
+measurement: rows measured for another protocol are measured anew."""
+
 _FUSED: dict[str, FusedReduceNorm] = {}
 
 
 class FusedReduceNorm:
-    """One tensor-parallel group's symmetric staging buffer, signal pads and call counts
-    for the fused kernel, and ``max_rows``: the row counts up to which it runs (0 until
+    """One tensor-parallel group's symmetric buffer and slot counts for the fused kernel,
+    and ``max_rows``: the row counts up to which it runs (0 until
     ``setup_fused_reduce_norm`` measured it; then every rank holds the same value).
 
     Guarantees: ``__call__`` returns what the two ops return, bitwise with two ranks
-    (the same roundings, and a sum of two is exact before it); the same bits on every
-    rank."""
+    (the same roundings, and a sum of two is exact before it) but for a zero's sign; the
+    same bits on every rank."""
 
     def __init__(
         self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, hidden: int
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from ostinato.engine.kernels.all_reduce_norm import PROGRAMS
+        from ostinato.engine.kernels.all_reduce_norm import PROGRAMS, SENTINEL, buffer_elements
 
         self.group, self.group_name = group, group.group_name
         self.dtype, self.hidden = dtype, hidden
-        self.half = MAX_ROWS * hidden
-        # Its own allocation, so its own signal pad: no other kernel's flags share it.
-        self.buffer = symm_mem.empty(2 * self.half, dtype=dtype, device=device)
+        self.segment = MAX_ROWS * hidden
+        size = buffer_elements(MAX_ROWS, hidden, group.size())
+        self.buffer = symm_mem.empty(size, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.rank, self.world = handle.rank, handle.world_size
-        pad = handle.get_signal_pad(handle.rank)
-        if pad.numel() * pad.element_size() < PROGRAMS * self.world * 4:
-            raise RuntimeError(f"signal pad of {pad.numel() * pad.element_size()} bytes too small")
         if handle.buffer_ptrs[self.rank] != self.buffer.data_ptr():
             raise RuntimeError("the staging buffer does not start its mapping")
+        self.buffer.fill_(SENTINEL)
+        handle.barrier()  # (every rank's buffer filled before any rank writes a peer's)
+        torch.cuda.synchronize(device)
         self.handle = handle  # (keeps the peers' mappings alive)
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        self.calls = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
+        self.slots = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
         self.max_rows = 0
 
     def serves(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -86,8 +89,8 @@ class FusedReduceNorm:
         total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         all_reduce_add_norm_rows(
             rows, residual.reshape(-1, self.hidden).contiguous(), weight, eps,
-            out.view(-1, self.hidden), total.view(-1, self.hidden), self.buffers, self.pads,
-            self.calls, self.half, self.rank, self.world,
+            out.view(-1, self.hidden), total.view(-1, self.hidden), self.buffers,
+            self.slots, self.segment, self.rank, self.world,
         )  # fmt: skip
         return out, total
 

@@ -336,7 +336,8 @@ def fused_reduce_norm_checks(rank: int, world: int, port: int, out: str) -> None
     """The all-reduce fused with the residual add and RMSNorm against the two ops, bitwise
     on random bf16 rows: eagerly at every row count up to the buffer, then a graph of
     65 calls (an 8 B step's count: no multiple of the slots, so they rotate across replays)
-    replayed 50 times on new inputs; then the start-up measurement's choice."""
+    replayed 50 times on new inputs, each call launched with PDL; then the start-up
+    measurement's choice."""
     set_env(rank, world, port)
     from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
     from ostinato.distributed.symm_all_reduce import SymmetricAllReduce, tp_all_reduce
@@ -369,7 +370,9 @@ def fused_reduce_norm_checks(rank: int, world: int, port: int, out: str) -> None
     with torch.cuda.graph(graph):
         res = r0
         for i in range(65):
-            h, res = op.tp_all_reduce_add_rms_norm(xs[i], res, weight, 1e-5, reducer.group_name)
+            h, res = op.tp_all_reduce_add_rms_norm(  # (PDL: each call may launch early)
+                xs[i], res, weight, 1e-5, reducer.group_name, True
+            )
             outs.append(h)
     ok = True
     for _ in range(50):

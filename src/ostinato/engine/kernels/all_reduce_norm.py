@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.launch import launch, pdl_arg, pdl_for
+from ostinato.engine.kernels.pdl import pdl_enter
 
 PROGRAMS = 16
 """Programs per call, whatever the row count (every program of every call waits for its
@@ -98,7 +99,11 @@ def _all_reduce_add_norm_kernel(
     STEP: tl.constexpr,
     ITERS: tl.constexpr,
     NSLOTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # With PDL the next kernel may launch at once: it can pull its weights while this
+    # one waits for the peers' rows (its wait for this kernel's end is its own).
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     slot = tl.load(slots_ptr + pid)
     # Slot ``slot``, then this rank's segment of it in each peer's buffer.
@@ -157,14 +162,17 @@ def all_reduce_add_norm_rows(
     segment: int,
     rank: int,
     world: int,
+    pdl: bool = False,
 ) -> None:
     """``total[r] = sum over ranks of x[r] + residual[r]`` and ``out[r] = weight *
     rms_norm(total[r])`` for every row of the contiguous 2-D ``x``, on every rank of the
     group at once (a collective: every rank calls it with the same shapes). ``buffers``:
     an int64 device table of each rank's buffer (``buffer_elements`` of ``segment`` /
     ``dim`` rows, every element ``SENTINEL`` before the first call, as each call leaves
-    it); ``slots``: int32 ``[PROGRAMS]``, zero at first."""
+    it); ``slots``: int32 ``[PROGRAMS]``, zero at first. ``pdl``: launch with programmatic
+    dependent launch where ``pdl_for`` allows it for this many rows."""
     rows, dim = x.shape
+    pdl = pdl_for(pdl, rows)
     if rows * dim > segment:
         raise ValueError(f"all_reduce_add_norm_rows: {rows} rows of {dim} exceed the buffer")
     if x.element_size() not in (2, 4):
@@ -174,6 +182,6 @@ def all_reduce_add_norm_rows(
         _all_reduce_add_norm_kernel, (PROGRAMS,), x, residual, weight, out, total,
         buffers, slots, rows, dim, segment, eps,
         RANK=rank, WORLD=world, BITS=8 * x.element_size(), BLOCK=block, STEP=PROGRAMS,
-        ITERS=triton.cdiv(rows, PROGRAMS), NSLOTS=SLOTS,
-        num_warps=min(16, max(1, block // 256)),
+        ITERS=triton.cdiv(rows, PROGRAMS), NSLOTS=SLOTS, USE_PDL=pdl_arg(pdl),
+        num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
     )  # fmt: skip

@@ -80,7 +80,12 @@ class FusedReduceNorm:
         )
 
     def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        pdl: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from ostinato.engine.kernels.all_reduce_norm import all_reduce_add_norm_rows
 
@@ -90,7 +95,7 @@ class FusedReduceNorm:
         all_reduce_add_norm_rows(
             rows, residual.reshape(-1, self.hidden).contiguous(), weight, eps,
             out.view(-1, self.hidden), total.view(-1, self.hidden), self.buffers,
-            self.slots, self.segment, self.rank, self.world,
+            self.slots, self.segment, self.rank, self.world, pdl,
         )  # fmt: skip
         return out, total
 
@@ -114,7 +119,7 @@ def tp_all_reduce_add_rms_norm(
     ``SymmetricAllReduce`` is ``group_name``; see the module docstring."""
     fused = _FUSED.get(group_name)
     if fused is not None and fused.serves(x, residual):
-        return fused(x, residual, weight, eps)
+        return fused(x, residual, weight, eps, pdl)
     return _apart(x, residual, weight, eps, group_name, pdl)
 
 

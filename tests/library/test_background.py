@@ -550,16 +550,20 @@ def test_a_device_sync_beside_another_threads_capture_waits_for_its_end():
 
 
 def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkeypatch):
-    # graph_call_us with a turn: the capture (which runs nothing) outside the step turn,
-    # then each timed replay in a hold of its own, behind an untimed replay queued in the
-    # same hold; the median over the replays; and not through ``torch.cuda.graph``,
-    # which empties the device's caches at every capture. The CUDA calls are stand-ins
-    # here (the GPU test: test_gpu_core's test_a_timing_held_per_replay_captures_...).
+    # graph_call_us with a turn: the captures (which run nothing) outside the step turn;
+    # one held replay of one call first says how many calls fit HELD_REPLAY_US; then each
+    # timed replay in a hold of its own, behind a spin queued in the same hold; more
+    # replays where a graph holds fewer calls; the median over them; and not through
+    # ``torch.cuda.graph``, which empties the device's caches at every capture. The CUDA
+    # calls are stand-ins here (the GPU test: test_gpu_core's
+    # test_a_timing_held_per_replay_captures_...).
     import contextlib
 
     from ostinato.platform import cuda
 
-    log, held, times = [], [False], iter([5.0, 1.0, 3.0, 9.0, 2.0])
+    # A call of 200 µs: two of the four fit 500 µs; twice the replays, of two calls each.
+    replays = [400.0, 800.0, 100.0, 300.0, 500.0, 700.0, 900.0, 200.0, 600.0, 1000.0]
+    log, held, times = [], [False], iter([200.0, *replays])
 
     class Graph:
         def capture_begin(self, capture_error_mode):
@@ -598,13 +602,17 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", held[0])))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "_side_stream", lambda: None)
+    monkeypatch.setattr(cuda, "HELD_REPLAY_US", 500.0)
     calls = []
     us = cuda.graph_call_us(lambda: calls.append(1), 4, replays=5, turn=turn)
-    assert us == 3.0 / 4 and len(calls) == 4  # the median replay, per call
-    assert log[0] == ("capture", False)
+    assert us == 550.0 / 2 and len(calls) == 1 + 2  # the median replay, per call
+    assert [e for e in log if e[0] == "capture"] == [("capture", False)] * 2
     holds = [log[i + 1 : i + 5] for i, entry in enumerate(log) if entry[0] == "turn"]
-    assert len(holds) == 5 and len(log) == 1 + 5 * 5
-    assert all(h == [("replay", True), ("record", True), ("replay", True), ("record", True)]
+    assert len(holds) == 1 + 10 and len(log) == 2 + 11 * 5
+    assert all(h == [("spin", True), ("record", True), ("replay", True), ("record", True)]
                for h in holds)  # fmt: skip
+    assert cuda.held_calls(lambda: None, 1, turn) == 1  # one call: nothing to measure
+    assert len(log) == 2 + 11 * 5

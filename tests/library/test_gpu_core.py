@@ -287,17 +287,23 @@ def test_a_timing_capture_keeps_the_allocators_cached_blocks():
     del graph
 
 
-def test_a_timing_held_per_replay_captures_beside_another_threads_work():
+@pytest.mark.parametrize("held_us", [1e9, 1.0])
+def test_a_timing_held_per_replay_captures_beside_another_threads_work(monkeypatch, held_us):
     # A background GEMM measurement captures its timing graph while steps run on the
     # engine's thread (thread-local capture), then holds the step turn one timed replay
-    # at a time: the capture must survive the other thread's launches, allocations and
-    # stream syncs, and the time must agree with the plain measurement.
+    # at a time (after one held replay of one call: how many calls a replay takes): the
+    # capture must survive the other thread's launches, allocations and stream syncs,
+    # and the time must agree with the plain measurement, whether a replay takes all 20
+    # calls or one (``HELD_REPLAY_US`` below any call: four times the replays).
     import contextlib
     import threading
     import time
 
+    from ostinato.platform import cuda
     from ostinato.platform.base import isolated_capture
     from ostinato.platform.cuda import graph_call_us
+
+    monkeypatch.setattr(cuda, "HELD_REPLAY_US", held_us)
 
     x = torch.randn(512, 512, device=DEVICE)
     stop, steps = threading.Event(), [0]
@@ -330,7 +336,7 @@ def test_a_timing_held_per_replay_captures_beside_another_threads_work():
     finally:
         stop.set()
         thread.join()
-    assert len(holds) == 15 and steps[0] > 0
+    assert len(holds) == 3 * (1 + (5 if held_us > 1 else 20)) and steps[0] > 0
     assert all(0.5 * plain < us < 2.0 * plain for us in held), (plain, held)
 
 

@@ -162,6 +162,16 @@ def pool_segments(pool: Any) -> list[dict[str, Any]]:
     return torch.cuda.memory_snapshot(mempool_id=tuple(pool), **light)
 
 
+HELD_REPLAY_US = 500.0
+"""Device µs one held timed replay may take (``graph_call_us`` with a turn): a graph of
+calls longer than that holds fewer calls, so a step waits for about one replay of it."""
+
+LEAD_CYCLES = 100_000
+"""Cycles the device spins before a held timed replay (about 50 µs on an H200): the
+host's launch of the replay lands inside them, so the timing starts as the device
+reaches the replay, not when the host launched it."""
+
+
 def graph_call_us(
     fn: Callable[[], object], calls: int, replays: int = 5, turn: Held | None = None
 ) -> float:
@@ -173,12 +183,17 @@ def graph_call_us(
     Without ``turn``: one untimed replay, then ``replays`` back to back under one pair
     of events, their mean. With ``turn`` (a background measurement beside steps): the
     capture outside it, which runs nothing (``fn`` must touch nothing a step uses), then
-    ``held_replays_us``: a step waits at most one timing, not the whole measurement."""
-    graph = captured_calls(fn, calls)
+    ``held_replays_us``: a step waits at most one timed replay of about
+    ``HELD_REPLAY_US`` at most (``held_calls``), not the whole measurement."""
     if turn is not None:
-        us = held_replays_us(graph, replays, turn) / calls
+        held = held_calls(fn, calls, turn)
+        graph = captured_calls(fn, held)
+        # Fewer calls per replay: more replays, up to four times (a median as steady).
+        more = min(4, -(-calls // held))
+        us = held_replays_us(graph, replays * more, turn) / held
         del graph
         return us
+    graph = captured_calls(fn, calls)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -189,6 +204,17 @@ def graph_call_us(
     us = start.elapsed_time(end) * 1e3 / (replays * calls)
     del graph
     return us
+
+
+def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:
+    """How many of ``calls`` calls of ``fn`` one held replay takes: as many as fit
+    ``HELD_REPLAY_US`` by one held replay of one call (at least one, at most ``calls``)."""
+    if calls <= 1:
+        return calls
+    one = captured_calls(fn, 1)
+    us = held_replay_us(one, turn)
+    del one
+    return max(1, min(calls, int(HELD_REPLAY_US / max(us, 1e-3))))
 
 
 def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
@@ -248,13 +274,13 @@ def held_replays_us(graph: Any, replays: int, turn: Held) -> float:
 
 def held_replay_us(graph: Any, turn: Held) -> float:
     """µs of one replay of ``graph``, inside ``turn()``: the device drained first (the
-    steps' queued work, on any stream, would share it), then an untimed replay queued
-    ahead of the timed one, so the timed one starts as the device finishes the first, not
-    when the host launches it. The hold: the drain and two replays."""
+    steps' queued work, on any stream, would share it), then ``LEAD_CYCLES`` of spinning
+    queued ahead of the timed replay, so it starts as the device finishes spinning, not
+    when the host launches it. The hold: the drain, the spin and one replay."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with turn(), exclusive_device():
         torch.cuda.synchronize()
-        graph.replay()
+        torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         graph.replay()
         end.record()

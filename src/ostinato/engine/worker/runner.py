@@ -151,7 +151,7 @@ class ModelRunner:
         padding rows of ``inputs`` (default: the steps' own), the kernels of every size
         compiled ahead first where ``compile_ahead`` asks. With ``turn`` (beside running
         steps) each timed replay holds it and replays one step, not four: a step waits
-        for two steps' replays, not eight."""
+        for one step's replay (``held_replay_us``), not eight."""
         inputs = inputs or self.inputs
 
         def context(n: int) -> contextlib.AbstractContextManager:

@@ -446,7 +446,11 @@ class GraphManager:
                     self._verify(d, meta, entry)
                 return entry
         with forward_context(GraphMode.FULL, d, meta, outputs):
-            return self._full.record_anew(d, (d,), diagnose=False)
+            entry = self._full.record_anew(d, (d,), diagnose=False)
+        if self.check.at_capture:  # (a blocking start's turn: a background one refuses it)
+            with turn():
+                self._verify(d, self.prepare(d) if self.prepare is not None else None, entry)
+        return entry
 
     def _drop(self, descriptors: Iterable[BatchDescriptor]) -> None:
         for d in descriptors:

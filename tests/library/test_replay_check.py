@@ -160,3 +160,22 @@ def test_background_capture_refuses_the_capture_check_but_samples():
     run(m, step, 4)
     assert m.stats().checked_replays == 1
     m.release()
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_recaptured_graph_is_checked_at_capture_recorded_in_the_hold_or_beside(apart):
+    # A blocking start measures its kernel plans after its graphs and captures sizes
+    # again with a turn that holds nothing; where the platform records apart and a
+    # warm_step is given, the new graph is warmed up and recorded beside: checked too.
+    import contextlib
+
+    step = Step()
+    m = manager(step, ReplayCheck("capture"), sizes=(4,))
+    m.capture()
+    assert not m.demoted
+    m.platform.records_apart = apart
+    m.warm_step = step
+    step.leak = True  # the step now computes otherwise: its padding reaches the real rows
+    with pytest.warns(GraphDemotedWarning, match=r"num_tokens=4.*changes its first 2 rows"):
+        m.recapture(BatchDescriptor(4), lambda old, new, held: True, contextlib.nullcontext)
+    assert list(m.demoted) == [BatchDescriptor(4)]

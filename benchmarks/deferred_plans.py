@@ -8,7 +8,8 @@ the cache (a later start).
 
 Each round is ``--batch`` prompts of ``--prompt-len`` random tokens and ``--new-tokens``
 new ones (EOS ignored); its tokens per second count the new tokens over the round's wall
-time. Both engines use one fresh cache folder, so the first start measures its plans.
+time, and its longest gap is the longest wait between two tokens of its first prompt
+(a step held back by the background work shows there, where the round's mean hides it). Both engines use one fresh cache folder, so the first start measures its plans.
 Back to back, the rounds leave the background work one turn a second (steps come first:
 ``ostinato.background``); on an H200 the 1.5 B shape's first start had not settled
 after 110 s of rounds at B = 8 or B = 1.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import itertools
 import json
 import logging
 import random
@@ -32,12 +35,15 @@ from ostinato.provenance import Provenance
 
 @dataclass
 class Round:
-    """One timed ``generate``: seconds since the engine returned, tokens per second, and
-    whether the background work (capture, measurement, swap) had ended before it."""
+    """One timed ``generate``: seconds since the engine returned, tokens per second,
+    whether the background work (capture, measurement, swap) had ended before it, and
+    the longest wait between two tokens of its first prompt (a step's time, with
+    whatever held it back: what a streamed client sees)."""
 
     since_start_s: float
     tokens_per_s: float
     settled: bool
+    longest_gap_ms: float
 
 
 def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) -> list[Round]:
@@ -51,14 +57,17 @@ def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) 
     start, rounds, after = time.perf_counter(), [], 0
     while after < args.rounds_after:
         settled = llm.background is None or llm.background.done
+        stamps: list[float] = []
         began = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, on_token=functools.partial(_stamp, stamps))
         seconds = time.perf_counter() - began
         tokens = sum(len(o.token_ids) for o in outs)
-        rounds.append(Round(began - start, tokens / seconds, settled))
+        gap = max((b - a for a, b in itertools.pairwise(stamps)), default=0.0) * 1e3
+        rounds.append(Round(began - start, tokens / seconds, settled, gap))
         clock = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # (as the log lines')
         print(
-            f"{clock} {name}: +{began - start:6.2f} s {tokens / seconds:8.1f} tok/s",
+            f"{clock} {name}: +{began - start:6.2f} s {tokens / seconds:8.1f} tok/s "
+            f"longest gap {gap:6.2f} ms",
             settled,
             flush=True,
         )
@@ -66,6 +75,19 @@ def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) 
         if time.perf_counter() - start > args.timeout:
             break  # (the background work outlasted --timeout: the document says so)
     return rounds
+
+
+def _stamp(stamps: list[float], prompt: int, token: int) -> None:
+    if prompt == 0:  # (every prompt's tokens come in the same steps)
+        stamps.append(time.perf_counter())
+
+
+def longest_gaps_ms(rounds: list[Round]) -> dict[str, float | None]:
+    """The longest wait between two tokens over the rounds run before the background
+    work had ended and over those after (None where there were none)."""
+    during = [r.longest_gap_ms for r in rounds if not r.settled]
+    after = [r.longest_gap_ms for r in rounds if r.settled]
+    return {"during": max(during, default=None), "after": max(after, default=None)}
 
 
 def main() -> None:
@@ -110,6 +132,10 @@ def main() -> None:
         # How long the thread ran, capture and measurement (None: a blocking start).
         "first_start_background_s": background_s,
         "later_start": [asdict(r) for r in after],
+        # What a streamed client waits between two tokens at worst: during the first
+        # start's background work and after it; then the later start's.
+        "first_start_longest_gaps_ms": longest_gaps_ms(during),
+        "later_start_longest_gap_ms": longest_gaps_ms(after)["after"],
     }
     later.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

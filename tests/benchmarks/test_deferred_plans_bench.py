@@ -19,3 +19,21 @@ def test_rounds_of_both_starts_are_written(tmp_path, monkeypatch):
         rounds = doc[key]
         assert len(rounds) == 2 and all(r["tokens_per_s"] > 0 and r["settled"] for r in rounds)
     assert doc["provenance"]["torch"] and doc["first_start_longest_hold"] is None  # (no thread)
+    # Every round's longest wait between two tokens (4 tokens: 3 gaps, each a step).
+    assert all(r["longest_gap_ms"] > 0 for r in doc["first_start"] + doc["later_start"])
+    gaps = doc["first_start_longest_gaps_ms"]
+    assert gaps["during"] is None and gaps["after"] == max(
+        r["longest_gap_ms"] for r in doc["first_start"]
+    )
+    assert doc["later_start_longest_gap_ms"] == max(r["longest_gap_ms"] for r in doc["later_start"])
+
+
+def test_the_longest_gaps_are_split_at_the_end_of_the_background_work():
+    rounds = [
+        deferred_plans.Round(0.0, 1.0, False, 9.0),
+        deferred_plans.Round(1.0, 1.0, False, 4.0),
+        deferred_plans.Round(2.0, 1.0, True, 2.0),
+        deferred_plans.Round(3.0, 1.0, True, 3.0),
+    ]
+    assert deferred_plans.longest_gaps_ms(rounds) == {"during": 9.0, "after": 3.0}
+    assert deferred_plans.longest_gaps_ms([]) == {"during": None, "after": None}

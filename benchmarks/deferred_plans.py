@@ -8,11 +8,12 @@ the cache (a later start).
 
 Each round is ``--batch`` prompts of ``--prompt-len`` random tokens and ``--new-tokens``
 new ones (EOS ignored); its tokens per second count the new tokens over the round's wall
-time, and its longest gap is the longest wait between two tokens of its first prompt
-(a step held back by the background work shows there, where the round's mean hides it). Both engines use one fresh cache folder, so the first start measures its plans.
-Back to back, the rounds leave the background work one turn a second (steps come first:
-``ostinato.background``); on an H200 the 1.5 B shape's first start had not settled
-after 110 s of rounds at B = 8 or B = 1.
+time, and its longest gap is the longest wait between two tokens of its first prompt (a
+step held back by the background work shows there, where the round's mean hides it).
+Both engines use one fresh cache folder, so the first start measures its plans. Back to
+back, the rounds leave the background work only the turns ``ostinato.background`` paces
+(steps come first); on an H200 the 1.5 B shape's first start had not settled after 140 s
+of rounds at B = 8.
 """
 
 from __future__ import annotations

@@ -174,6 +174,12 @@ class HoldTally:
 InUnits = Callable[[Held], None]
 
 
+def _paced_wait(hold_s: float) -> float:
+    """The longest wait for a pause after a paced hold of ``hold_s`` seconds:
+    ``UNIT_SPACING`` times it, within ``PAUSE_S`` .. ``MAX_WAIT_S``."""
+    return min(MAX_WAIT_S, max(PAUSE_S, UNIT_SPACING * hold_s))
+
+
 class BackgroundCapture:
     """The capture thread of one ``GraphManager`` (``GraphManager.capture_in_background``).
 
@@ -353,12 +359,10 @@ class BackgroundCapture:
                 raise CaptureStopped("the background capture was stopped")
             with exclusive_device(), self._turn.capturing():
                 if self._may_start(since, max_wait):
-                    start = time.perf_counter()
                     with self._held(what, kind or what):
                         yield
                     if paced:
-                        held = time.perf_counter() - start
-                        self._unit_wait = min(MAX_WAIT_S, max(PAUSE_S, UNIT_SPACING * held))
+                        self._unit_wait = _paced_wait(self._last_hold)
                     break
         self._turn.hand_over(timeout=1.0)
 
@@ -411,7 +415,7 @@ class BackgroundCapture:
                         self._capture_one(item, self._apart)
                     self.captured += 1
                     if self._beside:
-                        wait = min(MAX_WAIT_S, max(PAUSE_S, UNIT_SPACING * self._last_hold))
+                        wait = _paced_wait(self._last_hold)
             if item is None:
                 self._end_plan()
                 return

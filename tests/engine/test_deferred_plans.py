@@ -331,3 +331,22 @@ def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, k
     # Alternating rounds, each stage's replays back to back between two synchronizes,
     # each round in a hold of its own.
     assert order == ["(", "old", "old", ")", "(", "new", "new", ")"] * 3 and len(synced) == 12
+
+
+def test_a_recapture_choice_holds_the_steps_for_one_replay_by_default():
+    # A step beside waits for one replay of a graph, not a round of several.
+    from ostinato.engine.worker.deferred_plans import faster_replay
+
+    holds: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def held():
+        holds.append([])
+        yield
+
+    def replay(name):
+        return lambda: holds[-1].append(name)
+
+    faster_replay(lambda: None)(replay("old"), replay("new"), held)
+    assert len(holds) == 30 and all(len(h) == 1 for h in holds)
+    assert [h[0] for h in holds] == ["old", "new"] * 15

@@ -280,11 +280,12 @@ class BackgroundCapture:
         return f"{ready}; done after {self.seconds:.1f} s{self._longest()}"
 
     def _longest(self) -> str:
-        """``, steps could wait up to 0.61 s (the epilogue)``; empty before any hold."""
+        """``, steps could wait up to 3.2 ms (the epilogue)`` (ms: holds are short);
+        empty before any hold."""
         hold = self.longest_hold
         if hold is None:
             return ""
-        return f", steps could wait up to {hold.seconds:.2f} s ({hold.what})"
+        return f", steps could wait up to {1e3 * hold.seconds:.1f} ms ({hold.what})"
 
     def _next(self) -> CaptureItem | None:
         for d in list(self._wanted):

@@ -398,7 +398,7 @@ def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
         "item": "num_tokens=4",
     }
     assert names[slow] in hold.what, hold
-    assert f"up to {hold.seconds:.2f} s ({hold.what})" in capture.summary()
+    assert f"up to {1e3 * hold.seconds:.1f} ms ({hold.what})" in capture.summary()
     # Every hold tallied by kind: each capture, the epilogue, the units by their taker.
     tally = capture.holds
     assert sorted(tally) == ["captures", "test_background.afterwards", "the epilogue"], tally
@@ -552,8 +552,10 @@ def test_a_device_sync_beside_another_threads_capture_waits_for_its_end():
 def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkeypatch):
     # graph_call_us with a turn: the captures (which run nothing) outside the step turn;
     # one held replay of one call first says how many calls fit HELD_REPLAY_US; then each
-    # timed replay in a hold of its own, behind a spin queued in the same hold; more
-    # replays where a graph holds fewer calls; the median over them; and not through
+    # timed replay queued in a hold of its own, behind a spin queued in the same hold, and
+    # waited for after it (no drain inside it); the spin and the timed events run once
+    # before any hold (their first launch loads them); more replays where a graph holds
+    # fewer calls; the median over them; and not through
     # ``torch.cuda.graph``, which empties the device's caches at every capture. The CUDA
     # calls are stand-ins here (the GPU test: test_gpu_core's
     # test_a_timing_held_per_replay_captures_...).
@@ -563,7 +565,7 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
 
     # A call of 200 µs: two of the four fit 500 µs; twice the replays, of two calls each.
     replays = [400.0, 800.0, 100.0, 300.0, 500.0, 700.0, 900.0, 200.0, 600.0, 1000.0]
-    log, held, times = [], [False], iter([200.0, *replays])
+    log, held, times = [], [False], iter([0.0, 200.0, *replays])
 
     class Graph:
         def capture_begin(self, capture_error_mode):
@@ -583,7 +585,7 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
             log.append(("record", held[0]))
 
         def synchronize(self):
-            pass
+            log.append(("wait", held[0]))
 
         def elapsed_time(self, end):
             return next(times) / 1e3  # ms
@@ -601,7 +603,9 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append(("drain", held[0])))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "_TIMING_WARM", set())
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", held[0])))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "_side_stream", lambda: None)
@@ -609,10 +613,18 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     calls = []
     us = cuda.graph_call_us(lambda: calls.append(1), 4, replays=5, turn=turn)
     assert us == 550.0 / 2 and len(calls) == 1 + 2  # the median replay, per call
-    assert [e for e in log if e[0] == "capture"] == [("capture", False)] * 2
-    holds = [log[i + 1 : i + 5] for i, entry in enumerate(log) if entry[0] == "turn"]
-    assert len(holds) == 1 + 10 and len(log) == 2 + 11 * 5
-    assert all(h == [("spin", True), ("record", True), ("replay", True), ("record", True)]
-               for h in holds)  # fmt: skip
+    captures = [e for e in log if e[0] == "capture"]
+    assert captures == [("capture", False)] * 2
+    warm = [("record", False), ("spin", False), ("record", False), ("wait", False)]
+    first_turn = log.index(("turn", True))
+    assert log[:first_turn].count(("spin", False)) == 1 and warm == [
+        e for e in log[:first_turn] if e[0] != "capture" and e[0] != "drain"
+    ]
+    holds = [log[i + 1 : i + 6] for i, entry in enumerate(log) if entry[0] == "turn"]
+    assert len(holds) == 1 + 10
+    assert all(h == [("spin", True), ("record", True), ("replay", True), ("record", True),
+                     ("wait", False)] for h in holds)  # fmt: skip
+    assert log.count(("spin", False)) == 1 and ("drain", True) not in log
+    size = len(log)
     assert cuda.held_calls(lambda: None, 1, turn) == 1  # one call: nothing to measure
-    assert len(log) == 2 + 11 * 5
+    assert len(log) == size

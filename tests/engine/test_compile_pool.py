@@ -221,3 +221,40 @@ def test_a_block_s_kernels_compile_in_workers_and_load_from_the_disk_cache(
         _silu_mul_kernel.device_caches.clear()
         _smem_gemm_kernel.device_caches.clear()
         compile_pool.shared_pool().close()
+
+
+def test_a_kernel_compiled_in_a_worker_is_read_here_after_its_callees_keys(
+    triton_on_sm90,
+    monkeypatch,  # noqa: F811
+):
+    import torch
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import MockTensor
+
+    from ostinato.engine.kernels import argmax, compile_pool, sampling
+    from ostinato.engine.kernels import launch as launch_module
+
+    monkeypatch.setattr(compile_pool, "process_workers", lambda: 1)
+    monkeypatch.setattr(launch_module, "PROCESS_MIN_KERNELS", 1)
+    compiled_here = []
+    real = CUDABackend.add_stages  # (a compile's stages: only on a disk-cache miss)
+
+    def add_stages(self, *args, **kwargs):
+        compiled_here.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CUDABackend, "add_stages", add_stages)
+    for helper in (argmax.unpacked, argmax.packed_max, argmax.key_value, argmax.entry_keys):
+        assert helper.cache_key  # first, as by an engine that launched argmax already
+    f32, i64, i32 = (MockTensor(d) for d in (torch.float32, torch.int64, torch.int32))
+    try:
+        with launch_module.compile_ahead():
+            launch_module.launch(
+                sampling._pick_kernel, (8,), f32, f32, f32, i64, f32, i32, i64, 75,
+                CHUNKS=128, num_warps=4,
+            )  # fmt: skip
+        assert len(sampling._pick_kernel.device_caches[0][0]) == 1  # read back
+        assert compiled_here == []  # from the worker's disk cache
+    finally:
+        sampling._pick_kernel.device_caches.clear()
+        compile_pool.shared_pool().close()

@@ -10,7 +10,8 @@ line, each compile written to Triton's disk cache, with its C launcher built), a
 loaded in this process from that cache (``Collector.load``, Triton's ``preload``).
 
 Guarantees: a kernel loaded here is the one Triton would have compiled at its launch
-(the same specialisation, options and target, read back by Triton's own cache key);
+(the same specialisation, options and target, read back by Triton's own cache key,
+which ``jit_keys.settle`` makes the same in the workers as here);
 a failed compile raises, naming the kernel and the worker's error; a worker never
 touches a GPU (it builds for the parent's target, with no device visible) and exits
 on its own after ``IDLE_SECONDS`` without work; one that takes ``REQUEST_SECONDS``
@@ -34,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ostinato.engine.kernels import jit_keys
 
 IDLE_SECONDS = 120.0  # a worker's life without requests (start-up compiles come in bursts)
 # Past this a request is taken for hung (the slowest kernel of ours compiles in seconds,
@@ -158,7 +161,9 @@ class Collector:
 
     def load(self) -> None:
         """Reads every recorded kernel into its function (a disk-cache hit after the
-        workers; a compile here where there was none). Call after the block."""
+        workers, their keys and ours settled alike: ``jit_keys``; a compile here where
+        there was none). Call after the block."""
+        jit_keys.settle()
         for r in self.requests:
             self._functions[(r.module, r.name)].preload(r.spec)
 
@@ -305,6 +310,7 @@ def compile_request(request: Request) -> str | None:
     target = GPUTarget(*request.target)
     driver.set_active(_TargetOnly(target))
     fn = getattr(importlib.import_module(request.module), request.name)
+    jit_keys.settle()  # (the key the parent's ``load`` looks up: settled there too)
     return _build_launcher(fn.preload(request.spec), target)
 
 

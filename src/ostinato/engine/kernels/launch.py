@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ostinato.engine.kernels import compile_pool
+from ostinato.engine.kernels import compile_pool, jit_keys
 from ostinato.engine.kernels.launch_rules import rules
 
 # Fewer kernels than this compile on threads unless the workers run already: a worker's
@@ -69,6 +69,7 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
     try:
         import triton
 
+        jit_keys.settle()  # keys as another process computes them (its disk cache)
         mode = getattr(triton, "AsyncCompileMode", None)
         if mode is None:
             yield

@@ -1,0 +1,77 @@
+"""Triton cache keys of the engine's kernels that do not depend on the order they were
+first computed in, so a kernel compiled in one process (a compile worker, an earlier
+start) is a disk-cache hit in another.
+
+A ``triton.jit`` function's cache key (``JITFunction.cache_key``, Triton 3.6) hashes
+the ``tl.constexpr`` globals it uses, its callees' included; but a callee's globals are
+merged into its caller's before the callee's own key is computed, so they are missing
+from the caller's key where the callee's key had not been computed yet in that process.
+The sampling kernels calling ``argmax``'s helpers (which read ``EMPTY`` and ``LOW``) got
+one key in a compile worker, which computes them cold, and another in the engine, which
+had launched ``argmax`` first: each was compiled again on the capture thread, holding
+the GIL for 12-160 ms each, beside the steps, on an H200.
+
+``settle`` computes every key of the loaded ``ostinato`` kernel modules again until no
+key changes: each then carries every global of its callees, whatever came first.
+Guarantees: after ``settle()``, a function's key is the same in every process that
+settled the modules defining it and its callees; with a Triton without these
+attributes, nothing is done.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+MAX_ROUNDS = 8  # rounds until no key changes: one more than the deepest chain of callees
+
+_settled: set[str] = set()  # the modules whose functions were settled
+_lock = threading.Lock()
+
+
+def settle(prefix: str = "ostinato.") -> int:
+    """Settles the keys of every ``triton.jit`` function defined in a loaded module named
+    ``prefix``... (each module's own and what it imports), where a module was loaded
+    since the last call; returns the rounds it took (0: nothing new)."""
+    with _lock:
+        modules = [n for n, m in list(sys.modules.items()) if n.startswith(prefix) and m]
+        if set(modules) <= _settled:
+            return 0
+        functions = _jit_functions(modules)
+        rounds = _settle(functions)
+        _settled.update(modules)
+        return rounds
+
+
+def _jit_functions(modules: list[str]) -> list[Any]:
+    """The ``triton.jit`` functions the modules ``modules`` name, once each."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return []
+    found: dict[int, Any] = {}
+    for name in modules:
+        for value in list(vars(sys.modules[name]).values()):
+            if isinstance(value, JITFunction) and hasattr(value, "_hash_lock"):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _settle(functions: list[Any]) -> int:
+    """Computes the keys of ``functions`` again, round after round, until a round changes
+    none (each round starts from every callee's globals as the last round found them);
+    returns the rounds."""
+    before = [f.cache_key for f in functions]
+    for rounds in range(1, MAX_ROUNDS + 1):
+        for f in functions:
+            with f._hash_lock:
+                f.hash = None
+        after = [f.cache_key for f in functions]
+        if after == before:
+            return rounds
+        before = after
+    raise RuntimeError(
+        f"Triton's kernel cache keys still changed after {MAX_ROUNDS} rounds: a chain of "
+        "jit functions deeper than that, or a key that depends on something else"
+    )

@@ -37,9 +37,9 @@ step of hundreds of ops took seconds while Dynamo traced on the capture thread).
 After the plan (and its epilogue), ``afterwards`` may go on with work that needs the
 graphs captured first (the engine measures its kernel plans there and recaptures the
 sizes they change). It takes the device and the turn for one unit of work at a time
-(``unit()``), as an item is taken: when the steps pause, or, under steps that never
-pause, after ``UNIT_SPACING`` times the last unit's hold (so short units come often and
-long ones rarely: about a tenth of the time held either way).
+(``unit()``), as the epilogue's units are taken: when the steps pause, or, under steps
+that never pause, after ``UNIT_SPACING`` times the last unit's hold (so short units come
+often and long ones rarely: about a tenth of the time held either way).
 
 Guarantees: the thread stops after the item (or unit) in progress when asked (``stop``);
 a failure of any item releases every graph of the manager, is logged with its reason and
@@ -190,13 +190,13 @@ class BackgroundCapture:
     thread first, without the turn (the engine compiles its model there, on scratch
     inputs of its own); ``epilogue``, if given, runs on the thread once every item is
     captured (not after a stop), before ``done`` is set, and fails as an item does: it
-    holds the turn only inside each ``unit()`` it is given, taken as an item is (the
-    engine compiles its sampling graphs' kernels outside them, beside the steps, then
-    captures each size's graphs, which read the step graphs' outputs, in a unit of its
-    own: a step waits for one size, not for all); ``afterwards``, if given, runs after
-    it (module docstring); ``beside``: ``capture_one`` warms up and records beside the
-    steps, its hold of the turn brief, so items are paced as units are (module
-    docstring).
+    holds the turn only inside each ``unit()`` it is given, paced as the units after it
+    are (the engine compiles its sampling graphs' kernels outside them, beside the
+    steps, then captures each size's graphs, which read the step graphs' outputs, in a
+    unit of its own: a step waits for one size, not for all); ``afterwards``, if given,
+    runs after it (module docstring); ``beside``: ``capture_one`` warms up and records
+    beside the steps, its hold of the turn brief, so items are paced as units are
+    (module docstring).
     """
 
     def __init__(
@@ -446,8 +446,12 @@ class BackgroundCapture:
 
     def _epilogue_unit(self) -> contextlib.AbstractContextManager[None]:
         """For the epilogue: holds the device and the turn for one unit of it, taken as
-        an item is (when the steps pause, or after ``MAX_WAIT_S``), tallied as "the
-        epilogue" (named by its number in ``longest_hold``); raises ``CaptureStopped``
-        once the thread is asked to stop."""
+        a unit after it is (when the steps pause, or after ``UNIT_SPACING`` times the
+        last paced hold: the engine's sampling graphs hold it a few ms each, and 21 of
+        them waiting ``MAX_WAIT_S`` each kept the graphs from being ready for 20 s
+        under steps that never paused), tallied as "the epilogue" (named by its number
+        in ``longest_hold``); raises ``CaptureStopped`` once the thread is asked to
+        stop."""
         self._epilogue_units += 1
-        return self._holding(f"the epilogue's unit {self._epilogue_units}", kind="the epilogue")
+        what = f"the epilogue's unit {self._epilogue_units}"
+        return self._holding(what, paced=True, kind="the epilogue")

@@ -238,6 +238,24 @@ def test_items_beside_the_steps_under_steps_that_never_pause_wait_as_their_holds
     assert max(waits[1:]) < background.MAX_WAIT_S, (waits, longest)
 
 
+@contextlib.contextmanager
+def steps_that_never_pause(r, m, dispatcher):
+    """Inside, a thread steps at size 1 with no pause between its steps."""
+    stop = threading.Event()
+
+    def steps():
+        while not stop.is_set():
+            step_at_one(r, m, dispatcher)
+
+    stepper = threading.Thread(target=steps)
+    stepper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        stepper.join()
+
+
 def test_short_units_under_steps_that_never_pause_come_often_long_ones_rarely():
     # After the plan, units wait for a pause at most UNIT_SPACING times the last unit's
     # hold: short ones (a measurement split into many) finish in a fraction of the
@@ -245,29 +263,43 @@ def test_short_units_under_steps_that_never_pause_come_often_long_ones_rarely():
     import ostinato.background as background
 
     p, r, m, dispatcher = build()
-    started, stop, held = [], threading.Event(), []
-
-    def steps_that_never_pause():
-        while not stop.is_set():
-            step_at_one(r, m, dispatcher)
+    started, held = [], []
 
     def afterwards(unit):
-        stepper = threading.Thread(target=steps_that_never_pause)
-        stepper.start()
-        try:
+        with steps_that_never_pause(r, m, dispatcher):
             for hold_s in [0.002] * 20 + [0.2]:
                 with unit():
                     started.append(time.monotonic())
                     time.sleep(hold_s)
                     held.append(hold_s)
-        finally:
-            stop.set()
-            stepper.join()
 
     capture = m.capture_in_background(afterwards=afterwards)
     assert capture.wait(30) and capture.error is None and capture.afterwards_error is None
     assert len(held) == 21
     short = started[20] - started[0]  # 20 short units (each waited MAX_WAIT_S before)
+    assert short < 20 * background.MAX_WAIT_S / 4, short
+
+
+def test_the_epilogue_s_short_units_under_steps_that_never_pause_come_often():
+    # The epilogue's units are paced as the units after it: under steps that never
+    # pause, a short unit waits UNIT_SPACING times the last one's hold, not MAX_WAIT_S
+    # (the engine's 21 sampling graphs, a few ms each, kept the graphs unready 20 s).
+    import ostinato.background as background
+
+    p, r, m, dispatcher = build()
+    started = []
+
+    def epilogue(unit):
+        with steps_that_never_pause(r, m, dispatcher):
+            for _ in range(21):
+                with unit():
+                    started.append(time.monotonic())
+                    time.sleep(0.002)
+
+    capture = m.capture_in_background(epilogue=epilogue)
+    assert capture.wait(30) and capture.error is None
+    assert len(started) == 21 and capture.holds["the epilogue"].count == 21
+    short = started[20] - started[1]  # (the first waited for a hold to pace by)
     assert short < 20 * background.MAX_WAIT_S / 4, short
 
 

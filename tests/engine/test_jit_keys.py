@@ -1,7 +1,9 @@
-"""jit_keys on the CPU, where Triton is installed: the engine's kernels get the same
-Triton cache keys in two processes that first computed them in opposite orders (without
-``settle`` the sampling kernels that call ``argmax``'s helpers do not). The worker's
-side: test_compile_pool.py. On a GPU: test_gpu_kernel_options.py."""
+"""jit_keys on the CPU: the rounds of ``settle`` on stand-ins for jit functions (until no
+key changes; a warning where keys never settle); and, where Triton is installed, the
+engine's kernels with the same Triton cache keys in two processes that first computed
+them in opposite orders (without ``settle`` the sampling kernels that call ``argmax``'s
+helpers do not). The worker's side: test_compile_pool.py; on a GPU, compile-ahead's
+tests in test_gpu_kernel_options.py run through it."""
 
 import json
 import os
@@ -46,3 +48,33 @@ def test_settled_keys_do_not_depend_on_the_order_they_were_first_computed_in():
     assert "ostinato.engine.kernels.sampling._pick_kernel" in differ, differ
     settled = _keys("sorted", True), _keys("reversed", True)
     assert len(settled[0]) > 50 and settled[0] == settled[1]
+
+
+class FakeJit:
+    """What ``_settle`` reads of a ``triton.jit`` function: its lock, its cached hash, and
+    a key that takes ``settles_after`` computations to stop changing (never: None)."""
+
+    def __init__(self, settles_after):
+        import threading
+
+        self._hash_lock, self.hash, self.computed = threading.RLock(), None, 0
+        self.settles_after = settles_after
+
+    @property
+    def cache_key(self):
+        if self.hash is None:
+            self.computed += 1
+            last = self.settles_after
+            self.hash = str(self.computed if last is None else min(self.computed, last))
+        return self.hash
+
+
+def test_settling_computes_every_key_again_until_none_changes_and_warns_if_never(caplog):
+    from ostinato.engine.kernels import jit_keys
+
+    functions = [FakeJit(1), FakeJit(3), FakeJit(2)]
+    assert jit_keys._settle(functions) == 3  # the third round's keys are the second's
+    assert [f.cache_key for f in functions] == ["1", "3", "2"]
+    with caplog.at_level("WARNING"):
+        assert jit_keys._settle([FakeJit(None)]) == jit_keys.MAX_ROUNDS
+    assert "still changed after" in caplog.text

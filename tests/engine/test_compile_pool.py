@@ -224,8 +224,7 @@ def test_a_block_s_kernels_compile_in_workers_and_load_from_the_disk_cache(
 
 
 def test_a_kernel_compiled_in_a_worker_is_read_here_after_its_callees_keys(
-    triton_on_sm90,
-    monkeypatch,  # noqa: F811
+    triton_on_sm90, monkeypatch
 ):
     import torch
     from triton.backends.nvidia.compiler import CUDABackend

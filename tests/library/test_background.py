@@ -591,8 +591,6 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     # ``torch.cuda.graph``, which empties the device's caches at every capture. The CUDA
     # calls are stand-ins here (the GPU test: test_gpu_core's
     # test_a_timing_held_per_replay_captures_...).
-    import contextlib
-
     from ostinato.platform import cuda
 
     # A call of 200 µs: two of the four fit 500 µs; twice the replays, of two calls each.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from types import ModuleType
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -38,24 +39,23 @@ def settle(prefix: str = "ostinato.") -> int:
     ``prefix``... (each module's own and what it imports), where a module was loaded
     since the last call; returns the rounds it took (0: nothing new)."""
     with _lock:
-        modules = [n for n, m in list(sys.modules.items()) if n.startswith(prefix) and m]
-        if set(modules) <= _settled:
+        modules = {n: m for n, m in list(sys.modules.items()) if n.startswith(prefix) and m}
+        if modules.keys() <= _settled:
             return 0
-        functions = _jit_functions(modules)
-        rounds = _settle(functions)
+        rounds = _settle(_jit_functions(list(modules.values())))
         _settled.update(modules)
         return rounds
 
 
-def _jit_functions(modules: list[str]) -> list[Any]:
-    """The ``triton.jit`` functions the modules ``modules`` name, once each."""
+def _jit_functions(modules: list[ModuleType]) -> list[Any]:
+    """The ``triton.jit`` functions ``modules`` name, once each."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return []
     found: dict[int, Any] = {}
-    for name in modules:
-        for value in list(vars(sys.modules[name]).values()):
+    for module in modules:
+        for value in list(vars(module).values()):
             if isinstance(value, JITFunction) and hasattr(value, "_hash_lock"):
                 found.setdefault(id(value), value)
     return list(found.values())

@@ -6,6 +6,8 @@ On a GPU: test_gpu_kernel_options.py."""
 
 import math
 import os
+import threading
+import time
 
 import pytest
 
@@ -257,3 +259,109 @@ def test_a_kernel_compiled_in_a_worker_is_read_here_after_its_callees_keys(
     finally:
         sampling._pick_kernel.device_caches.clear()
         compile_pool.shared_pool().close()
+
+
+def test_a_launch_beside_the_workers_asks_them_first_and_reads_their_cache(
+    triton_on_sm90, monkeypatch
+):
+    """While a block's kernels compile in the workers, a real launch on another thread
+    (a step of a background start) that needs a kernel gets it from the workers, ahead
+    of their queue, and reads it from the disk cache: nothing compiles in this process."""
+    import torch
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import MockTensor
+
+    from ostinato.engine.kernels import launch as launch_module
+    from ostinato.engine.kernels.silu_mul import _silu_mul_kernel
+
+    monkeypatch.setattr(compile_pool, "process_workers", lambda: 2)
+    monkeypatch.setattr(launch_module, "PROCESS_MIN_KERNELS", 1)
+    compiled_here, asked = [], []
+    real_stages, real_ensure, real_compile = (
+        CUDABackend.add_stages,
+        WorkerPool.ensure,
+        WorkerPool.compile,
+    )
+    monkeypatch.setattr(
+        CUDABackend,
+        "add_stages",
+        lambda *a, **k: (compiled_here.append(1), real_stages(*a, **k))[1],
+    )
+    monkeypatch.setattr(
+        WorkerPool, "ensure", lambda p, r: (asked.append(r.name), real_ensure(p, r))[1]
+    )
+    x, out = MockTensor(torch.bfloat16), MockTensor(torch.bfloat16)
+    failures = []
+
+    def step():  # a launch the block did not warm (another BLOCK), run for real
+        try:
+            launch_module.launch(
+                _silu_mul_kernel, (1, 1), x, out, 64, 128, 64, BLOCK=512, USE_PDL=0, num_warps=4
+            )
+        except Exception as e:  # (no CUDA driver here: the launch itself fails)
+            failures.append(e)
+
+    def compile_with_a_step(pool, requests):
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join()
+        real_compile(pool, requests)
+
+    monkeypatch.setattr(WorkerPool, "compile", compile_with_a_step)
+    try:
+        with launch_module.compile_ahead():
+            launch_module.launch(
+                _silu_mul_kernel, (1, 1), x, out, 64, 128, 64, BLOCK=64, USE_PDL=0, num_warps=4
+            )
+        assert asked == ["_silu_mul_kernel"]  # the step's kernel, asked of the workers
+        assert len(_silu_mul_kernel.device_caches[0][0]) == 2  # the block's and the step's
+        assert compiled_here == []  # both read from the workers' disk cache
+        assert failures  # (the step's launch got as far as running)
+        assert triton_on_sm90.knobs.runtime.jit_cache_hook is None  # put back
+    finally:
+        _silu_mul_kernel.device_caches.clear()
+        compile_pool.shared_pool().close()
+
+
+def _until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_a_launch_asked_of_the_pool_goes_ahead_of_its_queue(monkeypatch):
+    pool, order, gate = WorkerPool(1), [], threading.Event()
+
+    def one(request):
+        if request.name == "k0":
+            gate.wait(10)  # the first under way while the rest queue
+        order.append(request.name)
+
+    monkeypatch.setattr(pool, "_one", one)
+    requests = [Request("m", f"k{i}", "{}", ("cuda", 90, 32)) for i in range(4)]
+    block = threading.Thread(target=pool.compile, args=(requests,))
+    block.start()
+    _until(lambda: len(pool._queue) == 3)  # k0 under way
+    asked = threading.Thread(target=pool.ensure, args=(requests[3],))
+    asked.start()
+    _until(lambda: pool._queue[0].request.name == "k3")
+    gate.set()
+    block.join(10)
+    asked.join(10)
+    assert order == ["k0", "k3", "k1", "k2"]  # each once, the asked one next
+
+
+def test_a_failure_fails_only_its_own_block_s_queue(monkeypatch):
+    pool = WorkerPool(1)
+
+    def one(request):
+        if request.name == "bad":
+            raise WorkerError("compiling m.bad: boom")
+
+    monkeypatch.setattr(pool, "_one", one)
+    with pytest.raises(WorkerError, match="bad: boom"):
+        pool.compile([Request("m", "bad", "{}", ("cuda", 90, 32))])
+    pool.compile([Request("m", "good", "{}", ("cuda", 90, 32))])  # a later block runs
+    _until(lambda: pool._threads == 0)  # its feeding thread ends with the queue
+    assert not pool._queue and not pool._pending

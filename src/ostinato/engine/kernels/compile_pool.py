@@ -8,6 +8,10 @@ an ostinato kernel and skips its compile), compiled by worker processes
 (``WorkerPool``: ``python -m ostinato.engine.kernels.compile_pool``, one JSON request a
 line, each compile written to Triton's disk cache, with its C launcher built), and then
 loaded in this process from that cache (``Collector.load``, Triton's ``preload``).
+While the workers compile, a launch on another thread that needs one of our kernels (a
+step of a background start, on an empty cache) asks the pool for it ahead of the queue
+and reads it from the disk cache, instead of compiling it where it was launched, one
+after the other, holding the GIL beside the steps (``WorkerPool.ensure``).
 
 Guarantees: a kernel loaded here is the one Triton would have compiled at its launch
 (the same specialisation, options and target, read back by Triton's own cache key,
@@ -21,6 +25,7 @@ over a kernel is stopped and named.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import queue
@@ -30,10 +35,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ostinato.engine.kernels import jit_keys
@@ -112,52 +117,55 @@ _collecting: ContextVar[Collector | None] = ContextVar("ostinato_collector", def
 class Collector:
     """Inside ``with Collector()``, records every warm-up of an ostinato kernel on this
     thread (``launch`` inside ``compile_ahead``) as a ``Request`` and skips its compile;
-    other threads, other kernels and real launches compile as usual. ``load``, after the
-    block, reads each recorded kernel from Triton's disk cache into its function."""
+    other threads, other kernels and real launches compile as usual, except that while
+    ``compile_in`` runs a real launch's compile of an ostinato kernel, on any thread, is
+    first asked of the pool ahead of its queue and then read from the disk cache.
+    ``end_block`` ends the recording; ``load`` reads each recorded kernel from Triton's
+    disk cache into its function. Collectors may overlap (two engines starting at once):
+    one hook serves them all, and the hook that was set before the first is called first
+    and put back after the last."""
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
         self._functions: dict[tuple[str, str], Any] = {}  # (module, name) -> JITFunction
         self._seen: set[tuple[int, object, str]] = set()
-        self._previous: Any = None
+        self.pool: WorkerPool | None = None  # while ``compile_in`` runs
+        self._token: Any = None
 
     def __enter__(self) -> Collector:
-        import triton
-
-        self._previous = triton.knobs.runtime.jit_cache_hook
-        triton.knobs.runtime.jit_cache_hook = self._hook
+        _hooks.add(self)
         self._token = _collecting.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import triton
+        self.end_block()
+        _hooks.remove(self)
 
-        _collecting.reset(self._token)
-        triton.knobs.runtime.jit_cache_hook = self._previous
+    def end_block(self) -> None:
+        """Stops recording this thread's warm-ups (they compile as usual after)."""
+        if self._token is not None:
+            _collecting.reset(self._token)
+            self._token = None
 
-    def _hook(self, *, fn: Any, compile: dict, is_manual_warmup: bool, **kwargs: Any) -> bool:
-        # A hook someone set before (a test's, a profiler's) still sees every compile.
-        previous = self._previous
-        if previous is not None and previous(
-            fn=fn, compile=compile, is_manual_warmup=is_manual_warmup, **kwargs
-        ):
-            return True
-        jit = fn.jit_function
-        module = getattr(jit.fn, "__module__", "")
-        if _collecting.get() is not self or not is_manual_warmup:
-            return False
-        if not module.startswith("ostinato."):
-            return False
-        seen = (id(jit), compile["device"], kwargs["key"])
+    def record(self, jit: Any, compile: dict, key: str) -> None:
+        """Records a warm-up of ``jit`` (Triton's ``compile`` arguments of the hook)."""
+        seen = (id(jit), compile["device"], key)
         if seen not in self._seen:
             self._seen.add(seen)
-            target = jit.device_caches[compile["device"]][2]
-            name = jit.fn.__qualname__
-            self._functions[(module, name)] = jit
-            self.requests.append(
-                Request(module, name, compile["specialization_data"], _target(target))
-            )
-        return True  # compiled elsewhere; ``load`` brings it here
+            self._functions[(jit.fn.__module__, jit.fn.__qualname__)] = jit
+            self.requests.append(_request(jit, compile))
+
+    def compile_in(self, pool: WorkerPool) -> None:
+        """Compiles every recorded request in ``pool`` (``WorkerPool.compile``). Meanwhile
+        a launch that would compile one of our kernels here, on another thread (the steps
+        of a background start, on an empty cache), asks the pool for it ahead of the
+        queue and waits, then reads it from the disk cache: compiled beside the others
+        rather than on the launching thread, one after the other."""
+        self.pool = pool
+        try:
+            pool.compile(self.requests)
+        finally:
+            self.pool = None
 
     def load(self) -> None:
         """Reads every recorded kernel into its function (a disk-cache hit after the
@@ -166,6 +174,69 @@ class Collector:
         jit_keys.settle()
         for r in self.requests:
             self._functions[(r.module, r.name)].preload(r.spec)
+
+
+class _Hooks:
+    """Triton's ``jit_cache_hook`` while any ``Collector`` is open: records a collecting
+    thread's warm-ups in its collector, and asks a compiling collector's pool for a real
+    launch's kernel (``Collector.compile_in``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[Collector] = []
+        self._outer: Any = None  # the hook set before the first collector opened
+
+    def add(self, collector: Collector) -> None:
+        import triton
+
+        with self._lock:
+            if not self._open:
+                self._outer = triton.knobs.runtime.jit_cache_hook
+                triton.knobs.runtime.jit_cache_hook = self.hook
+            self._open.append(collector)
+
+    def remove(self, collector: Collector) -> None:
+        import triton
+
+        with self._lock:
+            self._open.remove(collector)
+            if not self._open:
+                triton.knobs.runtime.jit_cache_hook, self._outer = self._outer, None
+
+    def hook(self, *, fn: Any, compile: dict, is_manual_warmup: bool, **kwargs: Any) -> bool:
+        # A hook someone set before (a test's, a profiler's) still sees every compile.
+        outer = self._outer
+        if outer is not None and outer(
+            fn=fn, compile=compile, is_manual_warmup=is_manual_warmup, **kwargs
+        ):
+            return True
+        jit = fn.jit_function
+        if not getattr(jit.fn, "__module__", "").startswith("ostinato."):
+            return False
+        if is_manual_warmup:
+            collector = _collecting.get()
+            if collector is None or collector not in self._open:
+                return False
+            collector.record(jit, compile, kwargs["key"])
+            return True  # compiled elsewhere; ``load`` brings it here
+        pool = next((c.pool for c in list(self._open) if c.pool is not None), None)
+        if pool is not None:
+            try:
+                pool.ensure(_request(jit, compile))
+            except WorkerError:
+                pass  # compiled here, as without the pool (its error, if any, raised here)
+        return False
+
+
+_hooks = _Hooks()
+
+
+def _request(jit: Any, compile: dict) -> Request:
+    """The ``Request`` of a compile the hook saw (Triton's ``compile`` arguments)."""
+    target = jit.device_caches[compile["device"]][2]
+    return Request(
+        jit.fn.__module__, jit.fn.__qualname__, compile["specialization_data"], _target(target)
+    )
 
 
 def _target(target: Any) -> tuple[str, int | str, int]:
@@ -234,27 +305,113 @@ class _Worker:
         self.stderr.close()
 
 
+@dataclass(eq=False)
+class _Job:
+    """One request in a ``WorkerPool``: queued, then under way, then done (``error``
+    where it failed or was cancelled)."""
+
+    request: Request
+    batch: int  # the ``compile`` call that queued it (0: ``ensure``)
+    done: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+    error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
 class WorkerPool:
     """``workers`` compile processes, started at first use and kept while they live
-    (each exits after ``IDLE_SECONDS`` without requests; a dead one is replaced)."""
+    (each exits after ``IDLE_SECONDS`` without requests; a dead one is replaced). One
+    queue feeds them: ``compile`` adds to its end, ``ensure`` to its front; a request
+    queued or under way is compiled once, whoever asks."""
 
     def __init__(self, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"WorkerPool: workers must be >= 1, got {workers}")
         self.workers = workers
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queue: deque[_Job] = deque()
+        self._pending: dict[Request, _Job] = {}  # queued or under way
+        self._threads = 0  # feeding the workers; each ends when the queue is empty
+        self._batches = itertools.count(1)
 
     def compile(self, requests: Iterable[Request]) -> None:
         """Compiles every request into Triton's disk cache, ``workers`` at a time;
         raises the first failure (``WorkerError``, or an interrupt) once the compiles
         under way have ended, the requests not yet started cancelled."""
-        requests = list(requests)
-        threads = ThreadPoolExecutor(min(self.workers, len(requests) or 1))
+        jobs = self._submit(list(requests), batch=next(self._batches))
         try:
-            for future in [threads.submit(self._one, r) for r in requests]:
-                future.result()
+            for job in jobs:
+                job.wait()
         finally:
-            threads.shutdown(wait=True, cancel_futures=True)
+            self._cancel(jobs)
+            for job in jobs:
+                job.done.wait()
+
+    def ensure(self, request: Request) -> None:
+        """Compiles ``request`` ahead of every queued one, or waits for it where it is
+        under way already; ``WorkerError`` where it fails or is cancelled."""
+        (job,) = self._submit([request], batch=0)
+        job.wait()
+
+    def _submit(self, requests: list[Request], batch: int) -> list[_Job]:
+        first = batch == 0  # (``ensure``: to the queue's front)
+        jobs = []
+        with self._lock:
+            for request in requests:
+                job = self._pending.get(request)
+                if job is not None and (job.started or not first):
+                    jobs.append(job)  # under way, or queued where a later one would go
+                    continue
+                if job is None:
+                    job = self._pending[request] = _Job(request, batch)
+                else:
+                    self._queue.remove(job)  # (to the front, below)
+                (self._queue.appendleft if first else self._queue.append)(job)
+                jobs.append(job)
+            start = min(self.workers, self._threads + len(self._queue)) - self._threads
+            self._threads += max(0, start)
+        for _ in range(start):
+            threading.Thread(target=self._feed, name="ostinato-compile", daemon=True).start()
+        return jobs
+
+    def _feed(self) -> None:
+        """A thread's loop: the queue's first request to a worker, until it is empty."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._threads -= 1
+                    return
+                job = self._queue.popleft()
+                job.started = True
+            try:
+                self._one(job.request)
+            except BaseException as exc:  # (raised again by whoever waits for it)
+                job.error = exc
+            with self._lock:
+                self._pending.pop(job.request, None)
+                if job.error is not None and job.batch:  # its call's others: cancelled now
+                    self._cancel_queued([j for j in self._queue if j.batch == job.batch])
+            job.done.set()
+
+    def _cancel(self, jobs: list[_Job]) -> None:
+        """Takes ``jobs`` not yet started off the queue; they end with a ``WorkerError``."""
+        with self._lock:
+            self._cancel_queued(jobs)
+
+    def _cancel_queued(self, jobs: list[_Job]) -> None:
+        for job in jobs:  # (the lock held)
+            if job.started or job.done.is_set():
+                continue
+            self._queue.remove(job)
+            self._pending.pop(job.request, None)
+            r = job.request
+            job.error = WorkerError(f"compiling {r.module}.{r.name}: cancelled")
+            job.done.set()
 
     def _one(self, request: Request) -> None:
         worker = self._checkout()

@@ -76,7 +76,8 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
         elif compile_pool.process_workers() and compile_pool.supported():
             with compile_pool.Collector() as collector:
                 yield
-            _compile_collected(collector, mode, workers)
+                collector.end_block()
+                _compile_collected(collector, mode, workers)
         else:
             with _threads(workers) as pool, mode(pool):
                 yield
@@ -94,7 +95,7 @@ def _compile_collected(collector: compile_pool.Collector, mode: Any, workers: in
     is a disk-cache hit here), else on threads."""
     many = len(collector.requests) >= PROCESS_MIN_KERNELS
     if collector.requests and (many or compile_pool.pool_started()):
-        compile_pool.shared_pool().compile(collector.requests)
+        collector.compile_in(compile_pool.shared_pool())
         collector.load()
         return
     with _threads(workers) as pool, mode(pool):

@@ -365,3 +365,27 @@ def test_a_failure_fails_only_its_own_block_s_queue(monkeypatch):
     pool.compile([Request("m", "good", "{}", ("cuda", 90, 32))])  # a later block runs
     _until(lambda: pool._threads == 0)  # its feeding thread ends with the queue
     assert not pool._queue and not pool._pending
+
+
+def test_workers_started_ahead_import_the_kernels_before_their_first_request():
+    pool = WorkerPool(2)
+    try:
+        pool.start(["ostinato.no_such_module", "ostinato.engine.kernels.silu_mul"])
+        workers = [pool._idle.get_nowait() for _ in range(2)]  # both started, idle
+        for w in workers:
+            assert w.proc.args[-2:] == [
+                "ostinato.no_such_module",
+                "ostinato.engine.kernels.silu_mul",
+            ]
+            pool._idle.put(w)
+        pool.start(["other"])  # running already: nothing more started
+        assert pool._idle.qsize() == 2
+        # A module that does not import leaves the worker serving (its requests say why).
+        bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
+        with pytest.raises(
+            WorkerError, match="compiling ostinato.no_such_module._kernel: ModuleNotFoundError"
+        ):
+            pool.compile([bad])
+        assert all(w.alive() for w in workers)
+    finally:
+        pool.close()

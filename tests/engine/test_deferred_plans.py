@@ -65,6 +65,21 @@ def test_a_start_without_cached_plans_runs_the_rules_and_measures_them_later(tmp
     assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 12
 
 
+def test_the_compile_workers_start_with_the_plan_only_where_the_kernels_compile_ahead(
+    tmp_path, cpu_keys, monkeypatch
+):
+    started = []
+    monkeypatch.setattr(kernel_plan_module, "start_workers", lambda: started.append(1))
+    cache, calls = CompileCache(tmp_path), []
+    first = _plan(cache, _timer(calls))
+    first.plan(defer=True)
+    assert first.ahead and started == [1]  # deferred: the rules' kernels compile next
+    first.measure_deferred(_timer(calls), contextlib.nullcontext)
+    again = _plan(cache, _timer(calls))
+    again.plan(defer=True)  # the plans read back: an earlier start compiled the kernels
+    assert not again.ahead and started == [1]
+
+
 def test_plans_that_change_kernels_compile_them_ahead_before_the_graphs_are_captured_again(
     tmp_path, cpu_keys, monkeypatch
 ):

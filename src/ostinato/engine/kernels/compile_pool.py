@@ -248,16 +248,17 @@ class WorkerError(RuntimeError):
 
 
 class _Worker:
-    """One ``python -m ostinato.engine.kernels.compile_pool`` process."""
+    """One ``python -m ostinato.engine.kernels.compile_pool`` process, importing the
+    modules ``preload`` names as it starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # it builds code, never runs it
         # The parent's import path, so the worker imports the same ostinato and kernels.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # A file, not a pipe: a worker's warnings never fill a buffer nobody reads.
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ostinato.engine.kernels.compile_pool"],
+            [sys.executable, "-m", "ostinato.engine.kernels.compile_pool", *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
@@ -338,6 +339,19 @@ class WorkerPool:
         self._pending: dict[Request, _Job] = {}  # queued or under way
         self._threads = 0  # feeding the workers; each ends when the queue is empty
         self._batches = itertools.count(1)
+        self._preload: tuple[str, ...] = ()  # what a worker imports as it starts
+
+    def start(self, preload: Iterable[str] = ()) -> None:
+        """Starts every worker now (where none runs yet), each importing the modules
+        ``preload`` names as it starts, and returns at once. Why: a worker's start (the
+        import of torch, Triton and the kernels: seconds, 16 at once) then overlaps what
+        the caller does before its first ``compile``, instead of delaying it."""
+        self._preload = tuple(preload)
+        with self._lock:
+            if self._threads or not self._idle.empty():
+                return  # (running already)
+            for _ in range(self.workers):
+                self._idle.put(_Worker(self._preload))
 
     def compile(self, requests: Iterable[Request]) -> None:
         """Compiles every request into Triton's disk cache, ``workers`` at a time;
@@ -425,7 +439,7 @@ class WorkerPool:
             try:
                 worker = self._idle.get_nowait()
             except queue.Empty:
-                return _Worker()
+                return _Worker(self._preload)
             if worker.alive():
                 return worker
             worker.close()  # gone idle: a fresh one replaces it
@@ -510,6 +524,11 @@ def main() -> None:
     # Ctrl-C reaches the whole process group: the parent decides, and a worker ends at
     # the end of its input when the parent does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in sys.argv[1:]:  # (``WorkerPool.start``: imported before the first request)
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass  # a request that needs it reports the error
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], IDLE_SECONDS)
         line = sys.stdin.readline() if ready else ""

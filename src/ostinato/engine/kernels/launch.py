@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -83,6 +84,18 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
                 yield
     finally:
         _ahead.reset(token)
+
+
+def start_workers() -> None:
+    """Starts ``compile_ahead``'s worker processes now, where it would use them, each
+    importing the kernel modules loaded here as it starts (``WorkerPool.start``): the
+    block that follows finds them ready instead of waiting seconds for their start."""
+    if compile_pool.process_workers() and compile_pool.supported():
+        import triton
+
+        if getattr(triton, "AsyncCompileMode", None) is not None:
+            kernels = [m for m in sys.modules if m.startswith("ostinato.engine.kernels.")]
+            compile_pool.shared_pool().start(sorted(kernels))
 
 
 def _threads(workers: int | None) -> ThreadPoolExecutor:

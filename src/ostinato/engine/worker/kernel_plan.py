@@ -26,7 +26,7 @@ import torch
 from ostinato.distributed.collectives import every_rank
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS, counters_needed
-from ostinato.engine.kernels.launch import compile_ahead, layout_rows
+from ostinato.engine.kernels.launch import compile_ahead, layout_rows, start_workers
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.decoder import DecoderModel
@@ -111,10 +111,12 @@ class KernelPlan:
                 self.timings = []
                 self._set_rules()
                 self.deferred = self.started_deferred = True
-                return self.timings
-            self.timings = self._measure(self.layer_timer, contextlib.nullcontext)
-            rows = self.small_gemm_rows
-            self._ahead_only_after_measuring(planned=bool(rows) or self.layer_timer is not None)
+            else:
+                self.timings = self._measure(self.layer_timer, contextlib.nullcontext)
+                planned = bool(self.small_gemm_rows) or self.layer_timer is not None
+                self._ahead_only_after_measuring(planned)
+            if self.ahead:  # (the kernels compile next: their workers start meanwhile)
+                start_workers()
         return self.timings
 
     def _measure(self, layer_timer: StepTimer | None, turn: Held) -> list[GemmTiming]:

@@ -380,6 +380,15 @@ def test_workers_started_ahead_import_the_kernels_before_their_first_request():
             pool._idle.put(w)
         pool.start(["other"])  # running already: nothing more started
         assert pool._idle.qsize() == 2
+        workers[0].proc.kill()  # (as one gone idle)
+        workers[0].proc.wait()
+        pool.start(["other"])  # the one gone replaced, the other kept
+        now = [pool._idle.get_nowait() for _ in range(2)]
+        (fresh,) = [w for w in now if w is not workers[1]]
+        assert workers[1] in now and fresh.proc.args[-1] == "other"
+        workers = now
+        for w in now:
+            pool._idle.put(w)
         # A module that does not import leaves the worker serving (its requests say why).
         bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
         with pytest.raises(

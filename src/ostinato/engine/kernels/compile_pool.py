@@ -342,16 +342,24 @@ class WorkerPool:
         self._preload: tuple[str, ...] = ()  # what a worker imports as it starts
 
     def start(self, preload: Iterable[str] = ()) -> None:
-        """Starts every worker now (where none runs yet), each importing the modules
-        ``preload`` names as it starts, and returns at once. Why: a worker's start (the
-        import of torch, Triton and the kernels: seconds, 16 at once) then overlaps what
-        the caller does before its first ``compile``, instead of delaying it."""
+        """Starts every worker not running now (those gone idle replaced), each
+        importing the modules ``preload`` names as it starts, and returns at once. Why:
+        a worker's start (the import of torch, Triton and the kernels: seconds, 16 at
+        once) then overlaps what the caller does before its first ``compile``."""
         self._preload = tuple(preload)
         with self._lock:
-            if self._threads or not self._idle.empty():
-                return  # (running already)
-            for _ in range(self.workers):
-                self._idle.put(_Worker(self._preload))
+            if self._threads:
+                return  # (compiling: every worker is started or about to be)
+            alive = []
+            while not self._idle.empty():
+                worker = self._idle.get_nowait()
+                if worker.alive():
+                    alive.append(worker)
+                else:
+                    worker.close()
+            alive += [_Worker(self._preload) for _ in range(self.workers - len(alive))]
+            for worker in alive:
+                self._idle.put(worker)
 
     def compile(self, requests: Iterable[Request]) -> None:
         """Compiles every request into Triton's disk cache, ``workers`` at a time;

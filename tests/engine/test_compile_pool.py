@@ -282,14 +282,17 @@ def test_a_launch_beside_the_workers_asks_them_first_and_reads_their_cache(
         WorkerPool.ensure,
         WorkerPool.compile,
     )
-    monkeypatch.setattr(
-        CUDABackend,
-        "add_stages",
-        lambda *a, **k: (compiled_here.append(1), real_stages(*a, **k))[1],
-    )
-    monkeypatch.setattr(
-        WorkerPool, "ensure", lambda p, r: (asked.append(r.name), real_ensure(p, r))[1]
-    )
+
+    def add_stages(*args, **kwargs):  # (a compile's stages: only on a disk-cache miss)
+        compiled_here.append(1)
+        return real_stages(*args, **kwargs)
+
+    def ensure(pool, request):
+        asked.append(request.name)
+        return real_ensure(pool, request)
+
+    monkeypatch.setattr(CUDABackend, "add_stages", add_stages)
+    monkeypatch.setattr(WorkerPool, "ensure", ensure)
     x, out = MockTensor(torch.bfloat16), MockTensor(torch.bfloat16)
     failures = []
 

@@ -77,13 +77,18 @@ def test_a_worker_that_dies_is_named_and_replaced(monkeypatch):
         pool.close()
 
 
-def test_a_worker_that_takes_too_long_is_stopped_and_named(monkeypatch):
-    monkeypatch.setattr(compile_pool, "REQUEST_SECONDS", 0.05)  # its start takes longer
+def test_a_worker_that_takes_too_long_is_stopped_and_named(monkeypatch, tmp_path):
+    # A worker whose start takes 2 s (a module it imports first sleeps), asked for 0.05.
+    (tmp_path / "slow_start.py").write_text("import time\ntime.sleep(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(compile_pool, "REQUEST_SECONDS", 0.05)
     pool = WorkerPool(1)
     try:
+        pool.start(["slow_start"])
         bad = Request("ostinato.no_such_module", "_kernel", "{}", ("cuda", 90, 32))
         with pytest.raises(WorkerError, match=r"_kernel took more than 0 s; its worker was"):
             pool.compile([bad])
+        pool._preload = ()  # (the fresh one starts at once)
         monkeypatch.setattr(compile_pool, "REQUEST_SECONDS", 600.0)
         with pytest.raises(WorkerError, match="compiling"):  # a fresh worker answers
             pool.compile([bad])

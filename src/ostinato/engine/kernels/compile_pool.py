@@ -324,10 +324,10 @@ class _Job:
 
 
 class WorkerPool:
-    """``workers`` compile processes, started at first use and kept while they live
-    (each exits after ``IDLE_SECONDS`` without requests; a dead one is replaced). One
-    queue feeds them: ``compile`` adds to its end, ``ensure`` to its front; a request
-    queued or under way is compiled once, whoever asks."""
+    """``workers`` compile processes, started at first use (or ahead, by ``start``) and
+    kept while they live (each exits after ``IDLE_SECONDS`` without requests; a dead one
+    is replaced). One queue feeds them: ``compile`` adds to its end, ``ensure`` to its
+    front; a request queued or under way is compiled once, whoever asks."""
 
     def __init__(self, workers: int) -> None:
         if workers < 1:
@@ -395,9 +395,9 @@ class WorkerPool:
                     self._queue.remove(job)  # (to the front, below)
                 (self._queue.appendleft if first else self._queue.append)(job)
                 jobs.append(job)
-            start = min(self.workers, self._threads + len(self._queue)) - self._threads
-            self._threads += max(0, start)
-        for _ in range(start):
+            more = min(self.workers, self._threads + len(self._queue)) - self._threads
+            self._threads += max(0, more)
+        for _ in range(more):
             threading.Thread(target=self._feed, name="ostinato-compile", daemon=True).start()
         return jobs
 

@@ -74,7 +74,7 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
         mode = getattr(triton, "AsyncCompileMode", None)
         if mode is None:
             yield
-        elif compile_pool.process_workers() and compile_pool.supported():
+        elif _collects():
             with compile_pool.Collector() as collector:
                 yield
                 collector.end_block()
@@ -90,12 +90,20 @@ def start_workers() -> None:
     """Starts ``compile_ahead``'s worker processes now, where it would use them, each
     importing the kernel modules loaded here as it starts (``WorkerPool.start``): the
     block that follows finds them ready instead of waiting seconds for their start."""
-    if compile_pool.process_workers() and compile_pool.supported():
-        import triton
+    if _collects():
+        kernels = [m for m in sys.modules if m.startswith("ostinato.engine.kernels.")]
+        compile_pool.shared_pool().start(sorted(kernels))
 
-        if getattr(triton, "AsyncCompileMode", None) is not None:
-            kernels = [m for m in sys.modules if m.startswith("ostinato.engine.kernels.")]
-            compile_pool.shared_pool().start(sorted(kernels))
+
+def _collects() -> bool:
+    """Whether ``compile_ahead`` collects its launches for the worker processes: a Triton
+    with ``AsyncCompileMode`` (3.4) and the collector's hooks, on enough cores."""
+    if not compile_pool.supported():  # (False without Triton)
+        return False
+    import triton
+
+    asynchronous = getattr(triton, "AsyncCompileMode", None) is not None
+    return asynchronous and compile_pool.process_workers() > 0
 
 
 def _threads(workers: int | None) -> ThreadPoolExecutor:

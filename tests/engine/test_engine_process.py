@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -13,7 +14,7 @@ import pytest
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import FinishReason
-from ostinato.engine.serve.engine_process import EngineDead, EngineProcess
+from ostinato.engine.serve.engine_process import SWITCH_INTERVAL_S, EngineDead, EngineProcess
 
 KWARGS = dict(model="tiny", device="cpu", max_model_len=96, max_num_seqs=4, progress=False)
 PROMPTS = [[1 + i, 7, 3 * i + 2, 9] for i in range(8)]
@@ -181,10 +182,15 @@ def test_events_cross_the_pipe_whole_as_plain_tuples():
 
 
 def test_a_begun_engine_is_served_once_ready_or_abandoned():
+    before = sys.getswitchinterval()
     begun = EngineProcess.begin(KWARGS, describe=False)
     assert begun.ready() is begun
+    # the reader thread gets the interpreter lock promptly while it serves, and the
+    # interval is back as it was once it stops (other engines of the module may be running)
+    assert sys.getswitchinterval() == min(before, SWITCH_INTERVAL_S)
     assert list(begun.submit([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
     assert begun.stop()
+    assert sys.getswitchinterval() == before
     left = EngineProcess.begin(KWARGS, describe=False)  # abandoned while it builds
     left.abandon()
     assert not left._proc.is_alive() and left._proc.exitcode is not None

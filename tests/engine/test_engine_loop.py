@@ -200,3 +200,36 @@ def test_every_sample_of_a_request_aborted_before_admission_ends(llm, monkeypatc
     assert all(h.finish_reason is FinishReason.ABORT for h in handle.samples)
     assert loop.stop()
     assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_an_async_handle_groups_what_arrived_and_survives_a_cancelled_reader():
+    from ostinato.engine.serve.loop import RequestHandle, _Post
+
+    async def run():
+        aloop = asyncio.get_running_loop()
+        handle = RequestHandle("req-0", [1], aloop)
+        chunks = handle.chunks()
+        waiting = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0)
+        waiting.cancel()  # a reader that gave up while nothing had come
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        for step in ([1, 2], [3]):  # two steps' posts before the next reader runs
+            post = _Post()
+            handle._put(step, post)
+            post.send()
+        post = _Post()
+        handle._put([4], post)
+        handle._end(FinishReason.LENGTH, None, post)
+        post.send()
+        await asyncio.sleep(0)
+        got = [chunk async for chunk in handle.chunks()]
+        failed = RequestHandle("req-1", [1], aloop)
+        failed._put([5])
+        failed._end(None, RuntimeError("step failed"))
+        with pytest.raises(RuntimeError, match="step failed"):
+            [chunk async for chunk in failed.chunks()]
+        return got
+
+    # every token that came before the end, in one chunk; the end stops the stream
+    assert asyncio.run(run()) == [[1, 2, 3, 4]]

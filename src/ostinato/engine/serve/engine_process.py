@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ostinato import switch_interval
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.core.params import SamplingParams
 
@@ -47,32 +48,6 @@ REPLY_TIMEOUT_S = 60.0  # an answer to a submit or a status query (the child is 
 # interval (5 ms): a probe on an H200 (64 streams) put 4.9 ms between the engine's
 # publishing a request's first token and its delivery here, and as much on each answer.
 SWITCH_INTERVAL_S = 0.0005
-
-
-class _SwitchInterval:
-    """``SWITCH_INTERVAL_S`` while any engine of this process reads its events; the
-    interval before is put back once the last one stops."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._engines = 0
-        self._before = 0.0
-
-    def lower(self) -> None:
-        with self._lock:
-            if self._engines == 0:
-                self._before = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._before, SWITCH_INTERVAL_S))
-            self._engines += 1
-
-    def restore(self) -> None:
-        with self._lock:
-            self._engines -= 1
-            if self._engines == 0:
-                sys.setswitchinterval(self._before)
-
-
-_READING = _SwitchInterval()
 
 
 class EngineDead(RuntimeError):
@@ -135,7 +110,7 @@ class EngineProcess:
         self._waiting: dict[str, concurrent.futures.Future[Any]] = {}
         self._send_lock = threading.Lock()
         self._dead: EngineDead | None = None
-        _READING.lower()  # (put back by ``stop``)
+        switch_interval.lower(SWITCH_INTERVAL_S)  # (put back by ``stop``)
         self._lowered = True
         self._reader = threading.Thread(target=self._read, name="ostinato-engine-reader")
         self._reader.daemon = True
@@ -216,7 +191,7 @@ class EngineProcess:
         self._conn.close()
         if self._lowered:
             self._lowered = False
-            _READING.restore()
+            switch_interval.restore(SWITCH_INTERVAL_S)
         return code == 0
 
     def _reap(self, timeout: float) -> int | None:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ostinato import switch_interval
 from ostinato.engine.api.engine import Session, Tracked
 from ostinato.engine.api.llm import LLM
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
@@ -449,12 +449,8 @@ class EngineLoop:
     def _run(self) -> None:
         # The server's event loop shares the interpreter: when this thread's wait on the
         # device ends, it would wait for the loop's next switch, up to 5 ms by default.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
-        try:
+        with switch_interval.lowered(SWITCH_INTERVAL_S):
             self._serve()
-        finally:
-            sys.setswitchinterval(interval)
 
     def _serve(self) -> None:
         with contextlib.ExitStack() as stack:

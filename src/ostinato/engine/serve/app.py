@@ -16,6 +16,7 @@ one that goes away, aborts its request (its KV blocks are freed at the next step
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -489,10 +490,13 @@ class _Meta:
     def __init__(self, response_id: str, model: str, chat: bool) -> None:
         self.id, self.model, self.created = response_id, model, int(time.time())
         self.chat = chat
-        # A streamed event's head, as JSON without its closing brace: written once per
-        # response, so each event encodes its own fields only (an event's JSON: 5.9
-        # against 3.9 us on the development machine).
-        self._event_head = json.dumps(self.head(True))[:-1]
+
+    @functools.cached_property
+    def _event_head(self) -> str:
+        """A streamed event's head, as JSON without its closing brace: written once per
+        streamed response (none for a whole one), so each event encodes its own fields
+        only (an event's JSON: 5.9 against 3.9 us on the development machine)."""
+        return json.dumps(self.head(True))[:-1]
 
     def head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"

@@ -182,6 +182,31 @@ def test_the_penalize_kernel_equals_the_torch_arithmetic(dtype, with_bias):
     torch.testing.assert_close(got.cpu(), want, rtol=2e-7, atol=2e-6)
 
 
+@GPU
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_penalties_inside_the_first_kernel_draw_what_penalized_logits_draw(with_bias):
+    # ``sample_rows(..., penalties)`` applies ``penalize_rows``' arithmetic in its first
+    # kernel: the same float32 values, so the very same tokens, greedy rows and top-p too.
+    from ostinato.engine.kernels.penalize import penalize_rows
+    from ostinato.engine.kernels.sampling import sample_rows
+
+    device = _device()
+    g = torch.Generator().manual_seed(13)
+    n, vocab = 24, 5003
+    logits = (torch.randn(n, vocab, generator=g) * 4).to(torch.bfloat16)
+    bias = torch.randn(n, vocab, generator=g) if with_bias else None
+    table = torch.randint(0, 4, (6, vocab), generator=g).float()
+    rows = torch.randint(0, 6, (n,), generator=g)
+    presence, frequency = torch.rand(n, generator=g) * 2, torch.rand(n, generator=g)
+    t, p = _rows(n, g)
+    keys = torch.randint(0, 1 << 32, (n,), generator=g)
+    on = [x.to(device) if x is not None else None for x in (bias, presence, frequency, table, rows)]
+    x, t, p, keys = logits.to(device), t.to(device), p.to(device), keys.to(device)
+    want = sample_rows(penalize_rows(x, *on), t, p, keys)
+    got = sample_rows(x, t, p, keys, tuple(on))
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 @pytest.mark.gpu
 def test_row_logprobs_write_the_alternatives_a_device_count_asks_for_inside_a_graph():
     # A graph captured for 20 alternatives computes as many as ``live_k`` holds at each

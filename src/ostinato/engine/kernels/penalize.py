@@ -20,6 +20,20 @@ WARPS = 4
 
 
 @triton.jit
+def penalized_block(x, row, cols, live, bias_ptr, table_ptr, rows_ptr, presence_ptr,
+                    frequency_ptr, vocab, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """``x`` (float32, row ``row``'s ``cols``) plus its bias, less its penalties: the one
+    arithmetic of every penalized step."""
+    if HAS_BIAS:
+        x = x + tl.load(bias_ptr + row * vocab + cols, mask=live, other=0.0)
+    counts_row = tl.load(rows_ptr + row)
+    c = tl.load(table_ptr + counts_row * vocab + cols, mask=live, other=0.0)
+    presence = tl.load(presence_ptr + row)
+    frequency = tl.load(frequency_ptr + row)
+    return x - tl.fma(frequency, c, tl.where(c > 0, presence, 0.0))
+
+
+@triton.jit
 def _penalize_kernel(
     x_ptr, x_stride, bias_ptr, table_ptr, rows_ptr, presence_ptr, frequency_ptr, out_ptr,
     vocab, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -28,14 +42,11 @@ def _penalize_kernel(
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = cols < vocab
     x = tl.load(x_ptr + row * x_stride + cols, mask=live, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        x = x + tl.load(bias_ptr + row * vocab + cols, mask=live, other=0.0)
-    counts_row = tl.load(rows_ptr + row)
-    c = tl.load(table_ptr + counts_row * vocab + cols, mask=live, other=0.0)
-    presence = tl.load(presence_ptr + row)
-    frequency = tl.load(frequency_ptr + row)
-    penalty = tl.fma(frequency, c, tl.where(c > 0, presence, 0.0))
-    tl.store(out_ptr + row * vocab + cols, x - penalty, mask=live)
+    x = penalized_block(
+        x, row, cols, live, bias_ptr, table_ptr, rows_ptr, presence_ptr, frequency_ptr, vocab,
+        HAS_BIAS,
+    )  # fmt: skip
+    tl.store(out_ptr + row * vocab + cols, x, mask=live)
 
 
 def penalize_rows(

@@ -34,6 +34,7 @@ from triton.language.extra import libdevice
 
 from ostinato.engine.kernels.argmax import EMPTY, entry_keys, key_value, packed_max, unpacked
 from ostinato.engine.kernels.launch import launch
+from ostinato.engine.kernels.penalize import penalized_block
 
 CHUNK = 2048  # logits a program reads: 75 programs for a row of a 152k vocabulary
 WARPS = 4
@@ -91,16 +92,28 @@ def _row_values(row, temps_ptr):
 
 @triton.jit
 def _chunk_kernel(
-    logits_ptr, stride, temps_ptr, keys_ptr, stats_ptr, races_ptr, vocab, chunks,
-    CHUNK: tl.constexpr,
+    logits_ptr, stride, temps_ptr, keys_ptr, stats_ptr, races_ptr, vocab, chunks, bias_ptr,
+    table_ptr, rows_ptr, presence_ptr, frequency_ptr, adjusted_ptr, CHUNK: tl.constexpr,
+    PENALIZED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """A chunk's max and softmax sum of z and the winner of its race (argmax if greedy)."""
+    """A chunk's max and softmax sum of z and the winner of its race (argmax if greedy).
+    PENALIZED: the logits get ``penalized_block``'s bias and penalties first, and that
+    float32 sum goes to ``adjusted`` (``[rows, vocab]``) for the later kernels to read."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_t, greedy = _row_values(row, temps_ptr)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     live = cols < vocab
-    z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
+    if PENALIZED:
+        x = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf"))
+        x = penalized_block(
+            x.to(tl.float32), row, cols, live, bias_ptr, table_ptr, rows_ptr, presence_ptr,
+            frequency_ptr, vocab, HAS_BIAS,
+        )  # fmt: skip
+        tl.store(adjusted_ptr + row * vocab + cols, x, mask=live)
+        z = x * inv_t
+    else:
+        z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
     if greedy:  # (no hash for a greedy row's program)
         g = z
     else:
@@ -237,13 +250,20 @@ def _finish_kernel(
 
 
 def sample_rows(
-    logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, keys: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    keys: torch.Tensor,
+    penalties: tuple[torch.Tensor | None, ...] | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits`` (``[rows, vocab]`` CUDA floats): temperature 0
     rows the first maximum, others a draw from the softmax at their temperature over the
     smallest set of most likely tokens whose mass reaches top_p (tokens tied with its
     least likely one kept too), made from ``keys`` (int64 ``[rows]``, below 2**32) alone.
-    ``temperatures`` and ``top_ps``: float32 ``[rows]``, top_p in (0, 1]."""
+    ``temperatures`` and ``top_ps``: float32 ``[rows]``, top_p in (0, 1]. ``penalties``
+    (``penalize_rows``' operands after the logits: bias or None, presence, frequency,
+    table, rows): draws from ``penalize_rows(logits, *penalties)`` instead, the same
+    tokens, its arithmetic done in the first kernel (no pass of its own)."""
     rows, vocab = logits.shape
     device = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=device)
@@ -262,10 +282,23 @@ def sample_rows(
     races = torch.empty((rows, chunks), dtype=torch.int64, device=device)
     rowstate = torch.empty((rows, 2), dtype=torch.float32, device=device)
     done = torch.empty(rows, dtype=torch.int32, device=device)
+    first = (logits, logits.stride(0), temperatures, keys, stats, races, vocab, chunks)
+    has_bias = penalties is not None and penalties[0] is not None
+    if penalties is not None:
+        adjusted = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+        bias, presence, frequency, table, counts_rows = penalties
+        bias = bias if bias is not None else adjusted  # (not read)
+        operands = (bias, table, counts_rows, presence, frequency, adjusted)
+        logits = adjusted  # (what the later kernels read)
+    else:
+        operands = (logits,) * 6  # (not read)
     row_args = (logits, logits.stride(0), temperatures)
     spread = {"CHUNK": CHUNK, "num_warps": WARPS}
     combine = {"CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
-    launch(_chunk_kernel, (rows, chunks), *row_args, keys, stats, races, vocab, chunks, **spread)
+    launch(
+        _chunk_kernel, (rows, chunks), *first, *operands, PENALIZED=penalties is not None,
+        HAS_BIAS=has_bias, **spread,
+    )  # fmt: skip
     launch(
         _pick_kernel, (rows,), temperatures, top_ps, stats, races, rowstate, done, out, chunks,
         **combine,

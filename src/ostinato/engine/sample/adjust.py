@@ -184,6 +184,22 @@ def adjusted_logits(
     return penalized(out, None, presence, frequency, counts.table, counts.device_rows)
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """``penalized``'s operands besides the logits, held together for a sampler that
+    applies them on its way (``sampler.sample``; on CUDA inside its first kernel)."""
+
+    bias: torch.Tensor | None
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    table: torch.Tensor
+    rows: torch.Tensor
+
+    def operands(self) -> tuple[torch.Tensor | None, ...]:
+        """(bias, presence, frequency, table, rows): ``penalized``'s after the logits."""
+        return self.bias, self.presence, self.frequency, self.table, self.rows
+
+
 def penalized(
     logits: torch.Tensor,
     bias: torch.Tensor | None,

@@ -43,6 +43,7 @@ from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
 from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead
 from ostinato.engine.sample.adjust import (
     OutputCounts,
+    Penalties,
     StepCounts,
     add_bias,
     count_tokens,
@@ -75,6 +76,19 @@ GREEDY = (False, None, False)
 Key = tuple[int, bool, bool | None, bool]  # (size, adjusted, cut, seeded)
 
 
+def _values(rows: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """The bytes of a step's per-row values (``_views``)."""
+    return torch.zeros(rows * (4 * 4 + 3 * 8), dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+def _views(values: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values``' floats (``[4, rows]`` float32) and ints (``[3, rows]`` int64, after
+    the floats: 8-byte aligned, as ``16 * rows`` bytes are)."""
+    split = 4 * 4 * rows
+    floats = values[:split].view(torch.float32).view(4, rows)
+    return floats, values[split:].view(torch.long).view(3, rows)
+
+
 class GraphSampler:
     """Sampling graphs per uniform decode size (``VARIANTS``, on CUDA ``CUDA_VARIANTS``;
     and ``GREEDY`` with ``greedy``), captured into the shared pool. ``logits(n)``: the
@@ -103,23 +117,17 @@ class GraphSampler:
         variants = CUDA_VARIANTS if self.one_for_all else VARIANTS
         self.variants = (*variants, GREEDY) if greedy else variants
         # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded,
-        # row of the output counts.
-        self.floats = torch.zeros((4, max_rows), dtype=torch.float32, device=device)
-        self.ints = torch.zeros((3, max_rows), dtype=torch.long, device=device)
+        # row of the output counts. One buffer, so a step's values are one copy.
+        self.values = _values(max_rows, device)
+        self.floats, self.ints = _views(self.values, max_rows)
         self.bias = self.table = torch.zeros((0, 0), device=device)  # (made by capture)
         self.bias_key: tuple | None = None  # the step whose biases ``bias`` holds
         # Pinned staging, two sets used in turn (as ``StepInputs`` does: under
         # asynchronous scheduling the host fills one while the other's copy may still be
         # queued); the host writes them through numpy views made once.
         pin = device.type == "cuda"
-        self.stagings = [
-            (
-                torch.zeros((4, max_rows), dtype=torch.float32, pin_memory=pin),
-                torch.zeros((3, max_rows), dtype=torch.long, pin_memory=pin),
-            )
-            for _ in range(2)
-        ]
-        self.hosts = [(f.numpy(), i.numpy()) for f, i in self.stagings]
+        self.stagings = [_values(max_rows, torch.device("cpu"), pin) for _ in range(2)]
+        self.hosts = [tuple(v.numpy() for v in _views(x, max_rows)) for x in self.stagings]
         self.turn = 0
         self.graphs: dict[Key, tuple[Any, torch.Tensor]] = {}  # -> (graph, tokens [size])
         # Log probabilities (``StepLogprobs`` of MAX_LOGPROBS alternatives) per size, of
@@ -134,15 +142,18 @@ class GraphSampler:
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
         out = self.logits(n)
+        penalties = None
         if adjusted:
             table, rows = self.table, self.ints[2, :n]
-            penalties = self.floats[2, :n], self.floats[3, :n]
-            out = penalized(out, self.bias[:n], *penalties, table, rows)
+            bias, presence, frequency = self.bias[:n], self.floats[2, :n], self.floats[3, :n]
+            penalties = Penalties(bias, presence, frequency, table, rows)
         if cut is None:  # (greedy: no draw)
+            if penalties is not None:
+                out = penalized(out, *penalties.operands())
             tokens = greedy_tokens(out)
         else:
             seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
-            tokens = sample(out, temperatures, top_ps, self.generator, False, seeds, cut)
+            tokens = sample(out, temperatures, top_ps, self.generator, False, seeds, cut, penalties)
         # Inside ``compile_ahead()`` the kernels that write ``tokens`` do not run: counting
         # its unwritten ids would index the table out of bounds (a device-side assert).
         if adjusted and not compiling_ahead():
@@ -346,17 +357,19 @@ class GraphSampler:
         the device buffers through the next pinned staging; padding rows greedy, top-p
         1, no penalty, unseeded, counted in the scratch row."""
         n = len(floats[0])
-        (staging_f, staging_i), (host_f, host_i) = self.stagings[self.turn], self.hosts[self.turn]
+        staging, (host_f, host_i) = self.stagings[self.turn], self.hosts[self.turn]
         self.turn ^= 1
         host_f[:, :padded] = 0.0
         host_f[1, :padded] = 1.0
         for row, values in enumerate(floats):
             host_f[row, :n] = values
-        # Whole buffers: a slice of every row would be a strided copy, which goes through
-        # a pageable temporary and so would wait for the device.
-        self.floats.copy_(staging_f, non_blocking=True)
         if ints is not None:
             host_i[:2, :padded] = 0
             host_i[2, :padded] = self.counts.scratch
             host_i[0, :n], host_i[1, :n], host_i[2, :n] = ints
-            self.ints.copy_(staging_i, non_blocking=True)
+        # One copy of the whole buffer (each copy waits 2-5 µs on the device after the
+        # last; a slice of every row would be strided, through a pageable temporary that
+        # waits for the device). Without ``ints`` only the floats: the step's graph reads
+        # no int, and the device's may be newer than this staging's.
+        span = staging if ints is not None else staging[: self.floats.numel() * 4]
+        self.values[: span.numel()].copy_(span, non_blocking=True)

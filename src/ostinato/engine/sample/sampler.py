@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine.core.transfer import to_device_split
+from ostinato.engine.sample.adjust import Penalties, penalized
 from ostinato.engine.sample.greedy import greedy_tokens
 
 
@@ -19,6 +20,7 @@ def sample(
     all_greedy: bool | None = None,
     seeded: Sequence[tuple[int, int] | None] | Seeds = (),
     cut: bool = True,
+    penalties: Penalties | None = None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (``[rows, vocab]``, any float dtype; the
     softmax runs in float32).
@@ -32,7 +34,8 @@ def sample(
     its own logits and seed only (``None`` or absent: the row's draws come from
     ``generator``); or the same on the device (``Seeds``, as a graph holds it).
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
-    where the step samples with torch (the same tokens).
+    where the step samples with torch (the same tokens). ``penalties``: sample from
+    ``adjust.penalized(logits, ...)`` instead (on CUDA inside the first sampling kernel).
 
     On CUDA the sampling kernels draw (``kernels.sampling``): each row's draws come from a
     key, the seeded rows' own or one drawn from ``generator``, so a graph replay takes
@@ -40,13 +43,17 @@ def sample(
     """
     if all_greedy is None:
         all_greedy = not bool((temperatures > 0).any())
+    if penalties is not None and (all_greedy or not logits.is_cuda):
+        logits, penalties = penalized(logits, *penalties.operands()), None
     if all_greedy:
         return greedy_tokens(logits)
     seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, logits.device)
     if logits.is_cuda:
         from ostinato.engine.kernels.sampling import sample_rows
 
-        return sample_rows(logits, temperatures, top_ps, row_keys(seeds, logits, generator))
+        keys = row_keys(seeds, logits, generator)
+        operands = penalties.operands() if penalties is not None else None
+        return sample_rows(logits, temperatures, top_ps, keys, operands)
     greedy = greedy_tokens(logits)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)

@@ -282,6 +282,35 @@ def test_a_penalized_sample_counts_its_tokens_except_while_compiling_ahead(monke
     assert len(counted) == (0 if ahead else 1)
 
 
+def test_a_steps_values_reach_the_graphs_buffers_in_one_copy_and_pad_the_rest():
+    # The floats (temperature, top-p, penalties) and ints (seed keys, seeded, counts'
+    # rows) share one buffer: an adjusted step writes both, padding rows greedy, top-p 1,
+    # unseeded, counted in the scratch row; a plain sampled step writes only the floats.
+    from fakes import FakePlatform
+
+    from ostinato.engine.sample.adjust import OutputCounts
+    from ostinato.engine.sample.graph_sampler import GraphSampler
+
+    rows, vocab = 8, 11
+    counts = OutputCounts(vocab, rows, torch.device("cpu"))
+    sampler = GraphSampler(
+        FakePlatform(), None, torch.Generator(), lambda n: torch.zeros(n, vocab), rows,
+        torch.device("cpu"), counts,
+    )  # fmt: skip
+    floats = [[0.7, 0.9], [0.95, 1.0], [0.5, 0.0], [0.25, 0.1]]
+    sampler._stage(4, floats, ([11, 0], [1, 0], [3, counts.scratch]))
+    assert sampler.floats[:, :4].tolist() == [
+        [0.699999988079071, 0.8999999761581421, 0.0, 0.0],
+        [0.949999988079071, 1.0, 1.0, 1.0],
+        [0.5, 0.0, 0.0, 0.0],
+        [0.25, 0.10000000149011612, 0.0, 0.0],
+    ]
+    assert sampler.ints[:, :4].tolist() == [[11, 0, 0, 0], [1, 0, 0, 0], [3, 8, 8, 8]]
+    sampler._stage(2, [[0.3], [0.8]])
+    assert sampler.floats[:2, :2].tolist() == [[0.30000001192092896, 0.0], [0.800000011920929, 1.0]]
+    assert sampler.ints[:, :4].tolist() == [[11, 0, 0, 0], [1, 0, 0, 0], [3, 8, 8, 8]]
+
+
 def test_sampling_graphs_captured_a_graph_per_unit_leave_the_steps_state_between():
     # A background start captures one graph per hold of the step turn, and steps sample
     # between: each capture must leave the generator where the steps left it and count

@@ -7,7 +7,8 @@ row doing all of it is no better (one SM: about 100 µs a pass over 152k logits 
 hash, measured). Here each of ``CHUNK`` logits of a row has a program, and a short kernel
 per row combines the programs' results, as ``kernels.argmax`` does:
 
-- ``sample_rows``: each chunk's max and softmax sum of ``z`` (the adjusted logits over the
+- ``sample_rows``: each chunk's max and softmax sum of ``z`` (the logits, with a
+  penalized step's bias and penalties applied in that same first kernel, over the
   temperature) and the winner of its Gumbel race, ``z + G`` with ``G`` drawn from the
   row's key by ``sampler.seeded_races``' hash; combined, the race's winner is a draw
   from ``softmax(z)``. Top-p: while the mass strictly above the winner's ``z`` reaches

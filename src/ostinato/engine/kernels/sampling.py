@@ -284,21 +284,13 @@ def sample_rows(
     rowstate = torch.empty((rows, 2), dtype=torch.float32, device=device)
     done = torch.empty(rows, dtype=torch.int32, device=device)
     first = (logits, logits.stride(0), temperatures, keys, stats, races, vocab, chunks)
-    has_bias = penalties is not None and penalties[0] is not None
-    if penalties is not None:
-        adjusted = torch.empty((rows, vocab), dtype=torch.float32, device=device)
-        bias, presence, frequency, table, counts_rows = penalties
-        bias = bias if bias is not None else adjusted  # (not read)
-        operands = (bias, table, counts_rows, presence, frequency, adjusted)
-        logits = adjusted  # (what the later kernels read)
-    else:
-        operands = (logits,) * 6  # (not read)
+    operands, logits = _penalty_operands(logits, penalties)
     row_args = (logits, logits.stride(0), temperatures)
     spread = {"CHUNK": CHUNK, "num_warps": WARPS}
     combine = {"CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
     launch(
         _chunk_kernel, (rows, chunks), *first, *operands, PENALIZED=penalties is not None,
-        HAS_BIAS=has_bias, **spread,
+        HAS_BIAS=penalties is not None and penalties[0] is not None, **spread,
     )  # fmt: skip
     launch(
         _pick_kernel, (rows,), temperatures, top_ps, stats, races, rowstate, done, out, chunks,
@@ -317,6 +309,20 @@ def sample_rows(
         BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(vocab)), num_warps=16,
     )  # fmt: skip
     return out
+
+
+def _penalty_operands(
+    logits: torch.Tensor, penalties: tuple[torch.Tensor | None, ...] | None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``_chunk_kernel``'s penalty operands (bias, table, rows, presence, frequency, and
+    the adjusted logits it writes) and the logits the later kernels read: with
+    ``penalties``, that new float32 buffer; without, ``logits`` in every place (unread)."""
+    if penalties is None:
+        return (logits,) * 6, logits
+    adjusted = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    bias, presence, frequency, table, counts_rows = penalties
+    bias = bias if bias is not None else adjusted  # (not read)
+    return (bias, table, counts_rows, presence, frequency, adjusted), adjusted
 
 
 @triton.jit

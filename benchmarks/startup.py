@@ -273,8 +273,16 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the scenarios' cache folders (default: a new temporary folder); a later run "
+        "given the same folder finds the caches an earlier one filled (to compare trees: "
+        "PYTHONPATH names the tree whose engine the runs start)",
+    )
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="ostinato-startup-"))
+    root = args.root or Path(tempfile.mkdtemp(prefix="ostinato-startup-"))
     runs = []
     for name, command, key in planned(args):
         env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",

@@ -1,6 +1,7 @@
 """Every bad command-line input: exit status 2, one line on stderr, no traceback."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -246,6 +247,35 @@ def test_serve_starts_the_engine_process_before_it_imports_torch():
         "      '--capture', 'blocking', '--speculative', 'self:1'])\n"
     )
     assert out.strip() == "[] cuda:1", out
+
+
+@pytest.mark.parametrize("device, index", [("cuda:1", 1), ("cpu", None), (None, 0)])
+def test_generate_starts_its_devices_context_before_it_imports_torch(device, index):
+    # The CUDA context of the device generate will run on is made while torch imports
+    # (ostinato.early_context); serve's engine process does the same (next test).
+    flags = f"'--device', '{device}', " if device else ""
+    out = run_python(
+        "import sys\n"
+        "from ostinato import early_context\n"
+        "def start(index):\n"
+        "    print('torch' in sys.modules, index)\n"
+        "    sys.exit(0)\n"
+        "early_context.start = start\n"
+        "from ostinato.engine.cli.main import main\n"
+        f"main(['generate', '--model', 'tiny', '--random-weights', {flags}'--max-tokens', '2'])\n"
+    )
+    assert out.strip() == f"False {index}", out
+
+
+@pytest.mark.parametrize(
+    "kwargs, device",
+    [({"args": SimpleNamespace(device="cuda:1")}, "cuda:1"), ({"device": "cpu"}, "cpu")]
+    + [({}, None)],
+)
+def test_the_engine_process_makes_the_context_its_engine_runs_on(kwargs, device):
+    from ostinato.engine.serve.engine_process import _device_of
+
+    assert _device_of(kwargs) == device
 
 
 def test_bytecode_is_kept_in_the_cache_only_where_torch_cannot_keep_it(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ostinato import early_context
 from ostinato.engine.cli.args import (
     OneLineParser,
     bounded_float,
@@ -168,9 +169,12 @@ def _start_engine(args: argparse.Namespace) -> Any:
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
         _tokenizer_first(args)
+    engine_args = _engine_args(args)
+    # The device's CUDA context is made while torch imports, not after (early_context).
+    early_context.start(early_context.device_index(engine_args.device))
     from ostinato.engine import LLM
 
-    llm = LLM(args=_engine_args(args))
+    llm = LLM(args=engine_args)
     print(llm.describe(), flush=True)
     return llm
 

@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ostinato import switch_interval
+from ostinato import early_context, switch_interval
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.core.params import SamplingParams
 
@@ -258,6 +258,8 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+    # The device's CUDA context is made while torch imports, not after (early_context).
+    early_context.start(early_context.device_index(_device_of(llm_kwargs)))
     try:
         from ostinato.engine.api.llm import LLM
         from ostinato.engine.serve.loop import EngineLoop
@@ -288,6 +290,12 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if stopped and closed else 1)
+
+
+def _device_of(llm_kwargs: dict[str, Any]) -> object:
+    """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default)."""
+    args = llm_kwargs.get("args")
+    return getattr(args, "device", None) if args is not None else llm_kwargs.get("device")
 
 
 def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:

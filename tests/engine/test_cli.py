@@ -249,22 +249,22 @@ def test_serve_starts_the_engine_process_before_it_imports_torch():
     assert out.strip() == "[] cuda:1", out
 
 
-@pytest.mark.parametrize("device, index", [("cuda:1", 1), ("cpu", None), (None, 0)])
-def test_generate_starts_its_devices_context_before_it_imports_torch(device, index):
-    # The CUDA context of the device generate will run on is made while torch imports
-    # (ostinato.early_context); serve's engine process does the same (next test).
+@pytest.mark.parametrize("device", ["cuda:1", "cpu", None])
+def test_generate_starts_its_early_work_before_it_imports_torch(device):
+    # The CUDA context and Triton's set-up of the device generate will run on are made
+    # while torch imports (api.early_start); serve's engine process does the same.
     flags = f"'--device', '{device}', " if device else ""
     out = run_python(
         "import sys\n"
-        "from ostinato import early_context\n"
-        "def start(index):\n"
-        "    print('torch' in sys.modules, index)\n"
+        "from ostinato.engine.api import early_start\n"
+        "def start(device):\n"
+        "    print('torch' in sys.modules, device)\n"
         "    sys.exit(0)\n"
-        "early_context.start = start\n"
+        "early_start.start_early = start\n"
         "from ostinato.engine.cli.main import main\n"
         f"main(['generate', '--model', 'tiny', '--random-weights', {flags}'--max-tokens', '2'])\n"
     )
-    assert out.strip() == f"False {index}", out
+    assert out.strip() == f"False {device}", out
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ostinato import early_context
+from ostinato.engine.api.early_start import start_early
 from ostinato.engine.cli.args import (
     OneLineParser,
     bounded_float,
@@ -170,8 +170,8 @@ def _start_engine(args: argparse.Namespace) -> Any:
         keep_bytecode(args.cache_dir)
         _tokenizer_first(args)
     engine_args = _engine_args(args)
-    # The device's CUDA context is made while torch imports, not after (early_context).
-    early_context.start(early_context.device_index(engine_args.device))
+    # The device's CUDA context and Triton's set-up are made while torch imports.
+    start_early(engine_args.device)
     from ostinato.engine import LLM
 
     llm = LLM(args=engine_args)

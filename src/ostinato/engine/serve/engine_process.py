@@ -35,7 +35,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ostinato import early_context, switch_interval
+from ostinato import switch_interval
+from ostinato.engine.api.early_start import start_early
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.core.params import SamplingParams
 
@@ -258,8 +259,8 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    # The device's CUDA context is made while torch imports, not after (early_context).
-    early_context.start(early_context.device_index(_device_of(llm_kwargs)))
+    # The device's CUDA context and Triton's set-up are made while torch imports.
+    start_early(_device_of(llm_kwargs))
     try:
         from ostinato.engine.api.llm import LLM
         from ostinato.engine.serve.loop import EngineLoop

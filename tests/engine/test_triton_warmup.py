@@ -1,0 +1,97 @@
+"""Triton's once-a-process set-up on a thread (``kernels.triton_warmup``) and what an
+engine's process starts before torch (``api.early_start``), with stand-ins for Triton's
+internals; the GPU test runs the real ones."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from ostinato import early_context
+from ostinato.engine.api import early_start
+from ostinato.engine.kernels import triton_warmup
+
+
+def fake_triton(monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> list[str]:
+    """Stand-ins for the two Triton internals the warm-up calls; returns the calls made
+    (``fail``: the one that raises)."""
+    calls: list[str] = []
+
+    def call(name: str) -> None:
+        calls.append(name)
+        if name == fail:
+            raise RuntimeError(f"{name} refused")
+
+    cache = types.ModuleType("triton.runtime.cache")
+    cache.triton_key = lambda: call("triton_key")
+    driver = types.ModuleType("triton.backends.nvidia.driver")
+    driver.CudaUtils = lambda: call("CudaUtils")
+    for name in ("triton", "triton.runtime", "triton.backends", "triton.backends.nvidia"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "triton.runtime.cache", cache)
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", driver)
+    return calls
+
+
+def test_the_key_then_the_driver_module(monkeypatch):
+    calls = fake_triton(monkeypatch)
+    assert triton_warmup.warm()
+    assert calls == ["triton_key", "CudaUtils"]
+
+
+@pytest.mark.parametrize("fail", ["triton_key", "CudaUtils"])
+def test_a_failure_stops_there_without_raising(monkeypatch, fail):
+    calls = fake_triton(monkeypatch, fail)
+    assert not triton_warmup.warm()
+    assert calls[-1] == fail
+
+
+def test_no_triton_does_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # (import triton raises ImportError)
+    assert not triton_warmup.warm()
+
+
+def test_one_thread_at_most(monkeypatch):
+    done: list[int] = []
+    monkeypatch.setattr(triton_warmup, "_thread", None)
+    monkeypatch.setattr(triton_warmup, "warm", lambda: done.append(1))
+    assert triton_warmup.start() and not triton_warmup.start()
+    triton_warmup.wait(5)
+    assert done == [1]
+
+
+@pytest.mark.parametrize(
+    "device, started", [("cpu", []), ("cuda:2", [2, "triton"]), (None, [0, "triton"])]
+)
+def test_an_engine_on_a_gpu_starts_both(monkeypatch, device, started):
+    seen: list[object] = []
+    monkeypatch.setattr(early_context, "start", lambda index: seen.append(index))
+    monkeypatch.setattr(triton_warmup, "start", lambda: seen.append("triton"))
+    assert early_start.start_early(device) == bool(started)
+    assert seen == started
+
+
+GPU_CHECK = """
+import sys
+from ostinato.engine.kernels import triton_warmup
+assert triton_warmup.start()
+triton_warmup.wait(120)
+from triton.runtime.cache import triton_key
+from triton.backends.nvidia.driver import CudaUtils
+import torch
+from ostinato.engine.kernels.argmax import argmax_rows
+x = torch.randn(4, 1000, device="cuda")
+ok = bool((argmax_rows(x) == x.argmax(-1)).all())
+print(triton_key.cache_info().currsize, hasattr(CudaUtils, "instance"), ok)
+"""
+
+
+@pytest.mark.gpu
+def test_a_kernel_launches_after_the_warm_up():
+    command = [sys.executable, "-c", GPU_CHECK]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True", "True"], out.stdout + out.stderr

@@ -12,18 +12,20 @@ Guarantees: nothing here imports torch, raises or prints. Where the driver is mi
 or refuses (no GPU, no such device), nothing is made and torch's own first call reports
 what is wrong, as it would have. A context made here is retained for the life of the
 process, as torch's own would be. It costs device memory, so only a process that will
-use that device calls ``start``; a second call does nothing.
+use that device calls ``start``; a second call does nothing. ``start`` can run more
+such work on a thread beside it (the engine: Triton's set-up).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _LIBRARY = "libcuda.so.1"
 _lock = threading.Lock()
-_thread: threading.Thread | None = None
+_threads: list[threading.Thread] = []
 
 
 def device_index(spec: object) -> int | None:
@@ -38,26 +40,28 @@ def device_index(spec: object) -> int | None:
     return int(index)
 
 
-def start(index: int | None) -> bool:
+def start(index: int | None, also: Callable[[], object] | None = None) -> bool:
     """Starts creating CUDA device ``index``'s primary context on a daemon thread (None:
-    nothing); False where a call already started one, or nothing was asked."""
-    global _thread
+    nothing), and ``also`` on a second one (more work a first CUDA call would wait on;
+    what it raises is dropped); False where a call already started them, or nothing was
+    asked."""
+    global _threads
     if index is None:
         return False
     with _lock:
-        if _thread is not None:
+        if _threads:
             return False
-        _thread = threading.Thread(
-            target=_make, args=(index, _driver), name="ostinato-cuda-context", daemon=True
-        )
-        _thread.start()
+        work = [("ostinato-cuda-context", _make, (index, _driver))]
+        work += [("ostinato-early-work", _quietly, (also,))] if also is not None else []
+        _threads = [threading.Thread(target=f, args=a, name=n, daemon=True) for n, f, a in work]
+        for thread in _threads:
+            thread.start()
     return True
 
 
 def wait(timeout: float | None = None) -> None:
-    """Waits for the thread ``start`` began, if any (the tests')."""
-    thread = _thread
-    if thread is not None:
+    """Waits for the threads ``start`` began, if any (the tests')."""
+    for thread in list(_threads):
         thread.join(timeout)
 
 
@@ -67,6 +71,13 @@ def _driver() -> Any:
         return ctypes.CDLL(_LIBRARY)
     except OSError:
         return None
+
+
+def _quietly(work: Callable[[], object]) -> None:
+    try:
+        work()
+    except Exception:  # (``start``'s promise: nothing here raises)
+        pass
 
 
 def _make(index: int, driver: Any) -> bool:

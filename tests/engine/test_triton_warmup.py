@@ -1,4 +1,4 @@
-"""Triton's once-a-process set-up on a thread (``kernels.triton_warmup``) and what an
+"""Triton's once-a-process set-up (``kernels.triton_warmup``) and what an
 engine's process starts before torch (``api.early_start``), with stand-ins for Triton's
 internals; the GPU test runs the real ones."""
 
@@ -54,22 +54,13 @@ def test_no_triton_does_nothing(monkeypatch):
     assert not triton_warmup.warm()
 
 
-def test_one_thread_at_most(monkeypatch):
-    done: list[int] = []
-    monkeypatch.setattr(triton_warmup, "_thread", None)
-    monkeypatch.setattr(triton_warmup, "warm", lambda: done.append(1))
-    assert triton_warmup.start() and not triton_warmup.start()
-    triton_warmup.wait(5)
-    assert done == [1]
-
-
 @pytest.mark.parametrize(
-    "device, started", [("cpu", []), ("cuda:2", [2, "triton"]), (None, [0, "triton"])]
+    "device, started",
+    [("cpu", []), ("cuda:2", [2, triton_warmup.warm]), (None, [0, triton_warmup.warm])],
 )
 def test_an_engine_on_a_gpu_starts_both(monkeypatch, device, started):
     seen: list[object] = []
-    monkeypatch.setattr(early_context, "start", lambda index: seen.append(index))
-    monkeypatch.setattr(triton_warmup, "start", lambda: seen.append("triton"))
+    monkeypatch.setattr(early_context, "start", lambda index, also: seen.extend([index, also]))
     assert early_start.start_early(device) == bool(started)
     assert seen == started
 
@@ -77,8 +68,7 @@ def test_an_engine_on_a_gpu_starts_both(monkeypatch, device, started):
 GPU_CHECK = """
 import sys
 from ostinato.engine.kernels import triton_warmup
-assert triton_warmup.start()
-triton_warmup.wait(120)
+assert triton_warmup.warm()
 from triton.runtime.cache import triton_key
 from triton.backends.nvidia.driver import CudaUtils
 import torch

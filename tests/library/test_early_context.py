@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -68,15 +69,29 @@ def test_no_driver_makes_nothing():
     assert not early_context._make(0, lambda: None)
 
 
-def test_start_begins_one_thread_at_most_and_none_for_the_cpu(monkeypatch):
+def test_start_begins_once_and_never_for_the_cpu(monkeypatch):
     made: list[int] = []
-    monkeypatch.setattr(early_context, "_thread", None)
+    monkeypatch.setattr(early_context, "_threads", [])
     monkeypatch.setattr(early_context, "_make", lambda index, driver: made.append(index))
     assert not early_context.start(None)
     assert early_context.start(1)
     assert not early_context.start(0)  # (one context a process)
     early_context.wait(5)
     assert made == [1]
+
+
+def test_more_work_runs_beside_the_context_and_its_errors_are_dropped(monkeypatch):
+    seen: list[str] = []
+
+    def also() -> None:
+        seen.append(threading.current_thread().name)
+        raise RuntimeError("dropped")
+
+    monkeypatch.setattr(early_context, "_threads", [])
+    monkeypatch.setattr(early_context, "_make", lambda index, driver: seen.append("context"))
+    assert early_context.start(0, also=also)
+    early_context.wait(5)
+    assert sorted(seen) == ["context", "ostinato-early-work"]
 
 
 def test_it_imports_no_torch_and_is_silent_without_a_gpu():

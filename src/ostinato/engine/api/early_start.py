@@ -14,6 +14,5 @@ def start_early(device: object) -> bool:
     index = early_context.device_index(device)
     if index is None:
         return False
-    early_context.start(index)
-    triton_warmup.start()
+    early_context.start(index, also=triton_warmup.warm)
     return True

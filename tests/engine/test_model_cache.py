@@ -224,6 +224,31 @@ def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
     assert source.finish() is tokenizer  # again: the same, at once
 
 
+def test_a_cached_model_opened_later_reads_its_tokenizer_beside_the_start(tmp_path, monkeypatch):
+    import threading
+
+    from ostinato.engine.loading import source as source_module
+
+    path, cache = gguf_path(), ModelCache(tmp_path / "cache")
+    converted = open_model(path, cache=cache).tokenizer  # (the conversion, then the hit)
+    release, real = threading.Event(), source_module._folder_tokenizer
+
+    def slow(folder):
+        assert release.wait(60)
+        return real(folder)
+
+    monkeypatch.setattr(source_module, "_folder_tokenizer", slow)
+    source = open_model(path, cache=cache, later=True)
+    assert source.load is not None and source.tokenizer is None and not source.pending.done()
+    release.set()
+    tokenizer = source.finish()
+    assert tokenizer is not None and source.pending is None
+    text = "The capital of France is Paris."
+    assert tokenizer.encode(text) == converted.encode(text)
+    monkeypatch.setattr(source_module, "_folder_tokenizer", real)
+    assert open_model(path, cache=cache).tokenizer is not None  # (not later: read at once)
+
+
 def test_the_child_process_s_tokenizer_is_the_one_transformers_builds_here(tmp_path):
     from ostinato.engine.loading.gguf_file import GGUFCheckpoint
 

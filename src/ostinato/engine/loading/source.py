@@ -41,8 +41,9 @@ ModelSpec = str | Path | dict[str, Any] | ModelConfig | None
 class ModelSource:
     """A model ready to be built: ``load`` is None for random weights; ``dtype`` is the
     checkpoint's own precision where it has one that bfloat16 would lose. ``pending``:
-    the tokenizer still being built in a child process (``open_model(..., later=True)``),
-    with the model-cache entry written beside it; ``finish`` waits for both."""
+    the tokenizer still being built (``open_model(..., later=True)``): a conversion's in a
+    child process, with the model-cache entry written beside it, a cached model's read
+    on a thread; ``finish`` waits for it."""
 
     name: str
     config: ModelConfig
@@ -70,8 +71,9 @@ def open_model(
     """Resolves ``model`` (see the module docstring). ``None`` is SmolLM2-135M-Instruct.
     ``dtype``: the dtype the engine will run, if the caller chose one (a converted
     source is cached in it; GGUF's default is float32). ``later``: a GGUF conversion
-    returns once its weights are ready, its tokenizer and cache entry ``pending``
-    (``ModelSource.finish``); otherwise everything is done on return."""
+    returns once its weights are ready, its tokenizer and cache entry ``pending``, and a
+    cached one with its tokenizer ``pending`` (``ModelSource.finish``); otherwise
+    everything is done on return."""
     source = _open(model, random_weights, cache, dtype)
     if not later:
         source.finish()
@@ -205,8 +207,12 @@ def _cached(name: str, entry: CachedModel) -> ModelSource:
         load_weights(model, entry.folder)
 
     folder = entry.tokenizer_dir
-    tokenizer = folder and _folder_tokenizer(folder)
-    return ModelSource(name, entry.config, load, tokenizer, entry.eos_token_ids, torch.float32)
+    # Read beside the rest of the start, as a conversion's tokenizer is (0.25 s of the
+    # development CPU's open): the weights, the KV cache and the captures need none.
+    pending = _on_thread(lambda: _folder_tokenizer(folder)) if folder else None
+    return ModelSource(
+        name, entry.config, load, None, entry.eos_token_ids, torch.float32, pending=pending
+    )
 
 
 def _folder_tokenizer(folder: Path) -> Any:

@@ -257,25 +257,29 @@ def test_generate_starts_its_early_work_before_it_imports_torch(device):
     out = run_python(
         "import sys\n"
         "from ostinato.engine.api import early_start\n"
-        "def start(device):\n"
-        "    print('torch' in sys.modules, device)\n"
+        "def start(device, world_size):\n"
+        "    print('torch' in sys.modules, device, world_size)\n"
         "    sys.exit(0)\n"
         "early_start.start_early = start\n"
         "from ostinato.engine.cli.main import main\n"
         f"main(['generate', '--model', 'tiny', '--random-weights', {flags}'--max-tokens', '2'])\n"
     )
-    assert out.strip() == f"False {device}", out
+    assert out.strip() == f"False {device} 1", out
 
 
 @pytest.mark.parametrize(
-    "kwargs, device",
-    [({"args": SimpleNamespace(device="cuda:1")}, "cuda:1"), ({"device": "cpu"}, "cpu")]
-    + [({}, None)],
-)
-def test_the_engine_process_makes_the_context_its_engine_runs_on(kwargs, device):
-    from ostinato.engine.serve.engine_process import _device_of
+    "kwargs, placement",
+    [
+        ({"args": SimpleNamespace(device="cuda:1", parallel=SimpleNamespace(
+            tensor_parallel_size=2, data_parallel_size=3))}, ("cuda:1", 6)),
+        ({"device": "cpu"}, ("cpu", 1)),
+        ({"tensor_parallel_size": 2}, (None, 2)),
+    ],
+)  # fmt: skip
+def test_the_engine_process_starts_early_work_where_its_engine_runs(kwargs, placement):
+    from ostinato.engine.serve.engine_process import _placement
 
-    assert _device_of(kwargs) == device
+    assert _placement(kwargs) == placement
 
 
 def test_bytecode_is_kept_in_the_cache_only_where_torch_cannot_keep_it(tmp_path, monkeypatch):

@@ -55,14 +55,22 @@ def test_no_triton_does_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "device, started",
-    [("cpu", []), ("cuda:2", [2, triton_warmup.warm]), (None, [0, triton_warmup.warm])],
+    "device, world, environ, index",
+    [
+        ("cpu", 1, {}, None),
+        ("cuda:2", 1, {}, 2),
+        (None, 1, {}, 0),
+        ("cuda", 4, {}, 0),  # (rank 0 in this process, the others started by it)
+        (None, 2, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, 1),  # (a rank torchrun started)
+        (None, 2, {"WORLD_SIZE": "2"}, None),  # (its GPU unknown: nothing)
+        ("cpu", 2, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),
+    ],
 )
-def test_an_engine_on_a_gpu_starts_both(monkeypatch, device, started):
+def test_an_engine_starts_both_on_its_ranks_gpu(monkeypatch, device, world, environ, index):
     seen: list[object] = []
     monkeypatch.setattr(early_context, "start", lambda index, also: seen.extend([index, also]))
-    assert early_start.start_early(device) == bool(started)
-    assert seen == started
+    assert early_start.start_early(device, world, environ) == (index is not None)
+    assert seen == ([] if index is None else [index, triton_warmup.warm])
 
 
 GPU_CHECK = """

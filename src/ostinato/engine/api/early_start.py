@@ -4,15 +4,29 @@ once-a-process set-up (``kernels.triton_warmup``). Imports neither torch nor Tri
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from ostinato import early_context
 from ostinato.engine.kernels import triton_warmup
 
 
-def start_early(device: object) -> bool:
+def start_early(
+    device: object, world_size: int = 1, environ: Mapping[str, str] = os.environ
+) -> bool:
     """Starts both for an engine whose ``device`` is this (a string, a ``torch.device``
-    or None, the engine's default); False where it names no CUDA device."""
+    or None, the engine's default) and whose ranks number ``world_size``, on the GPU
+    this process's rank will use; False where that is no CUDA device or not known."""
     index = early_context.device_index(device)
     if index is None:
         return False
+    if environ.get("WORLD_SIZE") not in (None, "1"):
+        # A rank torchrun started: its GPU is its local rank's (distributed.groups).
+        local = environ.get("LOCAL_RANK", "")
+        if not local.isdigit():
+            return False
+        index = int(local)
+    elif world_size > 1:
+        index = 0  # (rank 0 is this process, on the host's first GPU; it starts the rest)
     early_context.start(index, also=triton_warmup.warm)
     return True

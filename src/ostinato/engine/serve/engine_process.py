@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -260,7 +261,7 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
 
     tqdm.set_lock(threading.RLock())
     # The device's CUDA context and Triton's set-up are made while torch imports.
-    start_early(_device_of(llm_kwargs))
+    start_early(*_placement(llm_kwargs))
     try:
         from ostinato.engine.api.llm import LLM
         from ostinato.engine.serve.loop import EngineLoop
@@ -293,10 +294,15 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     os._exit(0 if stopped and closed else 1)
 
 
-def _device_of(llm_kwargs: dict[str, Any]) -> object:
-    """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default)."""
+def _placement(llm_kwargs: dict[str, Any]) -> tuple[object, int]:
+    """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default), and
+    its number of ranks."""
     args = llm_kwargs.get("args")
-    return getattr(args, "device", None) if args is not None else llm_kwargs.get("device")
+    if args is None:
+        sizes = (llm_kwargs.get(k, 1) for k in ("tensor_parallel_size", "data_parallel_size"))
+        return llm_kwargs.get("device"), math.prod(sizes)
+    parallel = args.parallel
+    return args.device, parallel.tensor_parallel_size * parallel.data_parallel_size
 
 
 def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:

@@ -274,6 +274,7 @@ def test_generate_starts_its_early_work_before_it_imports_torch(device):
             tensor_parallel_size=2, data_parallel_size=3))}, ("cuda:1", 6)),
         ({"device": "cpu"}, ("cpu", 1)),
         ({"tensor_parallel_size": 2}, (None, 2)),
+        ({"tensor_parallel_size": "2", "device": object}, (object, 1)),  # (LLM refuses it)
     ],
 )  # fmt: skip
 def test_the_engine_process_starts_early_work_where_its_engine_runs(kwargs, placement):

@@ -298,11 +298,14 @@ def _placement(llm_kwargs: dict[str, Any]) -> tuple[object, int]:
     """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default), and
     its number of ranks."""
     args = llm_kwargs.get("args")
-    if args is None:
-        sizes = (llm_kwargs.get(k, 1) for k in ("tensor_parallel_size", "data_parallel_size"))
-        return llm_kwargs.get("device"), math.prod(sizes)
-    parallel = args.parallel
-    return args.device, parallel.tensor_parallel_size * parallel.data_parallel_size
+    given = args.parallel if args is not None else None
+    sizes = [
+        getattr(given, k) if given is not None else llm_kwargs.get(k, 1)
+        for k in ("tensor_parallel_size", "data_parallel_size")
+    ]
+    # (A size that is not an int is the engine's to refuse, by name: here it counts as 1.)
+    world = math.prod(n if isinstance(n, int) else 1 for n in sizes)
+    return (args.device if args is not None else llm_kwargs.get("device")), world
 
 
 def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:

@@ -38,6 +38,8 @@
 #                                      # then the GPU tests of the measurement's timings
 #   bash scripts/gpu_suite.sh sampling_ab TREE...  # per tree (as lora's): the sampling kernels'
 #                                      # GPU tests, then each sampling parameter's step cost
+#   bash scripts/gpu_suite.sh startup_ab TREE [MODEL]  # start-up of TREE and this checkout,
+#                                      # alternating, on shared filled caches (JSONs under $OUT)
 # (the calls with the GGUF's parts must follow one another while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -256,13 +258,31 @@ sampling_ab)
             --out "$OUT/sampling_cost_$tree.json" 2>&1 | tee "$OUT/sampling_cost_$tree.log" | tail -12)
     done
     ;;
+startup_ab)
+    # Start-up of two trees, alternating, on caches the first run fills (--root); the
+    # engine each run starts is the tree PYTHONPATH names. ${2}: a tree as lora's takes;
+    # ${3}: smollm2 (needs the GGUF, carried in the calls before) or llama-1.5b.
+    base=$(tree_dir "${2:?startup_ab: give the baseline tree}") model=${3:-llama-1.5b}
+    root=/tmp/startup_root_$model
+    timeout 200 python3 -m benchmarks.startup --root "$root" --only "$model default, caches filled" \
+        --timeout 190 --out "$OUT/startup_fill_$model.json" 2>&1 | tail -1
+    for round in 1 2 3; do
+        for tree in base here; do
+            src=src; [ $tree = base ] && src=$base/src
+            PYTHONPATH=$src:.:/tmp/site:/tmp/smol timeout 120 python3 -m benchmarks.startup \
+                --root "$root" --only "$model default, caches filled" \
+                --only "$model serve default, caches filled" --timeout 60 \
+                --out "$OUT/startup_${model}_${tree}_$round.json" 2>&1 | sed "s/^/$tree $round: /"
+        done
+    done
+    ;;
 bench)
     timeout 300 python3 -m benchmarks --batch-sizes 1,8,32 --repeats 30 --no-profile \
         --variants "eager,ostinato FULL,ostinato FULL_AND_PIECEWISE,torch.compile reduce-overhead" \
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab" >&2
     exit 2
     ;;
 esac

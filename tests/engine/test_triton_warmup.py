@@ -69,8 +69,30 @@ def test_no_triton_does_nothing(monkeypatch):
 def test_an_engine_starts_both_on_its_ranks_gpu(monkeypatch, device, world, environ, index):
     seen: list[object] = []
     monkeypatch.setattr(early_context, "start", lambda index, also: seen.extend([index, also]))
+    monkeypatch.setattr(early_start, "torch_has_cuda", lambda: True)
     assert early_start.start_early(device, world, environ) == (index is not None)
     assert seen == ([] if index is None else [index, triton_warmup.warm])
+
+
+def test_nothing_starts_where_torch_is_a_cpu_build(monkeypatch):
+    seen: list[object] = []
+    monkeypatch.setattr(early_context, "start", lambda index, also: seen.append(index))
+    monkeypatch.setattr(early_start, "torch_has_cuda", lambda: False)
+    assert not early_start.start_early(None) and seen == []
+
+
+@pytest.mark.parametrize(
+    "line, cuda",
+    [("cuda: Optional[str] = '13.0'", True), ("cuda = '12.8'", True)]
+    + [("cuda: Optional[str] = None", False), ("hip: Optional[str] = '6.4'", False)],
+)
+def test_a_cuda_build_is_read_from_torchs_version_file(tmp_path, monkeypatch, line, cuda):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (tmp_path / "torch" / "version.py").write_text(f"__version__ = '2.11.0'\n{line}\n")
+    spec = types.SimpleNamespace(origin=str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setattr(early_start.importlib.util, "find_spec", lambda name: spec)
+    assert early_start.torch_has_cuda() is cuda
 
 
 GPU_CHECK = """

@@ -4,8 +4,11 @@ once-a-process set-up (``kernels.triton_warmup``). Imports neither torch nor Tri
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from ostinato import early_context
 from ostinato.engine.kernels import triton_warmup
@@ -18,7 +21,7 @@ def start_early(
     or None, the engine's default) and whose ranks number ``world_size``, on the GPU
     this process's rank will use; False where that is no CUDA device or not known."""
     index = early_context.device_index(device)
-    if index is None:
+    if index is None or not torch_has_cuda():
         return False
     if environ.get("WORLD_SIZE") not in (None, "1"):
         # A rank torchrun started: its GPU is its local rank's (distributed.groups).
@@ -30,3 +33,17 @@ def start_early(
         index = 0  # (rank 0 is this process, on the host's first GPU; it starts the rest)
     early_context.start(index, also=triton_warmup.warm)
     return True
+
+
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, read from its ``version.py`` without
+    importing it (a CPU build on a machine with a GPU runs the engine on the CPU: a
+    context made there would hold the GPU's memory for nothing)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return False
+    return re.search(r"^cuda\b[^=\n]*=\s*['\"]", text, re.MULTILINE) is not None

@@ -85,6 +85,17 @@ def test_an_option_nothing_would_read_is_refused_by_name(given, message):
     refuse_ignored(EngineArgs.build("tiny", mode="none", max_capture_size=8), torch.device("cpu"))
 
 
+def test_a_gpu_index_with_several_ranks_is_refused_as_ignored():
+    from ostinato.engine.api.arguments import refuse_ignored
+
+    for sizes in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
+        args = EngineArgs.build("tiny", device="cuda:1", **sizes)
+        with pytest.raises(ValueError, match="device='cuda:1': with 2 ranks .* CUDA_VISIBLE"):
+            refuse_ignored(args, torch.device("cuda", 1))
+        refuse_ignored(EngineArgs.build("tiny", **sizes), torch.device("cuda"))
+    refuse_ignored(EngineArgs.build("tiny", device="cuda:1"), torch.device("cuda", 1))
+
+
 def test_the_ladder_ends_at_a_steps_token_budget_up_to_2048_unless_asked_or_decode_only():
     from ostinato.config import GraphConfig, default_capture_sizes
     from ostinato.engine.api.startup import capture_limit

@@ -139,9 +139,10 @@ def auto_capture(
 def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     """Refuses, naming it, an option given (a value other than its default) where nothing
     would read it: ``verify_every`` without ``verify='sample'``; ``all_reduce`` on one
-    rank; ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free
-    memory. (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips
-    with every other option as it was, and the start-up line says no graph was made.)"""
+    rank; a GPU's index with several ranks, which take their local ranks' GPUs;
+    ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free memory.
+    (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips with every
+    other option as it was, and the start-up line says no graph was made.)"""
     graphs, parallel, cache = args.graphs, args.parallel, args.cache
     if _given(graphs, "verify_every") and graphs.verify != "sample":
         raise ValueError(
@@ -151,6 +152,13 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     if _given(parallel, "all_reduce") and parallel.tensor_parallel_size == 1:
         raise ValueError(
             f"all_reduce={parallel.all_reduce!r}: only used with tensor_parallel_size > 1"
+        )
+    world = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if world > 1 and device.type == "cuda" and device.index is not None:
+        raise ValueError(
+            f"device={args.device!r}: with {world} ranks each runs on the GPU of its local "
+            "rank (cuda:0, cuda:1, ...), so an index would be ignored; give device='cuda' "
+            "and choose the GPUs with CUDA_VISIBLE_DEVICES"
         )
     if _given(cache, "gpu_memory_utilization") and device.type == "cpu":
         raise ValueError(

@@ -320,7 +320,9 @@ def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_fast
     again.close()
 
 
-@pytest.mark.parametrize("new_s, kept", [(0.0005, True), (0.004, False)])
+# (Sleeps ten times apart, or three: a loaded machine's oversleep, a few ms, once per
+# three rounds, moves no median; 0.5 against 2 ms failed once beside other work.)
+@pytest.mark.parametrize("new_s, kept", [(0.001, True), (0.03, False)])
 def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, kept):
     import time
 
@@ -342,7 +344,7 @@ def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, k
         order.append(")")
 
     keep_new = faster_replay(lambda: synced.append(1), rounds=3, replays=2)
-    assert keep_new(replay(0.002, "old"), replay(new_s, "new"), held) is kept
+    assert keep_new(replay(0.01, "old"), replay(new_s, "new"), held) is kept
     # Alternating rounds, each stage's replays back to back between two synchronizes,
     # each round in a hold of its own.
     assert order == ["(", "old", "old", ")", "(", "new", "new", ")"] * 3 and len(synced) == 12

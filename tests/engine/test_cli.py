@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ostinato.engine.api.engine_args import ParallelArgs
 from ostinato.engine.cli.main import main
 
 
@@ -270,7 +271,7 @@ def test_generate_starts_its_early_work_before_it_imports_torch(device):
 @pytest.mark.parametrize(
     "kwargs, placement",
     [
-        ({"args": SimpleNamespace(device="cuda:1", parallel=SimpleNamespace(
+        ({"args": SimpleNamespace(device="cuda:1", parallel=ParallelArgs(
             tensor_parallel_size=2, data_parallel_size=3))}, ("cuda:1", 6)),
         ({"device": "cpu"}, ("cpu", 1)),
         ({"tensor_parallel_size": 2}, (None, 2)),

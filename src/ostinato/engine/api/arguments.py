@@ -92,9 +92,7 @@ def check_capture(
             f"capture={capture!r}: not with verify='capture', whose replays would overwrite "
             "the outputs of steps running meanwhile; use verify='sample' or 'blocking'"
         )
-    if parallel.tensor_parallel_size * parallel.data_parallel_size > 1 or (
-        parallel.micro_batching is not False
-    ):
+    if parallel.world_size > 1 or (parallel.micro_batching is not False):
         raise ValueError(
             f"capture={capture!r}: not with tensor or data parallelism or micro-batching "
             "(every rank must capture the same graphs in the same order); use 'blocking'"
@@ -126,7 +124,7 @@ def auto_capture(
     to about 2 tokens a second), several ranks or micro-batching, the capture check, and
     speculative decoding (self-drafting cannot; the others were not measured)."""
     whole = mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
-    one_rank = parallel.tensor_parallel_size * parallel.data_parallel_size == 1
+    one_rank = parallel.world_size == 1
     allowed = (
         one_rank
         and parallel.micro_batching is False
@@ -153,12 +151,11 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
         raise ValueError(
             f"all_reduce={parallel.all_reduce!r}: only used with tensor_parallel_size > 1"
         )
-    world = parallel.tensor_parallel_size * parallel.data_parallel_size
-    if world > 1 and device.type == "cuda" and device.index is not None:
+    if parallel.world_size > 1 and device.type == "cuda" and device.index is not None:
         raise ValueError(
-            f"device={args.device!r}: with {world} ranks each runs on the GPU of its local "
-            "rank (cuda:0, cuda:1, ...), so an index would be ignored; give device='cuda' "
-            "and choose the GPUs with CUDA_VISIBLE_DEVICES"
+            f"device={args.device!r}: with {parallel.world_size} ranks each runs on the GPU "
+            "of its local rank (cuda:0, cuda:1, ...), so an index would be ignored; give "
+            "device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES"
         )
     if _given(cache, "gpu_memory_utilization") and device.type == "cpu":
         raise ValueError(
@@ -237,7 +234,7 @@ def check_lora(
                 raise ValueError(f"{f.name}: given without enable_lora=True")
         return lora
     why = None
-    if parallel.tensor_parallel_size * parallel.data_parallel_size > 1:
+    if parallel.world_size > 1:
         why = "tensor or data parallelism"
     elif speculative is not None:
         why = "speculative decoding"

@@ -292,6 +292,11 @@ class ParallelArgs:
         False, "split large steps into two overlapped micro-batches (tensor parallelism)"
     )
 
+    @property
+    def world_size(self) -> int:
+        """The ranks the engine runs: ``tensor_parallel_size * data_parallel_size``."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
 
 def lora_module(entry: str) -> tuple[str, str]:
     """One ``lora_modules`` entry, ``"name=path"``, as ``(name, path)``; ``ValueError``

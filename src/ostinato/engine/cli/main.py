@@ -171,8 +171,7 @@ def _start_engine(args: argparse.Namespace) -> Any:
         _tokenizer_first(args)
     engine_args = _engine_args(args)
     # The device's CUDA context and Triton's set-up are made while torch imports.
-    parallel = engine_args.parallel
-    start_early(engine_args.device, parallel.tensor_parallel_size * parallel.data_parallel_size)
+    start_early(engine_args.device, engine_args.parallel.world_size)
     from ostinato.engine import LLM
 
     llm = LLM(args=engine_args)

@@ -298,14 +298,11 @@ def _placement(llm_kwargs: dict[str, Any]) -> tuple[object, int]:
     """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default), and
     its number of ranks."""
     args = llm_kwargs.get("args")
-    given = args.parallel if args is not None else None
-    sizes = [
-        getattr(given, k) if given is not None else llm_kwargs.get(k, 1)
-        for k in ("tensor_parallel_size", "data_parallel_size")
-    ]
+    if args is not None:
+        return args.device, args.parallel.world_size
+    sizes = (llm_kwargs.get(k, 1) for k in ("tensor_parallel_size", "data_parallel_size"))
     # (A size that is not an int is the engine's to refuse, by name: here it counts as 1.)
-    world = math.prod(n if isinstance(n, int) else 1 for n in sizes)
-    return (args.device if args is not None else llm_kwargs.get("device")), world
+    return llm_kwargs.get("device"), math.prod(n if isinstance(n, int) else 1 for n in sizes)
 
 
 def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:

@@ -5,6 +5,8 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -197,21 +199,24 @@ def test_the_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
     assert source.tokenizer is not None and len(made) == 1
 
 
+def held_back(real: Any) -> tuple[threading.Event, Any]:
+    """``real`` made to wait for the event returned beside it before it runs."""
+    release = threading.Event()
+
+    def slow(*args: Any) -> Any:
+        assert release.wait(60)
+        return real(*args)
+
+    return release, slow
+
+
 def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
     tmp_path, monkeypatch
 ):
-    import threading
-
     from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
 
     path, cache = gguf_path(), ModelCache(tmp_path / "cache")
-    release = threading.Event()
-    real = TokenizerChild.wait
-
-    def slow(self):
-        assert release.wait(60)
-        return real(self)
-
+    release, slow = held_back(TokenizerChild.wait)
     monkeypatch.setattr(TokenizerChild, "wait", slow)
     source = open_model(path, cache=cache, later=True)
     # The weights are ready; the tokenizer (a child process's) and the entry come later.
@@ -225,18 +230,10 @@ def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
 
 
 def test_a_cached_model_opened_later_reads_its_tokenizer_beside_the_start(tmp_path, monkeypatch):
-    import threading
-
-    from ostinato.engine.loading import source as source_module
-
     path, cache = gguf_path(), ModelCache(tmp_path / "cache")
     converted = open_model(path, cache=cache).tokenizer  # (the conversion, then the hit)
-    release, real = threading.Event(), source_module._folder_tokenizer
-
-    def slow(folder):
-        assert release.wait(60)
-        return real(folder)
-
+    real = source_module._folder_tokenizer
+    release, slow = held_back(real)
     monkeypatch.setattr(source_module, "_folder_tokenizer", slow)
     source = open_model(path, cache=cache, later=True)
     assert source.load is not None and source.tokenizer is None and not source.pending.done()

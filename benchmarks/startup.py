@@ -251,10 +251,11 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
 
 
 def planned(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
-    """The scenarios ``--only`` names, ``--rounds`` times over (the later rounds without
-    the empty-cache ones, each name marked with its round)."""
+    """The scenarios ``--only`` names and ``--skip`` does not, ``--rounds`` times over
+    (the later rounds without the empty-cache ones, each name marked with its round)."""
     parts = args.only
     chosen = [s for s in scenarios(args) if parts is None or any(p in s[0] for p in parts)]
+    chosen = [s for s in chosen if not any(p in s[0] for p in args.skip)]
     later = [s for s in chosen if "caches empty" not in s[0]]
     again = [(f"{n} #{r}", c, k) for r in range(2, args.rounds + 1) for n, c, k in later]
     return chosen + again
@@ -270,6 +271,12 @@ def main() -> None:
         action="append",
         default=None,
         help="run the scenarios whose name contains this text (repeatable; names hold commas)",
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        help="leave out the scenarios whose name contains this text (repeatable; after --only)",
     )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=1)

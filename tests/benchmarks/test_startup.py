@@ -17,6 +17,7 @@ def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
         device="cuda",
         max_tokens=8,
         only=["llama-1.5b default", "llama-1.5b blocking"],
+        skip=[],
         rounds=2,
     )
     names = [name for name, _, _ in planned(args)]
@@ -28,11 +29,22 @@ def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
 
 def test_a_chosen_name_may_hold_commas():
     args = argparse.Namespace(
-        device="cuda", max_tokens=8, only=["smollm2 default, caches empty"], rounds=1
+        device="cuda", max_tokens=8, only=["smollm2 default, caches empty"], skip=[], rounds=1
     )
     assert [name for name, _, _ in planned(args)] == [
         "smollm2 default, caches empty",
         "smollm2 default, caches empty, bytecode as installed",
+    ]
+
+
+def test_skip_leaves_out_the_runs_it_names_among_those_chosen():
+    args = argparse.Namespace(
+        device="cuda", max_tokens=8, only=["smollm2 default, caches"], skip=["installed", "no "],
+        rounds=1,
+    )  # fmt: skip
+    assert [name for name, _, _ in planned(args)] == [
+        "smollm2 default, caches empty",
+        "smollm2 default, caches filled",
     ]
 
 

@@ -258,24 +258,25 @@ def test_generate_starts_its_early_work_before_it_imports_torch(device):
     out = run_python(
         "import sys\n"
         "from ostinato.engine.api import early_start\n"
-        "def start(device, world_size):\n"
-        "    print('torch' in sys.modules, device, world_size)\n"
+        "def start(device, world_size, cache_dir):\n"
+        "    print('torch' in sys.modules, device, world_size, cache_dir)\n"
         "    sys.exit(0)\n"
         "early_start.start_early = start\n"
         "from ostinato.engine.cli.main import main\n"
-        f"main(['generate', '--model', 'tiny', '--random-weights', {flags}'--max-tokens', '2'])\n"
+        f"main(['generate', '--model', 'tiny', '--random-weights', {flags}'--max-tokens', '2',"
+        " '--cache-dir', '/c'])\n"
     )
-    assert out.strip() == f"False {device} 1", out
+    assert out.strip() == f"False {device} 1 /c", out
 
 
 @pytest.mark.parametrize(
     "kwargs, placement",
     [
-        ({"args": SimpleNamespace(device="cuda:1", parallel=ParallelArgs(
-            tensor_parallel_size=2, data_parallel_size=3))}, ("cuda:1", 6)),
-        ({"device": "cpu"}, ("cpu", 1)),
-        ({"tensor_parallel_size": 2}, (None, 2)),
-        ({"tensor_parallel_size": "2", "device": object}, (object, 1)),  # (LLM refuses it)
+        ({"args": SimpleNamespace(device="cuda:1", cache_dir=False, parallel=ParallelArgs(
+            tensor_parallel_size=2, data_parallel_size=3))}, ("cuda:1", 6, False)),
+        ({"device": "cpu", "cache_dir": "/c"}, ("cpu", 1, "/c")),
+        ({"tensor_parallel_size": 2}, (None, 2, None)),
+        ({"tensor_parallel_size": "2", "device": object}, (object, 1, None)),  # (LLM refuses it)
     ],
 )  # fmt: skip
 def test_the_engine_process_starts_early_work_where_its_engine_runs(kwargs, placement):

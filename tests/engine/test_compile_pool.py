@@ -406,3 +406,41 @@ def test_workers_started_ahead_import_the_kernels_before_their_first_request():
         assert all(w.alive() for w in workers)
     finally:
         pool.close()
+
+
+def test_a_worker_s_first_compile_finds_the_key_made_beside_its_imports(monkeypatch):
+    # Triton's key (2.6 s of hashing on an H200 host) is made on a thread while the worker
+    # imports its kernels; the first request waits for it rather than hashing it again.
+    import io
+    import json
+    import sys
+    from dataclasses import asdict
+
+    made = threading.Event()
+    order: list[str] = []
+
+    def key() -> bool:
+        time.sleep(0.2)
+        made.set()
+        return True
+
+    def imported(name: str) -> None:
+        order.append(f"import {name}, key made: {made.is_set()}")
+
+    def compile_request(request: Request) -> None:
+        order.append(f"compile, key made: {made.is_set()}")
+
+    request = Request("m", "k", "{}", ("cuda", 90, 32))
+    monkeypatch.setattr(compile_pool.triton_warmup, "warm_key", key)
+    monkeypatch.setattr(compile_pool.importlib, "import_module", imported)
+    monkeypatch.setattr(compile_pool, "compile_request", compile_request)
+    monkeypatch.setattr(compile_pool.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(compile_pool.select, "select", lambda r, w, x, t: (r, [], []))
+    monkeypatch.setattr(sys, "argv", ["worker", "ostinato.engine.kernels.silu_mul"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(asdict(request)) + "\n"))
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    compile_pool.main()
+    assert order == [
+        "import ostinato.engine.kernels.silu_mul, key made: False",
+        "compile, key made: True",
+    ]

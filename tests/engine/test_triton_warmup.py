@@ -4,8 +4,10 @@ internals; the GPU test runs the real ones."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -36,17 +38,33 @@ def fake_triton(monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> lis
     return calls
 
 
-def test_the_key_then_the_driver_module(monkeypatch):
+def test_the_key_and_the_driver_module(monkeypatch):
     calls = fake_triton(monkeypatch)
     assert triton_warmup.warm()
-    assert calls == ["triton_key", "CudaUtils"]
+    assert sorted(calls) == ["CudaUtils", "triton_key"]
+
+
+def test_the_driver_module_does_not_wait_for_the_key(monkeypatch):
+    # The module is wanted at the first launch; the key's hash takes seconds longer.
+    built = threading.Event()
+    calls = fake_triton(monkeypatch)
+    sys.modules["triton.backends.nvidia.driver"].CudaUtils = built.set
+    sys.modules["triton.runtime.cache"].triton_key = lambda: calls.append(built.wait(5))
+    assert triton_warmup.warm()
+    assert calls == [True]
 
 
 @pytest.mark.parametrize("fail", ["triton_key", "CudaUtils"])
-def test_a_failure_stops_there_without_raising(monkeypatch, fail):
+def test_a_failure_is_reported_without_raising(monkeypatch, fail):
     calls = fake_triton(monkeypatch, fail)
     assert not triton_warmup.warm()
-    assert calls[-1] == fail
+    assert sorted(calls) == ["CudaUtils", "triton_key"]
+
+
+def test_a_compile_worker_warms_the_key_alone(monkeypatch):
+    calls = fake_triton(monkeypatch)
+    assert triton_warmup.warm_key()
+    assert calls == ["triton_key"]
 
 
 def test_no_triton_does_nothing(monkeypatch):
@@ -70,8 +88,38 @@ def test_an_engine_starts_both_on_its_ranks_gpu(monkeypatch, device, world, envi
     seen: list[object] = []
     monkeypatch.setattr(early_context, "start", lambda index, also: seen.extend([index, also]))
     monkeypatch.setattr(early_start, "torch_has_cuda", lambda: True)
-    assert early_start.start_early(device, world, environ) == (index is not None)
+    monkeypatch.setattr(early_start.CompileCache, "point_compilers_here", lambda self: {})
+    assert early_start.start_early(device, world, environ=environ) == (index is not None)
     assert seen == ([] if index is None else [index, triton_warmup.warm])
+
+
+@pytest.mark.parametrize("cache_dir", [None, "custom", False, 3])
+def test_triton_is_pointed_at_the_engines_cache_before_the_threads_start(
+    tmp_path, monkeypatch, cache_dir
+):
+    # The thread's helper module lands in Triton's cache: the engine's own folder, or the
+    # engine's first launch builds it again there (seen on an H200: 1 s of gcc).
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OSTINATO_CACHE_DIR", str(tmp_path / "default"))
+    asked = str(tmp_path / cache_dir) if cache_dir == "custom" else cache_dir
+    seen: list[object] = []
+    monkeypatch.setattr(
+        early_context, "start", lambda index, also: seen.append(os.environ.get("TRITON_CACHE_DIR"))
+    )
+    monkeypatch.setattr(early_start, "torch_has_cuda", lambda: True)
+    assert early_start.start_early("cuda", 1, asked, environ={})
+    expected = {None: tmp_path / "default", "custom": tmp_path / "custom"}.get(cache_dir)
+    assert seen == [None if expected is None else str(expected / "compile" / "triton")]
+
+
+def test_a_triton_folder_the_user_named_is_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # (restored after)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setattr(early_context, "start", lambda index, also: None)
+    monkeypatch.setattr(early_start, "torch_has_cuda", lambda: True)
+    assert early_start.start_early("cuda", 1, str(tmp_path / "engine"), environ={})
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_nothing_starts_where_torch_is_a_cpu_build(monkeypatch):

@@ -1,6 +1,7 @@
 """What an engine's process starts on threads before it imports torch, where the engine
 will run on a GPU: the device's CUDA context (``ostinato.early_context``) and Triton's
-once-a-process set-up (``kernels.triton_warmup``). Imports neither torch nor Triton."""
+once-a-process set-up (``kernels.triton_warmup``), after pointing Triton at the engine's
+compile cache, where that set-up keeps what it builds. Imports neither torch nor Triton."""
 
 from __future__ import annotations
 
@@ -11,18 +12,33 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ostinato import early_context
+from ostinato.cache_root import root_from_arg
 from ostinato.engine.kernels import triton_warmup
+from ostinato.engine.worker.compile_cache import CompileCache
 
 
 def start_early(
-    device: object, world_size: int = 1, environ: Mapping[str, str] = os.environ
+    device: object,
+    world_size: int = 1,
+    cache_dir: object = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> bool:
     """Starts both for an engine whose ``device`` is this (a string, a ``torch.device``
-    or None, the engine's default) and whose ranks number ``world_size``, on the GPU
-    this process's rank will use; False where that is no CUDA device or not known."""
+    or None, the engine's default), whose ranks number ``world_size`` and whose
+    ``cache_dir`` (its ``EngineArgs`` field) is this, on the GPU this process's rank will
+    use; False where that is no CUDA device or not known. Where the engine has a cache,
+    Triton's and Inductor's folders are pointed into it first, as the engine does (an
+    empty-cache start otherwise built Triton's helper module twice: on the thread, into
+    Triton's default folder, and again at the first launch, into the engine's)."""
     index = early_context.device_index(device)
     if index is None or not torch_has_cuda():
         return False
+    try:
+        root = root_from_arg(cache_dir)
+    except TypeError:
+        root = None  # (the engine refuses it by name)
+    if root is not None:
+        CompileCache(root).point_compilers_here()
     if environ.get("WORLD_SIZE") not in (None, "1"):
         # A rank torchrun started: its GPU is its local rank's (distributed.groups).
         local = environ.get("LOCAL_RANK", "")

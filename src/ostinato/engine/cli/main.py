@@ -171,7 +171,7 @@ def _start_engine(args: argparse.Namespace) -> Any:
         _tokenizer_first(args)
     engine_args = _engine_args(args)
     # The device's CUDA context and Triton's set-up are made while torch imports.
-    start_early(engine_args.device, engine_args.parallel.world_size)
+    start_early(engine_args.device, engine_args.parallel.world_size, engine_args.cache_dir)
     from ostinato.engine import LLM
 
     llm = LLM(args=engine_args)

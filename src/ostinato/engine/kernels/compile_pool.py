@@ -41,7 +41,7 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ostinato.engine.kernels import jit_keys
+from ostinato.engine.kernels import jit_keys, triton_warmup
 
 IDLE_SECONDS = 120.0  # a worker's life without requests (start-up compiles come in bursts)
 # Past this a request is taken for hung (the slowest kernel of ours compiles in seconds,
@@ -532,6 +532,11 @@ def main() -> None:
     # Ctrl-C reaches the whole process group: the parent decides, and a worker ends at
     # the end of its input when the parent does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Triton's cache key, which a worker's first compile needs (a hash of Triton's 400 MB
+    # library: 2.6 s on an H200 host, every worker's first request waited for it), made
+    # beside the imports below (torch's: seconds), outside the interpreter's lock.
+    key = threading.Thread(target=triton_warmup.warm_key, name="ostinato-triton-key")
+    key.start()
     for name in sys.argv[1:]:  # (``WorkerPool.start``: imported before the first request)
         try:
             importlib.import_module(name)
@@ -542,6 +547,7 @@ def main() -> None:
         line = sys.stdin.readline() if ready else ""
         if not line:
             return
+        key.join()  # (computing it a second time beside it would be no sooner)
         error = launcher = None
         try:
             launcher = compile_request(Request(**json.loads(line)))

@@ -294,15 +294,16 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     os._exit(0 if stopped and closed else 1)
 
 
-def _placement(llm_kwargs: dict[str, Any]) -> tuple[object, int]:
-    """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default), and
-    its number of ranks."""
+def _placement(llm_kwargs: dict[str, Any]) -> tuple[object, int, object]:
+    """The ``device`` an ``LLM(**llm_kwargs)`` runs on, as given (None: the default), its
+    number of ranks, and its ``cache_dir`` (the early start points Triton into it)."""
     args = llm_kwargs.get("args")
     if args is not None:
-        return args.device, args.parallel.world_size
+        return args.device, args.parallel.world_size, args.cache_dir
     sizes = (llm_kwargs.get(k, 1) for k in ("tensor_parallel_size", "data_parallel_size"))
     # (A size that is not an int is the engine's to refuse, by name: here it counts as 1.)
-    return llm_kwargs.get("device"), math.prod(n if isinstance(n, int) else 1 for n in sizes)
+    ranks = math.prod(n if isinstance(n, int) else 1 for n in sizes)
+    return llm_kwargs.get("device"), ranks, llm_kwargs.get("cache_dir")
 
 
 def _answer(conn: Any, loop: EngineLoop, send: Any) -> None:

@@ -11,8 +11,10 @@ Three kinds of artifact live under ``<cache root>/compile`` (the model cache's r
   PDL and the noise margin: a plan measured on one GPU is never used on another.
 
 Inductor and Triton are pointed at their folders through their environment variables,
-and only where the user has not set those. A plan file that cannot be read is named in
-a warning and replaced; one that cannot be written is a warning.
+and only where the user has not set those; the module imports no torch, so an engine's
+process points them before its early threads (``api.early_start``) touch Triton's cache.
+A plan file that cannot be read is named in a warning and replaced; one that cannot be
+written is a warning.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import os
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is not imported here: the early start points the compilers first
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class CompileCache:
         self, device: torch.device, shape: Sequence[Any], rows: Sequence[int], extra: str
     ) -> str:
         """The key of one projection's plan: everything the measurement depended on."""
+        import torch
         import triton
 
         props = torch.cuda.get_device_properties(device)

@@ -17,59 +17,106 @@ from ostinato.engine.api import early_start
 from ostinato.engine.kernels import triton_warmup
 
 
-def fake_triton(monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> list[str]:
-    """Stand-ins for the two Triton internals the warm-up calls; returns the calls made
-    (``fail``: the one that raises)."""
+def fake_triton(monkeypatch: pytest.MonkeyPatch, root, fail: str | None = None) -> list[str]:
+    """Stand-ins for the Triton internals the warm-up calls: a package folder and a cache
+    folder under ``root``; returns the calls made (``fail``: the one that raises)."""
     calls: list[str] = []
 
-    def call(name: str) -> None:
+    def call(name: str) -> str:
         calls.append(name)
         if name == fail:
             raise RuntimeError(f"{name} refused")
+        return "the-key"
 
+    package = root / "triton"
+    (package / "_C").mkdir(parents=True, exist_ok=True)
+    if not (package / "__init__.py").exists():  # (written once: a reinstall changes them)
+        (package / "__init__.py").write_text("")
+        (package / "_C" / "libtriton.so").write_bytes(b"library")
+    triton = types.ModuleType("triton")
+    triton.__file__ = str(package / "__init__.py")
+    triton.__version__ = "3.6.0"
+    triton.knobs = types.SimpleNamespace(cache=types.SimpleNamespace(dir=str(root / "cache")))
     cache = types.ModuleType("triton.runtime.cache")
     cache.triton_key = lambda: call("triton_key")
     driver = types.ModuleType("triton.backends.nvidia.driver")
     driver.CudaUtils = lambda: call("CudaUtils")
-    for name in ("triton", "triton.runtime", "triton.backends", "triton.backends.nvidia"):
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    for name in ("triton.runtime", "triton.backends", "triton.backends.nvidia"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "triton.runtime.cache", cache)
     monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", driver)
     return calls
 
 
-def test_the_key_and_the_driver_module(monkeypatch):
-    calls = fake_triton(monkeypatch)
+def test_the_key_and_the_driver_module(tmp_path, monkeypatch):
+    calls = fake_triton(monkeypatch, tmp_path)
     assert triton_warmup.warm()
     assert sorted(calls) == ["CudaUtils", "triton_key"]
 
 
-def test_the_driver_module_does_not_wait_for_the_key(monkeypatch):
+def test_the_driver_module_does_not_wait_for_the_key(tmp_path, monkeypatch):
     # The module is wanted at the first launch; the key's hash takes seconds longer.
     built = threading.Event()
-    calls = fake_triton(monkeypatch)
+    calls = fake_triton(monkeypatch, tmp_path)
     sys.modules["triton.backends.nvidia.driver"].CudaUtils = built.set
-    sys.modules["triton.runtime.cache"].triton_key = lambda: calls.append(built.wait(5))
+    sys.modules["triton.runtime.cache"].triton_key = lambda: str(calls.append(built.wait(5)))
     assert triton_warmup.warm()
     assert calls == [True]
 
 
 @pytest.mark.parametrize("fail", ["triton_key", "CudaUtils"])
-def test_a_failure_is_reported_without_raising(monkeypatch, fail):
-    calls = fake_triton(monkeypatch, fail)
+def test_a_failure_is_reported_without_raising(tmp_path, monkeypatch, fail):
+    calls = fake_triton(monkeypatch, tmp_path, fail)
     assert not triton_warmup.warm()
     assert sorted(calls) == ["CudaUtils", "triton_key"]
 
 
-def test_a_compile_worker_warms_the_key_alone(monkeypatch):
-    calls = fake_triton(monkeypatch)
+def test_a_compile_worker_warms_the_key_alone(tmp_path, monkeypatch):
+    calls = fake_triton(monkeypatch, tmp_path)
     assert triton_warmup.warm_key()
     assert calls == ["triton_key"]
+
+
+def test_a_kept_key_serves_a_later_process_with_the_same_triton(tmp_path, monkeypatch):
+    # 2.6-3 s of hashing on the H200 host, at every process's first launch, otherwise.
+    calls = fake_triton(monkeypatch, tmp_path)
+    assert triton_warmup.warm_key() and calls == ["triton_key"]
+    assert (tmp_path / "cache" / triton_warmup.KEY_FILE).is_file()
+    calls = fake_triton(monkeypatch, tmp_path)  # (a new process: Triton's own function)
+    assert triton_warmup.warm_key() and calls == []
+    key = sys.modules["triton.runtime.cache"].triton_key
+    assert key() == "the-key" and key.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize("change", ["library", "version", "corrupt"])
+def test_a_kept_key_is_hashed_again_where_triton_differs(tmp_path, monkeypatch, change):
+    fake_triton(monkeypatch, tmp_path)
+    assert triton_warmup.warm_key()
+    if change == "library":  # (a reinstall: another size and time)
+        (tmp_path / "triton" / "_C" / "libtriton.so").write_bytes(b"another library")
+    if change == "corrupt":
+        (tmp_path / "cache" / triton_warmup.KEY_FILE).write_text("{not json")
+    calls = fake_triton(monkeypatch, tmp_path)
+    if change == "version":
+        sys.modules["triton"].__version__ = "3.7.0"
+    assert triton_warmup.warm_key() and calls == ["triton_key"]
+    calls = fake_triton(monkeypatch, tmp_path)  # (kept again, for the Triton now there)
+    if change == "version":
+        sys.modules["triton"].__version__ = "3.7.0"
+    assert triton_warmup.warm_key() and calls == []
+
+
+def test_an_unwritable_cache_folder_keeps_nothing_and_still_warms(tmp_path, monkeypatch):
+    calls = fake_triton(monkeypatch, tmp_path)
+    (tmp_path / "cache").write_text("a file where the folder would be")
+    assert triton_warmup.warm_key() and calls == ["triton_key"]
 
 
 def test_no_triton_does_nothing(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # (import triton raises ImportError)
     assert not triton_warmup.warm()
+    assert not triton_warmup.warm_key()
 
 
 @pytest.mark.parametrize(

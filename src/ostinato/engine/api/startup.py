@@ -178,8 +178,10 @@ def open_source(c: Checked) -> tuple[ModelSource, CompileCache | None, EngineLim
         resolve_dtype(c.args.dtype, c.device, torch.float32),  # a converted source's dtype
         later=True,  # a conversion's tokenizer beside the start: ``build`` waits for it
     )
-    with torch.device("meta"):  # names a size tp does not divide, before anything starts
-        DecoderModel(source.config, TensorParallel(0, c.parallel.tensor_parallel_size))
+    tp = c.parallel.tensor_parallel_size
+    if tp > 1:  # (one rank divides every size; the real build would name any other error)
+        with torch.device("meta"):  # names a size tp does not divide, before anything starts
+            DecoderModel(source.config, TensorParallel(0, tp))
     return source, compile_cache, engine_limits(c.args.cache, source.config)
 
 

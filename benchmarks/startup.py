@@ -73,12 +73,22 @@ def _phases(line: str) -> dict[str, float]:
     return found
 
 
-def timed(name: str, command: list[str], env: dict[str, str], timeout_s: float) -> Run:
+def timed(
+    name: str, command: list[str], env: dict[str, str], timeout_s: float, stop_at_answer=False
+) -> Run:
     """Runs ``command`` and stamps its output as it arrives (raw reads: a streamed answer
-    is printed token by token, without newlines)."""
+    is printed token by token, without newlines). ``stop_at_answer``: the process (and
+    its children) killed once the answer is out, what a first start does after it (the
+    kernel plans' measurement at close) not waited for; its exit status is then 0."""
     run = Run(name, command)
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(  # (a session of its own where its children are to be killed)
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=stop_at_answer,
+    )
     assert proc.stdout is not None
     text = ""
     while chunk := os.read(proc.stdout.fileno(), 65536):
@@ -94,7 +104,12 @@ def timed(name: str, command: list[str], env: dict[str, str], timeout_s: float) 
             run.first_token_s = now
         if run.answer_s is None and re.search(r" tokens in .* tokens/s", text):
             run.answer_s = now
+            if stop_at_answer:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
     run.returncode = proc.wait(timeout=timeout_s)
+    if stop_at_answer and run.answer_s is not None:
+        run.returncode = 0
     run.exit_s = time.perf_counter() - start
     run.tail = "\n".join(text.splitlines()[-6:])
     print(f"{name}: first token {run.first_token_s}, answer {run.answer_s}, exit "

@@ -40,6 +40,8 @@
 #                                      # GPU tests, then each sampling parameter's step cost
 #   bash scripts/gpu_suite.sh startup_ab TREE [MODEL]  # start-up of TREE and this checkout,
 #                                      # alternating, on shared filled caches (JSONs under $OUT)
+#   bash scripts/gpu_suite.sh startup_trees TREE [MODEL] [empty|filled]  # the same through
+#                                      # benchmarks.startup_ab: every cache empty in every run
 # (the calls with the GGUF's parts must follow one another while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -257,6 +259,11 @@ sampling_ab)
         (cd "$dir" && timeout 200 python3 -m benchmarks.sampling_cost --repeats 3 \
             --out "$OUT/sampling_cost_$tree.json" 2>&1 | tee "$OUT/sampling_cost_$tree.log" | tail -12)
     done
+    ;;
+startup_trees)
+    base=$(tree_dir "${2:?startup_trees: give the baseline tree}") model=${3:-smollm2}
+    timeout 560 python3 -m benchmarks.startup_ab --trees "$base/src,src" --model "$model" \
+        --caches "${4:-filled}" --out "$OUT/startup_trees_${model}_${4:-filled}.json" 2>&1 | tail -12
     ;;
 startup_ab)
     # Start-up of two trees, alternating, on caches the first run fills (--root); the

@@ -73,8 +73,28 @@ def _phases(line: str) -> dict[str, float]:
     return found
 
 
+def run_environment(cache: Path, bytecode: Path | None) -> dict[str, str]:
+    """This process's environment for a run whose caches all live in ``cache`` (Inductor's
+    and Triton's under it: their own variables dropped) and whose bytecode is written to
+    ``bytecode`` (None: none written, as on a host that sets ``PYTHONDONTWRITEBYTECODE``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
+                                                          "TRITON_CACHE_DIR")}  # fmt: skip
+    env |= {"OSTINATO_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if bytecode is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode)
+    return env
+
+
 def timed(
-    name: str, command: list[str], env: dict[str, str], timeout_s: float, stop_at_answer=False
+    name: str,
+    command: list[str],
+    env: dict[str, str],
+    timeout_s: float,
+    stop_at_answer: bool = False,
 ) -> Run:
     """Runs ``command`` and stamps its output as it arrives (raw reads: a streamed answer
     is printed token by token, without newlines). ``stop_at_answer``: the process (and
@@ -307,15 +327,8 @@ def main() -> None:
     root = args.root or Path(tempfile.mkdtemp(prefix="ostinato-startup-"))
     runs = []
     for name, command, key in planned(args):
-        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
-                                                              "TRITON_CACHE_DIR")}  # fmt: skip
-        env |= {"OSTINATO_CACHE_DIR": str(root / key), "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONPYCACHEPREFIX", None)
-        if "no bytecode" in name:
-            env["PYTHONDONTWRITEBYTECODE"] = "1"
-        else:
-            env.pop("PYTHONDONTWRITEBYTECODE", None)
-            env["PYTHONPYCACHEPREFIX"] = str(root / key / "bytecode")
+        bytecode = None if "no bytecode" in name else root / key / "bytecode"
+        env = run_environment(root / key, bytecode)
         if INSTALLED in name:
             compiled = compile_installed(env)
             print(f"{name}: bytecode compiled in {compiled:.1f} s first", flush=True)

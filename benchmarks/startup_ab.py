@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.startup import QUESTION, Run, timed
+from benchmarks.startup import QUESTION, Run, run_environment, timed
 from ostinato.provenance import Provenance
 
 
@@ -39,17 +39,10 @@ def command(model: str, device: str, max_tokens: int) -> list[str]:
 
 
 def environment(tree: str, cache: Path, bytecode: Path) -> dict[str, str]:
-    """This process's environment with ``tree`` first on the path and the run's folders."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
-                                                          "TRITON_CACHE_DIR")}  # fmt: skip
+    """``startup``'s run environment with ``tree`` first on the path."""
+    env = run_environment(cache, bytecode)
     path = os.pathsep.join(p for p in (tree, os.getcwd(), env.get("PYTHONPATH")) if p)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    return env | {
-        "PYTHONPATH": path,
-        "OSTINATO_CACHE_DIR": str(cache),
-        "PYTHONPYCACHEPREFIX": str(bytecode),
-        "PYTHONUNBUFFERED": "1",
-    }
+    return env | {"PYTHONPATH": path}
 
 
 def compare(args: argparse.Namespace, root: Path) -> list[Run]:

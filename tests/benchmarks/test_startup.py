@@ -85,3 +85,16 @@ def test_bytecode_as_installed_is_compiled_into_the_run_s_prefix(tmp_path, monke
     args = argparse.Namespace(device="cuda", max_tokens=8)
     names = [name for name, _, _ in startup.scenarios(args)]
     assert f"smollm2 default, caches empty, {startup.INSTALLED}" in names
+
+
+def test_a_run_keeps_its_caches_and_bytecode_where_it_is_told(tmp_path, monkeypatch):
+    from benchmarks.startup import run_environment
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = run_environment(tmp_path / "c", tmp_path / "b")
+    assert env["OSTINATO_CACHE_DIR"] == str(tmp_path / "c") and "TRITON_CACHE_DIR" not in env
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "b")
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    env = run_environment(tmp_path / "c", None)
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1" and "PYTHONPYCACHEPREFIX" not in env

@@ -5,7 +5,9 @@ imported."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 from pathlib import Path
 
 ENV_VAR = "OSTINATO_CACHE_DIR"
@@ -34,3 +36,18 @@ def root_from_arg(cache_dir: object) -> Path | None:
             f"cache_dir: expected a path, True, False or None, got {type(cache_dir).__name__}"
         )
     return Path(cache_dir)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary name beside it, then a rename: a
+    reader sees the old file or the new one, never half of one, and of two writers one
+    wins whole. ``OSError`` where it cannot (the temporary file removed first)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

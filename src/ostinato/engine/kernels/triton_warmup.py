@@ -33,9 +33,10 @@ import hashlib
 import json
 import os
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
+
+from ostinato.cache_root import replace_file
 
 KEY_FILE = "ostinato-triton-key.json"
 
@@ -72,7 +73,9 @@ def warm_key() -> bool:
         if kept is not None:
             cache.triton_key = _known(kept)
         else:
-            _keep(folder / KEY_FILE, identity, cache.triton_key())
+            text = json.dumps({"identity": identity, "key": cache.triton_key()})
+            with contextlib.suppress(OSError):  # (not kept: a later process hashes again)
+                replace_file(folder / KEY_FILE, text)
     except Exception:  # (no Triton, or internals that moved)
         return False
     return True
@@ -100,19 +103,6 @@ def _read_kept(path: Path, identity: str) -> str | None:
         return None
     key = kept.get("key")
     return key if isinstance(key, str) and key else None
-
-
-def _keep(path: Path, identity: str, key: str) -> None:
-    """Writes the key under a temporary name, then renames it (a reader never sees half
-    a file); a folder that cannot be written keeps nothing."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"identity": identity, "key": key}))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
 
 
 def _known(key: str) -> Any:

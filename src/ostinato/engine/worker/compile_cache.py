@@ -19,14 +19,14 @@ written is a warning.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ostinato.cache_root import replace_file
 
 if TYPE_CHECKING:  # torch is not imported here: the early start points the compilers first
     import torch
@@ -92,12 +92,7 @@ class CompileCache:
         """Adds ``plans`` to the file (written to a temporary name, then renamed)."""
         merged = {**self.load_plans(), **plans}
         path = self.folder / PLANS
-        tmp = path.with_name(f".{PLANS}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(merged, indent=1))
-            os.replace(tmp, path)
+            replace_file(path, json.dumps(merged, indent=1))
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             logger.warning("ostinato: cannot write %s (%s); plans are not kept", path, exc)

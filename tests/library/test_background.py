@@ -80,6 +80,19 @@ def serve(r, m, dispatcher, steps, seed=0, seen=None):
     return modes
 
 
+def serve_while_capturing(r, m, dispatcher, capture, steps, seed, seen=None, limit_s=60.0):
+    """``serve``'s ``steps``, then more in rounds of 20 until ``capture`` is done (within
+    ``limit_s``): on a busy machine the capture thread may get no turn during the first
+    ``steps``, and what the tests check is steps and the capture taking turns."""
+    modes = serve(r, m, dispatcher, steps, seed, seen)
+    deadline = time.monotonic() + limit_s
+    more = 0
+    while not capture.done and time.monotonic() < deadline:
+        more += 1
+        modes += serve(r, m, dispatcher, 20, seed + 1000 * more, seen)
+    return modes
+
+
 def step_at_one(r, m, dispatcher, hold_s=0.0):
     """One step of one token, its output checked, holding the turn ``hold_s`` longer;
     returns whether it replayed (its graph was ready)."""
@@ -100,7 +113,7 @@ def test_steps_run_correctly_while_the_graphs_are_captured():
     assert m.stats().eager_steps[EagerReason.NOT_CAPTURED_YET] == 20
     go.set()
     seen: set[int] = set()
-    ran = serve(r, m, dispatcher, steps=300, seed=1, seen=seen)
+    ran = serve_while_capturing(r, m, dispatcher, capture, steps=300, seed=1, seen=seen)
     stats = m.stats()
     assert stats.eager_steps[EagerReason.NOT_CAPTURED_YET] == 20 + ran.count(False)
     assert stats.replays == ran.count(True)
@@ -357,7 +370,7 @@ def test_work_afterwards_runs_after_the_epilogue_one_unit_per_turn_and_steps_sta
     capture = m.capture_in_background(
         epilogue=lambda unit: order.append("epilogue"), afterwards=afterwards
     )
-    ran = serve(r, m, dispatcher, steps=300, seed=3)  # checks every output
+    ran = serve_while_capturing(r, m, dispatcher, capture, steps=300, seed=3)  # checks each
     assert capture.wait(10) and capture.error is None and capture.afterwards_error is None
     assert order == ["epilogue", "afterwards"] and units == [False] * 30
     assert capture.capture_seconds <= capture.seconds and "done after" in capture.summary()

@@ -216,9 +216,17 @@ def _http_client(base: str) -> Any:
 
 
 def _client_process(
-    base: str, queues: dict[int, Queue] | None, timed: Timed | None, ready: Any, out: Any
+    base: str,
+    queues: dict[int, Queue] | None,
+    timed: Timed | None,
+    ready: Any,
+    out: Any,
+    cpus: frozenset[int] | None,
 ) -> None:
     import httpx  # noqa: F401  (imported before the clock starts)
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     ready.wait()  # every client process is up: they start together
     wall, cpu = time.perf_counter(), time.process_time()
@@ -237,30 +245,43 @@ class Load:
     client_busy: float
 
 
-def run_load(base: str, jobs: list[Job], n_clients: int, procs: int) -> Load:
+def run_load(
+    base: str, jobs: list[Job], n_clients: int, procs: int, cpus: frozenset[int] | None = None
+) -> Load:
     """``n_clients`` closed-loop clients over ``jobs`` (client c sends jobs c, c + N,
     c + 2N, ... one after the other), spread over ``procs`` processes that start
-    together."""
+    together (on ``cpus`` where given)."""
     procs = max(1, min(procs, n_clients))
     queues = {c: list(enumerate(jobs))[c::n_clients] for c in range(n_clients)}
     work = [({c: q for c, q in queues.items() if c % procs == p}, None) for p in range(procs)]
-    return _in_processes(base, work)
+    return _in_processes(base, work, cpus)
 
 
-def run_rate(base: str, jobs: list[Job], rate: float, procs: int, seed: int) -> Load:
+def run_rate(
+    base: str,
+    jobs: list[Job],
+    rate: float,
+    procs: int,
+    seed: int,
+    cpus: frozenset[int] | None = None,
+) -> Load:
     """``jobs`` sent open-loop at ``rate`` per second (``arrivals``), spread round-robin
-    over ``procs`` processes that start together."""
+    over ``procs`` processes that start together (on ``cpus`` where given)."""
     procs = max(1, min(procs, len(jobs)))
     times = arrivals(len(jobs), rate, seed)
     timed = [(at, i, job) for i, (at, job) in enumerate(zip(times, jobs, strict=True))]
-    return _in_processes(base, [(None, timed[p::procs]) for p in range(procs)])
+    return _in_processes(base, [(None, timed[p::procs]) for p in range(procs)], cpus)
 
 
-def _in_processes(base: str, work: list[tuple[dict[int, Queue] | None, Timed | None]]) -> Load:
+def _in_processes(
+    base: str,
+    work: list[tuple[dict[int, Queue] | None, Timed | None]],
+    cpus: frozenset[int] | None,
+) -> Load:
     ctx = mp.get_context("spawn")
     ready, out = ctx.Barrier(len(work)), ctx.Queue()
     children = [
-        ctx.Process(target=_client_process, args=(base, queues, timed, ready, out))
+        ctx.Process(target=_client_process, args=(base, queues, timed, ready, out, cpus))
         for queues, timed in work
     ]
     for c in children:
@@ -359,6 +380,17 @@ def _steady(replies: list[Reply]) -> dict[str, float] | None:
     return {"seconds": end - start, "tokens": tokens, "output_throughput": tokens / (end - start)}
 
 
+def cpu_set(text: str) -> frozenset[int] | None:
+    """The CPUs of a list such as ``0-3,8`` (taskset's form); None for an empty one."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"a CPU list such as 0-3,8: got {text!r}")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus) or None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -368,7 +400,10 @@ def free_port() -> int:
 class Server:
     """``ostinato serve`` as a child process on 127.0.0.1."""
 
-    def __init__(self, engine_args: list[str], log: Path) -> None:
+    def __init__(
+        self, engine_args: list[str], log: Path, cpus: frozenset[int] | None = None
+    ) -> None:
+        """``cpus``: the server's (and so its engine process's) CPUs, where given."""
         import httpx
 
         self.port = free_port()
@@ -376,7 +411,11 @@ class Server:
         command = [sys.executable, "-m", "ostinato.engine", "serve", "--port", str(self.port)]
         self.log = log.open("w")
         self.proc = subprocess.Popen(
-            command + engine_args, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ
+            command + engine_args,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=os.environ,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.started = time.monotonic()
         while self.proc.poll() is None:
@@ -529,7 +568,8 @@ def run_server_phases(
 ) -> tuple[list[dict[str, Any]], float]:
     """Every phase against one server, in order; the replies and counters of each."""
     engine = ["--max-num-seqs", str(max_num_seqs(plan)), *engine_args(args)]
-    server = Server(engine, log)
+    server = Server(engine, log, cpu_set(args.server_cpus))
+    clients = cpu_set(args.client_cpus)
     results: list[dict[str, Any]] = []
     base = f"{server.base}/v1"
     try:
@@ -538,9 +578,9 @@ def run_server_phases(
         for i, phase in enumerate(plan):
             before = server.metrics()
             if phase.rate is None:
-                load = run_load(base, phase.jobs, phase.clients, args.client_procs)
+                load = run_load(base, phase.jobs, phase.clients, args.client_procs, clients)
             else:
-                load = run_rate(base, phase.jobs, phase.rate, args.client_procs, seed=i)
+                load = run_rate(base, phase.jobs, phase.rate, args.client_procs, i, clients)
             free = server.blocks_free()
             counters = graph_counters(before, server.metrics())
             results.append(
@@ -581,6 +621,10 @@ def main() -> None:
         default=max(1, min(12, (os.cpu_count() or 1) - 4)),
         help="processes the clients run in (default: the cores but 4, at most 12)",
     )
+    # On one host the clients' processes and the server's share the cores; these keep them
+    # apart (taskset's lists, e.g. 0-3 and 4-15), as clients on other hosts would be.
+    parser.add_argument("--server-cpus", default="", help="the server's CPUs (default: any)")
+    parser.add_argument("--client-cpus", default="", help="the clients' CPUs (default: any)")
     parser.add_argument("--vocab-cap", type=int, default=30000, help="prompt ids below this")
     parser.add_argument(
         "--request-rates", default="4,16,64", help="open-loop phases: requests per second (inf)"

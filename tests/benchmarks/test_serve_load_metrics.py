@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.serve_load import Reply, arrivals, distribution, summarize
+from benchmarks.serve_load import Reply, arrivals, cpu_set, distribution, summarize
 
 
 def test_the_fields_metrics_from_replies_built_by_hand():
@@ -43,3 +43,12 @@ def test_arrivals_follow_the_rate_asked():
     assert len(times) / times[-1] == pytest.approx(50.0, rel=0.05)
     assert arrivals(3, math.inf, seed=1) == [0.0, 0.0, 0.0]
     assert arrivals(5, 2.0, seed=3) == arrivals(5, 2.0, seed=3)  # seeded
+
+
+def test_cpu_lists_read_as_taskset_writes_them():
+    assert cpu_set("0-3,8") == frozenset({0, 1, 2, 3, 8})
+    assert cpu_set(" 5 ") == frozenset({5})
+    assert cpu_set("") is None
+    for bad in ("a-3", "1-", "x"):
+        with pytest.raises(ValueError, match="CPU list"):
+            cpu_set(bad)

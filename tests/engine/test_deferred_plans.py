@@ -14,6 +14,7 @@ from ostinato.engine import KernelOptions, SamplingParams
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.presets import shape
 from ostinato.engine.worker import kernel_plan as kernel_plan_module
 from ostinato.engine.worker.compile_cache import CompileCache
@@ -166,6 +167,45 @@ def test_measured_gemm_plans_name_the_rows_they_change_and_the_rules_counters_li
     assert rows_from((0, 3, 0), (0, 3, 3, 3, 3), frozenset({2})) == (0, 3, 3)
     assert rows_from((), (0, 3, 3), frozenset({2})) == (0, 0, 3)
     assert rows_from((0, 5, 0), (0, 0, 0), frozenset({1})) == ()  # all cuBLAS: no plan
+
+
+def test_the_rules_plans_come_back_with_no_device_work_inside_the_turn(
+    tmp_path, cpu_keys, monkeypatch
+):
+    # The steps wait while the turn is held: the new split-K counters (an allocation and a
+    # fill each) are made before it, and only handed over inside.
+    monkeypatch.setattr(kernel_plan_module, "small_gemm_plans_cached", lambda *a, **k: False)
+    kp = _plan(CompileCache(tmp_path), _timer([], faster_unfused=()), small_gemm_rows=(1, 2))
+    qkv = kp.model.layers[0].self_attn.qkv_proj
+    qkv.use_plan((0, 3, 3), 4, False)
+    kp.plan(defer=True)
+
+    def measured(linears, rows, pdl, cache=None, turn=None):
+        with turn():
+            qkv.use_plan((0, 3, 0), 4, False)
+        return []
+
+    monkeypatch.setattr(kernel_plan_module, "plan_small_gemms", measured)
+    kp.measure_deferred(None, contextlib.nullcontext)
+    inside, made = [False], []
+    new_counters = Linear.new_counters
+
+    def spy(self, count):
+        made.append(inside[0])
+        return new_counters(self, count)
+
+    @contextlib.contextmanager
+    def turn():
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(Linear, "new_counters", spy)
+    kp.keep_rules_at(frozenset({2}), turn)
+    assert qkv.plan == (0, 3, 3)
+    assert made and not any(made)
 
 
 def test_where_the_rules_graphs_won_a_later_start_reads_the_rules_layers(tmp_path, cpu_keys):

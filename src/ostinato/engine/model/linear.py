@@ -151,16 +151,20 @@ class Linear(nn.Linear):
         # The split-K counters of a plan (``use_plan``); none until one is given.
         self.register_buffer("counters", torch.zeros(0, dtype=torch.int32), persistent=False)
 
-    def use_plan(self, plan: tuple[int, ...], counters: int, pdl: bool) -> None:
+    def use_plan(self, plan: tuple[int, ...], counters: int | torch.Tensor, pdl: bool) -> None:
         """Routes row counts through ``plan`` (empty: plain ``nn.Linear`` again), with
-        ``counters`` zeroed split-K counters on the weight's device."""
+        ``counters`` zeroed split-K counters on the weight's device (a count, or the
+        tensor ``new_counters`` made beforehand: no device work here then)."""
+        if isinstance(counters, int):
+            counters = self.new_counters(counters)
         self.plan = tuple(plan)
         self.pdl = pdl
-        device = self.weight.device
         # Not persistent: scratch, not state; the kernel leaves them zero after each call.
-        self.register_buffer(
-            "counters", torch.zeros(counters, dtype=torch.int32, device=device), persistent=False
-        )
+        self.register_buffer("counters", counters, persistent=False)
+
+    def new_counters(self, count: int) -> torch.Tensor:
+        """``count`` zeroed split-K counters on the weight's device, for ``use_plan``."""
+        return torch.zeros(count, dtype=torch.int32, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.plan:

@@ -284,12 +284,20 @@ def default_plans(linears: Sequence[tuple[Linear, bool]], pdl: bool) -> None:
     with ``KernelOptions.fused_layers`` runs where nothing was measured. Larger weights
     keep cuBLAS (and their fused ops the unfused kernels)."""
     for linear, swiglu in linears:
-        w = linear.weight
-        if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
-            continue
-        if any(linear.plan) or w.numel() * w.element_size() > rules().small_weight_bytes:
-            continue
-        linear.use_plan(_default_plan(w, swiglu), counters_needed(w.shape[0]), pdl)
+        plan = default_plan_for(linear, swiglu, linear.plan)
+        if plan is not None:
+            linear.use_plan(plan, counters_needed(linear.weight.shape[0]), pdl)
+
+
+def default_plan_for(linear: Linear, swiglu: bool, plan: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The plan ``default_plans`` gives ``linear`` if it held ``plan``; None where it
+    gives none (a Triton entry in ``plan``, a weight too large, not 16-bit CUDA)."""
+    w = linear.weight
+    if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if any(plan) or w.numel() * w.element_size() > rules().small_weight_bytes:
+        return None
+    return _default_plan(w, swiglu)
 
 
 def _default_plan(w: torch.Tensor, swiglu: bool) -> tuple[int, ...]:

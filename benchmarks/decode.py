@@ -73,6 +73,7 @@ KERNEL_VARIANTS = {
     "ostinato FULL layers-unfused pdl+small-gemm": KernelVariant(
         kernels=KernelOptions(small_gemm=True, fused_layers=False), mode=GraphMode.FULL
     ),
+    "ostinato FULL no-pdl": KernelVariant(kernels=KernelOptions(pdl=False), mode=GraphMode.FULL),
     # The default with the GEMM plans by rule instead of measured (what a first start
     # decodes on while it measures them):
     "ostinato FULL rules-gemm": KernelVariant(

@@ -250,6 +250,7 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
         (dict(max_batch_size="128"), TypeError, "^max_batch_size: expected a positive int"),
         (dict(max_batch_size=0), ValueError, "^max_batch_size: expected a positive int, got 0"),
         (dict(max_batch_size=True), TypeError, "^max_batch_size: expected a positive int"),
+        (dict(max_batch_size=10**9), ValueError, "^max_batch_size: 1000000000 makes a ladder"),
         (dict(capture_sizes="1,2"), TypeError, "^capture_sizes: expected a sequence"),
         (dict(max_batch_size=4, capture_sizes=[8]), ValueError, "give one .* not both"),
         (dict(splitting_ops="lib::op"), TypeError, "^splitting_ops: expected a sequence"),

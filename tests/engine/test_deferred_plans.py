@@ -5,9 +5,11 @@ keeping the faster graph. On the CPU, with the test double for graphs and timing
 our own (the GPU's are ``graph_call_us``); the GPU test is in ``test_gpu_startup``."""
 
 import contextlib
+import time
 
 import pytest
 import torch
+from fakes import FakePlatform
 from test_graphed_engine import engine
 
 from ostinato.engine import KernelOptions, SamplingParams
@@ -383,7 +385,11 @@ def test_a_recaptured_graph_stays_only_where_its_replays_are_not_slower(new_s, k
         yield
         order.append(")")
 
-    keep_new = faster_replay(lambda: synced.append(1), rounds=3, replays=2)
+    class Synced(FakePlatform):
+        def synchronize(self) -> None:
+            synced.append(1)
+
+    keep_new = faster_replay(Synced().held_seconds, rounds=3, replays=2)
     assert keep_new(replay(0.01, "old"), replay(new_s, "new"), held) is kept
     # Alternating rounds, each stage's replays back to back between two synchronizes,
     # each round in a hold of its own.
@@ -404,6 +410,32 @@ def test_a_recapture_choice_holds_the_steps_for_one_replay_by_default():
     def replay(name):
         return lambda: holds[-1].append(name)
 
-    faster_replay(lambda: None)(replay("old"), replay("new"), held)
+    faster_replay(FakePlatform().held_seconds)(replay("old"), replay("new"), held)
     assert len(holds) == 30 and all(len(h) == 1 for h in holds)
     assert [h[0] for h in holds] == ["old", "new"] * 15
+
+
+def test_a_timer_that_times_the_device_decides_the_choice_alone():
+    # What the choice compares is the platform's timing of each round (on CUDA the
+    # device's clock): a round whose host took long but whose timer says fast counts fast.
+    from ostinato.engine.worker.deferred_plans import faster_replay
+
+    said = {"old": 2.0, "new": 1.0}
+    calls = []
+
+    def timer(fn, replays, held):
+        with held():
+            fn()
+        calls.append(replays)
+        return said[fn.__name__]
+
+    def old():
+        time.sleep(0.0)
+
+    def new():
+        time.sleep(0.002)  # slower by the host's clock, faster by the timer's
+
+    assert faster_replay(timer, rounds=3)(old, new, contextlib.nullcontext) is True
+    assert calls == [1] * 6
+    said["new"] = 3.0
+    assert faster_replay(timer, rounds=3)(old, new, contextlib.nullcontext) is False

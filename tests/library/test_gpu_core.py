@@ -343,6 +343,44 @@ def test_a_timing_held_per_replay_captures_beside_another_threads_work(monkeypat
     assert all(0.5 * plain < us < 2.0 * plain for us in held), (plain, held)
 
 
+def test_a_held_timing_lets_go_before_its_calls_end_and_times_them_alone():
+    # CudaPlatform.held_seconds (the recapture choice's timer): the hold is let go once
+    # the calls are queued, the device still running them (a step waits for the queueing,
+    # not for the calls), and the time is theirs: not the work queued before the hold,
+    # three calls about three times one.
+    import contextlib
+
+    from ostinato.platform.cuda import CudaPlatform
+
+    platform = CudaPlatform()
+    x = torch.randn(2048, 2048, device=DEVICE)
+    x @ x
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x @ x  # (cuBLAS's set-up on the capture stream)
+        graph.capture_begin()
+        for _ in range(8):
+            x @ x
+        graph.capture_end()
+    torch.cuda.synchronize()
+    one = platform.held_seconds(graph.replay, 1, contextlib.nullcontext)
+    busy_at_release = []
+
+    @contextlib.contextmanager
+    def held():
+        yield
+        busy_at_release.append(not torch.cuda.current_stream().query())
+
+    for _ in range(16):
+        x @ x  # queued before the hold: not the calls' time
+    after_work = platform.held_seconds(graph.replay, 1, held)
+    three = platform.held_seconds(graph.replay, 3, held)
+    assert busy_at_release == [True, True]
+    assert 0.7 * one < after_work < 1.4 * one, (one, after_work)
+    assert 2.4 * one < three < 3.6 * one, (one, three)
+
+
 def test_a_background_capture_records_beside_steps_that_stay_right(monkeypatch):
     # CUDA records without running anything, so a background FULL capture lets go of the
     # step turn while it records: steps run, replaying or eager, inside recordings (none

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -75,6 +76,18 @@ class Platform(ABC):
         not for one holding a turn that another thread's capture waits for."""
         with exclusive_device():
             self.synchronize()
+
+    def held_seconds(self, fn: Callable[[], object], calls: int, held: Held) -> float:
+        """Seconds of ``calls`` calls of ``fn`` back to back, queued inside ``held()`` (a
+        hold of the steps' turn): here by the host's clock, the device synchronized before
+        and after, inside the hold. Platforms with device timers time the device instead."""
+        with held():
+            self.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.synchronize()
+            return time.perf_counter() - start
 
     def memory_reserved(self) -> int:
         """Bytes the framework's caching allocator holds on the device."""

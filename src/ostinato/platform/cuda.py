@@ -114,6 +114,11 @@ class CudaPlatform(Platform):
         scratch.capture_end()
         scratch.reset()
 
+    def held_seconds(self, fn: Callable[[], object], calls: int, held: Held) -> float:
+        """By the device's clock (``held_calls_us``): the host's delays count only where
+        one holds a launch back past the spin queued ahead of the calls."""
+        return held_calls_us(fn, calls, held) / 1e6
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
@@ -281,12 +286,28 @@ def held_replay_us(graph: Any, turn: Held) -> float:
     the device for the spin and the replay, not for a drain of the steps' work (which
     left the device idle while the next step was launched). Work on another stream would
     share the replay's time (the engine's steps use the current one)."""
+
+    @contextlib.contextmanager
+    def exclusive_turn() -> Iterator[None]:
+        with turn(), exclusive_device():
+            yield
+
+    return held_calls_us(graph.replay, 1, exclusive_turn)
+
+
+def held_calls_us(fn: Callable[[], object], calls: int, held: Held) -> float:
+    """µs of ``calls`` calls of ``fn`` back to back (work it queues on the current
+    stream), queued inside ``held()`` behind ``LEAD_CYCLES`` of spinning and timed by
+    events around them (``held_replay_us``: what was queued before does not count, nor a
+    delay of the host's shorter than the spin); ``held()`` is let go once they are
+    queued, and the wait for their end happens outside it."""
     _warm_timing()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with turn(), exclusive_device():
+    with held():
         torch.cuda._sleep(LEAD_CYCLES)
         start.record()
-        graph.replay()
+        for _ in range(calls):
+            fn()
         end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -36,6 +35,9 @@ from ostinato.platform.base import Held
 from ostinato.runtime import GraphRuntime
 
 logger = logging.getLogger(__name__)
+
+# Seconds of ``calls`` calls of a function, queued inside ``held()`` (``Platform.held_seconds``)
+HeldTimer = Callable[[Callable[[], object], int, Held], float]
 
 
 class Measurable(Protocol):
@@ -73,7 +75,7 @@ class DeferredPlans:
             plan.gemm_seconds, plan.layer_seconds, sorted(changed),
         )  # fmt: skip
         plan.compile_measured(inputs, changed)
-        keep_new = faster_replay(manager.platform.synchronize)
+        keep_new = faster_replay(manager.platform.held_seconds)
         for d in runner.graphs.dispatcher.keys(GraphMode.FULL):
             if d.num_tokens in changed:  # (each part in a turn of its own: ``recapture``)
                 self.recaptured[d] = kept = manager.recapture(d, keep_new, turn)
@@ -108,24 +110,20 @@ def rules_won(recaptured: dict[BatchDescriptor, bool]) -> frozenset[int]:
     return frozenset(sizes - won)
 
 
-def faster_replay(synchronize: Callable[[], None], rounds: int = 15, replays: int = 1) -> KeepNew:
-    """``GraphManager.recapture``'s choice by wall time: ``rounds`` alternating rounds of
-    ``replays`` replays of each graph, each round inside ``held()`` and the device
-    synchronized around it; the new graph stays unless its median is slower. By default
-    a round is one replay, so a step beside waits for one replay, not five (the 1.5 B
-    shape's five held 5 ms)."""
+def faster_replay(timer: HeldTimer, rounds: int = 15, replays: int = 1) -> KeepNew:
+    """``GraphManager.recapture``'s choice: ``rounds`` alternating rounds of ``replays``
+    replays of each graph, each round queued inside a ``held()`` of its own and timed by
+    ``timer`` (``Platform.held_seconds``: on CUDA the device's clock, so a host busy with
+    other work, as a first start's compile workers keep it, counts only where it delays a
+    replay's launch past the spin ahead of it); the new graph stays unless its median is
+    slower. By default a round is one replay, so a step
+    beside waits for one replay, not five (the 1.5 B shape's five held 5 ms)."""
 
     def keep_new(old: Callable[[], None], new: Callable[[], None], held: Held) -> bool:
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(rounds):
             for replay, seconds in ((old, times[0]), (new, times[1])):
-                with held():
-                    synchronize()
-                    start = time.perf_counter()
-                    for _ in range(replays):
-                        replay()
-                    synchronize()
-                    seconds.append(time.perf_counter() - start)
+                seconds.append(timer(replay, replays, held))
         old_s, new_s = statistics.median(times[0]), statistics.median(times[1])
         logger.info(
             "ostinato: a graph on the measured plans replays in %.3f ms, the rules' in "

@@ -42,6 +42,9 @@
 #                                      # alternating, on shared filled caches (JSONs under $OUT)
 #   bash scripts/gpu_suite.sh startup_trees TREE [MODEL] [empty|filled]  # the same through
 #                                      # benchmarks.startup_ab: every cache empty in every run
+#   bash scripts/gpu_suite.sh timers   # the held timers' and the recapture choice's GPU tests,
+#                                      # then a background start's holds (deferred_plans, 1.5 B)
+#                                      # with the choice's log lines (JSON and log under $OUT)
 # (the calls with the GGUF's parts must follow one another while the machine is warm).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -260,6 +263,18 @@ sampling_ab)
             --out "$OUT/sampling_cost_$tree.json" 2>&1 | tee "$OUT/sampling_cost_$tree.log" | tail -12)
     done
     ;;
+timers)
+    k="timing_held or held_timing or recaptured or replayed_between or deferred"
+    timeout 300 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        tests/library/test_gpu_core.py tests/engine/test_gpu_startup.py -k "$k" 2>&1 \
+        | tee "$OUT/gpu_tests_timers.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
+    timeout 240 python3 -c "import logging, runpy, sys; \
+logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
+sys.argv = ['deferred_plans', '--batch', '8', '--new-tokens', '64', '--rounds-after', '2', \
+'--timeout', '200', '--out', '$OUT/dp_timers.json']; \
+runpy.run_module('benchmarks.deferred_plans', run_name='__main__')" > "$OUT/dp_timers.log" 2>&1
+    grep -E "replays in|graph kept|longest" "$OUT/dp_timers.log" | tail -14
+    ;;
 startup_trees)
     base=$(tree_dir "${2:?startup_trees: give the baseline tree}") model=${3:-smollm2}
     timeout 560 python3 -m benchmarks.startup_ab --trees "$base/src,src" --model "$model" \
@@ -289,7 +304,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab|startup_trees|timers" >&2
     exit 2
     ;;
 esac

@@ -75,9 +75,10 @@ class Recapture:
         )
         if turn is None:
             meta[0] = self._dummy(descriptor)
-            # ``keep_new`` synchronizes the device between its replays, which would fail
-            # another engine's capture in progress: it waits for that capture, then holds
-            # the device through the choice (and its timings do not count the wait).
+            # ``keep_new``'s timer may synchronize the device between its replays (the
+            # host-clock one does), which would fail another engine's capture in progress:
+            # it waits for that capture, then holds the device through the choice (and its
+            # timings do not count the wait).
             with exclusive_device():
                 return keep_new(*replays, contextlib.nullcontext)
 

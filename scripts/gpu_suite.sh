@@ -15,8 +15,9 @@
 #   bash scripts/gpu_suite.sh serve2   # part 2 joined; the server's GPU tests, the SmolLM2 load
 #   bash scripts/gpu_suite.sh graphed  # graphed's and the checked replays' GPU tests, the README,
 #                                      # the graph-budget benchmark (JSON under $OUT)
-#   bash scripts/gpu_suite.sh models [MODELS]  # the graphed models benchmark (JSON under $OUT;
-#                                      # default resnet50,mobilenet,vit; then bert,distilbert,gpt2)
+#   bash scripts/gpu_suite.sh models [MODELS] [SYSTEMS]  # the graphed models benchmark (JSON
+#                                      # under $OUT; default resnet50,mobilenet,vit; then
+#                                      # bert,distilbert,gpt2; every system unless named)
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
 #   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
 #   bash scripts/gpu_suite.sh ab BASE  # decode step (A/B/A) and e2e generate (A/B), 1.5 B shape,
@@ -149,8 +150,12 @@ graphed)
     ;;
 models)
     # six models by five systems do not fit one call: a comma list of models per call
+    # ${3}: the systems (default: every one; e.g. "reduce-overhead,ostinato default,ostinato
+    # every size" for the per-size ladder against the default's)
     models=${2:-resnet50,mobilenet,vit}
-    timeout 570 python3 -m benchmarks.graphed_models --models "$models" \
+    systems=()
+    [ -n "${3:-}" ] && systems=(--systems "$3")
+    timeout 570 python3 -m benchmarks.graphed_models --models "$models" "${systems[@]}" \
         --out "$OUT/graphed_models_${models//,/_}_h200.json" 2>&1 | tee "$OUT/graphed_models.log"
     ;;
 fused)

@@ -53,7 +53,7 @@ from torch.utils._pytree import (
 
 from ostinato.batch import BatchDescriptor
 from ostinato.compile_artifacts import ArtifactStore, identity
-from ostinato.config import MAX_CAPTURE_SIZES, GraphConfig, ladder_length
+from ostinato.config import GraphConfig, check_ladder_length
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
 from ostinato.mathutil import checked_bool, checked_int, is_int
@@ -226,12 +226,7 @@ def _ladder(max_batch_size: object, capture_sizes: object) -> dict[str, Any]:
     """``GraphConfig``'s ladder fields from ``graphed``'s two ways of giving it."""
     if capture_sizes is None:
         size = 64 if max_batch_size is None else checked_int("max_batch_size", max_batch_size)
-        if ladder_length(size) > MAX_CAPTURE_SIZES:  # (GraphConfig's check, by the user's name)
-            raise ValueError(
-                f"max_batch_size: {size} makes a ladder of {ladder_length(size)} sizes, more "
-                f"than {MAX_CAPTURE_SIZES} graphs to capture and hold; lower it (larger "
-                "batches run eagerly) or give capture_sizes"
-            )
+        check_ladder_length(size, "max_batch_size")  # (GraphConfig's check, by the user's name)
         return {"max_capture_size": size}
     if max_batch_size is not None:
         raise ValueError(

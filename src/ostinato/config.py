@@ -45,6 +45,17 @@ def ladder_length(max_capture_size: int) -> int:
     return count + (last != max_capture_size)
 
 
+def check_ladder_length(limit: int, name: str = "max_capture_size") -> None:
+    """``ValueError`` naming ``name`` (the argument as the caller wrote it) where the
+    default ladder up to ``limit`` has more than ``MAX_CAPTURE_SIZES`` sizes."""
+    if ladder_length(limit) > MAX_CAPTURE_SIZES:
+        raise ValueError(
+            f"{name}: {limit} makes a ladder of {ladder_length(limit)} sizes, more than "
+            f"{MAX_CAPTURE_SIZES} graphs to capture and hold; lower it (larger batches run "
+            "eagerly) or give capture_sizes"
+        )
+
+
 def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
     """The default ladder: 1, 2, 4, multiples of 8 up to 256, of 16 up to 512, of 128
     above.
@@ -124,12 +135,8 @@ class GraphConfig:
             limit = self.max_capture_size
             if self.max_num_tokens is not None:
                 limit = min(limit, self.max_num_tokens)
-            if limit >= 1 and ladder_length(limit) > MAX_CAPTURE_SIZES:
-                raise ValueError(
-                    f"max_capture_size: {limit} makes a ladder of {ladder_length(limit)} sizes, "
-                    f"more than {MAX_CAPTURE_SIZES} graphs to capture and hold; lower it "
-                    "(larger batches run eagerly) or give capture_sizes"
-                )
+            if limit >= 1:
+                check_ladder_length(limit)
             sizes = default_capture_sizes(limit)
         else:
             sizes = _validated_sizes(self.capture_sizes, self.max_num_tokens)

@@ -116,8 +116,8 @@ def faster_replay(timer: HeldTimer, rounds: int = 15, replays: int = 1) -> KeepN
     ``timer`` (``Platform.held_seconds``: on CUDA the device's clock, so a host busy with
     other work, as a first start's compile workers keep it, counts only where it delays a
     replay's launch past the spin ahead of it); the new graph stays unless its median is
-    slower. By default a round is one replay, so a step
-    beside waits for one replay, not five (the 1.5 B shape's five held 5 ms)."""
+    slower. By default a round is one replay, so a step beside waits for one replay, not
+    five (the 1.5 B shape's five held 5 ms)."""
 
     def keep_new(old: Callable[[], None], new: Callable[[], None], held: Held) -> bool:
         times: tuple[list[float], list[float]] = ([], [])

@@ -260,3 +260,163 @@ def test_the_joint_gemm_runs_the_projections_plan(rows, launch):
     err = ((got - want).norm() / want.norm()).item()
     assert err < 1e-2, err
     assert torch.count_nonzero(slots.counters) == 0  # (left zero for the next replay)
+
+
+def _segment_reference(x, weight, s, b, slots, width):
+    """``x @ weight.T`` plus each row's ``s @ B_slot`` in float64 (the segment's sum)."""
+    y = x.double() @ weight.double().t()
+    for i, slot in enumerate(slots[: x.shape[0]].tolist()):
+        if slot >= 0:
+            y[i] += s[i].double() @ b[slot * width : (slot + 1) * width].double()
+    return y
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("launch", ["resident", "split", "unsplit"])
+def test_the_gemm_adds_each_rows_expand_before_its_epilogue(rows, launch, swiglu):
+    # The QKV and gate/up groups' expand inside their GEMM (the LoRA segment: each slot a
+    # row uses, its rows of s on tensor cores, or summed on CUDA cores for the resident
+    # launch's rows) against the projection plus each row's delta in float64; then
+    # SiLU·mul of the two halves rounded as the epilogue rounds them. PDL on.
+    from ostinato.engine.kernels import gemm_launch as g
+    from ostinato.engine.kernels.lora_segment import LoraSegment
+    from ostinato.engine.kernels.small_gemm import small_gemm
+
+    k, n, width = 2048, 2 * 1792 if swiglu else 2560, 48
+    config = {
+        "resident": g.GemmConfig(g.RESIDENT_N, 1, resident=True),
+        "split": g.GemmConfig(32, 4),
+        "unsplit": g.GemmConfig(64, 1, block_k=256),
+    }[launch]
+    if not g.fits(config, rows, k, 2 if swiglu else 1):
+        pytest.skip(f"{launch} takes no {rows} rows")
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.03).bfloat16()
+    s = torch.randn(rows, width, device="cuda", generator=gen).bfloat16()
+    b = (torch.randn(SLOTS * width, n, device="cuda", generator=gen) * 0.1).bfloat16()
+    slots = torch.randint(-1, SLOTS, (64,), device="cuda", generator=gen)
+    counters = torch.zeros(g.counters_needed(n), dtype=torch.int32, device="cuda")
+    segment = LoraSegment(s, b, slots, SLOTS)
+    got = small_gemm(x, weight, None, counters, config, swiglu, True, lora=segment).double()
+    want = _segment_reference(x, weight, s, b, slots, width)
+    if swiglu:
+        gate, up = want.bfloat16().double().chunk(2, dim=1)
+        want = gate * torch.sigmoid(gate) * up
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+    assert torch.count_nonzero(counters) == 0  # (left zero for the next replay)
+    plain = small_gemm(x, weight, None, counters, config, swiglu, True).double()
+    none = slots[:rows] < 0
+    assert torch.equal(got[none], plain[none])  # (rows without a slot: the GEMM's bits)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_qkv_gemm_with_each_rows_expand_writes_the_cache_as_the_unfused_ops(rows, qk_norm):
+    # One kernel for a LoRA step's QKV group (the GEMM, each row's expand, head norms,
+    # RoPE, the K/V write) against the float64 sum, then the torch ops.
+    from ostinato.engine.kernels.gemm_launch import counters_needed, rope_config
+    from ostinato.engine.kernels.launch import num_sms
+    from ostinato.engine.kernels.lora_segment import LoraSegment
+    from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
+    from ostinato.engine.model.norm_op import rms_norm_reference
+    from ostinato.engine.model.rope import apply_rope
+
+    heads, kv_heads, d, k, width = 12, 2, 128, 1536, 48  # the 1.5 B shape's
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    cols = (heads + 2 * kv_heads) * d
+    x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(cols, k, device="cuda", generator=gen) * 0.03).bfloat16()
+    s = torch.randn(rows, width, device="cuda", generator=gen).bfloat16()
+    b = (torch.randn(SLOTS * width, cols, device="cuda", generator=gen) * 0.1).bfloat16()
+    slots = torch.randint(-1, SLOTS, (64,), device="cuda", generator=gen)
+    pos = torch.randint(0, 4000, (rows,), device="cuda", generator=gen).double()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda").double() / d)
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    k_cache = torch.randn(8, 16, kv_heads, d, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(8, 16, kv_heads, d, device="cuda", generator=gen).bfloat16()
+    kv_slots = torch.randperm(128, device="cuda", generator=gen)[:rows]
+    norms = [(1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).bfloat16() for _ in "qk"]
+    q_norm, k_norm = norms if qk_norm else (None, None)
+    want_k, want_v = k_cache.double(), v_cache.double()
+    rope = RopeKV(cos, sin, k_cache, v_cache, kv_slots, heads, kv_heads, q_norm, k_norm, 1e-5)
+    config = rope_config(heads + 2 * kv_heads, d, k, num_sms(x.device), rows, True)
+    counters = torch.zeros(counters_needed(cols), dtype=torch.int32, device="cuda")
+    q = torch.empty(rows, heads * d, device="cuda", dtype=torch.bfloat16)
+    segment = LoraSegment(s, b, slots, SLOTS)
+    qkv_rope_kv(x, weight, None, counters, config, rope, None, True, out=q, lora=segment)
+
+    total = _segment_reference(x, weight, s, b, slots, width).bfloat16().double()
+    wq, wk, wv = total.view(rows, -1, d).split([heads, kv_heads, kv_heads], 1)
+    if qk_norm:
+        wq, wk = (rms_norm_reference(t, w.double(), 1e-5) for t, w in ((wq, q_norm), (wk, k_norm)))
+    want_k.view(-1, kv_heads, d)[kv_slots] = apply_rope(wk, cos.double(), sin.double())
+    want_v.view(-1, kv_heads, d)[kv_slots] = wv
+    for got, want in ((q, wq.reshape(rows, -1)), (k_cache, want_k), (v_cache, want_v)):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("delta", [False, True])
+def test_the_norm_shrinks_each_row_for_the_projection_after_it(rows, delta):
+    # The norm before a LoRA step's QKV or gate/up group also shrinks each normed row by
+    # its slot's A (several programs a row): the rows and the sum stay the norm's bits,
+    # and the shrink equals the stored rows times A in float64. PDL on.
+    from ostinato.engine.kernels.rms_norm import Shrink, rms_norm_rows
+
+    dim, width, gen = 2048, 48, torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, dim, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(rows, dim, device="cuda", generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)).bfloat16()
+    a = (torch.randn(SLOTS * width, dim, device="cuda", generator=gen) * 0.05).bfloat16()
+    slots = torch.randint(-1, SLOTS, (64,), device="cuda", generator=gen)
+    expand = None
+    if delta:
+        s = torch.randn(rows, SLOTS * 16, device="cuda", generator=gen).bfloat16()
+        b = (torch.randn(SLOTS * 16, dim, device="cuda", generator=gen) * 0.05).bfloat16()
+        expand = (s, b, slots, SLOTS)
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    shrunk = torch.full((rows, width), 7.0, device="cuda").bfloat16()
+    rms_norm_rows(
+        x, residual, weight, 1e-5, out, total, True, expand, Shrink(a, shrunk, slots, SLOTS)
+    )
+    plain_out, plain_total = torch.empty_like(x), torch.empty_like(x)
+    rms_norm_rows(x, residual, weight, 1e-5, plain_out, plain_total, True, expand)
+    assert torch.equal(out, plain_out) and torch.equal(total, plain_total)
+    want = torch.zeros(rows, width, dtype=torch.float64, device="cuda")
+    for i, slot in enumerate(slots[:rows].tolist()):
+        if slot >= 0:
+            want[i] = out[i].double() @ a[slot * width : (slot + 1) * width].double().t()
+    err = ((shrunk.double() - want).norm() / want.norm().clamp_min(1e-9)).item()
+    assert err < 1e-2, err
+    assert torch.all(shrunk[slots[:rows] < 0] == 0)
+
+
+def test_a_bf16_lora_decode_step_runs_no_expand_kernel(tmp_path):
+    # bf16 decode rows shrink in the norms and expand inside the QKV and gate/up GEMMs
+    # (heads of 32: the ROPE_KV epilogue's): neither expand kernel runs in a LoRA step's
+    # graph, and greedy tokens stay near PEFT's over 64 (the 256-token test's measure).
+    hf = write_checkpoint("LlamaForCausalLM", tmp_path, max_position_embeddings=512, head_dim=32)
+    adapter = write_adapter(hf, tmp_path / "a", seed=1, rank=16)
+    llm = LLM(
+        str(tmp_path), mode="full", dtype=torch.bfloat16, max_model_len=512, max_num_seqs=8,
+        progress=False, enable_lora=True, max_loras=2, lora_modules=(f"a={tmp_path / 'a'}",),
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    names = ["a", None, "a"]
+    assert llm.wait_for_graphs(timeout=300)  # (no capture runs beside the profiled steps)
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4), lora=names)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        outs = llm.generate(PROMPTS[:3], params, lora=names)
+        torch.cuda.synchronize()
+    llm.close()
+    for prompt, name, out in zip(PROMPTS[:3], names, outs, strict=True):
+        share, _ = _near_greedy((adapter if name else hf).cuda(), prompt, out.token_ids)
+        assert share >= 0.85, (name, share)
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert not {n for n in names if "expand" in n}, names
+    assert any("_rms_norm_kernel" in n for n in names) and any("_gemm_kernel" in n for n in names)

@@ -391,3 +391,166 @@ def test_the_qkv_expand_writes_the_cache_as_the_unfused_ops_under_the_interprete
     out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+_INTERPRETED_SEGMENT = """
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, sys.argv[1])
+from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint
+
+import ostinato.engine.kernels.launch as launch
+import ostinato.engine.model.decoder as decoder
+import ostinato.engine.model.lora as lora
+from ostinato.engine import SamplingParams
+from ostinato.engine.kernels import small_gemm
+from ostinato.engine.kernels.gemm_launch import GemmConfig
+from ostinato.engine.kernels.lora_segment import LoraSegment
+from ostinato.engine.kernels.rms_norm import Shrink, rms_norm_rows
+from ostinato.engine.model.norm_op import rms_norm_reference
+from ostinato.engine.model.rope import apply_rope
+
+g = torch.Generator().manual_seed(0)
+S = 3
+slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 0, 1, 2, -1, 1, 0, 0, 2, 2, 1])
+
+
+def expanded(x, weight, s, b, width):
+    y = x.double() @ weight.double().t()
+    for i in range(x.shape[0]):
+        if slots[i] >= 0:
+            j = int(slots[i])
+            y[i] += s[i].double() @ b[j * width : (j + 1) * width].double()
+    return y
+
+
+# The GEMM with each row's expand before its epilogue (plain, SiLU-mul), float32 and
+# float16 (tensor cores' path), unsplit, split and resident, against float64.
+W, K, N = 24, 128, 64
+for dtype in (torch.float32, torch.float16):
+    for rows in (1, 5, 16):
+        for config in (GemmConfig(32, 1), GemmConfig(32, 2, block_k=64),
+                       GemmConfig(4, 1, resident=True)):  # fmt: skip
+            for swiglu in ((False, True) if rows < 3 or not config.resident else ()):
+                x = torch.randn(rows, K, generator=g).to(dtype)
+                weight = (torch.randn(2 * N if swiglu else N, K, generator=g) * 0.1).to(dtype)
+                s = torch.randn(rows, W, generator=g).to(dtype)
+                b = (torch.randn(S * W, weight.shape[0], generator=g) * 0.1).to(dtype)
+                counters = torch.zeros(64, dtype=torch.int32)
+                segment = LoraSegment(s, b, slots, S)
+                out = small_gemm.small_gemm(x, weight, None, counters, config, swiglu, lora=segment)
+                y = expanded(x, weight, s, b, W)
+                if swiglu:
+                    gate, up = y[:, :N].to(dtype).double(), y[:, N:].to(dtype).double()
+                    y = gate * torch.sigmoid(gate) * up
+                err = (out.double() - y).abs().max().item()
+                assert err < (1e-4 if dtype == torch.float32 else 3e-2), (config, swiglu, err)
+                assert not counters.any()
+
+# The QKV GEMM with each row's expand, then the head norms, RoPE and the K/V write.
+W, n, heads, kv_heads, d, K = 24, 4, 4, 2, 32, 64
+cols = (heads + 2 * kv_heads) * d
+for config, qk_norm in ((GemmConfig(16, 2, block_k=32), False), (GemmConfig(16, 1), True),
+                        (GemmConfig(4, 1, resident=True), False)):  # fmt: skip
+    rows = 2 if config.resident else n
+    x, weight = torch.randn(rows, K, generator=g), torch.randn(cols, K, generator=g) * 0.1
+    s, b = torch.randn(rows, W, generator=g), torch.randn(S * W, cols, generator=g) * 0.05
+    pos = torch.tensor([3.0, 17.0, 40.0, 5.0])[:rows]
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    k_cache, v_cache = torch.randn(6, 4, kv_heads, d, generator=g), torch.zeros(6, 4, kv_heads, d)
+    kv_slots = torch.tensor([5, 9, 0, 22])[:rows]
+    q_norm = 1 + 0.1 * torch.randn(d, generator=g) if qk_norm else None
+    k_norm = 1 + 0.1 * torch.randn(d, generator=g) if qk_norm else None
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    caches = (k_cache, v_cache, kv_slots, heads, kv_heads)
+    rope = small_gemm.RopeKV(cos, sin, *caches, q_norm, k_norm, 1e-5)
+    out = torch.full((rows, heads * d), 7.0)
+    counters = torch.zeros(64, dtype=torch.int32)
+    segment = LoraSegment(s, b, slots, S)
+    small_gemm.qkv_rope_kv(x, weight, None, counters, config, rope, out=out, lora=segment)
+    y = expanded(x, weight, s, b, W).float()
+    q, k, v = y.view(rows, -1, d).split([heads, kv_heads, kv_heads], 1)
+    if qk_norm:
+        q, k = rms_norm_reference(q, q_norm, 1e-5), rms_norm_reference(k, k_norm, 1e-5)
+    want_k.view(-1, kv_heads, d)[kv_slots] = apply_rope(k, cos, sin)
+    want_v.view(-1, kv_heads, d)[kv_slots] = v
+    torch.testing.assert_close(out, q.reshape(rows, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache, want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache, want_v, rtol=1e-5, atol=1e-5)
+
+# The norm that also shrinks each row for the projection after it (a few columns a
+# program): the rows and the sum as without, the shrink the stored rows times A.
+D = 256
+for width, shrink_width, n in ((8, 48, 5), (0, 32, 3), (16, 16, 8)):
+    x, res = torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+    w = 1 + 0.1 * torch.randn(D, generator=g)
+    a = torch.randn(S * shrink_width, D, generator=g) * 0.1
+    delta = None
+    if width:
+        delta = (torch.randn(n, S * width, generator=g),
+                 torch.randn(S * width, D, generator=g) * 0.05, slots, S)  # fmt: skip
+    shrunk = torch.full((n, shrink_width), 7.0)
+    out, total = torch.empty(n, D), torch.empty(n, D)
+    rms_norm_rows(x, res, w, 1e-5, out, total, False, delta, Shrink(a, shrunk, slots, S))
+    plain_out, plain_total = torch.empty(n, D), torch.empty(n, D)
+    rms_norm_rows(x, res, w, 1e-5, plain_out, plain_total, False, delta)
+    assert torch.equal(out, plain_out) and torch.equal(total, plain_total)
+    want = torch.zeros(n, shrink_width)
+    for i in range(n):
+        if slots[i] >= 0:
+            j = int(slots[i])
+            want[i] = out[i] @ a[j * shrink_width : (j + 1) * shrink_width].t()
+    torch.testing.assert_close(shrunk, want, rtol=1e-4, atol=1e-4)
+
+# The engine on this path (as a CUDA decode step's 16-bit rows take it): PEFT's tokens.
+kernel = lambda x: x.shape[0] <= 16 and not torch.compiler.is_compiling()
+lora.expands_in_kernel = kernel
+shrinks = []
+decoder.shrinks_in_norm = lambda x: shrinks.append(kernel(x)) or shrinks[-1]
+launch.num_sms = lambda device: 132
+folder = Path(tempfile.mkdtemp())
+hf = write_checkpoint("LlamaForCausalLM", folder)
+adapters = {"a": write_adapter(hf, folder / "a", seed=1, rank=8),
+            "b": write_adapter(hf, folder / "b", seed=2, rank=4, use_rslora=True)}
+llm = cpu_engine(folder, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4)
+for name in adapters:
+    llm.load_lora(name, str(folder / name))
+prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(12 + 5 * i)] for i in range(3)]
+names = ["a", None, "b"]
+outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), lora=names)
+assert any(shrinks), shrinks
+for prompt, name, o in zip(prompts, names, outs):
+    reference = hf if name is None else adapters[name]
+    assert o.token_ids == peft_greedy(reference, prompt, 8), name
+print("ok")
+"""
+
+
+def _interprets_the_small_gemm() -> bool:
+    """Triton installed, with NumPy 1: Triton 3.6's interpreter fails the small GEMM's K
+    loop under NumPy 2."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import numpy
+
+    return int(numpy.__version__.split(".")[0]) < 2
+
+
+@pytest.mark.skipif(not _interprets_the_small_gemm(), reason="needs Triton and NumPy 1")
+def test_the_shrink_in_the_norm_and_the_expand_in_the_gemm_equal_peft_under_the_interpreter():
+    # A 16-bit CUDA decode step's QKV and gate/up groups: each row shrunk by the norm
+    # before them, its expand added inside the GEMM before the epilogue; each kernel
+    # against float64, then the engine on that path against PEFT, through Triton's
+    # interpreter (float32, where the GPU's tensor cores take 16-bit rows).
+    tests = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests.parent / "src")}
+    run = [sys.executable, "-c", _INTERPRETED_SEGMENT, str(tests)]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")

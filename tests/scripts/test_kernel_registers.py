@@ -12,7 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import kernel_registers  # noqa: E402
 
-NORM_TYPES = "*bf16,*bf16,*bf16,*bf16,*bf16,i32,i32,i32,i32,i32,fp32,*bf16,*bf16,*i64,i32,i32"
+NORM_TYPES = (
+    "*bf16,*bf16,*bf16,*bf16,*bf16,i32,i32,i32,i32,i32,fp32,*bf16,*bf16,*i64,i32,i32,"
+    "*bf16,*bf16,i32,i32"
+)
 
 
 def test_the_report_is_read_as_ptxas_writes_it():
@@ -44,17 +47,17 @@ def test_a_norm_kernel_compiles_for_sm90_and_its_registers_are_reported(capsys):
 
     plain = kernel_registers.registers(
         _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
-        "LORA_W": 0, "LORA_W_PAD": 1, "LORA_AHEAD": 0}, warps=8,
+        "LORA_W": 0, "LORA_W_PAD": 1, "LORA_AHEAD": 0, "SHRINK_W": 0, "SHRINK_CHUNK": 1}, warps=8,
     )  # fmt: skip
     delta = kernel_registers.registers(
         _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
-        "LORA_W": 16, "LORA_W_PAD": 16, "LORA_AHEAD": 0}, warps=8,
+        "LORA_W": 16, "LORA_W_PAD": 16, "LORA_AHEAD": 0, "SHRINK_W": 0, "SHRINK_CHUNK": 1}, warps=8,
     )  # fmt: skip
     assert 0 < plain.registers < delta.registers <= 255  # (the delta's tiles take some)
     assert plain.spill_stores == 0
     argv = ["ostinato.engine.kernels.rms_norm:_rms_norm_kernel", "--types", NORM_TYPES,
             "--const", "ADD=1", "BLOCK=2048", "USE_PDL=0", "LORA_W=0", "LORA_W_PAD=1",
-            "LORA_AHEAD=0", "--warps", "8"]  # fmt: skip
+            "LORA_AHEAD=0", "SHRINK_W=0", "SHRINK_CHUNK=1", "--warps", "8"]  # fmt: skip
     assert kernel_registers.main(argv) == 0
     assert "registers, spills 0 B stored" in capsys.readouterr().out
     aligned = kernel_registers.main([*argv, "--aligned", "--divisible", "dim", "stride_x"])
@@ -62,8 +65,8 @@ def test_a_norm_kernel_compiles_for_sm90_and_its_registers_are_reported(capsys):
     with pytest.raises(ValueError, match="--divisible names no argument"):
         kernel_registers.registers(
             _rms_norm_kernel, NORM_TYPES.split(","), {"ADD": 1, "BLOCK": 2048, "USE_PDL": 1,
-            "LORA_W": 0, "LORA_W_PAD": 1, "LORA_AHEAD": 0}, warps=8,
-            divisible=frozenset({"nope"}),
+            "LORA_W": 0, "LORA_W_PAD": 1, "LORA_AHEAD": 0, "SHRINK_W": 0, "SHRINK_CHUNK": 1},
+            warps=8, divisible=frozenset({"nope"}),
         )  # fmt: skip
     with pytest.raises(ValueError, match="--types lists 2 types"):
         kernel_registers.registers(_rms_norm_kernel, ["*bf16", "i32"], {"ADD": 1}, warps=8)

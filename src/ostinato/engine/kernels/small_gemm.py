@@ -85,6 +85,7 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
 )
 from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
 from ostinato.engine.kernels.launch_rules import LINE, rules
+from ostinato.engine.kernels.lora_segment import LoraSegment, lora_segment, segment_args
 from ostinato.engine.kernels.pdl import pdl_enter
 
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
@@ -373,15 +374,17 @@ def _epilogue_inputs(
 def _gemm_kernel(
     x_ptr, r_ptr, total_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
     cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, stats_ptr,
+    ls_ptr, lb_ptr, lslot_ptr,
     M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
     N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
-    STATS_T, NORM: tl.constexpr, ADD: tl.constexpr, STATS_IN: tl.constexpr,
+    STATS_T, stride_ls, stride_lb, NORM: tl.constexpr, ADD: tl.constexpr, STATS_IN: tl.constexpr,
     STATS_OUT: tl.constexpr, ADD_OUT: tl.constexpr, STATS_P2: tl.constexpr,
     GRANULE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
-    RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr,
+    RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr, LORA_W: tl.constexpr,
+    LORA_W_PAD: tl.constexpr, MAX_LORAS: tl.constexpr, LORA_DOT: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
     pid_n = tl.program_id(0)
@@ -430,6 +433,12 @@ def _gemm_kernel(
             stride_xm, stride_rm, stride_tm, stride_wn, OFF2, writer, NORM, ADD,
             STATS_IN and ADD, TWO, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
+    if LORA_W > 0:  # each row's LoRA expand, once per column tile (split 0's partial)
+        if pid_k == 0:
+            acc, acc2 = lora_segment(
+                acc, acc2, ls_ptr, lb_ptr, lslot_ptr, rm, rn, M, N, OFF2, stride_ls,
+                stride_lb, TWO, LORA_W, LORA_W_PAD, MAX_LORAS, LORA_DOT,
+            )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD], every column of a tile; only
         # the M live rows are stored and summed (the rest are never stored out).
@@ -652,10 +661,15 @@ def _launch(
     rope: RopeKV | None,
     pdl: bool,
     after: ResidualStats | None = None,
+    lora: LoraSegment | None = None,
 ) -> None:
     """One launch of ``_gemm_kernel`` over ``cdiv(n, tile_stride)`` column tiles (a
-    resident ``config`` splits each into ``block_n``-column programs)."""
+    resident ``config`` splits each into ``block_n``-column programs), with ``lora``'s
+    expand added before the epilogue (not the shared-memory launch's)."""
     m, k = x.shape
+    if lora is not None and config.smem:
+        raise ValueError(f"small_gemm: {config} takes no LoRA segment; use a K-loop config")
+    segment, segment_constants = segment_args(lora, x, weight.shape[0], config.resident)
     block_n, split_k = config.block_n, config.split_k
     sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
@@ -677,10 +691,10 @@ def _launch(
         _gemm_kernel,
         (tiles, split_k),
         x, res, total, nw, weight, bias if bias is not None else weight, out, part,
-        counters, *tensors, stats,
+        counters, *tensors, stats, *segment[:3],
         m, n, k, x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0),
         n_pad, k_per_split(k, split_k, config.block_k), tile_stride, off2, eps, *ints,
-        stats_t,
+        stats_t, *segment[3:],
         NORM=norm is not None,
         ADD=norm is not None and norm.residual is not None,
         STATS_IN=norm is not None and norm.stats is not None,
@@ -702,6 +716,7 @@ def _launch(
         RESIDENT=config.resident,
         SUB=sub,
         HALF=off2 if epilogue == ROPE_KV else block_n,
+        **segment_constants,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
@@ -751,12 +766,14 @@ def small_gemm(
     pdl: bool = False,
     norm: NormPrologue | None = None,
     after: ResidualStats | None = None,
+    lora: LoraSegment | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of at most ``MAX_ROWS`` rows with a
     contiguous last dimension; with ``swiglu`` (no bias), ``silu(g) * u`` of its two
     halves ``[g | u]``; with ``norm``, of the normed rows (``NormPrologue``); with
     ``after`` (not with ``swiglu``), the row statistics for the next norm, and with its
-    ``add`` the projection plus its residual (``ResidualStats``).
+    ``add`` the projection plus its residual (``ResidualStats``); with ``lora``, each
+    row's LoRA expand added to the projection first (``LoraSegment``; not ``config.smem``).
     ``counters``: int32 zeros, at least ``counters_needed(N)``, not shared with a call
     that may run at the same time; zero again when the kernel ends."""
     _check_rows(x, weight)
@@ -773,7 +790,7 @@ def small_gemm(
         x, weight, bias, counters, out,
         epilogue=SWIGLU if swiglu else PLAIN, n=n, config=config,
         tile_stride=config.block_n, off2=n if swiglu else 0, norm=norm, rope=None, pdl=pdl,
-        after=after,
+        after=after, lora=lora,
     )  # fmt: skip
     return out
 
@@ -788,13 +805,16 @@ def qkv_rope_kv(
     norm: NormPrologue | None = None,
     pdl: bool = False,
     out: torch.Tensor | None = None,
+    lora: LoraSegment | None = None,
 ) -> torch.Tensor:
     """A QKV projection of at most ``MAX_ROWS`` rows in one kernel: returns the query
     heads ``[M, q_heads * d]`` (QK-normed, unrotated; into ``out`` when given, any row
     stride) and stores the rotated keys and the values at ``rope.slot_mapping`` in the
     caches (see ``ROPE_KV``); with ``norm``, of the normed rows. ``d`` a power of two
     >= 32; one counter per head; ``config``'s column tile is the half head (a resident
-    config's programs take ``block_n`` columns of each half; not with the head norms)."""
+    config's programs take ``block_n`` columns of each half; not with the head norms).
+    ``lora``: each row's LoRA expand added to the projection before the heads are
+    normed and rotated (``LoraSegment``; not ``config.smem``)."""
     _check_rows(x, weight)
     d = rope.k_cache.shape[-1]
     heads = rope.q_heads + 2 * rope.kv_heads
@@ -818,6 +838,6 @@ def qkv_rope_kv(
         x, weight, bias, counters, out,
         epilogue=ROPE_KV, n=weight.shape[0],
         config=config if config.resident or config.smem else replace(config, block_n=d // 2),
-        tile_stride=d, off2=d // 2, norm=norm, rope=rope, pdl=pdl,
+        tile_stride=d, off2=d // 2, norm=norm, rope=rope, pdl=pdl, lora=lora,
     )  # fmt: skip
     return out

@@ -42,6 +42,7 @@ from ostinato.engine.model.lora import (
     RowDelta,
     expands_in_kernel,
     lora_step,
+    shrinks_in_norm,
 )
 from ostinato.engine.model.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_table
 
@@ -80,6 +81,34 @@ class RMSNorm(nn.Module):
         return torch.ops.ostinato.lora_add_rms_norm(
             x, residual, self.weight, self.eps, s, b, slots, max_loras, pdl
         )
+
+    def add_delta_shrink(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        delta: RowDelta | None,
+        shrink: tuple[torch.Tensor, torch.Tensor, int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``add_delta`` (without a residual, the norm of ``x``, which is the sum), and
+        with ``shrink`` (``LoraRows.shrink``: where ``shrinks_in_norm``) each normed
+        row's LoRA shrink by its slot for the projection after it, from the same kernel;
+        (normed rows, sum, shrink or None)."""
+        if shrink is None:
+            if residual is None:
+                return self(x), x, None
+            return *self.add_delta(x, residual, delta), None
+        from ostinato.engine.kernels.rms_norm import Shrink, rms_norm_rows  # (CUDA only)
+
+        a, slots, max_loras = shrink
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        s = torch.empty((x.shape[0], a.shape[0] // max_loras), dtype=x.dtype, device=x.device)
+        total = torch.empty_like(x) if residual is not None else None
+        expand = None if delta is None else (delta.s, delta.b, delta.slots, delta.max_loras)
+        rms_norm_rows(
+            x, residual, self.weight, self.eps, out, total, self.kernels.pdl, expand,
+            Shrink(a, s, slots, max_loras),
+        )  # fmt: skip
+        return out, x if total is None else total, s
 
     def reduce_add(
         self, x: torch.Tensor, residual: torch.Tensor, tp: TensorParallel
@@ -194,11 +223,17 @@ class Attention(nn.Module):
         return self.tp.all_reduce(o) if reduce else o
 
     def attend(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraRows | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoraRows | None,
+        shrunk: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention's output rows (``[n, heads * head_dim]``), before the O
-        projection."""
-        q_rows = self._lora_queries(x, cos, sin, lora) if lora is not None else None
+        projection; ``shrunk``: the rows' LoRA shrink, where the norm made it
+        (``rope_kv_in_kernel``)."""
+        q_rows = self._lora_queries(x, cos, sin, lora, shrunk) if lora is not None else None
         if q_rows is not None:  # (the keys and values are in the cache)
             out = torch.empty(
                 (x.shape[0], self.heads, self.head_dim), dtype=x.dtype, device=x.device
@@ -214,18 +249,29 @@ class Attention(nn.Module):
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         return out.view(x.shape[0], self.q_size)
 
-    def _lora_queries(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraRows
-    ) -> torch.Tensor | None:
-        """Where a LoRA step's expand runs as a kernel and the Triton backend rotates and
-        caches (its layout; a power-of-two head dim): the QKV projection, each row's
-        delta, the head norms and the K/V write in two kernels (the joint GEMM, then
-        ``lora_expand_qkv``) instead of three; the query heads, unrotated. Else None."""
+    def rope_kv_in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a LoRA step's QKV rows end in the ROPE_KV epilogue's work (head norms,
+        RoPE, the K/V write) inside a LoRA kernel: its expand runs as a kernel, and the
+        Triton backend rotates and caches (its layout; a power-of-two head dim)."""
         if not (self.rope_in_attention and expands_in_kernel(x) and rope_head_dim(self.head_dim)):
+            return False
+        return isinstance(get_forward_context().attn_metadata.backend, TritonAttention)
+
+    def _lora_queries(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoraRows,
+        shrunk: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Where ``rope_kv_in_kernel``: the QKV projection, each row's delta, the head
+        norms and the K/V write in one kernel where the norm shrank the rows (``shrunk``:
+        the GEMM's LoRA segment), else two (the joint GEMM, then ``lora_expand_qkv``);
+        the query heads, unrotated. Else None."""
+        if not self.rope_kv_in_kernel(x):
             return None
         step = get_forward_context().attn_metadata
-        if not isinstance(step.backend, TritonAttention):
-            return None
         from ostinato.engine.kernels.small_gemm import RopeKV  # (Triton: CUDA only)
 
         q_norm, k_norm = self.q_norm, self.k_norm
@@ -237,6 +283,8 @@ class Attention(nn.Module):
             q_norm.eps if q_norm is not None else 0.0,
         )  # fmt: skip
         q = torch.empty((x.shape[0], self.q_size), dtype=x.dtype, device=x.device)
+        if shrunk is not None:
+            return lora.segment_rope_kv(self.layer, self.qkv_proj, x, shrunk, rope, q)
         return lora.project_rope_kv(self.layer, self.qkv_proj, x, rope, q)
 
     def forward_fused(
@@ -308,10 +356,16 @@ class Mlp(nn.Module):
         y = self.down_proj(up)
         return self.tp.all_reduce(y) if reduce else y
 
-    def forward_lora(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, RowDelta | None]:
+    def forward_lora(
+        self, x: torch.Tensor, lora: LoraRows, shrunk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RowDelta | None]:
         """The block with each row's LoRA delta, the down projection's left for the norm
-        after it where it can add it (``LoraRows.project_for_norm``)."""
-        up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
+        after it where it can add it (``LoraRows.project_for_norm``); ``shrunk``: the
+        rows' gate/up shrink, where the norm made it (``shrinks_in_norm``)."""
+        if shrunk is not None:
+            up = lora.segment_swiglu(self.layer, self.gate_up_proj, x, shrunk)
+        else:
+            up = lora.swiglu(self.layer, self.gate_up_proj, x, self.kernels.pdl)
         return lora.project_for_norm(self.layer, "down", self.down_proj, up)
 
     def forward_fused(
@@ -425,17 +479,24 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, RowDelta | None]:
         """The unfused layer with each row's LoRA delta. The O and down projections leave
         theirs to the norm after them where it can add it in its kernel (``delta``: the
-        last layer's down projection's, returned likewise), one launch less each."""
-        if residual is None:  # the first layer: x is the embedding
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_delta(x, residual, delta)
-        attn = self.self_attn
-        rows = attn.attend(h, cos, sin, lora)
+        last layer's down projection's, returned likewise), one launch less each; where
+        ``shrinks_in_norm``, each norm also shrinks its rows for the QKV or gate/up
+        group after it, whose GEMM adds the expand (one kernel a group)."""
+        attn, mlp = self.self_attn, self.mlp
+        shrink = lora.shrink(attn.layer, "qkv") if self._shrinks(x, True) else None
+        h, residual, s = self.input_layernorm.add_delta_shrink(x, residual, delta, shrink)
+        rows = attn.attend(h, cos, sin, lora, s)
         o, o_delta = lora.project_for_norm(attn.layer, "o", attn.o_proj, rows)
-        h, residual = self.post_attention_layernorm.add_delta(o, residual, o_delta)
-        y, down_delta = self.mlp.forward_lora(h, lora)
+        shrink = lora.shrink(mlp.layer, "gate_up") if self._shrinks(o, False) else None
+        norm = self.post_attention_layernorm
+        h, residual, s = norm.add_delta_shrink(o, residual, o_delta, shrink)
+        y, down_delta = mlp.forward_lora(h, lora, s)
         return y, residual, down_delta
+
+    def _shrinks(self, x: torch.Tensor, qkv: bool) -> bool:
+        """Whether the norm before the QKV (``qkv``) or gate/up group shrinks ``x``'s rows
+        for it (``shrinks_in_norm``; the QKV group's segment ends in the ROPE_KV work)."""
+        return shrinks_in_norm(x) and (not qkv or self.self_attn.rope_kv_in_kernel(x))
 
 
 def _draw_linear(linear: nn.Linear, generator: torch.Generator | None) -> None:

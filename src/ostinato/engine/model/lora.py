@@ -23,9 +23,15 @@ import torch
 from torch import nn
 
 from ostinato.context import current_forward_context
-from ostinato.engine.kernels.gemm_launch import counters_needed
+from ostinato.engine.kernels.gemm_launch import (
+    CONFIGS,
+    counters_needed,
+    fits,
+    pick_config,
+    rope_config,
+)
 from ostinato.engine.model.config import ModelConfig
-from ostinato.engine.model.linear import Linear
+from ostinato.engine.model.linear import Linear, plan_entry
 
 # The projection groups of a decoder layer and the checkpoint projections in each, in
 # the order of the fused projection's output columns.
@@ -231,6 +237,54 @@ class LoraProjection(nn.Module):
         y, s = self._joint(linear, x)
         return y, RowDelta(s, self.b, slots, self.shape.max_loras)
 
+    def segment_rope_kv(
+        self, linear: nn.Linear, h: torch.Tensor, s: torch.Tensor, slots: torch.Tensor,
+        rope: Any, out: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The QKV group where the norm before it shrank the rows (``shrinks_in_norm``;
+        ``s`` ``[rows, W]``, each row's by its slot): one kernel, the projection's GEMM
+        with each row's expand added before its ROPE_KV epilogue (``small_gemm``'s LoRA
+        segment), as ``project_rope_kv`` leaves the query heads, keys and values."""
+        from ostinato.engine.kernels.launch import num_sms  # (Triton: CUDA only)
+        from ostinato.engine.kernels.small_gemm import qkv_rope_kv
+
+        d, heads = rope.k_cache.shape[-1], rope.q_heads + 2 * rope.kv_heads
+        shape = (heads, d, h.shape[1], num_sms(h.device), h.shape[0])
+        weight_bytes = linear.weight.numel() * linear.weight.element_size()
+        config = rope_config(*shape, rope.q_norm is not None, weight_bytes)
+        if config.smem:  # (takes no segment: the K loop's launch instead)
+            config = rope_config(*shape, True, weight_bytes)
+        segment = self._segment(s, slots)
+        return qkv_rope_kv(
+            h, linear.weight, linear.bias, self.counters, config, rope, None, _pdl(linear),
+            out=out, lora=segment,
+        )  # fmt: skip
+
+    def segment_swiglu(
+        self, linear: nn.Linear, h: torch.Tensor, s: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The gate/up group where the norm before it shrank the rows (``s`` as in
+        ``segment_rope_kv``): one kernel, the GEMM with each row's expand added before
+        its SiLU·mul epilogue, on the projection's plan for these rows where that is a
+        K-loop launch, else on the rule's (``gemm_launch.pick_config``)."""
+        from ostinato.engine.kernels.launch import num_sms  # (Triton: CUDA only)
+        from ostinato.engine.kernels.small_gemm import small_gemm
+
+        rows, k = h.shape
+        entry = plan_entry(linear.plan, rows) if isinstance(linear, Linear) else 0
+        if not entry or CONFIGS[entry - 1].smem or not fits(CONFIGS[entry - 1], rows, k, 2):
+            entry = pick_config(linear.weight.shape[0] // 2, k, num_sms(h.device), swiglu=True)
+        return small_gemm(
+            h, linear.weight, None, self.counters, CONFIGS[entry - 1], True, _pdl(linear),
+            lora=self._segment(s, slots),
+        )  # fmt: skip
+
+    def _segment(self, s: torch.Tensor, slots: torch.Tensor) -> Any:
+        """The small GEMM's ``LoraSegment`` of these rows' shrink ``s``."""
+        from ostinato.engine.kernels.lora_segment import LoraSegment  # (Triton: CUDA only)
+
+        return LoraSegment(s, self.b, slots, self.shape.max_loras)
+
     def _joint(self, linear: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``linear(x)`` and every slot's shrink, from one GEMM over the joint weight, run
         as ``linear``'s small-row plan says for these rows (the tuned Triton GEMM, with
@@ -251,6 +305,15 @@ class LoraProjection(nn.Module):
 def _pdl(linear: nn.Linear) -> bool:
     """Whether ``linear``'s launches use PDL (its plan's flag; none without a plan)."""
     return isinstance(linear, Linear) and linear.pdl
+
+
+def shrinks_in_norm(x: torch.Tensor) -> bool:
+    """Whether a LoRA step's QKV and gate/up groups take each row's shrink from the norm
+    before them (``kernels.rms_norm``'s ``Shrink``) and add its expand inside their GEMM
+    (``kernels.lora_segment``): one kernel a group, no joint GEMM's shrink and no expand
+    kernel. Where the expand runs as a kernel (``expands_in_kernel``), on 16-bit rows
+    (the small GEMM's; float32 keeps the cuBLAS product)."""
+    return x.dtype in (torch.float16, torch.bfloat16) and expands_in_kernel(x)
 
 
 def expands_in_kernel(x: torch.Tensor) -> bool:
@@ -357,6 +420,28 @@ class LoraRows:
         K/V written to the cache (``LoraProjection.project_rope_kv``); the query heads."""
         projection = self.weights.layers[layer]["qkv"]
         return projection.project_rope_kv(linear, x, self.weights.row_slots, rope, out)
+
+    def shrink(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What the norm before layer ``layer``'s ``group`` needs to shrink its rows by
+        their slots (``shrinks_in_norm``): every slot's A, the slots, ``max_loras``."""
+        a = self.weights.layers[layer][group].a
+        return a, self.weights.row_slots, self.weights.shape.max_loras
+
+    def segment_rope_kv(
+        self, layer: int, linear: nn.Linear, h: torch.Tensor, s: torch.Tensor, rope: Any,
+        out: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """``project_rope_kv`` of rows the norm shrank (``s``; ``LoraProjection
+        .segment_rope_kv``)."""
+        projection = self.weights.layers[layer]["qkv"]
+        return projection.segment_rope_kv(linear, h, s, self.weights.row_slots, rope, out)
+
+    def segment_swiglu(
+        self, layer: int, linear: nn.Linear, h: torch.Tensor, s: torch.Tensor
+    ) -> torch.Tensor:
+        """``swiglu`` of rows the norm shrank (``s``; ``LoraProjection.segment_swiglu``)."""
+        projection = self.weights.layers[layer]["gate_up"]
+        return projection.segment_swiglu(linear, h, s, self.weights.row_slots)
 
     def swiglu(self, layer: int, linear: nn.Linear, x: torch.Tensor, pdl: bool) -> torch.Tensor:
         """SiLU·mul of layer ``layer``'s gate/up projection (``linear``) of ``x`` plus each

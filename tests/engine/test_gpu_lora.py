@@ -262,18 +262,6 @@ def test_the_joint_gemm_runs_the_projections_plan(rows, launch):
     assert torch.count_nonzero(slots.counters) == 0  # (left zero for the next replay)
 
 
-def _by_member(b, starts, rank):
-    """``b`` zero outside each member's rows and columns (the slots' layout, which the
-    segment reads a member at a time)."""
-    ends, members = [*starts[1:], b.shape[1]], len(starts)
-    out = torch.zeros_like(b)
-    for slot in range(b.shape[0] // (rank * members)):
-        for m, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
-            rows = slice((slot * members + m) * rank, (slot * members + m + 1) * rank)
-            out[rows, lo:hi] = b[rows, lo:hi]
-    return out
-
-
 def _segment_reference(x, weight, s, b, slots, width):
     """``x @ weight.T`` plus each row's ``s @ B_slot`` in float64 (the segment's sum)."""
     y = x.double() @ weight.double().t()
@@ -308,11 +296,9 @@ def test_the_gemm_adds_each_rows_expand_before_its_epilogue(rows, launch, swiglu
     weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.03).bfloat16()
     s = torch.randn(rows, width, device="cuda", generator=gen).bfloat16()
     b = (torch.randn(SLOTS * width, n, device="cuda", generator=gen) * 0.1).bfloat16()
-    starts = (0, n // 2) if swiglu else (0, 2048, 2304)
-    b = _by_member(b, starts, width // len(starts))
     slots = torch.randint(-1, SLOTS, (64,), device="cuda", generator=gen)
     counters = torch.zeros(g.counters_needed(n), dtype=torch.int32, device="cuda")
-    segment = LoraSegment(s, b, slots, SLOTS, width // len(starts), starts)
+    segment = LoraSegment(s, b, slots, SLOTS)
     got = small_gemm(x, weight, None, counters, config, swiglu, True, lora=segment).double()
     want = _segment_reference(x, weight, s, b, slots, width)
     if swiglu:
@@ -345,8 +331,6 @@ def test_the_qkv_gemm_with_each_rows_expand_writes_the_cache_as_the_unfused_ops(
     weight = (torch.randn(cols, k, device="cuda", generator=gen) * 0.03).bfloat16()
     s = torch.randn(rows, width, device="cuda", generator=gen).bfloat16()
     b = (torch.randn(SLOTS * width, cols, device="cuda", generator=gen) * 0.1).bfloat16()
-    starts = (0, heads * d, (heads + kv_heads) * d)
-    b = _by_member(b, starts, width // 3)
     slots = torch.randint(-1, SLOTS, (64,), device="cuda", generator=gen)
     pos = torch.randint(0, 4000, (rows,), device="cuda", generator=gen).double()
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda").double() / d)
@@ -362,7 +346,7 @@ def test_the_qkv_gemm_with_each_rows_expand_writes_the_cache_as_the_unfused_ops(
     config = rope_config(heads + 2 * kv_heads, d, k, num_sms(x.device), rows, True)
     counters = torch.zeros(counters_needed(cols), dtype=torch.int32, device="cuda")
     q = torch.empty(rows, heads * d, device="cuda", dtype=torch.bfloat16)
-    segment = LoraSegment(s, b, slots, SLOTS, width // 3, starts)
+    segment = LoraSegment(s, b, slots, SLOTS)
     qkv_rope_kv(x, weight, None, counters, config, rope, None, True, out=q, lora=segment)
 
     total = _segment_reference(x, weight, s, b, slots, width).bfloat16().double()

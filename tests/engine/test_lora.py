@@ -419,16 +419,6 @@ S = 3
 slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 0, 1, 2, -1, 1, 0, 0, 2, 2, 1])
 
 
-def by_member(b, starts, rank):  # b zero outside each member's rows and columns
-    ends, members = [*starts[1:], b.shape[1]], len(starts)
-    out = torch.zeros_like(b)
-    for slot in range(b.shape[0] // (rank * members)):
-        for m, (lo, hi) in enumerate(zip(starts, ends)):
-            rows = slice((slot * members + m) * rank, (slot * members + m + 1) * rank)
-            out[rows, lo:hi] = b[rows, lo:hi]
-    return out
-
-
 def expanded(x, weight, s, b, width):
     y = x.double() @ weight.double().t()
     for i in range(x.shape[0]):
@@ -447,13 +437,11 @@ for dtype in (torch.float32, torch.float16):
                        GemmConfig(4, 1, resident=True)):  # fmt: skip
             for swiglu in ((False, True) if rows < 3 or not config.resident else ()):
                 x = torch.randn(rows, K, generator=g).to(dtype)
-                weight = (torch.randn(2 * N if swiglu else 96, K, generator=g) * 0.1).to(dtype)
+                weight = (torch.randn(2 * N if swiglu else N, K, generator=g) * 0.1).to(dtype)
                 s = torch.randn(rows, W, generator=g).to(dtype)
                 b = (torch.randn(S * W, weight.shape[0], generator=g) * 0.1).to(dtype)
-                starts = (0, N) if swiglu else (0, 32, 64)
-                b = by_member(b, starts, W // len(starts))
                 counters = torch.zeros(64, dtype=torch.int32)
-                segment = LoraSegment(s, b, slots, S, W // len(starts), starts)
+                segment = LoraSegment(s, b, slots, S)
                 out = small_gemm.small_gemm(x, weight, None, counters, config, swiglu, lora=segment)
                 y = expanded(x, weight, s, b, W)
                 if swiglu:
@@ -471,8 +459,6 @@ for config, qk_norm in ((GemmConfig(16, 2, block_k=32), False), (GemmConfig(16, 
     rows = 2 if config.resident else n
     x, weight = torch.randn(rows, K, generator=g), torch.randn(cols, K, generator=g) * 0.1
     s, b = torch.randn(rows, W, generator=g), torch.randn(S * W, cols, generator=g) * 0.05
-    starts = (0, heads * d, (heads + kv_heads) * d)
-    b = by_member(b, starts, W // 3)
     pos = torch.tensor([3.0, 17.0, 40.0, 5.0])[:rows]
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     emb = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
@@ -486,7 +472,7 @@ for config, qk_norm in ((GemmConfig(16, 2, block_k=32), False), (GemmConfig(16, 
     rope = small_gemm.RopeKV(cos, sin, *caches, q_norm, k_norm, 1e-5)
     out = torch.full((rows, heads * d), 7.0)
     counters = torch.zeros(64, dtype=torch.int32)
-    segment = LoraSegment(s, b, slots, S, W // 3, starts)
+    segment = LoraSegment(s, b, slots, S)
     small_gemm.qkv_rope_kv(x, weight, None, counters, config, rope, out=out, lora=segment)
     y = expanded(x, weight, s, b, W).float()
     q, k, v = y.view(rows, -1, d).split([heads, kv_heads, kv_heads], 1)

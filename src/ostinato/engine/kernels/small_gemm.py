@@ -85,12 +85,7 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
 )
 from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg
 from ostinato.engine.kernels.launch_rules import LINE, rules
-from ostinato.engine.kernels.lora_segment import (
-    LoraSegment,
-    lora_prefetch,
-    lora_segment,
-    segment_args,
-)
+from ostinato.engine.kernels.lora_segment import LoraSegment, lora_segment, segment_args
 from ostinato.engine.kernels.pdl import pdl_enter
 
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
@@ -382,16 +377,14 @@ def _gemm_kernel(
     ls_ptr, lb_ptr, lslot_ptr,
     M, N, K, stride_xm, stride_rm, stride_tm, stride_wn, stride_om,
     N_PAD, K_PER, TILE_STRIDE, OFF2, eps, stride_rt, stride_cs, stride_ch, Q_HEADS, KV_HEADS,
-    STATS_T, stride_ls, stride_lb, lstart1, lstart2, NORM: tl.constexpr, ADD: tl.constexpr,
-    STATS_IN: tl.constexpr,
+    STATS_T, stride_ls, stride_lb, NORM: tl.constexpr, ADD: tl.constexpr, STATS_IN: tl.constexpr,
     STATS_OUT: tl.constexpr, ADD_OUT: tl.constexpr, STATS_P2: tl.constexpr,
     GRANULE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH_K: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
     RESIDENT: tl.constexpr, SUB: tl.constexpr, HALF: tl.constexpr, LORA_W: tl.constexpr,
-    LORA_R: tl.constexpr, LORA_R_PAD: tl.constexpr, MAX_LORAS: tl.constexpr,
-    LORA_DOT: tl.constexpr,
+    LORA_W_PAD: tl.constexpr, MAX_LORAS: tl.constexpr, LORA_DOT: tl.constexpr,
 ):  # fmt: skip
     TWO: tl.constexpr = EPILOGUE != 0
     pid_n = tl.program_id(0)
@@ -413,12 +406,6 @@ def _gemm_kernel(
         _prefetch_l2(pre)
         if TWO:
             _prefetch_l2(pre + OFF2 * stride_wn)
-    if LORA_W > 0 and USE_PDL:  # the segment's B rows, as the weights: before the wait
-        if pid_k == 0:
-            lora_prefetch(
-                lb_ptr, lslot_ptr, rm, rn, M, OFF2, stride_lb, lstart1, lstart2, TWO, LORA_W,
-                LORA_R, LORA_R_PAD, MAX_LORAS,
-            )  # fmt: skip
     pdl_enter(USE_PDL)
     writer = pid_n == 0
     if STATS_IN:
@@ -450,8 +437,7 @@ def _gemm_kernel(
         if pid_k == 0:
             acc, acc2 = lora_segment(
                 acc, acc2, ls_ptr, lb_ptr, lslot_ptr, rm, rn, M, N, OFF2, stride_ls,
-                stride_lb, lstart1, lstart2, TWO, LORA_W, LORA_R, LORA_R_PAD, MAX_LORAS,
-                LORA_DOT,
+                stride_lb, TWO, LORA_W, LORA_W_PAD, MAX_LORAS, LORA_DOT,
             )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD], every column of a tile; only
@@ -683,8 +669,8 @@ def _launch(
     m, k = x.shape
     if lora is not None and config.smem:
         raise ValueError(f"small_gemm: {config} takes no LoRA segment; use a K-loop config")
+    segment, segment_constants = segment_args(lora, x, weight.shape[0], config.resident)
     block_n, split_k = config.block_n, config.split_k
-    segment, segment_constants = segment_args(lora, x, weight.shape[0], block_n, config.resident)
     sub, tiles = _programs(config, m, k, n, epilogue, tile_stride, off2)
     n_pad = tiles * block_n
     part = _partials(counters, tiles, split_k, n_pad, out)

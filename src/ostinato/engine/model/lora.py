@@ -283,8 +283,7 @@ class LoraProjection(nn.Module):
         """The small GEMM's ``LoraSegment`` of these rows' shrink ``s``."""
         from ostinato.engine.kernels.lora_segment import LoraSegment  # (Triton: CUDA only)
 
-        starts = tuple(sum(self.outs[:i]) for i in range(len(self.outs)))
-        return LoraSegment(s, self.b, slots, self.shape.max_loras, self.shape.max_rank, starts)
+        return LoraSegment(s, self.b, slots, self.shape.max_loras)
 
     def _joint(self, linear: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``linear(x)`` and every slot's shrink, from one GEMM over the joint weight, run

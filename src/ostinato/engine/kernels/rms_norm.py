@@ -200,32 +200,13 @@ def rms_norm_rows(
     elif shrink is not None and shrink.slots.data_ptr() != lora[2].data_ptr():
         raise ValueError("rms_norm_rows: a delta and a shrink read one tensor of slots")
     launch(
-        _rms_norm_kernel,
-        (rows, max(1, triton.cdiv(shrink_w, chunk))),
-        x,
-        r,
-        weight,
-        out,
-        t,
-        x.stride(0),
-        r.stride(0),
-        out.stride(0),
-        t.stride(0),
-        dim,
-        eps,
-        *lora,
-        *shrink_args,
-        ADD=add,
-        BLOCK=block,
-        USE_PDL=pdl_arg(pdl),
-        LORA_W=width,
+        _rms_norm_kernel, (rows, max(1, triton.cdiv(shrink_w, chunk))), x, r, weight, out, t,
+        x.stride(0), r.stride(0), out.stride(0), t.stride(0), dim, eps, *lora, *shrink_args,
+        ADD=add, BLOCK=block, USE_PDL=pdl_arg(pdl), LORA_W=width,
         LORA_W_PAD=triton.next_power_of_2(max(width, 1)),
-        LORA_AHEAD=loads_b_ahead(width, block, warps),
-        SHRINK_W=shrink_w,
-        SHRINK_CHUNK=chunk,
-        num_warps=warps,
-        launch_pdl=pdl,
-    )
+        LORA_AHEAD=loads_b_ahead(width, block, warps), SHRINK_W=shrink_w, SHRINK_CHUNK=chunk,
+        num_warps=warps, launch_pdl=pdl,
+    )  # fmt: skip
 
 
 def loads_b_ahead(width: int, block: int, warps: int) -> bool:

@@ -848,7 +848,10 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
         or not all(is_int(b) and b >= 1 for b in buckets)
     ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
-    return tuple(sorted(set(buckets)))
+    dupes = sorted({b for b in buckets if list(buckets).count(b) > 1})
+    if dupes:
+        raise ValueError(f"seq_buckets: duplicate buckets {dupes}; list each length once")
+    return tuple(sorted(buckets))
 
 
 def _capture_when(

@@ -171,7 +171,7 @@ def _validated_sizes(sizes: Sequence[int], max_num_tokens: int | None) -> list[i
     if not sizes:
         raise ValueError(
             "capture_sizes: empty; leave it as None for the default ladder, "
-            "or use GraphMode.NONE to capture nothing"
+            "or use mode 'none' (GraphMode.NONE) to capture nothing"
         )
     for s in sizes:
         if isinstance(s, bool) or not isinstance(s, int):

@@ -246,6 +246,8 @@ def test_arguments_that_cannot_be_graphed_are_named(call, error, words):
     [
         (dict(capture="soon"), ValueError, "capture: one of"),
         (dict(seq_buckets="128"), TypeError, "seq_buckets"),
+        (dict(seq_buckets=[64, 8, 64]), ValueError, r"^seq_buckets: duplicate buckets \[64\]"),
+        (dict(capture_sizes=[]), ValueError, "^capture_sizes: empty; .* mode 'none'"),
         (dict(max_signatures=0), ValueError, "max_signatures"),
         (dict(max_batch_size="128"), TypeError, "^max_batch_size: expected a positive int"),
         (dict(max_batch_size=0), ValueError, "^max_batch_size: expected a positive int, got 0"),

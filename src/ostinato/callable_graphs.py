@@ -56,7 +56,7 @@ from ostinato.compile_artifacts import ArtifactStore, identity
 from ostinato.config import GraphConfig, check_ladder_length
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
-from ostinato.mathutil import checked_bool, checked_int, is_int
+from ostinato.mathutil import checked_bool, checked_int, is_int, repeated
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
 from ostinato.platform.cpu import CpuPlatform
@@ -848,7 +848,7 @@ def _check_buckets(buckets: Sequence[int] | None) -> tuple[int, ...]:
         or not all(is_int(b) and b >= 1 for b in buckets)
     ):
         raise TypeError(f"seq_buckets: expected positive ints, got {buckets!r}")
-    dupes = sorted({b for b in buckets if list(buckets).count(b) > 1})
+    dupes = repeated(buckets)
     if dupes:
         raise ValueError(f"seq_buckets: duplicate buckets {dupes}; list each length once")
     return tuple(sorted(buckets))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ostinato.mathutil import checked_bool, is_int
+from ostinato.mathutil import checked_bool, is_int, repeated
 from ostinato.modes import GraphMode
 from ostinato.replay_check import DEFAULT_EVERY, ReplayCheck
 
@@ -178,7 +178,7 @@ def _validated_sizes(sizes: Sequence[int], max_num_tokens: int | None) -> list[i
             raise ValueError(f"capture_sizes: {s!r} is not an int")
         if s < 1:
             raise ValueError(f"capture_sizes: {s} is not positive; every size must be >= 1")
-    dupes = sorted({s for s in sizes if list(sizes).count(s) > 1})
+    dupes = repeated(sizes)
     if dupes:
         raise ValueError(f"capture_sizes: duplicate sizes {dupes}; list each size once")
     if len(sizes) > MAX_CAPTURE_SIZES:

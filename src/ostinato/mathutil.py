@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numbers
+from collections import Counter
+from collections.abc import Iterable
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -32,3 +34,8 @@ def checked_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
     return value
+
+
+def repeated(values: Iterable[int]) -> list[int]:
+    """The values that occur more than once, sorted (a list of sizes refuses them)."""
+    return sorted(v for v, n in Counter(values).items() if n > 1)

@@ -332,10 +332,16 @@ print("ok")
 def test_the_decode_path_of_lora_equals_peft_under_the_triton_interpreter():
     # What CUDA decode steps run (each row's expand gathered in a kernel, the O
     # projection's inside the norm's kernel), on the CPU through Triton's interpreter.
+    _interpret(_INTERPRETED, timeout=600)
+
+
+def _interpret(script: str, timeout: int) -> None:
+    """Runs ``script`` in a fresh interpreter with Triton's interpreter on, the tests'
+    folder as its first argument; it must exit 0 and print "ok" last."""
     tests = Path(__file__).parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests.parent / "src")}
-    run = [sys.executable, "-c", _INTERPRETED, str(tests)]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
+    run = [sys.executable, "-c", script, str(tests)]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 
@@ -385,12 +391,7 @@ print("ok")
 def test_the_qkv_expand_writes_the_cache_as_the_unfused_ops_under_the_interpreter():
     # What a CUDA LoRA decode step runs for its QKV group after the joint GEMM, on the CPU
     # through Triton's interpreter: the expand, the head norms, RoPE and the K/V write.
-    src = str(Path(__file__).parents[2] / "src")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": src}
-    run = [sys.executable, "-c", _INTERPRETED_QKV]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    _interpret(_INTERPRETED_QKV, timeout=300)
 
 
 _INTERPRETED_SEGMENT = """
@@ -548,9 +549,4 @@ def test_the_shrink_in_the_norm_and_the_expand_in_the_gemm_equal_peft_under_the_
     # before them, its expand added inside the GEMM before the epilogue; each kernel
     # against float64, then the engine on that path against PEFT, through Triton's
     # interpreter (float32, where the GPU's tensor cores take 16-bit rows).
-    tests = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests.parent / "src")}
-    run = [sys.executable, "-c", _INTERPRETED_SEGMENT, str(tests)]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    _interpret(_INTERPRETED_SEGMENT, timeout=600)

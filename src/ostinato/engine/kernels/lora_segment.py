@@ -63,10 +63,12 @@ def segment_args(
             "columns: needs s [rows, W], b [max_loras * W, out] (rows contiguous), int64 "
             "slots, one a row"
         )
-    width_pad = max(16, triton.next_power_of_2(width))
-    dot = int(not resident and s.dtype != torch.float32)
-    constants = {"LORA_W": width, "LORA_W_PAD": width_pad, "MAX_LORAS": segment.max_loras}
-    constants["LORA_DOT"] = dot
+    constants = {
+        "LORA_W": width,
+        "LORA_W_PAD": max(16, triton.next_power_of_2(width)),
+        "MAX_LORAS": segment.max_loras,
+        "LORA_DOT": int(not resident and s.dtype != torch.float32),
+    }
     return (s, b, slots, s.stride(0), b.stride(0)), constants
 
 

@@ -34,6 +34,7 @@ model (for a CPU smoke run).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -83,6 +84,7 @@ class SystemRow:
     graphs: int | None = None  # ostinato: graphs captured
     upgrade_s: float | None = None  # staged: the upgrade's wait after the first pass
     notes: list[str] = field(default_factory=list)
+    leftover_mib: float = 0.0  # allocated after the system was dropped, above before it
 
 
 @dataclass(frozen=True)
@@ -233,12 +235,7 @@ def sync() -> None:
 def run_system(
     w: Workload, name: str, stream: list[tuple[int, int]], args: argparse.Namespace
 ) -> SystemRow:
-    torch._dynamo.reset()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # (the reserve counted from here: the last system's freed)
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-    base_reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+    base, base_reserved = clean_slate()
     fn, graphed = system(w, name, args.max_batch)
     inputs = [w.inputs(b, n) for b, n in stream]
     warmup = sum(timed(fn, x)[1] for x in inputs) / 1e3
@@ -260,6 +257,8 @@ def run_system(
     per_size = medians(fn, w, sorted(by_batch), args.size_repeats)
     phases["rest"], reserved["rest"] = _peaks(base, base_reserved)
     graphs = _graphs(graphed, name)
+    if graphed is not None:
+        graphed.release()  # (its graphs and buffers: the next system starts without them)
     every = [t for ts in by_batch.values() for t in ts]
     return SystemRow(
         w.name,
@@ -278,6 +277,21 @@ def run_system(
         upgrade_s,
         notes,
     )
+
+
+def clean_slate() -> tuple[int, int]:
+    """Frees what earlier systems left (graphs, Dynamo's caches, cached blocks: without
+    the collection a staged system's cycles outlived it and were freed during the next
+    system's run, which then counted their release against its own peak) and restarts
+    the peaks; returns the bytes allocated and reserved now (0, 0 without CUDA)."""
+    gc.collect()
+    torch._dynamo.reset()
+    if not torch.cuda.is_available():
+        return 0, 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
 def medians(
@@ -378,8 +392,10 @@ def main() -> None:
             (rng.randint(1, args.max_batch), rng.randint(8, top) if top else 0)
             for _ in range(args.calls)
         ]
+        before = clean_slate()[0]  # (the model's weights)
         for name in args.systems.split(","):
             rows.append(run_system(w, name, stream, args))
+            rows[-1].leftover_mib = (clean_slate()[0] - before) / 2**20
             report(rows[-1], rows)
             write(args, dtype, rows)  # after every row: a run cut short keeps what it measured
 
@@ -394,7 +410,8 @@ def report(row: SystemRow, rows: list[SystemRow]) -> None:
     )
     phases = ", ".join(f"{k} {v:.0f}" for k, v in row.peak_mib_by_phase.items())
     print(
-        f"{'':26s} peak {row.peak_mib:.0f} MiB ({phases}); reserved {row.peak_reserved_mib:.0f}",
+        f"{'':26s} peak {row.peak_mib:.0f} MiB ({phases}); reserved {row.peak_reserved_mib:.0f}"
+        f"; left allocated once dropped {row.leftover_mib:.0f}",
         flush=True,
     )
     if row.upgrade_s is not None:

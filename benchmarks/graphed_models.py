@@ -14,8 +14,8 @@ kernels; ``ostinato backend`` is ``torch.compile(model, backend="ostinato")`` wi
 options; ``ostinato default views`` is the default with ``copy_outputs=False`` (outputs
 valid until the next call, as reduce-overhead's; the default copies every output);
 ``ostinato every size`` is the default with a graph for every batch size up to the largest
-(``capture_sizes``), as reduce-overhead records each size it sees: no padding between
-buckets, more graphs to capture and upgrade.
+(``capture_sizes``), as reduce-overhead records each size it sees (the default has one for
+every size up to 32, so the two differ only above 32, ``--max-batch``).
 
 For each model and system the stream runs three times: the first pass is the warm-up
 (compilation, capture; its total seconds are reported), the second settles what the

@@ -53,7 +53,7 @@ from torch.utils._pytree import (
 
 from ostinato.batch import BatchDescriptor
 from ostinato.compile_artifacts import ArtifactStore, identity
-from ostinato.config import GraphConfig, check_ladder_length
+from ostinato.config import GraphConfig, check_ladder_length, exact_capture_sizes
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
 from ostinato.mathutil import checked_bool, checked_int, is_int, repeated
@@ -71,6 +71,11 @@ CAPTURE_WHEN = ("auto", "first_use", "construction", "background", "staged")
 # compiled function (Inductor's autotuning synchronizes the device): a capture cannot
 # overlap a device-wide synchronize, nor another thread's use of the default generator.
 _DEVICE = threading.RLock()
+# A graph for every batch size up to here, the default ladder above: a size between two
+# buckets paid for its padding (H200, bf16: up to 1.31x reduce-overhead's step, which
+# records every size it meets), where a graph per size kept every size of five models'
+# streams within 5% of it, for 0.1-2 s more capture (benchmarks/RESULTS.md).
+EXACT_UP_TO = 32
 KEY_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 MAX_SIGNATURES = 8
 
@@ -195,8 +200,9 @@ def graphed(
     ``"background"`` (each call captures one graph at most, on the caller's thread: its
     bucket's if missing, else the next; eager while the device is busy) or ``"staged"``
     (graphs of ``fn`` as it is at once, then Inductor's per bucket where timed faster).
-    ``max_batch_size`` (default 64) makes the ladder of sizes up to it, ``capture_sizes``
-    names the sizes instead: give one or neither. ``cache_dir``: where Inductor's
+    ``max_batch_size`` (default 64) makes the ladder up to it (a graph for every size to
+    ``EXACT_UP_TO``, then multiples of 8), ``capture_sizes`` names the sizes instead: give
+    one or neither. ``cache_dir``: where Inductor's
     compilations of ``fn`` are kept for the next process (``compile_artifacts``; None: the
     user cache folder, False: nowhere). Every argument is checked here; an error names
     the argument as written."""
@@ -226,8 +232,8 @@ def _ladder(max_batch_size: object, capture_sizes: object) -> dict[str, Any]:
     """``GraphConfig``'s ladder fields from ``graphed``'s two ways of giving it."""
     if capture_sizes is None:
         size = 64 if max_batch_size is None else checked_int("max_batch_size", max_batch_size)
-        check_ladder_length(size, "max_batch_size")  # (GraphConfig's check, by the user's name)
-        return {"max_capture_size": size}
+        check_ladder_length(size, "max_batch_size", EXACT_UP_TO)  # (GraphConfig's, by name)
+        return {"capture_sizes": tuple(exact_capture_sizes(size, EXACT_UP_TO))}
     if max_batch_size is not None:
         raise ValueError(
             f"max_batch_size={max_batch_size!r} and capture_sizes={capture_sizes!r}: give "

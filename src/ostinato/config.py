@@ -38,19 +38,23 @@ def _ladder_top(limit: int) -> tuple[int, int]:
     return count, last
 
 
-def ladder_length(max_capture_size: int) -> int:
-    """How many sizes ``default_capture_sizes(max_capture_size)`` has (``>= 1``), without
-    building the ladder."""
+def ladder_length(max_capture_size: int, exact_up_to: int = 0) -> int:
+    """How many sizes ``exact_capture_sizes(max_capture_size, exact_up_to)`` has (``>= 1``;
+    ``default_capture_sizes``' with ``exact_up_to`` 0), without building the ladder."""
+    if exact_up_to >= max_capture_size:
+        return max_capture_size
     count, last = _ladder_top(max_capture_size)
-    return count + (last != max_capture_size)
+    replaced = _ladder_top(exact_up_to)[0] if exact_up_to >= 1 else 0  # (the ladder's below)
+    return count + (last != max_capture_size) + exact_up_to - replaced
 
 
-def check_ladder_length(limit: int, name: str = "max_capture_size") -> None:
+def check_ladder_length(limit: int, name: str = "max_capture_size", exact_up_to: int = 0) -> None:
     """``ValueError`` naming ``name`` (the argument as the caller wrote it) where the
-    default ladder up to ``limit`` has more than ``MAX_CAPTURE_SIZES`` sizes."""
-    if ladder_length(limit) > MAX_CAPTURE_SIZES:
+    ladder up to ``limit`` has more than ``MAX_CAPTURE_SIZES`` sizes."""
+    sizes = ladder_length(limit, exact_up_to)
+    if sizes > MAX_CAPTURE_SIZES:
         raise ValueError(
-            f"{name}: {limit} makes a ladder of {ladder_length(limit)} sizes, more than "
+            f"{name}: {limit} makes a ladder of {sizes} sizes, more than "
             f"{MAX_CAPTURE_SIZES} graphs to capture and hold; lower it (larger batches run "
             "eagerly) or give capture_sizes"
         )
@@ -75,6 +79,13 @@ def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> l
     if sizes[-1] != max_capture_size:
         sizes.append(max_capture_size)
     return sizes
+
+
+def exact_capture_sizes(max_capture_size: int, exact_up_to: int) -> list[int]:
+    """Every size from 1 to ``exact_up_to`` (no padding there), then the default ladder's
+    sizes above it, up to ``max_capture_size``; ``default_capture_sizes``' guarantees."""
+    above = [s for s in default_capture_sizes(max_capture_size) if s > exact_up_to]
+    return [*range(1, min(exact_up_to, max_capture_size) + 1), *above]
 
 
 @dataclass(frozen=True)

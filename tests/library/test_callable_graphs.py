@@ -33,7 +33,8 @@ def eager(fn, *args, **kwargs):
 
 def test_a_random_size_stream_equals_eager_and_is_counted_per_bucket():
     model, platform = mlp().eval(), FakePlatform()
-    fast = ostinato.graphed(model, max_batch_size=16, platform=platform, capture="first_use")
+    ladder = (1, 2, 4, 8, 16)
+    fast = ostinato.graphed(model, capture_sizes=ladder, platform=platform, capture="first_use")
     rng = random.Random(1)
     sizes = [rng.randint(1, 24) for _ in range(40)]
     for n in sizes:
@@ -42,7 +43,7 @@ def test_a_random_size_stream_equals_eager_and_is_counted_per_bucket():
     stats = fast.stats()
     (sig,) = stats.signatures
     dispatcher = ostinato.Dispatcher(
-        ostinato.GraphConfig(max_capture_size=16), ostinato.GraphMode.FULL
+        ostinato.GraphConfig(capture_sizes=ladder), ostinato.GraphMode.FULL
     )
     graphed_sizes = [n for n in sizes if n <= 16]
     assert sig.stats.replays == len(graphed_sizes) == sum(g.replays for g in platform.graphs)
@@ -100,7 +101,7 @@ def test_capture_at_construction_needs_an_example_and_captures_at_once():
     ostinato.graphed(
         mlp().eval(), max_batch_size=4, platform=platform, capture="construction", example=example
     )
-    assert len(platform.graphs) == 3  # sizes 4, 2, 1
+    assert len(platform.graphs) == 4  # sizes 4, 3, 2, 1
     with pytest.raises(ValueError, match="example"):
         ostinato.graphed(mlp(), capture="construction")
 
@@ -410,9 +411,10 @@ def device_held_elsewhere():
 def test_background_capture_takes_one_graph_per_call_on_the_callers_thread():
     model, platform = mlp().eval(), FakePlatform()
     threads = capture_threads(platform)
-    fast = ostinato.graphed(model, max_batch_size=8, platform=platform, capture="background")
+    ladder = (1, 2, 4, 8)
+    fast = ostinato.graphed(model, capture_sizes=ladder, platform=platform, capture="background")
     x = torch.randn(3, 8)
-    for calls in range(1, 6):  # the ladder is 1, 2, 4, 8: its own bucket, then one more
+    for calls in range(1, 6):  # its own bucket (4), then one more a call
         torch.testing.assert_close(fast(x), eager(model, x))
         assert len(platform.graphs) == min(calls, 4)
     assert set(threads) == {threading.current_thread()}
@@ -467,7 +469,7 @@ def test_a_staged_signature_serves_at_once_and_moves_buckets_to_its_compiled_gra
 
     platform.capture = capture
     fast = ostinato.graphed(
-        model, max_batch_size=8, platform=platform, capture="staged", compiler="eager"
+        model, capture_sizes=(1, 2, 4, 8), platform=platform, capture="staged", compiler="eager"
     )
     x = torch.randn(3, 8)
     first = []
@@ -511,6 +513,17 @@ def test_staged_capture_is_refused_where_there_is_nothing_to_upgrade():
 )
 def test_the_default_capture_is_staged_where_an_upgrade_applies(kwargs, when):
     assert ostinato.graphed(mlp(), **kwargs).options.capture == when
+
+
+def test_the_default_ladder_has_a_graph_for_every_size_to_32_then_steps_of_8():
+    def ladder(**kwargs):
+        fast = ostinato.graphed(mlp(), platform=FakePlatform(), **kwargs)
+        return fast.options.config.capture_sizes
+
+    assert ladder() == (*range(1, 33), 40, 48, 56, 64)
+    assert ladder(max_batch_size=20) == tuple(range(1, 21))
+    assert ladder(max_batch_size=50) == (*range(1, 33), 40, 48, 50)
+    assert ladder(capture_sizes=[1, 8]) == (1, 8)
 
 
 def test_without_graphs_the_staged_default_runs_eagerly_and_starts_no_compile():

@@ -1,6 +1,7 @@
 import pytest
 
 from ostinato import GraphConfig, GraphMode, default_capture_sizes
+from ostinato.config import exact_capture_sizes
 
 
 def test_default_ladder_shape():
@@ -66,6 +67,14 @@ def test_ladder_length_equals_the_built_ladder():
 
     for m in [*range(1, 1200), 4096, 16127, 16128, 16129, 16143, 16144]:
         assert ladder_length(m) == len(default_capture_sizes(m)), m
+        for exact in (5, 8, 32, 300):
+            assert ladder_length(m, exact) == len(exact_capture_sizes(m, exact)), (m, exact)
+
+
+def test_an_exact_ladder_holds_every_size_to_its_bound_then_the_default_ladder():
+    assert exact_capture_sizes(20, 32) == list(range(1, 21))
+    assert exact_capture_sizes(64, 32) == [*range(1, 33), 40, 48, 56, 64]
+    assert exact_capture_sizes(37, 32) == [*range(1, 33), 37]
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,12 @@ valid until the next call, as reduce-overhead's; the default copies every output
 (``capture_sizes``), as reduce-overhead records each size it sees (the default has one for
 every size up to 32, so the two differ only above 32, ``--max-batch``).
 
-For each model and system the stream runs three times: the first pass is the warm-up
-(compilation, capture; its total seconds are reported), the second settles what the
-first left half done (reduce-overhead records a size's graph at its second call), the
-third is timed call by call (mean ms per call, and per batch size). A staged system
+The stream: ``--calls`` calls over ``--distinct`` batch sizes (16 by default, the warm-up
+target's stream; 0: a size drawn anew for each call, some 28 distinct sizes in 64 calls, as
+runs before this option had). For each model and system the stream runs three times: the
+first pass is the warm-up (compilation, capture; its total seconds are reported), the second
+settles what the first left half done (reduce-overhead records a size's graph at its second
+call), the third is timed call by call (mean ms per call, and per batch size). A staged system
 (``ostinato default``) serves its first pass from graphs of the model as it is while its
 upgrade compiles; the later passes wait for the upgrade to end first (``upgrade_s``: from
 the end of the first pass, ``notes``: what moved), so that they time the graphs it keeps.
@@ -366,6 +368,20 @@ def write(args: argparse.Namespace, dtype: torch.dtype, rows: list[SystemRow]) -
     args.out.write_text(json.dumps(report, indent=2))
 
 
+def batch_stream(rng: random.Random, calls: int, largest: int, distinct: int) -> list[int]:
+    """``calls`` batch sizes in random order: ``distinct`` sizes drawn from ``1..largest``,
+    each called alike often (every one at least once where ``calls >= distinct``); with
+    ``distinct`` 0, a size drawn anew for each call."""
+    if distinct <= 0:
+        return [rng.randint(1, largest) for _ in range(calls)]
+    if distinct > largest:
+        raise ValueError(f"--distinct: {distinct} sizes cannot be drawn from 1..{largest}")
+    sizes = rng.sample(range(1, largest + 1), distinct)
+    stream = [sizes[i % distinct] for i in range(calls)]
+    rng.shuffle(stream)
+    return stream
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -373,6 +389,13 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--calls", type=int, default=64, help="calls in the stream")
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument(
+        "--distinct",
+        type=int,
+        default=16,
+        help="distinct batch sizes in the stream, drawn from 1..--max-batch, each called "
+        "alike often (the warm-up target's stream; 0: any size at each call)",
+    )
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument(
         "--size-repeats", type=int, default=10, help="timed calls per size for the per-size medians"
@@ -388,10 +411,8 @@ def main() -> None:
     rows = []
     for w in workloads(args.models.split(","), Where(device, dtype, args.tiny)):
         top = max(w.seq_buckets) if w.seq_buckets else 0
-        stream = [
-            (rng.randint(1, args.max_batch), rng.randint(8, top) if top else 0)
-            for _ in range(args.calls)
-        ]
+        batches = batch_stream(rng, args.calls, args.max_batch, args.distinct)
+        stream = [(b, rng.randint(8, top) if top else 0) for b in batches]
         before = clean_slate()[0]  # (the model's weights)
         for name in args.systems.split(","):
             rows.append(run_system(w, name, stream, args))

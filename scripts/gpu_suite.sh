@@ -18,6 +18,8 @@
 #   bash scripts/gpu_suite.sh models [MODELS] [SYSTEMS]  # the graphed models benchmark (JSON
 #                                      # under $OUT; default resnet50,mobilenet,vit; then
 #                                      # bert,distilbert,gpt2; every system unless named)
+#   bash scripts/gpu_suite.sh leftover [MODEL]  # what a released graphed leaves allocated,
+#                                      # with the frames that made it (JSON under $OUT)
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
 #   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
 #   bash scripts/gpu_suite.sh ab BASE  # decode step (A/B/A) and e2e generate (A/B), 1.5 B shape,
@@ -142,11 +144,16 @@ serve2)
     ;;
 graphed)
     # (graphed's GPU tests include the torch.compile backend's)
-    run_file tests/library/test_gpu_callable_graphs.py 200
+    run_file tests/library/test_gpu_callable_graphs.py 420  # (200 s cut it: a graph per size to 32)
     run_file tests/library/test_gpu_replay_check.py 150
     run_file tests/test_readme.py 100
     timeout 330 python3 -m benchmarks.graph_budget --out "$OUT/graph_budget_h200" 2>&1 \
         | tee "$OUT/graph_budget.log"
+    ;;
+leftover)
+    # what a released graphed leaves allocated, and the frames that made it (JSON under $OUT)
+    timeout 300 python3 -m benchmarks.graphed_leftover --out "$OUT/leftover" --model "${2:-distilbert}" \
+        2>&1 | tee "$OUT/leftover.log"
     ;;
 models)
     # six models by five systems do not fit one call: a comma list of models per call

@@ -35,3 +35,26 @@ def test_a_tiny_run_writes_a_row_per_system_with_what_each_left_allocated(tmp_pa
     rows = json.loads(out.read_text())["rows"]
     assert [r["system"] for r in rows] == ["eager", "ostinato default"]
     assert all(r["leftover_mib"] == 0.0 and len(r["median_ms_by_size"]) == 2 for r in rows)
+
+
+def test_the_leftover_probe_reads_the_live_blocks_with_frames_largest_first():
+    from benchmarks.graphed_leftover import live_blocks
+
+    def frame(name):
+        return {"filename": f"/x/site-packages/torch/{name}.py", "line": 3, "name": name}
+
+    snapshot = {
+        "segments": [
+            {"stream": 7, "blocks": [
+                {"state": "active_allocated", "size": 2**20, "frames": [frame("a")]},
+                {"state": "inactive", "size": 2**25, "frames": [frame("b")]},
+                {"state": "active_allocated", "size": 2**24},  # (made before the history)
+            ]},
+            {"stream": 0, "blocks": [
+                {"state": "active_allocated", "size": 2**25, "frames": [frame("c"), frame("d")]},
+            ]},
+        ]
+    }  # fmt: skip
+    blocks = live_blocks(snapshot)
+    assert [(b.mib, b.stream) for b in blocks] == [(32.0, 0), (1.0, 7)]
+    assert blocks[0].frames == ["torch/c.py:3:c", "torch/d.py:3:d"]

@@ -73,8 +73,9 @@ CAPTURE_WHEN = ("auto", "first_use", "construction", "background", "staged")
 _DEVICE = threading.RLock()
 # A graph for every batch size up to here, the default ladder above: a size between two
 # buckets paid for its padding (H200, bf16: up to 1.31x reduce-overhead's step, which
-# records every size it meets), where a graph per size kept every size of five models'
-# streams within 5% of it, for 0.1-2 s more capture (benchmarks/RESULTS.md).
+# records every size it meets), where a graph per size kept six models' streams within 5%
+# of it at every size but 2 of 28 in one run; the price is more graphs to capture (32 a
+# signature, not 7) and a longer upgrade in the background (benchmarks/RESULTS.md).
 EXACT_UP_TO = 32
 KEY_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 MAX_SIGNATURES = 8
@@ -202,10 +203,9 @@ def graphed(
     (graphs of ``fn`` as it is at once, then Inductor's per bucket where timed faster).
     ``max_batch_size`` (default 64) makes the ladder up to it (a graph for every size to
     ``EXACT_UP_TO``, then multiples of 8), ``capture_sizes`` names the sizes instead: give
-    one or neither. ``cache_dir``: where Inductor's
-    compilations of ``fn`` are kept for the next process (``compile_artifacts``; None: the
-    user cache folder, False: nowhere). Every argument is checked here; an error names
-    the argument as written."""
+    one or neither. ``cache_dir``: where Inductor's compilations of ``fn`` are kept for
+    the next process (``compile_artifacts``; None: the user cache folder, False: nowhere).
+    Every argument is checked here; an error names the argument as written."""
     splitting, resolved, capture = _modes(splitting_ops, mode, full_when, capture, compiler)
     return Graphed(
         fn,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.graphed_models import Where, clean_slate, system, workloads
+from benchmarks.graphed_models import Where, call_stream, clean_slate, system, workloads
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,9 @@ def main() -> None:
     before = clean_slate()[0]
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     fn, fast = system(w, "ostinato default", 32)
-    rng, top = random.Random(0), max(w.seq_buckets or (0,))
     with torch.inference_mode():
-        for _ in range(args.calls):
-            fn(*w.inputs(rng.randint(1, 32), rng.randint(8, top) if top else 0))
+        for batch, length in call_stream(w, random.Random(0), args.calls, 32, 0):
+            fn(*w.inputs(batch, length))
     fast.wait_for_upgrades()
     fast.release()
     del fn, fast

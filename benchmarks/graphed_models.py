@@ -382,6 +382,16 @@ def batch_stream(rng: random.Random, calls: int, largest: int, distinct: int) ->
     return stream
 
 
+def call_stream(
+    w: Workload, rng: random.Random, calls: int, largest: int, distinct: int
+) -> list[tuple[int, int]]:
+    """(batch, length) for each call: ``batch_stream``'s sizes, then a length drawn from 8
+    to ``w``'s longest sequence bucket for each (0 where its length is fixed)."""
+    top = max(w.seq_buckets) if w.seq_buckets else 0
+    batches = batch_stream(rng, calls, largest, distinct)
+    return [(b, rng.randint(8, top) if top else 0) for b in batches]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -410,9 +420,7 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     for w in workloads(args.models.split(","), Where(device, dtype, args.tiny)):
-        top = max(w.seq_buckets) if w.seq_buckets else 0
-        batches = batch_stream(rng, args.calls, args.max_batch, args.distinct)
-        stream = [(b, rng.randint(8, top) if top else 0) for b in batches]
+        stream = call_stream(w, rng, args.calls, args.max_batch, args.distinct)
         before = clean_slate()[0]  # (the model's weights)
         for name in args.systems.split(","):
             rows.append(run_system(w, name, stream, args))

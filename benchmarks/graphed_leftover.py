@@ -26,6 +26,7 @@ from benchmarks.graphed_models import Where, call_stream, clean_slate, system, w
 class Block:
     mib: float
     stream: int
+    pool: str  # the segment's pool: (0, 0) is the global one, any other a graph pool
     frames: list[str]  # innermost first
 
 
@@ -40,7 +41,8 @@ def live_blocks(snapshot: dict) -> list[Block]:
                     f"{f['filename'].split('site-packages/')[-1]}:{f['line']}:{f['name']}"
                     for f in block["frames"]
                 ]
-                found.append(Block(block["size"] / 2**20, segment.get("stream", 0), frames))
+                pool = str(segment.get("segment_pool_id", (0, 0)))
+                found.append(Block(block["size"] / 2**20, segment.get("stream", 0), pool, frames))
     return sorted(found, key=lambda b: -b.mib)
 
 
@@ -70,7 +72,8 @@ def main() -> None:
     cleared = (clean_slate()[0] - before) / 2**20
     print(f"left allocated: {left:.1f} MiB; after clearing cuBLAS's workspaces: {cleared:.1f}")
     for b in blocks[:12]:
-        print(f"{b.mib:8.2f} MiB stream {b.stream}\n    " + "\n    ".join(b.frames[:14]))
+        where = f"{b.mib:8.2f} MiB stream {b.stream} pool {b.pool}"
+        print(where + "\n    " + "\n    ".join(b.frames[:20]))
     report = {"model": args.model, "left_mib": left, "after_cublas_clear_mib": cleared,
               "blocks": [asdict(b) for b in blocks]}  # fmt: skip
     (args.out / "leftover.json").write_text(json.dumps(report, indent=2))

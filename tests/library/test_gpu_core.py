@@ -268,6 +268,40 @@ def test_a_pool_made_in_inference_mode_survives_a_failed_capture_outside_it():
     assert torch.equal(y, torch.full_like(x, 3.0))
 
 
+@torch.inference_mode()
+def test_a_blocking_capture_leaves_no_cublas_workspace_behind():
+    # cuBLAS keeps a workspace (32 MiB on Hopper) per (thread's handle, stream); one made
+    # inside a capture would stay allocated in the graph's pool for good. A blocking
+    # capture makes it one of the pool's temporaries, and graphs sharing the pool (and
+    # so that memory) still replay right, one after the other.
+    from ostinato.platform.cuda import CudaPlatform
+
+    platform = CudaPlatform()
+    pool = platform.graph_pool_handle()
+    a, b = (torch.randn(512, 512, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    a @ b  # this thread's eager workspace (dropped by the capture, made again below)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    graphs, outs = [], []
+    for w in (a, b):
+        graph = platform.new_graph()
+        with platform.capture(graph, pool):
+            outs.append(w @ b)
+        graphs.append(graph)
+    grown = torch.cuda.memory_allocated() - before
+    assert grown <= sum(o.numel() * o.element_size() for o in outs), f"{grown / 2**20:.1f} MiB"
+    for _ in range(3):
+        a.normal_()
+        b.normal_()
+        for graph in graphs:
+            graph.replay()
+        torch.testing.assert_close(outs[0], a @ b)
+        torch.testing.assert_close(outs[1], b @ b)
+    del graphs, outs
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before  # (the eager workspace made again)
+
+
 def test_a_timing_capture_keeps_the_allocators_cached_blocks():
     # torch.cuda.graph empties the device's cache at every capture: each timing of a
     # measurement beside the steps would free their cached blocks (a wait on the device)

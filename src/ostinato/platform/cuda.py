@@ -87,13 +87,14 @@ class CudaPlatform(Platform):
         with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(self._stream()):
             torch.cuda.synchronize()
             mode = "thread_local" if capture_is_isolated() else "global"
-            try:
-                graph.capture_begin(pool=pool, capture_error_mode=mode)
-            except Exception:
-                self._reset_rng_capture_state()
-                raise
-            with _ended(graph, lambda: self._recover_from_failed_capture(requested, pool)):
-                yield
+            with cublas_workspaces_in_capture():
+                try:
+                    graph.capture_begin(pool=pool, capture_error_mode=mode)
+                except Exception:
+                    self._reset_rng_capture_state()
+                    raise
+                with _ended(graph, lambda: self._recover_from_failed_capture(requested, pool)):
+                    yield
 
     def _recover_from_failed_capture(self, requested: Any, pool: Any) -> None:
         # A capture_end that fails stops early: the allocator still routes this
@@ -232,11 +233,38 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     # made again), hundreds of times over a measurement beside the steps.
     with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(_side_stream()):
         torch.cuda.synchronize()
-        graph.capture_begin(capture_error_mode=mode)
-        with _ended(graph):
-            for _ in range(calls):
-                fn()
+        with cublas_workspaces_in_capture():
+            graph.capture_begin(capture_error_mode=mode)
+            with _ended(graph):
+                for _ in range(calls):
+                    fn()
     return graph
+
+
+@contextlib.contextmanager
+def cublas_workspaces_in_capture() -> Iterator[None]:
+    """Around a blocking capture (not ``isolated_capture()``), on the device drained:
+    cuBLAS's cached workspaces are dropped before it and after it, so the capture's own
+    workspace is made in its graph's pool and freed there when it ends, a temporary like
+    the graph's others. Beside running steps (isolated) nothing is dropped.
+
+    Why: cuBLAS keeps one workspace (32 MiB on Hopper) per (thread's handle, stream) for
+    the life of the process. Kept, the capture stream's lands in the pool and stays
+    allocated after every graph is released, and each thread that ran a GEMM (a compile's
+    warm-up) holds one more: 99 MiB left behind by a released ``graphed`` model on an H200.
+    Why not beside steps: dropping is process-wide, and a step thread between fetching its
+    workspace and launching its GEMM would launch into freed memory; a blocking capture
+    already requires that no other thread use the device meanwhile.
+    """
+    clear = torch._C._cuda_clearCublasWorkspaces  # (Inductor's cudagraph trees do the same)
+    if capture_is_isolated():
+        yield
+        return
+    clear()
+    try:
+        yield
+    finally:
+        clear()
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device: a capture's own stream

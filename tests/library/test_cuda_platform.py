@@ -1,6 +1,7 @@
 """The CUDA platform's host-side choices with torch's CUDA calls stood in (its GPU tests:
 ``test_gpu_core``, ``test_gpu_replay_check``)."""
 
+import pytest
 import torch
 
 from ostinato.platform import cuda
@@ -37,3 +38,26 @@ def test_a_torch_that_takes_no_pool_has_its_whole_snapshot_filtered(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
     monkeypatch.setattr(cuda, "_SNAPSHOT_ASKS", frozenset())
     assert cuda.CudaPlatform().pool_bytes([1, 8]) == 8 << 20 and asked == [None]
+
+
+def test_cublas_workspaces_are_dropped_around_a_blocking_capture_only(monkeypatch):
+    # Dropped before and after a blocking capture (even one that fails), so its workspace
+    # is made in its pool and freed there; never beside running steps (isolated), where a
+    # step thread may be between fetching its workspace and launching its GEMM.
+    from ostinato.platform.base import isolated_capture
+
+    events = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: events.append("drop"), raising=False
+    )
+    with cuda.cublas_workspaces_in_capture():
+        events.append("capture")
+    assert events == ["drop", "capture", "drop"]
+    events.clear()
+    with pytest.raises(RuntimeError), cuda.cublas_workspaces_in_capture():
+        raise RuntimeError("the capture failed")
+    assert events == ["drop", "drop"]
+    events.clear()
+    with isolated_capture(), cuda.cublas_workspaces_in_capture():
+        events.append("capture")
+    assert events == ["capture"]

@@ -2,7 +2,8 @@
 # Here, on the machine without a GPU: what the device calls of scripts/gpu_suite.sh carry,
 # under .gpu/ (ignored by git, so a new checkout builds it again; it costs no device time).
 #   bash scripts/gpu_prepare.sh wheels          # .gpu/whl: the packages the GPU host lacks
-#                                               # (the serve extra, the openai client, gguf)
+#                                               # (the serve extra, the openai client, gguf,
+#                                               # ostinato's own entry points)
 #   bash scripts/gpu_prepare.sh gguf            # .gpu/gguf/1 .. 4: SmolLM2's GGUF in four parts
 #                                               # of 25 MB (a call carries at most 64 MiB, the
 #                                               # tracked tree 27 of them, the wheels 9)
@@ -30,6 +31,10 @@ wheels)
             --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
             --platform manylinux2014_x86_64 -d .gpu/whl "${spec:-$name}"
     done
+    # ostinato's own (its dist-info names the torch_dynamo_backends entry point that
+    # torch.compile(backend="ostinato") looks up; the code itself runs from src/ there)
+    rm -f .gpu/whl/ostinato-*.whl
+    "$py" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl .
     ls .gpu/whl
     ;;
 gguf)

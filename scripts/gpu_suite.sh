@@ -20,6 +20,9 @@
 #                                      # bert,distilbert,gpt2; every system unless named)
 #   bash scripts/gpu_suite.sh leftover [MODEL]  # what a released graphed leaves allocated,
 #                                      # with the frames that made it (JSON under $OUT)
+#   bash scripts/gpu_suite.sh models_ab TREE [MODEL] [LIMIT_S] [ROUNDS]  # graphed's default on
+#                                      # MODEL (gpt2), TREE's library (as lora's) against this
+#                                      # one's, alternating, one process each (JSONs under $OUT)
 #   bash scripts/gpu_suite.sh fused    # the fused decoder layer's and kernel options' GPU tests
 #   bash scripts/gpu_suite.sh fusedbench SHAPE [VARIANTS] [LIMIT_S] [SIZES]  # the decode benchmark
 #   bash scripts/gpu_suite.sh ab BASE  # decode step (A/B/A) and e2e generate (A/B), 1.5 B shape,
@@ -307,6 +310,20 @@ startup_ab)
                 --root "$root" --only "$model default, caches filled" \
                 --only "$model serve default, caches filled" --timeout 60 \
                 --out "$OUT/startup_${model}_${tree}_$round.json" 2>&1 | sed "s/^/$tree $round: /"
+        done
+    done
+    ;;
+models_ab)
+    # graphed's default on one model, TREE's library against this one's, alternating
+    # (base, here, base, here), each in its own process, the benchmark's code this one's.
+    base=$(tree_dir "${2:?models_ab: give the baseline tree}") model=${3:-gpt2}
+    for round in $(seq "${5:-2}"); do
+        for tree in base here; do
+            src=src; [ $tree = base ] && src=$base/src
+            PYTHONPATH=$src:.:/tmp/site timeout "${4:-140}" python3 -m benchmarks.graphed_models \
+                --models "$model" --systems "ostinato default" \
+                --out "$OUT/ab_${model}_${tree}_$round.json" 2>&1 | grep -v "Warn\|warn(" \
+                | sed "s/^/$tree $round: /" | tail -4
         done
     done
     ;;

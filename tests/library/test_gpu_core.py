@@ -269,13 +269,18 @@ def test_a_pool_made_in_inference_mode_survives_a_failed_capture_outside_it():
 
 
 @torch.inference_mode()
-def test_a_blocking_capture_leaves_no_cublas_workspace_behind():
+def test_a_blocking_capture_leaves_no_cublas_workspace_behind(monkeypatch):
     # cuBLAS keeps a workspace (32 MiB on Hopper) per (thread's handle, stream); one made
     # inside a capture would stay allocated in the graph's pool for good. A blocking
     # capture makes it one of the pool's temporaries, and graphs sharing the pool (and
     # so that memory) still replay right, one after the other.
+    import threading
+
+    from ostinato.platform import cuda
     from ostinato.platform.cuda import CudaPlatform
 
+    # (as in a process where nothing captured beside steps; earlier tests' graphs are gone)
+    monkeypatch.setattr(cuda, "_KEPT_WORKSPACES", threading.Event())
     platform = CudaPlatform()
     pool = platform.graph_pool_handle()
     a, b = (torch.randn(512, 512, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import statistics
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -241,12 +242,19 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     return graph
 
 
+# Set once a capture ran beside steps: its workspace stays cached, maybe read by graphs of
+# several pools (a thread's handle and the capture stream key it, whatever the pool), so
+# dropping it would free memory those graphs still write. From then on none is dropped.
+_KEPT_WORKSPACES = threading.Event()
+
+
 @contextlib.contextmanager
 def cublas_workspaces_in_capture() -> Iterator[None]:
-    """Around a blocking capture (not ``isolated_capture()``), on the device drained:
-    cuBLAS's cached workspaces are dropped before it and after it, so the capture's own
-    workspace is made in its graph's pool and freed there when it ends, a temporary like
-    the graph's others. Beside running steps (isolated) nothing is dropped.
+    """Around a blocking capture (not ``isolated_capture()``) in a process where no capture
+    has run beside steps, on the device drained: cuBLAS's cached workspaces are dropped
+    before it and after it, so the capture's own workspace is made in its graph's pool and
+    freed there when it ends, a temporary like the graph's others. Otherwise nothing is
+    dropped.
 
     Why: cuBLAS keeps one workspace (32 MiB on Hopper) per (thread's handle, stream) for
     the life of the process. Kept, the capture stream's lands in the pool and stays
@@ -259,7 +267,9 @@ def cublas_workspaces_in_capture() -> Iterator[None]:
     # (Inductor's cudagraph trees drop them the same way; a torch built without CUDA,
     # which the CPU tests dress up as CUDA, has no workspaces to drop)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is None or capture_is_isolated():
+    if capture_is_isolated():
+        _KEPT_WORKSPACES.set()
+    if clear is None or _KEPT_WORKSPACES.is_set():
         yield
         return
     clear()

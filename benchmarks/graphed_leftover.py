@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.graphed_models import Where, call_stream, clean_slate, system, workloads
+from ostinato.provenance import Provenance
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ def main() -> None:
     for b in blocks[:12]:
         where = f"{b.mib:8.2f} MiB stream {b.stream} pool {b.pool}"
         print(where + "\n    " + "\n    ".join(b.frames[:20]))
-    report = {"model": args.model, "left_mib": left, "after_cublas_clear_mib": cleared,
-              "blocks": [asdict(b) for b in blocks]}  # fmt: skip
+    report = {"provenance": asdict(Provenance.collect()), "model": args.model, "left_mib": left,
+              "after_cublas_clear_mib": cleared, "blocks": [asdict(b) for b in blocks]}  # fmt: skip
     (args.out / "leftover.json").write_text(json.dumps(report, indent=2))
 
 

@@ -11,8 +11,9 @@ FULL_AND_PIECEWISE does not apply to them: none holds an op that must run outsid
 batch and the sequence buckets the stream needs); ``ostinato FULL+inductor`` compiles the
 model whole first (``compiler="inductor"``, a dynamic batch) and captures Inductor's
 kernels; ``ostinato backend`` is ``torch.compile(model, backend="ostinato")`` with the same
-options; ``ostinato default views`` is the default with ``copy_outputs=False`` (outputs
-valid until the next call, as reduce-overhead's; the default copies every output);
+options; ``ostinato default copies`` is the default with ``copy_outputs=True`` (a copy of
+every output a call, the caller's to keep; the default lends them until the next call, as
+reduce-overhead does);
 ``ostinato every size`` is the default with a graph for every batch size up to the largest
 (``capture_sizes``), as reduce-overhead records each size it sees (the default has one for
 every size up to 32, so the two differ only above 32, ``--max-batch``).
@@ -53,7 +54,7 @@ SYSTEMS = (
     "eager",
     "reduce-overhead",
     "ostinato default",
-    "ostinato default views",
+    "ostinato default copies",
     "ostinato every size",
     "ostinato FULL+inductor",
     "ostinato backend",
@@ -208,10 +209,10 @@ def system(w: Workload, name: str, max_batch: int) -> tuple[Callable[..., Any], 
         return torch.compile(w.fn, backend="ostinato", options=options), None
     if name == "ostinato FULL+inductor":
         options |= {"mode": "full", "compiler": "inductor"}
-    elif name == "ostinato default views":
-        # Outputs as views of the static buffers, valid until the next call (as
-        # reduce-overhead's): no copy of every output a call, which the default makes.
-        options |= {"copy_outputs": False}
+    elif name == "ostinato default copies":
+        # Every output copied, the caller's to keep (the default lends the graphs' own
+        # memory until the next call, as reduce-overhead does).
+        options |= {"copy_outputs": True}
     elif name == "ostinato every size":
         del options["max_batch_size"]  # (a ladder, or the sizes: one of the two)
         options |= {"capture_sizes": list(range(1, max_batch + 1))}

@@ -99,7 +99,10 @@ class FakePlatform(Platform):
     device_type = "cpu"
     supports_graphs = True
 
-    def __init__(self, fail_capture: BaseException | None = None) -> None:
+    def __init__(self, fail_capture: BaseException | None = None, lends: bool = False) -> None:
+        self.lends = lends  # (CUDA's lending: an alias that does not own, and its revoke)
+        self.lent: list[torch.Tensor] = []
+        self.revoked: list[tuple[int, str]] = []  # (index in ``lent``, message)
         self.capturing: FakeGraph | None = None
         self.graphs: list[FakeGraph] = []
         self.pools = 0
@@ -111,6 +114,16 @@ class FakePlatform(Platform):
         g = FakeGraph()
         self.graphs.append(g)
         return g
+
+    def lend(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        if not self.lends:
+            return None
+        # (the CPU cannot revoke: the fake records the alias and, later, its revocation)
+        self.lent.append(t.view(t.shape))
+        return self.lent[-1], len(self.lent) - 1
+
+    def revoke(self, handle: int, message: str) -> None:
+        self.revoked.append((handle, message))
 
     def graph_pool_handle(self) -> Any:
         self.pools += 1

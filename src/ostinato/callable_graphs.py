@@ -21,8 +21,12 @@ calls capture and time its graphs, one bucket per call on the caller's thread, m
 bucket where they are faster (``wait_for_upgrades`` does the rest at once).
 
 Guarantees: outputs equal ``fn``'s on the same arguments (the graph computes the padded
-batch; padding rows start as zeros) and, with ``copy_outputs`` (the default), belong to
-the caller; without it they are views valid until the next call. With ``check_padding``
+batch; padding rows start as zeros). By default they are lent, as reduce-overhead's are:
+the graphs' own memory, valid until the next call, after which any access to them (or to
+views of them) raises, never reads another call's values; where the platform cannot
+revoke an alias (the CPU) they are copies. With ``copy_outputs`` every output is a copy
+that belongs to the caller (a copy per call: GPT-2's logits cost 0.1-0.2 ms and their
+size again in memory at 32 rows). With ``check_padding``
 (the default) the first call of a signature that graphs runs ``fn`` twice eagerly with
 different padding contents and raises ``PaddingChangesRealRowsError`` if real rows
 differ (a batch norm in training mode, a reduction over the batch). On a platform
@@ -179,7 +183,7 @@ def graphed(
     compiler: str | None = "auto",
     capture: str = "auto",
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-    copy_outputs: bool = True,
+    copy_outputs: bool = False,
     check_padding: bool = True,
     max_signatures: int = MAX_SIGNATURES,
     platform: Platform | None = None,
@@ -314,7 +318,7 @@ class Graphed:
         self._compiles = SharedCompiles(options.store)
         # Every signature's static outputs in one storage, sized for the largest bucket:
         # calls run one at a time (its lock), so each overwrites the last one's outputs.
-        self._arena = OutputArena()
+        self._arena = OutputArena(revoked=_lent_message(fn))
         self._lock = threading.Lock()  # (two threads' first calls build one signature)
         self._eager_too_long = 0
         self._eager_device_busy = 0
@@ -331,6 +335,9 @@ class Graphed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self._flatten(args, kwargs)
+        for i in call.slots:  # (a lent output's memory is about to be written: read it now)
+            if self._arena.is_lent(call.leaves[i]):
+                call.leaves[i] = call.leaves[i].clone()
         if call.length and not call.bucket:  # longer than every seq bucket
             self._eager_too_long += 1
             return self.fn(*args, **kwargs)
@@ -371,6 +378,7 @@ class Graphed:
         """Destroys every graph; the next call of a signature captures it anew."""
         with self._lock:
             signatures, self._signatures = list(self._signatures.values()), {}
+        self._arena.recall()  # (the memory the lent outputs alias goes with the graphs)
         for s in signatures:
             s.release()
         self._compiles.clear()
@@ -523,7 +531,7 @@ class _Signature:
     def run(self, call: _Call, full: bool = False) -> Any:
         """``call`` through its bucket's graph (``full``: the FULL graph of a mode that
         treats calls differently), under the outputs' lock until its outputs are copied."""
-        with self.arena.lock:
+        with self.arena.writing():
             if self.staged is not None:
                 self.staged.advance()  # (one bucket of the upgrade, once it is compiled)
             stage = self.staged or self.runtime.manager  # (where the step runs)
@@ -562,7 +570,7 @@ class _Signature:
         if not _DEVICE.acquire(blocking=wait):
             return False
         try:
-            with self.arena.lock:  # (its warm-up and capture write the shared outputs)
+            with self.arena.writing():  # (its warm-up and capture write the shared outputs)
                 self.runtime.manager.capture()
         finally:
             _DEVICE.release()
@@ -574,7 +582,7 @@ class _Signature:
                 self.runtime,
                 self._build_upgrade,
                 on_steps=True,
-                device_lock=_DeviceThenOutputs(self.arena.lock),
+                device_lock=_DeviceThenOutputs(self.arena),
             )
         return True
 
@@ -659,7 +667,10 @@ class _Signature:
         for i, t in enumerate(outs):
             if self.bucket and t.dim() > seq_dim and t.shape[seq_dim] == self.bucket:
                 t = t.narrow(seq_dim, 0, call.length)
-            outs[i] = t.clone() if self.options.copy_outputs else t
+            if self.arena.holds(t):  # (else the caller's already: an eager call's own)
+                copy = self.options.copy_outputs
+                t = t.clone() if copy else self.arena.lend(t, self.platform)
+            outs[i] = t
         assert self._out_spec is not None
         return tree_unflatten(outs, self._out_spec)
 
@@ -669,20 +680,21 @@ class _DeviceThenOutputs:
     """A staged upgrade's device lock: ``_DEVICE``, then the lock of the static outputs
     the signatures share (an advance captures and times into them, also from
     ``wait_for_upgrades``, beside another thread's calls), in the order a first capture
-    takes them."""
+    takes them; what was lent from them is recalled before the advance writes them."""
 
-    outputs: Any  # (the arena's RLock)
+    arena: OutputArena
 
     def acquire(self, blocking: bool = True) -> bool:
         if not _DEVICE.acquire(blocking=blocking):
             return False
-        if not self.outputs.acquire(blocking=blocking):
+        if not self.arena.lock.acquire(blocking=blocking):
             _DEVICE.release()
             return False
+        self.arena.recall()
         return True
 
     def release(self) -> None:
-        self.outputs.release()
+        self.arena.lock.release()
         _DEVICE.release()
 
 
@@ -779,6 +791,15 @@ def _compiled(signature: _Signature, options: _Options, platform: Platform) -> A
     compiler = choose_compiler(options.compiler, options.config.mode, platform) or "eager"
     backend = PiecewiseBackend(options.splitting_ops, compiler=compiler, platform=platform)
     return CompiledModel(AsModule(signature.tree), backend)
+
+
+def _lent_message(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return (
+        f"this output of ostinato.graphed({name}) was lent until the next call (the default, "
+        "as reduce-overhead's outputs are) and a later call or release() has overwritten "
+        "it; clone() what you keep before calling again, or pass copy_outputs=True"
+    )
 
 
 def _platform_for(device: torch.device) -> Platform:

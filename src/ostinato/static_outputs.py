@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+
+from ostinato.platform.base import Platform
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 Reserve = Callable[[tuple[int, ...]], int]
@@ -23,11 +27,20 @@ class OutputArena:
 
     ``lock``: held by whoever runs or captures one of the sharing steps, from before it
     writes its outputs until its caller has copied (or queued the copy of) what it reads.
+
+    Outputs can also be lent (``lend``): the caller gets aliases of the storage that do
+    not own it, and every writer takes the lock through ``writing()``, which first makes
+    any access to them raise ``revoked`` (``recall``): a kept output is an error, never a
+    silently overwritten value.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, revoked: str = "an output lent until the next step was kept") -> None:
         self.lock = threading.RLock()
+        self.revoked = revoked
         self._flat: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._made: set[int] = set()  # every storage's address (older ones still in views)
+        self._lent: list[tuple[Platform, Any]] = []
+        self._lent_at: set[int] = set()  # the lent aliases' addresses
 
     def take(
         self, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -40,7 +53,43 @@ class OutputArena:
         if flat is None or flat.numel() < numel:
             flat = torch.empty(max(numel, reserve), dtype=dtype, device=device)
             self._flat[(index, dtype, device)] = flat
+            self._made.add(flat.untyped_storage().data_ptr())
         return flat[:numel].view(shape)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in storage this arena made."""
+        return t.untyped_storage().data_ptr() in self._made
+
+    def lend(self, t: torch.Tensor, platform: Platform) -> torch.Tensor:
+        """``t`` (one of this arena's outputs) as the caller's until the next ``recall``:
+        an alias where ``platform`` can revoke one, else a copy."""
+        lent = platform.lend(t)
+        if lent is None:
+            return t.clone()
+        alias, handle = lent
+        self._lent.append((platform, handle))
+        self._lent_at.add(alias.untyped_storage().data_ptr())
+        return alias
+
+    def is_lent(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) an alias lent since the last ``recall``."""
+        return bool(self._lent_at) and t.untyped_storage().data_ptr() in self._lent_at
+
+    def recall(self) -> None:
+        """Every alias lent so far (and its views) raises ``revoked`` on any access."""
+        with self.lock:
+            lent, self._lent = self._lent, []
+            self._lent_at.clear()
+            for platform, handle in lent:
+                platform.revoke(handle, self.revoked)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """The lock, for a step or capture that writes the storage, once what was lent
+        from it has been recalled."""
+        with self.lock:
+            self.recall()
+            yield
 
     def nbytes(self) -> int:
         """Bytes of the storage the next step would share (older storage not counted)."""

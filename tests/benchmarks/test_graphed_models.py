@@ -58,3 +58,29 @@ def test_the_leftover_probe_reads_the_live_blocks_with_frames_largest_first():
     blocks = live_blocks(snapshot)
     assert [(b.mib, b.stream) for b in blocks] == [(32.0, 0), (1.0, 7)]
     assert blocks[0].frames == ["torch/c.py:3:c", "torch/d.py:3:d"]
+
+
+def test_the_peak_probe_replays_the_trace_to_the_most_allocated_at_once():
+    from benchmarks.graphed_leftover import peak_blocks
+
+    def entry(action, addr, mib, name="f"):
+        frames = [{"filename": f"/x/site-packages/ostinato/{name}.py", "line": 1, "name": name}]
+        return {"action": action, "addr": addr, "size": mib * 2**20, "stream": 0, "frames": frames}
+
+    trace = [
+        entry("free_requested", 99, 64),  # (a block made before the history: skipped)
+        entry("alloc", 1, 4, "a"),
+        entry("alloc", 2, 8, "b"),
+        entry("free_requested", 1, 4),
+        entry("free_completed", 1, 4),
+        entry("alloc", 3, 2, "c"),  # 10 MiB live: below the 12 before the free
+        entry("alloc", 1, 16, "d"),  # (the address reused) 26 MiB: the peak
+        entry("free_requested", 2, 8),
+    ]
+    peak, blocks = peak_blocks({"device_traces": [trace]})
+    assert peak == 26.0
+    assert [(b.mib, b.frames) for b in blocks] == [
+        (16.0, ["ostinato/d.py:1:d"]),
+        (8.0, ["ostinato/b.py:1:b"]),
+        (2.0, ["ostinato/c.py:1:c"]),
+    ]

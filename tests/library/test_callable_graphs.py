@@ -80,19 +80,47 @@ def test_several_inputs_keywords_constants_and_dict_outputs():
     assert len(fast.stats().signatures) == 2  # one per value of the constant `scale`
 
 
-def test_outputs_belong_to_the_caller_unless_asked_otherwise():
+def test_outputs_are_copies_where_the_platform_cannot_revoke_an_alias():
     model = mlp().eval()
     x, y = torch.randn(3, 8), torch.randn(3, 8)
     fast = ostinato.graphed(model, max_batch_size=8, platform=FakePlatform(), capture="first_use")
     first = fast(x)
     fast(y)
     torch.testing.assert_close(first, eager(model, x))
-    views = ostinato.graphed(
-        model, max_batch_size=8, platform=FakePlatform(), capture="first_use", copy_outputs=False
+
+
+def test_outputs_are_lent_until_the_next_call_which_revokes_them_after_reading_its_args():
+    torch.manual_seed(0)
+    square = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
+    platform = FakePlatform(lends=True)
+    fast = ostinato.graphed(square, max_batch_size=8, platform=platform, capture="first_use")
+    x = torch.randn(3, 8)
+    first = fast(x)
+    assert platform.lent and first.data_ptr() == platform.lent[-1].data_ptr()
+    assert platform.revoked == []
+    torch.testing.assert_close(first, eager(square, x))
+    want = eager(square, first.clone())
+    second = fast(first)  # a lent output as the next call's argument: read before revoked
+    torch.testing.assert_close(second, want)
+    assert [i for i, _ in platform.revoked] == [0]  # the first call's, at the second call
+    message = platform.revoked[0][1]
+    assert "Sequential" in message and "copy_outputs=True" in message and "clone()" in message
+    fast.release()
+    assert [i for i, _ in platform.revoked] == [0, 1]  # release() revokes the last one
+
+
+def test_copied_outputs_and_an_eager_calls_own_outputs_are_not_lent():
+    model = mlp().eval()
+    platform = FakePlatform(lends=True)
+    fast = ostinato.graphed(
+        model, max_batch_size=4, platform=platform, capture="first_use", copy_outputs=True
     )
-    first = views(x)
-    views(y)  # the next replay writes the same static buffers
-    torch.testing.assert_close(first, eager(model, y))
+    first = fast(torch.randn(3, 8))
+    assert platform.lent == [] and first.data_ptr() not in {t.data_ptr() for t in platform.lent}
+    lending = ostinato.graphed(model, max_batch_size=4, platform=platform, capture="first_use")
+    x = torch.randn(9, 8)  # above the largest bucket: eager, on the caller's tensors
+    torch.testing.assert_close(lending(x), eager(model, x))
+    assert platform.lent == []
 
 
 def test_capture_at_construction_needs_an_example_and_captures_at_once():

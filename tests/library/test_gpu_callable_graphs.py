@@ -298,3 +298,40 @@ def test_background_capture_leaves_the_callers_random_numbers_and_syncs_alone():
     stats = fast.stats()
     assert stats.replays == len(sizes) and stats.eager == 0, stats.summary()
     fast.release()
+
+
+def test_default_outputs_are_lent_until_the_next_call_then_any_access_raises():
+    # As reduce-overhead's: no copy of the outputs; a kept output (or a view of it) raises
+    # once a later call, an upgrade's capture or release() writes or frees its memory;
+    # a lent output passed back as an argument is read before that.
+    model = mlp()
+    fast = ostinato.graphed(model, max_batch_size=8)
+    x, y = torch.randn(3, 64, device="cuda"), torch.randn(5, 64, device="cuda")
+    with torch.inference_mode():
+        want_x, want_y = model(x), model(y)
+        want_again = model(want_x)
+    first = fast(x)
+    part = first[:, :5]
+    torch.testing.assert_close(first, want_x, atol=1e-5, rtol=1e-3)
+    arena = fast._arena._flat[(0, torch.float32, first.device)]  # (no copy: the graphs' own)
+    assert arena.data_ptr() == first.data_ptr()
+    again = fast(first)  # a lent output as the next call's argument
+    torch.testing.assert_close(again, want_again, atol=1e-5, rtol=1e-3)
+    for stale in (first, part):
+        with pytest.raises(RuntimeError, match="lent until the next call"):
+            stale.sum()
+        with pytest.raises(RuntimeError, match="copy_outputs=True"):
+            print(stale)
+    assert fast.wait_for_upgrades(timeout=300), fast.stats().summary()
+    with pytest.raises(RuntimeError, match="lent until the next call"):
+        again.sum()  # (the upgrade's captures wrote the memory)
+    torch.testing.assert_close(fast(y), want_y, atol=1e-4, rtol=1e-3)
+    last = fast(x)
+    fast.release()
+    with pytest.raises(RuntimeError, match="release"):
+        last.sum()
+    kept = ostinato.graphed(model, max_batch_size=8, capture="first_use", copy_outputs=True)
+    a = kept(x)
+    kept(y)
+    torch.testing.assert_close(a, want_x, atol=1e-5, rtol=1e-3)
+    kept.release()

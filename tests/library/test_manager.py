@@ -124,6 +124,23 @@ def test_two_managers_share_static_outputs_and_refuse_a_step_shaped_otherwise():
         GraphManager(r.step, small, platform=p, outputs=first.outputs)
 
 
+def test_an_arena_recalls_what_it_lent_before_any_writer_takes_its_lock():
+    from ostinato.static_outputs import OutputArena
+
+    arena, lends, copies = OutputArena(revoked="kept"), FakePlatform(lends=True), FakePlatform()
+    out = arena.take(0, (4, 3), torch.float32, torch.device("cpu"))
+    assert arena.holds(out[:2]) and not arena.holds(torch.zeros(2))
+    copy = arena.lend(out[:2], copies)  # a platform that cannot revoke: a copy
+    assert not arena.holds(copy) and not arena.is_lent(copy)
+    lent = arena.lend(out[:2], lends)
+    assert lent.data_ptr() == out.data_ptr() and arena.is_lent(lent[1:])
+    assert lends.revoked == []
+    with arena.writing():
+        assert lends.revoked == [(0, "kept")] and not arena.is_lent(lent)
+    arena.recall()  # (nothing left to recall)
+    assert lends.revoked == [(0, "kept")]
+
+
 def test_single_output_is_returned_as_tensor():
     p, r, m = build(GraphMode.FULL)
     m.capture()

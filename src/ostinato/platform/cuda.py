@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ostinato.platform.base import (
     Graph,
@@ -143,6 +144,25 @@ class CudaPlatform(Platform):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def lend(self, t: Any) -> tuple[Any, Any] | None:
+        # Inductor's cudagraph trees hand out reduce-overhead's outputs the same way: a
+        # storage that does not own the graph's memory, whose data pointer is later
+        # replaced by an error (torch's CUDA bindings only, hence the check).
+        if not _CAN_REVOKE or t.device.type != "cuda":
+            return None
+        dims = zip(t.shape, t.stride(), strict=True)
+        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in dims)
+        storage = torch._C._construct_storage_from_data_pointer(
+            t.data_ptr(), t.device, span * t.element_size()
+        )
+        alias = torch.empty(0, dtype=t.dtype, device=t.device)
+        alias.set_(storage, 0, t.shape, t.stride())
+        return alias, StorageWeakRef(storage)
+
+    def revoke(self, handle: Any, message: str) -> None:
+        if not handle.expired():
+            torch._C._set_storage_data_ptr_access_error_msg(handle.cdata, message)
+
     @contextlib.contextmanager
     def sync_errors(self) -> Iterator[None]:
         previous = torch.cuda.get_sync_debug_mode()
@@ -245,6 +265,9 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
 # Set once a capture ran beside steps: its workspace stays cached, maybe read by graphs of
 # several pools (a thread's handle and the capture stream key it, whatever the pool), so
 # dropping it would free memory those graphs still write. From then on none is dropped.
+_CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg") and hasattr(
+    torch._C, "_construct_storage_from_data_pointer"
+)
 _KEPT_WORKSPACES = threading.Event()
 
 

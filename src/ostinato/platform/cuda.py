@@ -86,17 +86,14 @@ class CudaPlatform(Platform):
         # cannot report it after failing.
         requested = pool if pool is not None else self.graph_pool_handle()
         pool = self._pool_replacements.get(requested, requested)
-        with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(self._stream()):
-            torch.cuda.synchronize()
-            mode = "thread_local" if capture_is_isolated() else "global"
-            with cublas_workspaces_in_capture():
-                try:
-                    graph.capture_begin(pool=pool, capture_error_mode=mode)
-                except Exception:
-                    self._reset_rng_capture_state()
-                    raise
-                with _ended(graph, lambda: self._recover_from_failed_capture(requested, pool)):
-                    yield
+        with _capture_scope(self._stream()) as mode:
+            try:
+                graph.capture_begin(pool=pool, capture_error_mode=mode)
+            except Exception:
+                self._reset_rng_capture_state()
+                raise
+            with _ended(graph, lambda: self._recover_from_failed_capture(requested, pool)):
+                yield
 
     def _recover_from_failed_capture(self, requested: Any, pool: Any) -> None:
         # A capture_end that fails stops early: the allocator still routes this
@@ -248,27 +245,36 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     """``calls`` calls of ``fn`` back to back, captured into one CUDA graph (its own
     pool, freed with it), the device's other work drained first; no cache emptied."""
     graph = torch.cuda.CUDAGraph()
-    mode = "thread_local" if capture_is_isolated() else "global"  # as ``capture``'s
     # Not ``torch.cuda.graph``: it empties the device's and the pinned host's caches at
     # every capture (each free waits for the device, and the steps' next allocations are
     # made again), hundreds of times over a measurement beside the steps.
-    with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(_side_stream()):
-        torch.cuda.synchronize()
-        with cublas_workspaces_in_capture():
-            graph.capture_begin(capture_error_mode=mode)
-            with _ended(graph):
-                for _ in range(calls):
-                    fn()
+    with _capture_scope(_side_stream()) as mode:
+        graph.capture_begin(capture_error_mode=mode)
+        with _ended(graph):
+            for _ in range(calls):
+                fn()
     return graph
 
 
-# Set once a capture ran beside steps: its workspace stays cached, maybe read by graphs of
-# several pools (a thread's handle and the capture stream key it, whatever the pool), so
-# dropping it would free memory those graphs still write. From then on none is dropped.
 _CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg") and hasattr(
     torch._C, "_construct_storage_from_data_pointer"
 )
+# Set once a capture ran beside steps: its workspace stays cached, maybe read by graphs of
+# several pools (a thread's handle and the capture stream key it, whatever the pool), so
+# dropping it would free memory those graphs still write. From then on none is dropped.
 _KEPT_WORKSPACES = threading.Event()
+
+
+@contextlib.contextmanager
+def _capture_scope(stream: torch.cuda.Stream) -> Iterator[str]:
+    """What every capture here opens: the device to this thread's capture
+    (``exclusive_device``), the garbage collector paused, ``stream`` current, the device
+    drained, cuBLAS's workspaces as ``cublas_workspaces_in_capture`` says; yields the
+    capture's error mode ("thread_local" beside steps, else "global")."""
+    with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(stream):
+        torch.cuda.synchronize()
+        with cublas_workspaces_in_capture():
+            yield "thread_local" if capture_is_isolated() else "global"
 
 
 @contextlib.contextmanager

@@ -549,7 +549,7 @@ class _Signature:
                     outs = stage.run(dispatch, call.batch)
                 finally:
                     self._oversize = None
-                return self._outputs(outs, call)
+                return self._outputs(outs, call, eager=padded > self.rows)
 
     def release(self) -> None:
         if self.staged is not None:
@@ -662,15 +662,23 @@ class _Signature:
         seq_dim = self.options.seq_dim if self.options.seq_buckets else None
         return self.compiles.whole(self.tree, self.key, compiler, seq_dim, self.device)
 
-    def _outputs(self, outs: Any, call: _Call) -> Any:
+    def _outputs(self, outs: Any, call: _Call, eager: bool) -> Any:
+        """The caller's outputs: an ``eager`` call's (above every bucket) as ``fn``
+        returned them; the static outputs lent (or copied, ``copy_outputs``); any other
+        (pieces' outputs, which their next replay overwrites, or a step run eagerly inside
+        the graphs' path) copied, since only the static outputs' memory outlives the call
+        whatever the caller keeps."""
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         seq_dim = self.options.seq_dim
         for i, t in enumerate(outs):
             if self.bucket and t.dim() > seq_dim and t.shape[seq_dim] == self.bucket:
                 t = t.narrow(seq_dim, 0, call.length)
-            if self.arena.holds(t):  # (else the caller's already: an eager call's own)
-                copy = self.options.copy_outputs
-                t = t.clone() if copy else self.arena.lend(t, self.platform)
+            if eager:
+                pass
+            elif self.options.copy_outputs or not self.arena.holds(t):
+                t = t.clone()
+            else:
+                t = self.arena.lend(t, self.platform)
             outs[i] = t
         assert self._out_spec is not None
         return tree_unflatten(outs, self._out_spec)

@@ -392,6 +392,30 @@ def test_calls_full_when_accepts_replay_full_graphs_and_the_others_do_not(mode):
     assert all(d.uniform_decode and d.num_tokens <= 4 for d in full)
 
 
+def test_only_the_static_outputs_are_lent_a_pieces_outputs_are_copied():
+    # A piece's outputs sit where its next replay writes, owned by no arena that could
+    # revoke them: copied even by default; the FULL graphs' static outputs are lent.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Mix(), torch.nn.Linear(16, 8)).eval()
+    platform = FakePlatform(lends=True)
+    fast = ostinato.graphed(
+        model,
+        max_batch_size=8,
+        mode="full_and_piecewise",
+        splitting_ops=("ostinato_graphed_test::mix",),
+        full_when=lambda x: x.shape[0] <= 4,
+        compiler="eager",
+        platform=platform,
+    )
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    pieces = fast(x)  # PIECEWISE (6 rows)
+    assert platform.lent == []
+    fast(y)
+    torch.testing.assert_close(pieces, eager(model, x), atol=1e-6, rtol=1e-5)
+    full = fast(torch.randn(3, 8))  # FULL (3 rows): lent
+    assert len(platform.lent) == 1 and full.data_ptr() == platform.lent[0].data_ptr()
+
+
 def test_full_when_must_answer_a_bool():
     fast = ostinato.graphed(
         mlp(), mode="full_decode_only", full_when=lambda x: 1, platform=FakePlatform()

@@ -25,10 +25,10 @@ batch; padding rows start as zeros). By default they are lent, as reduce-overhea
 the graphs' own memory, valid until the next call (from any thread: threads sharing one
 callable want ``copy_outputs``), after which any access to them (or to views of them)
 raises, never reads another call's values; where the platform cannot revoke an alias (the
-CPU), and where they come from pieces (PIECEWISE), they are copies. With ``copy_outputs`` every output is a copy
-that belongs to the caller (a copy per call: GPT-2's logits cost 0.1-0.2 ms and their
-size again in memory at 32 rows). With ``check_padding``
-(the default) the first call of a signature that graphs runs ``fn`` twice eagerly with
+CPU), and where they come from pieces (PIECEWISE), they are copies. With ``copy_outputs``
+every output is a copy that belongs to the caller (a copy per call: GPT-2's logits cost
+0.1-0.2 ms and their size again in memory at 32 rows). With ``check_padding`` (the
+default) the first call of a signature that graphs runs ``fn`` twice eagerly with
 different padding contents and raises ``PaddingChangesRealRowsError`` if real rows
 differ (a batch norm in training mode, a reduction over the batch). On a platform
 without graphs (the CPU) every call runs ``fn`` eagerly with the same API, and the first

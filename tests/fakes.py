@@ -115,12 +115,12 @@ class FakePlatform(Platform):
         self.graphs.append(g)
         return g
 
-    def lend(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    def revocable(self, alias: torch.Tensor) -> int | None:
         if not self.lends:
             return None
         # (the CPU cannot revoke: the fake records the alias and, later, its revocation)
-        self.lent.append(t.view(t.shape))
-        return self.lent[-1], len(self.lent) - 1
+        self.lent.append(alias)
+        return len(self.lent) - 1
 
     def revoke(self, handle: int, message: str) -> None:
         self.revoked.append((handle, message))

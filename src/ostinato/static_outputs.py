@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ostinato.platform.base import Platform
+from ostinato.tensor_views import weak_ref_tensor
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 Reserve = Callable[[tuple[int, ...]], int]
@@ -63,10 +64,10 @@ class OutputArena:
     def lend(self, t: torch.Tensor, platform: Platform) -> torch.Tensor:
         """``t`` (one of this arena's outputs) as the caller's until the next ``recall``:
         an alias where ``platform`` can revoke one, else a copy."""
-        lent = platform.lend(t)
-        if lent is None:
+        alias = weak_ref_tensor(t)  # (a storage of its own: revoking it spares the arena's)
+        handle = platform.revocable(alias)
+        if handle is None:
             return t.clone()
-        alias, handle = lent
         self._lent.append((platform, handle))
         self._lent_at.add(alias.untyped_storage().data_ptr())
         return alias

@@ -109,15 +109,15 @@ class Platform(ABC):
     def empty_cache(self) -> None:  # noqa: B027 - a no-op where nothing is cached
         """Returns cached, unused blocks to the device."""
 
-    def lend(self, t: Any) -> tuple[Any, Any] | None:
-        """``(alias, handle)``: a tensor on ``t``'s memory, shape and strides that does not
-        own it, and a handle with which ``revoke`` makes every access to it (and to views
-        of it) raise; None where the platform cannot revoke (callers copy instead)."""
+    def revocable(self, alias: Any) -> Any | None:
+        """A handle with which ``revoke`` makes every access to ``alias`` (a tensor whose
+        storage does not own its memory: ``tensor_views.weak_ref_tensor``) and to views of
+        it raise; None where the platform cannot revoke (callers copy instead)."""
         return None
 
-    def revoke(self, handle: Any, message: str) -> None:  # noqa: B027 - nothing lent here
-        """From now on any access to the memory of ``lend``'s alias raises ``message``
-        (nothing once the alias and its views are gone)."""
+    def revoke(self, handle: Any, message: str) -> None:  # noqa: B027 - nothing revocable
+        """From now on any access to the alias of ``handle`` raises ``message`` (nothing
+        once the alias and its views are gone)."""
 
     def capture_task(self, issue: Callable[[], None]) -> tuple[Any, Any]:
         """Inside a capture: runs ``issue`` as one task group that first waits on a fresh

@@ -141,20 +141,13 @@ class CudaPlatform(Platform):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
-    def lend(self, t: Any) -> tuple[Any, Any] | None:
-        # Inductor's cudagraph trees hand out reduce-overhead's outputs the same way: a
-        # storage that does not own the graph's memory, whose data pointer is later
-        # replaced by an error (torch's CUDA bindings only, hence the check).
-        if not _CAN_REVOKE or t.device.type != "cuda":
+    def revocable(self, alias: Any) -> Any | None:
+        # Inductor's cudagraph trees revoke reduce-overhead's outputs the same way: the
+        # alias's own storage gets an error for a data pointer (torch's CUDA bindings only,
+        # hence the check).
+        if not _CAN_REVOKE or alias.device.type != "cuda":
             return None
-        dims = zip(t.shape, t.stride(), strict=True)
-        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in dims)
-        storage = torch._C._construct_storage_from_data_pointer(
-            t.data_ptr(), t.device, span * t.element_size()
-        )
-        alias = torch.empty(0, dtype=t.dtype, device=t.device)
-        alias.set_(storage, 0, t.shape, t.stride())
-        return alias, StorageWeakRef(storage)
+        return StorageWeakRef(alias.untyped_storage())
 
     def revoke(self, handle: Any, message: str) -> None:
         if not handle.expired():
@@ -256,9 +249,7 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     return graph
 
 
-_CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg") and hasattr(
-    torch._C, "_construct_storage_from_data_pointer"
-)
+_CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg")
 # Set once a capture ran beside steps: its workspace stays cached, maybe read by graphs of
 # several pools (a thread's handle and the capture stream key it, whatever the pool), so
 # dropping it would free memory those graphs still write. From then on none is dropped.

@@ -17,7 +17,7 @@ LIBRARY_LAYERS = [
     {"platform"},
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher", "capture_planner"},
-    {"runtime", "manager", "background", "static_outputs", "piecewise", "distributed", "ubatch"}
+    {"runtime", "manager", "background", "graph_outputs", "piecewise", "distributed", "ubatch"}
     | {"replay_stats", "whole_compile", "recapture"},
     {"callable_graphs", "adaptive_ladder", "staged", "backend", ""},
 ]

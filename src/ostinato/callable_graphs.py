@@ -39,7 +39,6 @@ bucket.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import warnings
@@ -61,6 +60,7 @@ from ostinato.compile_artifacts import ArtifactStore, identity
 from ostinato.config import GraphConfig, check_ladder_length, exact_capture_sizes
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
+from ostinato.graph_outputs import OutputLender, PoolOutputs, lent_anywhere, shared_lender
 from ostinato.mathutil import checked_bool, checked_int, is_int, repeated
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
@@ -68,7 +68,6 @@ from ostinato.platform.cpu import CpuPlatform
 from ostinato.replay_stats import StatsSnapshot
 from ostinato.runtime import GraphRuntime, build_graph_runtime, choose_compiler
 from ostinato.staged import StagedRuntime
-from ostinato.static_outputs import OutputArena
 from ostinato.whole_compile import AsModule, CallTree, SharedCompiles, WholeCompiled
 
 CAPTURE_WHEN = ("auto", "first_use", "construction", "background", "staged")
@@ -317,9 +316,6 @@ class Graphed:
         self.fn, self.options = fn, options
         self._signatures: dict[tuple[Any, ...], _Signature] = {}
         self._compiles = SharedCompiles(options.store)
-        # Every signature's static outputs in one storage, sized for the largest bucket:
-        # calls run one at a time (its lock), so each overwrites the last one's outputs.
-        self._arena = OutputArena(revoked=_lent_message(fn))
         self._lock = threading.Lock()  # (two threads' first calls build one signature)
         self._eager_too_long = 0
         self._eager_device_busy = 0
@@ -336,8 +332,8 @@ class Graphed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self._flatten(args, kwargs)
-        for i in call.slots:  # (a lent output's memory is about to be written: read it now)
-            if self._arena.is_lent(call.leaves[i]):
+        for i in call.slots:  # (a lent output's memory may be written next: read it now)
+            if lent_anywhere(call.leaves[i]):
                 call.leaves[i] = call.leaves[i].clone()
         if call.length and not call.bucket:  # longer than every seq bucket
             self._eager_too_long += 1
@@ -379,7 +375,6 @@ class Graphed:
         """Destroys every graph; the next call of a signature captures it anew."""
         with self._lock:
             signatures, self._signatures = list(self._signatures.values()), {}
-        self._arena.recall()  # (the memory the lent outputs alias goes with the graphs)
         for s in signatures:
             s.release()
         self._compiles.clear()
@@ -400,7 +395,7 @@ class Graphed:
             if key not in self._signatures:
                 if len(self._signatures) >= self.options.max_signatures:
                     raise SignatureLimitError(_too_many(key, self.options.max_signatures))
-                made = _Signature(self.fn, call, self.options, key, self._compiles, self._arena)
+                made = _Signature(self.fn, call, self.options, key, self._compiles)
                 self._signatures[key] = made
                 self._say_why_eager(made)
                 self._keep_resolution(made)
@@ -476,21 +471,22 @@ class _Signature:
         options: _Options,
         key: tuple[Any, ...],
         compiles: SharedCompiles,
-        arena: OutputArena,
     ) -> None:
         self.fn, self.options, self.key, self.compiles = fn, options, key, compiles
-        self.arena = arena
         self.slots, self.bucket = first.slots, first.bucket
         # (tensors come from the buffers: no leaf of the first call is kept for them)
         constants = tuple(None if i in first.slots else x for i, x in enumerate(first.leaves))
         self.tree = CallTree(fn, constants, tuple(first.slots), first.spec)
         self.device = device = first.leaves[first.slots[0]].device
         self.platform = platform = options.platform or _platform_for(device)
-        self.runtime = _runtime(self._step, options, platform)
+        # The FULL graphs' outputs stay in the pool every graphed callable of the
+        # platform captures into, and are lent from there (``graph_outputs``).
+        self.lender: OutputLender = shared_lender(platform)
+        self._message = _lent_message(fn)
+        self._pool_outputs, self._upgrade_outputs = PoolOutputs(), PoolOutputs()
+        self.runtime = _runtime(self._step, options, platform, self.lender, self._pool_outputs)
         # Without graphs every call runs on the caller's own tensors: no buffers.
         graphs = self.runtime.mode is not GraphMode.NONE
-        if graphs:
-            self.runtime.manager.outputs.share(arena, self._reserve)
         self.rows = self.runtime.dispatcher.max_size if graphs else 0
         self.buffers = [  # [largest bucket, *shape past the batch]
             torch.zeros((self.rows, *shape), dtype=dtype, device=dev)
@@ -531,8 +527,8 @@ class _Signature:
 
     def run(self, call: _Call, full: bool = False) -> Any:
         """``call`` through its bucket's graph (``full``: the FULL graph of a mode that
-        treats calls differently), under the outputs' lock until its outputs are copied."""
-        with self.arena.writing():
+        treats calls differently), under the pool's lock until its outputs are lent."""
+        with self.lender.writing():
             if self.staged is not None:
                 self.staged.advance()  # (one bucket of the upgrade, once it is compiled)
             stage = self.staged or self.runtime.manager  # (where the step runs)
@@ -552,6 +548,7 @@ class _Signature:
                 return self._outputs(outs, call, eager=padded > self.rows)
 
     def release(self) -> None:
+        self.lender.recall(owner=self)  # (the graphs their memory belongs to go)
         if self.staged is not None:
             self.staged.release()  # (the thread stopped, then both stages released)
         else:
@@ -571,7 +568,7 @@ class _Signature:
         if not _DEVICE.acquire(blocking=wait):
             return False
         try:
-            with self.arena.writing():  # (its warm-up and capture write the shared outputs)
+            with self.lender.writing():  # (its warm-ups and capture write the pool)
                 self.runtime.manager.capture()
         finally:
             _DEVICE.release()
@@ -583,7 +580,7 @@ class _Signature:
                 self.runtime,
                 self._build_upgrade,
                 on_steps=True,
-                device_lock=_DeviceThenOutputs(self.arena),
+                device_lock=_DeviceThenOutputs(self.lender),
             )
         return True
 
@@ -605,7 +602,7 @@ class _Signature:
 
     def _build_upgrade(self) -> GraphRuntime:
         """The staged upgrade (on its thread): FULL graphs of ``fn`` compiled whole,
-        reading the same buffers, in the first stage's pool and static outputs."""
+        reading the same buffers, in the first stage's pool."""
         compiler = self.options.compiler
         compiled = self.whole("inductor" if compiler == "auto" else compiler)
 
@@ -614,16 +611,21 @@ class _Signature:
             return tuple(outs)
 
         config = dataclasses.replace(self.options.config, mode=GraphMode.FULL)
-        # The first stage's pool and static outputs: the two stages never replay at once
-        # (one caller's thread), so the upgrade adds its graphs' own memory only.
+        # The first stage's pool: the two stages never replay at once (one caller's
+        # thread), so the upgrade's graphs reuse the first stage's memory.
         first = self.runtime.manager
+        self._upgrade_outputs = outputs = PoolOutputs()
         upgrade = build_graph_runtime(
-            step, config, platform=self.platform, pool=first.pool, outputs=first.outputs
+            step, config, platform=self.platform, pool=first.pool, outputs=outputs
         )
-        # Compiled here, not in the captures on the caller's thread: the largest bucket
-        # (the dynamic batch) and the smallest (Dynamo specializes a batch of 1).
+        # Compiled here, not in the captures on the caller's thread, at the smallest
+        # sizes that make every compilation: a batch of 1 (Dynamo specializes it) and
+        # the smallest above (the dynamic batch). Its runs allocate beside the pool
+        # (the caller's replays go on meanwhile): the largest bucket would add its
+        # whole output to the graphs' memory.
+        sizes = sorted(config.sizes)
         with _DEVICE, torch.inference_mode():
-            for size in sorted({upgrade.dispatcher.max_size, min(config.sizes)}):
+            for size in sorted({sizes[0], *[n for n in sizes if n > 1][:1]}):
                 step(BatchDescriptor(num_tokens=size))
         return upgrade
 
@@ -648,26 +650,22 @@ class _Signature:
         outs, self._out_spec = tree_flatten(call(*tensors))
         return tuple(outs)
 
-    def _reserve(self, shape: tuple[int, ...]) -> int:
-        """Room for an output of ``shape`` at the largest sequence bucket, where its
-        sequence dimension is the bucket's (those ``_outputs`` narrows)."""
-        numel, dim = math.prod(shape), self.options.seq_dim
-        if self.bucket and len(shape) > dim and shape[dim] == self.bucket:
-            return numel // self.bucket * max(self.options.seq_buckets)
-        return numel
-
     def whole(self, compiler: str) -> WholeCompiled:
         """``fn`` compiled whole by ``compiler``, one compilation for this signature and
         those that differ from it only in their sequence bucket."""
         seq_dim = self.options.seq_dim if self.options.seq_buckets else None
         return self.compiles.whole(self.tree, self.key, compiler, seq_dim, self.device)
 
+    def _from_graph(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) an output of the first stage's graphs or the
+        upgrade's (not of a step run eagerly)."""
+        return self._pool_outputs.holds(t) or self._upgrade_outputs.holds(t)
+
     def _outputs(self, outs: Any, call: _Call, eager: bool) -> Any:
         """The caller's outputs: an ``eager`` call's (above every bucket) as ``fn``
-        returned them; the static outputs lent (or copied, ``copy_outputs``); any other
+        returned them; a FULL graph's lent (or copied, ``copy_outputs``); any other
         (pieces' outputs, which their next replay overwrites, or a step run eagerly inside
-        the graphs' path) copied, since only the static outputs' memory outlives the call
-        whatever the caller keeps."""
+        the graphs' path, which may return views of the input buffers) copied."""
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         seq_dim = self.options.seq_dim
         for i, t in enumerate(outs):
@@ -675,10 +673,10 @@ class _Signature:
                 t = t.narrow(seq_dim, 0, call.length)
             if eager:
                 pass
-            elif self.options.copy_outputs or not self.arena.holds(t):
+            elif self.options.copy_outputs or not self._from_graph(t):
                 t = t.clone()
             else:
-                t = self.arena.lend(t, self.platform)
+                t = self.lender.lend(t, self.platform, self._message, owner=self)
             outs[i] = t
         assert self._out_spec is not None
         return tree_unflatten(outs, self._out_spec)
@@ -686,24 +684,24 @@ class _Signature:
 
 @dataclass(frozen=True)
 class _DeviceThenOutputs:
-    """A staged upgrade's device lock: ``_DEVICE``, then the lock of the static outputs
-    the signatures share (an advance captures and times into them, also from
+    """A staged upgrade's device lock: ``_DEVICE``, then the lock of the pool the
+    signatures share (an advance captures and times into it, also from
     ``wait_for_upgrades``, beside another thread's calls), in the order a first capture
-    takes them; what was lent from them is recalled before the advance writes them."""
+    takes them; what was lent from it is recalled before the advance writes it."""
 
-    arena: OutputArena
+    lender: OutputLender
 
     def acquire(self, blocking: bool = True) -> bool:
         if not _DEVICE.acquire(blocking=blocking):
             return False
-        if not self.arena.lock.acquire(blocking=blocking):
+        if not self.lender.lock.acquire(blocking=blocking):
             _DEVICE.release()
             return False
-        self.arena.recall()
+        self.lender.recall()
         return True
 
     def release(self) -> None:
-        self.arena.lock.release()
+        self.lender.lock.release()
         _DEVICE.release()
 
 
@@ -775,13 +773,17 @@ def _other_row(x: torch.Tensor) -> torch.Tensor:
     return x[:1].clone() if bool(x[:1].any()) else torch.ones_like(x[:1])  # valid values
 
 
-def _runtime(step: Any, options: _Options, platform: Platform) -> GraphRuntime:
+def _runtime(
+    step: Any, options: _Options, platform: Platform, lender: OutputLender, outputs: PoolOutputs
+) -> GraphRuntime:
     return build_graph_runtime(
         step,
         options.config,
         piecewise_available=bool(options.splitting_ops),
         platform=platform,
+        pool=lender.pool,
         progress=options.progress,
+        outputs=outputs,
     )
 
 

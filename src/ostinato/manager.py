@@ -18,6 +18,7 @@ from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch, Dispatcher
 from ostinato.errors import GraphCaptureError
 from ostinato.graph import GraphEntry, GraphWrapper, recording_apart
+from ostinato.graph_outputs import Outputs, PoolOutputs, StaticOutputs, as_tuple
 from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -27,7 +28,6 @@ from ostinato.pool import shared_pool
 from ostinato.recapture import KeepNew, Recapture
 from ostinato.replay_check import GraphDemotedWarning, Mismatch, ReplayCheck, first_mismatch
 from ostinato.replay_stats import EagerReason, ReplayStats, StatsSnapshot
-from ostinato.static_outputs import Outputs, StaticOutputs, as_tuple
 
 _NO_TURN = contextlib.nullcontext()
 StepFn = Callable[[BatchDescriptor], Outputs]
@@ -73,8 +73,10 @@ class GraphManager:
     ``GraphDemotedWarning``, and the step that found it returns the eager outputs.
     A capture that fails or runs out of memory releases every graph
     of this manager before ``GraphCaptureError`` propagates. ``run`` returns views of
-    static output buffers (allocated once, outside the pool) sliced to the real token
-    count; they are overwritten by the next FULL replay. Replaying a FULL descriptor that
+    the FULL graphs' outputs sliced to the real token count, overwritten by the next FULL
+    replay: of static output buffers (allocated once, outside the pool), or, with
+    ``outputs=PoolOutputs()``, of each graph's own outputs in the pool, which any
+    capture or warm-up into the pool may also overwrite. Replaying a FULL descriptor that
     was never captured raises.
 
     ``capture_in_background()`` instead returns at once and captures on a thread; until a
@@ -96,7 +98,7 @@ class GraphManager:
         pool: Any = None,
         check: ReplayCheck | None = None,
         perturb_padding: PerturbFn | None = None,
-        outputs: StaticOutputs | None = None,
+        outputs: StaticOutputs | PoolOutputs | None = None,
         warm_step: StepFn | None = None,
     ) -> None:
         self.step = step
@@ -113,14 +115,14 @@ class GraphManager:
         self.pool = pool if pool is not None else shared_pool(self.platform)
         self.report = CaptureReport()
         rows = max((k.num_tokens for k in dispatcher.keys(GraphMode.FULL)), default=0)
-        if outputs is not None and outputs.rows < rows:
+        if isinstance(outputs, StaticOutputs) and outputs.rows < rows:
             raise ValueError(
                 f"outputs: shared static outputs of {outputs.rows} rows, fewer than the "
                 f"largest FULL size {rows}"
             )
         self.outputs = outputs if outputs is not None else StaticOutputs(rows)
         self._full = GraphWrapper(
-            self._step_into_static,
+            self._step_full,
             GraphMode.FULL,
             pool=self.pool,
             platform=self.platform,
@@ -293,11 +295,13 @@ class GraphManager:
     ) -> None:
         """``times`` runs of ``run`` (the step's work at ``d``, eagerly) before a capture;
         the first of a FULL graph sizes the static outputs."""
-        for _ in range(times):
-            out = run()
-            _check_rows(out, d)
-            if full and not self.outputs.allocated:
-                self.outputs.allocate(out)
+        with self.outputs.warming(self.platform, self.pool) if full else contextlib.nullcontext():
+            for _ in range(times):
+                out = run()
+                _check_rows(out, d)
+                if full and not self.outputs.allocated:
+                    self.outputs.allocate(out)
+                del out  # (before the next run: the two need not coexist)
 
     def _eager(self, d: BatchDescriptor, attn_metadata: Any) -> Outputs:
         with forward_context(GraphMode.NONE, d, attn_metadata):
@@ -328,10 +332,11 @@ class GraphManager:
         self, d: BatchDescriptor, attn_metadata: Any, entry: Any = None
     ) -> tuple[torch.Tensor, ...]:
         if entry is None:
-            self._full.replay(d, attn_metadata)
+            replayed = self._full.replay(d, attn_metadata)
         else:
             self._full.replay_entry(entry, attn_metadata)
-        return tuple(t.clone() for t in as_tuple(self.outputs.view(d.num_tokens)))
+            replayed = entry.output
+        return tuple(t.clone() for t in as_tuple(self.outputs.read(replayed, d.num_tokens)))
 
     def _demote(self, d: BatchDescriptor, found: Mismatch, what: str) -> None:
         why = found.describe(d, what)
@@ -346,11 +351,12 @@ class GraphManager:
             stacklevel=3,
         )
 
-    def _sample(self, d: BatchDescriptor, num_tokens: int, attn_metadata: Any) -> Outputs:
-        """A sampled replay's outputs checked against an eager run of the same step (on
-        the same persistent inputs); on a mismatch the bucket is demoted and the eager
-        outputs are returned."""
-        out = self.outputs.view(num_tokens)
+    def _sample(
+        self, d: BatchDescriptor, out: Outputs, num_tokens: int, attn_metadata: Any
+    ) -> Outputs:
+        """A sampled replay's outputs (``out``) checked against an eager run of the same
+        step (on the same persistent inputs); on a mismatch the bucket is demoted and
+        the eager outputs are returned."""
         with forward_context(GraphMode.NONE, d, attn_metadata):
             eager = self.step(d)
         self._stats.checked()
@@ -459,10 +465,12 @@ class GraphManager:
                 entry.graph.reset()
             self.demoted.pop(d, None)
 
-    def _step_into_static(self, d: BatchDescriptor) -> None:
+    def _step_full(self, d: BatchDescriptor) -> Outputs | None:
+        """The step a FULL graph records: its outputs written to the static buffers
+        (None returned), or returned as they are (``PoolOutputs``)."""
         out = self.step(d)
         _check_rows(out, d)
-        self.outputs.write(out, d.num_tokens)
+        return self.outputs.keep(out, d.num_tokens)
 
     def run(
         self, dispatch: Dispatch, num_tokens: int, attn_metadata: Any = None, record: bool = True
@@ -500,12 +508,12 @@ class GraphManager:
         if record:
             self._stats.record(dispatch, num_tokens, mode, reason)
         if mode is GraphMode.FULL:
-            self._full.replay(d, attn_metadata)
+            out = self.outputs.read(self._full.replay(d, attn_metadata), num_tokens)
             if self.check.sampling:
                 self._full_replays += 1
                 if self._full_replays % self.check.every == 0:
-                    return self._sample(d, num_tokens, attn_metadata)
-            return self.outputs.view(num_tokens)
+                    return self._sample(d, out, num_tokens, attn_metadata)
+            return out
         with forward_context(mode, d, attn_metadata):
             out = self.step(d)
         return _rows(out, d, num_tokens)
@@ -543,6 +551,7 @@ class GraphManager:
         self.platform.synchronize_outside_capture()
         self._full.reset()
         self._pieces_ready.clear()
+        self.outputs.forget()
 
 
 def _rows(out: Outputs, d: BatchDescriptor, num_tokens: int) -> Outputs:

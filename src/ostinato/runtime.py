@@ -15,11 +15,11 @@ from typing import Any
 
 from ostinato.config import GraphConfig
 from ostinato.dispatcher import Dispatch, Dispatcher
+from ostinato.graph_outputs import PoolOutputs, StaticOutputs
 from ostinato.manager import GraphManager, PerturbFn, PrepareFn, StepFn
 from ostinato.modes import GraphMode
 from ostinato.platform import Platform, current_platform
 from ostinato.resolution import AttentionGraphSupport, ModeResolution, resolve_mode
-from ostinato.static_outputs import StaticOutputs
 
 COMPILERS = ("inductor", "eager")
 
@@ -87,7 +87,7 @@ def build_graph_runtime(
     platform: Platform | None = None,
     pool: Any = None,
     progress: bool = True,
-    outputs: StaticOutputs | None = None,
+    outputs: StaticOutputs | PoolOutputs | None = None,
     warm_step: StepFn | None = None,
 ) -> GraphRuntime:
     """Resolves ``config.mode`` (``"auto"`` included) against ``attention``, piecewise
@@ -95,7 +95,8 @@ def build_graph_runtime(
     runner whose tensors are on the CPU), logs every downgrade with its reason, and builds
     the dispatcher and the manager. ``step``, ``prepare``, ``perturb_padding``,
     ``warm_step`` and ``outputs`` (another manager's static outputs, shared: the two
-    steps must return the same shapes and never replay at once) are ``GraphManager``'s."""
+    steps must return the same shapes and never replay at once; or ``PoolOutputs``) are
+    ``GraphManager``'s."""
     platform = platform or current_platform()
     requested = config.mode or auto_mode(platform.supports_graphs, piecewise_available)
     resolution = resolve_mode(

@@ -662,24 +662,49 @@ def _per_position(ids):
     return h, h.sum(1)  # (padding positions give tanh(0) = 0: the sum ignores them)
 
 
-def test_every_bucket_shares_one_output_storage_sized_once_for_the_largest():
-    # Three sequence buckets, the smallest called first: its static outputs are made
-    # for the largest bucket (16), and the other buckets' outputs are views of the same
-    # storage, so their graphs hold one [rows, 16, 5] buffer in all, not three.
+def test_every_graphed_callable_of_a_platform_captures_into_one_pool_and_warms_up_in_it():
+    # No output buffer beside the pool: every bucket's graphs, and another callable's,
+    # capture into the platform's one pool for graphed (its lender's), each warm-up
+    # allocates from it, and each call returns its graph's own outputs from there.
+    platform = FakePlatform()
     fast = ostinato.graphed(
-        _per_position, max_batch_size=4, seq_buckets=(4, 8, 16), platform=FakePlatform(),
+        _per_position, max_batch_size=4, seq_buckets=(4, 8, 16), platform=platform,
         capture="first_use",
     )  # fmt: skip
+    other = ostinato.graphed(
+        _per_position, max_batch_size=2, platform=platform, capture="first_use"
+    )
     for length in (3, 12, 7, 16, 1):
         ids = torch.randn(3, length, 6)
         torch.testing.assert_close(fast(ids), eager(_per_position, ids))
-    signatures = list(fast._signatures.values())
-    assert sorted(s.bucket for s in signatures) == [4, 8, 16]
-    starts = {s.runtime.manager.outputs.buffers[0].data_ptr() for s in signatures}
-    pooled = {s.runtime.manager.outputs.buffers[1].data_ptr() for s in signatures}
-    assert len(starts) == 1 and len(pooled) == 1  # one storage per output, shared
-    rows = signatures[0].rows
-    assert fast._arena.nbytes() == (rows * 16 * 5 + rows * 5) * 4  # made once, largest
+    ids = torch.randn(2, 5, 6)
+    torch.testing.assert_close(other(ids), eager(_per_position, ids))
+    signatures = [s for g in (fast, other) for s in g._signatures.values()]
+    assert sorted(s.bucket for s in signatures) == [0, 4, 8, 16]
+    assert {s.runtime.manager.pool for s in signatures} == {("pool", 1)}
+    assert platform.pools == 1 and platform.warmed_in == [("pool", 1)] * len(platform.graphs)
+    assert len(platform.graphs) == 3 * 4 + 2
+
+
+def test_a_call_of_another_graphed_callable_on_the_platform_recalls_what_this_one_lent():
+    # The two share the pool, so the other's replay may overwrite this one's outputs:
+    # its call recalls them (an argument lent by the first is read before that).
+    platform = FakePlatform(lends=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
+    first = ostinato.graphed(model, max_batch_size=4, platform=platform, capture="first_use")
+    second = ostinato.graphed(model, max_batch_size=4, platform=platform, capture="first_use")
+    x = torch.randn(3, 8)
+    out = first(x)
+    assert platform.revoked == []
+    again = second(out)  # (its first call: the capture writes the pool)
+    torch.testing.assert_close(again, eager(model, eager(model, x)))
+    assert [i for i, _ in platform.revoked] == [0]
+    kept = second(x)
+    assert [i for i, _ in platform.revoked] == [0, 1]
+    first.release()  # (recalls the first's loans only: it has none left)
+    assert [i for i, _ in platform.revoked] == [0, 1]
+    second.release()
+    assert [i for i, _ in platform.revoked] == [0, 1, 2] and kept.shape == (3, 8)
 
 
 def test_two_threads_calling_two_buckets_get_their_own_outputs():
@@ -710,8 +735,8 @@ def test_two_threads_calling_two_buckets_get_their_own_outputs():
 
 def test_an_upgrades_captures_wait_for_the_shared_outputs():
     # wait_for_upgrades captures and times the upgrade's buckets on its caller's thread,
-    # writing the static outputs every signature shares: while another thread's call
-    # holds them (here: the test holds their lock), it waits, then finishes.
+    # writing the pool every graphed callable shares: while another thread's call
+    # holds it (here: the test holds its lock), it waits, then finishes.
     model = mlp().eval()
     fast = ostinato.graphed(
         model, max_batch_size=8, platform=FakePlatform(), capture="staged", compiler="eager"
@@ -720,7 +745,7 @@ def test_an_upgrades_captures_wait_for_the_shared_outputs():
     (sig,) = fast._signatures.values()
     sig.staged._thread.join()  # (the upgrade built: what is left is captures and timings)
     waiter = threading.Thread(target=fast.wait_for_upgrades, kwargs={"timeout": 120})
-    with fast._arena.lock:
+    with sig.lender.lock:
         waiter.start()
         waiter.join(timeout=1.0)
         assert waiter.is_alive() and not sig.staged.done

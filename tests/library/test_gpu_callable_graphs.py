@@ -313,8 +313,8 @@ def test_default_outputs_are_lent_until_the_next_call_then_any_access_raises():
     first = fast(x)
     part = first[:, :5]
     torch.testing.assert_close(first, want_x, atol=1e-5, rtol=1e-3)
-    arena = fast._arena._flat[(0, torch.float32, first.device)]  # (no copy: the graphs' own)
-    assert arena.data_ptr() == first.data_ptr()
+    (signature,) = fast._signatures.values()
+    assert signature._pool_outputs.holds(first)  # (no copy: the graph's own, in the pool)
     again = fast(first)  # a lent output as the next call's argument
     torch.testing.assert_close(again, want_again, atol=1e-5, rtol=1e-3)
     for stale in (first, part):
@@ -334,4 +334,32 @@ def test_default_outputs_are_lent_until_the_next_call_then_any_access_raises():
     a = kept(x)
     kept(y)
     torch.testing.assert_close(a, want_x, atol=1e-5, rtol=1e-3)
+    other = ostinato.graphed(model, max_batch_size=8, capture="first_use")
+    lent = other(x)
+    kept(y)  # (another callable's call: the two share the pool)
+    with pytest.raises(RuntimeError, match="lent until the next call"):
+        lent.sum()
+    torch.testing.assert_close(a, want_x, atol=1e-5, rtol=1e-3)
     kept.release()
+    other.release()
+
+
+def test_the_graphs_hold_one_largest_output_not_a_copy_beside_it():
+    # The outputs stay where the captures allocated them, in the pool (as reduce-overhead's),
+    # and the warm-ups run in the pool: capturing every size holds about one output of the
+    # largest (128 MiB), where a static copy beside the graph's own held two.
+    w = torch.randn(256, 131072, device="cuda")
+    fast = ostinato.graphed(
+        lambda x: torch.mm(x, w), capture_sizes=(64, 128, 256), mode="full", capture="first_use"
+    )
+    x = torch.randn(64, 256, device="cuda")
+    want = torch.mm(x, w)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fast(x)  # (captures 256, 128 and 64)
+    torch.testing.assert_close(out, want)
+    one = 256 * 131072 * 4
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 1.5 * one, f"{peak / 2**20:.0f} MiB at the peak, one output is 128 MiB"
+    fast.release()

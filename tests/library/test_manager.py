@@ -124,21 +124,53 @@ def test_two_managers_share_static_outputs_and_refuse_a_step_shaped_otherwise():
         GraphManager(r.step, small, platform=p, outputs=first.outputs)
 
 
-def test_an_arena_recalls_what_it_lent_before_any_writer_takes_its_lock():
-    from ostinato.static_outputs import OutputArena
+def test_a_lender_recalls_what_it_lent_before_any_writer_takes_its_lock():
+    from ostinato.graph_outputs import OutputLender, lent_anywhere, shared_lender
 
-    arena, lends, copies = OutputArena(revoked="kept"), FakePlatform(lends=True), FakePlatform()
-    out = arena.take(0, (4, 3), torch.float32, torch.device("cpu"))
-    assert arena.holds(out[:2]) and not arena.holds(torch.zeros(2))
-    copy = arena.lend(out[:2], copies)  # a platform that cannot revoke: a copy
-    assert not arena.holds(copy) and not arena.is_lent(copy)
-    lent = arena.lend(out[:2], lends)
-    assert lent.data_ptr() == out.data_ptr() and arena.is_lent(lent[1:])
-    assert lends.revoked == []
-    with arena.writing():
-        assert lends.revoked == [(0, "kept")] and not arena.is_lent(lent)
-    arena.recall()  # (nothing left to recall)
-    assert lends.revoked == [(0, "kept")]
+    lends, copies = FakePlatform(lends=True), FakePlatform()
+    lender, out = OutputLender("pool"), torch.randn(4, 3)
+    copy = lender.lend(out[:2], copies, "kept", owner="a")  # cannot revoke: a copy
+    assert copy.data_ptr() != out.data_ptr() and not lender.is_lent(copy)
+    lent = lender.lend(out[:2], lends, "kept", owner="a")
+    other = lender.lend(out[2:], lends, "other's", owner="b")
+    assert lent.data_ptr() == out.data_ptr() and lender.is_lent(lent[1:])
+    lender.recall(owner="b")  # (a release: only its own)
+    assert lends.revoked == [(1, "other's")] and lender.is_lent(lent)
+    assert not lent_anywhere(lent)  # (only the process's shared lenders are looked at)
+    shared = shared_lender(lends)
+    assert shared is shared_lender(lends) and shared.pool == ("pool", 1)
+    kept = shared.lend(out, lends, "kept", owner="c")
+    assert lent_anywhere(kept[1:]) and not lent_anywhere(torch.zeros(2))
+    with lender.writing():
+        assert lends.revoked == [(1, "other's"), (0, "kept")] and not lender.is_lent(lent)
+    lender.recall()  # (nothing left to recall)
+    assert len(lends.revoked) == 2 and other.shape == (2, 3)
+    shared.recall()
+    assert lends.revoked[-1] == (2, "kept") and not lent_anywhere(kept)
+
+
+def test_pool_outputs_are_each_graphs_own_outputs_and_warm_ups_run_in_the_pool():
+    # No buffer apart: a replay returns its graph's own outputs (where the capture
+    # allocated them), each graph's elsewhere, and the warm-ups allocate from the pool.
+    from ostinato.graph_outputs import PoolOutputs
+
+    p, r, _ = build(GraphMode.FULL)
+    outputs = PoolOutputs()
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2, 4, 8)))
+    m = GraphManager(r.step, d, platform=p, pool="pool", outputs=outputs, verify_graphs=True)
+    m.capture()
+    assert p.warmed_in == ["pool"] * 4 and outputs.into(4) is None
+    r.x[:8] = torch.randn(8, 3)
+    three = m.run(m.dispatcher.dispatch(3), 3)
+    torch.testing.assert_close(three, r.x[:3] @ r.w)
+    eight = m.run(m.dispatcher.dispatch(8), 8)
+    torch.testing.assert_close(eight, r.x[:8] @ r.w)
+    entries = m._full.entries
+    assert len({e.output.data_ptr() for e in entries.values()}) == 4  # (fakes keep all)
+    assert three.data_ptr() == entries[m.dispatcher.dispatch(3).descriptor].output.data_ptr()
+    assert outputs.holds(three[1:]) and outputs.holds(eight) and not outputs.holds(r.x)
+    m.release()
+    assert not outputs.holds(three)
 
 
 def test_single_output_is_returned_as_tensor():

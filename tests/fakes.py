@@ -106,7 +106,6 @@ class FakePlatform(Platform):
         self.capturing: FakeGraph | None = None
         self.graphs: list[FakeGraph] = []
         self.pools = 0
-        self.warmed_in: list[Any] = []  # the pools warm-ups allocated from
         self.fail_capture = fail_capture
         self.sync_errors_active = False
         self.reserved = 0
@@ -125,11 +124,6 @@ class FakePlatform(Platform):
 
     def revoke(self, handle: int, message: str) -> None:
         self.revoked.append((handle, message))
-
-    @contextlib.contextmanager
-    def allocating_to(self, pool: Any) -> Iterator[None]:
-        self.warmed_in.append(pool)  # (the CPU cannot route allocations: recorded)
-        yield
 
     def graph_pool_handle(self) -> Any:
         self.pools += 1

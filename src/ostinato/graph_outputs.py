@@ -109,8 +109,7 @@ class PoolOutputs:
     valid after its replay until anything writes the pool again (``OutputLender``).
 
     ``holds(t)``: whether ``t`` is (a view of) an output of a graph captured here since
-    the last ``forget()``. Warm-ups run in the pool (``warming``): a capture's eager runs
-    reuse the pool's memory instead of adding their own beside it.
+    the last ``forget()``.
     """
 
     allocated = True  # (nothing to size: the first capture needs no eager output)
@@ -144,10 +143,6 @@ class PoolOutputs:
         """Every graph is gone: no address is theirs any more (an input buffer's, once
         freed, may hold an eager output)."""
         self._at.clear()
-
-    def warming(self, platform: Platform, pool: Any) -> contextlib.AbstractContextManager[None]:
-        """Where a capture's warm-up runs: allocating from ``pool``."""
-        return platform.allocating_to(pool)
 
 
 def as_tuple(out: Outputs) -> tuple[torch.Tensor, ...]:
@@ -226,11 +221,6 @@ class StaticOutputs:
 
     def forget(self) -> None:
         """Nothing: the buffers outlive the graphs."""
-
-    def warming(self, platform: Platform, pool: Any) -> contextlib.AbstractContextManager[None]:
-        """Where a capture's warm-up runs: outside the pool (the first one's output sizes
-        the buffers, which a graph's intermediates must never overwrite)."""
-        return contextlib.nullcontext()
 
     def _slice(self, n: int) -> Outputs:
         rows = self.into(n)

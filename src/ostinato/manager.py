@@ -295,13 +295,12 @@ class GraphManager:
     ) -> None:
         """``times`` runs of ``run`` (the step's work at ``d``, eagerly) before a capture;
         the first of a FULL graph sizes the static outputs."""
-        with self.outputs.warming(self.platform, self.pool) if full else contextlib.nullcontext():
-            for _ in range(times):
-                out = run()
-                _check_rows(out, d)
-                if full and not self.outputs.allocated:
-                    self.outputs.allocate(out)
-                del out  # (before the next run: the two need not coexist)
+        for _ in range(times):
+            out = run()
+            _check_rows(out, d)
+            if full and not self.outputs.allocated:
+                self.outputs.allocate(out)
+            del out  # (before the next run: the two need not coexist)
 
     def _eager(self, d: BatchDescriptor, attn_metadata: Any) -> Outputs:
         with forward_context(GraphMode.NONE, d, attn_metadata):
@@ -351,13 +350,10 @@ class GraphManager:
             stacklevel=3,
         )
 
-    def _sample(
-        self, d: BatchDescriptor, out: Outputs, num_tokens: int, attn_metadata: Any
-    ) -> Outputs:
+    def _sample(self, d: BatchDescriptor, out: Outputs, num_tokens: int, meta: Any) -> Outputs:
         """A sampled replay's outputs (``out``) checked against an eager run of the same
-        step (on the same persistent inputs); on a mismatch the bucket is demoted and
-        the eager outputs are returned."""
-        with forward_context(GraphMode.NONE, d, attn_metadata):
+        step (same persistent inputs); on a mismatch the bucket is demoted, eager's returned."""
+        with forward_context(GraphMode.NONE, d, meta):
             eager = self.step(d)
         self._stats.checked()
         found = first_mismatch(as_tuple(out), as_tuple(eager), num_tokens, exact=False)
@@ -466,8 +462,7 @@ class GraphManager:
             self.demoted.pop(d, None)
 
     def _step_full(self, d: BatchDescriptor) -> Outputs | None:
-        """The step a FULL graph records: its outputs written to the static buffers
-        (None returned), or returned as they are (``PoolOutputs``)."""
+        """A FULL graph's step: outputs written to static buffers, or returned (``PoolOutputs``)."""
         out = self.step(d)
         _check_rows(out, d)
         return self.outputs.keep(out, d.num_tokens)

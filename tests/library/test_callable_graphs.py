@@ -662,10 +662,10 @@ def _per_position(ids):
     return h, h.sum(1)  # (padding positions give tanh(0) = 0: the sum ignores them)
 
 
-def test_every_graphed_callable_of_a_platform_captures_into_one_pool_and_warms_up_in_it():
+def test_every_graphed_callable_of_a_platform_captures_into_one_pool():
     # No output buffer beside the pool: every bucket's graphs, and another callable's,
-    # capture into the platform's one pool for graphed (its lender's), each warm-up
-    # allocates from it, and each call returns its graph's own outputs from there.
+    # capture into the platform's one pool for graphed (its lender's), and each call
+    # returns its graph's own outputs from there.
     platform = FakePlatform()
     fast = ostinato.graphed(
         _per_position, max_batch_size=4, seq_buckets=(4, 8, 16), platform=platform,
@@ -682,7 +682,7 @@ def test_every_graphed_callable_of_a_platform_captures_into_one_pool_and_warms_u
     signatures = [s for g in (fast, other) for s in g._signatures.values()]
     assert sorted(s.bucket for s in signatures) == [0, 4, 8, 16]
     assert {s.runtime.manager.pool for s in signatures} == {("pool", 1)}
-    assert platform.pools == 1 and platform.warmed_in == [("pool", 1)] * len(platform.graphs)
+    assert platform.pools == 1
     assert len(platform.graphs) == 3 * 4 + 2
 
 

@@ -343,9 +343,9 @@ def test_default_outputs_are_lent_until_the_next_call_then_any_access_raises():
 
 
 def test_the_graphs_hold_one_largest_output_not_a_copy_beside_it():
-    # The outputs stay where the captures allocated them, in the pool (as reduce-overhead's),
-    # and the warm-ups run in the pool: capturing every size holds about one output of the
-    # largest (128 MiB), where a static copy beside the graph's own held two.
+    # The outputs stay where the captures allocated them, in the pool (as reduce-overhead's):
+    # capturing every size holds about one output of the largest (128 MiB), where a static
+    # copy beside the graph's own held two.
     w = torch.randn(256, 131072, device="cuda")
     fast = ostinato.graphed(
         lambda x: torch.mm(x, w), capture_sizes=(64, 128, 256), mode="full", capture="first_use"

@@ -149,9 +149,9 @@ def test_a_lender_recalls_what_it_lent_before_any_writer_takes_its_lock():
     assert lends.revoked[-1] == (2, "kept") and not lent_anywhere(kept)
 
 
-def test_pool_outputs_are_each_graphs_own_outputs_and_warm_ups_run_in_the_pool():
+def test_pool_outputs_are_each_graphs_own_outputs():
     # No buffer apart: a replay returns its graph's own outputs (where the capture
-    # allocated them), each graph's elsewhere, and the warm-ups allocate from the pool.
+    # allocated them), each graph's elsewhere.
     from ostinato.graph_outputs import PoolOutputs
 
     p, r, _ = build(GraphMode.FULL)
@@ -159,7 +159,7 @@ def test_pool_outputs_are_each_graphs_own_outputs_and_warm_ups_run_in_the_pool()
     d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2, 4, 8)))
     m = GraphManager(r.step, d, platform=p, pool="pool", outputs=outputs, verify_graphs=True)
     m.capture()
-    assert p.warmed_in == ["pool"] * 4 and outputs.into(4) is None
+    assert outputs.into(4) is None
     r.x[:8] = torch.randn(8, 3)
     three = m.run(m.dispatcher.dispatch(3), 3)
     torch.testing.assert_close(three, r.x[:3] @ r.w)

@@ -109,13 +109,6 @@ class Platform(ABC):
     def empty_cache(self) -> None:  # noqa: B027 - a no-op where nothing is cached
         """Returns cached, unused blocks to the device."""
 
-    def allocating_to(self, pool: Any) -> contextlib.AbstractContextManager[None]:
-        """Context in which this thread's eager work allocates from ``pool`` (a graph
-        pool), where the platform can route it there: a warm-up then reuses the memory
-        the pool's graphs hold, which nothing may read or write meanwhile. Elsewhere it
-        allocates as usual."""
-        return contextlib.nullcontext()
-
     def revocable(self, alias: Any) -> Any | None:
         """A handle with which ``revoke`` makes every access to ``alias`` (a tensor whose
         storage does not own its memory: ``tensor_views.weak_ref_tensor``) and to views of

@@ -141,23 +141,6 @@ class CudaPlatform(Platform):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
-    @contextlib.contextmanager
-    def allocating_to(self, pool: Any) -> Iterator[None]:
-        # As Inductor's cudagraph trees warm reduce-overhead's functions up: on the
-        # capture stream, since the allocator reuses a block only on the stream that
-        # made it (elsewhere the pool would grow by the warm-up's own memory).
-        pool = self._pool_replacements.get(pool, pool)
-        device, stream = torch.cuda.current_device(), self._stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
-            try:
-                yield
-            finally:
-                torch._C._cuda_endAllocateToPool(device, pool)
-                torch._C._cuda_releasePool(device, pool)  # (the begin's reference)
-        torch.cuda.current_stream().wait_stream(stream)
-
     def revocable(self, alias: Any) -> Any | None:
         # Inductor's cudagraph trees revoke reduce-overhead's outputs the same way: the
         # alias's own storage gets an error for a data pointer (torch's CUDA bindings only,

@@ -22,9 +22,10 @@ bucket where they are faster (``wait_for_upgrades`` does the rest at once).
 
 Guarantees: outputs equal ``fn``'s on the same arguments (the graph computes the padded
 batch; padding rows start as zeros). By default they are lent, as reduce-overhead's are:
-the graphs' own memory, valid until the next call (from any thread: threads sharing one
-callable want ``copy_outputs``), after which any access to them (or to views of them)
-raises, never reads another call's values; where the platform cannot revoke an alias (the
+the graph's own outputs, in the pool every ``graphed`` callable of the platform shares,
+valid until the next call of any of them (from any thread: threads sharing callables want
+``copy_outputs``), after which any access to them (or to views of them) raises, never
+reads another call's values; where the platform cannot revoke an alias (the
 CPU), and where they come from pieces (PIECEWISE), they are copies. With ``copy_outputs``
 every output is a copy that belongs to the caller (a copy per call: GPT-2's logits cost
 0.1-0.2 ms and their size again in memory at 32 rows). With ``check_padding`` (the

@@ -67,7 +67,7 @@ class OutputLender:
         on any access from now on."""
         with self.lock:
             loans = [x for x in self._loans if owner is None or x.owner is owner]
-            self._loans = [x for x in self._loans if x not in loans]
+            self._loans = [x for x in self._loans if owner is not None and x.owner is not owner]
             if not self._loans:
                 self._lent_at.clear()
             for x in loans:

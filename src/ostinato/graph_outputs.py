@@ -83,6 +83,7 @@ class OutputLender:
 
 
 _lenders: weakref.WeakKeyDictionary[Platform, OutputLender] = weakref.WeakKeyDictionary()
+_lenders_lock = threading.Lock()  # (two callables' first calls on two threads: one lender)
 
 
 def shared_lender(platform: Platform) -> OutputLender:
@@ -90,15 +91,18 @@ def shared_lender(platform: Platform) -> OutputLender:
     ``shared_pool``, whose replays do not recall loans): every ``graphed`` callable on
     the platform captures into it, so their graphs share memory, and a call of any of
     them recalls what the others lent."""
-    if platform not in _lenders:
-        _lenders[platform] = OutputLender(platform.graph_pool_handle())
-    return _lenders[platform]
+    with _lenders_lock:
+        if platform not in _lenders:
+            _lenders[platform] = OutputLender(platform.graph_pool_handle())
+        return _lenders[platform]
 
 
 def lent_anywhere(t: torch.Tensor) -> bool:
     """Whether ``t`` is (a view of) an alias a lender of this process lent since its
     last recall (a call's argument that its own writes may revoke: copy it first)."""
-    return any(lender.is_lent(t) for lender in list(_lenders.values()))
+    with _lenders_lock:
+        lenders = list(_lenders.values())
+    return any(lender.is_lent(t) for lender in lenders)
 
 
 class PoolOutputs:

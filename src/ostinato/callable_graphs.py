@@ -806,9 +806,10 @@ def _compiled(signature: _Signature, options: _Options, platform: Platform) -> A
 def _lent_message(fn: Callable[..., Any]) -> str:
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     return (
-        f"this output of ostinato.graphed({name}) was lent until the next call (the default, "
-        "as reduce-overhead's outputs are) and a later call or release() has overwritten "
-        "it; clone() what you keep before calling again, or pass copy_outputs=True"
+        f"this output of ostinato.graphed({name}) was lent until the next call of it or of "
+        "any graphed callable on its device (the default, as reduce-overhead's outputs are), "
+        "and a later call or release() has overwritten it; clone() what you keep before "
+        "calling again, or pass copy_outputs=True"
     )
 
 

@@ -569,7 +569,7 @@ class _Signature:
         if not _DEVICE.acquire(blocking=wait):
             return False
         try:
-            with self.lender.writing():  # (its warm-ups and capture write the pool)
+            with self.lender.writing():  # (its captures write the pool)
                 self.runtime.manager.capture()
         finally:
             _DEVICE.release()

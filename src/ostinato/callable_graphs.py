@@ -693,14 +693,13 @@ class _DeviceThenOutputs:
     def acquire(self, blocking: bool = True) -> bool:
         if not _DEVICE.acquire(blocking=blocking):
             return False
-        if not self.lender.lock.acquire(blocking=blocking):
+        if not self.lender.acquire(blocking=blocking):
             _DEVICE.release()
             return False
-        self.lender.recall()
         return True
 
     def release(self) -> None:
-        self.lender.lock.release()
+        self.lender.release()
         _DEVICE.release()
 
 

@@ -32,11 +32,11 @@ class OutputLender:
     """A graph pool (``pool``) whose graphs' outputs are lent to callers: aliases of the
     pool's memory that do not own it, each valid until the next ``recall``.
 
-    ``lock``: held by whoever replays, captures or warms up into the pool (``writing()``),
-    from before it writes until its caller has lent (or copied) what it reads. Entering
-    ``writing()`` first recalls every loan: any access to a recalled alias, or to a view
-    of it, raises the message it was lent with. A kept output is an error, never a
-    silently overwritten value.
+    ``lock``: held by whoever replays or captures into the pool (``writing()``, or
+    ``acquire`` and ``release``), from before it writes until its caller has lent (or
+    copied) what it reads. Taking it first recalls every loan: any access to a recalled
+    alias, or to a view of it, raises the message it was lent with. A kept output is an
+    error, never a silently overwritten value.
     """
 
     def __init__(self, pool: Any) -> None:
@@ -73,13 +73,27 @@ class OutputLender:
             for x in loans:
                 x.platform.revoke(x.handle, x.revoked)
 
+    def acquire(self, blocking: bool = True) -> bool:
+        """Takes the lock (without ``blocking``, only if free: returns whether it did),
+        then recalls every loan."""
+        if not self.lock.acquire(blocking=blocking):
+            return False
+        self.recall()
+        return True
+
+    def release(self) -> None:
+        """Lets the lock go."""
+        self.lock.release()
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
-        """The lock, for a step, capture or warm-up that writes the pool, once what was
-        lent from it has been recalled."""
-        with self.lock:
-            self.recall()
+        """The lock, for a step or capture that writes the pool, once what was lent from
+        it has been recalled."""
+        self.acquire()
+        try:
             yield
+        finally:
+            self.release()
 
 
 _lenders: weakref.WeakKeyDictionary[Platform, OutputLender] = weakref.WeakKeyDictionary()
@@ -135,9 +149,7 @@ class PoolOutputs:
 
     def read(self, replayed: Outputs, n: int) -> Outputs:
         """The first ``n`` rows of a replay's outputs (``GraphEntry.output``)."""
-        if isinstance(replayed, (tuple, list)):
-            return tuple(t[:n] for t in replayed)
-        return replayed[:n]
+        return first_rows(replayed, n)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is (a view of) one of these graphs' outputs."""
@@ -152,6 +164,13 @@ class PoolOutputs:
 def as_tuple(out: Outputs) -> tuple[torch.Tensor, ...]:
     """``out`` as a tuple of tensors."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def first_rows(out: Outputs, n: int) -> Outputs:
+    """The first ``n`` rows of each output, in ``out``'s form (a tensor, or a tuple)."""
+    if isinstance(out, (tuple, list)):
+        return tuple(t[:n] for t in out)
+    return out[:n]
 
 
 class StaticOutputs:
@@ -217,7 +236,7 @@ class StaticOutputs:
 
     def read(self, replayed: Outputs, n: int) -> Outputs:
         """``view(n)``: what a replay wrote (``replayed``, a graph's own outputs, is None)."""
-        return self._views[n]
+        return self.view(n)
 
     def view(self, n: int) -> Outputs:
         """The first ``n`` rows, valid until the next replay writes them."""

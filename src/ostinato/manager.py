@@ -18,7 +18,7 @@ from ostinato.context import forward_context
 from ostinato.dispatcher import Dispatch, Dispatcher
 from ostinato.errors import GraphCaptureError
 from ostinato.graph import GraphEntry, GraphWrapper, recording_apart
-from ostinato.graph_outputs import Outputs, PoolOutputs, StaticOutputs, as_tuple
+from ostinato.graph_outputs import Outputs, PoolOutputs, StaticOutputs, as_tuple, first_rows
 from ostinato.guard import capture_phase
 from ostinato.mathutil import is_int
 from ostinato.modes import GraphMode
@@ -76,7 +76,7 @@ class GraphManager:
     the FULL graphs' outputs sliced to the real token count, overwritten by the next FULL
     replay: of static output buffers (allocated once, outside the pool), or, with
     ``outputs=PoolOutputs()``, of each graph's own outputs in the pool, which any
-    capture or warm-up into the pool may also overwrite. Replaying a FULL descriptor that
+    capture into the pool may also overwrite. Replaying a FULL descriptor that
     was never captured raises.
 
     ``capture_in_background()`` instead returns at once and captures on a thread; until a
@@ -551,11 +551,7 @@ class GraphManager:
 
 def _rows(out: Outputs, d: BatchDescriptor, num_tokens: int) -> Outputs:
     """The first ``num_tokens`` rows of a step's outputs (themselves when all)."""
-    if d.num_tokens == num_tokens:
-        return out
-    if isinstance(out, (tuple, list)):
-        return tuple(t[:num_tokens] for t in out)
-    return out[:num_tokens]
+    return out if d.num_tokens == num_tokens else first_rows(out, num_tokens)
 
 
 def _check_rows(out: Outputs, d: BatchDescriptor) -> None:

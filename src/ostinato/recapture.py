@@ -85,8 +85,10 @@ class Recapture:
         @contextlib.contextmanager
         def held() -> Iterator[None]:
             with turn(), exclusive_device():
-                # The steps' queued work first: it reads the inputs ``prepare`` writes.
-                self.platform.synchronize()
+                # No drain of the steps' queued work, which reads the inputs ``prepare``
+                # writes: its writes are device work queued behind it on the steps' stream
+                # (and the timed replays' clock starts after it: ``held_replay_us``), so
+                # a step waits for the queueing and the device for one replay.
                 meta[0] = self._dummy(descriptor)
                 yield
 

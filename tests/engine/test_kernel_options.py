@@ -107,19 +107,21 @@ def test_plan_on_cpu_is_empty_and_measures_nothing():
 
 def test_a_gemm_measurement_holds_the_turn_per_timed_replay_and_picks_the_fastest(monkeypatch):
     # A background start times the candidates beside steps: each candidate's warm-up
-    # call inside a turn, its timing handed the turn (graph_call_us holds it per timed
-    # replay), and the choice the fastest candidate (the first of a tie).
+    # call beside them too (its host time in a turn held them), its timing handed the
+    # turn (graph_call_us holds it per timed replay), and the choice the fastest
+    # candidate (the first of a tie).
     from ostinato.engine.worker import gemm_tuning
 
     us = {"cublas": 10.0, 1: 12.0, 2: 7.0, 3: 7.0, 4: 9.0}
-    calls = {name: (lambda name=name: name) for name in us}
+    held, timed, warmed = [False], [], []
+    calls = {name: (lambda name=name: warmed.append((name, held[0]))) for name in us}
+    names = {fn: name for name, fn in calls.items()}
     fitting = [(i, calls[i]) for i in (1, 2, 3, 4)]
-    held, timed = [False], []
 
     def graph_call_us(fn, calls, turn):
         assert not held[0]  # (the capture runs beside steps)
         timed.append(turn)
-        return us[fn()]
+        return us[names[fn]]
 
     @contextlib.contextmanager
     def turn():
@@ -132,6 +134,7 @@ def test_a_gemm_measurement_holds_the_turn_per_timed_replay_and_picks_the_fastes
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     t = gemm_tuning._measure(Linear(8, 4), False, 2, False, torch.device("cpu"), turn)
     assert timed == [turn] * 5
+    assert warmed == [(name, False) for name in us]  # each warmed once, outside the turn
     assert (t.cublas_us, t.triton_us, t.config) == (10.0, 7.0, 2)
 
 

@@ -437,9 +437,8 @@ class GraphManager:
             self._warm_up(d, True, self.num_warmups, functools.partial(self.warm_step, d))
         outputs = self.outputs.into(d.num_tokens)
         with turn() if turn is not None else _NO_TURN:
-            # No drain first: ``prepare`` writes the dummy inputs (and the warm-ups read
-            # them) by device work queued behind the steps' work that reads them, on the
-            # steps' stream; a drain here held the steps for their queued work too.
+            # No drain: the dummy inputs are device work queued behind the steps' work that
+            # reads them (one stream); a drain held the steps for their queued work too.
             meta = self.prepare(d) if self.prepare is not None else None
             if not beside:
                 self._warm_up(d, True, self.num_warmups, functools.partial(self._eager, d, meta))

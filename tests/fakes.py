@@ -94,6 +94,22 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+class FlaggedTurn:
+    """A stand-in for the steps' turn (a ``Held``): ``with turn():`` holds it, and
+    ``turn.held`` says whether it is held now (what the tests check work against)."""
+
+    def __init__(self) -> None:
+        self.held = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+
+
 class FakePlatform(Platform):
     name = "fake"
     device_type = "cpu"

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from fakes import FlaggedTurn
 
 from ostinato.engine import LLM, KernelOptions, SamplingParams
 from ostinato.engine.model.config import ModelConfig
@@ -113,21 +114,15 @@ def test_a_gemm_measurement_holds_the_turn_per_timed_replay_and_picks_the_fastes
     from ostinato.engine.worker import gemm_tuning
 
     us = {"cublas": 10.0, 1: 12.0, 2: 7.0, 3: 7.0, 4: 9.0}
-    held, timed, warmed = [False], [], []
-    calls = {name: (lambda name=name: warmed.append((name, held[0]))) for name in us}
+    turn, timed, warmed = FlaggedTurn(), [], []
+    calls = {name: (lambda name=name: warmed.append((name, turn.held))) for name in us}
     names = {fn: name for name, fn in calls.items()}
     fitting = [(i, calls[i]) for i in (1, 2, 3, 4)]
 
     def graph_call_us(fn, calls, turn):
-        assert not held[0]  # (the capture runs beside steps)
+        assert not turn.held  # (the capture runs beside steps)
         timed.append(turn)
         return us[names[fn]]
-
-    @contextlib.contextmanager
-    def turn():
-        held[0] = True
-        yield
-        held[0] = False
 
     monkeypatch.setattr(gemm_tuning, "_candidates", lambda *a: (calls["cublas"], fitting))
     monkeypatch.setattr(gemm_tuning, "graph_call_us", graph_call_us)

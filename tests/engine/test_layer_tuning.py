@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from dist_workers import ahead_agreement, free_port, layer_plan_agreement
+from fakes import FlaggedTurn
 from test_fused_layers import _tiny_decode
 
 from ostinato.engine import KernelOptions
@@ -233,27 +234,21 @@ def test_a_layer_timing_holds_the_turn_for_each_replay_alone(monkeypatch):
 
     from ostinato.engine.worker import layer_tuning
 
-    held, seen = [False], []
-
-    @contextlib.contextmanager
-    def turn():
-        held[0] = True
-        yield
-        held[0] = False
+    turn, seen = FlaggedTurn(), []
 
     def captured_calls(step, steps):
-        seen.append(("capture", held[0], model.here))
+        seen.append(("capture", turn.held, model.here))
         return "graph"
 
     def held_replays_us(graph, replays, given):
-        seen.append(("replays", held[0], given is turn, replays))
+        seen.append(("replays", turn.held, given is turn, replays))
         return 8.0
 
     monkeypatch.setattr(layer_tuning, "captured_calls", captured_calls)
     monkeypatch.setattr(layer_tuning, "held_replays_us", held_replays_us)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     ids = torch.zeros(8, dtype=torch.long)
-    model = _VariantModel(lambda rows, unfused: seen.append(("eager", held[0], unfused)))
+    model = _VariantModel(lambda rows, unfused: seen.append(("eager", turn.held, unfused)))
     timer = layer_tuning.graph_timer(
         model, ids, ids, lambda n: contextlib.nullcontext(), steps=4, replays=5, turn=turn
     )

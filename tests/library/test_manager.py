@@ -2,7 +2,7 @@ import gc
 
 import pytest
 import torch
-from fakes import FakePlatform, copies_into
+from fakes import FakePlatform, FlaggedTurn, copies_into
 
 from ostinato import (
     BatchDescriptor,
@@ -482,33 +482,25 @@ def test_a_held_recapture_warms_up_and_records_beside_the_steps_where_the_platfo
     # CUDA records without running anything: with a warm_step (the step's work on inputs
     # of its own), a background recapture holds the turn only for its dummy inputs; steps
     # meanwhile replay the old graph, which stays in place until the swap.
-    import contextlib
-
     p, r, m = build(GraphMode.FULL)
     m.capture()
     d = m.dispatcher.dispatch(4)
     old_w = r.w.clone()
     r.w = torch.randn(3, 5)
-    held = [False]
+    turn = FlaggedTurn()
     log = []
 
-    @contextlib.contextmanager
-    def turn():
-        held[0] = True
-        yield
-        held[0] = False
-
     def warm_step(desc):
-        log.append(("warm", held[0], m.ready(d)))
+        log.append(("warm", turn.held, m.ready(d)))
         return torch.zeros(desc.num_tokens, 3) @ r.w
 
     def prepare(desc):
-        log.append(("prepare", held[0]))
+        log.append(("prepare", turn.held))
         return r.prepare(desc)
 
     def step(desc):
         if p.capturing is not None:
-            log.append(("record", held[0], m.ready(d)))
+            log.append(("record", turn.held, m.ready(d)))
         return r.step(desc)
 
     m.step, m.prepare, m.warm_step, p.records_apart = step, prepare, warm_step, True
@@ -535,27 +527,19 @@ def test_a_held_recapture_never_drains_the_device_inside_the_turn_but_to_swap():
     # the hold would hold a step for the work queued before it as well (a recapture's
     # timed replay held the turn 3.6 ms on an H200 where a replay took about 1). CUDA
     # records apart, so its holds are the dummy inputs', each round's and the swap's.
-    import contextlib
-
     p, r, m = build(GraphMode.FULL)
     m.capture()
     d = m.dispatcher.dispatch(4)
-    held, log = [False], []
-
-    @contextlib.contextmanager
-    def turn():
-        held[0] = True
-        yield
-        held[0] = False
+    turn, log = FlaggedTurn(), []
 
     def keep_new(old, new, held_round):
         for replay in (old, new, old, new):
             with held_round():
-                log.append(("round", held[0]))
+                log.append(("round", turn.held))
                 replay()
         return True
 
-    p.synchronize = lambda: log.append(("drain", held[0]))
+    p.synchronize = lambda: log.append(("drain", turn.held))
     p.records_apart = True
     m.warm_step = lambda desc: torch.zeros(desc.num_tokens, 3) @ r.w
     assert m.recapture(d.descriptor, keep_new, turn) is True

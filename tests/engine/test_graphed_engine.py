@@ -681,6 +681,57 @@ def test_sampling_graphs_prepared_beside_steps_draw_and_count_nowhere_a_step_rea
     assert table.sum() > 0  # (the pass's own table counted its draws)
 
 
+@pytest.mark.parametrize("prepared", [True, False])
+def test_sampling_graphs_prepared_beside_steps_capture_without_a_warm_up_in_the_turn(prepared):
+    # A background start prepares the sampling graphs beside the steps (each size's work
+    # run once): inside the step turn each capture then only records (the warm-up and
+    # its drain there were a tenth of those holds on an H200); unprepared, it warms up.
+    import contextlib
+
+    from fakes import FakePlatform
+
+    from ostinato.engine.sample.adjust import OutputCounts
+    from ostinato.engine.sample.graph_sampler import GraphSampler
+
+    counts = OutputCounts(vocab=50, capacity=4, device=torch.device("cpu"))
+    logits = torch.randn(4, 50)
+    platform = FakePlatform()
+    sampler = GraphSampler(
+        platform, None, torch.Generator(), lambda n: logits[:n], 4, torch.device("cpu"), counts
+    )
+    if prepared:
+        sampler.prepare([2, 4], ahead=False)
+    held, runs, drains = [False], [], []
+    sample, logprobs_of = sampler._sample, sampler._logprobs_of
+
+    def counted(*args):
+        runs.append(("sample", held[0], platform.capturing is not None))
+        return sample(*args)
+
+    def counted_logprobs(n):
+        fn = logprobs_of(n)
+        return lambda: (runs.append(("logprobs", held[0], platform.capturing is not None)), fn())[1]
+
+    sampler._sample, sampler._logprobs_of = counted, counted_logprobs
+    sampler.platform.synchronize_outside_capture = lambda: drains.append(held[0])
+
+    @contextlib.contextmanager
+    def unit():
+        held[0] = True
+        yield
+        held[0] = False
+
+    sampler.capture([2, 4], unit=unit)
+    graphs = 2 * (len(sampler.variants) + 1)
+    recorded = [r for r in runs if r[2]]
+    warm_ups = [r for r in runs if not r[2]]
+    assert len(recorded) == graphs and all(held for _, held, _ in recorded)
+    assert len(warm_ups) == (0 if prepared else graphs)
+    assert drains == ([] if prepared else [True] * graphs)
+    assert len(sampler.graphs) == 2 * len(sampler.variants)
+    assert sorted(sampler.logprob_graphs) == [2, 4]
+
+
 def test_a_warm_up_beside_the_steps_touches_nothing_a_step_reads(fake_graphs):
     # On CUDA a background capture warms each FULL graph up beside the steps, outside
     # their turn (``_warm_step``): on inputs of its own, its K/V in the null block only,

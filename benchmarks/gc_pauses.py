@@ -1,0 +1,61 @@
+"""The garbage collector's pauses during another benchmark: runs ``python -m
+benchmarks.gc_pauses [--over MS] MODULE [ARGS...]`` as ``python -m MODULE ARGS...`` and prints
+every collection that took longer than ``--over`` ms (default 3): when (the clock the engine's
+log lines use), the generation, the ms, and the thread that paid it. A collection holds the GIL,
+so one on any thread is a gap between the steps of a step loop."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import runpy
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pause:
+    at: str
+    generation: int
+    ms: float
+    thread: str
+
+
+def watch(over_ms: float) -> list[Pause]:
+    """Starts recording collections over ``over_ms`` into the list returned."""
+    started: dict[int, float] = {}
+    pauses: list[Pause] = []
+
+    def timed(phase: str, info: dict) -> None:
+        me = threading.get_ident()
+        if phase == "start":
+            started[me] = time.perf_counter()
+            return
+        ms = 1e3 * (time.perf_counter() - started.pop(me, time.perf_counter()))
+        if ms > over_ms:
+            at = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+            thread = threading.current_thread().name
+            pauses.append(Pause(at, info["generation"], round(ms, 2), thread))
+
+    gc.callbacks.append(timed)
+    return pauses
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    over = 3.0
+    if args[:1] == ["--over"]:
+        over, args = float(args[1]), args[2:]
+    if not args:
+        raise SystemExit("usage: python -m benchmarks.gc_pauses [--over MS] MODULE [ARGS...]")
+    pauses = watch(over)
+    atexit.register(lambda: print(f"gc pauses over {over:g} ms:", *pauses, sep="\n  "))
+    sys.argv = args
+    runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """The garbage collector's pauses during another benchmark: runs ``python -m
 benchmarks.gc_pauses [--over MS] MODULE [ARGS...]`` as ``python -m MODULE ARGS...`` and prints
 every collection that took longer than ``--over`` ms (default 3): when (the clock the engine's
-log lines use), the generation, the ms, and the thread that paid it. A collection holds the GIL,
-so one on any thread is a gap between the steps of a step loop."""
+log lines use), the generation, the ms, the thread that paid it and the objects it freed. A
+collection holds the GIL, so one on any thread is a gap between the steps of a step loop."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class Pause:
     generation: int
     ms: float
     thread: str
+    collected: int  # objects freed (a long young collection: their finalizers' time)
 
 
 def watch(over_ms: float) -> list[Pause]:
@@ -38,7 +39,7 @@ def watch(over_ms: float) -> list[Pause]:
         if ms > over_ms:
             at = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
             thread = threading.current_thread().name
-            pauses.append(Pause(at, info["generation"], round(ms, 2), thread))
+            pauses.append(Pause(at, info["generation"], round(ms, 2), thread, info["collected"]))
 
     gc.callbacks.append(timed)
     return pauses

@@ -16,7 +16,7 @@ def test_a_collection_over_the_threshold_is_recorded_with_its_generation_and_thr
         gc.callbacks[:] = before
     seen = [(p.generation, p.thread) for p in pauses]
     assert (1, "MainThread") in seen and (2, "collector") in seen, seen
-    assert all(p.ms >= 0 for p in pauses)
+    assert all(p.ms >= 0 and p.collected >= 0 for p in pauses)
     quiet = watch(over_ms=1e9)
     try:
         gc.collect()

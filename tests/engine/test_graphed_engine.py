@@ -686,9 +686,7 @@ def test_sampling_graphs_prepared_beside_steps_capture_without_a_warm_up_in_the_
     # A background start prepares the sampling graphs beside the steps (each size's work
     # run once): inside the step turn each capture then only records (the warm-up and
     # its drain there were a tenth of those holds on an H200); unprepared, it warms up.
-    import contextlib
-
-    from fakes import FakePlatform
+    from fakes import FakePlatform, FlaggedTurn
 
     from ostinato.engine.sample.adjust import OutputCounts
     from ostinato.engine.sample.graph_sampler import GraphSampler
@@ -701,27 +699,23 @@ def test_sampling_graphs_prepared_beside_steps_capture_without_a_warm_up_in_the_
     )
     if prepared:
         sampler.prepare([2, 4], ahead=False)
-    held, runs, drains = [False], [], []
+    turn, runs, drains = FlaggedTurn(), [], []
     sample, logprobs_of = sampler._sample, sampler._logprobs_of
 
+    def seen(kind):
+        runs.append((kind, turn.held, platform.capturing is not None))
+
     def counted(*args):
-        runs.append(("sample", held[0], platform.capturing is not None))
+        seen("sample")
         return sample(*args)
 
     def counted_logprobs(n):
         fn = logprobs_of(n)
-        return lambda: (runs.append(("logprobs", held[0], platform.capturing is not None)), fn())[1]
+        return lambda: (seen("logprobs"), fn())[1]
 
     sampler._sample, sampler._logprobs_of = counted, counted_logprobs
-    sampler.platform.synchronize_outside_capture = lambda: drains.append(held[0])
-
-    @contextlib.contextmanager
-    def unit():
-        held[0] = True
-        yield
-        held[0] = False
-
-    sampler.capture([2, 4], unit=unit)
+    sampler.platform.synchronize_outside_capture = lambda: drains.append(turn.held)
+    sampler.capture([2, 4], unit=turn)
     graphs = 2 * (len(sampler.variants) + 1)
     recorded = [r for r in runs if r[2]]
     warm_ups = [r for r in runs if not r[2]]

@@ -6,6 +6,7 @@ collection holds the GIL, so one on any thread is a gap between the steps of a s
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import datetime
 import gc
@@ -45,17 +46,16 @@ def watch(over_ms: float) -> list[Pause]:
     return pauses
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    over = 3.0
-    if args[:1] == ["--over"]:
-        over, args = float(args[1]), args[2:]
-    if not args:
-        raise SystemExit("usage: python -m benchmarks.gc_pauses [--over MS] MODULE [ARGS...]")
-    pauses = watch(over)
-    atexit.register(lambda: print(f"gc pauses over {over:g} ms:", *pauses, sep="\n  "))
-    sys.argv = args
-    runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gc_pauses", description=__doc__)
+    parser.add_argument("--over", type=float, default=3.0, help="ms (default 3)")
+    parser.add_argument("module", help="the module to run, as python -m runs it")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = parser.parse_args(argv)
+    pauses = watch(a.over)
+    atexit.register(lambda: print(f"gc pauses over {a.over:g} ms:", *pauses, sep="\n  "))
+    sys.argv = [a.module, *a.args]
+    runpy.run_module(a.module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

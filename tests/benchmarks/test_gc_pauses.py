@@ -23,3 +23,15 @@ def test_a_collection_over_the_threshold_is_recorded_with_its_generation_and_thr
     finally:
         gc.callbacks[:] = before
     assert quiet == []
+
+
+def test_a_threshold_that_is_not_a_number_is_refused_by_name(capsys):
+    import pytest
+
+    from benchmarks.gc_pauses import main
+
+    before = list(gc.callbacks)
+    with pytest.raises(SystemExit):
+        main(["--over", "x", "benchmarks.deferred_plans"])
+    assert "argument --over: invalid float value: 'x'" in capsys.readouterr().err
+    assert gc.callbacks == before  # (nothing watched)

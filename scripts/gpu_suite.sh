@@ -48,6 +48,9 @@
 #                                      # alternating, on shared filled caches (JSONs under $OUT)
 #   bash scripts/gpu_suite.sh startup_trees TREE [MODEL] [empty|filled]  # the same through
 #                                      # benchmarks.startup_ab: every cache empty in every run
+#   bash scripts/gpu_suite.sh gc_ab TREE...  # per tree (as lora's; numbered, a tree may come
+#                                      # again): the collector's pauses over 3 ms during a
+#                                      # background start's rounds (deferred_plans, 1.5 B)
 #   bash scripts/gpu_suite.sh timers   # the held timers' and the recapture choice's GPU tests,
 #                                      # then a background start's holds (deferred_plans, 1.5 B)
 #                                      # with the choice's log lines (JSON and log under $OUT)
@@ -269,6 +272,20 @@ print(d['first_start_longest_hold']); print(d.get('first_start_holds'))" "$OUT/d
             | tee "$OUT/gpu_tests_holds_$tree.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed")
     done
     ;;
+gc_ab)
+    # Per tree, in the order given (a tree may come again: runs are numbered), the
+    # collector's pauses over 3 ms during a background start's rounds (deferred_plans,
+    # 1.5 B, B = 8, every cache empty), beside its JSON.
+    shift
+    n=0
+    for tree in "$@"; do
+        n=$((n + 1))
+        dir=$(tree_dir "$tree")
+        (cd "$dir" && timeout 200 python3 -m benchmarks.gc_pauses benchmarks.deferred_plans \
+            --batch 8 --new-tokens 64 --rounds-after 2 --timeout 150 --out "$OUT/gc_${n}_$tree.json" \
+            > "$OUT/gc_${n}_$tree.log" 2>&1; tail -3 "$OUT/gc_${n}_$tree.log")
+    done
+    ;;
 sampling_ab)
     shift
     for tree in "$@"; do
@@ -333,7 +350,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab|startup_trees|timers" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab|startup_trees|gc_ab|timers" >&2
     exit 2
     ;;
 esac

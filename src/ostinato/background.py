@@ -303,7 +303,9 @@ class BackgroundCapture:
                 if self._prologue is not None:
                     self._prologue()
                     logger.info("ostinato: background prologue done after %.1f s", self._since())
-                with capture_phase():
+                # The collector runs on (each capture pauses it): the phase lasts as long as
+                # the start, beside the steps (``capture_phase``).
+                with capture_phase(collect=False, pause_collector=False):
                     self._capture_all()
                     self.capture_seconds = self._since()
                     if self._afterwards is not None and not self._stop.is_set():

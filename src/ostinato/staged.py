@@ -245,7 +245,7 @@ class StagedRuntime:
                     raise RuntimeError(self.error or "the upgrade was not built")
                 item = self._by_use(upgrade, self._pending).pop(0)
                 self._pending.remove(item)
-                with torch.inference_mode(), capture_phase():
+                with torch.inference_mode(), capture_phase(collect=False):
                     upgrade.manager.capture_item(item)
                     self._within_budget(upgrade)
                     self._measure(upgrade, item.descriptor)
@@ -291,7 +291,7 @@ class StagedRuntime:
                     self._pending = upgrade.manager.capture_plan()
                 if self._on_steps:
                     return  # (captured and measured by the steps: advance)
-                with capture_phase():
+                with capture_phase(collect=False, pause_collector=False):  # (beside calls)
                     self._upgrade_all(upgrade)
         except BaseException as exc:  # the thread's end: nothing above it would see it
             self._fail(exc)

@@ -1,5 +1,6 @@
 """GPU tests of the core runtime: capture, replay, padding, pool, guards, diagnostics."""
 
+import gc
 import random
 
 import pytest
@@ -225,6 +226,26 @@ def test_pool_outlives_its_graphs():
             assert torch.equal(w(x[None]), lin(x[None])), round_
         w.reset()
         del w, lin
+
+
+def test_each_capture_and_pool_keeper_pauses_the_collector_and_only_there():
+    # A background capture runs with the collector on (``capture_phase``); each capture
+    # must still pause it: a collection's finalizers may empty the cache mid-capture.
+    from ostinato import current_platform
+
+    platform = current_platform()
+    x = torch.randn(8, device=DEVICE)
+    graph, inside = torch.cuda.CUDAGraph(), []
+    assert gc.isenabled()
+    pool = platform.graph_pool_handle()  # (its keeper graph captured with it paused)
+    assert gc.isenabled()
+    with platform.capture(graph, pool):
+        inside.append(gc.isenabled())
+        y = x * 2
+    assert inside == [False] and gc.isenabled()
+    x.fill_(3.0)
+    graph.replay()
+    assert torch.equal(y, torch.full_like(x, 6.0))
 
 
 def test_a_pools_segments_asked_alone_are_those_of_the_whole_snapshot():

@@ -2,6 +2,7 @@
 stage from the start, buckets moved to the upgrade only where measured faster and only
 between steps, and every failure of the upgrade leaving the first stage serving."""
 
+import gc
 import logging
 import threading
 
@@ -102,6 +103,32 @@ def test_buckets_move_to_the_upgrade_only_where_it_measured_faster():
     assert any(stages) and not all(stages)
     assert r.calls["upgrade"] >= before["upgrade"]
     assert "buckets measured faster and moved" in s.summary()
+    s.release()
+
+
+def test_the_upgrade_thread_leaves_the_collector_running_and_collects_nothing(monkeypatch):
+    # Beside the caller's calls: a pause of the whole upgrade would pile up every thread's
+    # garbage for one long collection after it, and a full collection holds every thread.
+    collects = []
+    real = gc.collect
+
+    def collect(*args):
+        if threading.current_thread() is not threading.main_thread():
+            collects.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    seen, timer = [], fast_below(4)
+
+    def timed(*args):
+        seen.append(gc.isenabled())  # on the upgrade's thread, after each capture
+        return timer(*args)
+
+    r = Runner()
+    s = staged(r, timer=timed, repeats=1)
+    serve(r, s, 20)
+    assert s.wait(30) and s.error is None, s.summary()
+    assert seen and all(seen) and not collects
     s.release()
 
 

@@ -53,7 +53,7 @@ class CudaPlatform(Platform):
         # Outside inference mode: a buffer made inside it is an inference tensor, which
         # a later call outside inference mode (the pool recovery after a failed capture)
         # may not write to.
-        with torch.inference_mode(False), exclusive_device():
+        with torch.inference_mode(False), exclusive_device(), paused_collection(torch.cuda):
             if self._keeper_buffer is None:
                 self._keeper_buffer = torch.zeros(1, device="cuda")
             keeper = torch.cuda.CUDAGraph()

@@ -155,6 +155,9 @@ class EngineParts:
             self.all_reduce_norm.release()
         self.runner = self.drafter = self.all_reduce = self.all_reduce_norm = None  # type: ignore[assignment]
         self.model = self.cache = self.scheduler = self.sampler = None  # type: ignore[assignment]
+        # What the start froze (``freeze_heap``) can be collected again: cycles among the
+        # engine's own objects would otherwise outlive it, its device memory with them.
+        gc.unfreeze()
         gc.collect()
         if self.device.type == "cuda":
             with exclusive_device():  # not during another engine's capture

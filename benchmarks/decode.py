@@ -505,8 +505,8 @@ def _time_variant(
         result.small_gemm[name] = runner.kernel_plan.timings
     if runner.kernel_plan.layer_timings:
         result.layer_plan[name] = runner.kernel_plan.layer_timings
-        unfused = sorted(runner.model.unfused_rows)
-        print(f"{name}: fused layers measured slower (unfused) at rows {unfused}")
+        unfused, no_pdl = sorted(runner.model.unfused_rows), sorted(runner.model.no_pdl_rows)
+        print(f"{name}: measured slower: fused layers at rows {unfused}, PDL at rows {no_pdl}")
     result.costs.append(
         VariantCost(
             name,

@@ -51,6 +51,8 @@
 #   bash scripts/gpu_suite.sh gc_ab TREE...  # per tree (as lora's; numbered, a tree may come
 #                                      # again): the collector's pauses over 3 ms during a
 #                                      # background start's rounds (deferred_plans, 1.5 B)
+#   bash scripts/gpu_suite.sh pdl [SHAPES] [tests|none]  # the PDL plan's GPU tests, then the
+#                                      # decode step of no-pdl, the default and unfused+pdl
 #   bash scripts/gpu_suite.sh timers   # the held timers' and the recapture choice's GPU tests,
 #                                      # then a background start's holds (deferred_plans, 1.5 B)
 #                                      # with the choice's log lines (JSON and log under $OUT)
@@ -286,6 +288,25 @@ gc_ab)
             > "$OUT/gc_${n}_$tree.log" 2>&1; tail -3 "$OUT/gc_${n}_$tree.log")
     done
     ;;
+pdl)
+    # The PDL plan per size: its GPU tests (the layer plan's timings, the sizes pinned
+    # without PDL, compile-ahead, the deferred plans), then per shape in ${2} (default
+    # llama-8b) the decode step of the option without PDL, the default, and the unfused
+    # layers with PDL, in that order (a process's first variant reads ~1% slow).
+    if [ "${3:-tests}" = tests ]; then
+        k="fused_layers_are_measured or sizes_planned_without_pdl or compile_ahead or pdl_chain"
+        k="$k or engine_with_pdl or deferred or recaptured or plans_measured_once"
+        timeout 330 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+            tests/engine/test_gpu_kernel_options.py tests/engine/test_gpu_startup.py -k "$k" 2>&1 \
+            | tee "$OUT/gpu_tests_pdl.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
+    fi
+    v="ostinato FULL no-pdl,ostinato FULL,ostinato FULL layers-unfused pdl+small-gemm"
+    for shape in ${2:-llama-8b}; do
+        timeout 280 python3 -m benchmarks --shape "$shape" --batch-sizes 1,2,4,8,16 --repeats 30 \
+            --variants "$v" --no-profile --out "$OUT/decode_pdl_$shape.json" 2>&1 \
+            | tee "$OUT/decode_pdl_$shape.log" | grep -E "measured slower|ms|Error" | tail -30
+    done
+    ;;
 sampling_ab)
     shift
     for tree in "$@"; do
@@ -350,7 +371,7 @@ bench)
         --out "$OUT/decode_h200.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 *)
-    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab|startup_trees|gc_ab|timers" >&2
+    echo "usage: $0 first|readme|second|bench|kernels|startup|serve1|serve2|graphed|models|fused|fusedbench|ab|decode|decodebench|launchrules|attention|staged|lora|holds|sampling_ab|startup_ab|startup_trees|gc_ab|pdl|timers" >&2
     exit 2
     ;;
 esac

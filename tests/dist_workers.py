@@ -571,8 +571,9 @@ def cpu_plan_key(self, device, key, rows, extra) -> str:
 
 def layer_plan_agreement(rank: int, world: int, port: int, out: str) -> None:
     """Plan the tiny model's layers with timings of this rank's own (rank 1's unfused
-    steps slower at 4 rows, rank 0's faster), rank 0 with its plan already cached; record
-    what each rank chose and which sizes it timed."""
+    steps slower at 4 rows, rank 0's faster; rank 1's steps without PDL slower at 2 rows,
+    rank 0's faster), rank 0 with its plan already cached; record what each rank chose
+    and which variants it timed."""
     set_env(rank, world, port)
     import torch.distributed as dist
 
@@ -589,19 +590,19 @@ def layer_plan_agreement(rank: int, world: int, port: int, out: str) -> None:
     CompileCache.plan_key = cpu_plan_key
     if rank == 0:  # a plan only this rank's cache holds: both must measure anyway
         sizes = [1, 2, 4]
-        cache.store_plans(
-            {cache.plan_key(None, layer_tuning.layer_key(model), sizes, "layers"): []}
-        )
+        key = layer_tuning.layer_key(model)
+        cache.store_plans({cache.plan_key(None, key, sizes, k): [] for k in ("layers", "no pdl")})
     timed = []
 
-    def timer(rows: int, unfused: bool) -> float:
-        timed.append((rows, unfused))
-        if rows == 4 and unfused:
+    def timer(rows: int, unfused: bool, pdl: bool) -> float:
+        timed.append((rows, unfused, pdl))
+        if (rows == 4 and unfused) or (rows == 2 and not pdl):
             return 80.0 if rank == 0 else 120.0
         return 100.0
 
     layer_tuning.plan_layers(model, [1, 2, 4], timer, cache, dist.group.WORLD)
-    torch.save((sorted(model.unfused_rows), timed), Path(out) / f"{rank}.pt")
+    chosen = sorted(model.unfused_rows), sorted(model.no_pdl_rows)
+    torch.save((chosen, timed), Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
 
 

@@ -23,13 +23,13 @@ def tiny_engine(mode: str, dtype: torch.dtype, **kw) -> LLM:
 
 
 def pin_fused_layers(monkeypatch) -> None:
-    """The graphs' layer plan fused at every size. The plan is a timing
-    (``worker.layer_tuning``): a size where the unfused layers measure faster runs them,
-    whose bf16 rounding and kernels differ from the fused layers' eager steps."""
+    """The graphs' layer plan fused at every size, PDL where the kernels ask. The plan is
+    a timing (``worker.layer_tuning``): a size where the unfused layers measure faster
+    runs them, whose bf16 rounding and kernels differ from the fused layers' eager steps."""
     from ostinato.engine.worker import kernel_plan
 
     def fused_everywhere(model, *args, **kwargs):
-        model.unfused_rows = frozenset()
+        model.unfused_rows = model.no_pdl_rows = frozenset()  # (PDL as the kernels ask)
         return []
 
     monkeypatch.setattr(kernel_plan, "plan_layers", fused_everywhere)

@@ -33,9 +33,11 @@ def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=(), padding=None):
     return KernelPlan(model, KernelOptions(), LIMITS, small_gemm_rows, cache, padding, timer, rows)
 
 
-def _timer(calls, faster_unfused=(2,)):
-    def timer(rows, unfused):
+def _timer(calls, faster_unfused=(2,), faster_without_pdl=()):
+    def timer(rows, unfused, pdl):
         calls.append((rows, unfused))
+        if not pdl:
+            return 40.0 if rows in faster_without_pdl else 200.0
         return 50.0 if unfused and rows in faster_unfused else 100.0
 
     return timer
@@ -53,19 +55,21 @@ def test_a_start_without_cached_plans_runs_the_rules_and_measures_them_later(tmp
         turns.append(1)
         yield
 
-    changed = kp.measure_deferred(_timer(calls), turn)
-    assert changed == frozenset({2}) and kp.model.unfused_rows == frozenset({2})
-    assert not kp.deferred and len(calls) == 6
+    changed = kp.measure_deferred(_timer(calls, faster_without_pdl=(1,)), turn)
+    assert changed == frozenset({1, 2}) and kp.model.unfused_rows == frozenset({2})
+    assert kp.model.no_pdl_rows == frozenset({1})  # (a size whose PDL alone changed)
+    assert not kp.deferred and len(calls) == 9
     with pytest.raises(RuntimeError, match="not deferred"):
         kp.measure_deferred(_timer(calls), turn)
     # The next start finds the plan: nothing deferred, nothing timed.
     again = _plan(cache, _timer(calls))
     again.plan(defer=True)
-    assert not again.deferred and again.model.unfused_rows == frozenset({2}) and len(calls) == 6
+    assert not again.deferred and again.model.unfused_rows == frozenset({2}) and len(calls) == 9
+    assert again.model.no_pdl_rows == frozenset({1})
     # Without defer (a blocking start, compiled pieces) the plan is measured first.
     first = _plan(CompileCache(tmp_path / "other"), _timer(calls))
     first.plan()
-    assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 12
+    assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 18
 
 
 def test_the_compile_workers_start_with_the_plan_only_where_the_kernels_compile_ahead(
@@ -214,14 +218,16 @@ def test_where_the_rules_graphs_won_a_later_start_reads_the_rules_layers(tmp_pat
     cache, calls = CompileCache(tmp_path), []
     kp = _plan(cache, _timer(calls, faster_unfused=(2, 4)))
     kp.plan(defer=True)
-    changed = kp.measure_deferred(_timer(calls, faster_unfused=(2, 4)), contextlib.nullcontext)
-    assert changed == {2, 4}
-    kp.keep_rules_at(frozenset({4}), contextlib.nullcontext)  # fused won at 4 rows
-    assert kp.model.unfused_rows == frozenset({2})
+    measured = _timer(calls, faster_unfused=(2, 4), faster_without_pdl=(2, 4))
+    changed = kp.measure_deferred(measured, contextlib.nullcontext)
+    assert changed == {2, 4} and kp.model.no_pdl_rows == {2, 4}
+    kp.keep_rules_at(frozenset({4}), contextlib.nullcontext)  # fused, with PDL, won at 4 rows
+    assert kp.model.unfused_rows == frozenset({2}) and kp.model.no_pdl_rows == frozenset({2})
     timed = len(calls)
     again = _plan(cache, _timer(calls))
     again.plan(defer=True)
     assert not again.deferred and again.model.unfused_rows == frozenset({2})
+    assert again.model.no_pdl_rows == frozenset({2})
     assert len(calls) == timed  # read, not timed
 
 
@@ -251,7 +257,7 @@ def _timed_plans_in(tmp_path):
 
     def kernel_plan(self, sizes, cache):
         kp = real(self, sizes, CompileCache(tmp_path))
-        kp.layer_timer = lambda rows, unfused: pytest.fail("timed before the graphs")
+        kp.layer_timer = lambda rows, unfused, pdl: pytest.fail("timed before the graphs")
         kp.layer_rows = sizes
         return kp
 
@@ -279,7 +285,7 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
     def layer_timer(self, sizes, inputs=None, turn=contextlib.nullcontext):
         assert inputs is not self.inputs  # scratch inputs: the steps' are never touched
 
-        def timer(rows, unfused):
+        def timer(rows, unfused, pdl):
             with turn():
                 timed.append(self.manager.background.done)
                 return 50.0 if unfused and rows == 2 else 100.0
@@ -337,7 +343,7 @@ def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_fast
     def layer_timer(self, sizes, inputs=None, turn=contextlib.nullcontext):
         assert inputs is not self.inputs
 
-        def timer(rows, unfused):
+        def timer(rows, unfused, pdl):
             graphs_when_timed.append(self.manager.num_graphs)
             return 50.0 if unfused and rows == 2 else 100.0
 

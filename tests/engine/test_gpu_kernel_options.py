@@ -313,9 +313,62 @@ def test_fused_layers_are_measured_per_size_and_the_choice_read_back(tmp_path):
     assert sizes and [t.rows for t in timings] == sizes
     assert all(t.fused_us > 0 and t.unfused_us > 0 for t in timings)
     assert model.unfused_rows == {t.rows for t in timings if t.unfused_wins}
-    print([(t.rows, round(t.fused_us, 1), round(t.unfused_us, 1)) for t in timings])
+    # Each size's faster layering timed again without PDL (where the device has it).
+    pdl = llm.engine.runner.kernels.pdl
+    assert all((t.no_pdl_us is not None and t.no_pdl_us > 0) is pdl for t in timings)
+    assert model.no_pdl_rows == {t.rows for t in timings if t.no_pdl_wins}
+    print([(t.rows, round(t.fused_us, 1), round(t.unfused_us, 1), t.no_pdl_us) for t in timings])
     again = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
     assert again.engine.runner.kernel_plan.layer_timings == []
     assert again.engine.model.unfused_rows == model.unfused_rows
+    assert again.engine.model.no_pdl_rows == model.no_pdl_rows
     eager = tiny_engine("none", torch.bfloat16)
     assert "FULL" in lockstep(eager, llm, tolerance=2e-2)
+
+
+def test_sizes_planned_without_pdl_launch_every_step_kernel_without_it_same_logits(
+    monkeypatch, tmp_path
+):
+    # The plan is a timing: pinned here, PDL off at 2 and 8 rows. Every launch of a step
+    # (eager, captured, compiled ahead) at those sizes then goes without PDL, at the
+    # others with it; PDL changes no arithmetic, so the logits are bitwise the engine's
+    # with PDL everywhere (the same GEMM plans: one compile cache).
+    needs_pdl()
+    import sys
+
+    from ostinato.context import current_forward_context
+    from ostinato.engine.worker import kernel_plan
+
+    def pinned(off):
+        def plan_layers(model, *args, **kwargs):
+            model.unfused_rows, model.no_pdl_rows = frozenset(), frozenset(off)
+            return []
+
+        return plan_layers
+
+    monkeypatch.setattr(kernel_plan, "plan_layers", pinned(()))
+    everywhere = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
+    # (rows, with PDL) of each launch that asked for PDL inside a step of the second
+    # engine's start: its captures, and the warm-ups and compile-ahead passes before them
+    launched = []
+    for name, module in list(sys.modules.items()):
+        real = getattr(module, "pdl_for", None) if name.startswith("ostinato.engine") else None
+        if real is None:
+            continue
+
+        def recording(pdl, rows, real=real):
+            got = real(pdl, rows)
+            if pdl and current_forward_context() is not None and launched is not None:
+                launched.append((rows, got))
+            return got
+
+        monkeypatch.setattr(module, "pdl_for", recording)
+    monkeypatch.setattr(kernel_plan, "plan_layers", pinned({2, 8}))
+    some_off = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
+    assert some_off.engine.model.no_pdl_rows == {2, 8}
+    sizes = {rows for rows, _ in launched}
+    assert {1, 2, 4, 8} <= sizes, sizes
+    assert all(not on for rows, on in launched if rows in (2, 8))
+    assert all(on for rows, on in launched if rows in (1, 4))
+    launched = None  # (the steps below: both engines')
+    assert "FULL" in lockstep(everywhere, some_off, tolerance=1e-12)

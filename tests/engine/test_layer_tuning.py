@@ -3,7 +3,9 @@ choice against brute force over random timings, what a size chosen unfused runs,
 compile cache, the ranks' agreement (gloo), and where the runner measures at all."""
 
 import contextlib
+import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -17,11 +19,14 @@ from test_fused_layers import _tiny_decode
 
 from ostinato.engine import KernelOptions
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+from ostinato.engine.kernels.launch import pdl_for, without_pdl
+from ostinato.engine.kernels.launch_rules import rules, rules_in_force
 from ostinato.engine.model import decoder, fused_ops
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.presets import shape
+from ostinato.engine.worker import layer_tuning
 from ostinato.engine.worker import runner as runner_module
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.layer_tuning import MARGIN, plan_layers
@@ -33,26 +38,74 @@ def _model(**kernels) -> DecoderModel:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_size_runs_unfused_only_where_it_measured_faster_by_the_margin(seed):
+def test_a_size_runs_unfused_or_without_pdl_only_where_it_measured_faster_by_the_margin(seed):
+    # Brute force: every variant of every size timed, then each choice made by hand.
     rng = random.Random(seed)
     sizes = sorted(rng.sample([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64], 6))
-    times = {(r, u): rng.uniform(90, 110) for r in sizes for u in (False, True)}
-    model, timed = _model(), []
+    times = {(r, u, p): rng.uniform(90, 110) for r in sizes for u in (0, 1) for p in (0, 1)}
+    model, timed = _model(pdl=True), []
 
-    def timer(rows, unfused):
-        timed.append(rows)
-        return times[rows, unfused]
+    def timer(rows, unfused, pdl):
+        timed.append((rows, unfused, pdl))
+        return times[rows, unfused, pdl]
 
     timings = plan_layers(model, sizes, timer)
     small = [r for r in sizes if r <= MAX_ROWS]
-    assert sorted(set(timed)) == small and [t.rows for t in timings] == small
-    want = {r for r in small if times[r, True] * (1 + MARGIN) <= times[r, False]}
-    assert model.unfused_rows == want
-    assert all(layer.unfused_rows == want for layer in model.layers)
+    assert sorted({r for r, _, _ in timed}) == small and [t.rows for t in timings] == small
+    unfused = {r for r in small if times[r, 1, 1] * (1 + MARGIN) <= times[r, 0, 1]}
+    assert model.unfused_rows == unfused
+    assert all(layer.unfused_rows == unfused for layer in model.layers)
+    # Without PDL: each size's faster layering alone, timed once more.
+    assert sorted(v for v in timed if not v[2]) == [(r, r in unfused, False) for r in small]
+    chosen = {r: int(r in unfused) for r in small}
+    no_pdl = {r for r in small if times[r, chosen[r], 0] * (1 + MARGIN) <= times[r, chosen[r], 1]}
+    assert model.no_pdl_rows == no_pdl
+
+
+def test_without_pdl_in_the_options_or_the_launch_rules_nothing_is_timed_without_it():
+    def timer(rows, unfused, pdl):
+        assert pdl, "timed without PDL where the kernels launch without it anyway"
+        return 1.0 if rows == 2 else 2.0
+
+    model = _model(pdl=False)
+    model.no_pdl_rows = frozenset({2})  # an earlier plan is cleared
+    timings = plan_layers(model, [1, 2], timer)
+    assert [t.no_pdl_us for t in timings] == [None, None] and model.no_pdl_rows == frozenset()
+    with rules_in_force(replace(rules(), pdl_max_rows=1)):
+        timings = plan_layers(_model(pdl=True), [1, 2], lambda r, u, p: 1.0 if p else 0.5)
+    assert [(t.rows, t.no_pdl_us) for t in timings] == [(1, 0.5), (2, None)]
+
+
+def test_pdl_is_off_inside_without_pdl_on_that_thread_alone():
+    import threading
+
+    inside, seen, found = threading.Event(), threading.Event(), {}
+
+    def timing():
+        with without_pdl():
+            with without_pdl(False):  # (nested: still off)
+                found["timing"] = pdl_for(True, 1)
+            inside.set()
+            seen.wait(5)
+        found["after"] = pdl_for(True, 1)
+
+    thread = threading.Thread(target=timing)
+    thread.start()
+    assert inside.wait(5)
+    steps = pdl_for(True, 1)
+    seen.set()
+    thread.join()
+    assert found == {"timing": False, "after": True} and steps
+    assert not pdl_for(True, rules().pdl_max_rows + 1) and not pdl_for(False, 1)
+    model = _model()
+    model.no_pdl_rows = frozenset({4})
+    for rows, want in ((4, False), (2, True)):
+        with model.launches_at(rows):
+            assert pdl_for(True, 1) is want
 
 
 def test_nothing_is_measured_without_fused_layers_or_small_sizes():
-    def timer(rows, unfused):
+    def timer(rows, unfused, pdl):
         raise AssertionError("timed")
 
     assert plan_layers(_model(fused_layers=False), [1, 2], timer) == []
@@ -91,29 +144,40 @@ def test_a_threads_own_unfused_rows_leave_another_threads_steps_on_the_models_pl
 def test_a_plan_is_measured_once_then_read_from_the_compile_cache(tmp_path, cpu_keys):
     cache, calls = CompileCache(tmp_path), []
 
-    def timer(rows, unfused):
+    def timer(rows, unfused, pdl):
         calls.append(rows)
+        if not pdl:
+            return 40.0 if rows == 4 else 200.0
         return 50.0 if unfused and rows == 2 else 100.0
 
-    assert plan_layers(_model(), [1, 2, 4], timer, cache)
-    again = _model()
-    assert plan_layers(again, [1, 2, 4], timer, cache) == [] and len(calls) == 6
-    assert again.unfused_rows == frozenset({2})
+    assert plan_layers(_model(pdl=True), [1, 2, 4], timer, cache)  # 6 timings, then 3
+    again = _model(pdl=True)
+    assert plan_layers(again, [1, 2, 4], timer, cache) == [] and len(calls) == 9
+    assert again.unfused_rows == frozenset({2}) and again.no_pdl_rows == frozenset({4})
     # compile_ahead only moves compile time: the same plan.
-    assert plan_layers(_model(compile_ahead=False), [1, 2, 4], timer, cache) == []
+    assert plan_layers(_model(pdl=True, compile_ahead=False), [1, 2, 4], timer, cache) == []
     # Another launch option, or other sizes, is another plan.
-    assert plan_layers(_model(pdl=False), [1, 2, 4], timer, cache) and len(calls) == 12
-    assert plan_layers(_model(), [1, 2], timer, cache) and len(calls) == 16
+    assert plan_layers(_model(pdl=False), [1, 2, 4], timer, cache) and len(calls) == 15
+    assert plan_layers(_model(pdl=True), [1, 2], timer, cache) and len(calls) == 21
+    # A plan of the form before PDL was measured (the unfused sizes alone) is measured again.
+    model = _model(pdl=True)
+    keys = layer_tuning._cache_keys(model, [1, 2, 4], cache)
+    plans = cache.load_plans()
+    del plans[keys[1]]
+    (cache.folder / "gemm_plans.json").write_text(json.dumps(plans))
+    assert plan_layers(model, [1, 2, 4], timer, cache) and len(calls) == 30
 
 
 def test_ranks_measure_together_and_take_the_slowest_ranks_timings(tmp_path):
-    # Rank 0 alone has a cached plan and alone measured its unfused 4-row step faster:
-    # both measure, and with rank 1's slower timing neither runs 4 rows unfused.
+    # Rank 0 alone has a cached plan and alone measured its unfused 4-row step, and its
+    # 2-row step without PDL, faster: both measure, and with rank 1's slower timings
+    # neither runs 4 rows unfused or 2 rows without PDL.
     mp.spawn(layer_plan_agreement, args=(2, free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(Path(tmp_path) / f"{r}.pt") for r in range(2)]
     for chosen, timed in results:
-        assert chosen == []
-        assert sorted(timed) == [(r, u) for r in (1, 2, 4) for u in (False, True)]
+        assert chosen == ([], [])  # (nor does either step without PDL at 2 rows)
+        with_pdl = [(r, u, True) for r in (1, 2, 4) for u in (False, True)]
+        assert timed == with_pdl + [(r, False, False) for r in (1, 2, 4)]
 
 
 def test_a_size_chosen_unfused_runs_the_unfused_layers_with_the_same_logits():
@@ -165,7 +229,8 @@ def test_the_runner_times_layers_only_on_cuda_with_graphs_and_fused_layers():
 
 class _VariantModel:
     """The timer's view of a model: ``unfused_here`` (the variant, this thread's) and
-    ``logits``, which calls ``ran(rows, unfused)``."""
+    ``logits``, which calls ``ran(rows, unfused, pdl)`` (``pdl``: whether this thread's
+    launches would use PDL: ``launch.without_pdl``)."""
 
     def __init__(self, ran) -> None:
         self.here, self.ran = frozenset(), ran
@@ -179,7 +244,7 @@ class _VariantModel:
             self.here = before
 
     def logits(self, ids, pos):
-        self.ran(len(ids), len(ids) in self.here)
+        self.ran(len(ids), len(ids) in self.here, pdl_for(True, 1))
 
 
 def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any_timing(
@@ -201,7 +266,10 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
         inside[0] = False
 
     def recording():
-        return _VariantModel(lambda rows, unfused: launched.append((rows, unfused, inside[0])))
+        def ran(rows, unfused, pdl):
+            launched.append((rows, unfused, pdl, inside[0]))
+
+        return _VariantModel(ran)
 
     def captured_calls(step, steps):
         timed.append(len(launched))
@@ -214,15 +282,23 @@ def test_with_compile_ahead_every_timed_variant_is_launched_inside_it_before_any
     ids = torch.zeros(64, dtype=torch.long)
     context = lambda n: contextlib.nullcontext()  # noqa: E731
     timer = layer_tuning.graph_timer(recording(), ids, ids, context, rows_ahead=(1, 4, 32))
-    timer(4, True)
-    timer(1, False)
-    first = [(n, u) for n, u, was_inside in launched[:4] if was_inside]
-    assert sorted(first) == [(1, False), (1, True), (4, False), (4, True)]  # not 32 (> MAX_ROWS)
+    timer(4, True, True)
+    timer(1, False, True)
+    variants = [(1, False), (1, True), (4, False), (4, True)]  # not 32 (> MAX_ROWS)
+    first = [(n, u, p) for n, u, p, was_inside in launched[:4] if was_inside]
+    assert sorted(first) == [(n, u, True) for n, u in variants]
     assert not any(was_inside for *_, was_inside in launched[4:]) and timed[0] > 4
+    # The first timing without PDL queues every variant without it, in one pass.
+    before = len(launched)
+    timer(4, False, False)
+    timer(1, True, False)
+    again = [(n, u, p) for n, u, p, was_inside in launched[before:] if was_inside]
+    assert sorted(again) == [(n, u, False) for n, u in variants] and len(timed) == 4
+    assert launched[-1] == (1, True, False, False)  # (the timed step, without PDL)
     plain = layer_tuning.graph_timer(recording(), ids, ids, context)
     launched.clear()
-    plain(2, False)
-    assert launched == [(2, False, False)]
+    plain(2, False, True)
+    assert launched == [(2, False, True, False)]
 
 
 def test_a_layer_timing_holds_the_turn_for_each_replay_alone(monkeypatch):
@@ -248,11 +324,11 @@ def test_a_layer_timing_holds_the_turn_for_each_replay_alone(monkeypatch):
     monkeypatch.setattr(layer_tuning, "held_replays_us", held_replays_us)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     ids = torch.zeros(8, dtype=torch.long)
-    model = _VariantModel(lambda rows, unfused: seen.append(("eager", turn.held, unfused)))
+    model = _VariantModel(lambda rows, unfused, pdl: seen.append(("eager", turn.held, unfused)))
     timer = layer_tuning.graph_timer(
         model, ids, ids, lambda n: contextlib.nullcontext(), steps=4, replays=5, turn=turn
     )
-    assert timer(2, True) == 2.0  # (per step of the four)
+    assert timer(2, True, True) == 2.0  # (per step of the four)
     assert seen == [
         ("eager", False, True),
         ("capture", False, frozenset({2})),
@@ -271,7 +347,7 @@ def test_compile_ahead_holds_only_for_a_start_that_measured_its_plans(tmp_path, 
 
     def plan(kernels: KernelOptions, cache: CompileCache | None) -> KernelPlan:
         kp = KernelPlan(
-            _model(), kernels, limits, (), cache, None, lambda rows, unfused: 1.0, (1, 2, 4)
+            _model(), kernels, limits, (), cache, None, lambda rows, unfused, pdl: 1.0, (1, 2, 4)
         )
         kp.plan()
         return kp
@@ -292,7 +368,7 @@ def test_the_start_up_line_names_the_gemm_and_layer_plans_apart(tmp_path, cpu_ke
     from ostinato.engine.core.limits import EngineLimits
     from ostinato.engine.worker.kernel_plan import KernelPlan
 
-    def slow_layer(rows, unfused):
+    def slow_layer(rows, unfused, pdl):
         time.sleep(0.05)
         return 1.0
 
@@ -301,7 +377,7 @@ def test_the_start_up_line_names_the_gemm_and_layer_plans_apart(tmp_path, cpu_ke
         None, slow_layer, (1, 2),
     )  # fmt: skip
     kp.plan()
-    assert kp.layer_seconds >= 0.2 and kp.gemm_seconds < kp.layer_seconds  # 4 timings
+    assert kp.layer_seconds >= 0.2 and kp.gemm_seconds < kp.layer_seconds  # 4 or 6 timings
     times = StartupTimes(0.4, 1.0, 0.0, 0.0, 30.0, background=True, kernels_s=19.0)
     times.gemm_plan_s, times.layer_plan_s = 12.1, kp.layer_seconds
     line = times.summary()
@@ -313,3 +389,35 @@ def test_the_start_up_line_names_the_gemm_and_layer_plans_apart(tmp_path, cpu_ke
 def test_ranks_compile_ahead_together_where_any_of_them_measured(tmp_path):
     mp.spawn(ahead_agreement, args=(2, free_port(), str(tmp_path)), nprocs=2)
     assert [torch.load(Path(tmp_path) / f"{r}.pt") for r in range(2)] == [(True, True)] * 2
+
+
+def test_a_step_of_a_size_measured_faster_without_pdl_launches_without_it(monkeypatch):
+    # Where it was measured (a step of the eager model in a FULL graph), and there alone:
+    # a compiled or piecewise step of the same size launches as its kernels ask.
+    from ostinato.batch import BatchDescriptor
+    from ostinato.context import forward_context
+
+    setup, _ = _tiny_decode()
+    runner = setup.runner(GraphMode.NONE, None, TorchAttention(), KernelOptions())
+    runner.model.no_pdl_rows = frozenset({4})
+    seen = []
+    for name in ("logits", "forward", "compute_logits"):
+        real = getattr(runner.model, name)
+
+        def recording(*args, real=real, name=name, **kwargs):
+            seen.append((name, pdl_for(True, 1)))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(runner.model, name, recording)
+    monkeypatch.setattr(runner, "forward", runner.model.forward)  # (the compiled model's stand-in)
+    steps = [(4, GraphMode.FULL, False), (2, GraphMode.FULL, True), (4, GraphMode.PIECEWISE, True)]
+    with torch.inference_mode():
+        for n, mode, pdl in steps:
+            seen.clear()
+            d = BatchDescriptor(n, n, uniform_decode=True)
+            with forward_context(mode, d, runner.dummy_metadata(d)):
+                runner.step_as(d, False, mode=mode)
+            eager = mode is GraphMode.FULL
+            assert seen[0][0] == ("logits" if eager else "forward"), seen
+            assert all(on is pdl for _, on in seen), (n, mode, seen)
+    runner.release()

@@ -35,6 +35,7 @@ from ostinato.engine.kernels.launch_rules import rules
 PROCESS_MIN_KERNELS = 16
 
 _ahead: ContextVar[bool] = ContextVar("ostinato_triton_compile_ahead", default=False)
+_no_pdl: ContextVar[bool] = ContextVar("ostinato_without_pdl", default=False)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -136,8 +137,21 @@ def num_sms(device: torch.device) -> int:
 
 def pdl_for(pdl: bool, rows: int) -> bool:
     """Whether a launch over ``rows`` rows (tokens) uses PDL when ``pdl`` asks for it
-    (``LaunchRules.pdl_max_rows``)."""
-    return pdl and rows <= rules().pdl_max_rows
+    (``LaunchRules.pdl_max_rows``), outside ``without_pdl()``."""
+    return pdl and rows <= rules().pdl_max_rows and not _no_pdl.get()
+
+
+@contextlib.contextmanager
+def without_pdl(off: bool = True) -> Iterator[None]:
+    """With ``off``, this thread's launches inside the block use no PDL, whatever their
+    callers ask (``pdl_for``): a step of a size where PDL measured slower
+    (``DecoderModel.no_pdl_rows``), or a timing of that variant. A graph captured inside
+    keeps the launches it recorded; other threads' launches are untouched."""
+    token = _no_pdl.set(off or _no_pdl.get())
+    try:
+        yield
+    finally:
+        _no_pdl.reset(token)
 
 
 WAIT_THEN_TRIGGER, TRIGGER_THEN_WAIT = 1, 2  # pdl.pdl_enter's USE_PDL, PDL on

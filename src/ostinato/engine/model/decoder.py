@@ -23,6 +23,7 @@ from ostinato.context import get_forward_context
 from ostinato.distributed.collectives import all_gather_last_dim
 from ostinato.distributed.groups import TensorParallel
 from ostinato.engine.kernels.gemm_launch import rope_head_dim
+from ostinato.engine.kernels.launch import without_pdl
 from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model import (  # noqa: F401  (register torch.ops.ostinato)
@@ -562,6 +563,8 @@ class DecoderModel(nn.Module):
             raise ValueError("lora: not with tensor parallelism yet; use one GPU")
         self.lora = LoraWeights(config, lora) if lora is not None else None
         self._join_lora()
+        # Row counts at which a step measured faster without PDL (``launches_at``).
+        self.no_pdl_rows: frozenset[int] = frozenset()
         # On the device the model is made on (a ``torch.device`` context included).
         inv_freq = rope_inv_freq(config).to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -646,6 +649,13 @@ class DecoderModel(nn.Module):
             yield
         finally:
             _UNFUSED_HERE.reset(token)
+
+    def launches_at(self, rows: int) -> contextlib.AbstractContextManager[None]:
+        """What a step of ``rows`` rows runs inside, around the model and its sampling:
+        its launches without PDL where ``no_pdl_rows`` (a measurement,
+        ``worker.layer_tuning``) says so, else as their callers ask. Entered by the
+        runner, outside any compiled code (a context variable: ``launch.without_pdl``)."""
+        return without_pdl(rows in self.no_pdl_rows)
 
     def linears(self, lm_head: bool = True) -> list[tuple[Linear, bool]]:
         """Every projection (the layers' and, with ``lm_head``, the LM head's) with

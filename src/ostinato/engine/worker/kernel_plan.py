@@ -193,7 +193,7 @@ class KernelPlan:
     def keep_rules_at(self, rows: frozenset[int], turn: Held) -> None:
         """After ``measure_deferred``: at row counts ``rows``, where the rules' graphs
         replayed faster than the measured plans' (``DeferredPlans``), the rules' kernels
-        again: their GEMM plan entries and fused layers on the model (inside ``turn()``,
+        again: their GEMM plan entries, fused layers and PDL on the model (inside ``turn()``,
         which does no device work: the new split-K counters are made before it) and in
         the compile cache, so that a later start captures what won here rather than what
         the timings of single kernels chose. The measured plans' counters stay alive for
@@ -206,6 +206,7 @@ class KernelPlan:
                 self._retired.append(swap.linear.counters)
                 swap.linear.use_plan(swap.plan, swap.counters, swap.pdl)
             self.model.unfused_rows = self.model.unfused_rows - rows
+            self.model.no_pdl_rows = self.model.no_pdl_rows - rows
         # Only the plans that changed: a later start reads them back into what the model
         # now holds (an unchanged plan stored again could read back otherwise).
         rows_planned, cache = self.small_gemm_rows, self.compile_cache
@@ -245,11 +246,11 @@ class KernelPlan:
 
     def _kernels_by_rows(self) -> dict[int, tuple[object, ...]]:
         """What decides the kernels a step of each row count a plan covers launches:
-        every projection's plan entry, and whether the layers run fused."""
+        every projection's plan entry, whether the layers run fused and with PDL."""
         linears = [linear for linear, _ in self.model.linears()]
-        unfused = self.model.unfused_rows
+        unfused, no_pdl = self.model.unfused_rows, self.model.no_pdl_rows
         return {
-            r: (r in unfused, *(plan_entry(linear.plan, r) for linear in linears))
+            r: (r in unfused, r in no_pdl, *(plan_entry(linear.plan, r) for linear in linears))
             for r in range(1, MAX_ROWS + 1)
         }
 
@@ -306,7 +307,8 @@ class KernelPlan:
             largest = self.limits.max_num_batched_tokens
             for n in layout_rows(min(largest, max_rows or largest), MAX_ROWS):
                 ids, positions = inputs.input_ids[:n], inputs.positions[:n]
-                with self.padding(inputs, n):
+                # (as the steps launch: without PDL at a size measured faster so)
+                with self.padding(inputs, n), self.model.launches_at(n):
                     if n <= MAX_ROWS:  # as a mixed step runs it, and the decode graphs
                         # (a mixed step's logit rows: the LM head alone, after the graph)
                         self.model.compute_logits(self.model(ids, positions))

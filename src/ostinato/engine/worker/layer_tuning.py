@@ -1,4 +1,5 @@
-"""Fused decoder layers or not, per captured decode size, chosen by measurement.
+"""Fused decoder layers or not, and PDL or not, per captured decode size, chosen by
+measurement.
 
 ``KernelOptions.fused_layers`` runs each layer's norm-then-projection pairs as one op. Whether
 that is faster depends on the shape, the row count, the tensor-parallel size and the GPU: on
@@ -6,7 +7,10 @@ two H200s the 8 B shape's one-row step took 4.65 ms fused against 3.23 ms unfuse
 1.5 B shape is 5% faster fused. So at first start every captured size of at most ``MAX_ROWS``
 rows runs a decode step both ways, each inside a CUDA graph as the decode graphs run it, and
 a size where the unfused layers are faster by ``MARGIN`` runs them
-(``DecoderModel.unfused_rows``).
+(``DecoderModel.unfused_rows``). Then, where the kernels launch with PDL, each size's faster
+layering runs once more without it, and a size where that is faster by ``MARGIN`` steps
+without PDL (``DecoderModel.no_pdl_rows``): on the H200 the 8 B shape's 16-row step took
+5.063 ms without PDL against 5.152 with it, where the 1.5 B shape's small steps gain from it.
 
 Guarantees: every rank of a tensor-parallel group makes the same choice (the timings are the
 slowest rank's, and the ranks measure or read the cache together); the choice is kept in the
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
@@ -28,7 +32,8 @@ import torch.distributed as dist
 
 from ostinato.distributed.collectives import every_rank, largest_over_group
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
-from ostinato.engine.kernels.launch import compile_ahead
+from ostinato.engine.kernels.launch import compile_ahead, without_pdl
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.base import Held
@@ -37,25 +42,36 @@ from ostinato.platform.cuda import captured_calls, held_replays_us
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.01
-"""How much faster the unfused layers must measure to be chosen (below it: noise, and the
-fused ops launch fewer kernels)."""
+"""How much faster the unfused layers, or the step without PDL, must measure to be chosen
+(below it: noise; the fused ops launch fewer kernels, and PDL is what the kernels' own
+measurements ran with)."""
 
-StepTimer = Callable[[int, bool], float]
-"""``(rows, unfused) -> µs`` of one decode step of ``rows`` rows, the layers fused or not."""
+StepTimer = Callable[[int, bool, bool], float]
+"""``(rows, unfused, pdl) -> µs`` of one decode step of ``rows`` rows, the layers fused or
+not, its kernels launched with PDL where they ask for it or without."""
 
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """One captured size's decode step, fused and unfused (µs, the slowest rank's)."""
+    """One captured size's decode step, fused and unfused, with PDL, and its faster layering
+    without PDL (None: not timed, the kernels launch without PDL anyway); µs, the slowest
+    rank's."""
 
     rows: int
     fused_us: float
     unfused_us: float
+    no_pdl_us: float | None = None
 
     @property
     def unfused_wins(self) -> bool:
         """Whether this size runs the layers unfused."""
         return self.unfused_us * (1 + MARGIN) <= self.fused_us
+
+    @property
+    def no_pdl_wins(self) -> bool:
+        """Whether this size steps without PDL (its chosen layering measured faster so)."""
+        chosen = self.unfused_us if self.unfused_wins else self.fused_us
+        return self.no_pdl_us is not None and self.no_pdl_us * (1 + MARGIN) <= chosen
 
 
 def plan_layers(
@@ -66,37 +82,60 @@ def plan_layers(
     group: dist.ProcessGroup | None = None,
 ) -> list[LayerTiming]:
     """Sets ``model.unfused_rows`` to the sizes of ``rows`` (those of at most ``MAX_ROWS``)
-    where ``timer`` found the unfused layers faster, or to what ``cache`` holds for this
-    model; returns the timings (empty where nothing was measured). Collective over
-    ``group`` where one is given."""
-    model.unfused_rows = frozenset()
+    where ``timer`` found the unfused layers faster and ``model.no_pdl_rows`` to those
+    whose faster layering was faster still without PDL (none where the kernels launch
+    without it), or both to what ``cache`` holds for this model; returns the timings
+    (empty where nothing was measured). Collective over ``group`` where one is given."""
+    model.unfused_rows = model.no_pdl_rows = frozenset()
     sizes = _sizes(model, rows)
     if not sizes:
         return []
-    key = _cache_key(model, sizes, cache)
+    keys = _cache_keys(model, sizes, cache)
     stored = cache.load_plans() if cache is not None else {}
-    if every_rank(key in stored, group):
-        assert key is not None  # (found in the cache)
-        model.unfused_rows = frozenset(stored[key])
+    if every_rank(keys is not None and all(k in stored for k in keys), group):
+        assert keys is not None  # (found in the cache)
+        model.unfused_rows, model.no_pdl_rows = (frozenset(stored[k]) for k in keys)
         return []
-    times = largest_over_group([[timer(r, False), timer(r, True)] for r in sizes], group)
+    times = largest_over_group(
+        [[timer(r, False, True), timer(r, True, True)] for r in sizes], group
+    )
     timings = [LayerTiming(r, f, u) for r, (f, u) in zip(sizes, times, strict=True)]
-    chosen = [t.rows for t in timings if t.unfused_wins]
-    model.unfused_rows = frozenset(chosen)
-    logger.info("ostinato: fused layers measured slower at rows %s: unfused there", chosen)
-    if cache is not None and key is not None:
-        cache.store_plans({key: chosen})
+    timings = _without_pdl(model, timings, timer, group)
+    model.unfused_rows = frozenset(t.rows for t in timings if t.unfused_wins)
+    model.no_pdl_rows = frozenset(t.rows for t in timings if t.no_pdl_wins)
+    logger.info(
+        "ostinato: fused layers measured slower at rows %s: unfused there; PDL slower at rows "
+        "%s: off there", sorted(model.unfused_rows), sorted(model.no_pdl_rows),
+    )  # fmt: skip
+    store_layer_plan(model, sizes, cache)
     return timings
 
 
+def _without_pdl(
+    model: DecoderModel,
+    timings: list[LayerTiming],
+    timer: StepTimer,
+    group: dist.ProcessGroup | None,
+) -> list[LayerTiming]:
+    """``timings`` with each size's faster layering timed without PDL, where its kernels
+    would launch with it (``KernelOptions.pdl``, ``LaunchRules.pdl_max_rows``)."""
+    on = [t for t in timings if model.kernels.pdl and t.rows <= rules().pdl_max_rows]
+    times = largest_over_group([[timer(t.rows, t.unfused_wins, False)] for t in on], group)
+    off = {t.rows: us for t, (us,) in zip(on, times, strict=True)}
+    return [replace(t, no_pdl_us=off.get(t.rows)) for t in timings]
+
+
 def store_layer_plan(model: DecoderModel, rows: Sequence[int], cache: CompileCache | None) -> None:
-    """Stores ``model.unfused_rows`` as the layer plan over ``rows``, under the key
-    ``plan_layers`` reads for the model's GEMM plans as they are now (a plan changed after
-    its measurement: ``KernelPlan.keep_rules_at``)."""
+    """Stores ``model.unfused_rows`` and ``model.no_pdl_rows`` as the layer plan over
+    ``rows``, under the key ``plan_layers`` reads for the model's GEMM plans as they are
+    now (a plan changed after its measurement: ``KernelPlan.keep_rules_at``)."""
     sizes = _sizes(model, rows)
-    key = _cache_key(model, sizes, cache) if sizes else None
-    if cache is not None and key is not None:
-        cache.store_plans({key: sorted(r for r in model.unfused_rows if r in sizes)})
+    keys = _cache_keys(model, sizes, cache) if sizes else None
+    if cache is not None and keys is not None:
+        chosen = (model.unfused_rows, model.no_pdl_rows)
+        cache.store_plans(
+            {k: sorted(r for r in c if r in sizes) for k, c in zip(keys, chosen, strict=True)}
+        )
 
 
 def layer_plan_cached(model: DecoderModel, rows: Sequence[int], cache: CompileCache | None) -> bool:
@@ -106,8 +145,8 @@ def layer_plan_cached(model: DecoderModel, rows: Sequence[int], cache: CompileCa
     sizes = _sizes(model, rows)
     if not sizes:
         return True
-    key = _cache_key(model, sizes, cache)
-    return key is not None and cache is not None and key in cache.load_plans()
+    keys = _cache_keys(model, sizes, cache)
+    return keys is not None and cache is not None and all(k in cache.load_plans() for k in keys)
 
 
 def _sizes(model: DecoderModel, rows: Sequence[int]) -> list[int]:
@@ -116,9 +155,18 @@ def _sizes(model: DecoderModel, rows: Sequence[int]) -> list[int]:
     return sorted({r for r in rows if r <= MAX_ROWS}) if model.kernels.fused_layers else []
 
 
-def _cache_key(model: DecoderModel, sizes: list[int], cache: CompileCache | None) -> str | None:
-    device = model.embed_tokens.weight.device
-    return cache.plan_key(device, layer_key(model), sizes, "layers") if cache else None
+def _cache_keys(
+    model: DecoderModel, sizes: list[int], cache: CompileCache | None
+) -> tuple[str, str] | None:
+    """The keys of the sizes run unfused and of those run without PDL (a plan is read
+    only where both are stored: an earlier start's, before PDL was measured, has the
+    first alone)."""
+    if cache is None:
+        return None
+    device, key = model.embed_tokens.weight.device, layer_key(model)
+    return cache.plan_key(device, key, sizes, "layers"), cache.plan_key(
+        device, key, sizes, "no pdl"
+    )
 
 
 def layer_key(model: DecoderModel) -> list[object]:
@@ -150,11 +198,13 @@ def graph_timer(
     first rows of the persistent ``input_ids`` and ``positions``, inside ``context(rows)``
     (a decode graph's padding rows and attention context), captured in one CUDA graph and
     replayed ``replays`` times; the first step runs eagerly (kernels compile outside the
-    capture). With ``rows_ahead`` (``KernelOptions.compile_ahead``), the first call first
-    queues that eager step for each of those sizes (at most ``MAX_ROWS``), fused and
-    unfused, inside ``launch.compile_ahead()``: the layers' kernels of every variant the
-    timings launch compile together (processes or threads), not one after another.
-    The variant is this thread's alone (``DecoderModel.unfused_here``). A background
+    capture). With ``rows_ahead`` (``KernelOptions.compile_ahead``), the first call with
+    PDL (and again the first without) first queues that eager step for each of those
+    sizes (at most ``MAX_ROWS``), fused and unfused, inside ``launch.compile_ahead()``:
+    the layers' kernels of every variant the timings launch compile together (processes
+    or threads), not one after another (without PDL both layerings, though
+    ``plan_layers`` times one a size: one pass, not one a timing). The variant is this
+    thread's alone (``DecoderModel.unfused_here``, ``launch.without_pdl``). A background
     measurement (``turn()``: its hold of the device between steps) holds the turn for
     each timed replay apart (``held_replays_us``: the median), so no step's work is
     timed with it; the eager step, whose kernels queue behind the steps' on the stream
@@ -162,10 +212,13 @@ def graph_timer(
     capture, which runs nothing, and the compile-ahead pass, which launches nothing, hold
     none. ``input_ids``, ``positions`` and what ``context`` writes must then be the
     measurement's own."""
-    ahead = sorted({r for r in rows_ahead if r <= MAX_ROWS})
+    ahead = {pdl: sorted({r for r in rows_ahead if r <= MAX_ROWS}) for pdl in (True, False)}
 
-    def variant(rows: int, unfused: bool) -> AbstractContextManager[None]:
-        return model.unfused_here(frozenset({rows}) if unfused else frozenset())
+    @contextlib.contextmanager
+    def variant(rows: int, unfused: bool, pdl: bool) -> Iterator[None]:
+        with model.unfused_here(frozenset({rows}) if unfused else frozenset()):
+            with without_pdl(not pdl):
+                yield
 
     def eager(rows: int) -> Callable[[], torch.Tensor]:
         ids, pos = input_ids[:rows], positions[:rows]
@@ -173,15 +226,15 @@ def graph_timer(
         step()
         return step
 
-    def step_us(rows: int, unfused: bool) -> float:
-        if ahead:
+    def step_us(rows: int, unfused: bool, pdl: bool) -> float:
+        if ahead[pdl]:
             with compile_ahead():
-                for r in ahead:
+                for r in ahead[pdl]:
                     for u in (False, True):
-                        with variant(r, u), context(r), torch.cuda.device(input_ids.device):
+                        with variant(r, u, pdl), context(r), torch.cuda.device(input_ids.device):
                             eager(r)
-            ahead.clear()
-        with variant(rows, unfused), torch.cuda.device(input_ids.device), context(rows):
+            ahead[pdl].clear()
+        with variant(rows, unfused, pdl), torch.cuda.device(input_ids.device), context(rows):
             step = eager(rows)
             graph = captured_calls(step, steps)
             return held_replays_us(graph, replays, turn) / steps

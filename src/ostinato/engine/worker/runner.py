@@ -128,7 +128,7 @@ class ModelRunner:
         runner of the model left cleared first."""
         for linear, _ in self.model.linears():
             linear.use_plan((), 0, False)
-        self.model.unfused_rows = frozenset()
+        self.model.unfused_rows = self.model.no_pdl_rows = frozenset()
         # Row counts the small-GEMM plans cover: the captured sizes (graphs are where a
         # kernel's fixed cost shows); none in NONE mode. The fused layers are measured
         # against the unfused at the same sizes, where FULL graphs replay them on CUDA.
@@ -261,16 +261,18 @@ class ModelRunner:
         inputs = inputs or self.inputs
         ids, positions = inputs.input_ids[:n], inputs.positions[:n]
         mode, forward = mode or self.graphs.mode, forward or self.forward
-        if not d.uniform_decode:
+        measured = not ubatched and self._fused_eagerly(d, mode)  # (what layer_tuning times)
+        with self.model.launches_at(n) if measured else contextlib.nullcontext():
+            if not d.uniform_decode:
+                if ubatched:
+                    return self.ubatch.run_static(n)
+                return self._forward_for(d, mode, forward)(ids, positions)
+            logits_out, greedy_out = _static_rows()
             if ubatched:
-                return self.ubatch.run_static(n)
-            return self._forward_for(d, mode, forward)(ids, positions)
-        logits_out, greedy_out = _static_rows()
-        if ubatched:
-            logits = self.model.compute_logits(self.ubatch.run_static(n), logits_out)
-        else:
-            logits = self._logits_for(d, mode, forward)(ids, positions, logits_out)
-        return logits, greedy_tokens(logits, self.kernels.pdl, greedy_out)
+                logits = self.model.compute_logits(self.ubatch.run_static(n), logits_out)
+            else:
+                logits = self._logits_for(d, mode, forward)(ids, positions, logits_out)
+            return logits, greedy_tokens(logits, self.kernels.pdl, greedy_out)
 
     def _forward_for(self, d: BatchDescriptor, mode: GraphMode, forward: Forward) -> Forward:
         """What runs the model for a step of ``d``: the eager model where

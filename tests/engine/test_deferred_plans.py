@@ -36,9 +36,10 @@ def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=(), padding=None):
 def _timer(calls, faster_unfused=(2,), faster_without_pdl=()):
     def timer(rows, unfused, pdl):
         calls.append((rows, unfused))
+        us = 50.0 if unfused and rows in faster_unfused else 100.0
         if not pdl:
-            return 40.0 if rows in faster_without_pdl else 200.0
-        return 50.0 if unfused and rows in faster_unfused else 100.0
+            return us / 2 if rows in faster_without_pdl else us * 2
+        return us
 
     return timer
 
@@ -58,18 +59,18 @@ def test_a_start_without_cached_plans_runs_the_rules_and_measures_them_later(tmp
     changed = kp.measure_deferred(_timer(calls, faster_without_pdl=(1,)), turn)
     assert changed == frozenset({1, 2}) and kp.model.unfused_rows == frozenset({2})
     assert kp.model.no_pdl_rows == frozenset({1})  # (a size whose PDL alone changed)
-    assert not kp.deferred and len(calls) == 9
+    assert not kp.deferred and len(calls) == 12
     with pytest.raises(RuntimeError, match="not deferred"):
         kp.measure_deferred(_timer(calls), turn)
     # The next start finds the plan: nothing deferred, nothing timed.
     again = _plan(cache, _timer(calls))
     again.plan(defer=True)
-    assert not again.deferred and again.model.unfused_rows == frozenset({2}) and len(calls) == 9
+    assert not again.deferred and again.model.unfused_rows == frozenset({2}) and len(calls) == 12
     assert again.model.no_pdl_rows == frozenset({1})
     # Without defer (a blocking start, compiled pieces) the plan is measured first.
     first = _plan(CompileCache(tmp_path / "other"), _timer(calls))
     first.plan()
-    assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 18
+    assert not first.deferred and first.model.unfused_rows == frozenset({2}) and len(calls) == 24
 
 
 def test_the_compile_workers_start_with_the_plan_only_where_the_kernels_compile_ahead(

@@ -304,8 +304,8 @@ def test_compile_ahead_compiles_every_kernel_before_its_first_launch(
 
 def test_fused_layers_are_measured_per_size_and_the_choice_read_back(tmp_path):
     # FULL graphs, fused layers (the defaults): each captured size of at most 16 rows
-    # timed fused and unfused in a graph, the faster kept; the next engine on the same
-    # cache reads the choice; the engine with it follows eager.
+    # timed fused and unfused, with PDL and without, in a graph, the fastest kept; the
+    # next engine on the same cache reads the choice; the engine with it follows eager.
     llm = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
     plan, model = llm.engine.runner.kernel_plan, llm.engine.model
     sizes = sorted({s for s in plan.layer_rows if s <= 16})
@@ -313,11 +313,17 @@ def test_fused_layers_are_measured_per_size_and_the_choice_read_back(tmp_path):
     assert sizes and [t.rows for t in timings] == sizes
     assert all(t.fused_us > 0 and t.unfused_us > 0 for t in timings)
     assert model.unfused_rows == {t.rows for t in timings if t.unfused_wins}
-    # Each size's faster layering timed again without PDL (where the device has it).
+    # Both layerings timed again without PDL (where the device has it).
     pdl = llm.engine.runner.kernels.pdl
-    assert all((t.no_pdl_us is not None and t.no_pdl_us > 0) is pdl for t in timings)
+    off = [(t.fused_no_pdl_us, t.unfused_no_pdl_us) for t in timings]
+    assert all((f is not None and u is not None and min(f, u) > 0) is pdl for f, u in off)
     assert model.no_pdl_rows == {t.rows for t in timings if t.no_pdl_wins}
-    print([(t.rows, round(t.fused_us, 1), round(t.unfused_us, 1), t.no_pdl_us) for t in timings])
+    print(
+        [
+            (t.rows, round(t.fused_us, 1), round(t.unfused_us, 1), *off[i])
+            for i, t in enumerate(timings)
+        ]
+    )
     again = tiny_engine("full", torch.bfloat16, cache_dir=str(tmp_path))
     assert again.engine.runner.kernel_plan.layer_timings == []
     assert again.engine.model.unfused_rows == model.unfused_rows

@@ -51,15 +51,17 @@ def test_a_size_runs_unfused_or_without_pdl_only_where_it_measured_faster_by_the
 
     timings = plan_layers(model, sizes, timer)
     small = [r for r in sizes if r <= MAX_ROWS]
-    assert sorted({r for r, _, _ in timed}) == small and [t.rows for t in timings] == small
-    unfused = {r for r in small if times[r, 1, 1] * (1 + MARGIN) <= times[r, 0, 1]}
-    assert model.unfused_rows == unfused
+    assert sorted(timed) == sorted((r, u, p) for r in small for u in (0, 1) for p in (0, 1))
+    assert [t.rows for t in timings] == small
+    unfused, no_pdl = set(), set()
+    for r in small:
+        default = times[r, 0, 1]
+        best = min((times[r, u, p], u, p) for u in (0, 1) for p in (0, 1))
+        if best[0] * (1 + MARGIN) <= default:
+            unfused |= {r} if best[1] else set()
+            no_pdl |= set() if best[2] else {r}
+    assert model.unfused_rows == unfused and model.no_pdl_rows == no_pdl
     assert all(layer.unfused_rows == unfused for layer in model.layers)
-    # Without PDL: each size's faster layering alone, timed once more.
-    assert sorted(v for v in timed if not v[2]) == [(r, r in unfused, False) for r in small]
-    chosen = {r: int(r in unfused) for r in small}
-    no_pdl = {r for r in small if times[r, chosen[r], 0] * (1 + MARGIN) <= times[r, chosen[r], 1]}
-    assert model.no_pdl_rows == no_pdl
 
 
 def test_without_pdl_in_the_options_or_the_launch_rules_nothing_is_timed_without_it():
@@ -70,10 +72,14 @@ def test_without_pdl_in_the_options_or_the_launch_rules_nothing_is_timed_without
     model = _model(pdl=False)
     model.no_pdl_rows = frozenset({2})  # an earlier plan is cleared
     timings = plan_layers(model, [1, 2], timer)
-    assert [t.no_pdl_us for t in timings] == [None, None] and model.no_pdl_rows == frozenset()
+    assert [t.fused_no_pdl_us for t in timings] == [None, None]
+    assert [t.unfused_no_pdl_us for t in timings] == [None, None]
+    assert model.no_pdl_rows == frozenset()
     with rules_in_force(replace(rules(), pdl_max_rows=1)):
-        timings = plan_layers(_model(pdl=True), [1, 2], lambda r, u, p: 1.0 if p else 0.5)
-    assert [(t.rows, t.no_pdl_us) for t in timings] == [(1, 0.5), (2, None)]
+        model = _model(pdl=True)
+        timings = plan_layers(model, [1, 2], lambda r, u, p: 1.0 if p else 0.5)
+    assert [(t.rows, t.fused_no_pdl_us) for t in timings] == [(1, 0.5), (2, None)]
+    assert model.no_pdl_rows == frozenset({1}) and model.unfused_rows == frozenset()  # (a tie)
 
 
 def test_pdl_is_off_inside_without_pdl_on_that_thread_alone():
@@ -150,22 +156,22 @@ def test_a_plan_is_measured_once_then_read_from_the_compile_cache(tmp_path, cpu_
             return 40.0 if rows == 4 else 200.0
         return 50.0 if unfused and rows == 2 else 100.0
 
-    assert plan_layers(_model(pdl=True), [1, 2, 4], timer, cache)  # 6 timings, then 3
+    assert plan_layers(_model(pdl=True), [1, 2, 4], timer, cache)  # 4 timings a size
     again = _model(pdl=True)
-    assert plan_layers(again, [1, 2, 4], timer, cache) == [] and len(calls) == 9
+    assert plan_layers(again, [1, 2, 4], timer, cache) == [] and len(calls) == 12
     assert again.unfused_rows == frozenset({2}) and again.no_pdl_rows == frozenset({4})
     # compile_ahead only moves compile time: the same plan.
     assert plan_layers(_model(pdl=True, compile_ahead=False), [1, 2, 4], timer, cache) == []
     # Another launch option, or other sizes, is another plan.
-    assert plan_layers(_model(pdl=False), [1, 2, 4], timer, cache) and len(calls) == 15
-    assert plan_layers(_model(pdl=True), [1, 2], timer, cache) and len(calls) == 21
+    assert plan_layers(_model(pdl=False), [1, 2, 4], timer, cache) and len(calls) == 18
+    assert plan_layers(_model(pdl=True), [1, 2], timer, cache) and len(calls) == 26
     # A plan of the form before PDL was measured (the unfused sizes alone) is measured again.
     model = _model(pdl=True)
     keys = layer_tuning._cache_keys(model, [1, 2, 4], cache)
     plans = cache.load_plans()
     del plans[keys[1]]
     (cache.folder / "gemm_plans.json").write_text(json.dumps(plans))
-    assert plan_layers(model, [1, 2, 4], timer, cache) and len(calls) == 30
+    assert plan_layers(model, [1, 2, 4], timer, cache) and len(calls) == 38
 
 
 def test_ranks_measure_together_and_take_the_slowest_ranks_timings(tmp_path):
@@ -176,8 +182,7 @@ def test_ranks_measure_together_and_take_the_slowest_ranks_timings(tmp_path):
     results = [torch.load(Path(tmp_path) / f"{r}.pt") for r in range(2)]
     for chosen, timed in results:
         assert chosen == ([], [])  # (nor does either step without PDL at 2 rows)
-        with_pdl = [(r, u, True) for r in (1, 2, 4) for u in (False, True)]
-        assert timed == with_pdl + [(r, False, False) for r in (1, 2, 4)]
+        assert timed == [(r, u, p) for p in (True, False) for r in (1, 2, 4) for u in (False, True)]
 
 
 def test_a_size_chosen_unfused_runs_the_unfused_layers_with_the_same_logits():

@@ -7,10 +7,10 @@ two H200s the 8 B shape's one-row step took 4.65 ms fused against 3.23 ms unfuse
 1.5 B shape is 5% faster fused. So at first start every captured size of at most ``MAX_ROWS``
 rows runs a decode step both ways, each inside a CUDA graph as the decode graphs run it, and
 a size where the unfused layers are faster by ``MARGIN`` runs them
-(``DecoderModel.unfused_rows``). Then, where the kernels launch with PDL, each size's faster
-layering runs once more without it, and a size where that is faster by ``MARGIN`` steps
-without PDL (``DecoderModel.no_pdl_rows``): on the H200 the 8 B shape's 16-row step took
-5.063 ms without PDL against 5.152 with it, where the 1.5 B shape's small steps gain from it.
+(``DecoderModel.unfused_rows``). Where the kernels launch with PDL, both also run without it,
+and a size where that is the fastest by ``MARGIN`` steps without PDL
+(``DecoderModel.no_pdl_rows``): on the H200 the 8 B shape's 16-row step was 1-3% faster
+without PDL, where the 1.5 B shape's steps gain from it at every size.
 
 Guarantees: every rank of a tensor-parallel group makes the same choice (the timings are the
 slowest rank's, and the ranks measure or read the cache together); the choice is kept in the
@@ -53,25 +53,40 @@ not, its kernels launched with PDL where they ask for it or without."""
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """One captured size's decode step, fused and unfused, with PDL, and its faster layering
-    without PDL (None: not timed, the kernels launch without PDL anyway); µs, the slowest
-    rank's."""
+    """One captured size's decode step with the layers fused and unfused, each with PDL and
+    without it (None: not timed, the kernels launch without PDL at this size anyway); µs,
+    the slowest rank's."""
 
     rows: int
     fused_us: float
     unfused_us: float
-    no_pdl_us: float | None = None
+    fused_no_pdl_us: float | None = None
+    unfused_no_pdl_us: float | None = None
+
+    @property
+    def chosen(self) -> tuple[bool, bool]:
+        """(unfused, PDL) of this size's steps: the fastest variant where it beats the fused
+        layers with PDL (fewer kernels, and the launches the GEMM plans were timed with)
+        by ``MARGIN``, else those."""
+        times = {
+            (False, True): self.fused_us,
+            (True, True): self.unfused_us,
+            (False, False): self.fused_no_pdl_us,
+            (True, False): self.unfused_no_pdl_us,
+        }
+        timed = {variant: us for variant, us in times.items() if us is not None}
+        best = min(timed, key=timed.__getitem__)  # (a tie: the first, fused and with PDL)
+        return best if timed[best] * (1 + MARGIN) <= self.fused_us else (False, True)
 
     @property
     def unfused_wins(self) -> bool:
         """Whether this size runs the layers unfused."""
-        return self.unfused_us * (1 + MARGIN) <= self.fused_us
+        return self.chosen[0]
 
     @property
     def no_pdl_wins(self) -> bool:
-        """Whether this size steps without PDL (its chosen layering measured faster so)."""
-        chosen = self.unfused_us if self.unfused_wins else self.fused_us
-        return self.no_pdl_us is not None and self.no_pdl_us * (1 + MARGIN) <= chosen
+        """Whether this size steps without PDL."""
+        return not self.chosen[1]
 
 
 def plan_layers(
@@ -81,11 +96,11 @@ def plan_layers(
     cache: CompileCache | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> list[LayerTiming]:
-    """Sets ``model.unfused_rows`` to the sizes of ``rows`` (those of at most ``MAX_ROWS``)
-    where ``timer`` found the unfused layers faster and ``model.no_pdl_rows`` to those
-    whose faster layering was faster still without PDL (none where the kernels launch
-    without it), or both to what ``cache`` holds for this model; returns the timings
-    (empty where nothing was measured). Collective over ``group`` where one is given."""
+    """Sets ``model.unfused_rows`` and ``model.no_pdl_rows`` to the sizes of ``rows``
+    (those of at most ``MAX_ROWS``) whose fastest variant as ``timer`` found it
+    (``LayerTiming.chosen``) runs the layers unfused, or without PDL; or both to what
+    ``cache`` holds for this model. Returns the timings (empty where nothing was
+    measured). Collective over ``group`` where one is given."""
     model.unfused_rows = model.no_pdl_rows = frozenset()
     sizes = _sizes(model, rows)
     if not sizes:
@@ -117,12 +132,18 @@ def _without_pdl(
     timer: StepTimer,
     group: dist.ProcessGroup | None,
 ) -> list[LayerTiming]:
-    """``timings`` with each size's faster layering timed without PDL, where its kernels
-    would launch with it (``KernelOptions.pdl``, ``LaunchRules.pdl_max_rows``)."""
-    on = [t for t in timings if model.kernels.pdl and t.rows <= rules().pdl_max_rows]
-    times = largest_over_group([[timer(t.rows, t.unfused_wins, False)] for t in on], group)
-    off = {t.rows: us for t, (us,) in zip(on, times, strict=True)}
-    return [replace(t, no_pdl_us=off.get(t.rows)) for t in timings]
+    """``timings`` with each size's layers timed fused and unfused without PDL too, where
+    its kernels would launch with it (``KernelOptions.pdl``, ``LaunchRules.pdl_max_rows``):
+    each pair, since the layering that wins with PDL need not win without it."""
+    on = [t.rows for t in timings if model.kernels.pdl and t.rows <= rules().pdl_max_rows]
+    times = largest_over_group([[timer(r, False, False), timer(r, True, False)] for r in on], group)
+    off = dict(zip(on, times, strict=True))
+    return [
+        replace(t, fused_no_pdl_us=off[t.rows][0], unfused_no_pdl_us=off[t.rows][1])
+        if t.rows in off
+        else t
+        for t in timings
+    ]
 
 
 def store_layer_plan(model: DecoderModel, rows: Sequence[int], cache: CompileCache | None) -> None:
@@ -202,8 +223,7 @@ def graph_timer(
     PDL (and again the first without) first queues that eager step for each of those
     sizes (at most ``MAX_ROWS``), fused and unfused, inside ``launch.compile_ahead()``:
     the layers' kernels of every variant the timings launch compile together (processes
-    or threads), not one after another (without PDL both layerings, though
-    ``plan_layers`` times one a size: one pass, not one a timing). The variant is this
+    or threads), not one after another. The variant is this
     thread's alone (``DecoderModel.unfused_here``, ``launch.without_pdl``). A background
     measurement (``turn()``: its hold of the device between steps) holds the turn for
     each timed replay apart (``held_replays_us``: the median), so no step's work is

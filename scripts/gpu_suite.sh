@@ -296,7 +296,7 @@ pdl)
     if [ "${3:-tests}" = tests ]; then
         k="fused_layers_are_measured or sizes_planned_without_pdl or compile_ahead or pdl_chain"
         k="$k or engine_with_pdl or deferred or recaptured or plans_measured_once"
-        timeout 330 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+        timeout 450 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
             tests/engine/test_gpu_kernel_options.py tests/engine/test_gpu_startup.py -k "$k" 2>&1 \
             | tee "$OUT/gpu_tests_pdl.log" | grep -E "PASSED|FAILED|ERROR|^E |passed|failed"
     fi

@@ -100,6 +100,13 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument("--variants", help="comma-separated subset of the variants")
     parser.add_argument("--repeats", type=positive_int, default=50, help="timed steps per size")
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=2,
+        help="times every variant is timed, all in turn; the last round is reported "
+        "(a process's first variant read ~1%% slow at its first timing)",
+    )
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--plot-from", type=Path, help="plot an earlier JSON result and exit")
@@ -152,6 +159,7 @@ def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch
         batch_sizes=sizes if not args.quick and cuda else cfg.batch_sizes,
         kv_len=args.kv_len if cuda and not args.quick else cfg.kv_len,
         repeats=args.repeats if cuda and not args.quick else cfg.repeats,
+        rounds=args.rounds,
     )
     if args.config:
         try:

@@ -114,6 +114,10 @@ class BenchConfig:
     variants: tuple[str, ...] = (*OSTINATO_VARIANTS, *KERNEL_VARIANTS, REDUCE_OVERHEAD)
     warmup: int = 10
     repeats: int = 50
+    # Every variant is timed this many times, all of them in turn, the last round reported:
+    # a process's first variant read ~1% slow at its first timing (RESULTS.md, the default
+    # against every kernel option).
+    rounds: int = 2
     seed: int = 0
     all_reduce: tuple[str, ...] = ("nccl",)  # under --tp: each choice is a separate run
 
@@ -134,6 +138,7 @@ class Row:
     busy_us: float | None = None  # their summed device time per step
     kernels_in_layer: int | None = None  # inside one decoder layer (KernelCensus.in_layer)
     pipelined_ms: float | None = None  # per step, steps back to back (CUDA; pipelined_ms())
+    earlier_ms: list[float] = field(default_factory=list)  # step_ms of the earlier rounds
 
 
 @dataclass
@@ -443,22 +448,20 @@ def run(
     # graphs, torch leaves CUPTI attached and every later launch costs the host more (on
     # the H200 an isolated step's host time of 20 to 110 µs rose to 99 to 225 µs:
     # benchmarks.profiler_effect, RESULTS.md).
-    profiled: list[tuple[str, ModelRunner]] = []
+    runners: list[tuple[str, ModelRunner]] = []
     with torch.inference_mode():
         for name in cfg.variants:
             runner = _variant_runner(setup, name, cuda)
-            if runner is None:
-                continue
-            _time_variant(setup, runner, name, result, floor_ms, log)
-            if profile and cuda:
-                profiled.append((name, runner))
-            else:
-                runner.release()
+            if runner is not None:
+                _capture_variant(setup, runner, name, result)
+                runners.append((name, runner))
+        _time_rounds(setup, runners, result, floor_ms, log)
     if REDUCE_OVERHEAD in cfg.variants and cuda and setup.tp.size == 1:
         _time_reduce_overhead(setup, result, floor_ms, log)
     with torch.inference_mode():
-        for name, runner in profiled:
-            _profile_variant(setup, runner, name, result, log)
+        for name, runner in runners:
+            if profile and cuda:
+                _profile_variant(setup, runner, name, result, log)
             runner.release()
     ro = {r.batch: r.step_ms for r in result.rows if r.variant == REDUCE_OVERHEAD}
     for r in result.rows:
@@ -486,16 +489,11 @@ def _variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | 
     return setup.runner(mode, compiler)
 
 
-def _time_variant(
-    setup: DecodeSetup,
-    runner: ModelRunner,
-    name: str,
-    result: BenchResult,
-    floor_ms: Callable[[int], float],
-    log: Callable[[str], None],
+def _capture_variant(
+    setup: DecodeSetup, runner: ModelRunner, name: str, result: BenchResult
 ) -> None:
-    """Captures ``runner``'s graphs, then times its step at every size."""
-    cfg, cuda = setup.cfg, setup.device.type == "cuda"
+    """Captures ``runner``'s graphs; records what that cost and what its plans measured."""
+    cuda = setup.device.type == "cuda"
     start = time.perf_counter()
     report = runner.capture()
     if cuda:
@@ -518,19 +516,55 @@ def _time_variant(
             "; ".join(runner.resolution.reasons),
         )
     )
+
+
+def _time_rounds(
+    setup: DecodeSetup,
+    runners: list[tuple[str, ModelRunner]],
+    result: BenchResult,
+    floor_ms: Callable[[int], float],
+    log: Callable[[str], None],
+) -> None:
+    """``BenchConfig.rounds`` rounds, each timing every variant in turn at every size; the
+    last round's rows go into ``result``, each with the earlier rounds' step times."""
+    earlier: dict[tuple[str, int], list[float]] = {}
+    for r in range(setup.cfg.rounds):
+        last = r == setup.cfg.rounds - 1
+        if setup.cfg.rounds > 1:
+            log(f"round {r + 1} of {setup.cfg.rounds}" + (" (reported)" if last else ""))
+        for name, runner in runners:
+            for row in _time_variant(setup, runner, name, floor_ms, log):
+                if last:
+                    row.earlier_ms = earlier.get((row.variant, row.batch), [])
+                    result.rows.append(row)
+                else:
+                    earlier.setdefault((row.variant, row.batch), []).append(row.step_ms)
+
+
+def _time_variant(
+    setup: DecodeSetup,
+    runner: ModelRunner,
+    name: str,
+    floor_ms: Callable[[int], float],
+    log: Callable[[str], None],
+) -> list[Row]:
+    """Times ``runner``'s (captured) step at every size."""
+    cfg, cuda = setup.cfg, setup.device.type == "cuda"
+    rows = []
     for b in cfg.batch_sizes:
         step = setup.decode_step(runner, b)
         ms, host = time_step(step, cfg.warmup, cfg.repeats, cuda)
         row = Row(name, b, ms, host, floor_ms(b), ms / floor_ms(b))
         if cuda:
             row.pipelined_ms = pipelined_ms(step)
-        result.rows.append(row)
+        rows.append(row)
         log(f"{name:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
         if name in ENGINE_STEP_VARIANTS:
             label = f"{name} engine step"
             ms, host = time_step(setup.engine_step(runner, b), cfg.warmup, cfg.repeats, cuda)
-            result.rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
+            rows.append(Row(label, b, ms, host, floor_ms(b), ms / floor_ms(b)))
             log(f"{label:32s} B={b:4d} {ms:8.3f} ms  host {host:8.1f} us")
+    return rows
 
 
 def _profile_variant(

@@ -26,6 +26,21 @@ def test_quick_bench_on_cpu_writes_json_and_says_why_graphs_are_off(tmp_path, ca
     assert all(r["step_ms"] > 0 for r in rows)
 
 
+def test_every_variant_is_timed_each_round_in_turn_and_the_last_round_reported(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--quick", "--rounds", "3", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.index("round 1 of 3") < text.index("round 3 of 3 (reported)")
+    timed = [line for line in text.splitlines() if " ms  host " in line]
+    assert len(timed) == 3 * 2 * 2  # (each round, each size, the step and the engine step)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(len(r["earlier_ms"]) == 2 for r in rows)
+    assert all(min(r["earlier_ms"]) > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        main(["--quick", "--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
+
+
 def test_plot_from_json(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "r.json"

@@ -223,8 +223,8 @@ def graph_timer(
     PDL (and again the first without) first queues that eager step for each of those
     sizes (at most ``MAX_ROWS``), fused and unfused, inside ``launch.compile_ahead()``:
     the layers' kernels of every variant the timings launch compile together (processes
-    or threads), not one after another. The variant is this
-    thread's alone (``DecoderModel.unfused_here``, ``launch.without_pdl``). A background
+    or threads), not one after another. The variant is this thread's alone
+    (``DecoderModel.unfused_here``, ``launch.without_pdl``). A background
     measurement (``turn()``: its hold of the device between steps) holds the turn for
     each timed replay apart (``held_replays_us``: the median), so no step's work is
     timed with it; the eager step, whose kernels queue behind the steps' on the stream

@@ -354,3 +354,42 @@ def test_the_switch_interval_is_set_only_by_its_holders():
         if path != home and setter.search(path.read_text())
     ]
     assert not elsewhere, f"hold it through ostinato.switch_interval instead: {elsewhere}"
+
+
+def _pdl_launchers() -> tuple[set[str], dict[str, bool], dict[str, set[str]]]:
+    """Over the engine's kernels: the functions that launch with ``launch_pdl=``; whether
+    each function calls ``pdl_for`` itself; and each function's callers (by name, within
+    the kernels)."""
+    calls: dict[str, set[str]] = {}
+    launches: set[str] = set()
+    for path in sorted((SRC / "ostinato" / "engine" / "kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            inner = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+            calls[node.name] = {n.func.id for n in inner if isinstance(n.func, ast.Name)}
+            if any(k.arg == "launch_pdl" for n in inner for k in n.keywords):
+                launches.add(node.name)
+    callers: dict[str, set[str]] = defaultdict(set)
+    for caller, named in calls.items():
+        for callee in named:
+            callers[callee].add(caller)
+    return launches, {f: "pdl_for" in named for f, named in calls.items()}, callers
+
+
+def test_every_pdl_launch_takes_its_flag_through_pdl_for():
+    # ``pdl_for`` is where the launch rules and a step measured faster without PDL
+    # (``launch.without_pdl``) turn it off: a launch whose flag bypasses it keeps PDL on
+    # there (the small GEMM's did). So each launching function calls it, or every caller
+    # does, transitively (a private helper handed the gated flag).
+    launchers, gates, callers = _pdl_launchers()
+
+    def gated(f: str, seen: frozenset[str]) -> bool:
+        if gates.get(f, False):
+            return True
+        up = callers.get(f, set()) - seen
+        return bool(up) and all(gated(c, seen | {f}) for c in up)
+
+    assert len(launchers) >= 10, f"launch_pdl= found in {sorted(launchers)} alone"
+    ungated = sorted(f for f in launchers if not gated(f, frozenset()))
+    assert not ungated, f"launched with PDL without pdl_for on the way: {ungated}"

@@ -37,14 +37,16 @@ from ostinato.provenance import Provenance
 @dataclass
 class Round:
     """One timed ``generate``: seconds since the engine returned, tokens per second,
-    whether the background work (capture, measurement, swap) had ended before it, and
-    the longest wait between two tokens of its first prompt (a step's time, with
-    whatever held it back: what a streamed client sees)."""
+    whether the background work (capture, measurement, swap) had ended before it, the
+    longest wait between two tokens of its first prompt (a step's time, with whatever
+    held it back: what a streamed client sees), and when that wait ended, on the clock
+    of the engine's log lines (to place it among the background work's phases)."""
 
     since_start_s: float
     tokens_per_s: float
     settled: bool
     longest_gap_ms: float
+    longest_gap_ended: str = ""
 
 
 def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) -> list[Round]:
@@ -58,13 +60,13 @@ def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) 
     start, rounds, after = time.perf_counter(), [], 0
     while after < args.rounds_after:
         settled = llm.background is None or llm.background.done
-        stamps: list[float] = []
+        stamps: list[tuple[float, float]] = []
         began = time.perf_counter()
         outs = llm.generate(prompts, params, on_token=functools.partial(_stamp, stamps))
         seconds = time.perf_counter() - began
         tokens = sum(len(o.token_ids) for o in outs)
-        gap = max((b - a for a, b in itertools.pairwise(stamps)), default=0.0) * 1e3
-        rounds.append(Round(began - start, tokens / seconds, settled, gap))
+        gap, ended = _longest_gap(stamps)
+        rounds.append(Round(began - start, tokens / seconds, settled, gap, ended))
         clock = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # (as the log lines')
         print(
             f"{clock} {name}: +{began - start:6.2f} s {tokens / seconds:8.1f} tok/s "
@@ -78,9 +80,20 @@ def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) 
     return rounds
 
 
-def _stamp(stamps: list[float], prompt: int, token: int) -> None:
+def _stamp(stamps: list[tuple[float, float]], prompt: int, token: int) -> None:
     if prompt == 0:  # (every prompt's tokens come in the same steps)
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.time()))
+
+
+def _longest_gap(stamps: list[tuple[float, float]]) -> tuple[float, str]:
+    """The longest wait between two stamps (ms) and the wall clock it ended at, as the
+    log lines print it ("" with fewer than two stamps)."""
+    pairs = list(itertools.pairwise(stamps))
+    if not pairs:
+        return 0.0, ""
+    (a, _), (b, wall) = max(pairs, key=lambda p: p[1][0] - p[0][0])
+    clock = datetime.datetime.fromtimestamp(wall).strftime("%H:%M:%S.%f")[:-3]
+    return (b - a) * 1e3, clock
 
 
 def longest_gaps_ms(rounds: list[Round]) -> dict[str, float | None]:

@@ -21,11 +21,23 @@ def test_rounds_of_both_starts_are_written(tmp_path, monkeypatch):
     assert doc["provenance"]["torch"] and doc["first_start_longest_hold"] is None  # (no thread)
     # Every round's longest wait between two tokens (4 tokens: 3 gaps, each a step).
     assert all(r["longest_gap_ms"] > 0 for r in doc["first_start"] + doc["later_start"])
+    # ... and when it ended, on the log lines' clock.
+    assert all(len(r["longest_gap_ended"]) == 12 for r in doc["first_start"])
     gaps = doc["first_start_longest_gaps_ms"]
     assert gaps["during"] is None and gaps["after"] == max(
         r["longest_gap_ms"] for r in doc["first_start"]
     )
     assert doc["later_start_longest_gap_ms"] == max(r["longest_gap_ms"] for r in doc["later_start"])
+
+
+def test_the_longest_gap_is_found_with_the_clock_it_ended_at():
+    import datetime
+
+    wall = datetime.datetime(2026, 1, 2, 3, 4, 5, 678000).timestamp()
+    stamps = [(1.0, wall - 3), (1.002, wall - 2), (1.010, wall), (1.011, wall + 1)]
+    gap, ended = deferred_plans._longest_gap(stamps)
+    assert round(gap, 6) == 8.0 and ended == "03:04:05.678"
+    assert deferred_plans._longest_gap([(1.0, wall)]) == (0.0, "")
 
 
 def test_the_longest_gaps_are_split_at_the_end_of_the_background_work():

@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from ostinato.distributed.collectives import every_rank, largest_over_group
 from ostinato.engine.kernels.gemm_launch import MAX_ROWS
-from ostinato.engine.kernels.launch import compile_ahead, without_pdl
-from ostinato.engine.kernels.launch_rules import rules
+from ostinato.engine.kernels.launch import compile_ahead, pdl_for, without_pdl
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.platform.base import Held
@@ -135,7 +134,7 @@ def _without_pdl(
     """``timings`` with each size's layers timed fused and unfused without PDL too, where
     its kernels would launch with it (``KernelOptions.pdl``, ``LaunchRules.pdl_max_rows``):
     each pair, since the layering that wins with PDL need not win without it."""
-    on = [t.rows for t in timings if model.kernels.pdl and t.rows <= rules().pdl_max_rows]
+    on = [t.rows for t in timings if pdl_for(model.kernels.pdl, t.rows)]
     times = largest_over_group([[timer(r, False, False), timer(r, True, False)] for r in on], group)
     off = dict(zip(on, times, strict=True))
     return [
@@ -167,7 +166,10 @@ def layer_plan_cached(model: DecoderModel, rows: Sequence[int], cache: CompileCa
     if not sizes:
         return True
     keys = _cache_keys(model, sizes, cache)
-    return keys is not None and cache is not None and all(k in cache.load_plans() for k in keys)
+    if keys is None or cache is None:
+        return False
+    stored = cache.load_plans()  # (once: a file read)
+    return all(k in stored for k in keys)
 
 
 def _sizes(model: DecoderModel, rows: Sequence[int]) -> list[int]:

@@ -671,3 +671,29 @@ def test_the_default_ladder_graphs_mixed_steps_up_to_the_token_budget(monkeypatc
     assert stats.eager == 0, stats.eager_steps
     assert any(b.descriptor.num_tokens == 1920 and b.replays for b in stats.buckets)
     assert got == want
+
+
+def test_log_probabilities_copied_into_a_landing_equal_a_fresh_copy():
+    # The step loop copies a step's log probabilities into pinned tensors made once, one
+    # set a turn: the same values as three fresh host copies, rows of any count.
+    from ostinato.engine.sample.logprobs import StepLogprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(6, 1000, device="cuda", generator=g)
+    tokens = logits.argmax(-1)
+    step = StepLogprobs.of(logits, tokens, 5)
+    landing = step.landing(16)
+    assert landing.chosen.is_pinned() and landing.fits(step)
+    for rows in (6, 2):
+        part = StepLogprobs(step.chosen[:rows], step.top_ids[:rows], step.top_values[:rows])
+        into = part.to_host(into=landing)
+        torch.cuda.synchronize()
+        fresh = part.to_host()
+        torch.cuda.synchronize()
+        assert into.chosen.data_ptr() == landing.chosen.data_ptr()
+        for a, b in zip(
+            (into.chosen, into.top_ids, into.top_values),
+            (fresh.chosen, fresh.top_ids, fresh.top_values),
+            strict=True,
+        ):
+            assert a.shape[0] == rows and torch.equal(a, b)

@@ -749,3 +749,30 @@ def test_a_warm_up_beside_the_steps_touches_nothing_a_step_reads(fake_graphs):
     assert all(torch.equal(a, b) for a, b in zip(cache, after, strict=True))
     assert runner._scratch is not None and runner._scratch is not runner.inputs
     assert tokens(llm, prompts, params) == tokens(engine("none", backend=None), prompts, params)
+
+
+def test_a_sampled_steps_values_reach_the_device_before_its_graphs_run(fake_graphs):
+    # Each seeded row's key changes every step (it mixes in the token's index): when the
+    # step's graphs are queued, the sampling graph's buffers already hold this step's
+    # keys, so no copy waits between the step's graph and its sampling graph.
+    from ostinato.engine.sample.rows import StepRows
+
+    llm = engine("full_decode_only", seed=11)
+    runner, graph_sampler = llm.engine.runner, llm.engine.sampler.graph_sampler
+    seen = []
+    execute = runner.execute
+
+    def recording(step, *args, **kwargs):
+        params = [s.request.params for s in step.scheduled]
+        if step.uniform_decode and all(p.seed is not None for p in params):
+            want = StepRows.of(params).keys([s.start + len(s.tokens) for s in step.scheduled])
+            seen.append(graph_sampler.ints[0, : len(params)].tolist() == want.tolist())
+        return execute(step, *args, **kwargs)
+
+    runner.execute = recording
+    prompts, _ = workload(n=8, seed=7)
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=s) for s in range(8)
+    ]
+    tokens(llm, prompts, params)
+    assert len(seen) == 7 and all(seen)

@@ -80,3 +80,18 @@ def test_a_steps_entries_take_each_requests_own_count_of_the_graphs_columns():
         assert entry.top_logprobs == tuple(values[row, :k].tolist())
     nobody = [SamplingParams(), SamplingParams()]
     assert step.entries(nobody, [1, 2]) == [None, None]
+
+
+def test_a_landing_fits_steps_of_its_columns_and_types_and_no_more_rows():
+    from ostinato.engine.sample.logprobs import StepLogprobs
+
+    def step(rows, k, ids=torch.long):
+        return StepLogprobs(
+            torch.zeros(rows), torch.zeros(rows, k, dtype=ids), torch.zeros(rows, k)
+        )
+
+    landing = step(8, 20)
+    assert landing.fits(step(8, 20)) and landing.fits(step(3, 20))
+    assert not landing.fits(step(9, 20))  # more rows
+    assert not landing.fits(step(4, 5))  # other columns (an eager step's k)
+    assert not landing.fits(step(4, 20, torch.int32))

@@ -70,6 +70,8 @@ class StepLoop:
                 for _ in range(2)
             ]
         self._turn = 0
+        # The log probabilities' landings, one a turn as the tokens' (``_logprobs_back``).
+        self._logprob_landing: list[StepLogprobs | None] = [None, None]
         # Where a launched step's tokens wait for the next step (its decodes gather
         # them on the device): sampled tokens may be a view of a sampling graph's output,
         # in the pool every graph shares, and work between two steps may replay a graph
@@ -104,11 +106,12 @@ class StepLoop:
         self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None
     ) -> tuple[torch.Tensor, StepLogprobs | None, torch.cuda.Event | None]:
         """Starts copying ``tokens`` (and ``logprobs``) to the host; the event marks it
-        done (None: done). On CUDA the host tensor and the event are reused by the copy
-        after next: read the tokens (``resolve``) before launching two more steps."""
-        host_logprobs = logprobs.to_host() if logprobs is not None else None
+        done (None: done). On CUDA the host tensors (the tokens', the log probabilities')
+        and the event are reused by the copy after next: read them (``resolve``) before
+        launching two more steps."""
         if self.device.type == "cuda":
             self._turn ^= 1
+            host_logprobs = None if logprobs is None else self._logprobs_back(logprobs)
             landing, done = self._landing[self._turn]
             if tokens.dtype == landing.dtype and tokens.shape[0] <= landing.shape[0]:
                 host = landing[: tokens.shape[0]]
@@ -119,7 +122,17 @@ class StepLoop:
             return host, host_logprobs, done
         # A copy, always: ``tokens`` may be a view of a graph's static output, which
         # the next step's replay overwrites before this step is resolved.
+        host_logprobs = None if logprobs is None else logprobs.to_host()
         return tokens.to("cpu", copy=True), host_logprobs, None
+
+    def _logprobs_back(self, logprobs: StepLogprobs) -> StepLogprobs:
+        """``logprobs`` copied into this turn's pinned landing (made at the first step
+        that asks, and again where a step's columns or types differ)."""
+        landing = self._logprob_landing[self._turn]
+        if landing is None or not landing.fits(logprobs):
+            rows = max(self.scheduler.max_num_seqs, logprobs.chosen.shape[0])
+            landing = self._logprob_landing[self._turn] = logprobs.landing(rows)
+        return logprobs.to_host(into=landing)
 
     def carried(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (one per request of a step) copied into the loop's own buffer,
@@ -208,16 +221,17 @@ class StepLoop:
             # pool with the step's graphs and so may be overwritten by their replay.
             last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
             counts = None
+            params = [s.request.params for s in step.scheduled]
+            # the index of each token drawn, which a seeded request's draws depend on
+            indices = [s.start + len(s.tokens) for s in step.scheduled]
             if not self.speculative:
                 counts = self.sampler.output_counts(step.scheduled, last)
+                self.sampler.prepare(params, indices, counts)  # (queued before the step)
             out = self.runner.execute(step, agreement, previous and previous.sampled)
             if not step.scheduled:
                 return None
             if self.speculative:
                 return self._verified(step, out)
-            params = [s.request.params for s in step.scheduled]
-            # the index of each token drawn, which a seeded request's draws depend on
-            indices = [s.start + len(s.tokens) for s in step.scheduled]
             tokens = self.sampler.tokens(params, out, indices, counts)
             logprobs = self.sampler.logprobs(params, out, tokens)
             self.scheduler.launched(step)

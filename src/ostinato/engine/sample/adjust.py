@@ -96,7 +96,8 @@ class OutputCounts:
             if r.id not in ids:
                 rows.append(self.scratch)
                 continue
-            self._update(r.id, r.output, r.num_pending, pending, host, device)
+            if self.counted.get(r.id) != len(r.output) + r.num_pending:  # (else up to date)
+                self._update(r.id, r.output, r.num_pending, pending, host, device)
             self.counted[r.id] += s.samples  # (the token this step draws, counted then)
             rows.append(self.rows[r.id] if s.samples else self.scratch)
         if host[0] or device[0]:

@@ -37,21 +37,22 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from ostinato.engine.core.params import MAX_LOGPROBS, SamplingParams
+from ostinato.engine.core.params import MAX_LOGPROBS
 from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead
 from ostinato.engine.sample.adjust import (
     OutputCounts,
     Penalties,
-    StepCounts,
     add_bias,
     count_tokens,
     penalized,
 )
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs
-from ostinato.engine.sample.sampler import Seeds, row_keys_and_mask, sample, top_p_cut
+from ostinato.engine.sample.rows import StepRows
+from ostinato.engine.sample.sampler import Seeds, sample
 from ostinato.platform.base import Held, Platform
 
 # The graphs of each size: (adjusted, cut, seeded). cut None: an adjusted all-greedy step
@@ -292,18 +293,39 @@ class GraphSampler:
         # to the host through a kernel that makes it contiguous first, two a step.
         return StepLogprobs(out.chosen[:n], out.top_ids[:n], out.top_values[:n])
 
-    def sample(self, padded: int, temperatures: list[float], top_ps: list[float]) -> Any:
-        """The tokens of the first ``len(temperatures)`` rows of the last decode step,
-        replayed at ``padded`` rows (a view of the graph's output, valid until the
-        next replay of any graph in the pool, whose buffers may share its memory); None
-        if no graph was captured for ``padded``. Takes the tokens eager ``sample`` takes
-        with ``cut`` = whether a sampled row's top_p is below 1."""
-        entry = self.graphs.get(self._key(padded, False, top_p_cut(temperatures, top_ps), False))
+    def stage(
+        self, rows: StepRows, keys: np.ndarray | None, count_rows: Sequence[int] | None
+    ) -> None:
+        """Copies a step's per-row values to the buffers its sampling graph reads, for
+        every row a graph may hold (beyond the step's own: greedy, top-p 1, no penalty,
+        unseeded, counted in the scratch row): ``rows``' floats, and for a step that
+        ``sample_adjusted`` samples (bias, penalties or seeds) ``keys`` (``StepRows.keys``;
+        None: no row seeded) and each row's row of the output counts (``count_rows``;
+        None: none penalized). Queued on the device where it is called: before the
+        step's own graphs, where the caller can (``StepSampler.prepare``)."""
+        n, every = len(rows.params), self.floats.shape[1]
+        if not (rows.adjusted or rows.seeded):
+            self._stage(every, rows.floats[:2])
+            return
+        if keys is None:
+            keys = mask = np.zeros(n, dtype=np.int64)
+        else:
+            mask = rows.seeded_rows
+        count_rows = count_rows if count_rows is not None else [self.counts.scratch] * n
+        self._stage(every, rows.floats, (keys, mask, count_rows))
+
+    def sample(self, padded: int, rows: StepRows) -> Any:
+        """The tokens of the first ``len(rows.params)`` rows of the last decode step,
+        replayed at ``padded`` rows, from the values ``stage`` copied for ``rows`` (a
+        view of the graph's output, valid until the next replay of any graph in the
+        pool, whose buffers may share its memory); None if no graph was captured for
+        ``padded``. Takes the tokens eager ``sample`` takes with ``cut`` = whether a
+        sampled row's top_p is below 1."""
+        entry = self.graphs.get(self._key(padded, False, rows.cut, False))
         if entry is None:
             return None
-        self._stage(padded, [temperatures, top_ps])
         entry[0].replay()
-        return entry[1][: len(temperatures)]
+        return entry[1][: len(rows.params)]
 
     def greedy(self, padded: int, n: int) -> Any:
         """The argmax of the first ``n`` rows of the last decode step, replayed at
@@ -314,35 +336,23 @@ class GraphSampler:
         entry[0].replay()
         return entry[1][:n]
 
-    def sample_adjusted(
-        self,
-        padded: int,
-        params: Sequence[SamplingParams],
-        seeded: Sequence[tuple[int, int] | None],
-        counts: StepCounts | None,
-    ) -> Any:
+    def sample_adjusted(self, padded: int, rows: StepRows) -> Any:
         """``sample`` for a step with a logit bias, a penalty or a seeded row: the tokens
-        eager sampling takes from ``adjust.adjusted_logits`` (``counts``: the step's rows
-        of the output counts, where a row is penalized; the tokens drawn are counted
-        there) with ``seeded`` (``sample``'s)."""
-        temperatures, top_ps = [p.temperature for p in params], [p.top_p for p in params]
-        greedy = all(p.greedy for p in params)
-        cut = None if greedy else top_p_cut(temperatures, top_ps)
-        entry = self.graphs.get(self._key(padded, True, cut, not greedy and any(seeded)))
+        eager sampling takes from ``adjust.adjusted_logits`` (the rows of the output
+        counts that ``stage`` copied count the tokens drawn), the seeded rows drawing
+        from the keys ``stage`` copied."""
+        cut = None if rows.all_greedy else rows.cut
+        seeded = not rows.all_greedy and rows.seeded
+        entry = self.graphs.get(self._key(padded, True, cut, seeded))
         if entry is None:
             return None
-        n = len(params)
-        presence = [p.presence_penalty for p in params]
-        frequency = [p.frequency_penalty for p in params]
-        keys, mask = row_keys_and_mask(seeded or [None] * n)  # (``sample``'s empty: none seeded)
-        rows = counts.rows if counts is not None else [self.counts.scratch] * n
-        self._stage(padded, [temperatures, top_ps, presence, frequency], (keys, mask, rows))
+        n = len(rows.params)
         # The biases of a request never change, so a step with the same rows' biases as
         # the last (the same pairs, which compare by identity first) finds them written.
-        key = (padded, tuple(p.logit_bias for p in params))
+        key = (padded, rows.bias)
         if key != self.bias_key:
             self.bias[:padded].zero_()
-            add_bias(self.bias[:n], params)
+            add_bias(self.bias[:n], rows.params)
             self.bias_key = key
         entry[0].replay()
         return entry[1][:n]
@@ -356,8 +366,8 @@ class GraphSampler:
     def _stage(
         self,
         padded: int,
-        floats: list[list[float]],
-        ints: tuple[list[int], list[int], list[int]] | None = None,
+        floats: Sequence[Sequence[float]] | np.ndarray,
+        ints: tuple[Sequence[int] | np.ndarray, ...] | None = None,
     ) -> None:
         """Writes the step's per-row values (``floats``: temperatures, top-p, then the
         penalties; ``ints``: seed keys, seeded flags and rows of the output counts) into
@@ -368,8 +378,7 @@ class GraphSampler:
         self.turn ^= 1
         host_f[:, :padded] = 0.0
         host_f[1, :padded] = 1.0
-        for row, values in enumerate(floats):
-            host_f[row, :n] = values
+        host_f[: len(floats), :n] = floats
         if ints is not None:
             host_i[:2, :padded] = 0
             host_i[2, :padded] = self.counts.scratch

@@ -42,13 +42,39 @@ class StepLogprobs:
         top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
         return StepLogprobs(chosen, top[1], top[0])
 
-    def to_host(self) -> StepLogprobs:
-        """A host copy (asynchronous from CUDA: read it after the step's copy event)."""
-        cuda = self.chosen.device.type == "cuda"
-        copy = {"non_blocking": True} if cuda else {"copy": True}
+    def to_host(self, into: StepLogprobs | None = None) -> StepLogprobs:
+        """A host copy (asynchronous from CUDA: read it after the step's copy event);
+        ``into`` (``landing``'s, where it ``fits``): into its leading rows, pinned memory
+        made once, instead of three host tensors allocated a step."""
+        if self.chosen.device.type != "cuda":
+            return StepLogprobs(*(t.to("cpu", copy=True) for t in self._tensors()))
+        if into is None or not into.fits(self):
+            return StepLogprobs(*(t.to("cpu", non_blocking=True) for t in self._tensors()))
+        n = self.chosen.shape[0]
+        out = StepLogprobs(into.chosen[:n], into.top_ids[:n], into.top_values[:n])
+        for host, device in zip(out._tensors(), self._tensors(), strict=True):
+            host.copy_(device, non_blocking=True)
+        return out
+
+    def landing(self, rows: int) -> StepLogprobs:
+        """Pinned host tensors of ``rows`` rows shaped as these are, for ``to_host``."""
         return StepLogprobs(
-            *(t.to("cpu", **copy) for t in (self.chosen, self.top_ids, self.top_values))
+            *(
+                torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+                for t in self._tensors()
+            )
         )
+
+    def fits(self, other: StepLogprobs) -> bool:
+        """Whether ``other`` copies into these (``landing``'s): as many columns, the same
+        types, no more rows."""
+        return all(
+            a.dtype == b.dtype and a.shape[1:] == b.shape[1:] and a.shape[0] >= b.shape[0]
+            for a, b in zip(self._tensors(), other._tensors(), strict=True)
+        )
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.chosen, self.top_ids, self.top_values
 
     def entries(
         self, params: Sequence[SamplingParams], tokens: Sequence[int]

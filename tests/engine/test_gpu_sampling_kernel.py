@@ -69,6 +69,24 @@ def test_kernel_draws_equal_torchs_from_the_same_keys(vocab, dtype, rounds, monk
 
 
 @GPU
+def test_kernel_draws_written_into_a_given_buffer_are_the_same_draws():
+    # A sampling graph's tokens go where its log probabilities' graph reads them.
+    from ostinato.engine.kernels.sampling import sample_rows
+
+    device = _device()
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 3000, generator=g) * 4).to(device)
+    t, p = (x.to(device) for x in _rows(6, g))
+    keys = torch.randint(0, 1 << 32, (6,), generator=g).to(device)
+    home = torch.full((10,), -1, dtype=torch.long, device=device)
+    got = sample_rows(logits, t, p, keys, out=home[:6])
+    assert got.data_ptr() == home.data_ptr()
+    assert torch.equal(got, sample_rows(logits, t, p, keys)) and (home[6:] == -1).all()
+    with pytest.raises(ValueError, match="out must be contiguous int64"):
+        sample_rows(logits, t, p, keys, out=home[:5])
+
+
+@GPU
 def test_kernel_draws_follow_the_nucleus_distribution():
     # 20000 rows of one 8-token distribution, each its own key: top_p 0.7 keeps the three
     # most likely tokens (0.3 + 0.2 + 0.15 reaches 0.65 < 0.7, so the fourth too), and

@@ -352,6 +352,25 @@ def test_sampling_graphs_captured_a_graph_per_unit_leave_the_steps_state_between
     assert table[: counts.scratch].sum() == 0 and table[counts.scratch].sum() > 0
 
 
+class Recording(torch.Tensor):
+    """A tensor whose slices' ``copy_`` calls are recorded (in ``copies``)."""
+
+    @staticmethod
+    def __new__(cls, base, copies):
+        out = base.as_subclass(cls)
+        out.copies = copies
+        return out
+
+    def __getitem__(self, index):
+        view = super().__getitem__(index).as_subclass(Recording)
+        view.copies = self.copies
+        return view
+
+    def copy_(self, src, *args, **kwargs):
+        self.copies.append(src.shape)
+        return super().copy_(src, *args, **kwargs)
+
+
 def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
     # 8 requests asking for log probabilities (greedy and sampled, 0 to 20 alternatives)
     # fill the captured size 8: each decode step's come from the logprob graph, equal
@@ -364,9 +383,17 @@ def test_log_probabilities_come_from_a_graph_and_equal_eager_ones(fake_graphs):
     ]
     want = engine("none", seed=11).generate(prompts, params)
     llm = engine("full", seed=11)
-    graph, _ = llm.engine.sampler.graph_sampler.logprob_graphs[8]
+    sampler = llm.engine.sampler.graph_sampler
+    graph, _ = sampler.logprob_graphs[8]
+    copies = []
+    chosen = sampler.chosen
+    sampler.chosen = Recording(chosen, copies)
     got = llm.generate(prompts, params)
     assert graph.replays == 9  # every decode step after the prefill
+    # The sampling graphs write their tokens where the logprob graph reads them: no copy.
+    assert copies == [] and all(out.data_ptr() == chosen.data_ptr() for out in (
+        entry[1] for key, entry in sampler.graphs.items() if key[2] is not None
+    ))  # fmt: skip
     for w, g, k in zip(want, got, ks, strict=True):
         assert w.token_ids == g.token_ids and len(g.logprobs) == 10
         for a, b in zip(w.logprobs, g.logprobs, strict=True):

@@ -256,6 +256,7 @@ def sample_rows(
     top_ps: torch.Tensor,
     keys: torch.Tensor,
     penalties: tuple[torch.Tensor | None, ...] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits`` (``[rows, vocab]`` CUDA floats): temperature 0
     rows the first maximum, others a draw from the softmax at their temperature over the
@@ -264,10 +265,15 @@ def sample_rows(
     ``temperatures`` and ``top_ps``: float32 ``[rows]``, top_p in (0, 1]. ``penalties``
     (``penalize_rows``' operands after the logits: bias or None, presence, frequency,
     table, rows): draws from ``penalize_rows(logits, *penalties)`` instead, the same
-    tokens, its arithmetic done in the first kernel (no pass of its own)."""
+    tokens, its arithmetic done in the first kernel (no pass of its own). ``out``: where
+    the tokens are written (int64 ``[rows]``, contiguous; a new tensor where None), as a
+    graph's next kernels may read them."""
     rows, vocab = logits.shape
     device = logits.device
-    out = torch.empty(rows, dtype=torch.int64, device=device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"sample_rows: out must be contiguous int64 [{rows}], got {out.shape}")
     chunks = triton.cdiv(vocab, CHUNK)
     if rows == 0:
         return out

@@ -155,7 +155,11 @@ class GraphSampler:
             tokens = greedy_tokens(out)
         else:
             seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
-            tokens = sample(out, temperatures, top_ps, self.generator, False, seeds, cut, penalties)
+            # (into ``chosen``: the log probabilities' graph reads them there, no copy)
+            chosen = self.chosen[:n]
+            tokens = sample(
+                out, temperatures, top_ps, self.generator, False, seeds, cut, penalties, chosen
+            )
         # Inside ``compile_ahead()`` the kernels that write ``tokens`` do not run: counting
         # its unwritten ids would index the table out of bounds (a device-side assert).
         if adjusted and not compiling_ahead():
@@ -212,13 +216,13 @@ class GraphSampler:
         beside steps (before the sampler is handed to them): with ``ahead``, ``capture``'s
         compile-ahead pass; then each graph's work run once eagerly (kernel modules
         loaded, first-call allocations made), so each capture's warm-up is quick. It
-        draws from a generator of its own and counts into a table of its own, so it
-        touches nothing a step reads or writes."""
+        draws from a generator of its own, counts into a table of its own and writes its
+        tokens into a buffer of its own, so it touches nothing a step reads or writes."""
         self._own_buffers(sizes)
         self.ints[2].fill_(self.counts.scratch)
-        generator, table = self.generator, self.table
+        generator, table, chosen = self.generator, self.table, self.chosen
         self.generator = torch.Generator(device=self.device)
-        self.table = self.counts.new_table()
+        self.table, self.chosen = self.counts.new_table(), torch.zeros_like(chosen)
         try:
             if ahead:
                 self._compile_ahead(sizes)
@@ -227,7 +231,7 @@ class GraphSampler:
             for n in sizes:
                 self._every_graphs_work(n)
         finally:
-            self.generator, self.table = generator, table
+            self.generator, self.table, self.chosen = generator, table, chosen
         self.compiled = ahead
         self.prepared = self.prepared | frozenset(sizes)
 
@@ -283,7 +287,8 @@ class GraphSampler:
         if entry is None:
             return None
         n = tokens.shape[0]
-        self.chosen[:n].copy_(tokens)
+        if tokens.data_ptr() != self.chosen.data_ptr():  # (a sampling graph's are there)
+            self.chosen[:n].copy_(tokens)
         if k != self.live_k_value:
             self.live_k.fill_(k)
             self.live_k_value = k

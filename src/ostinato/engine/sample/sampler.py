@@ -22,6 +22,7 @@ def sample(
     seeded: Sequence[tuple[int, int] | None] | Seeds = (),
     cut: bool = True,
     penalties: Penalties | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (``[rows, vocab]``, any float dtype; the
     softmax runs in float32).
@@ -37,6 +38,8 @@ def sample(
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
     where the step samples with torch (the same tokens). ``penalties``: sample from
     ``adjust.penalized(logits, ...)`` instead (on CUDA inside the first sampling kernel).
+    ``out``: the tokens are written there and it is returned (int64 ``[rows]``; on CUDA
+    the sampling kernels write it themselves).
 
     On CUDA the sampling kernels draw (``kernels.sampling``): each row's draws come from a
     key, the seeded rows' own or one drawn from ``generator``, so a graph replay takes
@@ -47,14 +50,14 @@ def sample(
     if penalties is not None and (all_greedy or not logits.is_cuda):
         logits, penalties = penalized(logits, *penalties.operands()), None
     if all_greedy:
-        return greedy_tokens(logits)
+        return _into(out, greedy_tokens(logits))
     seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, logits.device)
     if logits.is_cuda:
         from ostinato.engine.kernels.sampling import sample_rows
 
         keys = row_keys(seeds, logits, generator)
         operands = penalties.operands() if penalties is not None else None
-        return sample_rows(logits, temperatures, top_ps, keys, operands)
+        return sample_rows(logits, temperatures, top_ps, keys, operands, out)
     greedy = greedy_tokens(logits)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
@@ -67,7 +70,12 @@ def sample(
     if cut:
         probs = torch.where(nucleus(probs, top_ps), probs, torch.zeros_like(probs))
     choice = (probs / race).argmax(dim=-1)
-    return torch.where(temperatures > 0, choice, greedy)
+    return _into(out, torch.where(temperatures > 0, choice, greedy))
+
+
+def _into(out: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens``, or ``out`` holding them."""
+    return tokens if out is None else out.copy_(tokens)
 
 
 def row_keys(

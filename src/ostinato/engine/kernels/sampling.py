@@ -265,15 +265,10 @@ def sample_rows(
     ``temperatures`` and ``top_ps``: float32 ``[rows]``, top_p in (0, 1]. ``penalties``
     (``penalize_rows``' operands after the logits: bias or None, presence, frequency,
     table, rows): draws from ``penalize_rows(logits, *penalties)`` instead, the same
-    tokens, its arithmetic done in the first kernel (no pass of its own). ``out``: where
-    the tokens are written (int64 ``[rows]``, contiguous; a new tensor where None), as a
-    graph's next kernels may read them."""
+    tokens, its arithmetic done in the first kernel. ``out``: the tokens' home, if given."""
     rows, vocab = logits.shape
     device = logits.device
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=device)
-    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"sample_rows: out must be contiguous int64 [{rows}], got {out.shape}")
+    out = _tokens_out(out, rows, device)
     chunks = triton.cdiv(vocab, CHUNK)
     if rows == 0:
         return out
@@ -314,6 +309,16 @@ def sample_rows(
         _finish_kernel, (rows,), *row_args, top_ps, keys, rowstate, done, out, vocab,
         BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(vocab)), num_warps=16,
     )  # fmt: skip
+    return out
+
+
+def _tokens_out(out: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
+    """``sample_rows``' ``out`` (int64 ``[rows]``, contiguous: where a graph's next kernels
+    may read the tokens), checked; a new one where None."""
+    if out is None:
+        return torch.empty(rows, dtype=torch.int64, device=device)
+    if out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"sample_rows: out must be contiguous int64 [{rows}], got {out.shape}")
     return out
 
 

@@ -4,6 +4,7 @@ what each request's parameters say (``sample.rows``)."""
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from ostinato.engine.core.params import SamplingParams
@@ -12,6 +13,17 @@ from ostinato.engine.sample.rows import StepRows
 from ostinato.engine.sample.sampler import _row_keys, row_keys_and_mask, row_keys_array
 from ostinato.engine.sample.step_sampler import StepSampler
 
+M64 = (1 << 64) - 1
+
+
+def _splitmix_key(seed: int, index: int) -> int:
+    """The reference: SplitMix64's finaliser of ``seed * golden + index`` on Python
+    integers (exact, masked to 64 bits at each step), its low 32 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + index) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
 
 def test_row_keys_array_is_the_integer_mix_bit_for_bit():
     rng = random.Random(0)
@@ -19,7 +31,12 @@ def test_row_keys_array_is_the_integer_mix_bit_for_bit():
     pairs += [(0, 0), (2**63 - 1, 0), (2**63 - 1, (1 << 40) - 1)]
     seeds = np.array([s for s, _ in pairs], dtype=np.uint64)
     indices = np.array([i for _, i in pairs], dtype=np.uint64)
-    assert row_keys_array(seeds, indices).tolist() == _row_keys(pairs)
+    want = [_splitmix_key(s, i) for s, i in pairs]
+    assert row_keys_array(seeds, indices).tolist() == want
+    assert _row_keys(pairs) == want and _row_keys([]) == []
+    # any Python integers (the public sampler's seeds): taken modulo 2**64, as the mix is
+    wide = [(rng.randrange(-(2**70), 2**70), rng.randrange(-(2**66), 2**66)) for _ in range(500)]
+    assert _row_keys(wide) == [_splitmix_key(s, i) for s, i in wide]
 
 
 def test_rows_say_what_each_requests_parameters_say():
@@ -45,6 +62,10 @@ def test_rows_say_what_each_requests_parameters_say():
     plain = StepRows.of([SamplingParams(temperature=0.5)] * 3)
     assert (plain.adjusted, plain.seeded, plain.cut, plain.logprobs) == (False, False, False, None)
     assert plain.seeded_list([1, 2, 3]) == [] and plain.keys([1, 2, 3]).tolist() == [0, 0, 0]
+    # a seeded step without an index a row: named, whichever is asked
+    for ask in (rows.keys, rows.seeded_list):
+        with pytest.raises(ValueError, match="seeded requests need the index of each token"):
+            ask([11, 12])
 
 
 def test_a_steady_batch_keeps_its_rows_and_any_change_makes_them_anew():

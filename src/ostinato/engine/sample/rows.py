@@ -79,7 +79,7 @@ class StepRows:
         """Each row's key of its draws for the tokens at ``indices`` (the index of each
         row's token in its sequence): ``sampler.row_keys_array`` of a seeded row's seed,
         0 for the others (``sampler.row_keys_and_mask``' keys)."""
-        keys = row_keys_array(self.seeds, np.asarray(indices, dtype=np.uint64))
+        keys = row_keys_array(self.seeds, np.asarray(self._indexed(indices), dtype=np.uint64))
         return np.where(self.seeded_rows.astype(bool), keys, np.uint64(0)).astype(np.int64)
 
     def seeded_list(self, indices: Sequence[int]) -> list[tuple[int, int] | None]:
@@ -87,5 +87,14 @@ class StepRows:
         (empty where none is)."""
         if not self.seeded:
             return []
-        pairs = zip(self.params, self.seeded_rows.tolist(), indices, strict=True)
+        pairs = zip(self.params, self.seeded_rows.tolist(), self._indexed(indices), strict=True)
         return [(p.seed, i) if s else None for p, s, i in pairs]
+
+    def _indexed(self, indices: Sequence[int]) -> Sequence[int]:
+        """``indices``, one a row, or ``ValueError`` naming what a seeded row needs."""
+        if len(indices) != len(self.params):
+            raise ValueError(
+                f"StepSampler: seeded requests need the index of each token ({len(indices)} "
+                f"indices for {len(self.params)} requests)"
+            )
+        return indices

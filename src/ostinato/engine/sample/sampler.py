@@ -134,6 +134,7 @@ def top_p_cut(temperatures: Sequence[float], top_ps: Sequence[float]) -> bool:
 
 
 _MASK = (1 << 32) - 1
+_MASK64 = (1 << 64) - 1
 
 
 def seeded_races(row_keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -152,25 +153,20 @@ def seeded_races(row_keys: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _row_keys(keys: Sequence[tuple[int, int]]) -> list[int]:
-    """A 32-bit key per (seed, index): ``seeded_races``' rows."""
-    return [_mix64(seed * 0x9E3779B97F4A7C15 + index) & _MASK for seed, index in keys]
+    """A 32-bit key per (seed, index): ``seeded_races``' rows (``row_keys_array``'), of
+    integers of any size (the mix is modulo 2**64, so each is taken modulo 2**64 first)."""
+    seeds = np.array([seed & _MASK64 for seed, _ in keys], dtype=np.uint64)
+    indices = np.array([index & _MASK64 for _, index in keys], dtype=np.uint64)
+    return row_keys_array(seeds, indices).tolist()
 
 
 def row_keys_array(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """``_row_keys`` of each (``seeds[i]``, ``indices[i]``) at once (uint64 arrays; the
-    keys as uint64 below 2**32): numpy's uint64 products wrap as ``_mix64``'s masks do,
-    so the keys are the same bits, at a few operations for all rows instead of a dozen
-    Python integer operations a row."""
+    """The key of each (``seeds[i]``, ``indices[i]``) (uint64 arrays; the keys as uint64
+    below 2**32): SplitMix64's finaliser of ``seed * golden + index``, its low 32 bits.
+    numpy's uint64 products wrap modulo 2**64, as the mix asks, at a few operations for
+    all rows."""
     with np.errstate(over="ignore"):
         z = seeds * np.uint64(0x9E3779B97F4A7C15) + indices
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return (z ^ (z >> np.uint64(31))) & np.uint64(_MASK)
-
-
-def _mix64(z: int) -> int:
-    """SplitMix64's finaliser on a Python int (exact, any size in; 64 bits out)."""
-    z &= (1 << 64) - 1
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return z ^ (z >> 31)

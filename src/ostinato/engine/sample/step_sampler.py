@@ -101,8 +101,6 @@ class StepSampler:
         sampler = self.graph_sampler
         if sampler is None or (rows.all_greedy and not rows.adjusted):
             return
-        if rows.seeded and len(indices) != len(params):
-            raise ValueError("StepSampler: seeded requests need the index of each token")
         if len(params) > sampler.floats.shape[1]:
             return  # (no sampling graph holds so many rows)
         keys = rows.keys(indices) if rows.seeded else None
@@ -138,13 +136,10 @@ class StepSampler:
                 in_graph = replay(size, rows)
                 if in_graph is not None:
                     return in_graph
-        if rows.seeded and len(indices) != len(params):
-            raise ValueError("StepSampler: seeded requests need the index of each token")
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
-        adjusted = rows.adjusted
-        logits = adjusted_logits(out.logits, params, counts) if adjusted else out.logits
+        logits = adjusted_logits(out.logits, params, counts) if rows.adjusted else out.logits
         seeded = rows.seeded_list(indices)
         tokens = sample(logits, temps, tops, self.generator, rows.all_greedy, seeded, rows.cut)
         if counts is not None:

@@ -223,10 +223,52 @@ def test_every_sampled_step_has_a_graph_among_the_cuda_variants():
     asked += [(True, cut, seeded) for cut in (True, False) for seeded in (True, False)]
     asked += [(True, None, False)]
     sampler = object.__new__(GraphSampler)
-    for one_for_all, variants in ((True, CUDA_VARIANTS), (False, GRAPH_VARIANTS)):
-        sampler.one_for_all = one_for_all
+    for keyed, variants in ((True, CUDA_VARIANTS), (False, GRAPH_VARIANTS)):
+        sampler.keyed = keyed
         keys = {sampler._key(8, *a)[1:] for a in asked}
-        assert keys == set(variants), one_for_all
+        assert keys == set(variants), keyed
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_keyed_steps_take_eager_tokens_in_graphs_padded_or_not(biased):
+    # On CUDA (``keyed``) each sampled row draws from a key the host takes, a seeded
+    # row's from its seed: a graph reads the staged keys and holds no generator, and an
+    # eager step takes the same keys, so 3 rows replayed at the captured size 4 take an
+    # eager step's tokens, step after step (the generator's draws shifted them before).
+    from fakes import FakePlatform
+
+    from ostinato.engine.sample.adjust import OutputCounts
+    from ostinato.engine.sample.graph_sampler import CUDA_VARIANTS, GraphSampler
+    from ostinato.engine.sample.step_sampler import StepOutput, StepSampler
+
+    rows, vocab, cpu = 8, 50, torch.device("cpu")
+    static = torch.zeros(rows, vocab)
+    counts = OutputCounts(vocab, rows, cpu)
+    drawn = torch.Generator().manual_seed(1)
+    graphs = GraphSampler(FakePlatform(), None, drawn, lambda n: static[:n], rows, cpu, counts)
+    graphs.keyed, graphs.variants = True, CUDA_VARIANTS
+    graphs.capture([4, 8])
+    graphed = StepSampler(torch.Generator().manual_seed(7), cpu, counts, graphs)
+    eager = StepSampler(torch.Generator().manual_seed(7), cpu, OutputCounts(vocab, rows, cpu))
+    graphed.keyed = eager.keyed = True
+    bias = {5: 2.0} if biased else {}
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, logit_bias=bias),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(),
+    ]
+    state, g, got, want = drawn.get_state(), torch.Generator().manual_seed(0), [], []
+    for step in range(6):
+        static.copy_(torch.randn(rows, vocab, generator=g))
+        indices = [step + 5] * 3
+        graphed.prepare(params, indices)
+        got.append(graphed.tokens(params, StepOutput(static[:3], graph_size=4), indices).tolist())
+        want.append(eager.tokens(params, StepOutput(static[:3].clone()), indices).tolist())
+    assert got == want
+    assert graphs.graphs[4, biased, True, False][0].replays == 6
+    assert torch.equal(drawn.get_state(), state)  # (no draw from the generator)
+    # one key a row a step from each stream, so both streams stand at the same place
+    assert graphed.key_stream.integers(1 << 32) == eager.key_stream.integers(1 << 32)
 
 
 def test_compile_ahead_queues_every_sampling_graphs_kernels_in_one_pass(monkeypatch):

@@ -15,8 +15,10 @@ per row combines the programs' results, as ``kernels.argmax`` does:
   ``top_p`` the winner is outside the nucleus, and the race's winner among the tokens
   above it (the same draws) is the next candidate. The candidate that stops it is the
   race's winner over the nucleus (every token above it is in the nucleus), a draw from
-  it. ``ROUNDS`` such checks run spread out (a row that is done skips them); a row still
-  not done then finishes in one program. No sort.
+  it. ``ROUNDS`` such checks run spread out (a row that is done skips them), each the
+  mass above the candidate first and the race above it only where the candidate is
+  outside (the hash bounds a pass, and most candidates are inside); a row still not
+  done then finishes in one program. No sort.
 - ``row_logprobs``: each chunk's max, softmax sum and largest entry; then the ``k``
   largest of the ``k`` chunks of largest maxima (the only ones that can hold the row's
   ``k`` largest), combined per row.
@@ -164,57 +166,76 @@ def _pick_kernel(temps_ptr, top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_
 
 
 @triton.jit
+def _candidate_z(logits_ptr, stride, temps_ptr, out_ptr, row, cols, vocab):
+    """A row's z of ``cols`` and its candidate's (``out``)."""
+    inv_t, greedy = _row_values(row, temps_ptr)
+    s = tl.load(out_ptr + row)
+    z_s = _scaled(logits_ptr, row, stride, s, s < vocab, inv_t)
+    return _scaled(logits_ptr, row, stride, cols, cols < vocab, inv_t), z_s
+
+
+@triton.jit
 def _above_kernel(
-    logits_ptr, stride, temps_ptr, keys_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr,
-    out_ptr, vocab, chunks, CHUNK: tl.constexpr,
+    logits_ptr, stride, temps_ptr, stats_ptr, rowstate_ptr, done_ptr, out_ptr, vocab, chunks,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """For a row not done: a chunk's mass above its candidate's z and the winner of the
-    race among the tokens there."""
+    """For a row not done: a chunk's mass above its candidate's z. No hash: most rows'
+    candidates are inside the nucleus, and only the others race (``_race_kernel``)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(done_ptr + row) != 0:
         return
     chunk = tl.program_id(1)
-    inv_t, greedy = _row_values(row, temps_ptr)
-    s = tl.load(out_ptr + row)
-    z_s = _scaled(logits_ptr, row, stride, s, s < vocab, inv_t)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    live = cols < vocab
-    z = _scaled(logits_ptr, row, stride, cols, live, inv_t)
-    up = live & (z > z_s)
-    at = row * chunks + chunk
-    # Most chunks hold nothing above a candidate (a likely token): they skip the
-    # exponentials and the hash, which bound this kernel's time, not the read.
-    if tl.max(up.to(tl.int32), axis=0) == 0:
-        tl.store(stats_ptr + 2 * at + 1, 0.0)
-        tl.store(races_ptr + at, EMPTY)
-        return
+    z, z_s = _candidate_z(logits_ptr, stride, temps_ptr, out_ptr, row, cols, vocab)
+    up = (cols < vocab) & (z > z_s)
     m = tl.load(rowstate_ptr + 2 * row)
     above = tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
+    tl.store(stats_ptr + 2 * (row * chunks + chunk) + 1, above)
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, stride, temps_ptr, top_p_ptr, keys_ptr, stats_ptr, races_ptr, rowstate_ptr,
+    done_ptr, out_ptr, vocab, chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """For a row not done: done if the mass above its candidate is below top_p (every
+    program of the row finds the same from the chunks' masses; the first records it),
+    else the winner of the chunk's race among the tokens above the candidate."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(done_ptr + row) != 0:
+        return
+    chunk = tl.program_id(1)
+    c = tl.arange(0, CHUNKS)
+    masses = tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=c < chunks, other=0.0)
+    above = tl.sum(masses, axis=0)
+    # (outside, not "not inside": a NaN sum keeps the candidate, a column of the row; and
+    # with nothing above it, a row of -inf's zero total too)
+    limit = tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
+    if not ((above > 0.0) & (above >= limit)):
+        if chunk == 0:
+            tl.store(done_ptr + row, 1)
+        return
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    z, z_s = _candidate_z(logits_ptr, stride, temps_ptr, out_ptr, row, cols, vocab)
+    up = (cols < vocab) & (z > z_s)
+    at = row * chunks + chunk
+    if tl.max(up.to(tl.int32), axis=0) == 0:  # (nothing above here: no hash)
+        tl.store(races_ptr + at, EMPTY)
+        return
     g = tl.where(up, z + _gumbel(tl.load(keys_ptr + row), cols), float("-inf"))
-    tl.store(stats_ptr + 2 * at + 1, above)
     tl.store(races_ptr + at, packed_max(g, cols, up, vocab))
 
 
 @triton.jit
-def _check_kernel(top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_ptr, chunks,
-                  CHUNKS: tl.constexpr):  # fmt: skip
-    """For a row not done: done if the mass above its candidate is below top_p, else the
-    race's winner above it is the next candidate."""
+def _next_kernel(races_ptr, done_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
+    """For a row not done (its candidate outside the nucleus): the race's winner above
+    the candidate is the next candidate."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(done_ptr + row) != 0:
         return
     c = tl.arange(0, CHUNKS)
-    here = c < chunks
-    above = tl.sum(tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=here, other=0.0), axis=0)
-    # (outside, not "not inside": a NaN sum keeps the candidate, a column of the row; and
-    # with nothing above it, a row of -inf's zero total too)
-    limit = tl.load(top_p_ptr + row) * tl.load(rowstate_ptr + 2 * row + 1)
-    outside = (above > 0.0) & (above >= limit)
-    best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
-    if outside:
-        tl.store(out_ptr + row, unpacked(best))
-    else:
-        tl.store(done_ptr + row, 1)
+    best = tl.max(tl.load(races_ptr + row * chunks + c, mask=c < chunks, other=EMPTY), axis=0)
+    tl.store(out_ptr + row, unpacked(best))
 
 
 @triton.jit
@@ -222,7 +243,7 @@ def _finish_kernel(
     logits_ptr, stride, temps_ptr, top_p_ptr, keys_ptr, rowstate_ptr, done_ptr, out_ptr, vocab,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """For a row still not done: the checks of ``_above_kernel`` and ``_check_kernel``
+    """For a row still not done: the checks of ``_above_kernel`` and ``_race_kernel``
     in one program, until its candidate is inside the nucleus."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(done_ptr + row) != 0:
@@ -245,7 +266,7 @@ def _finish_kernel(
             above += tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
             g = tl.where(up, z + _gumbel(key, cols), float("-inf"))
             best = tl.maximum(best, packed_max(g, cols, up, vocab))
-        cut = (above > 0.0) & (above >= limit)  # (``_check_kernel``'s test)
+        cut = (above > 0.0) & (above >= limit)  # (``_race_kernel``'s test)
         s = tl.where(cut, unpacked(best), s)
     tl.store(out_ptr + row, s)
 
@@ -298,18 +319,33 @@ def sample_rows(
         **combine,
     )  # fmt: skip
     for _ in range(ROUNDS):
-        launch(
-            _above_kernel, (rows, chunks), *row_args, keys, stats, races, rowstate, done, out,
-            vocab, chunks, **spread,
-        )  # fmt: skip
-        launch(
-            _check_kernel, (rows,), top_ps, stats, races, rowstate, done, out, chunks, **combine
-        )  # fmt: skip
+        _top_p_round(row_args, top_ps, keys, stats, races, rowstate, done, out, vocab, chunks)
     launch(
         _finish_kernel, (rows,), *row_args, top_ps, keys, rowstate, done, out, vocab,
         BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(vocab)), num_warps=16,
     )  # fmt: skip
     return out
+
+
+def _top_p_round(
+    row_args: tuple, top_ps: torch.Tensor, keys: torch.Tensor, stats: torch.Tensor,
+    races: torch.Tensor, rowstate: torch.Tensor, done: torch.Tensor, out: torch.Tensor,
+    vocab: int, chunks: int,
+) -> None:  # fmt: skip
+    """One check of each row's candidate against its nucleus, spread over the chunks:
+    the mass above it, then (rows outside only) the race above it and its winner."""
+    spread = {"CHUNK": CHUNK, "num_warps": WARPS}
+    combine = {"CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
+    rows = out.shape[0]
+    launch(
+        _above_kernel, (rows, chunks), *row_args, stats, rowstate, done, out,
+        vocab, chunks, **spread,
+    )  # fmt: skip
+    launch(
+        _race_kernel, (rows, chunks), *row_args, top_ps, keys, stats, races, rowstate, done, out,
+        vocab, chunks, **spread, CHUNKS=combine["CHUNKS"],
+    )  # fmt: skip
+    launch(_next_kernel, (rows,), races, done, out, chunks, **combine)
 
 
 def _tokens_out(out: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:

@@ -9,25 +9,24 @@ the decode graph's static logits and per-row temperature and top-p buffers and w
 the sampled tokens. A sampled step is then two replays and no eager kernel: no launch
 per op, no host work between them.
 
-The random draws come from the engine's generator, registered with each graph (CUDA's
-graph-safe RNG): every replay advances the generator as an eager call of the same size
-would. So a step whose requests fill its captured size exactly takes the very tokens an
-eager ``sample`` takes from the same generator state (GPU-tested). In a padded step the
-padding rows draw random numbers too. On CUDA that leaves the real rows' draws alone
-while the generator's per-call advance is the same at both sizes (Philox numbers are
-indexed by element position; measured: 3 rows padded to 4 drew what eager drew at 3), but
-at sizes where the advance differs, later steps draw other numbers; on the CPU the
-generator draws in sequence and the padding always shifts them. Either way the tokens
-follow the same distribution as eager sampling's.
+On CUDA (``keyed``) every row draws from a key the host staged with the step's values
+(``StepSampler``'s: a seeded row's from its seed, the others' from a seeded stream), so
+a graph holds no generator: a registered one cost each replay two eager fills and a
+launch gap, some 10 µs. An eager step takes its keys from the same stream, so a graph's
+tokens are eager's, padded or not. Elsewhere the draws come from the engine's generator,
+registered with each graph: every replay advances it as an eager call of the same size
+would, so a step whose requests fill its captured size exactly takes the very tokens an
+eager ``sample`` takes from the same generator state; in a padded step the padding rows
+draw too and shift later draws (the same distribution, other tokens).
 
 A step whose requests set a logit bias or penalties, or a seed, replays an adjusted
 variant: it adds the step's bias (a dense ``[rows, vocab]`` buffer, rewritten between
 steps where the rows' biases differ from the last step's), subtracts the penalties read
 from the output counts' table (``OutputCounts``, through the step's rows) with the
 arithmetic of eager steps (``adjust.penalized``), draws a seeded row's numbers from its
-key (``sampler.Seeds``), so it too takes eager's tokens, and counts the tokens it drew
-in the table (``adjust.count_tokens``). Its bias costs ``rows * vocab`` float32 (16 MiB
-at 32 rows of a 128k vocabulary).
+key (``sampler.Seeds``; on CUDA every row's), so it too takes eager's tokens, and counts
+the tokens it drew in the table (``adjust.count_tokens``). Its bias costs ``rows *
+vocab`` float32 (16 MiB at 32 rows of a 128k vocabulary).
 """
 
 from __future__ import annotations
@@ -68,10 +67,10 @@ VARIANTS = (
     (True, False, True),
     (True, None, False),
 )
-# On CUDA the sampling kernels cost the same with or without top-p and seeds (each row's
-# draws come from a key, its seed's or one drawn from the generator, whose draws are the
-# same either way), so one graph serves a sampled step of either kind: 3 variants, not 7.
-CUDA_VARIANTS = ((False, True, False), (True, True, True), (True, None, False))
+# On CUDA the sampling kernels cost the same with or without top-p, and every row draws
+# from a staged key (seeded or not), so one graph serves a sampled step of either kind:
+# 3 variants, not 7.
+CUDA_VARIANTS = ((False, True, False), (True, True, False), (True, None, False))
 # The argmax alone, for steps whose own graphs end before the LM head (FULL mode's).
 GREEDY = (False, None, False)
 Key = tuple[int, bool, bool | None, bool]  # (size, adjusted, cut, seeded)
@@ -114,8 +113,8 @@ class GraphSampler:
     ) -> None:
         self.platform, self.pool, self.generator, self.logits = platform, pool, generator, logits
         self.device, self.counts = device, counts
-        self.one_for_all = device.type == "cuda"  # (``CUDA_VARIANTS``)
-        variants = CUDA_VARIANTS if self.one_for_all else VARIANTS
+        self.keyed = device.type == "cuda"  # (``CUDA_VARIANTS``, each row's key staged)
+        variants = CUDA_VARIANTS if self.keyed else VARIANTS
         self.variants = (*variants, GREEDY) if greedy else variants
         # Per row: temperature, top-p, presence and frequency penalties; seed key, seeded,
         # row of the output counts. One buffer, so a step's values are one copy.
@@ -154,7 +153,11 @@ class GraphSampler:
                 out = penalized(out, *penalties.operands())
             tokens = greedy_tokens(out)
         else:
-            seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool()) if seeded else ()
+            seeds: Seeds | tuple = ()
+            if self.keyed:  # (every row's key; no generator draw)
+                seeds = Seeds(self.ints[0, :n], None)
+            elif seeded:
+                seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool())
             # (into ``chosen``: the log probabilities' graph reads them there, no copy)
             chosen = self.chosen[:n]
             tokens = sample(
@@ -195,7 +198,7 @@ class GraphSampler:
         for variant in self.variants:
             sampled = functools.partial(self._sample, n, *variant)
             with hold(), self._steps_state_kept():
-                self.graphs[(n, *variant)] = self._captured(sampled, True, warm)
+                self.graphs[(n, *variant)] = self._captured(sampled, not self.keyed, warm)
         with hold(), self._steps_state_kept():
             self.logprob_graphs[n] = self._captured(self._logprobs_of(n), False, warm)
 
@@ -303,13 +306,13 @@ class GraphSampler:
     ) -> None:
         """Copies a step's per-row values to the buffers its sampling graph reads, for
         every row a graph may hold (beyond the step's own: greedy, top-p 1, no penalty,
-        unseeded, counted in the scratch row): ``rows``' floats, and for a step that
-        ``sample_adjusted`` samples (bias, penalties or seeds) ``keys`` (``StepRows.keys``;
-        None: no row seeded) and each row's row of the output counts (``count_rows``;
-        None: none penalized). Queued on the device where it is called: before the
-        step's own graphs, where the caller can (``StepSampler.prepare``)."""
+        unseeded, counted in the scratch row): ``rows``' floats, and where a graph reads
+        them (``keys`` given: every row's on CUDA, else the seeded rows'; or the step
+        adjusted) ``keys`` (None: 0) and each row's row of the output counts
+        (``count_rows``; None: none penalized). Queued on the device where it is called:
+        before the step's own graphs, where the caller can (``StepSampler.prepare``)."""
         n, every = len(rows.params), self.floats.shape[1]
-        if not (rows.adjusted or rows.seeded):
+        if keys is None and not rows.adjusted:
             self._stage(every, rows.floats[:2])
             return
         if keys is None:
@@ -364,8 +367,8 @@ class GraphSampler:
 
     def _key(self, padded: int, adjusted: bool, cut: bool | None, seeded: bool) -> Key:
         """The graph that samples such a step (on CUDA one serves top-p and seeds or not)."""
-        if self.one_for_all and cut is not None:
-            return (padded, adjusted, True, adjusted)
+        if self.keyed and cut is not None:
+            return (padded, adjusted, True, False)
         return (padded, adjusted, cut, seeded)
 
     def _stage(

@@ -34,7 +34,8 @@ def sample(
     device, which waits for it). ``seeded[i] = (seed, index)``: row i draws from a key
     of its own, made of ``seed`` and the index of the token drawn, so its token depends on
     its own logits and seed only (``None`` or absent: the row's draws come from
-    ``generator``); or the same on the device (``Seeds``, as a graph holds it).
+    ``generator``); or the same on the device (``Seeds``, as a graph holds it; with no
+    mask every row's key, drawn by the caller, and ``generator`` is not used).
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
     where the step samples with torch (the same tokens). ``penalties``: sample from
     ``adjust.penalized(logits, ...)`` instead (on CUDA inside the first sampling kernel).
@@ -64,9 +65,12 @@ def sample(
     # The exponential race: argmax of p / E, E ~ Exp(1) i.i.d., picks token i with
     # probability p_i / sum(p). Unlike torch.multinomial it never waits for the device,
     # and it is made of ops a graph can hold.
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    if seeds is not None:
-        race = torch.where(seeds.mask[:, None], seeded_races(seeds.keys, race.shape[1]), race)
+    if seeds is not None and seeds.mask is None:  # (every row keyed: no generator draw)
+        race = seeded_races(seeds.keys, probs.shape[1])
+    else:
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        if seeds is not None:
+            race = torch.where(seeds.mask[:, None], seeded_races(seeds.keys, race.shape[1]), race)
     if cut:
         probs = torch.where(nucleus(probs, top_ps), probs, torch.zeros_like(probs))
     choice = (probs / race).argmax(dim=-1)
@@ -83,6 +87,8 @@ def row_keys(
 ) -> torch.Tensor:
     """Each row's 32-bit key for ``seeded_races``' draws (int64 ``[rows]`` on the
     logits' device): a seeded row's own, else one drawn from ``generator``."""
+    if seeds is not None and seeds.mask is None:
+        return seeds.keys
     rows = logits.shape[0]
     drawn = torch.randint(0, 1 << 32, (rows,), generator=generator, device=logits.device)
     return drawn if seeds is None else torch.where(seeds.mask, seeds.keys, drawn)
@@ -105,10 +111,11 @@ def nucleus(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Seeds:
     """Per row of a step, on the device: ``keys`` (int64, ``seeded_races``' row keys) and
-    ``mask`` (bool: the row draws from its key, not the generator)."""
+    ``mask`` (bool: the row draws from its key, not the generator; None: every row
+    does, and nothing is drawn from the generator)."""
 
     keys: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 def seeds_on(seeded: Sequence[tuple[int, int] | None], device: torch.device) -> Seeds | None:

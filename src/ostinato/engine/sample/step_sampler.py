@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import ScheduledBatch, ScheduledRequest
-from ostinato.engine.core.transfer import to_device_split
+from ostinato.engine.core.transfer import to_device, to_device_split
 from ostinato.engine.sample.adjust import (
     OutputCounts,
     Pending,
@@ -24,7 +25,7 @@ from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
 from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.rows import StepRows
-from ostinato.engine.sample.sampler import sample
+from ostinato.engine.sample.sampler import Seeds, sample
 from ostinato.engine.sample.verify import verify
 
 
@@ -45,13 +46,31 @@ class StepOutput:
     graph_size: int | None = None
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What ``prepare`` made for a step: its rows and counts, each row's key (``keyed``
+    sampling; else the seeded rows' keys; None where nothing draws), and whether its
+    values were copied for a sampling graph."""
+
+    rows: StepRows
+    counts: StepCounts | None
+    keys: np.ndarray | None
+    staged: bool
+
+
 class StepSampler:
     """Turns a ``StepOutput`` into tokens. Guarantees: an all-greedy step returns the
     argmax (the graph's own where it has one, no second pass over the logits); a
     sampled, biased, penalized or seeded uniform decode step whose logits a sampling
-    graph reads samples in that graph; every other step samples eagerly from
-    ``generator``, with the same tokens at a captured size; nothing here waits for the
-    device."""
+    graph reads samples in that graph; every other step samples eagerly, with the same
+    tokens as the graph from the same state; nothing here waits for the device.
+
+    ``keyed`` (on CUDA): each sampled step's rows draw from keys the host takes from a
+    stream seeded with ``generator``'s seed (a seeded row from its own), one a row, in
+    a graph or eagerly alike, so a graph holds no generator (a registered one cost each
+    replay two eager fills and a launch, some 10 µs at 64 rows on an H200) and a padded
+    step's tokens are an unpadded eager step's. Elsewhere the unseeded rows draw from
+    ``generator`` (the keys' hash costs the CPU four times the exponential draws)."""
 
     def __init__(
         self,
@@ -64,8 +83,9 @@ class StepSampler:
         self.counts = counts  # the penalties' output counts, read by the sampling graphs
         self.graph_sampler = graph_sampler  # the sampling graphs, one per decode size
         self._rows: StepRows | None = None  # the last step's (``rows``)
-        # The rows and counts whose values ``prepare`` copied for the coming ``tokens``.
-        self._staged: tuple[StepRows, StepCounts | None] | None = None
+        self.keyed = device.type == "cuda"
+        self.key_stream = np.random.default_rng(generator.initial_seed())
+        self._prepared: _Prepared | None = None  # ``prepare``'s, for the coming ``tokens``
 
     def output_counts(
         self, scheduled: Sequence[ScheduledRequest], pending: Pending | None
@@ -92,20 +112,35 @@ class StepSampler:
         counts: StepCounts | None = None,
     ) -> None:
         """Before a step's graphs are queued (``tokens``' arguments for the same step):
-        copies the per-row values its sampling graph will read, so that ``tokens`` only
-        replays it. A copy queued between the step's graphs and its sampling graph kept
-        the device idle some 10 µs a step (64 rows on an H200: the copy engine's turn
-        after a kernel); here it follows the step's own input copies."""
-        self._staged = None
+        takes its rows' keys and copies the per-row values its sampling graph will read,
+        so that ``tokens`` only replays it. A copy queued between the step's graphs and
+        its sampling graph kept the device idle some 10 µs a step (64 rows on an H200:
+        the copy engine's turn after a kernel); here it follows the step's own input
+        copies."""
         rows = self.rows(params)
+        keys = self._keys(rows, indices)
         sampler = self.graph_sampler
-        if sampler is None or (rows.all_greedy and not rows.adjusted):
-            return
-        if len(params) > sampler.floats.shape[1]:
-            return  # (no sampling graph holds so many rows)
-        keys = rows.keys(indices) if rows.seeded else None
-        sampler.stage(rows, keys, counts.rows if counts is not None else None)
-        self._staged = (rows, counts)
+        staged = not (
+            sampler is None
+            or (rows.all_greedy and not rows.adjusted)
+            or len(params) > sampler.floats.shape[1]  # (no sampling graph holds so many)
+        )
+        if staged:
+            assert sampler is not None
+            sampler.stage(rows, keys, counts.rows if counts is not None else None)
+        self._prepared = _Prepared(rows, counts, keys, staged)
+
+    def _keys(self, rows: StepRows, indices: Sequence[int]) -> np.ndarray | None:
+        """A step's keys (int64, below 2**32): ``keyed``, one per row for a step that
+        samples, a seeded row's from its seed and the others' from ``key_stream``;
+        else the seeded rows' (0 for the others) where a row is seeded; else None."""
+        if rows.all_greedy or not (self.keyed or rows.seeded):
+            return None
+        seeded = rows.keys(indices) if rows.seeded else None
+        if not self.keyed:
+            return seeded
+        drawn = self.key_stream.integers(0, 1 << 32, size=len(rows.params), dtype=np.int64)
+        return drawn if seeded is None else np.where(rows.seeded_rows != 0, seeded, drawn)
 
     def tokens(
         self,
@@ -118,33 +153,43 @@ class StepSampler:
         the index in its sequence of each token drawn, which a request's ``seed`` is
         mixed with; ``counts``: ``output_counts``', where a request is penalized, whose
         rows then count the tokens drawn); a view of a static buffer where a graph chose
-        them, so copy it before the next step. A step with a seeded sampled request, a
-        logit bias or a penalty replays the sampling graph's adjusted variant where there
-        is one. Where ``prepare`` was not called for this step, it is called here."""
+        them, so copy it before the next step. A step with a logit bias or a penalty (or,
+        not ``keyed``, a seeded sampled request) replays the sampling graph's adjusted
+        variant where there is one. Where ``prepare`` was not called for this step, it is
+        called here."""
         rows = self.rows(params)
         if rows.all_greedy and not rows.adjusted:
             return self._greedy(out, len(params))
-        sampler, size = self.graph_sampler, out.graph_size
-        staged, self._staged = self._staged, None
-        if sampler is not None and size is not None:
-            if staged is None or staged[0] is not rows or staged[1] is not counts:
-                self.prepare(params, indices, counts)
-                staged, self._staged = self._staged, None
-            if staged is not None:
-                adjusted = rows.adjusted or rows.seeded
-                replay = sampler.sample_adjusted if adjusted else sampler.sample
-                in_graph = replay(size, rows)
-                if in_graph is not None:
-                    return in_graph
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared.rows is not rows or prepared.counts is not counts:
+            self.prepare(params, indices, counts)
+            prepared, self._prepared = self._prepared, None
+        assert prepared is not None
+        if prepared.staged and out.graph_size is not None:
+            in_graph = self._replayed(rows, out.graph_size)
+            if in_graph is not None:
+                return in_graph
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
         logits = adjusted_logits(out.logits, params, counts) if rows.adjusted else out.logits
-        seeded = rows.seeded_list(indices)
+        keys = prepared.keys
+        seeded: Seeds | list = rows.seeded_list(indices)
+        if self.keyed and keys is not None:
+            seeded = Seeds(to_device(keys.tolist(), torch.long, self.device), None)
         tokens = sample(logits, temps, tops, self.generator, rows.all_greedy, seeded, rows.cut)
         if counts is not None:
             count_tokens(counts.table, counts.device_rows, tokens)
         return tokens
+
+    def _replayed(self, rows: StepRows, size: int) -> torch.Tensor | None:
+        """The tokens of the sampling graph of ``size`` for ``rows`` (their values
+        staged), None where it has none."""
+        sampler = self.graph_sampler
+        assert sampler is not None
+        if rows.adjusted or (rows.seeded and not self.keyed):
+            return sampler.sample_adjusted(size, rows)
+        return sampler.sample(size, rows)
 
     def _greedy(self, out: StepOutput, n: int) -> torch.Tensor:
         """The argmax of an all-greedy step without adjustments: the step's own, else

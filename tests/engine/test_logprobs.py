@@ -109,6 +109,7 @@ def test_packed_log_probabilities_are_views_of_one_buffer_row_by_row():
         step.top_ids.copy_(torch.arange(6 * k).view(6, k))
         step.top_values.copy_(-torch.arange(6.0 * k).view(6, k))
         head = step.head(4)
+        assert step.head(4) is head  # (made once: a steady batch asks for it every step)
         assert head.rows is not None and head.rows.data_ptr() == step.rows.data_ptr()
         assert head.rows.shape[0] == 4 and head.chosen.tolist() == [0.0, 1.0, 2.0, 3.0]
         assert torch.equal(head.top_ids, torch.arange(4 * k).view(4, k))

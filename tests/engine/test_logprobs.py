@@ -95,27 +95,3 @@ def test_a_landing_fits_steps_of_its_columns_and_types_and_no_more_rows():
     assert not landing.fits(step(9, 20))  # more rows
     assert not landing.fits(step(4, 5))  # other columns (an eager step's k)
     assert not landing.fits(step(4, 20, torch.int32))
-
-
-def test_packed_log_probabilities_are_views_of_one_buffer_row_by_row():
-    # A CUDA step's three outputs live in one buffer, a row's values side by side, so
-    # its leading rows copy to the host in one copy; a landing fits only its like.
-    from ostinato.engine.sample.logprobs import StepLogprobs
-
-    for k in (0, 1, 5, 20):
-        step = StepLogprobs.packed(6, k, torch.device("cpu"))
-        assert step.rows is not None and step.rows.shape[1] % 8 == 0
-        step.chosen.copy_(torch.arange(6.0))
-        step.top_ids.copy_(torch.arange(6 * k).view(6, k))
-        step.top_values.copy_(-torch.arange(6.0 * k).view(6, k))
-        head = step.head(4)
-        assert step.head(4) is head  # (made once: a steady batch asks for it every step)
-        assert head.rows is not None and head.rows.data_ptr() == step.rows.data_ptr()
-        assert head.rows.shape[0] == 4 and head.chosen.tolist() == [0.0, 1.0, 2.0, 3.0]
-        assert torch.equal(head.top_ids, torch.arange(4 * k).view(4, k))
-        assert torch.equal(head.top_values, -torch.arange(4.0 * k).view(4, k))
-        copy = StepLogprobs.packed(6, k, torch.device("cpu"))
-        copy.rows[:4].copy_(head.rows)  # (what ``to_host`` does, in one copy)
-        assert torch.equal(copy.head(4).top_ids, head.top_ids)
-        plain = StepLogprobs(*(t.clone() for t in (head.chosen, head.top_ids, head.top_values)))
-        assert step.fits(head) and not step.fits(plain) and not plain.fits(head)

@@ -376,9 +376,7 @@ def _penalty_operands(
 def _logprob_chunk_kernel(logits_ptr, stride, stats_ptr, best_ptr, vocab, chunks,
                           CHUNK: tl.constexpr):  # fmt: skip
     """A chunk's max and softmax sum of the raw logits and its largest entry's key
-    (``entry_keys``: the value, then the smaller column; past the row, ``EMPTY``). (A
-    float max and a column's min, ``packed_max``, measured slower: 13.6 against 12.1 µs
-    at 64 rows of 152k on an H200, and 14.7 against 7.2 in ``_logprob_top_kernel``.)"""
+    (``entry_keys``: the value, then the smaller column; past the row, ``EMPTY``)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -432,14 +430,13 @@ def _logprob_top_kernel(logits_ptr, stride, best_ptr, ids_ptr, values_ptr, vocab
 @triton.jit
 def _logprob_row_kernel(
     logits_ptr, stride, tokens_ptr, stats_ptr, ids_ptr, values_ptr, chosen_ptr, top_ids_ptr,
-    top_values_ptr, chosen_stride, ids_stride, values_stride, chunks, k, k_ptr, K,
-    CHUNKS: tl.constexpr, CANDIDATES: tl.constexpr, LIVE_K: tl.constexpr,
+    top_values_ptr, chunks, k, k_ptr, K, CHUNKS: tl.constexpr, CANDIDATES: tl.constexpr,
+    LIVE_K: tl.constexpr,
 ):  # fmt: skip
     """A row's log-sum-exp over its chunks, its token's log probability and the ``k``
     largest of ``_logprob_top_kernel``'s candidates (LIVE_K: as many as ``k_ptr``
-    holds), in its order: (value, then the smaller id), each id once, into outputs of
-    the row strides given."""
-    live_k = k
+    holds), in its order: (value, then the smaller id), each id once."""
+    live_k = k  # (``k`` stays the outputs' row stride)
     if LIVE_K:
         live_k = tl.minimum(tl.load(k_ptr), k)
     row = tl.program_id(0).to(tl.int64)
@@ -447,10 +444,7 @@ def _logprob_row_kernel(
     shift, total = _combined(stats_ptr, row, c, c < chunks, chunks)
     lse = shift + tl.log(total)
     token = tl.load(tokens_ptr + row)
-    picked = tl.load(logits_ptr + row * stride + token).to(tl.float32) - lse
-    tl.store(chosen_ptr + row * chosen_stride, picked)
-    ids_at = top_ids_ptr + row * ids_stride
-    values_at = top_values_ptr + row * values_stride
+    tl.store(chosen_ptr + row, tl.load(logits_ptr + row * stride + token).to(tl.float32) - lse)
     n = tl.arange(0, CANDIDATES)
     valid = (n < K * K) & ((n // K) < live_k) & ((n % K) < live_k)
     v = tl.load(values_ptr + row * K * K + n, mask=valid, other=float("-inf"))
@@ -458,30 +452,27 @@ def _logprob_row_kernel(
     keys = tl.where(valid, entry_keys(v, ids), EMPTY)
     for j in range(live_k):
         best = tl.max(keys, axis=0)
-        tl.store(ids_at + j, unpacked(best))
-        tl.store(values_at + j, key_value(best) - lse)
+        tl.store(top_ids_ptr + row * k + j, unpacked(best))
+        tl.store(top_values_ptr + row * k + j, key_value(best) - lse)
         keys = tl.where(keys == best, EMPTY, keys)
 
 
 def row_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    k: int,
-    live_k: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    logits: torch.Tensor, tokens: torch.Tensor, k: int, live_k: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` (``[rows, vocab]`` CUDA floats): the log probability of
     ``tokens``' entry (``[rows]``), and the ``k`` most likely tokens' ids and log
     probabilities (``[rows, k]``, most likely first, the smaller id first on ties), from
     a float32 log-softmax. ``live_k`` (a one-element int64 tensor on the device, read
     when the kernels run: a graph's replay reads its value then): only its value's
-    first columns (at most ``k``) are written, the rest left as they were; the top-k is a
-    pass over each of ``live_k`` chunks per alternative, so a step pays for the
-    alternatives it asked for. ``out``: the three's homes (float32, int64, float32 of
-    those shapes, rows at any stride, columns at stride 1), else new tensors."""
+    first columns (at most ``k``) are written, the rest left as they were; the top-k is a pass
+    over each of ``live_k`` chunks per alternative, so a step pays for the alternatives it
+    asked for."""
     rows, vocab = logits.shape
     device = logits.device
-    chosen, top_ids, top_values = out if out is not None else _logprobs_out(rows, k, device)
+    chosen = torch.empty(rows, dtype=torch.float32, device=device)
+    top_ids = torch.empty((rows, k), dtype=torch.int64, device=device)
+    top_values = torch.empty((rows, k), dtype=torch.float32, device=device)
     chunks = triton.cdiv(vocab, CHUNK)
     if rows == 0:
         return chosen, top_ids, top_values
@@ -504,21 +495,9 @@ def row_logprobs(
         _logprob_top_kernel, (rows, big_k), logits, logits.stride(0), best, ids, values, vocab,
         chunks, k, k_ptr, big_k, CHUNK=CHUNK, num_warps=WARPS, **rowwise, **live,
     )  # fmt: skip
-    strides = (chosen.stride(0), top_ids.stride(0), top_values.stride(0))
     launch(
         _logprob_row_kernel, (rows,), logits, logits.stride(0), tokens, stats, ids, values,
-        chosen, top_ids, top_values, *strides, chunks, k, k_ptr, big_k,
+        chosen, top_ids, top_values, chunks, k, k_ptr, big_k,
         CANDIDATES=triton.next_power_of_2(big_k * big_k), num_warps=8, **rowwise, **live,
     )  # fmt: skip
     return chosen, top_ids, top_values
-
-
-def _logprobs_out(
-    rows: int, k: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``row_logprobs``' outputs where none are given."""
-    return (
-        torch.empty(rows, dtype=torch.float32, device=device),
-        torch.empty((rows, k), dtype=torch.int64, device=device),
-        torch.empty((rows, k), dtype=torch.float32, device=device),
-    )

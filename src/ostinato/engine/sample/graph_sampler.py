@@ -299,7 +299,7 @@ class GraphSampler:
         out = entry[1]
         # Whole rows (the first k columns are the step's): a slice of columns would copy
         # to the host through a kernel that makes it contiguous first, two a step.
-        return out.head(n)
+        return StepLogprobs(out.chosen[:n], out.top_ids[:n], out.top_values[:n])
 
     def stage(
         self, rows: StepRows, keys: np.ndarray | None, count_rows: Sequence[int] | None

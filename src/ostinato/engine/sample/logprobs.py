@@ -5,7 +5,7 @@ device from the step's raw logits, copied back with its tokens, and turned into 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,18 +18,11 @@ class StepLogprobs:
     """Per row of a step: ``chosen``, its token's log probability (``[rows]``), and
     ``top_ids`` / ``top_values``, its ``k`` most likely tokens' (``[rows, k]``, k the
     most any request of the step asked for; a graph's may have more columns, of which
-    the first ``k`` are these), on the device or, after ``to_host``, on the host.
-    ``rows`` (``packed``'s): the three are views of this ``[rows, bytes]`` buffer, a
-    row's values side by side, so a step's leading rows copy to the host in one copy
-    (three copies kept the device some 5 µs longer a step on an H200)."""
+    the first ``k`` are these), on the device or, after ``to_host``, on the host."""
 
     chosen: torch.Tensor
     top_ids: torch.Tensor
     top_values: torch.Tensor
-    rows: torch.Tensor | None = None
-    # ``head``'s views by row count: made once (three views a step cost the host some
-    # 35 µs at 64 rows on an H200, twice: the graph's rows and the landing's)
-    _heads: dict[int, StepLogprobs] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def of(
@@ -37,70 +30,34 @@ class StepLogprobs:
     ) -> StepLogprobs:
         """From ``logits`` (``[rows, vocab]``, any float dtype: log-softmax in float32)
         and each row's chosen token (``[rows]``); on CUDA two kernels
-        (``kernels.sampling.row_logprobs``, the smaller id first among tied values) into
-        a ``packed`` buffer, which with ``live_k`` (a device int64 ``[1]``, at most
-        ``k``) write only that many alternatives, as many as it holds when they run;
-        elsewhere all ``k``."""
+        (``kernels.sampling.row_logprobs``, the smaller id first among tied values), which
+        with ``live_k`` (a device int64 ``[1]``, at most ``k``) write only that many
+        alternatives, as many as it holds when they run; elsewhere all ``k``."""
         if logits.is_cuda:
             from ostinato.engine.kernels.sampling import row_logprobs
 
-            out = StepLogprobs.packed(logits.shape[0], k, logits.device)
-            row_logprobs(logits, tokens, k, live_k, out._tensors())
-            return out
+            return StepLogprobs(*row_logprobs(logits, tokens, k, live_k))
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, tokens.long()[:, None]).squeeze(1)
         top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
         return StepLogprobs(chosen, top[1], top[0])
 
-    @staticmethod
-    def packed(rows: int, k: int, device: torch.device, pin: bool = False) -> StepLogprobs:
-        """Unwritten ``StepLogprobs`` of ``rows`` rows and ``k`` columns in one buffer
-        (``rows``): a row's log probability, its ids, its values (8-byte aligned)."""
-        width = -(-(8 + 12 * k) // 8) * 8
-        buffer = torch.empty((rows, width), dtype=torch.uint8, device=device, pin_memory=pin)
-        return StepLogprobs._views(buffer, k)
-
-    @staticmethod
-    def _views(buffer: torch.Tensor, k: int) -> StepLogprobs:
-        chosen = buffer[:, :4].view(torch.float32)[:, 0]
-        ids = buffer[:, 8 : 8 + 8 * k].view(torch.long)
-        values = buffer[:, 8 + 8 * k : 8 + 12 * k].view(torch.float32)
-        return StepLogprobs(chosen, ids, values, buffer)
-
-    def head(self, n: int) -> StepLogprobs:
-        """The first ``n`` rows (packed where these are; the same object for the same
-        ``n``)."""
-        got = self._heads.get(n)
-        if got is None:
-            if self.rows is None:
-                got = StepLogprobs(*(t[:n] for t in self._tensors()))
-            else:
-                got = StepLogprobs._views(self.rows[:n], self.top_ids.shape[1])
-            self._heads[n] = got
-        return got
-
     def to_host(self, into: StepLogprobs | None = None) -> StepLogprobs:
         """A host copy (asynchronous from CUDA: read it after the step's copy event);
         ``into`` (``landing``'s, where it ``fits``): into its leading rows, pinned memory
-        made once, instead of host tensors allocated a step; one copy where packed."""
+        made once, instead of three host tensors allocated a step."""
         if self.chosen.device.type != "cuda":
             return StepLogprobs(*(t.to("cpu", copy=True) for t in self._tensors()))
         if into is None or not into.fits(self):
             return StepLogprobs(*(t.to("cpu", non_blocking=True) for t in self._tensors()))
         n = self.chosen.shape[0]
-        out = into.head(n)
-        if self.rows is not None and out.rows is not None:
-            out.rows.copy_(self.rows, non_blocking=True)
-            return out
+        out = StepLogprobs(into.chosen[:n], into.top_ids[:n], into.top_values[:n])
         for host, device in zip(out._tensors(), self._tensors(), strict=True):
             host.copy_(device, non_blocking=True)
         return out
 
     def landing(self, rows: int) -> StepLogprobs:
-        """Pinned host tensors of ``rows`` rows shaped (and packed) as these are, for
-        ``to_host``."""
-        if self.rows is not None:
-            return StepLogprobs.packed(rows, self.top_ids.shape[1], torch.device("cpu"), True)
+        """Pinned host tensors of ``rows`` rows shaped as these are, for ``to_host``."""
         return StepLogprobs(
             *(
                 torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
@@ -110,8 +67,8 @@ class StepLogprobs:
 
     def fits(self, other: StepLogprobs) -> bool:
         """Whether ``other`` copies into these (``landing``'s): as many columns, the same
-        types, no more rows, both packed or neither."""
-        return (self.rows is None) == (other.rows is None) and all(
+        types, no more rows."""
+        return all(
             a.dtype == b.dtype and a.shape[1:] == b.shape[1:] and a.shape[0] >= b.shape[0]
             for a, b in zip(self._tensors(), other._tensors(), strict=True)
         )

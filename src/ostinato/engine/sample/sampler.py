@@ -62,19 +62,26 @@ def sample(
     greedy = greedy_tokens(logits)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
-    # The exponential race: argmax of p / E, E ~ Exp(1) i.i.d., picks token i with
-    # probability p_i / sum(p). Unlike torch.multinomial it never waits for the device,
-    # and it is made of ops a graph can hold.
-    if seeds is not None and seeds.mask is None:  # (every row keyed: no generator draw)
-        race = seeded_races(seeds.keys, probs.shape[1])
-    else:
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        if seeds is not None:
-            race = torch.where(seeds.mask[:, None], seeded_races(seeds.keys, race.shape[1]), race)
+    race = _races(probs, seeds, generator)
     if cut:
         probs = torch.where(nucleus(probs, top_ps), probs, torch.zeros_like(probs))
     choice = (probs / race).argmax(dim=-1)
     return _into(out, torch.where(temperatures > 0, choice, greedy))
+
+
+def _races(
+    probs: torch.Tensor, seeds: Seeds | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The exponential race's ``E ~ Exp(1)`` per entry of ``probs``: a keyed row's from
+    its key, the others' from ``generator``. Its argmax of p / E picks token i with
+    probability p_i / sum(p); unlike torch.multinomial it never waits for the device,
+    and it is made of ops a graph can hold."""
+    if seeds is not None and seeds.mask is None:  # (every row keyed: no generator draw)
+        return seeded_races(seeds.keys, probs.shape[1])
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    if seeds is None:
+        return race
+    return torch.where(seeds.mask[:, None], seeded_races(seeds.keys, race.shape[1]), race)
 
 
 def _into(out: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:

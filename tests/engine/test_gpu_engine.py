@@ -393,6 +393,18 @@ def test_sampling_inside_graphs_equals_eager_sampling_from_the_same_seed():
     assert all(0 <= t < fp.config.vocab_size for o in out for t in o)
 
 
+def test_a_padded_sampled_step_in_a_graph_takes_eager_tokens():
+    # On CUDA each row draws from a key the host takes from the engine's seeded stream, in
+    # a graph or eagerly alike (no generator in the graph): 3 requests replayed at the
+    # captured size 4 take eager's tokens at every step.
+    eager = sampled(tiny_engine("none", torch.float32, seed=11), 3)
+    llm = tiny_engine("full_decode_only", torch.float32, seed=11)
+    in_graph = count_graph_samples(llm)
+    assert sampled(llm, 3) == eager
+    assert in_graph == [3] * 23  # every decode step after the prefill, padded to 4
+    llm.close()
+
+
 def test_a_background_start_samples_as_eager_sampling_while_its_sampling_graphs_capture():
     # A background start captures the sampling graphs one graph per hold of the step turn,
     # steps sampling between (eagerly until the graphs are ready): each graph's

@@ -56,16 +56,14 @@ def test_rows_say_what_each_requests_parameters_say():
     assert rows.bias == ((), (), (), ((3, 1.5),))
     indices = [11, 12, 13, 14]
     seeded = [(5, 12) if i == 1 else None for i in range(4)]
-    assert rows.seeded_list(indices) == seeded
     keys, mask = row_keys_and_mask(seeded)
     assert rows.keys(indices).tolist() == keys and rows.seeded_rows.tolist() == mask
     plain = StepRows.of([SamplingParams(temperature=0.5)] * 3)
     assert (plain.adjusted, plain.seeded, plain.cut, plain.logprobs) == (False, False, False, None)
-    assert plain.seeded_list([1, 2, 3]) == [] and plain.keys([1, 2, 3]).tolist() == [0, 0, 0]
-    # a seeded step without an index a row: named, whichever is asked
-    for ask in (rows.keys, rows.seeded_list):
-        with pytest.raises(ValueError, match="seeded requests need the index of each token"):
-            ask([11, 12])
+    assert plain.keys([1, 2, 3]).tolist() == [0, 0, 0]
+    # a seeded step without an index a row: named
+    with pytest.raises(ValueError, match="seeded requests need the index of each token"):
+        rows.keys([11, 12])
 
 
 def test_a_steady_batch_keeps_its_rows_and_any_change_makes_them_anew():

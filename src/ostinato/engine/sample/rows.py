@@ -82,14 +82,6 @@ class StepRows:
         keys = row_keys_array(self.seeds, np.asarray(self._indexed(indices), dtype=np.uint64))
         return np.where(self.seeded_rows.astype(bool), keys, np.uint64(0)).astype(np.int64)
 
-    def seeded_list(self, indices: Sequence[int]) -> list[tuple[int, int] | None]:
-        """``sampler.sample``'s ``seeded``: (seed, index) for each seeded sampled row
-        (empty where none is)."""
-        if not self.seeded:
-            return []
-        pairs = zip(self.params, self.seeded_rows.tolist(), self._indexed(indices), strict=True)
-        return [(p.seed, i) if s else None for p, s, i in pairs]
-
     def _indexed(self, indices: Sequence[int]) -> Sequence[int]:
         """``indices``, one a row, or ``ValueError`` naming what a seeded row needs."""
         if len(indices) != len(self.params):

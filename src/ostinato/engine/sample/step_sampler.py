@@ -173,14 +173,22 @@ class StepSampler:
         top_ps = [p.top_p for p in params]
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
         logits = adjusted_logits(out.logits, params, counts) if rows.adjusted else out.logits
-        keys = prepared.keys
-        seeded: Seeds | list = rows.seeded_list(indices)
-        if self.keyed and keys is not None:
-            seeded = Seeds(to_device(keys.tolist(), torch.long, self.device), None)
-        tokens = sample(logits, temps, tops, self.generator, rows.all_greedy, seeded, rows.cut)
+        seeds = self._device_seeds(rows, prepared.keys) or ()
+        tokens = sample(logits, temps, tops, self.generator, rows.all_greedy, seeds, rows.cut)
         if counts is not None:
             count_tokens(counts.table, counts.device_rows, tokens)
         return tokens
+
+    def _device_seeds(self, rows: StepRows, keys: np.ndarray | None) -> Seeds | None:
+        """``prepare``'s keys on the device for an eager step, in one copy: every row's
+        (``keyed``), else the seeded rows' with their mask; None where none was taken."""
+        if keys is None:
+            return None
+        if self.keyed:
+            return Seeds(to_device(keys.tolist(), torch.long, self.device), None)
+        lists = [keys.tolist(), rows.seeded_rows.tolist()]
+        keys_t, mask_t = to_device_split(lists, torch.long, self.device)
+        return Seeds(keys_t, mask_t.bool())
 
     def _replayed(self, rows: StepRows, size: int) -> torch.Tensor | None:
         """The tokens of the sampling graph of ``size`` for ``rows`` (their values

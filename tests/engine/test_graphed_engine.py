@@ -305,12 +305,12 @@ def test_a_penalized_sample_counts_its_tokens_except_while_compiling_ahead(monke
     # Inside compile_ahead() the sampling kernels only compile: the tokens they would
     # write are unwritten memory, and counting them indexed the table out of bounds (a
     # device-side assert on an H200 that broke the process's CUDA context).
-    from ostinato.engine.sample import graph_sampler
+    from ostinato.engine.sample import sampler as sampler_module
     from ostinato.engine.sample.graph_sampler import GraphSampler
 
     counted = []
-    monkeypatch.setattr(graph_sampler, "compiling_ahead", lambda: ahead)
-    monkeypatch.setattr(graph_sampler, "count_tokens", lambda *a: counted.append(a))
+    monkeypatch.setattr(sampler_module, "compiling_ahead", lambda: ahead)
+    monkeypatch.setattr(sampler_module, "count_tokens", lambda *a: counted.append(a))
     sampler = object.__new__(GraphSampler)
     rows, vocab = 4, 11
     sampler.floats = torch.ones(4, rows)

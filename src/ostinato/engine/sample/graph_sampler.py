@@ -40,15 +40,8 @@ import numpy as np
 import torch
 
 from ostinato.engine.core.params import MAX_LOGPROBS
-from ostinato.engine.kernels.launch import compile_ahead, compiling_ahead
-from ostinato.engine.sample.adjust import (
-    OutputCounts,
-    Penalties,
-    add_bias,
-    count_tokens,
-    penalized,
-)
-from ostinato.engine.sample.greedy import greedy_tokens
+from ostinato.engine.kernels.launch import compile_ahead
+from ostinato.engine.sample.adjust import OutputCounts, Penalties, add_bias
 from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.rows import StepRows
 from ostinato.engine.sample.sampler import Seeds, sample
@@ -142,32 +135,24 @@ class GraphSampler:
 
     def _sample(self, n: int, adjusted: bool, cut: bool | None, seeded: bool) -> torch.Tensor:
         temperatures, top_ps = self.floats[0, :n], self.floats[1, :n]
-        out = self.logits(n)
         penalties = None
-        if adjusted:
+        if adjusted:  # (``sample`` counts the tokens it draws in the table, too)
             table, rows = self.table, self.ints[2, :n]
             bias, presence, frequency = self.bias[:n], self.floats[2, :n], self.floats[3, :n]
             penalties = Penalties(bias, presence, frequency, table, rows)
-        if cut is None:  # (greedy: no draw)
-            if penalties is not None:
-                out = penalized(out, *penalties.operands())
-            tokens = greedy_tokens(out)
-        else:
-            seeds: Seeds | tuple = ()
-            if self.keyed:  # (every row's key; no generator draw)
-                seeds = Seeds(self.ints[0, :n], None)
-            elif seeded:
-                seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool())
-            # (into ``chosen``: the log probabilities' graph reads them there, no copy)
-            chosen = self.chosen[:n]
-            tokens = sample(
-                out, temperatures, top_ps, self.generator, False, seeds, cut, penalties, chosen
-            )
-        # Inside ``compile_ahead()`` the kernels that write ``tokens`` do not run: counting
-        # its unwritten ids would index the table out of bounds (a device-side assert).
-        if adjusted and not compiling_ahead():
-            count_tokens(table, rows, tokens)
-        return tokens
+        logits = self.logits(n)
+        if cut is None:  # (greedy: no draw, and its own tokens, as the step's argmax)
+            return sample(logits, temperatures, top_ps, None, True, (), False, penalties)
+        seeds: Seeds | tuple = ()
+        if self.keyed:  # (every row's key; no generator draw)
+            seeds = Seeds(self.ints[0, :n], None)
+        elif seeded:
+            seeds = Seeds(self.ints[0, :n], self.ints[1, :n].bool())
+        # (into ``chosen``: the log probabilities' graph reads them there, no copy)
+        chosen = self.chosen[:n]
+        return sample(
+            logits, temperatures, top_ps, self.generator, False, seeds, cut, penalties, chosen
+        )
 
     @torch.inference_mode()
     def capture(self, sizes: list[int], ahead: bool = False, unit: Held | None = None) -> None:

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from ostinato.engine.core.transfer import to_device_split
-from ostinato.engine.sample.adjust import Penalties, penalized
+from ostinato.engine.kernels.launch import compiling_ahead
+from ostinato.engine.sample.adjust import Penalties, count_tokens, penalized
 from ostinato.engine.sample.greedy import greedy_tokens
 
 
@@ -38,9 +39,12 @@ def sample(
     mask every row's key, drawn by the caller, and ``generator`` is not used).
     ``cut=False``: the caller knows every top_p is 1, so no sort over the vocabulary
     where the step samples with torch (the same tokens). ``penalties``: sample from
-    ``adjust.penalized(logits, ...)`` instead (on CUDA inside the first sampling kernel).
-    ``out``: the tokens are written there and it is returned (int64 ``[rows]``; on CUDA
-    the sampling kernels write it themselves).
+    ``adjust.penalized(logits, ...)`` instead (on CUDA inside the first sampling kernel),
+    and count each row's token in its row of the penalties' table
+    (``adjust.count_tokens``; on CUDA in the last sampling kernel), except inside
+    ``compile_ahead()``, where no kernel writes the tokens to count. ``out``: the tokens
+    are written there and it is returned (int64 ``[rows]``; on CUDA the sampling kernels
+    write it themselves).
 
     On CUDA the sampling kernels draw (``kernels.sampling``): each row's draws come from a
     key, the seeded rows' own or one drawn from ``generator``, so a graph replay takes
@@ -48,17 +52,39 @@ def sample(
     """
     if all_greedy is None:
         all_greedy = not bool((temperatures > 0).any())
-    if penalties is not None and (all_greedy or not logits.is_cuda):
-        logits, penalties = penalized(logits, *penalties.operands()), None
+    if penalties is not None and not all_greedy and logits.is_cuda:
+        from ostinato.engine.kernels.sampling import sample_rows
+
+        keys = row_keys(seeded_on(seeded, logits.device), logits, generator)
+        return sample_rows(logits, temperatures, top_ps, keys, penalties.operands(), out)
+    if penalties is None:
+        return _drawn(logits, temperatures, top_ps, generator, all_greedy, seeded, cut, out)
+    adjusted = penalized(logits, *penalties.operands())
+    tokens = _drawn(adjusted, temperatures, top_ps, generator, all_greedy, seeded, cut, out)
+    if not compiling_ahead():
+        count_tokens(penalties.table, penalties.rows, tokens)
+    return tokens
+
+
+def _drawn(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    generator: torch.Generator | None,
+    all_greedy: bool,
+    seeded: Sequence[tuple[int, int] | None] | Seeds,
+    cut: bool,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``sample`` without penalties."""
     if all_greedy:
         return _into(out, greedy_tokens(logits))
-    seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, logits.device)
+    seeds = seeded_on(seeded, logits.device)
     if logits.is_cuda:
         from ostinato.engine.kernels.sampling import sample_rows
 
         keys = row_keys(seeds, logits, generator)
-        operands = penalties.operands() if penalties is not None else None
-        return sample_rows(logits, temperatures, top_ps, keys, operands, out)
+        return sample_rows(logits, temperatures, top_ps, keys, None, out)
     greedy = greedy_tokens(logits)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
@@ -123,6 +149,13 @@ class Seeds:
 
     keys: torch.Tensor
     mask: torch.Tensor | None
+
+
+def seeded_on(
+    seeded: Sequence[tuple[int, int] | None] | Seeds, device: torch.device
+) -> Seeds | None:
+    """``sample``'s ``seeded`` as ``Seeds`` on ``device`` (None where no row is seeded)."""
+    return seeded if isinstance(seeded, Seeds) else seeds_on(seeded, device)
 
 
 def seeds_on(seeded: Sequence[tuple[int, int] | None], device: torch.device) -> Seeds | None:

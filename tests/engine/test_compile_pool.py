@@ -256,12 +256,13 @@ def test_a_kernel_compiled_in_a_worker_is_read_here_after_its_callees_keys(
     try:
         with launch_module.compile_ahead():
             launch_module.launch(
-                sampling._next_kernel, (8,), i64, i32, i64, 75, CHUNKS=128, num_warps=4,
+                sampling._pick_kernel, (8,), f32, f32, f32, i64, f32, i32, i64, 75,
+                CHUNKS=128, num_warps=4,
             )  # fmt: skip
-        assert len(sampling._next_kernel.device_caches[0][0]) == 1  # read back
+        assert len(sampling._pick_kernel.device_caches[0][0]) == 1  # read back
         assert compiled_here == []  # from the worker's disk cache
     finally:
-        sampling._next_kernel.device_caches.clear()
+        sampling._pick_kernel.device_caches.clear()
         compile_pool.shared_pool().close()
 
 

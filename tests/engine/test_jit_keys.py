@@ -43,9 +43,9 @@ def test_settled_keys_do_not_depend_on_the_order_they_were_first_computed_in():
     pytest.importorskip("triton")
     raw = _keys("sorted", False), _keys("reversed", False)
     differ = sorted(k for k in raw[0] if raw[0][k] != raw[1][k])
-    # What settling is for: Triton's own keys moved with the order (the next-candidate
-    # kernel's callees read argmax's EMPTY and LOW).
-    assert "ostinato.engine.kernels.sampling._next_kernel" in differ, differ
+    # What settling is for: Triton's own keys moved with the order (the pick kernel's
+    # callees read argmax's EMPTY and LOW).
+    assert "ostinato.engine.kernels.sampling._pick_kernel" in differ, differ
     settled = _keys("sorted", True), _keys("reversed", True)
     assert len(settled[0]) > 50 and settled[0] == settled[1]
 

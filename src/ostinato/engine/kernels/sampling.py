@@ -29,7 +29,6 @@ Temperature 0 rows take the first maximum, as ``torch.argmax`` does.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,8 +41,7 @@ from ostinato.engine.kernels.penalize import penalized_block
 
 CHUNK = 2048  # logits a program reads: 75 programs for a row of a 152k vocabulary
 WARPS = 4
-ROUNDS = 2  # top-p checks spread over the chunks before a row finishes alone (the
-# first, which also combines the chunks' results, always runs: at least 1)
+ROUNDS = 2  # top-p checks spread over the chunks before a row finishes alone
 FINISH_BLOCK = 4096
 MAX_CHUNKS = 1 << 14  # the combining programs hold a row's chunk results in one tile
 GOLDEN = tl.constexpr(0x9E3779B1)
@@ -151,54 +149,53 @@ def _combined(stats_ptr, row, c, here, chunks):
 
 
 @triton.jit
-def _candidate_z(logits_ptr, stride, temps_ptr, s, row, cols, vocab):
-    """A row's z of ``cols`` and of its candidate ``s``."""
+def _pick_kernel(temps_ptr, top_p_ptr, stats_ptr, races_ptr, rowstate_ptr, done_ptr, out_ptr,
+                 chunks, CHUNKS: tl.constexpr):  # fmt: skip
+    """A row's max and softmax sum over its chunks and the race's winner; done where
+    greedy or top-p is 1."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    here = c < chunks
+    shift, total = _combined(stats_ptr, row, c, here, chunks)
+    best = tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0)
+    tl.store(out_ptr + row, unpacked(best))
+    tl.store(rowstate_ptr + 2 * row, shift)
+    tl.store(rowstate_ptr + 2 * row + 1, total)
+    done = (tl.load(temps_ptr + row) <= 0.0) | (tl.load(top_p_ptr + row) >= 1.0)
+    tl.store(done_ptr + row, done.to(tl.int32))
+
+
+@triton.jit
+def _candidate_z(logits_ptr, stride, temps_ptr, out_ptr, row, cols, vocab):
+    """A row's z of ``cols`` and its candidate's (``out``)."""
     inv_t, greedy = _row_values(row, temps_ptr)
+    s = tl.load(out_ptr + row)
     z_s = _scaled(logits_ptr, row, stride, s, s < vocab, inv_t)
     return _scaled(logits_ptr, row, stride, cols, cols < vocab, inv_t), z_s
 
 
 @triton.jit
 def _above_kernel(
-    logits_ptr, stride, temps_ptr, top_p_ptr, stats_ptr, races_ptr, masses_ptr, rowstate_ptr,
-    done_ptr, out_ptr, vocab, chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-    FIRST: tl.constexpr,
+    logits_ptr, stride, temps_ptr, stats_ptr, rowstate_ptr, done_ptr, out_ptr, vocab, chunks,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """For a row not done: a chunk's mass above its candidate's z (``masses``). No hash:
-    most rows' candidates are inside the nucleus, and only the others race
-    (``_race_kernel``). FIRST (the first check, right after ``_chunk_kernel``): every
-    program of a row first combines the chunks' results itself (no kernel between:
-    one launch fewer), and the row's first program records them: the candidate (the
-    race's winner) in ``out``, the row's max and softmax sum in ``rowstate``, and done
-    where the row is greedy or its top-p 1."""
+    """For a row not done: a chunk's mass above its candidate's z. No hash: most rows'
+    candidates are inside the nucleus, and only the others race (``_race_kernel``)."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    if FIRST:
-        c = tl.arange(0, CHUNKS)
-        here = c < chunks
-        m, total = _combined(stats_ptr, row, c, here, chunks)
-        s = unpacked(tl.max(tl.load(races_ptr + row * chunks + c, mask=here, other=EMPTY), axis=0))
-        done = (tl.load(temps_ptr + row) <= 0.0) | (tl.load(top_p_ptr + row) >= 1.0)
-        if chunk == 0:
-            tl.store(out_ptr + row, s)
-            tl.store(rowstate_ptr + 2 * row, m)
-            tl.store(rowstate_ptr + 2 * row + 1, total)
-            tl.store(done_ptr + row, done.to(tl.int32))
-    else:
-        done = tl.load(done_ptr + row) != 0
-        m, s = tl.load(rowstate_ptr + 2 * row), tl.load(out_ptr + row)
-    if done:
+    if tl.load(done_ptr + row) != 0:
         return
+    chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    z, z_s = _candidate_z(logits_ptr, stride, temps_ptr, s, row, cols, vocab)
+    z, z_s = _candidate_z(logits_ptr, stride, temps_ptr, out_ptr, row, cols, vocab)
     up = (cols < vocab) & (z > z_s)
+    m = tl.load(rowstate_ptr + 2 * row)
     above = tl.sum(tl.where(up, tl.exp(z - m), 0.0), axis=0)
-    tl.store(masses_ptr + row * chunks + chunk, above)
+    tl.store(stats_ptr + 2 * (row * chunks + chunk) + 1, above)
 
 
 @triton.jit
 def _race_kernel(
-    logits_ptr, stride, temps_ptr, top_p_ptr, keys_ptr, masses_ptr, races_ptr, rowstate_ptr,
+    logits_ptr, stride, temps_ptr, top_p_ptr, keys_ptr, stats_ptr, races_ptr, rowstate_ptr,
     done_ptr, out_ptr, vocab, chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """For a row not done: done if the mass above its candidate is below top_p (every
@@ -209,7 +206,7 @@ def _race_kernel(
         return
     chunk = tl.program_id(1)
     c = tl.arange(0, CHUNKS)
-    masses = tl.load(masses_ptr + row * chunks + c, mask=c < chunks, other=0.0)
+    masses = tl.load(stats_ptr + 2 * (row * chunks + c) + 1, mask=c < chunks, other=0.0)
     above = tl.sum(masses, axis=0)
     # (outside, not "not inside": a NaN sum keeps the candidate, a column of the row; and
     # with nothing above it, a row of -inf's zero total too)
@@ -219,8 +216,7 @@ def _race_kernel(
             tl.store(done_ptr + row, 1)
         return
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    s = tl.load(out_ptr + row)
-    z, z_s = _candidate_z(logits_ptr, stride, temps_ptr, s, row, cols, vocab)
+    z, z_s = _candidate_z(logits_ptr, stride, temps_ptr, out_ptr, row, cols, vocab)
     up = (cols < vocab) & (z > z_s)
     at = row * chunks + chunk
     if tl.max(up.to(tl.int32), axis=0) == 0:  # (nothing above here: no hash)
@@ -320,67 +316,54 @@ def sample_rows(
     # (the kernels read one value per row at stride 1; no copy where that holds already)
     temperatures, top_ps = temperatures.float().contiguous(), top_ps.float().contiguous()
     keys = keys.long().contiguous()
-    # Scratch: per chunk (max, sum), race key and mass above; per row (max, sum), done.
+    # Scratch: per chunk (max or mass above, sum) and race key; per row (max, sum), done.
     stats = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
     races = torch.empty((rows, chunks), dtype=torch.int64, device=device)
-    masses = torch.empty((rows, chunks), dtype=torch.float32, device=device)
     rowstate = torch.empty((rows, 2), dtype=torch.float32, device=device)
     done = torch.empty(rows, dtype=torch.int32, device=device)
     first = (logits, logits.stride(0), temperatures, keys, stats, races, vocab, chunks)
     operands, logits = _penalty_operands(logits, penalties)
+    row_args = (logits, logits.stride(0), temperatures)
+    spread = {"CHUNK": CHUNK, "num_warps": WARPS}
+    combine = {"CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
     launch(
         _chunk_kernel, (rows, chunks), *first, *operands, PENALIZED=penalties is not None,
-        HAS_BIAS=penalties is not None and penalties[0] is not None, CHUNK=CHUNK,
-        num_warps=WARPS,
+        HAS_BIAS=penalties is not None and penalties[0] is not None, **spread,
     )  # fmt: skip
-    rounds = _Rounds((logits, logits.stride(0), temperatures), top_ps, keys, stats, races,
-                     masses, rowstate, done, out, vocab, chunks)  # fmt: skip
-    for i in range(ROUNDS):
-        rounds.check(first=i == 0)
+    launch(
+        _pick_kernel, (rows,), temperatures, top_ps, stats, races, rowstate, done, out, chunks,
+        **combine,
+    )  # fmt: skip
+    for _ in range(ROUNDS):
+        _top_p_round(row_args, top_ps, keys, stats, races, rowstate, done, out, vocab, chunks)
     counted = (operands[1], operands[2]) if penalties is not None else (out, out)
     launch(
-        _finish_kernel, (rows,), *rounds.row_args, top_ps, keys, rowstate, done, out, vocab,
-        *counted, BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(vocab)),
-        COUNT=penalties is not None, num_warps=16,
+        _finish_kernel, (rows,), *row_args, top_ps, keys, rowstate, done, out, vocab, *counted,
+        BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(vocab)), COUNT=penalties is not None,
+        num_warps=16,
     )  # fmt: skip
     return out
 
 
-@dataclass(frozen=True)
-class _Rounds:
-    """``sample_rows``' operands of its top-p checks."""
-
-    row_args: tuple  # (logits as the checks read them, their row stride, temperatures)
-    top_ps: torch.Tensor
-    keys: torch.Tensor
-    stats: torch.Tensor
-    races: torch.Tensor
-    masses: torch.Tensor
-    rowstate: torch.Tensor
-    done: torch.Tensor
-    out: torch.Tensor
-    vocab: int
-    chunks: int
-
-    def check(self, first: bool) -> None:
-        """One check of each row's candidate against its nucleus, spread over the
-        chunks: the mass above it (``first``: the chunks' results combined there too),
-        then (rows outside only) the race above it and its winner."""
-        rows, chunks = self.out.shape[0], self.chunks
-        spread = {"CHUNK": CHUNK, "CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
-        state = (self.rowstate, self.done, self.out, self.vocab, chunks)
-        launch(
-            _above_kernel, (rows, chunks), *self.row_args, self.top_ps, self.stats, self.races,
-            self.masses, *state, FIRST=first, **spread,
-        )  # fmt: skip
-        launch(
-            _race_kernel, (rows, chunks), *self.row_args, self.top_ps, self.keys, self.masses,
-            self.races, *state, **spread,
-        )  # fmt: skip
-        launch(
-            _next_kernel, (rows,), self.races, self.done, self.out, chunks,
-            CHUNKS=spread["CHUNKS"], num_warps=WARPS,
-        )  # fmt: skip
+def _top_p_round(
+    row_args: tuple, top_ps: torch.Tensor, keys: torch.Tensor, stats: torch.Tensor,
+    races: torch.Tensor, rowstate: torch.Tensor, done: torch.Tensor, out: torch.Tensor,
+    vocab: int, chunks: int,
+) -> None:  # fmt: skip
+    """One check of each row's candidate against its nucleus, spread over the chunks:
+    the mass above it, then (rows outside only) the race above it and its winner."""
+    spread = {"CHUNK": CHUNK, "num_warps": WARPS}
+    combine = {"CHUNKS": triton.next_power_of_2(chunks), "num_warps": WARPS}
+    rows = out.shape[0]
+    launch(
+        _above_kernel, (rows, chunks), *row_args, stats, rowstate, done, out,
+        vocab, chunks, **spread,
+    )  # fmt: skip
+    launch(
+        _race_kernel, (rows, chunks), *row_args, top_ps, keys, stats, races, rowstate, done, out,
+        vocab, chunks, **spread, CHUNKS=combine["CHUNKS"],
+    )  # fmt: skip
+    launch(_next_kernel, (rows,), races, done, out, chunks, **combine)
 
 
 def _tokens_out(out: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,8 @@ presence and frequency penalties (``SamplingParams``), on the device.
 The penalties read how often each request has generated each token (``OutputCounts``):
 one row of counts per penalized request in a table made once, so the sampling graphs
 read it where it is. Whoever samples a step's token counts it in the table at once, on
-the device (``count_tokens``: the sampling graph, or the eager step), so a request
+the device (``sampler.sample`` with penalties, in a sampling graph: on CUDA inside
+its last kernel; ``count_tokens`` else, or in an eager step), so a request
 that stays in the batch costs the host nothing; the host adds tokens only to a row made
 anew (a request's first penalized step, or its return after a preemption), from those
 it has recorded and, under asynchronous scheduling, the one the last step sampled and

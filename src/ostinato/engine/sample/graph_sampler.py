@@ -25,8 +25,8 @@ steps where the rows' biases differ from the last step's), subtracts the penalti
 from the output counts' table (``OutputCounts``, through the step's rows) with the
 arithmetic of eager steps (``adjust.penalized``), draws a seeded row's numbers from its
 key (``sampler.Seeds``; on CUDA every row's), so it too takes eager's tokens, and counts
-the tokens it drew in the table (``adjust.count_tokens``). Its bias costs ``rows *
-vocab`` float32 (16 MiB at 32 rows of a 128k vocabulary).
+the tokens it drew in the table (``sampler.sample``'s count; on CUDA in its last
+kernel). Its bias costs ``rows * vocab`` float32 (16 MiB at 32 rows of a 128k vocabulary).
 """
 
 from __future__ import annotations

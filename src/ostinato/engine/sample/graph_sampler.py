@@ -142,7 +142,7 @@ class GraphSampler:
             penalties = Penalties(bias, presence, frequency, table, rows)
         logits = self.logits(n)
         if cut is None:  # (greedy: no draw, and its own tokens, as the step's argmax)
-            return sample(logits, temperatures, top_ps, None, True, (), False, penalties)
+            return sample(logits, temperatures, top_ps, all_greedy=True, penalties=penalties)
         seeds: Seeds | tuple = ()
         if self.keyed:  # (every row's key; no generator draw)
             seeds = Seeds(self.ints[0, :n], None)

@@ -10,7 +10,7 @@ from hf_models import cpu_engine
 
 from ostinato.engine import LLM, SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledRequest
-from ostinato.engine.sample.adjust import OutputCounts, adjusted_logits, count_tokens
+from ostinato.engine.sample.adjust import OutputCounts, count_tokens, eager_adjusted, penalized
 
 VOCAB = 50
 
@@ -31,10 +31,12 @@ def _direct(logits, params, generated):
 
 
 def _adjusted(counts, step, last, logits, params, drawn=None):
-    """A step as the sampler runs it: the rows brought up to date, the adjusted logits,
-    then the tokens ``drawn`` counted in the rows (as a sampling graph counts them)."""
+    """A step as the sampler runs it: the rows brought up to date, the logits biased and
+    penalized (``eager_adjusted``'s, as ``sample`` applies them), then the tokens
+    ``drawn`` counted in the rows (as ``sample`` counts them)."""
     rows = counts.for_step(step, last)
-    got = adjusted_logits(logits, params, rows)
+    biased, penalties = eager_adjusted(logits, params, rows)
+    got = penalized(biased, *penalties.operands()) if penalties is not None else biased
     if drawn is not None:
         count_tokens(rows.table, rows.device_rows, torch.tensor(drawn))
     return got

@@ -4,8 +4,8 @@ presence and frequency penalties (``SamplingParams``), on the device.
 The penalties read how often each request has generated each token (``OutputCounts``):
 one row of counts per penalized request in a table made once, so the sampling graphs
 read it where it is. Whoever samples a step's token counts it in the table at once, on
-the device (``sampler.sample`` with penalties, in a sampling graph: on CUDA inside
-its last kernel; ``count_tokens`` else, or in an eager step), so a request
+the device (``sampler.sample``, given the step's penalties, in a sampling graph or an
+eager step alike: on CUDA inside its last kernel, else by ``count_tokens``), so a request
 that stays in the batch costs the host nothing; the host adds tokens only to a row made
 anew (a request's first penalized step, or its return after a preemption), from those
 it has recorded and, under asynchronous scheduling, the one the last step sampled and
@@ -169,21 +169,25 @@ def count_tokens(table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) 
     table.view(-1).index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
 
 
-def adjusted_logits(
+def eager_adjusted(
     logits: torch.Tensor, params: Sequence[SamplingParams], counts: StepCounts | None
-) -> torch.Tensor:
-    """``logits`` (``[rows, vocab]``) with each row's bias added and penalties subtracted
-    (a float32 copy: the step's logits may be a graph's static output). ``counts``:
+) -> tuple[torch.Tensor, Penalties | None]:
+    """What an eager step hands ``sampler.sample``: ``logits`` (``[rows, vocab]``) with
+    each row's bias added where a row has one (a float32 copy: the step's logits may be
+    a graph's static output), and the penalties of its rows (None where none is
+    penalized), which ``sample`` subtracts with a sampling graph's arithmetic (on CUDA in
+    its first kernel) and whose table counts what it draws. ``counts``:
     ``OutputCounts.for_step``'s, needed where a row is penalized."""
-    out = logits.to(torch.float32, copy=True)
-    add_bias(out, params)
+    if any(p.logit_bias for p in params):
+        logits = logits.to(torch.float32, copy=True)
+        add_bias(logits, params)
     if not any(p.penalized for p in params):
-        return out
+        return logits, None
     if counts is None:
-        raise ValueError("adjusted_logits: penalized rows need their output counts")
+        raise ValueError("eager_adjusted: penalized rows need their output counts")
     both = [p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
-    presence, frequency = to_device(both, torch.float32, out.device).view(2, -1)
-    return penalized(out, None, presence, frequency, counts.table, counts.device_rows)
+    presence, frequency = to_device(both, torch.float32, logits.device).view(2, -1)
+    return logits, Penalties(None, presence, frequency, counts.table, counts.device_rows)
 
 
 @dataclass(frozen=True)

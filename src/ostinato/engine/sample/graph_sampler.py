@@ -331,7 +331,7 @@ class GraphSampler:
 
     def sample_adjusted(self, padded: int, rows: StepRows) -> Any:
         """``sample`` for a step with a logit bias, a penalty or a seeded row: the tokens
-        eager sampling takes from ``adjust.adjusted_logits`` (the rows of the output
+        eager sampling takes with ``adjust.eager_adjusted``'s (the rows of the output
         counts that ``stage`` copied count the tokens drawn), the seeded rows drawing
         from the keys ``stage`` copied."""
         cut = None if rows.all_greedy else rows.cut

@@ -18,8 +18,7 @@ from ostinato.engine.sample.adjust import (
     OutputCounts,
     Pending,
     StepCounts,
-    adjusted_logits,
-    count_tokens,
+    eager_adjusted,
 )
 from ostinato.engine.sample.graph_sampler import GraphSampler
 from ostinato.engine.sample.greedy import greedy_tokens
@@ -172,12 +171,11 @@ class StepSampler:
         temperatures = [p.temperature for p in params]
         top_ps = [p.top_p for p in params]
         temps, tops = to_device_split([temperatures, top_ps], torch.float32, self.device)
-        logits = adjusted_logits(out.logits, params, counts) if rows.adjusted else out.logits
+        logits, penalties = eager_adjusted(out.logits, params, counts)
         seeds = self._device_seeds(rows, prepared.keys) or ()
-        tokens = sample(logits, temps, tops, self.generator, rows.all_greedy, seeds, rows.cut)
-        if counts is not None:
-            count_tokens(counts.table, counts.device_rows, tokens)
-        return tokens
+        return sample(
+            logits, temps, tops, self.generator, rows.all_greedy, seeds, rows.cut, penalties
+        )
 
     def _device_seeds(self, rows: StepRows, keys: np.ndarray | None) -> Seeds | None:
         """``prepare``'s keys on the device for an eager step, in one copy: every row's

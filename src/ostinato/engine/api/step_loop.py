@@ -216,22 +216,21 @@ class StepLoop:
         Holds the step's turn throughout: a background capture writes dummy inputs into
         the same buffers, and the sampler reads the step's outputs."""
         with self.runner.stepping():
+            if self.speculative:  # (its drafts are verified: no sampling values to make)
+                out = self.runner.execute(step, agreement, previous and previous.sampled)
+                return self._verified(step, out) if step.scheduled else None
             # The penalties' counts take the last step's tokens before this step's graphs
             # run: those tokens may sit in a sampling graph's output, which shares the
             # pool with the step's graphs and so may be overwritten by their replay.
             last = None if previous is None else (previous.sampled.tokens, previous.sampled.index)
-            counts = None
             params = [s.request.params for s in step.scheduled]
             # the index of each token drawn, which a seeded request's draws depend on
             indices = [s.start + len(s.tokens) for s in step.scheduled]
-            if not self.speculative:
-                counts = self.sampler.output_counts(step.scheduled, last)
-                self.sampler.prepare(params, indices, counts)  # (queued before the step)
+            counts = self.sampler.output_counts(step.scheduled, last)
+            self.sampler.prepare(params, indices, counts)  # (queued before the step)
             out = self.runner.execute(step, agreement, previous and previous.sampled)
             if not step.scheduled:
                 return None
-            if self.speculative:
-                return self._verified(step, out)
             tokens = self.sampler.tokens(params, out, indices, counts)
             logprobs = self.sampler.logprobs(params, out, tokens)
             self.scheduler.launched(step)

@@ -89,6 +89,25 @@ def test_a_bad_entry_is_named_removed_and_rebuilt(tmp_path, caplog, damage, name
     assert _store(cache, src) == folder and cache.lookup(src, torch.float32) is not None
 
 
+def test_a_flip_in_any_piece_of_a_checksum_is_found(tmp_path, monkeypatch):
+    # The checksum is one CRC-32 a piece, computed on threads: a byte changed in a middle
+    # piece fails it as one in the last does, and a piece's CRC is zlib's of its bytes.
+    import zlib
+
+    from ostinato.engine.loading import model_cache
+
+    monkeypatch.setattr(model_cache, "PIECE_BYTES", 1000)
+    path = tmp_path / "blob"
+    data = bytearray(os.urandom(4500))
+    path.write_bytes(bytes(data))
+    whole = model_cache.file_checksum(path)
+    pieces = [f"{zlib.crc32(data[i : i + 1000]):08x}" for i in range(0, 4500, 1000)]
+    assert whole == "crc32:" + ",".join(pieces)
+    data[2345] ^= 1
+    path.write_bytes(bytes(data))
+    assert model_cache.file_checksum(path) != whole
+
+
 def test_a_changed_source_misses_and_its_old_entry_is_pruned(tmp_path):
     cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
     old = _store(cache, src)

@@ -33,6 +33,7 @@ import shutil
 import uuid
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,11 +49,13 @@ logger = logging.getLogger(__name__)
 
 # Writes a tokenizer's files into the folder it is given.
 SaveTokenizer = Callable[[Path], None]
-FORMAT = 1  # bump when an entry's layout or meaning changes
+FORMAT = 2  # bump when an entry's layout or meaning changes (2: a CRC-32 per piece)
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer"
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 1 << 20
+PIECE_BYTES = 64 << 20  # a checksum's piece: a thread's share of a large file
+CHECKSUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 CacheDirArg = str | Path | bool | None
 """``None``/``True``: the default location; a path: that folder; ``False``: no cache."""
@@ -73,12 +76,19 @@ def source_identity(path: Path) -> dict[str, Any]:
 
 
 def file_checksum(path: Path) -> str:
-    """CRC-32 of a file's bytes (3 GB/s: verifying a 540 MB entry costs ~0.2 s)."""
+    """The CRC-32 of each ``PIECE_BYTES`` of a file, side by side, computed on up to
+    ``CHECKSUM_THREADS`` threads (zlib lets go of the interpreter lock): one thread's CRC
+    runs at 1.4-1.7 GB/s on an H200's host, 0.3 s of every cached SmolLM2 start (540 MB)
+    and some 10 s of an 8 B entry's, all of it before the weights load."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
             return "crc32:00000000"
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return f"crc32:{zlib.crc32(m):08x}"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
+            starts = range(0, size, PIECE_BYTES)
+            with ThreadPoolExecutor(min(CHECKSUM_THREADS, len(starts))) as pool:
+                crcs = list(pool.map(lambda at: zlib.crc32(view[at : at + PIECE_BYTES]), starts))
+    return "crc32:" + ",".join(f"{c:08x}" for c in crcs)
 
 
 @dataclass(frozen=True)

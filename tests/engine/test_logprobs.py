@@ -80,6 +80,14 @@ def test_a_steps_entries_take_each_requests_own_count_of_the_graphs_columns():
         assert entry.top_logprobs == tuple(values[row, :k].tolist())
     nobody = [SamplingParams(), SamplingParams()]
     assert step.entries(nobody, [1, 2]) == [None, None]
+    # Every row asking as many (the usual step, made in one pass) gives what the row-by-row
+    # path gives those rows, and a token list of another length is refused.
+    three = SamplingParams(logprobs=3)
+    alike = step.entries([three] * 4, [0, 1, 2, 3])
+    mixed = step.entries([three, three, three, SamplingParams(logprobs=2)], [0, 1, 2, 3])
+    assert alike[:3] == mixed[:3] and len(alike[3].top_ids) == 3
+    with pytest.raises(ValueError):
+        step.entries([three] * 4, [0, 1, 2])
 
 
 def test_a_landing_fits_steps_of_its_columns_and_types_and_no_more_rows():

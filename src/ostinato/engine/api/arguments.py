@@ -18,6 +18,7 @@ from ostinato.engine.api.engine_args import (
     lora_module,
 )
 from ostinato.engine.api.prompts import model_len
+from ostinato.engine.core.host import available_cores
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.spec.speculative import SpeculativeConfig
@@ -246,13 +247,6 @@ def check_lora(
 
 
 MAX_CPU_THREADS = 4
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity where the OS says, else all)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def limit_cpu_threads(world_size: int) -> int | None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ostinato import __version__
 from ostinato.cache_root import ENV_VAR, root_from_arg
+from ostinato.engine.core.host import available_cores
 from ostinato.engine.model.config import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:  # torch is not imported here: ``converted`` answers before it is
@@ -55,7 +56,7 @@ TOKENIZER = "tokenizer"
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 1 << 20
 PIECE_BYTES = 64 << 20  # a checksum's piece: a thread's share of a large file
-CHECKSUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+CHECKSUM_THREADS = min(8, available_cores())
 
 CacheDirArg = str | Path | bool | None
 """``None``/``True``: the default location; a path: that folder; ``False``: no cache."""

@@ -52,15 +52,12 @@ def sample(
     """
     if all_greedy is None:
         all_greedy = not bool((temperatures > 0).any())
-    if penalties is not None and not all_greedy and logits.is_cuda:
-        from ostinato.engine.kernels.sampling import sample_rows
-
-        keys = row_keys(seeded_on(seeded, logits.device), logits, generator)
-        return sample_rows(logits, temperatures, top_ps, keys, penalties.operands(), out)
-    if penalties is None:
-        return _drawn(logits, temperatures, top_ps, generator, all_greedy, seeded, cut, out)
-    adjusted = penalized(logits, *penalties.operands())
-    tokens = _drawn(adjusted, temperatures, top_ps, generator, all_greedy, seeded, cut, out)
+    drawn = (temperatures, top_ps, generator, all_greedy, seeded, cut)
+    if penalties is None or (logits.is_cuda and not all_greedy):
+        # (the sampling kernels apply the penalties and count the draws themselves)
+        operands = penalties.operands() if penalties is not None else None
+        return _drawn(logits, *drawn, operands, out)
+    tokens = _drawn(penalized(logits, *penalties.operands()), *drawn, None, out)
     if not compiling_ahead():
         count_tokens(penalties.table, penalties.rows, tokens)
     return tokens
@@ -74,17 +71,19 @@ def _drawn(
     all_greedy: bool,
     seeded: Sequence[tuple[int, int] | None] | Seeds,
     cut: bool,
+    operands: tuple[torch.Tensor | None, ...] | None,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``sample`` without penalties."""
+    """``sample``'s draw; ``operands`` (CUDA, a sampled step only): the penalties that
+    ``kernels.sampling.sample_rows`` applies and counts."""
     if all_greedy:
         return _into(out, greedy_tokens(logits))
-    seeds = seeded_on(seeded, logits.device)
+    seeds = seeded if isinstance(seeded, Seeds) else seeds_on(seeded, logits.device)
     if logits.is_cuda:
         from ostinato.engine.kernels.sampling import sample_rows
 
         keys = row_keys(seeds, logits, generator)
-        return sample_rows(logits, temperatures, top_ps, keys, None, out)
+        return sample_rows(logits, temperatures, top_ps, keys, operands, out)
     greedy = greedy_tokens(logits)
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits.float() / t[:, None], dim=-1)
@@ -149,13 +148,6 @@ class Seeds:
 
     keys: torch.Tensor
     mask: torch.Tensor | None
-
-
-def seeded_on(
-    seeded: Sequence[tuple[int, int] | None] | Seeds, device: torch.device
-) -> Seeds | None:
-    """``sample``'s ``seeded`` as ``Seeds`` on ``device`` (None where no row is seeded)."""
-    return seeded if isinstance(seeded, Seeds) else seeds_on(seeded, device)
 
 
 def seeds_on(seeded: Sequence[tuple[int, int] | None], device: torch.device) -> Seeds | None:

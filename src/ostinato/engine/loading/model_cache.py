@@ -80,7 +80,7 @@ def file_checksum(path: Path) -> str:
     """The CRC-32 of each ``PIECE_BYTES`` of a file, side by side, computed on up to
     ``CHECKSUM_THREADS`` threads (zlib lets go of the interpreter lock): one thread's CRC
     runs at 1.4-1.7 GB/s on an H200's host, 0.3 s of every cached SmolLM2 start (540 MB)
-    and some 10 s of an 8 B entry's, all of it before the weights load."""
+    before the weights load (at that rate, some 10 s for an 8 B entry)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:

@@ -232,13 +232,13 @@ def held_back(real: Any) -> tuple[threading.Event, Any]:
 def test_a_conversion_opened_later_hands_its_tokenizer_and_entry_over_at_finish(
     tmp_path, monkeypatch
 ):
-    from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
+    from ostinato.engine.loading.gguf_tokenizer import TokenizerBuiltHere
 
     path, cache = gguf_path(), ModelCache(tmp_path / "cache")
-    release, slow = held_back(TokenizerChild.wait)
-    monkeypatch.setattr(TokenizerChild, "wait", slow)
+    release, slow = held_back(TokenizerBuiltHere.wait)
+    monkeypatch.setattr(TokenizerBuiltHere, "wait", slow)
     source = open_model(path, cache=cache, later=True)
-    # The weights are ready; the tokenizer (a child process's) and the entry come later.
+    # The weights are ready; the tokenizer (built on a thread) and the entry come later.
     assert source.load is not None and source.tokenizer is None and not source.pending.done()
     assert not (cache.root / "models").exists() or not _entries(cache)
     release.set()
@@ -265,9 +265,17 @@ def test_a_cached_model_opened_later_reads_its_tokenizer_beside_the_start(tmp_pa
     assert open_model(path, cache=cache).tokenizer is not None  # (not later: read at once)
 
 
-def test_the_child_process_s_tokenizer_is_the_one_transformers_builds_here(tmp_path):
+def _child_builds(monkeypatch):
+    """SmolLM2's tokenizer made by the child, as a file's the module does not build is."""
+    from ostinato.engine.loading import gguf_tokenizer
+
+    monkeypatch.setattr(gguf_tokenizer, "builds_here", lambda fields: False)
+
+
+def test_the_child_process_s_tokenizer_is_the_one_transformers_builds_here(tmp_path, monkeypatch):
     from ostinato.engine.loading.gguf_file import GGUFCheckpoint
 
+    _child_builds(monkeypatch)
     path = gguf_path()
     here = GGUFCheckpoint(path).tokenizer()
     child = open_model(path, cache=ModelCache(tmp_path / "cache")).tokenizer
@@ -284,6 +292,7 @@ def test_the_child_process_s_tokenizer_is_the_one_transformers_builds_here(tmp_p
 def _failing_child(monkeypatch):
     from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
 
+    _child_builds(monkeypatch)
     monkeypatch.setattr(TokenizerChild, "module", "ostinato.no_such_module")
 
 
@@ -303,6 +312,7 @@ def test_without_transformers_a_first_start_has_no_tokenizer_and_its_entry_none(
 ):
     from ostinato.engine.loading.gguf_tokenizer import TokenizerChild
 
+    _child_builds(monkeypatch)
     monkeypatch.setattr(TokenizerChild, "module", "no_transformers_child")
     path, cache = gguf_path(), ModelCache(tmp_path / "cache")
     source = open_model(path, cache=cache)
@@ -365,32 +375,26 @@ def test_converted_answers_without_torch_and_names_only_a_stored_entry(tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
 
 
-def test_the_command_line_starts_the_tokenizer_child_first_and_the_engine_takes_it_up(
-    tmp_path, monkeypatch
-):
-    # Before this process imports torch, only where the cache has no entry of the file;
-    # open_model then uses that child, not a second one.
-    import argparse
+def test_a_first_start_of_smollm2_starts_no_child_and_imports_no_transformers(tmp_path):
+    # Its byte-level vocabulary is built here (gguf_tokenizer); the entry it writes holds
+    # the tokenizer a later start reads.
+    import subprocess
+    import sys
 
-    from ostinato.engine.cli.main import _tokenizer_first
-    from ostinato.engine.loading import gguf_tokenizer
-
-    started = []
-    real_init = gguf_tokenizer.TokenizerChild.__init__
-
-    def counting(self, path):
-        started.append(path)
-        real_init(self, path)
-
-    monkeypatch.setattr(gguf_tokenizer.TokenizerChild, "__init__", counting)
-    monkeypatch.setattr(gguf_tokenizer, "_EARLY", {})
-    args = argparse.Namespace(model=str(gguf_path()), cache_dir=str(tmp_path / "cache"))
-    _tokenizer_first(argparse.Namespace(**vars(args), random_weights=True))
-    _tokenizer_first(argparse.Namespace(**vars(args), dtype=torch.float32))
-    assert started == []  # random weights need no tokenizer; a torch dtype: not asked
-    _tokenizer_first(args)
-    assert len(started) == 1 and len(gguf_tokenizer._EARLY) == 1
-    source = open_model(gguf_path(), cache=ModelCache(tmp_path / "cache"))
-    assert source.tokenizer is not None and len(started) == 1 and gguf_tokenizer._EARLY == {}
-    _tokenizer_first(args)  # converted now: nothing to start
-    assert len(started) == 1
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from ostinato.engine.loading import gguf_tokenizer\n"
+        "from ostinato.engine.loading.model_cache import ModelCache\n"
+        "from ostinato.engine.loading.source import open_model\n"
+        "def refused(self, path): raise AssertionError('a child was started')\n"
+        "gguf_tokenizer.TokenizerChild.__init__ = refused\n"
+        f"cache = ModelCache(Path({str(tmp_path / 'cache')!r}))\n"
+        f"path = Path({str(gguf_path())!r})\n"
+        "source = open_model(path, cache=cache)\n"
+        "assert source.tokenizer.encode('Paris') and cache.lookup(path, source.dtype)\n"
+        "assert 'transformers' not in sys.modules, 'imported transformers'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hit = ModelCache(tmp_path / "cache").lookup(gguf_path(), torch.float32)
+    assert hit is not None and (hit.tokenizer_dir / "tokenizer.json").is_file()

@@ -168,7 +168,6 @@ def _start_engine(args: argparse.Namespace) -> Any:
     """The engine the options ask for, after the start-up line is printed."""
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
-        _tokenizer_first(args)
     engine_args = _engine_args(args)
     # The device's CUDA context and Triton's set-up are made while torch imports.
     start_early(engine_args.device, engine_args.parallel.world_size, engine_args.cache_dir)
@@ -177,29 +176,6 @@ def _start_engine(args: argparse.Namespace) -> Any:
     llm = LLM(args=engine_args)
     print(llm.describe(), flush=True)
     return llm
-
-
-def _tokenizer_first(args: argparse.Namespace) -> None:
-    """Where the model is a GGUF file the model cache has not converted yet, starts its
-    tokenizer's child process now, before this process imports torch: the child's own
-    imports then overlap this one's (SmolLM2's first start waited on the child). The
-    engine takes it up (``TokenizerChild.for_file``)."""
-    from ostinato.engine.loading import gguf_tokenizer
-    from ostinato.engine.loading.model_cache import ModelCache
-    from ostinato.engine.model import presets
-
-    dtype = getattr(args, "dtype", None) or "float32"  # (a GGUF file's, unless asked)
-    if getattr(args, "random_weights", False) or not isinstance(dtype, str):
-        return
-    try:
-        path = presets.model_path(args.model or presets.SMOLLM2)
-        cache = ModelCache.from_arg(args.cache_dir)
-        if path.suffix != ".gguf" or not path.is_file() or cache is None:
-            return
-        if not cache.converted(path, dtype):
-            gguf_tokenizer.start_early(path)
-    except OSError:  # (the engine names what is wrong with the model or the cache)
-        return
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from ostinato.engine.loading.gguf_file import GGUFCheckpoint
-from ostinato.engine.loading.gguf_tokenizer import TokenizerChild, TokenizerChildError
+from ostinato.engine.loading.gguf_tokenizer import (
+    TokenizerBuiltHere,
+    TokenizerChild,
+    TokenizerChildError,
+    tokenizer_build,
+)
 from ostinato.engine.loading.model_cache import CachedModel, ModelCache, SaveTokenizer
 from ostinato.engine.loading.tokenizer_file import load_tokenizer
 from ostinato.engine.loading.weights import assign_tensors, checkpoint_files, load_weights
@@ -41,9 +46,9 @@ ModelSpec = str | Path | dict[str, Any] | ModelConfig | None
 class ModelSource:
     """A model ready to be built: ``load`` is None for random weights; ``dtype`` is the
     checkpoint's own precision where it has one that bfloat16 would lose. ``pending``:
-    the tokenizer still being built (``open_model(..., later=True)``): a conversion's in a
-    child process, with the model-cache entry written beside it, a cached model's read
-    on a thread; ``finish`` waits for it."""
+    the tokenizer still being built (``open_model(..., later=True)``): a conversion's
+    (``gguf_tokenizer``: on a thread, or in a child process), with the model-cache entry
+    written beside it, a cached model's read on a thread; ``finish`` waits for it."""
 
     name: str
     config: ModelConfig
@@ -137,20 +142,20 @@ def _gguf(
         return ModelSource(
             str(path), ckpt.config, load, ckpt.tokenizer(), ckpt.eos_token_ids, torch.float32
         )
-    # Started first, before the file is even parsed: its imports take seconds.
-    child = TokenizerChild.for_file(path)  # (the command line may have started it)
+    ckpt = GGUFCheckpoint(path)
+    # Before the weights: a child (where one builds it) starts its seconds of imports now.
+    build = tokenizer_build(path, ckpt.reader.fields)
     try:
-        ckpt = GGUFCheckpoint(path)
         tensors = {name: t.to(run_dtype) for name, t in ckpt.tensors()}
     except BaseException:
-        child.close()
+        build.close()
         raise
 
     def tokenizer_and_entry() -> Any:
         made: list[Any] = []
 
-        def save(folder: Path) -> None:  # after the weights, written while the child works
-            tokenizer, copy = _tokenizer_of(ckpt, child)
+        def save(folder: Path) -> None:  # after the weights
+            tokenizer, copy = _tokenizer_of(ckpt, build)
             made.append(tokenizer)
             if copy is not None:
                 copy(folder)
@@ -158,9 +163,9 @@ def _gguf(
         try:
             folder = cache.store(path, run_dtype, ckpt.config, ckpt.eos_token_ids, tensors, save)
             if not made:  # the cache failed before the tokenizer's turn
-                made.append(_tokenizer_of(ckpt, child)[0])
+                made.append(_tokenizer_of(ckpt, build)[0])
         finally:
-            child.close()
+            build.close()
         if folder is not None:
             logger.info("ostinato: %s converted once into the model cache at %s", path, folder)
         return made[0]
@@ -172,18 +177,20 @@ def _gguf(
         eos_token_ids=ckpt.eos_token_ids,
         dtype=torch.float32,
         # Neither is needed before the first step: they go beside the rest of the start
-        # (the weights, the KV cache, the kernel plans), the tokenizer in a child process.
+        # (the weights, the KV cache, the kernel plans).
         pending=_on_thread(tokenizer_and_entry),
     )
 
 
-def _tokenizer_of(ckpt: GGUFCheckpoint, child: TokenizerChild) -> tuple[Any, SaveTokenizer | None]:
-    """The tokenizer ``child`` built, read back from its files, and how to copy them into
-    an entry; where the child failed, named in a warning, the tokenizer built here."""
+def _tokenizer_of(
+    ckpt: GGUFCheckpoint, build: TokenizerBuiltHere | TokenizerChild
+) -> tuple[Any, SaveTokenizer | None]:
+    """The tokenizer ``build`` made, read back from its files, and how to copy them into
+    an entry; where it failed, named in a warning, the one transformers builds here."""
     try:
-        built = child.wait()
-    except TokenizerChildError as exc:
-        logger.warning("ostinato: %s; building the tokenizer in this process instead", exc)
+        built = build.wait()
+    except (TokenizerChildError, ValueError) as exc:
+        logger.warning("ostinato: %s; building the tokenizer with transformers instead", exc)
         tokenizer = ckpt.tokenizer()
         if tokenizer is None:
             return None, None

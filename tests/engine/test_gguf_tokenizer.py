@@ -75,8 +75,18 @@ def test_it_encodes_decodes_and_renders_as_transformers_does(both):
         assert ours.apply_chat_template(
             messages, add_generation_prompt=prompt, tokenize=False
         ) == theirs.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "eos_token_id"):
-        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_its_special_tokens_are_the_file_s(both):
+    # Against the file's own ids (transformers 5.17 names <|im_start|> as SmolLM2's EOS,
+    # 5.25 the file's <|im_end|>; the engine stops on the file's ids in either case).
+    ours, _ = both
+    fields = GGUFCheckpoint(gguf_path()).reader.fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    for name, key in [("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown")]:
+        assert getattr(ours, name) == tokens[fields[f"tokenizer.ggml.{key}_token_id"].contents()]
+    assert ours.eos_token_id == fields["tokenizer.ggml.eos_token_id"].contents() == 2
+    assert ours.pad_token == tokens[fields["tokenizer.ggml.padding_token_id"].contents()]
 
 
 @dataclass

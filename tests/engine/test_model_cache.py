@@ -357,24 +357,6 @@ def test_a_first_start_stops_on_text_and_a_failed_tokenizer_fails_the_start(tmp_
     assert not list((tmp_path / "b").rglob(".tmp-*"))  # no partial entry left
 
 
-def test_converted_answers_without_torch_and_names_only_a_stored_entry(tmp_path):
-    import subprocess
-    import sys
-
-    cache, src = ModelCache(tmp_path / "cache"), _fake_source(tmp_path)
-    assert not cache.converted(src, "float32")
-    _store(cache, src)
-    assert cache.converted(src, "float32") and not cache.converted(src, "bfloat16")
-    code = (
-        "import sys; from pathlib import Path\n"
-        "from ostinato.engine.loading.model_cache import ModelCache\n"
-        f"print(ModelCache({str(cache.root)!r}).converted(Path({str(src)!r}), 'float32'))\n"
-        "assert 'torch' not in sys.modules, 'imported torch'"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
-
-
 def test_a_first_start_of_smollm2_starts_no_child_and_imports_no_transformers(tmp_path):
     # Its byte-level vocabulary is built here (gguf_tokenizer); the entry it writes holds
     # the tokenizer a later start reads.

@@ -43,7 +43,7 @@ from ostinato.cache_root import ENV_VAR, root_from_arg
 from ostinato.engine.core.host import available_cores
 from ostinato.engine.model.config import ModelConfig, RopeScaling
 
-if TYPE_CHECKING:  # torch is not imported here: ``converted`` answers before it is
+if TYPE_CHECKING:  # (torch is not imported here: its dtypes are only named)
     import torch
 
 logger = logging.getLogger(__name__)
@@ -134,13 +134,6 @@ class ModelCache:
     def _entry_path(self, key: dict[str, Any]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
         return self.root / "models" / f"{Path(key['path']).stem}-{digest}"
-
-    def converted(self, source: Path, dtype: str) -> bool:
-        """Whether an entry of ``source`` in ``dtype`` (its name: ``"float32"``) is in
-        place, unverified (``lookup`` verifies it). Imports nothing: the command line asks
-        before it imports torch."""
-        key = {"format": FORMAT, "ostinato": __version__, "dtype": dtype}
-        return self._entry_path({**key, **source_identity(source)}).is_dir()
 
     def lookup(self, source: Path, dtype: torch.dtype) -> CachedModel | None:
         """The verified entry for ``source`` in ``dtype``, or None (a miss; a bad entry

@@ -307,6 +307,25 @@ def test_a_failed_child_is_named_and_the_tokenizer_built_here(tmp_path, monkeypa
     assert hit is not None and hit.tokenizer_dir is not None
 
 
+def test_a_malformed_vocabulary_built_here_is_named_and_transformers_builds_it(
+    tmp_path, monkeypatch, caplog
+):
+    from ostinato.engine.loading import gguf_tokenizer
+
+    def malformed(fields):
+        raise ValueError("GGUF tokenizer: merge 'a b c' is not two tokens apart")
+
+    monkeypatch.setattr(gguf_tokenizer, "byte_level_files", malformed)
+    path, cache = gguf_path(), ModelCache(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        source = open_model(path, cache=cache)
+    assert "merge 'a b c' is not two tokens apart" in caplog.text
+    assert "building the tokenizer with transformers instead" in caplog.text
+    assert source.tokenizer is not None and source.tokenizer.encode("Paris")
+    hit = cache.lookup(path, torch.float32)
+    assert hit is not None and (hit.tokenizer_dir / "tokenizer.json").is_file()
+
+
 def test_without_transformers_a_first_start_has_no_tokenizer_and_its_entry_none(
     tmp_path, monkeypatch
 ):

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato import switch_interval
+from ostinato import steps_first, switch_interval
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.guard import capture_phase
 from ostinato.platform.base import Held, exclusive_device, isolated_capture
@@ -78,28 +78,48 @@ MAX_WAIT_S = 1.0  # the longest the thread waits for a pause before it takes an 
 # pause (within PAUSE_S..MAX_WAIT_S): under steps that never pause, units hold the turn
 # about a tenth of the time, so many short units finish as soon as a few long ones did.
 UNIT_SPACING = 9.0
+# The longest a thread beside the steps waits at one pause point while a step holds the
+# turn: longer than a decode step's launch, and a bound should a step ever wait on that
+# thread (it then goes on after this, as it would without the pause).
+STEP_WAIT_S = 0.05
 
 
 class Turn:
     """A re-entrant lock held by a step or a capture item, which knows whether a step is
-    waiting for it (so the capture thread can hand it over between items) and whether
-    the steps are running (``steps_active``)."""
+    waiting for it (so the capture thread can hand it over between items), whether the
+    steps are running (``steps_active``), and when a step lets go of it (for a thread
+    beside the steps that waits meanwhile: ``wait_while_stepping``)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._waiting = 0
         self._held = 0  # a step's holds (re-entrant)
+        self._holder = 0  # the thread of those holds (its ident; 0: none)
         self._changed = threading.Condition()
         self._last_step_end = 0.0  # time.monotonic() when a step last released the turn
 
     def __enter__(self) -> None:
         self._acquire()
         self._held += 1
+        self._holder = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
-        self._held -= 1
         self._last_step_end = time.monotonic()
+        with self._changed:  # (a thread in ``wait_while_stepping`` reads these under it)
+            self._held -= 1
+            if not self._held:
+                self._holder = 0
+                self._changed.notify_all()
         self._lock.release()
+
+    def wait_while_stepping(self, timeout: float | None = None) -> None:
+        """Returns once no step on another thread holds the turn (at once on the thread
+        that holds it), or after ``timeout`` seconds (``STEP_WAIT_S`` unless given;
+        ``ostinato.steps_first``)."""
+        me = threading.get_ident()
+        bound = STEP_WAIT_S if timeout is None else timeout
+        with self._changed:
+            self._changed.wait_for(lambda: not self._held or self._holder == me, bound)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -299,7 +319,7 @@ class BackgroundCapture:
     def _run(self) -> None:
         switch_interval.lower(SWITCH_INTERVAL_S)
         try:
-            with torch.inference_mode(), isolated_capture():
+            with torch.inference_mode(), isolated_capture(), steps_first.beside(self._turn):
                 if self._prologue is not None:
                     self._prologue()
                     logger.info("ostinato: background prologue done after %.1f s", self._since())

@@ -208,7 +208,7 @@ def graph_call_us(
         # Fewer calls per replay: more replays, up to four times (a median as steady).
         more = min(4, -(-calls // held))
         us = held_replays_us(graph, replays * more, turn) / held
-        del graph
+        dropped(graph)
         return us
     graph = captured_calls(fn, calls)
     graph.replay()
@@ -219,7 +219,7 @@ def graph_call_us(
     end.record()
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / (replays * calls)
-    del graph
+    dropped(graph)
     return us
 
 
@@ -230,8 +230,15 @@ def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:
         return calls
     one = captured_calls(fn, 1)
     us = held_replay_us(one, turn)
-    del one
+    dropped(one)
     return max(1, min(calls, int(HELD_REPLAY_US / max(us, 1e-3))))
+
+
+def dropped(graph: torch.cuda.CUDAGraph) -> None:
+    """Destroys a timing's ``graph`` (its replays done) with the interpreter lock let go:
+    ``CUDAGraph.reset`` releases it, where the destructor a ``del`` runs holds it, and a step
+    thread waiting for the lock would wait out the destruction."""
+    graph.reset()
 
 
 def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:

@@ -10,7 +10,7 @@ from fakes import FakePlatform
 
 from ostinato import Dispatcher, GraphConfig, GraphManager, GraphMode, background
 from ostinato.background import Turn
-from ostinato.steps_first import beside, pause_point
+from ostinato.steps_first import beside, pause_point, unpaused
 
 HOLD_S = 0.3
 
@@ -52,6 +52,20 @@ def test_a_pause_point_off_the_threads_beside_the_steps_returns_at_once():
     start = time.monotonic()
     pause_point()  # (this thread said nothing: a step's own launches pass)
     assert time.monotonic() - start < HOLD_S / 3 and not released
+
+
+def test_a_pause_point_inside_a_recording_returns_at_once():
+    # A platform's capture is unpaused: a pause there would keep the capture open while
+    # the steps run (their freed blocks not reused until it ends).
+    turn, holding = Turn(), threading.Event()
+    released = hold_the_turn(turn, holding)
+    start = time.monotonic()
+    with beside(turn), unpaused():
+        pause_point()
+    assert time.monotonic() - start < HOLD_S / 3 and not released
+    with beside(turn):
+        pause_point()  # (outside the recording it waits again)
+    assert released
 
 
 def test_a_pause_point_with_no_step_holding_the_turn_returns_at_once():

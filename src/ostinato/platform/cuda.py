@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ostinato import steps_first
 from ostinato.platform.base import (
     Graph,
     Held,
@@ -271,7 +272,7 @@ def _capture_scope(stream: torch.cuda.Stream) -> Iterator[str]:
     capture's error mode ("thread_local" beside steps, else "global")."""
     with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(stream):
         torch.cuda.synchronize()
-        with cublas_workspaces_in_capture():
+        with cublas_workspaces_in_capture(), steps_first.unpaused():
             yield "thread_local" if capture_is_isolated() else "global"
 
 

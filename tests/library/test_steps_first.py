@@ -123,3 +123,54 @@ def test_a_background_capture_thread_pauses_while_a_step_holds_the_turn():
     assert capture.wait(30) and capture.error is None
     assert returned and returned[0] >= released
     m.release()
+
+
+def test_a_step_that_runs_eagerly_lets_the_thread_beside_it_go_on():
+    # An eager step holds the turn for milliseconds and the thread's work (its graph) is
+    # what speeds it up: the thread does not wait it out.
+    turn, holding, eager, released = Turn(), threading.Event(), threading.Event(), []
+
+    def step() -> None:
+        with turn:
+            holding.set()
+            assert eager.wait(10)
+            turn.step_runs_eagerly()
+            time.sleep(HOLD_S)
+            released.append(time.monotonic())
+
+    threading.Thread(target=step, daemon=True).start()
+    assert holding.wait(10)
+    with beside(turn):
+        waiter = threading.Timer(0.05, eager.set)
+        waiter.start()
+        pause_point()  # (waits for the step, until it says it runs eagerly)
+    assert eager.is_set() and not released
+    with beside(turn):
+        pause_point()
+    assert not released  # (the same hold: still eager)
+
+
+def test_the_capture_thread_goes_on_beside_a_step_at_a_size_still_to_capture():
+    x, w = torch.zeros(16, 4), torch.randn(4, 3)
+    dispatcher = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2)))
+    m = GraphManager(
+        lambda d: x[: d.num_tokens] @ w, dispatcher, platform=FakePlatform(), progress=False
+    )
+    holding, returned = threading.Event(), []
+
+    def prologue() -> None:
+        assert holding.wait(10)
+        pause_point()
+        returned.append(time.monotonic())
+
+    capture = m.capture_in_background(prologue=prologue)
+    with m.stepping():
+        dispatch = dispatcher.dispatch(2)
+        assert not m.ready(dispatch)
+        m.run(dispatch, 2)  # eagerly: its graph is still to capture
+        holding.set()
+        time.sleep(HOLD_S)
+        released = time.monotonic()
+    assert capture.wait(30) and capture.error is None
+    assert returned and returned[0] < released
+    m.release()

@@ -249,7 +249,7 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     # Not ``torch.cuda.graph``: it empties the device's and the pinned host's caches at
     # every capture (each free waits for the device, and the steps' next allocations are
     # made again), hundreds of times over a measurement beside the steps.
-    with _capture_scope(_side_stream()) as mode:
+    with _capture_scope(_side_stream(), pauses=True) as mode:
         graph.capture_begin(capture_error_mode=mode)
         with _ended(graph):
             for _ in range(calls):
@@ -265,14 +265,14 @@ _KEPT_WORKSPACES = threading.Event()
 
 
 @contextlib.contextmanager
-def _capture_scope(stream: torch.cuda.Stream) -> Iterator[str]:
+def _capture_scope(stream: torch.cuda.Stream, pauses: bool = False) -> Iterator[str]:
     """What every capture here opens: the device to this thread's capture
     (``exclusive_device``), the garbage collector paused, ``stream`` current, the device
     drained, cuBLAS's workspaces as ``cublas_workspaces_in_capture`` says; yields the
     capture's error mode ("thread_local" beside steps, else "global")."""
     with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(stream):
         torch.cuda.synchronize()
-        with cublas_workspaces_in_capture(), steps_first.unpaused():
+        with cublas_workspaces_in_capture(), (contextlib.nullcontext() if pauses else steps_first.unpaused()):
             yield "thread_local" if capture_is_isolated() else "global"
 
 

@@ -209,7 +209,7 @@ def graph_call_us(
         # Fewer calls per replay: more replays, up to four times (a median as steady).
         more = min(4, -(-calls // held))
         us = held_replays_us(graph, replays * more, turn) / held
-        dropped(graph)
+        del graph
         return us
     graph = captured_calls(fn, calls)
     graph.replay()
@@ -220,7 +220,7 @@ def graph_call_us(
     end.record()
     end.synchronize()
     us = start.elapsed_time(end) * 1e3 / (replays * calls)
-    dropped(graph)
+    del graph
     return us
 
 
@@ -231,15 +231,8 @@ def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:
         return calls
     one = captured_calls(fn, 1)
     us = held_replay_us(one, turn)
-    dropped(one)
+    del one
     return max(1, min(calls, int(HELD_REPLAY_US / max(us, 1e-3))))
-
-
-def dropped(graph: torch.cuda.CUDAGraph) -> None:
-    """Destroys a timing's ``graph`` (its replays done) with the interpreter lock let go:
-    ``CUDAGraph.reset`` releases it, where the destructor a ``del`` runs holds it, and a step
-    thread waiting for the lock would wait out the destruction."""
-    graph.reset()
 
 
 def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
@@ -270,9 +263,13 @@ def _capture_scope(stream: torch.cuda.Stream, pauses: bool = False) -> Iterator[
     (``exclusive_device``), the garbage collector paused, ``stream`` current, the device
     drained, cuBLAS's workspaces as ``cublas_workspaces_in_capture`` says; yields the
     capture's error mode ("thread_local" beside steps, else "global")."""
+    recording = contextlib.nullcontext() if pauses else steps_first.unpaused()
     with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(stream):
         torch.cuda.synchronize()
-        with cublas_workspaces_in_capture(), (contextlib.nullcontext() if pauses else steps_first.unpaused()):
+        with (
+            cublas_workspaces_in_capture(),
+            contextlib.nullcontext() if pauses else steps_first.unpaused(),
+        ):
             yield "thread_local" if capture_is_isolated() else "global"
 
 

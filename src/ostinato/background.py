@@ -34,6 +34,9 @@ every 5 ms: PyTorch releases the GIL around every op, and a step's op that wants
 would otherwise wait for the capture thread's next switch, up to 5 ms per op (a decode
 step of hundreds of ops took seconds while Dynamo traced on the capture thread).
 
+The thread works beside the steps (``ostinato.steps_first``): at its pause points (the
+engine's kernel launches) it waits while a step that replays holds the turn.
+
 After the plan (and its epilogue), ``afterwards`` may go on with work that needs the
 graphs captured first (the engine measures its kernel plans there and recaptures the
 sizes they change). It takes the device and the turn for one unit of work at a time
@@ -96,6 +99,7 @@ class Turn:
         self._held = 0  # a step's holds (re-entrant)
         self._holder = 0  # the thread of those holds (its ident; 0: none)
         self._eager = False  # the step holding the turn runs eagerly (``step_runs_eagerly``)
+        self._pausing = 0  # threads in ``wait_while_stepping`` (woken as a step lets go)
         self._changed = threading.Condition()
         self._last_step_end = 0.0  # time.monotonic() when a step last released the turn
 
@@ -105,13 +109,21 @@ class Turn:
         self._holder = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
+        self._held -= 1
         self._last_step_end = time.monotonic()
-        with self._changed:  # (a thread in ``wait_while_stepping`` reads these under it)
-            self._held -= 1
-            if not self._held:
-                self._holder, self._eager = 0, False
-                self._changed.notify_all()
+        if not self._held:
+            self._holder, self._eager = 0, False
+            self._wake_pausing()
         self._lock.release()
+
+    def _wake_pausing(self) -> None:
+        # Without the condition's lock where no thread pauses: taking it at every step
+        # slowed a capture thread's hand-over under steps that never pause. No wake-up is
+        # lost: a thread counts itself in ``_pausing`` before it reads ``_held`` and
+        # ``_eager``, and the step writes them before it reads ``_pausing``.
+        if self._pausing:
+            with self._changed:
+                self._changed.notify_all()
 
     def step_runs_eagerly(self) -> None:
         """Called by the step holding the turn as it runs eagerly: threads beside the
@@ -119,9 +131,8 @@ class Turn:
         an eager step holds the turn for milliseconds, and their work (its size's graph)
         is what speeds it up; waiting out every eager step kept an H200's 1.5 B graphs
         from being ready for 52 s instead of 14-19, the steps eager all that time."""
-        with self._changed:
-            self._eager = True
-            self._changed.notify_all()
+        self._eager = True
+        self._wake_pausing()
 
     def wait_while_stepping(self, timeout: float | None = None) -> None:
         """Returns once no step on another thread holds the turn (at once on the thread
@@ -130,7 +141,11 @@ class Turn:
         me = threading.get_ident()
         bound = STEP_WAIT_S if timeout is None else timeout
         with self._changed:
-            self._changed.wait_for(self._passes(me), bound)
+            self._pausing += 1
+            try:
+                self._changed.wait_for(self._passes(me), bound)
+            finally:
+                self._pausing -= 1
 
     def _passes(self, me: int) -> Callable[[], bool]:
         return lambda: not self._held or self._holder == me or self._eager

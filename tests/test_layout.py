@@ -13,7 +13,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # The library's layers, lowest first: a module may import its own layer and lower ones.
 LIBRARY_LAYERS = [
     {"modes", "batch", "context", "errors", "mathutil", "turns", "provenance", "param_updates"}
-    | {"replay_check", "cache_root", "compile_artifacts", "switch_interval", "early_context"},
+    | {"replay_check", "cache_root", "compile_artifacts", "switch_interval", "early_context"}
+    | {"steps_first"},
     {"platform"},
     {"graph", "pool", "capture_report", "guard", "tensor_views"},
     {"config", "resolution", "dispatcher", "capture_planner"},

@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ostinato import switch_interval
+from ostinato import steps_first, switch_interval
 from ostinato.background import SWITCH_INTERVAL_S, Turn
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.dispatcher import Dispatch
@@ -284,7 +284,7 @@ class StagedRuntime:
     def _run(self) -> None:
         switch_interval.lower(SWITCH_INTERVAL_S)
         try:
-            with torch.inference_mode(), isolated_capture():
+            with torch.inference_mode(), isolated_capture(), steps_first.beside(self._turn):
                 upgrade = self._build()
                 with self._turn:
                     self.upgrade = upgrade

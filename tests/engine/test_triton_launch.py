@@ -88,3 +88,32 @@ def test_a_pool_without_threads_is_refused_by_name_before_anything_starts(fake_t
         with compile_ahead(workers=0):
             pass
     assert not compiling_ahead() and AsyncMode.entered == []
+
+
+def test_a_launch_beside_the_steps_waits_while_a_step_holds_the_turn(monkeypatch):
+    # A background thread's warm-ups, recordings and timings launch through ``launch``:
+    # while a step holds the turn, they wait (ostinato.steps_first), so the step's launch
+    # has the interpreter to itself.
+    import threading
+    import time
+
+    from ostinato import background
+    from ostinato.background import Turn
+    from ostinato.steps_first import beside
+
+    monkeypatch.setattr(background, "STEP_WAIT_S", 10.0)  # (past the step's hold)
+    turn, holding, kernel, released = Turn(), threading.Event(), Kernel(), []
+
+    def step():
+        with turn:
+            holding.set()
+            time.sleep(0.3)
+            released.append(time.monotonic())
+
+    threading.Thread(target=step, daemon=True).start()
+    assert holding.wait(10)
+    launch(kernel, (1,))  # (the step's own thread, or any not beside: at once)
+    assert not released and len(kernel.calls) == 1
+    with beside(turn):
+        launch(kernel, (2,))
+    assert released and time.monotonic() >= released[0] and len(kernel.calls) == 2

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ostinato import steps_first
 from ostinato.platform.base import (
     Graph,
     Held,
@@ -236,12 +237,14 @@ def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:
 
 def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
     """``calls`` calls of ``fn`` back to back, captured into one CUDA graph (its own
-    pool, freed with it), the device's other work drained first; no cache emptied."""
+    pool, freed with it), the device's other work drained first; no cache emptied. On a
+    thread beside the steps the recording pauses while a step launches
+    (``ostinato.steps_first``): a measurement beside the steps is mostly such recordings."""
     graph = torch.cuda.CUDAGraph()
     # Not ``torch.cuda.graph``: it empties the device's and the pinned host's caches at
     # every capture (each free waits for the device, and the steps' next allocations are
     # made again), hundreds of times over a measurement beside the steps.
-    with _capture_scope(_side_stream()) as mode:
+    with _capture_scope(_side_stream(), pauses=True) as mode:
         graph.capture_begin(capture_error_mode=mode)
         with _ended(graph):
             for _ in range(calls):
@@ -257,14 +260,18 @@ _KEPT_WORKSPACES = threading.Event()
 
 
 @contextlib.contextmanager
-def _capture_scope(stream: torch.cuda.Stream) -> Iterator[str]:
+def _capture_scope(stream: torch.cuda.Stream, pauses: bool = False) -> Iterator[str]:
     """What every capture here opens: the device to this thread's capture
     (``exclusive_device``), the garbage collector paused, ``stream`` current, the device
-    drained, cuBLAS's workspaces as ``cublas_workspaces_in_capture`` says; yields the
-    capture's error mode ("thread_local" beside steps, else "global")."""
+    drained, cuBLAS's workspaces as ``cublas_workspaces_in_capture`` says, and no pause
+    for the steps unless ``pauses`` (``ostinato.steps_first``); yields the capture's
+    error mode ("thread_local" beside steps, else "global")."""
     with exclusive_device(), paused_collection(torch.cuda), torch.cuda.stream(stream):
         torch.cuda.synchronize()
-        with cublas_workspaces_in_capture():
+        with (
+            cublas_workspaces_in_capture(),
+            contextlib.nullcontext() if pauses else steps_first.unpaused(),
+        ):
             yield "thread_local" if capture_is_isolated() else "global"
 
 

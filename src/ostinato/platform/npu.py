@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ostinato import steps_first
 from ostinato.errors import PlatformError
 from ostinato.param_updates import UpdatableTask, UpdateOrder
 from ostinato.platform.base import Graph, Platform, exclusive_device, paused_collection
@@ -65,8 +66,9 @@ class NpuPlatform(Platform):
 
     @contextlib.contextmanager
     def capture(self, graph: Graph, pool: Any) -> Iterator[None]:
-        with exclusive_device(), paused_collection(torch.npu), torch.npu.graph(graph, pool=pool):
-            yield
+        with exclusive_device(), paused_collection(torch.npu), steps_first.unpaused():
+            with torch.npu.graph(graph, pool=pool):
+                yield
 
     def synchronize(self) -> None:
         torch.npu.synchronize()

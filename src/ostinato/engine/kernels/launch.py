@@ -29,6 +29,7 @@ import torch
 
 from ostinato.engine.kernels import compile_pool, jit_keys
 from ostinato.engine.kernels.launch_rules import rules
+from ostinato.steps_first import pause_point
 
 # Fewer kernels than this compile on threads unless the workers run already: a worker's
 # start (torch's import, 3-4 s) costs more than the GIL does them.
@@ -40,7 +41,10 @@ _no_pdl: ContextVar[bool] = ContextVar("ostinato_without_pdl", default=False)
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``; inside ``compile_ahead()`` only the kernel's
-    compilation for these arguments starts, and nothing runs (outputs stay unwritten)."""
+    compilation for these arguments starts, and nothing runs (outputs stay unwritten).
+    On a thread beside the steps, it first waits while a step launches
+    (``ostinato.steps_first``: its warm-ups, recordings and timings are made of these)."""
+    pause_point()
     if _ahead.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:

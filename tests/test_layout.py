@@ -344,6 +344,21 @@ def test_graphs_are_captured_only_by_the_platform():
     assert not outside, f"capture through Platform.capture instead: {outside}"
 
 
+def test_triton_kernels_are_launched_only_through_launch():
+    # ``kernels.launch.launch`` is where a launch compiles ahead (``compile_ahead``) and
+    # where a thread beside the steps pauses for them (``ostinato.steps_first``); a
+    # ``kernel[grid](...)`` elsewhere would do neither.
+    here = SRC / "ostinato" / "engine" / "kernels" / "launch.py"
+    outside = [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for path in sorted((SRC / "ostinato").rglob("*.py"))
+        if path != here
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+    ]
+    assert not outside, f"launch through kernels.launch.launch instead: {outside}"
+
+
 def test_the_switch_interval_is_set_only_by_its_holders():
     # Threads that lower it overlap (a capture thread beside a serving loop, engines in
     # one server); set anywhere else, one thread's restore would undo another's lower.

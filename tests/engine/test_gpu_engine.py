@@ -321,6 +321,46 @@ def test_two_engines_capturing_in_the_background_at_once_break_neither(tmp_path)
             llm.close()
 
 
+def test_the_capture_thread_launches_no_kernel_while_a_replaying_step_holds_the_turn(tmp_path):
+    # ostinato.steps_first on the device: after its graphs, a background start with empty
+    # caches measures its kernel plans beside the steps (warm-ups and timing graphs, every
+    # engine kernel launch a pause point). While a step that replays holds the turn (here
+    # the test, holding it as such a step does), none of the thread's kernels launch.
+    import threading
+    import time
+
+    import triton
+
+    llm = tiny_engine("full", torch.bfloat16, capture="background", cache_dir=tmp_path)
+    seen: list[float] = []  # the capture thread's launches (time.monotonic())
+
+    def hook(*args, **kwargs):
+        if threading.current_thread().name == "ostinato-capture":
+            seen.append(time.monotonic())
+
+    previous = triton.knobs.runtime.launch_enter_hook
+    triton.knobs.runtime.launch_enter_hook = hook
+    try:
+        deadline = time.monotonic() + 120
+        while llm.background.capture_seconds is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        holds, launched = 0, []
+        while not llm.background.done and holds < 50:
+            with llm.engine.runner.stepping():
+                start = time.monotonic()
+                time.sleep(0.03)  # (under STEP_WAIT_S: the thread waits the hold out whole)
+                end = time.monotonic()
+            holds += 1
+            # (a launch already past its pause point as the hold began may land in it)
+            launched += [t - start for t in seen if start + 0.002 < t < end]
+            time.sleep(0.01)
+        assert holds >= 5, f"the plans were measured before 5 holds: {llm.background.summary()}"
+        assert seen and not launched, (len(seen), launched[:5])
+    finally:
+        triton.knobs.runtime.launch_enter_hook = previous
+        llm.close()
+
+
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
 def test_async_scheduling_equals_sync_with_graphs_and_preemption(mode):
     # float32 so equal logits mean equal tokens.

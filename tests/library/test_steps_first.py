@@ -100,9 +100,11 @@ def test_a_pause_is_bounded_should_the_step_never_let_go(monkeypatch):
     assert 0.04 <= waited < 1.0 and not released
 
 
-def test_a_background_capture_thread_pauses_while_a_step_holds_the_turn():
-    # The capture thread runs beside the steps: its prologue's pause point waits out a
-    # step that holds the turn (the engine's kernel launches call it: test_triton_launch).
+def prologue_beside_a_step(eager: bool) -> tuple[float, float]:
+    """A background capture of sizes 1 and 2 whose prologue calls ``pause_point()`` while
+    a step holds the turn for ``HOLD_S`` (``eager``: having first run size 2 eagerly, its
+    graph still to capture); returns when the pause point returned and when the step let
+    go of the turn."""
     x, w = torch.zeros(16, 4), torch.randn(4, 3)
     dispatcher = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2)))
     m = GraphManager(
@@ -117,12 +119,24 @@ def test_a_background_capture_thread_pauses_while_a_step_holds_the_turn():
 
     capture = m.capture_in_background(prologue=prologue)
     with m.stepping():
+        if eager:
+            dispatch = dispatcher.dispatch(2)
+            assert not m.ready(dispatch)
+            m.run(dispatch, 2)
         holding.set()
         time.sleep(HOLD_S)
         released = time.monotonic()
     assert capture.wait(30) and capture.error is None
-    assert returned and returned[0] >= released
     m.release()
+    assert returned
+    return returned[0], released
+
+
+def test_a_background_capture_thread_pauses_while_a_step_holds_the_turn():
+    # The capture thread runs beside the steps: its prologue's pause point waits out a
+    # step that holds the turn (the engine's kernel launches call it: test_triton_launch).
+    returned, released = prologue_beside_a_step(eager=False)
+    assert returned >= released
 
 
 def test_a_step_that_runs_eagerly_lets_the_thread_beside_it_go_on():
@@ -151,26 +165,5 @@ def test_a_step_that_runs_eagerly_lets_the_thread_beside_it_go_on():
 
 
 def test_the_capture_thread_goes_on_beside_a_step_at_a_size_still_to_capture():
-    x, w = torch.zeros(16, 4), torch.randn(4, 3)
-    dispatcher = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2)))
-    m = GraphManager(
-        lambda d: x[: d.num_tokens] @ w, dispatcher, platform=FakePlatform(), progress=False
-    )
-    holding, returned = threading.Event(), []
-
-    def prologue() -> None:
-        assert holding.wait(10)
-        pause_point()
-        returned.append(time.monotonic())
-
-    capture = m.capture_in_background(prologue=prologue)
-    with m.stepping():
-        dispatch = dispatcher.dispatch(2)
-        assert not m.ready(dispatch)
-        m.run(dispatch, 2)  # eagerly: its graph is still to capture
-        holding.set()
-        time.sleep(HOLD_S)
-        released = time.monotonic()
-    assert capture.wait(30) and capture.error is None
-    assert returned and returned[0] < released
-    m.release()
+    returned, released = prologue_beside_a_step(eager=True)
+    assert returned < released

@@ -134,21 +134,21 @@ class Turn:
         self._eager = True
         self._wake_pausing()
 
-    def wait_while_stepping(self, timeout: float | None = None) -> None:
+    def wait_while_stepping(self) -> None:
         """Returns once no step on another thread holds the turn (at once on the thread
-        that holds it, and while the step that does runs eagerly), or after ``timeout``
-        seconds (``STEP_WAIT_S`` unless given; ``ostinato.steps_first``)."""
+        that holds it, and while the step that does runs eagerly), or after
+        ``STEP_WAIT_S`` (``ostinato.steps_first``)."""
         me = threading.get_ident()
-        bound = STEP_WAIT_S if timeout is None else timeout
+
+        def passes() -> bool:
+            return not self._held or self._holder == me or self._eager
+
         with self._changed:
             self._pausing += 1
             try:
-                self._changed.wait_for(self._passes(me), bound)
+                self._changed.wait_for(passes, STEP_WAIT_S)
             finally:
                 self._pausing -= 1
-
-    def _passes(self, me: int) -> Callable[[], bool]:
-        return lambda: not self._held or self._holder == me or self._eager
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

@@ -336,6 +336,9 @@ class ModelRunner:
         """The step's work as the manager runs it eagerly, then the logits of ``rows``
         (a uniform decode's are its own): ``compile_first``'s pass."""
         d = dispatch.descriptor
+        background = self.manager.background
+        if background is not None and not background.done:
+            background.want(d)  # (its thread goes on meanwhile: the graphs come sooner)
         with forward_context(GraphMode.NONE, d, meta):
             out = self._step(d)
         if not d.uniform_decode:

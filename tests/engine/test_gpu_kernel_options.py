@@ -302,6 +302,77 @@ def test_compile_ahead_compiles_every_kernel_before_its_first_launch(
         assert doc["tokens"] == greedy_tokens(plain, 16)
 
 
+_FIRST_STEPS_CHILD = """
+import json, threading
+import torch, triton
+from gpu_harness import greedy_tokens, tiny_engine
+from ostinato.engine import KernelOptions
+from ostinato.engine.worker.runner import ModelRunner
+
+plan, at_launch, passes = [], [], []
+
+def hook(*, fn, is_manual_warmup, **_):
+    module = str(getattr(fn.module, "__name__", fn.module))
+    on_steps = threading.current_thread() is threading.main_thread()
+    if module.startswith("ostinato") and on_steps and not is_manual_warmup:
+        if plan and plan[0].steps_meanwhile:
+            at_launch.append((module, fn.name))
+    return None  # compile as usual
+
+def counted(self, *args):
+    passes.append(1)
+    return eager(self, *args)
+
+eager, ModelRunner._eager = ModelRunner._eager, counted
+triton.knobs.runtime.jit_cache_hook = hook
+ahead = KernelOptions(compile_ahead=True)
+llm = tiny_engine("full", torch.float32, kernels=ahead, capture="background")
+plan.append(llm.engine.runner.kernel_plan)
+meanwhile = plan[0].steps_meanwhile
+tokens = greedy_tokens(llm, 16)
+assert llm.wait_for_graphs(300), llm.background.summary()
+doc = {"at_launch": at_launch, "passes": len(passes), "meanwhile": meanwhile, "tokens": tokens}
+print(json.dumps(doc))
+"""
+
+
+def test_a_background_start_s_eager_steps_compile_their_kernels_before_launching(tmp_path):
+    # A fresh process and Triton cache: the steps run while the start's thread compiles
+    # every kernel ahead. Each eager step of a new size first compiles its own kernels
+    # together (``KernelPlan.compile_first``): none of the model's compiles at a launch
+    # on the steps' thread (the sampler's may: not the runner's). Tokens as blocking.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    from gpu_harness import greedy_tokens
+
+    if not hasattr(triton, "knobs") or not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip("needs Triton's knobs and AsyncCompileMode (3.4 or newer)")
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "OSTINATO_CACHE_DIR": str(tmp_path / "ostinato"),  # (no plans: compiles ahead)
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", _FIRST_STEPS_CHILD], env=env, capture_output=True, text=True,
+        timeout=240, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    doc = json.loads(child.stdout.strip().splitlines()[-1])
+    assert doc["meanwhile"] and doc["passes"] > 0, doc
+    sampler = ("ostinato.engine.kernels.argmax", "ostinato.engine.kernels.sampling")
+    model = sorted({name for module, name in doc["at_launch"] if module not in sampler})
+    assert model == [], f"compiled at a step's launch while the start compiled: {model}"
+    plain = tiny_engine("full", torch.float32)
+    assert doc["tokens"] == greedy_tokens(plain, 16)
+
+
 def test_fused_layers_are_measured_per_size_and_the_choice_read_back(tmp_path):
     # FULL graphs, fused layers (the defaults): each captured size of at most 16 rows
     # timed fused and unfused, with PDL and without, in a graph, the fastest kept; the

@@ -174,6 +174,68 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
     ]
 
 
+def test_an_eager_step_beside_a_compiling_start_compiles_its_own_kernels_first(
+    fake_graphs, monkeypatch
+):
+    # A background start's thread compiles every kernel ahead; until it is done, the first
+    # eager step of each size first passes its own work inside compile_ahead, on threads
+    # of this process (a first step's dozen kernels compiled one by one at their launches
+    # took 7.4 s on an H200). Once per size, on the steps' thread, tokens unchanged; none
+    # once the thread's compile has ended.
+    import threading
+
+    from test_graphed_engine import engine, tokens, workload
+
+    from ostinato.engine.sample import graph_sampler
+    from ostinato.engine.worker import kernel_plan
+    from ostinato.engine.worker.runner import ModelRunner
+    from ostinato.manager import GraphManager
+
+    release, entered, passed, eager = threading.Event(), [], [], []
+
+    @contextlib.contextmanager
+    def recording_ahead(workers=None, processes=True):
+        entered.append((threading.current_thread() is threading.main_thread(), processes))
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(60)  # (the capture thread's compile: still under way)
+        yield
+
+    def recorded_pass(self, dispatch, meta, rows):
+        passed.append(dispatch.descriptor)
+        return eager_pass(self, dispatch, meta, rows)
+
+    def recorded_run(self, dispatch, num_tokens, *args, **kwargs):
+        if not release.is_set():  # (no graph yet: every step eager, large ones NONE)
+            eager.append(dispatch.descriptor)
+        return run(self, dispatch, num_tokens, *args, **kwargs)
+
+    eager_pass, run = ModelRunner._eager, GraphManager.run
+    monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
+    monkeypatch.setattr(graph_sampler, "compile_ahead", recording_ahead)
+    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    monkeypatch.setattr(ModelRunner, "_eager", recorded_pass)
+    monkeypatch.setattr(GraphManager, "run", recorded_run)
+    prompts, params = workload(n=6, seed=5)
+    # (no small-GEMM plans: on the CPU they measure nothing, read as cached plans)
+    ahead = KernelOptions(compile_ahead=True, small_gemm=False)
+    kw = dict(kernels=ahead, async_scheduling=False)
+    blocking = engine("full", **kw)
+    want = tokens(blocking, prompts, params)
+    blocking.close()
+    entered.clear()
+    llm = engine("full", capture="background", **kw)
+    assert tokens(llm, prompts, params) == want
+    steps = [e for e in entered if e[0]]
+    assert eager and passed == list(dict.fromkeys(eager))  # each size once, in step order
+    assert steps == [(True, False)] * len(passed)  # on threads, never the worker processes
+    release.set()
+    assert llm.wait_for_graphs(timeout=60)
+    assert tokens(llm, prompts, params) == want
+    llm.generate([list(range(1, 101))], params)  # (a new size, eager: above the ladder)
+    assert [e for e in entered if e[0]] == steps  # the thread's compile ended: none since
+    llm.close()
+
+
 def test_compile_ahead_passes_every_row_count_to_16_as_decode_and_as_mixed_steps(monkeypatch):
     # Below 16 rows a launch's layout follows its row count (resident GEMM rows, per-row
     # plans): each count is passed both as a decode graph runs the model (its logits) and

@@ -117,3 +117,60 @@ def test_a_launch_beside_the_steps_waits_while_a_step_holds_the_turn(monkeypatch
     with beside(turn):
         launch(kernel, (2,))
     assert released and time.monotonic() >= released[0] and len(kernel.calls) == 2
+
+
+def test_compile_ahead_without_processes_compiles_on_threads_where_it_would_collect(
+    fake_triton, monkeypatch
+):
+    # A step's own few kernels (``KernelPlan.compile_first``): never the worker processes,
+    # which are still starting then or compiling the capture thread's block.
+    from ostinato.engine.kernels import compile_pool
+    from ostinato.engine.kernels import launch as launch_module
+
+    def no_collector():
+        raise AssertionError("collected for the worker processes")
+
+    monkeypatch.setattr(launch_module, "_collects", lambda: True)
+    monkeypatch.setattr(compile_pool, "Collector", no_collector)
+    k = Kernel()
+    with compile_ahead(processes=False):
+        launch(k, (2,), BLOCK=8)
+    assert k.calls == [("compile", (2,), (), {"BLOCK": 8})]
+    assert len(AsyncMode.entered) == 2 and AsyncMode.entered[-1] == "exit"  # on threads
+    with pytest.raises(AssertionError, match="collected"):
+        with compile_ahead():
+            pass
+
+
+def test_kernels_compiled_on_threads_have_their_launchers_built_there_too(fake_triton, monkeypatch):
+    # Each kernel's first launch would build its C launcher (0.3-0.8 s on an H200 host),
+    # one after another on the launching thread: built beside each other instead.
+    import threading
+    import types
+
+    from ostinato.engine.kernels import compile_pool
+
+    compiled = [types.SimpleNamespace(metadata=types.SimpleNamespace(target=("cuda", 90, 32)))]
+
+    class Mode:
+        def __init__(self, executor):
+            self.future_kernels = {}
+
+        def __enter__(self):
+            self.future_kernels = {"k": types.SimpleNamespace(kernel=compiled[0])}
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    built = []
+    fake_triton.AsyncCompileMode = Mode
+    monkeypatch.setattr(
+        compile_pool,
+        "build_launcher",
+        lambda kernel, target: built.append((kernel, target, threading.current_thread().name)),
+    )
+    with compile_ahead(workers=2):
+        pass
+    assert [(k, t) for k, t, _ in built] == [(compiled[0], ("cuda", 90, 32))]
+    assert built[0][2].startswith("ostinato-triton")  # on the pool's threads

@@ -490,7 +490,7 @@ def compile_request(request: Request) -> str | None:
     driver.set_active(_TargetOnly(target))
     fn = getattr(importlib.import_module(request.module), request.name)
     jit_keys.settle()  # (the key the parent's ``load`` looks up: settled there too)
-    return _build_launcher(fn.preload(request.spec), target)
+    return build_launcher(fn.preload(request.spec), target)
 
 
 class _TargetOnly:
@@ -507,10 +507,11 @@ class _TargetOnly:
         return self.target
 
 
-def _build_launcher(kernel: Any, target: Any) -> str | None:
+def build_launcher(kernel: Any, target: Any) -> str | None:
     """Builds the kernel's C launcher into Triton's cache, which its first launch
-    otherwise does (0.3-0.4 s each, one after another, on the launching thread); the
-    error where it cannot (no CUDA driver library here): the launch then builds it."""
+    otherwise does (0.3-0.8 s each, one after another, on the launching thread); the
+    error where it cannot (no CUDA driver library here): the launch then builds it.
+    The C compiler runs outside the interpreter's lock: threads build side by side."""
     if target.backend != "cuda":
         return None
     try:

@@ -62,11 +62,13 @@ def default_workers() -> int:
 
 
 @contextlib.contextmanager
-def compile_ahead(workers: int | None = None) -> Iterator[None]:
+def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterator[None]:
     """Inside, ``launch`` compiles instead of running (see the module docstring); on exit
     every compilation started inside has finished (a failed one raises here). With a
     Triton older than ``AsyncCompileMode`` (3.4) each compiles where it is launched,
-    one after the other, still without running. Not re-entrant."""
+    one after the other, still without running. ``processes=False``: on threads of
+    this process, never the worker processes (a dozen kernels a step needs now, while
+    the workers start or compile another block's). Not re-entrant."""
     if workers is not None and workers < 1:
         raise ValueError(f"compile_ahead: workers must be >= 1, got {workers}")
     if _ahead.get():
@@ -79,14 +81,16 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
         mode = getattr(triton, "AsyncCompileMode", None)
         if mode is None:
             yield
-        elif _collects():
+        elif processes and _collects():
             with compile_pool.Collector() as collector:
                 yield
                 collector.end_block()
                 _compile_collected(collector, mode, workers)
         else:
-            with _threads(workers) as pool, mode(pool):
-                yield
+            with _threads(workers) as pool:
+                with mode(pool) as compiling:
+                    yield
+                _build_launchers(pool, compiling)
     finally:
         _ahead.reset(token)
 
@@ -113,6 +117,17 @@ def _collects() -> bool:
 
 def _threads(workers: int | None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers or default_workers(), "ostinato-triton")
+
+
+def _build_launchers(pool: ThreadPoolExecutor, compiling: Any) -> None:
+    """The C launcher of every kernel ``compiling`` (Triton's ``AsyncCompileMode``, ended)
+    compiled, built on ``pool``'s threads side by side: each kernel's first launch
+    would otherwise build its own, one after another (an H200's first 1.5 B step spent
+    2.8 s so after its kernels had compiled on threads)."""
+    futures = getattr(compiling, "future_kernels", {})  # (Triton's internals: 3.6)
+    kernels = [f.kernel for f in futures.values() if getattr(f, "kernel", None) is not None]
+    build = compile_pool.build_launcher
+    list(pool.map(lambda kernel: build(kernel, kernel.metadata.target), kernels))
 
 
 def _compile_collected(collector: compile_pool.Collector, mode: Any, workers: int | None) -> None:

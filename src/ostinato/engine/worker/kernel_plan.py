@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -89,6 +89,10 @@ class KernelPlan:
         # pass that does is still to come (once).
         self.ahead = kernels.compile_ahead
         self._kernels_pending = kernels.compile_ahead
+        # Set by a background start whose thread compiles ahead (``compile_first``),
+        # until ``compile_on`` returns: the steps meanwhile compile their own first.
+        self.steps_meanwhile = False
+        self._stepped: set[Hashable] = set()
         self.deferred = False  # plans by rule, measured later (``plan(defer=True)``)
         self.started_deferred = False  # (stays set once the measurement is done)
         self._retired: list[torch.Tensor] = []  # counters the rules' graphs read
@@ -277,15 +281,33 @@ class KernelPlan:
         seconds (0.0 when there was nothing left to compile)."""
         pieces = piecewise is not None and not piecewise.stats.compiles
         if not pieces and not self._kernels_pending:
+            self.steps_meanwhile = False
             return 0.0
         start = time.perf_counter()
-        with self._kernels_ahead(inputs):
-            if pieces:
-                n = self.limits.max_num_batched_tokens
-                with self.padding(inputs, n):
-                    forward(inputs.input_ids[:n], inputs.positions[:n])
+        try:
+            with self._kernels_ahead(inputs):
+                if pieces:
+                    n = self.limits.max_num_batched_tokens
+                    with self.padding(inputs, n):
+                        forward(inputs.input_ids[:n], inputs.positions[:n])
+        finally:
+            self.steps_meanwhile = False  # (the steps' kernels are all compiled, or never)
         synchronize()
         return time.perf_counter() - start
+
+    def compile_first(self, key: Hashable, step: Callable[[], object]) -> None:
+        """While this start's kernels compile beside the steps (``steps_meanwhile``, until
+        ``compile_on`` returns): the first eager step of each ``key`` runs ``step`` (its
+        own work on its own inputs, launching nothing) inside ``compile_ahead`` on
+        threads of this process, so that its dozen kernels compile together rather than
+        one after another at their launches (an H200's first 1.5 B step took 7.4 s so,
+        every cache empty). Threads, not the worker processes: those are still starting
+        then, and their queue holds the compile thread's block. Elsewhere, nothing."""
+        if not self.steps_meanwhile or key in self._stepped:
+            return
+        self._stepped.add(key)
+        with compile_ahead(processes=False):
+            step()
 
     @contextlib.contextmanager
     def _kernels_ahead(self, inputs: StepInputs, max_rows: int | None = None) -> Iterator[None]:

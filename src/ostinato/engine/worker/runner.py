@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -314,6 +315,9 @@ class ModelRunner:
         # stage's graphs, whose static outputs the sampling graphs read.
         upgraded = self.staged is not None and self.staged.routes(dispatch)
         replayed = not upgraded and dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
+        if not upgraded and not replayed:  # (an eager step: its kernels first, together)
+            step = functools.partial(self._eager, dispatch, meta, rows)
+            self.kernel_plan.compile_first(dispatch.descriptor, step)
         out = (self.staged or self.manager).run(dispatch, n, attn_metadata=meta)
         # A sampled check that found the replay wrong has just demoted it and returned
         # eager outputs, which are no static outputs either.
@@ -327,6 +331,18 @@ class ModelRunner:
             size = d.num_tokens if replayed else None
             return StepOutput(logits, greedy, size)
         return self._decode_logits(out[rows], decode, d.num_tokens)
+
+    def _eager(self, dispatch: Dispatch, meta: StepAttention, rows: torch.Tensor | slice) -> None:
+        """The step's work as the manager runs it eagerly, then the logits of ``rows``
+        (a uniform decode's are its own): ``compile_first``'s pass."""
+        d = dispatch.descriptor
+        background = self.manager.background
+        if background is not None and not background.done:
+            background.want(d)  # (its thread goes on meanwhile: the graphs come sooner)
+        with forward_context(GraphMode.NONE, d, meta):
+            out = self._step(d)
+        if not d.uniform_decode:
+            self.model.compute_logits(out[rows])
 
     def plan_kernels(self, defer: bool = False) -> list[GemmTiming]:
         """The projections' plans, set once before anything compiles (``KernelPlan``;
@@ -414,6 +430,8 @@ class ModelRunner:
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
             return self.manager.capture_in_background(epilogue=epilogue, afterwards=after)
         self.forward = self.model
+
+        self.kernel_plan.steps_meanwhile = self.kernel_plan.compiles_kernels
 
         def compile_first() -> None:
             self._compile_on(StepInputs(self.limits, self.device), compiled)

@@ -19,6 +19,7 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.presets import shape
 from ostinato.engine.worker import kernel_plan as kernel_plan_module
+from ostinato.engine.worker import runner as runner_module
 from ostinato.engine.worker.compile_cache import CompileCache
 from ostinato.engine.worker.inputs import StepInputs
 from ostinato.engine.worker.kernel_plan import KernelPlan
@@ -294,7 +295,7 @@ def test_an_engine_serves_on_the_rules_then_captures_again_what_the_measured_pla
         return timer
 
     monkeypatch.setattr(ModelRunner, "_kernel_plan", _timed_plans_in(tmp_path))
-    monkeypatch.setattr(ModelRunner, "_layer_timer", layer_timer)
+    monkeypatch.setattr(runner_module, "_layer_timer", layer_timer)
     # Closed at once (a one-shot generate): the plans are measured and stored first.
     _engine(capture="auto").close()
     assert timed and not any(timed)
@@ -351,7 +352,7 @@ def test_a_blocking_start_measures_its_plans_after_its_graphs_and_keeps_the_fast
         return timer
 
     monkeypatch.setattr(ModelRunner, "_kernel_plan", _timed_plans_in(tmp_path))
-    monkeypatch.setattr(ModelRunner, "_layer_timer", layer_timer)
+    monkeypatch.setattr(runner_module, "_layer_timer", layer_timer)
     llm = _engine(capture="blocking")
     runner = llm.engine.runner
     assert graphs_when_timed and min(graphs_when_timed) > 0  # after the graphs

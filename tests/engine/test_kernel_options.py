@@ -188,7 +188,7 @@ def test_an_eager_step_beside_a_compiling_start_compiles_its_own_kernels_first(
 
     from ostinato.engine.sample import graph_sampler
     from ostinato.engine.worker import kernel_plan
-    from ostinato.engine.worker.runner import ModelRunner
+    from ostinato.engine.worker import runner as runner_module
     from ostinato.manager import GraphManager
 
     release, entered, passed, eager = threading.Event(), [], [], []
@@ -200,20 +200,20 @@ def test_an_eager_step_beside_a_compiling_start_compiles_its_own_kernels_first(
             assert release.wait(60)  # (the capture thread's compile: still under way)
         yield
 
-    def recorded_pass(self, dispatch, meta, rows):
+    def recorded_pass(runner, dispatch, meta, rows):
         passed.append(dispatch.descriptor)
-        return eager_pass(self, dispatch, meta, rows)
+        return eager_pass(runner, dispatch, meta, rows)
 
     def recorded_run(self, dispatch, num_tokens, *args, **kwargs):
         if not release.is_set():  # (no graph yet: every step eager, large ones NONE)
             eager.append(dispatch.descriptor)
         return run(self, dispatch, num_tokens, *args, **kwargs)
 
-    eager_pass, run = ModelRunner._eager, GraphManager.run
+    eager_pass, run = runner_module._eager_pass, GraphManager.run
     monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
     monkeypatch.setattr(graph_sampler, "compile_ahead", recording_ahead)
     monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
-    monkeypatch.setattr(ModelRunner, "_eager", recorded_pass)
+    monkeypatch.setattr(runner_module, "_eager_pass", recorded_pass)
     monkeypatch.setattr(GraphManager, "run", recorded_run)
     prompts, params = workload(n=6, seed=5)
     # (no small-GEMM plans: on the CPU they measure nothing, read as cached plans)

@@ -226,7 +226,7 @@ def test_the_runner_times_layers_only_on_cuda_with_graphs_and_fused_layers():
         assert made.call_count == 1 and "turn" not in made.call_args.kwargs
         # Beside running steps each held replay is one step's (a step waits for two).
         held = mock.Mock()
-        runner._layer_timer((1, 2), None, held)
+        runner_module._layer_timer(runner, (1, 2), None, held)
         assert made.call_args.kwargs == {"steps": 1, "replays": 9, "turn": held}
     runner.graphs, runner.device = graphs, torch.device("cpu")
     runner.release()

@@ -136,34 +136,11 @@ class ModelRunner:
         graphs = self.graphs.mode is not GraphMode.NONE
         rows = sizes if self.kernels.small_gemm and graphs else ()
         measured = self.kernels.fused_layers and graphs and self.device.type == "cuda"
-        timer = self._layer_timer(sizes) if measured else None
+        timer = _layer_timer(self, sizes) if measured else None
         return KernelPlan(
             self.model, self.kernels, self.limits, rows, compile_cache, self._padding_context,
             timer, sizes,
         )  # fmt: skip
-
-    def _layer_timer(
-        self,
-        sizes: tuple[int, ...],
-        inputs: StepInputs | None = None,
-        turn: Held | None = None,
-    ) -> StepTimer:
-        """Times decode steps as the FULL decode graphs run them (``layer_tuning``) on
-        padding rows of ``inputs`` (default: the steps' own), the kernels of every size
-        compiled ahead first where ``compile_ahead`` asks. With ``turn`` (beside running
-        steps) each timed replay holds it and replays one step, not four: a step waits
-        for one step's replay (``held_replay_us``), not eight."""
-        inputs = inputs or self.inputs
-
-        def context(n: int) -> contextlib.AbstractContextManager:
-            d = BatchDescriptor(n, n, uniform_decode=True)
-            return forward_context(GraphMode.FULL, d, self.dummy_metadata(d, inputs))
-
-        ahead = sizes if self.kernels.compile_ahead else ()
-        model, ids, positions = self.model, inputs.input_ids, inputs.positions
-        if turn is None:
-            return graph_timer(model, ids, positions, context, ahead)
-        return graph_timer(model, ids, positions, context, ahead, steps=1, replays=9, turn=turn)
 
     def _piecewise(self, compiler: str | None, check_addresses: bool) -> PiecewiseBackend | None:
         """The backend that compiles the model's pieces (None without a compiler)."""
@@ -316,7 +293,7 @@ class ModelRunner:
         upgraded = self.staged is not None and self.staged.routes(dispatch)
         replayed = not upgraded and dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
         if not upgraded and not replayed:  # (an eager step: its kernels first, together)
-            step = functools.partial(self._eager, dispatch, meta, rows)
+            step = functools.partial(_eager_pass, self, dispatch, meta, rows)
             self.kernel_plan.compile_first(dispatch.descriptor, step)
         out = (self.staged or self.manager).run(dispatch, n, attn_metadata=meta)
         # A sampled check that found the replay wrong has just demoted it and returned
@@ -331,18 +308,6 @@ class ModelRunner:
             size = d.num_tokens if replayed else None
             return StepOutput(logits, greedy, size)
         return self._decode_logits(out[rows], decode, d.num_tokens)
-
-    def _eager(self, dispatch: Dispatch, meta: StepAttention, rows: torch.Tensor | slice) -> None:
-        """The step's work as the manager runs it eagerly, then the logits of ``rows``
-        (a uniform decode's are its own): ``compile_first``'s pass."""
-        d = dispatch.descriptor
-        background = self.manager.background
-        if background is not None and not background.done:
-            background.want(d)  # (its thread goes on meanwhile: the graphs come sooner)
-        with forward_context(GraphMode.NONE, d, meta):
-            out = self._step(d)
-        if not d.uniform_decode:
-            self.model.compute_logits(out[rows])
 
     def plan_kernels(self, defer: bool = False) -> list[GemmTiming]:
         """The projections' plans, set once before anything compiles (``KernelPlan``;
@@ -446,7 +411,7 @@ class ModelRunner:
         plan = self.kernel_plan
         if plan.layer_timer is None:
             return None
-        return self._layer_timer(plan.layer_rows, inputs, turn)
+        return _layer_timer(self, plan.layer_rows, inputs, turn)
 
     def start_upgrade(
         self, config: GraphConfig, compiler: str, memory_budget: int | None = None
@@ -565,6 +530,45 @@ class ModelRunner:
             return StepOutput(self.model.compute_logits(hidden[layout.logit_index]))
         meta = self.metadata(padded, layout.query_lens, layout.seq_lens)
         return self.run_logits(dispatch, n, meta, layout.logit_index, step.uniform_decode)
+
+
+def _layer_timer(
+    runner: ModelRunner,
+    sizes: tuple[int, ...],
+    inputs: StepInputs | None = None,
+    turn: Held | None = None,
+) -> StepTimer:
+    """Times decode steps as ``runner``'s FULL decode graphs run them (``layer_tuning``)
+    on padding rows of ``inputs`` (default: the steps' own), the kernels of every size
+    compiled ahead first where ``compile_ahead`` asks. With ``turn`` (beside running
+    steps) each timed replay holds it and replays one step, not four: a step waits
+    for one step's replay (``held_replay_us``), not eight."""
+    inputs = inputs or runner.inputs
+
+    def context(n: int) -> contextlib.AbstractContextManager:
+        d = BatchDescriptor(n, n, uniform_decode=True)
+        return forward_context(GraphMode.FULL, d, runner.dummy_metadata(d, inputs))
+
+    ahead = sizes if runner.kernels.compile_ahead else ()
+    model, ids, positions = runner.model, inputs.input_ids, inputs.positions
+    if turn is None:
+        return graph_timer(model, ids, positions, context, ahead)
+    return graph_timer(model, ids, positions, context, ahead, steps=1, replays=9, turn=turn)
+
+
+def _eager_pass(
+    runner: ModelRunner, dispatch: Dispatch, meta: StepAttention, rows: torch.Tensor | slice
+) -> None:
+    """``KernelPlan.compile_first``'s pass of a step: its work as the manager runs it
+    eagerly, then the logits of ``rows`` (a uniform decode's are its own); the capture
+    thread goes on beside it (``want``: its graphs come sooner)."""
+    d, background = dispatch.descriptor, runner.manager.background
+    if background is not None and not background.done:
+        background.want(d)
+    with forward_context(GraphMode.NONE, d, meta):
+        out = runner._step(d)
+    if not d.uniform_decode:
+        runner.model.compute_logits(out[rows])
 
 
 def _static_rows() -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -360,6 +360,52 @@ def test_a_launch_asked_of_the_pool_goes_ahead_of_its_queue(monkeypatch):
     assert order == ["k0", "k3", "k1", "k2"]  # each once, the asked one next
 
 
+def test_a_step_s_block_goes_ahead_of_the_queue_in_its_order(monkeypatch):
+    pool, order, gate = WorkerPool(1), [], threading.Event()
+
+    def one(request):
+        if request.name == "k0":
+            gate.wait(10)  # the first under way while the rest queue
+        order.append(request.name)
+
+    monkeypatch.setattr(pool, "_one", one)
+    requests = [Request("m", f"k{i}", "{}", ("cuda", 90, 32)) for i in range(3)]
+    mine = [Request("m", f"s{i}", "{}", ("cuda", 90, 32)) for i in range(3)] + [requests[2]]
+    block = threading.Thread(target=pool.compile, args=(requests,))
+    block.start()
+    _until(lambda: len(pool._queue) == 2)  # k0 under way
+    step = threading.Thread(target=pool.compile, args=(mine, True))
+    step.start()
+    _until(lambda: pool._queue[0].request.name == "s0")
+    gate.set()
+    block.join(10)
+    step.join(10)
+    assert order == ["k0", "s0", "s1", "s2", "k2", "k1"]  # each once, the step's first
+
+
+def test_a_cold_start_starts_the_workers_before_torch_is_imported(tmp_path, monkeypatch):
+    from ostinato.engine.kernels import compile_pool
+
+    started = []
+
+    class Pool:
+        def start(self, preload):
+            started.append(list(preload))
+
+    monkeypatch.setattr(compile_pool, "shared_pool", lambda: Pool())
+    monkeypatch.setattr(compile_pool, "process_workers", lambda: 16)
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    assert compile_pool.start_for_a_cold_cache(env)  # (missing: a first start)
+    assert "ostinato.engine.kernels.rms_norm" in started[0]
+    assert "ostinato.engine.kernels.compile_pool" not in started[0]
+    (tmp_path / "triton").mkdir()
+    assert compile_pool.start_for_a_cold_cache(env) and len(started) == 2  # (empty)
+    (tmp_path / "triton" / "some-kernel").mkdir()
+    assert not compile_pool.start_for_a_cold_cache(env) and len(started) == 2
+    monkeypatch.setattr(compile_pool, "process_workers", lambda: 0)
+    assert not compile_pool.start_for_a_cold_cache({"TRITON_HOME": str(tmp_path / "h")})
+
+
 def test_a_failure_fails_only_its_own_block_s_queue(monkeypatch):
     pool = WorkerPool(1)
 

@@ -194,8 +194,8 @@ def test_an_eager_step_beside_a_compiling_start_compiles_its_own_kernels_first(
     release, entered, passed, eager = threading.Event(), [], [], []
 
     @contextlib.contextmanager
-    def recording_ahead(workers=None, processes=True):
-        entered.append((threading.current_thread() is threading.main_thread(), processes))
+    def recording_ahead(workers=None, first=False):
+        entered.append((threading.current_thread() is threading.main_thread(), first))
         if threading.current_thread() is not threading.main_thread():
             assert release.wait(60)  # (the capture thread's compile: still under way)
         yield
@@ -227,7 +227,7 @@ def test_an_eager_step_beside_a_compiling_start_compiles_its_own_kernels_first(
     assert tokens(llm, prompts, params) == want
     steps = [e for e in entered if e[0]]
     assert eager and passed == list(dict.fromkeys(eager))  # each size once, in step order
-    assert steps == [(True, False)] * len(passed)  # on threads, never the worker processes
+    assert steps == [(True, True)] * len(passed)  # ahead of the worker pool's queue
     release.set()
     assert llm.wait_for_graphs(timeout=60)
     assert tokens(llm, prompts, params) == want

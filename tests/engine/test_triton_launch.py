@@ -119,27 +119,50 @@ def test_a_launch_beside_the_steps_waits_while_a_step_holds_the_turn(monkeypatch
     assert released and time.monotonic() >= released[0] and len(kernel.calls) == 2
 
 
-def test_compile_ahead_without_processes_compiles_on_threads_where_it_would_collect(
+def test_a_step_s_kernels_go_ahead_of_started_workers_and_never_wait_for_their_start(
     fake_triton, monkeypatch
 ):
-    # A step's own few kernels (``KernelPlan.compile_first``): never the worker processes,
-    # which are still starting then or compiling the capture thread's block.
+    # A step's own few kernels (``KernelPlan.compile_first``): to the front of the worker
+    # pool's queue where it was started (early, by a cold start: compile_pool); where it
+    # was not, on threads, rather than starting the workers (3-4 s) for them.
     from ostinato.engine.kernels import compile_pool
     from ostinato.engine.kernels import launch as launch_module
 
-    def no_collector():
-        raise AssertionError("collected for the worker processes")
+    compiled = []
+
+    class Collector:
+        requests = ["a request"]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def end_block(self):
+            pass
+
+        def compile_in(self, pool, first=False):
+            compiled.append(first)
+
+        def load(self):
+            pass
 
     monkeypatch.setattr(launch_module, "_collects", lambda: True)
-    monkeypatch.setattr(compile_pool, "Collector", no_collector)
+    monkeypatch.setattr(compile_pool, "Collector", Collector)
+    monkeypatch.setattr(compile_pool, "shared_pool", lambda: "pool")
+    monkeypatch.setattr(compile_pool, "pool_started", lambda: False)
     k = Kernel()
-    with compile_ahead(processes=False):
+    with compile_ahead(first=True):
         launch(k, (2,), BLOCK=8)
     assert k.calls == [("compile", (2,), (), {"BLOCK": 8})]
-    assert len(AsyncMode.entered) == 2 and AsyncMode.entered[-1] == "exit"  # on threads
-    with pytest.raises(AssertionError, match="collected"):
-        with compile_ahead():
-            pass
+    assert compiled == [] and AsyncMode.entered[-1] == "exit"  # on threads
+    monkeypatch.setattr(compile_pool, "pool_started", lambda: True)
+    with compile_ahead(first=True):
+        pass
+    with compile_ahead():  # (a start's block: at the queue's end)
+        pass
+    assert compiled == [True, False]
 
 
 def test_kernels_compiled_on_threads_have_their_launchers_built_there_too(fake_triton, monkeypatch):

@@ -132,12 +132,24 @@ def test_no_triton_does_nothing(monkeypatch):
     ],
 )
 def test_an_engine_starts_both_on_its_ranks_gpu(monkeypatch, device, world, environ, index):
+    # With one process the compile workers too, where Triton's cache is cold
+    # (compile_pool.start_for_a_cold_cache decides): not for several ranks' processes.
     seen: list[object] = []
     monkeypatch.setattr(early_context, "start", lambda index, also: seen.extend([index, also]))
     monkeypatch.setattr(early_start, "torch_has_cuda", lambda: True)
     monkeypatch.setattr(early_start.CompileCache, "point_compilers_here", lambda self: {})
+    asked = []
+    monkeypatch.setattr(early_start.compile_pool, "start_for_a_cold_cache", asked.append)
     assert early_start.start_early(device, world, environ=environ) == (index is not None)
     assert seen == ([] if index is None else [index, triton_warmup.warm])
+    assert asked == ([environ] if index is not None and world == 1 else [])
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_workers(monkeypatch):
+    """The tests of ``start_early`` start no real compile workers (a host of 4 cores or
+    more would): their own test is test_compile_pool's."""
+    monkeypatch.setattr(early_start.compile_pool, "start_for_a_cold_cache", lambda env: False)
 
 
 @pytest.mark.parametrize("cache_dir", [None, "custom", False, 3])

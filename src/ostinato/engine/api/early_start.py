@@ -1,7 +1,9 @@
 """What an engine's process starts on threads before it imports torch, where the engine
 will run on a GPU: the device's CUDA context (``ostinato.early_context``) and Triton's
 once-a-process set-up (``kernels.triton_warmup``), after pointing Triton at the engine's
-compile cache, where that set-up keeps what it builds. Imports neither torch nor Triton."""
+compile cache, where that set-up keeps what it builds; on one GPU with that cache empty,
+the kernels' compile workers too (``compile_pool.start_for_a_cold_cache``). Imports
+neither torch nor Triton."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from ostinato import early_context
 from ostinato.cache_root import root_from_arg
-from ostinato.engine.kernels import triton_warmup
+from ostinato.engine.kernels import compile_pool, triton_warmup
 from ostinato.engine.worker.compile_cache import CompileCache
 
 
@@ -47,6 +49,8 @@ def start_early(
         index = int(local)
     elif world_size > 1:
         index = 0  # (rank 0 is this process, on the host's first GPU; it starts the rest)
+    else:  # (one process: its compile workers, where every kernel will compile)
+        compile_pool.start_for_a_cold_cache(environ)
     early_context.start(index, also=triton_warmup.warm)
     return True
 

@@ -28,6 +28,7 @@ import importlib
 import itertools
 import json
 import os
+import pkgutil
 import queue
 import select
 import signal
@@ -36,9 +37,10 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ostinato.engine.kernels import jit_keys, triton_warmup
@@ -155,15 +157,16 @@ class Collector:
             self._functions[(jit.fn.__module__, jit.fn.__qualname__)] = jit
             self.requests.append(_request(jit, compile))
 
-    def compile_in(self, pool: WorkerPool) -> None:
+    def compile_in(self, pool: WorkerPool, first: bool = False) -> None:
         """Compiles every recorded request in ``pool`` (``WorkerPool.compile``). Meanwhile
         a launch that would compile one of our kernels here, on another thread (the steps
         of a background start, on an empty cache), asks the pool for it ahead of the
         queue and waits, then reads it from the disk cache: compiled beside the others
-        rather than on the launching thread, one after the other."""
+        rather than on the launching thread, one after the other. ``first``: ahead of
+        the pool's queue (``WorkerPool.compile``)."""
         self.pool = pool
         try:
-            pool.compile(self.requests)
+            pool.compile(self.requests, first)
         finally:
             self.pool = None
 
@@ -361,11 +364,12 @@ class WorkerPool:
             for worker in alive:
                 self._idle.put(worker)
 
-    def compile(self, requests: Iterable[Request]) -> None:
+    def compile(self, requests: Iterable[Request], first: bool = False) -> None:
         """Compiles every request into Triton's disk cache, ``workers`` at a time;
         raises the first failure (``WorkerError``, or an interrupt) once the compiles
-        under way have ended, the requests not yet started cancelled."""
-        jobs = self._submit(list(requests), batch=next(self._batches))
+        under way have ended, the requests not yet started cancelled. ``first``: ahead
+        of every queued request (a step's own kernels), in their order."""
+        jobs = self._submit(list(requests), batch=next(self._batches), first=first)
         try:
             for job in jobs:
                 job.wait()
@@ -377,14 +381,14 @@ class WorkerPool:
     def ensure(self, request: Request) -> None:
         """Compiles ``request`` ahead of every queued one, or waits for it where it is
         under way already; ``WorkerError`` where it fails or is cancelled."""
-        (job,) = self._submit([request], batch=0)
+        (job,) = self._submit([request], batch=0, first=True)
         job.wait()
 
-    def _submit(self, requests: list[Request], batch: int) -> list[_Job]:
-        first = batch == 0  # (``ensure``: to the queue's front)
+    def _submit(self, requests: list[Request], batch: int, first: bool) -> list[_Job]:
         jobs = []
         with self._lock:
-            for request in requests:
+            # (to the front in reverse, so that they leave it in their order)
+            for request in reversed(requests) if first else requests:
                 job = self._pending.get(request)
                 if job is not None and (job.started or not first):
                     jobs.append(job)  # under way, or queued where a later one would go
@@ -399,7 +403,7 @@ class WorkerPool:
             self._threads += max(0, more)
         for _ in range(more):
             threading.Thread(target=self._feed, name="ostinato-compile", daemon=True).start()
-        return jobs
+        return jobs[::-1] if first else jobs
 
     def _feed(self) -> None:
         """A thread's loop: the queue's first request to a worker, until it is empty."""
@@ -463,6 +467,26 @@ class WorkerPool:
 
 _pool: WorkerPool | None = None
 _pool_lock = threading.Lock()
+
+
+def start_for_a_cold_cache(environ: Mapping[str, str] = os.environ) -> bool:
+    """Starts the shared pool's workers now, each importing the kernel modules as it
+    starts, where Triton's cache folder (``TRITON_CACHE_DIR``, else Triton's default) is
+    missing or empty and this host uses workers; returns whether it did. Why: on such a
+    start every kernel compiles, and a worker takes 3-4 s to start (torch's import);
+    started when the engine plans its kernels, the workers were not ready for the first
+    steps (an H200's first 1.5 B step compiled its kernels on threads, 5.2-6.8 s).
+    Imports neither torch nor Triton; call it before anything writes to that folder."""
+    if process_workers() == 0:
+        return False
+    home = Path(environ.get("TRITON_HOME") or Path.home())
+    folder = Path(environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache")
+    if folder.is_dir() and any(folder.iterdir()):
+        return False
+    package = Path(__file__).parent
+    names = sorted(m.name for m in pkgutil.iter_modules([str(package)]) if m.name != "compile_pool")
+    shared_pool().start([f"{__package__}.{name}" for name in names])
+    return True
 
 
 def pool_started() -> bool:

@@ -62,13 +62,13 @@ def default_workers() -> int:
 
 
 @contextlib.contextmanager
-def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterator[None]:
+def compile_ahead(workers: int | None = None, first: bool = False) -> Iterator[None]:
     """Inside, ``launch`` compiles instead of running (see the module docstring); on exit
     every compilation started inside has finished (a failed one raises here). With a
     Triton older than ``AsyncCompileMode`` (3.4) each compiles where it is launched,
-    one after the other, still without running. ``processes=False``: on threads of
-    this process, never the worker processes (a dozen kernels a step needs now, while
-    the workers start or compile another block's). Not re-entrant."""
+    one after the other, still without running. ``first`` (a dozen kernels a step needs
+    now): ahead of the worker processes' queue where they were started, else on
+    threads, never waiting for workers to start. Not re-entrant."""
     if workers is not None and workers < 1:
         raise ValueError(f"compile_ahead: workers must be >= 1, got {workers}")
     if _ahead.get():
@@ -81,11 +81,11 @@ def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterato
         mode = getattr(triton, "AsyncCompileMode", None)
         if mode is None:
             yield
-        elif processes and _collects():
+        elif _collects() and (not first or compile_pool.pool_started()):
             with compile_pool.Collector() as collector:
                 yield
                 collector.end_block()
-                _compile_collected(collector, mode, workers)
+                _compile_collected(collector, mode, workers, first)
         else:
             with _threads(workers) as pool:
                 with mode(pool) as compiling:
@@ -130,13 +130,15 @@ def _build_launchers(pool: ThreadPoolExecutor, compiling: Any) -> None:
     list(pool.map(lambda kernel: build(kernel, kernel.metadata.target), kernels))
 
 
-def _compile_collected(collector: compile_pool.Collector, mode: Any, workers: int | None) -> None:
-    """Compiles what ``collector`` recorded: in worker processes where there are at least
-    ``PROCESS_MIN_KERNELS`` or the workers were started by an earlier block (then each
-    is a disk-cache hit here), else on threads."""
+def _compile_collected(
+    collector: compile_pool.Collector, mode: Any, workers: int | None, first: bool = False
+) -> None:
+    """Compiles what ``collector`` recorded: in worker processes (ahead of their queue
+    where ``first``) where there are at least ``PROCESS_MIN_KERNELS`` or the workers
+    were started already (then each is a disk-cache hit here), else on threads."""
     many = len(collector.requests) >= PROCESS_MIN_KERNELS
     if collector.requests and (many or compile_pool.pool_started()):
-        collector.compile_in(compile_pool.shared_pool())
+        collector.compile_in(compile_pool.shared_pool(), first)
         collector.load()
         return
     with _threads(workers) as pool, mode(pool):

@@ -298,15 +298,15 @@ class KernelPlan:
     def compile_first(self, key: Hashable, step: Callable[[], object]) -> None:
         """While this start's kernels compile beside the steps (``steps_meanwhile``, until
         ``compile_on`` returns): the first eager step of each ``key`` runs ``step`` (its
-        own work on its own inputs, launching nothing) inside ``compile_ahead`` on
-        threads of this process, so that its dozen kernels compile together rather than
-        one after another at their launches (an H200's first 1.5 B step took 7.4 s so,
-        every cache empty). Threads, not the worker processes: those are still starting
-        then, and their queue holds the compile thread's block. Elsewhere, nothing."""
+        own work on its own inputs, launching nothing) inside ``compile_ahead(first=True)``
+        (ahead of the worker processes' queue, where they were started, else on threads),
+        so that its dozen kernels compile together rather than one after another at
+        their launches (an H200's first 1.5 B step took 7.1-8.4 s so, every cache empty).
+        Elsewhere, nothing."""
         if not self.steps_meanwhile or key in self._stepped:
             return
         self._stepped.add(key)
-        with compile_ahead(processes=False):
+        with compile_ahead(first=True):
             step()
 
     @contextlib.contextmanager

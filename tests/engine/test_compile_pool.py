@@ -338,15 +338,22 @@ def _until(condition, timeout=10.0):
         time.sleep(0.001)
 
 
-def test_a_launch_asked_of_the_pool_goes_ahead_of_its_queue(monkeypatch):
+def _gated_pool(monkeypatch):
+    """A one-worker pool whose compiles only record their order, ``k0`` held under way
+    until the gate opens (so that the rest queue behind it)."""
     pool, order, gate = WorkerPool(1), [], threading.Event()
 
     def one(request):
         if request.name == "k0":
-            gate.wait(10)  # the first under way while the rest queue
+            gate.wait(10)
         order.append(request.name)
 
     monkeypatch.setattr(pool, "_one", one)
+    return pool, order, gate
+
+
+def test_a_launch_asked_of_the_pool_goes_ahead_of_its_queue(monkeypatch):
+    pool, order, gate = _gated_pool(monkeypatch)
     requests = [Request("m", f"k{i}", "{}", ("cuda", 90, 32)) for i in range(4)]
     block = threading.Thread(target=pool.compile, args=(requests,))
     block.start()
@@ -361,14 +368,7 @@ def test_a_launch_asked_of_the_pool_goes_ahead_of_its_queue(monkeypatch):
 
 
 def test_a_step_s_block_goes_ahead_of_the_queue_in_its_order(monkeypatch):
-    pool, order, gate = WorkerPool(1), [], threading.Event()
-
-    def one(request):
-        if request.name == "k0":
-            gate.wait(10)  # the first under way while the rest queue
-        order.append(request.name)
-
-    monkeypatch.setattr(pool, "_one", one)
+    pool, order, gate = _gated_pool(monkeypatch)
     requests = [Request("m", f"k{i}", "{}", ("cuda", 90, 32)) for i in range(3)]
     mine = [Request("m", f"s{i}", "{}", ("cuda", 90, 32)) for i in range(3)] + [requests[2]]
     block = threading.Thread(target=pool.compile, args=(requests,))

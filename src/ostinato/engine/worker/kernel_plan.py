@@ -280,11 +280,10 @@ class KernelPlan:
         on padding rows of ``inputs``, with the engine's Triton kernels first where asked;
         seconds (0.0 when there was nothing left to compile)."""
         pieces = piecewise is not None and not piecewise.stats.compiles
-        if not pieces and not self._kernels_pending:
-            self.steps_meanwhile = False
-            return 0.0
-        start = time.perf_counter()
         try:
+            if not pieces and not self._kernels_pending:
+                return 0.0
+            start = time.perf_counter()
             with self._kernels_ahead(inputs):
                 if pieces:
                     n = self.limits.max_num_batched_tokens

@@ -292,7 +292,8 @@ class ModelRunner:
         # stage's graphs, whose static outputs the sampling graphs read.
         upgraded = self.staged is not None and self.staged.routes(dispatch)
         replayed = not upgraded and dispatch.mode is GraphMode.FULL and self.manager.ready(dispatch)
-        if not upgraded and not replayed:  # (an eager step: its kernels first, together)
+        # An eager step while the start compiles: its kernels first, together.
+        if not upgraded and not replayed and self.kernel_plan.steps_meanwhile:
             step = functools.partial(_eager_pass, self, dispatch, meta, rows)
             self.kernel_plan.compile_first(dispatch.descriptor, step)
         out = (self.staged or self.manager).run(dispatch, n, attn_metadata=meta)

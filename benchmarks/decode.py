@@ -20,6 +20,7 @@ from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.kernels.launch_rules import LaunchRules, rules, rules_in_force
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, setup_fused_reduce_norm
 from ostinato.engine.model.attention import AttentionBackend, TritonAttention
@@ -52,6 +53,9 @@ class KernelVariant:
     fused: bool = True
     kernels: KernelOptions = KernelOptions()
     mode: GraphMode = GraphMode.FULL_AND_PIECEWISE
+    # The launch rules in force while the variant is built and captured (its graphs keep
+    # what they captured); None: the rules in force.
+    rules: LaunchRules | None = None
 
 
 _LAYERS_UNFUSED = KernelOptions(pdl=False, fused_layers=False)  # the default until fusion
@@ -78,6 +82,15 @@ KERNEL_VARIANTS = {
     # decodes on while it measures them):
     "ostinato FULL rules-gemm": KernelVariant(
         kernels=KernelOptions(small_gemm=False), mode=GraphMode.FULL
+    ),
+    # An unfused layer's K/V written by a kernel of its own after the QKV projection:
+    "ostinato FULL rope-kv-apart": KernelVariant(
+        mode=GraphMode.FULL, rules=LaunchRules(rope_kv_unfused=False)
+    ),
+    # That, and the embedding and RoPE rows by torch's lookups (under tensor parallelism
+    # the vocabulary shard's masked lookup in torch ops):
+    "ostinato FULL tp-kernels-apart": KernelVariant(
+        mode=GraphMode.FULL, rules=LaunchRules(rope_kv_unfused=False, embed_rope=False)
     ),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
@@ -451,10 +464,12 @@ def run(
     runners: list[tuple[str, ModelRunner]] = []
     with torch.inference_mode():
         for name in cfg.variants:
-            runner = _variant_runner(setup, name, cuda)
-            if runner is not None:
-                _capture_variant(setup, runner, name, result)
-                runners.append((name, runner))
+            variant = KERNEL_VARIANTS.get(name)
+            with rules_in_force(variant.rules if variant and variant.rules else rules()):
+                runner = _variant_runner(setup, name, cuda)
+                if runner is not None:
+                    _capture_variant(setup, runner, name, result)
+                    runners.append((name, runner))
         _time_rounds(setup, runners, result, floor_ms, log)
     if REDUCE_OVERHEAD in cfg.variants and cuda and setup.tp.size == 1:
         _time_reduce_overhead(setup, result, floor_ms, log)

@@ -6,6 +6,8 @@
 #   benchmarks/tp_h200x2.sh census-llama-8b  # TP=1 vs TP=2 at B=1,8 with kernel census and top kernels
 #   benchmarks/tp_h200x2.sh bench-llama-8b   # (and bench-llama-1.5b) decode step, TP=1 vs TP=2, NCCL vs measured symmetric
 #   benchmarks/tp_h200x2.sh bench-ubatch     # TP=2 steps with and without micro-batch overlap
+#   benchmarks/tp_h200x2.sh rules-llama-8b   # TP=2 and TP=1: the default against the rule
+#                                   # variants that put the TP step's kernels apart
 #   benchmarks/tp_h200x2.sh bench-default-llama-8b  # TP=1 vs TP=2 in the default mode
 #                                   # (FULL_AND_PIECEWISE, also with pdl+small-gemm), measured all-reduce
 #   benchmarks/tp_h200x2.sh verify  # one call: the serving and symmetric all-reduce GPU tests,
@@ -51,6 +53,20 @@ census-*)
         timeout 120 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
             --variants "ostinato FULL" --all-reduce "$ar" --repeats 30 \
             --out "$OUT/census_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/census.log"
+    done
+    ;;
+rules-*)
+    # The default step against the launch-rule variants that put the tensor-parallel
+    # step's kernels apart (the K/V write after the QKV projection; the embedding lookups
+    # in torch ops), TP=2 then TP=1, one process pair each, every variant timed in turn.
+    shape=${1#rules-}
+    for tp in 2 1; do
+        variants="ostinato FULL rope-kv-apart,ostinato FULL"
+        [ "$tp" = 2 ] && variants="ostinato FULL tp-kernels-apart,$variants"
+        timeout "${LIMIT_S:-280}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
+            --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 --rounds 3 \
+            --variants "$variants" --out "$OUT/rules_tp_${shape}_tp${tp}_h200.json" 2>&1 \
+            | tee -a "$OUT/bench.log" | grep -E "^\[tp|^ostinato|measured"
     done
     ;;
 bench-ubatch)

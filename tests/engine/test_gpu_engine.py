@@ -581,6 +581,14 @@ def test_the_embed_rope_kernel_copies_the_lookups_rows_in_and_out_of_graphs(dtyp
         got = torch.ops.ostinato.embed_rope(ids, positions, embed, table, pdl)
         want = embed_rope_reference(ids, positions, embed, table)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # A rank's shard of the vocabulary (tensor parallelism): its rows, zeros elsewhere.
+    shard, start = embed[1000:9000], 1000
+    mine = (ids >= start) & (ids < start + shard.shape[0])
+    for pdl in (False, True):
+        got = torch.ops.ostinato.embed_rope(ids, positions, shard, table, pdl, start)
+        want = embed_rope_reference(ids, positions, shard, table, start)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert torch.equal(got[0][mine], embed[ids[mine]]) and not got[0][~mine].any()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.ostinato.embed_rope(ids, positions, embed, table, True)

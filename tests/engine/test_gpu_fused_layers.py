@@ -341,6 +341,39 @@ def test_a_planned_lm_head_takes_the_final_norm_into_its_kernel(batch):
     assert copies[0] and not copies[1], names
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_an_unfused_layer_s_qkv_kernel_writes_the_keys_and_values(batch):
+    # The unfused layers (every decode size under tensor parallelism) with
+    # ``LaunchRules.rope_kv_unfused``, in FULL graphs (whose capture measures the plans
+    # that give the QKV projection its Triton launch): the projection's kernel writes the
+    # rotated keys and the values (no K/V-write kernel in the step), and the logits agree
+    # with the rule off (the GEMM, then the write kernel) to a bf16 tolerance.
+    from benchmarks.census import kernel_census
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
+    from ostinato.engine.model.linear import plan_entry
+    from ostinato.modes import GraphMode
+
+    setup = _smollm2_setup(batch_sizes=(batch,))
+    step = setup.decode_batch(list(range(3, 3 + batch)))
+    unfused = KernelOptions(fused_layers=False)
+    logits, names = [], []
+    for rule in (True, False):
+        with rules_in_force(LaunchRules(rope_kv_unfused=rule)):
+            runner = setup.runner(GraphMode.FULL, None, kernels=unfused)
+            with torch.inference_mode():
+                runner.capture()
+                assert not any(layer.fused for layer in runner.model.layers)
+                qkv = runner.model.layers[0].self_attn.qkv_proj
+                assert plan_entry(qkv.plan, batch), "cuBLAS measured faster: no kernel to test"
+                logits.append(runner.execute(step).logits.clone())
+                census = kernel_census(setup.decode_step(runner, batch))
+                names.append([k.name for k in census.by_name])
+        runner.release()
+    assert rel_err(logits[0], logits[1]) < 1e-2
+    writes = [[n for n in run if "write_kv" in n] for run in names]
+    assert not writes[0] and writes[1], names
+
+
 def test_engine_greedy_tokens_with_and_without_fused_layers_agree():
     # bf16: the fused kernels sum in another order, so logits agree to a tolerance and
     # the engines run in lock step on the eager engine's tokens.

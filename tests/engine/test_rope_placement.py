@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.decode import BenchConfig, DecodeSetup
 from ostinato.config import GraphConfig
-from ostinato.engine import LLM, SamplingParams
+from ostinato.engine import LLM, KernelOptions, SamplingParams
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.model.attention import TorchAttention
 from ostinato.engine.model.presets import shape
@@ -174,6 +174,66 @@ def test_a_step_takes_its_embedding_and_rope_rows_from_one_op_with_the_lookups_b
         torch.ops.ostinato.embed_rope(
             ids, positions[:2], model.embed_tokens.weight, model.rope_table
         )
+
+
+def test_a_vocabulary_shard_s_embed_rope_rows_are_its_own_rows_and_zeros_elsewhere():
+    # Under tensor parallelism each rank looks up its shard of the vocabulary (the op's
+    # ``vocab_start``); the sum over ranks is then the whole table's lookup.
+    embed, table = torch.randn(12, 6), torch.randn(16, 2, 1, 4)
+    ids, positions = torch.tensor([0, 5, 6, 11, 3]), torch.tensor([0, 1, 2, 3, -1])
+    parts = [
+        torch.ops.ostinato.embed_rope(ids, positions, embed[start : start + 6], table, False, start)
+        for start in (0, 6)
+    ]
+    for start, (x, rows) in zip((0, 6), parts, strict=True):
+        mine = (ids >= start) & (ids < start + 6)
+        assert torch.equal(x[mine], embed[ids[mine]]) and not x[~mine].any()
+        assert torch.equal(rows, table[positions])
+    assert torch.equal(parts[0][0] + parts[1][0], embed[ids])
+
+
+def test_an_unfused_layer_hands_its_qkv_rows_to_one_kernel_where_the_rule_says(monkeypatch):
+    # ``LaunchRules.rope_kv_unfused``: where the fused layers' QKV kernel can run (CUDA,
+    # the Triton backend: faked here), an unfused layer's QKV projection, K/V write and
+    # query heads come from it, called without a norm; the attention op then takes the
+    # queries alone. A CPU double of the kernel with the unfused arithmetic: the logits
+    # are the rule-off step's bits, and it ran once a layer.
+    import torch.nn.functional as F
+
+    from ostinato.context import get_forward_context
+    from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
+    from ostinato.engine.model import fused_ops
+
+    calls: list[int] = []
+
+    def kernel(x, weight, bias, counters, heads, cos, sin, prologue, pdl, out, config):
+        assert prologue is None and config is not None  # (the projection's own launch)
+        step = get_forward_context().attn_metadata
+        k_cache, v_cache = step.cache.k[heads.layer], step.cache.v[heads.layer]
+        n, d = x.shape[0], k_cache.shape[-1]
+        sizes = [heads.q_heads * d, heads.kv_heads * d, heads.kv_heads * d]
+        q, k, v = F.linear(x, weight, bias).split(sizes, -1)
+        k, v = k.reshape(n, -1, d), v.reshape(n, -1, d)
+        step.backend.write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping, (cos, sin))
+        out.copy_(q)
+        calls.append(heads.layer)
+
+    monkeypatch.setattr(fused_ops, "_fuses_qkv", lambda *args: True)
+    monkeypatch.setattr(fused_ops, "kernel_rows", lambda *args: 1)  # (a plan's first entry)
+    monkeypatch.setattr(fused_ops, "_rope_kv_kernel", kernel)
+    cfg = replace(BenchConfig(model=shape("tiny")), batch_sizes=(4,), kv_len=40, dtype="float32")
+    setup = DecodeSetup(cfg, torch.device("cpu"))
+    step = setup.decode_batch([3, 5, 7, 11])
+    unfused, backend = KernelOptions(fused_layers=False), TorchAttention(applies_rope=True)
+    outs = []
+    for rule in (True, False):
+        with rules_in_force(LaunchRules(rope_kv_unfused=rule)):
+            runner = setup.runner(GraphMode.NONE, None, backend, unfused)
+            with torch.inference_mode():
+                outs.append(runner.execute(step).logits.clone())
+            runner.release()
+    assert calls == list(range(setup.config.num_layers))  # (with the rule on only)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_the_embed_rope_op_compiled_equals_it_eager():

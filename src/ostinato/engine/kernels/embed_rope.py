@@ -24,6 +24,8 @@ def _embed_rope_kernel(
     hidden,
     rope_width,
     positions_n,
+    vocab_start,
+    vocab_n,
     stride_e,
     stride_x,
     stride_t,
@@ -34,12 +36,14 @@ def _embed_rope_kernel(
 ):
     pdl_enter(USE_PDL)  # the ids and positions may be an earlier kernel's output
     row = tl.program_id(0).to(tl.int64)
-    token = tl.load(ids_ptr + row).to(tl.int64)
+    token = tl.load(ids_ptr + row).to(tl.int64) - vocab_start
     pos = tl.load(pos_ptr + row).to(tl.int64)
     pos = tl.where(pos < 0, pos + positions_n, pos)  # a padding row's -1: the last row
     cols = tl.arange(0, BLOCK_H)
+    # A token of another rank's vocabulary shard reads nothing and writes zeros.
+    mine = (token >= 0) & (token < vocab_n)
     mask = cols < hidden
-    x = tl.load(embed_ptr + token * stride_e + cols, mask=mask)
+    x = tl.load(embed_ptr + tl.where(mine, token, 0) * stride_e + cols, mask=mask & mine, other=0.0)
     tl.store(x_ptr + row * stride_x + cols, x, mask=mask)
     rc = tl.arange(0, BLOCK_R)
     rmask = rc < rope_width
@@ -55,12 +59,15 @@ def embed_rope_rows(
     x: torch.Tensor,
     rope: torch.Tensor,
     pdl: bool = False,
+    vocab_start: int = 0,
 ) -> None:
-    """``x[i] = embed[ids[i]]`` and ``rope[i] = table[positions[i]]`` (a position of -1
-    reads the last row, as torch's indexing does) for every token ``i``. ``embed``
-    ``[V, H]``, ``x`` ``[n, H]`` with contiguous rows; ``table`` and ``rope`` 2-D views
-    ``[N, W]`` and ``[n, W]`` of contiguous rows. Ids and positions must be in range
-    (the engine checks them before a step); nothing is checked on the device."""
+    """``x[i] = embed[ids[i] - vocab_start]`` (zeros where that is not a row of ``embed``:
+    a token of another rank's shard of the vocabulary) and ``rope[i] =
+    table[positions[i]]`` (a position of -1 reads the last row, as torch's indexing
+    does) for every token ``i``. ``embed`` ``[V, H]``, ``x`` ``[n, H]`` with contiguous
+    rows; ``table`` and ``rope`` 2-D views ``[N, W]`` and ``[n, W]`` of contiguous rows.
+    Ids and positions must be in range (the engine checks them before a step); nothing
+    is checked on the device."""
     n = ids.shape[0]
     if n == 0:
         return
@@ -69,7 +76,7 @@ def embed_rope_rows(
         _embed_rope_kernel,
         (n,),
         ids, positions, embed, table, x, rope,
-        embed.shape[1], table.shape[1], table.shape[0],
+        embed.shape[1], table.shape[1], table.shape[0], vocab_start, embed.shape[0],
         embed.stride(0), x.stride(0), table.stride(0), rope.stride(0),
         BLOCK_H=triton.next_power_of_2(embed.shape[1]),
         BLOCK_R=triton.next_power_of_2(table.shape[1]),

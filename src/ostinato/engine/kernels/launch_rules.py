@@ -110,6 +110,11 @@ class LaunchRules:
     # An eager step on one rank takes its embedding rows and RoPE rows in one kernel:
     # SmolLM2's step took 0.402 against 0.407 ms at one row, 0.681 against 0.689 at 8.
     embed_rope: bool = True
+    # An unfused layer's QKV projection, eagerly (under tensor parallelism every decode
+    # size runs so), writes the rotated keys and the values in its own kernel, as the
+    # fused layers' does, where its plan runs the Triton GEMM: one K/V-write kernel less a
+    # layer.
+    rope_kv_unfused: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

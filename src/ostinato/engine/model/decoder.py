@@ -234,7 +234,10 @@ class Attention(nn.Module):
         """The attention's output rows (``[n, heads * head_dim]``), before the O
         projection; ``shrunk``: the rows' LoRA shrink, where the norm made it
         (``rope_kv_in_kernel``)."""
-        q_rows = self._lora_queries(x, cos, sin, lora, shrunk) if lora is not None else None
+        if lora is not None:
+            q_rows = self._lora_queries(x, cos, sin, lora, shrunk)
+        else:
+            q_rows = self._queries_in_kernel(x, cos, sin)
         if q_rows is not None:  # (the keys and values are in the cache)
             out = torch.empty(
                 (x.shape[0], self.heads, self.head_dim), dtype=x.dtype, device=x.device
@@ -249,6 +252,31 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             torch.ops.ostinato.attention(q, k, v, out, self.layer, self.scale)
         return out.view(x.shape[0], self.q_size)
+
+    def _queries_in_kernel(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Where ``LaunchRules.rope_kv_unfused`` and the backend rotates at the cache
+        write, eagerly (the FULL graphs of an unfused layer: under tensor parallelism
+        the norm before it ran inside the all-reduce): the QKV projection, the head
+        norms and the K/V write in the fused layers' one kernel, where its plan runs
+        the Triton GEMM for these rows (``fused_ops.qkv_rope_kv_rows``); the query
+        heads, unrotated. Else None."""
+        if not (rules().rope_kv_unfused and self.rope_in_attention):
+            return None
+        if torch.compiler.is_compiling():  # (compiled pieces keep the unfused ops)
+            return None
+        q_norm, k_norm, qkv = self.q_norm, self.k_norm, self.qkv_proj
+        heads = fused_ops.HeadsOf(
+            self.layer, self.heads, self.kv_heads,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+        )  # fmt: skip
+        return fused_ops.qkv_rope_kv_rows(
+            x, qkv.weight, qkv.bias, qkv.counters, list(qkv.plan), heads, cos, sin,
+            self.kernels.pdl,
+        )  # fmt: skip
 
     def rope_kv_in_kernel(self, x: torch.Tensor) -> bool:
         """Whether a LoRA step's QKV rows end in the ROPE_KV epilogue's work (head norms,
@@ -744,17 +772,19 @@ class DecoderModel(nn.Module):
     def _inputs(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``embed(input_ids)`` and ``rope(positions, dtype)``: eagerly on one rank, with
-        the table in the embeddings' dtype, both from one op (``LaunchRules.embed_rope``); the same
-        bits either way, since both only copy rows."""
+        """``embed(input_ids)`` and ``rope(positions, dtype)``: eagerly, with the table in
+        the embeddings' dtype, both from one op (``LaunchRules.embed_rope``; under tensor
+        parallelism this rank's rows of its vocabulary shard, zeros for the others, then
+        the sum); the same bits either way, since both only copy rows."""
         table, weight = self.rope_table, self.embed_tokens.weight
-        eager = not torch.compiler.is_compiling()
-        one_op = eager and rules().embed_rope and self.tp.group is None
+        one_op = rules().embed_rope and not torch.compiler.is_compiling()
         if not one_op or table is None or table.dtype != weight.dtype:
             x = self.embed(input_ids)
             return (x, *self.rope(positions, x.dtype))
-        pdl = self.kernels.pdl
-        x, rows = torch.ops.ostinato.embed_rope(input_ids, positions, weight, table, pdl)
+        pdl, start = self.kernels.pdl, self.vocab_start  # (0 on one rank)
+        x, rows = torch.ops.ostinato.embed_rope(input_ids, positions, weight, table, pdl, start)
+        if self.tp.group is not None:
+            x = self.tp.all_reduce(x)
         return x, rows[:, 0], rows[:, 1]
 
     def rope(

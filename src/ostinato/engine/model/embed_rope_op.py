@@ -20,8 +20,8 @@ Pair = tuple[Tensor, Tensor]
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
-    "embed_rope(Tensor ids, Tensor positions, Tensor embed, Tensor table, bool pdl=False) "
-    "-> (Tensor, Tensor)"
+    "embed_rope(Tensor ids, Tensor positions, Tensor embed, Tensor table, bool pdl=False, "
+    "int vocab_start=0) -> (Tensor, Tensor)"
 )
 
 
@@ -34,10 +34,17 @@ def _check(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> None
         )
 
 
-def embed_rope_reference(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> Pair:
-    """(``embed[ids]``, ``table[positions]``) in torch."""
+def embed_rope_reference(
+    ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor, vocab_start: int = 0
+) -> Pair:
+    """(``embed[ids - vocab_start]``, ``table[positions]``) in torch: zeros for an id
+    whose row is not in ``embed`` (under tensor parallelism a rank's shard of the
+    vocabulary)."""
     _check(ids, positions, embed, table)
-    return F.embedding(ids, embed), table[positions]
+    local = ids - vocab_start
+    mine = (local >= 0) & (local < embed.shape[0])
+    x = F.embedding(torch.where(mine, local, torch.zeros_like(local)), embed)
+    return torch.where(mine[:, None], x, torch.zeros_like(x)), table[positions]
 
 
 def _outputs(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> Pair:
@@ -48,15 +55,21 @@ def _outputs(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor) -> Pa
 
 
 def _embed_rope(
-    ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor, pdl: bool = False
+    ids: Tensor,
+    positions: Tensor,
+    embed: Tensor,
+    table: Tensor,
+    pdl: bool = False,
+    vocab_start: int = 0,
 ) -> Pair:
     if not embed.is_cuda:  # ``pdl`` is a launch option of the kernel
-        return embed_rope_reference(ids, positions, embed, table)
+        return embed_rope_reference(ids, positions, embed, table, vocab_start)
     from ostinato.engine.kernels.embed_rope import embed_rope_rows
 
     x, rows = _outputs(ids, positions, embed, table)
     flat_table = table.contiguous().view(table.shape[0], -1)
-    embed_rope_rows(ids, positions, embed.contiguous(), flat_table, x, rows.view(len(ids), -1), pdl)
+    rope = rows.view(len(ids), -1)
+    embed_rope_rows(ids, positions, embed.contiguous(), flat_table, x, rope, pdl, vocab_start)
     return x, rows
 
 
@@ -64,5 +77,12 @@ _lib.impl("embed_rope", _embed_rope, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ostinato::embed_rope", lib=_lib)
-def _(ids: Tensor, positions: Tensor, embed: Tensor, table: Tensor, pdl: bool = False) -> Pair:
+def _(
+    ids: Tensor,
+    positions: Tensor,
+    embed: Tensor,
+    table: Tensor,
+    pdl: bool = False,
+    vocab_start: int = 0,
+) -> Pair:
     return _outputs(ids, positions, embed, table)

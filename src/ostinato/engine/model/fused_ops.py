@@ -28,15 +28,21 @@ step's cache, slots and backend, as it does to ``ostinato::attention``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from ostinato.context import get_forward_context
-from ostinato.engine.kernels.gemm_launch import rope_config, rope_head_dim
+from ostinato.engine.kernels.gemm_launch import CONFIGS, GemmConfig, rope_config, rope_head_dim
 from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.linear import kernel_rows
 from ostinato.engine.model.norm_op import check_residual
 from ostinato.engine.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from ostinato.engine.kernels.small_gemm import NormPrologue  # (Triton: CUDA only)
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
@@ -114,6 +120,85 @@ def _norm_into(
     return h
 
 
+@dataclass(frozen=True)
+class HeadsOf:
+    """A layer's attention heads as the ROPE_KV epilogue takes them: the layer (its
+    cache), the head counts on this rank, and the Qwen3 head norms' weights and eps."""
+
+    layer: int
+    q_heads: int
+    kv_heads: int
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+def _rope_kv_kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    heads: HeadsOf,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    prologue: NormPrologue | None,
+    pdl: bool,
+    out: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> None:
+    """The one kernel of ``norm_qkv`` (``prologue``: its norm, or None for rows already
+    normed): the projection, the head norms, the rotated keys and the values into the
+    step's cache, the query heads (unrotated) into ``out``; launched as ``config`` says,
+    by default as ``rope_config`` does."""
+    from ostinato.engine.kernels.launch import num_sms
+    from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
+
+    step = get_forward_context().attn_metadata
+    k_cache, v_cache = step.cache.k[heads.layer], step.cache.v[heads.layer]
+    rope = RopeKV(
+        cos, sin, k_cache, v_cache, step.metadata.slot_mapping, heads.q_heads, heads.kv_heads,
+        heads.q_norm, heads.k_norm, heads.eps,
+    )  # fmt: skip
+    config = config or rope_config(
+        heads.q_heads + 2 * heads.kv_heads, k_cache.shape[-1], x.shape[1], num_sms(x.device),
+        x.shape[0], heads.q_norm is not None, weight.numel() * weight.element_size(),
+    )  # fmt: skip
+    qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=out)
+
+
+def qkv_rope_kv_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    plan: list[int],
+    heads: HeadsOf,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pdl: bool = False,
+) -> torch.Tensor | None:
+    """``norm_qkv``'s kernel for rows ``x`` that are already normed (an unfused layer's,
+    eagerly: under tensor parallelism the norm ran inside the all-reduce), where it runs
+    as one kernel (``_fuses_qkv``): the keys (rotated) and the values written to the
+    layer's cache, and the query heads (QK-normed, unrotated) returned, ``[n, q_heads *
+    d]``, for ``ostinato::attention`` without k and v. Elsewhere None, nothing launched."""
+    step = get_forward_context().attn_metadata
+    if step is None:
+        return None
+    d = step.cache.k[heads.layer].shape[-1]
+    if not _fuses_qkv(x, weight, plan, step.backend, d):
+        return None
+    # The projection's measured launch (its plan entry for these rows; a K loop's column
+    # tile becomes the half head), but for head norms on a resident or shared-memory one,
+    # which needs a program per head: there, ``rope_config``'s.
+    config = CONFIGS[kernel_rows(x, weight, plan) - 1]
+    if heads.q_norm is not None and (config.resident or config.smem):
+        config = None
+    q = torch.empty((x.shape[0], heads.q_heads * d), dtype=x.dtype, device=x.device)
+    _rope_kv_kernel(x, weight, bias, counters, heads, cos, sin, None, pdl, q, config)
+    return q
+
+
 def norm_qkv(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -148,19 +233,12 @@ def norm_qkv(
     slots = step.metadata.slot_mapping
     backend = step.backend
     if _fuses_qkv(x, weight, plan, backend, k_cache.shape[-1]):
-        from ostinato.engine.kernels.launch import num_sms
-        from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
-
+        heads = HeadsOf(layer, q_heads, kv_heads, q_norm, k_norm, eps)
         ready = _ready_stats(x, weight, stats, stats_plan or [])
         prologue, _ = _norm_prologue(x, residual, norm_weight, eps, total_out, ready)
-        rope = RopeKV(cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, q_norm, k_norm, eps)
-        d, heads = k_cache.shape[-1], q_heads + 2 * kv_heads
-        config = rope_config(
-            heads, d, x.shape[1], num_sms(x.device), x.shape[0], q_norm is not None,
-            weight.numel() * weight.element_size(),
-        )  # fmt: skip
-        q = qkv_out[:, : rope.q_heads * d]
-        qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=q)
+        d = k_cache.shape[-1]
+        q = qkv_out[:, : q_heads * d]
+        _rope_kv_kernel(x, weight, bias, counters, heads, cos, sin, prologue, pdl, q)
         return
     h = _norm_into(x, residual, norm_weight, eps, pdl, total_out)
     if bias is None:

@@ -87,6 +87,10 @@ KERNEL_VARIANTS = {
     "ostinato FULL rope-kv-apart": KernelVariant(
         mode=GraphMode.FULL, rules=LaunchRules(rope_kv_unfused=False)
     ),
+    # The QKV kernel with the K/V write launched as ``rope_config``'s rule says:
+    "ostinato FULL qkv-by-rule": KernelVariant(
+        mode=GraphMode.FULL, rules=LaunchRules(qkv_on_plan=False)
+    ),
     # That, and the embedding and RoPE rows by torch's lookups (under tensor parallelism
     # the vocabulary shard's masked lookup in torch ops):
     "ostinato FULL tp-kernels-apart": KernelVariant(

@@ -373,3 +373,25 @@ def _qkv_launches_hold_their_weight(max_tiles: int) -> None:
     held = max_tiles == 2
     assert [g.rope_config(48, 64, 2048, 132, r, False, 48 * 64 * 2048 * 2).smem
             for r in range(1, 17)] == [False] * 2 + [held] * 6 + [False] * 8  # fmt: skip
+
+
+def test_the_qkv_kernel_launches_on_the_projection_s_plan_where_the_rule_says(monkeypatch):
+    # ``LaunchRules.qkv_on_plan``: the ROPE_KV kernel's launch is the QKV projection's plan
+    # entry for the rows (None: ``rope_config``'s rule) but for head norms on a resident
+    # or shared-memory launch, which need a program per head; no entry, no plan launch.
+    from ostinato.engine.kernels.gemm_launch import CONFIGS
+
+    x, w = torch.zeros(2, 8), torch.zeros(24, 8)
+    plain = fused_ops.HeadsOf(0, 2, 1)
+    normed = fused_ops.HeadsOf(0, 2, 1, torch.ones(8), torch.ones(8), 1e-6)
+    resident = 1 + next(i for i, c in enumerate(CONFIGS) if c.resident)
+    for entry in (1, resident):
+        monkeypatch.setattr(fused_ops, "kernel_rows", lambda *args, e=entry: e)
+        assert fused_ops._planned(x, w, [], plain) == CONFIGS[entry - 1]
+        with rules_in_force(LaunchRules(qkv_on_plan=False)):
+            assert fused_ops._planned(x, w, [], plain) is None
+    assert fused_ops._planned(x, w, [], normed) is None  # (resident: a program per head)
+    monkeypatch.setattr(fused_ops, "kernel_rows", lambda *args: 1)
+    assert fused_ops._planned(x, w, [], normed) == CONFIGS[0]
+    monkeypatch.setattr(fused_ops, "kernel_rows", lambda *args: 0)
+    assert fused_ops._planned(x, w, [], plain) is None

@@ -144,9 +144,9 @@ def _qkv_case(shape, m, qk_norm, bias, seed=0):
     )
 
 
-def _qkv_reference(c, eps=1e-5):
+def _qkv_reference(c, eps=1e-5, norm=True):
     m = c["x"].shape[0]
-    h, total = _reference_norm(c["x"], c["residual"], c["norm_w"], eps)
+    h, total = _reference_norm(c["x"], c["residual"], c["norm_w"], eps) if norm else (c["x"], None)
     q, k, v = (
         F.linear(h, c["w"], c["b"])
         .view(m, -1, c["d"])
@@ -157,7 +157,7 @@ def _qkv_reference(c, eps=1e-5):
     return q, apply_rope(k, c["cos"], c["sin"]), v, total
 
 
-def _run_qkv(c, counters, split, pdl, eps=1e-5, config=None):
+def _run_qkv(c, counters, split, pdl, eps=1e-5, config=None, norm=True):
     from ostinato.engine.kernels import small_gemm as tg
     from ostinato.engine.kernels.gemm_launch import k_step
 
@@ -166,7 +166,7 @@ def _run_qkv(c, counters, split, pdl, eps=1e-5, config=None):
         c["cos"], c["sin"], c["k_cache"], c["v_cache"], c["slots"], c["heads"], c["kv_heads"],
         c["q_norm"], c["k_norm"], eps,
     )  # fmt: skip
-    prologue = tg.NormPrologue(c["norm_w"], eps, c["residual"], total)
+    prologue = tg.NormPrologue(c["norm_w"], eps, c["residual"], total) if norm else None
     # The K step norm_qkv takes for this split (256 for the 1.5 B shape's long splits).
     if config is None:
         config = tg.GemmConfig(c["d"] // 2, split, block_k=k_step(c["x"].shape[1], split))
@@ -213,6 +213,34 @@ def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, held, qk_norm
     assert torch.equal(k_flat[others], k_before[others])  # nothing else written
     assert torch.equal(v_flat[others], v_before[others])
     assert counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_qkv_kernel_on_a_projection_s_plan_launches_matches_the_unfused_ops(m, norm):
+    # ``LaunchRules.qkv_on_plan``: the ROPE_KV kernel launched on the QKV projection's plan
+    # entry (a K loop's column tile the half head; resident at one row, shared memory at
+    # eight), with its norm (``norm_qkv``) and without (an unfused layer's rows, already
+    # normed): q, the cache's keys and values as the unfused ops make them.
+    from ostinato.engine.kernels import small_gemm as tg
+
+    picks = [tg.GemmConfig(32, 1), tg.GemmConfig(32, 4), tg.GemmConfig(64, 2, block_k=256)]
+    picks.append(next(c for c in tg.CONFIGS if (c.resident if m == 1 else c.smem)))
+    for config in picks:
+        assert config in tg.CONFIGS
+        c = _qkv_case(SHAPES[2], m, False, True, seed=m)
+        heads = c["heads"] + 2 * c["kv_heads"]
+        counters = torch.zeros(tg.counters_needed(heads * c["d"]), dtype=torch.int32, device=DEVICE)
+        if not norm:  # (rows as a norm leaves them)
+            c["x"] = _reference_norm(c["x"], c["residual"], c["norm_w"], 1e-5)[0]
+        q, _ = _run_qkv(c, counters, 0, pdl=True, config=config, norm=norm)
+        want_q, want_k, want_v, _ = _qkv_reference(c, norm=norm)
+        kv = c["kv_heads"]
+        k_flat, v_flat = (t.view(-1, kv, c["d"]) for t in (c["k_cache"], c["v_cache"]))
+        assert rel_err(q.view_as(want_q), want_q) < 1e-2, config
+        assert rel_err(k_flat[c["slots"]], want_k) < 1e-2, config
+        assert rel_err(v_flat[c["slots"]], want_v) < 1e-2, config
+        assert counters.count_nonzero() == 0, config
 
 
 @pytest.mark.parametrize("split", [1, 4, 0])

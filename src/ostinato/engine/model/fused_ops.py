@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ostinato.context import get_forward_context
 from ostinato.engine.kernels.gemm_launch import CONFIGS, GemmConfig, rope_config, rope_head_dim
+from ostinato.engine.kernels.launch_rules import rules
 from ostinato.engine.model.attention import TritonAttention
 from ostinato.engine.model.linear import kernel_rows
 from ostinato.engine.model.norm_op import check_residual
@@ -188,15 +189,24 @@ def qkv_rope_kv_rows(
     d = step.cache.k[heads.layer].shape[-1]
     if not _fuses_qkv(x, weight, plan, step.backend, d):
         return None
-    # The projection's measured launch (its plan entry for these rows; a K loop's column
-    # tile becomes the half head), but for head norms on a resident or shared-memory one,
-    # which needs a program per head: there, ``rope_config``'s.
-    config = CONFIGS[kernel_rows(x, weight, plan) - 1]
-    if heads.q_norm is not None and (config.resident or config.smem):
-        config = None
     q = torch.empty((x.shape[0], heads.q_heads * d), dtype=x.dtype, device=x.device)
+    config = _planned(x, weight, plan, heads)
     _rope_kv_kernel(x, weight, bias, counters, heads, cos, sin, None, pdl, q, config)
     return q
+
+
+def _planned(
+    x: torch.Tensor, weight: torch.Tensor, plan: list[int], heads: HeadsOf
+) -> GemmConfig | None:
+    """The ROPE_KV kernel's launch where ``LaunchRules.qkv_on_plan``: the projection's
+    plan entry for these rows (a K loop's column tile becomes the half head), but for
+    head norms on a resident or shared-memory one, which needs a program per head; None
+    (``rope_config``'s rule) there and without the rule."""
+    choice = kernel_rows(x, weight, plan)
+    if not (rules().qkv_on_plan and choice):
+        return None
+    config = CONFIGS[choice - 1]
+    return None if heads.q_norm is not None and (config.resident or config.smem) else config
 
 
 def norm_qkv(
@@ -236,9 +246,9 @@ def norm_qkv(
         heads = HeadsOf(layer, q_heads, kv_heads, q_norm, k_norm, eps)
         ready = _ready_stats(x, weight, stats, stats_plan or [])
         prologue, _ = _norm_prologue(x, residual, norm_weight, eps, total_out, ready)
-        d = k_cache.shape[-1]
-        q = qkv_out[:, : q_heads * d]
-        _rope_kv_kernel(x, weight, bias, counters, heads, cos, sin, prologue, pdl, q)
+        q = qkv_out[:, : q_heads * k_cache.shape[-1]]
+        config = _planned(x, weight, plan, heads)
+        _rope_kv_kernel(x, weight, bias, counters, heads, cos, sin, prologue, pdl, q, config)
         return
     h = _norm_into(x, residual, norm_weight, eps, pdl, total_out)
     if bias is None:

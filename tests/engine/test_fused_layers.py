@@ -376,9 +376,10 @@ def _qkv_launches_hold_their_weight(max_tiles: int) -> None:
 
 
 def test_the_qkv_kernel_launches_on_the_projection_s_plan_where_the_rule_says(monkeypatch):
-    # ``LaunchRules.qkv_on_plan``: the ROPE_KV kernel's launch is the QKV projection's plan
-    # entry for the rows (None: ``rope_config``'s rule) but for head norms on a resident
-    # or shared-memory launch, which need a program per head; no entry, no plan launch.
+    # ``LaunchRules.qkv_on_plan``: an unfused layer's ROPE_KV kernel launches on the QKV
+    # projection's plan entry for the rows (None: ``rope_config``'s rule) but for head
+    # norms on a resident or shared-memory launch, which need a program per head; no
+    # entry, no plan launch.
     from ostinato.engine.kernels.gemm_launch import CONFIGS
 
     x, w = torch.zeros(2, 8), torch.zeros(24, 8)

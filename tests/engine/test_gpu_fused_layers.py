@@ -220,8 +220,9 @@ def test_norm_qkv_rope_kv_kernel_matches_the_unfused_ops(shape, m, held, qk_norm
 def test_the_qkv_kernel_on_a_projection_s_plan_launches_matches_the_unfused_ops(m, norm):
     # ``LaunchRules.qkv_on_plan``: the ROPE_KV kernel launched on the QKV projection's plan
     # entry (a K loop's column tile the half head; resident at one row, shared memory at
-    # eight), with its norm (``norm_qkv``) and without (an unfused layer's rows, already
-    # normed): q, the cache's keys and values as the unfused ops make them.
+    # eight), without a norm (an unfused layer's rows, already normed) and with one (the
+    # kernel takes it; ``norm_qkv`` keeps ``rope_config``'s launch, measured faster): q,
+    # the cache's keys and values as the unfused ops make them.
     from ostinato.engine.kernels import small_gemm as tg
 
     picks = [tg.GemmConfig(32, 1), tg.GemmConfig(32, 4), tg.GemmConfig(64, 2, block_k=256)]

@@ -115,9 +115,11 @@ class LaunchRules:
     # fused layers' does, where its plan runs the Triton GEMM: one K/V-write kernel less a
     # layer.
     rope_kv_unfused: bool = True
-    # The QKV kernel with the K/V write (fused or not) launches on the projection's
+    # An unfused layer's QKV kernel with the K/V write launches on the projection's
     # measured plan entry rather than a program per head in ``rope_config``'s splits: the
-    # 8 B shape's TP=2 step took 2.796 against 2.898 ms at one row (unfused layers).
+    # 8 B shape's TP=2 step took 2.796 against 2.898 ms at one row. The fused layers'
+    # (with the norm in front) keep ``rope_config``'s: on the plan entry the 1.5 B shape's
+    # step took 1.041-1.098 against 0.989-1.051 ms at 8 rows, level at one.
     qkv_on_plan: bool = True
 
     def __post_init__(self) -> None:

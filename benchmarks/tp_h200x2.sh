@@ -58,11 +58,12 @@ census-*)
 rules-*)
     # The default step against the launch-rule variants that put the tensor-parallel
     # step's kernels apart (the K/V write after the QKV projection; the embedding lookups
-    # in torch ops), TP=2 then TP=1, one process pair each, every variant timed in turn.
+    # in torch ops) or launch the QKV kernel by rule, TP=2 then TP=1, one process pair
+    # each, every variant timed in turn.
     shape=${1#rules-}
     for tp in 2 1; do
         variants="ostinato FULL rope-kv-apart,ostinato FULL"
-        [ "$tp" = 2 ] && variants="ostinato FULL tp-kernels-apart,$variants"
+        [ "$tp" = 2 ] && variants="ostinato FULL tp-kernels-apart,ostinato FULL qkv-by-rule,$variants"
         timeout "${LIMIT_S:-280}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
             --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 --rounds 3 \
             --variants "$variants" --out "$OUT/rules_tp_${shape}_tp${tp}_h200.json" 2>&1 \

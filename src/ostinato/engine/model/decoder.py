@@ -266,16 +266,20 @@ class Attention(nn.Module):
             return None
         if torch.compiler.is_compiling():  # (compiled pieces keep the unfused ops)
             return None
-        q_norm, k_norm, qkv = self.q_norm, self.k_norm, self.qkv_proj
-        heads = fused_ops.HeadsOf(
+        qkv = self.qkv_proj
+        return fused_ops.qkv_rope_kv_rows(
+            x, qkv.weight, qkv.bias, qkv.counters, list(qkv.plan), self._heads_of(), cos, sin,
+            self.kernels.pdl,
+        )  # fmt: skip
+
+    def _heads_of(self) -> fused_ops.HeadsOf:
+        """This layer's heads as the ROPE_KV epilogue takes them."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return fused_ops.HeadsOf(
             self.layer, self.heads, self.kv_heads,
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0,
-        )  # fmt: skip
-        return fused_ops.qkv_rope_kv_rows(
-            x, qkv.weight, qkv.bias, qkv.counters, list(qkv.plan), heads, cos, sin,
-            self.kernels.pdl,
         )  # fmt: skip
 
     def rope_kv_in_kernel(self, x: torch.Tensor) -> bool:
@@ -300,17 +304,7 @@ class Attention(nn.Module):
         the query heads, unrotated. Else None."""
         if not self.rope_kv_in_kernel(x):
             return None
-        step = get_forward_context().attn_metadata
-        from ostinato.engine.kernels.small_gemm import RopeKV  # (Triton: CUDA only)
-
-        q_norm, k_norm = self.q_norm, self.k_norm
-        rope = RopeKV(
-            cos, sin, step.cache.k[self.layer], step.cache.v[self.layer],
-            step.metadata.slot_mapping, self.heads, self.kv_heads,
-            q_norm.weight if q_norm is not None else None,
-            k_norm.weight if k_norm is not None else None,
-            q_norm.eps if q_norm is not None else 0.0,
-        )  # fmt: skip
+        rope = fused_ops.rope_kv(self._heads_of(), cos, sin)  # (Triton: CUDA only)
         q = torch.empty((x.shape[0], self.q_size), dtype=x.dtype, device=x.device)
         if shrunk is not None:
             return lora.segment_rope_kv(self.layer, self.qkv_proj, x, shrunk, rope, q)

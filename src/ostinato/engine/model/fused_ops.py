@@ -43,7 +43,7 @@ from ostinato.engine.model.norm_op import check_residual
 from ostinato.engine.model.rope import apply_rope
 
 if TYPE_CHECKING:
-    from ostinato.engine.kernels.small_gemm import NormPrologue  # (Triton: CUDA only)
+    from ostinato.engine.kernels.small_gemm import NormPrologue, RopeKV  # (Triton: CUDA only)
 
 _lib = torch.library.Library("ostinato", "FRAGMENT")
 _lib.define(
@@ -134,6 +134,19 @@ class HeadsOf:
     eps: float = 0.0
 
 
+def rope_kv(heads: HeadsOf, cos: torch.Tensor, sin: torch.Tensor) -> RopeKV:
+    """The ROPE_KV epilogue's operands for layer ``heads.layer`` in the step being run
+    (its cache and slots from the forward context)."""
+    from ostinato.engine.kernels.small_gemm import RopeKV
+
+    step = get_forward_context().attn_metadata
+    k_cache, v_cache = step.cache.k[heads.layer], step.cache.v[heads.layer]
+    return RopeKV(
+        cos, sin, k_cache, v_cache, step.metadata.slot_mapping, heads.q_heads, heads.kv_heads,
+        heads.q_norm, heads.k_norm, heads.eps,
+    )  # fmt: skip
+
+
 def _rope_kv_kernel(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -152,16 +165,11 @@ def _rope_kv_kernel(
     step's cache, the query heads (unrotated) into ``out``; launched as ``config`` says,
     by default as ``rope_config`` does."""
     from ostinato.engine.kernels.launch import num_sms
-    from ostinato.engine.kernels.small_gemm import RopeKV, qkv_rope_kv
+    from ostinato.engine.kernels.small_gemm import qkv_rope_kv
 
-    step = get_forward_context().attn_metadata
-    k_cache, v_cache = step.cache.k[heads.layer], step.cache.v[heads.layer]
-    rope = RopeKV(
-        cos, sin, k_cache, v_cache, step.metadata.slot_mapping, heads.q_heads, heads.kv_heads,
-        heads.q_norm, heads.k_norm, heads.eps,
-    )  # fmt: skip
+    rope = rope_kv(heads, cos, sin)
     config = config or rope_config(
-        heads.q_heads + 2 * heads.kv_heads, k_cache.shape[-1], x.shape[1], num_sms(x.device),
+        heads.q_heads + 2 * heads.kv_heads, rope.k_cache.shape[-1], x.shape[1], num_sms(x.device),
         x.shape[0], heads.q_norm is not None, weight.numel() * weight.element_size(),
     )  # fmt: skip
     qkv_rope_kv(x, weight, bias, counters, config, rope, prologue, pdl, out=out)

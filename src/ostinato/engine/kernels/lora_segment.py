@@ -10,9 +10,9 @@ loop, so that neither round trip lengthens the kernel's tail. After the loop, fo
 adapter slot, it multiplies that slot's rows of ``s`` (the other rows zeroed) by its
 ``W`` rows of B at the program's columns: tensor cores where the GEMM's row tile is 16
 (``DOT``), a product summed on CUDA cores for the resident launch's few rows. The slots
-are unrolled without a branch, B's loads masked off for a slot no row uses (they read
-nothing), so the loads of every slot in use are in flight together: with a branch per
-slot, each slot's load waited for the previous slot's product.
+are a loop without a branch, B's loads masked off for a slot no row uses (they read
+nothing): with a branch per slot around its load, a LoRA step of the 1.5 B shape at 8
+rows took 1.188 ms against 1.125 (H200).
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-# Slots unrolled (every slot's B load issued before the products); above, a loop.
-UNROLLED_SLOTS = tl.constexpr(8)
 
 
 @dataclass(frozen=True)
@@ -130,14 +127,8 @@ def lora_segment(
     """``acc`` (columns ``rn``) plus each row's ``s @ B_slot`` (``s`` and ``slots`` as
     ``lora_shrunk`` and ``lora_slots`` loaded them), and with ``TWO`` ``acc2`` plus the
     same at columns ``rn + OFF2`` (see the module docstring)."""
-    if MAX_LORAS <= UNROLLED_SLOTS:
-        for j in tl.static_range(MAX_LORAS):
-            acc, acc2 = _slot_add(
-                acc, acc2, s, slots, b_ptr, rn, N, OFF2, stride_b, j, TWO, W, W_PAD, DOT
-            )
-    else:
-        for j in range(MAX_LORAS):
-            acc, acc2 = _slot_add(
-                acc, acc2, s, slots, b_ptr, rn, N, OFF2, stride_b, j, TWO, W, W_PAD, DOT
-            )
+    for j in range(MAX_LORAS):  # (a loop: unrolled, the step measured slower at one row)
+        acc, acc2 = _slot_add(
+            acc, acc2, s, slots, b_ptr, rn, N, OFF2, stride_b, j, TWO, W, W_PAD, DOT
+        )
     return acc, acc2

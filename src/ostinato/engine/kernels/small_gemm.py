@@ -85,7 +85,13 @@ from ostinato.engine.kernels.gemm_launch import (  # noqa: F401  (the GEMM's lau
 )
 from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg, pdl_for
 from ostinato.engine.kernels.launch_rules import LINE, rules
-from ostinato.engine.kernels.lora_segment import LoraSegment, lora_segment, segment_args
+from ostinato.engine.kernels.lora_segment import (
+    LoraSegment,
+    lora_segment,
+    lora_shrunk,
+    lora_slots,
+    segment_args,
+)
 from ostinato.engine.kernels.pdl import pdl_enter
 
 NORM_K = 1024  # row columns per step of the norm prologue's sum of squares
@@ -395,6 +401,8 @@ def _gemm_kernel(
     rn = tile * TILE_STRIDE + c0 + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
+    if LORA_W > 0:  # (before the wait: no kernel of the step writes the slots)
+        lslots = lora_slots(lslot_ptr, rm, M, pid_k == 0)  # (split 0 adds the expand)
     if RESIDENT:  # the whole weight tile into registers before the wait (BLOCK_K >= K)
         w, w2, nw = _resident_weights(w_ptr, nw_ptr, rn, N, K, OFF2, stride_wn, NORM, TWO, BLOCK_K)
     elif USE_PDL:
@@ -422,6 +430,8 @@ def _gemm_kernel(
         tile, c0, Q_HEADS, KV_HEADS, HAS_BIAS, TWO, EPILOGUE, STATS_OUT, BLOCK_M, BLOCK_N,
         HALF,
     )  # fmt: skip
+    if LORA_W > 0:  # the rows' shrinks (the previous kernel's) in flight beside the K loop
+        ls = lora_shrunk(ls_ptr, rm, lslots, stride_ls, LORA_W, LORA_W_PAD)
     if RESIDENT:
         acc, acc2 = _resident_tile(
             x_ptr, r_ptr, total_ptr, w, w2, nw, rstd, M, K, stride_xm, stride_rm, stride_tm,
@@ -436,8 +446,8 @@ def _gemm_kernel(
     if LORA_W > 0:  # each row's LoRA expand, once per column tile (split 0's partial)
         if pid_k == 0:
             acc, acc2 = lora_segment(
-                acc, acc2, ls_ptr, lb_ptr, lslot_ptr, rm, rn, M, N, OFF2, stride_ls,
-                stride_lb, TWO, LORA_W, LORA_W_PAD, MAX_LORAS, LORA_DOT,
+                acc, acc2, ls, lslots, lb_ptr, rn, N, OFF2, stride_lb, TWO, LORA_W,
+                LORA_W_PAD, MAX_LORAS, LORA_DOT,
             )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD], every column of a tile; only

@@ -265,3 +265,33 @@ def test_n_samples_are_the_offline_engines_whole_and_streamed(client, offline):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == [s.text for s in want.samples]
+
+
+def test_several_prompts_text_parts_and_the_developer_role_through_the_client(client, offline):
+    # A list of prompts: one choice per prompt, in order, each the offline answer.
+    prompts = ["The history of the Roman Empire begins with", "Water boils at"]
+    got = client.completions.create(
+        model="smollm2-135m", prompt=prompts, max_tokens=8, temperature=0
+    )
+    want = offline.generate(prompts, SamplingParams(max_tokens=8))
+    assert [(c.index, c.text) for c in got.choices] == [(i, w.text) for i, w in enumerate(want)]
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    # Text parts are the text they join; developer instructions are the system's.
+    parts = [
+        {"type": "text", "text": "What is the capital"},
+        {"type": "text", "text": "of France?"},
+    ]
+    kw = dict(model="smollm2-135m", max_tokens=12, temperature=0)
+    split = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **kw)
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert (
+        split.choices[0].message.content
+        == offline.chat([joined], SamplingParams(max_tokens=12))[0].text
+    )
+    system = [{"role": "system", "content": "Answer in one word."}, *joined]
+    developer = [{"role": "developer", "content": "Answer in one word."}, *joined]
+    a = client.chat.completions.create(messages=system, **kw).choices[0].message.content
+    b = client.chat.completions.create(messages=developer, **kw).choices[0].message.content
+    assert a == b
+    stream = client.chat.completions.create(messages=joined, stream=True, **kw)
+    assert next(iter(stream)).choices[0].delta.role == "assistant"

@@ -19,6 +19,7 @@ from ostinato.engine.api.lora_registry import (  # noqa: E402
     LoraNotEnabled,
     UnknownAdapter,
 )
+from ostinato.engine.core.logprob import TokenLogprob  # noqa: E402
 from ostinato.engine.core.scheduler import FinishReason  # noqa: E402
 from ostinato.engine.loading.peft_adapter import LoraAdapterError  # noqa: E402
 from ostinato.engine.serve.app import build_app  # noqa: E402
@@ -166,10 +167,73 @@ def test_logprobs_reach_the_engine_in_both_shapes(engine):
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
         (dict(messages=[{"role": "user", "content": "hi", "name": "x"}]), "messages.0.name"),
         (dict(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+        # Numbers are numbers, as OpenAI checks them: no string, no bool.
+        (dict(temperature="0.5"), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_p="1"), "top_p"),
+        (dict(presence_penalty="1"), "presence_penalty"),
+        (dict(logit_bias={"7": "5"}), "logit_bias.7"),
+        (dict(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
+        (dict(messages=[{"role": "user", "content": []}]), "messages.0.content"),
     ],
 )
 def test_types_are_strict(engine, body, param):
     refused(chat(client(engine), **body), param)
+    assert not engine.submitted
+
+
+@pytest.mark.parametrize(
+    "prompt", [[1, "a"], ["a", [1]], [[1], "a"], [1.5], [[True]], {"text": "a"}, None, 5]
+)
+def test_a_prompt_of_no_openai_shape_is_refused_by_name(engine, prompt):
+    error = refused(complete(client(engine), prompt=prompt), "prompt")
+    assert "a list of token-id lists" in error["message"] or prompt is None, error
+    assert not engine.submitted
+
+
+def test_null_stands_for_a_field_s_default_as_in_openai(engine):
+    c = client(engine)
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "seed"))
+    assert chat(c, max_tokens=1, **nulls).status_code == 200
+    params = engine.submitted[-1][1]
+    assert (params.temperature, params.top_p, params.n, params.seed) == (1.0, 1.0, 1, None)
+    assert complete(c, max_tokens=1, echo=None, logprobs=None).status_code == 200
+    refused(chat(c, messages=None), "messages")  # required: no default to stand for
+    refused(chat(c, temprature=None), "temprature")  # unknown, whatever its value
+
+
+def test_stream_options_without_stream_is_refused_by_name(engine):
+    c = client(engine)
+    refused(chat(c, stream_options={"include_usage": True}), "stream_options")
+    refused(complete(c, stream=False, stream_options={"include_usage": False}), "stream_options")
+    assert not engine.submitted
+    assert chat(c, stream_options=None, max_tokens=1).status_code == 200
+
+
+class Messages(Engine):
+    """Records the messages the chat template was given."""
+
+    def chat_prompt(self, messages):
+        self.messages = messages
+        return super().chat_prompt(messages)
+
+
+def test_text_parts_and_the_developer_role_reach_the_chat_template():
+    engine = Messages()
+    c = client(engine)
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}]
+    assert chat(c, messages=messages, max_tokens=1).status_code == 200
+    assert engine.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "one\ntwo"},  # (joined as vLLM joins them)
+    ]
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    error = refused(chat(c, messages=[{"role": "user", "content": [image]}]), "messages.0.content")
+    assert "'image_url' parts are not supported" in error["message"]
+    odd = {"type": "text", "text": "a", "cache": 1}
+    refused(chat(c, messages=[{"role": "user", "content": [odd]}]), "messages.0.content")
+    assert len(engine.submitted) == 1
 
 
 def test_a_lora_adapter_is_a_model_of_its_own(engine):
@@ -454,6 +518,115 @@ def test_n_samples_come_back_as_choices_whole_and_streamed():
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
     refused(complete(c, n=0), "n")
     refused(complete(c, n=129), "n")
+
+
+def stream_events(c, route, body):
+    with c.stream("POST", route, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        return [json.loads(ln[6:]) for ln in response.iter_lines() if ln.startswith("data: {")]
+
+
+def test_several_prompts_are_one_request_each_their_choices_prompt_by_prompt():
+    engine = Samples()
+    c = client(engine)
+    body = complete(c, prompt=["hi", "there"], n=2, max_tokens=2, echo=True).json()
+    assert [p for p, _ in engine.submitted] == [
+        Tokenizer().encode("hi"),
+        Tokenizer().encode("there"),
+    ]
+    assert [(ch["index"], ch["text"]) for ch in body["choices"]] == [
+        (0, "hiab"), (1, "hibc"), (2, "thereab"), (3, "therebc")
+    ]  # fmt: skip
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15}
+    ids = complete(c, prompt=[[5, 6], [7]], max_tokens=1).json()
+    assert [ch["text"] for ch in ids["choices"]] == ["a", "a"]
+    assert engine.submitted[-2:] == [
+        ([5, 6], engine.submitted[-2][1]),
+        ([7], engine.submitted[-1][1]),
+    ]
+    assert ids["usage"]["prompt_tokens"] == 3
+    events = stream_events(
+        c, "/v1/completions",
+        {"prompt": [[5], [6]], "n": 2, "max_tokens": 2, "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+    texts = ["", "", "", ""]
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == ["ab", "bc", "ab", "bc"]
+    assert events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+
+
+class Refusing(Samples):
+    """Refuses a prompt holding token 99 as the engine refuses what is out of its
+    vocabulary; records what was aborted."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborted = []
+
+    async def asubmit(self, prompt, params=None, lora=None):
+        if 99 in prompt:
+            raise ValueError("prompt 0: token ids [99] outside the vocabulary [0, 50)")
+        return await super().asubmit(prompt, params, lora)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        return True
+
+
+def test_several_prompts_are_queued_all_or_none_and_a_refusal_names_its_prompt():
+    engine = Refusing()
+    c = client(engine)
+    error = refused(complete(c, prompt=[[1], [2], [99]], max_tokens=1), "prompt")
+    assert error["message"].startswith("prompt 2: token ids [99]")
+    assert engine.aborted == ["req-1", "req-2"]  # the two queued before it
+    error = refused(complete(c, prompt=["ok", "y" * 70], max_tokens=1), "prompt")
+    assert error["message"].startswith("prompt 1: 70 tokens leave no room")
+    error = refused(complete(c, prompt=["ok", ""]), "prompt")
+    assert error["message"] == "prompt 1: empty"
+    error = refused(complete(c, prompt=["ok", "fine"], max_tokens=62), "max_tokens")
+    assert "prompt 1's 4 tokens leave 60" in error["message"]
+    assert len(engine.submitted) == 2  # (the first call's two; none after)
+    refused(complete(c, prompt=[[1]] * 65, n=2), "prompt")  # 130 choices, over 128
+
+
+class Logprobs(Samples):
+    """``Samples`` with a log probability per token (sample i's token t: -t / 10)."""
+
+    async def asubmit(self, prompt, params=None, lora=None):
+        handle = await super().asubmit(prompt, params, lora)
+        for i, h in enumerate(handle.samples):
+            h.logprobs = [TokenLogprob(t, -t / 10) for t in range(i + 1, i + 1 + params.max_tokens)]
+        return handle
+
+
+def test_each_choice_s_text_offsets_start_at_its_own_text():
+    c = client(Logprobs())
+    whole = complete(c, prompt="hi", n=2, max_tokens=3, logprobs=0).json()["choices"]
+    assert [ch["logprobs"]["text_offset"] for ch in whole] == [[0, 1, 2], [0, 1, 2]]
+    assert [ch["logprobs"]["tokens"] for ch in whole] == [["a", "b", "c"], ["b", "c", "d"]]
+    events = stream_events(
+        c, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 3, "logprobs": 0}
+    )
+    offsets = [[], []]
+    for event in events:
+        (choice,) = event["choices"]
+        if choice.get("logprobs"):
+            offsets[choice["index"]] += choice["logprobs"]["text_offset"]
+    assert offsets == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_a_chat_stream_names_the_role_in_each_choice_s_first_event():
+    events = stream_events(
+        client(Samples()), "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2},
+    )  # fmt: skip
+    roles = [(e["choices"][0]["index"], e["choices"][0]["delta"].get("role")) for e in events]
+    assert [r for _, r in roles if r is not None] == ["assistant", "assistant"]
+    for index in (0, 1):
+        mine = [r for i, r in roles if i == index]
+        assert mine[0] == "assistant" and set(mine[1:]) == {None}
 
 
 def load_lora(c, **body):

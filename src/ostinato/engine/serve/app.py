@@ -32,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ostinato.engine.api.lora_registry import UnknownAdapter
 from ostinato.engine.api.text_stream import TextStream
-from ostinato.engine.core.params import SamplingParams
+from ostinato.engine.core.params import MAX_SAMPLES, SamplingParams
 from ostinato.engine.core.stop_text import StopText
 from ostinato.engine.serve.bodies import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -225,41 +225,53 @@ class Responder:
         self.metrics = Metrics(engine)
 
     async def __call__(self, body: RequestBody, request: Request, chat: bool) -> Response:
-        handle = await self._submit(body, chat)
+        requests = await self._submit(body, chat)
         kind = "chatcmpl" if chat else "cmpl"
         meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name, chat)
-        echo = self._echo(body, handle)
-        shapes = None
-        if body.asked_logprobs() is not None:
-            shapes = LogprobShapes(chat, self._token_text, len(echo))
+        prompts = body.prompts() if isinstance(body, CompletionBody) else [None]
+        # Choices prompt by prompt, each prompt's n samples in turn (OpenAI's order).
+        samples = [
+            s for p, r in zip(prompts, requests, strict=True) for s in self._samples(body, p, r)
+        ]
+        prompt_tokens = sum(len(r.prompt) for r in requests)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            extras = _Extras(usage, lambda: self._stop_text(body), echo, shapes)
-            events = self._stream(handle, meta, extras)
+            extras = _Extras(usage, lambda: self._stop_text(body), prompt_tokens)
+            events = self._stream(requests, samples, meta, extras)
             return StreamingResponse(events, media_type="text/event-stream")
-        watcher = asyncio.create_task(self._abort_on_disconnect(request, handle))
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, requests))
         try:
             answers = await asyncio.gather(
-                *(self._answer(h, self._stop_text(body), echo, shapes) for h in handle.samples)
+                *(self._answer(s, self._stop_text(body)) for s in samples)
             )
         finally:
             watcher.cancel()
-        return JSONResponse(meta.whole(answers, len(handle.prompt)))
+        return JSONResponse(meta.whole(answers, prompt_tokens))
 
-    async def _answer(
-        self,
-        handle: RequestHandle,
-        stop: StopText | None,
-        echo: str,
-        shapes: LogprobShapes | None,
-    ) -> _Choice:
+    def _samples(
+        self, body: RequestBody, prompt: str | list[int] | None, request: RequestHandle
+    ) -> list[_Sample]:
+        """The choices of one engine request: each sample with the prompt's text where
+        it is echoed, and log probabilities' shapes of its own where asked (their text
+        offsets run on within a choice, never from one choice into the next)."""
+        echo = self._echo(body, prompt, request)
+        asked = body.asked_logprobs() is not None
+        chat = isinstance(body, ChatBody)
+        return [
+            _Sample(h, echo, LogprobShapes(chat, self._token_text, len(echo)) if asked else None)
+            for h in request.samples
+        ]
+
+    async def _answer(self, sample: _Sample, stop: StopText | None) -> _Choice:
         """One sample's whole answer: its text (never the stop string), tokens, finish
         reason and log probabilities where asked."""
+        handle = sample.handle
         tokens = [t async for chunk in self._timed(handle) for t in chunk]
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
         text = stop.cut(text) if stop is not None else text
+        shapes = sample.shapes
         logprobs = shapes.piece(handle.logprobs[: len(tokens)]) if shapes is not None else None
-        return _Choice(echo + text, tokens, _finish(handle), logprobs)
+        return _Choice(sample.echo + text, tokens, _finish(handle), logprobs)
 
     def _token_text(self, token_id: int) -> str:
         """A token's text in log probabilities (its id where the model has no tokenizer,
@@ -268,38 +280,66 @@ class Responder:
             return f"token_id:{token_id}"
         return self.engine.decode([token_id])
 
-    def _echo(self, body: RequestBody, handle: RequestHandle) -> str:
+    def _echo(
+        self, body: RequestBody, prompt: str | list[int] | None, request: RequestHandle
+    ) -> str:
         """The prompt's text where a completion asks for it first (``echo``), else ""."""
         if not isinstance(body, CompletionBody) or not body.echo:
             return ""
-        if isinstance(body.prompt, str):
-            return body.prompt
-        return self.engine.decode(handle.prompt) if self.engine.tokenizer is not None else ""
+        if isinstance(prompt, str):
+            return prompt
+        return self.engine.decode(request.prompt) if self.engine.tokenizer is not None else ""
 
     def _stop_text(self, body: RequestBody) -> StopText | None:
         stops = body.stop_strings()
         return StopText(stops, self.engine.decode) if stops else None
 
-    async def _submit(self, body: RequestBody, chat: bool) -> RequestHandle:
-        """Checks ``body`` (the model, what is refused, the prompt's room in the context)
-        and queues it; ``BadRequest`` / ``ModelNotFound`` name what is wrong."""
-        lora = None
-        if body.model is not None and body.model != self.model_name:
-            if body.model not in self.engine.lora_names:
-                raise ModelNotFound(f"The model `{body.model}` does not exist.")
-            lora = body.model  # a LoRA adapter of the base model
-        refused = refusal(body)
+    async def _submit(self, body: RequestBody, chat: bool) -> list[RequestHandle]:
+        """Checks ``body`` (the model, what is refused, each prompt's room in the context)
+        and queues its prompts, one engine request each, all or none; ``BadRequest`` /
+        ``ModelNotFound`` name what is wrong."""
+        lora = self._lora(body)
+        refused = refusal(body) or body.contradiction()
         if refused is not None:
             raise BadRequest(refused[1], refused[0])
-        ids = body.prompt if isinstance(body, CompletionBody) else None
-        if not isinstance(ids, list):
-            # Tokenizing a long prompt takes a while: off the event loop, so streams go
-            # on. Token ids need none of it, and each hop to a thread and back waits a
-            # turn of a busy loop (2-5 ms at 64 streams on an H200).
-            ids = await asyncio.to_thread(self._prompt_ids, body, chat)
+        prompts = body.prompts() if isinstance(body, CompletionBody) else [None]
+        if len(prompts) * body.n > MAX_SAMPLES:
+            raise BadRequest(
+                f"prompt: {len(prompts)} prompts of n {body.n} make {len(prompts) * body.n} "
+                f"choices; at most {MAX_SAMPLES} a request",
+                "prompt",
+            )
+        if all(isinstance(p, list) for p in prompts):
+            # Token ids need no tokenizer, and each hop to a thread and back waits a turn
+            # of a busy loop (2-5 ms at 64 streams on an H200).
+            ids = prompts
+        else:  # tokenizing long prompts takes a while: off the event loop, so streams go on
+            ids = await asyncio.to_thread(self._prompt_ids, body, prompts)
+        labels = _labels(chat, len(prompts))
+        params = [self._params(body, len(i), label) for i, label in zip(ids, labels, strict=True)]
+        queued: list[RequestHandle] = []
         try:
-            params = SamplingParams(
-                max_tokens=self._max_tokens(body, len(ids), chat),
+            for prompt_ids, p, label in zip(ids, params, labels, strict=True):
+                queued.append(await self._queue(prompt_ids, p, lora, label))
+        except BaseException:
+            for handle in queued:
+                self.engine.abort(handle.id)
+            raise
+        return queued
+
+    def _lora(self, body: RequestBody) -> str | None:
+        """The LoRA adapter ``body.model`` names (None: the served model itself)."""
+        if body.model is None or body.model == self.model_name:
+            return None
+        if body.model not in self.engine.lora_names:
+            raise ModelNotFound(f"The model `{body.model}` does not exist.")
+        return body.model  # a LoRA adapter of the base model
+
+    def _params(self, body: RequestBody, prompt_len: int, label: str) -> SamplingParams:
+        """The engine's sampling parameters of one prompt of ``body``."""
+        try:
+            return SamplingParams(
+                max_tokens=self._max_tokens(body, prompt_len, label),
                 temperature=body.temperature,
                 top_p=body.top_p,
                 ignore_eos=body.ignore_eos,
@@ -311,47 +351,67 @@ class Responder:
                 logprobs=body.asked_logprobs(),
                 n=body.n,
             )
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(str(exc), str(exc).split(":", 1)[0].split()[0]) from None
+
+    async def _queue(
+        self, ids: list[int], params: SamplingParams, lora: str | None, label: str
+    ) -> RequestHandle:
+        """One prompt queued in the engine; its refusals name the prompt by ``label``."""
+        try:
             return await self.engine.asubmit(ids, params, lora)
         except UnknownAdapter:  # unloaded since it was listed
-            raise ModelNotFound(f"The model `{body.model}` does not exist.") from None
+            raise ModelNotFound(f"The model `{lora}` does not exist.") from None
         except (ValueError, TypeError) as exc:
-            field = str(exc).split(":", 1)[0].split()[0]
-            prompt_param = "messages" if chat else "prompt"
-            raise BadRequest(str(exc), prompt_param if field == "prompt" else field) from None
+            message = str(exc)
+            field = message.split(":", 1)[0].split()[0]
+            if field != "prompt":
+                raise BadRequest(message, field) from None
+            # The engine numbers the prompts of one call: this call had one.
+            if label.startswith("prompt ") and message.startswith("prompt 0"):
+                message = label + message[len("prompt 0") :]
+            raise BadRequest(message, label.split()[0]) from None
 
-    def _prompt_ids(self, body: RequestBody, chat: bool) -> list[int]:
-        """A text prompt's token ids (the chat template applied to a chat's messages)."""
-        if chat:
-            assert isinstance(body, ChatBody)
-            return self.engine.chat_prompt([m.model_dump() for m in body.messages])
-        assert isinstance(body, CompletionBody) and isinstance(body.prompt, str)
-        if self.engine.tokenizer is None:
-            raise BadRequest("prompt: text given but the model has no tokenizer", "prompt")
-        if not body.prompt:
-            raise BadRequest("prompt: empty", "prompt")
-        return self.engine.tokenizer.encode(body.prompt)
+    def _prompt_ids(
+        self, body: RequestBody, prompts: list[str | list[int] | None]
+    ) -> list[list[int]]:
+        """Each prompt's token ids (a chat's: its messages in the chat template)."""
+        if isinstance(body, ChatBody):
+            return [self.engine.chat_prompt([m.for_template() for m in body.messages])]
+        labels = _labels(False, len(prompts))
+        ids = []
+        for prompt, label in zip(prompts, labels, strict=True):
+            if isinstance(prompt, list):
+                ids.append(prompt)
+            elif self.engine.tokenizer is None:
+                raise BadRequest(f"{label}: text given but the model has no tokenizer", "prompt")
+            elif not prompt:
+                raise BadRequest(f"{label}: empty", "prompt")
+            else:
+                ids.append(self.engine.tokenizer.encode(prompt))
+        return ids
 
-    def _max_tokens(self, body: RequestBody, prompt_len: int, chat: bool) -> int:
+    def _max_tokens(self, body: RequestBody, prompt_len: int, label: str) -> int:
         """The tokens to generate at most: those asked for, where the context has room
-        for them; by default all the room (chat) or 16 of it (completions)."""
+        for them; by default all the room (chat) or 16 of it (completions). ``label``
+        names the prompt ("messages", "prompt", or "prompt 2" of several)."""
         room = self.engine.max_model_len - prompt_len
-        prompt_param = "messages" if chat else "prompt"
         if room < 1:
             raise BadRequest(
-                f"{prompt_param}: {prompt_len} tokens leave no room to answer in the "
+                f"{label}: {prompt_len} tokens leave no room to answer in the "
                 f"context of {self.engine.max_model_len} tokens",
-                prompt_param,
+                label.split()[0],
             )
         try:
             asked = body.requested_max_tokens()
         except ValueError as exc:
             raise BadRequest(str(exc), "max_completion_tokens") from None
         if asked is None:
-            return room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+            return room if isinstance(body, ChatBody) else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
         if asked > room:
             param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
             raise BadRequest(
-                f"{param}: {asked} tokens do not fit: the prompt's {prompt_len} tokens leave "
+                f"{param}: {asked} tokens do not fit: {_owner(label)} {prompt_len} tokens leave "
                 f"{room} in the context of {self.engine.max_model_len}",
                 param,
             )
@@ -367,57 +427,64 @@ class Responder:
             self.metrics.tokens.inc(len(chunk))
             yield chunk
 
-    def _abort(self, handle: RequestHandle) -> None:
-        """Ends the request (every sample); counted where it was still live."""
-        if self.engine.abort(handle.id):
-            self.metrics.aborted.inc()
+    def _abort(self, requests: Sequence[RequestHandle]) -> None:
+        """Ends the requests (every sample); each counted where it was still live."""
+        for handle in requests:
+            if self.engine.abort(handle.id):
+                self.metrics.aborted.inc()
 
-    async def _abort_on_disconnect(self, request: Request, handle: RequestHandle) -> None:
+    async def _abort_on_disconnect(
+        self, request: Request, requests: Sequence[RequestHandle]
+    ) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(0.1)
-        self._abort(handle)
+        self._abort(requests)
 
     async def _stream(
-        self, handle: RequestHandle, meta: _Meta, extras: _Extras
+        self,
+        requests: Sequence[RequestHandle],
+        samples: Sequence[_Sample],
+        meta: _Meta,
+        extras: _Extras,
     ) -> AsyncIterator[str]:
         """Every sample's events (``_sample_events``), each as it comes, then with
         ``usage`` (``stream_options.include_usage``) one more event with no choices
-        carrying the request's token counts, then ``[DONE]``. A client that goes away
-        mid-stream aborts the request (every sample)."""
-        produced = [0] * len(handle.samples)
+        carrying the response's token counts, then ``[DONE]``. A client that goes away
+        mid-stream aborts the requests (every sample)."""
+        produced = [0] * len(samples)
         finished = False
         try:
-            async for event in self._events(handle, meta, extras, produced):
+            async for event in self._events(samples, meta, extras, produced):
                 yield event
             finished = True
             if extras.usage:
-                usage = _usage(len(handle.prompt), sum(produced))
+                usage = _usage(extras.prompt_tokens, sum(produced))
                 yield _sse({**meta.head(True), "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
-                self._abort(handle)
+                self._abort(requests)
 
     async def _events(
-        self, handle: RequestHandle, meta: _Meta, extras: _Extras, produced: list[int]
+        self, samples: Sequence[_Sample], meta: _Meta, extras: _Extras, produced: list[int]
     ) -> AsyncIterator[str]:
         """The samples' events as they come: one sample's straight from it (no task or
         queue between: each event then wakes one task, not two); several merged through
         a queue, a task per sample."""
-        if not handle.others:
-            async for event in self._sample_events(0, handle, meta, extras, produced):
+        if len(samples) == 1:
+            async for event in self._sample_events(0, samples[0], meta, extras, produced):
                 yield event
             return
         queue: asyncio.Queue[str | None] = asyncio.Queue()
 
-        async def feed(i: int, sample: RequestHandle) -> None:
+        async def feed(i: int, sample: _Sample) -> None:
             try:
                 async for event in self._sample_events(i, sample, meta, extras, produced):
                     queue.put_nowait(event)
             finally:
                 queue.put_nowait(None)
 
-        tasks = [asyncio.create_task(feed(i, h)) for i, h in enumerate(handle.samples)]
+        tasks = [asyncio.create_task(feed(i, s)) for i, s in enumerate(samples)]
         try:
             left = len(tasks)
             while left:
@@ -435,7 +502,7 @@ class Responder:
     async def _sample_events(
         self,
         index: int,
-        handle: RequestHandle,
+        sample: _Sample,
         meta: _Meta,
         extras: _Extras,
         produced: list[int],
@@ -447,40 +514,53 @@ class Responder:
         carries a stop string, nor text that may begin one before the next tokens say.
         ``echo`` (the prompt's text) comes first, in an event of its own. A model without
         a tokenizer has no text to wait for: each chunk of token ids is an event.
-        ``produced[index]`` counts the tokens."""
+        A chat's first event names the role. ``produced[index]`` counts the tokens."""
         textless = self.engine.tokenizer is None
         text = TextStream(_no_text if textless else self.engine.decode, extras.stop())
+        event = functools.partial(meta.chunk, index, usage=extras.usage)
         waiting: list[int] = []
-        if extras.echo:
-            yield meta.chunk(index, extras.echo, [], None, extras.usage)
-        async for chunk in self._timed(handle):
+        first = True  # (no event of this sample sent yet)
+        if sample.echo:
+            yield event(sample.echo, [], None, first=first)
+            first = False
+        async for chunk in self._timed(sample.handle):
             delta = text.push(chunk)
             waiting += chunk
             produced[index] += len(chunk)
             if delta or textless:
-                logprobs = extras.logprobs(handle, produced[index] - len(waiting), waiting)
-                yield meta.chunk(index, delta, waiting, None, extras.usage, logprobs)
-                waiting = []
-        logprobs = extras.logprobs(handle, produced[index] - len(waiting), waiting)
-        finish = _finish(handle)
-        yield meta.chunk(index, text.rest(), waiting, finish, extras.usage, logprobs)
+                logprobs = sample.logprobs(produced[index] - len(waiting), waiting)
+                yield event(delta, waiting, None, logprobs, first=first)
+                waiting, first = [], False
+        logprobs = sample.logprobs(produced[index] - len(waiting), waiting)
+        finish = _finish(sample.handle)
+        yield event(text.rest(), waiting, finish, logprobs, first=first)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """One choice of a response: the engine's handle of its sample, the text it begins
+    with (``echo``: its prompt's) and its log probabilities' shapes (None: not asked)."""
+
+    handle: RequestHandle
+    echo: str
+    shapes: LogprobShapes | None
+
+    def logprobs(self, start: int, tokens: list[int]) -> dict | None:
+        """The ``logprobs`` of an event holding ``tokens``, the ``start``-th token on
+        (None where not asked or there are no tokens)."""
+        if self.shapes is None or not tokens:
+            return None
+        return self.shapes.piece(self.handle.logprobs[start : start + len(tokens)])
 
 
 @dataclass(frozen=True)
 class _Extras:
-    """What a stream adds to its tokens' text: usage, stop strings, the echoed prompt and
-    the log probabilities' shapes (None: not asked)."""
+    """What a stream adds to its tokens' text: usage (and the prompts' tokens it counts)
+    and stop strings."""
 
     usage: bool
     stop: Callable[[], StopText | None]  # a fresh matcher per sample
-    echo: str
-    shapes: LogprobShapes | None
-
-    def logprobs(self, handle: RequestHandle, start: int, tokens: list[int]) -> dict | None:
-        """The ``logprobs`` of an event holding ``tokens``, from the ``start``-th on."""
-        if self.shapes is None or not tokens:
-            return None
-        return self.shapes.piece(handle.logprobs[start : start + len(tokens)])
+    prompt_tokens: int
 
 
 class _Meta:
@@ -513,12 +593,16 @@ class _Meta:
         text: str,
         tokens: list[int],
         finish: str | None,
-        usage: bool,
         logprobs: dict | None = None,
+        *,
+        usage: bool,
+        first: bool,
     ) -> str:
-        """A streamed event of sample ``index``, as the server-sent event's text."""
+        """A streamed event of sample ``index``, as the server-sent event's text (a
+        chat's ``first`` event of a sample names the role, as OpenAI's)."""
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}}
+            delta = {"content": text} if text else {}
+            choice = {"index": index, "delta": {"role": "assistant", **delta} if first else delta}
         else:
             choice = {"index": index, "text": text, "token_ids": tokens}
         if logprobs is not None:
@@ -550,6 +634,21 @@ class _Choice:
     tokens: list[int]
     finish: str | None
     logprobs: dict | None
+
+
+def _labels(chat: bool, prompts: int) -> list[str]:
+    """How refusals name each prompt: ``messages`` (chat), ``prompt``, or ``prompt i``
+    of several."""
+    if chat:
+        return ["messages"]
+    return ["prompt"] if prompts == 1 else [f"prompt {i}" for i in range(prompts)]
+
+
+def _owner(label: str) -> str:
+    """The possessive of a prompt's label: "the prompt's", "the messages'", "prompt 2's"."""
+    if label == "messages":
+        return "the messages'"
+    return "the prompt's" if label == "prompt" else f"{label}'s"
 
 
 def _usage(prompt_tokens: int, produced: int) -> dict[str, int]:

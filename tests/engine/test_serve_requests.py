@@ -693,3 +693,32 @@ def test_what_the_lora_routes_refuse_names_its_field(engine):
     assert error["code"] == "model_not_found"
     refused(unload_lora(c, lora_name="busy"), "lora_name", 409)
     assert engine.lora_names == ["tuned"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": ', "body: not JSON (Expecting value at character 11)"),
+        (b"", "body: a JSON object is required"),
+        (b"[1, 2]", "body: a JSON object is required"),
+        (b'"hello"', "body: a JSON object is required"),
+    ],
+)
+def test_a_body_that_is_no_json_object_is_refused_as_such(engine, content, message):
+    r = client(engine).post(
+        "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": message, "type": "invalid_request_error", "param": None, "code": None
+    }  # fmt: skip
+    assert not engine.submitted
+
+
+def test_an_unknown_route_or_method_answers_in_openai_s_error_shape(engine):
+    c = client(engine)
+    missing = c.post("/v1/nothing", json={})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "Not Found (POST /v1/nothing)"
+    wrong = c.get("/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["type"] == "invalid_request_error"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 
 class BadRequest(Exception):
@@ -32,16 +33,29 @@ def error_response(
 
 def add_error_handlers(app: FastAPI) -> None:
     """``app`` answers a body that fails validation with a 400 naming the field (an unknown
-    one as not a parameter), ``BadRequest`` with a 400 naming its ``param``, and
-    ``ModelNotFound`` with OpenAI's 404 ``model_not_found``."""
+    one as not a parameter; a body that is no JSON object as such), ``BadRequest`` with a
+    400 naming its ``param``, ``ModelNotFound`` with OpenAI's 404 ``model_not_found``,
+    and an unknown route or method in OpenAI's error shape too."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # (its place: the body and the character)
+            why = first.get("ctx", {}).get("error", "invalid")
+            return error_response(f"body: not JSON ({why} at character {first['loc'][-1]})", None)
+        if tuple(first["loc"]) == ("body",):  # empty, or JSON that is no object
+            return error_response("body: a JSON object is required", None)
         param = ".".join(str(p) for p in first["loc"] if p != "body")
         if first["type"] == "extra_forbidden":
             return error_response(f"{param}: not a parameter of this endpoint", param)
         return error_response(f"{param}: {first['msg']}", param or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{exc.detail} ({request.method} {request.url.path})"
+        response = error_response(message, None, exc.status_code)
+        response.headers.update(exc.headers or {})  # (a 405's Allow)
+        return response
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:

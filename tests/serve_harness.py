@@ -55,8 +55,12 @@ def serving_process(
     else:
         proc.kill()
         pytest.fail(f"the server did not answer /health in {ready_within_s:.0f} s")
+    failed = False
     try:
         yield proc, base
+    except BaseException:
+        failed = True
+        raise
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -64,6 +68,8 @@ def serving_process(
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if failed and not proc.stdout.closed:  # (pytest shows it with the failure)
+            print(f"the server's output:\n{proc.stdout.read()}")
 
 
 def metric(server: str, name: str) -> float:

@@ -722,3 +722,17 @@ def test_an_unknown_route_or_method_answers_in_openai_s_error_shape(engine):
     wrong = c.get("/v1/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+class Stopped(Engine):
+    async def asubmit(self, prompt, params=None, lora=None):
+        raise RuntimeError("submit: the engine loop is stopped")
+
+
+def test_a_fault_of_the_server_s_is_a_500_in_openai_s_error_shape():
+    c = TestClient(build_app(Stopped(), MODEL), raise_server_exceptions=False)
+    r = complete(c, max_tokens=1)
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "internal error: RuntimeError: submit: the engine loop is stopped",
+        "type": "server_error", "param": None, "code": None,
+    }  # fmt: skip

@@ -23,11 +23,15 @@ class ModelNotFound(Exception):
 
 
 def error_response(
-    message: str, param: str | None, status: int = 400, code: str | None = None
+    message: str,
+    param: str | None,
+    status: int = 400,
+    code: str | None = None,
+    kind: str = "invalid_request_error",
 ) -> JSONResponse:
-    """``{"error": {...}}`` with ``status``: the message, ``invalid_request_error``, the
-    field it names (or None) and OpenAI's code where there is one."""
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    """``{"error": {...}}`` with ``status``: the message, its type (``kind``), the field it
+    names (or None) and OpenAI's code where there is one."""
+    body = {"message": message, "type": kind, "param": param, "code": code}
     return JSONResponse({"error": body}, status_code=status)
 
 
@@ -35,7 +39,8 @@ def add_error_handlers(app: FastAPI) -> None:
     """``app`` answers a body that fails validation with a 400 naming the field (an unknown
     one as not a parameter; a body that is no JSON object as such), ``BadRequest`` with a
     400 naming its ``param``, ``ModelNotFound`` with OpenAI's 404 ``model_not_found``,
-    and an unknown route or method in OpenAI's error shape too."""
+    and an unknown route or method, or a fault of the server's (a 500 of type
+    ``server_error``), in OpenAI's error shape too."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -49,6 +54,12 @@ def add_error_handlers(app: FastAPI) -> None:
         if first["type"] == "extra_forbidden":
             return error_response(f"{param}: not a parameter of this endpoint", param)
         return error_response(f"{param}: {first['msg']}", param or None)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        # (the server's own fault: its traceback is logged as well, by uvicorn)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error_response(message, None, 500, kind="server_error")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -736,3 +736,23 @@ def test_a_fault_of_the_server_s_is_a_500_in_openai_s_error_shape():
         "message": "internal error: RuntimeError: submit: the engine loop is stopped",
         "type": "server_error", "param": None, "code": None,
     }  # fmt: skip
+
+
+class FailingSecond(Refusing):
+    """The second request queued fails in the engine; the first never ends by itself."""
+
+    async def asubmit(self, prompt, params=None, lora=None):
+        self.submitted.append((list(prompt), params))
+        rid = f"req-{len(self.submitted)}"
+        handle = RequestHandle(rid, list(prompt), asyncio.get_running_loop())
+        if len(self.submitted) == 2:
+            handle._end(None, RuntimeError("the engine failed"))
+        return handle
+
+
+def test_a_failed_request_of_several_ends_the_others():
+    engine = FailingSecond()
+    c = TestClient(build_app(engine, MODEL), raise_server_exceptions=False)
+    r = complete(c, prompt=[[1], [2]], max_tokens=1)
+    assert r.status_code == 500 and "the engine failed" in r.json()["error"]["message"]
+    assert engine.aborted == ["req-1", "req-2"]

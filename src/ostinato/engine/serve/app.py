@@ -244,6 +244,9 @@ class Responder:
             answers = await asyncio.gather(
                 *(self._answer(s, self._stop_text(body)) for s in samples)
             )
+        except BaseException:  # (one request failed: the others' answers are not sent)
+            self._abort(requests)
+            raise
         finally:
             watcher.cancel()
         return JSONResponse(meta.whole(answers, prompt_tokens))

@@ -206,6 +206,13 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     # The engine's flags are its configuration's fields, each with the field's help.
     for f in cli_fields():
         assert "--" + f.name.replace("_", "-") in out and f.metadata.get("help")
+    assert "(default: None)" not in out  # (where the help itself says the default)
+
+
+def test_serve_help_never_prints_the_api_key_it_read(capsys, monkeypatch):
+    monkeypatch.setenv("OSTINATO_API_KEY", "a-secret-key")
+    code, out, _ = run(["serve", "--help"], capsys)
+    assert code == 0 and "--api-key" in out and "a-secret-key" not in out
 
 
 def run_python(code: str) -> str:

@@ -365,7 +365,9 @@ class EngineArgs:
         False, "use the model's config with random weights (for shape tests)"
     )
     speculative: SpeculativeConfig | str | None = option(
-        None, "speculative decoding: ngram (prompt lookup) or self:N (the first N layers draft)",
+        None,
+        "speculative decoding: ngram (prompt lookup) or self:N (the first N layers draft); "
+        "default: none",
         _as_argument_error(_parse_speculative),
     )  # fmt: skip
     num_speculative_tokens: int = option(2, "draft tokens verified per step", bounded_int(1, 16))

@@ -12,6 +12,7 @@ from typing import NoReturn
 from ostinato.engine.api.engine_args import bounded_float, bounded_int, positive_int
 
 __all__ = [
+    "DefaultsHelp",
     "OneLineParser",
     "bounded_float",
     "bounded_int",
@@ -26,6 +27,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         fail(f"{self.prog}: error: {message}")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends with each option's default, except where the help already says
+    what the default is (no "default: X (default: None)", and no secret read from the
+    environment, ``--api-key``'s, printed by ``--help``) and where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def fail(message: str) -> NoReturn:

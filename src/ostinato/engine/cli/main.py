@@ -19,6 +19,7 @@ from typing import Any
 
 from ostinato.engine.api.early_start import start_early
 from ostinato.engine.cli.args import (
+    DefaultsHelp,
     OneLineParser,
     bounded_float,
     bounded_int,
@@ -34,7 +35,7 @@ def _generate_parser(sub: Any) -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="generate text or tokens with the reference engine",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     gen.add_argument(
         "--model",
@@ -79,7 +80,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     srv = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     srv.add_argument("--model", help="as for generate; default: SmolLM2-135M-Instruct")
     srv.add_argument(

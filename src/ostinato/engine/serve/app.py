@@ -520,11 +520,11 @@ class Responder:
         A chat's first event names the role. ``produced[index]`` counts the tokens."""
         textless = self.engine.tokenizer is None
         text = TextStream(_no_text if textless else self.engine.decode, extras.stop())
-        event = functools.partial(meta.chunk, index, usage=extras.usage)
+        usage, chunk_of = extras.usage, meta.chunk  # (looked up once: this is per token)
         waiting: list[int] = []
         first = True  # (no event of this sample sent yet)
         if sample.echo:
-            yield event(sample.echo, [], None, first=first)
+            yield chunk_of(index, sample.echo, [], None, usage, None, first)
             first = False
         async for chunk in self._timed(sample.handle):
             delta = text.push(chunk)
@@ -532,11 +532,11 @@ class Responder:
             produced[index] += len(chunk)
             if delta or textless:
                 logprobs = sample.logprobs(produced[index] - len(waiting), waiting)
-                yield event(delta, waiting, None, logprobs, first=first)
+                yield chunk_of(index, delta, waiting, None, usage, logprobs, first)
                 waiting, first = [], False
         logprobs = sample.logprobs(produced[index] - len(waiting), waiting)
         finish = _finish(sample.handle)
-        yield event(text.rest(), waiting, finish, logprobs, first=first)
+        yield chunk_of(index, text.rest(), waiting, finish, usage, logprobs, first)
 
 
 @dataclass(frozen=True)
@@ -596,9 +596,8 @@ class _Meta:
         text: str,
         tokens: list[int],
         finish: str | None,
-        logprobs: dict | None = None,
-        *,
         usage: bool,
+        logprobs: dict | None,
         first: bool,
     ) -> str:
         """A streamed event of sample ``index``, as the server-sent event's text (a

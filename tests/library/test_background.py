@@ -488,6 +488,22 @@ def test_a_full_graph_records_beside_the_steps_where_the_platform_records_apart(
     assert all(serve(r, m, dispatcher, 20))  # every size replays, correctly
 
 
+def _turn_free(m) -> bool:
+    """Whether a step may take ``m``'s turn now (a thread tries for 0.3 s). The turn is
+    asked for here, while the capture runs: a thread that started late would find the
+    capture done and no turn to take (``stepping()``'s no-op), and must not release one."""
+    turn = m.stepping()
+
+    def step() -> None:
+        with turn:
+            pass
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    stepper.join(0.3)
+    return not stepper.is_alive()
+
+
 def test_a_warm_up_on_inputs_apart_runs_beside_the_steps_and_prepare_holds_the_turn():
     # With a warm_step (the step's work on inputs no step touches), a FULL item holds the
     # turn only for prepare's dummy inputs: its warm-up and its recording run beside the
@@ -498,11 +514,7 @@ def test_a_warm_up_on_inputs_apart_runs_beside_the_steps_and_prepare_holds_the_t
     w = torch.zeros(16, 4)  # the warm-up's own inputs
     free: dict[str, list[bool]] = {"warm": [], "prepare": [], "step": []}
 
-    def turn_free() -> bool:
-        stepper = threading.Thread(target=lambda: m.stepping().__enter__() or m._turn.__exit__())
-        stepper.start()
-        stepper.join(0.3)
-        return not stepper.is_alive()
+    turn_free = lambda: _turn_free(m)  # noqa: E731
 
     def warm_step(d):
         free["warm"].append(turn_free())

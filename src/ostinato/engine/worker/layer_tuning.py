@@ -7,10 +7,11 @@ two H200s the 8 B shape's one-row step took 4.65 ms fused against 3.23 ms unfuse
 1.5 B shape is 5% faster fused. So at first start every captured size of at most ``MAX_ROWS``
 rows runs a decode step both ways, each inside a CUDA graph as the decode graphs run it, and
 a size where the unfused layers are faster by ``MARGIN`` runs them
-(``DecoderModel.unfused_rows``). Where the kernels launch with PDL, both also run without it,
-and a size where that is the fastest by ``MARGIN`` steps without PDL
-(``DecoderModel.no_pdl_rows``): on the H200 the 8 B shape's 16-row step was 1-3% faster
-without PDL, where the 1.5 B shape's steps gain from it at every size.
+(``DecoderModel.unfused_rows``). Where the kernels launch with PDL, both also run without
+it, and a size where that is faster by ``MARGIN`` than with PDL steps without it
+(``DecoderModel.no_pdl_rows``; the rule in full: ``LayerTiming.chosen``): on the H200 the
+8 B shape's 16-row step was 1-3% faster without PDL, where the 1.5 B shape's steps gain
+from it at every size.
 
 Guarantees: every rank of a tensor-parallel group makes the same choice (the timings are the
 slowest rank's, and the ranks measure or read the cache together); the choice is kept in the
@@ -45,6 +46,17 @@ MARGIN = 0.01
 (below it: noise; the fused ops launch fewer kernels, and PDL is what the kernels' own
 measurements ran with)."""
 
+PREFERENCE = ((False, True), (True, True), (False, False), (True, False))
+"""The variants as (unfused, PDL), the most preferred first: the fused layers with PDL,
+then the layers unfused, then PDL off. Of the variants within ``MARGIN`` of the fastest,
+the most preferred runs: a reading within noise of another buys no less preferred launch.
+(On the H200 the 8 B shape's one-row step read 4353 µs unfused without PDL against 4388
+with it, 0.8% apart, and the plan took PDL off; the decode benchmark then found the step
+with PDL 2.4% faster, ``benchmarks/results/tp_step_kernels_h200/rules_8b_h200.json``.)"""
+
+CHOICE_RULE = "preference within the margin"
+"""Part of a stored plan's key: a plan chosen by an earlier rule is measured again."""
+
 StepTimer = Callable[[int, bool, bool], float]
 """``(rows, unfused, pdl) -> µs`` of one decode step of ``rows`` rows, the layers fused or
 not, its kernels launched with PDL where they ask for it or without."""
@@ -64,18 +76,25 @@ class LayerTiming:
 
     @property
     def chosen(self) -> tuple[bool, bool]:
-        """(unfused, PDL) of this size's steps: the fastest variant where it beats the fused
+        """(unfused, PDL) of this size's steps: of the variants faster than the fused
         layers with PDL (fewer kernels, and the launches the GEMM plans were timed with)
-        by ``MARGIN``, else those."""
+        by ``MARGIN``, the most preferred (``PREFERENCE``) within ``MARGIN`` of the
+        fastest; the fused layers with PDL where none is."""
         times = {
             (False, True): self.fused_us,
             (True, True): self.unfused_us,
             (False, False): self.fused_no_pdl_us,
             (True, False): self.unfused_no_pdl_us,
         }
-        timed = {variant: us for variant, us in times.items() if us is not None}
-        best = min(timed, key=timed.__getitem__)  # (a tie: the first, fused and with PDL)
-        return best if timed[best] * (1 + MARGIN) <= self.fused_us else (False, True)
+        faster = {
+            variant: us
+            for variant, us in times.items()
+            if us is not None and us * (1 + MARGIN) <= self.fused_us
+        }
+        if not faster:
+            return (False, True)
+        near = min(faster.values()) * (1 + MARGIN)
+        return next(v for v in PREFERENCE if v in faster and faster[v] <= near)
 
     @property
     def unfused_wins(self) -> bool:
@@ -195,7 +214,8 @@ def _cache_keys(
 def layer_key(model: DecoderModel) -> list[object]:
     """What a layer plan depends on besides the device and the sizes: the model's shape
     and dtype, the tensor-parallel size, the launch options, the attention backend's
-    placement of RoPE and the projections' GEMM plans (set before this is measured)."""
+    placement of RoPE, the projections' GEMM plans (set before this is measured) and the
+    rule that chose from the timings (``CHOICE_RULE``)."""
     c, w = model.config, model.embed_tokens.weight
     plans = repr([linear.plan for linear, _ in model.linears()]).encode()
     # compile_ahead only moves compile time: a plan measured with it holds without it.
@@ -203,7 +223,7 @@ def layer_key(model: DecoderModel) -> list[object]:
     return [
         c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
         c.vocab_size, w.dtype, model.tp.size, kernels, model.rope_in_attention,
-        hashlib.sha256(plans).hexdigest()[:16],
+        hashlib.sha256(plans).hexdigest()[:16], CHOICE_RULE,
     ]  # fmt: skip
 
 

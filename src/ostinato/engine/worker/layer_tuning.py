@@ -50,9 +50,10 @@ PREFERENCE = ((False, True), (True, True), (False, False), (True, False))
 """The variants as (unfused, PDL), the most preferred first: the fused layers with PDL,
 then the layers unfused, then PDL off. Of the variants within ``MARGIN`` of the fastest,
 the most preferred runs: a reading within noise of another buys no less preferred launch.
-(On the H200 the 8 B shape's one-row step read 4353 µs unfused without PDL against 4388
-with it, 0.8% apart, and the plan took PDL off; the decode benchmark then found the step
-with PDL 2.4% faster, ``benchmarks/results/tp_step_kernels_h200/rules_8b_h200.json``.)"""
+(On an H200 the 8 B shape's one-row step read 4412 µs unfused without PDL against 4426
+with it, 0.3% apart, and the plan took PDL off; in the same run the decode benchmark found
+the same layers with PDL 2.4% faster, 4.438 against 4.544 ms:
+``benchmarks/results/tp_step_kernels_h200x2/call3/rules_tp_llama-8b_tp1_h200.json``.)"""
 
 CHOICE_RULE = "preference within the margin"
 """Part of a stored plan's key: a plan chosen by an earlier rule is measured again."""

@@ -6,6 +6,7 @@ the real model is ``test_serve.py``."""
 
 import asyncio
 import json
+import random
 import threading
 
 import pytest
@@ -756,3 +757,51 @@ def test_a_failed_request_of_several_ends_the_others():
     r = complete(c, prompt=[[1], [2]], max_tokens=1)
     assert r.status_code == 500 and "the engine failed" in r.json()["error"]["message"]
     assert engine.aborted == ["req-1", "req-2"]
+
+
+FUZZ_VALUES = [
+    None, True, False, 0, 1, -1, 2, 3.5, -0.5, 1e300, float("inf"), "", "x", "7", [], [1],
+    [[1]], ["a"], {}, {"a": 1}, {"7": 1}, 2**70, 128, 129, 20, 21,
+]  # fmt: skip
+FUZZ_FIELDS = [
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+    "stream_options", "ignore_eos", "user", "seed", "stop", "logit_bias", "presence_penalty",
+    "frequency_penalty", "logprobs", "top_logprobs", "echo", "suffix", "best_of", "tools",
+    "tool_choice", "response_format", "parallel_tool_calls", "prompt", "messages", "bogus",
+]  # fmt: skip
+
+
+def _fuzzed_body(rng, chat: bool) -> dict:
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    body["max_tokens"] = 2
+    for _ in range(rng.randint(1, 4)):
+        field, value = rng.choice(FUZZ_FIELDS), rng.choice(FUZZ_VALUES)
+        if field == "messages" and rng.random() < 0.5:
+            content = rng.choice([*FUZZ_VALUES, [{"type": "text", "text": "a"}], [{"type": "x"}]])
+            role = rng.choice(["user", "system", "developer", "tool", 1])
+            value = [{"role": role, "content": content}]
+        if field == "stream_options" and rng.random() < 0.5:
+            value = {"include_usage": rng.choice(FUZZ_VALUES)}
+        body[field] = value
+    return body
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_body_is_a_server_fault_and_every_refusal_is_in_openai_s_shape(seed):
+    # Random bodies of OpenAI's fields with values of every type: each is answered (200),
+    # refused (400 naming its field in OpenAI's error shape) or not found (404), never a
+    # 500.
+    rng = random.Random(seed)
+    c = TestClient(build_app(Samples(), MODEL), raise_server_exceptions=False)
+    seen = set()
+    for _ in range(300):
+        chat_route = rng.random() < 0.5
+        body = _fuzzed_body(rng, chat_route)
+        route = "/v1/chat/completions" if chat_route else "/v1/completions"
+        r = c.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400, 404), (body, r.text)
+        seen.add(r.status_code)
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert {200, 400} <= seen

@@ -14,7 +14,7 @@ import torch
 
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.engine import ModelConfig
-from ostinato.engine.cli.args import OneLineParser, int_list, positive_int
+from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
 from ostinato.engine.model.presets import shape
 
 
@@ -85,7 +85,7 @@ def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m benchmarks",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     parser.add_argument(
         "--batch-sizes", type=int_list, default=[1, 8, 32, 128], help="batch sizes to time"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ostinato.distributed.failure import describe
-from ostinato.engine.cli.args import OneLineParser, int_list, positive_int
+from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
 from ostinato.engine.model.presets import shape, smollm2_path
 from ostinato.provenance import Provenance
 
@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
     parser = OneLineParser(
         prog="python -m benchmarks e2e",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     parser.add_argument("--shape", choices=("tiny", "llama-1.5b", "llama-8b"), default="llama-1.5b")
     parser.add_argument(

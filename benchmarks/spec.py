@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.ready import ready
-from ostinato.engine.cli.args import OneLineParser, int_list
+from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list
 from ostinato.provenance import Provenance
 
 QUESTIONS = [
@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
     parser = OneLineParser(
         prog="python -m benchmarks spec",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])

@@ -18,7 +18,6 @@ eagerly (no graphs there), to check the harness.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ostinato.engine.cli.args import OneLineParser, int_list, positive_int
+from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
 from ostinato.provenance import Provenance
 
 PREFILL_REQUEST = 512  # tokens per request of a prefill step
@@ -334,7 +333,7 @@ def main(argv: list[str]) -> int:
     parser = OneLineParser(
         prog="python -m benchmarks ubatch",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (>= 2)")
     parser.add_argument("--shape", choices=("llama-1.5b", "llama-8b"), default="llama-8b")

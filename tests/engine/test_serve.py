@@ -44,6 +44,9 @@ def offline():
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     health = httpx.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["graphs"] == "ready"
 

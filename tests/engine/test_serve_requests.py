@@ -249,6 +249,14 @@ def test_a_lora_adapter_is_a_model_of_its_own(engine):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_model_is_retrieved_by_its_id_as_openai_s_models_retrieve(engine):
+    c = client(engine)
+    assert c.get(f"/v1/models/{MODEL}").json() == c.get("/v1/models").json()["data"][0]
+    assert c.get("/v1/models/tuned").json()["parent"] == MODEL  # a LoRA adapter's card
+    error = refused(c.get("/v1/models/gpt-4o"), "model", 404)
+    assert error["code"] == "model_not_found"
+
+
 def test_another_model_is_404_model_not_found(engine):
     c = client(engine)
     error = refused(chat(c, model="gpt-4o"), "model", 404)

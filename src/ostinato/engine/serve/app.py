@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server over an ``EngineLoop`` (FastAPI; run by uvicorn).
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream`` for
-server-sent events), ``GET /v1/models``, ``GET /health`` (ready once the engine answers;
-says whether graphs are still being captured), ``GET /metrics`` (Prometheus text), and
-``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (``lora_routes``).
+server-sent events), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health`` (ready
+once the engine answers; says whether graphs are still being captured), ``GET /metrics``
+(Prometheus text), and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
+(``lora_routes``).
 
 Guarantees: nothing a client sends is silently ignored: a bad request, an unknown
 field, or a field asking for an effect this server does not give (``bodies``) is a 400
@@ -193,6 +194,13 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": model_cards(model_name, engine.lora_names)}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        for card in model_cards(model_name, engine.lora_names):
+            if card["id"] == model:
+                return card
+        raise ModelNotFound(f"The model `{model}` does not exist.")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:

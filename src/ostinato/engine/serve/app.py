@@ -320,13 +320,13 @@ class Responder:
                 f"choices; at most {MAX_SAMPLES} a request",
                 "prompt",
             )
+        labels = _labels(chat, len(prompts))
         if all(isinstance(p, list) for p in prompts):
             # Token ids need no tokenizer, and each hop to a thread and back waits a turn
             # of a busy loop (2-5 ms at 64 streams on an H200).
             ids = prompts
         else:  # tokenizing long prompts takes a while: off the event loop, so streams go on
-            ids = await asyncio.to_thread(self._prompt_ids, body, prompts)
-        labels = _labels(chat, len(prompts))
+            ids = await asyncio.to_thread(self._prompt_ids, body, prompts, labels)
         params = [self._params(body, len(i), label) for i, label in zip(ids, labels, strict=True)]
         queued: list[RequestHandle] = []
         try:
@@ -363,7 +363,7 @@ class Responder:
                 n=body.n,
             )
         except (ValueError, TypeError) as exc:
-            raise BadRequest(str(exc), str(exc).split(":", 1)[0].split()[0]) from None
+            raise BadRequest(str(exc), _field(str(exc))) from None
 
     async def _queue(
         self, ids: list[int], params: SamplingParams, lora: str | None, label: str
@@ -375,7 +375,7 @@ class Responder:
             raise ModelNotFound(f"The model `{lora}` does not exist.") from None
         except (ValueError, TypeError) as exc:
             message = str(exc)
-            field = message.split(":", 1)[0].split()[0]
+            field = _field(message)
             if field != "prompt":
                 raise BadRequest(message, field) from None
             # The engine numbers the prompts of one call: this call had one.
@@ -384,12 +384,12 @@ class Responder:
             raise BadRequest(message, label.split()[0]) from None
 
     def _prompt_ids(
-        self, body: RequestBody, prompts: list[str | list[int] | None]
+        self, body: RequestBody, prompts: list[str | list[int] | None], labels: list[str]
     ) -> list[list[int]]:
-        """Each prompt's token ids (a chat's: its messages in the chat template)."""
+        """Each prompt's token ids (a chat's: its messages in the chat template); a
+        refusal names the prompt by its label (``_labels``)."""
         if isinstance(body, ChatBody):
             return [self.engine.chat_prompt([m.for_template() for m in body.messages])]
-        labels = _labels(False, len(prompts))
         ids = []
         for prompt, label in zip(prompts, labels, strict=True):
             if isinstance(prompt, list):
@@ -644,6 +644,12 @@ class _Choice:
     tokens: list[int]
     finish: str | None
     logprobs: dict | None
+
+
+def _field(message: str) -> str:
+    """The field an engine's refusal names: its first word ("prompt 2: ..." names
+    ``prompt``)."""
+    return message.split(":", 1)[0].split()[0]
 
 
 def _labels(chat: bool, prompts: int) -> list[str]:

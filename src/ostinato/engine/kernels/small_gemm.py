@@ -87,6 +87,7 @@ from ostinato.engine.kernels.launch import TRIGGER_THEN_WAIT, launch, pdl_arg, p
 from ostinato.engine.kernels.launch_rules import LINE, rules
 from ostinato.engine.kernels.lora_segment import (
     LoraSegment,
+    lora_first_b,
     lora_segment,
     lora_shrunk,
     lora_slots,
@@ -401,8 +402,12 @@ def _gemm_kernel(
     rn = tile * TILE_STRIDE + c0 + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER  # K_PER: K / SPLIT_K in whole BLOCK_K tiles
     k_hi = tl.minimum(K, k_lo + K_PER)
-    if LORA_W > 0:  # (before the wait: no kernel of the step writes the slots)
+    if LORA_W > 0:  # (before the wait: no kernel of the step writes the slots or B)
         lslots = lora_slots(lslot_ptr, rm, M, pid_k == 0)  # (split 0 adds the expand)
+        if LORA_DOT:  # (not a resident launch: its registers hold its weight rows)
+            lfirst = lora_first_b(
+                lb_ptr, lslots, rn, N, OFF2, stride_lb, TWO, LORA_W, LORA_W_PAD, MAX_LORAS
+            )
     if RESIDENT:  # the whole weight tile into registers before the wait (BLOCK_K >= K)
         w, w2, nw = _resident_weights(w_ptr, nw_ptr, rn, N, K, OFF2, stride_wn, NORM, TWO, BLOCK_K)
     elif USE_PDL:
@@ -445,9 +450,13 @@ def _gemm_kernel(
         )  # fmt: skip
     if LORA_W > 0:  # each row's LoRA expand, once per column tile (split 0's partial)
         if pid_k == 0:
+            if not LORA_DOT:
+                lfirst = lora_first_b(
+                    lb_ptr, lslots, rn, N, OFF2, stride_lb, TWO, LORA_W, LORA_W_PAD, MAX_LORAS
+                )
             acc, acc2 = lora_segment(
-                acc, acc2, ls, lslots, lb_ptr, rn, N, OFF2, stride_lb, TWO, LORA_W,
-                LORA_W_PAD, MAX_LORAS, LORA_DOT,
+                acc, acc2, ls, lslots, lfirst, lb_ptr, rn, N, OFF2, stride_lb, TWO, LORA_W,
+                LORA_W_PAD, LORA_DOT,
             )  # fmt: skip
     if SPLIT_K > 1:
         # Partials laid out [SPLIT_K, 2, BLOCK_M, N_PAD], every column of a tile; only

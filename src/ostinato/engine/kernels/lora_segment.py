@@ -6,9 +6,10 @@ shrink). The projection's programs then add ``s[m] @ B_slot[:, their columns]`` 
 float32 sums before the epilogue (RoPE and the K/V write, or SiLU·mul) rounds them: the
 expand needs no kernel of its own. A program loads its rows' slots before the PDL wait
 (no kernel of the step writes them) and their shrinks right after it, both before its K
-loop, so that neither round trip lengthens the kernel's tail. The B rows of the two lowest
-slots its rows use are loaded before the wait too (no kernel of the step writes B; the
-resident launch, whose registers hold its weight tile, loads them after its K loop). After
+loop, so that neither round trip lengthens the kernel's tail. On tensor cores the B rows of
+the two lowest slots its rows use are loaded before the wait too (no kernel of the step
+writes B); the launches off them (the resident one, whose registers hold its weight tile,
+and float32 rows) load them after their K loop. After
 the loop, slot by slot, it multiplies that slot's rows of ``s`` (the other rows zeroed) by
 its ``W`` rows of B at the program's columns: tensor cores where the GEMM's row tile is 16
 (``DOT``), a product summed on CUDA cores for the resident launch's few rows. Slots past

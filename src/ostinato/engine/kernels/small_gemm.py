@@ -404,7 +404,7 @@ def _gemm_kernel(
     k_hi = tl.minimum(K, k_lo + K_PER)
     if LORA_W > 0:  # (before the wait: no kernel of the step writes the slots or B)
         lslots = lora_slots(lslot_ptr, rm, M, pid_k == 0)  # (split 0 adds the expand)
-        if LORA_DOT:  # (not a resident launch: its registers hold its weight rows)
+        if LORA_DOT:  # (tensor cores: not the resident launch, whose registers hold its weights)
             lfirst = lora_first_b(
                 lb_ptr, lslots, rn, N, OFF2, stride_lb, TWO, LORA_W, LORA_W_PAD, MAX_LORAS
             )

@@ -69,6 +69,7 @@ import torch
 
 from ostinato import steps_first, switch_interval
 from ostinato.batch import BatchDescriptor, CaptureItem
+from ostinato.graph import recording_apart
 from ostinato.guard import capture_phase
 from ostinato.platform.base import Held, exclusive_device, isolated_capture
 
@@ -507,4 +508,11 @@ class BackgroundCapture:
         stop."""
         self._epilogue_units += 1
         what = f"the epilogue's unit {self._epilogue_units}"
-        return self._holding(what, paced=True, kind="the epilogue")
+        return self._epilogue_held(what)
+
+    @contextlib.contextmanager
+    def _epilogue_held(self, what: str) -> Iterator[None]:
+        """An epilogue unit's hold, inside which a capture that runs nothing may record
+        with the turn let go (``graph.recorded_apart``: the sampling graphs')."""
+        with self._holding(what, paced=True, kind="the epilogue"), recording_apart(self._apart):
+            yield

@@ -45,6 +45,15 @@ def recording_apart(apart: Held) -> Iterator[None]:
         _apart.reset(token)
 
 
+def recorded_apart() -> contextlib.AbstractContextManager[None]:
+    """Where a capture on this thread records: inside the ``apart()`` that
+    ``recording_apart`` set (the step turn let go), else in the caller's context. Only
+    for a recording that runs nothing and touches nothing a step writes while it runs
+    (``Platform.records_apart``)."""
+    apart = _apart.get()
+    return apart() if apart is not None else contextlib.nullcontext()
+
+
 @dataclass
 class GraphEntry:
     """One captured graph, the outputs it writes, (if checked) its input addresses, and
@@ -211,8 +220,7 @@ class GraphWrapper:
         check_capture_allowed(what, self.options.lazy_capture)
         graph = self.platform.new_graph()
         addresses = _input_addresses(args, kwargs) if self.options.check_addresses else None
-        apart = _apart.get()
-        beside = apart() if apart is not None else contextlib.nullcontext()
+        beside = recorded_apart()
         meter, nothing = self.meter, contextlib.nullcontext()
         measured = nothing if meter is None else meter.measure(descriptor, self.mode)
         try:

@@ -795,6 +795,64 @@ def test_sampling_graphs_prepared_beside_steps_capture_without_a_warm_up_in_the_
     assert sorted(sampler.logprob_graphs) == [2, 4]
 
 
+@pytest.mark.parametrize("keyed", [True, False])
+@pytest.mark.parametrize("records_apart", [True, False])
+def test_sampling_graphs_that_draw_nothing_record_with_the_turn_let_go(keyed, records_apart):
+    # CUDA's sampling graphs draw from staged keys, no generator: inside a background
+    # start's epilogue unit (which sets ``recording_apart``) they record with the step
+    # turn let go, as FULL graphs do, so a step waits for no recording; their warm-ups
+    # stay in the turn. A graph with the generator registered records in the turn.
+    import contextlib
+
+    from fakes import FakePlatform, FlaggedTurn
+
+    from ostinato.engine.sample.adjust import OutputCounts
+    from ostinato.engine.sample.graph_sampler import GraphSampler
+    from ostinato.graph import recording_apart
+
+    counts = OutputCounts(vocab=50, capacity=4, device=torch.device("cpu"))
+    logits = torch.randn(4, 50)
+    platform = FakePlatform()
+    platform.records_apart = records_apart
+    generator = torch.Generator().manual_seed(3)
+    sampler = GraphSampler(
+        platform, None, generator, lambda n: logits[:n], 4, torch.device("cpu"), counts
+    )
+    sampler.keyed = keyed  # (on CUDA it is; the CPU's torch path takes the keys too)
+    turn, runs = FlaggedTurn(), []
+
+    @contextlib.contextmanager
+    def apart():
+        turn.held = False  # (the background capture's ``_apart``: the turn let go)
+        try:
+            yield
+        finally:
+            turn.held = True
+
+    @contextlib.contextmanager
+    def unit():
+        with turn(), recording_apart(apart):
+            yield
+
+    sample = sampler._sample
+
+    def counted(*args):
+        runs.append((turn.held, platform.capturing is not None))
+        return sample(*args)
+
+    sampler._sample = counted
+    state = generator.get_state()
+    sampler.capture([2, 4], unit=unit)
+    recorded = [held for held, capturing in runs if capturing]
+    warm_ups = [held for held, capturing in runs if not capturing]
+    assert len(recorded) == len(warm_ups) == 2 * len(sampler.variants)
+    assert all(warm_ups)  # (each warm-up in the turn: it runs the kernels)
+    assert recorded == [not (keyed and records_apart)] * len(recorded), recorded
+    assert torch.equal(generator.get_state(), state)
+    assert len(sampler.graphs) == 2 * len(sampler.variants)
+    assert sorted(sampler.logprob_graphs) == [2, 4]
+
+
 def test_a_warm_up_beside_the_steps_touches_nothing_a_step_reads(fake_graphs):
     # On CUDA a background capture warms each FULL graph up beside the steps, outside
     # their turn (``_warm_step``): on inputs of its own, its K/V in the null block only,

@@ -410,6 +410,53 @@ def test_the_epilogue_holds_the_turn_only_inside_its_units_and_steps_run_between
     assert capture.holds["the epilogue"].count == 3
 
 
+def _turn_free(m) -> bool:
+    """Whether a step may take ``m``'s turn now (a thread tries for 0.3 s). The turn is
+    asked for here, while the capture runs: a thread that started late would find the
+    capture done and no turn to take (``stepping()``'s no-op), and must not release one."""
+    turn = m.stepping()
+
+    def step() -> None:
+        with turn:
+            pass
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    stepper.join(0.3)
+    return not stepper.is_alive()
+
+
+def test_an_epilogue_unit_lets_a_recording_apart_run_beside_the_steps():
+    # The sampling graphs record inside the epilogue's units with the turn let go
+    # (``graph.recorded_apart``): a step runs while one records, and the unit's hold does
+    # not count that time. Outside a unit a recording apart records in place.
+    from ostinato.graph import recorded_apart
+
+    p, r, m, dispatcher = build()
+    free: list[bool] = []
+    spans: list[float] = []
+
+    turn_free = lambda: _turn_free(m)  # noqa: E731
+
+    def epilogue(unit):
+        with recorded_apart():
+            pass  # (no unit: nothing to let go)
+        start = time.perf_counter()
+        with unit():
+            free.append(turn_free())
+            with recorded_apart():
+                free.append(turn_free())
+                time.sleep(0.4)
+            free.append(turn_free())
+        spans.append(time.perf_counter() - start)
+
+    capture = m.capture_in_background(epilogue=epilogue)
+    assert capture.wait(10) and capture.error is None, capture.summary()
+    assert free == [False, True, False], free
+    held = capture.holds["the epilogue"].longest
+    assert held <= spans[0] - 0.4, (held, spans)  # (the time apart is no hold)
+
+
 @pytest.mark.parametrize("slow", ["epilogue", "unit", "item"])
 def test_the_longest_hold_of_the_turn_is_timed_and_named(slow):
     # What a step arriving at the wrong moment waits for: the issue's bound is one replay.
@@ -486,22 +533,6 @@ def test_a_full_graph_records_beside_the_steps_where_the_platform_records_apart(
     longest = background.holds["captures"].longest
     assert (longest < 0.3) if apart else (longest >= 0.8), longest
     assert all(serve(r, m, dispatcher, 20))  # every size replays, correctly
-
-
-def _turn_free(m) -> bool:
-    """Whether a step may take ``m``'s turn now (a thread tries for 0.3 s). The turn is
-    asked for here, while the capture runs: a thread that started late would find the
-    capture done and no turn to take (``stepping()``'s no-op), and must not release one."""
-    turn = m.stepping()
-
-    def step() -> None:
-        with turn:
-            pass
-
-    stepper = threading.Thread(target=step)
-    stepper.start()
-    stepper.join(0.3)
-    return not stepper.is_alive()
 
 
 def test_a_warm_up_on_inputs_apart_runs_beside_the_steps_and_prepare_holds_the_turn():

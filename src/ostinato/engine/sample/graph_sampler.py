@@ -45,6 +45,7 @@ from ostinato.engine.sample.adjust import OutputCounts, Penalties, add_bias
 from ostinato.engine.sample.logprobs import StepLogprobs
 from ostinato.engine.sample.rows import StepRows
 from ostinato.engine.sample.sampler import Seeds, sample
+from ostinato.graph import recorded_apart
 from ostinato.platform.base import Held, Platform
 
 # The graphs of each size: (adjusted, cut, seeded). cut None: an adjusted all-greedy step
@@ -182,9 +183,9 @@ class GraphSampler:
         warm = n not in self.prepared
         for variant in self.variants:
             sampled = functools.partial(self._sample, n, *variant)
-            with hold(), self._steps_state_kept():
+            with hold():
                 self.graphs[(n, *variant)] = self._captured(sampled, not self.keyed, warm)
-        with hold(), self._steps_state_kept():
+        with hold():
             self.logprob_graphs[n] = self._captured(self._logprobs_of(n), False, warm)
 
     @contextlib.contextmanager
@@ -250,14 +251,30 @@ class GraphSampler:
         return lambda: StepLogprobs.of(logits, self.chosen[:n], k, self.live_k)
 
     def _captured(self, fn: Callable[[], Any], draws: bool, warm: bool) -> tuple[Any, Any]:
-        """A graph of ``fn`` in the shared pool and its outputs, after one warm-up run
-        where ``warm`` (lazy initialisation stays out of the graph); ``draws``: ``fn``
-        draws from the generator, which is registered with the graph."""
+        """A graph of ``fn`` in the shared pool and its outputs (inside a background
+        start's hold of the step turn, where it has one): one warm-up run first where
+        ``warm`` (lazy initialisation stays out of the graph), counting its draws in the
+        scratch row and leaving the generator as the steps left it. ``draws``: ``fn``
+        draws from the generator, which is registered with the graph and kept as the
+        steps left it around the recording too. A graph that draws nothing records with
+        the turn let go where the hold allows it and the platform records without running
+        (``graph.recorded_apart``: a background start's epilogue units, on CUDA), so steps
+        run meanwhile: it reads no value a step writes, only their addresses."""
         if warm:
             # (Not where ``prepare`` ran it: inside a background start's holds of the step
             # turn, 21 of them took 44.6 ms with it, 40 without, on an H200, 1.5 B, B = 8.)
-            fn()
-            self.platform.synchronize_outside_capture()  # (on the capture thread)
+            with self._steps_state_kept():
+                fn()
+                self.platform.synchronize_outside_capture()  # (on the capture thread)
+        if draws or not self.platform.records_apart:
+            with self._steps_state_kept():
+                return self._recorded(fn, draws)
+        with recorded_apart():
+            return self._recorded(fn, False)
+
+    def _recorded(self, fn: Callable[[], Any], draws: bool) -> tuple[Any, Any]:
+        """``fn`` recorded into a graph of the shared pool (the generator registered with
+        it where ``fn`` draws, on CUDA), and its outputs."""
         graph = self.platform.new_graph()
         register = getattr(graph, "register_generator_state", None)
         if draws and register is not None and self.generator.device.type == "cuda":

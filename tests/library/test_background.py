@@ -436,18 +436,16 @@ def test_an_epilogue_unit_lets_a_recording_apart_run_beside_the_steps():
     free: list[bool] = []
     spans: list[float] = []
 
-    turn_free = lambda: _turn_free(m)  # noqa: E731
-
     def epilogue(unit):
         with recorded_apart():
             pass  # (no unit: nothing to let go)
         start = time.perf_counter()
         with unit():
-            free.append(turn_free())
+            free.append(_turn_free(m))
             with recorded_apart():
-                free.append(turn_free())
+                free.append(_turn_free(m))
                 time.sleep(0.4)
-            free.append(turn_free())
+            free.append(_turn_free(m))
         spans.append(time.perf_counter() - start)
 
     capture = m.capture_in_background(epilogue=epilogue)

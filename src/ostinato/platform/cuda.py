@@ -203,25 +203,27 @@ def graph_call_us(
     capture outside it, which runs nothing (``fn`` must touch nothing a step uses), then
     ``held_replays_us``: a step waits for one timed replay of about ``HELD_REPLAY_US``
     at most (``held_calls``) queued ahead of it, not the whole measurement."""
-    if turn is not None:
-        held = held_calls(fn, calls, turn)
-        graph = captured_calls(fn, held)
-        # Fewer calls per replay: more replays, up to four times (a median as steady).
-        more = min(4, -(-calls // held))
-        us = held_replays_us(graph, replays * more, turn) / held
+    with timing_pool():
+        if turn is not None:
+            held = held_calls(fn, calls, turn)
+            graph = captured_calls(fn, held)
+            # Fewer calls per replay: more replays, up to four times (a median as steady).
+            more = min(4, -(-calls // held))
+            us = held_replays_us(graph, replays * more, turn) / held
+            del graph
+            return us
+        graph = captured_calls(fn, calls)
+        graph.replay()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        us = start.elapsed_time(end) * 1e3 / (replays * calls)
         del graph
         return us
-    graph = captured_calls(fn, calls)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    us = start.elapsed_time(end) * 1e3 / (replays * calls)
-    del graph
-    return us
 
 
 def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:
@@ -236,20 +238,64 @@ def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:
 
 
 def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
-    """``calls`` calls of ``fn`` back to back, captured into one CUDA graph (its own
-    pool, freed with it), the device's other work drained first; no cache emptied. On a
-    thread beside the steps the recording pauses while a step launches
-    (``ostinato.steps_first``): a measurement beside the steps is mostly such recordings."""
+    """``calls`` calls of ``fn`` back to back, captured into one CUDA graph, the device's
+    other work drained first; no cache emptied. Its memory comes from this thread's
+    ``timing_pool`` where one is open, else from a pool of its own (cached after the
+    graph is deleted until the allocator empties its cache: open a ``timing_pool``
+    around many). On a thread beside the steps the recording pauses while a step
+    launches (``ostinato.steps_first``): a measurement beside the steps is mostly such
+    recordings."""
     graph = torch.cuda.CUDAGraph()
+    pool = getattr(_timing, "pool", None)
     # Not ``torch.cuda.graph``: it empties the device's and the pinned host's caches at
     # every capture (each free waits for the device, and the steps' next allocations are
     # made again), hundreds of times over a measurement beside the steps.
     with _capture_scope(_side_stream(), pauses=True) as mode:
-        graph.capture_begin(capture_error_mode=mode)
-        with _ended(graph):
+        graph.capture_begin(pool=None if pool is None else pool.id, capture_error_mode=mode)
+        with _ended(graph, None if pool is None else _retire_timing_pool):
             for _ in range(calls):
                 fn()
     return graph
+
+
+_timing = threading.local()  # ``pool``: this thread's open ``timing_pool``, or None
+
+
+@contextlib.contextmanager
+def timing_pool() -> Iterator[None]:
+    """The timing graphs this thread captures inside (``captured_calls``,
+    ``graph_call_us``) take their memory from one pool, freed when the outermost
+    ``timing_pool`` ends; a nested one is the outer one. So a measurement of hundreds of
+    graphs, each deleted before the next, holds about one graph's memory, not their sum.
+    A no-op where CUDA is not available.
+
+    Why: a graph's own pool keeps its memory cached once the graph is deleted, and the
+    allocator frees such memory only when its cache is emptied or when an allocation
+    fails outside every capture. The 8 B shape's GEMM plans (a blocking capture, each
+    graph with its own cuBLAS workspace) left 41 GiB so, and the decode benchmark ran out
+    of an H100's 80 GB inside a capture."""
+    if getattr(_timing, "pool", None) is not None or not torch.cuda.is_available():
+        yield
+        return
+    _timing.pool = torch.cuda.MemPool()
+    try:
+        yield
+    finally:
+        pool, _timing.pool = _timing.pool, None
+        # Dropped, the pool frees its cached memory (cudaFree, which waits for the
+        # device): not in the middle of another thread's capture.
+        with exclusive_device():
+            del pool
+
+
+def _retire_timing_pool() -> None:
+    """After a capture into the thread's timing pool failed to end: the allocator still
+    routes this thread's allocations to that pool and refuses another capture into it,
+    so the routing ends and the rest of the measurement takes a fresh pool."""
+    pool = _timing.pool
+    with contextlib.suppress(Exception):
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool.id)
+    _timing.pool = torch.cuda.MemPool()
 
 
 _CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg")

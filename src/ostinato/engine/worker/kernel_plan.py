@@ -52,6 +52,7 @@ from ostinato.engine.worker.layer_tuning import (
 )
 from ostinato.piecewise import PiecewiseBackend
 from ostinato.platform.base import Held
+from ostinato.platform.cuda import timing_pool
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> hidden
 Padding = Callable[[StepInputs, int], contextlib.AbstractContextManager]  # an eager step's
@@ -126,18 +127,20 @@ class KernelPlan:
         return self.timings
 
     def _measure(self, layer_timer: StepTimer | None, turn: Held) -> list[GemmTiming]:
-        """The plans measured (or read from the cache) and set; the GEMM timings."""
+        """The plans measured (or read from the cache) and set; the GEMM timings. Every
+        timing graph in one ``timing_pool``: the measurement holds one graph's memory."""
         model, pdl = self.model, self.kernels.pdl
         rows, cache = self.small_gemm_rows, self.compile_cache
         start = time.perf_counter()
         timings = []
-        if rows:
-            timings = plan_small_gemms(model.linears(), rows, pdl, cache=cache, turn=turn)
-        self._set_rules()
-        self.gemm_seconds = time.perf_counter() - start
-        if layer_timer is not None:
-            group = model.tp.group
-            self.layer_timings = plan_layers(model, self.layer_rows, layer_timer, cache, group)
+        with timing_pool():
+            if rows:
+                timings = plan_small_gemms(model.linears(), rows, pdl, cache=cache, turn=turn)
+            self._set_rules()
+            self.gemm_seconds = time.perf_counter() - start
+            if layer_timer is not None:
+                group = model.tp.group
+                self.layer_timings = plan_layers(model, self.layer_rows, layer_timer, cache, group)
         self.layer_seconds = time.perf_counter() - start - self.gemm_seconds
         return timings
 

@@ -258,7 +258,7 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     return graph
 
 
-_timing = threading.local()  # ``pool``: this thread's open ``timing_pool``, or None
+_timing = threading.local()  # ``pool``: this thread's open ``timing_pool`` (a _TimingPool)
 
 
 @contextlib.contextmanager
@@ -277,15 +277,35 @@ def timing_pool() -> Iterator[None]:
     if getattr(_timing, "pool", None) is not None or not torch.cuda.is_available():
         yield
         return
-    _timing.pool = torch.cuda.MemPool()
+    _timing.pool = _TimingPool()
     try:
         yield
     finally:
         pool, _timing.pool = _timing.pool, None
-        # Dropped, the pool frees its cached memory (cudaFree, which waits for the
-        # device): not in the middle of another thread's capture.
+        # Its memory freed (cudaFree, which waits for the device): not in the middle of
+        # another thread's capture.
         with exclusive_device():
-            del pool
+            pool.close()
+
+
+class _TimingPool:
+    """A ``torch.cuda.MemPool`` and a keeper graph (one kernel, no allocation) captured
+    into it first: PyTorch (2.11) keeps a pool's pinned-host side alive only while a
+    graph holds it, and asserts at the next capture into a pool whose graphs all went."""
+
+    def __init__(self) -> None:
+        self.pool: Any = torch.cuda.MemPool()
+        self.id = self.pool.id
+        self.keeper: Any = torch.cuda.CUDAGraph()
+        with _capture_scope(_side_stream(), pauses=True) as mode:
+            self.keeper.capture_begin(pool=self.id, capture_error_mode=mode)
+            with _ended(self.keeper):
+                torch.cuda._sleep(1)
+
+    def close(self) -> None:
+        """The keeper let go, then the pool (whose end frees its cached memory)."""
+        self.keeper = None
+        self.pool = None
 
 
 def _retire_timing_pool() -> None:
@@ -295,7 +315,8 @@ def _retire_timing_pool() -> None:
     pool = _timing.pool
     with contextlib.suppress(Exception):
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool.id)
-    _timing.pool = torch.cuda.MemPool()
+    pool.close()
+    _timing.pool = _TimingPool()
 
 
 _CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg")

@@ -718,11 +718,13 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
 def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatch):
     # Each timing graph in a pool of its own left its memory cached once deleted (41 GiB
     # over the 8 B shape's GEMM plans): inside ``timing_pool`` every capture of the thread
-    # goes to one pool, held by a keeper graph of one kernel captured first (PyTorch 2.11
-    # asserts at a capture into a pool whose graphs all went), and dropped (its memory
-    # freed) once, when the outermost one ends; a graph_call_us outside any has a pool of
-    # its own, dropped as it returns; a capture that fails to end leaves its pool (the
-    # routing ended) for a fresh one. The CUDA calls are stand-ins here (the GPU test:
+    # goes to one pool per device, made at its first capture there, held by a keeper
+    # graph of one kernel captured first (PyTorch 2.11 asserts at a capture into a pool
+    # whose graphs all went), and dropped (its memory freed) once, when the outermost one
+    # ends; a graph_call_us outside any has a pool of its own, dropped as it returns; a
+    # capture that fails to end leaves its pool (the routing ended) for a fresh one. An
+    # engine measures on its own device (``torch.cuda.device``), not always the current
+    # one. The CUDA calls are stand-ins here (the GPU test:
     # test_gpu_core's test_a_measurements_timing_graphs_leave_about_one_graphs_memory_behind).
     from ostinato.platform import cuda
 
@@ -766,7 +768,8 @@ def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatc
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("keeper",)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "_side_stream", lambda: None)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: log.append(("end", p)))
@@ -786,12 +789,25 @@ def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatc
     assert log == [*opened(2), ("capture", (0, 2)), ("freed", (0, 2))]
     log.clear()
     with cuda.timing_pool():
+        cuda.captured_calls(lambda: None, 1)
         fails.append("capture failed")
         with pytest.raises(RuntimeError, match="capture failed"):
             cuda.captured_calls(lambda: None, 1)
         cuda.captured_calls(lambda: None, 1)
-    assert log == [*opened(3), ("capture", (0, 3)), ("end", (0, 3)), ("freed", (0, 3)),
-                   *opened(4), ("capture", (0, 4)), ("freed", (0, 4))]  # fmt: skip
+    failed = [("capture", (0, 3)), ("end", (0, 3)), ("freed", (0, 3))]
+    assert log == [*opened(3), ("capture", (0, 3)), *failed, *opened(4), ("capture", (0, 4)),
+                   ("freed", (0, 4))]  # fmt: skip
+    log.clear()
+    with cuda.timing_pool():  # a pool per device, each made at its first capture
+        assert log == []
+        device[0] = 1
+        cuda.captured_calls(lambda: None, 1)
+        device[0] = 0
+        cuda.captured_calls(lambda: None, 1)
+        device[0] = 1
+        cuda.captured_calls(lambda: None, 1)
+    assert log == [*opened(5), ("capture", (0, 5)), *opened(6), ("capture", (0, 6)),
+                   ("capture", (0, 5)), ("freed", (0, 5)), ("freed", (0, 6))]  # fmt: skip
     cuda.captured_calls(lambda: None, 1)  # outside any: a pool of its own
     assert log[-1] == ("capture", None)
 

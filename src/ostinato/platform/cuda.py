@@ -246,7 +246,7 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     launches (``ostinato.steps_first``): a measurement beside the steps is mostly such
     recordings."""
     graph = torch.cuda.CUDAGraph()
-    pool = getattr(_timing, "pool", None)
+    pool = _open_timing_pool()
     # Not ``torch.cuda.graph``: it empties the device's and the pinned host's caches at
     # every capture (each free waits for the device, and the steps' next allocations are
     # made again), hundreds of times over a measurement beside the steps.
@@ -258,40 +258,55 @@ def captured_calls(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph
     return graph
 
 
-_timing = threading.local()  # ``pool``: this thread's open ``timing_pool`` (a _TimingPool)
+_timing = threading.local()  # ``pools``: this thread's open ``timing_pool``, or None
 
 
 @contextlib.contextmanager
 def timing_pool() -> Iterator[None]:
     """The timing graphs this thread captures inside (``captured_calls``,
-    ``graph_call_us``) take their memory from one pool, freed when the outermost
-    ``timing_pool`` ends; a nested one is the outer one. So a measurement of hundreds of
-    graphs, each deleted before the next, holds about one graph's memory, not their sum.
-    A no-op where CUDA is not available.
+    ``graph_call_us``) take their memory from one pool per device, made at the first
+    capture on that device and freed when the outermost ``timing_pool`` ends; a nested
+    one is the outer one. So a measurement of hundreds of graphs, each deleted before the
+    next, holds about one graph's memory, not their sum. A no-op where CUDA is not
+    available.
 
     Why: a graph's own pool keeps its memory cached once the graph is deleted, and the
     allocator frees such memory only when its cache is emptied or when an allocation
     fails outside every capture. The 8 B shape's GEMM plans (a blocking capture, each
     graph with its own cuBLAS workspace) left 41 GiB so, and the decode benchmark ran out
     of an H100's 80 GB inside a capture."""
-    if getattr(_timing, "pool", None) is not None or not torch.cuda.is_available():
+    if getattr(_timing, "pools", None) is not None or not torch.cuda.is_available():
         yield
         return
-    _timing.pool = _TimingPool()
+    _timing.pools = {}
     try:
         yield
     finally:
-        pool, _timing.pool = _timing.pool, None
-        # Its memory freed (cudaFree, which waits for the device): not in the middle of
+        pools, _timing.pools = _timing.pools, None
+        # Their memory freed (cudaFree, which waits for the device): not in the middle of
         # another thread's capture.
         with exclusive_device():
-            pool.close()
+            for pool in pools.values():
+                pool.close()
+
+
+def _open_timing_pool() -> _TimingPool | None:
+    """The current device's pool of this thread's open ``timing_pool`` (made now where
+    this is its first capture there), or None outside one."""
+    pools = getattr(_timing, "pools", None)
+    if pools is None:
+        return None
+    device = torch.cuda.current_device()
+    if device not in pools:
+        pools[device] = _TimingPool()
+    return pools[device]
 
 
 class _TimingPool:
-    """A ``torch.cuda.MemPool`` and a keeper graph (one kernel, no allocation) captured
-    into it first: PyTorch (2.11) keeps a pool's pinned-host side alive only while a
-    graph holds it, and asserts at the next capture into a pool whose graphs all went."""
+    """A ``torch.cuda.MemPool`` on the current device and a keeper graph (one kernel, no
+    allocation) captured into it first: PyTorch (2.11) keeps a pool's pinned-host side
+    alive only while a graph holds it, and asserts at the next capture into a pool whose
+    graphs all went."""
 
     def __init__(self) -> None:
         self.pool: Any = torch.cuda.MemPool()
@@ -311,12 +326,12 @@ class _TimingPool:
 def _retire_timing_pool() -> None:
     """After a capture into the thread's timing pool failed to end: the allocator still
     routes this thread's allocations to that pool and refuses another capture into it,
-    so the routing ends and the rest of the measurement takes a fresh pool."""
-    pool = _timing.pool
+    so the routing ends and the next capture makes a fresh pool."""
+    device = torch.cuda.current_device()
+    pool = _timing.pools.pop(device)
     with contextlib.suppress(Exception):
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool.id)
+        torch._C._cuda_endAllocateToPool(device, pool.id)
     pool.close()
-    _timing.pool = _TimingPool()
 
 
 _CAN_REVOKE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg")

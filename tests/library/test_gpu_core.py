@@ -371,6 +371,25 @@ def test_a_measurements_timing_graphs_leave_about_one_graphs_memory_behind():
     assert left <= one // 4 and alone <= one // 4, (left / one, alone / one)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_timings_on_a_device_other_than_the_current_one_have_a_pool_there():
+    # An engine measures on its own device (``torch.cuda.device``), which need not be the
+    # current one: its timing graphs take a pool made on that device (a pool made on the
+    # current one had none there to hold it, and the second capture failed an assert).
+    from ostinato.platform.cuda import graph_call_us, timing_pool
+
+    other = torch.device("cuda", 1 - torch.cuda.current_device())
+    x = torch.randn(512, 512, device=other)
+    with timing_pool():
+        with torch.cuda.device(other):
+            x @ x
+            times = [graph_call_us(lambda: x @ x, 4) for _ in range(3)]
+        here = torch.randn(512, 512, device=DEVICE)
+        here @ here
+        times.append(graph_call_us(lambda: here @ here, 4))
+    assert all(t > 0 for t in times), times
+
+
 @pytest.mark.parametrize("held_us", [1e9, 1.0])
 def test_a_timing_held_per_replay_captures_beside_another_threads_work(monkeypatch, held_us):
     # A background GEMM measurement captures its timing graph while steps run on the

@@ -214,8 +214,7 @@ def graph_call_us(
             return us
         graph = captured_calls(fn, calls)
         graph.replay()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
             graph.replay()

@@ -12,10 +12,12 @@ bandwidth its place on the path streams at.
 
     python -m benchmarks.critical_path --out OUT/critical_path.json
         [--shape llama-1.5b|smollm2] [--batch-sizes 1,8] [--steps 20]
+        [--variant "ostinato FULL"]
 
-The step is ``benchmarks.decode``'s "ostinato FULL_AND_PIECEWISE" (default kernel
-options, random weights, KV length 512), each step profiled in a session of its own, so
-a step's first kernel carries no overlap with the step before.
+The step is ``benchmarks.decode``'s ``--variant`` (by default "ostinato FULL", the
+engine's default mode; default kernel options, random weights, KV length 512), each step
+profiled in a session of its own, so a step's first kernel carries no overlap with the
+step before.
 """
 
 from __future__ import annotations
@@ -67,13 +69,16 @@ class RoleTime:
 
 def roles(kernels: Sequence[Kernel], layers: int) -> list[str]:
     """Each kernel's role, in the kernels' order: the ``_gemm_kernel`` launches cycle
-    through ``PROJECTIONS`` where there are four per layer (else each is "gemm")."""
+    through ``PROJECTIONS`` where there are four per layer, and one more is the LM head
+    (a Triton LM head, as the 8 B shape's plans pick); else each is "gemm"."""
     gemms = sum(k.name.startswith("_gemm_kernel") for k in kernels)
-    cycle = gemms == len(PROJECTIONS) * layers
+    per_layers = len(PROJECTIONS) * layers
+    cycle = gemms in (per_layers, per_layers + 1)
     out, g = [], 0
     for k in kernels:
         if k.name.startswith("_gemm_kernel"):
-            out.append(PROJECTIONS[g % len(PROJECTIONS)] if cycle else "gemm")
+            role = PROJECTIONS[g % len(PROJECTIONS)] if g < per_layers else "lm_head"
+            out.append(role if cycle else "gemm")
             g += 1
         elif k.name.startswith("_paged_attention_kernel"):
             out.append("attention")
@@ -223,6 +228,7 @@ def main() -> int:
     parser.add_argument("--shape", default="llama-1.5b", help="a preset, or smollm2")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variant", default="ostinato FULL", choices=sorted(OSTINATO_VARIANTS))
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     model = model_config(SMOLLM2_CONFIG if args.shape == "smollm2" else args.shape)
@@ -230,8 +236,9 @@ def main() -> int:
     setup = DecodeSetup(BenchConfig(model=model, batch_sizes=sizes), device)
     bw = copy_bandwidth_gbps(device)
     doc: dict[str, Any] = {"benchmark": "critical_path", "shape": args.shape}
+    doc["variant"] = args.variant
     doc |= {"provenance": asdict(Provenance.collect()), "copy_bandwidth_gbps": bw, "rows": []}
-    runner = setup.runner(*OSTINATO_VARIANTS["ostinato FULL_AND_PIECEWISE"])
+    runner = setup.runner(*OSTINATO_VARIANTS[args.variant])
     with torch.inference_mode():
         runner.capture()
         for b in sizes:

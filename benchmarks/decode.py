@@ -280,6 +280,10 @@ class DecodeSetup:
         with torch.device(device):
             model = DecoderModel(self.config, self.tp, max_positions=self.max_len)
             self.model = model.to(self.dtype).eval()
+        if device.type == "cuda":
+            # The float32 build's blocks (32 GB at the 8 B shape) stay reserved once freed,
+            # and the graphs' private pools cannot reuse them: handed back here.
+            torch.cuda.empty_cache()
         c = self.config
         self.max_b = max(cfg.batch_sizes)
         self.blocks_per_seq = ceil_div(self.max_len, BLOCK)

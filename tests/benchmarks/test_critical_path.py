@@ -76,7 +76,10 @@ def test_roles_follow_each_layers_order():
         "argmax",
         "argmax",
     ]
-    # another count of GEMMs than four a layer: they are not guessed at
+    # a Triton LM head: the one GEMM after the layers' four each
+    triton_head = [Kernel(n, float(i), i + 1.0) for i, n in enumerate(LAYER + ["_gemm_kernel"])]
+    assert roles(triton_head, layers=1)[-1] == "lm_head"
+    # another count of GEMMs than four a layer (or one more): they are not guessed at
     assert roles(kernels[:-4], layers=3).count("gemm") == 2 * len(PROJECTIONS)
 
 

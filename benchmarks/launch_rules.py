@@ -15,8 +15,12 @@ GEMM tiles per projection, ran at earlier commits; RESULTS.md keeps their number
 ``python -m benchmarks.launch_rules --out results.json [--batch-sizes 1,8,16]
 [--rules steps|sizes|attention|attention-stages|pdl-rows|row-stats|row-stats-six|
 unsplit-stages|pdl-order|resident|resident-rows|resident-down|early-keys|
-attention-splits|attention-tile-rule|prefetch|resident-warps|lm-head|embed-rope|smem|
-smem-two] [--shape llama-1.5b|smollm2] [--profile]``
+attention-splits|attention-tile-rule|prefetch|prefetch-long|resident-warps|lm-head|
+embed-rope|smem|smem-two] [--shape llama-1.5b|smollm2] [--variant "ostinato FULL"]
+[--profile]``
+
+The step is ``benchmarks.decode``'s ``--variant``: by default "ostinato FULL", the
+engine's default mode (the sets up to the FULL default ran "ostinato FULL_AND_PIECEWISE").
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class Timing:
     kernels: list[tuple[str, float, float]]
 
 
-VARIANT = "ostinato FULL_AND_PIECEWISE"
+VARIANT = "ostinato FULL"  # the engine's default mode
 MiB = 1 << 20
 OFF = 1 << 30  # a bound no step or weight reaches: the rule never applies
 DEFAULT = LaunchRules()
@@ -180,6 +184,15 @@ RULES: dict[str, tuple[Rule, ...]] = {
         rule("prefetch 512 columns"),
         rule("prefetch 128 columns", prefetch_k=128),
     ),
+    # Longer prefetches, for the 8 B shape's QKV and O (50 and 32 MiB, streamed at two
+    # thirds of the copy bandwidth in its one-row step): half of K, or all of it, before
+    # the wait; and half with the dependents launched first.
+    "prefetch-long": (
+        rule("prefetch 512 columns"),
+        rule("prefetch 2048 columns", prefetch_k=2048),
+        rule("prefetch 4096 columns", prefetch_k=4096),
+        rule("launch first, prefetch 2048", trigger_first=True, prefetch_k=2048),
+    ),
     # A resident program holding more than 8192 weight elements in 8 warps, or in 4.
     "resident-warps": (
         rule("resident: 8 warps above 8192"),
@@ -193,15 +206,17 @@ RULES: dict[str, tuple[Rule, ...]] = {
 }
 
 
-def timings(model: dict, sizes: tuple[int, ...], rule: Rule, profile: bool = False) -> list[Timing]:
-    """The default variant's step at ``sizes`` built and timed with ``rule`` in force;
+def timings(
+    model: dict, sizes: tuple[int, ...], rule: Rule, profile: bool = False, variant: str = VARIANT
+) -> list[Timing]:
+    """``variant``'s step at ``sizes`` built and timed with ``rule`` in force;
     with ``profile``, its kernels counted after the timing (``decode.run``). A profiler
     session leaves later launches slower on the host (``benchmarks.profiler_effect``), so
     with it every rule after the first is timed in that state."""
     with rules_in_force(rule.rules):
-        cfg = decode.BenchConfig(model=model, batch_sizes=sizes, variants=(VARIANT,))
+        cfg = decode.BenchConfig(model=model, batch_sizes=sizes, variants=(variant,))
         result = decode.run(cfg, torch.device("cuda"), log=lambda _: None, profile=profile)
-    rows = [r for r in result.rows if r.variant == VARIANT]
+    rows = [r for r in result.rows if r.variant == variant]
     names = result.kernels_by_name
     return [
         Timing(
@@ -210,7 +225,7 @@ def timings(model: dict, sizes: tuple[int, ...], rule: Rule, profile: bool = Fal
             r.step_ms,
             r.pipelined_ms,
             r.kernels_in_layer,
-            [(k.name, k.per_step, k.us_per_step) for k in names.get(f"{VARIANT} B={r.batch}", [])],
+            [(k.name, k.per_step, k.us_per_step) for k in names.get(f"{variant} B={r.batch}", [])],
         )  # fmt: skip
         for r in rows
     ]
@@ -222,6 +237,7 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8,16")
     parser.add_argument("--shape", default="llama-1.5b")
     parser.add_argument("--rules", choices=sorted(RULES), default="steps")
+    parser.add_argument("--variant", default=VARIANT, help="a variant of benchmarks.decode")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -231,12 +247,13 @@ def main() -> int:
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     model = model_config(SMOLLM2_CONFIG if args.shape == "smollm2" else args.shape)
     doc = {"benchmark": "launch_rules", "shape": args.shape, "rules": args.rules}
+    doc["variant"] = args.variant
     doc["settings"] = {r.name: asdict(r.rules) for r in RULES[args.rules]}
     doc["provenance"] = asdict(Provenance.collect())
     doc["timings"] = []
     rules = RULES[args.rules]
     for rule in (*rules, rules[0]):
-        for t in timings(model, sizes, rule, args.profile):
+        for t in timings(model, sizes, rule, args.profile, args.variant):
             doc["timings"].append(asdict(t))
             piped = t.pipelined_ms or float("nan")
             print(f"{t.rule:32s} B={t.batch:3d} {t.step_ms:7.3f} ms (piped {piped:.3f}) "

@@ -15,9 +15,9 @@ bandwidth its place on the path streams at.
         [--variant "ostinato FULL"]
 
 The step is ``benchmarks.decode``'s ``--variant`` (by default "ostinato FULL", the
-engine's default mode; default kernel options, random weights, KV length 512), each step
-profiled in a session of its own, so a step's first kernel carries no overlap with the
-step before.
+engine's default mode, default kernel options; or one of its kernel variants, such as
+"ostinato FULL no-pdl"; random weights, KV length 512), each step profiled in a session
+of its own, so a step's first kernel carries no overlap with the step before.
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ from typing import Any
 import torch
 
 from benchmarks.decode import (
+    KERNEL_VARIANTS,
     OSTINATO_VARIANTS,
     SMOLLM2_CONFIG,
     BenchConfig,
     DecodeSetup,
     copy_bandwidth_gbps,
     model_config,
+    variant_rules,
+    variant_runner,
 )
 from ostinato.provenance import Provenance
 
@@ -228,7 +231,8 @@ def main() -> int:
     parser.add_argument("--shape", default="llama-1.5b", help="a preset, or smollm2")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variant", default="ostinato FULL", choices=sorted(OSTINATO_VARIANTS))
+    variants = sorted(v for v in (*OSTINATO_VARIANTS, *KERNEL_VARIANTS) if v != "eager")
+    parser.add_argument("--variant", default="ostinato FULL", choices=variants)
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     model = model_config(SMOLLM2_CONFIG if args.shape == "smollm2" else args.shape)
@@ -238,9 +242,11 @@ def main() -> int:
     doc: dict[str, Any] = {"benchmark": "critical_path", "shape": args.shape}
     doc["variant"] = args.variant
     doc |= {"provenance": asdict(Provenance.collect()), "copy_bandwidth_gbps": bw, "rows": []}
-    runner = setup.runner(*OSTINATO_VARIANTS[args.variant])
-    with torch.inference_mode():
+    with torch.inference_mode(), variant_rules(args.variant):
+        runner = variant_runner(setup, args.variant, cuda=True)
+        assert runner is not None  # (a CUDA device, not reduce-overhead)
         runner.capture()
+    with torch.inference_mode():
         for b in sizes:
             path = measure(setup, runner, b, args.steps)
             doc["rows"].append(asdict(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -472,9 +473,8 @@ def run(
     runners: list[tuple[str, ModelRunner]] = []
     with torch.inference_mode():
         for name in cfg.variants:
-            variant = KERNEL_VARIANTS.get(name)
-            with rules_in_force(variant.rules if variant and variant.rules else rules()):
-                runner = _variant_runner(setup, name, cuda)
+            with variant_rules(name):
+                runner = variant_runner(setup, name, cuda)
                 if runner is not None:
                     _capture_variant(setup, runner, name, result)
                     runners.append((name, runner))
@@ -493,7 +493,14 @@ def run(
     return result
 
 
-def _variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | None:
+def variant_rules(name: str) -> contextlib.AbstractContextManager[LaunchRules]:
+    """The launch rules variant ``name`` is built and captured under (its graphs keep
+    what they captured): its own where it names some, else those in force."""
+    variant = KERNEL_VARIANTS.get(name)
+    return rules_in_force(variant.rules if variant and variant.rules else rules())
+
+
+def variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | None:
     """The runner of variant ``name``; None for reduce-overhead (timed apart) and for
     variants of CUDA kernels off CUDA."""
     if name == REDUCE_OVERHEAD:

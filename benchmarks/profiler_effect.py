@@ -24,10 +24,10 @@ from benchmarks.decode import (
     SMOLLM2_CONFIG,
     BenchConfig,
     DecodeSetup,
-    _variant_runner,
     model_config,
     pipelined_ms,
     time_step,
+    variant_runner,
 )
 from ostinato.provenance import Provenance
 
@@ -58,7 +58,7 @@ def main() -> int:
     timings: list[Timing] = []
     with torch.inference_mode():
         setup = DecodeSetup(cfg, torch.device("cuda"))
-        runner = _variant_runner(setup, VARIANT, True)
+        runner = variant_runner(setup, VARIANT, True)
         assert runner is not None
         runner.capture()
         steps = {b: setup.decode_step(runner, b) for b in sizes}

@@ -170,7 +170,7 @@ def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch
         cfg = replace(cfg, model=model)
     if args.variants:
         names = tuple(v.strip() for v in args.variants.split(","))
-        known = (*decode.OSTINATO_VARIANTS, *decode.KERNEL_VARIANTS, decode.REDUCE_OVERHEAD)
+        known = decode.ALL_VARIANTS
         unknown = [n for n in names if n not in known]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.decode import (
-    KERNEL_VARIANTS,
-    OSTINATO_VARIANTS,
+    RUNNER_VARIANTS,
     SMOLLM2_CONFIG,
     BenchConfig,
     DecodeSetup,
@@ -231,7 +230,7 @@ def main() -> int:
     parser.add_argument("--shape", default="llama-1.5b", help="a preset, or smollm2")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=20)
-    variants = sorted(v for v in (*OSTINATO_VARIANTS, *KERNEL_VARIANTS) if v != "eager")
+    variants = sorted(v for v in RUNNER_VARIANTS if v != "eager")
     parser.add_argument("--variant", default="ostinato FULL", choices=variants)
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))

@@ -99,6 +99,9 @@ KERNEL_VARIANTS = {
     ),
 }
 REDUCE_OVERHEAD = "torch.compile reduce-overhead"
+# Every variant with a runner of ours (``variant_runner``), and with reduce-overhead too.
+RUNNER_VARIANTS = (*OSTINATO_VARIANTS, *KERNEL_VARIANTS)
+ALL_VARIANTS = (*RUNNER_VARIANTS, REDUCE_OVERHEAD)
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
 ENGINE_STEP_VARIANTS = ("eager", "ostinato FULL", "ostinato FULL_AND_PIECEWISE")
 BLOCK = 16
@@ -129,7 +132,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     kv_len: int = 512
     dtype: str = "bfloat16"
-    variants: tuple[str, ...] = (*OSTINATO_VARIANTS, *KERNEL_VARIANTS, REDUCE_OVERHEAD)
+    variants: tuple[str, ...] = ALL_VARIANTS
     warmup: int = 10
     repeats: int = 50
     # Every variant is timed this many times, all of them in turn, the last round reported:

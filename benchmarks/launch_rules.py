@@ -237,7 +237,7 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8,16")
     parser.add_argument("--shape", default="llama-1.5b")
     parser.add_argument("--rules", choices=sorted(RULES), default="steps")
-    parser.add_argument("--variant", default=VARIANT, help="a variant of benchmarks.decode")
+    parser.add_argument("--variant", default=VARIANT, choices=decode.RUNNER_VARIANTS)
     parser.add_argument(
         "--profile",
         action="store_true",

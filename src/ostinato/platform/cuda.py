@@ -210,19 +210,18 @@ def graph_call_us(
             # Fewer calls per replay: more replays, up to four times (a median as steady).
             more = min(4, -(-calls // held))
             us = held_replays_us(graph, replays * more, turn) / held
-            del graph
-            return us
-        graph = captured_calls(fn, calls)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
+        else:
+            graph = captured_calls(fn, calls)
             graph.replay()
-        end.record()
-        end.synchronize()
-        us = start.elapsed_time(end) * 1e3 / (replays * calls)
-        del graph
-        return us
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3 / (replays * calls)
+        del graph  # (before its pool may end)
+    return us
 
 
 def held_calls(fn: Callable[[], object], calls: int, turn: Held) -> int:

@@ -38,7 +38,10 @@ client_parse_cpu.txt``), and at 64 streams on the H200 host its busiest process 
 busy. Every
 completed response is compared with the offline greedy output of its prompt (a hung-up one
 with its prefix), after each N every KV block must be free again (``/health``), and
-``/metrics``' graph counters are recorded.
+``/metrics``' graph counters are recorded, with the server's own split of the time to
+first tokens (``first_token_split_ms``: arrival to the engine's accepting the request,
+the engine's queue and prefill; the client's TTFT beyond the server's is the HTTP
+connection's and the client's).
 """
 
 from __future__ import annotations
@@ -582,7 +585,8 @@ def run_server_phases(
             else:
                 load = run_rate(base, phase.jobs, phase.rate, args.client_procs, i, clients)
             free = server.blocks_free()
-            counters = graph_counters(before, server.metrics())
+            after = server.metrics()
+            counters = graph_counters(before, after) | first_token_split(before, after)
             results.append(
                 {"replies": load.replies, "client_busy": load.client_busy, "blocks_free": free}
                 | counters
@@ -595,6 +599,24 @@ def run_server_phases(
     finally:
         server.stop()
     return results, server.ready_s
+
+
+def first_token_split(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The server's mean time to first tokens in a phase and where it went, in ms per
+    request (``/metrics``' histograms): ``accept`` (arrival to the engine's accepting it),
+    the engine's ``queue`` and ``prefill``; None where no request counted."""
+    split: dict[str, float | None] = {}
+    for part, name in (
+        ("server_ttft", "time_to_first_token"),
+        ("accept", "request_accept"),
+        ("queue", "request_queue"),
+        ("prefill", "request_prefill"),
+    ):
+        total, count = (f"ostinato_{name}_seconds_{k}" for k in ("sum", "count"))
+        n = after.get(count, 0.0) - before.get(count, 0.0)
+        seconds = after.get(total, 0.0) - before.get(total, 0.0)
+        split[part] = 1e3 * seconds / n if n else None
+    return {"first_token_split_ms": split}
 
 
 def max_num_seqs(plan: list[Phase]) -> int:
@@ -675,6 +697,7 @@ def _row(llm: Any, phase: Phase, got: dict[str, Any], batch: int) -> dict[str, A
         if server["steady"]:
             steady_ratio = server["steady"]["output_throughput"] / offline_rate
     counters = ("client_busy", "graph_steps", "eager_steps", "padding_fraction")
+    counters += ("first_token_split_ms",)
     engine = {k: got[k] for k in got if k.startswith("engine_")}
     if engine.get("engine_steps"):  # how the phase's wall time went in the engine
         wall = server["wall_s"]

@@ -52,3 +52,19 @@ def test_cpu_lists_read_as_taskset_writes_them():
     for bad in ("a-3", "1-", "x"):
         with pytest.raises(ValueError, match="CPU list"):
             cpu_set(bad)
+
+
+def test_the_first_token_split_is_each_histogram_s_mean_over_the_phase():
+    from benchmarks.serve_load import first_token_split
+
+    def scrape(sums, counts):
+        names = ("time_to_first_token", "request_accept", "request_queue", "request_prefill")
+        got = {f"ostinato_{n}_seconds_sum": s for n, s in zip(names, sums, strict=True)}
+        return got | {f"ostinato_{n}_seconds_count": c for n, c in zip(names, counts, strict=True)}
+
+    before = scrape([1.0, 0.5, 0.25, 0.25], [10, 10, 10, 10])
+    after = scrape([1.1, 0.52, 0.29, 0.25], [14, 14, 12, 10])
+    split = first_token_split(before, after)["first_token_split_ms"]
+    assert split["server_ttft"] == pytest.approx(25.0) and split["accept"] == pytest.approx(5.0)
+    assert split["queue"] == pytest.approx(20.0) and split["prefill"] is None  # none counted
+    assert first_token_split({}, {})["first_token_split_ms"]["queue"] is None  # an older server

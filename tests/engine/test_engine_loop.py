@@ -5,6 +5,7 @@ free afterwards."""
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
@@ -200,6 +201,53 @@ def test_every_sample_of_a_request_aborted_before_admission_ends(llm, monkeypatc
     assert all(h.finish_reason is FinishReason.ABORT for h in handle.samples)
     assert loop.stop()
     assert llm.free_kv_blocks == llm.num_kv_blocks - 1
+
+
+def test_each_sample_times_its_wait_for_its_first_tokens_and_nothing_is_kept(llm):
+    # Eight sequences (one request of three samples) on four seats, and one more aborted
+    # while it waits for a seat: the first event with a sample's tokens, and no other, says how
+    # long the engine kept it (accepted -> admitted -> first tokens), within the wall
+    # time from before its ``enqueue`` to the event's arrival; the samples of one request
+    # share its admission; nothing is kept per request once every one has ended.
+    seen, ended, done, steps = [], set(), threading.Event(), threading.Semaphore(0)
+    ids = {f"r{i}" for i in range(5)} | {"s", "s#1", "s#2", "late"}
+
+    def publish(events):
+        now = time.perf_counter()
+        seen.extend((now, e) for e in events)
+        steps.release()
+        ended.update(e.request_id for e in events if e.ended)
+        if ended >= ids:
+            done.set()
+
+    loop = EngineLoop(llm, publish=publish)
+    asked = {}
+    for i in range(5):
+        asked[f"r{i}"] = time.perf_counter()
+        loop.enqueue(f"r{i}", [1 + i, 2, 3, 4], SamplingParams(max_tokens=12, ignore_eos=True))
+    asked["s"] = time.perf_counter()
+    three = SamplingParams(max_tokens=6, ignore_eos=True, n=3, temperature=1.0, seed=1)
+    loop.enqueue("s", [5, 6, 7], three)
+    loop.enqueue("late", [8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    for _ in range(3):  # (steps published after it was queued: a step boundary admitted it)
+        assert steps.acquire(timeout=60)
+    assert "late" in loop._since and not any(e.request_id == "late" for _, e in seen)
+    loop.abort("late")
+    assert done.wait(120), f"never ended: {ids - ended}"
+    assert loop._since == {}
+    assert loop.stop()
+    timings = {}
+    for rid in ids - {"late"}:
+        events = [(t, e) for t, e in seen if e.request_id == rid]
+        first = next(i for i, (_, e) in enumerate(events) if e.tokens)
+        assert all(e.timing is None for i, (_, e) in enumerate(events) if i != first), rid
+        arrived, timing = events[first][0], events[first][1].timing
+        assert timing is not None and timing.queued >= 0 and timing.prefill > 0, rid
+        assert timing.queued + timing.prefill <= arrived - asked[rid.split("#")[0]], rid
+        timings[rid] = timing
+    assert timings["s"].queued == timings["s#1"].queued == timings["s#2"].queued
+    assert all(e.timing is None for _, e in seen if e.request_id == "late")
+    assert not llm.has_work and llm.free_kv_blocks == llm.num_kv_blocks - 1
 
 
 def test_an_async_handle_groups_what_arrived_and_survives_a_cancelled_reader():

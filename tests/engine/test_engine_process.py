@@ -158,24 +158,25 @@ def test_events_cross_the_pipe_whole_as_plain_tuples():
 
     from ostinato.engine.core.scheduler import FinishReason
     from ostinato.engine.serve.engine_process import _unwire, _wire
-    from ostinato.engine.serve.loop import TokenEvent
+    from ostinato.engine.serve.loop import EngineTiming, TokenEvent
 
     class Unpicklable(Exception):
         def __reduce__(self):
             raise TypeError("no")
 
     events = [
-        TokenEvent("a", [1, 2]),
+        TokenEvent("a", [1, 2], timing=EngineTiming(0.25, 0.5)),
         TokenEvent("b", [3], True, FinishReason.LENGTH, logprobs=[("x", -0.5)]),
         TokenEvent("c", [], True, None, Unpicklable("the step failed")),
     ]
     rows = pickle.loads(pickle.dumps(_wire(events)))
     assert all(type(row) is tuple for row in rows)  # nothing of the engine's types
+    assert all(type(row[-1]) in (tuple, type(None)) for row in rows)
     back = _unwire(rows)
-    assert [(e.request_id, e.tokens, e.ended, e.finish, e.logprobs) for e in back] == [
-        ("a", [1, 2], False, None, None),
-        ("b", [3], True, FinishReason.LENGTH, [("x", -0.5)]),
-        ("c", [], True, None, None),
+    assert [(e.request_id, e.tokens, e.ended, e.finish, e.logprobs, e.timing) for e in back] == [
+        ("a", [1, 2], False, None, None, EngineTiming(0.25, 0.5)),
+        ("b", [3], True, FinishReason.LENGTH, [("x", -0.5)], None),
+        ("c", [], True, None, None, None),
     ]
     assert back[0].error is None and back[1].error is None
     assert isinstance(back[2].error, RuntimeError) and str(back[2].error) == "the step failed"

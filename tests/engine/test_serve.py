@@ -149,6 +149,37 @@ def test_metrics_say_how_busy_the_engine_was(client, server):
     assert metric(server, "ostinato_engine_publish_seconds_total") > published
 
 
+def test_the_wait_for_first_tokens_is_split_within_the_client_s_wait(client, server):
+    # One streamed request: each histogram counts it once; the server's time to first
+    # tokens lies within the client's, and holds the accept and, in the engine's
+    # process, the queue and the prefill (windows inside its own).
+    kinds = ("time_to_first_token", "request_accept", "request_queue", "request_prefill")
+
+    def read():
+        return {
+            k: (
+                metric(server, f"ostinato_{k}_seconds_sum"),
+                metric(server, f"ostinato_{k}_seconds_count"),
+            )
+            for k in kinds
+        }
+
+    before, start = read(), time.perf_counter()
+    stream = client.completions.create(
+        model="smollm2-135m", prompt=QUESTION, max_tokens=4, temperature=0, stream=True
+    )
+    waited = None
+    for _ in stream:
+        waited = waited if waited is not None else time.perf_counter() - start
+    after = read()
+    spent = {k: after[k][0] - before[k][0] for k in kinds}
+    assert all(after[k][1] - before[k][1] == 1 for k in kinds), (before, after)
+    assert waited is not None and 0 < spent["time_to_first_token"] <= waited
+    assert spent["time_to_first_token"] >= spent["request_accept"] > 0
+    engine = spent["request_queue"] + spent["request_prefill"]
+    assert spent["time_to_first_token"] >= engine and spent["request_prefill"] > 0
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [

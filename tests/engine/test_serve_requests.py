@@ -813,3 +813,42 @@ def test_no_body_is_a_server_fault_and_every_refusal_is_in_openai_s_shape(seed):
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert {200, 400} <= seen
+
+
+def test_the_time_to_first_tokens_is_split_where_the_request_waited(engine, monkeypatch):
+    # The engine's timing of each request (queue, prefill) reaches its histograms as it
+    # was given; the time to first tokens and the accept count once a request, whole or
+    # streamed, and the first holds the second (it starts at the same arrival, later).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ostinato.engine.serve.app import EngineCollector
+    from ostinato.engine.serve.loop import EngineTiming
+
+    monkeypatch.setattr(EngineCollector, "collect", lambda self: iter(()))  # (no status here)
+    given, plain = [EngineTiming(0.25, 0.5), EngineTiming(0.125, 2.0)], engine.asubmit
+
+    async def asubmit(prompt, params=None, lora=None):
+        handle = await plain(prompt, params, lora)
+        handle.timing = given[len(engine.submitted) - 1]
+        return handle
+
+    engine.asubmit = asubmit
+    c = client(engine)
+    assert complete(c, max_tokens=2).status_code == 200
+    streamed = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(c.get("/metrics").text)
+        for s in family.samples
+    }
+    name = "ostinato_{}_seconds_{}".format
+    assert samples[name("request_queue", "sum")] == 0.375
+    assert samples[name("request_prefill", "sum")] == 2.5
+    for kind in ("request_queue", "request_prefill", "time_to_first_token", "request_accept"):
+        assert samples[name(kind, "count")] == 2, kind
+    ttft, accept = (
+        samples[name("time_to_first_token", "sum")],
+        samples[name("request_accept", "sum")],
+    )
+    assert ttft >= accept > 0

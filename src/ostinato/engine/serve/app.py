@@ -75,9 +75,16 @@ class Engine(Protocol):
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
+# Seconds: from a millisecond (a step of a small model) to over a minute (a long queue).
+LATENCY_BUCKETS = tuple(0.001 * 2**i for i in range(17))
+
+
 class Metrics:
     """The Prometheus series of one server: counters kept here, and the engine's state
-    read once per scrape (``EngineCollector``)."""
+    read once per scrape (``EngineCollector``). The time to first token is split where a
+    request waits: ``accept`` (here: checks, tokenizing, the engine's answer), then in the
+    engine ``queue`` and ``prefill`` (``EngineTiming``); what TTFT holds beyond
+    the three is the hand-over of the first tokens from the engine to the response."""
 
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
@@ -85,8 +92,34 @@ class Metrics:
         self.requests = Counter("ostinato_requests", "Requests received", ["route"], registry=r)
         self.tokens = Counter("ostinato_generated_tokens", "Tokens streamed out", registry=r)
         self.aborted = Counter("ostinato_aborted_requests", "Requests aborted", registry=r)
-        self.ttft = Histogram("ostinato_time_to_first_token_seconds", "TTFT", registry=r)
+        self.ttft = _histogram(
+            r, "time_to_first_token", "From a request's arrival to its first tokens' event"
+        )
+        self.accept = _histogram(
+            r, "request_accept", "From a request's arrival to the engine's accepting it"
+        )
+        self.queue = _histogram(
+            r, "request_queue", "In the engine, from accepting a request to its admission"
+        )
+        self.prefill = _histogram(
+            r,
+            "request_prefill",
+            "In the engine, from a request's admission to its first tokens (a wait for a "
+            "seat or KV blocks included)",
+        )
         r.register(EngineCollector(engine))
+
+    def first_tokens(self, handle: RequestHandle, arrived: float) -> None:
+        """Records the time to ``handle``'s first tokens, which are here now, and where
+        the engine kept it (``handle.timing``: absent where its first event had none)."""
+        self.ttft.observe(time.perf_counter() - arrived)
+        if handle.timing is not None:
+            self.queue.observe(handle.timing.queued)
+            self.prefill.observe(handle.timing.prefill)
+
+
+def _histogram(registry: CollectorRegistry, name: str, about: str) -> Histogram:
+    return Histogram(f"ostinato_{name}_seconds", about, buckets=LATENCY_BUCKETS, registry=registry)
 
 
 class EngineCollector:
@@ -233,13 +266,17 @@ class Responder:
         self.metrics = Metrics(engine)
 
     async def __call__(self, body: RequestBody, request: Request, chat: bool) -> Response:
+        arrived: float = request.state.arrived  # (``HttpGuard``: before the body was read)
         requests = await self._submit(body, chat)
+        self.metrics.accept.observe(time.perf_counter() - arrived)
         kind = "chatcmpl" if chat else "cmpl"
         meta = _Meta(f"{kind}-{uuid.uuid4().hex[:12]}", self.model_name, chat)
         prompts = body.prompts() if isinstance(body, CompletionBody) else [None]
         # Choices prompt by prompt, each prompt's n samples in turn (OpenAI's order).
         samples = [
-            s for p, r in zip(prompts, requests, strict=True) for s in self._samples(body, p, r)
+            s
+            for p, r in zip(prompts, requests, strict=True)
+            for s in self._samples(body, p, r, arrived)
         ]
         prompt_tokens = sum(len(r.prompt) for r in requests)
         if body.stream:
@@ -260,7 +297,11 @@ class Responder:
         return JSONResponse(meta.whole(answers, prompt_tokens))
 
     def _samples(
-        self, body: RequestBody, prompt: str | list[int] | None, request: RequestHandle
+        self,
+        body: RequestBody,
+        prompt: str | list[int] | None,
+        request: RequestHandle,
+        arrived: float,
     ) -> list[_Sample]:
         """The choices of one engine request: each sample with the prompt's text where
         it is echoed, and log probabilities' shapes of its own where asked (their text
@@ -269,7 +310,12 @@ class Responder:
         asked = body.asked_logprobs() is not None
         chat = isinstance(body, ChatBody)
         return [
-            _Sample(h, echo, LogprobShapes(chat, self._token_text, len(echo)) if asked else None)
+            _Sample(
+                h,
+                echo,
+                LogprobShapes(chat, self._token_text, len(echo)) if asked else None,
+                arrived,
+            )
             for h in request.samples
         ]
 
@@ -277,7 +323,7 @@ class Responder:
         """One sample's whole answer: its text (never the stop string), tokens, finish
         reason and log probabilities where asked."""
         handle = sample.handle
-        tokens = [t async for chunk in self._timed(handle) for t in chunk]
+        tokens = [t async for chunk in self._timed(sample) for t in chunk]
         text = self.engine.decode(tokens) if self.engine.tokenizer is not None else ""
         text = stop.cut(text) if stop is not None else text
         shapes = sample.shapes
@@ -428,12 +474,13 @@ class Responder:
             )
         return asked
 
-    async def _timed(self, handle: RequestHandle) -> AsyncIterator[list[int]]:
-        """The handle's tokens in chunks (all that arrived since the last), counted."""
-        start, first = time.perf_counter(), True
-        async for chunk in handle.chunks():
+    async def _timed(self, sample: _Sample) -> AsyncIterator[list[int]]:
+        """The sample's tokens in chunks (all that arrived since the last), counted, the
+        first timed (``Metrics.first_tokens``)."""
+        first = True
+        async for chunk in sample.handle.chunks():
             if first:
-                self.metrics.ttft.observe(time.perf_counter() - start)
+                self.metrics.first_tokens(sample.handle, sample.arrived)
                 first = False
             self.metrics.tokens.inc(len(chunk))
             yield chunk
@@ -534,7 +581,7 @@ class Responder:
         if sample.echo:
             yield chunk_of(index, sample.echo, [], None, usage, None, first)
             first = False
-        async for chunk in self._timed(sample.handle):
+        async for chunk in self._timed(sample):
             delta = text.push(chunk)
             waiting += chunk
             produced[index] += len(chunk)
@@ -550,11 +597,13 @@ class Responder:
 @dataclass(frozen=True)
 class _Sample:
     """One choice of a response: the engine's handle of its sample, the text it begins
-    with (``echo``: its prompt's) and its log probabilities' shapes (None: not asked)."""
+    with (``echo``: its prompt's), its log probabilities' shapes (None: not asked) and
+    when its request arrived (``time.perf_counter``)."""
 
     handle: RequestHandle
     echo: str
     shapes: LogprobShapes | None
+    arrived: float
 
     def logprobs(self, start: int, tokens: list[int]) -> dict | None:
         """The ``logprobs`` of an event holding ``tokens``, the ``start``-th token on

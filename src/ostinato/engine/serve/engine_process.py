@@ -395,11 +395,12 @@ class _Outbox:
                 return  # the parent is gone
 
 
-Wire = tuple[str, list[int], bool, str | None, str | None, Any]
+Wire = tuple[str, list[int], bool, str | None, str | None, Any, tuple[float, float] | None]
 """A ``TokenEvent`` on the pipe: request id, tokens, ended, finish reason's value, error's
-text, log probabilities. Why plain tuples: a step's events are pickled in the engine's
-process, beside its step thread, and 64 dataclass events took 46 µs to pickle where
-these take 11 with their conversion (``benchmarks/results/serve_ladder_h200/cpu_host_costs``)."""
+text, log probabilities, the engine's timing (queued, prefill). Why plain tuples: a step's
+events are pickled in the engine's process, beside its step thread, and 64 dataclass
+events took 46 µs to pickle where these take 11 with their conversion
+(``benchmarks/results/serve_ladder_h200/cpu_host_costs``)."""
 
 
 def _wire(events: list[TokenEvent]) -> list[Wire]:
@@ -412,6 +413,7 @@ def _wire(events: list[TokenEvent]) -> list[Wire]:
             None if e.finish is None else e.finish.value,
             None if e.error is None else str(e.error),
             e.logprobs,
+            None if e.timing is None else (e.timing.queued, e.timing.prefill),
         )
         for e in events
     ]
@@ -420,7 +422,7 @@ def _wire(events: list[TokenEvent]) -> list[Wire]:
 def _unwire(rows: list[Wire]) -> list[TokenEvent]:
     """The events ``_wire`` sent (an error as a ``RuntimeError`` of its text)."""
     from ostinato.engine.core.scheduler import FinishReason
-    from ostinato.engine.serve.loop import TokenEvent
+    from ostinato.engine.serve.loop import EngineTiming, TokenEvent
 
     return [
         TokenEvent(
@@ -430,6 +432,7 @@ def _unwire(rows: list[Wire]) -> list[TokenEvent]:
             None if finish is None else FinishReason(finish),
             None if error is None else RuntimeError(error),
             logprobs,
+            None if timing is None else EngineTiming(*timing),
         )
-        for rid, tokens, ended, finish, error, logprobs in rows
+        for rid, tokens, ended, finish, error, logprobs, timing in rows
     ]

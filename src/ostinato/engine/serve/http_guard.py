@@ -6,13 +6,16 @@ no more than reading the bytes it was sent.
 Guarantees: a body over ``max_body_bytes`` (by its ``Content-Length``, or counted as it
 streams) is answered 413; with ``api_key`` set, every route but ``/health`` needs
 ``Authorization: Bearer <key>`` (compared in constant time) and is answered 401
-otherwise; both in OpenAI's error shape.
+otherwise; both in OpenAI's error shape. Every HTTP request's arrival, before its body
+is read, is ``request.state.arrived`` (``time.perf_counter``): the start of its time to
+first token.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import time
 from typing import Any
 
 DEFAULT_MAX_BODY_BYTES = 2 << 20  # 2 MiB: far above any prompt that fits a context
@@ -35,6 +38,7 @@ class HttpGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.perf_counter()
         headers = dict(scope.get("headers", ()))
         if self._key is not None and scope.get("path") not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")

@@ -59,6 +59,18 @@ class LoopStats:
         self.busy_seconds += seconds
 
 
+@dataclass(frozen=True, slots=True)
+class EngineTiming:
+    """Where one request waited in the engine before its first token (seconds, measured
+    in the engine's process): ``queued`` from the engine's accepting it to the step
+    boundary that admitted it to the scheduler; ``prefill`` from that admission to the
+    end of the step that handed out its first token (a wait for a seat or KV blocks
+    included)."""
+
+    queued: float
+    prefill: float
+
+
 @dataclass(slots=True)  # not frozen: a step makes one per running request, and a frozen
 class TokenEvent:  # dataclass's __init__ took four times as long (64: 48.6 / 12.1 µs, CPU)
     """What one step did to one request: its new tokens (with their log probabilities
@@ -71,6 +83,7 @@ class TokenEvent:  # dataclass's __init__ took four times as long (64: 48.6 / 12
     finish: FinishReason | None = None
     error: BaseException | None = None
     logprobs: list[TokenLogprob] | None = None
+    timing: EngineTiming | None = None  # on the event with the request's first tokens
 
 
 @dataclass(frozen=True)
@@ -97,13 +110,16 @@ class RequestHandle:
     ``logprobs``: where the request asked, one per token, each there before the
     iterators hand out its token. With ``SamplingParams.n`` > 1 the handle is the first
     sample's, and ``others`` are the rest, each a handle of its own (aborting this
-    handle's id ends them all)."""
+    handle's id ends them all). ``timing``: where the engine kept it before its first
+    tokens, there before the iterators hand them out (None until then, and for a
+    request whose first event had none)."""
 
     def __init__(self, request_id: str, prompt: list[int], aloop: Any = None) -> None:
         self.id = request_id
         self.prompt = prompt
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[TokenLogprob] = []
+        self.timing: EngineTiming | None = None
         self.others: list[RequestHandle] = []  # samples 2 to n (``SamplingParams.n``)
         self._aloop = aloop
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -283,6 +299,8 @@ class Handles:
                     continue
                 if e.logprobs:
                     handle.logprobs.extend(e.logprobs)  # (before the tokens are handed out)
+                if e.timing is not None:
+                    handle.timing = e.timing
                 if e.tokens:
                     handle._put(e.tokens, post)
                 if e.ended:
@@ -326,8 +344,13 @@ class EngineLoop:
         self._ids = itertools.count()
         self._handles = Handles()
         self._sink = publish or self._handles.deliver
-        self._submitted: queue.Queue[tuple[str, list[int], SamplingParams, Any]] = queue.Queue()
+        self._submitted: queue.Queue[tuple[str, list[int], SamplingParams, Any, float]] = (
+            queue.Queue()
+        )
         self._live: dict[str, Tracked] = {}
+        # Per live request (and sample) until its first tokens: when the engine accepted
+        # it and when a step boundary admitted it (``EngineTiming``).
+        self._since: dict[str, tuple[float, float]] = {}
         self._owners: dict[str, str] = {}  # a later sample's id -> its request's id
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -394,7 +417,7 @@ class EngineLoop:
             raise RuntimeError("submit: the engine loop is stopped")
         ((tokens, p, adapter),) = self._engine.checked([prompt], params, lora)
         self._engine.reserve([request_id], request_id)
-        self._submitted.put((request_id, tokens, p, adapter))
+        self._submitted.put((request_id, tokens, p, adapter, time.perf_counter()))
         self._wake.set()
         return tokens
 
@@ -485,7 +508,7 @@ class EngineLoop:
         ended = []
         while True:
             try:
-                request_id, prompt, params, adapter = self._submitted.get_nowait()
+                request_id, prompt, params, adapter, queued_at = self._submitted.get_nowait()
             except queue.Empty:
                 return ended
             self.stats.requests += 1
@@ -496,9 +519,12 @@ class EngineLoop:
                 continue
             tracked = session.admit(request_id, prompt, params, adapter)
             self._live[request_id] = tracked
+            since = (queued_at, time.perf_counter())
+            self._since[request_id] = since
             for i, other in enumerate(tracked.request.others, start=1):
                 self._live[sample_id(request_id, i)] = Tracked(sample_id(request_id, i), other)
                 self._owners[sample_id(request_id, i)] = request_id
+                self._since[sample_id(request_id, i)] = since
 
     def _step(self, steps: Iterator[None], session: Session) -> Iterator[None] | None:
         """Runs one step; the iterator to go on with (None once it ended or failed)."""
@@ -519,23 +545,34 @@ class EngineLoop:
 
     def _emit(self) -> list[TokenEvent]:
         """Each request's new tokens; the finished (or aborted) ones end."""
-        events, tokens = [], 0
+        events, tokens, now = [], 0, time.perf_counter()
         for request_id, live in list(self._live.items()):
             start, request = live.emitted, live.request
             new = live.take()
             tokens += len(new)
             asked = request.params.logprobs is not None
             logprobs = request.logprobs[start : start + len(new)] if asked else None
+            timing = self._first(request_id, now) if new and not start else None
             if request.finish_reason is not None:
                 del self._live[request_id]
                 # The request's id stays reserved (abortable) until its last sample ends.
                 group = request.leader or request
                 reason = request.finish_reason
-                events.append(self._ended(request_id, reason, new, logprobs, group.all_finished))
+                ended = self._ended(request_id, reason, new, logprobs, group.all_finished)
+                ended.timing = timing
+                events.append(ended)
             elif new:
-                events.append(TokenEvent(request_id, new, False, None, None, logprobs))
+                events.append(TokenEvent(request_id, new, False, None, None, logprobs, timing))
         self.stats.tokens += tokens
         return events
+
+    def _first(self, request_id: str, now: float) -> EngineTiming | None:
+        """The timing of ``request_id``'s first tokens, handed out at ``now``."""
+        since = self._since.pop(request_id, None)
+        if since is None:
+            return None
+        queued_at, admitted_at = since
+        return EngineTiming(admitted_at - queued_at, now - admitted_at)
 
     def _ended(
         self,
@@ -548,6 +585,7 @@ class EngineLoop:
         """The last event of ``request_id`` (a request, or one of its samples); with
         ``release`` the id of the request it belongs to is released (``Engine.end``)."""
         owner = self._owners.pop(request_id, request_id)
+        self._since.pop(request_id, None)
         if release:
             self._engine.end(owner)
         if reason is FinishReason.ABORT:
@@ -564,9 +602,10 @@ class EngineLoop:
         ids = list(self._live)
         self._live.clear()
         self._owners.clear()
+        self._since.clear()
         while True:  # submitted but never admitted
             try:
-                request_id, _, params, _ = self._submitted.get_nowait()
+                request_id, _, params, _, _ = self._submitted.get_nowait()
             except queue.Empty:
                 break
             ids += _ids(request_id, params)

@@ -159,7 +159,7 @@ async def _one(client: Any, who: int, index: int, job: Job) -> Reply:
                 if not line.startswith("data: "):
                     continue  # (the blank lines between events)
                 if line == "data: [DONE]":
-                    break
+                    continue  # (read on to the response's end: the connection is kept)
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     reply.error = f"stream error: {chunk['error']}"

@@ -276,6 +276,57 @@ def test_generate_starts_its_early_work_before_it_imports_torch(device):
     assert out.strip() == f"False {device} 1 /c", out
 
 
+COUNTING = (
+    "import gc, os\n"
+    "auto = []\n"
+    "def count():\n"
+    "    gc.callbacks.append(lambda p, i: p == 'stop' and i['generation'] < 2 and auto.append(1))\n"
+    "def report():\n"
+    "    print(len(auto), gc.isenabled(), gc.get_freeze_count() > 0, flush=True)\n"
+    "    os._exit(0)\n"
+)
+
+
+def collections_until_report(code: str) -> tuple[int, bool, bool]:
+    """In a fresh interpreter running ``code``: the automatic collections from its call of
+    ``count()`` to its call of ``report()`` (younger generations: ``gc.collect`` runs a
+    full one), whether the collector is on then, whether anything is frozen."""
+    collections, enabled, frozen = run_python(COUNTING + code).splitlines()[-1].split()
+    return int(collections), enabled == "True", frozen == "True"
+
+
+def test_generate_imports_and_builds_without_collections_and_freezes_what_it_made():
+    # From the command's start to its engine built, the cyclic collector is held off
+    # (each collection on the way walked everything imported so far again; api.heap):
+    # at most the few before the command reaches the start, against 386 without.
+    got = collections_until_report(
+        "import ostinato.engine.cli.main as cli\n"
+        "start = cli._start_engine\n"
+        "cli._start_engine = lambda args: (start(args), report())\n"
+        "count()\n"
+        "cli.main(['generate', '--model', 'tiny', '--random-weights', '--device', 'cpu',"
+        " '--max-tokens', '2', '--no-cache'])\n"
+    )
+    assert got[0] <= 3 and got[1:] == (False, True), got
+
+
+def test_serve_imports_its_modules_without_collections_and_serves_them_frozen():
+    # The serving process's imports (the web framework, torch) run without collections
+    # and are frozen before it serves: a full collection of them held every stream for
+    # 116-123 ms on the development machine (benchmarks/RESULTS.md); 431 without.
+    pytest.importorskip("fastapi")
+    got = collections_until_report(
+        "from types import SimpleNamespace\n"
+        "from ostinato.engine.serve import engine_process\n"
+        "import ostinato.engine.cli.main as cli\n"
+        "building = SimpleNamespace(ready=report)\n"
+        "engine_process.EngineProcess.begin = classmethod(lambda cls, kw: building)\n"
+        "count()\n"
+        "cli.main(['serve', '--model', 'tiny', '--random-weights', '--device', 'cpu'])\n"
+    )
+    assert got[0] <= 3 and got[1:] == (True, True), got
+
+
 @pytest.mark.parametrize(
     "kwargs, placement",
     [

@@ -1,10 +1,14 @@
 """An engine's start leaves the heap it made frozen (``gc.freeze``: no later full
-collection walks it), and its close makes that heap collectable again."""
+collection walks it), and its close makes that heap collectable again; ``quiet_start``
+holds collections off over a start and freezes what it made."""
 
 import gc
 import weakref
 
+import pytest
+
 from ostinato.engine import LLM
+from ostinato.engine.api.heap import quiet_start
 
 
 class Cycle:
@@ -33,3 +37,47 @@ def test_a_start_freezes_the_heap_and_close_lets_its_cycles_go():
     del llm
     gc.collect()
     assert model() is None
+
+
+@pytest.fixture
+def clean_collector():
+    gc.collect()
+    gc.unfreeze()
+    gc.enable()
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+def test_a_quiet_start_collects_its_garbage_once_and_freezes_what_lives(clean_collector):
+    counts = []
+    gc.callbacks.append(record := lambda phase, info: phase == "stop" and counts.append(1))
+    try:
+        with quiet_start():
+            assert not gc.isenabled()
+            garbage, kept = Cycle(), Cycle()
+            dropped = weakref.ref(garbage)
+            del garbage
+            for _ in range(5000):  # allocations that would have run the collector
+                Cycle()
+            assert counts == [] and dropped() is not None
+        assert len(counts) == 1, "one collection, at the end"
+    finally:
+        gc.callbacks.remove(record)
+    assert gc.isenabled() and dropped() is None and gc.get_freeze_count() > 0
+    assert all(o is not kept for o in gc.get_objects()), "what lives on was not frozen"
+
+
+def test_a_failed_quiet_start_freezes_nothing_and_an_inner_one_keeps_the_pause(clean_collector):
+    with pytest.raises(RuntimeError, match="start failed"), quiet_start():
+        raise RuntimeError("start failed")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with quiet_start():
+        with quiet_start():
+            pass
+        assert not gc.isenabled(), "the inner block ended the outer one's pause"
+    assert gc.isenabled()
+    gc.disable()
+    with quiet_start():
+        pass
+    assert not gc.isenabled(), "a collector that was off was turned on"

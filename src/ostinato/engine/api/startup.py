@@ -6,7 +6,6 @@ runs them in order and times them (``StartupTimes``)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from ostinato.engine.api.engine_args import (
     parse_mode,
     resolve_device,
 )
+from ostinato.engine.api.heap import freeze_heap, quiet_start
 from ostinato.engine.api.lora_registry import LoraRegistry
 from ostinato.engine.api.prompts import decode_text
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
@@ -501,7 +501,18 @@ def build(
     group's environment when this process started the other ranks; ``health``: how to
     ask about them while joining; ``joined``: told the groups once joined, so a failure
     after it can be blamed on the peer that caused it). If anything fails, everything
-    allocated is released before the error propagates."""
+    allocated is released before the error propagates. No collection runs while it
+    builds; what it made is left frozen (``heap.quiet_start``)."""
+    with quiet_start():
+        return _build_parts(c, launch, health, joined)
+
+
+def _build_parts(
+    c: Checked,
+    launch: dict[str, str] | None,
+    health: Callable[[], RankFailure | None] | None,
+    joined: Callable[[ParallelGroups], None],
+) -> EngineParts:
     start = time.perf_counter()
     source, compile_cache, limits = open_source(c)
     parts = EngineParts(
@@ -528,24 +539,10 @@ def build(
         with exclusive_device(), isolated:  # (exclusive: its docstring)
             _build_on(parts, c, source, limits, open_s)
         parts.tokenizer, parts.tokenizer_pending = source.finish(), False
-        freeze_heap()  # (what the blocking capture made too)
     except BaseException:
         parts.release()
         raise
     return parts
-
-
-def freeze_heap() -> None:
-    """Collects once, then moves every object left into the collector's permanent
-    generation, which no later collection walks (``EngineParts.release`` moves them back).
-
-    Why: what a start makes (imported modules, the model and its parameters' wrappers,
-    compiled code) lives as long as the engine, and each full collection walked all of it
-    again: 90-120 ms with the GIL held on an H200 host, every step waiting, against 3-17
-    ms frozen (benchmarks/RESULTS.md). The collection first, so that no garbage is frozen.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def _build_on(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ostinato.engine.api.early_start import start_early
+from ostinato.engine.api.heap import quiet_start
 from ostinato.engine.cli.args import (
     DefaultsHelp,
     OneLineParser,
@@ -195,7 +196,8 @@ def _serve(args: argparse.Namespace) -> int:
     # this one imports the server's own modules (torch among them), not after.
     engine = EngineProcess.begin({"args": _engine_args(args)})
     try:
-        from ostinato.engine.serve.server import serve
+        with quiet_start():  # (heap: the streams' collections then skip these modules)
+            from ostinato.engine.serve.server import serve
     except BaseException as exc:
         engine.abandon()
         if isinstance(exc, ImportError):
@@ -215,15 +217,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ostinato.engine import SamplingParams
+    with quiet_start():  # the imports and the engine's build (heap)
+        from ostinato.engine import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        ignore_eos=args.ignore_eos,
-    )
-    llm = _start_engine(args)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            ignore_eos=args.ignore_eos,
+        )
+        llm = _start_engine(args)
     for why in llm.resolution.reasons:
         print(f"  downgraded: {why}")
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))

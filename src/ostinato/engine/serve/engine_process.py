@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ostinato import switch_interval
 from ostinato.engine.api.early_start import start_early
+from ostinato.engine.api.heap import quiet_start
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
 from ostinato.engine.core.params import SamplingParams
 
@@ -260,13 +261,14 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    # The device's CUDA context and Triton's set-up are made while torch imports.
-    start_early(*_placement(llm_kwargs))
     try:
-        from ostinato.engine.api.llm import LLM
-        from ostinato.engine.serve.loop import EngineLoop
+        with quiet_start():  # torch's import and the engine's build (heap)
+            # The device's CUDA context and Triton's set-up are made while torch imports.
+            start_early(*_placement(llm_kwargs))
+            from ostinato.engine.api.llm import LLM
+            from ostinato.engine.serve.loop import EngineLoop
 
-        llm = LLM(**llm_kwargs)
+            llm = LLM(**llm_kwargs)
     except BaseException as exc:
         conn.send(("failed", traceback.format_exc(), _portable(exc)))
         return

@@ -38,8 +38,9 @@ client_parse_cpu.txt``), and at 64 streams on the H200 host its busiest process 
 busy. Every
 completed response is compared with the offline greedy output of its prompt (a hung-up one
 with its prefix), after each N every KV block must be free again (``/health``), and
-``/metrics``' graph counters are recorded, with the server's own split of the time to
-first tokens (``first_token_split_ms``: arrival to the engine's accepting the request,
+``/metrics``' graph counters are recorded, with the HTTP process's CPU seconds per second
+(``server_cpu``: near 1.0 its event loop set the pace) and the server's own split of the
+time to first tokens (``first_token_split_ms``: arrival to the engine's accepting the request,
 the engine's queue and prefill; the client's TTFT beyond the server's is the HTTP
 connection's and the client's).
 """
@@ -65,6 +66,9 @@ from typing import Any
 from benchmarks.ready import ready
 
 MODEL_NAME = "served"
+# What a phase reads of ``/metrics``: the engine's series, the HTTP process's CPU seconds
+# and its collector's runs.
+SERIES = ("ostinato_", "process_cpu_seconds_total", "python_gc_collections_total")
 
 
 @dataclass
@@ -456,7 +460,7 @@ class Server:
 
         found = {}
         for line in httpx.get(f"{self.base}/metrics").text.splitlines():
-            if line.startswith("ostinato_") and " " in line:
+            if line.startswith(SERIES) and " " in line:
                 name, value = line.rsplit(" ", 1)
                 found[name] = float(value)
         return found
@@ -504,8 +508,9 @@ def engine_args(args: argparse.Namespace) -> list[str]:
 
 
 def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Steps from graphs and eagerly, padded versus real rows, and the engine's steps,
-    tokens, seconds in steps and seconds handing tokens on, during a phase."""
+    """Steps from graphs and eagerly, padded versus real rows, the engine's steps,
+    tokens, seconds in steps and seconds handing tokens on, and the HTTP process's CPU
+    seconds and full collections, during a phase."""
 
     def delta(prefix: str) -> float:
         return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
@@ -519,6 +524,8 @@ def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[st
         "engine_tokens": delta("ostinato_engine_tokens_total"),
         "engine_busy_s": delta("ostinato_engine_busy_seconds_total"),
         "engine_publish_s": delta("ostinato_engine_publish_seconds_total"),
+        "server_cpu_s": delta("process_cpu_seconds_total"),
+        "server_full_collections": delta('python_gc_collections_total{generation="2"}'),
     }
 
 
@@ -697,13 +704,16 @@ def _row(llm: Any, phase: Phase, got: dict[str, Any], batch: int) -> dict[str, A
         if server["steady"]:
             steady_ratio = server["steady"]["output_throughput"] / offline_rate
     counters = ("client_busy", "graph_steps", "eager_steps", "padding_fraction")
-    counters += ("first_token_split_ms",)
+    counters += ("first_token_split_ms", "server_full_collections")
     engine = {k: got[k] for k in got if k.startswith("engine_")}
     if engine.get("engine_steps"):  # how the phase's wall time went in the engine
         wall = server["wall_s"]
         engine["engine_busy"] = engine["engine_busy_s"] / wall
         engine["engine_publish"] = engine["engine_publish_s"] / wall
         engine["tokens_per_step"] = engine["engine_tokens"] / engine["engine_steps"]
+        # The HTTP process's CPU seconds per second (its reader thread included): near
+        # 1.0 its event loop, not the engine, set the pace.
+        engine["server_cpu"] = got["server_cpu_s"] / wall
     return {
         "phase": phase.name,
         "clients": phase.clients if closed else None,

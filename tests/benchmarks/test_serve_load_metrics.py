@@ -68,3 +68,15 @@ def test_the_first_token_split_is_each_histogram_s_mean_over_the_phase():
     assert split["server_ttft"] == pytest.approx(25.0) and split["accept"] == pytest.approx(5.0)
     assert split["queue"] == pytest.approx(20.0) and split["prefill"] is None  # none counted
     assert first_token_split({}, {})["first_token_split_ms"]["queue"] is None  # an older server
+
+
+def test_a_phase_reads_the_http_process_s_cpu_seconds_and_full_collections():
+    from benchmarks.serve_load import SERIES, graph_counters
+
+    full = 'python_gc_collections_total{generation="2"}'
+    before = {"process_cpu_seconds_total": 10.0, full: 3.0, "ostinato_engine_steps_total": 5.0}
+    after = {"process_cpu_seconds_total": 12.5, full: 4.0, "ostinato_engine_steps_total": 9.0}
+    got = graph_counters(before, after)
+    assert got["server_cpu_s"] == 2.5 and got["server_full_collections"] == 1.0
+    assert got["engine_steps"] == 4.0
+    assert all(any(name.startswith(s) for s in SERIES) for name in after)

@@ -149,6 +149,16 @@ def test_metrics_say_how_busy_the_engine_was(client, server):
     assert metric(server, "ostinato_engine_publish_seconds_total") > published
 
 
+def test_metrics_say_how_busy_the_http_process_was_and_how_often_it_collected(client, server):
+    # (prometheus_client's own process and collector series, as its default registry has
+    # them: serve_load reads the CPU seconds to tell a saturated event loop.)
+    before = metric(server, "process_cpu_seconds_total")
+    for _ in range(3):
+        client.completions.create(model="smollm2-135m", prompt=QUESTION, max_tokens=8)
+    assert metric(server, "process_cpu_seconds_total") > before > 0
+    assert metric(server, 'python_gc_collections_total{generation="2"}') >= 0
+
+
 def test_the_wait_for_first_tokens_is_split_within_the_client_s_wait(client, server):
     # One streamed request: each histogram counts it once; the server's time to first
     # tokens lies within the client's, and holds the accept and, in the engine's

@@ -27,7 +27,14 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -84,7 +91,10 @@ class Metrics:
     read once per scrape (``EngineCollector``). The time to first token is split where a
     request waits: ``accept`` (here: checks, tokenizing, the engine's answer), then in the
     engine ``queue`` and ``prefill`` (``EngineTiming``); what TTFT holds beyond
-    the three is the hand-over of the first tokens from the engine to the response."""
+    the three is the hand-over of the first tokens from the engine to the response.
+    This HTTP process's own series (CPU seconds, memory, the collector's runs) are
+    prometheus_client's, as its default registry has them: a CPU second per second
+    says its event loop is the bottleneck."""
 
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
@@ -108,6 +118,8 @@ class Metrics:
             "seat or KV blocks included)",
         )
         r.register(EngineCollector(engine))
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
 
     def first_tokens(self, handle: RequestHandle, arrived: float) -> None:
         """Records the time to ``handle``'s first tokens, which are here now, and where

@@ -81,3 +81,20 @@ def test_a_failed_quiet_start_freezes_nothing_and_an_inner_one_keeps_the_pause(c
     with quiet_start():
         pass
     assert not gc.isenabled(), "a collector that was off was turned on"
+
+
+def test_a_build_s_quiet_start_ends_before_its_graphs_are_captured(clean_collector, monkeypatch):
+    # A capture pauses and resumes the collector itself; a background capture thread would
+    # otherwise see it off on entry and have it turned on under it when the build ends.
+    from ostinato.engine.api import startup
+
+    seen, capture = [], startup.capture
+
+    def watched(*args):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return capture(*args)
+
+    monkeypatch.setattr(startup, "capture", watched)
+    llm = LLM("tiny", device="cpu", max_model_len=64, max_num_seqs=4, progress=False)
+    llm.close()
+    assert seen == [(True, True)]

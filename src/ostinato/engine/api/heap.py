@@ -1,15 +1,19 @@
 """The cyclic garbage collector around a start: no collection while a process starts (its
-imports, the engine's build, the server's modules), then one collection and what is left
-frozen (``gc.freeze``: moved into the permanent generation, which no later collection
-walks). Imports nothing but the standard library, so a command can enter ``quiet_start``
-before it imports torch.
+imports, the engine's build up to its capture, the server's modules), then one collection
+and what is left frozen (``gc.freeze``: moved into the permanent generation, which no
+later collection walks). Imports nothing but the standard library, so a command can enter
+``quiet_start`` before it imports torch.
+
+Never around a graph capture: the collector's switch is process-wide, and each capture
+turns it off and back on by itself (``platform.base.paused_collection``); a block ending
+while a background capture runs would turn it on in the middle of one.
 
 Why: what a start makes lives as long as the process, and each collection on the way walks
 what it has made so far again. On the development machine a SmolLM2 ``generate`` ran three
-full collections while it imported (127 ms) and 433 younger ones (55 ms) before its
-engine's own; the serving process (210 thousand objects, torch among its imports), not
-frozen, ran a full collection under load that held the event loop, and every stream, for
-116-123 ms (benchmarks/RESULTS.md). Frozen, a collection walks only what is new.
+full collections while it imported (127 ms) and 433 younger ones (50 ms) over its run; the
+serving process (210 thousand objects, torch among its imports), not frozen, ran a full
+collection under load that held the event loop, and every stream, for 116-123 ms
+(benchmarks/RESULTS.md). Frozen, a collection walks only what is new.
 """
 
 from __future__ import annotations

@@ -501,10 +501,11 @@ def build(
     group's environment when this process started the other ranks; ``health``: how to
     ask about them while joining; ``joined``: told the groups once joined, so a failure
     after it can be blamed on the peer that caused it). If anything fails, everything
-    allocated is released before the error propagates. No collection runs while it
-    builds; what it made is left frozen (``heap.quiet_start``)."""
-    with quiet_start():
-        return _build_parts(c, launch, health, joined)
+    allocated is released before the error propagates. No collection runs while it makes
+    the parts, up to its graphs' capture; what it made is left frozen (``heap``)."""
+    with contextlib.ExitStack() as quiet:  # (closed by ``_build_on`` before the capture)
+        quiet.enter_context(quiet_start())
+        return _build_parts(c, launch, health, joined, quiet)
 
 
 def _build_parts(
@@ -512,6 +513,7 @@ def _build_parts(
     launch: dict[str, str] | None,
     health: Callable[[], RankFailure | None] | None,
     joined: Callable[[ParallelGroups], None],
+    quiet: contextlib.ExitStack,
 ) -> EngineParts:
     start = time.perf_counter()
     source, compile_cache, limits = open_source(c)
@@ -537,8 +539,9 @@ def _build_parts(
         # unsafe calls on their own thread only (CUDA's thread-local mode).
         isolated = isolated_capture() if source.pending else contextlib.nullcontext()
         with exclusive_device(), isolated:  # (exclusive: its docstring)
-            _build_on(parts, c, source, limits, open_s)
+            _build_on(parts, c, source, limits, open_s, quiet)
         parts.tokenizer, parts.tokenizer_pending = source.finish(), False
+        freeze_heap()  # (what the blocking capture made too)
     except BaseException:
         parts.release()
         raise
@@ -546,7 +549,12 @@ def _build_parts(
 
 
 def _build_on(
-    parts: EngineParts, c: Checked, source: ModelSource, limits: EngineLimits, open_s: float
+    parts: EngineParts,
+    c: Checked,
+    source: ModelSource,
+    limits: EngineLimits,
+    open_s: float,
+    quiet: contextlib.ExitStack,
 ) -> None:
     if parts.parallel.world_size > 1:
         parts.device = parts.parallel.device
@@ -561,7 +569,10 @@ def _build_on(
     propose = make_runner(parts, c, limits, graphs, num_blocks or limits.full_blocks)
     parts.adapters = lora_registry(parts, c)
     capture_start = time.perf_counter()
-    freeze_heap()  # before a background capture thread starts: its collections skip it
+    # The quiet start ends (one collection, the heap frozen) before any capture: a
+    # background capture thread's collections then skip the heap, and its captures
+    # pause and resume the collector themselves (``heap.quiet_start``).
+    quiet.close()
     sampling_s = capture(parts, c, propose, limits)
     # A background capture compiles on its thread: none of that is this call's.
     compile_s = 0.0 if c.capture == "background" else parts.runner.compile_seconds

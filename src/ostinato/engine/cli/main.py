@@ -171,9 +171,10 @@ def _start_engine(args: argparse.Namespace) -> Any:
     if not args.no_cache:
         keep_bytecode(args.cache_dir)
     engine_args = _engine_args(args)
-    # The device's CUDA context and Triton's set-up are made while torch imports.
-    start_early(engine_args.device, engine_args.parallel.world_size, engine_args.cache_dir)
-    from ostinato.engine import LLM
+    with quiet_start():  # torch's import and the engine's modules (heap; the build has its own)
+        # The device's CUDA context and Triton's set-up are made while torch imports.
+        start_early(engine_args.device, engine_args.parallel.world_size, engine_args.cache_dir)
+        from ostinato.engine import LLM
 
     llm = LLM(args=engine_args)
     print(llm.describe(), flush=True)
@@ -217,16 +218,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    with quiet_start():  # the imports and the engine's build (heap)
-        from ostinato.engine import SamplingParams
+    from ostinato.engine import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            ignore_eos=args.ignore_eos,
-        )
-        llm = _start_engine(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = _start_engine(args)
     for why in llm.resolution.reasons:
         print(f"  downgraded: {why}")
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))

@@ -262,13 +262,13 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], describe: bool) -> None:
 
     tqdm.set_lock(threading.RLock())
     try:
-        with quiet_start():  # torch's import and the engine's build (heap)
+        with quiet_start():  # torch's import and the engine's modules (heap; the build has its own)
             # The device's CUDA context and Triton's set-up are made while torch imports.
             start_early(*_placement(llm_kwargs))
             from ostinato.engine.api.llm import LLM
             from ostinato.engine.serve.loop import EngineLoop
 
-            llm = LLM(**llm_kwargs)
+        llm = LLM(**llm_kwargs)
     except BaseException as exc:
         conn.send(("failed", traceback.format_exc(), _portable(exc)))
         return

@@ -729,6 +729,16 @@ def _row(llm: Any, phase: Phase, got: dict[str, Any], batch: int) -> dict[str, A
     }
 
 
+def _split_line(row: dict[str, Any]) -> str:
+    """A phase's wait for first tokens in one line: the clients' mean TTFT, the server's
+    and its parts (``first_token_split_ms``), and the HTTP process's CPU per second."""
+    split = row["first_token_split_ms"]
+    parts = " ".join(f"{k} {v:.1f}" if v is not None else f"{k} -" for k, v in split.items())
+    cpu = row.get("server_cpu")
+    busy = f", server_cpu {cpu:.2f}" if cpu is not None else ""
+    return f"clients {row['server']['ttft_ms']['mean']:.1f}: {parts}{busy}"
+
+
 def offline_and_report(
     args: argparse.Namespace, plan: list[Phase], served: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -759,6 +769,7 @@ def offline_and_report(
             summary[f"{phase.label} steady"] = round(row["steady_ratio"], 3)
         if phase.rate is not None:
             summary[f"{phase.label} ttft p50 ms"] = row["server"]["ttft_ms"]["p50"]
+        summary[f"{phase.label} first tokens ms"] = _split_line(row)
     llm.close()
     return {
         "provenance": asdict(Provenance.collect()),

@@ -80,3 +80,15 @@ def test_a_phase_reads_the_http_process_s_cpu_seconds_and_full_collections():
     assert got["server_cpu_s"] == 2.5 and got["server_full_collections"] == 1.0
     assert got["engine_steps"] == 4.0
     assert all(any(name.startswith(s) for s in SERIES) for name in after)
+
+
+def test_a_phase_s_first_token_line_names_each_part_and_the_server_s_cpu():
+    from benchmarks.serve_load import _split_line
+
+    split = {"server_ttft": 9.04, "accept": 2.5, "queue": 0.25, "prefill": None}
+    row = {"first_token_split_ms": split, "server": {"ttft_ms": {"mean": 20.0}}, "server_cpu": 0.5}
+    assert _split_line(row) == (
+        "clients 20.0: server_ttft 9.0 accept 2.5 queue 0.2 prefill -, server_cpu 0.50"
+    )
+    del row["server_cpu"]  # (a phase without engine steps)
+    assert _split_line(row).endswith("prefill -")

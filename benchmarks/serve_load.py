@@ -507,13 +507,19 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     return engine
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
+    """How much every series named ``prefix...`` (labels included) grew between two
+    scrapes (``Server.metrics``)."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+
+
 def graph_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Steps from graphs and eagerly, padded versus real rows, the engine's steps,
     tokens, seconds in steps and seconds handing tokens on, and the HTTP process's CPU
     seconds and full collections, during a phase."""
 
     def delta(prefix: str) -> float:
-        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+        return counter_delta(before, after, prefix)
 
     real, padded = delta("ostinato_graph_real_rows_total"), delta("ostinato_graph_padded_rows")
     return {
@@ -619,9 +625,9 @@ def first_token_split(before: dict[str, float], after: dict[str, float]) -> dict
         ("queue", "request_queue"),
         ("prefill", "request_prefill"),
     ):
-        total, count = (f"ostinato_{name}_seconds_{k}" for k in ("sum", "count"))
-        n = after.get(count, 0.0) - before.get(count, 0.0)
-        seconds = after.get(total, 0.0) - before.get(total, 0.0)
+        seconds, n = (
+            counter_delta(before, after, f"ostinato_{name}_seconds_{k}") for k in ("sum", "count")
+        )
         split[part] = 1e3 * seconds / n if n else None
     return {"first_token_split_ms": split}
 

@@ -203,23 +203,33 @@ def test_every_sample_of_a_request_aborted_before_admission_ends(llm, monkeypatc
     assert llm.free_kv_blocks == llm.num_kv_blocks - 1
 
 
-def test_each_sample_times_its_wait_for_its_first_tokens_and_nothing_is_kept(llm):
+def test_each_sample_times_its_wait_for_its_first_tokens_and_nothing_is_kept(llm, monkeypatch):
     # Eight sequences (one request of three samples) on four seats, and one more aborted
     # while it waits for a seat: the first event with a sample's tokens, and no other, says how
     # long the engine kept it (accepted -> admitted -> first tokens), within the wall
     # time from before its ``enqueue`` to the event's arrival; the samples of one request
-    # share its admission; nothing is kept per request once every one has ended.
-    seen, ended, done, steps = [], set(), threading.Event(), threading.Semaphore(0)
+    # share its admission; nothing is kept per request once every one has ended. (The
+    # steps wait until every request is queued, and after the second until the last one
+    # is aborted: it is admitted, and still without a seat, whatever the machine's load.)
+    seen, ended, done = [], set(), threading.Event()
+    queued, aborted, steps = threading.Event(), threading.Event(), llm.engine.steps
     ids = {f"r{i}" for i in range(5)} | {"s", "s#1", "s#2", "late"}
+
+    def held_steps():
+        queued.wait(60)
+        for i, step in enumerate(steps()):
+            yield step
+            if i == 1:
+                aborted.wait(60)
 
     def publish(events):
         now = time.perf_counter()
         seen.extend((now, e) for e in events)
-        steps.release()
         ended.update(e.request_id for e in events if e.ended)
         if ended >= ids:
             done.set()
 
+    monkeypatch.setattr(llm.engine, "steps", held_steps)
     loop = EngineLoop(llm, publish=publish)
     asked = {}
     for i in range(5):
@@ -229,10 +239,13 @@ def test_each_sample_times_its_wait_for_its_first_tokens_and_nothing_is_kept(llm
     three = SamplingParams(max_tokens=6, ignore_eos=True, n=3, temperature=1.0, seed=1)
     loop.enqueue("s", [5, 6, 7], three)
     loop.enqueue("late", [8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
-    for _ in range(3):  # (steps published after it was queued: a step boundary admitted it)
-        assert steps.acquire(timeout=60)
+    queued.set()
+    deadline = time.monotonic() + 60
+    while "late" not in loop._since and time.monotonic() < deadline:
+        time.sleep(0.001)  # (admitted at the step boundary after the first step)
     assert "late" in loop._since and not any(e.request_id == "late" for _, e in seen)
     loop.abort("late")
+    aborted.set()
     assert done.wait(120), f"never ended: {ids - ended}"
     assert loop._since == {}
     assert loop.stop()

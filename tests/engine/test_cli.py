@@ -297,7 +297,7 @@ def collections_until_report(code: str) -> tuple[int, bool, bool]:
 
 def test_generate_imports_and_builds_without_collections_until_its_graphs_are_captured():
     # From the command's start to its engine's capture, the cyclic collector is held off
-    # (each collection on the way walked everything imported so far again; api.heap),
+    # (each collection on the way walked everything imported so far again; core.heap),
     # and on again once the capture begins (a capture pauses and resumes it itself): at
     # most the few before the command reaches its imports, against 386 without.
     got = collections_until_report(

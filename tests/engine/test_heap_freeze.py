@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 from ostinato.engine import LLM
-from ostinato.engine.api.heap import quiet_start
+from ostinato.engine.core.heap import quiet_start
 
 
 class Cycle:
@@ -98,3 +98,49 @@ def test_a_build_s_quiet_start_ends_before_its_graphs_are_captured(clean_collect
     llm = LLM("tiny", device="cpu", max_model_len=64, max_num_seqs=4, progress=False)
     llm.close()
     assert seen == [(True, True)]
+
+
+def _collector_on() -> bool:
+    return gc.isenabled()
+
+
+class _SeesTheCollector:
+    """Unpickles into whether the collector was on while it was unpickled (as a module's
+    import would run, in a spawned worker's unpickling of its target)."""
+
+    def __reduce__(self):
+        return (_collector_on, ())
+
+
+_calls: list[tuple] = []
+
+
+def _target(*args) -> None:
+    _calls.append((args, gc.isenabled(), gc.get_freeze_count() > 0))
+
+
+def test_a_spawned_target_is_unpickled_without_collections_then_called(clean_collector):
+    import pickle
+
+    from ostinato.engine.core.heap import call_unpickled
+
+    _calls.clear()
+    call_unpickled(pickle.dumps((_target, (_SeesTheCollector(), "lead"))), "pipe", 7)
+    assert _calls == [((False, "lead", "pipe", 7), True, True)], (
+        "unpickled with the collector on, or called before its heap was frozen, or the "
+        "arguments out of order"
+    )
+
+
+def test_the_worker_processes_target_imports_nothing_heavy():
+    # The module a spawned worker's target names is imported before any code of ours runs,
+    # with the collector on: it must not import torch.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ostinato.engine.core.heap; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -44,9 +44,9 @@ from ostinato.engine.api.engine_args import (
     parse_mode,
     resolve_device,
 )
-from ostinato.engine.api.heap import freeze_heap, quiet_start
 from ostinato.engine.api.lora_registry import LoraRegistry
 from ostinato.engine.api.prompts import decode_text
+from ostinato.engine.core.heap import freeze_heap, quiet_start
 from ostinato.engine.core.kv_cache import BlockPool, KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.lora_slots import LoraSlots

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ostinato.engine.api.early_start import start_early
-from ostinato.engine.api.heap import quiet_start
 from ostinato.engine.cli.args import (
     DefaultsHelp,
     OneLineParser,
@@ -28,6 +27,7 @@ from ostinato.engine.cli.args import (
     int_list,
     positive_int,
 )
+from ostinato.engine.core.heap import quiet_start
 
 DEFAULT_QUESTION = "What is the capital of France?"
 

@@ -1,1 +1,2 @@
-"""What the engine decides on the host: requests, the scheduler, KV blocks, limits."""
+"""What the engine decides on the host: requests, the scheduler, KV blocks, limits, and the
+process's collector around a start."""

@@ -15,6 +15,7 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -26,6 +27,7 @@ from typing import Any
 
 from ostinato.distributed.failure import ParallelError, RankFailure, describe
 from ostinato.distributed.groups import local_launch_env
+from ostinato.engine.core.heap import call_unpickled
 from ostinato.engine.parallel.step_mirror import END, STEP, StepFollower
 
 
@@ -91,9 +93,12 @@ class WorkerPool:
             ours, theirs = ctx.Pipe()
             self.beats[rank] = beat = ctx.Value("d", 0.0, lock=False)  # 0: not beating yet
             env = local_launch_env(rank, world_size, port)
+            # The target as bytes: its unpickling imports torch and the engine's modules,
+            # which ``call_unpickled`` runs without collections (``heap.quiet_start``).
+            target = pickle.dumps((worker_main, (rank, env, engine, engine_args)))
             proc = ctx.Process(
-                target=worker_main,
-                args=(rank, env, engine, engine_args, theirs, beat),
+                target=call_unpickled,
+                args=(target, theirs, beat),
                 name=f"ostinato-rank{rank}",
                 daemon=True,
             )

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from ostinato import switch_interval
 from ostinato.engine.api.early_start import start_early
-from ostinato.engine.api.heap import quiet_start
 from ostinato.engine.api.prompts import Prompt, chat_ids, decode_text
+from ostinato.engine.core.heap import quiet_start
 from ostinato.engine.core.params import SamplingParams
 
 if TYPE_CHECKING:  # (imported where used: see the module docstring)

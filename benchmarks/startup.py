@@ -285,13 +285,31 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     ]
 
 
+def with_fills(
+    chosen: list[tuple[str, list[str], str]], every: list[tuple[str, list[str], str]]
+) -> list[tuple[str, list[str], str]]:
+    """``chosen`` with, before a run on filled caches whose folder no earlier chosen run
+    fills, the run that fills it in ``every`` (its key's first, on empty caches): else a
+    fresh folder's first "filled" run would start with every cache empty."""
+    out: list[tuple[str, list[str], str]] = []
+    for run in chosen:
+        if "filled" in run[0] and all(key != run[2] for _, _, key in out):
+            out.append(next(s for s in every if s[2] == run[2]))
+        out.append(run)
+    return out
+
+
 def planned(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
-    """The scenarios ``--only`` names and ``--skip`` does not, ``--rounds`` times over
-    (the later rounds without the empty-cache ones, each name marked with its round)."""
-    parts = args.only
-    chosen = [s for s in scenarios(args) if parts is None or any(p in s[0] for p in parts)]
+    """The scenarios ``--only`` names and ``--skip`` does not, each filled-cache run
+    after one that fills its folder (``with_fills``, unless ``--root`` names a folder),
+    ``--rounds`` times over (the later rounds without the empty-cache ones, each name
+    marked with its round)."""
+    parts, every = args.only, scenarios(args)
+    chosen = [s for s in every if parts is None or any(p in s[0] for p in parts)]
     chosen = [s for s in chosen if not any(p in s[0] for p in args.skip)]
-    later = [s for s in chosen if "caches empty" not in s[0]]
+    if getattr(args, "root", None) is None:
+        chosen = with_fills(chosen, every)
+    later = [s for s in chosen if " empty" not in s[0]]  # (caches, or the peer's bytecode)
     again = [(f"{n} #{r}", c, k) for r in range(2, args.rounds + 1) for n, c, k in later]
     return chosen + again
 

@@ -27,6 +27,23 @@ def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
     assert [n for n in names if "#" in n] == [f"{n} #2" for n in first if "empty" not in n]
 
 
+def test_a_run_on_filled_caches_comes_after_the_run_that_fills_its_folder():
+    args = argparse.Namespace(
+        device="cuda", max_tokens=8, only=["filled"], skip=["no bytecode"], rounds=2
+    )
+    plan = planned(args)
+    for i, (name, _, key) in enumerate(plan):
+        earlier = [n for n, _, k in plan[:i] if k == key]
+        assert "filled" not in name or earlier, name
+    names = [name for name, _, _ in plan]
+    assert names[:2] == ["smollm2 default, caches empty", "smollm2 default, caches filled"]
+    assert "llama-1.5b default, caches empty" in names
+    assert not [n for n in names if "#" in n and "empty" in n]
+    # (a folder given with --root holds what an earlier invocation filled)
+    args.root = "somewhere"
+    assert planned(args)[0][0] == "smollm2 default, caches filled"
+
+
 def test_a_chosen_name_may_hold_commas():
     args = argparse.Namespace(
         device="cuda", max_tokens=8, only=["smollm2 default, caches empty"], skip=[], rounds=1

@@ -44,6 +44,11 @@ sizes they change). It takes the device and the turn for one unit of work at a t
 that never pause, after ``UNIT_SPACING`` times the last unit's hold (so short units come
 often and long ones rarely: about a tenth of the time held either way).
 
+Last, ``settle`` may run on the thread, without the turn, once all of that has ended
+without a stop or a failed item: the engine collects and freezes its heap there, since what
+the thread made (graphs, compiled kernels, plans) lives as long as the graphs, and every
+later full collection would walk it again.
+
 Guarantees: the thread stops after the item (or unit) in progress when asked (``stop``);
 a failure of any item releases every graph of the manager, is logged with its reason and
 kept in ``error``, and the steps go on eagerly; a failure of ``afterwards`` is logged
@@ -247,7 +252,8 @@ class BackgroundCapture:
     unit of its own: a step waits for one size, not for all); ``afterwards``, if given,
     runs after it (module docstring); ``beside``: ``capture_one`` warms up and records
     beside the steps, its hold of the turn brief, so items are paced as units are
-    (module docstring).
+    (module docstring); ``settle``, if given, runs last, before ``done`` is set (module
+    docstring; a failure of it is logged and nothing else).
     """
 
     def __init__(
@@ -260,8 +266,10 @@ class BackgroundCapture:
         epilogue: InUnits | None = None,
         afterwards: InUnits | None = None,
         beside: bool = False,
+        settle: Callable[[], None] | None = None,
     ) -> None:
         self.total = len(plan)
+        self._settle = settle
         self._beside = beside
         self.captured = 0
         self.error: BaseException | None = None
@@ -363,6 +371,7 @@ class BackgroundCapture:
                     if self._afterwards is not None and not self._stop.is_set():
                         logger.info("ostinato: %s", self.summary())
                     self._after()
+            self._settled()
         except BaseException as exc:  # the thread's end: nothing above it would see it
             self.error = exc
             with self._turn.capturing():
@@ -390,6 +399,18 @@ class BackgroundCapture:
         except Exception as exc:
             self.afterwards_error = exc
             logger.warning("ostinato: after the capture: %s; the graphs serve on", exc)
+
+    def _settled(self) -> None:
+        """Runs ``settle`` unless the thread was asked to stop, holding the device (a
+        collection inside it must not land in another thread's capture, which pauses
+        the collector for that reason); its failure is logged, the graphs untouched."""
+        if self._settle is None or self._stop.is_set():
+            return
+        try:
+            with exclusive_device():
+                self._settle()
+        except Exception as exc:
+            logger.warning("ostinato: settling after the capture failed: %s", exc)
 
     def unit(self) -> contextlib.AbstractContextManager[None]:
         """For ``afterwards``, on the thread: holds the device and the step turn for one

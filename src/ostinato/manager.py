@@ -164,11 +164,13 @@ class GraphManager:
         prologue: Callable[[], None] | None = None,
         epilogue: InUnits | None = None,
         afterwards: InUnits | None = None,
+        settle: Callable[[], None] | None = None,
     ) -> BackgroundCapture:
         """Starts capturing ``capture_plan()`` on a thread and returns at once (see
         ``ostinato.background``); ``prologue`` runs on the thread first, ``epilogue``
         once every graph is captured, and ``afterwards`` after it, each taking the step
-        turn for each unit of its work (the ``unit`` it is called with). The report
+        turn for each unit of its work (the ``unit`` it is called with); ``settle`` last,
+        without the turn, before the capture is ``done`` (not after a stop). The report
         fills as graphs are captured; a failure releases every graph and leaves the
         steps eager. The capture check is refused: its replays would overwrite the
         static outputs of a step in flight (sampling while serving is allowed)."""
@@ -189,6 +191,7 @@ class GraphManager:
             epilogue,
             afterwards,
             beside=self.platform.records_apart and self.warm_step is not None,
+            settle=settle,
         )
         return self.background
 

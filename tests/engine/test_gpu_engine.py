@@ -296,6 +296,24 @@ def test_an_engine_built_while_another_captures_in_the_background_breaks_neither
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+def test_a_background_start_s_graphs_are_frozen_once_ready_and_steps_run_on():
+    # What the capture thread made lives as long as the graphs: frozen before
+    # wait_for_graphs returns (heap.freeze_heap), no later full collection walks it.
+    import gc
+
+    from ostinato.modes import GraphMode
+
+    llm = tiny_engine("full", torch.float32, max_num_seqs=64, capture="background")
+    prompts, params = [[1, 2, 3, 4, 5, 6], [7, 8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)
+    before = [o.token_ids for o in llm.generate(prompts, params)]  # (beside the capture)
+    assert llm.wait_for_graphs(timeout=120), llm.background.summary()
+    manager = llm.engine.runner.manager
+    graphs = [manager.graph(d) for d in manager.dispatcher.keys(GraphMode.FULL)]
+    walked = {id(o) for o in gc.get_objects()}
+    assert graphs and not [g for g in graphs if id(g) in walked] and gc.isenabled()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == before
+
+
 def test_two_engines_capturing_in_the_background_at_once_break_neither(tmp_path):
     # Each engine's background thread synchronizes the device: before its graphs (its
     # kernels compiled ahead), after them (its plans measured, graphs captured again).

@@ -502,6 +502,21 @@ def test_background_capture_gives_the_tokens_of_a_blocking_capture(fake_graphs, 
     llm.close()
 
 
+def test_a_background_start_freezes_what_its_thread_made_before_it_is_done(fake_graphs):
+    """What the capture thread made (the graphs here) lives as long as the engine: frozen
+    (``heap.freeze_heap``) before ``wait_for_graphs`` returns, as a blocking start's is,
+    no later full collection walks it. The collector stays on."""
+    import gc
+
+    llm = engine("full", capture="background", async_scheduling=False)
+    assert llm.wait_for_graphs(timeout=60), llm.background.summary()
+    made = list(fake_graphs.graphs)
+    walked = {id(o) for o in gc.get_objects()}  # (the permanent generation not among them)
+    assert made and not [g for g in made if id(g) in walked]
+    assert gc.isenabled()
+    llm.close()
+
+
 def test_a_background_starts_line_names_the_kernel_plans_it_waited_for(fake_graphs, monkeypatch):
     # With compiled pieces the plans are made before the thread starts (a first start
     # measures them for tens of seconds on a GPU; graphs of the eager model defer them,

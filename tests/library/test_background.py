@@ -574,6 +574,20 @@ def test_a_warm_up_on_inputs_apart_runs_beside_the_steps_and_prepare_holds_the_t
     assert m2.capture_in_background().wait(30) and m2.num_graphs == len(SIZES)
 
 
+def endless(started: threading.Event, units: list):
+    """An ``afterwards`` that takes one unit after another until the thread is stopped
+    (``started`` set at its start, ``units`` counting them)."""
+
+    def afterwards(unit):
+        started.set()
+        while True:
+            with unit():
+                units.append(1)
+            time.sleep(0.001)
+
+    return afterwards
+
+
 def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):
     p, r, m, dispatcher = build()
 
@@ -590,15 +604,7 @@ def test_a_failure_afterwards_keeps_the_graphs_and_a_stop_ends_it(caplog):
 
     p, r, m, dispatcher = build()
     started, units = threading.Event(), []
-
-    def endless(unit):
-        started.set()
-        while True:
-            with unit():
-                units.append(1)
-            time.sleep(0.001)
-
-    capture = m.capture_in_background(afterwards=endless)
+    capture = m.capture_in_background(afterwards=endless(started, units))
     assert started.wait(10)
     m.release()
     assert capture.done and capture.afterwards_error is None and units
@@ -833,3 +839,45 @@ def test_the_collector_runs_on_beside_the_steps_through_the_plan_and_what_follow
     serve_while_capturing(r, m, dispatcher, capture, steps=50, seed=5)
     assert capture.wait(10) and capture.error is None and capture.afterwards_error is None
     assert len(seen) == len(SIZES) + 1 and all(seen) and gc.isenabled()
+
+
+def test_settle_runs_last_without_the_turn_before_done_once_and_not_after_a_stop(caplog):
+    # The engine collects and freezes its heap there: what the thread made lives as long
+    # as the graphs, and every later full collection would walk it again.
+    p, r, m, dispatcher = build()
+    order, seen = [], []
+
+    def afterwards(unit):
+        with unit():
+            order.append("afterwards")
+
+    def settle():
+        order.append("settle")
+        seen.append((m.background.done, _turn_free(m), m.num_graphs))
+
+    capture = m.capture_in_background(
+        epilogue=lambda unit: order.append("epilogue"), afterwards=afterwards, settle=settle
+    )
+    assert capture.wait(10) and capture.error is None
+    assert order == ["epilogue", "afterwards", "settle"]
+    assert seen == [(False, True, len(SIZES))]
+
+    p, r, m, dispatcher = build()
+
+    def failing():
+        raise RuntimeError("no heap today")
+
+    with caplog.at_level(logging.WARNING):
+        capture = m.capture_in_background(settle=failing)
+        assert capture.wait(10)
+    assert capture.error is None and "no heap today" in caplog.text
+    assert m.num_graphs == len(SIZES) and all(serve(r, m, dispatcher, steps=10))
+
+    p, r, m, dispatcher = build()
+    started, settled = threading.Event(), []
+    capture = m.capture_in_background(
+        afterwards=endless(started, []), settle=lambda: settled.append(1)
+    )
+    assert started.wait(10)
+    m.release()
+    assert capture.done and not settled

@@ -17,6 +17,7 @@ from ostinato.config import GraphConfig
 from ostinato.context import current_forward_context, forward_context
 from ostinato.dispatcher import Dispatch
 from ostinato.distributed.agreement import StepAgreement
+from ostinato.engine.core.heap import freeze_heap
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
@@ -376,8 +377,10 @@ class ModelRunner:
         The thread compiles first, on scratch inputs of its own; until it is done, steps
         run the uncompiled model (the same function; Inductor's fused kernels may round
         differently), then the compiled one, eagerly until their size's graph is ready;
-        ``epilogue`` runs on it last, once every graph is ready, holding the step turn
-        inside each ``unit()`` it is given.
+        ``epilogue`` runs on it once every graph is ready, holding the step turn
+        inside each ``unit()`` it is given; then the plans deferred, if any; last, one
+        collection and the heap frozen (``heap.freeze_heap``, as after a blocking start:
+        what the thread made lives as long as the graphs).
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
         if self.model.tp.group is not None or self.ubatch.candidates:
@@ -394,7 +397,9 @@ class ModelRunner:
         after = self.deferred_plans if self.kernel_plan.deferred else None
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
-            return self.manager.capture_in_background(epilogue=epilogue, afterwards=after)
+            return self.manager.capture_in_background(
+                epilogue=epilogue, afterwards=after, settle=freeze_heap
+            )
         self.forward = self.model
 
         self.kernel_plan.steps_meanwhile = self.kernel_plan.compiles_kernels
@@ -404,7 +409,7 @@ class ModelRunner:
             with self.manager.stepping():
                 self.forward = compiled
 
-        return self.manager.capture_in_background(compile_first, epilogue, after)
+        return self.manager.capture_in_background(compile_first, epilogue, after, freeze_heap)
 
     def layer_timer_on(self, inputs: StepInputs, turn: Held) -> StepTimer | None:
         """The layer plan's timer on padding rows of ``inputs``, each timing inside

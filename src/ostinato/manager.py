@@ -182,17 +182,11 @@ class GraphManager:
                 "outputs of a step running meanwhile; verify with a blocking capture(), "
                 "or sample replays while serving (verify='sample')"
             )
+        beside = self.platform.records_apart and self.warm_step is not None
         self.background = BackgroundCapture(
-            self.capture_plan(),
-            self.capture_item,
-            self._release_graphs,
-            self._turn,
-            prologue,
-            epilogue,
-            afterwards,
-            beside=self.platform.records_apart and self.warm_step is not None,
-            settle=settle,
-        )
+            self.capture_plan(), self.capture_item, self._release_graphs, self._turn,
+            prologue, epilogue, afterwards, beside, settle,
+        )  # fmt: skip
         return self.background
 
     def capture_on_steps(self) -> None:

@@ -307,7 +307,7 @@ def planned(args: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     parts, every = args.only, scenarios(args)
     chosen = [s for s in every if parts is None or any(p in s[0] for p in parts)]
     chosen = [s for s in chosen if not any(p in s[0] for p in args.skip)]
-    if getattr(args, "root", None) is None:
+    if args.root is None:
         chosen = with_fills(chosen, every)
     later = [s for s in chosen if " empty" not in s[0]]  # (caches, or the peer's bytecode)
     again = [(f"{n} #{r}", c, k) for r in range(2, args.rounds + 1) for n, c, k in later]

@@ -19,6 +19,7 @@ def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
         only=["llama-1.5b default", "llama-1.5b blocking"],
         skip=[],
         rounds=2,
+        root=None,
     )
     names = [name for name, _, _ in planned(args)]
     first = [n for n in names if "#" not in n]
@@ -29,7 +30,12 @@ def test_later_rounds_repeat_every_chosen_run_but_those_with_empty_caches():
 
 def test_a_run_on_filled_caches_comes_after_the_run_that_fills_its_folder():
     args = argparse.Namespace(
-        device="cuda", max_tokens=8, only=["filled"], skip=["no bytecode"], rounds=2
+        device="cuda",
+        max_tokens=8,
+        only=["filled"],
+        skip=["no bytecode"],
+        rounds=2,
+        root=None,
     )
     plan = planned(args)
     for i, (name, _, key) in enumerate(plan):
@@ -46,7 +52,12 @@ def test_a_run_on_filled_caches_comes_after_the_run_that_fills_its_folder():
 
 def test_a_chosen_name_may_hold_commas():
     args = argparse.Namespace(
-        device="cuda", max_tokens=8, only=["smollm2 default, caches empty"], skip=[], rounds=1
+        device="cuda",
+        max_tokens=8,
+        only=["smollm2 default, caches empty"],
+        skip=[],
+        rounds=1,
+        root=None,
     )
     assert [name for name, _, _ in planned(args)] == [
         "smollm2 default, caches empty",
@@ -57,7 +68,7 @@ def test_a_chosen_name_may_hold_commas():
 def test_skip_leaves_out_the_runs_it_names_among_those_chosen():
     args = argparse.Namespace(
         device="cuda", max_tokens=8, only=["smollm2 default, caches"], skip=["installed", "no "],
-        rounds=1,
+        rounds=1, root=None,
     )  # fmt: skip
     assert [name for name, _, _ in planned(args)] == [
         "smollm2 default, caches empty",

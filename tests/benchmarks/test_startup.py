@@ -93,7 +93,10 @@ def test_a_serve_run_is_timed_to_its_first_streamed_completion():
     run = served("tiny serve", command, env, timeout_s=120, tokens=8)
     assert run.returncode == 0, run.tail  # stopped by SIGINT, cleanly
     assert 0 < run.first_token_s <= run.answer_s <= run.exit_s
-    assert run.phases["total"] > 0 and PORT not in run.command
+    # The start-up line parsed into its phases (printed to a tenth of a second, so a tiny
+    # CPU server's total may read 0.0: bounded, not required positive).
+    assert {"total", "open", "weights"} <= set(run.phases), run.tail
+    assert 0 <= run.phases["total"] <= run.exit_s and PORT not in run.command
 
 
 def test_bytecode_as_installed_is_compiled_into_the_run_s_prefix(tmp_path, monkeypatch):

@@ -144,3 +144,33 @@ def test_the_worker_processes_target_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_build_s_last_freeze_holds_the_device_gate(clean_collector, monkeypatch):
+    # A background thread may be capturing when the build ends; the collection before the
+    # freeze runs finalizers (a tensor's, a graph's) that must not land inside its capture.
+    import threading
+
+    from ostinato.engine.api import startup
+    from ostinato.platform import base
+
+    held, freeze = [], startup.freeze_heap
+
+    def watched() -> None:
+        other = threading.Thread(target=lambda: held.append(not _try_gate(base._device_gate)))
+        other.start()
+        other.join()
+        freeze()
+
+    monkeypatch.setattr(startup, "freeze_heap", watched)
+    llm = LLM("tiny", device="cpu", max_model_len=64, max_num_seqs=4, progress=False)
+    llm.close()
+    assert held == [True], "the build froze its heap with the device gate free"
+
+
+def _try_gate(gate) -> bool:
+    """Whether this thread could take ``gate`` at once (released again if so)."""
+    if gate.acquire(blocking=False):
+        gate.release()
+        return True
+    return False

@@ -541,7 +541,11 @@ def _build_parts(
         with exclusive_device(), isolated:  # (exclusive: its docstring)
             _build_on(parts, c, source, limits, open_s, quiet)
         parts.tokenizer, parts.tokenizer_pending = source.finish(), False
-        freeze_heap()  # (what the blocking capture made too)
+        # What the blocking capture and the tokenizer made too; under the device gate,
+        # because a background thread may be capturing: a collection's finalizers (a
+        # tensor's, a graph's) must not run inside a capture in progress.
+        with exclusive_device():
+            freeze_heap()
     except BaseException:
         parts.release()
         raise

@@ -236,6 +236,19 @@ def _paced_wait(hold_s: float) -> float:
     return min(MAX_WAIT_S, max(PAUSE_S, UNIT_SPACING * hold_s))
 
 
+def run_settle(settle: Callable[[], None] | None) -> None:
+    """Runs ``settle`` (if any) holding the device: a collection inside it must not land
+    in another thread's capture, which pauses the collector for that reason. Its failure
+    is logged, and nothing else: the graphs serve on."""
+    if settle is None:
+        return
+    try:
+        with exclusive_device():
+            settle()
+    except Exception as exc:
+        logger.warning("ostinato: settling after the capture failed: %s", exc)
+
+
 class BackgroundCapture:
     """The capture thread of one ``GraphManager`` (``GraphManager.capture_in_background``).
 
@@ -253,7 +266,8 @@ class BackgroundCapture:
     runs after it (module docstring); ``beside``: ``capture_one`` warms up and records
     beside the steps, its hold of the turn brief, so items are paced as units are
     (module docstring); ``settle``, if given, runs last, before ``done`` is set (module
-    docstring; a failure of it is logged and nothing else).
+    docstring; a failure of it is logged and nothing else). The thread runs from
+    ``start()``.
     """
 
     def __init__(
@@ -291,7 +305,12 @@ class BackgroundCapture:
         self._done = threading.Event()
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="ostinato-capture", daemon=True)
+
+    def start(self) -> BackgroundCapture:
+        """Starts the thread (once; its owner keeps this object first, so that a step
+        asking for the turn meanwhile finds it); returns this object."""
         self._thread.start()
+        return self
 
     @property
     def done(self) -> bool:
@@ -401,16 +420,8 @@ class BackgroundCapture:
             logger.warning("ostinato: after the capture: %s; the graphs serve on", exc)
 
     def _settled(self) -> None:
-        """Runs ``settle`` unless the thread was asked to stop, holding the device (a
-        collection inside it must not land in another thread's capture, which pauses
-        the collector for that reason); its failure is logged, the graphs untouched."""
-        if self._settle is None or self._stop.is_set():
-            return
-        try:
-            with exclusive_device():
-                self._settle()
-        except Exception as exc:
-            logger.warning("ostinato: settling after the capture failed: %s", exc)
+        if not self._stop.is_set():
+            run_settle(self._settle)
 
     def unit(self) -> contextlib.AbstractContextManager[None]:
         """For ``afterwards``, on the thread: holds the device and the step turn for one

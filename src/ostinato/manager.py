@@ -183,11 +183,12 @@ class GraphManager:
                 "or sample replays while serving (verify='sample')"
             )
         beside = self.platform.records_apart and self.warm_step is not None
+        # Kept before its thread starts: a step asking for the turn must find it.
         self.background = BackgroundCapture(
             self.capture_plan(), self.capture_item, self._release_graphs, self._turn,
             prologue, epilogue, afterwards, beside, settle,
         )  # fmt: skip
-        return self.background
+        return self.background.start()
 
     def capture_on_steps(self) -> None:
         """Captures nothing now: ``capture_next``, called by the caller between steps,

@@ -28,6 +28,11 @@ Guarantees:
   (``CaptureReport.pool_bytes``) routes every bucket back to the first stage, releases
   the upgrade's graphs and logs a warning naming why; ``error`` keeps the failure.
 - ``release()`` stops the thread after the item in progress and releases both stages.
+- ``settle``, if given, runs once, last, before ``done`` is set, holding the device and
+  not the turn, where every bucket was decided without a failure or a stop (a failure of
+  it is logged, and nothing else): on the thread, or with ``on_steps`` on the thread of
+  the last advance. The engine collects and freezes its heap there, as after a
+  background capture (what the upgrade made lives as long as its graphs).
 
 With ``on_steps``, the thread only builds the upgrade (``build_upgrade`` may run it
 eagerly, to compile it, but captures nothing): its captures and measurements happen on
@@ -58,7 +63,7 @@ from typing import Any, Protocol
 import torch
 
 from ostinato import steps_first, switch_interval
-from ostinato.background import SWITCH_INTERVAL_S, Turn
+from ostinato.background import SWITCH_INTERVAL_S, Turn, run_settle
 from ostinato.batch import BatchDescriptor, CaptureItem
 from ostinato.dispatcher import Dispatch
 from ostinato.guard import capture_phase
@@ -132,6 +137,7 @@ class StagedRuntime:
         timer: Timer | None = None,
         on_steps: bool = False,
         device_lock: DeviceLock | None = None,
+        settle: Callable[[], None] | None = None,
     ) -> None:
         if repeats < 1 or not 0 <= margin < 1:
             raise ValueError(
@@ -148,6 +154,7 @@ class StagedRuntime:
         self._repeats, self._margin, self._budget = repeats, margin, memory_budget
         self._on_steps = on_steps
         self._device_lock = device_lock  # (held by advance)
+        self._settle = settle
         self._pending: list[CaptureItem] = []  # on_steps: the upgrade's buckets to come
         self._moved: dict[Route, UpgradeDispatch] = {}  # replaced whole, never changed
         self._used: Counter[Asked] = Counter()
@@ -254,8 +261,9 @@ class StagedRuntime:
                 if not isinstance(exc, Exception):  # (a Ctrl-C stays the caller's)
                     self._finish()
                     raise
-            if not self._pending:
-                self._finish()
+            ended = not self._pending
+        if ended:
+            self._finish()  # (without the turn: ``settle`` runs there)
 
     def summary(self) -> str:
         """One line: how far the upgrade is, or why it stopped."""
@@ -307,6 +315,8 @@ class StagedRuntime:
             self._drop_upgrade()
 
     def _finish(self) -> None:
+        if self.error is None and not self._stop.is_set():
+            run_settle(self._settle)
         self.seconds = time.perf_counter() - self._start  # (the summary says done now)
         if self.error is None:
             logger.info("ostinato: %s", self.summary())

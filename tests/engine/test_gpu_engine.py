@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from collector import walked
 from gpu_harness import greedy_tokens, lockstep, pin_fused_layers, tiny_engine
 from hf_models import write_checkpoint
 from workloads import sync_and_async_outputs
@@ -314,8 +315,7 @@ def test_a_background_start_s_graphs_are_frozen_once_ready_and_steps_run_on():
         with contextlib.suppress(KeyError):  # (a key without a graph of its own)
             graphs.append(manager.graph(d))
     assert len(graphs) == manager.num_graphs > 0
-    walked = {id(o) for o in gc.get_objects()}
-    assert not [g for g in graphs if id(g) in walked] and gc.isenabled()
+    assert not walked(graphs) and gc.isenabled()
     assert [o.token_ids for o in llm.generate(prompts, params)] == before
 
 

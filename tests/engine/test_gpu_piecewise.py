@@ -1,7 +1,10 @@
 """GPU tests of piecewise graphs: PIECEWISE and FULL_AND_PIECEWISE vs eager in the engine."""
 
+import gc
+
 import pytest
 import torch
+from collector import walked
 from gpu_harness import greedy_tokens, lockstep, tiny_engine
 
 from ostinato.engine import LLM
@@ -103,6 +106,9 @@ def test_a_staged_start_gives_full_graphs_tokens_before_during_and_after_its_upg
     assert {d.uniform_decode for d in upgrade.decisions} == {True, False}  # both kinds timed
     if timing == "upgrade faster":
         assert upgrade.upgraded == set(upgrade.decisions)
+        # What the upgrade's thread made lives as long as its graphs: frozen before
+        # wait_for_graphs returned (heap.freeze_heap), no later full collection walks it.
+        assert not walked([upgrade.upgrade, upgrade.upgrade.manager]) and gc.isenabled()
     print(upgrade.summary(), sorted((d.num_tokens, d.uniform_decode) for d in upgrade.upgraded))
     assert during == want and greedy_tokens(llm) == want
     assert torch.cuda.max_memory_reserved() <= llm.memory.budget, llm.memory.summary()

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from collector import walked
 from fakes import DenseGraphAttention, copies_into
 from workloads import preempting_mix, sync_and_async_outputs
 
@@ -511,8 +512,7 @@ def test_a_background_start_freezes_what_its_thread_made_before_it_is_done(fake_
     llm = engine("full", capture="background", async_scheduling=False)
     assert llm.wait_for_graphs(timeout=60), llm.background.summary()
     made = list(fake_graphs.graphs)
-    walked = {id(o) for o in gc.get_objects()}  # (the permanent generation not among them)
-    assert made and not [g for g in made if id(g) in walked]
+    assert made and not walked(made)
     assert gc.isenabled()
     llm.close()
 
@@ -629,6 +629,26 @@ def test_staged_capture_serves_at_once_and_upgrades_where_faster(
     assert kinds == ({True, False} if to == "full_and_piecewise" else {False} if faster else set())
     assert tokens(llm, prompts, params) == want
     assert "graph upgrade done" in llm.background.summary()
+    llm.close()
+
+
+def test_a_staged_start_freezes_what_its_upgrade_made_before_it_is_done(fake_graphs, monkeypatch):
+    """The upgrade's graphs live as long as the engine: frozen before ``wait_for_graphs``
+    returns, as a background start's are. The collector stays on."""
+    import gc
+
+    from ostinato import staged
+
+    def timer(runtime, dispatch, rows, meta):
+        runtime.manager.run(dispatch, rows, meta)
+        return 1.0 if runtime.mode is GraphMode.FULL else 0.5
+
+    monkeypatch.setattr(staged, "wall_timer", timer)
+    llm = engine("piecewise", compiler="eager", capture="staged", async_scheduling=False)
+    first = len(fake_graphs.graphs)
+    assert llm.wait_for_graphs(timeout=120), llm.background.summary()
+    made = fake_graphs.graphs[first:]  # (the upgrade's)
+    assert made and llm.background.upgraded and not walked(made) and gc.isenabled()
     llm.close()
 
 

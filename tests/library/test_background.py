@@ -881,3 +881,26 @@ def test_settle_runs_last_without_the_turn_before_done_once_and_not_after_a_stop
     assert started.wait(10)
     m.release()
     assert capture.done and not settled
+
+
+def test_the_manager_keeps_its_capture_before_the_thread_runs(monkeypatch):
+    # A step that asks for the turn once the thread runs must find it: the thread's start
+    # is held here until its prologue has looked (under load it had run before the manager
+    # kept the capture, and a step there would have taken no turn).
+    p, r, m, dispatcher = build()
+    looked, seen = threading.Event(), []
+    start = threading.Thread.start
+
+    def held_start(thread):
+        start(thread)
+        if thread.name == "ostinato-capture":
+            looked.wait(5)
+
+    def prologue():
+        seen.append(m.background is not None)
+        looked.set()
+
+    monkeypatch.setattr(threading.Thread, "start", held_start)
+    capture = m.capture_in_background(prologue)
+    assert capture.wait(10) and capture.error is None
+    assert seen == [True], "the thread ran before the manager kept its capture"

@@ -329,3 +329,66 @@ def test_wait_takes_the_device_lock_before_the_turn_as_a_steps_advance_does():
     assert not stepper.is_alive() and not waiter.is_alive(), "deadlock"
     assert s.done and s.error is None, s.summary()
     s.release()
+
+
+def _turn_free(s) -> bool:
+    """Whether a step on another thread may take ``s``'s turn now (tried for 0.3 s)."""
+
+    def step() -> None:
+        with s.stepping():
+            pass
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    stepper.join(0.3)
+    return not stepper.is_alive()
+
+
+@pytest.mark.parametrize("on_steps", [False, True])
+def test_settle_runs_once_last_without_the_turn_before_done(on_steps):
+    # The engine collects and freezes its heap there: what the upgrade made lives as long
+    # as its graphs. On the thread, or with on_steps on the thread of the last advance.
+    r, seen = Runner(), []
+
+    def settle():
+        seen.append((s.done, len(s.decisions), _turn_free(s), threading.current_thread()))
+
+    s = staged(r, timer=fast_below(4), repeats=1, on_steps=on_steps, settle=settle)
+    assert s.wait(30) and s.error is None, s.summary()
+    assert len(seen) == 1
+    done, decided, free, thread = seen[0]
+    assert not done and decided == len(SIZES) and free
+    assert (thread is threading.current_thread()) == on_steps
+    s.release()
+    assert len(seen) == 1
+
+
+def test_settle_runs_not_after_a_failure_or_a_stop_and_its_own_failure_is_logged(caplog):
+    r, settled = Runner(), []
+
+    def broken():
+        raise RuntimeError("the compiler failed")
+
+    s = staged(r, build=broken, settle=lambda: settled.append(1))
+    assert s.wait(30) and s.error is not None and not settled
+    s.release()
+    started = threading.Event()
+
+    def slow():
+        started.set()
+        threading.Event().wait(0.5)  # (released meanwhile)
+        return runtime(r, "upgrade", GraphMode.FULL, FakePlatform())
+
+    s = staged(r, build=slow, timer=fast_below(4), settle=lambda: settled.append(1))
+    assert started.wait(10)
+    s.release(30)
+    assert not settled
+
+    def failing():
+        raise RuntimeError("no heap today")
+
+    with caplog.at_level(logging.WARNING, logger="ostinato"):
+        s = staged(r, timer=fast_below(4), repeats=1, settle=failing)
+        assert s.wait(30)
+    assert s.error is None and s.upgraded and "no heap today" in caplog.text
+    s.release()

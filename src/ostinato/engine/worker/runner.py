@@ -425,7 +425,8 @@ class ModelRunner:
         """After ``capture`` (the first stage): starts upgrading the graphs to
         ``config``'s mode, its pieces compiled by ``compiler``, on a thread; each bucket
         moves to the upgrade where it measures faster (``ostinato.staged``), within
-        ``memory_budget`` bytes of graphs. Steps hold ``stepping()`` meanwhile."""
+        ``memory_budget`` bytes of graphs; last, one collection and the heap frozen, as
+        after a background capture. Steps hold ``stepping()`` meanwhile."""
         if self.model.tp.group is not None or self.ubatch.candidates:
             raise ValueError(
                 "capture='staged': not with tensor parallelism or micro-batching, whose "
@@ -437,6 +438,7 @@ class ModelRunner:
             self.upgrade.build,
             prepare=self.dummy_metadata,
             memory_budget=memory_budget,
+            settle=freeze_heap,  # (what the upgrade made lives as long as its graphs)
         )
         return self.staged
 

@@ -652,6 +652,17 @@ def test_a_staged_start_freezes_what_its_upgrade_made_before_it_is_done(fake_gra
     llm.close()
 
 
+def test_a_staged_start_s_line_names_its_first_stage_s_capture(fake_graphs):
+    # Its first stage's graphs are captured before the engine returns (only the upgrade is
+    # on a thread): the line splits that time as a blocking start's does.
+    llm = engine("piecewise", compiler="eager", capture="staged", async_scheduling=False)
+    startup = llm.engine.parts.startup
+    assert not startup.background and startup.capture_s > 0
+    assert f"capture {startup.capture_s:.1f}; kernels" in startup.summary()
+    assert "in the background" not in startup.summary()
+    llm.close()
+
+
 def test_staged_capture_refuses_what_it_cannot_upgrade():
     with pytest.raises(ValueError, match="capture='staged': upgrades to compiled pieces"):
         engine("full", capture="staged")

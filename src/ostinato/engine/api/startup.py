@@ -585,7 +585,8 @@ def _build_on(
         weights_s,
         compile_s,
         time.perf_counter() - capture_start - compile_s,
-        background=parts.background is not None,
+        # (a staged start's first stage is captured here, blocking: its line names it)
+        background=c.capture == "background",
         recording_s=parts.runner.manager.report.seconds,
         sampling_s=sampling_s,
         kernels_s=max(0.0, parts.runner.prepare_seconds - compile_s),

@@ -390,7 +390,8 @@ class BackgroundCapture:
                     if self._afterwards is not None and not self._stop.is_set():
                         logger.info("ostinato: %s", self.summary())
                     self._after()
-            self._settled()
+            if not self._stop.is_set():
+                run_settle(self._settle)
         except BaseException as exc:  # the thread's end: nothing above it would see it
             self.error = exc
             with self._turn.capturing():
@@ -418,10 +419,6 @@ class BackgroundCapture:
         except Exception as exc:
             self.afterwards_error = exc
             logger.warning("ostinato: after the capture: %s; the graphs serve on", exc)
-
-    def _settled(self) -> None:
-        if not self._stop.is_set():
-            run_settle(self._settle)
 
     def unit(self) -> contextlib.AbstractContextManager[None]:
         """For ``afterwards``, on the thread: holds the device and the step turn for one

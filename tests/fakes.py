@@ -242,3 +242,20 @@ def capture_threads(platform: FakePlatform) -> list[threading.Thread]:
 
     platform.capture = capture  # type: ignore[method-assign]
     return seen
+
+
+def turn_free(owner: Any) -> bool:
+    """Whether a step on another thread may take ``owner``'s turn now (``stepping()``: a
+    ``GraphManager``'s or a ``StagedRuntime``'s; tried for 0.3 s). The turn is asked for
+    here, by the caller: a thread that started late would find a background capture done
+    and no turn to take (``stepping()``'s no-op), and must not release one."""
+    turn = owner.stepping()
+
+    def step() -> None:
+        with turn:
+            pass
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    stepper.join(0.3)
+    return not stepper.is_alive()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from fakes import FakePlatform
+from fakes import FakePlatform, turn_free
 
 from ostinato import (
     Dispatcher,
@@ -410,22 +410,6 @@ def test_the_epilogue_holds_the_turn_only_inside_its_units_and_steps_run_between
     assert capture.holds["the epilogue"].count == 3
 
 
-def _turn_free(m) -> bool:
-    """Whether a step may take ``m``'s turn now (a thread tries for 0.3 s). The turn is
-    asked for here, while the capture runs: a thread that started late would find the
-    capture done and no turn to take (``stepping()``'s no-op), and must not release one."""
-    turn = m.stepping()
-
-    def step() -> None:
-        with turn:
-            pass
-
-    stepper = threading.Thread(target=step)
-    stepper.start()
-    stepper.join(0.3)
-    return not stepper.is_alive()
-
-
 def test_an_epilogue_unit_lets_a_recording_apart_run_beside_the_steps():
     # The sampling graphs record inside the epilogue's units with the turn let go
     # (``graph.recorded_apart``): a step runs while one records, and the unit's hold does
@@ -441,11 +425,11 @@ def test_an_epilogue_unit_lets_a_recording_apart_run_beside_the_steps():
             pass  # (no unit: nothing to let go)
         start = time.perf_counter()
         with unit():
-            free.append(_turn_free(m))
+            free.append(turn_free(m))
             with recorded_apart():
-                free.append(_turn_free(m))
+                free.append(turn_free(m))
                 time.sleep(0.4)
-            free.append(_turn_free(m))
+            free.append(turn_free(m))
         spans.append(time.perf_counter() - start)
 
     capture = m.capture_in_background(epilogue=epilogue)
@@ -543,15 +527,15 @@ def test_a_warm_up_on_inputs_apart_runs_beside_the_steps_and_prepare_holds_the_t
     w = torch.zeros(16, 4)  # the warm-up's own inputs
     free: dict[str, list[bool]] = {"warm": [], "prepare": [], "step": []}
 
-    turn_free = lambda: _turn_free(m)  # noqa: E731
+    free_now = lambda: turn_free(m)  # noqa: E731
 
     def warm_step(d):
-        free["warm"].append(turn_free())
+        free["warm"].append(free_now())
         time.sleep(0.3)
         return w[: d.num_tokens] @ r.w
 
     def prepare(d):
-        free["prepare"].append(turn_free())
+        free["prepare"].append(free_now())
         r.prepare(d)
 
     def step(d):
@@ -853,7 +837,7 @@ def test_settle_runs_last_without_the_turn_before_done_once_and_not_after_a_stop
 
     def settle():
         order.append("settle")
-        seen.append((m.background.done, _turn_free(m), m.num_graphs))
+        seen.append((m.background.done, turn_free(m), m.num_graphs))
 
     capture = m.capture_in_background(
         epilogue=lambda unit: order.append("epilogue"), afterwards=afterwards, settle=settle

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from fakes import FakePlatform, capture_threads
+from fakes import FakePlatform, capture_threads, turn_free
 
 from ostinato import GraphConfig, GraphMode, StagedRuntime, build_graph_runtime
 
@@ -331,19 +331,6 @@ def test_wait_takes_the_device_lock_before_the_turn_as_a_steps_advance_does():
     s.release()
 
 
-def _turn_free(s) -> bool:
-    """Whether a step on another thread may take ``s``'s turn now (tried for 0.3 s)."""
-
-    def step() -> None:
-        with s.stepping():
-            pass
-
-    stepper = threading.Thread(target=step)
-    stepper.start()
-    stepper.join(0.3)
-    return not stepper.is_alive()
-
-
 @pytest.mark.parametrize("on_steps", [False, True])
 def test_settle_runs_once_last_without_the_turn_before_done(on_steps):
     # The engine collects and freezes its heap there: what the upgrade made lives as long
@@ -351,7 +338,7 @@ def test_settle_runs_once_last_without_the_turn_before_done(on_steps):
     r, seen = Runner(), []
 
     def settle():
-        seen.append((s.done, len(s.decisions), _turn_free(s), threading.current_thread()))
+        seen.append((s.done, len(s.decisions), turn_free(s), threading.current_thread()))
 
     s = staged(r, timer=fast_below(4), repeats=1, on_steps=on_steps, settle=settle)
     assert s.wait(30) and s.error is None, s.summary()

@@ -49,15 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import decode, report
 
     if args.plot_from:
-        if not args.plot:
-            parser.error("--plot-from needs --plot OUT.png")
-        try:
-            document = json.loads(args.plot_from.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            parser.error(f"argument --plot-from: {args.plot_from} is not JSON ({exc})")
-        report.plot(document, args.plot)
-        print(f"wrote {args.plot}")
-        return 0
+        return _plot_from(args, parser)
     cuda = torch.cuda.is_available()
     cfg, device = _config(args, parser)
     if args.tp > 1:
@@ -78,6 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         report.plot(report.document(result), args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot_from(args: argparse.Namespace, parser: OneLineParser) -> int:
+    """``--plot-from``: the plot of an earlier JSON result, nothing measured."""
+    from benchmarks import report
+
+    if not args.plot:
+        parser.error("--plot-from needs --plot OUT.png")
+    try:
+        document = json.loads(args.plot_from.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        parser.error(f"argument --plot-from: {args.plot_from} is not JSON ({exc})")
+    report.plot(document, args.plot)
+    print(f"wrote {args.plot}")
     return 0
 
 

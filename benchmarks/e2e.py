@@ -319,8 +319,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str]) -> int:
-    """``python -m benchmarks e2e`` with ``argv``; returns the exit status."""
+def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m benchmarks e2e",
         description=__doc__,
@@ -363,6 +362,12 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments, every bad one refused by name; the CPU form where there is no CUDA."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"argument --batch-sizes: sizes must be >= 1, got {args.batch_sizes}")
@@ -391,6 +396,12 @@ def main(argv: list[str]) -> int:
         args.modes, args.dtype = ["none", "none+sampling"][: 1 + sampling], "float32"
         what = "SmolLM2" if args.model == REAL_MODEL else "the tiny shape"
         print(f"CPU form (--quick or no CUDA): {what} in float32, eager only")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """``python -m benchmarks e2e`` with ``argv``; returns the exit status."""
+    args = _parse(argv)
     provenance = asdict(Provenance.collect())
 
     def save(result: E2EResult) -> None:

@@ -9,15 +9,17 @@ burst is short enough that the launch queue never fills, so the numbers are host
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ostinato import BatchDescriptor, GraphConfig, GraphMode, build_graph_runtime
+from ostinato import BatchDescriptor, GraphConfig, GraphMode, GraphRuntime, build_graph_runtime
 from ostinato.provenance import Provenance
 
 TARGET_US = 15.0
@@ -59,8 +61,16 @@ def _burst_samples(fn, bursts: int, burst_len: int) -> list[float]:
     return samples
 
 
-@torch.inference_mode()
-def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
+@dataclass
+class _Rig:
+    """The tiny model's graphs, its persistent input buffer and pinned host ids."""
+
+    graphs: GraphRuntime
+    input_ids: torch.Tensor
+    host_ids: torch.Tensor
+
+
+def _rig(sizes: list[int]) -> _Rig:
     device = torch.device("cuda")
     # A model small enough that device time stays below host time: an embedding and one
     # MLP block over a persistent input buffer, as the demo's runner keeps it.
@@ -70,75 +80,82 @@ def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
     config = GraphConfig(mode=GraphMode.FULL)
     input_ids = torch.zeros(config.largest_size, dtype=torch.long, device=device)
 
-    def step(d: BatchDescriptor) -> torch.Tensor:
+    def forward(d: BatchDescriptor) -> torch.Tensor:
         return model(input_ids[: d.num_tokens])
 
-    graphs = build_graph_runtime(step, config, progress=False)
+    graphs = build_graph_runtime(forward, config, progress=False)
     graphs.manager.capture()
-    manager = graphs.manager
-    dispatch = graphs.dispatch
-    sizes = [1, 3, 8, 13, 32, 100]
     # Step inputs arrive on the host, as token ids from a scheduler, in pinned memory.
     host_ids = torch.randint(0, 1000, (max(sizes),), dtype=torch.long).pin_memory()
+    return _Rig(graphs, input_ids, host_ids)
 
-    plan = dispatch(8)
-    bare = _burst_us(manager.graph(plan.descriptor).replay, bursts, burst_len)
 
-    i = 0
+def _calls(rig: _Rig, sizes: list[int]) -> dict[str, Callable[[], None]]:
+    """The timed calls by name, each taking the next of ``sizes`` in turn."""
+    manager, dispatch = rig.graphs.manager, rig.graphs.dispatch
+    dst, src = rig.input_ids, rig.host_ids
+    # The same copy with both slices built once per size, as a runner can keep them.
+    dst_views = [dst[:n] for n in range(max(sizes) + 1)]
+    src_views = [src[:n] for n in range(max(sizes) + 1)]
+    turn = itertools.cycle(sizes)
 
     def dispatch_only() -> None:
-        nonlocal i
-        dispatch(sizes[i % len(sizes)])
-        i += 1
+        dispatch(next(turn))
 
     def step() -> None:
-        nonlocal i
-        n = sizes[i % len(sizes)]
-        i += 1
+        n = next(turn)
         plan = dispatch(n)
-        input_ids[:n].copy_(host_ids[:n], non_blocking=True)
+        dst[:n].copy_(src[:n], non_blocking=True)
         manager.run(plan, n)
 
     def copy_only() -> None:
-        nonlocal i
-        n = sizes[i % len(sizes)]
-        i += 1
-        input_ids[:n].copy_(host_ids[:n], non_blocking=True)
-
-    # The same copy with both slices built once per size, as a runner can keep them.
-    dst_views = [input_ids[:n] for n in range(max(sizes) + 1)]
-    src_views = [host_ids[:n] for n in range(max(sizes) + 1)]
+        n = next(turn)
+        dst[:n].copy_(src[:n], non_blocking=True)
 
     def copy_prebuilt_views() -> None:
-        nonlocal i
-        n = sizes[i % len(sizes)]
-        i += 1
+        n = next(turn)
         dst_views[n].copy_(src_views[n], non_blocking=True)
 
     def step_with_kept_views() -> None:
-        nonlocal i
-        n = sizes[i % len(sizes)]
-        i += 1
+        n = next(turn)
         plan = dispatch(n)
         dst_views[n].copy_(src_views[n], non_blocking=True)
         manager.run(plan, n)
 
     def plan_and_run() -> None:
-        nonlocal i
-        n = sizes[i % len(sizes)]
-        i += 1
+        n = next(turn)
         manager.run(dispatch(n), n)
 
-    step_samples = sorted(_burst_samples(step, bursts, burst_len))
+    return {
+        f.__name__: f
+        for f in (
+            dispatch_only,
+            step,
+            copy_only,
+            copy_prebuilt_views,
+            step_with_kept_views,
+            plan_and_run,
+        )
+    }
+
+
+@torch.inference_mode()
+def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
+    sizes = [1, 3, 8, 13, 32, 100]
+    rig = _rig(sizes)
+    calls = _calls(rig, sizes)
+    manager = rig.graphs.manager
+    bare = _burst_us(manager.graph(rig.graphs.dispatch(8).descriptor).replay, bursts, burst_len)
+    step_samples = sorted(_burst_samples(calls["step"], bursts, burst_len))
     full_step = statistics.median(step_samples)
-    kept_views_step = _burst_us(step_with_kept_views, bursts, burst_len)
+    kept_views_step = _burst_us(calls["step_with_kept_views"], bursts, burst_len)
     return HostOverhead(
         batch_sizes=sizes,
         bare_replay_us=bare,
-        dispatch_us=_burst_us(dispatch_only, bursts, burst_len),
-        copy_in_us=_burst_us(copy_only, bursts, burst_len),
-        copy_in_prebuilt_views_us=_burst_us(copy_prebuilt_views, bursts, burst_len),
-        plan_and_run_us=_burst_us(plan_and_run, bursts, burst_len),
+        dispatch_us=_burst_us(calls["dispatch_only"], bursts, burst_len),
+        copy_in_us=_burst_us(calls["copy_only"], bursts, burst_len),
+        copy_in_prebuilt_views_us=_burst_us(calls["copy_prebuilt_views"], bursts, burst_len),
+        plan_and_run_us=_burst_us(calls["plan_and_run"], bursts, burst_len),
         step_us=full_step,
         step_p10_us=step_samples[len(step_samples) // 10],
         step_p90_us=step_samples[len(step_samples) * 9 // 10],

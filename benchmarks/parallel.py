@@ -35,6 +35,17 @@ def run_parallel(cfg: BenchConfig, tp: int, profile: bool) -> BenchResult:
         return torch.load(out, weights_only=False)
 
 
+def _merged(merged: BenchResult, result: BenchResult) -> BenchResult:
+    """``merged`` with ``result``'s rows, costs, profiles and notes added to it."""
+    merged.rows += result.rows
+    merged.costs += result.costs
+    merged.profile.update(result.profile)
+    merged.kernels_by_name.update(result.kernels_by_name)
+    merged.notes += result.notes
+    merged.all_reduce_us = merged.all_reduce_us or result.all_reduce_us
+    return merged
+
+
 def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out: str) -> None:
     from benchmarks import decode
     from ostinato.distributed import ParallelConfig, init_parallel, shutdown_parallel
@@ -85,15 +96,7 @@ def _worker(rank: int, tp: int, port: int, cfg: BenchConfig, profile: bool, out:
             fused.release()
         if reducer is not None:
             reducer.release()
-        if merged is None:
-            merged = result
-        else:
-            merged.rows += result.rows
-            merged.costs += result.costs
-            merged.profile.update(result.profile)
-            merged.kernels_by_name.update(result.kernels_by_name)
-            merged.notes += result.notes
-            merged.all_reduce_us = merged.all_reduce_us or result.all_reduce_us
+        merged = result if merged is None else _merged(merged, result)
         torch.cuda.empty_cache()
     if rank == 0:
         torch.save(merged, out)

@@ -49,14 +49,18 @@ def prompts_for(llm: LLM, batch: int) -> list[list[int]]:
     return [base[i % len(base)] + llm.tokenizer.encode(f" (variant {i})") for i in range(batch)]
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = _args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows: list[Row] = []

@@ -188,6 +188,16 @@ def _print_row(row: SpecRow) -> None:
     )
 
 
+NOTES = [
+    "self:N replays its k-step draft loop from one graph per batch size on CUDA; "
+    "'self:N eager' runs the same loop eagerly; draft_ms_per_call compares them",
+    "oracle: drafts are plain decoding's tokens at the same batch size (on a GPU the "
+    "rounding, and so the tokens, of plain decoding can depend on the batch)",
+    "EOS ignored: every request generates new_tokens tokens (short chat answers would "
+    "otherwise make tokens/s measure the prefill)",
+]
+
+
 def run(args: argparse.Namespace) -> SpecResult:
     """Runs every proposer, k and batch size; returns all numbers."""
     from ostinato.engine import LLM, SamplingParams, SpeculativeConfig
@@ -236,18 +246,7 @@ def run(args: argparse.Namespace) -> SpecResult:
             llm = ready(LLM(args.model, speculative=spec, **kw))
             _measure(run, llm, name, k)
             llm.close()
-    result.notes.append(
-        "self:N replays its k-step draft loop from one graph per batch size on CUDA; "
-        "'self:N eager' runs the same loop eagerly; draft_ms_per_call compares them"
-    )
-    result.notes.append(
-        "oracle: drafts are plain decoding's tokens at the same batch size (on a GPU the "
-        "rounding, and so the tokens, of plain decoding can depend on the batch)"
-    )
-    result.notes.append(
-        "EOS ignored: every request generates new_tokens tokens (short chat answers would "
-        "otherwise make tokens/s measure the prefill)"
-    )
+    result.notes += NOTES
     return result
 
 

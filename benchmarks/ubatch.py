@@ -126,7 +126,7 @@ def _comm_ms(setup: Any, rows: int, repeats: int, cuda: bool) -> float:
 
 def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> UbatchResult:
     """Every row, on this rank (all ranks run this in lock-step)."""
-    from benchmarks.decode import BenchConfig, DecodeSetup, time_step
+    from benchmarks.decode import BenchConfig, DecodeSetup
     from ostinato.config import GraphConfig
     from ostinato.engine.core.limits import EngineLimits
     from ostinato.engine.model.presets import shape
@@ -170,29 +170,47 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
                     progress=False,
                     micro_batching=policy,
                 )
-                runner.capture()
-                for t in runner.ubatch.timings:
-                    kept = t.descriptor in runner.ubatch.graphs
-                    n = t.descriptor.num_tokens
-                    result.measured.append((kind, n, t.plain_ms, t.ubatched_ms, kept))
-                    log(
-                        f"{kind:7s} {n:5d} tokens  measured at capture: plain {t.plain_ms:.3f}"
-                        f" ms, split {t.ubatched_ms:.3f} ms -> {'split' if kept else 'plain'}"
-                    )
-                for n in sizes:
-                    step = _steps(setup, kind, n)
-                    before = runner.ubatch.steps
-                    ms, _ = time_step(lambda: runner.execute(step), 2, cfg.repeats, cuda)  # noqa: B023
-                    comm = _comm_ms(setup, n, cfg.repeats, cuda)
-                    row = UbatchRow(kind, n, variant, ms, comm, runner.ubatch.steps > before)
-                    result.rows.append(row)
-                    log(
-                        f"{kind:7s} {n:5d} tokens  overlap {variant:4s} {ms:8.3f} ms  "
-                        f"all-reduces alone {row.comm_ms:7.3f} ms ({row.comm_share:4.0%})"
-                        f"  {'split' if row.ubatched else 'plain'}"
-                    )
+                _time_runner(runner, setup, kind, sizes, variant, cfg, result, log)
                 runner.release()
     return result
+
+
+def _time_runner(
+    runner: Any,
+    setup: Any,
+    kind: str,
+    sizes: list[int],
+    variant: str,
+    cfg: UbatchConfig,
+    result: UbatchResult,
+    log: Any,
+) -> None:
+    """Capture ``runner``'s graphs (recording what its measurement chose), then time a
+    step of each of ``sizes`` into ``result``."""
+    from benchmarks.decode import time_step
+
+    cuda = setup.device.type == "cuda"
+    runner.capture()
+    for t in runner.ubatch.timings:
+        kept = t.descriptor in runner.ubatch.graphs
+        n = t.descriptor.num_tokens
+        result.measured.append((kind, n, t.plain_ms, t.ubatched_ms, kept))
+        log(
+            f"{kind:7s} {n:5d} tokens  measured at capture: plain {t.plain_ms:.3f}"
+            f" ms, split {t.ubatched_ms:.3f} ms -> {'split' if kept else 'plain'}"
+        )
+    for n in sizes:
+        step = _steps(setup, kind, n)
+        before = runner.ubatch.steps
+        ms, _ = time_step(lambda: runner.execute(step), 2, cfg.repeats, cuda)  # noqa: B023
+        comm = _comm_ms(setup, n, cfg.repeats, cuda)
+        row = UbatchRow(kind, n, variant, ms, comm, runner.ubatch.steps > before)
+        result.rows.append(row)
+        log(
+            f"{kind:7s} {n:5d} tokens  overlap {variant:4s} {ms:8.3f} ms  "
+            f"all-reduces alone {row.comm_ms:7.3f} ms ({row.comm_share:4.0%})"
+            f"  {'split' if row.ubatched else 'plain'}"
+        )
 
 
 def _worker(rank: int, cfg: UbatchConfig, port: int, out: str) -> None:
@@ -328,8 +346,7 @@ def plot(result: UbatchResult, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str]) -> int:
-    """``python -m benchmarks ubatch ...``; returns the exit status."""
+def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m benchmarks ubatch",
         description=__doc__,
@@ -347,6 +364,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--from-json", type=Path, help="measure nothing: plot this earlier --out to --plot"
     )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``python -m benchmarks ubatch ...``; returns the exit status."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.from_json:
         if not args.plot:

@@ -272,6 +272,8 @@ def test_a_launch_beside_the_workers_asks_them_first_and_reads_their_cache(
     """While a block's kernels compile in the workers, a real launch on another thread
     (a step of a background start) that needs a kernel gets it from the workers, ahead
     of their queue, and reads it from the disk cache: nothing compiles in this process."""
+    # Over 60 lines: the two launches, the step's thread and the counters they fill are
+    # one scene; apart, each part would need the others' patches.
     import torch
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import MockTensor

@@ -7,6 +7,7 @@ import gc
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -627,6 +628,8 @@ def test_a_device_sync_beside_another_threads_capture_waits_for_its_end():
 
 
 def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkeypatch):
+    # Over 60 lines: the stand-ins for CUDA's graph, events and the turn are what the
+    # assertions read, in one place.
     # graph_call_us with a turn: the captures (which run nothing) outside the step turn;
     # one held replay of one call first says how many calls fit HELD_REPLAY_US; then each
     # timed replay queued in a hold of its own, behind a spin queued in the same hold, and
@@ -705,20 +708,28 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
     assert len(log) == size
 
 
-def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatch):
-    # Each timing graph in a pool of its own left its memory cached once deleted (41 GiB
-    # over the 8 B shape's GEMM plans): inside ``timing_pool`` every capture of the thread
-    # goes to one pool per device, made at its first capture there, held by a keeper
-    # graph of one kernel captured first (PyTorch 2.11 asserts at a capture into a pool
-    # whose graphs all went), and dropped (its memory freed) once, when the outermost one
-    # ends; a graph_call_us outside any has a pool of its own, dropped as it returns; a
-    # capture that fails to end leaves its pool (the routing ended) for a fresh one. An
-    # engine measures on its own device (``torch.cuda.device``), not always the current
-    # one. The CUDA calls are stand-ins here (the GPU test:
-    # test_gpu_core's test_a_measurements_timing_graphs_leave_about_one_graphs_memory_behind).
+@dataclass
+class FakeTimingCuda:
+    """What the stand-ins for CUDA's pools, graphs and events recorded: pools made and
+    freed, captures (with their pool), keeper kernels, ends of routing; ``fails`` holds
+    the errors the next captures' ends raise; ``device`` the current device."""
+
+    log: list = field(default_factory=list)
+    fails: list = field(default_factory=list)
+    device: list = field(default_factory=lambda: [0])
+
+    @staticmethod
+    def opened(n: int) -> list:
+        """A pool made, its keeper graph captured into it and its one kernel."""
+        return [("pool", (0, n)), ("capture", (0, n)), ("keeper",)]
+
+
+@pytest.fixture
+def fake_timing_cuda(monkeypatch) -> FakeTimingCuda:
     from ostinato.platform import cuda
 
-    log, ids, fails = [], iter(range(1, 100)), []
+    fake, ids = FakeTimingCuda(), iter(range(1, 100))
+    log = fake.log
 
     class Pool:
         def __init__(self):
@@ -733,8 +744,8 @@ def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatc
             log.append(("capture", pool))
 
         def capture_end(self):
-            if fails:
-                raise RuntimeError(fails.pop())
+            if fake.fails:
+                raise RuntimeError(fake.fails.pop())
 
         def replay(self):
             pass
@@ -758,15 +769,27 @@ def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatc
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("keeper",)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    device = [0]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.device[0])
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "_side_stream", lambda: None)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: log.append(("end", p)))
+    return fake
 
-    def opened(n):
-        return [("pool", (0, n)), ("capture", (0, n)), ("keeper",)]
 
+# Each timing graph in a pool of its own left its memory cached once deleted (41 GiB over
+# the 8 B shape's GEMM plans): inside ``timing_pool`` every capture of the thread goes to
+# one pool per device, made at its first capture there, held by a keeper graph of one
+# kernel captured first (PyTorch 2.11 asserts at a capture into a pool whose graphs all
+# went), and dropped (its memory freed) once, when the outermost one ends. The CUDA calls
+# are stand-ins here (the GPU test: test_gpu_core's
+# test_a_measurements_timing_graphs_leave_about_one_graphs_memory_behind).
+
+
+def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(fake_timing_cuda):
+    # ... and a graph_call_us outside any pool has a pool of its own, dropped as it returns.
+    from ostinato.platform import cuda
+
+    log, opened = fake_timing_cuda.log, fake_timing_cuda.opened
     with cuda.timing_pool():
         cuda.graph_call_us(lambda: None, 2)
         with cuda.timing_pool():
@@ -778,17 +801,32 @@ def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatc
     cuda.graph_call_us(lambda: None, 2)
     assert log == [*opened(2), ("capture", (0, 2)), ("freed", (0, 2))]
     log.clear()
+    cuda.captured_calls(lambda: None, 1)  # outside any: a pool of its own
+    assert log[-1] == ("capture", None)
+
+
+def test_a_timing_capture_that_fails_to_end_leaves_its_pool_for_a_fresh_one(fake_timing_cuda):
+    from ostinato.platform import cuda
+
+    log, opened = fake_timing_cuda.log, fake_timing_cuda.opened
     with cuda.timing_pool():
         cuda.captured_calls(lambda: None, 1)
-        fails.append("capture failed")
+        fake_timing_cuda.fails.append("capture failed")
         with pytest.raises(RuntimeError, match="capture failed"):
             cuda.captured_calls(lambda: None, 1)
         cuda.captured_calls(lambda: None, 1)
-    failed = [("capture", (0, 3)), ("end", (0, 3)), ("freed", (0, 3))]
-    assert log == [*opened(3), ("capture", (0, 3)), *failed, *opened(4), ("capture", (0, 4)),
-                   ("freed", (0, 4))]  # fmt: skip
-    log.clear()
-    with cuda.timing_pool():  # a pool per device, each made at its first capture
+    failed = [("capture", (0, 1)), ("end", (0, 1)), ("freed", (0, 1))]
+    assert log == [*opened(1), ("capture", (0, 1)), *failed, *opened(2), ("capture", (0, 2)),
+                   ("freed", (0, 2))]  # fmt: skip
+
+
+def test_a_timing_pool_is_made_per_device_at_its_first_capture_there(fake_timing_cuda):
+    # An engine measures on its own device (``torch.cuda.device``), not always the
+    # current one.
+    from ostinato.platform import cuda
+
+    log, opened, device = fake_timing_cuda.log, fake_timing_cuda.opened, fake_timing_cuda.device
+    with cuda.timing_pool():
         assert log == []
         device[0] = 1
         cuda.captured_calls(lambda: None, 1)
@@ -796,10 +834,8 @@ def test_a_measurements_timing_graphs_share_one_pool_freed_at_its_end(monkeypatc
         cuda.captured_calls(lambda: None, 1)
         device[0] = 1
         cuda.captured_calls(lambda: None, 1)
-    assert log == [*opened(5), ("capture", (0, 5)), *opened(6), ("capture", (0, 6)),
-                   ("capture", (0, 5)), ("freed", (0, 5)), ("freed", (0, 6))]  # fmt: skip
-    cuda.captured_calls(lambda: None, 1)  # outside any: a pool of its own
-    assert log[-1] == ("capture", None)
+    assert log == [*opened(1), ("capture", (0, 1)), *opened(2), ("capture", (0, 2)),
+                   ("capture", (0, 1)), ("freed", (0, 1)), ("freed", (0, 2))]  # fmt: skip
 
 
 def test_the_collector_runs_on_beside_the_steps_through_the_plan_and_what_follows():

@@ -257,6 +257,65 @@ def test_a_function_over_60_lines_says_why():
     assert not unexplained, f"split these or say why they are long: {unexplained}"
 
 
+def _undocumented(tree: ast.Module, documented_methods: set[str]) -> list[ast.AST]:
+    """Public module-level functions and classes without a docstring, and public methods
+    without one that are neither properties, nor overrides (a method of that name is
+    documented in another class of the package), nor named in their class's docstring."""
+    missing: list[ast.AST] = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+            continue
+        if ast.get_docstring(node) is None:
+            missing.append(node)
+        if not isinstance(node, ast.ClassDef):
+            continue
+        told = ast.get_docstring(node) or ""
+        for m in node.body:
+            if (
+                isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and not m.name.startswith("_")
+                and ast.get_docstring(m) is None
+                and m.name not in documented_methods
+                and f"``{m.name}" not in told
+                and not any(ast.unparse(d) == "property" for d in m.decorator_list)
+            ):
+                missing.append(m)
+    return missing
+
+
+def test_every_public_class_and_function_says_what_it_guarantees():
+    trees = {p: ast.parse(p.read_text()) for p in (SRC / "ostinato").rglob("*.py")}
+    documented = {
+        m.name
+        for tree in trees.values()
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef)
+        for m in c.body
+        if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(m)
+    }
+    missing = [
+        f"{path.relative_to(SRC)}:{node.lineno} {node.name}"
+        for path, tree in trees.items()
+        for node in _undocumented(tree, documented | {"forward", "__call__"})
+    ]
+    assert not missing, f"write a docstring (what it guarantees) for: {missing}"
+
+
+def test_the_docstring_rule_finds_what_lacks_one():
+    source = '''
+def f(): pass
+class A:
+    """``g`` is told."""
+    def g(self): pass
+    def h(self): pass
+    def over(self): pass
+    @property
+    def p(self): pass
+def _private(): pass
+'''
+    assert [n.name for n in _undocumented(ast.parse(source), {"over"})] == ["f", "h"]
+
+
 def test_no_class_over_500_lines():
     big = [
         f"{path.relative_to(SRC.parent)}:{node.name} ({n} lines)"

@@ -260,6 +260,8 @@ class _WeakBackend:
 
 
 def forget_entry(code: types.CodeType, entry_globals: dict[str, Any]) -> None:
+    """Drops Dynamo's cached entries for ``code`` (where this torch can) and the module
+    its globals held, so a released compiled model keeps nothing alive."""
     reset_code = getattr(torch._dynamo, "reset_code", None)
     if reset_code is not None:  # without it the module still goes with its global
         reset_code(code)

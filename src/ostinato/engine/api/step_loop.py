@@ -156,6 +156,8 @@ class StepLoop:
             done.synchronize()
 
     def count(self, step: ScheduledBatch, got: list[int | list[int]]) -> None:
+        """Adds ``step``'s verified drafts to ``spec_stats``: drafted, accepted (the tokens
+        ``got`` beyond the one a target step makes anyway) and verifications."""
         stats = self.spec_stats
         for s, tokens in zip(step.scheduled, got, strict=True):
             if s.draft and isinstance(tokens, list):

@@ -208,6 +208,8 @@ def tokenizer_build(path: Path, fields: Mapping[str, Any]) -> TokenizerBuiltHere
 
 
 def main() -> None:
+    """The child's entry (``argv``: the GGUF file, the folder): saves the file's tokenizer
+    to the folder, or exits with ``NO_TRANSFORMERS`` where the file has none."""
     from ostinato.engine.loading.gguf_file import GGUFCheckpoint
 
     path, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -44,6 +44,7 @@ def rms_norm_reference(
 
 
 def check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    """Raises ValueError unless ``residual`` has ``x``'s shape and dtype."""
     # Every implementation (the fused ops' too): torch's add would broadcast a mismatched
     # residual silently.
     if x.shape != residual.shape or x.dtype != residual.dtype:

@@ -35,12 +35,17 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
 
 
 class RequestBody(BaseModel):
+    """The fields both OpenAI routes take, strictly typed (no string for a number, no
+    number for a bool); an unknown field is refused by name."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -159,6 +164,8 @@ def _message_text(value: Any) -> str:
 
 
 class CompletionBody(RequestBody):
+    """A ``/v1/completions`` body: one prompt or a list (texts or token ids)."""
+
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], PlainValidator(_prompt_shape)]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
@@ -175,6 +182,8 @@ class CompletionBody(RequestBody):
         return list(p)
 
     def asked_logprobs(self) -> int | None:
+        """The alternatives per token asked for (0: the chosen token's only), or None for
+        no log probabilities; ValueError with ``echo``."""
         if self.logprobs is not None and self.echo:
             raise ValueError(
                 "logprobs: not with echo (the prompt's log probabilities are not computed)"
@@ -183,6 +192,8 @@ class CompletionBody(RequestBody):
 
 
 class ChatMessage(BaseModel):
+    """One message of a chat: a known role and its text (a string or text parts)."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -196,6 +207,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(RequestBody):
+    """A ``/v1/chat/completions`` body: at least one message."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -206,6 +219,8 @@ class ChatBody(RequestBody):
     response_format: dict[str, Any] | None = None
 
     def asked_logprobs(self) -> int | None:
+        """The alternatives per token asked for (``top_logprobs``, 0 if not given) where
+        ``logprobs`` is true, else None; ValueError for ``top_logprobs`` without it."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -54,6 +54,7 @@ class LoopStats:
     publish_seconds: float = 0.0  # handing the steps' tokens on (``publish``)
 
     def record_step(self, seconds: float) -> None:
+        """Counts one step of ``seconds``."""
         self.steps += 1
         self.step_seconds.append(seconds)
         self.busy_seconds += seconds
@@ -291,6 +292,9 @@ class Handles:
             return list(self._by_id)
 
     def deliver(self, events: list[TokenEvent]) -> None:
+        """Hands each event's log probabilities, timing and tokens to its request's handle
+        (an event of a request no longer open is dropped) and ends the handles of the
+        events that end; the waiting readers are woken after the lock is let go."""
         post = _Post()
         with self._lock:
             for e in events:

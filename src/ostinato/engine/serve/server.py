@@ -35,6 +35,8 @@ class DrainingServer(uvicorn.Server):
         self._timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A first signal stops accepting and starts the grace timer; a second ends every
+        request in flight at once."""
         # (Not uvicorn's: its second Ctrl-C cancels the streams mid-answer, and the
         # signals it captured are raised again at its end, a non-zero exit.)
         if self.should_exit:

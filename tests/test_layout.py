@@ -220,12 +220,13 @@ def test_engine_sub_packages_are_layered_with_no_loop():
 
 # The length rules hold for every wing and for the tests and scripts beside them.
 CODE = [SRC / "ostinato", *(SRC.parent / d for d in ("benchmarks", "tests", "scripts"))]
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _functions_and_classes():
     for path in (p for root in CODE for p in root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if isinstance(node, DEFINITIONS):
                 yield path, node, node.end_lineno - node.lineno + 1
 
 
@@ -263,7 +264,7 @@ def _undocumented(tree: ast.Module, documented_methods: set[str]) -> list[ast.AS
     documented in another class of the package), nor named in their class's docstring."""
     missing: list[ast.AST] = []
     for node in tree.body:
-        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+        if not isinstance(node, DEFINITIONS) or node.name.startswith("_"):
             continue
         if ast.get_docstring(node) is None:
             missing.append(node)

@@ -90,8 +90,20 @@ def _rig(sizes: list[int]) -> _Rig:
     return _Rig(graphs, input_ids, host_ids)
 
 
-def _calls(rig: _Rig, sizes: list[int]) -> dict[str, Callable[[], None]]:
-    """The timed calls by name, each taking the next of ``sizes`` in turn."""
+@dataclass(frozen=True)
+class _Calls:
+    """The timed calls, each taking the next of the sizes in turn."""
+
+    dispatch_only: Callable[[], None]
+    step: Callable[[], None]
+    copy_only: Callable[[], None]
+    copy_prebuilt_views: Callable[[], None]
+    step_with_kept_views: Callable[[], None]
+    plan_and_run: Callable[[], None]
+
+
+def _calls(rig: _Rig, sizes: list[int]) -> _Calls:
+    """The timed calls over ``rig``, each taking the next of ``sizes`` in turn."""
     manager, dispatch = rig.graphs.manager, rig.graphs.dispatch
     dst, src = rig.input_ids, rig.host_ids
     # The same copy with both slices built once per size, as a runner can keep them.
@@ -126,17 +138,9 @@ def _calls(rig: _Rig, sizes: list[int]) -> dict[str, Callable[[], None]]:
         n = next(turn)
         manager.run(dispatch(n), n)
 
-    return {
-        f.__name__: f
-        for f in (
-            dispatch_only,
-            step,
-            copy_only,
-            copy_prebuilt_views,
-            step_with_kept_views,
-            plan_and_run,
-        )
-    }
+    return _Calls(
+        dispatch_only, step, copy_only, copy_prebuilt_views, step_with_kept_views, plan_and_run
+    )
 
 
 @torch.inference_mode()
@@ -146,16 +150,16 @@ def measure(bursts: int = 200, burst_len: int = 100) -> HostOverhead:
     calls = _calls(rig, sizes)
     manager = rig.graphs.manager
     bare = _burst_us(manager.graph(rig.graphs.dispatch(8).descriptor).replay, bursts, burst_len)
-    step_samples = sorted(_burst_samples(calls["step"], bursts, burst_len))
+    step_samples = sorted(_burst_samples(calls.step, bursts, burst_len))
     full_step = statistics.median(step_samples)
-    kept_views_step = _burst_us(calls["step_with_kept_views"], bursts, burst_len)
+    kept_views_step = _burst_us(calls.step_with_kept_views, bursts, burst_len)
     return HostOverhead(
         batch_sizes=sizes,
         bare_replay_us=bare,
-        dispatch_us=_burst_us(calls["dispatch_only"], bursts, burst_len),
-        copy_in_us=_burst_us(calls["copy_only"], bursts, burst_len),
-        copy_in_prebuilt_views_us=_burst_us(calls["copy_prebuilt_views"], bursts, burst_len),
-        plan_and_run_us=_burst_us(calls["plan_and_run"], bursts, burst_len),
+        dispatch_us=_burst_us(calls.dispatch_only, bursts, burst_len),
+        copy_in_us=_burst_us(calls.copy_only, bursts, burst_len),
+        copy_in_prebuilt_views_us=_burst_us(calls.copy_prebuilt_views, bursts, burst_len),
+        plan_and_run_us=_burst_us(calls.plan_and_run, bursts, burst_len),
         step_us=full_step,
         step_p10_us=step_samples[len(step_samples) // 10],
         step_p90_us=step_samples[len(step_samples) * 9 // 10],

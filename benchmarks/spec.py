@@ -188,14 +188,14 @@ def _print_row(row: SpecRow) -> None:
     )
 
 
-NOTES = [
+NOTES = (
     "self:N replays its k-step draft loop from one graph per batch size on CUDA; "
     "'self:N eager' runs the same loop eagerly; draft_ms_per_call compares them",
     "oracle: drafts are plain decoding's tokens at the same batch size (on a GPU the "
     "rounding, and so the tokens, of plain decoding can depend on the batch)",
     "EOS ignored: every request generates new_tokens tokens (short chat answers would "
     "otherwise make tokens/s measure the prefill)",
-]
+)
 
 
 def run(args: argparse.Namespace) -> SpecResult:

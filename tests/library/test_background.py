@@ -712,11 +712,12 @@ def test_a_timing_with_a_turn_captures_outside_it_and_holds_it_per_replay(monkey
 class FakeTimingCuda:
     """What the stand-ins for CUDA's pools, graphs and events recorded: pools made and
     freed, captures (with their pool), keeper kernels, ends of routing; ``fails`` holds
-    the errors the next captures' ends raise; ``device`` the current device."""
+    the errors the next captures' ends raise; ``device`` the current device (set it to
+    move)."""
 
     log: list = field(default_factory=list)
     fails: list = field(default_factory=list)
-    device: list = field(default_factory=lambda: [0])
+    device: int = 0
 
     @staticmethod
     def opened(n: int) -> list:
@@ -769,7 +770,7 @@ def fake_timing_cuda(monkeypatch) -> FakeTimingCuda:
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("keeper",)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.device[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.device)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "_side_stream", lambda: None)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: log.append(("end", p)))
@@ -825,14 +826,15 @@ def test_a_timing_pool_is_made_per_device_at_its_first_capture_there(fake_timing
     # current one.
     from ostinato.platform import cuda
 
-    log, opened, device = fake_timing_cuda.log, fake_timing_cuda.opened, fake_timing_cuda.device
+    fake = fake_timing_cuda
+    log, opened = fake.log, fake.opened
     with cuda.timing_pool():
         assert log == []
-        device[0] = 1
+        fake.device = 1
         cuda.captured_calls(lambda: None, 1)
-        device[0] = 0
+        fake.device = 0
         cuda.captured_calls(lambda: None, 1)
-        device[0] = 1
+        fake.device = 1
         cuda.captured_calls(lambda: None, 1)
     assert log == [*opened(1), ("capture", (0, 1)), *opened(2), ("capture", (0, 2)),
                    ("capture", (0, 1)), ("freed", (0, 1)), ("freed", (0, 2))]  # fmt: skip

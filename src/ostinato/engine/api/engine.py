@@ -236,8 +236,15 @@ class Engine:
 
     def steps(self) -> Iterator[None]:
         """Steps as configured (asynchronously where it applies) until no request is
-        left; yields after each step's tokens are recorded."""
-        return self._steps()
+        left; yields after each step's tokens are recorded. A heap freeze asked for
+        (``ModelRunner.idle_freeze``) runs before the first step and after the last, when
+        no request is running, or between two steps once overdue."""
+        freeze = self.runner.idle_freeze
+        freeze.at_idle()
+        for _ in self._steps():
+            freeze.between_steps()
+            yield
+        freeze.at_idle()
 
     def checked(
         self,

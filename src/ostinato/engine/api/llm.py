@@ -293,13 +293,7 @@ class LLM:
         no call is stepping the engine (``generate`` on another thread, a server's loop),
         the heap freeze it asked for runs before this returns; else at the engine's next
         idle moment (``ModelRunner.idle_freeze``)."""
-        ready = self.engine.wait_for_graphs(timeout)
-        if self._one_call.acquire(blocking=False):
-            try:
-                self.engine.runner.idle_freeze.at_idle()
-            finally:
-                self._one_call.release()
-        return ready
+        return self.engine.wait_for_graphs(timeout, owner=self._one_call)
 
     def replan_graphs(self, budget_bytes: int, granule: int = 1 << 20) -> LadderChange | None:
         """Between calls: the FULL ladder moved to pad least (``Engine.replan_graphs``)."""

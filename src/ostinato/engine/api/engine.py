@@ -249,7 +249,8 @@ class Engine:
             freeze.at_idle()
         finally:
             # An interrupt in these lines does not pass through the inner steps: left
-            # suspended, they would keep the step turn they hold. Closing exits it.
+            # suspended, they kept what they held and another call waited for it
+            # (tests/engine/test_interrupts.py). Closing them lets it go.
             steps.close()
 
     def checked(

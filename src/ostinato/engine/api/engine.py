@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,8 +237,21 @@ class Engine:
 
     def steps(self) -> Iterator[None]:
         """Steps as configured (asynchronously where it applies) until no request is
-        left; yields after each step's tokens are recorded."""
-        return self._steps()
+        left; yields after each step's tokens are recorded. A heap freeze asked for
+        (``ModelRunner.idle_freeze``) runs before the first step and after the last, when
+        no request is running, or between two steps once overdue."""
+        freeze, steps = self.runner.idle_freeze, self._steps()
+        try:
+            freeze.at_idle()
+            for _ in steps:
+                freeze.between_steps()
+                yield
+            freeze.at_idle()
+        finally:
+            # An interrupt in these lines does not pass through the inner steps: left
+            # suspended, they kept what they held and another call waited for it
+            # (tests/engine/test_interrupts.py). Closing them lets it go.
+            steps.close()
 
     def checked(
         self,
@@ -401,15 +415,23 @@ class Engine:
         graphs, on their thread; ``release`` measures them first)."""
         return self.runner.kernel_plan.deferred
 
-    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+    def wait_for_graphs(
+        self, timeout: float | None = None, owner: threading.Lock | None = None
+    ) -> bool:
         """Waits (at most ``timeout`` seconds) for a background capture or a staged
         upgrade to end; True when every graph is ready (at once after a blocking
         capture), False on a timeout or when the capture or upgrade failed
-        (``background.error`` says why; steps run eagerly, or on the first stage)."""
+        (``background.error`` says why; steps run eagerly, or on the first stage).
+        Then, where ``owner`` (the lock of whoever steps this engine) is free, the heap
+        freeze the end asked for runs under it (``ModelRunner.idle_freeze``)."""
         background = self.parts.background
-        if background is None:
-            return True
-        return background.wait(timeout) and background.error is None
+        ready = background is None or (background.wait(timeout) and background.error is None)
+        if owner is not None and owner.acquire(blocking=False):
+            try:
+                self.runner.idle_freeze.at_idle()
+            finally:
+                owner.release()
+        return ready
 
     def replan_graphs(self, budget_bytes: int, granule: int = 1 << 20) -> LadderChange | None:
         """Between steps (none in flight): moves the FULL ladder to the sizes that pad least

@@ -289,8 +289,11 @@ class LLM:
         return self.engine.describe()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
-        """Waits for a background capture (``Engine.wait_for_graphs``)."""
-        return self.engine.wait_for_graphs(timeout)
+        """Waits for a background capture (``Engine.wait_for_graphs``). Where it ended and
+        no call is stepping the engine (``generate`` on another thread, a server's loop),
+        the heap freeze it asked for runs before this returns; else at the engine's next
+        idle moment (``ModelRunner.idle_freeze``)."""
+        return self.engine.wait_for_graphs(timeout, owner=self._one_call)
 
     def replan_graphs(self, budget_bytes: int, granule: int = 1 << 20) -> LadderChange | None:
         """Between calls: the FULL ladder moved to pad least (``Engine.replan_graphs``)."""

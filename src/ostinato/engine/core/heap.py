@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import pickle
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -52,6 +53,54 @@ def freeze_heap() -> None:
     ms frozen (benchmarks/RESULTS.md)."""
     gc.collect()
     gc.freeze()
+
+
+# How long an asked freeze waits for the engine to be idle before it runs between steps.
+OVERDUE_S = 30.0
+
+
+class IdleFreeze:
+    """``freeze_heap`` asked for on one thread (``ask``: a background start's or a staged
+    upgrade's, as it ends) and run on the engine's while no request is running
+    (``at_idle``: before a run of steps begins and after it ends), or between two steps
+    once ``OVERDUE_S`` seconds have passed since the ask (``between_steps``). Runs once
+    per ask.
+
+    Why: the freeze's one collection holds the interpreter's lock as long as it walks what
+    the start made; run on the capture thread as it ended, it held a step between two
+    tokens (14 ms on an H200 host, the 1.5 B shape's first start: benchmarks/RESULTS.md).
+    Idle, it delays no token of a stream; the fallback bounds how long a never-idle
+    engine's full collections walk what the start made."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._asked: float | None = None
+
+    def ask(self) -> None:
+        """Asks for a freeze (from any thread); a second ask before it runs is the same."""
+        if self._asked is None:
+            self._asked = self._clock()
+
+    @property
+    def asked(self) -> bool:
+        """Whether a freeze is asked for and not yet run."""
+        return self._asked is not None
+
+    def at_idle(self) -> bool:
+        """On the engine's thread, no request running: runs the freeze asked for, if one
+        is; returns whether it ran."""
+        if self._asked is None:
+            return False
+        self._asked = None
+        freeze_heap()
+        return True
+
+    def between_steps(self) -> None:
+        """On the engine's thread between two steps: runs the freeze asked for once it is
+        ``OVERDUE_S`` old."""
+        asked = self._asked
+        if asked is not None and self._clock() - asked > OVERDUE_S:
+            self.at_idle()
 
 
 def call_unpickled(payload: bytes, *args: Any) -> None:

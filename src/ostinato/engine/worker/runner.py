@@ -17,7 +17,7 @@ from ostinato.config import GraphConfig
 from ostinato.context import current_forward_context, forward_context
 from ostinato.dispatcher import Dispatch
 from ostinato.distributed.agreement import StepAgreement
-from ostinato.engine.core.heap import freeze_heap
+from ostinato.engine.core.heap import IdleFreeze
 from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.scheduler import ScheduledBatch
@@ -122,6 +122,8 @@ class ModelRunner:
         self.prepare_seconds = 0.0
         # Plans deferred past the graphs are measured by this, on the capture thread.
         self.deferred_plans = DeferredPlans(self)
+        # What a background start or an upgrade made is frozen once the engine is idle.
+        self.idle_freeze = IdleFreeze()
 
     def _kernel_plan(
         self, sizes: tuple[int, ...], compile_cache: CompileCache | None
@@ -378,9 +380,10 @@ class ModelRunner:
         run the uncompiled model (the same function; Inductor's fused kernels may round
         differently), then the compiled one, eagerly until their size's graph is ready;
         ``epilogue`` runs on it once every graph is ready, holding the step turn
-        inside each ``unit()`` it is given; then the plans deferred, if any; last, one
-        collection and the heap frozen (``heap.freeze_heap``, as after a blocking start:
-        what the thread made lives as long as the graphs).
+        inside each ``unit()`` it is given; then the plans deferred, if any; last, it
+        asks for one collection and the heap frozen (``idle_freeze``: run by the engine
+        once no request is running; as after a blocking start, what the thread made
+        lives as long as the graphs).
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
         if self.model.tp.group is not None or self.ubatch.candidates:
@@ -398,7 +401,7 @@ class ModelRunner:
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
             return self.manager.capture_in_background(
-                epilogue=epilogue, afterwards=after, settle=freeze_heap
+                epilogue=epilogue, afterwards=after, settle=self.idle_freeze.ask
             )
         self.forward = self.model
 
@@ -409,7 +412,8 @@ class ModelRunner:
             with self.manager.stepping():
                 self.forward = compiled
 
-        return self.manager.capture_in_background(compile_first, epilogue, after, freeze_heap)
+        settle = self.idle_freeze.ask
+        return self.manager.capture_in_background(compile_first, epilogue, after, settle)
 
     def layer_timer_on(self, inputs: StepInputs, turn: Held) -> StepTimer | None:
         """The layer plan's timer on padding rows of ``inputs``, each timing inside
@@ -425,8 +429,8 @@ class ModelRunner:
         """After ``capture`` (the first stage): starts upgrading the graphs to
         ``config``'s mode, its pieces compiled by ``compiler``, on a thread; each bucket
         moves to the upgrade where it measures faster (``ostinato.staged``), within
-        ``memory_budget`` bytes of graphs; last, one collection and the heap frozen, as
-        after a background capture. Steps hold ``stepping()`` meanwhile."""
+        ``memory_budget`` bytes of graphs; last, it asks for the heap frozen
+        (``idle_freeze``), as a background capture does. Steps hold ``stepping()`` meanwhile."""
         if self.model.tp.group is not None or self.ubatch.candidates:
             raise ValueError(
                 "capture='staged': not with tensor parallelism or micro-batching, whose "
@@ -438,7 +442,7 @@ class ModelRunner:
             self.upgrade.build,
             prepare=self.dummy_metadata,
             memory_budget=memory_budget,
-            settle=freeze_heap,  # (what the upgrade made lives as long as its graphs)
+            settle=self.idle_freeze.ask,  # (what the upgrade made lives as long as its graphs)
         )
         return self.staged
 

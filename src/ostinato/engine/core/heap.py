@@ -89,18 +89,23 @@ class IdleFreeze:
     def at_idle(self) -> bool:
         """On the engine's thread, no request running: runs the freeze asked for, if one
         is; returns whether it ran."""
-        if self._asked is None:
-            return False
-        self._asked = None
-        freeze_heap()
-        return True
+        return self._run_asked()
 
     def between_steps(self) -> None:
         """On the engine's thread between two steps: runs the freeze asked for once it is
         ``OVERDUE_S`` old."""
         asked = self._asked
         if asked is not None and self._clock() - asked > OVERDUE_S:
-            self.at_idle()
+            self._run_asked()
+
+    def _run_asked(self) -> bool:
+        """The freeze, where one is asked for (the ask cleared first: an ask from another
+        thread during the freeze is a new one)."""
+        if self._asked is None:
+            return False
+        self._asked = None
+        freeze_heap()
+        return True
 
 
 def call_unpickled(payload: bytes, *args: Any) -> None:

@@ -217,7 +217,8 @@ def test_a_block_s_kernels_compile_in_workers_and_load_from_the_disk_cache(
         monkeypatch.setattr(launch_module, "PROCESS_MIN_KERNELS", 100)
         sent = []
         real = WorkerPool.compile
-        monkeypatch.setattr(WorkerPool, "compile", lambda p, r: (sent.append(len(r)), real(p, r)))
+        counted = lambda p, r, first=False: (sent.append(len(r)), real(p, r, first))  # noqa: E731
+        monkeypatch.setattr(WorkerPool, "compile", counted)
         with launch_module.compile_ahead():
             launch_module.launch(
                 _silu_mul_kernel, (1, 1), x, out, 64, 128, 64, BLOCK=256, USE_PDL=0, num_warps=4
@@ -311,11 +312,11 @@ def test_a_launch_beside_the_workers_asks_them_first_and_reads_their_cache(
         except Exception as e:  # (no CUDA driver here: the launch itself fails)
             failures.append(e)
 
-    def compile_with_a_step(pool, requests):
+    def compile_with_a_step(pool, requests, first=False):
         thread = threading.Thread(target=step)
         thread.start()
         thread.join()
-        real_compile(pool, requests)
+        real_compile(pool, requests, first)
 
     monkeypatch.setattr(WorkerPool, "compile", compile_with_a_step)
     try:

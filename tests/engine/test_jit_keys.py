@@ -78,3 +78,42 @@ def test_settling_computes_every_key_again_until_none_changes_and_warns_if_never
     with caplog.at_level("WARNING"):
         assert jit_keys._settle([FakeJit(None)]) == jit_keys.MAX_ROUNDS
     assert "still changed after" in caplog.text
+
+
+IN_TWO = r"""
+import importlib, json, pkgutil, sys
+import ostinato.engine.kernels as kernels
+from ostinato.engine.kernels import jit_keys
+from triton.runtime.jit import JITFunction
+names = sorted(m.name for m in pkgutil.iter_modules(kernels.__path__))
+late = {"sampling", "penalize"}  # (they call argmax's helpers, loaded in the first part)
+settled = []
+settle = jit_keys._settle
+jit_keys._settle = lambda fs: settled.append(len(fs)) or settle(fs)
+functions = {}
+for part in ([n for n in names if n not in late], sorted(late)):
+    modules = [importlib.import_module(f"ostinato.engine.kernels.{n}") for n in part]
+    for m in modules:
+        for k, v in vars(m).items():
+            if isinstance(v, JITFunction) and v.__module__ == m.__name__:
+                functions[f"{m.__name__}.{k}"] = v
+                v.cache_key  # computed cold, before the part's settle
+    jit_keys.settle()
+own = sum(k.split(".")[-2] in late for k in functions)
+print(json.dumps({"keys": {k: f.cache_key for k, f in functions.items()}, "settled": settled,
+                  "late_own": own}))
+"""
+
+
+def test_a_later_settle_parses_only_the_new_functions_and_gives_the_same_keys():
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run(
+        [sys.executable, "-c", IN_TWO], capture_output=True, text=True, env=env, check=True,
+        timeout=300,
+    )  # fmt: skip
+    two = json.loads(out.stdout.strip().splitlines()[-1])
+    assert two["keys"] == _keys("sorted", True)  # as one settle of everything gives them
+    # The second call's functions: the two late modules' own, not the first part's again.
+    assert two["settled"][1] == two["late_own"] > 0, two
+    assert two["settled"][0] > 3 * two["late_own"], two

@@ -11,11 +11,17 @@ one key in a compile worker, which computes them cold, and another in the engine
 had launched ``argmax`` first: each was compiled again on the capture thread, holding
 the GIL for 12-160 ms each, beside the steps, on an H200.
 
-``settle`` computes every key of the loaded ``ostinato`` kernel modules again until no
-key changes: each then carries every global of its callees, whatever came first.
+``settle`` computes every key of the newly loaded ``ostinato`` kernel modules again until
+no key changes: each then carries every global of its callees, whatever came first.
+Functions settled by an earlier call are left as they are: their callees were loaded
+with them (a module imports what its kernels call), so their keys are already whole;
+a later settle (the sampling kernels', as the capture ends, on the thread that captures
+beside the steps) parses only the new functions: 23 ms instead of 68 on this project's
+CPU machine.
 Guarantees: after ``settle()``, a function's key is the same in every process that
-settled the modules defining it and its callees (keys that never settle are a warning:
-misses, not wrong kernels); with a Triton without these attributes, nothing is done.
+settled the modules defining it and its callees, in one call or in several (keys that
+never settle are a warning: misses, not wrong kernels); with a Triton without these
+attributes, nothing is done.
 """
 
 from __future__ import annotations
@@ -31,19 +37,21 @@ logger = logging.getLogger(__name__)
 MAX_ROUNDS = 8  # rounds until no key changes: one more than the deepest chain of callees
 
 _settled: set[str] = set()  # the modules whose functions were settled
+_settled_functions: set[int] = set()  # ids of those functions (module-level: never freed)
 _lock = threading.Lock()
 
 
 def settle(prefix: str = "ostinato.") -> int:
-    """Settles the keys of every ``triton.jit`` function defined in a loaded module named
-    ``prefix``... (each module's own and what it imports), where a module was loaded
-    since the last call; returns the rounds it took (0: nothing new)."""
+    """Settles the keys of the ``triton.jit`` functions named in the modules named
+    ``prefix``... loaded since the last call (each module's own and what it imports),
+    but for those an earlier call settled; returns the rounds it took (0: nothing new)."""
     with _lock:
         modules = {n: m for n, m in list(sys.modules.items()) if n.startswith(prefix) and m}
-        if modules.keys() <= _settled:
-            return 0
-        rounds = _settle(_jit_functions(list(modules.values())))
+        new = [m for n, m in modules.items() if n not in _settled]
+        functions = [f for f in _jit_functions(new) if id(f) not in _settled_functions]
+        rounds = _settle(functions) if functions else 0
         _settled.update(modules)
+        _settled_functions.update(id(f) for f in functions)
         return rounds
 
 

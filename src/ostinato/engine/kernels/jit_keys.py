@@ -16,8 +16,8 @@ no key changes: each then carries every global of its callees, whatever came fir
 Functions settled by an earlier call are left as they are: their callees were loaded
 with them (a module imports what its kernels call), so their keys are already whole;
 a later settle (the sampling kernels', as the capture ends, on the thread that captures
-beside the steps) parses only the new functions: 23 ms instead of 68 on this project's
-CPU machine.
+beside the steps) parses only the new functions: 19 instead of 72, 24-39 ms instead of
+63-91 on this project's CPU machine.
 Guarantees: after ``settle()``, a function's key is the same in every process that
 settled the modules defining it and its callees, in one call or in several (keys that
 never settle are a warning: misses, not wrong kernels); with a Triton without these

@@ -9,7 +9,8 @@ the cache (a later start).
 Each round is ``--batch`` prompts of ``--prompt-len`` random tokens and ``--new-tokens``
 new ones (EOS ignored); its tokens per second count the new tokens over the round's wall
 time, and its longest gap is the longest wait between two tokens of its first prompt (a
-step held back by the background work shows there, where the round's mean hides it).
+step held back by the background work shows there, where the round's mean hides it);
+its first token's wait shows a held prefill step, which no gap between two tokens does.
 Both engines use one fresh cache folder, so the first start measures its plans. Back to
 back, the rounds leave the background work only the turns ``ostinato.background`` paces
 (steps come first); on an H200 the 1.5 B shape's first start had not settled after 140 s
@@ -40,13 +41,17 @@ class Round:
     whether the background work (capture, measurement, swap) had ended before it, the
     longest wait between two tokens of its first prompt (a step's time, with whatever
     held it back: what a streamed client sees), and when that wait ended, on the clock
-    of the engine's log lines (to place it among the background work's phases)."""
+    of the engine's log lines (to place it among the background work's phases); and the
+    wait for its first prompt's first token (its prefill step, with whatever held that
+    back, which no gap between two tokens shows; the first round's includes the first
+    step's kernels)."""
 
     since_start_s: float
     tokens_per_s: float
     settled: bool
     longest_gap_ms: float
     longest_gap_ended: str = ""
+    first_token_ms: float = 0.0
 
 
 def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) -> list[Round]:
@@ -66,11 +71,12 @@ def _rounds(llm: LLM, args: argparse.Namespace, until_settled: bool, name: str) 
         seconds = time.perf_counter() - began
         tokens = sum(len(o.token_ids) for o in outs)
         gap, ended = _longest_gap(stamps)
-        rounds.append(Round(began - start, tokens / seconds, settled, gap, ended))
+        first = (stamps[0][0] - began) * 1e3 if stamps else 0.0
+        rounds.append(Round(began - start, tokens / seconds, settled, gap, ended, first))
         clock = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # (as the log lines')
         print(
             f"{clock} {name}: +{began - start:6.2f} s {tokens / seconds:8.1f} tok/s "
-            f"longest gap {gap:6.2f} ms",
+            f"longest gap {gap:6.2f} ms first token {first:7.2f} ms",
             settled,
             flush=True,
         )
@@ -101,6 +107,15 @@ def longest_gaps_ms(rounds: list[Round]) -> dict[str, float | None]:
     work had ended and over those after (None where there were none)."""
     during = [r.longest_gap_ms for r in rounds if not r.settled]
     after = [r.longest_gap_ms for r in rounds if r.settled]
+    return {"during": max(during, default=None), "after": max(after, default=None)}
+
+
+def longest_first_tokens_ms(rounds: list[Round]) -> dict[str, float | None]:
+    """The longest wait for a round's first token, the first round left out (its first
+    step compiles its kernels), over the rounds before the background work had ended and
+    over those after (None where there were none)."""
+    during = [r.first_token_ms for r in rounds[1:] if not r.settled]
+    after = [r.first_token_ms for r in rounds[1:] if r.settled]
     return {"during": max(during, default=None), "after": max(after, default=None)}
 
 
@@ -150,6 +165,8 @@ def main() -> None:
         # start's background work and after it; then the later start's.
         "first_start_longest_gaps_ms": longest_gaps_ms(during),
         "later_start_longest_gap_ms": longest_gaps_ms(after)["after"],
+        # A held prefill step: what a new request waits beyond its prefill at worst.
+        "first_start_longest_first_token_ms": longest_first_tokens_ms(during),
     }
     later.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

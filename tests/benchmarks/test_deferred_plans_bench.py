@@ -28,6 +28,10 @@ def test_rounds_of_both_starts_are_written(tmp_path, monkeypatch):
         r["longest_gap_ms"] for r in doc["first_start"]
     )
     assert doc["later_start_longest_gap_ms"] == max(r["longest_gap_ms"] for r in doc["later_start"])
+    # Each round's wait for its first token (its prefill step), the first round's left out.
+    assert all(r["first_token_ms"] > 0 for r in doc["first_start"] + doc["later_start"])
+    firsts = doc["first_start_longest_first_token_ms"]
+    assert firsts == {"during": None, "after": doc["first_start"][1]["first_token_ms"]}
 
 
 def test_the_longest_gap_is_found_with_the_clock_it_ended_at():
@@ -49,3 +53,12 @@ def test_the_longest_gaps_are_split_at_the_end_of_the_background_work():
     ]
     assert deferred_plans.longest_gaps_ms(rounds) == {"during": 9.0, "after": 3.0}
     assert deferred_plans.longest_gaps_ms([]) == {"during": None, "after": None}
+
+
+def test_the_longest_first_token_waits_leave_out_the_first_round():
+    def round_(settled, first_token_ms):
+        return deferred_plans.Round(0.0, 1.0, settled, 1.0, "", first_token_ms)
+
+    rounds = [round_(False, 7000.0), round_(False, 40.0), round_(False, 12.0), round_(True, 5.0)]
+    assert deferred_plans.longest_first_tokens_ms(rounds) == {"during": 40.0, "after": 5.0}
+    assert deferred_plans.longest_first_tokens_ms(rounds[:1]) == {"during": None, "after": None}

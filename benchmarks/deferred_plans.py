@@ -28,6 +28,7 @@ import logging
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -105,17 +106,21 @@ def _longest_gap(stamps: list[tuple[float, float]]) -> tuple[float, str]:
 def longest_gaps_ms(rounds: list[Round]) -> dict[str, float | None]:
     """The longest wait between two tokens over the rounds run before the background
     work had ended and over those after (None where there were none)."""
-    during = [r.longest_gap_ms for r in rounds if not r.settled]
-    after = [r.longest_gap_ms for r in rounds if r.settled]
-    return {"during": max(during, default=None), "after": max(after, default=None)}
+    return _longest_by_settled(rounds, lambda r: r.longest_gap_ms)
 
 
 def longest_first_tokens_ms(rounds: list[Round]) -> dict[str, float | None]:
     """The longest wait for a round's first token, the first round left out (its first
     step compiles its kernels), over the rounds before the background work had ended and
     over those after (None where there were none)."""
-    during = [r.first_token_ms for r in rounds[1:] if not r.settled]
-    after = [r.first_token_ms for r in rounds[1:] if r.settled]
+    return _longest_by_settled(rounds[1:], lambda r: r.first_token_ms)
+
+
+def _longest_by_settled(
+    rounds: list[Round], value: Callable[[Round], float]
+) -> dict[str, float | None]:
+    during = [value(r) for r in rounds if not r.settled]
+    after = [value(r) for r in rounds if r.settled]
     return {"during": max(during, default=None), "after": max(after, default=None)}
 
 

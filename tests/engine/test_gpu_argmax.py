@@ -97,3 +97,51 @@ def test_replays_on_new_logits_without_reset():
         logits.copy_(scale * torch.randn(8, vocab, generator=g, device=DEVICE))
         graph.replay()
         assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_counts_each_token_as_count_tokens_does_and_nothing_while_compiling_ahead():
+    """With ``counts`` the second kernel adds one at ``table[rows[i], token]``: the table
+    ``adjust.count_tokens`` makes, padding rows sharing one row counted atomically, int32
+    and int64 rows; replayed, each replay counts once; inside ``compile_ahead()`` the
+    kernels only compile, so nothing is counted (the tokens are not written)."""
+    from ostinato.engine.kernels.argmax import argmax_rows
+    from ostinato.engine.kernels.launch import compile_ahead
+    from ostinato.engine.sample.adjust import count_tokens
+
+    vocab = 49152
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    logits = torch.randint(0, 4, (6, vocab), generator=g, device=DEVICE).bfloat16()
+    for dtype in (torch.int64, torch.int32):
+        rows = torch.tensor([2, 0, 3, 3, 3, 1], dtype=dtype, device=DEVICE)  # 3: padding's
+        table = torch.rand(4, vocab, generator=g, device=DEVICE).round()
+        want = table.clone()
+        tokens = argmax_rows(logits, counts=(table, rows))
+        count_tokens(want, rows, logits.argmax(dim=-1))
+        assert torch.equal(tokens, logits.argmax(dim=-1)) and torch.equal(table, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        argmax_rows(logits, _pdl_options()[-1], counts=(table, rows))
+    before = table.clone()
+    graph.replay()
+    graph.replay()
+    count_tokens(before, rows, logits.argmax(dim=-1))
+    count_tokens(before, rows, logits.argmax(dim=-1))
+    assert torch.equal(table, before)
+    with compile_ahead():
+        argmax_rows(logits[:5], counts=(table, rows[:5]))
+    torch.cuda.synchronize()
+    assert torch.equal(table, before)
+
+
+def test_bad_counts_are_refused():
+    from ostinato.engine.kernels.argmax import argmax_rows
+
+    x = torch.randn(3, 1000, device=DEVICE)
+    rows = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    table = torch.zeros(2, 1000, device=DEVICE)
+    for wrong in (table[:, :999], table.double(), table.cpu(), table.t().contiguous().t()):
+        with pytest.raises(ValueError, match="counts' table"):
+            argmax_rows(x, counts=(wrong, rows))
+    for wrong in (rows[:2], rows.float()):
+        with pytest.raises(ValueError, match="counts' rows"):
+            argmax_rows(x, counts=(table, wrong))

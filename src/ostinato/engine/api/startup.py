@@ -449,10 +449,13 @@ def capture(
                 sampling_graphs.prepare(runner, made)
                 _finish(parts, generator, made, unit)
 
+        def first() -> None:  # (while the steps still run eagerly)
+            sampling_graphs.load_kernels(runner)
+
         # The sampling graphs read the step graphs' static outputs: captured after them,
         # on the thread, a size per hold of the step turn; until its size is captured a
         # step samples eagerly.
-        parts.background = runner.capture_in_background(on_thread)
+        parts.background = runner.capture_in_background(on_thread, first)
     else:
         runner.capture()
         start = time.perf_counter()

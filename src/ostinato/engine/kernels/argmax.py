@@ -5,7 +5,10 @@ A row of a large vocabulary reduced by one thread block is a long serial walk (2
 for 128k logits on the H100); torch's chunked max, argmax of the chunks, gather and index
 arithmetic are five kernels after the LM head. Here the first kernel's programs each
 reduce ``CHUNK`` logits of a row to one int64 that orders as (value, then the smaller
-index) and store it; the second kernel takes each row's largest and unpacks its index.
+index) and store it; the second kernel takes each row's largest and unpacks its index
+(and, asked to, counts it in a penalties' table: ``adjust.count_tokens``' count, which
+in torch ops is five more kernels, an ``index_add_`` among them, whose first use in a
+process held another thread's graph launch 14-21 ms on an H100).
 Both write every element they own, so nothing is reset between graph replays.
 """
 
@@ -84,21 +87,36 @@ def _chunk_best_kernel(
 
 
 @triton.jit
-def _row_best_kernel(keys_ptr, out_ptr, chunks, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+def _row_best_kernel(
+    keys_ptr, out_ptr, chunks, table_ptr, counts_rows_ptr, vocab,
+    CHUNKS: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Each row's token; COUNT: adds one to ``table[counts_rows[row], token]`` (atomic:
+    padding rows share the scratch row)."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     keys = tl.load(keys_ptr + row * chunks + c, mask=c < chunks, other=EMPTY)
-    tl.store(out_ptr + row, unpacked(tl.max(keys, axis=0)))
+    token = unpacked(tl.max(keys, axis=0))
+    tl.store(out_ptr + row, token)
+    if COUNT:
+        at = tl.load(counts_rows_ptr + row).to(tl.int64) * vocab + token
+        tl.atomic_add(table_ptr + at, 1.0, sem="relaxed")
 
 
 def argmax_rows(
-    logits: torch.Tensor, pdl: bool = False, out: torch.Tensor | None = None
+    logits: torch.Tensor,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
+    counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64 ``[rows]``) for a 2-D CUDA tensor of floats with
     at most ``MAX_VOCAB`` columns, written into ``out`` when given (contiguous int64
     ``[rows]``) and returned. ``pdl``: launch with programmatic dependent launch
-    (compute capability 9.0+) where ``pdl_for`` allows."""
+    (compute capability 9.0+) where ``pdl_for`` allows. ``counts`` (a penalties'
+    ``table``, float32 ``[table rows, vocab]``, and ``rows``, int ``[rows]``): each row's
+    token is also counted at ``table[rows[i], token]``, as ``adjust.count_tokens``
+    counts it."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
             f"argmax_rows: logits must be 2-D floats, got {tuple(logits.shape)} {logits.dtype}"
@@ -113,6 +131,7 @@ def argmax_rows(
             f"argmax_rows: out must be contiguous int64 [{rows}], got "
             f"{tuple(out.shape)} {out.dtype}"
         )
+    table, counts_rows = _count_operands(counts, rows, vocab, logits.device)
     if rows == 0:
         return out
     if logits.stride(-1) != 1:
@@ -125,7 +144,36 @@ def argmax_rows(
         CHUNK=CHUNK, USE_PDL=pdl_arg(pdl), num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
     launch(
-        _row_best_kernel, (rows,), keys, out, chunks, CHUNKS=triton.next_power_of_2(chunks),
+        _row_best_kernel, (rows,), keys, out, chunks, table, counts_rows, vocab,
+        CHUNKS=triton.next_power_of_2(chunks), COUNT=counts is not None,
         USE_PDL=pdl_arg(pdl), num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def _count_operands(
+    counts: tuple[torch.Tensor, torch.Tensor] | None, rows: int, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``counts``' table and rows, checked (the kernel writes through them unchecked), or
+    ``out``-sized stand-ins the kernel never reads where there are none."""
+    if counts is None:
+        none = torch.empty(0, dtype=torch.float32, device=device)
+        return none, none
+    table, counts_rows = counts
+    if (
+        table.dtype != torch.float32
+        or table.dim() != 2
+        or table.shape[1] != vocab
+        or not table.is_contiguous()
+        or table.device != device
+    ):
+        raise ValueError(
+            f"argmax_rows: counts' table must be contiguous float32 [n, {vocab}] on {device}, "
+            f"got {tuple(table.shape)} {table.dtype} on {table.device}"
+        )
+    if counts_rows.shape != (rows,) or counts_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"argmax_rows: counts' rows must be int32 or int64 [{rows}], got "
+            f"{tuple(counts_rows.shape)} {counts_rows.dtype}"
+        )
+    return table, counts_rows.contiguous()

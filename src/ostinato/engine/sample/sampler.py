@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from ostinato.engine.core.transfer import to_device_split
-from ostinato.engine.kernels.launch import compiling_ahead
 from ostinato.engine.sample.adjust import Penalties, count_tokens, penalized
 from ostinato.engine.sample.greedy import greedy_tokens
 
@@ -41,8 +40,8 @@ def sample(
     where the step samples with torch (the same tokens). ``penalties``: sample from
     ``adjust.penalized(logits, ...)`` instead (on CUDA inside the first sampling kernel),
     and count each row's token in its row of the penalties' table
-    (``adjust.count_tokens``; on CUDA in the last sampling kernel), except inside
-    ``compile_ahead()``, where no kernel writes the tokens to count. ``out``: the tokens
+    (``adjust.count_tokens``; on CUDA in the last sampling or argmax kernel, so nothing
+    is counted inside ``compile_ahead()``, where no kernel runs). ``out``: the tokens
     are written there and it is returned (int64 ``[rows]``; on CUDA the sampling kernels
     write it themselves).
 
@@ -57,9 +56,11 @@ def sample(
         # (the sampling kernels apply the penalties and count the draws themselves)
         operands = penalties.operands() if penalties is not None else None
         return _drawn(logits, *drawn, operands, out)
-    tokens = _drawn(penalized(logits, *penalties.operands()), *drawn, None, out)
-    if not compiling_ahead():
-        count_tokens(penalties.table, penalties.rows, tokens)
+    adjusted, counts = penalized(logits, *penalties.operands()), (penalties.table, penalties.rows)
+    if all_greedy:  # (on CUDA the argmax's second kernel counts)
+        return greedy_tokens(adjusted, out=out, counts=counts)
+    tokens = _drawn(adjusted, *drawn, None, out)
+    count_tokens(*counts, tokens)
     return tokens
 
 

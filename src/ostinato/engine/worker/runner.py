@@ -374,16 +374,18 @@ class ModelRunner:
     def capture_in_background(
         self,
         epilogue: InUnits | None = None,
+        prologue: Callable[[], None] | None = None,
     ) -> BackgroundCapture:
         """What ``capture`` does, on a thread (``ostinato.background``): returns at once.
         The thread compiles first, on scratch inputs of its own; until it is done, steps
         run the uncompiled model (the same function; Inductor's fused kernels may round
         differently), then the compiled one, eagerly until their size's graph is ready;
-        ``epilogue`` runs on it once every graph is ready, holding the step turn
-        inside each ``unit()`` it is given; then the plans deferred, if any; last, it
-        asks for one collection and the heap frozen (``idle_freeze``: run by the engine
-        once no request is running; as after a blocking start, what the thread made
-        lives as long as the graphs).
+        ``prologue`` runs on it before the first graph (after the compile, which the
+        steps need first), without the step turn; ``epilogue`` once every graph is
+        ready, holding the step turn inside each ``unit()`` it is given; then the plans
+        deferred, if any; last, it asks for one collection and the heap frozen
+        (``idle_freeze``: run by the engine once no request is running; as after a
+        blocking start, what the thread made lives as long as the graphs).
         Not with tensor parallelism (every rank would have to capture in step) or a
         measuring micro-batching policy (it times captures)."""
         if self.model.tp.group is not None or self.ubatch.candidates:
@@ -401,7 +403,7 @@ class ModelRunner:
         compiled = self.forward
         if compiled is self.model and not self.kernel_plan.compiles_kernels:
             return self.manager.capture_in_background(
-                epilogue=epilogue, afterwards=after, settle=self.idle_freeze.ask
+                prologue, epilogue, after, settle=self.idle_freeze.ask
             )
         self.forward = self.model
 
@@ -411,6 +413,8 @@ class ModelRunner:
             self._compile_on(StepInputs(self.limits, self.device), compiled)
             with self.manager.stepping():
                 self.forward = compiled
+            if prologue is not None:
+                prologue()
 
         settle = self.idle_freeze.ask
         return self.manager.capture_in_background(compile_first, epilogue, after, settle)

@@ -163,8 +163,9 @@ def count_tokens(table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) 
     """Adds one to row ``rows[i]``'s count of ``tokens[i]`` for each i (``[n]`` on the
     table's device), in one ``index_add_`` on the flat table (an accumulating
     ``index_put_`` sorts its indices on CUDA: about 0.4 ms of host time a call, measured
-    on an H200): the same ops for a step's draws in a sampling graph and an eager step,
-    and for the tokens of a row made anew."""
+    on an H200): the tokens of a row made anew, and off CUDA a step's draws, in a
+    sampling graph and an eager step alike (on CUDA the last sampling or argmax kernel
+    counts those)."""
     at = rows * table.shape[1] + tokens.long()
     table.view(-1).index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
 

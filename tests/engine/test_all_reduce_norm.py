@@ -3,17 +3,13 @@ measured threshold against brute force, what the kernel takes, and the kernel's
 protocol under Triton's CPU interpreter with two and three ranks as processes over
 shared memory (with Triton installed; the GPU test runs it on two H200s)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_workers import cpu_plan_key
+from interpreted import interpreted, needs_triton
 
 from ostinato.distributed.all_reduce_plan import AllReduceAlgo, AllReducePlan
 from ostinato.engine.api import startup
@@ -124,12 +120,7 @@ print("ok", world)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@needs_triton
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_protocol_under_the_interpreter_equals_the_two_ops(world):
-    here = Path(__file__).parents[2] / "src"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(here)}
-    run = [sys.executable, "-c", _RANKS, str(world)]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith(f"ok {world}")
+    assert interpreted(_RANKS, str(world), timeout=300).strip().endswith(f"ok {world}")

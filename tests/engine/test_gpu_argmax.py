@@ -142,6 +142,6 @@ def test_bad_counts_are_refused():
     for wrong in (table[:, :999], table.double(), table.cpu(), table.t().contiguous().t()):
         with pytest.raises(ValueError, match="counts' table"):
             argmax_rows(x, counts=(wrong, rows))
-    for wrong in (rows[:2], rows.float()):
+    for wrong in (rows[:2], rows.float(), rows.cpu()):
         with pytest.raises(ValueError, match="counts' rows"):
             argmax_rows(x, counts=(table, wrong))

@@ -7,17 +7,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("peft")
 from hf_models import cpu_engine, peft_greedy, write_adapter, write_checkpoint  # noqa: E402
+from interpreted import TESTS, interpreted, needs_triton  # noqa: E402
 
 from ostinato.engine import SamplingParams  # noqa: E402
 from ostinato.engine.api.lora_registry import AdapterInUse  # noqa: E402
@@ -328,7 +325,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@needs_triton
 def test_the_decode_path_of_lora_equals_peft_under_the_triton_interpreter():
     # What CUDA decode steps run (each row's expand gathered in a kernel, the O
     # projection's inside the norm's kernel), on the CPU through Triton's interpreter.
@@ -336,14 +333,9 @@ def test_the_decode_path_of_lora_equals_peft_under_the_triton_interpreter():
 
 
 def _interpret(script: str, timeout: int) -> None:
-    """Runs ``script`` in a fresh interpreter with Triton's interpreter on, the tests'
-    folder as its first argument; it must exit 0 and print "ok" last."""
-    tests = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tests.parent / "src")}
-    run = [sys.executable, "-c", script, str(tests)]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    """Runs ``script`` under Triton's interpreter (``interpreted``), the tests' folder as
+    its first argument; it must print "ok" last."""
+    assert interpreted(script, str(TESTS), timeout=timeout).strip().endswith("ok")
 
 
 _INTERPRETED_QKV = """
@@ -387,7 +379,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@needs_triton
 def test_the_qkv_expand_writes_the_cache_as_the_unfused_ops_under_the_interpreter():
     # What a CUDA LoRA decode step runs for its QKV group after the joint GEMM, on the CPU
     # through Triton's interpreter: the expand, the head norms, RoPE and the K/V write.

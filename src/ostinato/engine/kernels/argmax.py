@@ -131,7 +131,7 @@ def argmax_rows(
             f"argmax_rows: out must be contiguous int64 [{rows}], got "
             f"{tuple(out.shape)} {out.dtype}"
         )
-    table, counts_rows = _count_operands(counts, rows, vocab, logits.device)
+    table, counts_rows = _count_operands(counts, out, vocab)
     if rows == 0:
         return out
     if logits.stride(-1) != 1:
@@ -152,14 +152,15 @@ def argmax_rows(
 
 
 def _count_operands(
-    counts: tuple[torch.Tensor, torch.Tensor] | None, rows: int, vocab: int, device: torch.device
+    counts: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``counts``' table and rows, checked (the kernel writes through them unchecked), or
-    ``out``-sized stand-ins the kernel never reads where there are none."""
+    """``counts``' table and rows, checked against ``out`` (the tokens' home: the kernel
+    writes through them unchecked); without ``counts``, ``out`` for both, which the kernel
+    then never reads (nothing allocated a call)."""
     if counts is None:
-        none = torch.empty(0, dtype=torch.float32, device=device)
-        return none, none
+        return out, out
     table, counts_rows = counts
+    rows, device = out.shape[0], out.device
     if (
         table.dtype != torch.float32
         or table.dim() != 2
@@ -171,9 +172,13 @@ def _count_operands(
             f"argmax_rows: counts' table must be contiguous float32 [n, {vocab}] on {device}, "
             f"got {tuple(table.shape)} {table.dtype} on {table.device}"
         )
-    if counts_rows.shape != (rows,) or counts_rows.dtype not in (torch.int32, torch.int64):
+    if (
+        counts_rows.shape != (rows,)
+        or counts_rows.dtype not in (torch.int32, torch.int64)
+        or counts_rows.device != device
+    ):
         raise ValueError(
-            f"argmax_rows: counts' rows must be int32 or int64 [{rows}], got "
-            f"{tuple(counts_rows.shape)} {counts_rows.dtype}"
+            f"argmax_rows: counts' rows must be int32 or int64 [{rows}] on {device}, got "
+            f"{tuple(counts_rows.shape)} {counts_rows.dtype} on {counts_rows.device}"
         )
     return table, counts_rows.contiguous()

@@ -1,7 +1,8 @@
 """The greedy choice's argmax kernels on the CPU, through Triton's interpreter: the index
 torch's ``argmax`` gives, and with ``counts`` each token counted as
 ``adjust.count_tokens`` counts it (padding rows sharing a row, int32 and int64 rows);
-bad counts refused by name. The GPU's own run: test_gpu_argmax.py."""
+bad counts and an ``out`` on another device refused by name. The GPU's own run:
+test_gpu_argmax.py."""
 
 from interpreted import interpreted, needs_triton
 
@@ -31,7 +32,11 @@ for wrong in (rows[:5], rows.float(), rows.to("meta")):
         argmax_rows(logits, counts=(table, wrong))
     except ValueError as e:
         refused.append("counts' rows must be" in str(e))
-assert refused == [True] * 7, refused
+try:
+    argmax_rows(logits, out=torch.empty(6, dtype=torch.int64, device="meta"))
+except ValueError as e:
+    refused.append("out must be contiguous int64 [6] on cpu" in str(e))
+assert refused == [True] * 8, refused
 print("ok")
 """
 

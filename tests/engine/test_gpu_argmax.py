@@ -61,7 +61,8 @@ def test_the_tokens_go_where_asked():
         got = argmax_rows(x, pdl, out=buf[:5])
         assert got.data_ptr() == buf.data_ptr() and torch.equal(got, x.argmax(dim=-1))
         assert (buf[5:] == -1).all()
-    for wrong in (buf[:4], buf[:5].int(), torch.empty(10, dtype=torch.int64, device=DEVICE)[::2]):
+    strided = torch.empty(10, dtype=torch.int64, device=DEVICE)[::2]
+    for wrong in (buf[:4], buf[:5].int(), strided, torch.empty(5, dtype=torch.int64)):
         with pytest.raises(ValueError, match="out must be contiguous int64"):
             argmax_rows(x, out=wrong)
 

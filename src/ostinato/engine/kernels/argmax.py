@@ -100,8 +100,16 @@ def _row_best_kernel(
     token = unpacked(tl.max(keys, axis=0))
     tl.store(out_ptr + row, token)
     if COUNT:
-        at = tl.load(counts_rows_ptr + row).to(tl.int64) * vocab + token
-        tl.atomic_add(table_ptr + at, 1.0, sem="relaxed")
+        count_token(table_ptr, counts_rows_ptr, row, token, vocab)
+
+
+@triton.jit
+def count_token(table_ptr, counts_rows_ptr, row, token, vocab):
+    """Adds one to ``table[counts_rows[row], token]``, as ``adjust.count_tokens`` does
+    (atomic: padding rows share the scratch row; int64 offsets, as ``counts_rows`` may be
+    int32)."""
+    at = tl.load(counts_rows_ptr + row).to(tl.int64) * vocab + token
+    tl.atomic_add(table_ptr + at, 1.0, sem="relaxed")
 
 
 def argmax_rows(
@@ -126,10 +134,15 @@ def argmax_rows(
         raise ValueError(f"argmax_rows: logits need 1 to {MAX_VOCAB} columns, got {vocab}")
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+    elif (
+        out.shape != (rows,)
+        or out.dtype != torch.int64
+        or not out.is_contiguous()
+        or out.device != logits.device
+    ):
         raise ValueError(
-            f"argmax_rows: out must be contiguous int64 [{rows}], got "
-            f"{tuple(out.shape)} {out.dtype}"
+            f"argmax_rows: out must be contiguous int64 [{rows}] on {logits.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )
     table, counts_rows = _count_operands(counts, out, vocab)
     if rows == 0:

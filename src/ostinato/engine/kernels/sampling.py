@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ostinato.engine.kernels.argmax import EMPTY, entry_keys, key_value, packed_max, unpacked
+from ostinato.engine.kernels.argmax import (
+    EMPTY,
+    count_token,
+    entry_keys,
+    key_value,
+    packed_max,
+    unpacked,
+)
 from ostinato.engine.kernels.launch import launch
 from ostinato.engine.kernels.penalize import penalized_block
 
@@ -245,8 +252,7 @@ def _finish_kernel(
 ):  # fmt: skip
     """For a row still not done: the checks of ``_above_kernel`` and ``_race_kernel``
     in one program, until its candidate is inside the nucleus. COUNT: then adds one to
-    the row's count of its token (``table[counts_rows[row], token]``, as
-    ``adjust.count_tokens`` does; atomic, as padding rows share the scratch row)."""
+    the row's count of its token (``argmax.count_token``)."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.load(out_ptr + row)
     if tl.load(done_ptr + row) == 0:
@@ -254,8 +260,7 @@ def _finish_kernel(
                       vocab, BLOCK)  # fmt: skip
         tl.store(out_ptr + row, s)
     if COUNT:
-        at = tl.load(counts_rows_ptr + row) * vocab + s
-        tl.atomic_add(table_ptr + at, 1.0, sem="relaxed")
+        count_token(table_ptr, counts_rows_ptr, row, s, vocab)
 
 
 @triton.jit

@@ -4,13 +4,14 @@
 #   bash scripts/gpu_prepare.sh wheels          # .gpu/whl: the packages the GPU host lacks
 #                                               # (the serve extra, the openai client, gguf,
 #                                               # ostinato's own entry points)
-#   bash scripts/gpu_prepare.sh gguf            # .gpu/gguf/1 .. 3: SmolLM2's GGUF, xz-compressed
-#                                               # (98 to 90 MB), in three parts of 29 MiB (a call
-#                                               # carries at most 64 MiB, the tracked tree 33)
+#   bash scripts/gpu_prepare.sh gguf            # .gpu/gguf/1 .. N: SmolLM2's GGUF, xz-compressed
+#                                               # (98 to 87 MB), in as many parts as a call needs
+#                                               # for one part and the tracked tree to stay under
+#                                               # 64 MB (40 MB tracked: four parts)
 #   bash scripts/gpu_prepare.sh trees B [B ...] # .gpu/trees/B.tar.gz: src, tests and benchmarks
 #                                               # of each branch B as committed (gpu_suite.sh lora)
 # Each call then names what it needs in `carry`: .gpu/whl, and at most one GGUF part
-# (.gpu/gguf/1 in one call, then 2 and 3 in the next ones, while the machine is warm).
+# (.gpu/gguf/1 in one call, then 2, 3, ... in the next ones, while the machine is warm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
@@ -42,9 +43,16 @@ gguf)
 print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
     rm -rf .gpu/gguf .gpu/part1 .gpu/part2
     mkdir -p .gpu/gguf
-    # xz: three parts fit beside the tracked tree where the raw file's four did
     xz -9 -T2 -c "$gguf" > .gpu/gguf/whole.xz
-    split -n 3 -d -a 1 .gpu/gguf/whole.xz .gpu/gguf/part.
+    # A part's size: what a call's 64 MiB leaves beside the tracked tree and 1 MB for the
+    # probes, counted in millions of bytes (the device tool refused 62.2 MiB in all).
+    tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+    room=$(( (64 - 1) * 1000000 - tracked ))
+    [ "$room" -gt 1048576 ] || { echo "no room for a GGUF part beside the tracked tree" >&2; exit 1; }
+    whole=$(stat -c %s .gpu/gguf/whole.xz)
+    count=$(( (whole + room - 1) / room ))
+    [ "$count" -le 9 ] || { echo "$count parts: more than the joining glob orders" >&2; exit 1; }
+    split -n "$count" -d -a 1 .gpu/gguf/whole.xz .gpu/gguf/part.
     rm .gpu/gguf/whole.xz
     n=0
     for f in .gpu/gguf/part.*; do

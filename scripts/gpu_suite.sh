@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU suite in device calls (one pytest per file, each in its own process and
 # under its own limit; logs under $OUT). The SmolLM2 file needs the GGUF, which travels
-# in three xz parts (.gpu/gguf/1 .. 3, scripts/gpu_prepare.sh gguf), at most one a call and
+# in xz parts (.gpu/gguf/1 .. N, scripts/gpu_prepare.sh gguf), at most one a call and
 # nothing bigger beside it (the wheels, .gpu/whl, come in a call before: a warm machine keeps
 # them): every call keeps the part it carries, and the call that brings the last joins them
 # (in the modes below, "part 1" is any part but the last).
@@ -81,7 +81,7 @@ shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$GGUF.tmp
     echo "GGUF parts here: $have of $want; whole: $([ -f "$GGUF" ] && echo yes || echo no)"
 }
 need_gguf() {  # (the modes that run SmolLM2)
-    [ -f "$GGUF" ] || echo "SmolLM2's GGUF is not whole here: carry .gpu/gguf/1 .. 3, one a call," \
+    [ -f "$GGUF" ] || echo "SmolLM2's GGUF is not whole here: carry .gpu/gguf/1 .. N, one a call," \
         "in the calls before this one (its tests then skip)" >&2
 }
 mkdir -p /tmp/smol/parts

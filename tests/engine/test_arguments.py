@@ -70,6 +70,7 @@ def test_cpu_threads_are_limited_unless_the_user_chose(monkeypatch):
         (dict(verify_every=10), "verify_every=10: only used with verify='sample'"),
         (dict(all_reduce="one-shot"), "all_reduce='one-shot': only used with tensor_parallel"),
         (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization: the cpu's KV cache"),
+        (dict(num_speculative_tokens=4), "num_speculative_tokens=4: only used with .* got no "),
     ],
 )
 def test_an_option_nothing_would_read_is_refused_by_name(given, message):
@@ -83,6 +84,19 @@ def test_an_option_nothing_would_read_is_refused_by_name(given, message):
     refuse_ignored(fine, torch.device("cpu"))
     refuse_ignored(EngineArgs.build("tiny", gpu_memory_utilization=0.5), torch.device("cuda"))
     refuse_ignored(EngineArgs.build("tiny", mode="none", max_capture_size=8), torch.device("cpu"))
+    refuse_ignored(EngineArgs.build("tiny", speculative="ngram", num_speculative_tokens=4),
+                   torch.device("cpu"))  # fmt: skip
+
+
+def test_a_draft_count_beside_a_speculative_config_is_refused_for_its_own_k():
+    from ostinato.engine.api.arguments import refuse_ignored
+    from ostinato.engine.spec.speculative import SpeculativeConfig
+
+    config = SpeculativeConfig("ngram", 3)
+    args = EngineArgs.build("tiny", speculative=config, num_speculative_tokens=4)
+    with pytest.raises(ValueError, match=r"got a SpeculativeConfig \(give its k instead\)"):
+        refuse_ignored(args, torch.device("cpu"))
+    refuse_ignored(EngineArgs.build("tiny", speculative=config), torch.device("cpu"))
 
 
 def test_a_gpu_index_with_several_ranks_is_refused_as_ignored():

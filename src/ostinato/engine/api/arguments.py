@@ -137,7 +137,9 @@ def auto_capture(
 
 def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     """Refuses, naming it, an option given (a value other than its default) where nothing
-    would read it: ``verify_every`` without ``verify='sample'``; ``all_reduce`` on one
+    would read it: ``verify_every`` without ``verify='sample'``; ``num_speculative_tokens``
+    without a speculation named by its string (``"ngram"``, ``"self:N"``; a
+    ``SpeculativeConfig`` carries its own ``k``); ``all_reduce`` on one
     rank; a GPU's index with several ranks, which take their local ranks' GPUs;
     ``gpu_memory_utilization`` on the CPU, whose KV cache is not sized from free memory.
     (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips with every
@@ -147,6 +149,13 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
         raise ValueError(
             f"verify_every={graphs.verify_every!r}: only used with verify='sample', got "
             f"verify={graphs.verify!r}"
+        )
+    if _given(args, "num_speculative_tokens") and not isinstance(args.speculative, str):
+        what = "no speculative decoding" if args.speculative is None else "a SpeculativeConfig"
+        raise ValueError(
+            f"num_speculative_tokens={args.num_speculative_tokens!r}: only used with "
+            f"speculative='ngram' or 'self:N', got {what}"
+            + ("" if args.speculative is None else " (give its k instead)")
         )
     if _given(parallel, "all_reduce") and parallel.tensor_parallel_size == 1:
         raise ValueError(

@@ -370,7 +370,9 @@ class EngineArgs:
         "default: none",
         _as_argument_error(_parse_speculative),
     )  # fmt: skip
-    num_speculative_tokens: int = option(2, "draft tokens verified per step", bounded_int(1, 16))
+    num_speculative_tokens: int = option(
+        2, "draft tokens verified per step (with speculative)", bounded_int(1, 16)
+    )
     async_scheduling: bool = option(
         True, "schedule and stage step N+1 while step N runs (same outputs)"
     )

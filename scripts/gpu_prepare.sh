@@ -8,6 +8,10 @@
 #                                               # (98 to 87 MB), in as many parts as a call needs
 #                                               # for one part and the tracked tree to stay under
 #                                               # 64 MB (40 MB tracked: four parts)
+#   bash scripts/gpu_prepare.sh commit          # .gpu/whl/COMMIT: this checkout's commit and
+#                                               # whether it is dirty, for the results'
+#                                               # provenance (the device copy's git metadata
+#                                               # is not this checkout's); wheels writes it too
 #   bash scripts/gpu_prepare.sh trees B [B ...] # .gpu/trees/B.tar.gz: src, tests and benchmarks
 #                                               # of each branch B as committed (gpu_suite.sh lora)
 # Each call then names what it needs in `carry`: .gpu/whl, and at most one GGUF part
@@ -20,7 +24,17 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/excl
 py=python3
 [ -x .venv/bin/python3 ] && py=.venv/bin/python3
 version() { "$py" -m pip freeze 2>/dev/null | grep -i "^$1==" | head -1 || true; }
+write_commit() {
+    mkdir -p .gpu/whl
+    local dirty=0
+    git diff --quiet HEAD -- src tests benchmarks scripts || dirty=1
+    echo "$(git rev-parse HEAD) $dirty" > .gpu/whl/COMMIT
+    echo "commit: $(cat .gpu/whl/COMMIT)"
+}
 case "${1:-}" in
+commit)
+    write_commit
+    ;;
 wheels)
     mkdir -p .gpu/whl
     # Not on the GPU host (its package list: the device tool's KINDS.md).
@@ -36,6 +50,7 @@ wheels)
     # torch.compile(backend="ostinato") looks up; the code itself runs from src/ there)
     rm -f .gpu/whl/ostinato-*.whl
     "$py" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl .
+    write_commit
     ls .gpu/whl
     ;;
 gguf)
@@ -75,7 +90,7 @@ trees)
     du -sh .gpu/trees/*
     ;;
 *)
-    echo "usage: $0 wheels|gguf|trees BRANCH..." >&2
+    echo "usage: $0 wheels|commit|gguf|trees BRANCH..." >&2
     exit 2
     ;;
 esac

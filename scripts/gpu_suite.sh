@@ -4,7 +4,7 @@
 # in xz parts (.gpu/gguf/1 .. N, scripts/gpu_prepare.sh gguf), at most one a call and
 # nothing bigger beside it (the wheels, .gpu/whl, come in a call before: a warm machine keeps
 # them): every call keeps the part it carries, and the call that brings the last joins them
-# (in the modes below, "part 1" is any part but the last).
+# (in the modes below, "part 1" is any part but the last, "part 2" the last).
 #   bash scripts/gpu_suite.sh part     # nothing but keep the part this call carries
 #   bash scripts/gpu_suite.sh first    # part 1 copied aside; every file but SmolLM2's
 #   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only

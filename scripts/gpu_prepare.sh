@@ -24,11 +24,11 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/excl
 py=python3
 [ -x .venv/bin/python3 ] && py=.venv/bin/python3
 version() { "$py" -m pip freeze 2>/dev/null | grep -i "^$1==" | head -1 || true; }
-write_commit() {
+write_commit() {  # (the commit and dirty rule of ostinato.provenance, which reads them back)
     mkdir -p .gpu/whl
-    local dirty=0
-    git diff --quiet HEAD -- src tests benchmarks scripts || dirty=1
-    echo "$(git rev-parse HEAD) $dirty" > .gpu/whl/COMMIT
+    env -u OSTINATO_COMMIT PYTHONPATH=src "$py" -c "from ostinato.provenance import Provenance
+p = Provenance.collect()
+print(p.commit, int(p.dirty))" > .gpu/whl/COMMIT
     echo "commit: $(cat .gpu/whl/COMMIT)"
 }
 case "${1:-}" in

@@ -151,11 +151,14 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
             f"verify={graphs.verify!r}"
         )
     if _given(args, "num_speculative_tokens") and not isinstance(args.speculative, str):
-        what = "no speculative decoding" if args.speculative is None else "a SpeculativeConfig"
+        got = (
+            "no speculative decoding"
+            if args.speculative is None
+            else "a SpeculativeConfig (give its k instead)"
+        )
         raise ValueError(
             f"num_speculative_tokens={args.num_speculative_tokens!r}: only used with "
-            f"speculative='ngram' or 'self:N', got {what}"
-            + ("" if args.speculative is None else " (give its k instead)")
+            f"speculative='ngram' or 'self:N', got {got}"
         )
     if _given(parallel, "all_reduce") and parallel.tensor_parallel_size == 1:
         raise ValueError(

@@ -6,7 +6,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,8 @@ from ostinato.engine.core.kv_cache import KVCache
 from ostinato.engine.core.limits import EngineLimits
 from ostinato.engine.core.params import SamplingParams
 from ostinato.engine.core.scheduler import Request, ScheduledBatch, ScheduledRequest
+from ostinato.engine.kernels.gemm_launch import MAX_ROWS
+from ostinato.engine.kernels.launch import pdl_for
 from ostinato.engine.kernels.launch_rules import LaunchRules, rules, rules_in_force
 from ostinato.engine.kernels.options import KernelOptions
 from ostinato.engine.model.all_reduce_norm_op import FusedReduceNorm, setup_fused_reduce_norm
@@ -28,6 +30,7 @@ from ostinato.engine.model.attention import AttentionBackend, TritonAttention
 from ostinato.engine.model.backends import default_backend
 from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
+from ostinato.engine.model.linear import plan_entry
 from ostinato.engine.model.presets import shape
 from ostinato.engine.sample.sampler import sample
 from ostinato.engine.worker.gemm_tuning import GemmTiming
@@ -180,6 +183,45 @@ class VariantCost:
         return self.compile_s + self.capture_s
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What a variant's decode step of ``rows`` rows runs as its start left it: the plan
+    entry (0: cuBLAS, else 1 + an index into ``small_gemm.CONFIGS``) of the first layer's
+    projections and of the LM head, and whether its layers run fused and launch with PDL.
+    The GEMM timings alone do not say it: their entries follow a margin, and a start's
+    recapture check may give a size the rules' kernels back."""
+
+    rows: int
+    qkv: int
+    o: int
+    gate_up: int
+    down: int
+    lm_head: int
+    fused: bool
+    pdl: bool
+
+    def line(self) -> str:
+        """``8: 19/0/0/17/11 unfused`` (``no-pdl`` added where PDL is off)."""
+        entries = (self.qkv, self.o, self.gate_up, self.down, self.lm_head)
+        layers = "fused" if self.fused else "unfused"
+        pdl = "" if self.pdl else " no-pdl"
+        return f"{self.rows}: {'/'.join(map(str, entries))} {layers}{pdl}"
+
+
+def step_plans(model: DecoderModel, sizes: Sequence[int]) -> list[StepPlan]:
+    """The ``StepPlan`` of each of ``sizes`` the small GEMM covers (at most ``MAX_ROWS``),
+    smallest first."""
+    layer = model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, model.lm_head)
+    plans = []
+    for r in sorted({s for s in sizes if s <= MAX_ROWS}):
+        entries = [plan_entry(linear.plan, r) for linear in linears]
+        pdl = pdl_for(model.kernels.pdl, r) and r not in model.no_pdl_rows
+        plans.append(StepPlan(r, *entries, layer.fuses(r), pdl))
+    return plans
+
+
 @dataclass
 class BenchResult:
     """Every number of one run, with what it was measured against."""
@@ -200,6 +242,8 @@ class BenchResult:
     small_gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)
     # Per variant with fused layers in graphs: the start-up timing of fused vs unfused layers.
     layer_plan: dict[str, list[LayerTiming]] = field(default_factory=dict)
+    # Per variant on CUDA: what each timed size of at most 16 rows runs (``StepPlan``).
+    step_plans: dict[str, list[StepPlan]] = field(default_factory=dict)
     # Under --tp with "auto": per-call µs of each all-reduce algorithm in a captured graph,
     # by message size in bytes ({"sizes": [...], "nccl": [...], "one-shot": [...], ...}).
     all_reduce_us: dict[str, list[float]] = field(default_factory=dict)
@@ -538,6 +582,10 @@ def _capture_variant(
         result.layer_plan[name] = runner.kernel_plan.layer_timings
         unfused, no_pdl = sorted(runner.model.unfused_rows), sorted(runner.model.no_pdl_rows)
         print(f"{name}: measured slower: fused layers at rows {unfused}, PDL at rows {no_pdl}")
+    if cuda and runner.graphs.mode is not GraphMode.NONE:
+        plans = result.step_plans[name] = step_plans(runner.model, setup.cfg.batch_sizes)
+        lines = "; ".join(p.line() for p in plans)
+        print(f"{name}: steps run (qkv/o/gate_up/down/lm_head plan entries, 0 cuBLAS): {lines}")
     result.costs.append(
         VariantCost(
             name,

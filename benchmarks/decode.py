@@ -33,6 +33,7 @@ from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.linear import plan_entry
 from ostinato.engine.model.presets import shape
 from ostinato.engine.sample.sampler import sample
+from ostinato.engine.worker.deferred_plans import rules_won
 from ostinato.engine.worker.gemm_tuning import GemmTiming
 from ostinato.engine.worker.layer_tuning import LayerTiming
 from ostinato.engine.worker.runner import ModelRunner
@@ -187,9 +188,9 @@ class VariantCost:
 class StepPlan:
     """What a variant's decode step of ``rows`` rows runs as its start left it: the plan
     entry (0: cuBLAS, else 1 + an index into ``small_gemm.CONFIGS``) of the first layer's
-    projections and of the LM head, and whether its layers run fused and launch with PDL.
-    The GEMM timings alone do not say it: their entries follow a margin, and a start's
-    recapture check may give a size the rules' kernels back."""
+    projections and of the LM head, whether its layers run fused and launch with PDL, and
+    whether a start's recapture check kept the rules' graph at this size (and gave it the
+    rules' kernels back): the GEMM timings alone do not say what runs."""
 
     rows: int
     qkv: int
@@ -199,18 +200,24 @@ class StepPlan:
     lm_head: int
     fused: bool
     pdl: bool
+    rules_kept: bool = False
 
     def line(self) -> str:
-        """``8: 19/0/0/17/11 unfused`` (``no-pdl`` added where PDL is off)."""
+        """``8: 19/0/0/17/11 unfused`` (``no-pdl`` added where PDL is off, ``rules'
+        graph`` where the recapture check kept it)."""
         entries = (self.qkv, self.o, self.gate_up, self.down, self.lm_head)
         layers = "fused" if self.fused else "unfused"
         pdl = "" if self.pdl else " no-pdl"
-        return f"{self.rows}: {'/'.join(map(str, entries))} {layers}{pdl}"
+        kept = " rules' graph" if self.rules_kept else ""
+        return f"{self.rows}: {'/'.join(map(str, entries))} {layers}{pdl}{kept}"
 
 
-def step_plans(model: DecoderModel, sizes: Sequence[int]) -> list[StepPlan]:
+def step_plans(
+    model: DecoderModel, sizes: Sequence[int], rules_kept: frozenset[int] = frozenset()
+) -> list[StepPlan]:
     """The ``StepPlan`` of each of ``sizes`` the small GEMM covers (at most ``MAX_ROWS``),
-    smallest first."""
+    smallest first; ``rules_kept``: the sizes where the recapture check kept the rules'
+    graphs (``deferred_plans.rules_won``)."""
     layer = model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, model.lm_head)
@@ -218,7 +225,7 @@ def step_plans(model: DecoderModel, sizes: Sequence[int]) -> list[StepPlan]:
     for r in sorted({s for s in sizes if s <= MAX_ROWS}):
         entries = [plan_entry(linear.plan, r) for linear in linears]
         pdl = pdl_for(model.kernels.pdl, r) and r not in model.no_pdl_rows
-        plans.append(StepPlan(r, *entries, layer.fuses(r), pdl))
+        plans.append(StepPlan(r, *entries, layer.fuses(r), pdl, r in rules_kept))
     return plans
 
 
@@ -583,7 +590,8 @@ def _capture_variant(
         unfused, no_pdl = sorted(runner.model.unfused_rows), sorted(runner.model.no_pdl_rows)
         print(f"{name}: measured slower: fused layers at rows {unfused}, PDL at rows {no_pdl}")
     if cuda and runner.graphs.mode is not GraphMode.NONE:
-        plans = result.step_plans[name] = step_plans(runner.model, setup.cfg.batch_sizes)
+        kept = rules_won(runner.deferred_plans.recaptured)
+        plans = result.step_plans[name] = step_plans(runner.model, setup.cfg.batch_sizes, kept)
         lines = "; ".join(p.line() for p in plans)
         print(f"{name}: steps run (qkv/o/gate_up/down/lm_head plan entries, 0 cuBLAS): {lines}")
     result.costs.append(

@@ -330,7 +330,8 @@ def test_sampling_cost_on_cpu_writes_a_row_per_batch_and_parameter(tmp_path):
 def test_step_plans_name_each_small_size_s_gemm_entries_layering_and_pdl():
     # What a decode step of each timed size runs, read from the model as its start left
     # it: the plan entries of the first layer's projections and the LM head, the layers
-    # fused or not, PDL on or off; sizes above the small GEMM's rows are left out.
+    # fused or not, PDL on or off, the rules' graph kept or not; sizes above the small
+    # GEMM's rows are left out.
     from benchmarks.decode import StepPlan, step_plans
     from ostinato.engine.kernels.options import KernelOptions
     from ostinato.engine.model.config import ModelConfig
@@ -342,9 +343,10 @@ def test_step_plans_name_each_small_size_s_gemm_entries_layering_and_pdl():
     layer.self_attn.o_proj.use_plan((0, 0, 3), 0, pdl=True)
     model.lm_head.use_plan((0, 5, 5), 0, pdl=True)
     model.unfused_rows, model.no_pdl_rows = frozenset({2}), frozenset({1})
-    plans = step_plans(model, [64, 2, 1, 2])
+    plans = step_plans(model, [64, 2, 1, 2], rules_kept=frozenset({1}))
     assert plans == [
-        StepPlan(1, 0, 0, 0, 0, 5, fused=True, pdl=False),
+        StepPlan(1, 0, 0, 0, 0, 5, fused=True, pdl=False, rules_kept=True),
         StepPlan(2, 0, 3, 0, 0, 5, fused=False, pdl=True),
     ]
-    assert [p.line() for p in plans] == ["1: 0/0/0/0/5 fused no-pdl", "2: 0/3/0/0/5 unfused"]
+    lines = ["1: 0/0/0/0/5 fused no-pdl rules' graph", "2: 0/3/0/0/5 unfused"]
+    assert [p.line() for p in plans] == lines

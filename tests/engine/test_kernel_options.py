@@ -15,7 +15,12 @@ from ostinato.engine.model.config import ModelConfig
 from ostinato.engine.model.decoder import DecoderModel
 from ostinato.engine.model.linear import Linear
 from ostinato.engine.model.presets import shape
-from ostinato.engine.worker.gemm_tuning import plan_small_gemms
+from ostinato.engine.worker.gemm_tuning import (
+    GemmShape,
+    GemmTiming,
+    plan_small_gemms,
+    triton_chosen,
+)
 
 
 @pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead", "fused_layers"])
@@ -104,6 +109,24 @@ def test_plan_on_cpu_is_empty_and_measures_nothing():
     linear.use_plan((0, 1), 4, pdl=False)
     assert plan_small_gemms([(linear, False)], [1, 2, 4], pdl=True) == []
     assert linear.plan == ()
+
+
+def _timing(cublas_us: float, triton_us: float, config: int = 3) -> GemmTiming:
+    return GemmTiming(GemmShape(64, 64, "bfloat16", False, False), 8, cublas_us, triton_us, config)
+
+
+def test_the_triton_gemm_needs_the_margin_without_pdl_and_cublas_needs_it_with_pdl():
+    # Without PDL a GEMM alone is timed as it runs in a step: Triton must win by the margin.
+    assert triton_chosen(_timing(10.0, 9.7), pdl=False, min_gain=0.03)
+    assert not triton_chosen(_timing(10.0, 9.75), pdl=False, min_gain=0.03)
+    assert not triton_chosen(_timing(10.0, 10.2), pdl=False, min_gain=0.03)
+    # With PDL the Triton GEMM joins the chain in a step: cuBLAS must win by the margin.
+    assert triton_chosen(_timing(10.0, 9.7), pdl=True, min_gain=0.03)
+    assert triton_chosen(_timing(10.0, 10.25), pdl=True, min_gain=0.03)
+    assert not triton_chosen(_timing(10.0, 10.35), pdl=True, min_gain=0.03)
+    # No Triton config fits the shape: cuBLAS either way.
+    for pdl in (False, True):
+        assert not triton_chosen(_timing(10.0, float("inf"), 0), pdl=pdl, min_gain=0.03)
 
 
 def test_a_gemm_measurement_holds_the_turn_per_timed_replay_and_picks_the_fastest(monkeypatch):

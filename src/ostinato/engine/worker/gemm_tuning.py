@@ -4,8 +4,10 @@ per projection shape and row count, timed the way a decode graph runs them.
 Each candidate (cuBLAS, and each of ``triton_gemm.CONFIGS``) is captured as a CUDA graph
 of ``REPEATS`` back-to-back calls and replayed; its time per call is the replay time
 over ``REPEATS``, so host launch cost is out of it and cuBLAS's split-K reduce kernel is
-in it. The Triton GEMM is chosen for a (shape, rows) only when it beats cuBLAS by
-``min_gain`` (noise margin): never slower than cuBLAS as measured. SwiGLU gate/up
+in it. Which one a (shape, rows) runs: ``triton_chosen`` (a margin of ``min_gain`` for
+noise, in cuBLAS's favour where the kernels launch without PDL, in the Triton GEMM's
+where they launch with it: a timing of one GEMM alone cannot see the PDL chain it joins
+in a step). SwiGLU gate/up
 projections compare the Triton GEMM with the activation in its epilogue against cuBLAS
 followed by the one-kernel SiLU·mul. Only 16-bit
 weights are tried (the Triton GEMM's dot would round float32 inputs to tf32).
@@ -31,6 +33,9 @@ from ostinato.platform.cuda import graph_call_us
 logger = logging.getLogger(__name__)
 
 REPEATS = 20
+GEMM_RULE = "with pdl, triton unless cublas wins by the gain"
+"""Part of a stored plan's key (``triton_chosen``): a plan chosen by an earlier rule is
+measured again."""
 GemmKey = tuple[int, int, torch.dtype, bool, bool]  # (n, k, dtype, swiglu, bias)
 
 
@@ -145,6 +150,24 @@ def _compile_candidates(
                     fn()
 
 
+def triton_chosen(timing: GemmTiming, pdl: bool, min_gain: float) -> bool:
+    """Whether a (shape, rows) measured as ``timing`` runs the Triton GEMM (never where no
+    Triton config fits). Without PDL, where it measured at least ``min_gain`` faster
+    than cuBLAS: alone or in a step, each kernel waits for the one before. With PDL,
+    unless cuBLAS measured at least ``min_gain`` faster: in a step the Triton GEMM
+    starts while the kernel before it drains, and lets the one after it start early,
+    where cuBLAS's kernel breaks that chain, and the timing of one GEMM repeated shows
+    none of it. On an H100 the 8 B shape's O projection at 8 rows read within 3% of
+    cuBLAS either way, alone; of six starts whose 8-row plans differed in that entry
+    alone, the three that ran it on cuBLAS stepped at 6.197-6.200 ms (pipelined), the
+    three on Triton at 6.110-6.118 (``benchmarks/results/default_vs_options_today``)."""
+    if timing.config == 0:
+        return False
+    if pdl:
+        return timing.cublas_us * (1 + min_gain) > timing.triton_us
+    return timing.triton_us * (1 + min_gain) <= timing.cublas_us
+
+
 def plan_small_gemms(
     linears: Sequence[tuple[Linear, bool]],
     rows: Sequence[int],
@@ -155,8 +178,8 @@ def plan_small_gemms(
 ) -> list[GemmTiming]:
     """Measures every distinct projection shape of ``linears`` (``(linear, swiglu)``)
     at each row count in ``rows`` (those above ``MAX_ROWS`` are skipped) and
-    gives each linear its plan (``Linear.use_plan``): Triton where it was at least
-    ``min_gain`` faster than cuBLAS, else cuBLAS. Returns the measurements (none for a
+    gives each linear its plan (``Linear.use_plan``): Triton where ``triton_chosen``
+    says, else cuBLAS. Returns the measurements (none for a
     plan found in ``cache``, where new plans are stored). Linears with 32-bit weights,
     or off CUDA, get an empty plan (plain ``nn.Linear``). The candidates of the shapes
     to measure compile together first; each measurement runs inside ``turn()`` (a
@@ -174,7 +197,7 @@ def plan_small_gemms(
             for r in found.sizes:
                 t = _measure(linear, swiglu, r, pdl, linear.weight.device, turn)
                 timings.append(t)
-                if t.triton_us * (1 + min_gain) <= t.cublas_us:
+                if triton_chosen(t, pdl, min_gain):
                     plan[r] = t.config
             plans[key] = tuple(plan)
             if cache_key:
@@ -253,7 +276,7 @@ def _lookup(
             found.linears.append((linear, swiglu, None, None))
             continue
         key = (*w.shape, w.dtype, swiglu, linear.bias is not None)
-        extra = f"pdl={pdl} gain={min_gain}"
+        extra = f"pdl={pdl} gain={min_gain} rule={GEMM_RULE}"
         cache_key = cache.plan_key(w.device, key, found.sizes, extra) if cache else None
         if key not in found.plans and cache_key in stored:
             found.plans[key] = tuple(stored[cache_key])

@@ -116,7 +116,7 @@ def _timing(cublas_us: float, triton_us: float, config: int = 3) -> GemmTiming:
 
 
 def test_the_triton_gemm_needs_the_margin_without_pdl_and_cublas_needs_it_with_pdl():
-    # Without PDL a GEMM alone is timed as it runs in a step: Triton must win by the margin.
+    # Without PDL Triton must win by the margin.
     assert triton_chosen(_timing(10.0, 9.7), pdl=False, min_gain=0.03)
     assert not triton_chosen(_timing(10.0, 9.75), pdl=False, min_gain=0.03)
     assert not triton_chosen(_timing(10.0, 10.2), pdl=False, min_gain=0.03)

@@ -105,7 +105,11 @@ def _parser() -> OneLineParser:
         type=Path,
         help="a HF config.json for the model (default: a 1.5 B Llama shape with random weights)",
     )
-    parser.add_argument("--variants", help="comma-separated subset of the variants")
+    parser.add_argument(
+        "--variants",
+        help="comma-separated subset of the variants; one ending in ' again' starts that"
+        " variant a second time (the spread is the run's noise between identical starts)",
+    )
     parser.add_argument("--repeats", type=positive_int, default=50, help="timed steps per size")
     parser.add_argument(
         "--rounds",
@@ -178,9 +182,16 @@ def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch
     if args.variants:
         names = tuple(v.strip() for v in args.variants.split(","))
         known = decode.ALL_VARIANTS
-        unknown = [n for n in names if n not in known]
+        unknown = [n for n in names if decode.base_variant(n) not in known]
         if unknown:
-            parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")
+            parser.error(
+                f"--variants: unknown {unknown}; choose from {list(known)}, each also"
+                f" with{decode.AGAIN!r} to start it a second time"
+            )
+        if decode.REDUCE_OVERHEAD + decode.AGAIN in names:
+            parser.error(f"--variants: {decode.REDUCE_OVERHEAD!r} is timed once, apart")
+        if len(set(names)) < len(names):
+            parser.error(f"--variants: a name given twice; add{decode.AGAIN!r} to start it again")
         cfg = replace(cfg, variants=names)
     choices = tuple(c.strip() for c in args.all_reduce.split(","))
     for c in choices:

@@ -106,6 +106,10 @@ REDUCE_OVERHEAD = "torch.compile reduce-overhead"
 # Every variant with a runner of ours (``variant_runner``), and with reduce-overhead too.
 RUNNER_VARIANTS = (*OSTINATO_VARIANTS, *KERNEL_VARIANTS)
 ALL_VARIANTS = (*RUNNER_VARIANTS, REDUCE_OVERHEAD)
+AGAIN = " again"
+"""A runner variant's name with this suffix (``"ostinato FULL again"``) starts that variant a
+second time in the same process, with plans of its own: the spread between the two is the
+run's noise between identical starts, which a comparison of variants must exceed."""
 # Variants also timed through the engine's whole step (staging, sampling, read-back).
 ENGINE_STEP_VARIANTS = ("eager", "ostinato FULL", "ostinato FULL_AND_PIECEWISE")
 BLOCK = 16
@@ -547,16 +551,22 @@ def run(
     return result
 
 
+def base_variant(name: str) -> str:
+    """The variant ``name`` starts: ``name`` without ``AGAIN``."""
+    return name.removesuffix(AGAIN)
+
+
 def variant_rules(name: str) -> contextlib.AbstractContextManager[LaunchRules]:
     """The launch rules variant ``name`` is built and captured under (its graphs keep
     what they captured): its own where it names some, else those in force."""
-    variant = KERNEL_VARIANTS.get(name)
+    variant = KERNEL_VARIANTS.get(base_variant(name))
     return rules_in_force(variant.rules if variant and variant.rules else rules())
 
 
 def variant_runner(setup: DecodeSetup, name: str, cuda: bool) -> ModelRunner | None:
     """The runner of variant ``name``; None for reduce-overhead (timed apart) and for
-    variants of CUDA kernels off CUDA."""
+    variants of CUDA kernels off CUDA. ``name`` may end in ``AGAIN``."""
+    name = base_variant(name)
     if name == REDUCE_OVERHEAD:
         return None
     if name in KERNEL_VARIANTS:

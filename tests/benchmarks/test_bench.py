@@ -56,6 +56,25 @@ def test_unknown_variant_is_rejected(capsys):
     assert "unknown" in capsys.readouterr().err
 
 
+def test_a_variant_started_again_is_timed_as_a_runner_of_its_own(tmp_path, capsys):
+    # "X again": the same variant a second time in one process, its rows apart, so the
+    # run shows its own noise between identical starts beside the variants' differences.
+    out = tmp_path / "r.json"
+    assert main(["--quick", "--variants", "eager,eager again", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    timed = [(r["variant"], r["batch"]) for r in rows if not r["variant"].endswith("step")]
+    assert sorted(timed) == [("eager", 1), ("eager", 8), ("eager again", 1), ("eager again", 8)]
+    assert all(r["step_ms"] > 0 for r in rows)
+    for bad, says in (
+        ("eager,eager", "given twice"),
+        ("eager again again", "unknown"),
+        ("torch.compile reduce-overhead again", "timed once"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--quick", "--variants", bad])
+        assert says in capsys.readouterr().err
+
+
 def test_reduce_overhead_baseline_computes_the_engine_models_function():
     # Same weights, same cached K/V: the static-cache decoder and the paged-cache model
     # must give the same logits for a decode step (CPU, float32, eager).

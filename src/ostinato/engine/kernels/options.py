@@ -45,8 +45,8 @@ class KernelOptions:
     ``small_gemm`` (on by default where Triton runs): projections whose row count is at
     most ``small_gemm.MAX_ROWS`` (16) use a Triton GEMM (gate/up with SiLU·mul in its
     epilogue) wherever a start-up measurement on this device chose it over cuBLAS for
-    that shape and row count (``gemm_tuning.triton_chosen``: with PDL, unless cuBLAS
-    measured faster by the noise margin), in the config that measured fastest; elsewhere
+    that shape and row count (``gemm_tuning.triton_chosen``: unless cuBLAS measured
+    faster by the noise margin), in the config that measured fastest; elsewhere
     cuBLAS (or, for a fused layer's small projection, the Triton GEMM by rule). The
     plans are kept in the compile cache, so only a first start measures. On by default
     because it measured fastest: on an H200 the 8 B shape's FULL decode step took 4.46 /

@@ -4,12 +4,10 @@ per projection shape and row count, timed the way a decode graph runs them.
 Each candidate (cuBLAS, and each of ``triton_gemm.CONFIGS``) is captured as a CUDA graph
 of ``REPEATS`` back-to-back calls and replayed; its time per call is the replay time
 over ``REPEATS``, so host launch cost is out of it and cuBLAS's split-K reduce kernel is
-in it. Which one a (shape, rows) runs: ``triton_chosen`` (a margin of ``min_gain`` for
-noise, in cuBLAS's favour where the kernels launch without PDL, in the Triton GEMM's
-where they launch with it: a timing of one GEMM alone cannot see the PDL chain it joins
-in a step). SwiGLU gate/up
-projections compare the Triton GEMM with the activation in its epilogue against cuBLAS
-followed by the one-kernel SiLU·mul. Only 16-bit
+in it. Which one a (shape, rows) runs: ``triton_chosen`` (the Triton GEMM unless cuBLAS
+wins by a margin of ``min_gain``: inside a step the Triton GEMM measured faster than its
+timing alone predicts). SwiGLU gate/up projections compare the Triton GEMM with the
+activation in its epilogue against cuBLAS followed by the one-kernel SiLU·mul. Only 16-bit
 weights are tried (the Triton GEMM's dot would round float32 inputs to tf32).
 """
 
@@ -33,7 +31,7 @@ from ostinato.platform.cuda import graph_call_us
 logger = logging.getLogger(__name__)
 
 REPEATS = 20
-GEMM_RULE = "with pdl, triton unless cublas wins by the gain"
+GEMM_RULE = "triton unless cublas wins by the gain"
 """Part of a stored plan's key (``triton_chosen``): a plan chosen by an earlier rule is
 measured again."""
 GemmKey = tuple[int, int, torch.dtype, bool, bool]  # (n, k, dtype, swiglu, bias)
@@ -150,23 +148,23 @@ def _compile_candidates(
                     fn()
 
 
-def triton_chosen(timing: GemmTiming, pdl: bool, min_gain: float) -> bool:
-    """Whether a (shape, rows) measured as ``timing`` runs the Triton GEMM (never where no
-    Triton config fits). Without PDL, where it measured at least ``min_gain`` faster
-    than cuBLAS (on an H100 all 16 of the 8 B shape's entries this kept on cuBLAS ran
-    faster in the step on Triton; the other shape is not measured yet, RESULTS.md). With PDL,
-    unless cuBLAS measured at least ``min_gain`` faster: in a step the Triton GEMM
-    starts while the kernel before it drains, and lets the one after it start early,
-    where cuBLAS's kernel breaks that chain, and the timing of one GEMM repeated shows
-    none of it. On an H100 the 8 B shape's O projection at 8 rows read within 3% of
-    cuBLAS either way, alone; of six starts whose 8-row plans differed in that entry
-    alone, the three that ran it on cuBLAS stepped at 6.197-6.200 ms (pipelined), the
-    three on Triton at 6.110-6.118 (``benchmarks/results/default_vs_options_today``)."""
+def triton_chosen(timing: GemmTiming, min_gain: float) -> bool:
+    """Whether a (shape, rows) measured as ``timing`` runs the Triton GEMM: wherever a
+    Triton config fits, unless cuBLAS measured at least ``min_gain`` faster. The margin
+    is in the Triton GEMM's favour because a GEMM timed alone mispredicts the step it
+    runs in, and on the whole in cuBLAS's favour. On an H100, swapping single plan entries
+    inside a pipelined step (``benchmarks/results/gemm_rule_pdl``): without PDL, every
+    entry of both decode shapes within 3% either way alone ran the step faster on Triton,
+    up to 84 µs, and the two that were 10% slower on Triton alone ran it slower; with
+    PDL, the Triton GEMM took 1.1-5.5x its saving alone off the 8 B shape's step, and of
+    six 8 B starts whose plans differed only in a near tie, the three on Triton stepped
+    at 6.110-6.118 ms against 6.197-6.200. It still misleads where a GEMM faster alone
+    runs the step slower (the 1.5 B shape's down projection with PDL: 8-11% faster alone,
+    9-23 µs slower in the step); only timings of whole steps (the layer plan, the
+    recapture check) see that."""
     if timing.config == 0:
         return False
-    if pdl:
-        return timing.cublas_us * (1 + min_gain) > timing.triton_us
-    return timing.triton_us * (1 + min_gain) <= timing.cublas_us
+    return timing.cublas_us * (1 + min_gain) > timing.triton_us
 
 
 def plan_small_gemms(
@@ -198,7 +196,7 @@ def plan_small_gemms(
             for r in found.sizes:
                 t = _measure(linear, swiglu, r, pdl, linear.weight.device, turn)
                 timings.append(t)
-                if triton_chosen(t, pdl, min_gain):
+                if triton_chosen(t, min_gain):
                     plan[r] = t.config
             plans[key] = tuple(plan)
             if cache_key:

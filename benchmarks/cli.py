@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --plot-from: {args.plot_from} is not a file")
     if args.config is not None and not args.config.is_file():
         parser.error(f"argument --config: {args.config} is not a file")
+    if args.config is not None and args.shape is not None:
+        parser.error("argument --shape: not with --config, which names the model")
 
     from benchmarks import decode, report
 
@@ -140,8 +142,7 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--shape",
         choices=("llama-1.5b", "llama-8b"),
-        default="llama-1.5b",
-        help="random-weight model shape (ignored with --config)",
+        help="random-weight model shape (default llama-1.5b; not with --config)",
     )
     return parser
 
@@ -162,7 +163,7 @@ def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch
         print(f"graphs are off: {why}; showing the tiny model in eager mode only")
         device = torch.device("cuda" if cuda else "cpu")
     else:
-        cfg = decode.BenchConfig(model=shape(args.shape))
+        cfg = decode.BenchConfig(model=shape(args.shape or "llama-1.5b"))
         device = torch.device("cuda")
     sizes = tuple(args.batch_sizes)
     cfg = replace(

@@ -325,7 +325,11 @@ def _parser() -> OneLineParser:
         description=__doc__,
         formatter_class=DefaultsHelp,
     )
-    parser.add_argument("--shape", choices=("tiny", "llama-1.5b", "llama-8b"), default="llama-1.5b")
+    parser.add_argument(
+        "--shape",
+        choices=("tiny", "llama-1.5b", "llama-8b"),
+        help="random-weight model shape (default llama-1.5b; not with --model smollm2)",
+    )
     parser.add_argument(
         "--model",
         choices=("random", REAL_MODEL),
@@ -385,10 +389,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         except ValueError as exc:
             parser.error(f"argument --modes: {exc}")
     if args.model == REAL_MODEL:
+        if args.shape is not None:
+            parser.error(f"argument --shape: not with --model {REAL_MODEL}, a model of its own")
         try:
             smollm2_path()
         except FileNotFoundError as exc:
             parser.error(f"argument --model: {exc}")
+    args.shape = args.shape or "llama-1.5b"
     if args.quick or not torch.cuda.is_available():
         args.shape, args.batch_sizes, args.prompt_len, args.new_tokens = "tiny", [1, 2], 16, 8
         # eager only, each suffix kept (+sampling runs on the CPU too; +staged does not)

@@ -8,8 +8,9 @@
 #   benchmarks/tp_h200x2.sh bench-ubatch     # TP=2 steps with and without micro-batch overlap
 #   benchmarks/tp_h200x2.sh rules-llama-8b   # TP=2 and TP=1: the default against the rule
 #                                   # variants that put the TP step's kernels apart
-#   benchmarks/tp_h200x2.sh bench-default-llama-8b  # TP=1 vs TP=2 in the default mode
-#                                   # (FULL_AND_PIECEWISE, also with pdl+small-gemm), measured all-reduce
+#   benchmarks/tp_h200x2.sh bench-default-llama-8b  # TP=1 vs TP=2: the default (FULL graphs),
+#                                   # the unfused PDL option, the default started again (its own
+#                                   # noise), measured all-reduce
 #   benchmarks/tp_h200x2.sh verify  # one call: the serving and symmetric all-reduce GPU tests,
 #                                   # the census, the micro-batch benchmark, then
 #                                   # the default mode's step in the time left (needs .gpu/whl)
@@ -86,7 +87,7 @@ bench-default-*)
     for tp in 1 2; do
         timeout "${LIMIT_S:-200}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
             --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 \
-            --variants "ostinato FULL_AND_PIECEWISE,ostinato FULL_AND_PIECEWISE layers-unfused pdl+small-gemm" \
+            --variants "ostinato FULL layers-unfused pdl+small-gemm,ostinato FULL,ostinato FULL again" \
             --out "$OUT/default_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log" \
             | grep -E "^\[tp|^ostinato"
     done

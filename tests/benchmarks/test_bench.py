@@ -369,3 +369,19 @@ def test_step_plans_name_each_small_size_s_gemm_entries_layering_and_pdl():
     ]
     lines = ["1: 0/0/0/0/5 fused no-pdl rules' graph", "2: 0/3/0/0/5 unfused"]
     assert [p.line() for p in plans] == lines
+
+
+def test_a_shape_beside_the_model_that_replaces_it_is_refused(tmp_path, capsys):
+    # --shape names random weights; --config (decode) and --model smollm2 (e2e) name the
+    # model themselves, so a shape beside them would be ignored.
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    for argv, says in (
+        (["--config", str(config), "--shape", "llama-8b"], "--shape: not with --config"),
+        (["e2e", "--model", "smollm2", "--shape", "tiny"], "--shape: not with --model smollm2"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0]

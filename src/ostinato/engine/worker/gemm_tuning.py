@@ -156,12 +156,13 @@ def triton_chosen(timing: GemmTiming, min_gain: float) -> bool:
     inside a pipelined step (``benchmarks/results/gemm_rule_pdl``): without PDL, every
     entry of both decode shapes within 3% either way alone ran the step faster on Triton,
     up to 84 µs, and the two that were 10% slower on Triton alone ran it slower; with
-    PDL, the Triton GEMM took 1.1-5.5x its saving alone off the 8 B shape's step, and of
-    six 8 B starts whose plans differed only in a near tie, the three on Triton stepped
-    at 6.110-6.118 ms against 6.197-6.200. It still misleads where a GEMM faster alone
-    runs the step slower (the 1.5 B shape's down projection with PDL: 8-11% faster alone,
-    9-23 µs slower in the step); only timings of whole steps (the layer plan, the
-    recapture check) see that."""
+    PDL, the Triton GEMM took 1.1-5.5x its saving alone off the 8 B shape's step in QKV,
+    O and gate/up, and of six 8 B starts whose plans differed only in a near tie, the
+    three on Triton stepped at 6.110-6.118 ms against 6.197-6.200. It still misleads
+    where a GEMM faster alone runs the step slower (with PDL, the down projection: on the
+    1.5 B shape 8-11% faster alone and 9-23 µs slower in the step, on the 8 B shape 61 µs
+    slower at 16 rows); only timings of whole steps (the layer plan, the recapture
+    check) see that."""
     if timing.config == 0:
         return False
     return timing.cublas_us * (1 + min_gain) > timing.triton_us

@@ -13,7 +13,8 @@
 #                                   # noise), measured all-reduce
 #   benchmarks/tp_h200x2.sh verify  # one call: the serving and symmetric all-reduce GPU tests,
 #                                   # the census, the micro-batch benchmark, then
-#                                   # the default mode's step in the time left (needs .gpu/whl)
+#                                   # the default mode's step in the time left (needs .gpu/whl),
+#                                   # every file under $OUT then packed into one archive
 # Writes logs and JSON under $OUT (or ./out). NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -108,6 +109,9 @@ verify)
     left=$(( (${VERIFY_S:-560} - SECONDS) / 2 ))
     [ "$left" -ge 40 ] && LIMIT_S=$left bash "$0" bench-default-llama-8b
     echo "all: $SECONDS s"
+    # The device tool brings back 8 files at most: everything in one archive.
+    tar -czf /tmp/verify_h200x2.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* \
+        && mv /tmp/verify_h200x2.tar.gz "$OUT/"
     ;;
 bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"

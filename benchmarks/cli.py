@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import DEFAULT_SHAPE
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.engine import ModelConfig
 from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
@@ -142,7 +143,7 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--shape",
         choices=("llama-1.5b", "llama-8b"),
-        help="random-weight model shape (default llama-1.5b; not with --config)",
+        help=f"random-weight model shape (default {DEFAULT_SHAPE}; not with --config)",
     )
     return parser
 
@@ -163,7 +164,7 @@ def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch
         print(f"graphs are off: {why}; showing the tiny model in eager mode only")
         device = torch.device("cuda" if cuda else "cpu")
     else:
-        cfg = decode.BenchConfig(model=shape(args.shape or "llama-1.5b"))
+        cfg = decode.BenchConfig(model=shape(args.shape or DEFAULT_SHAPE))
         device = torch.device("cuda")
     sizes = tuple(args.batch_sizes)
     cfg = replace(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import DEFAULT_SHAPE
 from benchmarks.baseline import StaticCacheDecoder
 from benchmarks.census import KernelLaunches, kernel_census
 from ostinato.config import GraphConfig
@@ -136,7 +137,7 @@ def model_config(name: str) -> dict[str, Any]:
 class BenchConfig:
     """What to measure: the model (HF config dict), batch sizes, KV length, dtype, variants."""
 
-    model: dict[str, Any] = field(default_factory=lambda: shape("llama-1.5b"))
+    model: dict[str, Any] = field(default_factory=lambda: shape(DEFAULT_SHAPE))
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     kv_len: int = 512
     dtype: str = "bfloat16"

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import DEFAULT_SHAPE
 from ostinato.distributed.failure import describe
 from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
 from ostinato.engine.model.presets import shape, smollm2_path
@@ -328,7 +329,7 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--shape",
         choices=("tiny", "llama-1.5b", "llama-8b"),
-        help="random-weight model shape (default llama-1.5b; not with --model smollm2)",
+        help=f"random-weight model shape (default {DEFAULT_SHAPE}; not with --model {REAL_MODEL})",
     )
     parser.add_argument(
         "--model",
@@ -395,7 +396,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             smollm2_path()
         except FileNotFoundError as exc:
             parser.error(f"argument --model: {exc}")
-    args.shape = args.shape or "llama-1.5b"
+    args.shape = args.shape or DEFAULT_SHAPE
     if args.quick or not torch.cuda.is_available():
         args.shape, args.batch_sizes, args.prompt_len, args.new_tokens = "tiny", [1, 2], 16, 8
         # eager only, each suffix kept (+sampling runs on the CPU too; +staged does not)

@@ -19,6 +19,12 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# The results' provenance: this checkout's commit (scripts/gpu_prepare.sh commit), not the
+# device copy's git metadata, which is not this checkout's.
+if [ -f .gpu/whl/COMMIT ]; then
+    read -r OSTINATO_COMMIT OSTINATO_DIRTY < .gpu/whl/COMMIT
+    export OSTINATO_COMMIT OSTINATO_DIRTY
+fi
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1

@@ -152,7 +152,7 @@ def triton_chosen(timing: GemmTiming, min_gain: float) -> bool:
     """Whether a (shape, rows) measured as ``timing`` runs the Triton GEMM: wherever a
     Triton config fits, unless cuBLAS measured at least ``min_gain`` faster. The margin
     is in the Triton GEMM's favour because a GEMM timed alone mispredicts the step it
-    runs in, and on the whole in cuBLAS's favour. On an H100, swapping single plan entries
+    runs in, on the whole to cuBLAS's advantage. On an H100, swapping single plan entries
     inside a pipelined step (``benchmarks/results/gemm_rule_pdl``): without PDL, every
     entry of both decode shapes within 3% either way alone ran the step faster on Triton,
     up to 84 µs, and the two that were 10% slower on Triton alone ran it slower; with

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import DEFAULT_SHAPE
+from benchmarks import DEFAULT_SHAPE, TIMED_SHAPES
 from ostinato.distributed.all_reduce_plan import parse_all_reduce
 from ostinato.engine import ModelConfig
 from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
@@ -142,7 +142,7 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument(
         "--shape",
-        choices=("llama-1.5b", "llama-8b"),
+        choices=TIMED_SHAPES,
         help=f"random-weight model shape (default {DEFAULT_SHAPE}; not with --config)",
     )
     return parser

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import DEFAULT_SHAPE
 from benchmarks.decode import (
     RUNNER_VARIANTS,
     SMOLLM2_CONFIG,
@@ -227,7 +228,7 @@ def measure(setup: DecodeSetup, runner: Any, batch: int, steps: int) -> StepPath
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", default="llama-1.5b", help="a preset, or smollm2")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, help="a preset, or smollm2")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=20)
     variants = sorted(v for v in RUNNER_VARIANTS if v != "eager")

@@ -35,7 +35,7 @@ import torch
 from benchmarks import DEFAULT_SHAPE
 from ostinato.distributed.failure import describe
 from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
-from ostinato.engine.model.presets import shape, smollm2_path
+from ostinato.engine.model.presets import SHAPES, shape, smollm2_path
 from ostinato.provenance import Provenance
 
 REAL_MODEL = "smollm2"
@@ -328,7 +328,7 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument(
         "--shape",
-        choices=("tiny", "llama-1.5b", "llama-8b"),
+        choices=tuple(SHAPES),
         help=f"random-weight model shape (default {DEFAULT_SHAPE}; not with --model {REAL_MODEL})",
     )
     parser.add_argument(

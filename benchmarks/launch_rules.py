@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import decode
+from benchmarks import DEFAULT_SHAPE, decode
 from benchmarks.decode import SMOLLM2_CONFIG, model_config
 from ostinato.engine.kernels.launch_rules import LaunchRules, rules_in_force
 from ostinato.provenance import Provenance
@@ -235,7 +235,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch-sizes", default="1,8,16")
-    parser.add_argument("--shape", default="llama-1.5b")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE)
     parser.add_argument("--rules", choices=sorted(RULES), default="steps")
     parser.add_argument("--variant", default=VARIANT, choices=decode.RUNNER_VARIANTS)
     parser.add_argument(

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import DEFAULT_SHAPE
 from benchmarks.ready import ready
 from ostinato.engine import LLM, SamplingParams
 from ostinato.provenance import Provenance
@@ -69,7 +70,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--label", default="", help="which library was timed (recorded)")
-    parser.add_argument("--shape", default="llama-1.5b")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE)
     parser.add_argument("--cases", default="1x512,1x2048,8x512,4x2048")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)

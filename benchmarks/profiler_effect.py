@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import DEFAULT_SHAPE
 from benchmarks.census import kernel_census
 from benchmarks.decode import (
     SMOLLM2_CONFIG,
@@ -47,7 +48,7 @@ class Timing:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", default="llama-1.5b", help="a preset, or smollm2")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, help="a preset, or smollm2")
     parser.add_argument("--batch-sizes", default="1,8,128")
     args = parser.parse_args()
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))

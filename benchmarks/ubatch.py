@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks import TIMED_SHAPES
 from ostinato.engine.cli.args import DefaultsHelp, OneLineParser, int_list, positive_int
 from ostinato.provenance import Provenance
 
@@ -353,7 +354,7 @@ def _parser() -> OneLineParser:
         formatter_class=DefaultsHelp,
     )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (>= 2)")
-    parser.add_argument("--shape", choices=("llama-1.5b", "llama-8b"), default="llama-8b")
+    parser.add_argument("--shape", choices=TIMED_SHAPES, default="llama-8b")
     parser.add_argument("--prefill-tokens", type=int_list, default=[512, 2048, 8192])
     parser.add_argument("--decode-batches", type=int_list, default=[128, 256])
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")

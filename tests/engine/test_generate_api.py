@@ -54,6 +54,7 @@ def test_bad_call_raises_queues_nothing_and_engine_still_works(llm, args, error,
         ({"top_p": float("nan")}, "top_p"),
         ({"top_p": 2}, "top_p"),
         ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
     ],
 )
@@ -96,6 +97,8 @@ def test_finish_reasons_name_the_limit(llm):
     stop = free.token_ids[2]
     stopped = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))[0]
     assert stopped.finish_reason is FinishReason.STOP and stopped.token_ids[-1] == stop
+    with pytest.raises(ValueError, match="stop_token_ids: token id 100000 outside"):
+        llm.generate([[1, 2, 3]], SamplingParams(stop_token_ids=(stop, 100000)))
     long = llm.generate([[1] * 60], SamplingParams(max_tokens=5000, ignore_eos=True))[0]
     assert long.finish_reason is FinishReason.MAX_MODEL_LEN and len(long.token_ids) == 4
 

@@ -61,6 +61,25 @@ def test_completion_equals_offline_greedy(client, offline):
     assert got.usage.completion_tokens == len(want.token_ids)
 
 
+def test_stop_token_ids_end_the_answer_as_offline(client, offline):
+    # vLLM's extension: the answer ends with the first of these tokens, finish reason stop.
+    prompt = "The history of the Roman Empire begins with"
+    (free,) = offline.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    ids = free.token_ids
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    params = SamplingParams(max_tokens=12, stop_token_ids=(ids[at],))
+    (want,) = offline.generate([prompt], params)
+    got = client.completions.create(
+        model="smollm2-135m",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[at]]},
+    )
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == at + 1
+    assert got.choices[0].text == want.text and want.token_ids == ids[: at + 1]
+
+
 def test_chat_plain_and_streamed_agree(client):
     messages = [{"role": "user", "content": QUESTION}]
     whole = client.chat.completions.create(

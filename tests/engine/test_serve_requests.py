@@ -379,6 +379,19 @@ def test_penalties_reach_the_engine_within_openais_range(engine):
     assert len(engine.submitted) == submitted
 
 
+def test_stop_token_ids_reach_the_engine(engine):
+    c = client(engine)
+    assert complete(c, stop_token_ids=[7, 12], max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].stop_token_ids == (7, 12)
+    assert chat(c, stop_token_ids=None, max_tokens=1).status_code == 200
+    assert engine.submitted[-1][1].stop_token_ids == ()
+    submitted = len(engine.submitted)
+    for bad in ([-1], [5, "7"], [1.5], [True]):  # (the param names the element)
+        refused(chat(c, stop_token_ids=bad), f"stop_token_ids.{len(bad) - 1}")
+    refused(chat(c, stop_token_ids=7), "stop_token_ids")
+    assert len(engine.submitted) == submitted
+
+
 def test_a_seed_reaches_the_engine(engine):
     c = client(engine)
     assert chat(c, seed=3, max_tokens=1, temperature=1.0).status_code == 200
@@ -773,9 +786,10 @@ FUZZ_VALUES = [
 ]  # fmt: skip
 FUZZ_FIELDS = [
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-    "stream_options", "ignore_eos", "user", "seed", "stop", "logit_bias", "presence_penalty",
-    "frequency_penalty", "logprobs", "top_logprobs", "echo", "suffix", "best_of", "tools",
-    "tool_choice", "response_format", "parallel_tool_calls", "prompt", "messages", "bogus",
+    "stream_options", "ignore_eos", "stop_token_ids", "user", "seed", "stop", "logit_bias",
+    "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo", "suffix",
+    "best_of", "tools", "tool_choice", "response_format", "parallel_tool_calls", "prompt",
+    "messages", "bogus",
 ]  # fmt: skip
 
 

@@ -279,9 +279,14 @@ class Engine:
             name = "logit_bias" if adjusts.logit_bias else "presence_penalty / frequency_penalty"
             raise ValueError(f"{name}: not with speculative decoding (its verify steps)")
         vocab = self.config.vocab_size
-        bad = next((t for p in checked for t, _ in p.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} outside the vocabulary [0, {vocab})")
+        for p in checked:
+            for name, ids in (
+                ("logit_bias", [t for t, _ in p.logit_bias]),
+                ("stop_token_ids", p.stop_token_ids),
+            ):
+                bad = next((t for t in ids if t >= vocab), None)
+                if bad is not None:
+                    raise ValueError(f"{name}: token id {bad} outside the vocabulary [0, {vocab})")
         adapters = self.adapters_for(lora, len(tokens))
         return list(zip(tokens, checked, adapters, strict=True))
 

@@ -27,6 +27,8 @@ class SamplingParams:
     same seed gives the same tokens, alone or batched with any others); None: from the
     engine's generator. ``stop``: strings that end the request where its text reaches
     one (finish reason STOP; the text returned ends before it: ``core.stop_text``).
+    ``stop_token_ids``: token ids that end the request with the first of them it
+    generates (finish reason STOP; the token is kept in the output, as the EOS is).
     ``logit_bias``: (token id, bias) pairs (a dict is taken too) added to the request's
     logits before its token is picked, each bias in [-100, 100] as OpenAI's.
     ``presence_penalty`` / ``frequency_penalty`` (each in [-2, 2], as OpenAI's): subtracted
@@ -61,10 +63,11 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
-            is_int(t) for t in self.stop_token_ids
+            is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(
-                f"stop_token_ids: must be a tuple of ints, got {self.stop_token_ids!r}"
+                f"stop_token_ids: must be a tuple of token ids (ints >= 0), "
+                f"got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):

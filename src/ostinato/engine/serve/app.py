@@ -412,6 +412,7 @@ class Responder:
                 temperature=body.temperature,
                 top_p=body.top_p,
                 ignore_eos=body.ignore_eos,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
                 seed=body.seed,
                 stop=body.stop_strings(),
                 logit_bias=body.bias_pairs(),

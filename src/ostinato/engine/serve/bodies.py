@@ -58,6 +58,8 @@ class RequestBody(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # (vLLM's extension: generate max_tokens whatever comes)
+    # (vLLM's extension: the answer ends where one of these tokens comes, finish reason stop)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     user: str | None = None  # the end user's id for the client's records: nothing depends on it
     seed: StrictInt | None = Field(default=None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = Field(default=None, max_length=4)  # (OpenAI's at most 4)

@@ -38,6 +38,22 @@ def test_launch_options_resolve_to_off_without_cuda_and_the_fused_layers_stay():
     assert not unfused.fused_layers
 
 
+def test_the_summary_names_the_options_on_and_off_where_triton_runs(monkeypatch):
+    from ostinato.engine.kernels import options
+
+    cuda = torch.device("cuda")
+    assert KernelOptions().summary(torch.device("cpu")).startswith("Triton kernels: none on cpu")
+    monkeypatch.setattr(options, "triton_runs_on", lambda device: True)
+    assert KernelOptions().summary(cuda) == (
+        "Triton kernels: pdl, small_gemm, compile_ahead, fused_layers"
+    )
+    assert KernelOptions(pdl=False, fused_layers=False).summary(cuda) == (
+        "Triton kernels: small_gemm, compile_ahead; off: pdl, fused_layers"
+    )
+    none = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False, fused_layers=False)
+    assert none.summary(cuda).startswith("Triton kernels: no option on; off: pdl,")
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_planned_linear_computes_what_nn_linear_computes(bias):
     torch.manual_seed(0)
@@ -162,6 +178,7 @@ def test_engine_on_cpu_accepts_options_and_turns_them_off():
     llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
     off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
     assert llm.engine.runner.kernels == off
+    assert "; Triton kernels: none on cpu (" in llm.describe()  # said, not silent
     assert llm.engine.runner.kernel_plan.timings == []
     assert all(linear.plan == () for linear, _ in llm.engine.model.linears())
 

@@ -394,7 +394,8 @@ class Engine:
         return self.runner.manager.stats()
 
     def describe(self) -> str:
-        """One line: the model, device, graph mode, start-up phases and graphs."""
+        """One line: the model, device, graph mode, kernel options, start-up phases and
+        graphs."""
         parts = self.parts
         background = parts.background
         capturing = isinstance(background, BackgroundCapture) and not background.done
@@ -411,7 +412,7 @@ class Engine:
             graphs += f"; verify: {manager.check.mode}{every}, {len(manager.demoted)} demoted"
         return (
             f"model: {self.source_name}; device: {self.device}; graph mode: {self.mode.name}; "
-            f"{parts.startup.summary()}; {graphs}"
+            f"{self.runner.kernels.summary(self.device)}; {parts.startup.summary()}; {graphs}"
         )
 
     @property

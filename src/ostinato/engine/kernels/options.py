@@ -106,6 +106,17 @@ class KernelOptions:
                     f"KernelOptions.{name}: expected True or False, got {getattr(self, name)!r}"
                 )
 
+    def summary(self, device: torch.device) -> str:
+        """What the engine's kernels run with on ``device`` (these options resolved for
+        it), for the start-up line: the options on and those off, or that no Triton
+        kernel runs there."""
+        if not triton_runs_on(device):
+            return f"Triton kernels: none on {device.type} (each op runs its torch arithmetic)"
+        on = [f.name for f in fields(self) if getattr(self, f.name)]
+        off = [f.name for f in fields(self) if not getattr(self, f.name)]
+        text = "Triton kernels: " + (", ".join(on) or "no option on")
+        return text + (f"; off: {', '.join(off)}" if off else "")
+
     def resolved(self, device: torch.device) -> KernelOptions:
         """These options with what ``device`` cannot do turned off (PDL needs compute
         capability 9.0; the launch options need CUDA and Triton). ``fused_layers`` stays:

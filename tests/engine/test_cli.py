@@ -176,9 +176,12 @@ def test_generate_takes_the_kernel_options(capsys, monkeypatch):
     code, out, err = run(GEN + args + ["--no-pdl", "--no-small-gemm", "--no-fused-layers"], capsys)
     assert code == 0, err
     options = [(k.pdl, k.small_gemm, k.fused_layers) for k in seen]
-    assert options == [(True, True, True), (False, False, False)]  # the defaults, then not
+    # The defaults (the launch options left to the device), then not.
+    assert options == [(None, None, True), (False, False, False)]
     result = [line for line in out.splitlines() if line.startswith("prompt ")]
     assert result == [line for line in plain.splitlines() if line.startswith("prompt ")]
+    code, out, err = run(GEN + args + ["--pdl"], capsys)  # the CPU has none: refused
+    assert code != 0 and "KernelOptions.pdl=True" in err and "(--no-pdl)" in err
 
 
 @pytest.mark.parametrize("method", ["ngram", "self:2"])

@@ -31,7 +31,8 @@ LIMITS = EngineLimits(4, 64, 64, 16)
 
 def _plan(cache, timer, rows=(1, 2, 4), small_gemm_rows=(), padding=None):
     model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=KernelOptions())
-    return KernelPlan(model, KernelOptions(), LIMITS, small_gemm_rows, cache, padding, timer, rows)
+    # (the model holds the options left unset on: as a Hopper GPU resolves them)
+    return KernelPlan(model, model.kernels, LIMITS, small_gemm_rows, cache, padding, timer, rows)
 
 
 def _timer(calls, faster_unfused=(2,), faster_without_pdl=()):

@@ -25,17 +25,55 @@ from ostinato.engine.worker.gemm_tuning import (
 
 @pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead", "fused_layers"])
 def test_options_refuse_what_is_not_a_bool(field):
-    with pytest.raises(TypeError, match=f"KernelOptions.{field}: expected True or False"):
+    either = "True or False" if field == "fused_layers" else "True, False or None"
+    with pytest.raises(TypeError, match=f"KernelOptions.{field}: expected {either}, got 'yes'"):
         KernelOptions(**{field: "yes"})
+    if field == "fused_layers":  # (its ops run everywhere: nothing to leave to the device)
+        with pytest.raises(TypeError, match="expected True or False, got None"):
+            KernelOptions(fused_layers=None)
 
 
-def test_launch_options_resolve_to_off_without_cuda_and_the_fused_layers_stay():
-    on = KernelOptions(pdl=True, small_gemm=True, compile_ahead=True)
+def test_launch_options_left_unset_resolve_to_off_without_cuda_and_the_fused_layers_stay():
     off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
-    assert on.resolved(torch.device("cpu")) == off
+    assert KernelOptions().resolved(torch.device("cpu")) == off
+    assert off.resolved(torch.device("cpu")) == off
     assert off.fused_layers  # ops with a CPU implementation: the same model everywhere
     unfused = KernelOptions(fused_layers=False).resolved(torch.device("cpu"))
     assert not unfused.fused_layers
+
+
+@pytest.mark.parametrize("field", ["pdl", "small_gemm", "compile_ahead"])
+def test_an_option_asked_for_where_the_device_lacks_it_is_refused(field, monkeypatch):
+    from ostinato.engine.kernels import options
+
+    flag = "--no-" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"KernelOptions.{field}=True: .*Triton.* not on cpu"):
+        KernelOptions(**{field: True}).resolved(torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"leave it unset .* or give {field}=False \\({flag}\\)"):
+        LLM("tiny", progress=False, **{field: True})  # refused before the model is opened
+    # A GPU before Hopper lacks PDL alone: asked for, it is refused; unset, it is off.
+    monkeypatch.setattr(options, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    ampere = torch.device("cuda")
+    asked = KernelOptions(**{field: True})
+    if field == "pdl":
+        with pytest.raises(ValueError, match="needs compute capability 9.0 .* cuda has 8.0"):
+            asked.resolved(ampere)
+    else:
+        assert asked.resolved(ampere) == KernelOptions(
+            pdl=False, small_gemm=True, compile_ahead=True
+        )
+    assert KernelOptions().resolved(ampere) == KernelOptions(False, True, True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert asked.resolved(ampere) == KernelOptions(True, True, True)
+
+
+def test_a_model_holds_unset_options_on_and_a_runner_turns_off_what_the_device_lacks():
+    built = KernelOptions(small_gemm=False).as_built()
+    assert built == KernelOptions(pdl=True, small_gemm=False, compile_ahead=True)
+    assert built.as_built() is built
+    cpu = built.available_on(torch.device("cpu"))  # (what was asked for, turned off)
+    assert cpu == KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
 
 
 def test_the_summary_names_the_options_on_and_off_where_triton_runs(monkeypatch):
@@ -44,10 +82,10 @@ def test_the_summary_names_the_options_on_and_off_where_triton_runs(monkeypatch)
     cuda = torch.device("cuda")
     assert KernelOptions().summary(torch.device("cpu")).startswith("Triton kernels: none on cpu")
     monkeypatch.setattr(options, "triton_runs_on", lambda device: True)
-    assert KernelOptions().summary(cuda) == (
+    assert KernelOptions(True, True, True).summary(cuda) == (  # (as resolved on a Hopper)
         "Triton kernels: pdl, small_gemm, compile_ahead, fused_layers"
     )
-    assert KernelOptions(pdl=False, fused_layers=False).summary(cuda) == (
+    assert KernelOptions(False, True, True, fused_layers=False).summary(cuda) == (
         "Triton kernels: small_gemm, compile_ahead; off: pdl, fused_layers"
     )
     none = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False, fused_layers=False)
@@ -169,13 +207,20 @@ def test_a_gemm_measurement_holds_the_turn_per_timed_replay_and_picks_the_fastes
     assert (t.cublas_us, t.triton_us, t.config) == (10.0, 7.0, 2)
 
 
+def as_on_a_gpu(monkeypatch):
+    """The engine on the CPU takes and keeps its kernel options as a GPU would (nothing
+    launches with them there): the runner's parts that follow them run."""
+    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    monkeypatch.setattr(KernelOptions, "available_on", lambda self, device: self)
+
+
 def test_engine_refuses_kernels_of_the_wrong_type():
     with pytest.raises(TypeError, match="kernels: expected a KernelOptions"):
         LLM("tiny", kernels={"pdl": True}, progress=False)
 
 
-def test_engine_on_cpu_accepts_options_and_turns_them_off():
-    llm = LLM("tiny", kernels=KernelOptions(pdl=True, small_gemm=True), progress=False)
+def test_engine_on_cpu_turns_the_options_left_unset_off_and_says_so():
+    llm = LLM("tiny", kernels=KernelOptions(small_gemm=False), progress=False)
     off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
     assert llm.engine.runner.kernels == off
     assert "; Triton kernels: none on cpu (" in llm.describe()  # said, not silent
@@ -197,7 +242,7 @@ def test_runner_compiles_kernels_ahead_once_around_its_first_pass(monkeypatch):
         yield
 
     monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
-    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    as_on_a_gpu(monkeypatch)
     prompts = [[5, 6, 7, 8, 9], [3, 1]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(mode="none", compiler="eager", progress=False, seed=1)
@@ -249,7 +294,7 @@ def test_an_eager_step_beside_a_compiling_start_compiles_its_own_kernels_first(
     eager_pass, run = runner_module._eager_pass, GraphManager.run
     monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
     monkeypatch.setattr(graph_sampler, "compile_ahead", recording_ahead)
-    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    as_on_a_gpu(monkeypatch)
     monkeypatch.setattr(runner_module, "_eager_pass", recorded_pass)
     monkeypatch.setattr(GraphManager, "run", recorded_run)
     prompts, params = workload(n=6, seed=5)
@@ -302,7 +347,7 @@ def test_compile_ahead_passes_every_row_count_to_16_as_decode_and_as_mixed_steps
         return call
 
     monkeypatch.setattr(kernel_plan, "compile_ahead", recording_ahead)
-    monkeypatch.setattr(KernelOptions, "resolved", lambda self, device: self)
+    as_on_a_gpu(monkeypatch)
     monkeypatch.setattr(DecoderModel, "forward", recorded("mixed", DecoderModel.forward))
     monkeypatch.setattr(DecoderModel, "logits", recorded("decode", DecoderModel.logits))
     head = recorded("mixed logits", DecoderModel.compute_logits)
@@ -322,10 +367,11 @@ def test_the_model_carries_one_kernel_options_object_to_every_launching_module()
     from ostinato.engine.model.decoder import DecoderModel, Mlp, RMSNorm
     from ostinato.engine.model.presets import shape
 
-    options = KernelOptions(pdl=True)
+    options = KernelOptions(pdl=True, small_gemm=False)
     model = DecoderModel(ModelConfig.from_hf(shape("tiny")), kernels=options)
+    assert model.kernels == KernelOptions(True, False, True)  # (unset: held on)
     launching = [m for m in model.modules() if isinstance(m, (RMSNorm, Mlp))]
-    assert launching and all(m.kernels is options for m in launching)
+    assert launching and all(m.kernels is model.kernels for m in launching)
 
 
 def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks(monkeypatch):
@@ -338,7 +384,7 @@ def test_a_runner_refuses_a_model_built_for_kernels_this_device_lacks(monkeypatc
     monkeypatch.setattr(options, "triton_runs_on", lambda device: False)
     with pytest.raises(ValueError, match="build it with KernelOptions.resolved"):
         runner_kernels(built, torch.device("cuda"))
-    # Off CUDA nothing launches with it: the runner follows the resolved options.
+    # Off CUDA nothing launches with it: the runner follows what the device has.
     off = KernelOptions(pdl=False, small_gemm=False, compile_ahead=False)
     assert runner_kernels(built, torch.device("cpu")) == off
 

@@ -409,8 +409,9 @@ def test_the_start_up_line_names_the_gemm_and_layer_plans_apart(tmp_path, cpu_ke
         time.sleep(0.05)
         return 1.0
 
+    model = _model()
     kp = KernelPlan(
-        _model(), KernelOptions(), EngineLimits(4, 64, 64, 16), (), CompileCache(tmp_path),
+        model, model.kernels, EngineLimits(4, 64, 64, 16), (), CompileCache(tmp_path),
         None, slow_layer, (1, 2),
     )  # fmt: skip
     kp.plan()

@@ -431,7 +431,7 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         meta = f.metadata
-        if isinstance(default, bool):
+        if isinstance(default, bool) or f.type == "bool | None":  # (None: left unset)
             action = argparse.BooleanOptionalAction
             parser.add_argument(flag, action=action, default=default, help=meta.get("help"))
             continue

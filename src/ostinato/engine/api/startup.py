@@ -132,6 +132,7 @@ def check_args(args: EngineArgs) -> Checked:
         )
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
+    args.kernels.resolved(device)  # an option asked for that the device lacks is refused now
     mode = engine_mode(requested, capture, device, args)
     if capture == "auto":
         graphs_here = platform_for_device(device).supports_graphs

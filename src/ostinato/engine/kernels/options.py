@@ -35,14 +35,17 @@ class KernelOptions:
     five kernels and attention's split-KV merge. Larger batches, and other devices, run
     the unfused kernels, the same arithmetic.
 
-    ``pdl`` (on by default where the device has it): programmatic dependent launch
+    ``pdl``, ``small_gemm`` and ``compile_ahead`` default to None: on where the device
+    has it, off elsewhere (``resolved``). True asks for it: ``resolved`` refuses it,
+    naming the option and the device, where the device lacks it; False turns it off.
+
+    ``pdl`` (None: on where the device has it): programmatic dependent launch
     (Hopper and newer). ostinato's Triton kernels (norms, K/V write, attention, small
     GEMMs) of steps of at most 16 rows (``launch.pdl_for``) are launched so that each
     may start while its predecessor drains; each waits (``griddepcontrol.wait``) before
-    touching memory, so results are unchanged. Turned off by ``resolved`` on devices
-    without it.
+    touching memory, so results are unchanged.
 
-    ``small_gemm`` (on by default where Triton runs): projections whose row count is at
+    ``small_gemm`` (None: on where Triton runs): projections whose row count is at
     most ``small_gemm.MAX_ROWS`` (16) use a Triton GEMM (gate/up with SiLU·mul in its
     epilogue) wherever a start-up measurement on this device chose it over cuBLAS for
     that shape and row count (``gemm_tuning.triton_chosen``: unless cuBLAS measured
@@ -53,7 +56,7 @@ class KernelOptions:
     4.94 ms at B = 1 / 8 with it against 5.05 / 5.74 without, the 1.5 B shape's 0.957 /
     1.014 against 0.950 / 1.065 (one run).
 
-    ``compile_ahead`` (on by default where Triton runs): at start-up, before the first
+    ``compile_ahead`` (None: on where Triton runs): at start-up, before the first
     forward pass, eager passes at every kernel layout (each row count up to 16, a
     prefill at the largest size) queue the compilation of every ostinato Triton kernel
     they would launch (``launch.compile_ahead``), running none; so do the layer plan's timings
@@ -69,26 +72,28 @@ class KernelOptions:
     1.76 / 1.82.
     """
 
-    pdl: bool = field(
-        default=True,
+    pdl: bool | None = field(
+        default=None,
         metadata={
             "help": "launch the engine's Triton kernels of steps of <= 16 rows with "
-            "programmatic dependent launch (Hopper; off elsewhere)"
+            "programmatic dependent launch (default: on where the GPU has it, Hopper "
+            "and newer)"
         },
     )
-    small_gemm: bool = field(
-        default=True,
+    small_gemm: bool | None = field(
+        default=None,
         metadata={
             "help": "measure cuBLAS against a Triton GEMM for projections of <= 16 rows at "
-            "a first start (plans cached) and use the faster (CUDA, 16-bit weights)"
+            "a first start (plans cached) and use the faster (default: on with CUDA and "
+            "Triton; 16-bit weights)"
         },
     )
-    compile_ahead: bool = field(
-        default=True,
+    compile_ahead: bool | None = field(
+        default=None,
         metadata={
             "help": "compile the engine's Triton kernels together (worker processes, or "
             "threads under 4 cores) at start-up, before their first launches, where the "
-            "start measures its kernel plans (CUDA)"
+            "start measures its kernel plans (default: on with CUDA and Triton)"
         },
     )
     fused_layers: bool = field(
@@ -101,10 +106,11 @@ class KernelOptions:
 
     def __post_init__(self) -> None:
         for name in (f.name for f in fields(self)):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(
-                    f"KernelOptions.{name}: expected True or False, got {getattr(self, name)!r}"
-                )
+            value = getattr(self, name)
+            if isinstance(value, bool) or (value is None and name in DEVICE_OPTIONS):
+                continue
+            either = "True, False or None" if name in DEVICE_OPTIONS else "True or False"
+            raise TypeError(f"KernelOptions.{name}: expected {either}, got {value!r}")
 
     def summary(self, device: torch.device) -> str:
         """What the engine's kernels run with on ``device`` (these options resolved for
@@ -118,12 +124,55 @@ class KernelOptions:
         return text + (f"; off: {', '.join(off)}" if off else "")
 
     def resolved(self, device: torch.device) -> KernelOptions:
-        """These options with what ``device`` cannot do turned off (PDL needs compute
-        capability 9.0; the launch options need CUDA and Triton). ``fused_layers`` stays:
-        its ops run everywhere, unfused where the kernel cannot."""
-        if not triton_runs_on(device):
-            return replace(self, pdl=False, small_gemm=False, compile_ahead=False)
-        import torch
+        """The options in force on ``device``, every one True or False: each left unset
+        (None) on where the device has it, off elsewhere. An option asked for (True)
+        that the device lacks is refused (``ValueError`` naming it, the device and why),
+        never turned off unsaid. ``fused_layers`` stays as given: its ops run
+        everywhere, unfused where the kernel cannot."""
+        for name, why in _lacking(device).items():
+            if getattr(self, name) is True:
+                flag = "--no-" + name.replace("_", "-")
+                raise ValueError(
+                    f"KernelOptions.{name}=True: {why}; leave it unset (on where the device "
+                    f"has it) or give {name}=False ({flag})"
+                )
+        return self.available_on(device)
 
-        major, _ = torch.cuda.get_device_capability(device)
-        return replace(self, pdl=self.pdl and major >= 9)
+    def available_on(self, device: torch.device) -> KernelOptions:
+        """These options, every one True or False, as a model built with them launches
+        on ``device``: what the device lacks off, whatever was asked (the runner's view
+        of a model built directly; an engine's options go through ``resolved``)."""
+        lacking = _lacking(device)
+        on = {n: n not in lacking and getattr(self, n) is not False for n in DEVICE_OPTIONS}
+        return replace(self, **on)
+
+    def as_built(self) -> KernelOptions:
+        """These options as a model built with them holds (its modules read them at each
+        launch): each left unset on. A runner turns off what its device lacks where no
+        Triton kernel runs, and refuses the model on a GPU that lacks one (build it with
+        ``resolved``)."""
+        if all(getattr(self, n) is not None for n in DEVICE_OPTIONS):
+            return self  # (the same object: every module of a model holds one)
+        return replace(self, **{n: getattr(self, n) is not False for n in DEVICE_OPTIONS})
+
+
+# The options a device may lack (``fused_layers``' ops run everywhere).
+DEVICE_OPTIONS = ("pdl", "small_gemm", "compile_ahead")
+
+
+def _lacking(device: torch.device) -> dict[str, str]:
+    """Each option of ``DEVICE_OPTIONS`` that ``device`` lacks, with why."""
+    if not triton_runs_on(device):
+        why = "the engine's Triton kernels run on CUDA with Triton installed" + (
+            ", which is not" if device.type == "cuda" else f", not on {device.type}"
+        )
+        return dict.fromkeys(DEVICE_OPTIONS, why)
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 9:
+        return {}
+    return {
+        "pdl": "programmatic dependent launch needs compute capability 9.0 (Hopper) or "
+        f"newer; {device} has {major}.{minor}"
+    }

@@ -9,7 +9,8 @@ from ostinato.engine.model.attention import AttentionBackend, TorchAttention, Tr
 
 
 def default_backend(device: torch.device, kernels: KernelOptions | None = None) -> AttentionBackend:
-    """Triton on CUDA when Triton is installed (launched as ``kernels`` say), torch_npu's
+    """Triton on CUDA when Triton is installed (launched as ``kernels`` say, with what the
+    device lacks off: ``KernelOptions.available_on``), torch_npu's
     fused attention on Ascend, else the torch backend."""
     if device.type == "npu":
         from ostinato.engine.model.ascend_attention import AscendAttention
@@ -17,4 +18,4 @@ def default_backend(device: torch.device, kernels: KernelOptions | None = None) 
         return AscendAttention()
     if not triton_runs_on(device):
         return TorchAttention()
-    return TritonAttention(pdl=(kernels or KernelOptions()).pdl)
+    return TritonAttention(pdl=(kernels or KernelOptions()).available_on(device).pdl)

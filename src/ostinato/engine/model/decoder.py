@@ -56,7 +56,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels = kernels or KernelOptions()  # read where the kernel launches
+        self.kernels = (kernels or KernelOptions()).as_built()  # read where the kernel launches
 
     def reset_parameters(self) -> None:
         """Ones, as at construction."""
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.tp = tp
-        self.kernels = kernels or KernelOptions()  # read where the fused op launches
+        self.kernels = (kernels or KernelOptions()).as_built()  # read where the fused op launches
         # Column-parallel q/k/v (whole heads per rank), row-parallel o with an all-reduce.
         self.heads = tp.split(config.num_heads, "num_attention_heads")
         self.kv_heads = tp.split(config.num_kv_heads, "num_key_value_heads")
@@ -367,7 +367,7 @@ class Mlp(nn.Module):
         self.inter = tp.split(config.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
-        self.kernels = kernels or KernelOptions()  # read where SiLU·mul launches
+        self.kernels = (kernels or KernelOptions()).as_built()  # read where SiLU·mul launches
         self.row_stats = hands_row_stats(self.kernels, tp)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
@@ -563,8 +563,9 @@ class DecoderModel(nn.Module):
         self.config = config
         self.tp = tp
         # How its own kernels launch, one object every module that launches one reads
-        # (resolve it against the device first: ``KernelOptions.resolved``).
-        self.kernels = kernels = kernels or KernelOptions()
+        # (resolve it against the device first: ``KernelOptions.resolved``; an option
+        # left unset is held on, ``as_built``).
+        self.kernels = kernels = (kernels or KernelOptions()).as_built()
         # Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, ...).
         self.vocab_local = tp.split(config.vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local

@@ -599,11 +599,11 @@ def _static_rows() -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 
 def runner_kernels(built: KernelOptions, device: torch.device) -> KernelOptions:
-    """The options a runner on ``device`` follows for a model built with ``built``: as
-    resolved for the device. On CUDA a model built with an option the device cannot run
-    is refused (its kernels would launch with it); elsewhere no launch option reaches a
-    kernel, so it runs as resolved."""
-    kernels = built.resolved(device)
+    """The options a runner on ``device`` follows for a model built with ``built``: what
+    the device has of them (``KernelOptions.available_on``). On CUDA a model built with an
+    option the device cannot run is refused (its kernels would launch with it);
+    elsewhere no launch option reaches a kernel, so it runs with them off."""
+    kernels = built.available_on(device)
     if device.type == "cuda" and kernels != built:
         raise ValueError(
             f"kernels: the model was built with {built}, which {device} cannot run; "

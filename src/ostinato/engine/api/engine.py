@@ -122,7 +122,7 @@ class EngineParts:
     tokenizer: Any
     source_name: str
     eos_token_ids: tuple[int, ...]
-    kernels: KernelOptions
+    kernels: KernelOptions  # resolved for ``device`` (every option True or False)
     speculative: SpeculativeConfig | None
     compile_cache: CompileCache | None
     tokenizer_pending: bool = False  # a converted model's, until the end of ``build``

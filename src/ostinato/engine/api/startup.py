@@ -103,6 +103,7 @@ class Checked:
     utilization: float
     micro_batching: MicroBatching | None
     lora: LoraArgs  # checked
+    kernels: KernelOptions  # args.kernels resolved for the device (KernelOptions.resolved)
 
     def lora_shape(self, limits: EngineLimits) -> LoraShape | None:
         """The LoRA slots the model holds (None without ``enable_lora``)."""
@@ -132,7 +133,7 @@ def check_args(args: EngineArgs) -> Checked:
         )
     if not isinstance(args.kernels, KernelOptions):
         raise TypeError(f"kernels: expected a KernelOptions, got {type(args.kernels).__name__}")
-    args.kernels.resolved(device)  # an option asked for that the device lacks is refused now
+    kernels = args.kernels.resolved(device)  # (an option the device lacks is refused here)
     mode = engine_mode(requested, capture, device, args)
     if capture == "auto":
         graphs_here = platform_for_device(device).supports_graphs
@@ -143,7 +144,8 @@ def check_args(args: EngineArgs) -> Checked:
     if device.type == "cpu":
         limit_cpu_threads(config.world_size)
     return Checked(
-        args, device, config, mode, speculative, capture, utilization, micro_batching, lora
+        args, device, config, mode, speculative, capture, utilization, micro_batching, lora,
+        kernels,
     )  # fmt: skip
 
 
@@ -310,7 +312,7 @@ def load_weights(
     # Weights are made in place on the device, in their dtype: no CPU copy, no float32
     # detour.
     with torch.device("meta"):
-        kernels = parts.kernels.resolved(parts.device)
+        kernels = parts.kernels  # (resolved by check_args)
         model = DecoderModel(parts.config, parts.parallel.tp, kernels, limits.max_model_len, lora)
     # Unwritten memory on the device, as Module.to_empty makes it, but through
     # torch.empty: to_empty's empty_like of a meta tensor runs torch's Python references,
@@ -530,7 +532,7 @@ def _build_parts(
         tokenizer_pending=source.pending is not None,
         source_name=source.name,
         eos_token_ids=source.eos_token_ids,
-        kernels=c.args.kernels,
+        kernels=c.kernels,
         speculative=c.speculative,
         compile_cache=compile_cache,
     )

@@ -34,7 +34,9 @@ def test_greedy_with_speculation_equals_plain_in_graph_modes(mode, k):
         "custom", k, proposer=OracleProposer(dict(zip(map(tuple, prompts), plain, strict=True)))
     )
     for spec in ("ngram", "self:2", oracle):
-        llm = tiny_engine(mode, torch.float32, speculative=spec, num_speculative_tokens=k)
+        # (a SpeculativeConfig carries its own k; num_speculative_tokens beside it is refused)
+        k_arg = {} if isinstance(spec, SpeculativeConfig) else {"num_speculative_tokens": k}
+        llm = tiny_engine(mode, torch.float32, speculative=spec, **k_arg)
         assert [o.token_ids for o in llm.generate(prompts, params)] == plain, spec
         assert llm.spec_stats.verifications > 0
 

@@ -27,6 +27,21 @@ def test_groups_pass_through_and_every_field_has_one_home():
     assert len(names) == len(set(names)), "a flag per field, each field once"
 
 
+def test_every_bool_field_is_a_switch_on_the_command_line():
+    # A bool field, or a bool-or-None one (None: left unset) marked ``switch``, is a
+    # --name/--no-name flag; unmarked, a bool-or-None field would take a string.
+    import argparse
+
+    from ostinato.engine.api.engine_args import add_cli_options
+
+    parser = argparse.ArgumentParser()
+    add_cli_options(parser)
+    switches = {a.dest for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)}
+    booleans = {f.name for f in cli_fields() if str(f.type).startswith("bool")}
+    assert {"pdl", "small_gemm", "compile_ahead", "fused_layers"} <= booleans
+    assert booleans <= switches, booleans - switches
+
+
 @pytest.mark.parametrize(
     "given, message",
     [

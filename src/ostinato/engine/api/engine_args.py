@@ -425,13 +425,14 @@ def cli_fields() -> list[Field[Any]]:
 
 
 def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``cli_fields`` field (``--max-num-seqs``; booleans as
-    ``--name/--no-name``), its help, type and default from the field."""
+    """One flag per ``cli_fields`` field (``--max-num-seqs``; booleans, and fields whose
+    metadata says ``switch`` (a bool or None: left unset), as ``--name/--no-name``), its
+    help, type and default from the field."""
     for f in cli_fields():
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         meta = f.metadata
-        if isinstance(default, bool) or f.type == "bool | None":  # (None: left unset)
+        if isinstance(default, bool) or meta.get("switch"):
             action = argparse.BooleanOptionalAction
             parser.add_argument(flag, action=action, default=default, help=meta.get("help"))
             continue

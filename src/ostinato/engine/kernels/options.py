@@ -75,25 +75,28 @@ class KernelOptions:
     pdl: bool | None = field(
         default=None,
         metadata={
+            "switch": True,
             "help": "launch the engine's Triton kernels of steps of <= 16 rows with "
             "programmatic dependent launch (default: on where the GPU has it, Hopper "
-            "and newer)"
+            "and newer)",
         },
     )
     small_gemm: bool | None = field(
         default=None,
         metadata={
+            "switch": True,
             "help": "measure cuBLAS against a Triton GEMM for projections of <= 16 rows at "
             "a first start (plans cached) and use the faster (default: on with CUDA and "
-            "Triton; 16-bit weights)"
+            "Triton; 16-bit weights)",
         },
     )
     compile_ahead: bool | None = field(
         default=None,
         metadata={
+            "switch": True,
             "help": "compile the engine's Triton kernels together (worker processes, or "
             "threads under 4 cores) at start-up, before their first launches, where the "
-            "start measures its kernel plans (default: on with CUDA and Triton)"
+            "start measures its kernel plans (default: on with CUDA and Triton)",
         },
     )
     fused_layers: bool = field(

@@ -7,6 +7,10 @@
 # (in the modes below, "part 1" is any part but the last, "part 2" the last).
 #   bash scripts/gpu_suite.sh part     # nothing but keep the part this call carries
 #   bash scripts/gpu_suite.sh first    # part 1 copied aside; every file but SmolLM2's
+#   bash scripts/gpu_suite.sh files BUDGET_S NAME...  # tests/*/test_gpu_NAME.py in turn, each
+#                                      # with what is left of BUDGET_S seconds (a file that
+#                                      # finds under 30 s left is named and not run); a log
+#                                      # per file under $OUT
 #   bash scripts/gpu_suite.sh readme   # part 1 copied aside; the README's examples only
 #   bash scripts/gpu_suite.sh second   # part 2 joined to it; SmolLM2's file and the demo
 #   bash scripts/gpu_suite.sh bench    # a short decode-step benchmark (JSON under $OUT)
@@ -127,6 +131,19 @@ first)
     ;;
 readme)
     run_file tests/test_readme.py 120
+    ;;
+files)
+    budget=$2; shift 2; t0=$SECONDS
+    for name in "$@"; do
+        left=$((budget - (SECONDS - t0)))
+        if [ "$left" -lt 30 ]; then echo "$name: not run ($left s left)"; continue; fi
+        f=$(ls tests/*/test_gpu_"$name".py tests/test_gpu_"$name".py 2>/dev/null | head -1)
+        if [ -z "$f" ]; then echo "$name: no tests/*/test_gpu_$name.py"; continue; fi
+        timeout -k 5 "$left" python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+            --timeout=240 "$f" > "$OUT/gpu_tests_$name.log" 2>&1
+        echo "$name rc=$? at $((SECONDS - t0)) s"
+        grep -E "FAILED|ERROR|^E |Timeout|passed|failed" "$OUT/gpu_tests_$name.log" | tail -6
+    done
     ;;
 second)
     need_gguf

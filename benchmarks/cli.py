@@ -136,9 +136,10 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument(
         "--all-reduce",
-        default="nccl",
-        help="with --tp: comma-separated all-reduce choices to compare, each a full run "
-        "(nccl, auto = measured NCCL vs symmetric-memory per size, one-shot, two-shot)",
+        default=None,
+        help="with --tp above 1: comma-separated all-reduce choices to compare, each a full "
+        "run (nccl, auto = measured NCCL vs symmetric-memory per size, one-shot, two-shot; "
+        "default: nccl)",
     )
     parser.add_argument(
         "--shape",
@@ -195,6 +196,10 @@ def _config(args: argparse.Namespace, parser: OneLineParser) -> tuple[Any, torch
         if len(set(names)) < len(names):
             parser.error(f"--variants: a name given twice; add{decode.AGAIN!r} to start it again")
         cfg = replace(cfg, variants=names)
+    if args.all_reduce is None:
+        return cfg, device
+    if args.tp == 1:  # (one rank reduces nothing: the choice would be ignored)
+        parser.error("argument --all-reduce: only with --tp above 1")
     choices = tuple(c.strip() for c in args.all_reduce.split(","))
     for c in choices:
         try:

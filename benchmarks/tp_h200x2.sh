@@ -56,10 +56,10 @@ tests-one-session)
 census-*)
     shape=${1#census-}
     for tp in 1 2; do
-        ar=nccl
-        [ "$tp" = 2 ] && ar=nccl,auto
+        ar=()  # (one rank has no all-reduce to choose)
+        [ "$tp" = 2 ] && ar=(--all-reduce nccl,auto)
         timeout 120 python3 -m benchmarks --tp "$tp" --shape "$shape" --batch-sizes 1,8 \
-            --variants "ostinato FULL" --all-reduce "$ar" --repeats 30 \
+            --variants "ostinato FULL" "${ar[@]}" --repeats 30 \
             --out "$OUT/census_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/census.log"
     done
     ;;
@@ -71,9 +71,11 @@ rules-*)
     shape=${1#rules-}
     for tp in 2 1; do
         variants="ostinato FULL rope-kv-apart,ostinato FULL"
+        ar=()
         [ "$tp" = 2 ] && variants="ostinato FULL tp-kernels-apart,ostinato FULL qkv-by-rule,$variants"
+        [ "$tp" = 2 ] && ar=(--all-reduce auto)
         timeout "${LIMIT_S:-280}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
-            --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 --rounds 3 \
+            --batch-sizes 1,8 --no-profile "${ar[@]}" --repeats 30 --rounds 3 \
             --variants "$variants" --out "$OUT/rules_tp_${shape}_tp${tp}_h200.json" 2>&1 \
             | tee -a "$OUT/bench.log" | grep -E "^\[tp|^ostinato|measured"
     done
@@ -92,8 +94,10 @@ bench-ubatch)
 bench-default-*)
     shape=${1#bench-default-}
     for tp in 1 2; do
+        ar=()
+        [ "$tp" = 2 ] && ar=(--all-reduce auto)
         timeout "${LIMIT_S:-200}" python3 -m benchmarks --tp "$tp" --shape "$shape" \
-            --batch-sizes 1,8 --no-profile --all-reduce auto --repeats 30 \
+            --batch-sizes 1,8 --no-profile "${ar[@]}" --repeats 30 \
             --variants "ostinato FULL layers-unfused pdl+small-gemm,ostinato FULL,ostinato FULL again" \
             --out "$OUT/default_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log" \
             | grep -E "^\[tp|^ostinato"
@@ -123,10 +127,10 @@ bench-*)
     variants="eager,ostinato FULL,ostinato FULL_AND_PIECEWISE"
     for shape in "${1#bench-}"; do
         for tp in 1 2; do
-            ar=nccl
-            [ "$tp" = 2 ] && ar=nccl,auto
+            ar=()
+            [ "$tp" = 2 ] && ar=(--all-reduce nccl,auto)
             timeout 280 python3 -m benchmarks --tp "$tp" --shape "$shape" --no-profile \
-                --variants "$variants" --all-reduce "$ar" --repeats 30 \
+                --variants "$variants" "${ar[@]}" --repeats 30 \
                 --out "$OUT/decode_tp_${shape}_tp${tp}_h200.json" 2>&1 | tee -a "$OUT/bench.log"
         done
     done

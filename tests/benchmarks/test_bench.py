@@ -371,7 +371,7 @@ def test_step_plans_name_each_small_size_s_gemm_entries_layering_and_pdl():
     assert [p.line() for p in plans] == lines
 
 
-def test_a_shape_beside_the_model_that_replaces_it_is_refused(tmp_path, capsys):
+def test_an_option_nothing_would_read_is_refused(tmp_path, capsys):
     # --shape names random weights; --config (decode) and --model smollm2 (e2e) name the
     # model themselves, so a shape beside them would be ignored.
     config = tmp_path / "config.json"
@@ -379,6 +379,8 @@ def test_a_shape_beside_the_model_that_replaces_it_is_refused(tmp_path, capsys):
     for argv, says in (
         (["--config", str(config), "--shape", "llama-8b"], "--shape: not with --config"),
         (["e2e", "--model", "smollm2", "--shape", "tiny"], "--shape: not with --model smollm2"),
+        # (one rank has no all-reduce: the choice would be ignored)
+        (["--shape", "llama-1.5b", "--all-reduce", "auto"], "--all-reduce: only with --tp above 1"),
     ):
         with pytest.raises(SystemExit) as info:
             main(argv)

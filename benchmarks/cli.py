@@ -82,6 +82,15 @@ def _plot_from(args: argparse.Namespace, parser: OneLineParser) -> int:
 
     if not args.plot:
         parser.error("--plot-from needs --plot OUT.png")
+    # (every other option shapes a measurement, and nothing is measured)
+    kept = {"plot_from", "plot", "help"}
+    given = [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.dest not in kept and getattr(args, a.dest, a.default) != a.default
+    ]
+    if given:
+        parser.error(f"argument --plot-from: plots a result only; not with {', '.join(given)}")
     try:
         document = json.loads(args.plot_from.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

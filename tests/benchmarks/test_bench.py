@@ -381,6 +381,11 @@ def test_an_option_nothing_would_read_is_refused(tmp_path, capsys):
         (["e2e", "--model", "smollm2", "--shape", "tiny"], "--shape: not with --model smollm2"),
         # (one rank has no all-reduce: the choice would be ignored)
         (["--shape", "llama-1.5b", "--all-reduce", "auto"], "--all-reduce: only with --tp above 1"),
+        # (--plot-from measures nothing)
+        (
+            ["--plot-from", str(config), "--plot", "x.png", "--repeats", "3", "--quick"],
+            "--plot-from: plots a result only; not with --repeats, --quick",
+        ),
     ):
         with pytest.raises(SystemExit) as info:
             main(argv)

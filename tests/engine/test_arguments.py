@@ -83,6 +83,10 @@ def test_cpu_threads_are_limited_unless_the_user_chose(monkeypatch):
     "given, message",
     [
         (dict(verify_every=10), "verify_every=10: only used with verify='sample'"),
+        (
+            dict(capture_sizes=(1, 2), max_capture_size=8),
+            "max_capture_size=8 and capture_sizes=.1, 2.: give one",
+        ),
         (dict(all_reduce="one-shot"), "all_reduce='one-shot': only used with tensor_parallel"),
         (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization: the cpu's KV cache"),
         (dict(num_speculative_tokens=4), "num_speculative_tokens=4: only used with .* got no "),
@@ -99,6 +103,7 @@ def test_an_option_nothing_would_read_is_refused_by_name(given, message):
     refuse_ignored(fine, torch.device("cpu"))
     refuse_ignored(EngineArgs.build("tiny", gpu_memory_utilization=0.5), torch.device("cuda"))
     refuse_ignored(EngineArgs.build("tiny", mode="none", max_capture_size=8), torch.device("cpu"))
+    refuse_ignored(EngineArgs.build("tiny", capture_sizes=(1, 2)), torch.device("cpu"))
     refuse_ignored(EngineArgs.build("tiny", speculative="ngram", num_speculative_tokens=4),
                    torch.device("cpu"))  # fmt: skip
 

@@ -137,7 +137,9 @@ def auto_capture(
 
 def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     """Refuses, naming it, an option given (a value other than its default) where nothing
-    would read it: ``verify_every`` without ``verify='sample'``; ``num_speculative_tokens``
+    would read it: ``max_capture_size`` beside ``capture_sizes``, which names every size
+    (as ``graphed`` refuses ``max_batch_size`` beside them); ``verify_every`` without
+    ``verify='sample'``; ``num_speculative_tokens``
     without a speculation named by its string (``"ngram"``, ``"self:N"``; a
     ``SpeculativeConfig`` carries its own ``k``); ``all_reduce`` on one
     rank; a GPU's index with several ranks, which take their local ranks' GPUs;
@@ -145,6 +147,12 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips with every
     other option as it was, and the start-up line says no graph was made.)"""
     graphs, parallel, cache = args.graphs, args.parallel, args.cache
+    if graphs.capture_sizes is not None and graphs.max_capture_size is not None:
+        raise ValueError(
+            f"max_capture_size={graphs.max_capture_size!r} and capture_sizes="
+            f"{graphs.capture_sizes!r}: give one (a ladder up to max_capture_size, or "
+            "exactly capture_sizes), not both"
+        )
     if _given(graphs, "verify_every") and graphs.verify != "sample":
         raise ValueError(
             f"verify_every={graphs.verify_every!r}: only used with verify='sample', got "

@@ -209,7 +209,8 @@ class GraphArgs:
     the model's own kernels on CUDA, measured fastest (FULL_AND_PIECEWISE where
     attention cannot be captured whole, and as a staged start's upgrade), NONE on the
     CPU), the capture sizes (default: the ladder up to ``max_capture_size``, by default
-    a step's token budget, at most ``LADDER_TOP``: ``startup.capture_limit``), and
+    a step's token budget, at most ``LADDER_TOP``: ``startup.capture_limit``; one of
+    the two, not both), and
     ``compiler`` for the pieces (``"inductor"``, ``"eager"``, None for no compilation,
     ``"auto"``: Inductor where the mode needs pieces, on CUDA), and when to ``capture``:
     ``"auto"`` (background where the graphs compile nothing and nothing forbids it,

@@ -158,7 +158,6 @@ def run_rank(cfg: UbatchConfig, device: torch.device, tp: Any, log: Any) -> Ubat
             graphs = GraphConfig(
                 mode=mode if cuda else GraphMode.NONE,
                 capture_sizes=tuple(sizes),
-                max_capture_size=max(sizes),
             )
             for variant, policy in policies.items():
                 runner = ModelRunner(

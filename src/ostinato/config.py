@@ -97,7 +97,8 @@ class GraphConfig:
     ``mode``: a ``GraphMode``, its name, or ``"auto"`` (stored as None): the strongest mode
     the platform and the caller allow, chosen by ``build_graph_runtime``.
     ``capture_sizes``: the token counts to capture (default: the ladder of
-    ``default_capture_sizes`` up to ``max_capture_size``), stored sorted ascending.
+    ``default_capture_sizes`` up to ``max_capture_size``, None: ``DEFAULT_MAX_CAPTURE_SIZE``),
+    stored sorted ascending; one of the two, not both (named sizes have no ladder).
     ``max_num_tokens``: the runner's token budget per step, when known; no capture size may
     exceed it. ``specialize_lora``: capture separate graphs for batches with and without
     LoRA. ``num_warmups``: eager runs before each capture.
@@ -118,7 +119,7 @@ class GraphConfig:
 
     mode: GraphMode | None = GraphMode.FULL
     capture_sizes: tuple[int, ...] | None = None
-    max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
+    max_capture_size: int | None = None
     max_num_tokens: int | None = None
     specialize_lora: bool = False
     num_warmups: int = 1
@@ -142,8 +143,16 @@ class GraphConfig:
         self.replay_check  # noqa: B018 - validates verify and verify_every
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
+        if self.capture_sizes is not None and self.max_capture_size is not None:
+            raise ValueError(
+                f"max_capture_size={self.max_capture_size!r} and capture_sizes="
+                f"{self.capture_sizes!r}: give one (a ladder up to max_capture_size, or "
+                "exactly capture_sizes), not both"
+            )
         if self.capture_sizes is None:
             limit = self.max_capture_size
+            if limit is None:
+                limit = DEFAULT_MAX_CAPTURE_SIZE
             if self.max_num_tokens is not None:
                 limit = min(limit, self.max_num_tokens)
             if limit >= 1:
@@ -157,9 +166,12 @@ class GraphConfig:
     def _check_types(self) -> None:
         """``TypeError`` naming a field of the wrong type (a string where a number goes
         would otherwise fail later, in a comparison, naming nothing)."""
-        for name in ("max_capture_size", "num_warmups"):
-            if not is_int(getattr(self, name)):
-                raise TypeError(f"{name}: expected an int, got {getattr(self, name)!r}")
+        if not is_int(self.num_warmups):
+            raise TypeError(f"num_warmups: expected an int, got {self.num_warmups!r}")
+        if self.max_capture_size is not None and not is_int(self.max_capture_size):
+            raise TypeError(
+                f"max_capture_size: expected an int or None, got {self.max_capture_size!r}"
+            )
         if self.max_num_tokens is not None and not is_int(self.max_num_tokens):
             raise TypeError(f"max_num_tokens: expected an int or None, got {self.max_num_tokens!r}")
         for name in ("specialize_lora", "verify_graphs", "check_addresses"):

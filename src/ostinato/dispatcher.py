@@ -118,7 +118,7 @@ class Dispatcher:
     def with_sizes(self, sizes: tuple[int, ...]) -> Dispatcher:
         """The same dispatcher over another ladder (validated as ``capture_sizes``)."""
         return Dispatcher(
-            replace(self.config, capture_sizes=tuple(sizes)),
+            replace(self.config, capture_sizes=tuple(sizes), max_capture_size=None),
             self.mode,
             uniform_decode_query_len=self.uniform_decode_query_len,
             max_num_reqs=self.max_num_reqs,

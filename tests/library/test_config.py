@@ -53,6 +53,8 @@ def test_mode_from_string():
         ({"capture_sizes": (8, 64), "max_num_tokens": 32}, r"\[64\] exceed max_num_tokens=32"),
         ({"mode": "turbo"}, "mode: unknown graph mode 'turbo'"),
         ({"max_capture_size": 0}, "max_capture_size: must be >= 1"),
+        # (named sizes have no ladder: the top would be ignored)
+        ({"max_capture_size": 8, "capture_sizes": (1, 2)}, r"and capture_sizes=\(1, 2\): give one"),
         ({"max_num_tokens": 0}, "max_num_tokens: must be >= 1"),
         ({"num_warmups": -1}, "num_warmups: must be >= 0"),
     ],
@@ -80,7 +82,11 @@ def test_an_exact_ladder_holds_every_size_to_its_bound_then_the_default_ladder()
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(max_capture_size="128"), TypeError, "max_capture_size: expected an int, got '128'"),
+        (
+            dict(max_capture_size="128"),
+            TypeError,
+            "max_capture_size: expected an int or None, got .128.",
+        ),
         (dict(max_capture_size=10**9), ValueError, "makes a ladder of 7812547 sizes"),
         (dict(capture_sizes=tuple(range(1, 2000))), ValueError, "1999 sizes, more than 1024"),
         (dict(num_warmups=1.5), TypeError, "num_warmups: expected an int"),

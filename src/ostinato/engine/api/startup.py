@@ -210,7 +210,11 @@ def graph_config(c: Checked, limits: EngineLimits, upgrade: bool = False) -> Gra
     return GraphConfig(
         mode=GraphMode.FULL if first else c.mode,
         capture_sizes=graphs.capture_sizes,
-        max_capture_size=capture_limit(graphs.max_capture_size, c.mode, limits),
+        max_capture_size=(
+            capture_limit(graphs.max_capture_size, c.mode, limits)
+            if graphs.capture_sizes is None  # (``refuse_ignored``: one of the two)
+            else None
+        ),
         max_num_tokens=limits.max_num_batched_tokens,
         specialize_lora=c.lora.enable_lora and c.lora.specialize_lora,
         verify=graphs.verify,

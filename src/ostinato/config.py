@@ -138,7 +138,12 @@ class GraphConfig:
             object.__setattr__(self, "mode", GraphMode.parse(self.mode))
         if self.max_num_tokens is not None and self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be >= 1, got {self.max_num_tokens}")
-        if self.verify_graphs and self.verify == "off":
+        if self.verify_graphs and self.verify not in ("off", "capture"):
+            raise ValueError(
+                f"verify_graphs=True is verify='capture'; not with verify={self.verify!r} "
+                "(give one of them)"
+            )
+        if self.verify_graphs:
             object.__setattr__(self, "verify", "capture")
         self.replay_check  # noqa: B018 - validates verify and verify_every
         if self.num_warmups < 0:

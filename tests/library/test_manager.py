@@ -149,6 +149,21 @@ def test_a_lender_recalls_what_it_lent_before_any_writer_takes_its_lock():
     assert lends.revoked[-1] == (2, "kept") and not lent_anywhere(kept)
 
 
+def test_verify_graphs_beside_another_check_is_refused_by_name():
+    # verify_graphs=True is the capture check: beside another, one of them was lost.
+    from ostinato.replay_check import ReplayCheck
+
+    p, r, _ = build(GraphMode.FULL)
+    d = Dispatcher(GraphConfig(mode=GraphMode.FULL, capture_sizes=(1, 2)))
+    for check in (ReplayCheck("sample"), ReplayCheck("off")):
+        with pytest.raises(
+            ValueError, match=r"verify_graphs=True is check=ReplayCheck\('capture'\)"
+        ):
+            GraphManager(r.step, d, platform=p, verify_graphs=True, check=check)
+    m = GraphManager(r.step, d, platform=p, verify_graphs=True, check=ReplayCheck("capture"))
+    assert m.check == ReplayCheck("capture")
+
+
 def test_pool_outputs_are_each_graphs_own_outputs():
     # No buffer apart: a replay returns its graph's own outputs (where the capture
     # allocated them), each graph's elsewhere.

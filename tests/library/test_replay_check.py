@@ -148,6 +148,9 @@ def test_bad_options_are_named_and_verify_graphs_is_the_capture_check():
     with pytest.raises(TypeError, match="verify_every"):
         ReplayCheck("sample", every="10")
     assert GraphConfig(verify_graphs=True).replay_check == ReplayCheck("capture")
+    # (the sampled check beside it would have been taken for the capture check, or lost)
+    with pytest.raises(ValueError, match="verify_graphs=True is verify='capture'; not with"):
+        GraphConfig(verify_graphs=True, verify="sample")
     assert GraphConfig(verify="sample", verify_every=7).replay_check.every == 7
 
 

@@ -58,7 +58,7 @@ from torch.utils._pytree import (
 
 from ostinato.batch import BatchDescriptor
 from ostinato.compile_artifacts import ArtifactStore, identity
-from ostinato.config import GraphConfig, check_ladder_length, exact_capture_sizes
+from ostinato.config import GraphConfig, check_ladder_length, check_one_ladder, exact_capture_sizes
 from ostinato.dispatcher import Dispatch
 from ostinato.errors import GraphCaptureError, OstinatoError
 from ostinato.graph_outputs import OutputLender, PoolOutputs, lent_anywhere, shared_lender
@@ -239,11 +239,7 @@ def _ladder(max_batch_size: object, capture_sizes: object) -> dict[str, Any]:
         size = 64 if max_batch_size is None else checked_int("max_batch_size", max_batch_size)
         check_ladder_length(size, "max_batch_size", EXACT_UP_TO)  # (GraphConfig's, by name)
         return {"capture_sizes": tuple(exact_capture_sizes(size, EXACT_UP_TO))}
-    if max_batch_size is not None:
-        raise ValueError(
-            f"max_batch_size={max_batch_size!r} and capture_sizes={capture_sizes!r}: give "
-            "one (a ladder up to max_batch_size, or exactly capture_sizes), not both"
-        )
+    check_one_ladder("max_batch_size", max_batch_size, capture_sizes)
     if isinstance(capture_sizes, (str, bytes)) or not isinstance(capture_sizes, Sequence):
         raise TypeError(
             f"capture_sizes: expected a sequence of positive ints, got {capture_sizes!r}"

@@ -60,6 +60,16 @@ def check_ladder_length(limit: int, name: str = "max_capture_size", exact_up_to:
         )
 
 
+def check_one_ladder(top_name: str, top: object, capture_sizes: object) -> None:
+    """``ValueError`` where both a ladder's top (``top_name``) and ``capture_sizes`` are
+    given (neither None): named sizes have no ladder, so the top would be ignored."""
+    if top is not None and capture_sizes is not None:
+        raise ValueError(
+            f"{top_name}={top!r} and capture_sizes={capture_sizes!r}: give one (a ladder up "
+            f"to {top_name}, or exactly capture_sizes), not both"
+        )
+
+
 def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
     """The default ladder: 1, 2, 4, multiples of 8 up to 256, of 16 up to 512, of 128
     above.
@@ -148,12 +158,7 @@ class GraphConfig:
         self.replay_check  # noqa: B018 - validates verify and verify_every
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
-        if self.capture_sizes is not None and self.max_capture_size is not None:
-            raise ValueError(
-                f"max_capture_size={self.max_capture_size!r} and capture_sizes="
-                f"{self.capture_sizes!r}: give one (a ladder up to max_capture_size, or "
-                "exactly capture_sizes), not both"
-            )
+        check_one_ladder("max_capture_size", self.max_capture_size, self.capture_sizes)
         if self.capture_sizes is None:
             limit = self.max_capture_size
             if limit is None:

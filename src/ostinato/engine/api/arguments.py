@@ -9,6 +9,7 @@ from dataclasses import fields, replace
 
 import torch
 
+from ostinato.config import check_one_ladder
 from ostinato.engine.api.engine_args import (
     CacheArgs,
     EngineArgs,
@@ -147,12 +148,7 @@ def refuse_ignored(args: EngineArgs, device: torch.device) -> None:
     (``mode='none'`` keeps the ladder's options: it is the switch an A/B flips with every
     other option as it was, and the start-up line says no graph was made.)"""
     graphs, parallel, cache = args.graphs, args.parallel, args.cache
-    if graphs.capture_sizes is not None and graphs.max_capture_size is not None:
-        raise ValueError(
-            f"max_capture_size={graphs.max_capture_size!r} and capture_sizes="
-            f"{graphs.capture_sizes!r}: give one (a ladder up to max_capture_size, or "
-            "exactly capture_sizes), not both"
-        )
+    check_one_ladder("max_capture_size", graphs.max_capture_size, graphs.capture_sizes)
     if _given(graphs, "verify_every") and graphs.verify != "sample":
         raise ValueError(
             f"verify_every={graphs.verify_every!r}: only used with verify='sample', got "

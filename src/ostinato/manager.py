@@ -106,12 +106,7 @@ class GraphManager:
         self.dispatcher = dispatcher
         self.prepare = prepare
         self.num_warmups = num_warmups
-        if verify_graphs and check is not None and check.mode != "capture":
-            raise ValueError(
-                f"GraphManager: verify_graphs=True is check=ReplayCheck('capture'); not with "
-                f"check={check!r} (give one of them)"
-            )
-        self.check = check or ReplayCheck("capture" if verify_graphs else "off")
+        self.check = ReplayCheck.chosen(verify_graphs, check)
         self.perturb_padding = perturb_padding
         self.demoted: dict[BatchDescriptor, str] = {}  # bucket -> why (written once)
         self._full_replays = 0  # the sampling clock

@@ -55,6 +55,18 @@ class ReplayCheck:
     def sampling(self) -> bool:
         return self.mode == "sample"
 
+    @staticmethod
+    def chosen(verify_graphs: bool, check: ReplayCheck | None) -> ReplayCheck:
+        """The check a ``GraphManager`` runs: ``check``, or the capture check where
+        ``verify_graphs`` (its older spelling), else none; ``ValueError`` where both ask
+        for different checks (one of them would be lost)."""
+        if verify_graphs and check is not None and check.mode != "capture":
+            raise ValueError(
+                f"GraphManager: verify_graphs=True is check=ReplayCheck('capture'); not with "
+                f"check={check!r} (give one of them)"
+            )
+        return check or ReplayCheck("capture" if verify_graphs else "off")
+
 
 @dataclass(frozen=True)
 class Mismatch:
